@@ -1,0 +1,341 @@
+"""The layer graph a profile describes: ``Profile`` / ``Node``, profile.json and PipeDream's graph.txt.
+
+This is the contract between the profiler and the optimizer, so it is plain data: no torch import,
+frozen dataclasses, and lossless JSON. PipeDream's graph.txt is read (and written) so its published
+V100 profiles drive the optimizer exactly as profiles measured by pipeplan do.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+
+from partitioner.atomic import write_text_atomic
+from partitioner.errors import ProfileFormatError
+
+__all__ = [
+    "PROFILE_SCHEMA",
+    "Node",
+    "Profile",
+    "TensorSpec",
+    "load_profile",
+    "profile_from_json",
+    "profile_to_json",
+    "read_graph_txt",
+    "save_profile",
+    "write_graph_txt",
+]
+
+PROFILE_SCHEMA = "pipeplan.profile/1"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of one model input, batch dimension included."""
+
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class Node:
+    """One layer of the graph, measured at the profile's batch size.
+
+    Attributes:
+        id: stable identifier (the fx node name, or PipeDream's ``nodeN``).
+        name: what a person calls it: the module path such as ``features.3``.
+        op: ``input``, ``call_module``, ``call_function``, ``call_method`` or ``output``.
+        target: the module type (``Conv2d``) or function name (``add``).
+        inputs: ids of the nodes whose outputs this node reads.
+        forward_ms: forward time per minibatch, milliseconds.
+        backward_ms: backward time per minibatch, milliseconds.
+        output_bytes: bytes of the output tensors (what crosses a cut after this node).
+        saved_bytes: bytes autograd keeps for backward (what a stage holds per microbatch in flight).
+        param_bytes: bytes of parameters owned by this node (a tied parameter counts once, at its first user).
+        param_names: qualified names of the parameters this node uses (tied ones included).
+        description: free text, e.g. the module's repr or PipeDream's description.
+    """
+
+    id: str
+    name: str
+    op: str
+    target: str
+    inputs: tuple[str, ...] = ()
+    forward_ms: float = 0.0
+    backward_ms: float = 0.0
+    output_bytes: int = 0
+    saved_bytes: int = 0
+    param_bytes: int = 0
+    param_names: tuple[str, ...] = ()
+    description: str = ""
+
+    @property
+    def compute_ms(self) -> float:
+        """Forward plus backward time: what a stage spends on this node per minibatch."""
+        return self.forward_ms + self.backward_ms
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A measured layer graph: nodes in topological order plus how they were measured.
+
+    Attributes:
+        nodes: every node, inputs first, in a topological order.
+        model: the model spec it was traced from (``vgg16``, ``file.py:fn``) or a file name.
+        batch_size: samples per minibatch the times refer to; None when the source does not say.
+        inputs: shapes and dtypes of the model inputs.
+        device: where it was measured (``cpu``, ``cuda:0``, ``V100``).
+        dtype: the parameter dtype.
+        torch_version: torch's version at measurement, empty when not measured by pipeplan.
+        tracer: ``fx``, ``export`` or ``pipedream`` (read from graph.txt).
+        tracer_options: what the tracer needs to reproduce the same graph (leaf modules, ...).
+        step_ms: one whole forward+backward step measured end to end, if measured.
+        tied: groups of parameter names that share one tensor (tied weights).
+        extra: anything else worth keeping; never needed by the optimizer.
+    """
+
+    nodes: tuple[Node, ...]
+    model: str = ""
+    batch_size: int | None = None
+    inputs: tuple[TensorSpec, ...] = ()
+    device: str = "cpu"
+    dtype: str = "float32"
+    torch_version: str = ""
+    tracer: str = "fx"
+    tracer_options: Mapping[str, Any] = field(default_factory=dict)
+    step_ms: float | None = None
+    tied: tuple[tuple[str, ...], ...] = ()
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def node(self, node_id: str) -> Node:
+        """The node with this id; KeyError names it when absent."""
+        for node in self.nodes:
+            if node.id == node_id:
+                return node
+        raise KeyError(node_id)
+
+    def to_networkx(self) -> nx.DiGraph:
+        """The layer DAG with nodes as attributes, for graph algorithms (reachability, downsets)."""
+        graph = nx.DiGraph()
+        for node in self.nodes:
+            graph.add_node(node.id, node=node)
+        for node in self.nodes:
+            graph.add_edges_from((src, node.id) for src in node.inputs)
+        return graph
+
+    @property
+    def layers(self) -> tuple[Node, ...]:
+        """Nodes that do work or hold state: everything except inputs and the output marker."""
+        return tuple(n for n in self.nodes if n.op not in ("input", "output"))
+
+    @property
+    def total_compute_ms(self) -> float:
+        """Sum of forward and backward times of all nodes."""
+        return math.fsum(n.compute_ms for n in self.nodes)
+
+    @property
+    def total_param_bytes(self) -> int:
+        """Parameter bytes of the whole model, tied parameters counted once."""
+        return sum(n.param_bytes for n in self.nodes)
+
+    @property
+    def fidelity(self) -> float | None:
+        """Sum of node times over the whole measured step; 1.0 means the parts add up to the whole."""
+        if not self.step_ms:
+            return None
+        return self.total_compute_ms / self.step_ms
+
+
+def profile_to_json(profile: Profile) -> dict[str, Any]:
+    """The profile.json document (schema ``pipeplan.profile/1``)."""
+    doc: dict[str, Any] = {"schema": PROFILE_SCHEMA}
+    doc.update(asdict(profile))
+    doc["tracer_options"] = dict(profile.tracer_options)
+    doc["extra"] = dict(profile.extra)
+    doc["fidelity"] = profile.fidelity
+    return doc
+
+
+def profile_from_json(doc: Mapping[str, Any], source: str = "profile") -> Profile:
+    """Parse a profile.json document; ProfileFormatError says what is wrong with it."""
+    if not isinstance(doc, Mapping) or doc.get("schema") != PROFILE_SCHEMA:
+        found = doc.get("schema") if isinstance(doc, Mapping) else type(doc).__name__
+        raise ProfileFormatError(
+            f"{source} is not a pipeplan profile (schema {found!r}, expected {PROFILE_SCHEMA!r}); "
+            "write one with `pipeplan profile MODEL`"
+        )
+    try:
+        nodes = tuple(_node_from_json(n) for n in doc["nodes"])
+        return Profile(
+            nodes=nodes,
+            model=str(doc.get("model", "")),
+            batch_size=doc.get("batch_size"),
+            inputs=tuple(
+                TensorSpec(tuple(int(d) for d in t["shape"]), str(t.get("dtype", "float32")))
+                for t in doc.get("inputs", ())
+            ),
+            device=str(doc.get("device", "cpu")),
+            dtype=str(doc.get("dtype", "float32")),
+            torch_version=str(doc.get("torch_version", "")),
+            tracer=str(doc.get("tracer", "fx")),
+            tracer_options=dict(doc.get("tracer_options", {})),
+            step_ms=doc.get("step_ms"),
+            tied=tuple(tuple(str(p) for p in group) for group in doc.get("tied", ())),
+            extra=dict(doc.get("extra", {})),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProfileFormatError(f"{source} is corrupt: bad or missing field {exc}") from exc
+
+
+def _node_from_json(doc: Mapping[str, Any]) -> Node:
+    return Node(
+        id=str(doc["id"]),
+        name=str(doc.get("name", doc["id"])),
+        op=str(doc["op"]),
+        target=str(doc.get("target", "")),
+        inputs=tuple(str(i) for i in doc.get("inputs", ())),
+        forward_ms=float(doc.get("forward_ms", 0.0)),
+        backward_ms=float(doc.get("backward_ms", 0.0)),
+        output_bytes=int(doc.get("output_bytes", 0)),
+        saved_bytes=int(doc.get("saved_bytes", 0)),
+        param_bytes=int(doc.get("param_bytes", 0)),
+        param_names=tuple(str(p) for p in doc.get("param_names", ())),
+        description=str(doc.get("description", "")),
+    )
+
+
+def save_profile(profile: Profile, path: str | os.PathLike[str]) -> Path:
+    """Write profile.json atomically."""
+    return write_text_atomic(path, json.dumps(profile_to_json(profile), indent=1) + "\n")
+
+
+def load_profile(path: str | os.PathLike[str]) -> Profile:
+    """Read a profile.json, or a PipeDream graph.txt (by content, not by name)."""
+    source = Path(path)
+    try:
+        text = source.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ProfileFormatError(f"cannot read profile {source}: {exc.strerror or exc}") from exc
+    if text.lstrip().startswith("{"):
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ProfileFormatError(f"{source} is not valid JSON: {exc}") from exc
+        return profile_from_json(doc, str(source))
+    return parse_graph_txt(text, str(source))
+
+
+# ---------------------------------------------------------------- PipeDream graph.txt
+
+_NODE_LINE = re.compile(r"^(?P<id>\S+) -- (?P<desc>.*?) -- (?P<metrics>forward_compute_time=.*)$")
+_EDGE_LINE = re.compile(r"^\t(?P<src>\S+) -- (?P<dst>\S+)\s*$")
+_METRIC = re.compile(r"(\w+)=(\[[^\]]*\]|[^,]+)")
+
+
+def read_graph_txt(path: str | os.PathLike[str], batch_size: int | None = None) -> Profile:
+    """Read PipeDream's graph.txt; ``batch_size`` is the one it was profiled at, if known."""
+    source = Path(path)
+    try:
+        text = source.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ProfileFormatError(f"cannot read {source}: {exc.strerror or exc}") from exc
+    profile = parse_graph_txt(text, str(source))
+    return replace(profile, batch_size=batch_size) if batch_size else profile
+
+
+def parse_graph_txt(text: str, source: str = "graph.txt") -> Profile:
+    """Parse graph.txt text: node lines, then tab-indented edge lines."""
+    raw: dict[str, dict[str, Any]] = {}
+    edges: list[tuple[str, str]] = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        if edge := _EDGE_LINE.match(line):
+            edges.append((edge["src"], edge["dst"]))
+        elif node := _NODE_LINE.match(line):
+            raw[node["id"]] = {"desc": node["desc"], **_parse_metrics(node["metrics"])}
+        else:
+            raise ProfileFormatError(
+                f"{source}:{lineno} is neither a graph.txt node nor an edge line: {line[:60]!r}"
+            )
+    if not raw:
+        raise ProfileFormatError(f"{source} has no nodes: not a PipeDream graph.txt")
+    unknown = {n for edge in edges for n in edge} - raw.keys()
+    if unknown:
+        raise ProfileFormatError(f"{source} has edges to unknown nodes: {sorted(unknown)[:3]}")
+    return Profile(nodes=_graph_nodes(raw, edges, source), model=Path(source).parent.name,
+                   device="pipedream", tracer="pipedream")
+
+
+def _parse_metrics(text: str) -> dict[str, Any]:
+    metrics: dict[str, Any] = {}
+    for key, value in _METRIC.findall(text):
+        if value.startswith("["):
+            parts = [float(v) for v in value.strip("[]").split(";") if v.strip()]
+            metrics[key] = sum(parts)
+            metrics[key + "_list"] = parts
+        elif key == "stage_id":
+            metrics[key] = int(float(value))
+        else:
+            metrics[key] = float(value)
+    return metrics
+
+
+def _graph_nodes(
+    raw: Mapping[str, Mapping[str, Any]], edges: Iterable[tuple[str, str]], source: str
+) -> tuple[Node, ...]:
+    graph = nx.DiGraph()
+    order = {node_id: i for i, node_id in enumerate(raw)}
+    graph.add_nodes_from(raw)
+    graph.add_edges_from(edges)
+    if not nx.is_directed_acyclic_graph(graph):
+        raise ProfileFormatError(f"{source} has a cycle: not a layer DAG")
+    topo = list(nx.lexicographical_topological_sort(graph, key=order.__getitem__))
+    position = {node_id: i for i, node_id in enumerate(topo)}
+    nodes = []
+    for node_id in topo:
+        info = raw[node_id]
+        desc = str(info["desc"])
+        is_input = desc.startswith("Input")
+        nodes.append(
+            Node(
+                id=node_id,
+                name=node_id,
+                op="input" if is_input else "call_module",
+                target=desc.split("(")[0],
+                inputs=tuple(sorted(graph.predecessors(node_id), key=position.__getitem__)),
+                forward_ms=float(info.get("forward_compute_time", 0.0)),
+                backward_ms=float(info.get("backward_compute_time", 0.0)),
+                output_bytes=round(float(info.get("activation_size", 0.0))),
+                saved_bytes=0 if is_input else round(float(info.get("activation_size", 0.0))),
+                param_bytes=round(float(info.get("parameter_size", 0.0))),
+                description=desc,
+            )
+        )
+    return tuple(nodes)
+
+
+def write_graph_txt(profile: Profile, path: str | os.PathLike[str]) -> Path:
+    """Write the profile as PipeDream's graph.txt (times in ms, sizes in bytes)."""
+    lines = []
+    for node in profile.nodes:
+        desc = node.description or (
+            "Input" if node.op == "input" else f"{node.target}({node.name})"
+        )
+        lines.append(
+            f"{node.id} -- {desc} -- forward_compute_time={node.forward_ms:.3f}, "
+            f"backward_compute_time={node.backward_ms:.3f}, "
+            f"activation_size={float(node.output_bytes):.3f}, "
+            f"parameter_size={float(node.param_bytes):.3f}"
+        )
+    for node in profile.nodes:
+        lines.extend(f"\t{src} -- {node.id}" for src in node.inputs)
+    return write_text_atomic(path, "\n".join(lines) + "\n")

@@ -1,0 +1,272 @@
+"""What the optimizer decides: ``Plan`` / ``Stage`` / ``Cluster``, plan.json and PipeDream's mp_conf.json.
+
+Plain data with no torch import, so plans are made, stored and compared anywhere. The runtime reads
+the JSON these functions write, never this module.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from partitioner.atomic import write_text_atomic
+from partitioner.errors import PlanError
+
+__all__ = [
+    "OPTIMIZERS",
+    "PLAN_SCHEMA",
+    "SCHEDULES",
+    "Cluster",
+    "Level",
+    "Plan",
+    "Prediction",
+    "Schedule",
+    "SolverInfo",
+    "Stage",
+    "Tie",
+    "load_plan",
+    "mp_conf",
+    "plan_from_json",
+    "plan_to_json",
+    "save_plan",
+]
+
+PLAN_SCHEMA = "pipeplan.plan/1"
+Schedule = Literal["pipedream", "1f1b", "gpipe"]
+SCHEDULES: tuple[str, ...] = ("pipedream", "1f1b", "gpipe")
+OPTIMIZERS: tuple[str, ...] = ("sgd", "momentum", "adam")
+
+
+@dataclass(frozen=True)
+class Level:
+    """One level of the device hierarchy.
+
+    Attributes:
+        devices: units of the level below in one unit of this level (GPUs per server, servers per rack).
+        bandwidth: bytes per second between those units.
+    """
+
+    devices: int
+    bandwidth: float
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The devices a plan runs on, innermost level first (``4,4`` = 4 servers of 4 GPUs).
+
+    Attributes:
+        levels: the hierarchy; a flat cluster has one level.
+        memory_bytes: memory of one device; None means unlimited.
+    """
+
+    levels: tuple[Level, ...]
+    memory_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.levels:
+            raise PlanError("a cluster needs at least one level")
+        for level in self.levels:
+            if level.devices < 1:
+                raise PlanError(f"every level needs at least 1 device, got {level.devices}")
+            if not level.bandwidth > 0:
+                raise PlanError(f"bandwidth must be > 0 bytes/s, got {level.bandwidth}")
+        if self.memory_bytes is not None and self.memory_bytes <= 0:
+            raise PlanError(f"memory must be > 0 bytes, got {self.memory_bytes}")
+
+    @property
+    def gpus(self) -> int:
+        """Total devices."""
+        return math.prod(level.devices for level in self.levels)
+
+    @staticmethod
+    def flat(gpus: int, bandwidth: float = 1e9, memory_bytes: int | None = None) -> Cluster:
+        """One level of ``gpus`` devices."""
+        return Cluster((Level(gpus, bandwidth),), memory_bytes)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: a set of layers and the devices that run it as data-parallel replicas.
+
+    Attributes:
+        index: position in the pipeline, from 0.
+        nodes: ids of the profile nodes it runs, in topological order.
+        replicas: data-parallel width.
+        ranks: global ranks of its replicas.
+        compute_s: forward+backward seconds per minibatch on one device (before dividing by replicas).
+        comm_s: predicted communication seconds per minibatch (activations and gradient all-reduce).
+        memory_bytes: predicted peak memory per device.
+    """
+
+    index: int
+    nodes: tuple[str, ...]
+    replicas: int
+    ranks: tuple[int, ...]
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    memory_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the cost model predicts for the plan."""
+
+    time_per_minibatch_s: float
+    throughput_samples_per_s: float | None = None
+    bubble_fraction: float = 0.0
+    speedup_vs_data_parallel: float | None = None
+    speedup_vs_single: float | None = None
+
+
+@dataclass(frozen=True)
+class SolverInfo:
+    """How the plan was found, and how far from optimal it can be."""
+
+    name: str
+    solve_time_s: float
+    optimal: bool
+    lower_bound_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Tie:
+    """A parameter shared by several stages (tied weights); the runtime keeps the copies equal.
+
+    Attributes:
+        name: the parameter's canonical name in the original model.
+        members: (stage index, parameter name inside that stage's module) for every holder.
+    """
+
+    name: str
+    members: tuple[tuple[int, str], ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A complete partitioning decision plus its prediction.
+
+    Attributes:
+        gpus: devices used, the sum of the stages' replicas.
+        cluster: the cluster it was planned for.
+        schedule: the pipeline schedule the cost model assumed.
+        microbatches: microbatches per minibatch (1 for ``pipedream``).
+        stages: the stages in pipeline order.
+        predicted: the cost model's prediction.
+        solver: how it was found.
+        batch_size: samples per minibatch; None when the profile does not say.
+        optimizer: the training optimizer the memory model assumed.
+        model: the model spec the profile came from.
+        profile: path of the profile it was planned from.
+        ties: shared parameters split across stages.
+        extra: anything else worth keeping (inputs, loss convention, ...).
+    """
+
+    gpus: int
+    cluster: Cluster
+    schedule: str
+    microbatches: int
+    stages: tuple[Stage, ...]
+    predicted: Prediction
+    solver: SolverInfo
+    batch_size: int | None = None
+    optimizer: str = "sgd"
+    model: str = ""
+    profile: str = ""
+    ties: tuple[Tie, ...] = ()
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def gap(self) -> float | None:
+        """Relative distance of the predicted time above the solver's lower bound, if known."""
+        bound = self.solver.lower_bound_s
+        if not bound:
+            return None
+        return self.predicted.time_per_minibatch_s / bound - 1.0
+
+    def stage_of(self) -> dict[str, int]:
+        """Map from node id to the index of the stage that runs it."""
+        return {node: stage.index for stage in self.stages for node in stage.nodes}
+
+
+def plan_to_json(plan: Plan) -> dict[str, Any]:
+    """The plan.json document (schema ``pipeplan.plan/1``)."""
+    doc: dict[str, Any] = {"schema": PLAN_SCHEMA}
+    doc.update(asdict(plan))
+    doc["extra"] = dict(plan.extra)
+    return doc
+
+
+def plan_from_json(doc: Mapping[str, Any], source: str = "plan") -> Plan:
+    """Parse a plan.json document; PlanError says what is wrong with it."""
+    if not isinstance(doc, Mapping) or doc.get("schema") != PLAN_SCHEMA:
+        raise PlanError(f"{source} is not a pipeplan plan (expected schema {PLAN_SCHEMA!r})")
+    try:
+        cluster = doc["cluster"]
+        return Plan(
+            gpus=int(doc["gpus"]),
+            cluster=Cluster(
+                tuple(Level(int(lv["devices"]), float(lv["bandwidth"])) for lv in cluster["levels"]),
+                cluster.get("memory_bytes"),
+            ),
+            schedule=str(doc["schedule"]),
+            microbatches=int(doc["microbatches"]),
+            stages=tuple(_stage_from_json(s) for s in doc["stages"]),
+            predicted=Prediction(**doc["predicted"]),
+            solver=SolverInfo(**doc["solver"]),
+            batch_size=doc.get("batch_size"),
+            optimizer=str(doc.get("optimizer", "sgd")),
+            model=str(doc.get("model", "")),
+            profile=str(doc.get("profile", "")),
+            ties=tuple(
+                Tie(str(t["name"]), tuple((int(s), str(p)) for s, p in t["members"]))
+                for t in doc.get("ties", ())
+            ),
+            extra=dict(doc.get("extra", {})),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PlanError(f"{source} is corrupt: bad or missing field {exc}") from exc
+
+
+def _stage_from_json(doc: Mapping[str, Any]) -> Stage:
+    return Stage(
+        index=int(doc["index"]),
+        nodes=tuple(str(n) for n in doc["nodes"]),
+        replicas=int(doc["replicas"]),
+        ranks=tuple(int(r) for r in doc["ranks"]),
+        compute_s=float(doc.get("compute_s", 0.0)),
+        comm_s=float(doc.get("comm_s", 0.0)),
+        memory_bytes=int(doc.get("memory_bytes", 0)),
+    )
+
+
+def save_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
+    """Write plan.json atomically."""
+    return write_text_atomic(path, json.dumps(plan_to_json(plan), indent=1) + "\n")
+
+
+def load_plan(path: str | os.PathLike[str]) -> Plan:
+    """Read a plan.json written by :func:`save_plan`."""
+    source = Path(path)
+    try:
+        doc = json.loads(source.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise PlanError(f"cannot read plan {source}: {exc.strerror or exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"{source} is not valid JSON: {exc}") from exc
+    return plan_from_json(doc, str(source))
+
+
+def mp_conf(stages: Sequence[Stage]) -> dict[str, Any]:
+    """PipeDream's mp_conf.json: one module per stage, then the criterion on the last stage."""
+    if not stages:
+        raise PlanError("a plan needs at least one stage")
+    modules = [stage.index for stage in stages] + [stages[-1].index]
+    return {
+        "module_to_stage_map": modules,
+        "stage_to_rank_map": {str(stage.index): list(stage.ranks) for stage in stages},
+    }
