@@ -62,6 +62,9 @@ class Node:
         param_bytes: bytes of parameters owned by this node (a tied parameter counts once, at its first user).
         param_names: qualified names of the parameters this node uses (tied ones included).
         description: free text, e.g. the module's repr or PipeDream's description.
+        members: names of the traced graph nodes merged into this node (coarsened free ops, or
+            the aten ops of one module under torch.export), in graph order; empty means the
+            node is exactly the traced node ``id``. Code generation splits by these.
     """
 
     id: str
@@ -76,6 +79,7 @@ class Node:
     param_bytes: int = 0
     param_names: tuple[str, ...] = ()
     description: str = ""
+    members: tuple[str, ...] = ()
 
     @property
     def compute_ms(self) -> float:
@@ -209,6 +213,7 @@ def _node_from_json(doc: Mapping[str, Any]) -> Node:
         param_bytes=int(doc.get("param_bytes", 0)),
         param_names=tuple(str(p) for p in doc.get("param_names", ())),
         description=str(doc.get("description", "")),
+        members=tuple(str(m) for m in doc.get("members", ())),
     )
 
 
@@ -271,8 +276,12 @@ def parse_graph_txt(text: str, source: str = "graph.txt") -> Profile:
     unknown = {n for edge in edges for n in edge} - raw.keys()
     if unknown:
         raise ProfileFormatError(f"{source} has edges to unknown nodes: {sorted(unknown)[:3]}")
-    return Profile(nodes=_graph_nodes(raw, edges, source), model=Path(source).parent.name,
-                   device="pipedream", tracer="pipedream")
+    return Profile(
+        nodes=_graph_nodes(raw, edges, source),
+        model=Path(source).parent.name,
+        device="pipedream",
+        tracer="pipedream",
+    )
 
 
 def _parse_metrics(text: str) -> dict[str, Any]:
