@@ -336,9 +336,7 @@ def write_graph_txt(profile: Profile, path: str | os.PathLike[str]) -> Path:
     """Write the profile as PipeDream's graph.txt (times in ms, sizes in bytes)."""
     lines = []
     for node in profile.nodes:
-        desc = node.description or (
-            "Input" if node.op == "input" else f"{node.target}({node.name})"
-        )
+        desc = node.description or ("Input" if node.op == "input" else f"{node.target}({node.name})")
         lines.append(
             f"{node.id} -- {desc} -- forward_compute_time={node.forward_ms:.3f}, "
             f"backward_compute_time={node.backward_ms:.3f}, "

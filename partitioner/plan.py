@@ -210,9 +210,7 @@ def plan_from_json(doc: Mapping[str, Any], source: str = "plan") -> Plan:
         return Plan(
             gpus=int(doc["gpus"]),
             cluster=Cluster(
-                tuple(
-                    Level(int(lv["devices"]), float(lv["bandwidth"])) for lv in cluster["levels"]
-                ),
+                tuple(Level(int(lv["devices"]), float(lv["bandwidth"])) for lv in cluster["levels"]),
                 cluster.get("memory_bytes"),
             ),
             schedule=str(doc["schedule"]),
