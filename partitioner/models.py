@@ -1,0 +1,365 @@
+"""Model specs -> a ``ModelBundle``: the module plus everything needed to train one step of it.
+
+A spec is a built-in zoo name (``vgg16``), ``torchvision:NAME``, ``package.module:factory`` or
+``path/to/file.py:factory``. A factory returns a module, or ``(module, example_inputs)``; a model file
+may also define ``example_inputs(batch_size)``, ``example_targets(batch_size)`` and
+``loss_fn(output, target)``. Profiling, code generation, ``verify`` and the runtime all train with
+the same inputs, targets and loss, so they are built here, once.
+
+Example:
+    >>> bundle = load_model("tiny-mlp", batch_size=4)
+    >>> bundle.loss_fn(bundle.module(*bundle.inputs), bundle.targets).shape
+    torch.Size([])
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib
+import importlib.util
+import logging
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from partitioner.errors import ModelSpecError
+from partitioner.zoo import ZOO, ZooEntry
+
+__all__ = ["SPEC_FORMS", "ModelBundle", "default_loss", "load_model", "logits_of", "model_name"]
+
+log = logging.getLogger(__name__)
+
+SPEC_FORMS = "a built-in name, torchvision:NAME, package.module:factory or path/to/file.py:factory"
+_INPUT_SEED = 1234
+
+
+@dataclass(frozen=True)
+class ModelBundle:
+    """A model ready for one training step, and how to rebuild it identically.
+
+    Attributes:
+        spec: the spec it was loaded from.
+        module: the model, built under ``torch.manual_seed(0)``, in training mode.
+        inputs: example inputs at ``batch_size`` (positional arguments of ``module``).
+        targets: example targets at ``batch_size``, matching ``loss_fn``.
+        loss_fn: ``loss_fn(output, target)`` -> mean loss over samples.
+        batch_size: the batch size of ``inputs`` and ``targets``.
+        factory: builds a fresh module (call under a seeded RNG; see ``build``).
+        input_maker: ``batch_size`` -> example inputs (deterministic).
+        target_maker: ``batch_size`` -> example targets (deterministic, consistent with the inputs).
+    """
+
+    spec: str
+    module: nn.Module
+    inputs: tuple[Tensor, ...]
+    targets: Tensor
+    loss_fn: Callable[[Any, Tensor], Tensor]
+    batch_size: int
+    factory: Callable[[], Any] = field(repr=False)
+    input_maker: Callable[[int], tuple[Tensor, ...]] = field(repr=False)
+    target_maker: Callable[[int], Tensor] = field(repr=False)
+
+    def build(self, seed: int = 0, device: str | torch.device = "cpu") -> nn.Module:
+        """The same architecture with the weights ``seed`` gives; ``device="meta"`` allocates nothing."""
+        return _build(self.factory, seed, device)
+
+    def make_inputs(self, batch_size: int) -> tuple[Tensor, ...]:
+        """Example inputs with ``batch_size`` samples."""
+        return self.input_maker(batch_size)
+
+    def make_targets(self, batch_size: int) -> Tensor:
+        """Example targets for ``make_inputs(batch_size)``."""
+        return self.target_maker(batch_size)
+
+
+def logits_of(output: Any) -> Tensor:
+    """The prediction tensor of an output: Hugging Face ``.logits``, a dict's ``logits``, a tuple's first."""
+    if isinstance(output, Tensor):
+        return output
+    if hasattr(output, "logits"):
+        return output.logits  # type: ignore[no-any-return]
+    if isinstance(output, dict) and "logits" in output:
+        return output["logits"]  # type: ignore[no-any-return]
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
+        return output[0]
+    raise ModelSpecError(
+        f"cannot find the prediction in a model output of type {type(output).__name__}; "
+        "define loss_fn(output, target) in the model file"
+    )
+
+
+def default_loss(output: Any, target: Tensor) -> Tensor:
+    """Cross-entropy over the last dimension with class targets (-100 = ignored), averaged."""
+    logits = logits_of(output)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+
+
+def model_name(spec: str) -> str:
+    """A file-system-safe short name for a spec: ``vgg16``, ``resnet50`` (torchvision:), ``mymodel-make``."""
+    if ":" in spec:
+        where, _, factory = spec.rpartition(":")
+        stem = Path(where).stem if where.endswith(".py") else where.rsplit(".", 1)[-1]
+        name = factory if where == "torchvision" else f"{stem}-{factory}"
+    else:
+        name = spec
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name) or "model"
+
+
+def load_model(spec: str, batch_size: int = 1, input_shape: tuple[int, ...] | None = None) -> ModelBundle:
+    """Resolve a spec into a bundle of module, example inputs, targets and loss.
+
+    Args:
+        spec: a zoo name, ``torchvision:NAME``, ``pkg.mod:factory`` or ``file.py:factory``.
+        batch_size: samples in the example inputs and targets.
+        input_shape: shape of one sample of the (single) input, overriding the model's default.
+
+    Raises:
+        ModelSpecError: unknown name, missing file or factory, a factory that raised, bad shapes.
+    """
+    if batch_size <= 0:
+        raise ModelSpecError(f"batch size must be positive, got {batch_size}")
+    if input_shape is not None and (not input_shape or any(d <= 0 for d in input_shape)):
+        raise ModelSpecError(f"input shape must be positive integers such as 3,224,224, got {input_shape}")
+    if spec in ZOO:
+        return _zoo_bundle(spec, ZOO[spec], batch_size, input_shape)
+    if spec.startswith("torchvision:"):
+        return _zoo_bundle(spec, _torchvision_entry(spec.partition(":")[2]), batch_size, input_shape)
+    if ":" in spec:
+        return _user_bundle(spec, batch_size, input_shape)
+    close = difflib.get_close_matches(spec, ZOO, n=3)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    raise ModelSpecError(f"unknown model {spec!r}{hint}; use {SPEC_FORMS}; built-ins: {', '.join(ZOO)}")
+
+
+# ---------------------------------------------------------------- building
+
+
+def _build(factory: Callable[[], Any], seed: int, device: str | torch.device) -> nn.Module:
+    return _seeded_call(factory, seed, device)[0]
+
+
+def _seeded_call(
+    factory: Callable[[], Any], seed: int = 0, device: str | torch.device = "cpu"
+) -> tuple[nn.Module, Any]:
+    """Call a factory under ``seed`` without disturbing the caller's RNG; (module, example inputs or None)."""
+    name = getattr(factory, "__qualname__", repr(factory))
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(seed)
+        try:
+            made = factory()
+        except Exception as exc:
+            raise ModelSpecError(f"model factory {name}() raised {type(exc).__name__}: {exc}") from exc
+    module, extra = (made[0], made[1] if len(made) > 1 else None) if isinstance(made, tuple) else (made, None)
+    if not isinstance(module, nn.Module):
+        raise ModelSpecError(
+            f"model factory {name}() returned {type(module).__name__}, expected a torch.nn.Module "
+            "or (module, example_inputs)"
+        )
+    _disable_kv_cache(module)
+    return module, extra
+
+
+def _disable_kv_cache(module: nn.Module) -> None:
+    """Training never reads a KV cache; Hugging Face models would otherwise return one as an output."""
+    config = getattr(module, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False  # type: ignore[union-attr]
+        log.info("set config.use_cache=False: training does not use the KV cache")
+
+
+def _generator() -> torch.Generator:
+    return torch.Generator().manual_seed(_INPUT_SEED)
+
+
+# ---------------------------------------------------------------- zoo and torchvision
+
+
+def _zoo_bundle(
+    spec: str, entry: ZooEntry, batch_size: int, input_shape: tuple[int, ...] | None
+) -> ModelBundle:
+    shape = tuple(input_shape) if input_shape else entry.input_shape
+    if entry.tokens and len(shape) != 1:
+        raise ModelSpecError(f"{spec} takes token ids: --input-shape is the sequence length, got {shape}")
+
+    def make_inputs(b: int) -> tuple[Tensor, ...]:
+        if entry.tokens:
+            return (torch.randint(0, entry.classes, (b, *shape), generator=_generator()),)
+        return (torch.randn((b, *shape), generator=_generator()),)
+
+    def make_targets(b: int) -> Tensor:
+        if entry.tokens:
+            return next_token_targets(make_inputs(b)[0])
+        return torch.randint(0, entry.classes, (b,), generator=_generator())
+
+    return _bundle(spec, entry.factory, batch_size, make_inputs, make_targets, default_loss)
+
+
+def next_token_targets(tokens: Tensor) -> Tensor:
+    """Targets of a causal LM: each position predicts the next token; the last one is ignored (-100)."""
+    targets = torch.full_like(tokens, -100)
+    targets[:, :-1] = tokens[:, 1:]
+    return targets
+
+
+def _torchvision_entry(name: str) -> ZooEntry:
+    try:
+        import torchvision.models
+    except Exception as exc:
+        raise ModelSpecError(
+            f"torchvision:{name} needs torchvision, which cannot be imported here ({exc}); "
+            "install it (pip install pipeplan[vision]) or use the built-in zoo"
+        ) from exc
+    try:
+        factory = torchvision.models.get_model_builder(name)
+    except ValueError as exc:
+        raise ModelSpecError(
+            f"torchvision has no model {name!r}; see torchvision.models.list_models()"
+        ) from exc
+    shape = (3, 299, 299) if name.startswith("inception") else (3, 224, 224)
+    return ZooEntry(factory, shape, False, 1000, f"torchvision {name}")
+
+
+def _bundle(
+    spec: str,
+    factory: Callable[[], Any],
+    batch_size: int,
+    make_inputs: Callable[[int], tuple[Tensor, ...]],
+    make_targets: Callable[[int], Tensor],
+    loss_fn: Callable[[Any, Tensor], Tensor],
+    module: nn.Module | None = None,
+) -> ModelBundle:
+    return ModelBundle(
+        spec=spec,
+        module=(module if module is not None else _build(factory, 0, "cpu")).train(),
+        inputs=make_inputs(batch_size),
+        targets=make_targets(batch_size),
+        loss_fn=loss_fn,
+        batch_size=batch_size,
+        factory=factory,
+        input_maker=make_inputs,
+        target_maker=make_targets,
+    )
+
+
+# ---------------------------------------------------------------- user factories
+
+
+def _user_bundle(spec: str, batch_size: int, input_shape: tuple[int, ...] | None) -> ModelBundle:
+    where, _, attr = spec.rpartition(":")
+    source = _import_source(where, spec)
+    factory = getattr(source, attr, None)
+    if not callable(factory):
+        raise ModelSpecError(f"{where} has no callable {attr!r} (spec {spec!r}; expected {SPEC_FORMS})")
+    module, extra = _seeded_call(factory)
+    returned = _as_inputs(extra, spec) if extra is not None else None
+    make_inputs = _user_inputs(spec, source, returned, input_shape)
+    loss_fn: Callable[[Any, Tensor], Tensor] = getattr(source, "loss_fn", default_loss)
+    user_targets = getattr(source, "example_targets", None)
+    if callable(user_targets):
+        make_targets: Callable[[int], Tensor] = user_targets
+    else:
+        make_targets = _derived_targets(module, make_inputs)
+    return _bundle(spec, factory, batch_size, make_inputs, make_targets, loss_fn, module)
+
+
+def _import_source(where: str, spec: str) -> ModuleType:
+    if where.endswith(".py") or "/" in where:
+        path = Path(where).expanduser().resolve()
+        if not path.is_file():
+            raise ModelSpecError(f"model file {where} does not exist (spec {spec!r})")
+        name = "pipeplan_user_" + path.stem + "_" + hashlib.sha1(str(path).encode()).hexdigest()[:8]
+        if name in sys.modules:
+            return sys.modules[name]
+        loader_spec = importlib.util.spec_from_file_location(name, path)
+        assert loader_spec is not None and loader_spec.loader is not None
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[name] = module
+        try:
+            loader_spec.loader.exec_module(module)
+        except Exception as exc:
+            del sys.modules[name]
+            raise ModelSpecError(f"importing {where} raised {type(exc).__name__}: {exc}") from exc
+        return module
+    try:
+        return importlib.import_module(where)
+    except Exception as exc:
+        raise ModelSpecError(f"cannot import {where} (spec {spec!r}): {type(exc).__name__}: {exc}") from exc
+
+
+def _as_inputs(value: Any, spec: str) -> tuple[Tensor, ...]:
+    inputs = (
+        (value,) if isinstance(value, Tensor) else tuple(value) if isinstance(value, (tuple, list)) else None
+    )
+    if not inputs or not all(isinstance(t, Tensor) for t in inputs):
+        raise ModelSpecError(
+            f"{spec}: example inputs must be a tensor or a tuple of tensors, got {type(value).__name__}"
+        )
+    return inputs
+
+
+def _user_inputs(
+    spec: str, source: ModuleType, returned: tuple[Tensor, ...] | None, input_shape: tuple[int, ...] | None
+) -> Callable[[int], tuple[Tensor, ...]]:
+    user_fn = getattr(source, "example_inputs", None)
+    if callable(user_fn):
+        base: Callable[[int], tuple[Tensor, ...]] = lambda b: _as_inputs(user_fn(b), spec)  # noqa: E731
+    elif returned is not None:
+        base = lambda b: tuple(_resize_batch(t, b) for t in returned)  # noqa: E731
+    elif input_shape is not None:
+        return lambda b: (torch.randn((b, *input_shape), generator=_generator()),)
+    else:
+        raise ModelSpecError(
+            f"{spec} gives no example inputs: pass --input-shape, return (module, inputs) from the factory, "
+            "or define example_inputs(batch_size) in the model file"
+        )
+    if input_shape is None:
+        return base
+    return lambda b: _reshaped(base(b), b, input_shape, spec)
+
+
+def _resize_batch(t: Tensor, b: int) -> Tensor:
+    """Repeat (or cut) example samples to ``b`` along the batch dimension."""
+    return t if t.shape[0] == b else t[torch.arange(b) % t.shape[0]]
+
+
+def _reshaped(inputs: tuple[Tensor, ...], b: int, shape: tuple[int, ...], spec: str) -> tuple[Tensor, ...]:
+    if len(inputs) != 1:
+        raise ModelSpecError(
+            f"{spec} takes {len(inputs)} inputs: --input-shape only applies to single-input models; "
+            "define example_inputs(batch_size) instead"
+        )
+    t = inputs[0]
+    if t.is_floating_point():
+        return (torch.randn((b, *shape), generator=_generator(), dtype=t.dtype),)
+    high = int(t.max()) + 1 if t.numel() else 2
+    return (torch.randint(0, high, (b, *shape), generator=_generator(), dtype=t.dtype),)
+
+
+def _derived_targets(
+    module: nn.Module, make_inputs: Callable[[int], tuple[Tensor, ...]]
+) -> Callable[[int], Tensor]:
+    """Class targets shaped like the output (next tokens when the model maps token ids to logits)."""
+
+    def make_targets(b: int) -> Tensor:
+        inputs = make_inputs(b)
+        with torch.no_grad():
+            logits = logits_of(module(*inputs))
+        first = inputs[0]
+        if (
+            not first.is_floating_point()
+            and first.dim() == 2
+            and tuple(logits.shape[:-1]) == tuple(first.shape)
+        ):
+            return next_token_targets(first)
+        return torch.randint(0, logits.shape[-1], tuple(logits.shape[:-1]), generator=_generator())
+
+    return make_targets
