@@ -1,0 +1,244 @@
+"""(traced graph, plan) -> the ``gpus=N`` package: ``__init__.py``, ``stageK.py``, mp_conf.json, plan.json.
+
+Each stage's ``forward`` is torch.fx's own code generation for that stage's cut of the traced graph
+(:mod:`partitioner.split`); only the scaffolding around it (imports, the class line, the name tables)
+is written here. Stage modules hold the original submodules under their original paths, so
+``features.3.weight`` is called the same in a stage, in the full model and in a checkpoint.
+
+Parameters are built by ``_stagekit.py`` (a verbatim copy of :mod:`partitioner.stagekit`): seeded per
+module by default, or memory-mapped from ``--weights model.pt``; see that module's docstring.
+
+Example:
+    >>> plan = write_package(profile, plan, Path("models/vgg16/gpus=4"))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from partitioner import stagekit
+from partitioner.errors import PackageError, PipeplanError, PlanError
+from partitioner.graph import Profile
+from partitioner.package_text import init_text, source_text, stage_text
+from partitioner.plan import Plan, Tie, mp_conf, plan_to_json
+from partitioner.split import StageGraph, split_graph, tensor_kinds
+
+__all__ = ["GENERATOR", "assignment_of", "ties_of", "write_package", "write_plan_files"]
+
+log = logging.getLogger(__name__)
+
+GENERATOR = "pipeplan (partitioner.codegen)"
+
+
+def write_package(profile: Profile, plan: Plan, out_dir: Path, weights: Path | None = None) -> Plan:
+    """Re-trace the profiled model and write its stage package into ``out_dir`` (replaced atomically).
+
+    For a PipeDream graph.txt profile there is no model to trace: only plan.json and mp_conf.json.
+
+    Raises:
+        PackageError: the weights file lacks tensors, or the loss cannot be expressed by the package.
+        PlanError: the plan names nodes the trace does not have, or runs a node before its inputs.
+    """
+    if profile.tracer == "pipedream":
+        write_plan_files(plan, Path(out_dir))
+        return plan
+    from partitioner.profiler.trace import retrace
+
+    options = dict(profile.tracer_options) or {"spec": profile.model, "batch_size": profile.batch_size or 1}
+    traced = retrace(options)
+    from partitioner.models import load_model
+
+    shape = options.get("input_shape")
+    bundle = load_model(str(options["spec"]), int(options["batch_size"]), tuple(shape) if shape else None)
+    return write_package_from_trace(
+        profile, plan, Path(out_dir), traced.graph_module, bundle, traced.tracer, weights
+    )
+
+
+def write_plan_files(plan: Plan, out_dir: Path) -> None:
+    """plan.json and mp_conf.json only (graph.txt profiles, which have no model code)."""
+    files = {"plan.json": _json(plan_to_json(plan)), "mp_conf.json": _json(mp_conf(plan.stages))}
+    _write_folder(out_dir, files, keep_existing=True)
+
+
+def write_package_from_trace(
+    profile: Profile,
+    plan: Plan,
+    out_dir: Path,
+    gm: fx.GraphModule,
+    bundle: Any,
+    tracer: str,
+    weights: Path | None = None,
+) -> Plan:
+    """The package for an already traced graph; ``bundle`` is the profiler's ModelBundle."""
+    inputs = tuple(bundle.inputs)
+    kinds, loss_node = tensor_kinds(gm, inputs)
+    stages = split_graph(
+        gm, assignment_of(profile, plan), len(plan.stages), kinds, loss_node, tracer == "export"
+    )
+    weights_path = str(Path(weights).resolve()) if weights else None
+    if weights_path:
+        _check_weights(weights_path, bundle.module)
+    loss = _loss_kind(bundle, gm, inputs)
+    final = replace(
+        plan,
+        model=plan.model or profile.model,
+        ties=ties_of(bundle.module, stages),
+        extra={**dict(plan.extra), **_extra(gm, bundle, stages, loss, weights_path, tracer)},
+    )
+    source = source_text(profile, final, bundle, loss, weights_path)
+    files = {"__init__.py": init_text(profile, final, stages, tracer, weights_path), "_source.py": source}
+    files["_stagekit.py"] = Path(stagekit.__file__).read_text(encoding="utf-8")
+    files.update({f"stage{s.index}.py": stage_text(profile, final, s, len(stages)) for s in stages})
+    files["plan.json"] = _json(plan_to_json(final))
+    files["mp_conf.json"] = _json(mp_conf(final.stages))
+    _write_folder(Path(out_dir), files)
+    return final
+
+
+# ---------------------------------------------------------------- plan -> graph
+
+
+def assignment_of(profile: Profile, plan: Plan) -> dict[str, int]:
+    """Traced node name -> stage index, through each profile node's ``members``."""
+    known = {node.id: node for node in profile.nodes}
+    assignment: dict[str, int] = {}
+    for stage in plan.stages:
+        for node_id in stage.nodes:
+            node = known.get(node_id)
+            if node is None:
+                raise PlanError(f"the plan names node {node_id!r}, which the profile does not have")
+            if node.op in ("input", "output"):
+                continue
+            for member in node.members or (node.id,):
+                assignment[member] = stage.index
+    return assignment
+
+
+def ties_of(model: nn.Module, stages: Sequence[StageGraph]) -> tuple[Tie, ...]:
+    """Parameters held by more than one stage (tied weights), with their name inside each stage."""
+    canonical: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        canonical.setdefault(id(param), name)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    holders: dict[str, dict[int, str]] = {}
+    for stage in stages:
+        names = [f"{m}.{n}" for m in stage.modules for n, _ in model.get_submodule(m).named_parameters()]
+        names += [t for t in stage.tensors if t in params]
+        for name in names:
+            holders.setdefault(canonical[id(params[name])], {}).setdefault(stage.index, name)
+    return tuple(
+        Tie(name, tuple(sorted(members.items()))) for name, members in holders.items() if len(members) > 1
+    )
+
+
+def _loss_kind(bundle: Any, gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> str:
+    """``cross_entropy`` (pipeplan's default) or ``where:loss_fn`` for a model file's own loss."""
+    spec = str(bundle.spec)
+    loss_fn = bundle.loss_fn
+    if getattr(loss_fn, "__name__", "") == "default_loss" and loss_fn.__module__ == "partitioner.models":
+        return "cross_entropy"
+    where = spec.rpartition(":")[0]
+    if where and getattr(loss_fn, "__name__", "") == "loss_fn":
+        return f"{_absolute(where)}:loss_fn"
+    raise PackageError(
+        f"{spec}: the package cannot express loss {getattr(loss_fn, '__qualname__', loss_fn)!r}; "
+        "define loss_fn(output, target) at the top of the model file"
+    )
+
+
+def _absolute(where: str) -> str:
+    return str(Path(where).expanduser().resolve()) if where.endswith(".py") or "/" in where else where
+
+
+def _check_weights(weights: str, model: nn.Module) -> None:
+    try:
+        state = torch.load(weights, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as exc:
+        raise PackageError(f"cannot read weights {weights}: {type(exc).__name__}: {exc}") from exc
+    state = state.get("state_dict", state) if isinstance(state, dict) else state
+    missing = [n for n, _ in model.named_parameters() if n not in state]
+    if missing:
+        raise PackageError(
+            f"weights {weights} lack {len(missing)} parameters, e.g. {missing[0]}; save model.state_dict()"
+        )
+
+
+def _extra(
+    gm: fx.GraphModule, bundle: Any, stages: Sequence[StageGraph], loss: str, weights: str | None, tracer: str
+) -> dict[str, Any]:
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return {
+        "inputs": [
+            _tensor_spec(name, t, bundle) for name, t in zip(placeholders, bundle.inputs, strict=True)
+        ],
+        "targets": _target_spec(bundle),
+        "loss": loss,
+        "init": f"checkpoint {weights}" if weights else "seeded per module (see _stagekit.py)",
+        "tracer": tracer,
+        "stage_inputs": [list(s.in_names) for s in stages],
+        "stage_outputs": [list(s.out_names) for s in stages],
+    }
+
+
+def _tensor_spec(name: str, t: torch.Tensor, bundle: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "name": name,
+        "shape": list(t.shape),
+        "dtype": str(t.dtype).removeprefix("torch."),
+    }
+    if not t.is_floating_point():
+        from partitioner.zoo import ZOO
+
+        entry = ZOO.get(str(bundle.spec))
+        spec["high"] = entry.classes if entry is not None else int(t.max()) + 1
+    return spec
+
+
+def _target_spec(bundle: Any) -> dict[str, Any]:
+    from partitioner.models import next_token_targets
+
+    t = bundle.targets
+    spec = _tensor_spec("target", t, bundle)
+    first = bundle.inputs[0]
+    if first.shape == t.shape and not first.is_floating_point() and torch.equal(next_token_targets(first), t):
+        spec["kind"] = "next_token"
+    else:
+        spec["kind"] = "classes" if "high" in spec else "normal"
+    return spec
+
+
+# ---------------------------------------------------------------- files
+
+
+def _json(doc: Mapping[str, Any]) -> str:
+    return json.dumps(doc, indent=1) + "\n"
+
+
+def _write_folder(out_dir: Path, files: Mapping[str, str], keep_existing: bool = False) -> None:
+    """Write all files into a temporary sibling folder, then swap it in (a reader never sees half)."""
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+        if keep_existing and out_dir.is_dir():
+            shutil.copytree(out_dir, tmp, dirs_exist_ok=True)
+        for name, text in files.items():
+            (tmp / name).write_text(text, encoding="utf-8")
+        old = out_dir.with_name(f".{out_dir.name}.old")
+        if out_dir.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            out_dir.rename(old)
+        tmp.rename(out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    except OSError as exc:
+        raise PipeplanError(f"cannot write package {out_dir}: {exc.strerror or exc}") from exc

@@ -1,0 +1,251 @@
+"""Cut a traced graph into stage graphs by a plan: which fx nodes each stage runs, and what crosses.
+
+The plan assigns profile nodes (and through ``members`` the traced nodes) to stages. Everything the
+plan does not mention is placed here: parameters read with ``get_attr`` go to every stage that reads
+them, free nodes go to the stage of their inputs, and ``getitem`` of a tuple follows the tuple. Only
+tensors cross stages: a non-tensor value (a size, a shape, a list) needed by a later stage is
+recomputed there from tensors, so stage signatures name tensors only.
+"""
+
+from __future__ import annotations
+
+import builtins
+import keyword
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from partitioner.errors import PlanError
+
+__all__ = ["StageGraph", "split_graph", "tensor_kinds"]
+
+
+@dataclass(frozen=True)
+class StageGraph:
+    """One stage cut out of the traced graph.
+
+    Attributes:
+        index: stage position.
+        graph: the stage's forward as an fx graph (placeholders = in_names, output = out_names).
+        in_names: tensors the stage reads, in forward-argument order.
+        out_names: tensors the stage returns, in order.
+        modules: original paths of the submodules it calls (held whole, with all their tensors).
+        tensors: original names of parameters/buffers it reads directly (``get_attr``).
+    """
+
+    index: int
+    graph: fx.Graph
+    in_names: tuple[str, ...]
+    out_names: tuple[str, ...]
+    modules: tuple[str, ...]
+    tensors: tuple[str, ...]
+
+
+def tensor_kinds(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> tuple[dict[str, bool], str]:
+    """Run the graph once: which nodes produce tensors, and which node produces the loss's input.
+
+    Returns:
+        (node name -> produces a tensor, name of the node whose tensor the loss reads).
+    """
+    from partitioner.stagekit import loss_input
+
+    kinds: dict[str, bool] = {}
+    ids: dict[int, str] = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> object:
+            result = super().run_node(n)
+            if n.op == "output":
+                return result
+            kinds[n.name] = isinstance(result, torch.Tensor)
+            if isinstance(result, torch.Tensor):
+                ids[id(result)] = n.name  # the latest node wins: the loss tensor is still alive at the end
+            return result
+
+    with torch.no_grad():
+        output = Recorder(gm).run(*inputs)
+    target = loss_input(output)
+    if id(target) not in ids:
+        raise PlanError("the model's output tensor is not produced by any traced node")
+    return kinds, ids[id(target)]
+
+
+def _compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+
+
+def _assign(
+    gm: fx.GraphModule, assignment: Mapping[str, int], kinds: Mapping[str, bool]
+) -> dict[fx.Node, int]:
+    """Stage of every compute node: the plan's, else its inputs' latest, else its users' earliest."""
+    nodes = _compute_nodes(gm)
+    stage_of = {n: assignment[n.name] for n in nodes if n.name in assignment}
+    for node in nodes:
+        if node not in stage_of:
+            ins = [stage_of[a] for a in node.all_input_nodes if a in stage_of]
+            if ins:
+                stage_of[node] = max(ins)
+    for node in reversed(nodes):
+        if node not in stage_of:
+            users = [stage_of[u] for u in node.users if u in stage_of]
+            stage_of[node] = min(users) if users else 0
+    for node in nodes:  # a getitem of a tuple runs where the tuple is made, so only its tensor crosses
+        src = node.args[0] if node.args else None
+        if (
+            node.target is _getitem()
+            and isinstance(src, fx.Node)
+            and src in stage_of
+            and not kinds.get(src.name)
+        ):
+            stage_of[node] = stage_of[src]
+    return stage_of
+
+
+def _getitem() -> object:
+    import operator
+
+    return operator.getitem
+
+
+def _members(
+    stage: int, stage_of: Mapping[fx.Node, int], kinds: Mapping[str, bool], order: Mapping[fx.Node, int]
+) -> list[fx.Node]:
+    """The stage's own nodes plus the non-tensor producers it must recompute, in graph order."""
+    members = {n for n, s in stage_of.items() if s == stage}
+    todo = list(members)
+    while todo:
+        node = todo.pop()
+        for src in node.all_input_nodes:
+            if src in members or src not in stage_of:
+                continue
+            if not kinds.get(src.name, True):
+                members.add(src)
+                todo.append(src)
+            elif stage_of[src] > stage:
+                raise PlanError(
+                    f"the plan runs {node.name} in stage {stage} before its input {src.name} "
+                    f"(stage {stage_of[src]}); stages must follow the graph order"
+                )
+    return sorted(members, key=order.__getitem__)
+
+
+def _external(members: Iterable[fx.Node], stage_of: Mapping[fx.Node, int]) -> set[fx.Node]:
+    """Tensors a stage reads that it does not compute (placeholders or other stages' nodes)."""
+    inside = set(members)
+    found: set[fx.Node] = set()
+    for node in inside:
+        for src in node.all_input_nodes:
+            if src not in inside and (src.op == "placeholder" or src in stage_of):
+                found.add(src)
+    return found
+
+
+def _names(gm: fx.GraphModule, use_module_paths: bool) -> dict[fx.Node, str]:
+    """Readable, unique, legal names for values that cross stages (module path prefixed for aten graphs)."""
+    names: dict[fx.Node, str] = {}
+    taken: set[str] = set()
+    for node in gm.graph.nodes:
+        name = node.name
+        stack = node.meta.get("nn_module_stack") if use_module_paths else None
+        if stack and node.op != "call_module":
+            path = re.sub(r"\W", "_", str(list(stack.values())[-1][0]))
+            if path and not name.startswith(path):
+                name = f"{path}_{name}"
+        if keyword.iskeyword(name) or name in dir(builtins) or name in taken or name == "self":
+            name = f"{name}_t"
+        taken.add(name)
+        names[node] = name
+    return names
+
+
+def split_graph(
+    gm: fx.GraphModule,
+    assignment: Mapping[str, int],
+    num_stages: int,
+    kinds: Mapping[str, bool],
+    loss_node: str,
+    use_module_paths: bool = False,
+) -> tuple[StageGraph, ...]:
+    """Cut ``gm`` into ``num_stages`` graphs; ``assignment`` maps traced node names to stages."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    by_name = {n.name: n for n in gm.graph.nodes}
+    stage_of = _assign(gm, assignment, kinds)
+    members = [_members(s, stage_of, kinds, order) for s in range(num_stages)]
+    needs = [_external(m, stage_of) for m in members]
+    if stage_of.get(by_name[loss_node]) != num_stages - 1:
+        needs[-1].add(by_name[loss_node])
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names = _names(gm, use_module_paths)
+    ins: list[list[fx.Node]] = [placeholders] + [
+        sorted(needs[s], key=order.__getitem__) for s in range(1, num_stages)
+    ]
+    outs: list[list[fx.Node]] = []
+    for s in range(num_stages):
+        later = set().union(*needs[s + 1 :]) if s + 1 < num_stages else set()
+        mine = [
+            n for n in (placeholders if s == 0 else []) + members[s] if n in later and stage_of.get(n, 0) == s
+        ]
+        if s == num_stages - 1:
+            mine = [by_name[loss_node]]
+        outs.append(sorted(set(mine), key=order.__getitem__))
+    for s in range(1, num_stages):
+        for node in ins[s]:
+            producer = 0 if node.op == "placeholder" else stage_of[node]
+            if node not in outs[producer]:
+                raise PlanError(f"stage {s} reads {node.name}, which stage {producer} does not produce")
+    return tuple(_stage_graph(gm, s, members[s], ins[s], outs[s], names) for s in range(num_stages))
+
+
+def _stage_graph(
+    gm: fx.GraphModule,
+    index: int,
+    members: list[fx.Node],
+    ins: list[fx.Node],
+    outs: list[fx.Node],
+    names: Mapping[fx.Node, str],
+) -> StageGraph:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in ins:
+        env[node] = graph.placeholder(names[node])
+        env[node].meta = dict(node.meta)
+    inside = set(members)
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and any(u in inside for u in node.users):
+            env[node] = graph.get_attr(node.target)  # type: ignore[arg-type]
+        elif node in inside:
+            new = graph.create_node(
+                node.op,
+                node.target,
+                fx.map_arg(node.args, env.__getitem__),
+                fx.map_arg(node.kwargs, env.__getitem__),
+                names[node],
+                node.type,
+            )
+            new.meta = dict(node.meta)
+            env[node] = new
+    results = [env[n] for n in outs]
+    graph.output(results[0] if len(results) == 1 else tuple(results))
+    graph.owning_module = gm  # purity checks of call_module nodes and lint look the targets up here
+    graph.eliminate_dead_code()
+    graph.lint()
+    graph.owning_module = None
+    for node in graph.nodes:
+        if node.op in ("placeholder",) or node in (env[n] for n in outs):
+            expected = names[next(k for k, v in env.items() if v is node)]
+            if node.name != expected:
+                raise PlanError(f"internal: stage {index} names {expected} as {node.name}")
+    used = [n for n in graph.nodes]
+    modules = tuple(dict.fromkeys(str(n.target) for n in used if n.op == "call_module"))
+    tensors = tuple(dict.fromkeys(str(n.target) for n in used if n.op == "get_attr"))
+    return StageGraph(
+        index=index,
+        graph=graph,
+        in_names=tuple(names[n] for n in ins),
+        out_names=tuple(names[n] for n in outs),
+        modules=modules,
+        tensors=tensors,
+    )

@@ -1,0 +1,347 @@
+"""Build one pipeline stage's parameters, identical to the full model's, without building the full model.
+
+This file is copied verbatim into every generated package (as ``_stagekit.py``), so it imports only
+torch and the standard library: a cluster node needs torch, pipeplan's runtime and the user's model
+code, never ``partitioner``.
+
+The initialisation scheme ("seeded per module"):
+
+1. The architecture is built with its parameters on the meta device (no memory, no init compute).
+   Buffers stay real: they are small and often computed in ``__init__`` (masks, rotary tables).
+   Parameters of modules that cannot re-initialise themselves (no ``reset_parameters()``, not a
+   Hugging Face module) also stay real and keep their constructor values under ``torch.manual_seed(seed)``.
+2. Each module that owns parameters is materialised on its own and re-initialised by its
+   ``reset_parameters()`` (and the Hugging Face root's ``_init_weights``) under a seed derived from
+   ``(seed, module path)``, on the CPU generator, then moved to the device.
+
+So a tensor's initial value depends only on (seed, path of its owning module), never on which other
+modules were built: ``full_model(seed)`` and every ``stage(k, seed)`` agree exactly, and a stage costs
+only its own memory. With a checkpoint (``weights``) the tensors are read from it instead, memory-mapped,
+so again only the stage's tensors are touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "build_meta",
+    "criterion",
+    "derive_seed",
+    "factory_from_spec",
+    "full_model",
+    "loss_input",
+    "make_inputs",
+    "make_targets",
+    "populate",
+]
+
+
+def derive_seed(seed: int, path: str) -> int:
+    """A 63-bit seed from (seed, module path): stable across processes, Python versions and machines."""
+    digest = hashlib.sha256(f"{seed}:{path}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def factory_from_spec(spec: str) -> Callable[[], nn.Module]:
+    """The zero-argument factory a model spec names: ``torchvision:NAME``, ``pkg.mod:fn`` or ``file.py:fn``."""
+    if ":" not in spec:
+        zoo = importlib.import_module("partitioner.zoo")
+        return zoo.ZOO[spec].factory  # type: ignore[no-any-return]
+    where, name = spec.rsplit(":", 1)
+    if where == "torchvision":
+        models = importlib.import_module("torchvision.models")
+        return models.get_model_builder(name)  # type: ignore[no-any-return]
+    if where.endswith(".py"):
+        module_name = "_pipeplan_model_" + hashlib.sha256(os.path.abspath(where).encode()).hexdigest()[:12]
+        module = sys.modules.get(module_name)
+        if module is None:
+            loader = importlib.util.spec_from_file_location(module_name, where)
+            if loader is None or loader.loader is None:
+                raise ImportError(f"cannot load model file {where}")
+            module = importlib.util.module_from_spec(loader)
+            sys.modules[module_name] = module
+            loader.loader.exec_module(module)
+        return getattr(module, name)  # type: ignore[no-any-return]
+    return getattr(importlib.import_module(where), name)  # type: ignore[no-any-return]
+
+
+def _reinitialisable(module: nn.Module) -> bool:
+    """Whether the module can re-create its parameters later (so they may start on the meta device)."""
+    return callable(getattr(module, "reset_parameters", None)) or type(module).__module__.startswith(
+        "transformers."
+    )
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Register parameters of re-initialisable modules on the meta device (buffers stay real).
+
+    ``nn.Module.register_parameter`` is swapped for the duration of the block (the technique of
+    accelerate's ``init_empty_weights``); it is restored even if the factory raises.
+    """
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta" and _reinitialisable(module):
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def build_meta(factory: Callable[[], nn.Module], seed: int = 0) -> nn.Module:
+    """The architecture with re-initialisable parameters on meta; the caller's RNG state is untouched."""
+    with torch.random.fork_rng(devices=[]), _parameters_on_meta():
+        torch.manual_seed(seed)
+        made = factory()
+    module: nn.Module = made[0] if isinstance(made, tuple) else made
+    config = getattr(module, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False  # type: ignore[union-attr]  # training never reads a KV cache
+    return module
+
+
+def _tensor_slots(root: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """Every parameter and buffer name (aliases included) -> (owning module, attribute name)."""
+    slots: dict[str, tuple[nn.Module, str]] = {}
+    for path, module in root.named_modules(remove_duplicate=False):
+        prefix = f"{path}." if path else ""
+        for name in list(module._parameters) + list(module._buffers):
+            slots.setdefault(prefix + name, (module, name))
+    return slots
+
+
+def _canonical_names(root: nn.Module) -> dict[str, str]:
+    """Tensor name -> the first name of the same tensor (tied weights share one canonical name)."""
+    first: dict[int, str] = {}
+    canonical: dict[str, str] = {}
+    named = list(root.named_parameters(remove_duplicate=False)) + list(
+        root.named_buffers(remove_duplicate=False)
+    )
+    for name, tensor in named:
+        canonical[name] = first.setdefault(id(tensor), name)
+    return canonical
+
+
+def _materialise_module(module: nn.Module, path: str, seed: int, root: nn.Module) -> None:
+    """Give the module's own meta tensors CPU storage and re-initialise them under (seed, path)."""
+    fresh = False
+    for store in (module._parameters, module._buffers):
+        for name, tensor in store.items():
+            if tensor is not None and tensor.device.type == "meta":
+                real = torch.zeros(tensor.shape, dtype=tensor.dtype)
+                is_param = isinstance(tensor, nn.Parameter)
+                store[name] = nn.Parameter(real, tensor.requires_grad) if is_param else real
+                fresh = True
+    if not fresh:
+        return
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(derive_seed(seed, path))
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
+        hf_init = getattr(root, "_init_weights", None)
+        if callable(hf_init) and type(module).__module__.startswith(("transformers.", "torch.nn.")):
+            hf_init(module)
+
+
+def _load_weights(weights: str, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The named tensors of a full-model state_dict checkpoint, memory-mapped (only these are read)."""
+    state = torch.load(weights, map_location="cpu", mmap=True, weights_only=True)
+    state = state.get("state_dict", state) if isinstance(state, dict) else state
+    missing = [n for n in names if n not in state]
+    if missing:
+        raise KeyError(f"checkpoint {weights} lacks {missing[:3]}")
+    return {n: state[n] for n in names}
+
+
+def _materialise(
+    root: nn.Module, names: Iterable[str], seed: int, device: str | torch.device, weights: str | None
+) -> None:
+    """Make the named tensors of ``root`` real (initialised, on ``device``), ties re-linked."""
+    slots = _tensor_slots(root)
+    canonical = _canonical_names(root)
+    wanted = sorted({canonical[n] for n in names}, key=list(canonical).index)
+    loaded = _load_weights(weights, wanted) if weights else {}
+    owners = {name.rpartition(".")[0] for name in wanted}
+    for path, module in root.named_modules():
+        if path in owners and not loaded:
+            _materialise_module(module, path, seed, root)
+    for name in wanted:
+        module, attr = slots[name]
+        store = module._parameters if attr in module._parameters else module._buffers
+        tensor = loaded[name].clone() if name in loaded else store[attr]
+        assert tensor is not None
+        tensor = tensor.to(device)
+        store[attr] = (
+            nn.Parameter(tensor, store[attr].requires_grad) if attr in module._parameters else tensor
+        )
+    for name in names:
+        module, attr = slots[name]
+        source_module, source_attr = slots[canonical[name]]
+        source = (
+            source_module._parameters if source_attr in source_module._parameters else source_module._buffers
+        )
+        target = module._parameters if attr in module._parameters else module._buffers
+        target[attr] = source[source_attr]
+
+
+def full_model(
+    factory: Callable[[], nn.Module],
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    weights: str | None = None,
+) -> nn.Module:
+    """The whole model, every tensor initialised exactly as the stages initialise theirs."""
+    root = build_meta(factory, seed)
+    names = [n for n, _ in root.named_parameters(remove_duplicate=False)]
+    names += [n for n, _ in root.named_buffers(remove_duplicate=False)]
+    _materialise(root, names, seed, device, weights)
+    return root
+
+
+def _attach(target: nn.Module, path: str, value: nn.Module | torch.Tensor) -> None:
+    """Place a module or tensor at a dotted path, creating plain ``nn.Module`` containers on the way."""
+    *parents, leaf = path.split(".")
+    holder = target
+    for part in parents:
+        child = holder._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            holder.add_module(part, child)
+        holder = child
+    if isinstance(value, nn.Module):
+        holder.add_module(leaf, value)
+    elif isinstance(value, nn.Parameter):
+        holder.register_parameter(leaf, value)
+    else:
+        holder.register_buffer(leaf, value)
+
+
+def populate(
+    stage: nn.Module,
+    factory: Callable[[], nn.Module],
+    modules: Iterable[str],
+    tensors: Iterable[str],
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    weights: str | None = None,
+) -> None:
+    """Fill an empty stage module with the original model's ``modules`` and single ``tensors``.
+
+    Attribute paths inside the stage are the original module paths (``features.3``,
+    ``transformer.h.0.attn``), so state_dict keys match the full model's.
+    """
+    modules, tensors = list(modules), list(tensors)
+    root = build_meta(factory, seed)
+    if torch.device(device).type == "meta" or torch.empty(()).device.type == "meta":
+        _attach_all(stage, root, modules, tensors)  # wiring only (e.g. under torch.device("meta"))
+        return
+    names = [
+        f"{m}.{n}" for m in modules for n, _ in root.get_submodule(m).named_parameters(remove_duplicate=False)
+    ]
+    names += [
+        f"{m}.{n}" for m in modules for n, _ in root.get_submodule(m).named_buffers(remove_duplicate=False)
+    ]
+    inside = tuple(f"{m}." for m in modules)
+    loose = [t for t in tensors if not t.startswith(inside)]
+    _materialise(root, names + loose, seed, device, weights)
+    _attach_all(stage, root, modules, loose)
+
+
+def _attach_all(stage: nn.Module, root: nn.Module, modules: Sequence[str], tensors: Sequence[str]) -> None:
+    for path in modules:
+        _attach(stage, path, root.get_submodule(path))
+    inside = tuple(f"{m}." for m in modules)
+    slots = _tensor_slots(root)
+    for name in tensors:
+        if name.startswith(inside):
+            continue
+        module, attr = slots[name]
+        value = module._parameters.get(attr)
+        _attach(stage, name, value if value is not None else module._buffers[attr])  # type: ignore[arg-type]
+
+
+def loss_input(output: Any) -> torch.Tensor:
+    """The tensor of a model's output that the loss reads: itself, ``.logits``, ``["logits"]``, or the first."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(output, Mapping):
+        value = output["logits"] if "logits" in output else next(iter(output.values()))
+        return loss_input(value)
+    if isinstance(output, (tuple, list)) and output:
+        return loss_input(output[0])
+    raise TypeError(f"cannot find a tensor for the loss in a {type(output).__name__}")
+
+
+class _CrossEntropy(nn.Module):
+    """Cross-entropy over the last dimension, class targets (-100 ignored), mean over samples."""
+
+    def forward(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        logits = loss_input(output)
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+
+
+class _UserLoss(nn.Module):
+    """The model file's own ``loss_fn(output, target)`` as a module."""
+
+    def __init__(self, fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        return self.fn(output, target)
+
+
+def criterion(kind: str) -> nn.Module:
+    """``cross_entropy``, or ``where:loss_fn`` naming a model file's loss function."""
+    if kind == "cross_entropy":
+        return _CrossEntropy()
+    return _UserLoss(factory_from_spec(kind))
+
+
+_INPUT_SEED = 1234  # the same generator seed as partitioner.models, so the example data match
+
+
+def _draw(spec: Mapping[str, Any], batch_size: int) -> torch.Tensor:
+    shape = (batch_size, *spec["shape"][1:])
+    dtype = getattr(torch, spec["dtype"])
+    generator = torch.Generator().manual_seed(_INPUT_SEED)
+    if spec.get("high") is not None:
+        return torch.randint(0, int(spec["high"]), shape, generator=generator, dtype=dtype)
+    return torch.randn(shape, generator=generator, dtype=dtype)
+
+
+def make_inputs(specs: Sequence[Mapping[str, Any]], batch_size: int) -> dict[str, torch.Tensor]:
+    """Deterministic example inputs from their recorded names, shapes and dtypes."""
+    return {spec["name"]: _draw(spec, batch_size) for spec in specs}
+
+
+def make_targets(
+    spec: Mapping[str, Any], inputs: Sequence[Mapping[str, Any]], batch_size: int
+) -> torch.Tensor:
+    """Deterministic example targets: next tokens of the first input, or random classes/values."""
+    if spec.get("kind") == "next_token":
+        tokens = _draw(inputs[0], batch_size)
+        targets = torch.full_like(tokens, -100)
+        targets[:, :-1] = tokens[:, 1:]
+        return targets
+    return _draw(spec, batch_size)
