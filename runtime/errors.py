@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
-__all__ = ["RunError"]
+__all__ = ["JobFailed", "RunError"]
 
 
 class RunError(Exception):
     """A package, launch or data problem the user can fix (missing files, world size mismatch, ...)."""
+
+
+class JobFailed(Exception):
+    """A rank raised or died during training; the message names the rank and its error.
+
+    Attributes:
+        rank: the global rank that failed first (None when unknown).
+    """
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank

@@ -1,0 +1,132 @@
+"""Point-to-point and group communication of one rank, on process groups it is given.
+
+Activations and gradients travel with ``isend``/``irecv`` (batched with ``batch_isend_irecv``) between
+the ranks that run neighbouring (or skip-connected) stages. Shapes are agreed once at start-up by
+:meth:`Comm.exchange_meta`; afterwards a message is just its tensors. Sends never block the sender:
+their handles are kept and reaped later, so a valid schedule cannot deadlock on a send. Replica and
+tie gradients are summed with one all-reduce per group over a flat buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Comm", "TensorMeta", "decode_meta", "encode_meta"]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape and dtype of one tensor that crosses ranks."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def needs_grad(self) -> bool:
+        """Only floating-point tensors carry gradients back."""
+        return self.dtype.is_floating_point or self.dtype.is_complex
+
+    @staticmethod
+    def of(tensor: torch.Tensor) -> TensorMeta:
+        return TensorMeta(tuple(tensor.shape), tensor.dtype)
+
+
+def encode_meta(metas: Sequence[TensorMeta]) -> str:
+    return json.dumps([[list(m.shape), str(m.dtype).removeprefix("torch.")] for m in metas])
+
+
+def decode_meta(text: str) -> tuple[TensorMeta, ...]:
+    return tuple(TensorMeta(tuple(s), getattr(torch, d)) for s, d in json.loads(text))
+
+
+@dataclass
+class Comm:
+    """One rank's channels.
+
+    Attributes:
+        group: the group point-to-point messages use (ranks are global ranks within it).
+        device: where received tensors are allocated (CPU for gloo, the rank's GPU for nccl).
+        pending: send handles not yet known to be complete.
+        seconds: time spent blocked in receives, waits and all-reduces.
+    """
+
+    group: dist.ProcessGroup
+    device: torch.device
+    pending: list[dist.Work] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def exchange_meta(self, recv_from: Sequence[int]) -> dict[int, tuple[TensorMeta, ...]]:
+        """Receive, from each peer, the metas of the tensors it will send (start-up only)."""
+        out = {}
+        for peer in recv_from:
+            size = torch.zeros(1, dtype=torch.int64, device=self.device)
+            dist.recv(size, src=peer, group=self.group)
+            buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=self.device)
+            dist.recv(buf, src=peer, group=self.group)
+            out[peer] = decode_meta(bytes(buf.cpu().tolist()).decode())
+        return out
+
+    def send_meta(self, peer: int, metas: Sequence[TensorMeta]) -> None:
+        """Tell ``peer`` what this rank will send it (start-up only)."""
+        data = torch.tensor(list(encode_meta(metas).encode()), dtype=torch.uint8, device=self.device)
+        dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=self.device), peer, self.group)
+        dist.send(data, peer, self.group)
+
+    def send(self, messages: Sequence[tuple[int, Sequence[torch.Tensor]]]) -> None:
+        """Post sends of each (peer, tensors) message; returns at once."""
+        ops = [
+            dist.P2POp(dist.isend, t.detach().contiguous(), peer, self.group)
+            for peer, tensors in messages
+            for t in tensors
+        ]
+        if ops:
+            self.pending.extend(dist.batch_isend_irecv(ops))
+        self.reap()
+
+    def recv(self, messages: Sequence[tuple[int, Sequence[TensorMeta]]]) -> list[list[torch.Tensor]]:
+        """Receive each (peer, metas) message; blocks until all have arrived."""
+        start = time.perf_counter()
+        bufs = [
+            [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas] for _, metas in messages
+        ]
+        ops = [
+            dist.P2POp(dist.irecv, buf, peer, self.group)
+            for (peer, _), tensors in zip(messages, bufs, strict=True)
+            for buf in tensors
+        ]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        self.seconds += time.perf_counter() - start
+        return bufs
+
+    def reap(self) -> None:
+        """Forget sends that have completed (their buffers can be freed)."""
+        self.pending = [w for w in self.pending if not w.is_completed()]
+
+    def drain(self) -> None:
+        """Wait for every posted send (end of a segment, when all receivers are known to post)."""
+        start = time.perf_counter()
+        for work in self.pending:
+            work.wait()
+        self.pending.clear()
+        self.seconds += time.perf_counter() - start
+
+    def all_reduce_sum(self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+        """Sum ``tensors`` in place across ``group`` with one collective over a flat buffer."""
+        if not tensors:
+            return
+        start = time.perf_counter()
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+        self.seconds += time.perf_counter() - start

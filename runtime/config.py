@@ -1,0 +1,162 @@
+"""What one rank needs to know about its job, read from a package's mp_conf.json and plan.json.
+
+The runtime reads the JSON files directly (never ``partitioner.plan``) so a cluster node needs only
+torch and this package. Everything is parsed once into frozen dataclasses; every rank derives the
+same :class:`JobConfig` and picks its own :class:`RankConfig` from it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from runtime.errors import RunError
+from runtime.schedule import SCHEDULES
+
+__all__ = ["JobConfig", "RankConfig", "load_job"]
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """The whole job, identical on every rank.
+
+    Attributes:
+        package: folder of the generated package.
+        stage_ranks: global ranks of every stage's replicas, in pipeline order.
+        schedule: ``pipedream``, ``1f1b`` or ``gpipe``.
+        microbatches: microbatches per minibatch.
+        batch_size: samples per minibatch.
+        ties: for each tied parameter, its (stage, parameter name in the stage module) holders.
+        predicted_time_s: plan.json's predicted seconds per minibatch (None when unknown).
+        inputs: plan.json's ``extra.inputs`` (name, shape, dtype of the first stage's inputs).
+    """
+
+    package: Path
+    stage_ranks: tuple[tuple[int, ...], ...]
+    schedule: str
+    microbatches: int
+    batch_size: int
+    ties: tuple[tuple[tuple[int, str], ...], ...] = ()
+    predicted_time_s: float | None = None
+    inputs: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the package runs on."""
+        return sum(len(r) for r in self.stage_ranks)
+
+    @property
+    def stages(self) -> int:
+        """Pipeline depth."""
+        return len(self.stage_ranks)
+
+    def for_rank(self, rank: int) -> RankConfig:
+        """The view of one rank: its stage and its place among the stage's replicas."""
+        for stage, ranks in enumerate(self.stage_ranks):
+            if rank in ranks:
+                return RankConfig(self, rank, stage, ranks.index(rank))
+        raise RunError(f"rank {rank} runs no stage of {self.package}; its ranks are 0..{self.world_size - 1}")
+
+
+@dataclass(frozen=True)
+class RankConfig:
+    """One rank's role.
+
+    Attributes:
+        job: the job it belongs to.
+        rank: global rank.
+        stage: the stage it runs.
+        replica: its index among the stage's replicas (microbatch j goes to replica j % replicas).
+    """
+
+    job: JobConfig
+    rank: int
+    stage: int
+    replica: int
+
+    @property
+    def replica_ranks(self) -> tuple[int, ...]:
+        """Ranks of this stage's replicas (its gradient all-reduce group)."""
+        return self.job.stage_ranks[self.stage]
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.job.stages - 1
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise RunError(
+            f"{path} is missing; is {path.parent} a package written by `pipeplan partition`?"
+        ) from exc
+    except (OSError, json.JSONDecodeError) as exc:
+        raise RunError(f"cannot read {path}: {exc}") from exc
+
+
+def _stage_ranks(conf: Any, source: Path) -> tuple[tuple[int, ...], ...]:
+    try:
+        mapping = {int(k): tuple(int(r) for r in v) for k, v in conf["stage_to_rank_map"].items()}
+        modules = [int(s) for s in conf["module_to_stage_map"]]
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise RunError(f"{source} is not PipeDream's mp_conf format: {exc}") from exc
+    if sorted(mapping) != list(range(len(mapping))) or not mapping:
+        raise RunError(f"{source}: stages must be numbered 0..N-1, got {sorted(mapping)}")
+    if modules != [*range(len(mapping)), len(mapping) - 1]:
+        raise RunError(f"{source}: expected one module per stage plus the criterion, got {modules}")
+    ranks = sorted(r for rs in mapping.values() for r in rs)
+    if ranks != list(range(len(ranks))) or any(not rs for rs in mapping.values()):
+        raise RunError(f"{source}: ranks must be 0..N-1 each used once, got {ranks}")
+    return tuple(mapping[k] for k in range(len(mapping)))
+
+
+def load_job(
+    package: str | Path,
+    schedule: str | None = None,
+    microbatches: int | None = None,
+    batch_size: int | None = None,
+) -> JobConfig:
+    """Read a package's mp_conf.json and plan.json; explicit arguments override the plan.
+
+    Raises:
+        RunError: a missing package, a malformed file or impossible settings, in one line.
+    """
+    folder = Path(package)
+    if not folder.is_dir():
+        raise RunError(f"package {folder} does not exist; run `pipeplan partition` first or pass its folder")
+    ranks = _stage_ranks(_read_json(folder / "mp_conf.json"), folder / "mp_conf.json")
+    plan = _read_json(folder / "plan.json") if (folder / "plan.json").exists() else {}
+    inputs = tuple(plan.get("extra", {}).get("inputs", ()))
+    default_batch = plan.get("batch_size") or (inputs[0]["shape"][0] if inputs else None)
+    predicted = plan.get("predicted", {}).get("time_per_minibatch_s")
+    job = JobConfig(
+        package=folder.resolve(),
+        stage_ranks=ranks,
+        schedule=str(schedule or plan.get("schedule") or "1f1b"),
+        microbatches=int(microbatches or plan.get("microbatches") or 1),
+        batch_size=int(batch_size or default_batch or 0),
+        ties=tuple(tuple((int(s), str(p)) for s, p in t["members"]) for t in plan.get("ties", ())),
+        predicted_time_s=float(predicted) if predicted else None,
+        inputs=inputs,
+    )
+    return _checked(job)
+
+
+def _checked(job: JobConfig) -> JobConfig:
+    if job.schedule not in SCHEDULES:
+        raise RunError(f"unknown schedule {job.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if job.batch_size < 1:
+        raise RunError(f"{job.package}: plan.json gives no batch size; pass --batch-size")
+    if job.microbatches < 1 or job.microbatches > job.batch_size:
+        raise RunError(f"--microbatches must be between 1 and the batch size {job.batch_size}")
+    for tie in job.ties:
+        if any(not 0 <= s < job.stages for s, _ in tie):
+            raise RunError(f"{job.package}/plan.json: tie {tie} names a stage that does not exist")
+    return replace(job)

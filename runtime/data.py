@@ -1,0 +1,137 @@
+"""Minibatches by step number, identical on every rank that asks, so only the first stage reads inputs
+and only the last reads targets, without sending either through the pipeline.
+
+``synthetic`` draws from the package's ``example_inputs``/``example_targets`` under a seed derived from
+the step (a fixed set of minibatches that repeats, so the loss falls as the model fits it). A user
+spec ``module:fn`` or ``path/file.py:fn`` returns a Dataset or DataLoader of ``(input, target)``,
+read in order unless ``shuffle`` (then shuffled per epoch from ``seed``, the same on every rank).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Protocol
+
+import torch
+from torch.utils.data import DataLoader, Dataset, RandomSampler
+
+from runtime.errors import RunError
+
+__all__ = ["SYNTHETIC_STEPS", "Batches", "DatasetBatches", "SyntheticBatches", "make_batches"]
+
+SYNTHETIC_STEPS = 8
+"""Distinct synthetic minibatches; step ``s`` uses minibatch ``s % SYNTHETIC_STEPS`` (one epoch)."""
+
+
+class Batches(Protocol):
+    """A source of minibatches addressed by global step."""
+
+    steps_per_epoch: int
+
+    def inputs(self, step: int) -> tuple[torch.Tensor, ...]: ...
+
+    def targets(self, step: int) -> torch.Tensor: ...
+
+
+class SyntheticBatches:
+    """Random minibatches from the package's own example functions, seeded per step."""
+
+    def __init__(self, package: ModuleType, names: Sequence[str], batch_size: int, seed: int) -> None:
+        self.package, self.names, self.batch_size, self.seed = package, tuple(names), batch_size, seed
+        self.steps_per_epoch = SYNTHETIC_STEPS
+
+    def _seeded(self, step: int, kind: int) -> int:
+        return self.seed * 1_000_003 + (step % SYNTHETIC_STEPS) * 2 + kind
+
+    def inputs(self, step: int) -> tuple[torch.Tensor, ...]:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self._seeded(step, 0))
+            found = self.package.example_inputs(self.batch_size)
+        missing = [n for n in self.names if n not in found]
+        if missing:
+            raise RunError(f"example_inputs() lacks the first stage's inputs {missing}")
+        return tuple(found[n] for n in self.names)
+
+    def targets(self, step: int) -> torch.Tensor:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self._seeded(step, 1))
+            return self.package.example_targets(self.batch_size)  # type: ignore[no-any-return]
+
+
+class DatasetBatches:
+    """Minibatches of a user DataLoader, replayed deterministically by step (for resume, too)."""
+
+    def __init__(self, loader: DataLoader[Any], names: Sequence[str], seed: int, shuffle: bool) -> None:
+        self.loader, self.names, self.seed, self.shuffle = loader, tuple(names), seed, shuffle
+        self.steps_per_epoch = len(loader)
+        if self.steps_per_epoch < 1:
+            raise RunError("the dataset yields no full minibatch; use a smaller --batch-size")
+        self._iter: Iterator[Any] | None = None
+        self._next = (-1, 0)
+        self._cache: tuple[int, Any] = (-1, None)
+
+    def _batch(self, step: int) -> Any:
+        if self._cache[0] == step:
+            return self._cache[1]
+        epoch, index = divmod(step, self.steps_per_epoch)
+        if self._iter is None or self._next[0] != epoch or self._next[1] > index:
+            sampler = getattr(self.loader, "sampler", None)
+            if self.shuffle and isinstance(sampler, RandomSampler) and sampler.generator is not None:
+                sampler.generator.manual_seed(self.seed * 1_000_003 + epoch)
+            self._iter, self._next = iter(self.loader), (epoch, 0)
+        batch = None
+        while self._next[1] <= index:
+            batch = next(self._iter)
+            self._next = (epoch, self._next[1] + 1)
+        self._cache = (step, batch)
+        return batch
+
+    def inputs(self, step: int) -> tuple[torch.Tensor, ...]:
+        x = self._batch(step)[0]
+        if isinstance(x, dict):
+            return tuple(x[n] for n in self.names)
+        return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+    def targets(self, step: int) -> torch.Tensor:
+        return self._batch(step)[1]  # type: ignore[no-any-return]
+
+
+def _load_factory(spec: str) -> Any:
+    where, _, attr = spec.rpartition(":")
+    if not where or not attr:
+        raise RunError(f"--data {spec!r}: expected synthetic, module:function or path/file.py:function")
+    try:
+        if where.endswith(".py"):
+            file_spec = importlib.util.spec_from_file_location(Path(where).stem, where)
+            if file_spec is None or file_spec.loader is None or not Path(where).exists():
+                raise RunError(f"--data: {where} does not exist")
+            module = importlib.util.module_from_spec(file_spec)
+            file_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+        return getattr(module, attr)()
+    except RunError:
+        raise
+    except Exception as exc:
+        raise RunError(f"--data {spec}: {type(exc).__name__}: {exc}") from exc
+
+
+def make_batches(
+    spec: str, package: ModuleType, names: Sequence[str], batch_size: int, seed: int, shuffle: bool
+) -> Batches:
+    """The minibatch source named by ``--data``."""
+    if spec == "synthetic":
+        return SyntheticBatches(package, names, batch_size, seed)
+    made = _load_factory(spec)
+    if isinstance(made, DataLoader):
+        return DatasetBatches(made, names, seed, shuffle)
+    if not isinstance(made, Dataset):
+        raise RunError(f"--data {spec} returned {type(made).__name__}, not a Dataset or DataLoader")
+    generator = torch.Generator().manual_seed(seed)
+    sampler = RandomSampler(made, generator=generator) if shuffle else None  # type: ignore[arg-type]
+    loader: DataLoader[Any] = DataLoader(made, batch_size=batch_size, sampler=sampler, drop_last=True)
+    return DatasetBatches(loader, names, seed, shuffle)

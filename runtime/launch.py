@@ -1,0 +1,141 @@
+"""Start a package's ranks with PyTorch's own launcher (the elastic agent behind torchrun).
+
+Locally every rank starts on this machine; with ``nnodes > 1`` each node runs the same command with its
+``node_rank``, as with torchrun (static rendezvous at ``master_addr:master_port``). ``max_restarts=0``:
+when a rank raises or dies the agent stops the others, and :class:`JobFailed` names the rank and its
+error. :func:`torchrun_commands` prints the equivalent per-node torchrun lines for ``--dry-run``.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import socket
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from runtime.errors import JobFailed, RunError
+from runtime.options import RunOptions, to_argv
+from runtime.worker import job_of, run_dir, run_rank
+
+__all__ = ["free_port", "launch", "torchrun_commands"]
+
+Progress = Callable[[int, float], None]
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _per_node(options: RunOptions) -> int:
+    world = job_of(options).world_size
+    if options.nnodes < 1 or world % options.nnodes:
+        raise RunError(f"the package needs {world} ranks, which {options.nnodes} nodes cannot share evenly")
+    if not 0 <= options.node_rank < options.nnodes:
+        raise RunError(f"--node-rank must be in 0..{options.nnodes - 1}, got {options.node_rank}")
+    if options.nnodes > 1 and not options.master_port:
+        raise RunError("a multi-node job needs --master-addr and --master-port (the same on every node)")
+    return world // options.nnodes
+
+
+def torchrun_commands(options: RunOptions) -> list[str]:
+    """The torchrun line each node would run, node 0 first."""
+    per_node = _per_node(options)
+    port = options.master_port or 29500
+    args = shlex.join(to_argv(options))
+    return [
+        f"torchrun --nnodes {options.nnodes} --node-rank {node} --nproc-per-node {per_node} "
+        f"--master-addr {options.master_addr} --master-port {port} --max-restarts 0 -m runtime.worker {args}"
+        for node in range(options.nnodes)
+    ]
+
+
+def _failure(exc: Any) -> JobFailed:
+    """The first real error of a ChildFailedError: a rank that raised beats ranks the agent stopped."""
+    failures = sorted(exc.failures.items(), key=lambda kv: (kv[1].exitcode < 0, kv[1].timestamp, kv[0]))
+    rank, failure = failures[0]
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    text = str(message).strip().splitlines()[-1] if message else f"exit code {failure.exitcode}"
+    return JobFailed(f"rank {rank} failed: {text}", rank)
+
+
+def _forward(path: Path, on_progress: Progress, seen: int) -> int:
+    """Hand every new complete progress line to ``on_progress``; returns how many were handled."""
+    if not path.exists():
+        return seen
+    for line in path.read_text(encoding="utf-8").splitlines()[seen:]:
+        try:
+            doc = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        on_progress(int(doc["step"]), float(doc["loss"]))
+        seen += 1
+    return seen
+
+
+def _watch(path: Path, on_progress: Progress, stop: threading.Event) -> None:
+    """Forward progress lines written by the loss-reporting rank until the job ends."""
+    seen = 0
+    while True:
+        finished = stop.wait(0.2)
+        seen = _forward(path, on_progress, seen)
+        if finished:
+            return
+
+
+def launch(options: RunOptions, on_progress: Progress | None = None) -> dict[str, Any] | None:
+    """Run this node's ranks to completion; returns rank 0's metrics (None on other nodes).
+
+    Raises:
+        RunError: bad package or options, or no rendezvous with the master within the timeout.
+        JobFailed: a rank raised or died.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    per_node = _per_node(options)
+    if options.nnodes == 1 and not options.master_port:
+        options = replace(options, master_port=free_port())
+    out = run_dir(options)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "progress.jsonl").unlink(missing_ok=True)
+    config = LaunchConfig(
+        min_nodes=options.nnodes,
+        max_nodes=options.nnodes,
+        nproc_per_node=per_node,
+        run_id=f"pipeplan-{uuid.uuid4().hex[:8]}" if options.nnodes == 1 else "pipeplan",
+        rdzv_backend="static",
+        rdzv_endpoint=f"{options.master_addr}:{options.master_port}",
+        rdzv_configs={"rank": options.node_rank, "timeout": int(options.timeout)},
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method=options.start_method,
+    )
+    stop = threading.Event()
+    watcher = None
+    if on_progress is not None:
+        watcher = threading.Thread(
+            target=_watch, args=(out / "progress.jsonl", on_progress, stop), daemon=True
+        )
+        watcher.start()
+    try:
+        results = elastic_launch(config, run_rank)(options)
+    except ChildFailedError as exc:
+        raise _failure(exc) from exc
+    except (TimeoutError, RuntimeError) as exc:
+        where = f"{options.master_addr}:{options.master_port}"
+        raise RunError(f"no rendezvous with master {where} within {options.timeout:g}s: {exc}") from exc
+    finally:
+        stop.set()
+        if watcher is not None:
+            watcher.join()
+    return results.get(0) if options.node_rank == 0 else None

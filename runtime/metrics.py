@@ -1,0 +1,120 @@
+"""Per-rank timing (compute, communication, idle), losses, and the merged Chrome trace of all ranks.
+
+Each rank records spans with :class:`Recorder`; at the end rank 0 gathers every rank's
+:class:`RankMetrics` and writes ``metrics.json`` and, if asked, one Chrome trace (``traceEvents``, one
+process per rank) that opens in Perfetto or chrome://tracing.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RankMetrics", "Recorder", "summarize", "write_json_atomic", "write_trace"]
+
+
+@dataclass
+class Recorder:
+    """Spans of one rank; events are kept only when a trace is wanted."""
+
+    rank: int
+    stage: int
+    trace: bool = False
+    seconds: dict[str, float] = field(default_factory=lambda: {"compute": 0.0, "comm": 0.0})
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    @contextmanager
+    def span(self, name: str, category: str) -> Iterator[None]:
+        start = time.time()
+        try:
+            yield
+        finally:
+            end = time.time()
+            self.seconds[category] = self.seconds.get(category, 0.0) + end - start
+            if self.trace:
+                self.events.append(
+                    {"name": name, "cat": category, "ph": "X", "pid": self.rank, "tid": self.stage,
+                     "ts": start * 1e6, "dur": (end - start) * 1e6}
+                )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RankMetrics:
+    """What one rank measured over the timed steps.
+
+    Attributes:
+        rank: global rank.
+        stage: the stage it ran.
+        wall_s: seconds from the first to the last timed step boundary.
+        compute_s: forward, backward and optimizer seconds.
+        comm_s: seconds blocked in receives and all-reduces.
+        step_times_s: wall seconds of each step on this rank.
+        losses: loss per step (last stage only, else empty).
+        param_sq_sum: sum of squares of the stage's parameters at the end (replicas must agree exactly).
+    """
+
+    rank: int
+    stage: int
+    wall_s: float
+    compute_s: float
+    comm_s: float
+    step_times_s: tuple[float, ...]
+    losses: tuple[float, ...] = ()
+    param_sq_sum: float = 0.0
+
+    @property
+    def idle_s(self) -> float:
+        return max(0.0, self.wall_s - self.compute_s - self.comm_s)
+
+
+def summarize(
+    ranks: Sequence[RankMetrics], batch_size: int, predicted_s: float | None, warmup: int
+) -> dict[str, Any]:
+    """The metrics.json document: per-rank breakdown, losses, measured vs predicted time."""
+    timed = [r.step_times_s[warmup:] or r.step_times_s for r in ranks]
+    per_step = [max(ts[i] for ts in timed) for i in range(min(len(ts) for ts in timed))] if timed else []
+    measured = statistics.median(per_step) if per_step else None
+    losses = next((r.losses for r in ranks if r.losses), ())
+    return {
+        "schema": "pipeplan.metrics/1",
+        "steps": len(losses),
+        "losses": list(losses),
+        "time_per_minibatch_s": measured,
+        "predicted_time_per_minibatch_s": predicted_s,
+        "ratio_measured_over_predicted": measured / predicted_s if measured and predicted_s else None,
+        "samples_per_s": batch_size / measured if measured else None,
+        "warmup_steps_excluded": warmup,
+        "ranks": [{**asdict(r), "idle_s": r.idle_s} for r in ranks],
+    }
+
+
+def write_json_atomic(path: Path, doc: Any) -> Path:
+    """Write JSON through a temporary file and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def write_trace(path: Path, events_per_rank: Sequence[Sequence[dict[str, Any]]]) -> Path:
+    """Merge every rank's spans into one Chrome trace, one named process per rank."""
+    events: list[dict[str, Any]] = []
+    for events_of_rank in events_per_rank:
+        events.extend(dict(e) for e in events_of_rank)
+    origin = min((e["ts"] for e in events), default=0.0)
+    for e in events:
+        e["ts"] -= origin
+    names = {e["pid"]: e["tid"] for e in events}
+    for rank, stage in sorted(names.items()):
+        events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+        events.append(
+            {"name": "thread_name", "ph": "M", "pid": rank, "tid": stage, "args": {"name": f"stage {stage}"}}
+        )
+    return write_json_atomic(path, {"traceEvents": events, "displayTimeUnit": "ms"})

@@ -1,0 +1,102 @@
+"""The options of one training run, shared by the launcher, every rank and the torchrun command line.
+
+The same frozen :class:`RunOptions` reaches each rank whether it was started by
+:func:`runtime.launch.launch` (pickled to the workers) or by ``torchrun -m runtime.worker ...`` on
+another node (parsed back from :func:`to_argv`'s arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+__all__ = ["RunOptions", "from_argv", "to_argv"]
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How to train a package.
+
+    Attributes:
+        package: folder of the generated package.
+        steps: minibatches to train in total (counting those before a resume); None: use ``epochs``.
+        epochs: passes over the data when ``steps`` is None.
+        batch_size: samples per minibatch; None: plan.json's.
+        microbatches: microbatches per minibatch; None: plan.json's.
+        schedule: pipedream, 1f1b or gpipe; None: plan.json's.
+        backend: auto (nccl on CUDA, else gloo), gloo or nccl.
+        data: ``synthetic`` or a ``module:fn`` / ``file.py:fn`` spec of a Dataset or DataLoader.
+        optimizer: sgd or adam.
+        lr: learning rate.
+        momentum: SGD momentum.
+        seed: seeds weights, synthetic data and shuffling.
+        shuffle: shuffle a user dataset each epoch.
+        checkpoint_dir: where ``step-N/stageK.pt`` go; None: no checkpoints.
+        checkpoint_every: checkpoint every this many steps (0: only at the end).
+        resume: continue from the newest complete checkpoint in ``checkpoint_dir``.
+        trace: path of a merged Chrome trace to write; None: no trace.
+        timeout: seconds any rank waits for another before the job fails.
+        run_dir: where metrics.json and progress go (default: ``<package>/run``).
+        nnodes: machines in the job.
+        node_rank: this machine's index.
+        master_addr: host of node 0.
+        master_port: port of node 0's rendezvous store (0: pick a free one, single node only).
+        start_method: how local workers start (fork is fast; spawn is safest with CUDA).
+    """
+
+    package: str
+    steps: int | None = None
+    epochs: int | None = None
+    batch_size: int | None = None
+    microbatches: int | None = None
+    schedule: str | None = None
+    backend: str = "auto"
+    data: str = "synthetic"
+    optimizer: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.0
+    seed: int = 0
+    shuffle: bool = False
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    trace: str | None = None
+    timeout: float = 60.0
+    run_dir: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    start_method: str = "fork"
+
+
+_LAUNCH_ONLY = {"nnodes", "node_rank", "master_addr", "master_port", "start_method"}
+
+
+def to_argv(options: RunOptions) -> list[str]:
+    """Arguments of ``python -m runtime.worker`` that rebuild ``options`` (launch-only fields left out)."""
+    argv = [options.package]
+    for f in fields(options):
+        value = getattr(options, f.name)
+        if f.name == "package" or f.name in _LAUNCH_ONLY or value is None or value == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        argv += [flag] if value is True else [flag, str(value)]
+    return argv
+
+
+def from_argv(argv: Sequence[str]) -> RunOptions:
+    """Parse :func:`to_argv`'s arguments."""
+    parser = argparse.ArgumentParser(prog="python -m runtime.worker")
+    parser.add_argument("package")
+    for f in fields(RunOptions):
+        if f.name == "package" or f.name in _LAUNCH_ONLY:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.default is False:
+            parser.add_argument(flag, action="store_true")
+        else:
+            kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+            parser.add_argument(flag, type=kind, default=f.default)
+    return RunOptions(**vars(parser.parse_args(list(argv))))

@@ -1,0 +1,279 @@
+"""StageRuntime: the one executor that plays a rank's action list, whatever the schedule.
+
+``F`` receives the stage's inputs (or reads data on the first stage), runs the stage, sends each
+output to the replica of every consumer stage that handles that microbatch, and on the last stage
+computes the loss scaled by the microbatch's share of the minibatch (so gradients are the minibatch
+mean, as in plain training). ``B`` receives output gradients (summed over consumers), runs autograd
+and sends input gradients back. ``S`` sums gradients over the replica group and over tie groups,
+then steps the optimizer.
+
+Weight stashing (``pipedream``): a forward runs on a snapshot of the weights of its version (taken
+once per version, as PipeDream keeps one copy per version in flight) through
+``torch.func.functional_call``; the autograd graph holds that snapshot, so the backward uses the very
+weights of its forward while the optimizer updates the live parameters in place.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from runtime.comm import Comm, TensorMeta
+from runtime.config import RankConfig
+from runtime.data import Batches
+from runtime.metrics import Recorder
+from runtime.package import Wiring
+from runtime.schedule import Action
+
+__all__ = ["Groups", "StageRuntime", "Unit"]
+
+
+def _functional(module: nn.Module, params: dict[str, torch.Tensor], *args: torch.Tensor) -> Any:
+    """Run ``module`` on ``params`` instead of its own parameters (buffers stay the module's)."""
+    return torch.func.functional_call(module, params, args)
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Collective groups of this rank: its stage's replicas, and one group per tie it holds.
+
+    Attributes:
+        replicas: the replica group (None when the stage has one replica).
+        ties: (group, parameter name in this stage) for every tie this stage holds.
+    """
+
+    replicas: dist.ProcessGroup | None
+    ties: tuple[tuple[dist.ProcessGroup, str], ...] = ()
+
+
+@dataclass
+class Unit:
+    """A microbatch between its forward and its backward on this rank."""
+
+    inputs: dict[str, torch.Tensor]
+    outputs: dict[str, torch.Tensor]
+    loss: torch.Tensor | None
+    version: int
+
+
+@dataclass
+class StageRuntime:
+    """Plays one rank's actions. Build it, call :meth:`setup` once, then :meth:`play` per segment.
+
+    Attributes:
+        cfg: this rank's role.
+        wiring: tensor names in and out of every stage.
+        module: this rank's stage.
+        criterion: the loss (last stage only).
+        optimizer: steps ``module``'s parameters.
+        comm: point-to-point channels.
+        groups: collective groups.
+        batches: minibatches by step.
+        stash: keep a weight version per forward (pipedream).
+        recorder: timing and trace spans.
+        on_step: called after every optimizer step with (step, loss or None).
+    """
+
+    cfg: RankConfig
+    wiring: Wiring
+    module: nn.Module
+    criterion: nn.Module | None
+    optimizer: torch.optim.Optimizer
+    comm: Comm
+    groups: Groups
+    batches: Batches
+    stash: bool
+    recorder: Recorder
+    on_step: Callable[[int, float | None], None] | None = None
+    units: dict[int, Unit] = field(default_factory=dict)
+    version: int = 0
+    versions: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    stash_log: list[tuple[int, int, int]] = field(default_factory=list)
+    step_loss: torch.Tensor | None = None
+    in_meta: dict[int, tuple[TensorMeta, ...]] = field(default_factory=dict)
+    out_meta: dict[str, TensorMeta] = field(default_factory=dict)
+    _batch_cache: dict[str, tuple[int, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ routing
+    def _peer(self, stage: int, unit: int) -> int:
+        ranks = self.cfg.job.stage_ranks[stage]
+        return ranks[(unit % self.cfg.job.microbatches) % len(ranks)]
+
+    def _micro(self, kind: str, unit: int) -> tuple[torch.Tensor, ...]:
+        """Microbatch ``unit`` of the minibatch's inputs or targets (split along dim 0)."""
+        step, j = divmod(unit, self.cfg.job.microbatches)
+        cached = self._batch_cache.get(kind)
+        if cached is None or cached[0] != step:
+            whole = self.batches.inputs(step) if kind == "inputs" else (self.batches.targets(step),)
+            whole = tuple(t.to(self.comm.device) for t in whole)
+            self._batch_cache[kind] = cached = (step, whole)
+        return tuple(torch.tensor_split(t, self.cfg.job.microbatches)[j] for t in cached[1])
+
+    # ------------------------------------------------------------------ start-up
+    def setup(self) -> None:
+        """Agree on the shapes of every message once: receive producers' metas, run one forward, tell
+        consumers. Replica 0 of each stage speaks for its stage."""
+        me = self.cfg.stage
+        producers = self.wiring.producers(me)
+        got = self.comm.exchange_meta([self.cfg.job.stage_ranks[k][0] for k in producers])
+        self.in_meta = {k: got[self.cfg.job.stage_ranks[k][0]] for k in producers}
+        named: dict[str, torch.Tensor] = {}
+        if self.cfg.is_first:
+            named.update(zip(self.wiring.stage_inputs[me], self._micro("inputs", 0), strict=True))
+        for k, names in producers.items():
+            for name, meta in zip(names, self.in_meta[k], strict=True):
+                named[name] = torch.zeros(meta.shape, dtype=meta.dtype, device=self.comm.device)
+        with torch.no_grad():
+            outs = self._run(named, None)
+        self.out_meta = {n: TensorMeta.of(t) for n, t in outs.items()}
+        if self.cfg.replica == 0:
+            for k, names in self.wiring.consumers(me).items():
+                for peer in self.cfg.job.stage_ranks[k]:
+                    self.comm.send_meta(peer, [self.out_meta[n] for n in names])
+
+    def _run(
+        self, named: dict[str, torch.Tensor], params: dict[str, torch.Tensor] | None
+    ) -> dict[str, torch.Tensor]:
+        args = tuple(named[n] for n in self.wiring.stage_inputs[self.cfg.stage])
+        call = self.module if params is None else functools.partial(_functional, self.module, params)
+        out = call(*args)
+        names = self.wiring.stage_outputs[self.cfg.stage]
+        outs = (out,) if len(names) == 1 else tuple(out)
+        return dict(zip(names, outs, strict=True))
+
+    # ------------------------------------------------------------------ actions
+    def play(self, actions: Sequence[Action]) -> None:
+        """Run ``actions`` in order, then wait for this rank's outstanding sends."""
+        run = {"F": self.forward, "B": self.backward, "S": self.step}
+        for action in actions:
+            run[action.kind](action.index)
+        self.comm.drain()
+
+    def forward(self, unit: int) -> None:
+        me, named = self.cfg.stage, dict[str, torch.Tensor]()
+        if self.cfg.is_first:
+            named.update(zip(self.wiring.stage_inputs[me], self._micro("inputs", unit), strict=True))
+        producers = self.wiring.producers(me)
+        with self.recorder.span(f"recv F{unit}", "comm"):
+            got = self.comm.recv([(self._peer(k, unit), self.in_meta[k]) for k in producers])
+        for names, tensors in zip(producers.values(), got, strict=True):
+            for name, t in zip(names, tensors, strict=True):
+                named[name] = t.requires_grad_(t.is_floating_point())
+        with self.recorder.span(f"F{unit}", "compute"):
+            params = self._version_params() if self.stash else None
+            outs = self._run(named, params)
+            loss = self._loss(unit, outs) if self.cfg.is_last else None
+        self.comm.send(
+            [
+                (self._peer(k, unit), [outs[n] for n in names])
+                for k, names in self.wiring.consumers(me).items()
+            ]
+        )
+        self.units[unit] = Unit({n: t for n, t in named.items() if t.requires_grad}, outs, loss, self.version)
+
+    def _loss(self, unit: int, outs: dict[str, torch.Tensor]) -> torch.Tensor:
+        assert self.criterion is not None
+        (target,) = self._micro("targets", unit)
+        loss = self.criterion(outs[self.wiring.loss_input], target)
+        share = target.shape[0] / self.cfg.job.batch_size
+        self.step_loss = loss.detach() * share + (0 if self.step_loss is None else self.step_loss)
+        return loss * share  # type: ignore[no-any-return]
+
+    def backward(self, unit: int) -> None:
+        me, state = self.cfg.stage, self.units.pop(unit)
+        roots: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
+        if state.loss is not None:
+            roots, grads = [state.loss], [None]
+        consumers = self.wiring.consumers(me)
+        messages = [(self._peer(k, unit), self._grad_meta(names)) for k, names in consumers.items()]
+        with self.recorder.span(f"recv B{unit}", "comm"):
+            got = self.comm.recv(messages)
+        summed: dict[str, torch.Tensor] = {}
+        for names, tensors in zip(consumers.values(), got, strict=True):
+            for name, g in zip([n for n in names if self.out_meta[n].needs_grad], tensors, strict=True):
+                summed[name] = summed[name] + g if name in summed else g
+        for name, g in summed.items():
+            if state.outputs[name].requires_grad:
+                roots.append(state.outputs[name])
+                grads.append(g)
+        with self.recorder.span(f"B{unit}", "compute"):
+            if roots:
+                torch.autograd.backward(roots, grads)
+            if self.stash:
+                self._collect_stash_grads(state.version, unit)
+        self._send_input_grads(unit, state)
+
+    def _grad_meta(self, names: Sequence[str]) -> tuple[TensorMeta, ...]:
+        return tuple(self.out_meta[n] for n in names if self.out_meta[n].needs_grad)
+
+    def _send_input_grads(self, unit: int, state: Unit) -> None:
+        messages = []
+        for k, names in self.wiring.producers(self.cfg.stage).items():
+            tensors = []
+            for name, meta in zip(names, self.in_meta[k], strict=True):
+                if meta.needs_grad:
+                    t = state.inputs[name]
+                    tensors.append(t.grad if t.grad is not None else torch.zeros_like(t))
+            messages.append((self._peer(k, unit), tensors))
+        self.comm.send(messages)
+
+    def step(self, step: int) -> None:
+        """Sum gradients over replicas and ties, step the optimizer, report the loss."""
+        params = dict(self.module.named_parameters())
+        for p in params.values():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        tied = {name for _, name in self.groups.ties}
+        if self.groups.replicas is not None:
+            own = [p.grad for n, p in params.items() if n not in tied and p.grad is not None]
+            self.comm.all_reduce_sum(own, self.groups.replicas)
+        for group, name in self.groups.ties:
+            grad = params[name].grad
+            assert grad is not None
+            self.comm.all_reduce_sum([grad], group)
+        with self.recorder.span(f"S{step}", "compute"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        self._report(step)
+
+    def _report(self, step: int) -> None:
+        loss = None
+        if self.cfg.is_last:
+            total = self.step_loss if self.step_loss is not None else torch.zeros((), device=self.comm.device)
+            if self.groups.replicas is not None:
+                total = total.reshape(1).clone()
+                self.comm.all_reduce_sum([total], self.groups.replicas)
+            loss, self.step_loss = float(total.sum()), None
+        if self.on_step is not None:
+            self.on_step(step, loss)
+
+    # ------------------------------------------------------------------ weight stashing
+    def _version_params(self) -> dict[str, torch.Tensor]:
+        """The snapshot of the current weights that forwards of this version run on."""
+        if self.version not in self.versions:
+            self.versions[self.version] = {
+                n: p.detach().clone().requires_grad_(p.requires_grad)
+                for n, p in self.module.named_parameters()
+            }
+        return self.versions[self.version]
+
+    def _collect_stash_grads(self, version: int, unit: int) -> None:
+        """Move the gradients that landed on a snapshot onto the live parameters; drop unused snapshots."""
+        snapshot = self.versions[version]
+        for name, p in self.module.named_parameters():
+            g = snapshot[name].grad
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+                snapshot[name].grad = None
+        self.stash_log.append((unit, version, self.version))
+        live = {u.version for u in self.units.values()} | {self.version}
+        for v in [v for v in self.versions if v not in live]:
+            del self.versions[v]

@@ -1,0 +1,231 @@
+"""What every rank runs: join the job, build its stage, play its schedule segment by segment.
+
+Started by :func:`runtime.launch.launch` (elastic launch) or by ``torchrun -m runtime.worker PACKAGE
+...`` on each node; both set RANK/WORLD_SIZE/LOCAL_RANK and the rendezvous store in the environment.
+Rank 0 gathers every rank's metrics at the end and writes ``metrics.json`` (and the merged trace).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from runtime import checkpoint, schedule
+from runtime.comm import Comm
+from runtime.config import JobConfig, RankConfig, load_job
+from runtime.data import make_batches
+from runtime.errors import RunError
+from runtime.metrics import RankMetrics, Recorder, summarize, write_json_atomic, write_trace
+from runtime.options import RunOptions, from_argv
+from runtime.package import import_package, read_wiring
+from runtime.stage import Groups, StageRuntime
+
+__all__ = ["main", "resolve_backend", "run_dir", "run_rank"]
+
+
+def resolve_backend(backend: str) -> str:
+    """``auto`` means nccl when CUDA is available, else gloo."""
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise RunError(f"unknown backend {backend!r}; choose auto, gloo or nccl")
+    return backend
+
+
+def run_dir(options: RunOptions) -> Path:
+    """Where metrics.json, progress and logs of a run go."""
+    return Path(options.run_dir) if options.run_dir else Path(options.package) / "run"
+
+
+def job_of(options: RunOptions) -> JobConfig:
+    return load_job(options.package, options.schedule, options.microbatches, options.batch_size)
+
+
+def _groups(cfg: RankConfig, timeout: timedelta) -> Groups:
+    """Create every replica and tie group in the same order on all ranks; keep this rank's."""
+    job, mine = cfg.job, None
+    for ranks in job.stage_ranks:
+        if len(ranks) > 1:
+            group = dist.new_group(list(ranks), timeout=timeout)
+            mine = group if cfg.rank in ranks else mine
+    ties = []
+    for tie in job.ties:
+        members = sorted({r for stage, _ in tie for r in job.stage_ranks[stage]})
+        group = dist.new_group(members, timeout=timeout)
+        ties += [(group, name) for stage, name in tie if stage == cfg.stage]
+    return Groups(mine, tuple(ties))
+
+
+def _optimizer(options: RunOptions, module: torch.nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in module.parameters() if p.requires_grad]
+    if options.optimizer == "adam":
+        return torch.optim.Adam(params, lr=options.lr)
+    if options.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=options.lr, momentum=options.momentum)
+    raise RunError(f"unknown optimizer {options.optimizer!r}; choose sgd or adam")
+
+
+@dataclass
+class _Clock:
+    """Step boundaries of one rank, and progress lines written by the loss-reporting rank."""
+
+    progress: Path | None
+    last: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.last = time.perf_counter()
+        self.times: list[float] = []
+        self.losses: list[float] = []
+
+    def __call__(self, step: int, loss: float | None) -> None:
+        now = time.perf_counter()
+        self.times.append(now - self.last)
+        self.last = now
+        if loss is not None:
+            self.losses.append(loss)
+            if self.progress is not None:
+                with self.progress.open("a", encoding="utf-8") as handle:
+                    handle.write(json.dumps({"step": step + 1, "loss": loss}) + "\n")
+
+
+def _build(options: RunOptions, cfg: RankConfig, device: torch.device, clock: _Clock) -> StageRuntime:
+    pkg = import_package(cfg.job.package)
+    wiring = read_wiring(pkg, cfg.job.stages)
+    module = pkg.stage(cfg.stage, seed=options.seed, device=str(device)).to(device)
+    module.train()
+    criterion = pkg.criterion().to(device) if cfg.is_last else None
+    timeout = timedelta(seconds=options.timeout)
+    batches = make_batches(
+        options.data, pkg, wiring.stage_inputs[0], cfg.job.batch_size, options.seed, options.shuffle
+    )
+    return StageRuntime(
+        cfg=cfg,
+        wiring=wiring,
+        module=module,
+        criterion=criterion,
+        optimizer=_optimizer(options, module),
+        comm=Comm(dist.group.WORLD, device),  # type: ignore[arg-type]
+        groups=_groups(cfg, timeout),
+        batches=batches,
+        stash=cfg.job.schedule == "pipedream",
+        recorder=Recorder(cfg.rank, cfg.stage, trace=options.trace is not None),
+        on_step=clock,
+    )
+
+
+def _start_step(options: RunOptions, rt: StageRuntime) -> int:
+    """0, or the newest complete checkpoint's step (rank 0 decides for everyone) after loading it."""
+    found: list[int | None] = [None]
+    if options.resume and options.checkpoint_dir and rt.cfg.rank == 0:
+        found = [checkpoint.latest_complete_step(Path(options.checkpoint_dir), rt.cfg.job.stages)]
+    dist.broadcast_object_list(found, src=0)
+    step = found[0]
+    if step is None:
+        return 0
+    assert options.checkpoint_dir is not None
+    state = checkpoint.load_stage(Path(options.checkpoint_dir), step, rt.cfg.stage, rt.comm.device)
+    rt.module.load_state_dict(state["model"])
+    rt.optimizer.load_state_dict(state["optimizer"])
+    return int(state["step"])
+
+
+def _segments(start: int, total: int, every: int) -> list[tuple[int, int]]:
+    """(first step, steps) runs between checkpoints; a pipeline drains at each boundary."""
+    bounds = list(range(start, total, every)) if every > 0 else [start]
+    edges = [*(b for b in bounds if b > start), total]
+    out, first = [], start
+    for edge in edges:
+        if edge > first:
+            out.append((first, edge - first))
+            first = edge
+    return out
+
+
+def _train(options: RunOptions, rt: StageRuntime, total: int) -> None:
+    job, cfg = rt.cfg.job, rt.cfg
+    start = _start_step(options, rt)
+    rt.setup()
+    if isinstance(rt.on_step, _Clock):
+        rt.on_step.last = time.perf_counter()
+    for first, count in _segments(start, total, options.checkpoint_every):
+        stage_actions = schedule.build(job.schedule, job.stages, job.microbatches, count, first)[cfg.stage]
+        rt.play(schedule.rank_actions(stage_actions, cfg.replica, len(cfg.replica_ranks), job.microbatches))
+        if options.checkpoint_dir and cfg.replica == 0:
+            state = {
+                "model": rt.module.state_dict(),
+                "optimizer": rt.optimizer.state_dict(),
+                "step": first + count,
+            }
+            checkpoint.save_stage(Path(options.checkpoint_dir), first + count, cfg.stage, state)
+
+
+def run_rank(options: RunOptions) -> dict[str, Any] | None:
+    """Train this rank's stage; rank 0 returns the metrics.json document, the others None."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    job = job_of(options)
+    if world != job.world_size:
+        raise RunError(f"{job.package} runs on {job.world_size} ranks but the job has {world}")
+    backend = resolve_backend(options.backend)
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if backend == "nccl" else "cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    torch.manual_seed(options.seed)
+    dist.init_process_group(backend, timeout=timedelta(seconds=options.timeout))
+    try:
+        cfg = job.for_rank(rank)
+        out = run_dir(options)
+        progress = out / "progress.jsonl" if cfg.is_last and cfg.replica == 0 else None
+        clock = _Clock(progress)
+        rt = _build(options, cfg, device, clock)
+        steps = (
+            options.steps if options.steps is not None else (options.epochs or 1) * rt.batches.steps_per_epoch
+        )
+        _train(options, rt, steps)
+        return _finish(options, rt, clock)
+    finally:
+        dist.destroy_process_group()
+
+
+def _finish(options: RunOptions, rt: StageRuntime, clock: _Clock) -> dict[str, Any] | None:
+    mine = RankMetrics(
+        rank=rt.cfg.rank,
+        stage=rt.cfg.stage,
+        wall_s=sum(clock.times),
+        compute_s=rt.recorder.seconds["compute"],
+        comm_s=rt.comm.seconds,
+        step_times_s=tuple(clock.times),
+        losses=tuple(clock.losses) if rt.cfg.replica == 0 else (),
+        param_sq_sum=float(sum(p.detach().double().square().sum() for p in rt.module.parameters())),
+    )
+    gathered: list[Any] = [None] * rt.cfg.job.world_size
+    dist.gather_object(
+        (mine, rt.recorder.events, rt.stash_log), gathered if rt.cfg.rank == 0 else None, dst=0
+    )
+    if rt.cfg.rank != 0:
+        return None
+    warmup = 1 if len(clock.times) >= 3 else 0
+    doc = summarize([g[0] for g in gathered], rt.cfg.job.batch_size, rt.cfg.job.predicted_time_s, warmup)
+    doc.update(schedule=rt.cfg.job.schedule, microbatches=rt.cfg.job.microbatches, world_size=len(gathered))
+    doc["stash_log"] = {g[0].rank: g[2] for g in gathered}
+    write_json_atomic(run_dir(options) / "metrics.json", doc)
+    if options.trace:
+        write_trace(Path(options.trace), [g[1] for g in gathered])
+    return doc
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``torchrun ... -m runtime.worker PACKAGE [options]`` on each node."""
+    run_rank(from_argv(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    main()

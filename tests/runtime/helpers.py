@@ -1,0 +1,98 @@
+"""Single-process references the distributed runs are compared with, and a launcher for tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from runtime.data import SyntheticBatches
+from runtime.launch import launch
+from runtime.options import RunOptions
+from runtime.package import import_package
+from runtime.schedule import build
+
+__all__ = ["pipedream_reference", "plain_training", "run", "stage_state"]
+
+
+def run(package: Path, **kwargs: Any) -> dict[str, Any]:
+    """Launch a package on local gloo ranks (fork start, short timeout) and return rank 0's metrics."""
+    kwargs.setdefault("timeout", 30)
+    kwargs.setdefault("backend", "gloo")
+    result = launch(RunOptions(str(package), **kwargs))
+    assert result is not None
+    return result
+
+
+def stage_state(ckpt: Path, step: int, stage: int) -> dict[str, torch.Tensor]:
+    return torch.load(ckpt / f"step-{step}" / f"stage{stage}.pt", weights_only=True)["model"]  # type: ignore[no-any-return]
+
+
+def _micro(data: SyntheticBatches, step: int, m: int) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+    (x,), y = data.inputs(step), data.targets(step)
+    return [
+        (a, b, a.shape[0] / x.shape[0]) for a, b in zip(x.tensor_split(m), y.tensor_split(m), strict=True)
+    ]
+
+
+def plain_training(
+    package: Path, steps: int, microbatches: int, batch_size: int, optimizer: str = "sgd", **opt: Any
+) -> nn.Module:
+    """The whole model in one process, gradient accumulation over the same microbatches."""
+    pkg = import_package(package)
+    model, loss_fn = pkg.full_model(0), pkg.criterion()
+    data = SyntheticBatches(pkg, ["input0"], batch_size, seed=0)
+    make = torch.optim.Adam if optimizer == "adam" else torch.optim.SGD
+    optim = make(model.parameters(), **opt)
+    for step in range(steps):
+        for x, y, share in _micro(data, step, microbatches):
+            (loss_fn(model(x), y) * share).backward()
+        optim.step()
+        optim.zero_grad()
+    return model  # type: ignore[no-any-return]
+
+
+def _forward_versions(stages: int, microbatches: int, steps: int) -> list[dict[int, int]]:
+    """Per stage, the weight version (optimizer steps taken) each unit's forward saw under pipedream."""
+    out = []
+    for actions in build("pipedream", stages, microbatches, steps):
+        taken, seen = 0, {}
+        for a in actions:
+            if a.kind == "S":
+                taken += 1
+            elif a.kind == "F":
+                seen[a.index] = taken
+        out.append(seen)
+    return out
+
+
+def pipedream_reference(
+    package: Path, stages: int, steps: int, microbatches: int, batch_size: int, lr: float
+) -> tuple[list[dict[str, torch.Tensor]], list[dict[int, int]]]:
+    """PipeDream's semantics replayed in one process: each unit runs every stage on the weight version
+    that stage had at the unit's forward (and its backward uses those same weights); a stage's step
+    applies the minibatch's gradients to its newest weights. Returns final weights and the versions."""
+    pkg = import_package(package)
+    full, loss_fn = pkg.full_model(0), pkg.criterion()
+    data = SyntheticBatches(pkg, ["input0"], batch_size, seed=0)
+    versions = _forward_versions(stages, microbatches, steps)
+    weights = [[{n: p.detach().clone() for n, p in s.named_parameters()}] for s in full.stages]
+    for step in range(steps):
+        grads = [{n: torch.zeros_like(t) for n, t in w[-1].items()} for w in weights]
+        for j, (x, y, share) in enumerate(_micro(data, step, microbatches)):
+            unit, h = step * microbatches + j, x
+            used = [
+                {n: t.clone().requires_grad_() for n, t in weights[k][versions[k][unit]].items()}
+                for k in range(stages)
+            ]
+            for k in range(stages):
+                h = torch.func.functional_call(full.stages[k], used[k], (h,))
+            (loss_fn(h, y) * share).backward()
+            for k in range(stages):
+                for n, t in used[k].items():
+                    grads[k][n] += t.grad
+        for k in range(stages):
+            weights[k].append({n: t - lr * grads[k][n] for n, t in weights[k][-1].items()})
+    return [w[-1] for w in weights], versions
