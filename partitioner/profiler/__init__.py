@@ -1,0 +1,194 @@
+"""The profiler: model spec -> traced layers -> measured ``Profile``.
+
+Example:
+    >>> profile = profile_model("tiny-mlp", batch_size=4, repeats=1)
+    >>> [n.id for n in profile.nodes][:3]
+    ['x', 'fc1', 'act1']
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor, fx, nn
+
+from partitioner.errors import PipeplanError, TraceError
+from partitioner.graph import Node, Profile, TensorSpec
+from partitioner.models import ModelBundle, load_model
+from partitioner.profiler.measure import LayerCost, LayerProfiler, getattr_path, measure_loss, measure_step
+from partitioner.profiler.trace import Group, Traced, trace_model
+
+__all__ = ["profile_model", "resolve_device", "resolve_dtype"]
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int, int, str], None]
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` -> cuda when available, else cpu; an unavailable cuda is a user error."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise PipeplanError(f"unknown device {device!r}: use auto, cpu or cuda") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise PipeplanError("--device cuda asked for, but this torch has no usable GPU; use --device cpu")
+    return resolved
+
+
+def resolve_dtype(dtype: str) -> torch.dtype:
+    """``float32``/``fp32``, ``float16``/``fp16``/``half``, ``bfloat16``/``bf16``."""
+    names = {
+        "float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "float16": torch.float16,
+        "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    }  # fmt: skip
+    if dtype not in names:
+        raise PipeplanError(f"unknown dtype {dtype!r}: use float32, float16 or bfloat16")
+    return names[dtype]
+
+
+def profile_model(
+    spec: str,
+    batch_size: int = 1,
+    input_shape: tuple[int, ...] | None = None,
+    device: str = "auto",
+    dtype: str = "float32",
+    leaf_modules: Sequence[str] = (),
+    repeats: int = 3,
+    progress: Progress | None = None,
+) -> Profile:
+    """Trace ``spec`` and measure every layer at ``batch_size``; see ``partitioner.graph.Profile``.
+
+    Args:
+        spec: model spec (``vgg16``, ``torchvision:resnet50``, ``pkg.mod:fn``, ``file.py:fn``).
+        batch_size: samples per minibatch the times refer to.
+        input_shape: shape of one sample, overriding the model's default.
+        device: ``auto``, ``cpu`` or ``cuda``.
+        dtype: parameter and float-input dtype.
+        leaf_modules: classes kept as one layer each.
+        repeats: timed runs per layer (after one warm-up); the median is kept.
+        progress: called as ``progress(done, total, layer_name)`` after each layer.
+
+    Raises:
+        PipeplanError: bad spec, shapes, device or dtype; TraceError when the model cannot be traced.
+    """
+    if repeats <= 0:
+        raise PipeplanError(f"--repeats must be positive, got {repeats}")
+    started = time.perf_counter()
+    where, precision = resolve_device(device), resolve_dtype(dtype)
+    bundle = _placed(load_model(spec, batch_size, input_shape), where, precision)
+    traced = trace_model(bundle, leaf_modules, input_shape)
+    gm = traced.graph_module
+    try:
+        profiler = LayerProfiler(gm, traced.groups, repeats=repeats, progress=progress)
+        costs = profiler.profile(*bundle.inputs)
+        loss_ms = measure_loss(profiler.output, bundle.targets, bundle.loss_fn, repeats)
+        step = measure_step(bundle.module, bundle.inputs, bundle.targets, bundle.loss_fn, repeats)
+    except PipeplanError:
+        raise
+    except Exception as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise TraceError(
+            f"running the traced {spec} failed: {type(exc).__name__}: {first}; "
+            "mark the module that fails with --leaf-module CLASS"
+        ) from exc
+    nodes = _nodes(traced, costs, loss_ms, bundle.loss_fn)
+    return Profile(
+        nodes=nodes,
+        model=spec,
+        batch_size=batch_size,
+        inputs=tuple(TensorSpec(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in bundle.inputs),
+        device=str(where),
+        dtype=str(precision).removeprefix("torch."),
+        torch_version=torch.__version__,
+        tracer=traced.tracer,
+        tracer_options=dict(traced.options),
+        step_ms=step.step_ms,
+        tied=_tied(bundle.module),
+        extra={
+            "threads": torch.get_num_threads(),
+            "repeats": repeats,
+            "step_samples_ms": list(step.samples_ms),
+            "loss_ms": list(loss_ms),
+            "profile_wall_s": round(time.perf_counter() - started, 3),
+        },
+    )
+
+
+def _placed(bundle: ModelBundle, device: torch.device, dtype: torch.dtype) -> ModelBundle:
+    def move(t: Tensor) -> Tensor:
+        return t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+
+    bundle.module.to(device=device, dtype=dtype)
+    return replace(bundle, inputs=tuple(move(t) for t in bundle.inputs), targets=move(bundle.targets))
+
+
+def _tied(module: nn.Module) -> tuple[tuple[str, ...], ...]:
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return tuple(tuple(group) for group in names.values() if len(group) > 1)
+
+
+def _nodes(
+    traced: Traced, costs: dict[str, LayerCost], loss_ms: tuple[float, float], loss_fn: Callable[..., Any]
+) -> tuple[Node, ...]:
+    gm = traced.graph_module
+    owner = {m: g.id for g in traced.groups for m in g.members}
+    counted: set[int] = set()
+    nodes = []
+    for group in traced.groups:
+        members = [n for n in gm.graph.nodes if n.name in set(group.members)]
+        names, params = _group_params(gm, members)
+        fresh = [p for p in params if id(p) not in counted]
+        counted.update(id(p) for p in fresh)
+        sources = [
+            a for m in members for a in m.all_input_nodes if a.op != "get_attr" and owner[a.name] != group.id
+        ]
+        cost = costs[group.id]
+        fwd, bwd = (cost.forward_ms, cost.backward_ms) if group.op != "output" else loss_ms
+        description = group.description or (
+            f"loss: {getattr(loss_fn, '__name__', 'loss_fn')}" if group.op == "output" else ""
+        )
+        nodes.append(
+            Node(
+                id=group.id,
+                name=group.name,
+                op=group.op,
+                target=group.target,
+                inputs=tuple(dict.fromkeys(owner[a.name] for a in sources)),
+                forward_ms=fwd,
+                backward_ms=bwd,
+                output_bytes=cost.output_bytes,
+                saved_bytes=cost.saved_bytes,
+                param_bytes=sum(p.numel() * p.element_size() for p in fresh),
+                param_names=tuple(names),
+                description=description,
+                members=group.members if len(group.members) > 1 else (),
+            )
+        )
+    return tuple(nodes)
+
+
+def _group_params(gm: fx.GraphModule, members: list[fx.Node]) -> tuple[list[str], list[Tensor]]:
+    """Qualified names of the parameters a layer uses (tied ones under its own name) and the tensors."""
+    names: dict[str, Tensor] = {}
+    for m in members:
+        if m.op == "call_module":
+            sub = gm.get_submodule(str(m.target))
+            names.update(sub.named_parameters(prefix=str(m.target), remove_duplicate=False))
+        for a in [m, *m.all_input_nodes]:
+            if a.op == "get_attr" and isinstance(p := getattr_path(gm, str(a.target)), nn.Parameter):
+                names[str(a.target)] = p
+    unique = list({id(p): p for p in names.values()}.values())
+    return list(names), unique
+
+
+__all__ += ["Group", "Traced"]

@@ -44,21 +44,22 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
+        self.n_embd = cfg.n_embd
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.c_attn(x).split(c, dim=2)
-        q = q.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
-        k = k.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
-        v = v.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
+        # Shapes come from constants, not x.shape: a traced graph then never passes Python ints between
+        # layers, so any cut between layers only has tensors to send.
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q = q.unflatten(-1, (self.n_head, -1)).transpose(1, 2)
+        k = k.unflatten(-1, (self.n_head, -1)).transpose(1, 2)
+        v = v.unflatten(-1, (self.n_head, -1)).transpose(1, 2)
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(b, t, c)
-        out: torch.Tensor = self.resid_dropout(self.c_proj(y))
+        out: torch.Tensor = self.resid_dropout(self.c_proj(y.transpose(1, 2).flatten(2)))
         return out
 
 

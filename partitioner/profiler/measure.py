@@ -1,0 +1,335 @@
+"""Per-layer cost: forward and backward time, output, saved-for-backward and parameter bytes.
+
+``LayerProfiler`` is an fx ``Interpreter`` (as fx's ``ShapeProp`` is): it runs the graph once without
+autograd to capture every node's real input values, and each time a layer's last node has run it
+re-executes that layer alone on (copies of) its captured inputs, with autograd on, ``warmup + repeats``
+times: forward timed, then backward from the layer's outputs to its inputs and parameters, timed.
+The median of each is kept. The warm-up run also counts the bytes autograd saves for backward
+(``saved_tensors_hooks``), attributing a tensor saved by several layers to the first, and never counting
+parameters. ``measure_step`` times the whole model's forward + loss + backward, the yardstick that
+``Profile.fidelity`` compares the layer sum to.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, fx, nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from partitioner.profiler.trace import Group
+
+__all__ = ["LayerCost", "LayerProfiler", "StepCost", "Stopwatch", "measure_loss", "measure_step"]
+
+Progress = Callable[[int, int, str], None]
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """What one layer costs per minibatch.
+
+    Attributes:
+        forward_ms: median forward time.
+        backward_ms: median backward time (gradients of inputs that need them and of parameters).
+        output_bytes: bytes of the tensors other layers read from this one.
+        saved_bytes: bytes autograd keeps for backward, first counted here, parameters excluded.
+    """
+
+    forward_ms: float
+    backward_ms: float
+    output_bytes: int
+    saved_bytes: int
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One whole training step (forward, loss, backward) of the untouched model, median of repeats."""
+
+    step_ms: float
+    samples_ms: tuple[float, ...]
+
+
+class Stopwatch:
+    """Milliseconds of device work: CUDA events after a synchronisation on GPUs, perf_counter on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    @contextmanager
+    def time(self, into: list[float]) -> Iterator[None]:
+        """Append the elapsed milliseconds of the ``with`` body to ``into``."""
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            torch.cuda.synchronize()
+            start.record()
+            yield
+            end.record()
+            end.synchronize()
+            into.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            into.append((time.perf_counter() - t0) * 1e3)
+
+
+def _storage_key(t: Tensor) -> tuple[int, int]:
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, Tensor)]
+
+
+class LayerProfiler(fx.Interpreter):
+    """Runs a traced model once, measuring each ``Group`` of nodes in isolation as soon as it is complete.
+
+    Example:
+        >>> costs = LayerProfiler(traced.graph_module, traced.groups, repeats=3).profile(*inputs)
+    """
+
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        groups: Sequence[Group],
+        repeats: int = 3,
+        warmup: int = 1,
+        progress: Progress | None = None,
+        budget_ms: float = 500.0,
+    ) -> None:
+        super().__init__(gm, garbage_collect_values=False)
+        self.groups = list(groups)
+        self.repeats = max(1, repeats)
+        self.warmup = max(1, warmup)
+        self.progress = progress
+        self.budget_ms = budget_ms
+        self.output: Any = None
+        self.by_name = {n.name: n for n in gm.graph.nodes}
+        self.last_of = {g.members[-1]: g for g in self.groups}
+        self.member_of = {m: g.id for g in self.groups for m in g.members}
+        self.grad_nodes = self._nodes_needing_grad(gm)
+        device = next((p.device for p in gm.parameters()), torch.device("cpu"))
+        self.stopwatch = Stopwatch(device)
+        self.param_storages = {_storage_key(t)[0] for t in [*gm.parameters(), *gm.buffers()]}
+        self.seen_saved: set[int] = set()
+        self.costs: dict[str, LayerCost] = {}
+
+    def profile(self, *inputs: Tensor) -> dict[str, LayerCost]:
+        """Measure every group; keys are group ids."""
+        with torch.no_grad():
+            self.output = self.run(*inputs)
+        return self.costs
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        group = self.last_of.get(n.name)
+        if group is not None:
+            self.env[n] = result
+            self.costs[group.id] = self._measure(group)
+            if self.progress:
+                self.progress(len(self.costs), len(self.groups), group.name)
+        return result
+
+    def _nodes_needing_grad(self, gm: fx.GraphModule) -> set[str]:
+        """Nodes whose values depend on a trainable parameter: those get gradients in a real step."""
+        needing: set[str] = set()
+        for node in gm.graph.nodes:
+            own = node.op == "call_module" and any(
+                p.requires_grad for p in gm.get_submodule(node.target).parameters()
+            )
+            if node.op == "get_attr":
+                own = isinstance(getattr_path(gm, str(node.target)), nn.Parameter)
+            if own or any(a.name in needing for a in node.all_input_nodes):
+                needing.add(node.name)
+        return needing
+
+    # -------------------------------------------------------------- one group
+
+    def _measure(self, group: Group) -> LayerCost:
+        members = [self.by_name[m] for m in group.members]
+        if members[0].op in ("placeholder", "output"):
+            outputs = self.env[members[0]] if members[0].op == "placeholder" else ()
+            return LayerCost(0.0, 0.0, sum(t.nbytes for t in _tensors(outputs)), 0)
+        external = {a for m in members for a in m.all_input_nodes if a.name not in group.members}
+        exported = [m for m in members if any(self.member_of[u.name] != group.id for u in m.users)]
+        params = self._params_of(members)
+        saved = 0
+        forward: list[float] = []
+        backward: list[float] = []
+        for run in range(self.warmup + self.repeats):
+            if run > self.warmup and sum(forward) + sum(backward) >= self.budget_ms:
+                break  # a slow layer's median needs fewer samples: its relative noise is small
+            leaves, env, aliases = self._fresh_inputs(external)
+            outs, saved_keys = self._forward(members, env, forward if run >= self.warmup else [], run == 0)
+            differentiable = [t for m in exported for t in _tensors(outs[m.name]) if t.grad_fn is not None]
+            if run == 0:
+                saved = self._saved_bytes(saved_keys, aliases, exported, outs)
+            if differentiable and (leaves or params):
+                times = backward if run >= self.warmup else []
+                with torch.enable_grad(), self.stopwatch.time(times):
+                    torch.autograd.grad(
+                        differentiable,
+                        [*leaves, *params],
+                        [torch.ones_like(t) for t in differentiable],
+                        allow_unused=True,
+                    )
+        out_bytes = sum(t.nbytes for m in exported for t in _tensors(self.env[m]))
+        return LayerCost(_median(forward), _median(backward), out_bytes, saved)
+
+    def _params_of(self, members: list[fx.Node]) -> list[Tensor]:
+        found: dict[int, Tensor] = {}
+        for m in members:
+            if m.op == "call_module":
+                found.update((id(p), p) for p in self.module.get_submodule(str(m.target)).parameters())
+            for a in [m, *m.all_input_nodes]:
+                if a.op == "get_attr" and isinstance(
+                    p := getattr_path(self.module, str(a.target)), nn.Parameter
+                ):
+                    found[id(p)] = p
+        return [p for p in found.values() if p.requires_grad]
+
+    def _fresh_inputs(
+        self, external: set[fx.Node]
+    ) -> tuple[list[Tensor], dict[fx.Node, Any], dict[int, int]]:
+        """Copies of the captured inputs (in-place layers must not touch the originals); grad leaves where
+        the real step would compute input gradients. ``aliases`` maps copy storages to original ones."""
+        leaves: list[Tensor] = []
+        aliases: dict[int, int] = {}
+        env: dict[fx.Node, Any] = {}
+        for node in external:
+
+            def copy(v: Any, grad: bool = node.name in self.grad_nodes) -> Any:
+                if not isinstance(v, Tensor):
+                    return v
+                if grad and v.is_floating_point():
+                    leaf = v.detach().requires_grad_()
+                    leaves.append(leaf)
+                    with torch.enable_grad():
+                        c = leaf.clone()
+                else:
+                    c = v.clone()
+                aliases[_storage_key(c)[0]] = aliases[_storage_key(v)[0]] = _storage_key(v)[0]
+                return c
+
+            env[node] = tree_map(copy, self.env[node])
+        return leaves, env, aliases
+
+    def _forward(
+        self, members: list[fx.Node], env: dict[fx.Node, Any], times: list[float], record_saved: bool
+    ) -> tuple[dict[str, Any], list[tuple[int, int]]]:
+        saved: list[tuple[int, int]] = []
+
+        def pack(t: Tensor) -> Tensor:
+            saved.append(_storage_key(t))
+            return t
+
+        captured, self.env = self.env, env
+        try:
+            with torch.enable_grad(), self.stopwatch.time(times):
+                if record_saved:
+                    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                        outs = {m.name: self._run_member(m) for m in members}
+                else:
+                    outs = {m.name: self._run_member(m) for m in members}
+        finally:
+            self.env = captured
+        return outs, saved
+
+    def _run_member(self, m: fx.Node) -> Any:
+        self.env[m] = fx.Interpreter.run_node(self, m)
+        return self.env[m]
+
+    def _saved_bytes(
+        self,
+        keys: list[tuple[int, int]],
+        aliases: Mapping[int, int],
+        exported: list[fx.Node],
+        outs: dict[str, Any],
+    ) -> int:
+        """Distinct saved storages, parameters excluded; a captured tensor counts at its first saver."""
+        for m in exported:
+            for copy, original in zip(_tensors(outs[m.name]), _tensors(self.env[m]), strict=False):
+                aliases = {**aliases, _storage_key(copy)[0]: _storage_key(original)[0]}
+        total = 0
+        local: set[int] = set()
+        for ptr, nbytes in keys:
+            if ptr in self.param_storages or ptr == 0:
+                continue
+            shared = aliases.get(ptr)
+            if shared is not None:
+                if shared in self.seen_saved or shared in self.param_storages:
+                    continue
+                self.seen_saved.add(shared)
+            elif ptr in local:
+                continue
+            local.add(ptr)
+            total += nbytes
+        return total
+
+
+def getattr_path(root: nn.Module, target: str) -> Any:
+    """``root.a.b.c`` for target ``a.b.c``."""
+    value: Any = root
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0
+
+
+def measure_step(
+    module: nn.Module,
+    inputs: Sequence[Tensor],
+    targets: Tensor,
+    loss_fn: Callable[[Any, Tensor], Tensor],
+    repeats: int = 3,
+    warmup: int = 1,
+    budget_ms: float = 2000.0,
+) -> StepCost:
+    """Median time of ``loss_fn(module(*inputs), targets).backward()``, gradients cleared in between.
+
+    Runs ``warmup`` untimed steps, then up to ``repeats`` timed ones, stopping early once the timed
+    ones add up to ``budget_ms`` (at least one always runs)."""
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    stopwatch = Stopwatch(device)
+    times: list[float] = []
+    for run in range(max(1, warmup) + max(1, repeats)):
+        if times and sum(times) >= budget_ms:
+            break
+        module.zero_grad(set_to_none=True)
+        with torch.enable_grad(), stopwatch.time(times if run >= warmup else []):
+            loss_fn(module(*inputs), targets).backward()  # type: ignore[no-untyped-call]
+    module.zero_grad(set_to_none=True)
+    return StepCost(_median(times), tuple(times))
+
+
+def measure_loss(
+    output: Any, targets: Tensor, loss_fn: Callable[[Any, Tensor], Tensor], repeats: int = 3, warmup: int = 1
+) -> tuple[float, float]:
+    """(forward_ms, backward_ms) of the loss alone on a captured model output."""
+    logits = [t for t in _tensors(output) if t.is_floating_point()]
+    device = logits[0].device if logits else torch.device("cpu")
+    stopwatch = Stopwatch(device)
+    forward: list[float] = []
+    backward: list[float] = []
+    for run in range(max(1, warmup) + max(1, repeats)):
+        leaf_out = tree_map(
+            lambda v: v.detach().requires_grad_() if isinstance(v, Tensor) and v.is_floating_point() else v,
+            output,
+        )
+        with torch.enable_grad():
+            with stopwatch.time(forward if run >= warmup else []):
+                loss = loss_fn(leaf_out, targets)
+            if loss.grad_fn is not None:
+                with stopwatch.time(backward if run >= warmup else []):
+                    loss.backward()  # type: ignore[no-untyped-call]
+    return _median(forward), _median(backward)

@@ -1,0 +1,323 @@
+"""Model -> graph -> layers: torch.fx tracing with leaf-module rules, torch.export as the fallback.
+
+torch.fx keeps torch.nn built-ins (and ``--leaf-module`` classes) as single ``call_module`` nodes, which
+are the natural layers of a pipeline. Models fx cannot trace (Hugging Face transformers, data-dependent
+Python) go through ``torch.export`` non-strict instead; its aten ops are grouped back into layers with
+``node.meta["nn_module_stack"]``. Either way the result is a list of ``Group``s: consecutive graph nodes
+that become one profile node. Free ops (views, getattr, size) are folded into a neighbour when that
+hides no tensor the optimizer could cut at.
+
+Example:
+    >>> from partitioner.models import load_model
+    >>> traced = trace_model(load_model("tiny-cnn", batch_size=2))
+    >>> traced.tracer, traced.groups[1].name
+    ('fx', 'stem')
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from partitioner.errors import TraceError
+from partitioner.models import ModelBundle, load_model
+
+__all__ = ["Group", "Traced", "group_nodes", "retrace", "trace_model"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Group:
+    """Consecutive graph nodes measured (and later cut) as one layer.
+
+    Attributes:
+        id: the first member's node name: stable from one trace to the next.
+        name: the module path a person recognises (``features.3``, ``transformer.h.0``).
+        op: ``input``, ``output``, ``call_module``, ``call_function``, ``call_method`` or ``get_attr``.
+        target: module class or function name.
+        members: graph node names in graph order (always includes ``id``).
+        description: short human text, e.g. the module's repr.
+    """
+
+    id: str
+    name: str
+    op: str
+    target: str
+    members: tuple[str, ...]
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Traced:
+    """A traced model and its layers.
+
+    Attributes:
+        graph_module: the fx GraphModule (from ``symbolic_trace`` or ``torch.export(...).module()``).
+        tracer: ``fx`` or ``export``.
+        options: what ``retrace`` needs to rebuild the same graph: spec, batch size, input shape,
+            leaf modules, tracer.
+        groups: the layers, in topological order.
+    """
+
+    graph_module: fx.GraphModule
+    tracer: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+    groups: tuple[Group, ...] = ()
+
+
+def trace_model(
+    bundle: ModelBundle, leaf_modules: Sequence[str] = (), input_shape: tuple[int, ...] | None = None
+) -> Traced:
+    """Trace ``bundle.module`` with fx, or with torch.export when fx cannot.
+
+    Args:
+        bundle: the model and its example inputs.
+        leaf_modules: class names (``GPT2Block``) or qualified class names kept as one layer each.
+        input_shape: recorded in the options so ``retrace`` loads the same inputs.
+
+    Raises:
+        TraceError: neither tracer worked (names the module where fx failed) or a leaf name matches nothing.
+    """
+    leaves = tuple(leaf_modules)
+    _check_leaf_names(bundle.module, leaves)
+    options: dict[str, Any] = {
+        "spec": bundle.spec,
+        "batch_size": bundle.batch_size,
+        "input_shape": list(input_shape) if input_shape else None,
+        "leaf_modules": list(leaves),
+    }
+    tracer = _FxTracer(leaves)
+    try:
+        graph = tracer.trace(bundle.module)
+        gm = fx.GraphModule(bundle.module, graph, type(bundle.module).__name__)
+        kind = "fx"
+    except Exception as fx_exc:
+        log.info("torch.fx failed (%s); falling back to torch.export", fx_exc)
+        gm = _export(bundle, fx_exc, tracer.failed_in)
+        kind = "export"
+    options["tracer"] = kind
+    return Traced(gm, kind, options, group_nodes(gm, kind, leaves))
+
+
+def retrace(options: Mapping[str, Any]) -> Traced:
+    """Rebuild the graph a profile was measured on, from its ``tracer_options`` (same node names)."""
+    shape = options.get("input_shape")
+    bundle = load_model(str(options["spec"]), int(options["batch_size"]), tuple(shape) if shape else None)
+    traced = trace_model(bundle, tuple(options.get("leaf_modules", ())), tuple(shape) if shape else None)
+    if traced.tracer != options.get("tracer", traced.tracer):
+        raise TraceError(
+            f"re-tracing {options['spec']} used {traced.tracer}, the profile used {options['tracer']}"
+        )
+    return traced
+
+
+# ---------------------------------------------------------------- tracing
+
+
+class _FxTracer(fx.Tracer):
+    """fx's tracer plus user leaf classes, remembering which module it was inside when tracing failed."""
+
+    def __init__(self, leaf_modules: Sequence[str]) -> None:
+        super().__init__()
+        self.leaf_modules = set(leaf_modules)
+        self.path: list[tuple[str, str]] = []
+        self.failed_in: tuple[str, str] | None = None
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        cls = type(m)
+        if {cls.__name__, f"{cls.__module__}.{cls.__qualname__}"} & self.leaf_modules:
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        self.path.append((self.path_of_module(m), type(m).__name__))
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_in is None:
+                self.failed_in = self.path[-1]
+            raise
+        finally:
+            self.path.pop()
+
+
+def _check_leaf_names(module: nn.Module, leaves: Sequence[str]) -> None:
+    known = set()
+    for m in module.modules():
+        known |= {type(m).__name__, f"{type(m).__module__}.{type(m).__qualname__}"}
+    missing = [name for name in leaves if name not in known]
+    if missing:
+        classes = sorted({type(m).__name__ for m in module.modules()})
+        raise TraceError(
+            f"--leaf-module {missing[0]} matches no module of the model; its classes: {', '.join(classes)}"
+        )
+
+
+def _export(bundle: ModelBundle, fx_exc: Exception, failed_in: tuple[str, str] | None) -> fx.GraphModule:
+    """torch.export non-strict, batch dimension left dynamic when the model allows it."""
+    inputs = bundle.inputs if bundle.batch_size > 1 else bundle.make_inputs(2)
+    dynamic = tuple({0: torch.export.Dim.AUTO} for _ in inputs)
+    try:
+        program = torch.export.export(bundle.module, inputs, dynamic_shapes=dynamic, strict=False)
+    except Exception as exc:
+        where = f" in module {failed_in[0] or '<root>'} ({failed_in[1]})" if failed_in else ""
+        hint = f"--leaf-module {failed_in[1]}" if failed_in else "--leaf-module CLASS on the module doing it"
+        raise TraceError(
+            f"cannot trace {bundle.spec}: torch.fx failed{where}: {_first_line(fx_exc)}; "
+            f"torch.export failed: {_first_line(exc)}; keep that module whole with {hint}"
+        ) from exc
+    return program.module()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+# ---------------------------------------------------------------- grouping
+
+_FREE_FUNCTIONS = {getattr, operator.getitem, torch.flatten, torch.Tensor.size}
+_FREE_METHODS = {
+    "size", "dim", "view", "reshape", "flatten", "contiguous", "unsqueeze", "squeeze", "expand",
+    "permute", "transpose", "split", "chunk", "type_as", "to", "detach", "unflatten",
+}  # fmt: skip
+_FREE_ATEN = re.compile(
+    r"^aten\.(view|_unsafe_view|reshape|unsqueeze|squeeze|permute|transpose|t|expand|slice|select|split|"
+    r"alias|detach|sym_size|_assert_tensor_metadata|clone|contiguous)\b"
+)
+
+
+def _is_free(node: fx.Node) -> bool:
+    """Ops that cost nothing and copy nothing: views, shape queries, attribute and item access."""
+    if node.op == "get_attr":
+        return True
+    if node.op == "call_method":
+        return str(node.target) in _FREE_METHODS
+    if node.op == "call_function":
+        return node.target in _FREE_FUNCTIONS or bool(_FREE_ATEN.match(str(node.target)))
+    return False
+
+
+def group_nodes(gm: fx.GraphModule, tracer: str, leaf_modules: Sequence[str] = ()) -> tuple[Group, ...]:
+    """Split the graph into layers: one per node (fx) or per module run (export), free ops folded in."""
+    nodes = list(gm.graph.nodes)
+    units = _module_runs(nodes, set(leaf_modules)) if tracer == "export" else [[n] for n in nodes]
+    units = _fold_free(units)
+    return tuple(_describe(gm, unit, tracer, leaf_modules) for unit in units)
+
+
+def _module_key(node: fx.Node, leaves: set[str]) -> str:
+    """The module an exported op belongs to: a leaf class, else a numbered block, else the innermost."""
+    stack = list((node.meta.get("nn_module_stack") or {}).values())
+    if not stack:
+        return ""
+    paths = [(str(path), str(cls).rsplit(".", 1)[-1]) for path, cls in stack]
+    for path, cls in paths:
+        if cls in leaves:
+            return path
+    for path, _ in paths:
+        if re.search(r"(^|\.)\d+$", path):
+            return path
+    return paths[-1][0]
+
+
+def _module_runs(nodes: list[fx.Node], leaves: set[str]) -> list[list[fx.Node]]:
+    """Maximal runs of consecutive ops under one module; runs of a linear order keep the graph acyclic."""
+    units: list[list[fx.Node]] = []
+    last_key: str | None = None
+    for node in nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            units.append([node])
+            last_key = None
+            continue
+        key = _module_key(node, leaves)
+        if units and key == last_key:
+            units[-1].append(node)
+        else:
+            units.append([node])
+        last_key = key
+    return units
+
+
+def _fold_free(units: list[list[fx.Node]]) -> list[list[fx.Node]]:
+    """Fold all-free units into their only producer (if they are its only reader) or first consumer."""
+    owner = {n: i for i, unit in enumerate(units) for n in unit}
+    index = {n: i for i, n in enumerate(n for unit in units for n in unit)}
+
+    def producers(i: int) -> set[int]:
+        return {owner[a] for n in units[i] for a in n.all_input_nodes} - {i}
+
+    def consumers(i: int) -> set[int]:
+        return {owner[u] for n in units[i] for u in n.users} - {i}
+
+    def foldable(i: int) -> bool:
+        return bool(units[i]) and all(_is_free(n) for n in units[i])
+
+    for node in list(owner):  # unpacking stays with what it unpacks: tuples never cross layers
+        if node.users and all(u.op == "call_function" and u.target is operator.getitem for u in node.users):
+            for user in node.users:
+                if owner[user] != owner[node] and len(units[owner[user]]) == 1:
+                    _move(units, owner, owner[user], owner[node], index)
+    for i in range(len(units)):
+        prods = producers(i) if foldable(i) else set()
+        if len(prods) == 1:
+            (p,) = prods
+            if units[p][0].op != "placeholder" and (consumers(p) == {i} or not consumers(i)):
+                _move(units, owner, i, p, index)
+    for i in reversed(range(len(units))):
+        cons = consumers(i) if foldable(i) else set()
+        if cons and (units[i][0].op == "get_attr" or len(cons) == 1):
+            c = min(cons)
+            if units[c][0].op not in ("output", "placeholder"):
+                _move(units, owner, i, c, index)
+    return [unit for unit in units if unit]
+
+
+def _move(
+    units: list[list[fx.Node]], owner: dict[fx.Node, int], src: int, dst: int, index: dict[fx.Node, int]
+) -> None:
+    for n in units[src]:
+        owner[n] = dst
+    units[dst] = sorted(units[dst] + units[src], key=index.__getitem__)
+    units[src] = []
+
+
+def _describe(gm: fx.GraphModule, unit: list[fx.Node], tracer: str, leaves: Sequence[str]) -> Group:
+    head = next((n for n in unit if not _is_free(n)), unit[0])
+    members = tuple(n.name for n in unit)
+    if head.op == "placeholder":
+        return Group(unit[0].name, head.name, "input", "input", members)
+    if head.op == "output":
+        return Group(unit[0].name, "output", "output", "output", members)
+    if head.op == "call_module" and tracer == "fx":
+        sub = gm.get_submodule(str(head.target))
+        text = " ".join(repr(sub).split())[:120]
+        return Group(unit[0].name, str(head.target), "call_module", type(sub).__name__, members, text)
+    if tracer == "export":
+        key = _module_key(head, set(leaves))
+        cls = _module_class(head, key)
+        ops = sorted(
+            {str(n.target).removeprefix("aten.").split(".")[0] for n in unit if n.op == "call_function"}
+        )
+        return Group(
+            unit[0].name, key or head.name, "call_module", cls, members, "ops: " + ", ".join(ops)[:120]
+        )
+    stack = list((head.meta.get("nn_module_stack") or {}).values())
+    prefix = f"{stack[-1][0]}." if stack and stack[-1][0] else ""
+    target = getattr(head.target, "__name__", str(head.target))
+    return Group(unit[0].name, prefix + head.name, head.op, target, members)
+
+
+def _module_class(node: fx.Node, key: str) -> str:
+    for path, cls in (node.meta.get("nn_module_stack") or {}).values():
+        if path == key:
+            return str(cls).rsplit(".", 1)[-1]
+    return getattr(node.target, "__name__", str(node.target))
