@@ -89,7 +89,7 @@ def profile_model(
     try:
         profiler = LayerProfiler(gm, traced.groups, repeats=repeats, progress=progress)
         costs = profiler.profile(*bundle.inputs)
-        loss_ms = measure_loss(profiler.output, bundle.targets, bundle.loss_fn, repeats)
+        loss_ms = measure_loss(profiler.result, bundle.targets, bundle.loss_fn, repeats)
         step = measure_step(bundle.module, bundle.inputs, bundle.targets, bundle.loss_fn, repeats)
     except PipeplanError:
         raise
@@ -185,7 +185,11 @@ def _group_params(gm: fx.GraphModule, members: list[fx.Node]) -> tuple[list[str]
             sub = gm.get_submodule(str(m.target))
             names.update(sub.named_parameters(prefix=str(m.target), remove_duplicate=False))
         for a in [m, *m.all_input_nodes]:
-            if a.op == "get_attr" and isinstance(p := getattr_path(gm, str(a.target)), nn.Parameter):
+            if (
+                a.op == "get_attr"
+                and a.users
+                and isinstance(p := getattr_path(gm, str(a.target)), nn.Parameter)
+            ):
                 names[str(a.target)] = p
     unique = list({id(p): p for p in names.values()}.values())
     return list(names), unique

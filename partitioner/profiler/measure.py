@@ -110,7 +110,7 @@ class LayerProfiler(fx.Interpreter):
         self.warmup = max(1, warmup)
         self.progress = progress
         self.budget_ms = budget_ms
-        self.output: Any = None
+        self.result: Any = None
         self.by_name = {n.name: n for n in gm.graph.nodes}
         self.last_of = {g.members[-1]: g for g in self.groups}
         self.member_of = {m: g.id for g in self.groups for m in g.members}
@@ -124,7 +124,7 @@ class LayerProfiler(fx.Interpreter):
     def profile(self, *inputs: Tensor) -> dict[str, LayerCost]:
         """Measure every group; keys are group ids."""
         with torch.no_grad():
-            self.output = self.run(*inputs)
+            self.result = self.run(*inputs)
         return self.costs
 
     def run_node(self, n: fx.Node) -> Any:

@@ -197,7 +197,7 @@ _FREE_ATEN = re.compile(
 
 def _is_free(node: fx.Node) -> bool:
     """Ops that cost nothing and copy nothing: views, shape queries, attribute and item access."""
-    if node.op == "get_attr":
+    if node.op == "get_attr" or (node.op == "call_module" and node.target == "_guards_fn"):
         return True
     if node.op == "call_method":
         return str(node.target) in _FREE_METHODS
@@ -278,6 +278,11 @@ def _fold_free(units: list[list[fx.Node]]) -> list[list[fx.Node]]:
             c = min(cons)
             if units[c][0].op not in ("output", "placeholder"):
                 _move(units, owner, i, c, index)
+    for i in range(len(units)):  # unused free ops (guards, asserts, dead get_attr) ride with the next layer
+        if foldable(i) and not consumers(i):
+            after = [j for j in range(i + 1, len(units)) if units[j] and units[j][0].op != "placeholder"]
+            if after and units[after[0]][0].op != "output":
+                _move(units, owner, i, after[0], index)
     return [unit for unit in units if unit]
 
 
@@ -291,7 +296,7 @@ def _move(
 
 
 def _describe(gm: fx.GraphModule, unit: list[fx.Node], tracer: str, leaves: Sequence[str]) -> Group:
-    head = next((n for n in unit if not _is_free(n)), unit[0])
+    head = next((n for n in unit if not _is_free(n)), unit[-1])
     members = tuple(n.name for n in unit)
     if head.op == "placeholder":
         return Group(unit[0].name, head.name, "input", "input", members)
