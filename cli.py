@@ -67,6 +67,170 @@ def main(debug: bool, verbose: int) -> None:
 # (owned by the profiler: partitioner/profiler, partitioner/models.py)
 
 
+def _parse_shape(text: str | None) -> tuple[int, ...] | None:
+    """``3,224,224`` -> (3, 224, 224); a PipeplanError names the bad value."""
+    from partitioner.errors import PipeplanError
+
+    if text is None:
+        return None
+    try:
+        shape = tuple(int(part) for part in text.replace("x", ",").split(","))
+    except ValueError:
+        shape = ()
+    if not shape or any(d <= 0 for d in shape):
+        raise PipeplanError(
+            f"bad --input-shape {text!r}: give one sample's shape as positive integers, e.g. 3,224,224 or 128"
+        )
+    return shape
+
+
+def _check_output(path: Any) -> None:
+    """Fail before a long measurement, not after: the folder must be writable and no foreign file replaced."""
+    import tempfile
+
+    from partitioner.errors import PipeplanError, ProfileFormatError
+    from partitioner.graph import load_profile
+
+    if path.is_dir():
+        raise PipeplanError(f"output {path} is a folder; give a file name such as {path / 'profile.json'}")
+    if path.exists():
+        try:
+            load_profile(path)
+        except ProfileFormatError as exc:
+            raise PipeplanError(f"refusing to overwrite {path}: {exc}") from exc
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as exc:
+        raise PipeplanError(
+            f"cannot write {path}: {exc.strerror or exc}; choose another -o/--output"
+        ) from exc
+
+
+def _profile_table(profile: Any, top: int) -> Any:
+    from rich.table import Table
+
+    total = profile.total_compute_ms or 1.0
+    table = Table(title=f"{profile.model}: top {top} layers by forward+backward time", title_justify="left")
+    for column in ("layer", "type", "fwd ms", "bwd ms", "share", "output MB", "saved MB", "params M"):
+        table.add_column(column, justify="left" if column in ("layer", "type") else "right")
+    mb = 1 / 2**20
+    for node in sorted(profile.nodes, key=lambda n: -n.compute_ms)[:top]:
+        params = node.param_bytes / (4 if profile.dtype == "float32" else 2) / 1e6
+        table.add_row(
+            node.name if node.op != "output" else "(loss)",
+            node.target,
+            f"{node.forward_ms:.2f}",
+            f"{node.backward_ms:.2f}",
+            f"{100 * node.compute_ms / total:.1f}%",
+            f"{node.output_bytes * mb:.2f}",
+            f"{node.saved_bytes * mb:.2f}",
+            f"{params:.2f}",
+        )
+    return table
+
+
+def _profile_totals(profile: Any, path: Any) -> str:
+    mb = 1 / 2**20
+    fwd = sum(n.forward_ms for n in profile.nodes)
+    bwd = sum(n.backward_ms for n in profile.nodes)
+    fidelity = f"{profile.fidelity:.2f}" if profile.fidelity else "n/a"
+    elem = 4 if profile.dtype == "float32" else 2
+    params = profile.total_param_bytes
+    activations = sum(n.output_bytes for n in profile.nodes) * mb
+    saved = sum(n.saved_bytes for n in profile.nodes) * mb
+    return (
+        f"{len(profile.layers)} layers ({profile.tracer}), {params / elem / 1e6:.2f}M params "
+        f"({params * mb:.1f} MB), activations {activations:.1f} MB, saved for backward {saved:.1f} MB\n"
+        f"forward {fwd:.1f} ms + backward {bwd:.1f} ms = {fwd + bwd:.1f} ms; "
+        f"whole step {profile.step_ms or 0:.1f} ms; fidelity {fidelity} "
+        f"(batch {profile.batch_size}, {profile.device}, {profile.dtype})\n"
+        f"wrote {path}"
+    )
+
+
+@main.command()
+@click.argument("model")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=str),
+    default=None,
+    help="Where to write the profile  [default: profiles/<model>/profile.json]",
+)
+@click.option("--batch-size", type=int, default=1, show_default=True, help="Samples per minibatch.")
+@click.option(
+    "--input-shape", default=None, help="One sample's shape, e.g. 3,224,224 (images) or 128 (tokens)."
+)
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option(
+    "--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True
+)
+@click.option(
+    "--leaf-module",
+    "leaf_modules",
+    multiple=True,
+    metavar="CLASS",
+    help="Keep every module of this class as one layer (repeatable), e.g. GPT2Block.",
+)
+@click.option("--repeats", type=int, default=3, show_default=True, help="Timed runs per layer (median kept).")
+@click.option("--top", type=int, default=10, show_default=True, help="Layers shown in the summary table.")
+@click.option("--json", "as_json", is_flag=True, help="Print only the profile JSON on stdout.")
+@user_errors
+def profile(
+    model: str,
+    output: str | None,
+    batch_size: int,
+    input_shape: str | None,
+    device: str,
+    dtype: str,
+    leaf_modules: tuple[str, ...],
+    repeats: int,
+    top: int,
+    as_json: bool,
+) -> None:  # fmt: skip
+    """Trace MODEL and measure every layer's time and memory -> profile.json.
+
+    \b
+    MODEL is a built-in name (vgg16, resnet50, gpt2, tiny-mlp, ...), torchvision:NAME,
+    package.module:factory, or path/to/file.py:factory (the factory returns a module, or
+    (module, example_inputs); the file may define example_inputs(batch_size),
+    example_targets(batch_size) and loss_fn(output, target)).
+    """
+    import json
+    from pathlib import Path
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from partitioner.errors import PipeplanError
+    from partitioner.graph import profile_to_json, save_profile
+    from partitioner.models import model_name
+    from partitioner.profiler import profile_model
+
+    if batch_size <= 0:
+        raise PipeplanError(f"--batch-size must be positive, got {batch_size}")
+    shape = _parse_shape(input_shape)
+    path = Path(output) if output else Path("profiles") / model_name(model) / "profile.json"
+    _check_output(path)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=_console(stderr=True), transient=True) as bar:
+        task = bar.add_task(f"tracing {model}", total=None)
+
+        def progress(done: int, total: int, name: str) -> None:
+            bar.update(task, completed=done, total=total, description=f"measuring {name}")
+
+        result = profile_model(model, batch_size, shape, device, dtype, leaf_modules, repeats, progress)
+        bar.update(task, description="whole-step timing")
+    save_profile(result, path)
+    if as_json:
+        click.echo(json.dumps(profile_to_json(result), indent=1))
+        return
+    console = _console()
+    console.print(_profile_table(result, top))
+    console.print(_profile_totals(result, path))
+
+
 # ----------------------------------------------------------------------------- partition
 # (owned by the optimizer: partitioner/optimizer, partitioner/codegen.py)
 
@@ -77,6 +241,128 @@ def main(debug: bool, verbose: int) -> None:
 
 # ----------------------------------------------------------------------------- run
 # (owned by the runtime: runtime/)
+
+
+@main.command()
+@click.argument("package", required=False, type=click.Path(file_okay=False))
+@click.option("--steps", type=click.IntRange(min=1), help="Minibatches to train (in total, with --resume).")
+@click.option("--epochs", type=click.IntRange(min=1), help="Passes over the data (default 1) if no --steps.")
+@click.option("--batch-size", type=click.IntRange(min=1), help="Samples per minibatch [plan.json].")
+@click.option("--microbatches", type=click.IntRange(min=1), help="Microbatches per minibatch [plan.json].")
+@click.option("--schedule", type=click.Choice(["pipedream", "1f1b", "gpipe"]), help="[plan.json]")
+@click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default="auto", show_default=True)
+@click.option("--data", default="synthetic", show_default=True, help="synthetic, module:fn or file.py:fn.")
+@click.option("--optimizer", type=click.Choice(["sgd", "adam"]), default="sgd", show_default=True)
+@click.option("--lr", type=float, default=0.01, show_default=True)
+@click.option("--momentum", type=float, default=0.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--shuffle", is_flag=True, help="Shuffle a user dataset every epoch.")
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False))
+@click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, help="Steps between checkpoints.")
+@click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint.")
+@click.option("--trace", type=click.Path(dir_okay=False), help="Merged Chrome trace.")
+@click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True)
+@click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--master-addr", default="127.0.0.1", show_default=True)
+@click.option("--master-port", type=click.IntRange(min=0, max=65535), default=0, help="0: a free port.")
+@click.option("--dry-run", is_flag=True, help="Print each node's torchrun command instead of running.")
+@user_errors
+def run(package: str | None, dry_run: bool, **opts: Any) -> None:
+    """Train a generated PACKAGE on its ranks (default: the newest under ./models).
+
+    \b
+    Examples:
+      pipeplan run --steps 20
+      pipeplan run models/vgg16/gpus=4 --schedule 1f1b --microbatches 8 --trace trace.json
+      pipeplan run PKG --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500
+    """
+    from pathlib import Path
+
+    from runtime.config import newest_package
+    from runtime.options import RunOptions
+
+    if opts["steps"] and opts["epochs"]:
+        raise click.UsageError("give --steps or --epochs, not both")
+    folder = Path(package) if package is not None else newest_package("models")
+    if (opts["checkpoint_every"] or opts["resume"]) and opts["checkpoint_dir"] is None:
+        opts["checkpoint_dir"] = folder / "run" / "checkpoints"
+    for key in ("checkpoint_dir", "trace"):
+        opts[key] = str(opts[key]) if opts[key] is not None else None
+    options = RunOptions(package=str(folder), **opts)
+    if dry_run:
+        from runtime.launch import torchrun_commands
+
+        for line in torchrun_commands(options):
+            click.echo(line)
+        return
+    _run_and_report(options)
+
+
+def _run_and_report(options: Any) -> None:
+    """Launch with a progress bar fed by the loss-reporting rank, then print measured vs predicted."""
+    from pathlib import Path
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from runtime.data import SYNTHETIC_STEPS
+    from runtime.errors import JobFailed
+    from runtime.launch import check_launch, launch
+
+    check_launch(options)
+    total = options.steps or (
+        (options.epochs or 1) * SYNTHETIC_STEPS if options.data == "synthetic" else None
+    )
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=_console(stderr=True), transient=False) as bar:
+        task = bar.add_task(f"training {Path(options.package).name}", total=total)
+
+        def on_progress(step: int, loss: float) -> None:
+            bar.update(task, completed=step, description=f"step {step} loss {loss:.4f}")
+
+        try:
+            metrics = launch(options, on_progress)
+        except JobFailed as exc:
+            bar.stop()
+            _console(stderr=True).print(f"[red]error:[/red] training failed: {exc}", soft_wrap=True)
+            sys.exit(1)
+    if metrics is not None:
+        _print_run_table(metrics, Path(options.run_dir or Path(options.package) / "run") / "metrics.json")
+
+
+def _print_run_table(metrics: dict[str, Any], path: object) -> None:
+    from rich.table import Table
+
+    def ms(value: float | None) -> str:
+        return f"{value * 1e3:.2f} ms" if value is not None else "-"
+
+    ratio = metrics.get("ratio_measured_over_predicted")
+    table = Table(
+        title=f"{metrics['schedule']}, {metrics['microbatches']} microbatches, {metrics['world_size']} ranks"
+    )
+    for col in ("", "measured", "predicted (plan.json)", "measured/predicted"):
+        table.add_column(col, justify="right")
+    table.add_row(
+        "time per minibatch",
+        ms(metrics["time_per_minibatch_s"]),
+        ms(metrics["predicted_time_per_minibatch_s"]),
+        f"{ratio:.2f}" if ratio is not None else "-",
+    )
+    ranks = Table(title="per rank (seconds over all steps)")
+    for col in ("rank", "stage", "compute", "comm", "idle"):
+        ranks.add_column(col, justify="right")
+    for r in metrics["ranks"]:
+        ranks.add_row(
+            *(str(r[k]) for k in ("rank", "stage")),
+            *(f"{r[k]:.3f}" for k in ("compute_s", "comm_s", "idle_s")),
+        )
+    console = _console()
+    console.print(table)
+    console.print(ranks)
+    losses = metrics["losses"]
+    if losses:
+        console.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
+    console.print(f"metrics: {path}")
 
 
 if __name__ == "__main__":
