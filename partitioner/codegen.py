@@ -33,17 +33,28 @@ from partitioner.package_text import init_text, source_text, stage_text
 from partitioner.plan import Plan, Tie, mp_conf, plan_to_json
 from partitioner.split import StageGraph, split_graph, tensor_kinds
 
-__all__ = ["GENERATOR", "assignment_of", "ties_of", "write_package", "write_plan_files"]
+__all__ = ["EXACT_INIT_MAX_BYTES", "assignment_of", "ties_of", "write_package", "write_plan_files"]
 
 log = logging.getLogger(__name__)
 
-GENERATOR = "pipeplan (partitioner.codegen)"
+EXACT_INIT_MAX_BYTES = 2 * 2**30  # larger models initialise per module, so no rank builds all of it
 
 
-def write_package(profile: Profile, plan: Plan, out_dir: Path, weights: Path | None = None) -> Plan:
+def write_package(
+    profile: Profile, plan: Plan, out_dir: Path, weights: Path | None = None, init: str = "auto"
+) -> Plan:
     """Re-trace the profiled model and write its stage package into ``out_dir`` (replaced atomically).
 
     For a PipeDream graph.txt profile there is no model to trace: only plan.json and mp_conf.json.
+
+    Args:
+        profile: the profile the plan was made from (model spec and tracer options).
+        plan: the stages; their nodes are profile node ids.
+        out_dir: the package folder (``models/<model>/gpus=N``).
+        weights: a ``torch.save(model.state_dict())`` file the stages load their tensors from.
+        init: ``exact`` (stages start as ``torch.manual_seed(seed); factory()`` would; each rank
+            builds the whole model on the CPU once), ``seeded`` (per-module seeds; a rank builds
+            only its stage) or ``auto`` (exact up to 2 GiB of parameters, else seeded).
 
     Raises:
         PackageError: the weights file lacks tensors, or the loss cannot be expressed by the package.
@@ -52,16 +63,19 @@ def write_package(profile: Profile, plan: Plan, out_dir: Path, weights: Path | N
     if profile.tracer == "pipedream":
         write_plan_files(plan, Path(out_dir))
         return plan
-    from partitioner.profiler.trace import retrace
+    from partitioner.models import load_model
+    from partitioner.profiler.trace import trace_model
 
     options = dict(profile.tracer_options) or {"spec": profile.model, "batch_size": profile.batch_size or 1}
-    traced = retrace(options)
-    from partitioner.models import load_model
-
-    shape = options.get("input_shape")
-    bundle = load_model(str(options["spec"]), int(options["batch_size"]), tuple(shape) if shape else None)
+    shape = tuple(options["input_shape"]) if options.get("input_shape") else None
+    bundle = load_model(str(options.get("spec", profile.model)), int(options.get("batch_size") or 1), shape)
+    traced = trace_model(bundle, tuple(options.get("leaf_modules", ())), shape)
+    if traced.tracer != profile.tracer:
+        raise PackageError(
+            f"re-tracing {bundle.spec} used {traced.tracer}, the profile used {profile.tracer}"
+        )
     return write_package_from_trace(
-        profile, plan, Path(out_dir), traced.graph_module, bundle, traced.tracer, weights
+        profile, plan, Path(out_dir), traced.graph_module, bundle, traced.tracer, weights, init
     )
 
 
@@ -79,12 +93,19 @@ def write_package_from_trace(
     bundle: Any,
     tracer: str,
     weights: Path | None = None,
+    init: str = "auto",
 ) -> Plan:
     """The package for an already traced graph; ``bundle`` is the profiler's ModelBundle."""
+    if init not in ("auto", "exact", "seeded"):
+        raise PackageError(f"init must be auto, exact or seeded, got {init!r}")
+    if init == "auto":
+        size = sum(p.numel() * p.element_size() for p in bundle.module.parameters())
+        init = "exact" if size <= EXACT_INIT_MAX_BYTES else "seeded"
     inputs = tuple(bundle.inputs)
     kinds, loss_node = tensor_kinds(gm, inputs)
+    drop = _foreign_calls(gm, bundle.module)
     stages = split_graph(
-        gm, assignment_of(profile, plan), len(plan.stages), kinds, loss_node, tracer == "export"
+        gm, assignment_of(profile, plan), len(plan.stages), kinds, loss_node, tracer == "export", drop
     )
     weights_path = str(Path(weights).resolve()) if weights else None
     if weights_path:
@@ -94,10 +115,10 @@ def write_package_from_trace(
         plan,
         model=plan.model or profile.model,
         ties=ties_of(bundle.module, stages),
-        extra={**dict(plan.extra), **_extra(gm, bundle, stages, loss, weights_path, tracer)},
+        extra={**dict(plan.extra), **_extra(gm, bundle, stages, loss, weights_path, tracer, init)},
     )
-    source = source_text(profile, final, bundle, loss, weights_path)
-    files = {"__init__.py": init_text(profile, final, stages, tracer, weights_path), "_source.py": source}
+    source = source_text(profile, final, bundle, loss, weights_path, init)
+    files = {"__init__.py": init_text(profile, final, stages, init, weights_path), "_source.py": source}
     files["_stagekit.py"] = Path(stagekit.__file__).read_text(encoding="utf-8")
     files.update({f"stage{s.index}.py": stage_text(profile, final, s, len(stages)) for s in stages})
     files["plan.json"] = _json(plan_to_json(final))
@@ -123,6 +144,16 @@ def assignment_of(profile: Profile, plan: Plan) -> dict[str, int]:
             for member in node.members or (node.id,):
                 assignment[member] = stage.index
     return assignment
+
+
+def _foreign_calls(gm: fx.GraphModule, model: nn.Module) -> frozenset[str]:
+    """Unused calls of modules the model does not have (torch.export's ``_guards_fn``): left out."""
+    known = {name for name, _ in model.named_modules()}
+    foreign = [n for n in gm.graph.nodes if n.op == "call_module" and n.target not in known]
+    used = [n.name for n in foreign if n.users]
+    if used:
+        raise PackageError(f"the traced graph calls {used[0]}, which is not a module of the model")
+    return frozenset(n.name for n in foreign)
 
 
 def ties_of(model: nn.Module, stages: Sequence[StageGraph]) -> tuple[Tie, ...]:
@@ -175,7 +206,13 @@ def _check_weights(weights: str, model: nn.Module) -> None:
 
 
 def _extra(
-    gm: fx.GraphModule, bundle: Any, stages: Sequence[StageGraph], loss: str, weights: str | None, tracer: str
+    gm: fx.GraphModule,
+    bundle: Any,
+    stages: Sequence[StageGraph],
+    loss: str,
+    weights: str | None,
+    tracer: str,
+    init: str,
 ) -> dict[str, Any]:
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     return {
@@ -184,7 +221,7 @@ def _extra(
         ],
         "targets": _target_spec(bundle),
         "loss": loss,
-        "init": f"checkpoint {weights}" if weights else "seeded per module (see _stagekit.py)",
+        "init": f"checkpoint {weights}" if weights else init,
         "tracer": tracer,
         "stage_inputs": [list(s.in_names) for s in stages],
         "stage_outputs": [list(s.out_names) for s in stages],

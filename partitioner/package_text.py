@@ -110,7 +110,7 @@ def stage_text(profile: Profile, plan: Plan, stage: StageGraph, num_stages: int)
     )
 
 
-def source_text(profile: Profile, plan: Plan, bundle: Any, loss: str, weights: str | None) -> str:
+def source_text(profile: Profile, plan: Plan, bundle: Any, loss: str, weights: str | None, init: str) -> str:
     """``_source.py``: where the model, its inputs, targets and loss come from (data plus two hooks)."""
     spec = str(bundle.spec)
     where, sep, attr = spec.rpartition(":")
@@ -127,6 +127,7 @@ def source_text(profile: Profile, plan: Plan, bundle: Any, loss: str, weights: s
         f"SPEC = {json.dumps(spec)}\n"
         f"FACTORY = {json.dumps(factory)}\n"
         f"WEIGHTS: str | None = {json.dumps(weights) if weights else 'None'}\n"
+        f"INIT = {json.dumps(init)}  # exact: as the factory under torch.manual_seed; seeded: per module\n"
         f"LOSS = {json.dumps(loss)}\n"
         f"INPUTS: list[dict[str, Any]] = {json.dumps(extra['inputs'])}\n"
         f"TARGETS: dict[str, Any] = {json.dumps(extra['targets'])}\n\n\n"
@@ -137,7 +138,7 @@ def source_text(profile: Profile, plan: Plan, bundle: Any, loss: str, weights: s
         "    stage: torch.nn.Module, modules: tuple[str, ...], tensors: tuple[str, ...], seed: int, device: Any\n"
         ") -> None:\n"
         '    """Give a stage its submodules and tensors, initialised as in full_model(seed)."""\n'
-        "    _stagekit.populate(stage, factory(), modules, tensors, seed, device, WEIGHTS)\n"
+        "    _stagekit.populate(stage, factory(), modules, tensors, seed, device, WEIGHTS, INIT)\n"
     )
 
 
@@ -147,20 +148,27 @@ def _absolute(where: str) -> str:
     return str(Path(where).expanduser().resolve()) if where.endswith(".py") or "/" in where else where
 
 
+_INIT_TEXT = {
+    "exact": "built exactly as torch.manual_seed(seed); factory() builds them (each rank builds the whole "
+    "model on the CPU once, then keeps only its stage)",
+    "seeded": "initialised per module under a seed derived from (seed, module path), so stage(k, seed) "
+    "materialises only stage k: see _stagekit.py",
+}
+
+
 def init_text(
-    profile: Profile, plan: Plan, stages: Sequence[StageGraph], tracer: str, weights: str | None
+    profile: Profile, plan: Plan, stages: Sequence[StageGraph], init: str, weights: str | None
 ) -> str:
     """``__init__.py``: PipeDream's ``arch``/``model`` plus ``stage``, ``full_model`` and example data."""
     n = len(stages)
-    init = f"loaded (memory-mapped) from {weights}" if weights else "seeded per module: see _stagekit.py"
+    how = f"loaded (memory-mapped) from {weights}" if weights else _INIT_TEXT[init]
     entries = "".join(
         f"        (Stage{s.index}(seed), {json.dumps(list(s.in_names))}, {json.dumps(list(s.out_names))}),\n"
         for s in stages
     )
     return (
         f'"""{profile.model} cut into {n} pipeline stages for {plan.gpus} devices.\n\n'
-        f"{_origin(profile, plan)}\n"
-        f"Parameters are {init}; stage(k, seed) builds only stage k's.\n"
+        f"{_origin(profile, plan)}\n" + "\n".join(textwrap.wrap(f"Parameters are {how}.", 100)) + "\n"
         '"""\n\n'
         "from __future__ import annotations\n\n"
         "import torch\n\n"
@@ -186,7 +194,7 @@ def init_text(
         "    ]\n\n\n"
         'def full_model(seed: int = 0, device: str | torch.device = "cpu") -> torch.nn.Module:\n'
         '    """The original, unsplit model with the same initial parameters as the stages."""\n'
-        "    return _stagekit.full_model(_source.factory(), seed, device, _source.WEIGHTS)\n\n\n"
+        "    return _stagekit.full_model(_source.factory(), seed, device, _source.WEIGHTS, _source.INIT)\n\n\n"
         "def criterion() -> torch.nn.Module:\n"
         '    """The loss: forward(output, target) -> mean loss over the samples."""\n'
         "    return _stagekit.criterion(_source.LOSS)\n\n\n"

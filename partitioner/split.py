@@ -73,15 +73,17 @@ def tensor_kinds(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> tuple[
     return kinds, ids[id(target)]
 
 
-def _compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+def _compute_nodes(gm: fx.GraphModule, drop: frozenset[str] = frozenset()) -> list[fx.Node]:
+    return [
+        n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr") and n.name not in drop
+    ]
 
 
 def _assign(
-    gm: fx.GraphModule, assignment: Mapping[str, int], kinds: Mapping[str, bool]
+    gm: fx.GraphModule, assignment: Mapping[str, int], kinds: Mapping[str, bool], drop: frozenset[str]
 ) -> dict[fx.Node, int]:
     """Stage of every compute node: the plan's, else its inputs' latest, else its users' earliest."""
-    nodes = _compute_nodes(gm)
+    nodes = _compute_nodes(gm, drop)
     stage_of = {n: assignment[n.name] for n in nodes if n.name in assignment}
     for node in nodes:
         if node not in stage_of:
@@ -168,11 +170,15 @@ def split_graph(
     kinds: Mapping[str, bool],
     loss_node: str,
     use_module_paths: bool = False,
+    drop: frozenset[str] = frozenset(),
 ) -> tuple[StageGraph, ...]:
-    """Cut ``gm`` into ``num_stages`` graphs; ``assignment`` maps traced node names to stages."""
+    """Cut ``gm`` into ``num_stages`` graphs; ``assignment`` maps traced node names to stages.
+
+    ``drop`` names unused nodes to leave out (torch.export's input-guard check, which no stage needs).
+    """
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     by_name = {n.name: n for n in gm.graph.nodes}
-    stage_of = _assign(gm, assignment, kinds)
+    stage_of = _assign(gm, assignment, kinds, drop)
     members = [_members(s, stage_of, kinds, order) for s in range(num_stages)]
     needs = [_external(m, stage_of) for m in members]
     if stage_of.get(by_name[loss_node]) != num_stages - 1:

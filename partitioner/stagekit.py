@@ -76,6 +76,13 @@ def factory_from_spec(spec: str) -> Callable[[], nn.Module]:
     return getattr(importlib.import_module(where), name)  # type: ignore[no-any-return]
 
 
+def _is_hf(module: nn.Module) -> bool:
+    """A Hugging Face model: its ``_init_weights(module)`` knows how every one of its modules starts."""
+    return callable(getattr(module, "_init_weights", None)) and any(
+        c.__module__.startswith("transformers.") for c in type(module).__mro__
+    )
+
+
 def _reinitialisable(module: nn.Module) -> bool:
     """Whether the module can re-create its parameters later (so they may start on the meta device)."""
     return callable(getattr(module, "reset_parameters", None)) or type(module).__module__.startswith(
@@ -104,16 +111,27 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
+def exact_model(factory: Callable[[], nn.Module], seed: int = 0) -> nn.Module:
+    """The model exactly as ``torch.manual_seed(seed); factory()`` builds it (the caller's RNG untouched)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return _unwrap(factory())
+
+
+def _unwrap(made: Any) -> nn.Module:
+    """A factory may return (module, example inputs); training never reads a Hugging Face KV cache."""
+    module: nn.Module = made[0] if isinstance(made, tuple) else made
+    config = getattr(module, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False  # type: ignore[union-attr]
+    return module
+
+
 def build_meta(factory: Callable[[], nn.Module], seed: int = 0) -> nn.Module:
     """The architecture with re-initialisable parameters on meta; the caller's RNG state is untouched."""
     with torch.random.fork_rng(devices=[]), _parameters_on_meta():
         torch.manual_seed(seed)
-        made = factory()
-    module: nn.Module = made[0] if isinstance(made, tuple) else made
-    config = getattr(module, "config", None)
-    if getattr(config, "use_cache", False):
-        config.use_cache = False  # type: ignore[union-attr]  # training never reads a KV cache
-    return module
+        return _unwrap(factory())
 
 
 def _tensor_slots(root: nn.Module) -> dict[str, tuple[nn.Module, str]]:
@@ -155,9 +173,8 @@ def _materialise_module(module: nn.Module, path: str, seed: int, root: nn.Module
         reset = getattr(module, "reset_parameters", None)
         if callable(reset):
             reset()
-        hf_init = getattr(root, "_init_weights", None)
-        if callable(hf_init) and type(module).__module__.startswith(("transformers.", "torch.nn.")):
-            hf_init(module)
+        if _is_hf(root) and type(module).__module__.startswith(("transformers.", "torch.nn.")):
+            root._init_weights(module)
 
 
 def _load_weights(weights: str, names: Iterable[str]) -> dict[str, torch.Tensor]:
@@ -206,8 +223,11 @@ def full_model(
     seed: int = 0,
     device: str | torch.device = "cpu",
     weights: str | None = None,
+    init: str = "seeded",
 ) -> nn.Module:
     """The whole model, every tensor initialised exactly as the stages initialise theirs."""
+    if init == "exact" and not weights:
+        return exact_model(factory, seed).to(device)
     root = build_meta(factory, seed)
     names = [n for n, _ in root.named_parameters(remove_duplicate=False)]
     names += [n for n, _ in root.named_buffers(remove_duplicate=False)]
@@ -241,17 +261,24 @@ def populate(
     seed: int = 0,
     device: str | torch.device = "cpu",
     weights: str | None = None,
+    init: str = "seeded",
 ) -> None:
     """Fill an empty stage module with the original model's ``modules`` and single ``tensors``.
 
     Attribute paths inside the stage are the original module paths (``features.3``,
-    ``transformer.h.0.attn``), so state_dict keys match the full model's.
+    ``transformer.h.0.attn``), so state_dict keys match the full model's. ``init="exact"`` builds the
+    whole model as ``torch.manual_seed(seed); factory()`` does and keeps the stage's part (CPU memory
+    for the whole model, briefly); ``"seeded"`` and checkpoints touch only the stage's tensors.
     """
     modules, tensors = list(modules), list(tensors)
-    root = build_meta(factory, seed)
-    if torch.device(device).type == "meta" or torch.empty(()).device.type == "meta":
-        _attach_all(stage, root, modules, tensors)  # wiring only (e.g. under torch.device("meta"))
+    wiring_only = torch.device(device).type == "meta" or torch.empty(()).device.type == "meta"
+    if init == "exact" and not weights or wiring_only:
+        root = exact_model(factory, seed) if init == "exact" and not weights else build_meta(factory, seed)
+        _attach_all(stage, root, modules, tensors)
+        if not wiring_only:
+            stage.to(device)
         return
+    root = build_meta(factory, seed)
     names = [
         f"{m}.{n}" for m in modules for n, _ in root.get_submodule(m).named_parameters(remove_duplicate=False)
     ]

@@ -87,7 +87,9 @@ def newest_package(root: Path = Path("models")) -> Path:
     """The most recently written package folder under ``root`` (what ``pipeplan verify`` checks by default)."""
     found = [p.parent for p in Path(root).glob("**/mp_conf.json") if (p.parent / "__init__.py").exists()]
     if not found:
-        raise PackageError(f"no package under {root}/; write one with `pipeplan partition` or name its folder")
+        raise PackageError(
+            f"no package under {root}/; write one with `pipeplan partition` or name its folder"
+        )
     return max(found, key=lambda p: (p / "mp_conf.json").stat().st_mtime)
 
 
@@ -98,7 +100,9 @@ def load_package(folder: Path) -> tuple[ModuleType, Plan, dict[str, Any]]:
         raise PackageError(f"{folder} is not a folder; name a package written by `pipeplan partition`")
     missing = [name for name in _REQUIRED if not (folder / name).is_file()]
     if missing:
-        raise PackageError(f"{folder} is not a complete package: missing {', '.join(missing)}; re-run partition")
+        raise PackageError(
+            f"{folder} is not a complete package: missing {', '.join(missing)}; re-run partition"
+        )
     try:
         plan = load_plan(folder / "plan.json")
         conf = json.loads((folder / "mp_conf.json").read_text(encoding="utf-8"))
@@ -117,7 +121,9 @@ def _import(folder: Path) -> ModuleType:
     name = "pipeplan_verify_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
     for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
         del sys.modules[key]  # a package re-written in place must be re-imported
-    spec = importlib.util.spec_from_file_location(name, path / "__init__.py", submodule_search_locations=[str(path)])
+    spec = importlib.util.spec_from_file_location(
+        name, path / "__init__.py", submodule_search_locations=[str(path)]
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -142,7 +148,9 @@ def _check_consistent(folder: Path, package: ModuleType, plan: Plan, conf: Mappi
         )
     expected = mp_conf(plan.stages)
     if list(conf.get("module_to_stage_map", [])) != expected["module_to_stage_map"]:
-        raise PackageError(f"{folder}/mp_conf.json module_to_stage_map does not match model()'s {len(entries)} entries")
+        raise PackageError(
+            f"{folder}/mp_conf.json module_to_stage_map does not match model()'s {len(entries)} entries"
+        )
     if dict(conf.get("stage_to_rank_map", {})) != expected["stage_to_rank_map"]:
         raise PackageError(f"{folder}/mp_conf.json stage_to_rank_map does not match plan.json's stage ranks")
 
@@ -178,10 +186,20 @@ def verify_package(
         ok = init_errors[k] == 0.0 and all(_close(a, b, rtol, atol) for a, b in pairs)
         params = list(stage.parameters())
         checks.append(
-            StageCheck(k, sum(p.numel() for p in params), len(params), tuple(entries[k][1]), tuple(entries[k][2]),
-                       init_errors[k], grad_error, ok)  # fmt: skip
+            StageCheck(
+                k,
+                sum(p.numel() for p in params),
+                len(params),
+                tuple(entries[k][1]),
+                tuple(entries[k][2]),
+                init_errors[k],
+                grad_error,
+                ok,
+            )  # fmt: skip
         )
-    loss_ok = _close(loss.detach(), ref_loss.detach(), rtol, atol) and _close(out.detach(), ref_out.detach(), rtol, atol)
+    loss_ok = _close(loss.detach(), ref_loss.detach(), rtol, atol) and _close(
+        out.detach(), ref_out.detach(), rtol, atol
+    )
     return VerifyReport(
         package=Path(folder),
         model=package.arch(),
@@ -189,7 +207,7 @@ def verify_package(
         seed=seed,
         stages=tuple(checks),
         loss=float(ref_loss.detach()),
-        loss_error=float((loss - ref_loss).abs()),
+        loss_error=float((loss - ref_loss).detach().abs()),
         output_error=_max_error([(out.detach(), ref_out.detach())]),
         rtol=rtol,
         atol=atol,
@@ -198,7 +216,9 @@ def verify_package(
 
 
 def _run_chain(
-    entries: Sequence[tuple[nn.Module, list[str], list[str]]], inputs: Mapping[str, torch.Tensor], targets: torch.Tensor
+    entries: Sequence[tuple[nn.Module, list[str], list[str]]],
+    inputs: Mapping[str, torch.Tensor],
+    targets: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the stages in order, routing tensors by name as the runtime does; (loss input, loss)."""
     env: dict[str, torch.Tensor] = dict(inputs)
@@ -209,7 +229,9 @@ def _run_chain(
         result = module(*(env[n] for n in in_names))
         results = (result,) if len(out_names) == 1 else tuple(result)
         if len(results) != len(out_names):
-            raise PackageError(f"{type(module).__name__} returns {len(results)} tensors, declares {len(out_names)}")
+            raise PackageError(
+                f"{type(module).__name__} returns {len(results)} tensors, declares {len(out_names)}"
+            )
         env.update(zip(out_names, results, strict=True))
     criterion, loss_in, _ = entries[-1]
     return env[loss_in[0]], criterion(env[loss_in[0]], targets)
@@ -233,7 +255,9 @@ def _pairs(reference: nn.Module, stage: nn.Module) -> Iterator[tuple[torch.Tenso
     ref.update(reference.named_buffers(remove_duplicate=False))
     for name, tensor in [*stage.named_parameters(), *stage.named_buffers()]:
         if name not in ref:
-            raise PackageError(f"a stage holds {name!r}, which the full model does not have; re-run partition")
+            raise PackageError(
+                f"a stage holds {name!r}, which the full model does not have; re-run partition"
+            )
         yield tensor.detach(), ref[name].detach()
 
 
