@@ -239,6 +239,55 @@ def profile(
 # (owned by code generation: partitioner/codegen.py, partitioner/verify.py)
 
 
+@main.command()
+@click.argument("package", required=False, type=click.Path(path_type=str))
+@click.option("--seed", default=0, show_default=True, help="Initialisation seed of both models.")
+@click.option("--batch-size", type=int, default=None, help="Samples in the minibatch [default: the plan's].")
+@click.option("--models-dir", default="models", show_default=True, type=click.Path(path_type=str),
+              help="Where to look for the newest package when PACKAGE is not given.")  # fmt: skip
+@user_errors
+def verify(package: str | None, seed: int, batch_size: int | None, models_dir: str) -> None:
+    """Check a generated package against the original model: outputs, loss and every gradient.
+
+    \b
+    Builds full_model(seed) and every stage(k, seed), runs one minibatch through both in this
+    process and compares them (float32, |a-b| <= 1e-5 + 1e-4*|b|). Exit code 0: they match;
+    1: they differ; 2: the folder is not a valid package. PACKAGE defaults to the newest under ./models.
+    """
+    from pathlib import Path
+
+    import torch
+
+    from partitioner.verify import newest_package, verify_package
+
+    folder = Path(package) if package is not None else newest_package(Path(models_dir))
+    torch.set_num_threads(min(torch.get_num_threads(), 4))
+    report = verify_package(folder, seed=seed, batch_size=batch_size)
+    _console().print(_verify_table(report))
+    verdict = "[green]match[/green]" if report.ok else "[red]MISMATCH[/red]"
+    _console().print(
+        f"{verdict}: {report.model}, {len(report.stages)} stages, batch {report.batch_size}, "
+        f"seed {report.seed}; loss {report.loss:.6g} (|diff| {report.loss_error:.2e}), "
+        f"output max |diff| {report.output_error:.2e}; tolerance rtol={report.rtol:g} atol={report.atol:g}",
+        soft_wrap=True,
+    )
+    sys.exit(0 if report.ok else 1)
+
+
+def _verify_table(report: Any) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"pipeplan verify {report.package}")
+    for column in ("stage", "params", "reads", "returns", "init max |diff|", "grad max |diff|", "ok"):
+        table.add_column(column, justify="right" if "diff" in column or column == "params" else "left")
+    for s in report.stages:
+        table.add_row(
+            str(s.index), f"{s.params:,}", ", ".join(s.in_names), ", ".join(s.out_names),
+            f"{s.init_error:.2e}", f"{s.grad_error:.2e}", "[green]yes[/green]" if s.ok else "[red]NO[/red]",
+        )  # fmt: skip
+    return table
+
+
 # ----------------------------------------------------------------------------- run
 # (owned by the runtime: runtime/)
 
