@@ -1,0 +1,95 @@
+"""profile.json and PipeDream graph.txt: every published profile loads and survives a round trip."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from partitioner.errors import ProfileFormatError
+from partitioner.graph import (
+    Node,
+    Profile,
+    TensorSpec,
+    load_profile,
+    read_graph_txt,
+    save_profile,
+    write_graph_txt,
+)
+
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "pipedream-profiles"
+GRAPHS = sorted(SHARED.glob("*/graph.txt")) if SHARED.is_dir() else []
+
+
+def _edges(profile: Profile) -> set[tuple[str, str]]:
+    return {(src, n.id) for n in profile.nodes for src in n.inputs}
+
+
+@pytest.mark.skipif(not GRAPHS, reason="../shared/pipedream-profiles is not present")
+@pytest.mark.parametrize("path", GRAPHS, ids=lambda p: p.parent.name)
+def test_pipedream_profile_loads_and_round_trips(path: Path, tmp_path: Path) -> None:
+    profile = load_profile(path)
+    assert profile.tracer == "pipedream" and len(profile.nodes) > 1
+    assert any(n.op == "input" for n in profile.nodes)
+    position = {n.id: i for i, n in enumerate(profile.nodes)}
+    assert all(position[src] < position[n.id] for n in profile.nodes for src in n.inputs)
+    assert profile.total_compute_ms > 0
+
+    again = read_graph_txt(write_graph_txt(profile, tmp_path / "graph.txt"))
+    assert [n.id for n in again.nodes] == [n.id for n in profile.nodes]
+    assert _edges(again) == _edges(profile)
+    for a, b in zip(again.nodes, profile.nodes, strict=True):
+        assert (a.forward_ms, a.backward_ms) == pytest.approx((b.forward_ms, b.backward_ms), abs=1e-3)
+        assert (a.output_bytes, a.param_bytes) == (b.output_bytes, b.param_bytes)
+        assert a.description == b.description
+
+    as_json = load_profile(save_profile(profile, tmp_path / "profile.json"))
+    assert as_json == profile
+
+
+def test_pipeplan_profile_round_trips(tmp_path: Path) -> None:
+    profile = Profile(
+        nodes=(
+            Node("x", "x", "input", "input", output_bytes=64),
+            Node("fc", "fc", "call_module", "Linear", ("x",), 1.5, 2.5, 32, 64, 40, ("fc.weight", "fc.bias")),
+            Node("output", "output", "output", "output", ("fc",), 0.1, 0.2, members=("output",)),
+        ),
+        model="tiny-mlp",
+        batch_size=4,
+        inputs=(TensorSpec((4, 16)),),
+        tracer_options={"leaf_modules": ["Block"]},
+        step_ms=4.0,
+        tied=(("a.weight", "b.weight"),),
+    )
+    loaded = load_profile(save_profile(profile, tmp_path / "p" / "profile.json"))
+    assert loaded == profile
+    assert loaded.fidelity == pytest.approx(4.3 / 4.0)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"schema": "other/2", "nodes": []}', "not a pipeplan profile"),
+        ('{"schema": "pipeplan.profile/1", "nodes": [{"id": "a"}]}', "corrupt"),
+        ('{"schema": "pipeplan.profile/1", ', "not valid JSON"),
+        ("hello world\n", "neither a graph.txt node nor an edge"),
+        ("", "no nodes"),
+    ],
+)
+def test_corrupt_or_foreign_files_are_rejected(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "profile.json"
+    path.write_text(text)
+    with pytest.raises(ProfileFormatError, match=message):
+        load_profile(path)
+
+
+def test_missing_file_is_a_profile_error(tmp_path: Path) -> None:
+    with pytest.raises(ProfileFormatError, match="cannot read"):
+        load_profile(tmp_path / "absent.json")
+
+
+def test_json_document_is_plain_data(tmp_path: Path) -> None:
+    path = save_profile(Profile(nodes=(Node("x", "x", "input", "input"),)), tmp_path / "profile.json")
+    doc = json.loads(path.read_text())
+    assert doc["schema"] == "pipeplan.profile/1" and doc["nodes"][0]["id"] == "x"
