@@ -373,7 +373,11 @@ def _run_and_report(options: Any) -> None:
             metrics = launch(options, on_progress)
         except JobFailed as exc:
             bar.stop()
-            _console(stderr=True).print(f"[red]error:[/red] training failed: {exc}", soft_wrap=True)
+            from rich.markup import escape
+
+            _console(stderr=True).print(
+                f"[red]error:[/red] training failed: {escape(str(exc))}", soft_wrap=True
+            )
             sys.exit(1)
     if metrics is not None:
         _print_run_table(metrics, Path(options.run_dir or Path(options.package) / "run") / "metrics.json")

@@ -11,13 +11,26 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "TensorMeta", "decode_meta", "encode_meta"]
+from runtime.errors import PeerLost
+
+__all__ = ["Comm", "TensorMeta", "decode_meta", "encode_meta", "peer_errors"]
+
+
+@contextmanager
+def peer_errors(what: str) -> Iterator[None]:
+    """Re-raise a failed distributed call as :class:`PeerLost`, so the launcher can tell the rank that
+    broke from the ranks that merely lost it."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise PeerLost(f"{what} failed, another rank is gone or stuck: {str(exc).splitlines()[0]}") from exc
 
 
 @dataclass(frozen=True)
@@ -65,18 +78,23 @@ class Comm:
         """Receive, from each peer, the metas of the tensors it will send (start-up only)."""
         out = {}
         for peer in recv_from:
+            out[peer] = self._recv_meta(peer)
+        return out
+
+    def _recv_meta(self, peer: int) -> tuple[TensorMeta, ...]:
+        with peer_errors(f"start-up receive from rank {peer}"):
             size = torch.zeros(1, dtype=torch.int64, device=self.device)
             dist.recv(size, src=peer, group=self.group)
             buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=self.device)
             dist.recv(buf, src=peer, group=self.group)
-            out[peer] = decode_meta(bytes(buf.cpu().tolist()).decode())
-        return out
+        return decode_meta(bytes(buf.cpu().tolist()).decode())
 
     def send_meta(self, peer: int, metas: Sequence[TensorMeta]) -> None:
         """Tell ``peer`` what this rank will send it (start-up only)."""
         data = torch.tensor(list(encode_meta(metas).encode()), dtype=torch.uint8, device=self.device)
-        dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=self.device), peer, self.group)
-        dist.send(data, peer, self.group)
+        with peer_errors(f"start-up send to rank {peer}"):
+            dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=self.device), peer, self.group)
+            dist.send(data, peer, self.group)
 
     def send(self, messages: Sequence[tuple[int, Sequence[torch.Tensor]]]) -> None:
         """Post sends of each (peer, tensors) message; returns at once."""
@@ -86,7 +104,8 @@ class Comm:
             for t in tensors
         ]
         if ops:
-            self.pending.extend(dist.batch_isend_irecv(ops))
+            with peer_errors("send"):
+                self.pending.extend(dist.batch_isend_irecv(ops))
         self.reap()
 
     def recv(self, messages: Sequence[tuple[int, Sequence[TensorMeta]]]) -> list[list[torch.Tensor]]:
@@ -101,8 +120,9 @@ class Comm:
             for buf in tensors
         ]
         if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            with peer_errors(f"receive from rank(s) {sorted({p for p, _ in messages})}"):
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
         self.seconds += time.perf_counter() - start
         return bufs
 
@@ -113,20 +133,22 @@ class Comm:
     def drain(self) -> None:
         """Wait for every posted send (end of a segment, when all receivers are known to post)."""
         start = time.perf_counter()
-        for work in self.pending:
-            work.wait()
+        with peer_errors("waiting for sends"):
+            for work in self.pending:
+                work.wait()
         self.pending.clear()
         self.seconds += time.perf_counter() - start
 
     def all_reduce_sum(self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
-        """Sum ``tensors`` in place across ``group`` with one collective over a flat buffer."""
-        if not tensors:
-            return
+        """Sum ``tensors`` in place across ``group``: one collective per dtype over a flat buffer."""
         start = time.perf_counter()
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
+        for dtype in sorted({t.dtype for t in tensors}, key=str):
+            same = [t for t in tensors if t.dtype == dtype]
+            flat = torch.cat([t.reshape(-1) for t in same])
+            with peer_errors("gradient all-reduce"):
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            offset = 0
+            for t in same:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
         self.seconds += time.perf_counter() - start

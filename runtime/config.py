@@ -8,14 +8,14 @@ same :class:`JobConfig` and picks its own :class:`RankConfig` from it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from runtime.errors import RunError
 from runtime.schedule import SCHEDULES
 
-__all__ = ["JobConfig", "RankConfig", "load_job"]
+__all__ = ["JobConfig", "RankConfig", "load_job", "newest_package"]
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,24 @@ def _checked(job: JobConfig) -> JobConfig:
         raise RunError(f"{job.package}: plan.json gives no batch size; pass --batch-size")
     if job.microbatches < 1 or job.microbatches > job.batch_size:
         raise RunError(f"--microbatches must be between 1 and the batch size {job.batch_size}")
+    if job.batch_size % job.microbatches:
+        raise RunError(
+            f"batch size {job.batch_size} does not split into {job.microbatches} equal microbatches; "
+            "pick --microbatches that divides --batch-size"
+        )
     for tie in job.ties:
         if any(not 0 <= s < job.stages for s, _ in tie):
             raise RunError(f"{job.package}/plan.json: tie {tie} names a stage that does not exist")
-    return replace(job)
+    return job
+
+
+def newest_package(root: str | Path = "models") -> Path:
+    """The most recently written package (a folder with mp_conf.json) under ``root``."""
+    found = (
+        sorted(Path(root).glob("**/mp_conf.json"), key=lambda p: p.stat().st_mtime)
+        if Path(root).is_dir()
+        else []
+    )
+    if not found:
+        raise RunError(f"no package under ./{root}; run `pipeplan partition` first or pass a package folder")
+    return found[-1].parent

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["JobFailed", "RunError"]
+__all__ = ["JobFailed", "PeerLost", "RunError"]
 
 
 class RunError(Exception):
@@ -19,3 +19,11 @@ class JobFailed(Exception):
     def __init__(self, message: str, rank: int | None = None) -> None:
         super().__init__(message)
         self.rank = rank
+
+
+class PeerLost(RuntimeError):
+    """A send, receive or all-reduce failed because another rank died, hung or closed its connection.
+
+    Usually a consequence, not a cause: the launcher reports the rank that failed for another reason
+    when there is one.
+    """

@@ -22,7 +22,7 @@ from runtime.errors import JobFailed, RunError
 from runtime.options import RunOptions, to_argv
 from runtime.worker import job_of, run_dir, run_rank
 
-__all__ = ["free_port", "launch", "torchrun_commands"]
+__all__ = ["check_launch", "free_port", "launch", "torchrun_commands"]
 
 Progress = Callable[[int, float], None]
 
@@ -34,7 +34,8 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _per_node(options: RunOptions) -> int:
+def check_launch(options: RunOptions) -> int:
+    """Validate the package and node options before anything starts; returns ranks per node."""
     world = job_of(options).world_size
     if options.nnodes < 1 or world % options.nnodes:
         raise RunError(f"the package needs {world} ranks, which {options.nnodes} nodes cannot share evenly")
@@ -47,7 +48,7 @@ def _per_node(options: RunOptions) -> int:
 
 def torchrun_commands(options: RunOptions) -> list[str]:
     """The torchrun line each node would run, node 0 first."""
-    per_node = _per_node(options)
+    per_node = check_launch(options)
     port = options.master_port or 29500
     args = shlex.join(to_argv(options))
     return [
@@ -57,15 +58,29 @@ def torchrun_commands(options: RunOptions) -> list[str]:
     ]
 
 
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
 def _failure(exc: Any) -> JobFailed:
     """The first real error of a ChildFailedError: a rank that raised beats ranks the agent stopped."""
-    failures = sorted(exc.failures.items(), key=lambda kv: (kv[1].exitcode < 0, kv[1].timestamp, kv[0]))
-    rank, failure = failures[0]
-    message = failure.message
-    if isinstance(message, dict):
-        message = message.get("message", "")
-    text = str(message).strip().splitlines()[-1] if message else f"exit code {failure.exitcode}"
-    return JobFailed(f"rank {rank} failed: {text}", rank)
+
+    def text(failure: Any) -> str:
+        message = failure.message
+        if isinstance(message, dict):
+            message = message.get("message", "")
+        if failure.exitcode < 0 or not message or "To enable traceback" in str(message):
+            how = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+            return f"the process died ({how}) without a Python error"
+        return str(message).strip().splitlines()[-1]
+
+    def blame(item: tuple[int, Any]) -> tuple[bool, bool, int, int]:
+        rank, failure = item
+        return (failure.exitcode < 0, "PeerLost" in text(failure), failure.timestamp, rank)
+
+    rank, failure = min(exc.failures.items(), key=blame)
+    return JobFailed(f"rank {rank} failed: {text(failure)}", rank)
 
 
 def _forward(path: Path, on_progress: Progress, seen: int) -> int:
@@ -102,7 +117,7 @@ def launch(options: RunOptions, on_progress: Progress | None = None) -> dict[str
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    per_node = _per_node(options)
+    per_node = check_launch(options)
     if options.nnodes == 1 and not options.master_port:
         options = replace(options, master_port=free_port())
     out = run_dir(options)
@@ -133,7 +148,9 @@ def launch(options: RunOptions, on_progress: Progress | None = None) -> dict[str
         raise _failure(exc) from exc
     except (TimeoutError, RuntimeError) as exc:
         where = f"{options.master_addr}:{options.master_port}"
-        raise RunError(f"no rendezvous with master {where} within {options.timeout:g}s: {exc}") from exc
+        raise RunError(
+            f"no rendezvous with master {where} within {options.timeout:g}s: {_first_line(exc)}"
+        ) from exc
     finally:
         stop.set()
         if watcher is not None:

@@ -160,8 +160,7 @@ class StageRuntime:
         if self.cfg.is_first:
             named.update(zip(self.wiring.stage_inputs[me], self._micro("inputs", unit), strict=True))
         producers = self.wiring.producers(me)
-        with self.recorder.span(f"recv F{unit}", "comm"):
-            got = self.comm.recv([(self._peer(k, unit), self.in_meta[k]) for k in producers])
+        got = self._recv(f"recv F{unit}", [(self._peer(k, unit), self.in_meta[k]) for k in producers])
         for names, tensors in zip(producers.values(), got, strict=True):
             for name, t in zip(names, tensors, strict=True):
                 named[name] = t.requires_grad_(t.is_floating_point())
@@ -193,8 +192,7 @@ class StageRuntime:
             roots, grads = [state.loss], [None]
         consumers = self.wiring.consumers(me)
         messages = [(self._peer(k, unit), self._grad_meta(names)) for k, names in consumers.items()]
-        with self.recorder.span(f"recv B{unit}", "comm"):
-            got = self.comm.recv(messages)
+        got = self._recv(f"recv B{unit}", messages)
         summed: dict[str, torch.Tensor] = {}
         for names, tensors in zip(consumers.values(), got, strict=True):
             for name, g in zip([n for n in names if self.out_meta[n].needs_grad], tensors, strict=True):
@@ -209,6 +207,14 @@ class StageRuntime:
             if self.stash:
                 self._collect_stash_grads(state.version, unit)
         self._send_input_grads(unit, state)
+
+    def _recv(
+        self, name: str, messages: list[tuple[int, tuple[TensorMeta, ...]]]
+    ) -> list[list[torch.Tensor]]:
+        if not messages:
+            return []
+        with self.recorder.span(name, "comm"):
+            return self.comm.recv(messages)
 
     def _grad_meta(self, names: Sequence[str]) -> tuple[TensorMeta, ...]:
         return tuple(self.out_meta[n] for n in names if self.out_meta[n].needs_grad)
@@ -231,13 +237,15 @@ class StageRuntime:
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
         tied = {name for _, name in self.groups.ties}
-        if self.groups.replicas is not None:
-            own = [p.grad for n, p in params.items() if n not in tied and p.grad is not None]
-            self.comm.all_reduce_sum(own, self.groups.replicas)
-        for group, name in self.groups.ties:
-            grad = params[name].grad
-            assert grad is not None
-            self.comm.all_reduce_sum([grad], group)
+        if self.groups.replicas is not None or self.groups.ties:
+            with self.recorder.span(f"all-reduce S{step}", "comm"):
+                if self.groups.replicas is not None:
+                    own = [p.grad for n, p in params.items() if n not in tied and p.grad is not None]
+                    self.comm.all_reduce_sum(own, self.groups.replicas)
+                for group, name in self.groups.ties:
+                    grad = params[name].grad
+                    assert grad is not None
+                    self.comm.all_reduce_sum([grad], group)
         with self.recorder.span(f"S{step}", "compute"):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)

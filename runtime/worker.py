@@ -23,13 +23,16 @@ from runtime import checkpoint, schedule
 from runtime.comm import Comm
 from runtime.config import JobConfig, RankConfig, load_job
 from runtime.data import make_batches
-from runtime.errors import RunError
+from runtime.errors import PeerLost, RunError
 from runtime.metrics import RankMetrics, Recorder, summarize, write_json_atomic, write_trace
 from runtime.options import RunOptions, from_argv
 from runtime.package import import_package, read_wiring
 from runtime.stage import Groups, StageRuntime
 
-__all__ = ["main", "resolve_backend", "run_dir", "run_rank"]
+__all__ = ["PEER_LOST_GRACE_S", "main", "resolve_backend", "run_dir", "run_rank"]
+
+PEER_LOST_GRACE_S = 2.0
+"""Seconds a rank that lost a peer waits before failing, so the peer's own error is the one reported."""
 
 
 def resolve_backend(backend: str) -> str:
@@ -180,19 +183,25 @@ def run_rank(options: RunOptions) -> dict[str, Any] | None:
         torch.cuda.set_device(device)
     torch.manual_seed(options.seed)
     dist.init_process_group(backend, timeout=timedelta(seconds=options.timeout))
+    # On error the group is left open: closing it would let peers fail first with "connection closed"
+    # before this rank's error is on record; the process exit closes it a moment later.
     try:
-        cfg = job.for_rank(rank)
-        out = run_dir(options)
-        progress = out / "progress.jsonl" if cfg.is_last and cfg.replica == 0 else None
-        clock = _Clock(progress)
-        rt = _build(options, cfg, device, clock)
-        steps = (
-            options.steps if options.steps is not None else (options.epochs or 1) * rt.batches.steps_per_epoch
-        )
-        _train(options, rt, steps)
-        return _finish(options, rt, clock)
-    finally:
-        dist.destroy_process_group()
+        return _run_joined(options, job.for_rank(rank), device)
+    except PeerLost:
+        # Let the rank that really failed exit first: the agent reports the first failure it sees.
+        time.sleep(PEER_LOST_GRACE_S)
+        raise
+
+
+def _run_joined(options: RunOptions, cfg: RankConfig, device: torch.device) -> dict[str, Any] | None:
+    progress = run_dir(options) / "progress.jsonl" if cfg.is_last and cfg.replica == 0 else None
+    clock = _Clock(progress)
+    rt = _build(options, cfg, device, clock)
+    epochs = options.epochs or 1
+    _train(options, rt, options.steps if options.steps is not None else epochs * rt.batches.steps_per_epoch)
+    result = _finish(options, rt, clock)
+    dist.destroy_process_group()
+    return result
 
 
 def _finish(options: RunOptions, rt: StageRuntime, clock: _Clock) -> dict[str, Any] | None:

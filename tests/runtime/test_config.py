@@ -1,0 +1,79 @@
+"""Reading mp_conf.json + plan.json into a JobConfig, and the options' torchrun round trip."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from runtime.config import load_job, newest_package
+from runtime.errors import RunError
+from runtime.launch import torchrun_commands
+from runtime.options import RunOptions, from_argv, to_argv
+from tests.runtime.packages import write_package
+
+
+def test_job_and_rank_views(tmp_path: Path) -> None:
+    pkg = write_package(tmp_path / "pkg", "tied", replicas=(3, 1), microbatches=4, batch_size=8)
+    job = load_job(pkg)
+    assert job.stage_ranks == ((0, 1, 2), (3,))
+    assert (job.schedule, job.microbatches, job.batch_size, job.world_size) == ("1f1b", 4, 8, 4)
+    assert job.ties == (((0, "fc.weight"), (1, "w")),)
+    assert job.predicted_time_s == pytest.approx(0.01)
+    rank = job.for_rank(2)
+    assert (rank.stage, rank.replica, rank.is_first, rank.is_last) == (0, 2, True, False)
+    assert load_job(pkg, schedule="gpipe", microbatches=2, batch_size=4).microbatches == 2
+
+
+@pytest.mark.parametrize(
+    ("conf", "match"),
+    [
+        (
+            {"module_to_stage_map": [0, 1, 1], "stage_to_rank_map": {"0": [0], "1": [2]}},
+            "ranks must be 0..N-1",
+        ),
+        ({"module_to_stage_map": [0, 1], "stage_to_rank_map": {"0": [0], "1": [1]}}, "plus the criterion"),
+        ({"stage_to_rank_map": {"0": [0]}}, "mp_conf format"),
+    ],
+)
+def test_bad_mp_conf_is_one_clear_line(tmp_path: Path, conf: dict, match: str) -> None:
+    pkg = write_package(tmp_path / "pkg")
+    (pkg / "mp_conf.json").write_text(json.dumps(conf))
+    with pytest.raises(RunError, match=match):
+        load_job(pkg)
+
+
+def test_bad_settings(tmp_path: Path) -> None:
+    pkg = write_package(tmp_path / "pkg", batch_size=8)
+    with pytest.raises(RunError, match="equal microbatches"):
+        load_job(pkg, microbatches=3)
+    with pytest.raises(RunError, match="unknown schedule"):
+        load_job(pkg, schedule="zigzag")
+    with pytest.raises(RunError, match="does not exist"):
+        load_job(tmp_path / "missing")
+
+
+def test_newest_package(tmp_path: Path) -> None:
+    old = write_package(tmp_path / "models" / "a" / "gpus=2")
+    new = write_package(tmp_path / "models" / "b" / "gpus=2")
+    os.utime(old / "mp_conf.json", (time.time() - 100, time.time() - 100))
+    assert newest_package(tmp_path / "models") == new
+    with pytest.raises(RunError, match="no package"):
+        newest_package(tmp_path / "empty")
+
+
+def test_options_survive_the_torchrun_command_line(tmp_path: Path) -> None:
+    pkg = write_package(tmp_path / "pkg", replicas=(1, 1, 1, 1))
+    opts = RunOptions(str(pkg), steps=7, schedule="gpipe", lr=0.5, shuffle=True, trace="t.json", nnodes=2)
+    assert from_argv(to_argv(opts)) == RunOptions(
+        str(pkg), steps=7, schedule="gpipe", lr=0.5, shuffle=True, trace="t.json"
+    )
+    lines = torchrun_commands(
+        RunOptions(str(pkg), steps=7, nnodes=2, master_addr="10.0.0.1", master_port=29400)
+    )
+    assert len(lines) == 2
+    assert "--node-rank 1 --nproc-per-node 2 --master-addr 10.0.0.1 --master-port 29400" in lines[1]
+    assert lines[0].endswith(f"-m runtime.worker {pkg} --steps 7")

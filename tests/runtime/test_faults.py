@@ -1,0 +1,77 @@
+"""Faults end the job quickly with the failing rank named; bad input is one RunError line."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.errors import JobFailed, RunError
+from runtime.launch import free_port, launch
+from runtime.options import RunOptions
+from runtime.worker import run_rank
+from tests.runtime.helpers import run
+from tests.runtime.packages import write_package
+
+torch.set_num_threads(1)
+
+
+def _sabotage(pkg: Path, stage: int, statement: str) -> None:
+    """Make ``stage``'s forward run ``statement`` from its 4th call on (start-up uses the first)."""
+    path = pkg / f"stage{stage}.py"
+    source = path.read_text().replace(
+        "    def forward(self, x):\n",
+        f"    calls = [0]\n\n    def forward(self, x):\n        self.calls[0] += 1\n"
+        f"        if self.calls[0] > 3:\n            {statement}\n",
+    )
+    path.write_text(source)
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_ends_the_job_with_its_error(tmp_path: Path) -> None:
+    pkg = write_package(tmp_path / "pkg", "chain", replicas=(1, 1, 1), microbatches=2, batch_size=4)
+    _sabotage(pkg, 1, 'raise ValueError("boom in stage one")')
+    start = time.monotonic()
+    with pytest.raises(JobFailed, match=r"rank 1 failed: .*ValueError.*boom in stage one") as info:
+        run(pkg, steps=5, timeout=20)
+    assert info.value.rank == 1
+    assert time.monotonic() - start < 20
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_ends_the_job(tmp_path: Path) -> None:
+    pkg = write_package(tmp_path / "pkg", "chain", replicas=(1, 1), microbatches=2, batch_size=4)
+    _sabotage(pkg, 0, "import os; os._exit(7)")
+    start = time.monotonic()
+    with pytest.raises(JobFailed, match=r"rank 0 failed: the process died \(exit code 7\)"):
+        run(pkg, steps=5, timeout=20)
+    assert time.monotonic() - start < 20
+
+
+def test_missing_package_is_a_run_error(tmp_path: Path) -> None:
+    with pytest.raises(RunError, match="does not exist"):
+        launch(RunOptions(str(tmp_path / "nope")))
+
+
+def test_world_size_must_match_the_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pkg = write_package(tmp_path / "pkg", "chain", replicas=(1, 1))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(RunError, match="runs on 2 ranks but the job has 3"):
+        run_rank(RunOptions(str(pkg)))
+
+
+def test_nodes_must_share_the_ranks_evenly(tmp_path: Path) -> None:
+    pkg = write_package(tmp_path / "pkg", "chain", replicas=(1, 1, 1))
+    with pytest.raises(RunError, match="cannot share evenly"):
+        launch(RunOptions(str(pkg), nnodes=2, master_port=29500))
+
+
+@pytest.mark.slow
+def test_unreachable_master_is_a_run_error(tmp_path: Path) -> None:
+    pkg = write_package(tmp_path / "pkg", "chain", replicas=(1, 1))
+    options = RunOptions(str(pkg), nnodes=2, node_rank=1, master_port=free_port(), timeout=3)
+    with pytest.raises(RunError, match="no rendezvous with master"):
+        launch(options)

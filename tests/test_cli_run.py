@@ -1,0 +1,57 @@
+"""`pipeplan run`: trains a package, writes metrics.json, prints measured vs predicted; clear failures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from cli import main
+from tests.runtime.packages import write_package
+
+torch.set_num_threads(1)
+
+
+@pytest.mark.slow
+def test_run_trains_and_writes_metrics_checkpoints_and_trace(tmp_path: Path) -> None:
+    pkg = write_package(tmp_path / "pkg", "chain", replicas=(1, 1), microbatches=2, batch_size=4)
+    trace = tmp_path / "trace.json"
+    args = [str(pkg), "--steps", "4", "--checkpoint-every", "2", "--trace", str(trace), "--timeout", "30"]
+    result = CliRunner().invoke(main, ["run", *args])
+    assert result.exit_code == 0, result.output
+    metrics = json.loads((pkg / "run" / "metrics.json").read_text())
+    assert metrics["steps"] == 4 and metrics["predicted_time_per_minibatch_s"] == pytest.approx(0.01)
+    assert metrics["time_per_minibatch_s"] > 0
+    assert "time per minibatch" in result.output
+    assert sorted(p.name for p in (pkg / "run" / "checkpoints").iterdir()) == ["step-2", "step-4"]
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1}
+    assert any(e["name"] == "B3" for e in events)
+
+
+def test_dry_run_prints_one_torchrun_line_per_node(tmp_path: Path) -> None:
+    pkg = write_package(tmp_path / "pkg", replicas=(1, 1))
+    args = ["run", str(pkg), "--dry-run", "--nnodes", "2", "--master-addr", "h0", "--master-port", "29500"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith("torchrun --nnodes 2") for line in lines)
+
+
+def test_missing_package_exits_2_with_one_line(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["run", str(tmp_path / "nope"), "--steps", "1"])
+    assert result.exit_code == 2
+    assert "does not exist" in result.output and len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_failing_rank_exits_1_naming_the_rank(tmp_path: Path) -> None:
+    pkg = write_package(tmp_path / "pkg", replicas=(1, 1))
+    source = (pkg / "stage1.py").read_text()
+    (pkg / "stage1.py").write_text(source.replace("return self.fc(x)", "raise KeyError('no such layer')"))
+    result = CliRunner().invoke(main, ["run", str(pkg), "--steps", "2", "--timeout", "20"])
+    assert result.exit_code == 1
+    assert "rank 1 failed" in result.output and "no such layer" in result.output
