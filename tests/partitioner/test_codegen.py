@@ -1,0 +1,199 @@
+"""The generated package: golden files, importability, stage chain == original model, ties, ranks, init."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from partitioner import stagekit
+from partitioner.codegen import write_package
+from partitioner.errors import PackageError, PlanError
+from partitioner.graph import Profile
+from partitioner.models import load_model
+from partitioner.plan import Stage
+from partitioner.stagekit import loss_input
+from partitioner.verify import load_package
+from tests.partitioner.codegen_support import plan_for, profile_for
+
+GOLDEN = Path(__file__).parents[1] / "golden" / "tiny-skip-gpus3"
+REGEN = os.environ.get("PIPEPLAN_REGEN_GOLDEN") == "1"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def skip_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-skip in 3 stages: ``act`` (after l1) is read by stage 1 and, skipping it, by stage 2."""
+    profile = profile_for("tiny-skip")
+    out = tmp_path_factory.mktemp("pkg") / "gpus=3"
+    write_package(profile, plan_for(profile, [3, 6]), out)
+    return out
+
+
+def test_golden_files(skip_package: Path) -> None:
+    """The package text is stable; PIPEPLAN_REGEN_GOLDEN=1 rewrites tests/golden after a deliberate change."""
+    names = sorted(p.name for p in skip_package.iterdir() if p.name != "_stagekit.py")
+    if REGEN:
+        GOLDEN.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            (GOLDEN / name).write_text((skip_package / name).read_text())
+    assert names == sorted(p.name for p in GOLDEN.iterdir())
+    for name in names:
+        assert (skip_package / name).read_text() == (GOLDEN / name).read_text(), f"{name} differs from golden"
+    assert (skip_package / "_stagekit.py").read_text() == Path(stagekit.__file__).read_text()
+
+
+def test_skip_tensor_named_in_every_signature(skip_package: Path) -> None:
+    package, plan, conf = load_package(skip_package)
+    entries = package.model(package.criterion())
+    wiring = [(list(i), list(o)) for _, i, o in entries[:-1]]
+    assert wiring == [(["x"], ["act"]), (["act"], ["l3"]), (["act", "l3"], ["head"])]
+    assert entries[-1][1:] == (["head"], ["loss"])
+    assert conf == {"module_to_stage_map": [0, 1, 2, 2], "stage_to_rank_map": {"0": [0], "1": [1], "2": [2]}}
+    assert plan.extra["inputs"] == [{"name": "x", "shape": [2, 16], "dtype": "float32"}]
+
+
+def test_package_imports_with_torch_only(skip_package: Path) -> None:
+    """A cluster node has torch and the model code, not the partitioner: the package must not need it."""
+    code = (
+        "import importlib.util, sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.startswith(('partitioner.', 'networkx', 'click', 'rich')):\n"
+        "            if name != 'partitioner.zoo' and not name.startswith('partitioner.zoo.'):\n"
+        "                raise ImportError('blocked ' + name)\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, Block())\n"
+        f"spec = importlib.util.spec_from_file_location('pkg', '{skip_package}/__init__.py',\n"
+        f"    submodule_search_locations=['{skip_package}'])\n"
+        "pkg = importlib.util.module_from_spec(spec); sys.modules['pkg'] = pkg; spec.loader.exec_module(pkg)\n"
+        "s = pkg.stage(2); print(sorted(n for n, _ in s.named_parameters()))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "['head.bias', 'head.weight', 'l4.bias', 'l4.weight']" in result.stdout
+
+
+def _chain(package: object, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    entries = package.model(package.criterion(), seed)  # type: ignore[attr-defined]
+    env = dict(package.example_inputs(4))  # type: ignore[attr-defined]
+    for module, ins, outs in entries[:-1]:
+        result = module(*(env[n] for n in ins))
+        env.update(zip(outs, (result,) if len(outs) == 1 else result, strict=True))
+    out = env[entries[-1][1][0]]
+    loss = entries[-1][0](out, package.example_targets(4))  # type: ignore[attr-defined]
+    loss.backward()
+    grads = {n: p.grad for m, _, _ in entries[:-1] for n, p in m.named_parameters()}
+    return out, loss, grads
+
+
+def test_chain_matches_original_model_fork_and_join(tmp_path: Path) -> None:
+    """tiny-cnn cut inside its residual block: outputs and every gradient equal the unsplit model's."""
+    profile = profile_for("tiny-cnn")
+    assert [n.id for n in profile.nodes][4:6] == ["conv_a", "relu_a"]
+    write_package(profile, plan_for(profile, [5]), tmp_path / "pkg")
+    package, _, _ = load_package(tmp_path / "pkg")
+    out, loss, grads = _chain(package)
+    bundle = load_model("tiny-cnn", 4)
+    original = bundle.build(0)
+    expected = loss_input(original(*bundle.make_inputs(4)))
+    expected_loss = bundle.loss_fn(expected, bundle.make_targets(4))
+    expected_loss.backward()
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(loss, expected_loss)
+    reference = dict(original.named_parameters())
+    assert sorted(grads) == sorted(reference)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, reference[name].grad, msg=name)
+
+
+def test_exact_init_is_the_original_models(tmp_path: Path) -> None:
+    profile = profile_for("tiny-mlp")
+    write_package(profile, plan_for(profile, [3]), tmp_path / "pkg", init="exact")
+    package, _, _ = load_package(tmp_path / "pkg")
+    original = load_model("tiny-mlp").build(seed=7)
+    stage1 = package.stage(1, seed=7)
+    assert sorted(n for n, _ in stage1.named_parameters()) == [
+        "fc2.bias",
+        "fc2.weight",
+        "fc3.bias",
+        "fc3.weight",
+    ]
+    for name, param in stage1.named_parameters():
+        assert torch.equal(param, original.get_parameter(name)), name
+
+
+def test_seeded_init_stage_equals_full_model(tmp_path: Path) -> None:
+    """Per-module seeds: a stage built alone equals the same layers of full_model(seed), not of another seed."""
+    profile = profile_for("tiny-cnn")
+    write_package(profile, plan_for(profile, [3, 6]), tmp_path / "pkg", init="seeded")
+    package, _, _ = load_package(tmp_path / "pkg")
+    full, other = package.full_model(3), package.full_model(4)
+    for k in range(3):
+        for name, tensor in package.stage(k, 3).state_dict().items():
+            assert torch.equal(tensor, full.state_dict()[name]), name
+            if tensor.is_floating_point() and tensor.numel() > 1 and tensor.std() > 0:
+                assert not torch.equal(tensor, other.state_dict()[name]), name
+
+
+def test_tied_embedding_across_stages(tmp_path: Path) -> None:
+    """tiny-gpt's token embedding (stage 0) is its LM head (stage 3): both hold it, plan.json ties them."""
+    profile = profile_for("tiny-gpt")
+    final = write_package(profile, plan_for(profile, [4, 12, 24]), tmp_path / "pkg")
+    assert [(t.name, t.members) for t in final.ties] == [
+        ("wte.weight", ((0, "wte.weight"), (3, "lm_head.weight")))
+    ]
+    saved = json.loads((tmp_path / "pkg" / "plan.json").read_text())
+    assert saved["ties"] == [{"name": "wte.weight", "members": [[0, "wte.weight"], [3, "lm_head.weight"]]}]
+    package, _, _ = load_package(tmp_path / "pkg")
+    assert torch.equal(
+        package.stage(0).get_parameter("wte.weight"), package.stage(3).get_parameter("lm_head.weight")
+    )
+
+
+def test_replicated_plan_writes_rank_map(tmp_path: Path) -> None:
+    profile = profile_for("tiny-mlp")
+    final = write_package(profile, plan_for(profile, [4], replicas=[3, 1]), tmp_path / "pkg")
+    conf = json.loads((tmp_path / "pkg" / "mp_conf.json").read_text())
+    assert conf == {"module_to_stage_map": [0, 1, 1], "stage_to_rank_map": {"0": [0, 1, 2], "1": [3]}}
+    assert [s.ranks for s in final.stages] == [(0, 1, 2), (3,)]
+
+
+def test_weights_checkpoint(tmp_path: Path) -> None:
+    """--weights: stages load their tensors from a full-model state_dict instead of initialising them."""
+    trained = load_model("tiny-mlp").build(seed=42)
+    torch.save(trained.state_dict(), tmp_path / "model.pt")
+    profile = profile_for("tiny-mlp")
+    write_package(profile, plan_for(profile, [2]), tmp_path / "pkg", weights=tmp_path / "model.pt")
+    package, _, _ = load_package(tmp_path / "pkg")
+    for k in range(2):
+        for name, tensor in package.stage(k, seed=0).state_dict().items():
+            assert torch.equal(tensor, trained.state_dict()[name]), name
+    torch.save({"fc1.weight": torch.zeros(1)}, tmp_path / "partial.pt")
+    with pytest.raises(PackageError, match="lack"):
+        write_package(profile, plan_for(profile, [2]), tmp_path / "bad", weights=tmp_path / "partial.pt")
+
+
+def test_plan_out_of_graph_order_is_rejected(tmp_path: Path) -> None:
+    profile = profile_for("tiny-mlp")
+    plan = plan_for(profile, [3])
+    swapped = (Stage(0, plan.stages[1].nodes, 1, (0,)), Stage(1, plan.stages[0].nodes, 1, (1,)))
+    with pytest.raises(PlanError, match="before its input"):
+        write_package(profile, plan.__class__(**{**plan.__dict__, "stages": swapped}), tmp_path / "pkg")
+    assert not (tmp_path / "pkg").exists()
+
+
+def test_graph_txt_profile_writes_plan_files_only(tmp_path: Path) -> None:
+    profile = profile_for("tiny-mlp")
+    pipedream = Profile(nodes=profile.nodes, model="vgg16", tracer="pipedream")
+    write_package(pipedream, plan_for(pipedream, [3]), tmp_path / "pkg")
+    assert sorted(p.name for p in (tmp_path / "pkg").iterdir()) == ["mp_conf.json", "plan.json"]
