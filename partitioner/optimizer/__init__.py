@@ -1,0 +1,275 @@
+"""Choose pipeline stages and per-stage replication for a profile on a cluster.
+
+Pure Python + numpy (no torch): ``solve`` searches, ``evaluate`` prices a given plan.
+
+Example:
+    >>> from partitioner.graph import read_graph_txt
+    >>> from partitioner.plan import Cluster
+    >>> plan = solve(read_graph_txt("vgg16/graph.txt", 128), Cluster.flat(4))  # doctest: +SKIP
+    >>> [s.replicas for s in plan.stages]  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+
+from partitioner.errors import InfeasibleError, PlanError
+from partitioner.graph import Profile
+from partitioner.optimizer.build import StageSpec, assemble, gib, global_lower_bound, layer_compute_s
+from partitioner.optimizer.cost import OPTIMIZER_STATE
+from partitioner.optimizer.dp import LevelProblem, Segment, solve_bottleneck, solve_hierarchy
+from partitioner.optimizer.states import StateSet, build_states, chain_states
+from partitioner.plan import SCHEDULES, Cluster, Plan, SolverInfo
+
+__all__ = ["evaluate", "solve"]
+
+log = logging.getLogger(__name__)
+HIERARCHY_MAX_STATES = 160
+
+
+def _check(profile: Profile, schedule: str, microbatches: int, optimizer: str) -> int:
+    if schedule not in SCHEDULES:
+        raise PlanError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+    if optimizer not in OPTIMIZER_STATE:
+        raise PlanError(f"unknown optimizer {optimizer!r}; use sgd, momentum or adam")
+    if microbatches < 1:
+        raise PlanError(f"--microbatches must be >= 1, got {microbatches}")
+    if not profile.layers:
+        raise PlanError("the profile has no layers to partition")
+    return 1 if schedule == "pipedream" else microbatches
+
+
+def _inputs(profile: Profile) -> tuple[str, ...]:
+    return tuple(n.id for n in profile.nodes if n.op == "input")
+
+
+def _flatten(seg: Segment, states: StateSet, ranks: list[int]) -> list[tuple[tuple[str, ...], list[int]]]:
+    """Leaf stages of a (possibly hierarchical) segment, with the global ranks each one runs on."""
+    if not seg.inner:
+        return [(states.members(seg.start, seg.end), ranks)]
+    unit = len(ranks) // seg.replicas
+    out = []
+    offset = 0
+    for sub in seg.inner:
+        width = _width(sub)
+        picked = [ranks[u * unit + offset + x] for u in range(seg.replicas) for x in range(width)]
+        out.extend(_flatten(sub, states, picked))
+        offset += width
+    return out
+
+
+def _width(seg: Segment) -> int:
+    """Devices a segment occupies inside one unit of its level."""
+    if not seg.inner:
+        return seg.replicas
+    return seg.replicas * sum(_width(s) for s in seg.inner)
+
+
+def _specs(profile: Profile, states: StateSet, segments: list[Segment]) -> list[StageSpec]:
+    specs: list[StageSpec] = []
+    next_rank = 0
+    for seg in segments:
+        width = _width(seg)
+        for nodes, ranks in _flatten(seg, states, list(range(next_rank, next_rank + width))):
+            specs.append(StageSpec(nodes, len(ranks), tuple(ranks)))
+        next_rank += width
+    first = specs[0]
+    order = {n.id: i for i, n in enumerate(profile.nodes)}
+    nodes = tuple(sorted(_inputs(profile) + first.nodes, key=order.__getitem__))
+    specs[0] = StageSpec(nodes, first.replicas, first.ranks)
+    return specs
+
+
+def _states_for(profile: Profile, cluster: Cluster) -> StateSet:
+    states = build_states(profile)
+    if len(cluster.levels) > 1 and len(states) > HIERARCHY_MAX_STATES:
+        log.info("hierarchy: thinning %d states to %d prefixes", len(states), HIERARCHY_MAX_STATES)
+        states = chain_states(profile, HIERARCHY_MAX_STATES)
+    return states
+
+
+def _search(
+    profile: Profile, cluster: Cluster, states: StateSet, schedule: str, optimizer: str,
+    straight: bool, min_replicas: int = 1,
+) -> tuple[float, list[Segment], float]:  # fmt: skip
+    cap = 1 if straight else None
+    levels = [(lv.devices, lv.bandwidth) for lv in cluster.levels]
+    if len(levels) > 1:
+        return solve_hierarchy(states, levels, cap)
+    memory = None
+    if cluster.memory_bytes is not None:
+        memory = (float(cluster.memory_bytes), OPTIMIZER_STATE[optimizer], schedule, cluster.gpus)
+    prob = LevelProblem(
+        states, cluster.gpus, levels[0][1], min_replicas=min_replicas, max_replicas=cap, memory=memory
+    )
+    return solve_bottleneck(prob, global_lower_bound(profile, cluster))
+
+
+def _pipedream(
+    profile: Profile, cluster: Cluster, states: StateSet, optimizer: str, straight: bool
+) -> tuple[Plan, float, bool]:
+    value, segments, lower = _search(profile, cluster, states, "pipedream", optimizer, straight)
+    plan = assemble(profile, cluster, _specs(profile, states, segments), "pipedream", 1, optimizer,
+                    SolverInfo("dp", 0.0, False), time_override=value)  # fmt: skip
+    return plan, lower, states.exact
+
+
+def _synchronous(
+    profile: Profile, cluster: Cluster, states: StateSet, schedule: str, m: int, optimizer: str,
+    straight: bool,
+) -> tuple[Plan, float, bool]:  # fmt: skip
+    """Bubble-aware choice: bottleneck plans with a floor on replicas per stage, priced exactly."""
+    floors = sorted({1, *(2**i for i in range(int(math.log2(cluster.gpus)) + 1)), cluster.gpus})
+    best: Plan | None = None
+    for floor in floors if not straight else [1]:
+        try:
+            _, segments, _ = _search(profile, cluster, states, schedule, optimizer, straight, floor)
+            plan = assemble(profile, cluster, _specs(profile, states, segments), schedule, m, optimizer,
+                            SolverInfo("dp", 0.0, False))  # fmt: skip
+        except InfeasibleError:
+            continue
+        if best is None or plan.predicted.time_per_minibatch_s < best.predicted.time_per_minibatch_s:
+            best = plan
+    if best is None:
+        raise InfeasibleError("no plan fits in memory")
+    return best, _sync_bound(profile, cluster), False
+
+
+def _sync_bound(profile: Profile, cluster: Cluster) -> float:
+    return layer_compute_s(profile) / cluster.gpus
+
+
+def solve(
+    profile: Profile,
+    cluster: Cluster,
+    schedule: str = "pipedream",
+    microbatches: int = 1,
+    optimizer: str = "sgd",
+    straight: bool = False,
+    solver: str = "dp",
+) -> Plan:
+    """The fastest plan under the schedule's cost model that fits the cluster's memory.
+
+    Raises:
+        PlanError: bad schedule, optimizer, solver or microbatch count.
+        InfeasibleError: nothing fits; the message names the smallest memory that would.
+    """
+    m = _check(profile, schedule, microbatches, optimizer)
+    if solver == "ilp":
+        from partitioner.optimizer.ilp import solve_ilp
+
+        return solve_ilp(profile, cluster, schedule, m, optimizer, straight)
+    if solver != "dp":
+        raise PlanError(f"unknown solver {solver!r}; use dp or ilp")
+    start = time.perf_counter()
+    states = _states_for(profile, cluster)
+    try:
+        if schedule == "pipedream":
+            plan, lower, exact = _pipedream(profile, cluster, states, optimizer, straight)
+        else:
+            plan, lower, exact = _synchronous(profile, cluster, states, schedule, m, optimizer, straight)
+    except InfeasibleError:
+        raise _infeasible(profile, cluster, schedule, m, optimizer, straight) from None
+    if not exact:
+        lower = min(lower, global_lower_bound(profile, cluster))
+    info = SolverInfo("dp", time.perf_counter() - start, exact, lower)
+    extra = {"states": len(states), "all_downsets": states.exact and len(states) > 0}
+    return _with(plan, info, extra)
+
+
+def _with(plan: Plan, info: SolverInfo, extra: Mapping[str, object]) -> Plan:
+    from dataclasses import replace
+
+    return replace(plan, solver=info, extra={**plan.extra, **extra})
+
+
+def _fits(profile: Profile, cluster: Cluster, schedule: str, m: int, optimizer: str, straight: bool) -> bool:
+    try:
+        states = chain_states(profile, 64)
+        if schedule == "pipedream":
+            _pipedream(profile, _flat_like(cluster), states, optimizer, straight)
+        else:
+            _synchronous(profile, _flat_like(cluster), states, schedule, m, optimizer, straight)
+    except InfeasibleError:
+        return False
+    return True
+
+
+def _flat_like(cluster: Cluster) -> Cluster:
+    return Cluster.flat(cluster.gpus, cluster.levels[-1].bandwidth, cluster.memory_bytes)
+
+
+def _infeasible(
+    profile: Profile, cluster: Cluster, schedule: str, m: int, optimizer: str, straight: bool
+) -> InfeasibleError:
+    """Find (by bisection on the limit) the smallest per-device memory that admits a plan."""
+    from dataclasses import replace
+
+    lo, hi = 1.0, float(2**50)
+    if not _fits(profile, replace(cluster, memory_bytes=int(hi)), schedule, m, optimizer, straight):
+        return InfeasibleError("no plan fits in memory at any size")
+    while hi - lo > max(1.0, hi * 1e-3):
+        mid = (lo + hi) / 2
+        if _fits(profile, replace(cluster, memory_bytes=int(mid)), schedule, m, optimizer, straight):
+            hi = mid
+        else:
+            lo = mid
+    have = gib(cluster.memory_bytes or 0)
+    return InfeasibleError(
+        f"no plan fits in {have} per GPU on {cluster.gpus} GPUs; about {gib(hi)} would "
+        f"(raise --memory, add GPUs, or use --optimizer sgd)"
+    )
+
+
+def evaluate(
+    profile: Profile,
+    cluster: Cluster,
+    cuts: Sequence[str],
+    replicas: Sequence[int],
+    schedule: str = "pipedream",
+    microbatches: int = 1,
+    optimizer: str = "sgd",
+) -> Plan:
+    """Price a fixed plan: ``cuts`` are the last layer of every stage but the last (topological order).
+
+    Raises:
+        PlanError: unknown layer names, cuts out of order, or replicas not one per stage.
+    """
+    m = _check(profile, schedule, microbatches, optimizer)
+    start = time.perf_counter()
+    layers = [n.id for n in profile.nodes if n.op != "input"]
+    names = {n.name: n.id for n in profile.nodes} | {lid: lid for lid in layers}
+    unknown = [c for c in cuts if c not in names or names[c] not in layers]
+    if unknown:
+        raise PlanError(f"--cuts names unknown layers: {', '.join(unknown)}")
+    positions = [layers.index(names[c]) + 1 for c in cuts]
+    if positions != sorted(set(positions)) or (positions and positions[-1] >= len(layers)):
+        raise PlanError("--cuts must name distinct layers in topological order, not the last layer")
+    bounds = [0, *positions, len(layers)]
+    if len(replicas) != len(bounds) - 1:
+        raise PlanError(f"--replicas needs {len(bounds) - 1} numbers (one per stage), got {len(replicas)}")
+    if any(r < 1 for r in replicas):
+        raise PlanError("--replicas must all be >= 1")
+    specs, rank = [], 0
+    for i, r in enumerate(replicas):
+        nodes = tuple(layers[bounds[i] : bounds[i + 1]])
+        specs.append(StageSpec(nodes, r, tuple(range(rank, rank + r))))
+        rank += r
+    order = {n.id: i for i, n in enumerate(profile.nodes)}
+    specs[0] = StageSpec(tuple(sorted(_inputs(profile) + specs[0].nodes, key=order.__getitem__)),
+                         specs[0].replicas, specs[0].ranks)  # fmt: skip
+    _check_closed(profile, specs)
+    info = SolverInfo("evaluate", 0.0, False)
+    plan = assemble(profile, cluster, specs, schedule, m, optimizer, info)
+    return _with(plan, SolverInfo("evaluate", time.perf_counter() - start, False), {})
+
+
+def _check_closed(profile: Profile, specs: Sequence[StageSpec]) -> None:
+    where = {nid: i for i, s in enumerate(specs) for nid in s.nodes}
+    for node in profile.nodes:
+        for src in node.inputs:
+            if where.get(src, 0) > where.get(node.id, 0):
+                raise PlanError(f"layer {node.id} would run before its input {src}: cuts break the graph")

@@ -1,0 +1,192 @@
+"""Turn a list of stages (node sets + replicas + ranks) into a costed ``Plan``.
+
+Shared by the solvers, ``evaluate`` and the baselines, so that every plan is priced by one model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from partitioner.errors import InfeasibleError, PlanError
+from partitioner.graph import Profile
+from partitioner.optimizer.cost import (
+    StageLoad,
+    StageTimes,
+    plan_times,
+    stage_memory,
+)
+from partitioner.plan import Cluster, Plan, Prediction, SolverInfo, Stage
+
+__all__ = [
+    "StageSpec",
+    "assemble",
+    "data_parallel_time",
+    "gib",
+    "global_lower_bound",
+    "layer_compute_s",
+    "stage_bandwidth",
+    "stage_loads",
+]
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """A stage before costing: which layers, how many replicas, on which ranks."""
+
+    nodes: tuple[str, ...]
+    replicas: int
+    ranks: tuple[int, ...]
+
+
+def gib(nbytes: float) -> str:
+    """Bytes as a short human string (GiB with two decimals)."""
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+def stage_loads(profile: Profile, groups: Sequence[Sequence[str]]) -> list[StageLoad]:
+    """Per-stage compute, parameters, saved activations and cut traffic; inputs are free.
+
+    A stage receives everything crossing the cut before it and sends everything crossing the cut
+    after it (tensors skipping a stage are relayed through it, as in PipeDream's runtime).
+    """
+    where = {nid: i for i, group in enumerate(groups) for nid in group}
+    nodes = {n.id: n for n in profile.nodes}
+    last_reader: dict[str, int] = {}
+    for node in profile.nodes:
+        for src in node.inputs:
+            if node.id in where:
+                last_reader[src] = max(last_reader.get(src, -1), where[node.id])
+    crossing = [0.0] * (len(groups) + 1)  # crossing[c]: bytes over the cut before stage c
+    for src, reader in last_reader.items():
+        node = nodes[src]
+        if node.op == "input" or src not in where:
+            continue
+        for cut in range(where[src] + 1, reader + 1):
+            crossing[cut] += node.output_bytes
+    loads = []
+    for i, group in enumerate(groups):
+        members = [nodes[n] for n in group if nodes[n].op != "input"]
+        loads.append(
+            StageLoad(
+                compute_s=math.fsum(n.compute_ms for n in members) / 1000.0,
+                param_bytes=float(sum(n.param_bytes for n in members)),
+                saved_bytes=float(sum(n.saved_bytes for n in members)),
+                in_bytes=crossing[i],
+                out_bytes=crossing[i + 1],
+            )
+        )
+    return loads
+
+
+def stage_bandwidth(cluster: Cluster, ranks: Sequence[int], neighbours: Sequence[int]) -> float:
+    """Bandwidth of the smallest hierarchy level holding a stage's ranks and its neighbours' ranks."""
+    span = 1
+    bandwidth = cluster.levels[0].bandwidth
+    everything = list(ranks) + list(neighbours)
+    for level in cluster.levels:
+        if len({r // span for r in everything}) <= 1:
+            return bandwidth
+        bandwidth = level.bandwidth
+        span *= level.devices
+    return bandwidth
+
+
+def layer_compute_s(profile: Profile) -> float:
+    """Forward+backward seconds of all layers; model inputs are free (PipeDream zeroes them)."""
+    return math.fsum(n.compute_ms for n in profile.layers) / 1000.0
+
+
+def data_parallel_time(profile: Profile, cluster: Cluster) -> float:
+    """PipeDream's data-parallel comparator: every level replicates the whole model."""
+    time = layer_compute_s(profile)
+    params = float(sum(n.param_bytes for n in profile.layers))
+    inner = 1
+    for level in cluster.levels:
+        n = level.devices
+        time = (time + 4.0 * (n - 1) * params / (level.bandwidth * n) / inner) / n
+        inner = n
+    return time
+
+
+def global_lower_bound(profile: Profile, cluster: Cluster) -> float:
+    """No plan beats perfect scaling of the compute, nor the fastest possible stage of one layer."""
+    gpus = cluster.gpus
+    bw = max(level.bandwidth for level in cluster.levels)
+    single = 0.0
+    for node in profile.layers:
+        c, p = node.compute_ms / 1000.0, float(node.param_bytes)
+        single = max(single, min((c + 4.0 * (r - 1) * p / (r * bw)) / r for r in range(1, gpus + 1)))
+    return max(layer_compute_s(profile) / gpus, single)
+
+
+def _times(profile: Profile, cluster: Cluster, specs: Sequence[StageSpec], schedule: str, m: int) -> tuple[
+    list[StageLoad], StageTimes
+]:  # fmt: skip
+    loads = stage_loads(profile, [s.nodes for s in specs])
+    bws = []
+    for i, spec in enumerate(specs):
+        near = [r for j in (i - 1, i + 1) if 0 <= j < len(specs) for r in specs[j].ranks]
+        bws.append(stage_bandwidth(cluster, spec.ranks, near))
+    return loads, plan_times(loads, [s.replicas for s in specs], bws, schedule, m)
+
+
+def assemble(
+    profile: Profile,
+    cluster: Cluster,
+    specs: Sequence[StageSpec],
+    schedule: str,
+    microbatches: int,
+    optimizer: str,
+    solver: SolverInfo,
+    time_override: float | None = None,
+    extra: dict[str, object] | None = None,
+) -> Plan:
+    """Cost the stages and build the Plan; ``time_override`` keeps a solver's own objective value.
+
+    Raises:
+        InfeasibleError: a stage needs more memory than the cluster's devices have.
+        PlanError: the stages use more devices than the cluster has.
+    """
+    used = sum(s.replicas for s in specs)
+    if used > cluster.gpus:
+        raise PlanError(f"the plan uses {used} GPUs but the cluster has {cluster.gpus}")
+    loads, times = _times(profile, cluster, specs, schedule, microbatches)
+    reps = [s.replicas for s in specs]
+    memory = [stage_memory(ld, schedule, i, reps, microbatches, optimizer) for i, ld in enumerate(loads)]
+    limit = cluster.memory_bytes
+    if limit is not None and max(memory) > limit:
+        worst = max(range(len(memory)), key=memory.__getitem__)
+        raise InfeasibleError(
+            f"stage {worst} needs {gib(memory[worst])} per GPU but only {gib(limit)} is available; "
+            f"raise --memory to at least {gib(max(memory))} or use more GPUs"
+        )
+    time = times.time_per_minibatch_s if time_override is None else time_override
+    stages = tuple(
+        Stage(i, spec.nodes, spec.replicas, spec.ranks, ld.compute_s, times.comm_s[i], memory[i])
+        for i, (spec, ld) in enumerate(zip(specs, loads, strict=True))
+    )
+    dp = data_parallel_time(profile, cluster)
+    single = layer_compute_s(profile)
+    batch = profile.batch_size
+    prediction = Prediction(
+        time_per_minibatch_s=time,
+        throughput_samples_per_s=batch / time if batch and time > 0 else None,
+        bubble_fraction=times.bubble_fraction,
+        speedup_vs_data_parallel=dp / time if time > 0 else None,
+        speedup_vs_single=single / time if time > 0 else None,
+    )
+    return Plan(
+        gpus=used,
+        cluster=cluster,
+        schedule=schedule,
+        microbatches=microbatches,
+        stages=stages,
+        predicted=prediction,
+        solver=solver,
+        batch_size=profile.batch_size,
+        optimizer=optimizer,
+        model=profile.model,
+        extra=dict(extra or {}),
+    )

@@ -1,0 +1,178 @@
+"""Cost and memory models of one pipeline plan, per schedule.
+
+``pipedream`` is PipeDream's published optimizer objective (optimizer_graph_hierarchical.py): a stage of
+compute C and parameters P on r replicas over bandwidth B takes (C + 4(r-1)P/(rB)/inner)/r, where
+``inner`` is the number of devices in one unit of the level (1 on the innermost level); every cut
+costs 2·activation/(B·r) on each side of it, with that side's r; the pipeline's time per minibatch is
+the slowest of all these terms. ``1f1b`` and ``gpipe`` are synchronous: M microbatches flow through,
+so a minibatch takes the sum of one microbatch's stage times, plus (M-1) slowest stages, plus the
+largest gradient all-reduce once per minibatch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from partitioner.errors import PlanError
+
+__all__ = [
+    "OPTIMIZER_STATE",
+    "StageLoad",
+    "StageTimes",
+    "activation_time",
+    "allreduce_time",
+    "in_flight",
+    "pipedream_stage_time",
+    "plan_times",
+    "stage_memory",
+]
+
+FloatArray = npt.NDArray[np.float64]
+
+#: optimizer state per parameter byte: sgd keeps none, momentum one buffer, adam two moments.
+OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2}
+
+
+@dataclass(frozen=True)
+class StageLoad:
+    """What one stage carries, for one minibatch of the profile's batch size.
+
+    Attributes:
+        compute_s: forward+backward seconds of its layers on one device.
+        param_bytes: parameter bytes of its layers.
+        saved_bytes: activation bytes its layers keep for backward.
+        in_bytes: activation bytes it receives from earlier stages (0 for the first stage).
+        out_bytes: activation bytes it sends to later stages (0 for the last stage).
+    """
+
+    compute_s: float
+    param_bytes: float
+    saved_bytes: float
+    in_bytes: float
+    out_bytes: float
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Per-stage times of a plan and the resulting time per minibatch."""
+
+    compute_s: tuple[float, ...]
+    comm_s: tuple[float, ...]
+    stage_s: tuple[float, ...]
+    time_per_minibatch_s: float
+    bubble_fraction: float
+
+
+def pipedream_stage_time(
+    compute_s: FloatArray | float,
+    param_bytes: FloatArray | float,
+    replicas: FloatArray | int,
+    bandwidth: float,
+    inner: int = 1,
+) -> FloatArray:
+    """PipeDream's replicated stage time: (C + 4(r-1)P/(rB)/inner) / r."""
+    r = np.asarray(replicas, dtype=np.float64)
+    sync = 4.0 * (r - 1.0) * np.asarray(param_bytes) / (bandwidth * r) / inner
+    return np.asarray((np.asarray(compute_s) + sync) / r, dtype=np.float64)
+
+
+def activation_time(nbytes: float, replicas: int, bandwidth: float) -> float:
+    """PipeDream's charge for activations crossing a cut: forward send plus backward gradient."""
+    return 2.0 * nbytes / (bandwidth * replicas)
+
+
+def allreduce_time(param_bytes: float, replicas: int, bandwidth: float) -> float:
+    """Gradient synchronisation of a replicated stage, with PipeDream's 4(r-1)P/(rB) volume."""
+    return 4.0 * (replicas - 1) * param_bytes / (bandwidth * replicas)
+
+
+def in_flight(schedule: str, position: int, replicas: Sequence[int], microbatches: int) -> int:
+    """Minibatches (pipedream) or microbatches (1f1b, gpipe) a replica of stage ``position`` holds.
+
+    pipedream: PipeDream's NOAM, ceil(devices from this stage to the end / this stage's replicas);
+    1f1b: min(stages - position, M); gpipe: all M.
+    """
+    if schedule == "pipedream":
+        return math.ceil(sum(replicas[position:]) / replicas[position])
+    if schedule == "1f1b":
+        return min(len(replicas) - position, microbatches)
+    if schedule == "gpipe":
+        return microbatches
+    raise PlanError(f"unknown schedule {schedule!r}; use pipedream, 1f1b or gpipe")
+
+
+def stage_memory(
+    load: StageLoad,
+    schedule: str,
+    position: int,
+    replicas: Sequence[int],
+    microbatches: int,
+    optimizer: str,
+) -> int:
+    """Peak bytes on one device of a stage: weights, grads, optimizer state, stashes, activations.
+
+    pipedream keeps one weight version per minibatch in flight (weight stashing) and each replica
+    runs whole minibatches; the synchronous schedules split each microbatch over the replicas.
+    """
+    if optimizer not in OPTIMIZER_STATE:
+        raise PlanError(f"unknown optimizer {optimizer!r}; use sgd, momentum or adam")
+    held = in_flight(schedule, position, replicas, microbatches)
+    weights = load.param_bytes * (2 + OPTIMIZER_STATE[optimizer])
+    if schedule == "pipedream":
+        return round(weights + (held - 1) * load.param_bytes + held * load.saved_bytes)
+    per_micro = load.saved_bytes / (microbatches * replicas[position])
+    return round(weights + held * per_micro)
+
+
+def plan_times(
+    loads: Sequence[StageLoad],
+    replicas: Sequence[int],
+    bandwidths: Sequence[float],
+    schedule: str,
+    microbatches: int,
+) -> StageTimes:
+    """Time per minibatch of a plan; ``bandwidths[i]`` is what stage i's replicas and cuts use."""
+    if schedule == "pipedream":
+        return _pipedream_times(loads, replicas, bandwidths)
+    if schedule in ("1f1b", "gpipe"):
+        return _sync_times(loads, replicas, bandwidths, microbatches)
+    raise PlanError(f"unknown schedule {schedule!r}; use pipedream, 1f1b or gpipe")
+
+
+def _pipedream_times(
+    loads: Sequence[StageLoad], replicas: Sequence[int], bandwidths: Sequence[float]
+) -> StageTimes:
+    compute, comm, total = [], [], []
+    for load, r, bw in zip(loads, replicas, bandwidths, strict=True):
+        busy = float(pipedream_stage_time(load.compute_s, load.param_bytes, r, bw))
+        edge = max(activation_time(load.in_bytes, r, bw), activation_time(load.out_bytes, r, bw))
+        compute.append(load.compute_s / r)
+        comm.append(edge + allreduce_time(load.param_bytes, r, bw) / r)
+        total.append(max(busy, edge))
+    slowest = max(total)
+    bubble = 1.0 - sum(total) / (len(total) * slowest) if slowest > 0 else 0.0
+    return StageTimes(tuple(compute), tuple(comm), tuple(total), slowest, bubble)
+
+
+def _sync_times(
+    loads: Sequence[StageLoad], replicas: Sequence[int], bandwidths: Sequence[float], m: int
+) -> StageTimes:
+    """Sum of one microbatch's stage times + (M-1) slowest + the largest all-reduce."""
+    micro, compute, comm = [], [], []
+    sync = 0.0
+    for load, r, bw in zip(loads, replicas, bandwidths, strict=True):
+        act = activation_time(load.out_bytes, r, bw) / m
+        micro.append(load.compute_s / (r * m) + act)
+        compute.append(load.compute_s / r)
+        sync = max(sync, allreduce_time(load.param_bytes, r, bw))
+        comm.append(act * m + allreduce_time(load.param_bytes, r, bw))
+    slowest = max(micro)
+    time = sum(micro) + (m - 1) * slowest + sync
+    busy = sum(c / m for c in compute) * m
+    bubble = 1.0 - busy / (len(loads) * time) if time > 0 else 0.0
+    return StageTimes(tuple(compute), tuple(comm), tuple(micro), time, bubble)

@@ -1,0 +1,303 @@
+"""Exact stage + replication DP over downset states, vectorised with numpy, level by level.
+
+The final level minimises the slowest stage (PipeDream's objective) by bisection on that time:
+for a candidate time t, ``_min_units`` computes the fewest devices that cover each downset with stages
+no slower than t (the replicas a stage needs at time t have a closed form, so each state is one numpy
+pass over its predecessor states). Each feasible t is tightened to the plan's real time, so the search
+ends on an attained value with a certified lower bound (the largest infeasible t). Inner levels of a
+hierarchy (servers made of GPUs) need the best time of *every* segment on one unit, as PipeDream's
+recursion does; ``_all_segments`` fills that table directly, vectorised over segment starts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from partitioner.errors import InfeasibleError
+from partitioner.optimizer.states import StateSet
+
+__all__ = ["LevelProblem", "Segment", "solve_bottleneck", "solve_hierarchy"]
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+REL_TOL = 1e-10
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One stage found by the DP: states (start, end], ``replicas`` units, and its inner stages."""
+
+    start: int
+    end: int
+    replicas: int
+    inner: tuple[Segment, ...] = ()
+
+
+@dataclass(frozen=True)
+class LevelProblem:
+    """One level of the search.
+
+    Attributes:
+        states: the downset states.
+        units: units available at this level (GPUs, or servers of GPUs).
+        bandwidth: bytes/s between units of this level.
+        inner: devices in one unit of the level below (1 on the innermost level); PipeDream divides
+            the gradient sync by it.
+        base: base[k, j]-style callable giving, for state j and predecessor states K, the time of
+            segment (K, j] on one unit; None = the summed compute time.
+        min_replicas: smallest replica count a stage may have (synchronous-schedule candidates).
+        max_replicas: largest replica count a stage may have (1 = straight pipeline).
+        memory: None, or (limit bytes, optimizer state factor, schedule, total devices).
+    """
+
+    states: StateSet
+    units: int
+    bandwidth: float
+    inner: int = 1
+    base: Callable[[int, IntArray], FloatArray] | None = None
+    min_replicas: int = 1
+    max_replicas: int | None = None
+    memory: tuple[float, int, str, int] | None = field(default=None)
+
+    def base_time(self, j: int, ks: IntArray) -> FloatArray:
+        if self.base is not None:
+            return self.base(j, ks)
+        c = self.states.compute_s
+        return np.asarray(c[j] - c[ks], dtype=np.float64)
+
+    def stage_time(self, k: int, j: int, r: int) -> float:
+        """Time of stage (k, j] with r replicas, cut communication included."""
+        ks = np.array([k], dtype=np.int64)
+        return float(self._times(j, ks, np.array([float(r)]))[0])
+
+    def _times(self, j: int, ks: IntArray, r: FloatArray) -> FloatArray:
+        s = self.states
+        dp = s.param_bytes[j] - s.param_bytes[ks]
+        sync = 4.0 * (r - 1.0) * dp / (self.bandwidth * r) / self.inner
+        busy = (self.base_time(j, ks) + sync) / r
+        act = np.where(ks > 0, s.act_bytes[ks], 0.0)
+        if j < len(s) - 1:
+            act = np.maximum(act, s.act_bytes[j])
+        return np.asarray(np.maximum(busy, 2.0 * act / (self.bandwidth * r)), dtype=np.float64)
+
+
+def _replicas_needed(prob: LevelProblem, j: int, ks: IntArray, tau: float, g: FloatArray) -> FloatArray:
+    """Fewest replicas that bring each stage (k, j] down to ``tau``; inf where none can."""
+    s = prob.states
+    base = prob.base_time(j, ks)
+    q = 4.0 * (s.param_bytes[j] - s.param_bytes[ks]) / (prob.bandwidth * prob.inner)
+    b = base + q
+    with np.errstate(invalid="ignore"):
+        disc = np.maximum(b * b - 4.0 * tau * q, 0.0)
+    r = np.where(base <= tau, 1.0, np.ceil((b + np.sqrt(disc)) / (2.0 * tau) * (1 - 1e-12)))
+    act = np.where(ks > 0, s.act_bytes[ks], 0.0)
+    if j < len(s) - 1:
+        act = np.maximum(act, s.act_bytes[j])
+    r = np.maximum(r, np.ceil(2.0 * act / (prob.bandwidth * tau) * (1 - 1e-12)))
+    r = np.maximum(np.maximum(r, 1.0), float(prob.min_replicas))
+    if prob.memory is not None:
+        r = np.maximum(r, _memory_replicas(prob, j, ks, g))
+    for _ in range(2):  # guard the closed form against rounding: bump where still too slow
+        slow = prob._times(j, ks, r) > tau * (1 + 1e-12)
+        if not slow.any():
+            break
+        r = np.where(slow, r + 1.0, r)
+    cap = prob.units if prob.max_replicas is None else min(prob.units, prob.max_replicas)
+    return np.where(r <= cap, r, np.inf)
+
+
+def _memory_replicas(prob: LevelProblem, j: int, ks: IntArray, g: FloatArray) -> FloatArray:
+    """Replicas a stage needs to fit in memory (more replicas: fewer stashed minibatches per device)."""
+    assert prob.memory is not None
+    limit, opt, schedule, total = prob.memory
+    s = prob.states
+    p = s.param_bytes[j] - s.param_bytes[ks]
+    saved = s.saved_bytes[j] - s.saved_bytes[ks]
+    if schedule == "pipedream":  # weights + (h-1) stashed versions + h activations <= limit
+        hmax = np.floor((limit - p * (1 + opt)) / np.maximum(p + saved, 1e-9))
+        downstream = np.maximum(total - np.where(np.isfinite(g[ks]), g[ks], total), 1.0)
+        return np.where(hmax >= 1, np.ceil(downstream / np.maximum(hmax, 1.0) - 1e-9), np.inf)
+    room = limit - p * (2 + opt)  # synchronous: at most all M microbatches' activations
+    return np.where(room > 0, np.ceil(saved / np.maximum(room, 1e-9) - 1e-9), np.inf)
+
+
+def _min_units(prob: LevelProblem, tau: float) -> tuple[FloatArray, IntArray, IntArray]:
+    """g[j]: fewest units covering state j with stages no slower than tau, plus the argmins."""
+    n = len(prob.states)
+    g = np.full(n, np.inf)
+    g[0] = 0.0
+    arg_k = np.zeros(n, dtype=np.int64)
+    arg_r = np.zeros(n, dtype=np.int64)
+    for j in range(1, n):
+        ks = prob.states.pred(j)
+        total = g[ks] + _replicas_needed(prob, j, ks, tau, g)
+        best = int(np.argmin(total))
+        g[j] = total[best]
+        if np.isfinite(g[j]):
+            arg_k[j] = ks[best]
+            arg_r[j] = int(total[best] - g[ks[best]])
+    return g, arg_k, arg_r
+
+
+def _walk(arg_k: IntArray, arg_r: IntArray, end: int) -> list[Segment]:
+    stages: list[Segment] = []
+    j = end
+    while j > 0:
+        stages.append(Segment(int(arg_k[j]), j, int(arg_r[j])))
+        j = int(arg_k[j])
+    return stages[::-1]
+
+
+def _plan_time(prob: LevelProblem, stages: list[Segment]) -> float:
+    return max(prob.stage_time(s.start, s.end, s.replicas) for s in stages)
+
+
+def solve_bottleneck(prob: LevelProblem, lower: float = 0.0) -> tuple[float, list[Segment], float]:
+    """Minimise the slowest stage at this level; returns (time, stages, certified lower bound).
+
+    Raises:
+        InfeasibleError: no plan fits, even with unlimited time (memory too small).
+    """
+    last = len(prob.states) - 1
+    g, arg_k, arg_r = _min_units(prob, math.inf)
+    if not g[last] <= prob.units:
+        raise InfeasibleError("no plan fits in memory")
+    best = _walk(arg_k, arg_r, last)
+    hi = _plan_time(prob, best)
+    lo = min(lower, hi)
+    while hi - lo > REL_TOL * hi:
+        mid = 0.5 * (lo + hi)
+        g, arg_k, arg_r = _min_units(prob, mid)
+        if g[last] <= prob.units:
+            best = _walk(arg_k, arg_r, last)
+            hi = min(_plan_time(prob, best), mid)
+        else:
+            lo = mid
+    return hi, best, lo
+
+
+# ---------------------------------------------------------------- hierarchy
+
+
+@dataclass(frozen=True)
+class _Table:
+    """Best time of every segment (i, j] on up to m units, plus how it splits."""
+
+    time: FloatArray  # [m, i, j]
+    split: IntArray  # [m, i, j]: previous cut k, or -1 for one stage
+    reps: IntArray  # [m, i, j]: replicas of the segment's last stage
+
+    @staticmethod
+    def empty(units: int, n: int) -> _Table:
+        return _Table(
+            np.full((units + 1, n, n), np.inf),
+            np.full((units + 1, n, n), -1, dtype=np.int64),
+            np.zeros((units + 1, n, n), dtype=np.int64),
+        )
+
+    def offer_single(self, m: int, ks: IntArray, j: int, cand: FloatArray, r: int) -> None:
+        better = cand < self.time[m, ks, j]
+        rows = ks[better]
+        self.time[m, rows, j] = cand[better]
+        self.split[m, rows, j] = -1
+        self.reps[m, rows, j] = r
+
+    def offer_split(self, m: int, j: int, cand: FloatArray, ks: IntArray, r: int) -> None:
+        at = np.argmin(cand, axis=1)
+        best = cand[np.arange(cand.shape[0]), at]
+        better = best < self.time[m, :, j]
+        self.time[m, better, j] = best[better]
+        self.split[m, better, j] = ks[at[better]]
+        self.reps[m, better, j] = r
+
+
+def _all_segments(prob: LevelProblem) -> tuple[_Table, _Table]:
+    """Direct DP over all segment starts at once (PipeDream's non-final level).
+
+    Returns two tables: ``closed`` (the segment's last stage does not pay for its output, which
+    the next level charges) and ``opened`` (it does: the segment ends at an internal cut).
+    """
+    s, n, units = prob.states, len(prob.states), prob.units
+    cap = units if prob.max_replicas is None else min(units, prob.max_replicas)
+    closed, opened = _Table.empty(units, n), _Table.empty(units, n)
+    sub = s.subset_matrix()
+    for j in range(1, n):
+        ks = s.pred(j)
+        for m in range(1, units + 1):
+            for r in range(1, min(m, cap) + 1):
+                closed.offer_single(m, ks, j, _segment_times(prob, j, ks, r, False, False), r)
+                opened.offer_single(m, ks, j, _segment_times(prob, j, ks, r, True, False), r)
+                if m - r < 1:
+                    continue
+                prev = np.where(sub[:, ks], opened.time[m - r][:, ks], np.inf)  # [i, k]
+                last_c = _segment_times(prob, j, ks, r, False, True)
+                last_o = _segment_times(prob, j, ks, r, True, True)
+                closed.offer_split(m, j, np.maximum(prev, last_c[None, :]), ks, r)
+                opened.offer_split(m, j, np.maximum(prev, last_o[None, :]), ks, r)
+    return closed, opened
+
+
+def _segment_times(
+    prob: LevelProblem, j: int, ks: IntArray, r: int, charge_out: bool, charge_in: bool
+) -> FloatArray:
+    s = prob.states
+    dp = s.param_bytes[j] - s.param_bytes[ks]
+    sync = 4.0 * (r - 1) * dp / (prob.bandwidth * r) / prob.inner
+    t = (prob.base_time(j, ks) + sync) / r
+    act = np.zeros(len(ks))
+    if charge_in:
+        act = np.where(ks > 0, s.act_bytes[ks], 0.0)
+    if charge_out and j < len(s) - 1:
+        act = np.maximum(act, s.act_bytes[j])
+    return np.asarray(np.maximum(t, 2.0 * act / (prob.bandwidth * r)), dtype=np.float64)
+
+
+def _unfold(tables: tuple[_Table, _Table], m: int, i: int, j: int, is_open: bool) -> list[Segment]:
+    """The inner stages of the best plan of segment (i, j] on up to m units."""
+    table = tables[1] if is_open else tables[0]
+    k = int(table.split[m, i, j])
+    r = int(table.reps[m, i, j])
+    if k < 0:
+        return [Segment(i, j, r)]
+    return [*_unfold(tables, m - r, i, k, True), Segment(k, j, r)]
+
+
+def solve_hierarchy(
+    states: StateSet, levels: list[tuple[int, float]], max_replicas: int | None = None
+) -> tuple[float, list[Segment], float]:
+    """PipeDream's recursion: each inner level's best segment time is the next level's compute time."""
+    tables: list[tuple[_Table, _Table]] = []
+    base: Callable[[int, IntArray], FloatArray] | None = None
+    inner = 1
+    for devices, bw in levels[:-1]:
+        prob = LevelProblem(states, devices, bw, inner, base, max_replicas=max_replicas)
+        pair = _all_segments(prob)
+        tables.append(pair)
+        base = _base_from(pair[0], devices)
+        inner = devices
+    devices, bw = levels[-1]
+    lower = float(states.compute_s[-1]) / math.prod(d for d, _ in levels)
+    top = LevelProblem(states, devices, bw, inner, base, max_replicas=max_replicas)
+    time, stages, lo = solve_bottleneck(top, lower)
+
+    def expand(seg: Segment, level: int) -> Segment:
+        if level < 0:
+            return seg
+        subs = _unfold(tables[level], levels[level][0], seg.start, seg.end, False)
+        return Segment(seg.start, seg.end, seg.replicas, tuple(expand(x, level - 1) for x in subs))
+
+    return time, [expand(seg, len(tables) - 1) for seg in stages], lo
+
+
+def _base_from(table: _Table, units: int) -> Callable[[int, IntArray], FloatArray]:
+    best = table.time[units]
+
+    def base(j: int, ks: IntArray) -> FloatArray:
+        return np.asarray(best[ks, j], dtype=np.float64)
+
+    return base

@@ -1,0 +1,191 @@
+"""The DP's states: downsets of the layer DAG (node sets closed under predecessors).
+
+A pipeline cut is a downset: everything before the cut must run in earlier stages. PipeDream
+enumerates the downsets it can reach from the first layer; we enumerate *all* of them when there are
+few enough (a superset, so our optimum is never worse), and otherwise fall back, honestly flagged, to
+the prefixes of one topological order (a chain of cuts, exact for chains, approximate for branches).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from partitioner.errors import PlanError
+from partitioner.graph import Profile
+
+__all__ = ["DEFAULT_MAX_STATES", "StateSet", "build_states", "chain_states", "downset_states"]
+
+log = logging.getLogger(__name__)
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+DEFAULT_MAX_STATES = 2500
+
+
+@dataclass(frozen=True)
+class StateSet:
+    """Downsets ordered by size (index 0 = nothing, last = every layer) with their prefix sums.
+
+    Attributes:
+        layer_ids: the layers (profile nodes other than inputs), topologically ordered.
+        masks: bit i set = layer_ids[i] is in the downset.
+        compute_s: forward+backward seconds of each downset.
+        param_bytes: parameter bytes of each downset.
+        saved_bytes: activation bytes kept for backward by each downset.
+        act_bytes: bytes leaving the downset (outputs of its members read by non-members).
+        preds: for state j, the states k with mask_k a strict subset of mask_j (None: all k < j).
+        exact: True when every downset of the DAG is present.
+    """
+
+    layer_ids: tuple[str, ...]
+    masks: tuple[int, ...]
+    compute_s: FloatArray
+    param_bytes: FloatArray
+    saved_bytes: FloatArray
+    act_bytes: FloatArray
+    preds: tuple[IntArray, ...] | None
+    exact: bool
+
+    def __len__(self) -> int:
+        return len(self.masks)
+
+    def pred(self, j: int) -> IntArray:
+        """States that can precede state j as the previous cut."""
+        if self.preds is None:
+            return np.arange(j, dtype=np.int64)
+        return self.preds[j]
+
+    def subset_matrix(self) -> npt.NDArray[np.bool_]:
+        """sub[k, j] = state k is a strict subset of state j."""
+        n = len(self)
+        sub = np.zeros((n, n), dtype=bool)
+        for j in range(n):
+            sub[self.pred(j), j] = True
+        return sub
+
+    def members(self, k: int, j: int) -> tuple[str, ...]:
+        """Layer ids in state j but not in state k, in topological order."""
+        diff = self.masks[j] & ~self.masks[k]
+        return tuple(lid for i, lid in enumerate(self.layer_ids) if diff >> i & 1)
+
+
+def _layers(profile: Profile) -> tuple[list[str], list[int], list[int]]:
+    """Layer ids plus predecessor and successor bitmasks (inputs are free and excluded)."""
+    ids = [n.id for n in profile.nodes if n.op != "input"]
+    if not ids:
+        raise PlanError("the profile has no layers to partition")
+    index = {lid: i for i, lid in enumerate(ids)}
+    preds = [0] * len(ids)
+    succs = [0] * len(ids)
+    for node in profile.nodes:
+        if node.id not in index:
+            continue
+        for src in node.inputs:
+            if src in index:
+                preds[index[node.id]] |= 1 << index[src]
+                succs[index[src]] |= 1 << index[node.id]
+    return ids, preds, succs
+
+
+def _enumerate(preds: list[int], cap: int) -> list[int] | None:
+    """Every downset, breadth first by size; None once there are more than ``cap``."""
+    seen = {0}
+    layer = [0]
+    while layer:
+        nxt: list[int] = []
+        for mask in layer:
+            for i, p in enumerate(preds):
+                bit = 1 << i
+                if not mask & bit and p & mask == p:
+                    grown = mask | bit
+                    if grown not in seen:
+                        seen.add(grown)
+                        nxt.append(grown)
+            if len(seen) > cap:
+                return None
+        layer = nxt
+    return sorted(seen, key=lambda m: (m.bit_count(), m))
+
+
+def _sums(profile: Profile, ids: list[str], masks: list[int]) -> tuple[FloatArray, ...]:
+    nodes = {n.id: n for n in profile.nodes}
+    mat = np.zeros((len(masks), len(ids)), dtype=np.float64)
+    for s, mask in enumerate(masks):
+        bits = [i for i in range(len(ids)) if mask >> i & 1]
+        mat[s, bits] = 1.0
+    comp = np.array([nodes[i].compute_ms / 1000.0 for i in ids])
+    par = np.array([float(nodes[i].param_bytes) for i in ids])
+    sav = np.array([float(nodes[i].saved_bytes) for i in ids])
+    return mat @ comp, mat @ par, mat @ sav, mat
+
+
+def _boundary(profile: Profile, ids: list[str], succs: list[int], mat: FloatArray) -> FloatArray:
+    """Bytes each downset sends onward: outputs of members that a non-member reads."""
+    n = len(ids)
+    adj = np.zeros((n, n), dtype=np.float64)
+    for i, s in enumerate(succs):
+        adj[i, [t for t in range(n) if s >> t & 1]] = 1.0
+    out = np.array([float(profile.node(i).output_bytes) for i in ids])
+    leaving = ((1.0 - mat) @ adj.T) > 0  # [state, node]: node has a successor outside
+    return np.asarray(((mat > 0) & leaving) @ out, dtype=np.float64)
+
+
+def _subset_preds(mat: FloatArray) -> tuple[IntArray, ...]:
+    sizes = mat.sum(axis=1)
+    inter = mat @ mat.T  # inter[k, j] = |k & j|
+    sub = (np.abs(inter - sizes[:, None]) < 0.5) & (sizes[:, None] < sizes[None, :])
+    return tuple(np.flatnonzero(sub[:, j]).astype(np.int64) for j in range(len(sizes)))
+
+
+def downset_states(profile: Profile, max_states: int = DEFAULT_MAX_STATES) -> StateSet | None:
+    """All downsets of the layer DAG, or None when there are more than ``max_states``."""
+    ids, preds, succs = _layers(profile)
+    masks = _enumerate(preds, max_states)
+    if masks is None:
+        return None
+    comp, par, sav, mat = _sums(profile, ids, masks)
+    act = _boundary(profile, ids, succs, mat)
+    is_chain = all(masks[i] & masks[i + 1] == masks[i] for i in range(len(masks) - 1))
+    preds_ = None if is_chain else _subset_preds(mat)
+    return StateSet(tuple(ids), tuple(masks), comp, par, sav, act, preds_, True)
+
+
+def chain_states(profile: Profile, max_states: int | None = None) -> StateSet:
+    """Prefixes of the profile's topological order (optionally thinned evenly by compute time)."""
+    ids, _, succs = _layers(profile)
+    nodes = {n.id: n for n in profile.nodes}
+    n = len(ids)
+    cum_c = np.concatenate([[0.0], np.cumsum([nodes[i].compute_ms / 1000.0 for i in ids])])
+    cum_p = np.concatenate([[0.0], np.cumsum([float(nodes[i].param_bytes) for i in ids])])
+    cum_s = np.concatenate([[0.0], np.cumsum([float(nodes[i].saved_bytes) for i in ids])])
+    diff = np.zeros(n + 2)
+    for i, s in enumerate(succs):
+        if s:  # node i's output crosses every prefix cut after i up to its last reader
+            diff[i + 1] += nodes[ids[i]].output_bytes
+            diff[s.bit_length()] -= nodes[ids[i]].output_bytes
+    act = np.cumsum(diff)[: n + 1]
+    cuts = np.arange(n + 1)
+    if max_states is not None and n + 1 > max_states:
+        targets = np.linspace(0.0, cum_c[-1], max_states)
+        cuts = np.unique(np.concatenate([[0, n], np.searchsorted(cum_c, targets)]))
+    masks = tuple((1 << int(c)) - 1 for c in cuts)
+    exact = len(cuts) == n + 1 and _is_chain(succs)
+    return StateSet(tuple(ids), masks, cum_c[cuts], cum_p[cuts], cum_s[cuts], act[cuts], None, exact)
+
+
+def _is_chain(succs: list[int]) -> bool:
+    """A plain chain: layer i feeds only layer i+1, so prefixes are all the downsets."""
+    return all(s == 1 << (i + 1) for i, s in enumerate(succs[:-1])) and succs[-1] == 0
+
+
+def build_states(profile: Profile, max_states: int = DEFAULT_MAX_STATES) -> StateSet:
+    """All downsets when there are at most ``max_states``, else the topological prefixes."""
+    states = downset_states(profile, max_states)
+    if states is not None:
+        return states
+    log.info("more than %d downsets: falling back to topological prefixes (not optimal)", max_states)
+    return chain_states(profile)
