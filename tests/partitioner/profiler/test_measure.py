@@ -1,0 +1,139 @@
+"""Measurement: every built-in model profiles; bytes, ties and times are what autograd really does."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from partitioner.graph import Profile
+from partitioner.models import load_model
+from partitioner.profiler import profile_model
+from partitioner.profiler.measure import LayerProfiler, Stopwatch, measure_step
+from partitioner.profiler.trace import trace_model
+from partitioner.zoo import ZOO
+
+torch.set_num_threads(1)
+
+HERE = Path(__file__).parent
+
+
+def small_shape(name: str) -> tuple[int, ...]:
+    entry = ZOO[name]
+    if entry.tokens:
+        return (4,) if name == "gpt2-medium" else (8,)
+    if len(entry.input_shape) == 3:
+        return (3, 64, 64) if name == "alexnet" else (3, 32, 32)
+    return entry.input_shape
+
+
+def check_profile(profile: Profile) -> None:
+    position = {n.id: i for i, n in enumerate(profile.nodes)}
+    assert len(position) == len(profile.nodes), "node ids are unique"
+    assert all(position[src] < position[n.id] for n in profile.nodes for src in n.inputs)
+    assert all(n.forward_ms >= 0 and n.backward_ms >= 0 for n in profile.nodes)
+    assert profile.step_ms and profile.step_ms > 0 and profile.fidelity is not None
+    assert profile.nodes[0].op == "input" and profile.nodes[-1].op == "output"
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_every_builtin_profiles(name: str) -> None:
+    profile = profile_model(name, batch_size=2, input_shape=small_shape(name), device="cpu", repeats=1)
+    check_profile(profile)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in ZOO[name].factory().parameters())
+    assert profile.total_param_bytes == 4 * params  # tied weights counted once
+    assert sum(n.saved_bytes for n in profile.nodes) > 0
+    assert profile.tracer == "fx" and profile.tracer_options["spec"] == name
+
+
+def test_tied_weights_are_counted_once_and_recorded() -> None:
+    profile = profile_model("tiny-gpt", batch_size=2, device="cpu", repeats=1)
+    assert profile.tied == (("wte.weight", "lm_head.weight"),)
+    wte, head = profile.node("wte"), profile.node("lm_head")
+    assert wte.param_bytes == 97 * 32 * 4 and head.param_bytes == 0
+    assert head.param_names == ("lm_head.weight",)
+
+
+def test_saved_bytes_follow_autograd() -> None:
+    profile = profile_model("tiny-mlp", batch_size=4, device="cpu", repeats=1)
+    x_bytes = 4 * 16 * 4
+    # fc1 saves its input x; each ReLU saves its output; fc2/fc3 save the ReLU outputs already counted
+    assert profile.node("fc1").saved_bytes == x_bytes
+    assert profile.node("act1").saved_bytes == 4 * 32 * 4
+    assert profile.node("fc2").saved_bytes == 0
+    assert profile.node("fc1").output_bytes == 4 * 32 * 4
+    assert profile.node("x").output_bytes == x_bytes
+    assert profile.node("fc1").param_names == ("fc1.weight", "fc1.bias")
+
+
+def test_skip_tensor_crosses_layers() -> None:
+    profile = profile_model("tiny-skip", batch_size=2, device="cpu", repeats=1)
+    add = next(n for n in profile.nodes if n.target == "add")
+    assert "act" in add.inputs and "l4" in add.inputs
+
+
+def test_inplace_layers_leave_the_captured_values_alone() -> None:
+    bundle = load_model("tiny-cnn", batch_size=2)
+    traced = trace_model(bundle)
+    with torch.no_grad():
+        expected = traced.graph_module(*bundle.inputs)
+    profiler = LayerProfiler(traced.graph_module, traced.groups, repeats=2)
+    costs = profiler.profile(*bundle.inputs)
+    assert set(costs) == {g.id for g in traced.groups}
+    torch.testing.assert_close(profiler.result, expected)
+
+
+def test_layer_times_add_up_to_the_step() -> None:
+    """Fidelity on a model big enough that timer overhead is noise (loose bounds: shared CI machines)."""
+    profile = profile_model("resnet18", batch_size=4, input_shape=(3, 64, 64), device="cpu", repeats=3)
+    assert profile.fidelity is not None and 0.5 < profile.fidelity < 2.0
+
+
+def test_measure_step_and_stopwatch() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    step = measure_step(
+        model, (torch.randn(4, 8),), torch.zeros(4, dtype=torch.long), nn.functional.cross_entropy
+    )
+    assert step.step_ms > 0 and len(step.samples_ms) >= 1 and all(p.grad is None for p in model.parameters())
+    times: list[float] = []
+    with Stopwatch(torch.device("cpu")).time(times):
+        sum(range(1000))
+    assert len(times) == 1 and times[0] > 0
+
+
+def test_progress_callback_counts_every_layer() -> None:
+    seen: list[tuple[int, int, str]] = []
+    profile = profile_model(
+        "tiny-cnn", batch_size=2, device="cpu", repeats=1, progress=lambda *a: seen.append(a)
+    )
+    assert len(seen) == len(profile.nodes) and seen[-1][0] == seen[-1][1] == len(profile.nodes)
+
+
+def test_hf_gpt2_profiles_via_export() -> None:
+    pytest.importorskip("transformers")
+    profile = profile_model(f"{HERE / 'hf_gpt2_model.py'}:make", batch_size=2, device="cpu", repeats=1)
+    check_profile(profile)
+    assert profile.tracer == "export"
+    assert [n.name for n in profile.nodes if n.target == "GPT2Block"] == [
+        f"transformer.h.{i}" for i in range(4)
+    ]
+    assert profile.tied == (("transformer.wte.weight", "lm_head.weight"),)
+    bundle = load_model(f"{HERE / 'hf_gpt2_model.py'}:make", 2)
+    params = sum(p.numel() for p in bundle.module.parameters())
+    assert profile.total_param_bytes == 4 * params
+    assert all(n.saved_bytes > 0 for n in profile.nodes if n.target == "GPT2Block")
+    assert math.isfinite(profile.total_compute_ms)
+
+
+def test_bad_repeats_and_device() -> None:
+    from partitioner.errors import PipeplanError
+
+    with pytest.raises(PipeplanError, match="--repeats"):
+        profile_model("tiny-mlp", repeats=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(PipeplanError, match="no usable GPU"):
+            profile_model("tiny-mlp", device="cuda")
