@@ -1,0 +1,128 @@
+"""`pipeplan profile`: files written, --json, one-line errors with exit code 2, a help that skips torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from cli import main
+from partitioner.graph import load_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def runner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> CliRunner:
+    monkeypatch.chdir(tmp_path)
+    return CliRunner()
+
+
+def test_profile_writes_the_default_path_and_prints_a_summary(runner: CliRunner, tmp_path: Path) -> None:
+    result = runner.invoke(
+        main, ["profile", "tiny-cnn", "--batch-size", "2", "--repeats", "1", "--device", "cpu"]
+    )
+    assert result.exit_code == 0, result.output
+    path = tmp_path / "profiles" / "tiny-cnn" / "profile.json"
+    profile = load_profile(path)
+    assert (
+        profile.model == "tiny-cnn" and profile.batch_size == 2 and profile.inputs[0].shape == (2, 3, 16, 16)
+    )
+    assert (
+        "fidelity" in result.output
+        and "conv_a" in result.output
+        and str(path.relative_to(tmp_path)) in result.output
+    )
+
+
+def test_profile_json_and_options(runner: CliRunner, tmp_path: Path) -> None:
+    args = ["profile", "tiny-gpt", "-o", "out/p.json", "--json", "--repeats", "1", "--input-shape", "12"]
+    result = runner.invoke(main, [*args, "--batch-size", "3", "--leaf-module", "Block", "--dtype", "float32"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["schema"] == "pipeplan.profile/1" and doc["inputs"][0]["shape"] == [3, 12]
+    assert doc["tracer_options"]["leaf_modules"] == ["Block"]
+    assert [n["target"] for n in doc["nodes"]].count("Block") == 2
+    assert load_profile(tmp_path / "out" / "p.json").batch_size == 3
+
+
+def test_profile_overwrites_its_own_profile(runner: CliRunner) -> None:
+    for _ in range(2):
+        result = runner.invoke(main, ["profile", "tiny-mlp", "-o", "p.json", "--repeats", "1"])
+        assert result.exit_code == 0, result.output
+
+
+BROKEN = """
+def make():
+    raise ValueError("no such layer size")
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["nosuchmodel"], "unknown model 'nosuchmodel'"),
+        (["tiny-cnn", "--input-shape", "3,x,16"], "bad --input-shape"),
+        (["tiny-cnn", "--input-shape", "3,-1,16"], "bad --input-shape"),
+        (["tiny-cnn", "--batch-size", "0"], "--batch-size must be positive"),
+        (["tiny-cnn", "-o", "/proc/nope/profile.json"], "cannot write"),
+        (["tiny-cnn", "-o", "."], "is a folder"),
+        (["tiny-cnn", "--leaf-module", "Nothing"], "matches no module"),
+        (["BROKEN"], "raised ValueError: no such layer size"),
+        (["tiny-cnn", "-o", "foreign.json"], "refusing to overwrite foreign.json"),
+        (["tiny-cnn", "-o", "corrupt.json"], "refusing to overwrite corrupt.json"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    runner: CliRunner, tmp_path: Path, args: list[str], message: str
+) -> None:
+    (tmp_path / "broken.py").write_text(textwrap.dedent(BROKEN))
+    (tmp_path / "foreign.json").write_text('{"schema": "someone.else/3"}')
+    (tmp_path / "corrupt.json").write_text('{"schema": "pipeplan.profile/1", "nodes": [')
+    args = [str(tmp_path / "broken.py") + ":make" if a == "BROKEN" else a for a in args]
+    result = runner.invoke(main, ["profile", *args, "--repeats", "1"])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.output
+    assert (tmp_path / "foreign.json").read_text() == '{"schema": "someone.else/3"}'
+
+
+def test_untraceable_model_suggests_leaf_module(runner: CliRunner, tmp_path: Path) -> None:
+    (tmp_path / "gated.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            class Gate(torch.nn.Module):
+                def forward(self, x):
+                    return x if x.sum() > 0 else -x
+            def make():
+                return torch.nn.Sequential(torch.nn.Linear(4, 4), Gate()), torch.randn(2, 4)
+            """
+        )
+    )
+    result = runner.invoke(main, ["profile", f"{tmp_path / 'gated.py'}:make", "--repeats", "1"])
+    assert result.exit_code == 2 and "--leaf-module Gate" in result.output
+    ok = runner.invoke(
+        main, ["profile", f"{tmp_path / 'gated.py'}:make", "--leaf-module", "Gate", "--repeats", "1"]
+    )
+    assert ok.exit_code == 0, ok.output
+
+
+@pytest.mark.parametrize("args", [["--help"], ["profile", "--help"]])
+def test_help_does_not_import_torch(args: list[str]) -> None:
+    code = (
+        "import sys, time; t = time.perf_counter(); from cli import main\n"
+        f"try:\n    main({args!r})\nexcept SystemExit:\n    pass\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NOTORCH', time.perf_counter() - t)"
+    )
+    started = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    wall = time.perf_counter() - started
+    assert out.stdout.split()[-2] == "NOTORCH"
+    assert wall < 5.0  # ~0.3 s on an idle 2-core machine; loose for a busy CI host
