@@ -171,6 +171,14 @@ def _train(options: RunOptions, rt: StageRuntime, total: int) -> None:
             checkpoint.save_stage(Path(options.checkpoint_dir), first + count, cfg.stage, state)
 
 
+def _share_cores() -> None:
+    """Split this machine's cores among its ranks, as torchrun does with OMP_NUM_THREADS: ranks that
+    each start one thread per core oversubscribe the CPU and spin against each other."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+
+
 def run_rank(options: RunOptions) -> dict[str, Any] | None:
     """Train this rank's stage; rank 0 returns the metrics.json document, the others None."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -181,6 +189,7 @@ def run_rank(options: RunOptions) -> dict[str, Any] | None:
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if backend == "nccl" else "cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
+    _share_cores()
     torch.manual_seed(options.seed)
     dist.init_process_group(backend, timeout=timedelta(seconds=options.timeout))
     # On error the group is left open: closing it would let peers fail first with "connection closed"
