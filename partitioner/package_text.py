@@ -135,7 +135,11 @@ def source_text(profile: Profile, plan: Plan, bundle: Any, loss: str, weights: s
         '    """The user\'s zero-argument model factory."""\n'
         "    return _stagekit.factory_from_spec(FACTORY)\n\n\n"
         "def populate(\n"
-        "    stage: torch.nn.Module, modules: tuple[str, ...], tensors: tuple[str, ...], seed: int, device: Any\n"
+        "    stage: torch.nn.Module,\n"
+        "    modules: tuple[str, ...],\n"
+        "    tensors: tuple[str, ...],\n"
+        "    seed: int,\n"
+        "    device: Any,\n"
         ") -> None:\n"
         '    """Give a stage its submodules and tensors, initialised as in full_model(seed)."""\n'
         "    _stagekit.populate(stage, factory(), modules, tensors, seed, device, WEIGHTS, INIT)\n"
@@ -186,7 +190,9 @@ def init_text(
         'def stage(k: int, seed: int = 0, device: str | torch.device = "cpu") -> torch.nn.Module:\n'
         '    """Build only stage k, its parameters exactly as in full_model(seed)."""\n'
         "    return STAGES[k](seed, device)  # type: ignore[no-any-return]\n\n\n"
-        "def model(criterion: torch.nn.Module, seed: int = 0) -> list[tuple[torch.nn.Module, list[str], list[str]]]:\n"
+        "def model(\n"
+        "    criterion: torch.nn.Module, seed: int = 0\n"
+        ") -> list[tuple[torch.nn.Module, list[str], list[str]]]:\n"
         '    """PipeDream\'s form: (module, input names, output names) per stage, then the criterion."""\n'
         "    return [\n"
         f"{entries}"
@@ -194,7 +200,8 @@ def init_text(
         "    ]\n\n\n"
         'def full_model(seed: int = 0, device: str | torch.device = "cpu") -> torch.nn.Module:\n'
         '    """The original, unsplit model with the same initial parameters as the stages."""\n'
-        "    return _stagekit.full_model(_source.factory(), seed, device, _source.WEIGHTS, _source.INIT)\n\n\n"
+        "    factory = _source.factory()\n"
+        "    return _stagekit.full_model(factory, seed, device, _source.WEIGHTS, _source.INIT)\n\n\n"
         "def criterion() -> torch.nn.Module:\n"
         '    """The loss: forward(output, target) -> mean loss over the samples."""\n'
         "    return _stagekit.criterion(_source.LOSS)\n\n\n"

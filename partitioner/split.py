@@ -221,7 +221,7 @@ def _stage_graph(
     inside = set(members)
     for node in gm.graph.nodes:
         if node.op == "get_attr" and any(u in inside for u in node.users):
-            env[node] = graph.get_attr(node.target)  # type: ignore[arg-type]
+            env[node] = graph.get_attr(str(node.target))
         elif node in inside:
             new = graph.create_node(
                 node.op,

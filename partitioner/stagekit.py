@@ -54,7 +54,7 @@ def derive_seed(seed: int, path: str) -> int:
 
 
 def factory_from_spec(spec: str) -> Callable[[], nn.Module]:
-    """The zero-argument factory a model spec names: ``torchvision:NAME``, ``pkg.mod:fn`` or ``file.py:fn``."""
+    """The zero-argument factory of a zoo name, ``torchvision:NAME``, ``pkg.mod:fn`` or ``file.py:fn``."""
     if ":" not in spec:
         zoo = importlib.import_module("partitioner.zoo")
         return zoo.ZOO[spec].factory  # type: ignore[no-any-return]
@@ -104,7 +104,7 @@ def _parameters_on_meta() -> Iterator[None]:
             param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         original(module, name, param)
 
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
@@ -159,7 +159,8 @@ def _canonical_names(root: nn.Module) -> dict[str, str]:
 def _materialise_module(module: nn.Module, path: str, seed: int, root: nn.Module) -> None:
     """Give the module's own meta tensors CPU storage and re-initialise them under (seed, path)."""
     fresh = False
-    for store in (module._parameters, module._buffers):
+    stores: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+    for store in stores:
         for name, tensor in store.items():
             if tensor is not None and tensor.device.type == "meta":
                 real = torch.zeros(tensor.shape, dtype=tensor.dtype)
@@ -174,7 +175,7 @@ def _materialise_module(module: nn.Module, path: str, seed: int, root: nn.Module
         if callable(reset):
             reset()
         if _is_hf(root) and type(module).__module__.startswith(("transformers.", "torch.nn.")):
-            root._init_weights(module)
+            root._init_weights(module)  # type: ignore[operator]
 
 
 def _load_weights(weights: str, names: Iterable[str]) -> dict[str, torch.Tensor]:
@@ -193,7 +194,8 @@ def _materialise(
     """Make the named tensors of ``root`` real (initialised, on ``device``), ties re-linked."""
     slots = _tensor_slots(root)
     canonical = _canonical_names(root)
-    wanted = sorted({canonical[n] for n in names}, key=list(canonical).index)
+    position = {name: i for i, name in enumerate(canonical)}
+    wanted = sorted({canonical[n] for n in names}, key=position.__getitem__)
     loaded = _load_weights(weights, wanted) if weights else {}
     owners = {name.rpartition(".")[0] for name in wanted}
     for path, module in root.named_modules():
@@ -201,21 +203,19 @@ def _materialise(
             _materialise_module(module, path, seed, root)
     for name in wanted:
         module, attr = slots[name]
-        store = module._parameters if attr in module._parameters else module._buffers
-        tensor = loaded[name].clone() if name in loaded else store[attr]
-        assert tensor is not None
-        tensor = tensor.to(device)
-        store[attr] = (
-            nn.Parameter(tensor, store[attr].requires_grad) if attr in module._parameters else tensor
-        )
+        store = _store(module, attr)
+        tensor = (loaded[name].clone() if name in loaded else store[attr]).to(device)
+        is_param = attr in module._parameters
+        store[attr] = nn.Parameter(tensor, store[attr].requires_grad) if is_param else tensor
     for name in names:
         module, attr = slots[name]
         source_module, source_attr = slots[canonical[name]]
-        source = (
-            source_module._parameters if source_attr in source_module._parameters else source_module._buffers
-        )
-        target = module._parameters if attr in module._parameters else module._buffers
-        target[attr] = source[source_attr]
+        _store(module, attr)[attr] = _store(source_module, source_attr)[source_attr]
+
+
+def _store(module: nn.Module, attr: str) -> dict[str, Any]:
+    """The dict that holds a module's parameter or buffer ``attr`` (assigning there keeps ties exact)."""
+    return module._parameters if attr in module._parameters else module._buffers
 
 
 def full_model(
@@ -272,8 +272,9 @@ def populate(
     """
     modules, tensors = list(modules), list(tensors)
     wiring_only = torch.device(device).type == "meta" or torch.empty(()).device.type == "meta"
-    if init == "exact" and not weights or wiring_only:
-        root = exact_model(factory, seed) if init == "exact" and not weights else build_meta(factory, seed)
+    exact = init == "exact" and not weights
+    if exact or wiring_only:
+        root = exact_model(factory, seed) if exact else build_meta(factory, seed)
         _attach_all(stage, root, modules, tensors)
         if not wiring_only:
             stage.to(device)
@@ -300,12 +301,11 @@ def _attach_all(stage: nn.Module, root: nn.Module, modules: Sequence[str], tenso
         if name.startswith(inside):
             continue
         module, attr = slots[name]
-        value = module._parameters.get(attr)
-        _attach(stage, name, value if value is not None else module._buffers[attr])  # type: ignore[arg-type]
+        _attach(stage, name, _store(module, attr)[attr])
 
 
 def loss_input(output: Any) -> torch.Tensor:
-    """The tensor of a model's output that the loss reads: itself, ``.logits``, ``["logits"]``, or the first."""
+    """The tensor of an output the loss reads: itself, ``.logits``, ``["logits"]``, or the first element."""
     if isinstance(output, torch.Tensor):
         return output
     logits = getattr(output, "logits", None)
@@ -342,7 +342,7 @@ def criterion(kind: str) -> nn.Module:
     """``cross_entropy``, or ``where:loss_fn`` naming a model file's loss function."""
     if kind == "cross_entropy":
         return _CrossEntropy()
-    return _UserLoss(factory_from_spec(kind))
+    return _UserLoss(factory_from_spec(kind))  # type: ignore[arg-type]
 
 
 _INPUT_SEED = 1234  # the same generator seed as partitioner.models, so the example data match

@@ -84,7 +84,7 @@ class VerifyReport:
 
 
 def newest_package(root: Path = Path("models")) -> Path:
-    """The most recently written package folder under ``root`` (what ``pipeplan verify`` checks by default)."""
+    """The most recently written package under ``root``: what ``pipeplan verify`` checks by default."""
     found = [p.parent for p in Path(root).glob("**/mp_conf.json") if (p.parent / "__init__.py").exists()]
     if not found:
         raise PackageError(
@@ -144,7 +144,7 @@ def _check_consistent(folder: Path, package: ModuleType, plan: Plan, conf: Mappi
         entries = package.model(package.criterion())
     if len(entries) != len(plan.stages) + 1:
         raise PackageError(
-            f"{folder}: model() has {len(entries) - 1} stages, plan.json has {len(plan.stages)}; re-run partition"
+            f"{folder}: model() has {len(entries) - 1} stages, plan.json {len(plan.stages)}; re-run partition"
         )
     expected = mp_conf(plan.stages)
     if list(conf.get("module_to_stage_map", [])) != expected["module_to_stage_map"]:
@@ -176,7 +176,7 @@ def verify_package(
     ref_loss.backward()
     torch.manual_seed(seed)
     out, loss = _run_chain(entries, inputs, targets)
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]
     grads = _stage_grads(stages, plan)
     ref_grads = {n: p.grad for n, p in reference.named_parameters(remove_duplicate=False)}
     checks = []
@@ -195,7 +195,7 @@ def verify_package(
                 init_errors[k],
                 grad_error,
                 ok,
-            )  # fmt: skip
+            )
         )
     loss_ok = _close(loss.detach(), ref_loss.detach(), rtol, atol) and _close(
         out.detach(), ref_out.detach(), rtol, atol
@@ -238,7 +238,7 @@ def _run_chain(
 
 
 def _stage_grads(stages: Sequence[nn.Module], plan: Plan) -> list[dict[str, torch.Tensor | None]]:
-    """Each stage's gradients by name; a tied parameter's copies are summed, as the runtime all-reduces them."""
+    """Each stage's gradients by name; tied copies are summed, as the runtime's all-reduce does."""
     grads = [{n: p.grad for n, p in stage.named_parameters()} for stage in stages]
     for tie in plan.ties:
         parts = [grads[k].get(name) for k, name in tie.members]
@@ -251,7 +251,7 @@ def _stage_grads(stages: Sequence[nn.Module], plan: Plan) -> list[dict[str, torc
 
 
 def _pairs(reference: nn.Module, stage: nn.Module) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    ref = dict(reference.named_parameters(remove_duplicate=False))
+    ref: dict[str, torch.Tensor] = dict(reference.named_parameters(remove_duplicate=False))
     ref.update(reference.named_buffers(remove_duplicate=False))
     for name, tensor in [*stage.named_parameters(), *stage.named_buffers()]:
         if name not in ref:

@@ -6,6 +6,7 @@ exactly what ``pipeplan profile`` writes); times are left at zero because code g
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -41,7 +42,7 @@ def plan_for(profile: Profile, cuts: Sequence[int], replicas: Sequence[int] | No
     bounds = [0, *cuts, len(ids)]
     widths = list(replicas) if replicas else [1] * (len(bounds) - 1)
     stages, rank = [], 0
-    for k, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False)):
+    for k, (lo, hi) in enumerate(itertools.pairwise(bounds)):
         stages.append(Stage(k, tuple(ids[lo:hi]), widths[k], tuple(range(rank, rank + widths[k]))))
         rank += widths[k]
     return Plan(

@@ -75,7 +75,8 @@ def test_package_imports_with_torch_only(skip_package: Path) -> None:
         "sys.meta_path.insert(0, Block())\n"
         f"spec = importlib.util.spec_from_file_location('pkg', '{skip_package}/__init__.py',\n"
         f"    submodule_search_locations=['{skip_package}'])\n"
-        "pkg = importlib.util.module_from_spec(spec); sys.modules['pkg'] = pkg; spec.loader.exec_module(pkg)\n"
+        "pkg = importlib.util.module_from_spec(spec); sys.modules['pkg'] = pkg\n"
+        "spec.loader.exec_module(pkg)\n"
         "s = pkg.stage(2); print(sorted(n for n, _ in s.named_parameters()))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -133,7 +134,7 @@ def test_exact_init_is_the_original_models(tmp_path: Path) -> None:
 
 
 def test_seeded_init_stage_equals_full_model(tmp_path: Path) -> None:
-    """Per-module seeds: a stage built alone equals the same layers of full_model(seed), not of another seed."""
+    """Per-module seeds: a stage built alone equals its layers in full_model(seed), not another seed's."""
     profile = profile_for("tiny-cnn")
     write_package(profile, plan_for(profile, [3, 6]), tmp_path / "pkg", init="seeded")
     package, _, _ = load_package(tmp_path / "pkg")

@@ -45,7 +45,9 @@ def stage(k: int, seed: int = 0, device: str | torch.device = "cpu") -> torch.nn
     return STAGES[k](seed, device)  # type: ignore[no-any-return]
 
 
-def model(criterion: torch.nn.Module, seed: int = 0) -> list[tuple[torch.nn.Module, list[str], list[str]]]:
+def model(
+    criterion: torch.nn.Module, seed: int = 0
+) -> list[tuple[torch.nn.Module, list[str], list[str]]]:
     """PipeDream's form: (module, input names, output names) per stage, then the criterion."""
     return [
         (Stage0(seed), ["x"], ["act"]),
@@ -57,7 +59,8 @@ def model(criterion: torch.nn.Module, seed: int = 0) -> list[tuple[torch.nn.Modu
 
 def full_model(seed: int = 0, device: str | torch.device = "cpu") -> torch.nn.Module:
     """The original, unsplit model with the same initial parameters as the stages."""
-    return _stagekit.full_model(_source.factory(), seed, device, _source.WEIGHTS, _source.INIT)
+    factory = _source.factory()
+    return _stagekit.full_model(factory, seed, device, _source.WEIGHTS, _source.INIT)
 
 
 def criterion() -> torch.nn.Module:

@@ -30,7 +30,11 @@ def factory() -> Any:
 
 
 def populate(
-    stage: torch.nn.Module, modules: tuple[str, ...], tensors: tuple[str, ...], seed: int, device: Any
+    stage: torch.nn.Module,
+    modules: tuple[str, ...],
+    tensors: tuple[str, ...],
+    seed: int,
+    device: Any,
 ) -> None:
     """Give a stage its submodules and tensors, initialised as in full_model(seed)."""
     _stagekit.populate(stage, factory(), modules, tensors, seed, device, WEIGHTS, INIT)

@@ -1,0 +1,128 @@
+"""verify_package: the generated stage chain against the unsplit model, on the models the issue names."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from partitioner.codegen import write_package
+from partitioner.errors import PackageError
+from partitioner.verify import newest_package, verify_package
+from tests.partitioner.codegen_support import HF_GPT2, plan_for, profile_for
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def _package(tmp: Path, spec: str, cuts: list[int], shape: tuple[int, ...] | None = None, **kw: str) -> Path:
+    profile = profile_for(spec, 2, shape)
+    out = tmp / "gpus"
+    write_package(profile, plan_for(profile, cuts), out, **kw)  # type: ignore[arg-type]
+    return out
+
+
+def _assert_match(folder: Path, stages: int) -> None:
+    report = verify_package(folder)
+    assert report.ok, report
+    assert len(report.stages) == stages
+    assert all(s.init_error == 0.0 for s in report.stages)
+    assert report.loss > 0 and report.loss_error <= 1e-5
+
+
+def test_vgg16_small_input(tmp_path: Path) -> None:
+    _assert_match(_package(tmp_path, "vgg16", [10, 20, 33], (3, 32, 32), init="seeded"), 4)
+
+
+def test_resnet50_cut_inside_residual_blocks(tmp_path: Path) -> None:
+    """Cuts after layer1.0's first conv and inside layer1.1: the block inputs cross as skip tensors."""
+    folder = _package(tmp_path, "resnet50", [9, 20, 60], (3, 32, 32), init="seeded")
+    report = verify_package(folder)
+    assert report.ok, report
+    assert report.stages[1].in_names == ("layer1_0_downsample_1", "layer1_0_bn1")
+    assert len(report.stages[1].out_names) == 2  # a block's output and a tensor inside the next block
+
+
+def test_gpt_tied_embeddings_in_four_stages(tmp_path: Path) -> None:
+    folder = _package(tmp_path, "tiny-gpt", [4, 12, 24])
+    plan = json.loads((folder / "plan.json").read_text())
+    assert plan["ties"][0]["members"] == [[0, "wte.weight"], [3, "lm_head.weight"]]
+    _assert_match(folder, 4)
+
+
+def test_skip_tensor_across_two_boundaries(tmp_path: Path) -> None:
+    folder = _package(tmp_path, "tiny-skip", [3, 6])
+    report = verify_package(folder)
+    assert report.ok
+    assert "act" in report.stages[0].out_names and "act" in report.stages[2].in_names
+
+
+@pytest.mark.parametrize("cuts", [[8], [3, 8, 10]], ids=["2-stages", "4-stages"])
+def test_hugging_face_gpt2_through_torch_export(tmp_path: Path, cuts: list[int]) -> None:
+    profile = profile_for(HF_GPT2)
+    assert profile.tracer == "export"
+    write_package(profile, plan_for(profile, cuts), tmp_path / "pkg")
+    _assert_match(tmp_path / "pkg", len(cuts) + 1)
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("verify") / "gpus=2"
+    profile = profile_for("tiny-cnn")
+    write_package(profile, plan_for(profile, [5]), folder)
+    return folder
+
+
+def _copy(good: Path, tmp: Path) -> Path:
+    return Path(shutil.copytree(good, tmp / "copy"))
+
+
+def test_a_wrong_stage_is_caught(good: Path, tmp_path: Path) -> None:
+    """Change one op in stage 1's generated forward: verify must report a mismatch, not pass."""
+    folder = _copy(good, tmp_path)
+    stage1 = folder / "stage1.py"
+    text = stage1.read_text()
+    assert "self.relu_a(" in text
+    stage1.write_text(text.replace("self.relu_a(", "torch.sigmoid(", 1))
+    report = verify_package(folder)
+    assert not report.ok
+    assert report.output_error > 1e-3
+    assert not report.stages[0].ok  # its gradients change too
+
+
+@pytest.mark.parametrize("missing", ["mp_conf.json", "stage1.py", "__init__.py"])
+def test_missing_files(good: Path, tmp_path: Path, missing: str) -> None:
+    folder = _copy(good, tmp_path)
+    (folder / missing).unlink()
+    with pytest.raises(PackageError, match=missing.replace(".", r"\.")):
+        verify_package(folder)
+
+
+def test_mp_conf_not_matching_model(good: Path, tmp_path: Path) -> None:
+    folder = _copy(good, tmp_path)
+    (folder / "mp_conf.json").write_text(
+        json.dumps({"module_to_stage_map": [0, 1], "stage_to_rank_map": {"0": [0]}})
+    )
+    with pytest.raises(PackageError, match="module_to_stage_map"):
+        verify_package(folder)
+
+
+def test_plan_for_another_model(good: Path, tmp_path: Path) -> None:
+    folder = _copy(good, tmp_path)
+    plan = json.loads((folder / "plan.json").read_text())
+    plan["model"] = "vgg16"
+    (folder / "plan.json").write_text(json.dumps(plan))
+    with pytest.raises(PackageError, match="for model 'vgg16'"):
+        verify_package(folder)
+
+
+def test_newest_package(good: Path, tmp_path: Path) -> None:
+    with pytest.raises(PackageError, match="no package"):
+        newest_package(tmp_path)
+    shutil.copytree(good, tmp_path / "a" / "gpus=2")
+    assert newest_package(tmp_path) == tmp_path / "a" / "gpus=2"
