@@ -244,7 +244,8 @@ def report(
         "# bench_runtime: pipeplan 1f1b vs torch.distributed.pipelining Schedule1F1B",
         "",
         f"MLP {args.layers} x {args.width}, batch {args.batch_size}, {args.microbatches} microbatches, "
-        f"2 gloo ranks (1 thread each) on a {os.cpu_count()}-core CPU shared with other jobs (1-min load average "
+        f"2 gloo ranks (1 thread each) on a {os.cpu_count()}-core CPU shared with other jobs "
+        f"(1-min load average "
         f"{load[0][0]:.2f} before, {load[1][0]:.2f} after); medians of {len(ours)} steps per runtime.",
         "",
         "| runtime | s / minibatch | samples / s |",
