@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,48 @@ def test_failing_rank_exits_1_naming_the_rank(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["run", str(pkg), "--steps", "2", "--timeout", "20"])
     assert result.exit_code == 1
     assert "rank 1 failed" in result.output and "no such layer" in result.output
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_machine_train_like_torchrun(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from runtime.launch import free_port
+
+    pkg = write_package(tmp_path / "pkg", "chain", replicas=(1, 1, 1, 1), microbatches=2, batch_size=4)
+    port = str(free_port())
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "cli",
+                "run",
+                str(pkg),
+                "--steps",
+                "3",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(r),
+                "--master-port",
+                port,
+                "--timeout",
+                "30",
+                "--checkpoint-dir",
+                str(tmp_path / "ckpt"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        for r in range(2)
+    ]
+    outputs = [node.communicate(timeout=120)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert "time per minibatch" in outputs[0]
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "step-3").iterdir()) == [
+        f"stage{k}.pt" for k in range(4)
+    ]

@@ -75,3 +75,13 @@ def test_unreachable_master_is_a_run_error(tmp_path: Path) -> None:
     options = RunOptions(str(pkg), nnodes=2, node_rank=1, master_port=free_port(), timeout=3)
     with pytest.raises(RunError, match="no rendezvous with master"):
         launch(options)
+
+
+@pytest.mark.slow
+def test_a_rank_that_hangs_ends_the_job_after_the_timeout(tmp_path: Path) -> None:
+    pkg = write_package(tmp_path / "pkg", "chain", replicas=(1, 1), microbatches=2, batch_size=4)
+    _sabotage(pkg, 1, "import time; time.sleep(3600)")
+    start = time.monotonic()
+    with pytest.raises(JobFailed, match=r"rank 0 failed: .*another rank is gone or stuck"):
+        run(pkg, steps=5, timeout=3)
+    assert time.monotonic() - start < 20
