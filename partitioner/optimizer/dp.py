@@ -86,61 +86,110 @@ class LevelProblem:
         return np.asarray(np.maximum(busy, 2.0 * act / (self.bandwidth * r)), dtype=np.float64)
 
 
-def _replicas_needed(prob: LevelProblem, j: int, ks: IntArray, tau: float, g: FloatArray) -> FloatArray:
-    """Fewest replicas that bring each stage (k, j] down to ``tau``; inf where none can."""
-    s = prob.states
-    base = prob.base_time(j, ks)
-    q = 4.0 * (s.param_bytes[j] - s.param_bytes[ks]) / (prob.bandwidth * prob.inner)
+@dataclass(frozen=True)
+class _Pairs:
+    """Every (k, j) stage candidate of a level, flattened (CSR by j) so one numpy pass prices them all."""
+
+    offsets: IntArray  # pairs of state j are [offsets[j], offsets[j+1])
+    ks: IntArray
+    base: FloatArray
+    q: FloatArray  # 4·ΔP/(B·inner): the gradient-sync volume term
+    act: FloatArray  # the larger of the cut traffic into and out of the stage
+    params: FloatArray
+    saved: FloatArray
+
+    @staticmethod
+    def of(prob: LevelProblem) -> _Pairs:
+        s, n = prob.states, len(prob.states)
+        ks_list = [prob.states.pred(j) for j in range(n)]
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        offsets[1:] = np.cumsum([len(k) for k in ks_list])
+        ks = np.concatenate(ks_list).astype(np.int64)
+        js = np.repeat(np.arange(n), [len(k) for k in ks_list])
+        base = np.concatenate([prob.base_time(j, k) for j, k in enumerate(ks_list)]) if len(ks) else ks * 0.0
+        params = s.param_bytes[js] - s.param_bytes[ks]
+        act = np.where(ks > 0, s.act_bytes[ks], 0.0)
+        act = np.maximum(act, np.where(js < n - 1, s.act_bytes[js], 0.0))
+        q = 4.0 * params / (prob.bandwidth * prob.inner)
+        return _Pairs(offsets, ks, np.asarray(base, dtype=np.float64), q, act, params,
+                      s.saved_bytes[js] - s.saved_bytes[ks])  # fmt: skip
+
+    def times(self, r: FloatArray, bandwidth: float) -> FloatArray:
+        busy = (self.base + self.q * (r - 1.0) / r) / r
+        return np.asarray(np.maximum(busy, 2.0 * self.act / (bandwidth * r)), dtype=np.float64)
+
+
+def _replicas_needed(prob: LevelProblem, pairs: _Pairs, tau: float) -> FloatArray:
+    """Fewest replicas that bring each stage down to ``tau``; inf where none can.
+
+    With r replicas a stage takes (C + q(r-1)/r)/r: r = 1 works when C <= tau, and r >= 2 works
+    exactly when r is at least the upper root of tau·r² - (C+q)·r + q (the sync term makes small
+    replications slower, so the feasible set is {1} plus everything from that root on). Cut traffic
+    needs r >= 2·act/(B·tau).
+    """
+    base, q = pairs.base, pairs.q
     b = base + q
-    with np.errstate(invalid="ignore"):
-        disc = np.maximum(b * b - 4.0 * tau * q, 0.0)
-    r = np.where(base <= tau, 1.0, np.ceil((b + np.sqrt(disc)) / (2.0 * tau) * (1 - 1e-12)))
-    act = np.where(ks > 0, s.act_bytes[ks], 0.0)
-    if j < len(s) - 1:
-        act = np.maximum(act, s.act_bytes[j])
-    r = np.maximum(r, np.ceil(2.0 * act / (prob.bandwidth * tau) * (1 - 1e-12)))
-    r = np.maximum(np.maximum(r, 1.0), float(prob.min_replicas))
-    if prob.memory is not None:
-        r = np.maximum(r, _memory_replicas(prob, j, ks, g))
-    for _ in range(2):  # guard the closed form against rounding: bump where still too slow
-        slow = prob._times(j, ks, r) > tau * (1 + 1e-12)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        disc = b * b - 4.0 * tau * q
+        upper = np.where(
+            disc > 0, np.ceil((b + np.sqrt(np.maximum(disc, 0.0))) / (2.0 * tau) * (1 - 1e-12)), 1.0
+        )
+        comm = np.ceil(2.0 * pairs.act / (prob.bandwidth * tau) * (1 - 1e-12))
+    single = (base <= tau) & (comm <= 1) & (prob.min_replicas <= 1)
+    r = np.where(single, 1.0, np.maximum(np.maximum(upper, comm), max(2.0, prob.min_replicas)))
+    r = np.where(np.isnan(r), np.inf, r)
+    cap = prob.units if prob.max_replicas is None else min(prob.units, prob.max_replicas)
+    r = np.where(r <= cap, r, np.inf)
+    for _ in range(3):  # guard the closed form against rounding: bump where still too slow
+        with np.errstate(invalid="ignore"):
+            slow = np.isfinite(r) & (pairs.times(r, prob.bandwidth) > tau * (1 + 1e-12))
         if not slow.any():
             break
-        r = np.where(slow, r + 1.0, r)
-    cap = prob.units if prob.max_replicas is None else min(prob.units, prob.max_replicas)
-    return np.where(r <= cap, r, np.inf)
+        r = np.where(slow, np.where(r + 1.0 <= cap, r + 1.0, np.inf), r)
+    with np.errstate(invalid="ignore"):
+        slow = np.isfinite(r) & (pairs.times(r, prob.bandwidth) > tau * (1 + 1e-9))
+    return np.where(slow, np.inf, r)
 
 
-def _memory_replicas(prob: LevelProblem, j: int, ks: IntArray, g: FloatArray) -> FloatArray:
+def _memory_replicas(prob: LevelProblem, pairs: _Pairs, lo: int, hi: int, gk: FloatArray) -> FloatArray:
     """Replicas a stage needs to fit in memory (more replicas: fewer stashed minibatches per device)."""
     assert prob.memory is not None
     limit, opt, schedule, total = prob.memory
-    s = prob.states
-    p = s.param_bytes[j] - s.param_bytes[ks]
-    saved = s.saved_bytes[j] - s.saved_bytes[ks]
+    p, saved = pairs.params[lo:hi], pairs.saved[lo:hi]
     if schedule == "pipedream":  # weights + (h-1) stashed versions + h activations <= limit
         hmax = np.floor((limit - p * (1 + opt)) / np.maximum(p + saved, 1e-9))
-        downstream = np.maximum(total - np.where(np.isfinite(g[ks]), g[ks], total), 1.0)
+        downstream = np.maximum(total - np.where(np.isfinite(gk), gk, total), 1.0)
         return np.where(hmax >= 1, np.ceil(downstream / np.maximum(hmax, 1.0) - 1e-9), np.inf)
     room = limit - p * (2 + opt)  # synchronous: at most all M microbatches' activations
     return np.where(room > 0, np.ceil(saved / np.maximum(room, 1e-9) - 1e-9), np.inf)
 
 
-def _min_units(prob: LevelProblem, tau: float) -> tuple[FloatArray, IntArray, IntArray]:
+def _min_units(
+    prob: LevelProblem, tau: float, pairs: _Pairs | None = None
+) -> tuple[FloatArray, IntArray, IntArray]:
     """g[j]: fewest units covering state j with stages no slower than tau, plus the argmins."""
+    pairs = pairs or _Pairs.of(prob)
     n = len(prob.states)
+    reps = _replicas_needed(prob, pairs, tau)
+    cap = prob.units if prob.max_replicas is None else min(prob.units, prob.max_replicas)
     g = np.full(n, np.inf)
     g[0] = 0.0
     arg_k = np.zeros(n, dtype=np.int64)
     arg_r = np.zeros(n, dtype=np.int64)
+    chain = prob.states.preds is None
     for j in range(1, n):
-        ks = prob.states.pred(j)
-        total = g[ks] + _replicas_needed(prob, j, ks, tau, g)
+        lo, hi = int(pairs.offsets[j]), int(pairs.offsets[j + 1])
+        gk = g[:j] if chain else g[pairs.ks[lo:hi]]
+        r = reps[lo:hi]
+        if prob.memory is not None:
+            r = np.maximum(r, _memory_replicas(prob, pairs, lo, hi, gk))
+            r = np.where(r <= cap, r, np.inf)
+        total = gk + r
         best = int(np.argmin(total))
-        g[j] = total[best]
-        if np.isfinite(g[j]):
-            arg_k[j] = ks[best]
-            arg_r[j] = int(total[best] - g[ks[best]])
+        if np.isfinite(total[best]):
+            g[j] = total[best]
+            arg_k[j] = pairs.ks[lo + best]
+            arg_r[j] = int(r[best])
     return g, arg_k, arg_r
 
 
@@ -164,7 +213,8 @@ def solve_bottleneck(prob: LevelProblem, lower: float = 0.0) -> tuple[float, lis
         InfeasibleError: no plan fits, even with unlimited time (memory too small).
     """
     last = len(prob.states) - 1
-    g, arg_k, arg_r = _min_units(prob, math.inf)
+    pairs = _Pairs.of(prob)
+    g, arg_k, arg_r = _min_units(prob, math.inf, pairs)
     if not g[last] <= prob.units:
         raise InfeasibleError("no plan fits in memory")
     best = _walk(arg_k, arg_r, last)
@@ -172,7 +222,7 @@ def solve_bottleneck(prob: LevelProblem, lower: float = 0.0) -> tuple[float, lis
     lo = min(lower, hi)
     while hi - lo > REL_TOL * hi:
         mid = 0.5 * (lo + hi)
-        g, arg_k, arg_r = _min_units(prob, mid)
+        g, arg_k, arg_r = _min_units(prob, mid, pairs)
         if g[last] <= prob.units:
             best = _walk(arg_k, arg_r, last)
             hi = min(_plan_time(prob, best), mid)

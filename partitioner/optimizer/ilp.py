@@ -1,0 +1,98 @@
+"""The same stage + replication problem as a MILP in pulp, to cross-check the DP on small cases.
+
+Variables x[k, j, r] pick stage (k, j] of the downset states with r replicas; they form one path from
+the empty state to the full one (flow conservation), use at most the cluster's devices, and the
+objective t bounds every chosen stage's time. HiGHS solves it when highspy imports, CBC otherwise.
+This is the only module that imports pulp.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pulp
+
+from partitioner.errors import InfeasibleError, PlanError
+from partitioner.graph import Profile
+from partitioner.optimizer.build import StageSpec, assemble, global_lower_bound
+from partitioner.optimizer.cost import OPTIMIZER_STATE
+from partitioner.optimizer.dp import LevelProblem
+from partitioner.optimizer.states import build_states
+from partitioner.plan import Cluster, Plan, SolverInfo
+
+__all__ = ["MAX_ILP_VARIABLES", "solve_ilp"]
+
+MAX_ILP_VARIABLES = 200_000
+
+
+def _backend() -> pulp.LpSolver:
+    try:
+        import highspy  # noqa: F401
+
+        return pulp.HiGHS(msg=False)
+    except ImportError:
+        return pulp.PULP_CBC_CMD(msg=False)
+
+
+def solve_ilp(
+    profile: Profile, cluster: Cluster, schedule: str, microbatches: int, optimizer: str, straight: bool
+) -> Plan:
+    """Optimal pipedream plan on a flat cluster by MILP (small profiles only).
+
+    Raises:
+        PlanError: hierarchical clusters, synchronous schedules, or a problem too large for the ILP.
+        InfeasibleError: the solver finds no plan within the memory limit.
+    """
+    if len(cluster.levels) > 1 or schedule != "pipedream":
+        raise PlanError("--solver ilp handles the pipedream schedule on one level; use --solver dp")
+    start = time.perf_counter()
+    states = build_states(profile)
+    m = cluster.gpus
+    cap = 1 if straight else m
+    prob = LevelProblem(states, m, cluster.levels[0].bandwidth)
+    pairs = [(k, j) for j in range(1, len(states)) for k in states.pred(j)]
+    if len(pairs) * cap > MAX_ILP_VARIABLES:
+        raise PlanError(f"the ILP would need {len(pairs) * cap} variables; use --solver dp for this profile")
+    model = pulp.LpProblem("pipeplan", pulp.LpMinimize)
+    t = pulp.LpVariable("t", lowBound=0)
+    x = {(k, j, r): pulp.LpVariable(f"x_{k}_{j}_{r}", cat="Binary")
+         for k, j in pairs for r in range(1, cap + 1)
+         if _fits(profile, states, k, j, r, m, cluster, optimizer)}  # fmt: skip
+    model += t
+    last = len(states) - 1
+    for s in range(len(states)):
+        out = pulp.lpSum(v for (k, _, _), v in x.items() if k == s)
+        into = pulp.lpSum(v for (_, j, _), v in x.items() if j == s)
+        model += (out if s == 0 else into if s == last else out - into) == (1 if s in (0, last) else 0)
+    model += pulp.lpSum(r * v for (_, _, r), v in x.items()) <= m
+    for (k, j, r), v in x.items():
+        model += t >= prob.stage_time(k, j, r) * v
+    status = model.solve(_backend())
+    if pulp.LpStatus[status] != "Optimal":
+        raise InfeasibleError(f"the ILP found no plan ({pulp.LpStatus[status]}); check --memory")
+    chosen = sorted(((k, j, r) for (k, j, r), v in x.items() if (v.value() or 0) > 0.5), key=lambda s: s[1])
+    specs, rank = [], 0
+    inputs = tuple(n.id for n in profile.nodes if n.op == "input")
+    for i, (k, j, r) in enumerate(chosen):
+        nodes = states.members(k, j)
+        specs.append(StageSpec(inputs + nodes if i == 0 else nodes, r, tuple(range(rank, rank + r))))
+        rank += r
+    value = max(prob.stage_time(k, j, r) for k, j, r in chosen)
+    info = SolverInfo("ilp", time.perf_counter() - start, states.exact, global_lower_bound(profile, cluster))
+    return assemble(profile, cluster, specs, schedule, 1, optimizer, info, time_override=value)
+
+
+def _fits(
+    profile: Profile, states: object, k: int, j: int, r: int, m: int, cluster: Cluster, opt: str
+) -> bool:
+    """Memory filter with PipeDream's worst case in-flight count (all devices downstream)."""
+    if cluster.memory_bytes is None:
+        return True
+    from partitioner.optimizer.states import StateSet
+
+    assert isinstance(states, StateSet)
+    p = float(states.param_bytes[j] - states.param_bytes[k])
+    saved = float(states.saved_bytes[j] - states.saved_bytes[k])
+    held = -(-m // r)
+    need = p * (2 + OPTIMIZER_STATE[opt]) + (held - 1) * p + held * saved
+    return need <= cluster.memory_bytes

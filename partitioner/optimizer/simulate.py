@@ -1,0 +1,243 @@
+"""Event simulation of a plan under its schedule: timeline, bubble, and peak memory per stage.
+
+A schedule is data: each stage gets an ordered list of actions (``F`` or ``B`` of one item, an item
+being a minibatch for pipedream and a microbatch for 1f1b/gpipe); one generic executor plays every
+list, starting each action when the stage is free and its input (the previous stage's forward, or
+the next stage's backward) has arrived. The cost model's closed forms are checked against this.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from partitioner.atomic import write_text_atomic
+from partitioner.errors import PlanError
+from partitioner.graph import Node, Profile
+from partitioner.optimizer.cost import (
+    OPTIMIZER_STATE,
+    activation_time,
+    allreduce_time,
+    pipedream_stage_time,
+)
+from partitioner.plan import Plan
+
+__all__ = ["Event", "Simulation", "actions", "gantt", "simulate", "write_chrome_trace"]
+
+
+@dataclass(frozen=True)
+class Event:
+    """One action on one stage: ``kind`` is F, B or S (gradient sync + optimizer step)."""
+
+    stage: int
+    kind: str
+    item: int
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """What the simulation found.
+
+    Attributes:
+        events: every action, in start order.
+        time_per_minibatch_s: steady-state time per minibatch.
+        bubble_fraction: idle share of the stages' time over the simulated span.
+        peak_memory_bytes: per stage, the most bytes one device held.
+        in_flight: per stage, the most items whose activations were held at once.
+    """
+
+    events: tuple[Event, ...]
+    time_per_minibatch_s: float
+    bubble_fraction: float
+    peak_memory_bytes: tuple[int, ...]
+    in_flight: tuple[int, ...]
+
+
+def actions(schedule: str, stages: int, items: int) -> list[list[tuple[str, int]]]:
+    """Per-stage action order: GPipe all-forward-then-backward; 1F1B (and pipedream) warm-up + steady."""
+    plans: list[list[tuple[str, int]]] = []
+    for i in range(stages):
+        if schedule == "gpipe":
+            plans.append([("F", k) for k in range(items)] + [("B", k) for k in range(items)])
+            continue
+        warm = min(stages - i - 1, items)
+        order = [("F", k) for k in range(warm)]
+        for k in range(items - warm):
+            order += [("F", warm + k), ("B", k)]
+        order += [("B", k) for k in range(items - warm, items)]
+        plans.append(order)
+    return plans
+
+
+def _durations(plan: Plan, profile: Profile | None) -> tuple[list[float], list[float], list[float]]:
+    """Forward and backward time of one item per stage, and the link delay after each stage."""
+    m = plan.microbatches if plan.schedule != "pipedream" else 1
+    nodes = {n.id: n for n in profile.nodes} if profile else {}
+    fwd, bwd, link = [], [], []
+    bws = [lv.bandwidth for lv in plan.cluster.levels]
+    bw = min(bws)
+    for stage in plan.stages:
+        total = stage.compute_s
+        known = [nodes[n] for n in stage.nodes if n in nodes]
+        f_share = sum(n.forward_ms for n in known) / max(sum(n.compute_ms for n in known), 1e-12)
+        f_share = f_share if known else 1.0 / 3.0
+        if plan.schedule == "pipedream":
+            params = sum(nodes[n].param_bytes for n in stage.nodes if n in nodes)
+            total = float(pipedream_stage_time(total, params, stage.replicas, bw))
+        else:
+            total = total / (stage.replicas * m)
+        fwd.append(total * f_share)
+        bwd.append(total * (1 - f_share))
+        out = _out_bytes(plan, stage.index, nodes)
+        link.append(activation_time(out, stage.replicas, bw) / 2 / m)
+    return fwd, bwd, link
+
+
+def _out_bytes(plan: Plan, index: int, nodes: dict[str, Node]) -> float:
+    if index + 1 >= len(plan.stages) or not nodes:
+        return 0.0
+    later = {n for s in plan.stages[index + 1 :] for n in s.nodes}
+    earlier = {n for s in plan.stages[: index + 1] for n in s.nodes}
+    crossing = {
+        src for nid in later for src in nodes[nid].inputs if src in earlier and nodes[src].op != "input"
+    }
+    total = float(sum(nodes[src].output_bytes for src in crossing))
+    return total
+
+
+def _play(
+    orders: list[list[tuple[str, int]]], fwd: list[float], bwd: list[float], link: list[float]
+) -> list[Event]:
+    """Run every stage's list in order; an action waits for its stage and for its input."""
+    p = len(orders)
+    done: dict[tuple[str, int, int], float] = {}
+    free = [0.0] * p
+    pos = [0] * p
+    events: list[Event] = []
+    while any(pos[i] < len(orders[i]) for i in range(p)):
+        moved = False
+        for i in range(p):
+            if pos[i] >= len(orders[i]):
+                continue
+            kind, k = orders[i][pos[i]]
+            if kind == "F":
+                dep = 0.0 if i == 0 else done.get(("F", i - 1, k), -1.0) + link[i - 1] * (i > 0)
+                ok = i == 0 or ("F", i - 1, k) in done
+            else:
+                ok = ("B", i + 1, k) in done if i < p - 1 else ("F", i, k) in done
+                dep = done[("B", i + 1, k)] + link[i] if i < p - 1 and ok else done.get(("F", i, k), 0.0)
+            if not ok:
+                continue
+            start = max(free[i], dep)
+            end = start + (fwd[i] if kind == "F" else bwd[i])
+            done[(kind, i, k)] = end
+            free[i] = end
+            events.append(Event(i, kind, k, start, end))
+            pos[i] += 1
+            moved = True
+        if not moved:
+            raise PlanError("schedule deadlocks: an action waits for one that never runs")
+    return events
+
+
+def simulate(plan: Plan, profile: Profile | None = None, minibatches: int | None = None) -> Simulation:
+    """Simulate ``minibatches`` minibatches (pipedream) or one minibatch of M microbatches (1f1b, gpipe)."""
+    p = len(plan.stages)
+    fwd, bwd, link = _durations(plan, profile)
+    sync = plan.schedule != "pipedream"
+    items = plan.microbatches if sync else (minibatches or 4 * p + 4)
+    events = _play(actions(plan.schedule, p, items), fwd, bwd, link)
+    end = max(e.end_s for e in events)
+    if sync:
+        bws = min(lv.bandwidth for lv in plan.cluster.levels)
+        step = max(allreduce_time(_params(plan, s.index, profile), s.replicas, bws)
+                   for s in plan.stages)  # fmt: skip
+        events += [Event(i, "S", 0, end, end + step) for i in range(p)]
+        per_minibatch = end + step
+    else:
+        first = sorted(e.end_s for e in events if e.stage == 0 and e.kind == "B")
+        half = len(first) // 2
+        per_minibatch = (first[-1] - first[half]) / max(len(first) - 1 - half, 1)
+    span = max(e.end_s for e in events)
+    busy = sum(e.end_s - e.start_s for e in events if e.kind != "S")
+    bubble = 1.0 - busy / (p * span) if span > 0 else 0.0
+    held = _in_flight(events, p)
+    memory = _memory(plan, profile, held)
+    return Simulation(tuple(sorted(events, key=lambda e: e.start_s)), per_minibatch, bubble, memory, held)
+
+
+def _params(plan: Plan, index: int, profile: Profile | None) -> float:
+    if profile is None:
+        return 0.0
+    nodes = {n.id: n for n in profile.nodes}
+    return float(sum(nodes[n].param_bytes for n in plan.stages[index].nodes if n in nodes))
+
+
+def _in_flight(events: Sequence[Event], p: int) -> tuple[int, ...]:
+    peak = [0] * p
+    for i in range(p):
+        marks = sorted(
+            [(e.end_s, 1) for e in events if e.stage == i and e.kind == "F"]
+            + [(e.end_s, -1) for e in events if e.stage == i and e.kind == "B"]
+        )
+        level = 0
+        for _, delta in marks:
+            level += delta
+            peak[i] = max(peak[i], level)
+    return tuple(peak)
+
+
+def _memory(plan: Plan, profile: Profile | None, held: Sequence[int]) -> tuple[int, ...]:
+    if profile is None:
+        return tuple(s.memory_bytes for s in plan.stages)
+    nodes = {n.id: n for n in profile.nodes}
+    out = []
+    opt = OPTIMIZER_STATE.get(plan.optimizer, 0)
+    for stage, h in zip(plan.stages, held, strict=True):
+        params = sum(nodes[n].param_bytes for n in stage.nodes if n in nodes)
+        saved = sum(nodes[n].saved_bytes for n in stage.nodes if n in nodes)
+        if plan.schedule == "pipedream":
+            out.append(round(params * (2 + opt) + (h - 1) * params + h * saved))
+        else:
+            out.append(round(params * (2 + opt) + h * saved / (plan.microbatches * stage.replicas)))
+    return tuple(out)
+
+
+def write_chrome_trace(sim: Simulation, path: str | os.PathLike[str]) -> Path:
+    """Chrome trace JSON (opens in Perfetto / chrome://tracing): one row per stage."""
+    names = {"F": "forward", "B": "backward", "S": "sync+step"}
+    trace = [
+        {"name": f"{e.kind}{e.item}", "cat": names[e.kind], "ph": "X", "pid": 0, "tid": e.stage,
+         "ts": e.start_s * 1e6, "dur": (e.end_s - e.start_s) * 1e6}
+        for e in sim.events
+    ]  # fmt: skip
+    trace += [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": f"stage {i}"}}
+        for i in range(len(sim.in_flight))
+    ]
+    return write_text_atomic(path, json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}) + "\n")
+
+
+def gantt(sim: Simulation, width: int = 72, until_s: float | None = None) -> list[str]:
+    """A text Gantt: one row per stage; forwards are digits (item mod 10), backwards letters, '.' idle."""
+    span = until_s or max(e.end_s for e in sim.events)
+    rows = []
+    for i in range(len(sim.in_flight)):
+        cells = ["."] * width
+        for e in sim.events:
+            if e.stage != i or e.start_s >= span:
+                continue
+            a = int(e.start_s / span * width)
+            b = max(a + 1, int(min(e.end_s, span) / span * width))
+            mark = (
+                str(e.item % 10) if e.kind == "F" else ("s" if e.kind == "S" else chr(ord("a") + e.item % 26))
+            )
+            for c in range(a, min(b, width)):
+                cells[c] = mark
+        rows.append(f"stage {i:>2} |{''.join(cells)}|")
+    return rows

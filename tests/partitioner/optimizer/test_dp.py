@@ -1,0 +1,150 @@
+"""The DP against brute force on random small DAGs, and on every shared PipeDream profile."""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from partitioner.graph import Profile, read_graph_txt
+from partitioner.optimizer import solve
+from partitioner.optimizer.build import StageSpec, assemble
+from partitioner.plan import Cluster, SolverInfo
+from tests.partitioner.optimizer.conftest import make_profile
+
+PROFILES = Path("/work/shared/pipedream-profiles")
+
+
+def _downsets(profile: Profile) -> list[frozenset[str]]:
+    layers = [n for n in profile.nodes if n.op != "input"]
+    preds = {n.id: {i for i in n.inputs if i != "x"} for n in layers}
+    found = {frozenset()}
+    frontier = [frozenset()]
+    while frontier:
+        grown = []
+        for d in frontier:
+            for n in layers:
+                if n.id not in d and preds[n.id] <= d:
+                    e = d | {n.id}
+                    if e not in found:
+                        found.add(e)
+                        grown.append(e)
+        frontier = grown
+    return sorted(found, key=len)
+
+
+def brute_force(profile: Profile, cluster: Cluster, straight: bool = False) -> float:
+    """Every chain of downsets and every replica split, each priced by the plan cost model."""
+    downs = _downsets(profile)
+    full = downs[-1]
+    order = [n.id for n in profile.nodes]
+    best = math.inf
+
+    def price(chain: list[frozenset[str]], reps: list[int]) -> float:
+        specs, rank = [], 0
+        for i, r in enumerate(reps):
+            nodes = sorted(chain[i + 1] - chain[i], key=order.index)
+            nodes = (["x"] if i == 0 else []) + nodes
+            specs.append(StageSpec(tuple(nodes), r, tuple(range(rank, rank + r))))
+            rank += r
+        plan = assemble(profile, cluster, specs, "pipedream", 1, "sgd", SolverInfo("brute", 0, True))
+        return plan.predicted.time_per_minibatch_s
+
+    def splits(stages: int, budget: int) -> list[list[int]]:
+        if stages == 0:
+            return [[]]
+        top = 1 if straight else budget - (stages - 1)
+        return [[r, *rest] for r in range(1, top + 1) for rest in splits(stages - 1, budget - r)]
+
+    def chains(prefix: list[frozenset[str]]) -> None:
+        nonlocal best
+        last = prefix[-1]
+        if last == full:
+            for reps in splits(len(prefix) - 1, cluster.gpus):
+                best = min(best, price(prefix, reps))
+            return
+        if len(prefix) - 1 >= cluster.gpus:
+            return
+        for d in downs:
+            if last < d:
+                chains([*prefix, d])
+
+    chains([frozenset()])
+    return best
+
+
+dags = st.integers(min_value=2, max_value=5).flatmap(
+    lambda n: st.tuples(
+        st.lists(
+            st.tuples(st.integers(1, 20), st.integers(1, 40), st.integers(0, 4000), st.integers(0, 3000)),
+            min_size=n, max_size=n,
+        ),
+        st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), max_size=2 * n),
+    )
+)  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None)
+@given(dag=dags, gpus=st.integers(1, 4), straight=st.booleans())
+def test_dp_equals_brute_force(dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]], gpus: int,
+                               straight: bool) -> None:  # fmt: skip
+    costs, raw = dag
+    edges = [(a, b) for a, b in raw if a < b]
+    profile = make_profile(costs, edges)
+    cluster = Cluster.flat(gpus, bandwidth=1e5)
+    plan = solve(profile, cluster, straight=straight)
+    expected = brute_force(profile, cluster, straight)
+    assert plan.predicted.time_per_minibatch_s == pytest.approx(expected, rel=1e-8)
+    assert plan.solver.optimal
+    # the plan it returns really has the time it claims
+    specs = [StageSpec(s.nodes, s.replicas, s.ranks) for s in plan.stages]
+    again = assemble(profile, cluster, specs, "pipedream", 1, "sgd", SolverInfo("x", 0, True))
+    assert again.predicted.time_per_minibatch_s == pytest.approx(
+        plan.predicted.time_per_minibatch_s, rel=1e-9
+    )
+
+
+@lru_cache
+def _shared(name: str) -> Profile:
+    return read_graph_txt(PROFILES / name / "graph.txt")
+
+
+SHARED = (
+    sorted(p.name for p in PROFILES.glob("*/") if (p / "graph.txt").exists()) if PROFILES.exists() else []
+)
+
+
+@pytest.mark.skipif(not SHARED, reason="shared PipeDream profiles not present")
+@pytest.mark.parametrize("name", SHARED)
+def test_every_shared_profile_solves(name: str) -> None:
+    profile = _shared(name)
+    layers = {n.id for n in profile.nodes}
+    previous = math.inf
+    for gpus in (4, 8, 16):
+        plan = solve(profile, Cluster.flat(gpus))
+        assert sorted(n for s in plan.stages for n in s.nodes) == sorted(layers)
+        assert plan.gpus <= gpus
+        t = plan.predicted.time_per_minibatch_s
+        assert 0 < t <= previous * (1 + 1e-9)  # more devices never hurt (unused ones are allowed)
+        assert plan.solver.lower_bound_s is not None and plan.solver.lower_bound_s <= t * (1 + 1e-9)
+        previous = t
+
+
+@settings(max_examples=25, deadline=None)
+@given(dag=dags, gpus=st.integers(1, 4))
+def test_trivial_hierarchies_equal_flat(dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]],
+                                        gpus: int) -> None:  # fmt: skip
+    """A level of one device adds nothing: (1 x m) and (m x 1) hierarchies solve like flat m."""
+    from partitioner.plan import Level
+
+    costs, raw = dag
+    profile = make_profile(costs, [(a, b) for a, b in raw if a < b])
+    flat = solve(profile, Cluster.flat(gpus, 1e5)).predicted.time_per_minibatch_s
+    outer = solve(profile, Cluster((Level(1, 7e5), Level(gpus, 1e5)))).predicted.time_per_minibatch_s
+    inner = solve(profile, Cluster((Level(gpus, 1e5), Level(1, 3e5)))).predicted.time_per_minibatch_s
+    assert outer == pytest.approx(flat, rel=1e-8)
+    assert inner == pytest.approx(flat, rel=1e-8)
