@@ -33,7 +33,15 @@ from partitioner.package_text import init_text, source_text, stage_text
 from partitioner.plan import Plan, Tie, mp_conf, plan_to_json
 from partitioner.split import StageGraph, split_graph, tensor_kinds
 
-__all__ = ["EXACT_INIT_MAX_BYTES", "assignment_of", "ties_of", "write_package", "write_plan_files"]
+__all__ = [
+    "EXACT_INIT_MAX_BYTES",
+    "assignment_of",
+    "ties_of",
+    "with_ranks",
+    "write_package",
+    "write_package_from_trace",
+    "write_plan_files",
+]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +68,7 @@ def write_package(
         PackageError: the weights file lacks tensors, or the loss cannot be expressed by the package.
         PlanError: the plan names nodes the trace does not have, or runs a node before its inputs.
     """
+    plan = with_ranks(plan)
     if profile.tracer == "pipedream":
         write_plan_files(plan, Path(out_dir))
         return plan
@@ -128,6 +137,27 @@ def write_package_from_trace(
 
 
 # ---------------------------------------------------------------- plan -> graph
+
+
+def with_ranks(plan: Plan) -> Plan:
+    """The plan with every stage's ranks checked, or assigned contiguously when none are given.
+
+    Raises:
+        PlanError: a stage with as many ranks as replicas is missing, or a rank used twice or skipped.
+    """
+    if all(not s.ranks for s in plan.stages):
+        stages, first = [], 0
+        for s in plan.stages:
+            stages.append(replace(s, ranks=tuple(range(first, first + s.replicas))))
+            first += s.replicas
+        return replace(plan, stages=tuple(stages))
+    for s in plan.stages:
+        if len(s.ranks) != s.replicas:
+            raise PlanError(f"stage {s.index} has {s.replicas} replicas but ranks {list(s.ranks)}")
+    ranks = sorted(r for s in plan.stages for r in s.ranks)
+    if ranks != list(range(len(ranks))):
+        raise PlanError(f"stage ranks must use 0..{len(ranks) - 1} once each, got {ranks}")
+    return plan
 
 
 def assignment_of(profile: Profile, plan: Plan) -> dict[str, int]:

@@ -9,7 +9,8 @@ The initialisation scheme ("seeded per module"):
 1. The architecture is built with its parameters on the meta device (no memory, no init compute).
    Buffers stay real: they are small and often computed in ``__init__`` (masks, rotary tables).
    Parameters of modules that cannot re-initialise themselves (no ``reset_parameters()``, not a
-   Hugging Face module) also stay real and keep their constructor values under ``torch.manual_seed(seed)``.
+   Hugging Face module) also stay real with the value their constructor gives them in this build
+   (under ``torch.manual_seed(seed)``: deterministic for a seed, built for every stage; keep them small).
 2. Each module that owns parameters is materialised on its own and re-initialised by its
    ``reset_parameters()`` (and the Hugging Face root's ``_init_weights``) under a seed derived from
    ``(seed, module path)``, on the CPU generator, then moved to the device.

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from partitioner import stagekit
-from partitioner.codegen import write_package
+from partitioner.codegen import with_ranks, write_package
 from partitioner.errors import PackageError, PlanError
 from partitioner.graph import Profile
 from partitioner.models import load_model
@@ -198,3 +198,15 @@ def test_graph_txt_profile_writes_plan_files_only(tmp_path: Path) -> None:
     pipedream = Profile(nodes=profile.nodes, model="vgg16", tracer="pipedream")
     write_package(pipedream, plan_for(pipedream, [3]), tmp_path / "pkg")
     assert sorted(p.name for p in (tmp_path / "pkg").iterdir()) == ["mp_conf.json", "plan.json"]
+
+
+def test_ranks_are_checked_or_assigned(tmp_path: Path) -> None:
+    profile = profile_for("tiny-mlp")
+    plan = plan_for(profile, [4], replicas=[3, 1])
+    bare = plan.__class__(
+        **{**plan.__dict__, "stages": tuple(Stage(s.index, s.nodes, s.replicas, ()) for s in plan.stages)}
+    )
+    assert [s.ranks for s in with_ranks(bare).stages] == [(0, 1, 2), (3,)]
+    clash = (Stage(0, plan.stages[0].nodes, 3, (0, 1, 2)), Stage(1, plan.stages[1].nodes, 1, (2,)))
+    with pytest.raises(PlanError, match="once each"):
+        write_package(profile, plan.__class__(**{**plan.__dict__, "stages": clash}), tmp_path / "pkg")
