@@ -9,6 +9,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -20,7 +21,14 @@ from torch import Tensor, fx, nn
 from partitioner.errors import PipeplanError, TraceError
 from partitioner.graph import Node, Profile, TensorSpec
 from partitioner.models import ModelBundle, load_model
-from partitioner.profiler.measure import LayerCost, LayerProfiler, getattr_path, measure_loss, measure_step
+from partitioner.profiler.measure import (
+    LayerCost,
+    LayerProfiler,
+    StepCost,
+    getattr_path,
+    measure_loss,
+    measure_step,
+)
 from partitioner.profiler.trace import Group, Traced, trace_model
 
 __all__ = ["profile_model", "resolve_device", "resolve_dtype"]
@@ -87,10 +95,16 @@ def profile_model(
     traced = trace_model(bundle, leaf_modules, input_shape)
     gm = traced.graph_module
     try:
+        step_args = (bundle.module, bundle.inputs, bundle.targets, bundle.loss_fn)
+        # Whole-step samples bracket the layer measurements, so both see the same machine load.
+        before = measure_step(*step_args, repeats=1, warmup=1)
         profiler = LayerProfiler(gm, traced.groups, repeats=repeats, progress=progress)
         costs = profiler.profile(*bundle.inputs)
         loss_ms = measure_loss(profiler.result, bundle.targets, bundle.loss_fn, repeats)
-        step = measure_step(bundle.module, bundle.inputs, bundle.targets, bundle.loss_fn, repeats)
+        del profiler
+        after = measure_step(*step_args, repeats=max(1, repeats - 1), warmup=0)
+        samples = before.samples_ms + after.samples_ms
+        step = StepCost(statistics.median(samples), samples)
     except PipeplanError:
         raise
     except Exception as exc:

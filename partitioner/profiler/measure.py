@@ -302,7 +302,7 @@ def measure_step(
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     stopwatch = Stopwatch(device)
     times: list[float] = []
-    for run in range(max(1, warmup) + max(1, repeats)):
+    for run in range(max(0, warmup) + max(1, repeats)):
         if times and sum(times) >= budget_ms:
             break
         module.zero_grad(set_to_none=True)
