@@ -235,6 +235,218 @@ def profile(
 # (owned by the optimizer: partitioner/optimizer, partitioner/codegen.py)
 
 
+def _newest_profile() -> Any:
+    from pathlib import Path
+
+    from partitioner.errors import ProfileFormatError
+
+    found = sorted(Path("profiles").glob("*/profile.json"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise ProfileFormatError(
+            "no profiles/*/profile.json here; run `pipeplan profile MODEL` or give --profile"
+        )
+    return found[-1]
+
+
+def _cluster(gpus: int | None, topology: str | None, bandwidth: str | None, memory: str | None) -> Any:
+    from partitioner.errors import PlanError
+    from partitioner.optimizer.units import parse_bandwidth, parse_bytes, parse_int_list
+    from partitioner.plan import Cluster, Level
+
+    if (gpus is None) == (topology is None):
+        raise PlanError("give exactly one of --gpus N or --topology N1,N2,..")
+    if gpus is not None and gpus < 1:
+        raise PlanError(f"--gpus must be >= 1, got {gpus}")
+    devices = [gpus] if gpus is not None else parse_int_list(str(topology), "--topology")
+    rates = [parse_bandwidth(b) for b in bandwidth.split(",")] if bandwidth else [1e9] * len(devices)
+    if len(rates) != len(devices):
+        raise PlanError(f"--bandwidth has {len(rates)} values but the topology has {len(devices)} levels")
+    limit = parse_bytes(memory) if memory else None
+    return Cluster(tuple(Level(d, r) for d, r in zip(devices, rates, strict=True)), limit)
+
+
+def _plan_table(plan: Any, profile: Any) -> Any:
+    from rich.table import Table
+
+    from partitioner.optimizer.build import gib
+
+    names = {n.id: n.name for n in profile.nodes}
+    slowest = max((s.compute_s / s.replicas + s.comm_s for s in plan.stages), default=1.0) or 1.0
+    table = Table(title=f"{plan.model}: {len(plan.stages)} stages on {plan.gpus} GPUs ({plan.schedule})",
+                  title_justify="left")  # fmt: skip
+    for col in ("stage", "layers", "replicas", "ranks", "compute", "comm", "memory", "util"):
+        table.add_column(col, justify="left" if col in ("layers", "ranks") else "right")
+    for s in plan.stages:
+        layers = [n for n in s.nodes if profile.node(n).op != "input"] or list(s.nodes)
+        ranks = ",".join(map(str, s.ranks)) if len(s.ranks) <= 6 else f"{s.ranks[0]}..{s.ranks[-1]}"
+        busy = s.compute_s / s.replicas + s.comm_s
+        table.add_row(str(s.index), f"{names[layers[0]]} .. {names[layers[-1]]} ({len(layers)})",
+                      str(s.replicas), ranks, f"{s.compute_s * 1e3:.2f} ms", f"{s.comm_s * 1e3:.2f} ms",
+                      gib(s.memory_bytes), f"{100 * busy / slowest:.0f}%")  # fmt: skip
+    return table
+
+
+def _plan_summary(plan: Any, sim: Any) -> str:
+    p, info = plan.predicted, plan.solver
+    rate = (
+        f"{p.throughput_samples_per_s:.1f} samples/s" if p.throughput_samples_per_s else "batch size unknown"
+    )
+    gap = (
+        f"gap {100 * plan.gap:.2f}% to lower bound {info.lower_bound_s * 1e3:.3f} ms"
+        if plan.gap is not None
+        else ""
+    )
+    exact = "optimal" if info.optimal else "not proven optimal"
+    return (
+        f"predicted {p.time_per_minibatch_s * 1e3:.3f} ms/minibatch, {rate}; speedup "
+        f"{p.speedup_vs_data_parallel or 0:.2f}x over data parallel, "
+        f"{p.speedup_vs_single or 0:.2f}x over one GPU; "
+        f"bubble {100 * p.bubble_fraction:.1f}% (simulated {100 * sim.bubble_fraction:.1f}%)\n"
+        f"solver {info.name}: {info.solve_time_s:.3f} s, {exact}; {gap}"
+    )
+
+
+def _explain(profile: Any, cluster: Any, plan: Any, schedule: str, micro: int, optimizer: str) -> Any:
+    from rich.table import Table
+
+    from partitioner.optimizer.baselines import baselines
+
+    table = Table(title="alternatives", title_justify="left")
+    for col in ("plan", "stages", "replicas", "ms/minibatch", "vs chosen"):
+        table.add_column(col, justify="left" if col in ("plan", "replicas") else "right")
+    rows = [("chosen", plan), *baselines(profile, cluster, schedule, micro, optimizer).items()]
+    for name, alt in rows:
+        if alt is None:
+            table.add_row(name, "-", "does not fit", "-", "-")
+            continue
+        t = alt.predicted.time_per_minibatch_s
+        reps = ",".join(str(s.replicas) for s in alt.stages)
+        table.add_row(name, str(len(alt.stages)), reps if len(reps) < 40 else reps[:37] + "...",
+                      f"{t * 1e3:.3f}", f"{t / plan.predicted.time_per_minibatch_s:.2f}x")  # fmt: skip
+    return table
+
+
+def _write_plan(profile: Any, plan: Any, out_dir: Any) -> Any:
+    import json
+
+    from partitioner.atomic import write_text_atomic
+    from partitioner.plan import mp_conf, save_plan
+
+    if profile.tracer != "pipedream":
+        from partitioner.codegen import write_package
+
+        return write_package(profile, plan, out_dir)
+    save_plan(plan, out_dir / "plan.json")
+    write_text_atomic(out_dir / "mp_conf.json", json.dumps(mp_conf(plan.stages), indent=1) + "\n")
+    return plan
+
+
+@main.command()
+@click.option(
+    "--profile",
+    "profile_path",
+    type=click.Path(path_type=str),
+    default=None,
+    help="profile.json or PipeDream graph.txt  [default: newest profiles/*/profile.json]",
+)
+@click.option("--gpus", type=int, default=None, help="Devices on one level.")
+@click.option(
+    "--topology", default=None, help="Devices per level, innermost first (4,4 = 4 servers of 4 GPUs)."
+)
+@click.option("--bandwidth", default=None, help="Bytes/s per level: 1e9, 10GB/s, 100Gbit/s  [default: 1e9]")
+@click.option("--memory", default=None, help="Memory per device, e.g. 16GiB  [default: unlimited]")
+@click.option(
+    "--schedule", type=click.Choice(["pipedream", "1f1b", "gpipe"]), default="pipedream", show_default=True
+)
+@click.option(
+    "--microbatches", type=int, default=None, help="Microbatches per minibatch (1f1b, gpipe) [default: 4]."
+)
+@click.option("--optimizer", type=click.Choice(["sgd", "momentum", "adam"]), default="sgd", show_default=True)
+@click.option("--straight", is_flag=True, help="No replication: one device per stage.")
+@click.option("--solver", type=click.Choice(["dp", "ilp"]), default="dp", show_default=True)
+@click.option(
+    "--cuts", default=None, help="Fix the plan: last layer of every stage but the last, e.g. fc6,fc7."
+)
+@click.option("--replicas", default=None, help="With --cuts: replicas per stage, e.g. 3,1.")
+@click.option("--explain", is_flag=True, help="Also show data-parallel, straight and balanced baselines.")
+@click.option(
+    "--trace",
+    "trace_path",
+    type=click.Path(path_type=str),
+    default=None,
+    help="Write the simulated timeline as a Chrome trace (Perfetto).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print only plan.json on stdout.")
+@click.option("-o", "--output", default="models", show_default=True, help="Output root: OUT/<model>/gpus=N/.")
+@user_errors
+def partition(
+    profile_path: str | None, gpus: int | None, topology: str | None, bandwidth: str | None,
+    memory: str | None, schedule: str, microbatches: int | None, optimizer: str, straight: bool,
+    solver: str, cuts: str | None, replicas: str | None, explain: bool, trace_path: str | None,
+    as_json: bool, output: str,
+) -> None:  # fmt: skip
+    """Choose pipeline stages and replicas for a profile -> plan.json + mp_conf.json (+ stage code).
+
+    \b
+    Examples:
+      pipeplan partition --gpus 4
+      pipeplan partition --profile graph.txt --topology 4,4 --bandwidth 4294967296,1250000000
+      pipeplan partition --gpus 4 --cuts features.30,classifier.3 --replicas 3,1
+    """
+    import json
+    import re
+    from dataclasses import replace
+    from pathlib import Path
+
+    from partitioner.errors import PlanError
+    from partitioner.graph import load_profile
+    from partitioner.optimizer import evaluate, solve
+    from partitioner.optimizer.simulate import gantt, simulate, write_chrome_trace
+    from partitioner.optimizer.units import parse_int_list
+    from partitioner.plan import plan_to_json
+
+    path = Path(profile_path) if profile_path else _newest_profile()
+    profile = load_profile(path)
+    cluster = _cluster(gpus, topology, bandwidth, memory)
+    micro = microbatches if microbatches is not None else (1 if schedule == "pipedream" else 4)
+    if (cuts is None) != (replicas is None):
+        raise PlanError("--cuts and --replicas go together: give both, or neither")
+    if cuts is not None and replicas is not None:
+        layers = [c.strip() for c in cuts.split(",") if c.strip()]
+        plan = evaluate(
+            profile, cluster, layers, parse_int_list(replicas, "--replicas"), schedule, micro, optimizer
+        )
+    else:
+        if len(profile.layers) < 1:
+            raise PlanError("the profile has no layers")
+        plan = solve(profile, cluster, schedule, micro, optimizer, straight, solver)
+    plan = replace(plan, profile=str(path))
+    name = profile.model if profile.tracer == "pipedream" else _model_name(profile.model)
+    out_dir = Path(output) / re.sub(r"[^A-Za-z0-9_.-]+", "_", name or "model") / f"gpus={cluster.gpus}"
+    plan = _write_plan(profile, plan, out_dir)
+    sim = simulate(plan, profile)
+    if trace_path:
+        write_chrome_trace(sim, trace_path)
+    if as_json:
+        click.echo(json.dumps(plan_to_json(plan), indent=1))
+        return
+    console = _console()
+    console.print(_plan_table(plan, profile))
+    console.print(_plan_summary(plan, sim))
+    first = [e.end_s for e in sim.events if e.stage == 0 and e.kind == "B"]
+    until = first[min(2, len(first) - 1)] if plan.schedule == "pipedream" and first else None
+    console.print("\n".join(gantt(sim, until_s=until)), highlight=False, markup=False)
+    if explain:
+        console.print(_explain(profile, cluster, plan, schedule, micro, optimizer))
+    console.print(f"wrote {out_dir}/plan.json and mp_conf.json")
+
+
+def _model_name(spec: str) -> str:
+    from partitioner.models import model_name
+
+    return model_name(spec)
+
+
 # ----------------------------------------------------------------------------- verify
 # (owned by code generation: partitioner/codegen.py, partitioner/verify.py)
 

@@ -1,0 +1,104 @@
+"""`pipeplan partition`: files written, --json, --cuts, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from cli import main
+from partitioner.graph import write_graph_txt
+from partitioner.plan import load_plan
+from tests.partitioner.optimizer.conftest import make_profile
+
+
+@pytest.fixture
+def graph(tmp_path: Path) -> Path:
+    costs = [(5, 10, 4000, 1000), (8, 16, 2000, 200000), (3, 6, 1000, 50), (9, 18, 500, 30000)]
+    profile = make_profile(costs, [(0, 1), (1, 2), (0, 2), (2, 3)])
+    path = tmp_path / "toy" / "graph.txt"
+    path.parent.mkdir()
+    write_graph_txt(profile, path)
+    return path
+
+
+def _run(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, list(args), catch_exceptions=False)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_writes_plan_and_mp_conf(graph: Path, tmp_path: Path) -> None:
+    code, out, _ = _run("partition", "--profile", str(graph), "--gpus", "4", "-o", str(tmp_path / "m"),
+                        "--explain", "--trace", str(tmp_path / "t.json"))  # fmt: skip
+    assert code == 0, out
+    folder = tmp_path / "m" / "toy" / "gpus=4"
+    plan = load_plan(folder / "plan.json")
+    conf = json.loads((folder / "mp_conf.json").read_text())
+    assert sum(s.replicas for s in plan.stages) <= 4
+    assert conf["module_to_stage_map"] == [s.index for s in plan.stages] + [plan.stages[-1].index]
+    assert conf["stage_to_rank_map"] == {str(s.index): list(s.ranks) for s in plan.stages}
+    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert "stage" in out and "predicted" in out and "data parallel" in out
+
+
+def test_json_prints_only_the_plan(graph: Path, tmp_path: Path) -> None:
+    code, out, _ = _run("partition", "--profile", str(graph), "--topology", "2,2", "--bandwidth", "10GB/s,100Gbit/s",
+                        "--json", "-o", str(tmp_path))  # fmt: skip
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["schema"] == "pipeplan.plan/1" and doc["cluster"]["levels"][1]["bandwidth"] == 12.5e9
+
+
+def test_cuts_and_replicas_are_evaluated(graph: Path, tmp_path: Path) -> None:
+    code, out, _ = _run("partition", "--profile", str(graph), "--gpus", "4", "--cuts", "l1",
+                        "--replicas", "3,1", "--json", "-o", str(tmp_path))  # fmt: skip
+    assert code == 0
+    doc = json.loads(out)
+    assert [s["replicas"] for s in doc["stages"]] == [3, 1]
+    assert doc["stages"][0]["nodes"] == ["x", "l0", "l1"]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_synchronous_schedules(graph: Path, tmp_path: Path, schedule: str) -> None:
+    code, out, _ = _run("partition", "--profile", str(graph), "--gpus", "3", "--schedule", schedule,
+                        "--microbatches", "4", "--json", "-o", str(tmp_path))  # fmt: skip
+    assert code == 0
+    assert json.loads(out)["microbatches"] == 4
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--gpus", "0"],
+        ["--topology", "2,2", "--bandwidth", "1e9"],
+        ["--gpus", "4", "--bandwidth", "0"],
+        ["--gpus", "4", "--bandwidth", "fast"],
+        ["--gpus", "4", "--memory", "1KiB"],
+        ["--gpus", "4", "--cuts", "nosuchlayer", "--replicas", "1,1"],
+        ["--gpus", "8", "--cuts", "l0,l1,l2,l3", "--replicas", "1,1,1,1,1"],
+        ["--gpus", "4", "--cuts", "l1", "--replicas", "1"],
+        ["--gpus", "4", "--gpus", "2", "--topology", "2,2"],
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(graph: Path, tmp_path: Path, args: list[str]) -> None:
+    code, _, err = _run("partition", "--profile", str(graph), "-o", str(tmp_path), *args)
+    assert code == 2
+    assert err.strip().startswith("error:") and len(err.strip().splitlines()) == 1
+
+
+def test_foreign_or_missing_profile_exit_2(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema": "something/else"}')
+    for path in (bad, tmp_path / "missing.json"):
+        code, _, err = _run("partition", "--profile", str(path), "--gpus", "2")
+        assert code == 2 and "error:" in err
+
+
+def test_memory_infeasible_names_the_smallest_that_fits(graph: Path, tmp_path: Path) -> None:
+    code, _, err = _run(
+        "partition", "--profile", str(graph), "--gpus", "2", "--memory", "100KB", "-o", str(tmp_path)
+    )
+    assert code == 2
+    assert "would" in err and "GiB" in err
