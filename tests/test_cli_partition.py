@@ -44,7 +44,8 @@ def test_writes_plan_and_mp_conf(graph: Path, tmp_path: Path) -> None:
 
 
 def test_json_prints_only_the_plan(graph: Path, tmp_path: Path) -> None:
-    code, out, _ = _run("partition", "--profile", str(graph), "--topology", "2,2", "--bandwidth", "10GB/s,100Gbit/s",
+    rates = "10GB/s,100Gbit/s"
+    code, out, _ = _run("partition", "--profile", str(graph), "--topology", "2,2", "--bandwidth", rates,
                         "--json", "-o", str(tmp_path))  # fmt: skip
     assert code == 0
     doc = json.loads(out)
