@@ -476,6 +476,8 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
     torch.set_num_threads(min(torch.get_num_threads(), 4))
     report = verify_package(folder, seed=seed, batch_size=batch_size)
     _console().print(_verify_table(report))
+    for tie in report.ties:
+        _console().print(f"tied: {tie} (gradients compared as their sum)", soft_wrap=True)
     verdict = "[green]match[/green]" if report.ok else "[red]MISMATCH[/red]"
     _console().print(
         f"{verdict}: {report.model}, {len(report.stages)} stages, batch {report.batch_size}, "
@@ -491,10 +493,11 @@ def _verify_table(report: Any) -> Any:
 
     table = Table(title=f"pipeplan verify {report.package}")
     for column in ("stage", "params", "reads", "returns", "init max |diff|", "grad max |diff|", "ok"):
-        table.add_column(column, justify="right" if "diff" in column or column == "params" else "left")
+        right = "diff" in column or column == "params"
+        table.add_column(column, justify="right" if right else "left", overflow="fold")
     for s in report.stages:
         table.add_row(
-            str(s.index), f"{s.params:,}", ", ".join(s.in_names), ", ".join(s.out_names),
+            str(s.index), f"{s.params:,}", "\n".join(s.in_names), "\n".join(s.out_names),
             f"{s.init_error:.2e}", f"{s.grad_error:.2e}", "[green]yes[/green]" if s.ok else "[red]NO[/red]",
         )  # fmt: skip
     return table

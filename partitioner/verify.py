@@ -81,6 +81,7 @@ class VerifyReport:
     rtol: float
     atol: float
     ok: bool
+    ties: tuple[str, ...] = ()
 
 
 def newest_package(root: Path = Path("models")) -> Path:
@@ -212,6 +213,9 @@ def verify_package(
         rtol=rtol,
         atol=atol,
         ok=loss_ok and all(c.ok for c in checks),
+        ties=tuple(
+            f"{t.name} held by " + ", ".join(f"stage {k} as {n}" for k, n in t.members) for t in plan.ties
+        ),
     )
 
 
