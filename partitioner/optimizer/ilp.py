@@ -54,8 +54,8 @@ def solve_ilp(
     if len(pairs) * cap > MAX_ILP_VARIABLES:
         raise PlanError(f"the ILP would need {len(pairs) * cap} variables; use --solver dp for this profile")
     model = pulp.LpProblem("pipeplan", pulp.LpMinimize)
-    t = pulp.LpVariable("t", lowBound=0)
-    x = {(k, j, r): pulp.LpVariable(f"x_{k}_{j}_{r}", cat="Binary")
+    t = model.add_variable("t", lowBound=0)
+    x = {(k, j, r): model.add_variable(f"x_{k}_{j}_{r}", cat="Binary")
          for k, j in pairs for r in range(1, cap + 1)
          if _fits(profile, states, k, j, r, m, cluster, optimizer)}  # fmt: skip
     model += t

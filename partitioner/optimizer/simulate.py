@@ -161,8 +161,9 @@ def simulate(plan: Plan, profile: Profile | None = None, minibatches: int | None
         per_minibatch = end + step
     else:
         first = sorted(e.end_s for e in events if e.stage == 0 and e.kind == "B")
-        half = len(first) // 2
-        per_minibatch = (first[-1] - first[half]) / max(len(first) - 1 - half, 1)
+        lo, hi = min(p, len(first) - 1), max(len(first) - 1 - p, 0)  # skip warm-up and drain
+        lo, hi = (lo, hi) if hi > lo else (0, len(first) - 1)
+        per_minibatch = (first[hi] - first[lo]) / max(hi - lo, 1)
     span = max(e.end_s for e in events)
     busy = sum(e.end_s - e.start_s for e in events if e.kind != "S")
     bubble = 1.0 - busy / (p * span) if span > 0 else 0.0

@@ -1,0 +1,59 @@
+"""The cost and memory models, checked by hand on a 3-layer chain."""
+
+from __future__ import annotations
+
+import pytest
+
+from partitioner.optimizer import evaluate, solve
+from partitioner.plan import Cluster
+from tests.partitioner.optimizer.conftest import make_profile
+
+# compute l0 = 30 ms, l1 = 15 ms, l2 = 45 ms; outputs 4 MB, 1 MB, 0; params 1 MB, 0, 2 MB
+THREE = make_profile([(10, 20, 4_000_000, 1_000_000), (5, 10, 1_000_000, 0), (15, 30, 0, 2_000_000)],
+                     [(0, 1), (1, 2)])  # fmt: skip
+
+
+def test_pipedream_hand_checked() -> None:
+    # stage 0 = l0 on 2 replicas: (0.030 + 4*1*1e6/(2*1e9)) / 2 = 0.016; its cut 2*4e6/(1e9*2) = 0.004
+    # stage 1 = l1,l2 on 1: 0.060; its cut 2*4e6/1e9 = 0.008 -> the plan takes 0.060
+    plan = evaluate(THREE, Cluster.flat(3), ["l0"], [2, 1])
+    assert plan.predicted.time_per_minibatch_s == pytest.approx(0.060)
+    # stage 0 = l0,l1 on 1: 0.045 (cut 2*1e6/1e9 = 0.002); stage 1 = l2 on 2: (0.045 + 0.004)/2 = 0.0245
+    plan = evaluate(THREE, Cluster.flat(3), ["l1"], [1, 2])
+    assert plan.predicted.time_per_minibatch_s == pytest.approx(0.045)
+    assert solve(THREE, Cluster.flat(3)).predicted.time_per_minibatch_s <= 0.045 + 1e-12
+
+
+def test_pipedream_activation_bound() -> None:
+    # at 1e8 B/s stage 0 (l0 on 2): compute (0.030 + 0.02)/2 = 0.025 but the cut 2*4e6/(1e8*2) = 0.04
+    plan = evaluate(THREE, Cluster.flat(3, bandwidth=1e8), ["l0"], [2, 1])
+    assert plan.stages[0].compute_s == pytest.approx(0.030)
+    assert plan.predicted.time_per_minibatch_s == pytest.approx(max(0.04, 0.06, 2 * 4e6 / 1e8))
+
+
+def test_memory_per_schedule() -> None:
+    cluster = Cluster.flat(3)
+    # pipedream: stage 0 holds ceil(3/2) = 2 minibatches: 2P (weights+grads) + 1 stashed P + 2 activations
+    pd = evaluate(THREE, cluster, ["l0"], [2, 1])
+    assert pd.stages[0].memory_bytes == 2_000_000 + 1_000_000 + 2 * 4_000_000
+    adam = evaluate(THREE, cluster, ["l0"], [2, 1], optimizer="adam")
+    assert adam.stages[0].memory_bytes == 4_000_000 + 1_000_000 + 2 * 4_000_000
+    # 1f1b with M=4: min(2 - 0, 4) = 2 microbatches of 4e6/(4*2) each
+    f1b = evaluate(THREE, cluster, ["l0"], [2, 1], "1f1b", 4)
+    assert f1b.stages[0].memory_bytes == 2_000_000 + 2 * 4_000_000 // 8
+    gp = evaluate(THREE, cluster, ["l0"], [2, 1], "gpipe", 4)
+    assert gp.stages[0].memory_bytes == 2_000_000 + 4 * 4_000_000 // 8
+
+
+def test_synchronous_time_hand_checked() -> None:
+    # M=2: stage 0 per microbatch 0.030/(2*2) + 2*4e6/(1e9*2)/2 = 0.0095; stage 1 0.060/2 = 0.030
+    # time = 0.0095 + 0.030 + (2-1)*0.030 + all-reduce of stage 0 (4*1*1e6/(2*1e9) = 0.002)
+    plan = evaluate(THREE, Cluster.flat(3), ["l0"], [2, 1], "1f1b", 2)
+    assert plan.predicted.time_per_minibatch_s == pytest.approx(0.0715)
+
+
+def test_infeasible_memory_names_a_limit_that_fits() -> None:
+    from partitioner.errors import InfeasibleError
+
+    with pytest.raises(InfeasibleError, match="would"):
+        solve(THREE, Cluster.flat(2, memory_bytes=1000))

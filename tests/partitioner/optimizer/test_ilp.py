@@ -1,0 +1,39 @@
+"""DP and ILP agree on small cases."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from partitioner.optimizer import solve
+from partitioner.plan import Cluster
+from tests.partitioner.optimizer.conftest import make_profile
+from tests.partitioner.optimizer.test_dp import dags
+
+
+@settings(max_examples=12, deadline=None)
+@given(dag=dags, gpus=st.integers(1, 4))
+def test_dp_equals_ilp(dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]], gpus: int) -> None:
+    costs, raw = dag
+    profile = make_profile(costs, [(a, b) for a, b in raw if a < b])
+    cluster = Cluster.flat(gpus, bandwidth=1e5)
+    dp = solve(profile, cluster).predicted.time_per_minibatch_s
+    ilp = solve(profile, cluster, solver="ilp")
+    assert ilp.solver.name == "ilp"
+    assert ilp.predicted.time_per_minibatch_s == pytest.approx(dp, rel=1e-6)
+
+
+def test_ilp_on_a_real_profile() -> None:
+    from pathlib import Path
+
+    from partitioner.graph import read_graph_txt
+
+    path = Path("/work/shared/pipedream-profiles/alexnet/graph.txt")
+    if not path.exists():
+        pytest.skip("shared profiles not present")
+    profile = read_graph_txt(path, 256)
+    for gpus in (2, 4):
+        dp = solve(profile, Cluster.flat(gpus)).predicted.time_per_minibatch_s
+        ilp = solve(profile, Cluster.flat(gpus), solver="ilp").predicted.time_per_minibatch_s
+        assert ilp == pytest.approx(dp, rel=1e-6)

@@ -1,0 +1,60 @@
+"""The event simulation against the closed forms, and its outputs (trace, Gantt)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from partitioner.optimizer import evaluate
+from partitioner.optimizer.simulate import actions, gantt, simulate, write_chrome_trace
+from partitioner.plan import Cluster
+from tests.partitioner.optimizer.conftest import make_profile
+
+EVEN = make_profile([(10, 20, 0, 0)] * 4, [(0, 1), (1, 2), (2, 3)])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+def test_synchronous_closed_form_matches_simulation(schedule: str, m: int) -> None:
+    plan = evaluate(EVEN, Cluster.flat(4), ["l0", "l1", "l2"], [1, 1, 1, 1], schedule, m)
+    sim = simulate(plan, EVEN)
+    # equal stages, no communication: (M + p - 1) slots of one microbatch's forward+backward
+    assert sim.time_per_minibatch_s == pytest.approx(plan.predicted.time_per_minibatch_s)
+    assert sim.time_per_minibatch_s == pytest.approx((m + 3) * 0.030 / m)
+    assert sim.bubble_fraction == pytest.approx(3 / (m + 3))
+
+
+def test_pipedream_steady_state_is_the_slowest_stage() -> None:
+    profile = make_profile([(10, 20, 0, 0), (20, 40, 0, 0), (5, 10, 0, 0)], [(0, 1), (1, 2)])
+    plan = evaluate(profile, Cluster.flat(3), ["l0", "l1"], [1, 1, 1])
+    sim = simulate(plan, profile, minibatches=20)
+    assert sim.time_per_minibatch_s == pytest.approx(0.060)
+    assert sim.time_per_minibatch_s == pytest.approx(plan.predicted.time_per_minibatch_s)
+
+
+def test_in_flight_per_schedule() -> None:
+    for schedule, expect in (("1f1b", (4, 3, 2, 1)), ("gpipe", (8, 8, 8, 8))):
+        plan = evaluate(EVEN, Cluster.flat(4), ["l0", "l1", "l2"], [1, 1, 1, 1], schedule, 8)
+        assert simulate(plan, EVEN).in_flight == expect
+
+
+def test_actions_are_complete() -> None:
+    for schedule in ("gpipe", "1f1b", "pipedream"):
+        for p in range(1, 5):
+            for m in range(1, 6):
+                for order in actions(schedule, p, m):
+                    assert sorted(order) == sorted(
+                        [("F", k) for k in range(m)] + [("B", k) for k in range(m)]
+                    )
+
+
+def test_trace_and_gantt(tmp_path: Path) -> None:
+    plan = evaluate(EVEN, Cluster.flat(4), ["l0", "l1", "l2"], [1, 1, 1, 1], "1f1b", 4)
+    sim = simulate(plan, EVEN)
+    doc = json.loads(write_chrome_trace(sim, tmp_path / "t.json").read_text())
+    spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == 4 * 2 * 4 + 4  # forwards, backwards, and one sync+step per stage
+    rows = gantt(sim, width=40)
+    assert len(rows) == 4 and all(len(r) == len(rows[0]) for r in rows)

@@ -1,0 +1,45 @@
+"""plan.json round trip and PipeDream's mp_conf.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from partitioner.errors import PlanError
+from partitioner.optimizer import solve
+from partitioner.plan import Cluster, Level, load_plan, mp_conf, plan_from_json, plan_to_json, save_plan
+from tests.partitioner.optimizer.conftest import make_profile
+
+PROFILE = make_profile(
+    [(5, 10, 4000, 1000), (8, 16, 2000, 90000), (3, 6, 1000, 50)], [(0, 1), (1, 2), (0, 2)]
+)
+
+
+def test_plan_json_round_trip(tmp_path: Path) -> None:
+    plan = solve(PROFILE, Cluster((Level(2, 4e9), Level(2, 1e9)), memory_bytes=2**30), schedule="1f1b",
+                 microbatches=3, optimizer="adam")  # fmt: skip
+    path = save_plan(plan, tmp_path / "plan.json")
+    assert load_plan(path) == plan
+    doc = json.loads(path.read_text())
+    assert doc["schema"] == "pipeplan.plan/1"
+    for key in ("gpus", "cluster", "schedule", "microbatches", "stages", "predicted", "solver"):
+        assert key in doc
+    assert plan_from_json(plan_to_json(plan)) == plan
+
+
+def test_mp_conf_is_pipedreams_format() -> None:
+    plan = solve(PROFILE, Cluster.flat(4))
+    conf = mp_conf(plan.stages)
+    assert conf["module_to_stage_map"] == [*range(len(plan.stages)), len(plan.stages) - 1]
+    ranks = [r for s in plan.stages for r in s.ranks]
+    assert sorted(ranks) == list(range(plan.gpus))
+    assert conf["stage_to_rank_map"]["0"] == list(plan.stages[0].ranks)
+
+
+def test_corrupt_plan_is_a_plan_error(tmp_path: Path) -> None:
+    bad = tmp_path / "plan.json"
+    bad.write_text('{"schema": "pipeplan.plan/1", "gpus": 2}')
+    with pytest.raises(PlanError):
+        load_plan(bad)
