@@ -95,8 +95,10 @@ def profile_model(
     traced = trace_model(bundle, leaf_modules, input_shape)
     gm = traced.graph_module
     try:
-        step_args = (bundle.module, bundle.inputs, bundle.targets, bundle.loss_fn)
-        # Whole-step samples bracket the layer measurements, so both see the same machine load.
+        # The step runs the traced graph, the code the pipeline stages are cut from (for fx, the model's own
+        # modules; for export, its aten ops without the Python around them). Its samples bracket the layer
+        # measurements, so both see the same machine load.
+        step_args = (gm, bundle.inputs, bundle.targets, bundle.loss_fn)
         before = measure_step(*step_args, repeats=1, warmup=1)
         profiler = LayerProfiler(gm, traced.groups, repeats=repeats, progress=progress)
         costs = profiler.profile(*bundle.inputs)

@@ -216,10 +216,9 @@ def group_nodes(gm: fx.GraphModule, tracer: str, leaf_modules: Sequence[str] = (
 
 def _module_key(node: fx.Node, leaves: set[str]) -> str:
     """The module an exported op belongs to: a leaf class, else a numbered block, else the innermost."""
-    stack = list((node.meta.get("nn_module_stack") or {}).values())
-    if not stack:
+    paths = _stack(node)
+    if not paths:
         return ""
-    paths = [(str(path), str(cls).rsplit(".", 1)[-1]) for path, cls in stack]
     for path, cls in paths:
         if cls in leaves:
             return path
@@ -227,6 +226,14 @@ def _module_key(node: fx.Node, leaves: set[str]) -> str:
         if re.search(r"(^|\.)\d+$", path):
             return path
     return paths[-1][0]
+
+
+def _stack(node: fx.Node) -> list[tuple[str, str]]:
+    """(module path, class name) from the root down; hook placeholders torch.export inserts are skipped."""
+    stack = (node.meta.get("nn_module_stack") or {}).values()
+    return [
+        (str(p), str(c).rsplit(".", 1)[-1]) for p, c in stack if not str(p).startswith("_empty_nn_module")
+    ]
 
 
 def _module_runs(nodes: list[fx.Node], leaves: set[str]) -> list[list[fx.Node]]:
@@ -315,14 +322,14 @@ def _describe(gm: fx.GraphModule, unit: list[fx.Node], tracer: str, leaves: Sequ
         return Group(
             unit[0].name, key or head.name, "call_module", cls, members, "ops: " + ", ".join(ops)[:120]
         )
-    stack = list((head.meta.get("nn_module_stack") or {}).values())
+    stack = _stack(head)
     prefix = f"{stack[-1][0]}." if stack and stack[-1][0] else ""
     target = getattr(head.target, "__name__", str(head.target))
     return Group(unit[0].name, prefix + head.name, head.op, target, members)
 
 
 def _module_class(node: fx.Node, key: str) -> str:
-    for path, cls in (node.meta.get("nn_module_stack") or {}).values():
+    for path, cls in _stack(node):
         if path == key:
-            return str(cls).rsplit(".", 1)[-1]
+            return cls
     return getattr(node.target, "__name__", str(node.target))
