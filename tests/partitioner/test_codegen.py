@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from partitioner.graph import Profile
 from partitioner.models import load_model
 from partitioner.plan import Stage
 from partitioner.stagekit import loss_input
-from partitioner.verify import load_package
+from partitioner.verify import load_package, verify_package
 from tests.partitioner.codegen_support import plan_for, profile_for
 
 GOLDEN = Path(__file__).parents[1] / "golden" / "tiny-skip-gpus3"
@@ -210,3 +211,27 @@ def test_ranks_are_checked_or_assigned(tmp_path: Path) -> None:
     clash = (Stage(0, plan.stages[0].nodes, 3, (0, 1, 2)), Stage(1, plan.stages[1].nodes, 1, (2,)))
     with pytest.raises(PlanError, match="once each"):
         write_package(profile, plan.__class__(**{**plan.__dict__, "stages": clash}), tmp_path / "pkg")
+
+
+def test_non_tensor_values_are_recomputed_not_sent(tmp_path: Path) -> None:
+    """``n = x.size(0)`` planned into stage 0 but used in stage 2: stage 2 recomputes it from ``x``."""
+    traced = profile_for("tests/partitioner/codegen_models.py:size_later")
+    by_id = {n.id: n for n in traced.nodes}
+    size, view = (
+        replace(by_id["size"], members=("size",)),
+        replace(by_id["size"], id="view", members=("view",)),
+    )
+    order = ["x", "size", "l1", "relu", "l2", "relu_1", "head", "view", "output"]
+    nodes = tuple({**by_id, "size": size, "view": view}[i] for i in order)
+    profile = replace(traced, nodes=nodes)
+    write_package(profile, plan_for(profile, [3, 5]), tmp_path / "pkg")
+    package, _, _ = load_package(tmp_path / "pkg")
+    entries = package.model(package.criterion())
+    assert [(list(i), list(o)) for _, i, o in entries[:-1]] == [
+        (["x"], ["x", "l1"]),
+        (["l1"], ["l2"]),
+        (["x", "l2"], ["view"]),
+    ]
+    stage2 = (tmp_path / "pkg" / "stage2.py").read_text()
+    assert "size = x.size(0)" in stage2 and "view(size, -1)" in stage2
+    assert verify_package(tmp_path / "pkg").ok

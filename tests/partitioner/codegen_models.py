@@ -1,0 +1,31 @@
+"""Small models for code generation tests: graph shapes the zoo does not have."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class SizeLater(nn.Module):
+    """A size read in the first layer and used by the last (``view(n, ...)``): it must not cross stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(6, 8)
+        self.l2 = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.size(0)
+        h = torch.relu(self.l1(x))
+        h = torch.relu(self.l2(h))
+        out: torch.Tensor = self.head(h).view(n, -1)
+        return out
+
+
+def size_later() -> SizeLater:
+    return SizeLater()
+
+
+def example_inputs(batch_size: int) -> tuple[torch.Tensor]:
+    return (torch.randn(batch_size, 6, generator=torch.Generator().manual_seed(0)),)
