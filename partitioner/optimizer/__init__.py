@@ -15,6 +15,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile
@@ -83,11 +84,13 @@ def _specs(profile: Profile, states: StateSet, segments: list[Segment]) -> list[
     return specs
 
 
-def _states_for(profile: Profile, cluster: Cluster) -> StateSet:
+def _states_for(profile: Profile, cluster: Cluster, activation_comm: bool) -> StateSet:
     states = build_states(profile)
     if len(cluster.levels) > 1 and len(states) > HIERARCHY_MAX_STATES:
         log.info("hierarchy: thinning %d states to %d prefixes", len(states), HIERARCHY_MAX_STATES)
         states = chain_states(profile, HIERARCHY_MAX_STATES)
+    if not activation_comm:
+        states = replace(states, act_bytes=states.act_bytes * 0.0)
     return states
 
 
@@ -109,17 +112,17 @@ def _search(
 
 
 def _pipedream(
-    profile: Profile, cluster: Cluster, states: StateSet, optimizer: str, straight: bool
+    profile: Profile, cluster: Cluster, states: StateSet, optimizer: str, straight: bool, comm: bool = True
 ) -> tuple[Plan, float, bool]:
     value, segments, lower = _search(profile, cluster, states, "pipedream", optimizer, straight)
     plan = assemble(profile, cluster, _specs(profile, states, segments), "pipedream", 1, optimizer,
-                    SolverInfo("dp", 0.0, False), time_override=value)  # fmt: skip
+                    SolverInfo("dp", 0.0, False), time_override=value, activation_comm=comm)  # fmt: skip
     return plan, lower, states.exact
 
 
 def _synchronous(
     profile: Profile, cluster: Cluster, states: StateSet, schedule: str, m: int, optimizer: str,
-    straight: bool,
+    straight: bool, comm: bool = True,
 ) -> tuple[Plan, float, bool]:  # fmt: skip
     """Bubble-aware choice: bottleneck plans with a floor on replicas per stage, priced exactly."""
     floors = sorted({1, *(2**i for i in range(int(math.log2(cluster.gpus)) + 1)), cluster.gpus})
@@ -128,7 +131,7 @@ def _synchronous(
         try:
             _, segments, _ = _search(profile, cluster, states, schedule, optimizer, straight, floor)
             plan = assemble(profile, cluster, _specs(profile, states, segments), schedule, m, optimizer,
-                            SolverInfo("dp", 0.0, False))  # fmt: skip
+                            SolverInfo("dp", 0.0, False), activation_comm=comm)  # fmt: skip
         except InfeasibleError:
             continue
         if best is None or plan.predicted.time_per_minibatch_s < best.predicted.time_per_minibatch_s:
@@ -150,8 +153,12 @@ def solve(
     optimizer: str = "sgd",
     straight: bool = False,
     solver: str = "dp",
+    activation_comm: bool = True,
 ) -> Plan:
     """The fastest plan under the schedule's cost model that fits the cluster's memory.
+
+    ``activation_comm=False`` drops the 2·activation/(B·r) cut charge, which is what PipeDream's
+    optimizer computes by default (its activation term only applies with a compression ratio).
 
     Raises:
         PlanError: bad schedule, optimizer, solver or microbatch count.
@@ -161,16 +168,18 @@ def solve(
     if solver == "ilp":
         from partitioner.optimizer.ilp import solve_ilp
 
-        return solve_ilp(profile, cluster, schedule, m, optimizer, straight)
+        return solve_ilp(profile, cluster, schedule, m, optimizer, straight, activation_comm)
     if solver != "dp":
         raise PlanError(f"unknown solver {solver!r}; use dp or ilp")
     start = time.perf_counter()
-    states = _states_for(profile, cluster)
+    states = _states_for(profile, cluster, activation_comm)
     try:
         if schedule == "pipedream":
-            plan, lower, exact = _pipedream(profile, cluster, states, optimizer, straight)
+            plan, lower, exact = _pipedream(profile, cluster, states, optimizer, straight, activation_comm)
         else:
-            plan, lower, exact = _synchronous(profile, cluster, states, schedule, m, optimizer, straight)
+            plan, lower, exact = _synchronous(
+                profile, cluster, states, schedule, m, optimizer, straight, activation_comm
+            )
     except InfeasibleError:
         raise _infeasible(profile, cluster, schedule, m, optimizer, straight) from None
     if not exact:
@@ -232,6 +241,7 @@ def evaluate(
     schedule: str = "pipedream",
     microbatches: int = 1,
     optimizer: str = "sgd",
+    activation_comm: bool = True,
 ) -> Plan:
     """Price a fixed plan: ``cuts`` are the last layer of every stage but the last (topological order).
 
@@ -263,7 +273,7 @@ def evaluate(
                          specs[0].replicas, specs[0].ranks)  # fmt: skip
     _check_closed(profile, specs)
     info = SolverInfo("evaluate", 0.0, False)
-    plan = assemble(profile, cluster, specs, schedule, m, optimizer, info)
+    plan = assemble(profile, cluster, specs, schedule, m, optimizer, info, activation_comm=activation_comm)
     return _with(plan, SolverInfo("evaluate", time.perf_counter() - start, False), {})
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile
@@ -121,10 +121,12 @@ def global_lower_bound(profile: Profile, cluster: Cluster) -> float:
     return max(layer_compute_s(profile) / gpus, single)
 
 
-def _times(profile: Profile, cluster: Cluster, specs: Sequence[StageSpec], schedule: str, m: int) -> tuple[
-    list[StageLoad], StageTimes
-]:  # fmt: skip
+def _times(
+    profile: Profile, cluster: Cluster, specs: Sequence[StageSpec], schedule: str, m: int, comm: bool
+) -> tuple[list[StageLoad], StageTimes]:
     loads = stage_loads(profile, [s.nodes for s in specs])
+    if not comm:  # PipeDream's optimizer by default (no --activation_compression_ratio) charges none
+        loads = [replace(ld, in_bytes=0.0, out_bytes=0.0) for ld in loads]
     bws = []
     for i, spec in enumerate(specs):
         near = [r for j in (i - 1, i + 1) if 0 <= j < len(specs) for r in specs[j].ranks]
@@ -142,6 +144,7 @@ def assemble(
     solver: SolverInfo,
     time_override: float | None = None,
     extra: dict[str, object] | None = None,
+    activation_comm: bool = True,
 ) -> Plan:
     """Cost the stages and build the Plan; ``time_override`` keeps a solver's own objective value.
 
@@ -152,7 +155,7 @@ def assemble(
     used = sum(s.replicas for s in specs)
     if used > cluster.gpus:
         raise PlanError(f"the plan uses {used} GPUs but the cluster has {cluster.gpus}")
-    loads, times = _times(profile, cluster, specs, schedule, microbatches)
+    loads, times = _times(profile, cluster, specs, schedule, microbatches, activation_comm)
     reps = [s.replicas for s in specs]
     memory = [stage_memory(ld, schedule, i, reps, microbatches, optimizer) for i, ld in enumerate(loads)]
     limit = cluster.memory_bytes
@@ -188,5 +191,5 @@ def assemble(
         batch_size=profile.batch_size,
         optimizer=optimizer,
         model=profile.model,
-        extra=dict(extra or {}),
+        extra={**(extra or {}), "activation_comm": activation_comm},
     )

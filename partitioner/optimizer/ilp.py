@@ -9,6 +9,7 @@ This is the only module that imports pulp.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pulp
 
@@ -35,7 +36,13 @@ def _backend() -> pulp.LpSolver:
 
 
 def solve_ilp(
-    profile: Profile, cluster: Cluster, schedule: str, microbatches: int, optimizer: str, straight: bool
+    profile: Profile,
+    cluster: Cluster,
+    schedule: str,
+    microbatches: int,
+    optimizer: str,
+    straight: bool,
+    activation_comm: bool = True,
 ) -> Plan:
     """Optimal pipedream plan on a flat cluster by MILP (small profiles only).
 
@@ -47,6 +54,8 @@ def solve_ilp(
         raise PlanError("--solver ilp handles the pipedream schedule on one level; use --solver dp")
     start = time.perf_counter()
     states = build_states(profile)
+    if not activation_comm:
+        states = replace(states, act_bytes=states.act_bytes * 0.0)
     m = cluster.gpus
     cap = 1 if straight else m
     prob = LevelProblem(states, m, cluster.levels[0].bandwidth)
@@ -79,7 +88,8 @@ def solve_ilp(
         rank += r
     value = max(prob.stage_time(k, j, r) for k, j, r in chosen)
     info = SolverInfo("ilp", time.perf_counter() - start, states.exact, global_lower_bound(profile, cluster))
-    return assemble(profile, cluster, specs, schedule, 1, optimizer, info, time_override=value)
+    return assemble(profile, cluster, specs, schedule, 1, optimizer, info, time_override=value,
+                    activation_comm=activation_comm)  # fmt: skip
 
 
 def _fits(

@@ -17,7 +17,14 @@ import numpy.typing as npt
 from partitioner.errors import PlanError
 from partitioner.graph import Profile
 
-__all__ = ["DEFAULT_MAX_STATES", "StateSet", "build_states", "chain_states", "downset_states"]
+__all__ = [
+    "DEFAULT_MAX_STATES",
+    "StateSet",
+    "build_states",
+    "chain_states",
+    "downset_states",
+    "multi_order_states",
+]
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +184,56 @@ def chain_states(profile: Profile, max_states: int | None = None) -> StateSet:
     return StateSet(tuple(ids), masks, cum_c[cuts], cum_p[cuts], cum_s[cuts], act[cuts], None, exact)
 
 
+def _orders(preds: list[int], succs: list[int]) -> list[list[int]]:
+    """Three topological orders: the profile's, as-soon-as-possible and as-late-as-possible.
+
+    On branching graphs they interleave the branches differently (a ResNet shortcut early or
+    late, Inception's towers in lockstep or one after another), so their prefixes give the DP
+    cuts that no single order has.
+    """
+    n = len(preds)
+    depth = [0] * n
+    for i in range(n):
+        bits, p = preds[i], 0
+        while bits:
+            low = bits & -bits
+            p = max(p, depth[low.bit_length() - 1] + 1)
+            bits ^= low
+        depth[i] = p
+    height = [0] * n
+    for i in reversed(range(n)):
+        bits, h = succs[i], 0
+        while bits:
+            low = bits & -bits
+            h = max(h, height[low.bit_length() - 1] + 1)
+            bits ^= low
+        height[i] = h
+    top = max(d + h for d, h in zip(depth, height, strict=True))
+    asap = sorted(range(n), key=lambda i: (depth[i], i))
+    alap = sorted(range(n), key=lambda i: (top - height[i], i))
+    return [list(range(n)), asap, alap]
+
+
+def multi_order_states(profile: Profile, max_layers: int = 600) -> StateSet:
+    """Prefixes of several topological orders (a superset of :func:`chain_states`); not exhaustive."""
+    ids, preds, succs = _layers(profile)
+    if len(ids) > max_layers:
+        return chain_states(profile)
+    masks: set[int] = set()
+    for order in _orders(preds, succs):
+        mask = 0
+        masks.add(mask)
+        for i in order:
+            mask |= 1 << i
+            masks.add(mask)
+    ordered = sorted(masks, key=lambda m: (m.bit_count(), m))
+    comp, par, sav, mat = _sums(profile, ids, ordered)
+    act = _boundary(profile, ids, succs, mat)
+    is_chain = all(ordered[i] & ordered[i + 1] == ordered[i] for i in range(len(ordered) - 1))
+    preds_ = None if is_chain else _subset_preds(mat)
+    return StateSet(tuple(ids), tuple(ordered), comp, par, sav, act, preds_, False)
+
+
 def _is_chain(succs: list[int]) -> bool:
     """A plain chain: layer i feeds only layer i+1, so prefixes are all the downsets."""
     return all(s == 1 << (i + 1) for i, s in enumerate(succs[:-1])) and succs[-1] == 0
@@ -188,4 +245,4 @@ def build_states(profile: Profile, max_states: int = DEFAULT_MAX_STATES) -> Stat
     if states is not None:
         return states
     log.info("more than %d downsets: falling back to topological prefixes (not optimal)", max_states)
-    return chain_states(profile)
+    return multi_order_states(profile)

@@ -37,7 +37,7 @@ def _downsets(profile: Profile) -> list[frozenset[str]]:
     return sorted(found, key=len)
 
 
-def brute_force(profile: Profile, cluster: Cluster, straight: bool = False) -> float:
+def brute_force(profile: Profile, cluster: Cluster, straight: bool = False, comm: bool = True) -> float:
     """Every chain of downsets and every replica split, each priced by the plan cost model."""
     downs = _downsets(profile)
     full = downs[-1]
@@ -51,7 +51,8 @@ def brute_force(profile: Profile, cluster: Cluster, straight: bool = False) -> f
             nodes = (["x"] if i == 0 else []) + nodes
             specs.append(StageSpec(tuple(nodes), r, tuple(range(rank, rank + r))))
             rank += r
-        plan = assemble(profile, cluster, specs, "pipedream", 1, "sgd", SolverInfo("brute", 0, True))
+        info = SolverInfo("brute", 0, True)
+        plan = assemble(profile, cluster, specs, "pipedream", 1, "sgd", info, activation_comm=comm)
         return plan.predicted.time_per_minibatch_s
 
     def splits(stages: int, budget: int) -> list[list[int]]:
@@ -89,20 +90,22 @@ dags = st.integers(min_value=2, max_value=5).flatmap(
 
 
 @settings(max_examples=60, deadline=None)
-@given(dag=dags, gpus=st.integers(1, 4), straight=st.booleans())
+@given(dag=dags, gpus=st.integers(1, 4), straight=st.booleans(), comm=st.booleans())
 def test_dp_equals_brute_force(dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]], gpus: int,
-                               straight: bool) -> None:  # fmt: skip
+                               straight: bool, comm: bool) -> None:  # fmt: skip
     costs, raw = dag
     edges = [(a, b) for a, b in raw if a < b]
     profile = make_profile(costs, edges)
     cluster = Cluster.flat(gpus, bandwidth=1e5)
-    plan = solve(profile, cluster, straight=straight)
-    expected = brute_force(profile, cluster, straight)
+    plan = solve(profile, cluster, straight=straight, activation_comm=comm)
+    expected = brute_force(profile, cluster, straight, comm)
     assert plan.predicted.time_per_minibatch_s == pytest.approx(expected, rel=1e-8)
     assert plan.solver.optimal
     # the plan it returns really has the time it claims
     specs = [StageSpec(s.nodes, s.replicas, s.ranks) for s in plan.stages]
-    again = assemble(profile, cluster, specs, "pipedream", 1, "sgd", SolverInfo("x", 0, True))
+    again = assemble(
+        profile, cluster, specs, "pipedream", 1, "sgd", SolverInfo("x", 0, True), activation_comm=comm
+    )
     assert again.predicted.time_per_minibatch_s == pytest.approx(
         plan.predicted.time_per_minibatch_s, rel=1e-9
     )
