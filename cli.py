@@ -376,6 +376,12 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any) -> Any:
     default=None,
     help="Write the simulated timeline as a Chrome trace (Perfetto).",
 )
+@click.option(
+    "--no-activation-comm",
+    "no_comm",
+    is_flag=True,
+    help="Charge no activation traffic at cuts (what PipeDream's optimizer computes by default).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print only plan.json on stdout.")
 @click.option("-o", "--output", default="models", show_default=True, help="Output root: OUT/<model>/gpus=N/.")
 @user_errors
@@ -383,7 +389,7 @@ def partition(
     profile_path: str | None, gpus: int | None, topology: str | None, bandwidth: str | None,
     memory: str | None, schedule: str, microbatches: int | None, optimizer: str, straight: bool,
     solver: str, cuts: str | None, replicas: str | None, explain: bool, trace_path: str | None,
-    as_json: bool, output: str,
+    no_comm: bool, as_json: bool, output: str,
 ) -> None:  # fmt: skip
     """Choose pipeline stages and replicas for a profile -> plan.json + mp_conf.json (+ stage code).
 
@@ -413,13 +419,12 @@ def partition(
         raise PlanError("--cuts and --replicas go together: give both, or neither")
     if cuts is not None and replicas is not None:
         layers = [c.strip() for c in cuts.split(",") if c.strip()]
-        plan = evaluate(
-            profile, cluster, layers, parse_int_list(replicas, "--replicas"), schedule, micro, optimizer
-        )
+        counts = parse_int_list(replicas, "--replicas")
+        plan = evaluate(profile, cluster, layers, counts, schedule, micro, optimizer, not no_comm)
     else:
         if len(profile.layers) < 1:
             raise PlanError("the profile has no layers")
-        plan = solve(profile, cluster, schedule, micro, optimizer, straight, solver)
+        plan = solve(profile, cluster, schedule, micro, optimizer, straight, solver, not no_comm)
     plan = replace(plan, profile=str(path))
     name = profile.model if profile.tracer == "pipedream" else _model_name(profile.model)
     out_dir = Path(output) / re.sub(r"[^A-Za-z0-9_.-]+", "_", name or "model") / f"gpus={cluster.gpus}"
@@ -435,7 +440,7 @@ def partition(
     console.print(_plan_summary(plan, sim))
     first = [e.end_s for e in sim.events if e.stage == 0 and e.kind == "B"]
     until = first[min(2, len(first) - 1)] if plan.schedule == "pipedream" and first else None
-    console.print("\n".join(gantt(sim, until_s=until)), highlight=False, markup=False)
+    console.print("\n".join(gantt(sim, width=60, until_s=until)), highlight=False, markup=False)
     if explain:
         console.print(_explain(profile, cluster, plan, schedule, micro, optimizer))
     console.print(f"wrote {out_dir}/plan.json and mp_conf.json")
