@@ -103,6 +103,9 @@ def profile_model(
         profiler = LayerProfiler(gm, traced.groups, repeats=repeats, progress=progress)
         costs = profiler.profile(*bundle.inputs)
         loss_ms = measure_loss(profiler.result, bundle.targets, bundle.loss_fn, repeats)
+        non_tensor_edges = [list(edge) for edge in profiler.non_tensor_edges]
+        if non_tensor_edges:
+            log.warning("layers read non-tensor values from other layers: %s", non_tensor_edges[:5])
         del profiler
         after = measure_step(*step_args, repeats=max(1, repeats - 1), warmup=0)
         samples = before.samples_ms + after.samples_ms
@@ -134,6 +137,7 @@ def profile_model(
             "step_samples_ms": list(step.samples_ms),
             "loss_ms": list(loss_ms),
             "profile_wall_s": round(time.perf_counter() - started, 3),
+            "non_tensor_edges": non_tensor_edges,
         },
     )
 

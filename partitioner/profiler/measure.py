@@ -120,6 +120,9 @@ class LayerProfiler(fx.Interpreter):
         self.param_storages = {_storage_key(t)[0] for t in [*gm.parameters(), *gm.buffers()]}
         self.seen_saved: set[int] = set()
         self.costs: dict[str, LayerCost] = {}
+        self.non_tensor_edges: list[tuple[str, str]] = []
+        """(graph node, group id) pairs where a layer reads a non-tensor (a Python int, a shape) from
+        another layer: a cut there would have to send it, and only tensors cross pipeline stages."""
 
     def profile(self, *inputs: Tensor) -> dict[str, LayerCost]:
         """Measure every group; keys are group ids."""
@@ -158,6 +161,11 @@ class LayerProfiler(fx.Interpreter):
             outputs = self.env[members[0]] if members[0].op == "placeholder" else ()
             return LayerCost(0.0, 0.0, sum(t.nbytes for t in _tensors(outputs)), 0)
         external = {a for m in members for a in m.all_input_nodes if a.name not in group.members}
+        self.non_tensor_edges.extend(
+            (a.name, group.id)
+            for a in sorted(external, key=lambda a: a.name)
+            if a.op != "get_attr" and any(not isinstance(v, Tensor) for v in tree_flatten(self.env[a])[0])
+        )
         exported = [m for m in members if any(self.member_of[u.name] != group.id for u in m.users)]
         params = self._params_of(members)
         saved = 0

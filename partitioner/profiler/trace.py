@@ -104,13 +104,19 @@ def trace_model(
         gm = _export(bundle, fx_exc, tracer.failed_in)
         kind = "export"
     options["tracer"] = kind
+    options["static_shapes"] = kind == "export"
     return Traced(gm, kind, options, group_nodes(gm, kind, leaves))
 
 
-def retrace(options: Mapping[str, Any]) -> Traced:
-    """Rebuild the graph a profile was measured on, from its ``tracer_options`` (same node names)."""
+def retrace(options: Mapping[str, Any], batch_size: int | None = None) -> Traced:
+    """Rebuild the graph a profile was measured on, from its ``tracer_options`` (same node names).
+
+    ``batch_size`` overrides the traced one: fx graphs do not depend on it, exported graphs have static
+    shapes, so code for a microbatch size is traced at that size.
+    """
     shape = options.get("input_shape")
-    bundle = load_model(str(options["spec"]), int(options["batch_size"]), tuple(shape) if shape else None)
+    batch = batch_size or int(options["batch_size"])
+    bundle = load_model(str(options["spec"]), batch, tuple(shape) if shape else None)
     traced = trace_model(bundle, tuple(options.get("leaf_modules", ())), tuple(shape) if shape else None)
     if traced.tracer != options.get("tracer", traced.tracer):
         raise TraceError(
@@ -162,11 +168,14 @@ def _check_leaf_names(module: nn.Module, leaves: Sequence[str]) -> None:
 
 
 def _export(bundle: ModelBundle, fx_exc: Exception, failed_in: tuple[str, str] | None) -> fx.GraphModule:
-    """torch.export non-strict, batch dimension left dynamic when the model allows it."""
-    inputs = bundle.inputs if bundle.batch_size > 1 else bundle.make_inputs(2)
-    dynamic = tuple({0: torch.export.Dim.AUTO} for _ in inputs)
+    """torch.export non-strict with static shapes.
+
+    A dynamic batch dimension would put a symbolic batch size (a Python int at run time) on edges into
+    every block, and only tensors may cross pipeline stages; ``retrace(options, batch_size=...)``
+    re-exports at another (micro)batch size with the same node names instead.
+    """
     try:
-        program = torch.export.export(bundle.module, inputs, dynamic_shapes=dynamic, strict=False)
+        program = torch.export.export(bundle.module, bundle.inputs, strict=False)
     except Exception as exc:
         where = f" in module {failed_in[0] or '<root>'} ({failed_in[1]})" if failed_in else ""
         hint = f"--leaf-module {failed_in[1]}" if failed_in else "--leaf-module CLASS on the module doing it"

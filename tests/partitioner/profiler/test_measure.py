@@ -48,6 +48,28 @@ def test_every_builtin_profiles(name: str) -> None:
     assert profile.total_param_bytes == 4 * params  # tied weights counted once
     assert sum(n.saved_bytes for n in profile.nodes) > 0
     assert profile.tracer == "fx" and profile.tracer_options["spec"] == name
+    assert profile.extra["non_tensor_edges"] == []  # only tensors cross between layers
+
+
+def test_non_tensor_edges_are_reported(tmp_path: Path) -> None:
+    path = tmp_path / "shaped.py"
+    path.write_text(
+        "import torch\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.a = torch.nn.Linear(4, 4)\n"
+        "        self.b = torch.nn.Linear(4, 4)\n"
+        "    def forward(self, x):\n"
+        "        n = x.shape[0]\n"
+        "        h = self.a(x)\n"
+        "        return self.b(h).reshape(n, -1) + h.new_zeros(n, 4)\n"
+        "def make():\n"
+        "    return Net(), torch.randn(2, 4)\n"
+    )
+    profile = profile_model(f"{path}:make", batch_size=2, device="cpu", repeats=1)
+    assert profile.tracer == "fx"
+    assert profile.extra["non_tensor_edges"], "x.shape[0] is read by two layers"
 
 
 def test_tied_weights_are_counted_once_and_recorded() -> None:
