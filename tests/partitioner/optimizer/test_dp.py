@@ -151,3 +151,40 @@ def test_trivial_hierarchies_equal_flat(dag: tuple[list[tuple[int, int, int, int
     inner = solve(profile, Cluster((Level(gpus, 1e5), Level(1, 3e5)))).predicted.time_per_minibatch_s
     assert outer == pytest.approx(flat, rel=1e-8)
     assert inner == pytest.approx(flat, rel=1e-8)
+
+
+@settings(max_examples=20, deadline=None)
+@given(dag=dags, gpus=st.integers(1, 4), schedule=st.sampled_from(["1f1b", "gpipe"]), m=st.integers(1, 4))
+def test_synchronous_beats_data_parallel_and_uniform(
+    dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]], gpus: int, schedule: str, m: int
+) -> None:
+    from partitioner.optimizer.baselines import data_parallel, uniform
+
+    costs, raw = dag
+    profile = make_profile(costs, [(a, b) for a, b in raw if a < b])
+    cluster = Cluster.flat(gpus, bandwidth=1e5)
+    plan = solve(profile, cluster, schedule=schedule, microbatches=m)
+    t = plan.predicted.time_per_minibatch_s
+    assert t <= data_parallel(profile, cluster, schedule, m, "sgd").predicted.time_per_minibatch_s * (
+        1 + 1e-9
+    )
+    assert t <= uniform(profile, cluster, schedule, m, "sgd").predicted.time_per_minibatch_s * (1 + 1e-9)
+
+
+@settings(max_examples=30, deadline=None)
+@given(dag=dags, gpus=st.integers(1, 4), limit=st.integers(2_000, 40_000),
+       schedule=st.sampled_from(["pipedream", "1f1b", "gpipe"]))  # fmt: skip
+def test_memory_limit_is_respected(
+    dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]], gpus: int, limit: int, schedule: str
+) -> None:
+    from partitioner.errors import InfeasibleError
+
+    costs, raw = dag
+    profile = make_profile(costs, [(a, b) for a, b in raw if a < b])
+    cluster = Cluster.flat(gpus, bandwidth=1e5, memory_bytes=limit)
+    try:
+        plan = solve(profile, cluster, schedule=schedule, microbatches=2)
+    except InfeasibleError as exc:
+        assert "would" in str(exc) or "any size" in str(exc)
+        return
+    assert max(s.memory_bytes for s in plan.stages) <= limit
