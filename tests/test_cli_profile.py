@@ -126,3 +126,12 @@ def test_help_does_not_import_torch(args: list[str]) -> None:
     wall = time.perf_counter() - started
     assert out.stdout.split()[-2] == "NOTORCH"
     assert wall < 5.0  # ~0.3 s on an idle 2-core machine; loose for a busy CI host
+
+
+def test_bfloat16_profile_halves_parameter_bytes(runner: CliRunner, tmp_path: Path) -> None:
+    result = runner.invoke(
+        main, ["profile", "tiny-mlp", "--dtype", "bfloat16", "-o", "b.json", "--repeats", "1"]
+    )
+    assert result.exit_code == 0, result.output
+    profile = load_profile(tmp_path / "b.json")
+    assert profile.dtype == "bfloat16" and profile.total_param_bytes == 2 * 1930

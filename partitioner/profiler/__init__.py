@@ -134,6 +134,7 @@ def profile_model(
         extra={
             "threads": torch.get_num_threads(),
             "repeats": repeats,
+            "step_of": "graph_module",
             "step_samples_ms": list(step.samples_ms),
             "loss_ms": list(loss_ms),
             "profile_wall_s": round(time.perf_counter() - started, 3),
