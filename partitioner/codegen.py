@@ -77,7 +77,8 @@ def write_package(
 
     options = dict(profile.tracer_options) or {"spec": profile.model, "batch_size": profile.batch_size or 1}
     shape = tuple(options["input_shape"]) if options.get("input_shape") else None
-    bundle = load_model(str(options.get("spec", profile.model)), int(options.get("batch_size") or 1), shape)
+    batch = _trace_batch(options, plan)
+    bundle = load_model(str(options.get("spec", profile.model)), batch, shape)
     traced = trace_model(bundle, tuple(options.get("leaf_modules", ())), shape)
     if traced.tracer != profile.tracer:
         raise PackageError(
@@ -86,6 +87,18 @@ def write_package(
     return write_package_from_trace(
         profile, plan, Path(out_dir), traced.graph_module, bundle, traced.tracer, weights, init
     )
+
+
+def _trace_batch(options: Mapping[str, Any], plan: Plan) -> int:
+    """The batch size to trace at: the profile's, or, for static-shape graphs, the size one forward runs.
+
+    A graph exported with static shapes has the batch size baked into its views, so it is re-traced at
+    the microbatch size the runtime will feed each stage (same node names, other constants).
+    """
+    traced = int(options.get("batch_size") or 1)
+    if not options.get("static_shapes") or not plan.batch_size:
+        return traced
+    return max(1, plan.batch_size // max(1, plan.microbatches))
 
 
 def write_plan_files(plan: Plan, out_dir: Path) -> None:
@@ -253,9 +266,19 @@ def _extra(
         "loss": loss,
         "init": f"checkpoint {weights}" if weights else init,
         "tracer": tracer,
+        "static_batch_size": len(bundle.inputs[0]) if _static(gm) else None,
         "stage_inputs": [list(s.in_names) for s in stages],
         "stage_outputs": [list(s.out_names) for s in stages],
     }
+
+
+def _static(gm: fx.GraphModule) -> bool:
+    """Whether the graph only runs at the batch size it was traced at (torch.export with static shapes)."""
+    has_symbols = any(
+        isinstance(n.meta.get("val"), torch.SymInt) or "sym_size" in str(n.target) for n in gm.graph.nodes
+    )
+    exported = any("val" in n.meta for n in gm.graph.nodes if n.op == "placeholder")
+    return exported and not has_symbols
 
 
 def _tensor_spec(name: str, t: torch.Tensor, bundle: Any) -> dict[str, Any]:

@@ -88,8 +88,14 @@ def stage_text(profile: Profile, plan: Plan, stage: StageGraph, num_stages: int)
     layers = [n for n in plan.stages[k].nodes if not n.startswith(("input", "output"))]
     span = f"{layers[0]} .. {layers[-1]}" if layers else "no layers"
     extra = [line for line in imports if line not in ("import torch", "from __future__ import annotations")]
+    title = textwrap.fill(
+        f"Stage {k} of {num_stages} of {profile.model}: {span} ({len(layers)} profile nodes).", 100
+    )
+    doc = textwrap.fill(
+        f"Stage {k}: reads {', '.join(stage.in_names)}; returns {', '.join(stage.out_names)}.", 96
+    )
     return (
-        f'"""Stage {k} of {num_stages} of {profile.model}: {span} ({len(layers)} profile nodes).\n\n'
+        f'"""{title}\n\n'
         f"{_origin(profile, plan)}\n"
         '"""\n\n'
         "from __future__ import annotations\n\n"
@@ -102,7 +108,7 @@ def stage_text(profile: Profile, plan: Plan, stage: StageGraph, num_stages: int)
         "# parameters and buffers read directly\n"
         f"TENSORS = {_tuple(stage.tensors)}\n\n\n"
         f"class Stage{k}(torch.nn.Module):\n"
-        f'    """Stage {k}: reads {", ".join(stage.in_names)}; returns {", ".join(stage.out_names)}."""\n\n'
+        f'    """{textwrap.indent(doc, "    ").lstrip()}{chr(10) + "    " if chr(10) in doc else ""}"""\n\n'
         '    def __init__(self, seed: int = 0, device: str | torch.device = "cpu") -> None:\n'
         "        super().__init__()\n"
         "        _source.populate(self, MODULES, TENSORS, seed, device)\n\n"

@@ -161,7 +161,10 @@ def verify_package(
 ) -> VerifyReport:
     """Compare the package's stage chain with its full model on one minibatch (see the module docstring)."""
     package, plan, _ = load_package(folder)
-    batch = batch_size or plan.batch_size or 2
+    static = plan.extra.get("static_batch_size")
+    if static and batch_size and batch_size != static:
+        raise PackageError(f"{folder} was exported with static shapes for batch {static}, not {batch_size}")
+    batch = batch_size or static or plan.batch_size or 2
     inputs = package.example_inputs(batch)
     targets = package.example_targets(batch)
     criterion = package.criterion()

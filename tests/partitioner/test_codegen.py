@@ -34,7 +34,8 @@ def _one_thread() -> None:
 @pytest.fixture(scope="module")
 def skip_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny-skip in 3 stages: ``act`` (after l1) is read by stage 1 and, skipping it, by stage 2."""
-    profile = profile_for("tiny-skip")
+    options = {"spec": "tiny-skip", "batch_size": 2, "input_shape": None, "leaf_modules": [], "tracer": "fx"}
+    profile = replace(profile_for("tiny-skip"), tracer_options=options)  # the header shows these: pin them
     out = tmp_path_factory.mktemp("pkg") / "gpus=3"
     write_package(profile, plan_for(profile, [3, 6]), out)
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,14 @@ def test_newest_package(good: Path, tmp_path: Path) -> None:
         newest_package(tmp_path)
     shutil.copytree(good, tmp_path / "a" / "gpus=2")
     assert newest_package(tmp_path) == tmp_path / "a" / "gpus=2"
+
+
+def test_exported_graph_is_traced_at_the_microbatch_size(tmp_path: Path) -> None:
+    """An export with static shapes runs at one batch size only: the one each stage sees per microbatch."""
+    profile = profile_for(HF_GPT2)
+    plan = replace(plan_for(profile, [8]), batch_size=6, microbatches=3)
+    final = write_package(profile, plan, tmp_path / "pkg")
+    static = final.extra["static_batch_size"]
+    assert static == (2 if profile.tracer_options.get("static_shapes") else None)
+    report = verify_package(tmp_path / "pkg")
+    assert report.ok and report.batch_size == (static or 6)
