@@ -16,6 +16,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from functools import partial
 
 from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile
@@ -124,14 +125,33 @@ def _synchronous(
     profile: Profile, cluster: Cluster, states: StateSet, schedule: str, m: int, optimizer: str,
     straight: bool, comm: bool = True,
 ) -> tuple[Plan, float, bool]:  # fmt: skip
-    """Bubble-aware choice: bottleneck plans with a floor on replicas per stage, priced exactly."""
-    floors = sorted({1, *(2**i for i in range(int(math.log2(cluster.gpus)) + 1)), cluster.gpus})
+    """Bubble-aware choice among candidates, each priced by the synchronous model.
+
+    Candidates: bottleneck-optimal plans with a floor on replicas per stage (fewer, wider stages:
+    smaller bubble), straight bottleneck plans on 1, 2, 4, .. devices, and the data-parallel,
+    uniform and parameter-balanced baselines. Not proven optimal.
+    """
+    from partitioner.optimizer.baselines import data_parallel, parameter_balanced, uniform
+
+    gpus = cluster.gpus
+    powers = sorted({1, *(2**i for i in range(int(math.log2(gpus)) + 1)), gpus})
+    info = SolverInfo("dp", 0.0, False)
+
+    def bottleneck(where: Cluster, floor: int, line: bool) -> Plan:
+        _, segments, _ = _search(profile, where, states, schedule, optimizer, line, floor)
+        specs = _specs(profile, states, segments)
+        return assemble(profile, cluster, specs, schedule, m, optimizer, info, activation_comm=comm)
+
+    makers = [partial(bottleneck, cluster, floor, False) for floor in powers if not straight]
+    for units in powers:
+        flat = Cluster.flat(units, cluster.levels[0].bandwidth, cluster.memory_bytes)
+        makers.append(partial(bottleneck, flat, 1, True))
+    baselines = [uniform, parameter_balanced] + ([] if straight else [data_parallel])
+    makers += [partial(make, profile, cluster, schedule, m, optimizer) for make in baselines]
     best: Plan | None = None
-    for floor in floors if not straight else [1]:
+    for make in makers:
         try:
-            _, segments, _ = _search(profile, cluster, states, schedule, optimizer, straight, floor)
-            plan = assemble(profile, cluster, _specs(profile, states, segments), schedule, m, optimizer,
-                            SolverInfo("dp", 0.0, False), activation_comm=comm)  # fmt: skip
+            plan = make()
         except InfeasibleError:
             continue
         if best is None or plan.predicted.time_per_minibatch_s < best.predicted.time_per_minibatch_s:

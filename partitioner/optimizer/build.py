@@ -94,14 +94,14 @@ def stage_bandwidth(cluster: Cluster, ranks: Sequence[int], neighbours: Sequence
 
 
 def layer_compute_s(profile: Profile) -> float:
-    """Forward+backward seconds of all layers; model inputs are free (PipeDream zeroes them)."""
-    return math.fsum(n.compute_ms for n in profile.layers) / 1000.0
+    """Forward+backward seconds of every node but the inputs (free: PipeDream zeroes them)."""
+    return math.fsum(n.compute_ms for n in profile.nodes if n.op != "input") / 1000.0
 
 
 def data_parallel_time(profile: Profile, cluster: Cluster) -> float:
     """PipeDream's data-parallel comparator: every level replicates the whole model."""
     time = layer_compute_s(profile)
-    params = float(sum(n.param_bytes for n in profile.layers))
+    params = float(sum(n.param_bytes for n in profile.nodes if n.op != "input"))
     inner = 1
     for level in cluster.levels:
         n = level.devices
@@ -115,7 +115,9 @@ def global_lower_bound(profile: Profile, cluster: Cluster) -> float:
     gpus = cluster.gpus
     bw = max(level.bandwidth for level in cluster.levels)
     single = 0.0
-    for node in profile.layers:
+    for node in profile.nodes:
+        if node.op == "input":
+            continue
         c, p = node.compute_ms / 1000.0, float(node.param_bytes)
         single = max(single, min((c + 4.0 * (r - 1) * p / (r * bw)) / r for r in range(1, gpus + 1)))
     return max(layer_compute_s(profile) / gpus, single)
