@@ -60,7 +60,7 @@ def _imports(globals_: Mapping[str, Any], body: str) -> list[str]:
 
     lines = []
     for name, obj in sorted(globals_.items()):
-        if not re.search(rf"\b{re.escape(name)}\b", body):
+        if not re.search(rf"(?<![\w.]){re.escape(name)}\b(?!\s*=[^=])", body):  # a use, not a keyword
             continue
         if name in _custom_builtins:
             lines.append(_custom_builtins[name].import_str)

@@ -163,6 +163,22 @@ def _names(gm: fx.GraphModule, use_module_paths: bool) -> dict[fx.Node, str]:
     return names
 
 
+def _devices_from_inputs(graph: fx.Graph) -> None:
+    """Replace devices baked in by tracing (torch.export writes ``device=cpu`` into ``arange``/``to``) with
+    the device of the stage's first input, so a stage runs on whatever device its rank uses."""
+    baked = [
+        n for n in graph.nodes if any(isinstance(v, torch.device) for v in (*n.args, *n.kwargs.values()))
+    ]
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if not baked or not placeholders:
+        return
+    with graph.inserting_after(placeholders[-1]):
+        device = graph.create_node("call_function", getattr, (placeholders[0], "device"), name="input_device")
+    for node in baked:
+        node.args = tuple(device if isinstance(v, torch.device) else v for v in node.args)
+        node.kwargs = {k: device if isinstance(v, torch.device) else v for k, v in node.kwargs.items()}
+
+
 def split_graph(
     gm: fx.GraphModule,
     assignment: Mapping[str, int],
@@ -235,6 +251,7 @@ def _stage_graph(
             env[node] = new
     results = [env[n] for n in outs]
     graph.output(results[0] if len(results) == 1 else tuple(results))
+    _devices_from_inputs(graph)
     graph.owning_module = gm  # purity checks of call_module nodes and lint look the targets up here
     graph.eliminate_dead_code()
     graph.lint()

@@ -138,3 +138,17 @@ def test_exported_graph_is_traced_at_the_microbatch_size(tmp_path: Path) -> None
     assert static == (2 if profile.tracer_options.get("static_shapes") else None)
     report = verify_package(tmp_path / "pkg")
     assert report.ok and report.batch_size == (static or 6)
+
+
+def test_exported_stages_follow_their_inputs_device(tmp_path: Path) -> None:
+    """torch.export bakes ``device=cpu`` into aranges and casts; a stage on a GPU rank would then mix
+    devices. The generated code reads the device from the stage's first input instead."""
+    profile = profile_for(HF_GPT2)
+    write_package(profile, plan_for(profile, [3, 8, 10]), tmp_path / "pkg")
+    code = {p.name: p.read_text() for p in (tmp_path / "pkg").glob("stage*.py")}
+    assert not [
+        name for name, text in code.items() if "device(type=" in text or "from torch import device" in text
+    ]
+    assert "input_device = input_ids.device" in code["stage0.py"]
+    assert "device = input_device" in code["stage0.py"]
+    assert verify_package(tmp_path / "pkg").ok
