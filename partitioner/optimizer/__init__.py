@@ -29,7 +29,8 @@ from partitioner.plan import SCHEDULES, Cluster, Plan, SolverInfo
 __all__ = ["evaluate", "solve"]
 
 log = logging.getLogger(__name__)
-HIERARCHY_MAX_STATES = 160
+HIERARCHY_MAX_STATES = 450  # inner levels need every segment's best time: cubic in the states
+HIERARCHY_THIN_STATES = 200  # beyond that, prefixes of one order thinned evenly by compute
 
 
 def _check(profile: Profile, schedule: str, microbatches: int, optimizer: str) -> int:
@@ -88,8 +89,8 @@ def _specs(profile: Profile, states: StateSet, segments: list[Segment]) -> list[
 def _states_for(profile: Profile, cluster: Cluster, activation_comm: bool) -> StateSet:
     states = build_states(profile)
     if len(cluster.levels) > 1 and len(states) > HIERARCHY_MAX_STATES:
-        log.info("hierarchy: thinning %d states to %d prefixes", len(states), HIERARCHY_MAX_STATES)
-        states = chain_states(profile, HIERARCHY_MAX_STATES)
+        log.info("hierarchy: thinning %d states to %d prefixes", len(states), HIERARCHY_THIN_STATES)
+        states = chain_states(profile, HIERARCHY_THIN_STATES)
     if not activation_comm:
         states = replace(states, act_bytes=states.act_bytes * 0.0)
     return states

@@ -1,0 +1,92 @@
+"""PipeDream's level-by-level recursion against an independent brute force on tiny DAGs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from partitioner.graph import Profile
+from partitioner.optimizer import solve
+from partitioner.plan import Cluster, Level
+from tests.partitioner.optimizer.conftest import make_profile
+from tests.partitioner.optimizer.test_dp import _downsets, dags
+
+Down = frozenset[str]
+
+
+def _sums(profile: Profile, d: Down) -> tuple[float, float, float]:
+    """Compute seconds, parameter bytes, and bytes leaving the downset."""
+    nodes = {n.id: n for n in profile.nodes}
+    comp = sum(nodes[i].compute_ms for i in d) / 1000.0
+    params = float(sum(nodes[i].param_bytes for i in d))
+    leaving = {s for n in profile.nodes if n.id not in d and n.op != "input" for s in n.inputs if s in d}
+    return comp, params, float(sum(nodes[s].output_bytes for s in leaving))
+
+
+def _chains(downs: list[Down], start: Down, end: Down, most: int) -> list[list[Down]]:
+    """Every chain start < d1 < ... < end with at most ``most`` steps."""
+    if most == 0:
+        return []
+    out = [[start, end]] if start < end else []
+    for d in downs:
+        if start < d < end:
+            out += [[start, *rest] for rest in _chains(downs, d, end, most - 1)]
+    return out
+
+
+def _splits(parts: int, budget: int) -> list[list[int]]:
+    if parts == 0:
+        return [[]]
+    return [[r, *rest] for r in range(1, budget - parts + 2) for rest in _splits(parts - 1, budget - r)]
+
+
+def _level_best(profile, downs, start, end, units, bw, inner, base, full) -> float:  # type: ignore[no-untyped-def]
+    """Best time of segment (start, end] on ``units`` units of one level; internal cuts charged here."""
+    best = math.inf
+    for chain in _chains(downs, start, end, units):
+        for reps in _splits(len(chain) - 1, units):
+            worst = 0.0
+            for i, r in enumerate(reps):
+                a, b = chain[i], chain[i + 1]
+                c = base(a, b)
+                p = _sums(profile, b)[1] - _sums(profile, a)[1]
+                t = (c + 4 * (r - 1) * p / (r * bw) / inner) / r
+                cut_in = _sums(profile, a)[2] if i > 0 else 0.0
+                cut_out = _sums(profile, b)[2] if i < len(reps) - 1 else 0.0
+                worst = max(worst, t, 2 * cut_in / (bw * r), 2 * cut_out / (bw * r))
+            best = min(best, worst)
+    return best
+
+
+def brute_two_levels(profile: Profile, n1: int, b1: float, n2: int, b2: float) -> float:
+    downs = _downsets(profile)
+    empty, full = downs[0], downs[-1]
+
+    def compute(a: Down, b: Down) -> float:
+        return _sums(profile, b)[0] - _sums(profile, a)[0]
+
+    def inner(a: Down, b: Down) -> float:
+        return _level_best(profile, downs, a, b, n1, b1, 1, compute, full)
+
+    return _level_best(profile, downs, empty, full, n2, b2, n1, inner, full)
+
+
+@settings(max_examples=25, deadline=None)
+@given(dag=dags.filter(lambda d: len(d[0]) <= 4), n1=st.integers(1, 2), n2=st.integers(1, 3))
+def test_two_levels_equal_brute_force(
+    dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]], n1: int, n2: int
+) -> None:
+    costs, raw = dag
+    profile = make_profile(costs, [(a, b) for a, b in raw if a < b])
+    b1, b2 = 4e5, 1e5
+    plan = solve(profile, Cluster((Level(n1, b1), Level(n2, b2))))
+    assert plan.predicted.time_per_minibatch_s == pytest.approx(
+        brute_two_levels(profile, n1, b1, n2, b2), rel=1e-8
+    )
+    assert sum(s.replicas for s in plan.stages) <= n1 * n2
+    assert sorted(r for s in plan.stages for r in s.ranks) == sorted(
+        set(r for s in plan.stages for r in s.ranks)
+    )
