@@ -101,6 +101,16 @@ class StageRuntime:
     _batch_cache: dict[str, tuple[int, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ routing
+    @functools.cached_property
+    def producers(self) -> dict[int, tuple[str, ...]]:
+        """Earlier stages this stage reads from, with the tensor names read from each."""
+        return self.wiring.producers(self.cfg.stage)
+
+    @functools.cached_property
+    def consumers(self) -> dict[int, tuple[str, ...]]:
+        """Later stages that read this stage's outputs, with the names each reads."""
+        return self.wiring.consumers(self.cfg.stage)
+
     def _peer(self, stage: int, unit: int) -> int:
         ranks = self.cfg.job.stage_ranks[stage]
         return ranks[(unit % self.cfg.job.microbatches) % len(ranks)]
@@ -120,7 +130,7 @@ class StageRuntime:
         """Agree on the shapes of every message once: receive producers' metas, run one forward, tell
         consumers. Replica 0 of each stage speaks for its stage."""
         me = self.cfg.stage
-        producers = self.wiring.producers(me)
+        producers = self.producers
         got = self.comm.exchange_meta([self.cfg.job.stage_ranks[k][0] for k in producers])
         self.in_meta = {k: got[self.cfg.job.stage_ranks[k][0]] for k in producers}
         named: dict[str, torch.Tensor] = {}
@@ -133,7 +143,7 @@ class StageRuntime:
             outs = self._run(named, None)
         self.out_meta = {n: TensorMeta.of(t) for n, t in outs.items()}
         if self.cfg.replica == 0:
-            for k, names in self.wiring.consumers(me).items():
+            for k, names in self.consumers.items():
                 for peer in self.cfg.job.stage_ranks[k]:
                     self.comm.send_meta(peer, [self.out_meta[n] for n in names])
 
@@ -159,7 +169,7 @@ class StageRuntime:
         me, named = self.cfg.stage, dict[str, torch.Tensor]()
         if self.cfg.is_first:
             named.update(zip(self.wiring.stage_inputs[me], self._micro("inputs", unit), strict=True))
-        producers = self.wiring.producers(me)
+        producers = self.producers
         got = self._recv(f"recv F{unit}", [(self._peer(k, unit), self.in_meta[k]) for k in producers])
         for names, tensors in zip(producers.values(), got, strict=True):
             for name, t in zip(names, tensors, strict=True):
@@ -169,10 +179,7 @@ class StageRuntime:
             outs = self._run(named, params)
             loss = self._loss(unit, outs) if self.cfg.is_last else None
         self.comm.send(
-            [
-                (self._peer(k, unit), [outs[n] for n in names])
-                for k, names in self.wiring.consumers(me).items()
-            ]
+            [(self._peer(k, unit), [outs[n] for n in names]) for k, names in self.consumers.items()]
         )
         self.units[unit] = Unit({n: t for n, t in named.items() if t.requires_grad}, outs, loss, self.version)
 
@@ -185,12 +192,12 @@ class StageRuntime:
         return loss * share  # type: ignore[no-any-return]
 
     def backward(self, unit: int) -> None:
-        me, state = self.cfg.stage, self.units.pop(unit)
+        state = self.units.pop(unit)
         roots: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
         if state.loss is not None:
             roots, grads = [state.loss], [None]
-        consumers = self.wiring.consumers(me)
+        consumers = self.consumers
         messages = [(self._peer(k, unit), self._grad_meta(names)) for k, names in consumers.items()]
         got = self._recv(f"recv B{unit}", messages)
         summed: dict[str, torch.Tensor] = {}
@@ -221,7 +228,7 @@ class StageRuntime:
 
     def _send_input_grads(self, unit: int, state: Unit) -> None:
         messages = []
-        for k, names in self.wiring.producers(self.cfg.stage).items():
+        for k, names in self.producers.items():
             tensors = []
             for name, meta in zip(names, self.in_meta[k], strict=True):
                 if meta.needs_grad:

@@ -82,3 +82,18 @@ def test_pipedream_backward_uses_the_weights_of_its_own_forward(tmp_path: Path) 
     # And staleness matters: synchronous training ends elsewhere.
     sync = plain_training(pkg, steps, 1, 4, lr=0.2)
     assert not torch.allclose(sync.stages[0].fc.weight, want[0]["fc.weight"])
+
+
+def test_one_stage_two_replicas_is_data_parallel_training(tmp_path: Path) -> None:
+    pkg = write_package(tmp_path / "pkg", "chain", replicas=(2,), microbatches=2, batch_size=4)
+    ckpt = tmp_path / "ckpt"
+    metrics = run(pkg, steps=3, schedule="gpipe", lr=0.1, momentum=0.5, checkpoint_dir=str(ckpt))
+    _assert_stages_equal(ckpt, 3, plain_training(pkg, 3, 2, 4, lr=0.1, momentum=0.5), 1)
+    assert len({r["param_sq_sum"] for r in metrics["ranks"]}) == 1
+
+
+def test_replicated_middle_stage_routes_skip_connections(tmp_path: Path) -> None:
+    pkg = write_package(tmp_path / "pkg", "skip", replicas=(1, 2, 1), microbatches=4, batch_size=8)
+    ckpt = tmp_path / "ckpt"
+    run(pkg, steps=2, schedule="1f1b", lr=0.1, checkpoint_dir=str(ckpt))
+    _assert_stages_equal(ckpt, 2, plain_training(pkg, 2, 4, 8, lr=0.1), 3)
