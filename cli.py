@@ -560,10 +560,12 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
         opts[key] = str(opts[key]) if opts[key] is not None else None
     options = RunOptions(package=str(folder), **opts)
     if dry_run:
-        from runtime.launch import torchrun_commands
+        from runtime.launch import schedule_preview, torchrun_commands
 
         for line in torchrun_commands(options):
             click.echo(line)
+        for line in schedule_preview(options):
+            click.echo(f"# {line}")
         return
     _run_and_report(options)
 

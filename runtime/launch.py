@@ -22,7 +22,7 @@ from runtime.errors import JobFailed, RunError
 from runtime.options import RunOptions, to_argv
 from runtime.worker import job_of, run_dir, run_rank
 
-__all__ = ["check_launch", "free_port", "launch", "torchrun_commands"]
+__all__ = ["check_launch", "free_port", "launch", "schedule_preview", "torchrun_commands"]
 
 Progress = Callable[[int, float], None]
 
@@ -55,6 +55,18 @@ def torchrun_commands(options: RunOptions) -> list[str]:
         f"torchrun --nnodes {options.nnodes} --node-rank {node} --nproc-per-node {per_node} "
         f"--master-addr {options.master_addr} --master-port {port} --max-restarts 0 -m runtime.worker {args}"
         for node in range(options.nnodes)
+    ]
+
+
+def schedule_preview(options: RunOptions) -> list[str]:
+    """One minibatch of every stage's action list in text form (``0F0 0F1 0B0 ...``), for --dry-run."""
+    from runtime.schedule import build, format_actions
+
+    job = job_of(options)
+    stages = build(job.schedule, job.stages, job.microbatches)
+    return [
+        f"stage {k} (ranks {','.join(map(str, job.stage_ranks[k]))}): {format_actions(actions)}"
+        for k, actions in enumerate(stages)
     ]
 
 

@@ -8,6 +8,7 @@ Rank 0 gathers every rank's metrics at the end and writes ``metrics.json`` (and 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -30,6 +31,8 @@ from runtime.package import import_package, read_wiring
 from runtime.stage import Groups, StageRuntime
 
 __all__ = ["PEER_LOST_GRACE_S", "main", "resolve_backend", "run_dir", "run_rank"]
+
+log = logging.getLogger(__name__)
 
 PEER_LOST_GRACE_S = 2.0
 """Seconds a rank that lost a peer waits before failing, so the peer's own error is the one reported."""
@@ -100,7 +103,19 @@ class _Clock:
                     handle.write(json.dumps({"step": step + 1, "loss": loss}) + "\n")
 
 
+def _warn_idle_replicas(job: JobConfig) -> None:
+    for k, ranks in enumerate(job.stage_ranks):
+        if len(ranks) > job.microbatches:
+            log.warning(
+                "stage %d has %d replicas but a minibatch has only %d microbatches: %d replicas idle; "
+                "use --microbatches %d or more",
+                k, len(ranks), job.microbatches, len(ranks) - job.microbatches, len(ranks),
+            )  # fmt: skip
+
+
 def _build(options: RunOptions, cfg: RankConfig, device: torch.device, clock: _Clock) -> StageRuntime:
+    if cfg.rank == 0:
+        _warn_idle_replicas(cfg.job)
     pkg = import_package(cfg.job.package)
     wiring = read_wiring(pkg, cfg.job.stages)
     module = pkg.stage(cfg.stage, seed=options.seed, device=str(device)).to(device)
