@@ -129,6 +129,7 @@ def write_package_from_trace(
     stages = split_graph(
         gm, assignment_of(profile, plan), len(plan.stages), kinds, loss_node, tracer == "export", drop
     )
+    _check_tensors(stages, bundle.module)
     weights_path = str(Path(weights).resolve()) if weights else None
     if weights_path:
         _check_weights(weights_path, bundle.module)
@@ -197,6 +198,19 @@ def _foreign_calls(gm: fx.GraphModule, model: nn.Module) -> frozenset[str]:
     if used:
         raise PackageError(f"the traced graph calls {used[0]}, which is not a module of the model")
     return frozenset(n.name for n in foreign)
+
+
+def _check_tensors(stages: Sequence[StageGraph], model: nn.Module) -> None:
+    """Every tensor a stage reads directly must be a parameter or buffer, which stages can rebuild."""
+    state = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    state |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    for stage in stages:
+        unknown = [t for t in stage.tensors if t not in state]
+        if unknown:
+            raise PackageError(
+                f"stage {stage.index} reads {unknown[0]!r}, a tensor that is no parameter or buffer "
+                "of the model; register it with register_buffer() so stages can rebuild it"
+            )
 
 
 def ties_of(model: nn.Module, stages: Sequence[StageGraph]) -> tuple[Tie, ...]:

@@ -29,3 +29,20 @@ def size_later() -> SizeLater:
 
 def example_inputs(batch_size: int) -> tuple[torch.Tensor]:
     return (torch.randn(batch_size, 6, generator=torch.Generator().manual_seed(0)),)
+
+
+class PlainTensor(nn.Module):
+    """Reads a tensor attribute that is neither a parameter nor a buffer: stages could not rebuild it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(6, 5)
+        self.offset = torch.ones(5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.l1(x) + self.offset
+        return out
+
+
+def plain_tensor() -> PlainTensor:
+    return PlainTensor()

@@ -236,3 +236,9 @@ def test_non_tensor_values_are_recomputed_not_sent(tmp_path: Path) -> None:
     stage2 = (tmp_path / "pkg" / "stage2.py").read_text()
     assert "size = x.size(0)" in stage2 and "view(size, -1)" in stage2
     assert verify_package(tmp_path / "pkg").ok
+
+
+def test_plain_tensor_attribute_is_a_clear_error(tmp_path: Path) -> None:
+    profile = profile_for("tests/partitioner/codegen_models.py:plain_tensor")
+    with pytest.raises(PackageError, match="register_buffer"):
+        write_package(profile, plan_for(profile, [2]), tmp_path / "pkg")
