@@ -100,6 +100,11 @@ def load_package(folder: Path) -> tuple[ModuleType, Plan, dict[str, Any]]:
     if not folder.is_dir():
         raise PackageError(f"{folder} is not a folder; name a package written by `pipeplan partition`")
     missing = [name for name in _REQUIRED if not (folder / name).is_file()]
+    if missing and not (folder / "__init__.py").exists() and (folder / "plan.json").is_file():
+        raise PackageError(
+            f"{folder} holds a plan but no stage code (missing {', '.join(missing)}): plans from a PipeDream "
+            "graph.txt have no model to verify; profile the model itself with `pipeplan profile`"
+        )
     if missing:
         raise PackageError(
             f"{folder} is not a complete package: missing {', '.join(missing)}; re-run partition"
