@@ -194,6 +194,12 @@ def split_graph(
     """
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     by_name = {n.name: n for n in gm.graph.nodes}
+    unknown = sorted(set(assignment) - by_name.keys())
+    if unknown:
+        raise PlanError(
+            f"the plan places {len(unknown)} traced nodes the re-traced graph lacks (e.g. {unknown[0]!r}); "
+            "the model changed since it was profiled: profile it again"
+        )
     stage_of = _assign(gm, assignment, kinds, drop)
     members = [_members(s, stage_of, kinds, order) for s in range(num_stages)]
     needs = [_external(m, stage_of) for m in members]

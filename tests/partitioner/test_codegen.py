@@ -242,3 +242,10 @@ def test_plain_tensor_attribute_is_a_clear_error(tmp_path: Path) -> None:
     profile = profile_for("tests/partitioner/codegen_models.py:plain_tensor")
     with pytest.raises(PackageError, match="register_buffer"):
         write_package(profile, plan_for(profile, [2]), tmp_path / "pkg")
+
+
+def test_profile_of_another_graph_is_rejected(tmp_path: Path) -> None:
+    profile = profile_for("tiny-mlp")
+    renamed = replace(profile, nodes=tuple(replace(n, members=(f"old_{n.id}",)) for n in profile.nodes))
+    with pytest.raises(PlanError, match="profile it again"):
+        write_package(renamed, plan_for(renamed, [3]), tmp_path / "pkg")
