@@ -21,7 +21,14 @@ import numpy.typing as npt
 from partitioner.errors import InfeasibleError
 from partitioner.optimizer.states import StateSet
 
-__all__ = ["LevelProblem", "Segment", "solve_bottleneck", "solve_hierarchy"]
+__all__ = [
+    "LevelProblem",
+    "Segment",
+    "solve_bisection",
+    "solve_bottleneck",
+    "solve_direct",
+    "solve_hierarchy",
+]
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -206,14 +213,84 @@ def _plan_time(prob: LevelProblem, stages: list[Segment]) -> float:
     return max(prob.stage_time(s.start, s.end, s.replicas) for s in stages)
 
 
+DIRECT_MAX_UNITS = 64
+BLOCK_ELEMENTS = 400_000
+
+
+def solve_direct(prob: LevelProblem, pairs: _Pairs | None = None) -> tuple[float, list[Segment]]:
+    """PipeDream's recurrence, exactly: f[j, u] = min over (k, r) of max(f[k, u - r], T(k, j, r)).
+
+    One pass over the pairs, vectorised over predecessors and device counts (``f[k, u]`` is the
+    best time of state k on at most u units). Costs pairs x units^2 / 2, so for few units it beats
+    the bisection; it has no memory model (the bisection has).
+    """
+    pairs = pairs or _Pairs.of(prob)
+    n, units = len(prob.states), prob.units
+    cap = units if prob.max_replicas is None else min(units, prob.max_replicas)
+    f = np.full((n, units + 1), np.inf)
+    f[0, :] = 0.0
+    arg_k = np.zeros((n, units + 1), dtype=np.int64)
+    arg_r = np.zeros((n, units + 1), dtype=np.int64)
+    reps = np.arange(max(1, prob.min_replicas), cap + 1, dtype=np.float64)
+    shift = np.arange(units + 1)[None, :] - reps[:, None].astype(np.int64)  # [r, u] -> u - r
+    valid = shift >= 0
+    shift = np.where(valid, shift, 0)
+    for j in range(1, n):
+        lo, hi = int(pairs.offsets[j]), int(pairs.offsets[j + 1])
+        ks = pairs.ks[lo:hi]
+        busy = (pairs.base[lo:hi, None] + pairs.q[lo:hi, None] * (reps - 1.0) / reps) / reps
+        t = np.maximum(busy, 2.0 * pairs.act[lo:hi, None] / (prob.bandwidth * reps))  # [k, r]
+        if len(ks) * len(reps) * (units + 1) <= BLOCK_ELEMENTS:  # one shot over (k, r, u)
+            prev = np.where(valid, f[ks][:, shift], np.inf)  # [k, r, u]: f[k, u - r]
+            cand = np.maximum(prev, t[:, :, None]).reshape(len(ks) * len(reps), units + 1)
+            at = np.argmin(cand, axis=0)
+            f[j] = cand[at, np.arange(units + 1)]
+            arg_k[j] = ks[at // len(reps)]
+            arg_r[j] = reps[at % len(reps)].astype(np.int64)
+            continue
+        rows = f[ks]
+        for i, r in enumerate(int(x) for x in reps):  # large predecessor sets: one r at a time
+            cand2 = np.maximum(rows[:, : units + 1 - r], t[:, i, None])  # column c: u = c + r
+            at2 = np.argmin(cand2, axis=0)
+            val = cand2[at2, np.arange(units + 1 - r)]
+            better = val < f[j, r:]
+            f[j, r:][better] = val[better]
+            arg_k[j, r:][better] = ks[at2[better]]
+            arg_r[j, r:][better] = r
+    last = n - 1
+    if not np.isfinite(f[last, units]):
+        raise InfeasibleError("no plan fits")
+    stages: list[Segment] = []
+    j, u = last, units
+    while j > 0:
+        k, used = int(arg_k[j, u]), int(arg_r[j, u])
+        stages.append(Segment(k, j, used))
+        j, u = k, u - used
+    return float(f[last, units]), stages[::-1]
+
+
 def solve_bottleneck(prob: LevelProblem, lower: float = 0.0) -> tuple[float, list[Segment], float]:
     """Minimise the slowest stage at this level; returns (time, stages, certified lower bound).
+
+    Few units and no memory limit: the direct recurrence (exact, bound = the optimum). Otherwise
+    bisection on the time with the fewest-units DP.
 
     Raises:
         InfeasibleError: no plan fits, even with unlimited time (memory too small).
     """
-    last = len(prob.states) - 1
     pairs = _Pairs.of(prob)
+    if prob.memory is None and prob.units <= DIRECT_MAX_UNITS:
+        time, stages = solve_direct(prob, pairs)
+        return time, stages, time
+    return solve_bisection(prob, lower, pairs)
+
+
+def solve_bisection(
+    prob: LevelProblem, lower: float = 0.0, pairs: _Pairs | None = None
+) -> tuple[float, list[Segment], float]:
+    """Bisection on the slowest stage's time; each probe is the fewest-units DP (memory-aware)."""
+    pairs = pairs or _Pairs.of(prob)
+    last = len(prob.states) - 1
     g, arg_k, arg_r = _min_units(prob, math.inf, pairs)
     if not g[last] <= prob.units:
         raise InfeasibleError("no plan fits in memory")

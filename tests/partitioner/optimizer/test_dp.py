@@ -188,3 +188,26 @@ def test_memory_limit_is_respected(
         assert "would" in str(exc) or "any size" in str(exc)
         return
     assert max(s.memory_bytes for s in plan.stages) <= limit
+
+
+@settings(max_examples=40, deadline=None)
+@given(dag=dags, gpus=st.integers(1, 6), comm=st.booleans())
+def test_direct_recurrence_equals_bisection(
+    dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]], gpus: int, comm: bool
+) -> None:
+    """The two exact searches (used for few devices / with memory or many devices) agree."""
+    from dataclasses import replace
+
+    from partitioner.optimizer.dp import LevelProblem, solve_bisection, solve_direct
+    from partitioner.optimizer.states import build_states
+
+    costs, raw = dag
+    states = build_states(make_profile(costs, [(a, b) for a, b in raw if a < b]))
+    if not comm:
+        states = replace(states, act_bytes=states.act_bytes * 0.0)
+    prob = LevelProblem(states, gpus, 1e5)
+    direct, _ = solve_direct(prob)
+    bisect, stages, lower = solve_bisection(prob)
+    assert bisect == pytest.approx(direct, rel=1e-8)
+    assert lower <= direct * (1 + 1e-12)
+    assert sum(s.replicas for s in stages) <= gpus
