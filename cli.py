@@ -175,6 +175,13 @@ def _profile_totals(profile: Any, path: Any) -> str:
     help="Keep every module of this class as one layer (repeatable), e.g. GPT2Block.",
 )
 @click.option("--repeats", type=int, default=3, show_default=True, help="Timed runs per layer (median kept).")
+@click.option(
+    "--clock",
+    type=click.Choice(["wall", "cpu"]),
+    default="wall",
+    show_default=True,
+    help="cpu: process CPU time, steadier on a CPU shared with other jobs (CPU only).",
+)
 @click.option("--top", type=int, default=10, show_default=True, help="Layers shown in the summary table.")
 @click.option("--json", "as_json", is_flag=True, help="Print only the profile JSON on stdout.")
 @user_errors
@@ -187,6 +194,7 @@ def profile(
     dtype: str,
     leaf_modules: tuple[str, ...],
     repeats: int,
+    clock: str,
     top: int,
     as_json: bool,
 ) -> None:  # fmt: skip
@@ -220,7 +228,9 @@ def profile(
         def progress(done: int, total: int, name: str) -> None:
             bar.update(task, completed=done, total=total, description=f"measuring {name}")
 
-        result = profile_model(model, batch_size, shape, device, dtype, leaf_modules, repeats, progress)
+        result = profile_model(
+            model, batch_size, shape, device, dtype, leaf_modules, repeats, progress, clock
+        )
         bar.update(task, description="whole-step timing")
     save_profile(result, path)
     if as_json:

@@ -49,12 +49,12 @@ def plain_step_s(name: str, batch: int, shape: tuple[int, ...], runs: int = 2) -
     return statistics.median(times)
 
 
-def bench(name: str, repeats: int) -> dict[str, Any]:
+def bench(name: str, repeats: int, clock: str) -> dict[str, Any]:
     batch, shape = CASES[name]
     load_before = os.getloadavg()[0]
     step = plain_step_s(name, batch, shape)
     started = time.perf_counter()
-    profile = profile_model(name, batch, shape, device="cpu", repeats=repeats)
+    profile = profile_model(name, batch, shape, device="cpu", repeats=repeats, clock=clock)
     wall = time.perf_counter() - started
     return {
         "model": name,
@@ -77,7 +77,8 @@ def markdown(doc: dict[str, Any]) -> str:
         "# bench_profile: `pipeplan profile` on CPU",
         "",
         f"torch {doc['torch']}, {doc['threads']} threads, {doc['cpus']} CPUs ({doc['machine']}), "
-        f"repeats={doc['repeats']}. Shared machine: the 1-minute load average is recorded per row.",
+        f"repeats={doc['repeats']}, clock={doc['clock']}. "
+        "Shared machine: the 1-minute load average is recorded per row.",
         "",
         "| model | batch | input | layers | profile wall s | plain step s | overhead x | fidelity | load |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -97,13 +98,14 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(CASES))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--clock", default="wall", choices=["wall", "cpu"], help="profile_model's clock")
     parser.add_argument("--out", default="bench_profile", help="result file stem under benchmarks/results")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     results = []
     for name in args.models.split(","):
-        results.append(bench(name, args.repeats))
+        results.append(bench(name, args.repeats, args.clock))
         print(json.dumps(results[-1]), flush=True)
     doc = {
         "torch": torch.__version__,
@@ -111,6 +113,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "machine": platform.processor() or platform.machine(),
         "repeats": args.repeats,
+        "clock": args.clock,
         "results": results,
     }
     write_text_atomic(RESULTS / f"{args.out}.json", json.dumps(doc, indent=1) + "\n")

@@ -71,6 +71,7 @@ def profile_model(
     leaf_modules: Sequence[str] = (),
     repeats: int = 3,
     progress: Progress | None = None,
+    clock: str = "wall",
 ) -> Profile:
     """Trace ``spec`` and measure every layer at ``batch_size``; see ``partitioner.graph.Profile``.
 
@@ -83,14 +84,20 @@ def profile_model(
         leaf_modules: classes kept as one layer each.
         repeats: timed runs per layer (after one warm-up); the median is kept.
         progress: called as ``progress(done, total, layer_name)`` after each layer.
+        clock: ``wall`` (elapsed time) or ``cpu`` (process CPU time, robust to other jobs on a shared
+            CPU; its times add all threads' work, so they exceed wall time when threads run in parallel).
 
     Raises:
         PipeplanError: bad spec, shapes, device or dtype; TraceError when the model cannot be traced.
     """
     if repeats <= 0:
         raise PipeplanError(f"--repeats must be positive, got {repeats}")
+    if clock not in ("wall", "cpu"):
+        raise PipeplanError(f"unknown clock {clock!r}: use wall or cpu")
     started = time.perf_counter()
     where, precision = resolve_device(device), resolve_dtype(dtype)
+    if clock == "cpu" and where.type != "cpu":
+        raise PipeplanError("--clock cpu measures CPU time: it only applies to --device cpu")
     bundle = _placed(load_model(spec, batch_size, input_shape), where, precision)
     traced = trace_model(bundle, leaf_modules, input_shape)
     gm = traced.graph_module
@@ -99,15 +106,15 @@ def profile_model(
         # modules; for export, its aten ops without the Python around them). Its samples bracket the layer
         # measurements, so both see the same machine load.
         step_args = (gm, bundle.inputs, bundle.targets, bundle.loss_fn)
-        before = measure_step(*step_args, repeats=1, warmup=1)
-        profiler = LayerProfiler(gm, traced.groups, repeats=repeats, progress=progress)
+        before = measure_step(*step_args, repeats=1, warmup=1, clock=clock)
+        profiler = LayerProfiler(gm, traced.groups, repeats=repeats, progress=progress, clock=clock)
         costs = profiler.profile(*bundle.inputs)
-        loss_ms = measure_loss(profiler.result, bundle.targets, bundle.loss_fn, repeats)
+        loss_ms = measure_loss(profiler.result, bundle.targets, bundle.loss_fn, repeats, clock=clock)
         non_tensor_edges = [list(edge) for edge in profiler.non_tensor_edges]
         if non_tensor_edges:
             log.warning("layers read non-tensor values from other layers: %s", non_tensor_edges[:5])
         del profiler
-        after = measure_step(*step_args, repeats=max(1, repeats - 1), warmup=0)
+        after = measure_step(*step_args, repeats=max(1, repeats - 1), warmup=0, clock=clock)
         samples = before.samples_ms + after.samples_ms
         step = StepCost(statistics.median(samples), samples)
     except PipeplanError:
@@ -135,6 +142,7 @@ def profile_model(
             "threads": torch.get_num_threads(),
             "repeats": repeats,
             "step_of": "graph_module",
+            "clock": clock,
             "step_samples_ms": list(step.samples_ms),
             "loss_ms": list(loss_ms),
             "profile_wall_s": round(time.perf_counter() - started, 3),

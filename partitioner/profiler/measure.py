@@ -56,10 +56,15 @@ class StepCost:
 
 
 class Stopwatch:
-    """Milliseconds of device work: CUDA events after a synchronisation on GPUs, perf_counter on CPU."""
+    """Milliseconds of device work: CUDA events after a synchronisation on GPUs, perf_counter on CPU.
 
-    def __init__(self, device: torch.device) -> None:
+    ``clock="cpu"`` counts the process's CPU time instead (all threads): on a CPU shared with other jobs
+    it stays close to what an idle machine would show, where wall time also counts the waiting.
+    """
+
+    def __init__(self, device: torch.device, clock: str = "wall") -> None:
         self.cuda = device.type == "cuda"
+        self.clock = time.process_time if clock == "cpu" else time.perf_counter
 
     @contextmanager
     def time(self, into: list[float]) -> Iterator[None]:
@@ -74,9 +79,9 @@ class Stopwatch:
             end.synchronize()
             into.append(start.elapsed_time(end))
         else:
-            t0 = time.perf_counter()
+            t0 = self.clock()
             yield
-            into.append((time.perf_counter() - t0) * 1e3)
+            into.append((self.clock() - t0) * 1e3)
 
 
 def _storage_key(t: Tensor) -> tuple[int, int]:
@@ -103,6 +108,7 @@ class LayerProfiler(fx.Interpreter):
         warmup: int = 1,
         progress: Progress | None = None,
         budget_ms: float = 500.0,
+        clock: str = "wall",
     ) -> None:
         super().__init__(gm, garbage_collect_values=False)
         self.groups = list(groups)
@@ -116,7 +122,7 @@ class LayerProfiler(fx.Interpreter):
         self.member_of = {m: g.id for g in self.groups for m in g.members}
         self.grad_nodes = self._nodes_needing_grad(gm)
         device = next((p.device for p in gm.parameters()), torch.device("cpu"))
-        self.stopwatch = Stopwatch(device)
+        self.stopwatch = Stopwatch(device, clock)
         self.param_storages = {_storage_key(t)[0] for t in [*gm.parameters(), *gm.buffers()]}
         self.seen_saved: set[int] = set()
         self.costs: dict[str, LayerCost] = {}
@@ -302,13 +308,14 @@ def measure_step(
     repeats: int = 3,
     warmup: int = 1,
     budget_ms: float = 2000.0,
+    clock: str = "wall",
 ) -> StepCost:
     """Median time of ``loss_fn(module(*inputs), targets).backward()``, gradients cleared in between.
 
     Runs ``warmup`` untimed steps, then up to ``repeats`` timed ones, stopping early once the timed
     ones add up to ``budget_ms`` (at least one always runs)."""
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    stopwatch = Stopwatch(device)
+    stopwatch = Stopwatch(device, clock)
     times: list[float] = []
     for run in range(max(0, warmup) + max(1, repeats)):
         if times and sum(times) >= budget_ms:
@@ -321,12 +328,17 @@ def measure_step(
 
 
 def measure_loss(
-    output: Any, targets: Tensor, loss_fn: Callable[[Any, Tensor], Tensor], repeats: int = 3, warmup: int = 1
+    output: Any,
+    targets: Tensor,
+    loss_fn: Callable[[Any, Tensor], Tensor],
+    repeats: int = 3,
+    warmup: int = 1,
+    clock: str = "wall",
 ) -> tuple[float, float]:
     """(forward_ms, backward_ms) of the loss alone on a captured model output."""
     logits = [t for t in _tensors(output) if t.is_floating_point()]
     device = logits[0].device if logits else torch.device("cpu")
-    stopwatch = Stopwatch(device)
+    stopwatch = Stopwatch(device, clock)
     forward: list[float] = []
     backward: list[float] = []
     for run in range(max(1, warmup) + max(1, repeats)):

@@ -151,11 +151,18 @@ def test_hf_gpt2_profiles_via_export() -> None:
     assert math.isfinite(profile.total_compute_ms)
 
 
+def test_cpu_clock() -> None:
+    profile = profile_model("tiny-mlp", batch_size=2, device="cpu", repeats=1, clock="cpu")
+    assert profile.extra["clock"] == "cpu" and profile.step_ms is not None and profile.step_ms >= 0
+
+
 def test_bad_repeats_and_device() -> None:
     from partitioner.errors import PipeplanError
 
     with pytest.raises(PipeplanError, match="--repeats"):
         profile_model("tiny-mlp", repeats=0)
+    with pytest.raises(PipeplanError, match="unknown clock"):
+        profile_model("tiny-mlp", clock="sundial")
     if not torch.cuda.is_available():
         with pytest.raises(PipeplanError, match="no usable GPU"):
             profile_model("tiny-mlp", device="cuda")
