@@ -174,7 +174,13 @@ def _profile_totals(profile: Any, path: Any) -> str:
     metavar="CLASS",
     help="Keep every module of this class as one layer (repeatable), e.g. GPT2Block.",
 )
-@click.option("--repeats", type=int, default=3, show_default=True, help="Timed runs per layer (median kept).")
+@click.option(
+    "--repeats",
+    type=int,
+    default=3,
+    show_default=True,
+    help="Timed runs per layer, after a warm-up (fewer for layers over 0.5 s); the median is kept.",
+)
 @click.option(
     "--clock",
     type=click.Choice(["wall", "cpu"]),
