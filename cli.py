@@ -245,6 +245,12 @@ def profile(
     console = _console()
     console.print(_profile_table(result, top))
     console.print(_profile_totals(result, path))
+    load, cpus = max(result.extra.get("loadavg_1min", [0.0])), result.extra.get("cpus") or 1
+    if result.device == "cpu" and clock == "wall" and load > cpus:
+        console.print(
+            f"[yellow]note:[/yellow] the machine was busy (load {load:.1f} on {cpus} CPUs): wall-clock times "
+            "include waiting for other jobs; --clock cpu measures CPU time instead"
+        )
 
 
 # ----------------------------------------------------------------------------- partition

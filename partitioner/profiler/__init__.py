@@ -9,6 +9,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -94,7 +95,7 @@ def profile_model(
         raise PipeplanError(f"--repeats must be positive, got {repeats}")
     if clock not in ("wall", "cpu"):
         raise PipeplanError(f"unknown clock {clock!r}: use wall or cpu")
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), _load()
     where, precision = resolve_device(device), resolve_dtype(dtype)
     if clock == "cpu" and where.type != "cpu":
         raise PipeplanError("--clock cpu measures CPU time: it only applies to --device cpu")
@@ -147,8 +148,18 @@ def profile_model(
             "loss_ms": list(loss_ms),
             "profile_wall_s": round(time.perf_counter() - started, 3),
             "non_tensor_edges": non_tensor_edges,
+            "loadavg_1min": [load_before, _load()],
+            "cpus": os.cpu_count(),
         },
     )
+
+
+def _load() -> float:
+    """The 1-minute load average: how busy the machine was (other jobs inflate wall-clock times)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return 0.0
 
 
 def _placed(bundle: ModelBundle, device: torch.device, dtype: torch.dtype) -> ModelBundle:
