@@ -143,7 +143,8 @@ def _synchronous(
         specs = _specs(profile, states, segments)
         return assemble(profile, cluster, specs, schedule, m, optimizer, info, activation_comm=comm)
 
-    makers = [partial(bottleneck, cluster, floor, False) for floor in powers if not straight]
+    floors = [] if straight else [1] if len(cluster.levels) > 1 else powers  # hierarchies ignore floors
+    makers = [partial(bottleneck, cluster, floor, False) for floor in floors]
     for units in powers:
         flat = Cluster.flat(units, cluster.levels[0].bandwidth, cluster.memory_bytes)
         makers.append(partial(bottleneck, flat, 1, True))

@@ -98,10 +98,15 @@ def layer_compute_s(profile: Profile) -> float:
     return math.fsum(n.compute_ms for n in profile.nodes if n.op != "input") / 1000.0
 
 
-def data_parallel_time(profile: Profile, cluster: Cluster) -> float:
-    """PipeDream's data-parallel comparator: every level replicates the whole model."""
+def data_parallel_time(profile: Profile, cluster: Cluster, schedule: str = "pipedream") -> float:
+    """Data parallelism on every device: PipeDream's comparator (each level replicates the whole
+    model), or for synchronous schedules the compute split M ways plus one all-reduce over the
+    slowest level."""
     time = layer_compute_s(profile)
     params = float(sum(n.param_bytes for n in profile.nodes if n.op != "input"))
+    if schedule != "pipedream":
+        gpus, bw = cluster.gpus, min(level.bandwidth for level in cluster.levels)
+        return time / gpus + 4.0 * (gpus - 1) * params / (gpus * bw)
     inner = 1
     for level in cluster.levels:
         n = level.devices
@@ -172,7 +177,7 @@ def assemble(
         Stage(i, spec.nodes, spec.replicas, spec.ranks, ld.compute_s, times.comm_s[i], memory[i])
         for i, (spec, ld) in enumerate(zip(specs, loads, strict=True))
     )
-    dp = data_parallel_time(profile, cluster)
+    dp = data_parallel_time(profile, cluster, schedule)
     single = layer_compute_s(profile)
     batch = profile.batch_size
     prediction = Prediction(
