@@ -106,8 +106,8 @@ def markdown(doc: dict[str, Any]) -> str:
         "Last column: the same search under PipeDream's default objective (no activation charge:",
         "PipeDream's optimizer only charges activations when given a compression ratio).",
         "",
-        "Solve times are wall clock and CPU seconds of the solver process (the machine is shared: CPU time is",
-        "the steadier figure).",
+        "Solve times are wall clock and CPU seconds of the solver process (the machine is shared:",
+        "CPU time is the steadier figure).",
         "",
         "| profile | GPUs | ms/minibatch | solve s (cpu) | optimal | gap | states | replicas | param-bal x "
         "| uniform x | no-comm ms |",
@@ -118,7 +118,8 @@ def markdown(doc: dict[str, Any]) -> str:
         reps = ",".join(map(str, r["replicas"]))
         out.append(
             f"| {r['profile']} | {r['cluster']} | {1e3 * r['time_per_minibatch_s']:.3f} | "
-            f"{r['solve_time_s']:.3f} ({r['solve_cpu_s']:.3f}) | {'yes' if r['optimal'] else 'no'} | {gap} | {r['states']} | "
+            f"{r['solve_time_s']:.3f} ({r['solve_cpu_s']:.3f}) | {'yes' if r['optimal'] else 'no'} | "
+            f"{gap} | {r['states']} | "
             f"{reps if len(reps) <= 30 else reps[:27] + '...'} | {r['parameter_balanced_ratio']:.2f} | "
             f"{r['uniform_ratio']:.2f} | {1e3 * r['no_comm_time_per_minibatch_s']:.3f} |"
         )
