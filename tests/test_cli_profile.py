@@ -108,6 +108,8 @@ def test_untraceable_model_suggests_leaf_module(runner: CliRunner, tmp_path: Pat
     )
     result = runner.invoke(main, ["profile", f"{tmp_path / 'gated.py'}:make", "--repeats", "1"])
     assert result.exit_code == 2 and "--leaf-module Gate" in result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "module 1 (Gate)" in lines[0], result.output  # no torch.export graph dumps
     ok = runner.invoke(
         main, ["profile", f"{tmp_path / 'gated.py'}:make", "--leaf-module", "Gate", "--repeats", "1"]
     )

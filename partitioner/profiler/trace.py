@@ -16,10 +16,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import operator
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,7 +177,8 @@ def _export(bundle: ModelBundle, fx_exc: Exception, failed_in: tuple[str, str] |
     re-exports at another (micro)batch size with the same node names instead.
     """
     try:
-        program = torch.export.export(bundle.module, bundle.inputs, strict=False)
+        with _quiet_torch_logs():
+            program = torch.export.export(bundle.module, bundle.inputs, strict=False)
     except Exception as exc:
         where = f" in module {failed_in[0] or '<root>'} ({failed_in[1]})" if failed_in else ""
         hint = f"--leaf-module {failed_in[1]}" if failed_in else "--leaf-module CLASS on the module doing it"
@@ -184,6 +187,23 @@ def _export(bundle: ModelBundle, fx_exc: Exception, failed_in: tuple[str, str] |
             f"torch.export failed: {_first_line(exc)}; keep that module whole with {hint}"
         ) from exc
     return program.module()
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """torch.export prints graph dumps and logs warnings when it fails; the TraceError says what matters."""
+    loggers = [
+        logging.getLogger(name) for name in list(logging.root.manager.loggerDict) if name.startswith("torch")
+    ]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
 
 
 def _first_line(exc: BaseException) -> str:
