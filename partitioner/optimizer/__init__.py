@@ -117,8 +117,20 @@ def _pipedream(
     profile: Profile, cluster: Cluster, states: StateSet, optimizer: str, straight: bool, comm: bool = True
 ) -> tuple[Plan, float, bool]:
     value, segments, lower = _search(profile, cluster, states, "pipedream", optimizer, straight)
-    plan = assemble(profile, cluster, _specs(profile, states, segments), "pipedream", 1, optimizer,
-                    SolverInfo("dp", 0.0, False), time_override=value, activation_comm=comm)  # fmt: skip
+    info = SolverInfo("dp", 0.0, False)
+    try:
+        plan = assemble(profile, cluster, _specs(profile, states, segments), "pipedream", 1, optimizer,
+                        info, time_override=value, activation_comm=comm)  # fmt: skip
+    except InfeasibleError:
+        if len(cluster.levels) == 1:
+            raise
+        # PipeDream's hierarchical recursion has no memory model: fall back to the memory-aware
+        # flat search over the slowest level's bandwidth, priced on the real hierarchy
+        flat = _flat_like(cluster)
+        _, segments, _ = _search(profile, flat, states, "pipedream", optimizer, straight)
+        plan = assemble(profile, cluster, _specs(profile, states, segments), "pipedream", 1, optimizer,
+                        info, activation_comm=comm)  # fmt: skip
+        return plan, lower, False
     return plan, lower, states.exact
 
 
@@ -230,7 +242,8 @@ def _fits(profile: Profile, cluster: Cluster, schedule: str, m: int, optimizer: 
 
 
 def _flat_like(cluster: Cluster) -> Cluster:
-    return Cluster.flat(cluster.gpus, cluster.levels[-1].bandwidth, cluster.memory_bytes)
+    slowest = min(level.bandwidth for level in cluster.levels)
+    return Cluster.flat(cluster.gpus, slowest, cluster.memory_bytes)
 
 
 def _infeasible(

@@ -211,3 +211,20 @@ def test_direct_recurrence_equals_bisection(
     assert bisect == pytest.approx(direct, rel=1e-8)
     assert lower <= direct * (1 + 1e-12)
     assert sum(s.replicas for s in stages) <= gpus
+
+
+def test_hierarchy_with_memory_limit_fits_or_says_why() -> None:
+    from partitioner.errors import InfeasibleError
+    from partitioner.plan import Level
+
+    profile = make_profile(
+        [(5, 10, 4000, 90000), (8, 16, 2000, 200000), (3, 6, 1000, 5000)], [(0, 1), (1, 2)]
+    )
+    for limit in (700_000, 1_500_000, 10**9):
+        cluster = Cluster((Level(2, 4e9), Level(2, 1e9)), memory_bytes=limit)
+        try:
+            plan = solve(profile, cluster)
+        except InfeasibleError as exc:
+            assert "would" in str(exc)
+            continue
+        assert max(s.memory_bytes for s in plan.stages) <= limit
