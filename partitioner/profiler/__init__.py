@@ -9,6 +9,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import statistics
 import time
@@ -115,7 +116,9 @@ def profile_model(
         if non_tensor_edges:
             log.warning("layers read non-tensor values from other layers: %s", non_tensor_edges[:5])
         del profiler
-        after = measure_step(*step_args, repeats=max(1, repeats - 1), warmup=0, clock=clock)
+        after = measure_step(
+            *step_args, repeats=max(1, repeats - 1), warmup=0, budget_ms=math.inf, clock=clock
+        )
         samples = before.samples_ms + after.samples_ms
         step = StepCost(statistics.median(samples), samples)
     except PipeplanError:
