@@ -9,6 +9,7 @@ error. :func:`torchrun_commands` prints the equivalent per-node torchrun lines f
 from __future__ import annotations
 
 import json
+import multiprocessing
 import shlex
 import socket
 import threading
@@ -146,7 +147,13 @@ def launch(options: RunOptions, on_progress: Progress | None = None) -> dict[str
         max_restarts=0,
         monitor_interval=0.1,
         start_method=options.start_method,
+        shutdown_timeout=5,
     )
+    if options.start_method == "forkserver":
+        # The fork server imports torch and the runtime once; every rank forks from that single-threaded
+        # process. Forking the launcher itself is faster but can deadlock a rank: the launcher runs the
+        # rendezvous store's threads, and a lock one of them holds at fork time stays locked in the child.
+        multiprocessing.set_forkserver_preload(["runtime.worker"])
     stop = threading.Event()
     watcher = None
     if on_progress is not None:

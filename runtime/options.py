@@ -42,7 +42,9 @@ class RunOptions:
         node_rank: this machine's index.
         master_addr: host of node 0.
         master_port: port of node 0's rendezvous store (0: pick a free one, single node only).
-        start_method: how local workers start (fork is fast; spawn is safest with CUDA).
+        start_method: how local workers start: forkserver (default: torch imported once, ranks forked
+            from a single-threaded server), spawn (a fresh interpreter per rank, like torchrun) or fork
+            (fastest, but may deadlock a rank; see runtime.launch).
     """
 
     package: str
@@ -68,7 +70,7 @@ class RunOptions:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 0
-    start_method: str = "fork"
+    start_method: str = "forkserver"
 
 
 _LAUNCH_ONLY = {"nnodes", "node_rank", "master_addr", "master_port", "start_method"}

@@ -21,6 +21,7 @@ def run(package: Path, **kwargs: Any) -> dict[str, Any]:
     """Launch a package on local gloo ranks (fork start, short timeout) and return rank 0's metrics."""
     kwargs.setdefault("timeout", 30)
     kwargs.setdefault("backend", "gloo")
+    kwargs.setdefault("start_method", "forkserver")
     result = launch(RunOptions(str(package), **kwargs))
     assert result is not None
     return result
