@@ -8,6 +8,7 @@ same :class:`JobConfig` and picks its own :class:`RankConfig` from it.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 from runtime.errors import RunError
 from runtime.schedule import SCHEDULES
 
-__all__ = ["JobConfig", "RankConfig", "load_job", "newest_package"]
+__all__ = ["JobConfig", "RankConfig", "load_job", "newest_package", "replica_microbatches"]
 
 
 @dataclass(frozen=True)
@@ -136,17 +137,35 @@ def load_job(
     inputs = tuple(plan.get("extra", {}).get("inputs", ()))
     default_batch = plan.get("batch_size") or (inputs[0]["shape"][0] if inputs else None)
     predicted = plan.get("predicted", {}).get("time_per_minibatch_s")
+    batch = int(batch_size or default_batch or 0)
     job = JobConfig(
         package=folder.resolve(),
         stage_ranks=ranks,
         schedule=str(schedule or plan.get("schedule") or "1f1b"),
-        microbatches=int(microbatches or plan.get("microbatches") or 1),
-        batch_size=int(batch_size or default_batch or 0),
+        microbatches=microbatches or replica_microbatches(int(plan.get("microbatches") or 1), ranks, batch),
+        batch_size=batch,
         ties=tuple(tuple((int(s), str(p)) for s, p in t["members"]) for t in plan.get("ties", ())),
         predicted_time_s=float(predicted) if predicted else None,
         inputs=inputs,
     )
     return _checked(job)
+
+
+def replica_microbatches(planned: int, stage_ranks: tuple[tuple[int, ...], ...], batch_size: int) -> int:
+    """Microbatches per minibatch so that every replica of every stage gets work.
+
+    The partitioner's cost model splits a minibatch across a stage's replicas (data parallelism), and
+    plans pipedream with one microbatch; the runtime hands microbatches to replicas round-robin. So a
+    plan with fewer microbatches than some stage has replicas runs with ``lcm(planned, replicas...)``
+    microbatches instead (the gradient is still the minibatch mean), if that divides the batch.
+    """
+    widest = max(len(r) for r in stage_ranks)
+    if planned >= widest:
+        return planned
+    for candidate in (math.lcm(planned, *(len(r) for r in stage_ranks)), widest):
+        if batch_size % candidate == 0:
+            return candidate
+    return planned
 
 
 def _checked(job: JobConfig) -> JobConfig:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.config import load_job, newest_package
+from runtime.config import load_job, newest_package, replica_microbatches
 from runtime.errors import RunError
 from runtime.launch import torchrun_commands
 from runtime.options import RunOptions, from_argv, to_argv
@@ -77,3 +77,12 @@ def test_options_survive_the_torchrun_command_line(tmp_path: Path) -> None:
     assert len(lines) == 2
     assert "--node-rank 1 --nproc-per-node 2 --master-addr 10.0.0.1 --master-port 29400" in lines[1]
     assert lines[0].endswith(f"-m runtime.worker {pkg} --steps 7")
+
+
+def test_planned_microbatches_grow_to_feed_every_replica(tmp_path: Path) -> None:
+    pkg = write_package(tmp_path / "pkg", replicas=(3, 1), microbatches=1, batch_size=12)
+    assert load_job(pkg).microbatches == 3
+    assert load_job(pkg, microbatches=1).microbatches == 1  # an explicit choice is kept
+    assert replica_microbatches(2, ((0, 1, 2), (3,), (4, 5)), 12) == 6
+    assert replica_microbatches(1, ((0, 1, 2), (3,)), 8) == 1  # 3 does not divide 8: keep the plan's
+    assert replica_microbatches(4, ((0, 1), (2,)), 8) == 4
