@@ -120,23 +120,16 @@ def _watch(path: Path, on_progress: Progress, stop: threading.Event) -> None:
             return
 
 
-def launch(options: RunOptions, on_progress: Progress | None = None) -> dict[str, Any] | None:
-    """Run this node's ranks to completion; returns rank 0's metrics (None on other nodes).
+def _config(options: RunOptions, per_node: int) -> Any:
+    """torchrun's static rendezvous at the master, no restarts, a fast failure monitor."""
+    from torch.distributed.launcher.api import LaunchConfig
 
-    Raises:
-        RunError: bad package or options, or no rendezvous with the master within the timeout.
-        JobFailed: a rank raised or died.
-    """
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    per_node = check_launch(options)
-    if options.nnodes == 1 and not options.master_port:
-        options = replace(options, master_port=free_port())
-    out = run_dir(options)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "progress.jsonl").unlink(missing_ok=True)
-    config = LaunchConfig(
+    if options.start_method == "forkserver":
+        # The fork server imports torch and the runtime once; every rank forks from that single-threaded
+        # process. Forking the launcher itself is faster but can deadlock a rank: the launcher runs the
+        # rendezvous store's threads, and a lock one of them holds at fork time stays locked in the child.
+        multiprocessing.set_forkserver_preload(["runtime.worker"])
+    return LaunchConfig(
         min_nodes=options.nnodes,
         max_nodes=options.nnodes,
         nproc_per_node=per_node,
@@ -149,11 +142,25 @@ def launch(options: RunOptions, on_progress: Progress | None = None) -> dict[str
         start_method=options.start_method,
         shutdown_timeout=5,
     )
-    if options.start_method == "forkserver":
-        # The fork server imports torch and the runtime once; every rank forks from that single-threaded
-        # process. Forking the launcher itself is faster but can deadlock a rank: the launcher runs the
-        # rendezvous store's threads, and a lock one of them holds at fork time stays locked in the child.
-        multiprocessing.set_forkserver_preload(["runtime.worker"])
+
+
+def launch(options: RunOptions, on_progress: Progress | None = None) -> dict[str, Any] | None:
+    """Run this node's ranks to completion; returns rank 0's metrics (None on other nodes).
+
+    Raises:
+        RunError: bad package or options, or no rendezvous with the master within the timeout.
+        JobFailed: a rank raised or died.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    per_node = check_launch(options)
+    if options.nnodes == 1 and not options.master_port:
+        options = replace(options, master_port=free_port())
+    out = run_dir(options)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "progress.jsonl").unlink(missing_ok=True)
+    config = _config(options, per_node)
     stop = threading.Event()
     watcher = None
     if on_progress is not None:

@@ -31,7 +31,10 @@ from runtime.metrics import Recorder
 from runtime.package import Wiring
 from runtime.schedule import Action
 
-__all__ = ["Groups", "StageRuntime", "Unit"]
+__all__ = ["STASH_LOG_MAX", "Groups", "StageRuntime", "Unit"]
+
+STASH_LOG_MAX = 1000
+"""Backwards per rank whose (unit, forward version, version at backward) go into metrics.json."""
 
 
 def _functional(module: nn.Module, params: dict[str, torch.Tensor], *args: torch.Tensor) -> Any:
@@ -78,6 +81,11 @@ class StageRuntime:
         stash: keep a weight version per forward (pipedream).
         recorder: timing and trace spans.
         on_step: called after every optimizer step with (step, loss or None).
+        units: microbatches between their forward and backward.
+        version: optimizer steps taken (the weight version new forwards use).
+        versions: weight snapshots still referenced by a unit in flight (pipedream).
+        stash_log: (unit, version its forward and backward used, version current at its backward) for
+            the first STASH_LOG_MAX backwards under pipedream: the evidence of weight stashing.
     """
 
     cfg: RankConfig
@@ -288,7 +296,8 @@ class StageRuntime:
             if g is not None:
                 p.grad = g if p.grad is None else p.grad + g
                 snapshot[name].grad = None
-        self.stash_log.append((unit, version, self.version))
+        if len(self.stash_log) < STASH_LOG_MAX:
+            self.stash_log.append((unit, version, self.version))
         live = {u.version for u in self.units.values()} | {self.version}
         for v in [v for v in self.versions if v not in live]:
             del self.versions[v]
