@@ -90,8 +90,20 @@ def summarize(
         "ratio_measured_over_predicted": measured / predicted_s if measured and predicted_s else None,
         "samples_per_s": batch_size / measured if measured else None,
         "warmup_steps_excluded": warmup,
+        "stages": _stage_times(ranks),
         "ranks": [{**asdict(r), "idle_s": r.idle_s} for r in ranks],
     }
+
+
+def _stage_times(ranks: Sequence[RankMetrics]) -> list[dict[str, Any]]:
+    """Per stage, its compute seconds per minibatch on one device (replicas summed): the number the
+    cost model's ``Stage.compute_s`` predicts, for calibrating profiles with measured times."""
+    out = []
+    for stage in sorted({r.stage for r in ranks}):
+        mine = [r for r in ranks if r.stage == stage]
+        steps = max(len(r.step_times_s) for r in mine) or 1
+        out.append({"stage": stage, "compute_s_per_minibatch": sum(r.compute_s for r in mine) / steps})
+    return out
 
 
 def write_json_atomic(path: Path, doc: Any) -> Path:

@@ -26,6 +26,8 @@ def test_run_trains_and_writes_metrics_checkpoints_and_trace(tmp_path: Path) -> 
     metrics = json.loads((pkg / "run" / "metrics.json").read_text())
     assert metrics["steps"] == 4 and metrics["predicted_time_per_minibatch_s"] == pytest.approx(0.01)
     assert metrics["time_per_minibatch_s"] > 0
+    assert [s["stage"] for s in metrics["stages"]] == [0, 1]
+    assert all(s["compute_s_per_minibatch"] > 0 for s in metrics["stages"])
     assert "time per minibatch" in result.output
     assert sorted(p.name for p in (pkg / "run" / "checkpoints").iterdir()) == ["step-2", "step-4"]
     events = json.loads(trace.read_text())["traceEvents"]
