@@ -22,7 +22,14 @@ from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile
 from partitioner.optimizer.build import StageSpec, assemble, gib, global_lower_bound, layer_compute_s
 from partitioner.optimizer.cost import OPTIMIZER_STATE
-from partitioner.optimizer.dp import LevelProblem, Segment, solve_bottleneck, solve_hierarchy
+from partitioner.optimizer.dp import (
+    DIRECT_MAX_UNITS,
+    LevelProblem,
+    Segment,
+    solve_bottleneck,
+    solve_hierarchy,
+)
+from partitioner.optimizer.lattice import Lattice, enumerate_lattice, solve_lattice
 from partitioner.optimizer.states import StateSet, build_states, chain_states
 from partitioner.plan import SCHEDULES, Cluster, Plan, SolverInfo
 
@@ -31,6 +38,7 @@ __all__ = ["evaluate", "solve"]
 log = logging.getLogger(__name__)
 HIERARCHY_MAX_STATES = 450  # inner levels need every segment's best time: cubic in the states
 HIERARCHY_THIN_STATES = 200  # beyond that, prefixes of one order thinned evenly by compute
+LATTICE_MAX_STATES = 400_000  # Inception-v3 has 221,565 downsets; NASNet ~6e12 (out of reach)
 
 
 def _check(profile: Profile, schedule: str, microbatches: int, optimizer: str) -> int:
@@ -49,7 +57,9 @@ def _inputs(profile: Profile) -> tuple[str, ...]:
     return tuple(n.id for n in profile.nodes if n.op == "input")
 
 
-def _flatten(seg: Segment, states: StateSet, ranks: list[int]) -> list[tuple[tuple[str, ...], list[int]]]:
+def _flatten(
+    seg: Segment, states: StateSet | Lattice, ranks: list[int]
+) -> list[tuple[tuple[str, ...], list[int]]]:
     """Leaf stages of a (possibly hierarchical) segment, with the global ranks each one runs on."""
     if not seg.inner:
         return [(states.members(seg.start, seg.end), ranks)]
@@ -71,7 +81,7 @@ def _width(seg: Segment) -> int:
     return seg.replicas * sum(_width(s) for s in seg.inner)
 
 
-def _specs(profile: Profile, states: StateSet, segments: list[Segment]) -> list[StageSpec]:
+def _specs(profile: Profile, states: StateSet | Lattice, segments: list[Segment]) -> list[StageSpec]:
     specs: list[StageSpec] = []
     next_rank = 0
     for seg in segments:
@@ -118,6 +128,15 @@ def _pipedream(
 ) -> tuple[Plan, float, bool]:
     value, segments, lower = _search(profile, cluster, states, "pipedream", optimizer, straight)
     info = SolverInfo("dp", 0.0, False)
+    lattice = _lattice_for(profile, cluster, states, comm)
+    if lattice is not None:  # every downset, without pairs: exact where the pair DP was not
+        cap = 1 if straight else None
+        bw = cluster.levels[0].bandwidth
+        bound = global_lower_bound(profile, cluster)
+        value, segments, lower = solve_lattice(lattice, cluster.gpus, bw, bound, value, cap)
+        plan = assemble(profile, cluster, _specs(profile, lattice, segments), "pipedream", 1, optimizer,
+                        info, time_override=value, activation_comm=comm)  # fmt: skip
+        return plan, lower, value <= lower * (1 + 1e-4)
     try:
         plan = assemble(profile, cluster, _specs(profile, states, segments), "pipedream", 1, optimizer,
                         info, time_override=value, activation_comm=comm)  # fmt: skip
@@ -132,6 +151,18 @@ def _pipedream(
                         info, activation_comm=comm)  # fmt: skip
         return plan, lower, False
     return plan, lower, states.exact
+
+
+def _lattice_for(profile: Profile, cluster: Cluster, states: StateSet, comm: bool) -> Lattice | None:
+    """All downsets as a lattice, where the pair DP had to fall back and the lattice search applies."""
+    if states.exact or len(cluster.levels) > 1 or cluster.memory_bytes is not None:
+        return None
+    if cluster.gpus > DIRECT_MAX_UNITS:
+        return None
+    lattice = enumerate_lattice(profile, LATTICE_MAX_STATES)
+    if lattice is None or comm:
+        return lattice
+    return replace(lattice, act_bytes=lattice.act_bytes * 0.0)
 
 
 def _synchronous(
