@@ -134,8 +134,9 @@ def _pipedream(
         bw = cluster.levels[0].bandwidth
         bound = global_lower_bound(profile, cluster)
         value, segments, lower = solve_lattice(lattice, cluster.gpus, bw, bound, value, cap)
+        searched = {"states": len(lattice.masks), "all_downsets": True, "search": "lattice"}
         plan = assemble(profile, cluster, _specs(profile, lattice, segments), "pipedream", 1, optimizer,
-                        info, time_override=value, activation_comm=comm)  # fmt: skip
+                        info, time_override=value, extra=searched, activation_comm=comm)  # fmt: skip
         return plan, lower, value <= lower * (1 + 1e-4)
     try:
         plan = assemble(profile, cluster, _specs(profile, states, segments), "pipedream", 1, optimizer,
@@ -250,8 +251,8 @@ def solve(
     if not exact:
         lower = min(lower, global_lower_bound(profile, cluster))
     info = SolverInfo("dp", time.perf_counter() - start, exact, lower)
-    extra = {"states": len(states), "all_downsets": states.exact and len(states) > 0}
-    return _with(plan, info, extra)
+    extra = {"states": len(states), "all_downsets": states.exact, "search": "pairs"}
+    return _with(plan, info, {**extra, **plan.extra})
 
 
 def _with(plan: Plan, info: SolverInfo, extra: Mapping[str, object]) -> Plan:
