@@ -21,7 +21,14 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 from runtime.errors import RunError
 
-__all__ = ["SYNTHETIC_STEPS", "Batches", "DatasetBatches", "SyntheticBatches", "make_batches"]
+__all__ = [
+    "SYNTHETIC_STEPS",
+    "Batches",
+    "DatasetBatches",
+    "SyntheticBatches",
+    "check_data_spec",
+    "make_batches",
+]
 
 SYNTHETIC_STEPS = 8
 """Distinct synthetic minibatches; step ``s`` uses minibatch ``s % SYNTHETIC_STEPS`` (one epoch)."""
@@ -118,6 +125,25 @@ def _load_factory(spec: str) -> Any:
         raise
     except Exception as exc:
         raise RunError(f"--data {spec}: {type(exc).__name__}: {exc}") from exc
+
+
+def check_data_spec(spec: str) -> None:
+    """Fail early, in the launcher, on a ``--data`` spec that names no file or module."""
+    if spec == "synthetic":
+        return
+    where, _, attr = spec.rpartition(":")
+    if not where or not attr:
+        raise RunError(f"--data {spec!r}: expected synthetic, module:function or path/file.py:function")
+    if where.endswith(".py"):
+        if not Path(where).is_file():
+            raise RunError(f"--data: {where} does not exist")
+        return
+    try:
+        found = importlib.util.find_spec(where)
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        raise RunError(f"--data: no module named {where!r}")
 
 
 def make_batches(

@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from runtime.data import check_data_spec
 from runtime.errors import JobFailed, RunError
 from runtime.options import RunOptions, to_argv
 from runtime.worker import job_of, run_dir, run_rank
@@ -37,6 +38,7 @@ def free_port() -> int:
 
 def check_launch(options: RunOptions) -> int:
     """Validate the package and node options before anything starts; returns ranks per node."""
+    check_data_spec(options.data)
     world = job_of(options).world_size
     if options.nnodes < 1 or world % options.nnodes:
         raise RunError(f"the package needs {world} ranks, which {options.nnodes} nodes cannot share evenly")

@@ -85,3 +85,13 @@ def test_a_rank_that_hangs_ends_the_job_after_the_timeout(tmp_path: Path) -> Non
     with pytest.raises(JobFailed, match=r"rank 0 failed: .*another rank is gone or stuck"):
         run(pkg, steps=5, timeout=3)
     assert time.monotonic() - start < 20
+
+
+def test_a_data_spec_naming_nothing_is_a_run_error(tmp_path: Path) -> None:
+    pkg = write_package(tmp_path / "pkg")
+    with pytest.raises(RunError, match="does not exist"):
+        launch(RunOptions(str(pkg), data=str(tmp_path / "nope.py:make")))
+    with pytest.raises(RunError, match="no module named"):
+        launch(RunOptions(str(pkg), data="no_such_module_xyz:make"))
+    with pytest.raises(RunError, match="no module named"):
+        launch(RunOptions(str(pkg), data="no_such_pkg_xyz.sub:make"))
