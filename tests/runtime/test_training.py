@@ -64,23 +64,30 @@ def test_tied_weights_stay_equal_and_match_the_shared_parameter(tmp_path: Path) 
     )
 
 
-def test_pipedream_backward_uses_the_weights_of_its_own_forward(tmp_path: Path) -> None:
-    stages, steps = 3, 4
-    pkg = write_package(tmp_path / "pkg", "chain", replicas=(1,) * stages, microbatches=1, batch_size=4)
+@pytest.mark.parametrize(("replicas", "micro"), [((1, 1, 1), 1), ((2, 1), 2)])
+def test_pipedream_backward_uses_the_weights_of_its_own_forward(
+    tmp_path: Path, replicas: tuple[int, ...], micro: int
+) -> None:
+    stages, steps, batch = len(replicas), 4, 4
+    pkg = write_package(tmp_path / "pkg", "chain", replicas=replicas, microbatches=micro, batch_size=batch)
     ckpt = tmp_path / "ckpt"
-    metrics = run(pkg, steps=steps, schedule="pipedream", microbatches=1, lr=0.2, checkpoint_dir=str(ckpt))
-    want, versions = pipedream_reference(pkg, stages, steps, 1, 4, lr=0.2)
-    assert any(v < unit for unit, v in versions[0].items()), "stage 0 must run forwards on stale weights"
+    metrics = run(
+        pkg, steps=steps, schedule="pipedream", microbatches=micro, lr=0.2, checkpoint_dir=str(ckpt)
+    )
+    want, versions = pipedream_reference(pkg, stages, steps, micro, batch, lr=0.2)
+    stale = [u for u, v in versions[0].items() if v < u // micro]
+    assert stale, "stage 0 must run some forwards on weights older than their minibatch's"
     for k in range(stages):
         got = stage_state(ckpt, steps, k)
         for name, tensor in want[k].items():
             torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6)
-    # The runtime's own log agrees: stage 0 ran backwards after newer weights existed, on the old ones.
-    log = metrics["stash_log"][0]
-    assert [(u, v) for u, v, _ in log] == sorted(versions[0].items())
+    # The runtime's own log agrees: rank 0 ran backwards after newer weights existed, on the old ones.
+    log = metrics["stash_log"]["0"] if "0" in metrics["stash_log"] else metrics["stash_log"][0]
+    mine = {u: v for u, v in versions[0].items() if (u % micro) % replicas[0] == 0}
+    assert [(u, v) for u, v, _ in log] == sorted(mine.items())
     assert any(now > used for _, used, now in log)
     # And staleness matters: synchronous training ends elsewhere.
-    sync = plain_training(pkg, steps, 1, 4, lr=0.2)
+    sync = plain_training(pkg, steps, micro, batch, lr=0.2)
     assert not torch.allclose(sync.stages[0].fc.weight, want[0]["fc.weight"])
 
 
