@@ -399,6 +399,12 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any) -> Any:
     help="Write the simulated timeline as a Chrome trace (Perfetto).",
 )
 @click.option(
+    "--batch-size",
+    type=int,
+    default=None,
+    help="Samples per minibatch, for profiles that do not record it (PipeDream graph.txt).",
+)
+@click.option(
     "--no-activation-comm",
     "no_comm",
     is_flag=True,
@@ -411,7 +417,7 @@ def partition(
     profile_path: str | None, gpus: int | None, topology: str | None, bandwidth: str | None,
     memory: str | None, schedule: str, microbatches: int | None, optimizer: str, straight: bool,
     solver: str, cuts: str | None, replicas: str | None, explain: bool, trace_path: str | None,
-    no_comm: bool, as_json: bool, output: str,
+    batch_size: int | None, no_comm: bool, as_json: bool, output: str,
 ) -> None:  # fmt: skip
     """Choose pipeline stages and replicas for a profile -> plan.json + mp_conf.json (+ stage code).
 
@@ -435,6 +441,10 @@ def partition(
 
     path = Path(profile_path) if profile_path else _newest_profile()
     profile = load_profile(path)
+    if batch_size is not None:
+        if batch_size < 1:
+            raise PlanError(f"--batch-size must be >= 1, got {batch_size}")
+        profile = replace(profile, batch_size=batch_size)
     cluster = _cluster(gpus, topology, bandwidth, memory)
     micro = microbatches if microbatches is not None else (1 if schedule == "pipedream" else 4)
     if (cuts is None) != (replicas is None):

@@ -81,6 +81,8 @@ def test_synchronous_schedules(graph: Path, tmp_path: Path, schedule: str) -> No
         ["--gpus", "8", "--cuts", "l0,l1,l2,l3", "--replicas", "1,1,1,1,1"],
         ["--gpus", "4", "--cuts", "l1", "--replicas", "1"],
         ["--gpus", "4", "--gpus", "2", "--topology", "2,2"],
+        ["--gpus", "4", "--batch-size", "0"],
+        ["--gpus", "4", "--schedule", "1f1b", "--microbatches", "0"],
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(graph: Path, tmp_path: Path, args: list[str]) -> None:
