@@ -2,8 +2,9 @@
 
 A pipeline cut is a downset: everything before the cut must run in earlier stages. PipeDream
 enumerates the downsets it can reach from the first layer; we enumerate *all* of them when there are
-few enough (a superset, so our optimum is never worse), and otherwise fall back, honestly flagged, to
-the prefixes of one topological order (a chain of cuts, exact for chains, approximate for branches).
+few enough for the pair DP (a superset, so our optimum is never worse), and otherwise fall back,
+honestly flagged, to the prefixes of three topological orders (exact for chains, approximate for
+branches). Larger lattices (up to 400,000 downsets) are searched exactly by ``lattice.py`` instead.
 """
 
 from __future__ import annotations
