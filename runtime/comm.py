@@ -67,12 +67,16 @@ class Comm:
         device: where received tensors are allocated (CPU for gloo, the rank's GPU for nccl).
         pending: send handles not yet known to be complete.
         seconds: time spent blocked in receives, waits and all-reduces.
+        hold: keep new sends in ``outbox`` until the next receive posts them together with it.
+        outbox: sends not yet posted.
     """
 
     group: dist.ProcessGroup
     device: torch.device
     pending: list[dist.Work] = field(default_factory=list)
     seconds: float = 0.0
+    hold: bool = False
+    outbox: list[dist.P2POp] = field(default_factory=list)
 
     def exchange_meta(self, recv_from: Sequence[int]) -> dict[int, tuple[TensorMeta, ...]]:
         """Receive, from each peer, the metas of the tensors it will send (start-up only)."""
@@ -97,19 +101,28 @@ class Comm:
             dist.send(data, peer, self.group)
 
     def send(self, messages: Sequence[tuple[int, Sequence[torch.Tensor]]]) -> None:
-        """Post sends of each (peer, tensors) message; returns at once."""
-        ops = [
+        """Post sends of each (peer, tensors) message, or hold them for the next :meth:`recv` when
+        ``hold`` is set; returns at once either way."""
+        self.outbox.extend(
             dist.P2POp(dist.isend, t.detach().contiguous(), peer, self.group)
             for peer, tensors in messages
             for t in tensors
-        ]
-        if ops:
+        )
+        if not self.hold:
+            self.flush()
+
+    def flush(self) -> None:
+        """Post the held sends."""
+        if self.outbox:
+            ops, self.outbox = self.outbox, []
             with peer_errors("send"):
                 self.pending.extend(dist.batch_isend_irecv(ops))
         self.reap()
 
     def recv(self, messages: Sequence[tuple[int, Sequence[TensorMeta]]]) -> list[list[torch.Tensor]]:
-        """Receive each (peer, metas) message; blocks until all have arrived."""
+        """Receive each (peer, metas) message, posted in one batch with the held sends (as Megatron's
+        send_backward_recv_forward: on NCCL a send waiting in the stream ahead of a receive can
+        deadlock two stages that each wait for the other's receive); blocks until all have arrived."""
         start = time.perf_counter()
         bufs = [
             [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas] for _, metas in messages
@@ -119,9 +132,14 @@ class Comm:
             for (peer, _), tensors in zip(messages, bufs, strict=True)
             for buf in tensors
         ]
-        if ops:
+        if not ops:
+            self.flush()
+        else:
+            sends, self.outbox = self.outbox, []
             with peer_errors(f"receive from rank(s) {sorted({p for p, _ in messages})}"):
-                for work in dist.batch_isend_irecv(ops):
+                works = dist.batch_isend_irecv(sends + ops)
+                self.pending.extend(works[: len(sends)])
+                for work in works[len(sends) :]:
                     work.wait()
         self.seconds += time.perf_counter() - start
         return bufs
@@ -131,7 +149,9 @@ class Comm:
         self.pending = [w for w in self.pending if not w.is_completed()]
 
     def drain(self) -> None:
-        """Wait for every posted send (end of a segment, when all receivers are known to post)."""
+        """Post held sends and wait for all of them (end of a segment, when every receiver will post)."""
+        self.hold = False
+        self.flush()
         start = time.perf_counter()
         with peer_errors("waiting for sends"):
             for work in self.pending:

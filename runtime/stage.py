@@ -169,9 +169,14 @@ class StageRuntime:
     def play(self, actions: Sequence[Action]) -> None:
         """Run ``actions`` in order, then wait for this rank's outstanding sends."""
         run = {"F": self.forward, "B": self.backward, "S": self.step}
-        for action in actions:
+        for i, action in enumerate(actions):
+            # An action's sends ride with the next action's receives when it has any.
+            self.comm.hold = i + 1 < len(actions) and self._receives(actions[i + 1])
             run[action.kind](action.index)
         self.comm.drain()
+
+    def _receives(self, action: Action) -> bool:
+        return bool(self.producers if action.kind == "F" else self.consumers if action.kind == "B" else False)
 
     def forward(self, unit: int) -> None:
         me, named = self.cfg.stage, dict[str, torch.Tensor]()

@@ -1,8 +1,9 @@
 """Hand-written packages in the generated-package format (brief, interface 5) for runtime tests.
 
 They depend on nothing but torch, so the runtime is tested without the profiler or code generator.
-Three shapes: ``chain`` (an MLP cut into N stages), ``skip`` (a tensor that skips a stage, and a
-stage with two outputs) and ``tied`` (one weight used by the first and the last stage).
+Four shapes: ``chain`` (an MLP cut into N stages), ``skip`` (a tensor that skips a stage, and a
+stage with two outputs), ``tied`` (one weight used by the first and the last stage) and ``int`` (an
+integer tensor crosses stages, without a gradient).
 """
 
 from __future__ import annotations
@@ -117,6 +118,36 @@ class Stage2(nn.Module):
 """,
 }
 
+_INT = {
+    0: """
+import torch
+from torch import nn
+
+
+class Stage0(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear({i}, {h})
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)), (x[:, 0] > 0).long()
+""",
+    1: """
+import torch
+from torch import nn
+
+
+class Stage1(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear({h}, {o})
+        self.table = nn.Parameter(torch.randn(2, {o}))
+
+    def forward(self, x, idx):
+        return self.fc(x) + self.table[idx]
+""",
+}
+
 _TIED_LAST = """
 import torch
 from torch import nn
@@ -134,6 +165,9 @@ class Stage{k}(nn.Module):
 
 
 def _stage_sources(kind: str, stages: int) -> tuple[list[str], list[list[str]], list[list[str]]]:
+    if kind == "int":
+        sources = [_INT[k].format(i=IN_DIM, h=HIDDEN, o=OUT_DIM) for k in range(2)]
+        return sources, [["input0"], ["out0", "idx0"]], [["out0", "idx0"], ["out1"]]
     if kind == "skip":
         mid = _LINEAR.format(k=1, din=HIDDEN, dout=HIDDEN, body="torch.tanh(self.fc(x))")
         sources = [_SKIP[0], mid, _SKIP[2]]

@@ -104,3 +104,10 @@ def test_replicated_middle_stage_routes_skip_connections(tmp_path: Path) -> None
     ckpt = tmp_path / "ckpt"
     run(pkg, steps=2, schedule="1f1b", lr=0.1, checkpoint_dir=str(ckpt))
     _assert_stages_equal(ckpt, 2, plain_training(pkg, 2, 4, 8, lr=0.1), 3)
+
+
+def test_integer_tensors_cross_stages_without_gradients(tmp_path: Path) -> None:
+    pkg = write_package(tmp_path / "pkg", "int", replicas=(1, 1), microbatches=2, batch_size=4)
+    ckpt = tmp_path / "ckpt"
+    run(pkg, steps=2, schedule="1f1b", lr=0.1, checkpoint_dir=str(ckpt))
+    _assert_stages_equal(ckpt, 2, plain_training(pkg, 2, 2, 4, lr=0.1), 2)
