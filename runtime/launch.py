@@ -39,7 +39,13 @@ def free_port() -> int:
 def check_launch(options: RunOptions) -> int:
     """Validate the package and node options before anything starts; returns ranks per node."""
     check_data_spec(options.data)
-    world = job_of(options).world_size
+    job = job_of(options)
+    if not (job.package / "__init__.py").is_file():
+        raise RunError(
+            f"{job.package} holds a plan but no stage code (plans made from a PipeDream graph.txt have no "
+            "model to run); partition a profile made by `pipeplan profile MODEL`"
+        )
+    world = job.world_size
     if options.nnodes < 1 or world % options.nnodes:
         raise RunError(f"the package needs {world} ranks, which {options.nnodes} nodes cannot share evenly")
     if not 0 <= options.node_rank < options.nnodes:

@@ -95,3 +95,10 @@ def test_a_data_spec_naming_nothing_is_a_run_error(tmp_path: Path) -> None:
         launch(RunOptions(str(pkg), data="no_such_module_xyz:make"))
     with pytest.raises(RunError, match="no module named"):
         launch(RunOptions(str(pkg), data="no_such_pkg_xyz.sub:make"))
+
+
+def test_a_plan_without_stage_code_is_a_run_error(tmp_path: Path) -> None:
+    pkg = write_package(tmp_path / "pkg")
+    (pkg / "__init__.py").unlink()
+    with pytest.raises(RunError, match="no stage code"):
+        launch(RunOptions(str(pkg)))
