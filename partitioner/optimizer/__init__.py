@@ -30,7 +30,7 @@ from partitioner.optimizer.dp import (
     solve_hierarchy,
 )
 from partitioner.optimizer.lattice import Lattice, enumerate_lattice, solve_lattice
-from partitioner.optimizer.states import StateSet, build_states, chain_states
+from partitioner.optimizer.states import StateSet, build_states, chain_states, free_sinks, without_free_sinks
 from partitioner.plan import SCHEDULES, Cluster, Plan, SolverInfo
 
 __all__ = ["evaluate", "solve"]
@@ -89,18 +89,24 @@ def _specs(profile: Profile, states: StateSet | Lattice, segments: list[Segment]
         for nodes, ranks in _flatten(seg, states, list(range(next_rank, next_rank + width))):
             specs.append(StageSpec(nodes, len(ranks), tuple(ranks)))
         next_rank += width
-    first = specs[0]
     order = {n.id: i for i, n in enumerate(profile.nodes)}
-    nodes = tuple(sorted(_inputs(profile) + first.nodes, key=order.__getitem__))
-    specs[0] = StageSpec(nodes, first.replicas, first.ranks)
-    return specs
+    riders: dict[str, list[str]] = {}
+    for sink, producer in free_sinks(profile).items():
+        riders.setdefault(producer, []).append(sink)
+    out = []
+    for i, spec in enumerate(specs):
+        members = list(spec.nodes) + [r for n in spec.nodes for r in riders.get(n, [])]
+        members += list(_inputs(profile)) if i == 0 else []
+        out.append(StageSpec(tuple(sorted(members, key=order.__getitem__)), spec.replicas, spec.ranks))
+    return out
 
 
 def _states_for(profile: Profile, cluster: Cluster, activation_comm: bool) -> StateSet:
+    profile = without_free_sinks(profile)
     states = build_states(profile)
     if len(cluster.levels) > 1 and len(states) > HIERARCHY_MAX_STATES:
         log.info("hierarchy: thinning %d states to %d prefixes", len(states), HIERARCHY_THIN_STATES)
-        states = chain_states(profile, HIERARCHY_THIN_STATES)
+        states = chain_states(profile, HIERARCHY_THIN_STATES)  # (free sinks already removed)
     if not activation_comm:
         states = replace(states, act_bytes=states.act_bytes * 0.0)
     return states
@@ -160,7 +166,7 @@ def _lattice_for(profile: Profile, cluster: Cluster, states: StateSet, comm: boo
         return None
     if cluster.gpus > DIRECT_MAX_UNITS:
         return None
-    lattice = enumerate_lattice(profile, LATTICE_MAX_STATES)
+    lattice = enumerate_lattice(without_free_sinks(profile), LATTICE_MAX_STATES)
     if lattice is None or comm:
         return lattice
     return replace(lattice, act_bytes=lattice.act_bytes * 0.0)

@@ -10,7 +10,7 @@ branches). Larger lattices (up to 400,000 downsets) are searched exactly by ``la
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -24,7 +24,9 @@ __all__ = [
     "build_states",
     "chain_states",
     "downset_states",
+    "free_sinks",
     "multi_order_states",
+    "without_free_sinks",
 ]
 
 log = logging.getLogger(__name__)
@@ -79,6 +81,40 @@ class StateSet:
         """Layer ids in state j but not in state k, in topological order."""
         diff = self.masks[j] & ~self.masks[k]
         return tuple(lid for i, lid in enumerate(self.layer_ids) if diff >> i & 1)
+
+
+def free_sinks(profile: Profile) -> dict[str, str]:
+    """Sinks that cost nothing (no time, no parameters, one non-input producer) -> their producer.
+
+    PipeDream's graphs end LSTMs with unused ``__getitem__`` outputs; each one doubles the number
+    of downsets (it may sit on either side of any later cut), yet the best plan always keeps it with
+    its producer (anywhere else only adds traffic). PipeDream deletes them; we let them ride along.
+    """
+    readers = {src for n in profile.nodes for src in n.inputs}
+    kinds = {n.id: n.op for n in profile.nodes}
+    out: dict[str, str] = {}
+    for n in profile.nodes:
+        if n.id in readers or n.op in ("input", "output") or len(n.inputs) != 1:
+            continue
+        if n.compute_ms == 0 and n.param_bytes == 0 and kinds.get(n.inputs[0]) != "input":
+            out[n.id] = n.inputs[0]
+    return out
+
+
+def without_free_sinks(profile: Profile) -> Profile:
+    """The profile the search runs on: free sinks removed (their saved bytes go to the producer)."""
+    riders = free_sinks(profile)
+    if not riders:
+        return profile
+    extra_saved: dict[str, int] = {}
+    for sink, producer in riders.items():
+        extra_saved[producer] = extra_saved.get(producer, 0) + profile.node(sink).saved_bytes
+    nodes = tuple(
+        replace(n, saved_bytes=n.saved_bytes + extra_saved.get(n.id, 0))
+        for n in profile.nodes
+        if n.id not in riders
+    )
+    return replace(profile, nodes=nodes)
 
 
 def _layers(profile: Profile) -> tuple[list[str], list[int], list[int]]:

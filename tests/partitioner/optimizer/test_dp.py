@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -256,3 +257,23 @@ def test_lattice_search_equals_pair_dp(
     assert found == pytest.approx(direct, rel=1e-5)
     assert lower <= direct * (1 + 1e-9)
     assert sum(s.replicas for s in stages) <= gpus
+
+
+def test_free_sinks_ride_with_their_producer() -> None:
+    """Unused zero-cost outputs (PipeDream's LSTM __getitem__ sinks) stay with their producer."""
+    from partitioner.graph import Node
+    from partitioner.optimizer.states import build_states, free_sinks, without_free_sinks
+
+    base = make_profile([(5, 10, 4000, 100), (8, 16, 2000, 200), (3, 6, 1000, 50)], [(0, 1), (1, 2)])
+    sinks = tuple(Node(f"g{i}", f"g{i}", "call_module", "__getitem__", (f"l{i}",), output_bytes=10**6)
+                  for i in range(2))  # fmt: skip
+    profile = replace(base, nodes=base.nodes + sinks)
+    assert free_sinks(profile) == {"g0": "l0", "g1": "l1"}
+    assert len(build_states(without_free_sinks(profile))) < len(build_states(profile))
+    for gpus in (1, 2, 3):
+        plan = solve(profile, Cluster.flat(gpus, 1e5))
+        where = plan.stage_of()
+        assert where["g0"] == where["l0"] and where["g1"] == where["l1"]
+        assert plan.predicted.time_per_minibatch_s == pytest.approx(
+            brute_force(profile, Cluster.flat(gpus, 1e5))
+        )
