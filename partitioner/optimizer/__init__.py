@@ -36,7 +36,7 @@ from partitioner.plan import SCHEDULES, Cluster, Plan, SolverInfo
 __all__ = ["evaluate", "solve"]
 
 log = logging.getLogger(__name__)
-HIERARCHY_MAX_STATES = 450  # inner levels need every segment's best time: cubic in the states
+HIERARCHY_MAX_STATES = 600  # inner levels need every segment's best time: cubic in the states
 HIERARCHY_THIN_STATES = 200  # beyond that, prefixes of one order thinned evenly by compute
 LATTICE_MAX_STATES = 400_000  # Inception-v3 has 221,565 downsets; NASNet ~6e12 (out of reach)
 
