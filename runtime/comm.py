@@ -43,7 +43,7 @@ class TensorMeta:
     @property
     def needs_grad(self) -> bool:
         """Only floating-point tensors carry gradients back."""
-        return self.dtype.is_floating_point or self.dtype.is_complex
+        return self.dtype.is_floating_point
 
     @staticmethod
     def of(tensor: torch.Tensor) -> TensorMeta:

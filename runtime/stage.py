@@ -179,6 +179,7 @@ class StageRuntime:
         return bool(self.producers if action.kind == "F" else self.consumers if action.kind == "B" else False)
 
     def forward(self, unit: int) -> None:
+        """Inputs (data or received), the stage, outputs sent on; keeps what the backward needs."""
         me, named = self.cfg.stage, dict[str, torch.Tensor]()
         if self.cfg.is_first:
             named.update(zip(self.wiring.stage_inputs[me], self._micro("inputs", unit), strict=True))
@@ -205,6 +206,7 @@ class StageRuntime:
         return loss * share  # type: ignore[no-any-return]
 
     def backward(self, unit: int) -> None:
+        """Output gradients summed over consumers, autograd, input gradients sent back."""
         state = self.units.pop(unit)
         roots: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
@@ -232,6 +234,7 @@ class StageRuntime:
         self, name: str, messages: list[tuple[int, tuple[TensorMeta, ...]]]
     ) -> list[list[torch.Tensor]]:
         if not messages:
+            self.comm.flush()
             return []
         with self.recorder.span(name, "comm"):
             return self.comm.recv(messages)
