@@ -186,17 +186,23 @@ def _stage_times(lat: Lattice, ks: IntArray, j: int, r: int, bandwidth: float) -
 
 
 def _packed(lat: Lattice) -> npt.NDArray[np.uint64]:
+    """The masks as rows of 64-bit words, for vectorised subset tests."""
     words = max(1, (len(lat.layer_ids) + 63) // 64)
-    out = np.zeros((len(lat.masks), words), dtype=np.uint64)
-    for i, mask in enumerate(lat.masks):
-        for w in range(words):
-            out[i, w] = (mask >> (64 * w)) & 0xFFFFFFFFFFFFFFFF
-    return out
+    low = (1 << 64) - 1
+    columns = [np.array([(m >> (64 * w)) & low for m in lat.masks], dtype=np.uint64) for w in range(words)]
+    return np.stack(columns, axis=1)
 
 
-def _walk(lat: Lattice, g: FloatArray, units: int, bandwidth: float, tau: float, cap: int) -> list[Segment]:
+def _walk(
+    lat: Lattice,
+    packed: npt.NDArray[np.uint64],
+    g: FloatArray,
+    units: int,
+    bandwidth: float,
+    tau: float,
+    cap: int,
+) -> list[Segment]:
     """Rebuild a plan meeting tau from g: for each stage find a fitting predecessor explicitly."""
-    packed = _packed(lat)
     stages: list[Segment] = []
     j, budget = len(lat.masks) - 1, units
     while j > 0:
@@ -231,13 +237,14 @@ def solve_lattice(
     """
     cap = units if max_replicas is None else min(units, max_replicas)
     weights = _weights(lat, np.arange(1, cap + 1, dtype=np.float64), bandwidth)
+    packed = _packed(lat)
 
     def attained(tau: float) -> tuple[float, list[Segment]] | None:
         """The plan a feasible probe at tau rebuilds, with its exact time; None when infeasible."""
         g = _probe(lat, units, bandwidth, tau, weights)
         if not g[-1] <= units:
             return None
-        stages = _walk(lat, g, units, bandwidth, tau, cap)
+        stages = _walk(lat, packed, g, units, bandwidth, tau, cap)
         ends = [
             float(_stage_times(lat, np.array([s.start]), s.end, s.replicas, bandwidth)[0]) for s in stages
         ]
