@@ -254,17 +254,20 @@ def solve_lattice(
     if found is None:
         raise InfeasibleError("no plan fits")
     hi, stages = found
-    lo = lower
-    guess = max(lower, 0.9 * hi)  # the optimum is usually near the upper plan: bracket it first
+    lo, step = lower, 0.03
+    while lo < hi * (1 - step):  # gallop down from the upper plan: the optimum is usually close
+        found = attained(hi * (1 - step))
+        if found is None:
+            lo = hi * (1 - step)
+            break
+        hi, stages = found
+        step *= 2
     while True:
-        mid = guess if guess > lo else 0.5 * (lo + hi)
-        guess = 0.0
-        if hi - lo <= 1e-3 * hi:
-            mid = hi * (1 - 10 * SLACK)  # descent: is there anything strictly faster?
+        mid = 0.5 * (lo + hi) if hi - lo > 3e-3 * hi else hi * (1 - 10 * SLACK)  # then descent
         found = attained(mid)
         if found is None:
             lo = mid
-            if hi - lo <= 1e-3 * hi and mid >= hi * (1 - 10 * SLACK) * (1 - SLACK):
+            if mid >= hi * (1 - 10 * SLACK) * (1 - SLACK):  # nothing strictly faster than hi
                 return hi, stages, max(lower, mid * (1 - SLACK))
-        else:
-            hi, stages = min(found[0], hi), found[1] if found[0] <= hi else stages
+        elif found[0] <= hi:
+            hi, stages = found
