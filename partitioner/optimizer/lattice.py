@@ -217,7 +217,7 @@ def _walk(
                 found = (int(ks[fit[0]]), r)
                 break
         if found is None:
-            raise InfeasibleError("internal: no stage reconstructs the probe")
+            raise RuntimeError("lattice probe and reconstruction disagree (a pipeplan bug)")
         k, r = found
         stages.append(Segment(k, j, r))
         j, budget = k, budget - r
