@@ -43,7 +43,7 @@ def plain_step_s(name: str, batch: int, shape: tuple[int, ...], runs: int = 2) -
     for run in range(runs + 1):
         bundle.module.zero_grad(set_to_none=True)
         started = time.perf_counter()
-        bundle.loss_fn(bundle.module(*bundle.inputs), bundle.targets).backward()
+        bundle.loss_fn(bundle.module(*bundle.inputs), bundle.targets).backward()  # type: ignore[no-untyped-call]
         if run:
             times.append(time.perf_counter() - started)
     return statistics.median(times)
