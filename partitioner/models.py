@@ -34,7 +34,15 @@ from torch import Tensor, nn
 from partitioner.errors import ModelSpecError
 from partitioner.zoo import ZOO, ZooEntry
 
-__all__ = ["SPEC_FORMS", "ModelBundle", "default_loss", "load_model", "logits_of", "model_name"]
+__all__ = [
+    "SPEC_FORMS",
+    "ModelBundle",
+    "default_loss",
+    "load_model",
+    "logits_of",
+    "model_name",
+    "next_token_targets",
+]
 
 log = logging.getLogger(__name__)
 
