@@ -39,7 +39,9 @@ def user_errors(func: F) -> F:
         except (PipeplanError, RunError) as exc:
             if click.get_current_context().find_root().params.get("debug"):
                 raise
-            _console(stderr=True).print(f"[red]error:[/red] {exc}", soft_wrap=True)
+            from rich.markup import escape
+
+            _console(stderr=True).print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
             sys.exit(2)
 
     return wrapper  # type: ignore[return-value]
@@ -348,8 +350,23 @@ def _explain(profile: Any, cluster: Any, plan: Any, schedule: str, micro: int, o
     return table
 
 
-def _write_plan(profile: Any, plan: Any, out_dir: Any) -> Any:
+def _check_package_options(profile: Any, weights: str | None, init: str) -> None:
+    """Refuse --weights/--init that cannot apply before solving, not after."""
+    from pathlib import Path
+
+    from partitioner.errors import PlanError
+
+    if profile.tracer == "pipedream" and (weights is not None or init != "auto"):
+        raise PlanError(
+            "--weights and --init need a traced model; a PipeDream graph.txt profile yields only the plan"
+        )
+    if weights is not None and not Path(weights).is_file():
+        raise PlanError(f"--weights {weights}: no such file; give a torch.save(model.state_dict()) file")
+
+
+def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init: str) -> Any:
     import json
+    from pathlib import Path
 
     from partitioner.atomic import write_text_atomic
     from partitioner.plan import mp_conf, save_plan
@@ -357,7 +374,7 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any) -> Any:
     if profile.tracer != "pipedream":
         from partitioner.codegen import write_package
 
-        return write_package(profile, plan, out_dir)
+        return write_package(profile, plan, out_dir, Path(weights) if weights else None, init)
     save_plan(plan, out_dir / "plan.json")
     write_text_atomic(out_dir / "mp_conf.json", json.dumps(mp_conf(plan.stages), indent=1) + "\n")
     return plan
@@ -410,6 +427,21 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any) -> Any:
     is_flag=True,
     help="Charge no activation traffic at cuts (what PipeDream's optimizer computes by default).",
 )
+@click.option(
+    "--weights",
+    type=click.Path(path_type=str, dir_okay=False),
+    default=None,
+    help="A torch.save(model.state_dict()) file the generated stages load their tensors from.",
+)
+@click.option(
+    "--init",
+    type=click.Choice(["auto", "exact", "seeded"]),
+    default="auto",
+    show_default=True,
+    help="Stage initialisation without --weights: exact (as the whole model under the seed; each rank "
+    "builds it on the CPU once), seeded (per-module seeds; a rank builds only its stage), auto (exact "
+    "up to 2 GiB of parameters).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print only plan.json on stdout.")
 @click.option("-o", "--output", default="models", show_default=True, help="Output root: OUT/<model>/gpus=N/.")
 @user_errors
@@ -417,7 +449,7 @@ def partition(
     profile_path: str | None, gpus: int | None, topology: str | None, bandwidth: str | None,
     memory: str | None, schedule: str, microbatches: int | None, optimizer: str, straight: bool,
     solver: str, cuts: str | None, replicas: str | None, explain: bool, trace_path: str | None,
-    batch_size: int | None, no_comm: bool, as_json: bool, output: str,
+    batch_size: int | None, no_comm: bool, weights: str | None, init: str, as_json: bool, output: str,
 ) -> None:  # fmt: skip
     """Choose pipeline stages and replicas for a profile -> plan.json + mp_conf.json (+ stage code).
 
@@ -445,6 +477,7 @@ def partition(
         if batch_size < 1:
             raise PlanError(f"--batch-size must be >= 1, got {batch_size}")
         profile = replace(profile, batch_size=batch_size)
+    _check_package_options(profile, weights, init)
     cluster = _cluster(gpus, topology, bandwidth, memory)
     micro = microbatches if microbatches is not None else (1 if schedule == "pipedream" else 4)
     if (cuts is None) != (replicas is None):
@@ -460,7 +493,7 @@ def partition(
     plan = replace(plan, profile=str(path))
     name = profile.model if profile.tracer == "pipedream" else _model_name(profile.model)
     out_dir = Path(output) / re.sub(r"[^A-Za-z0-9_.-]+", "_", name or "model") / f"gpus={cluster.gpus}"
-    plan = _write_plan(profile, plan, out_dir)
+    plan = _write_plan(profile, plan, out_dir, weights, init)
     sim = simulate(plan, profile)
     if trace_path:
         write_chrome_trace(sim, trace_path)

@@ -11,6 +11,13 @@ from partitioner.errors import PipeplanError
 __all__ = ["write_text_atomic"]
 
 
+def _umask() -> int:
+    """The process umask (read by setting it), so a file gets the mode ``open`` would have given it."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
     """Write ``text`` to ``path`` through a temporary file in the same folder and a rename.
 
@@ -24,6 +31,7 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as handle:
                 handle.write(text)
+            os.chmod(tmp, 0o644 & ~_umask())
             os.replace(tmp, target)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

@@ -105,3 +105,28 @@ def test_memory_infeasible_names_the_smallest_that_fits(graph: Path, tmp_path: P
     )
     assert code == 2
     assert "would" in err and "GiB" in err
+
+
+def test_weights_and_init_reach_the_package(tmp_path: Path) -> None:
+    """--weights makes the stages load a state_dict; --init is recorded; both refuse a graph.txt plan."""
+    import torch
+
+    from partitioner.graph import save_profile
+    from partitioner.models import load_model
+    from tests.partitioner.codegen_support import profile_for
+
+    save_profile(profile_for("tiny-mlp"), tmp_path / "p.json")
+    torch.save(load_model("tiny-mlp").build(seed=7).state_dict(), tmp_path / "w.pt")
+    common = ("partition", "--profile", str(tmp_path / "p.json"), "--gpus", "2", "--straight", "--json")
+    code, out, _ = _run(*common, "--weights", str(tmp_path / "w.pt"), "-o", str(tmp_path / "a"))
+    assert code == 0
+    assert json.loads(out)["extra"]["init"] == f"checkpoint {(tmp_path / 'w.pt').resolve()}"
+    code, out, _ = _run(*common, "--init", "seeded", "-o", str(tmp_path / "b"))
+    assert code == 0 and json.loads(out)["extra"]["init"] == "seeded"
+    code, _, err = _run(*common, "--weights", str(tmp_path / "none.pt"), "-o", str(tmp_path / "c"))
+    assert code == 2 and "no such file" in err and not (tmp_path / "c").exists()
+
+
+def test_init_refused_for_a_graph_txt_profile(graph: Path, tmp_path: Path) -> None:
+    code, _, err = _run("partition", "--profile", str(graph), "--gpus", "2", "--init", "exact")
+    assert code == 2 and "graph.txt" in err
