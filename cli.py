@@ -190,6 +190,13 @@ def _profile_totals(profile: Any, path: Any) -> str:
     show_default=True,
     help="cpu: process CPU time, steadier on a CPU shared with other jobs (CPU only).",
 )
+@click.option(
+    "--threads",
+    type=int,
+    default=None,
+    help="CPU threads while measuring [default: torch's]. `pipeplan run` gives each rank "
+    "cores / ranks per machine: profile at that count for predictions that match.",
+)
 @click.option("--top", type=int, default=10, show_default=True, help="Layers shown in the summary table.")
 @click.option("--json", "as_json", is_flag=True, help="Print only the profile JSON on stdout.")
 @user_errors
@@ -203,6 +210,7 @@ def profile(
     leaf_modules: tuple[str, ...],
     repeats: int,
     clock: str,
+    threads: int | None,
     top: int,
     as_json: bool,
 ) -> None:  # fmt: skip
@@ -237,7 +245,7 @@ def profile(
             bar.update(task, completed=done, total=total, description=f"measuring {name}")
 
         result = profile_model(
-            model, batch_size, shape, device, dtype, leaf_modules, repeats, progress, clock
+            model, batch_size, shape, device, dtype, leaf_modules, repeats, progress, clock, threads
         )
         bar.update(task, description="whole-step timing")
     save_profile(result, path)

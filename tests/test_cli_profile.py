@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from cli import main
@@ -43,9 +44,12 @@ def test_profile_writes_the_default_path_and_prints_a_summary(runner: CliRunner,
 
 def test_profile_json_and_options(runner: CliRunner, tmp_path: Path) -> None:
     args = ["profile", "tiny-gpt", "-o", "out/p.json", "--json", "--repeats", "1", "--input-shape", "12"]
-    result = runner.invoke(main, [*args, "--batch-size", "3", "--leaf-module", "Block", "--dtype", "float32"])
+    threads = torch.get_num_threads()
+    result = runner.invoke(main, [*args, "--batch-size", "3", "--leaf-module", "Block", "--threads", "1"])
     assert result.exit_code == 0, result.output
+    assert torch.get_num_threads() == threads  # restored after measuring
     doc = json.loads(result.stdout)
+    assert doc["extra"]["threads"] == 1
     assert doc["schema"] == "pipeplan.profile/1" and doc["inputs"][0]["shape"] == [3, 12]
     assert doc["tracer_options"]["leaf_modules"] == ["Block"]
     assert [n["target"] for n in doc["nodes"]].count("Block") == 2
@@ -71,6 +75,7 @@ def make():
         (["tiny-cnn", "--input-shape", "3,x,16"], "bad --input-shape"),
         (["tiny-cnn", "--input-shape", "3,-1,16"], "bad --input-shape"),
         (["tiny-cnn", "--batch-size", "0"], "--batch-size must be positive"),
+        (["tiny-cnn", "--threads", "0"], "--threads must be positive"),
         (["tiny-cnn", "-o", "/proc/nope/profile.json"], "cannot write"),
         (["tiny-cnn", "-o", "."], "is a folder"),
         (["tiny-cnn", "--leaf-module", "Nothing"], "matches no module"),

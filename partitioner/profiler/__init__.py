@@ -74,6 +74,7 @@ def profile_model(
     repeats: int = 3,
     progress: Progress | None = None,
     clock: str = "wall",
+    threads: int | None = None,
 ) -> Profile:
     """Trace ``spec`` and measure every layer at ``batch_size``; see ``partitioner.graph.Profile``.
 
@@ -88,6 +89,8 @@ def profile_model(
         progress: called as ``progress(done, total, layer_name)`` after each layer.
         clock: ``wall`` (elapsed time) or ``cpu`` (process CPU time, robust to other jobs on a shared
             CPU; its times add all threads' work, so they exceed wall time when threads run in parallel).
+        threads: CPU threads while measuring (restored after); ``pipeplan run`` gives each rank
+            cores / local ranks, so a profile taken at that count predicts what the ranks will do.
 
     Raises:
         PipeplanError: bad spec, shapes, device or dtype; TraceError when the model cannot be traced.
@@ -96,6 +99,28 @@ def profile_model(
         raise PipeplanError(f"--repeats must be positive, got {repeats}")
     if clock not in ("wall", "cpu"):
         raise PipeplanError(f"unknown clock {clock!r}: use wall or cpu")
+    if threads is not None and threads <= 0:
+        raise PipeplanError(f"--threads must be positive, got {threads}")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        return _profile(spec, batch_size, input_shape, device, dtype, leaf_modules, repeats, progress, clock)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _profile(
+    spec: str,
+    batch_size: int,
+    input_shape: tuple[int, ...] | None,
+    device: str,
+    dtype: str,
+    leaf_modules: Sequence[str],
+    repeats: int,
+    progress: Progress | None,
+    clock: str,
+) -> Profile:
+    """profile_model's work, under the thread count it set."""
     started, load_before = time.perf_counter(), _load()
     where, precision = resolve_device(device), resolve_dtype(dtype)
     if clock == "cpu" and where.type != "cpu":
