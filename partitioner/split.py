@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import builtins
 import keyword
+import operator
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -179,6 +180,45 @@ def _devices_from_inputs(graph: fx.Graph) -> None:
         node.kwargs = {k: device if isinstance(v, torch.device) else v for k, v in node.kwargs.items()}
 
 
+_IN_PLACE_OPERATORS = frozenset(
+    (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
+     operator.ipow, operator.iand, operator.ior, operator.ixor, operator.imatmul)
+)  # fmt: skip
+
+
+def _writes_first_argument(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """Whether ``node`` may modify its first argument in place (``ReLU(inplace=True)``, ``x.add_``,
+    ``x += y``, ``aten.relu_``); such a node must not touch a tensor received from another stage."""
+    if node.op == "call_module":
+        return bool(getattr(gm.get_submodule(str(node.target)), "inplace", False))
+    if node.op == "call_method":
+        return str(node.target).endswith("_") and not str(node.target).startswith("_")
+    if node.op != "call_function":
+        return False
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:
+        return bool(schema.is_mutable)
+    name = getattr(node.target, "__name__", "")
+    return (
+        node.target in _IN_PLACE_OPERATORS
+        or node.kwargs.get("inplace") is True
+        or (name.endswith("_") and not name.startswith("_"))
+    )
+
+
+def _clone_inputs_written_in_place(graph: fx.Graph, gm: fx.GraphModule) -> None:
+    """A received tensor is an autograd leaf on its rank, which autograd forbids writing in place: give
+    the stage a copy of each input that one of its nodes writes (the copy's users see what they did)."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node in placeholders:
+        if not any(_writes_first_argument(u, gm) and u.args and u.args[0] is node for u in node.users):
+            continue
+        with graph.inserting_after(placeholders[-1]):
+            copy = graph.create_node("call_method", "clone", (node,), name=f"{node.name}_copy")
+        for user in [u for u in node.users if u is not copy]:
+            user.replace_input_with(node, copy)
+
+
 def split_graph(
     gm: fx.GraphModule,
     assignment: Mapping[str, int],
@@ -258,6 +298,8 @@ def _stage_graph(
     results = [env[n] for n in outs]
     graph.output(results[0] if len(results) == 1 else tuple(results))
     _devices_from_inputs(graph)
+    if index > 0:
+        _clone_inputs_written_in_place(graph, gm)
     graph.owning_module = gm  # purity checks of call_module nodes and lint look the targets up here
     graph.eliminate_dead_code()
     graph.lint()

@@ -184,8 +184,8 @@ def verify_package(
     ref_loss = criterion(ref_out, targets)
     ref_loss.backward()
     torch.manual_seed(seed)
-    out, loss = _run_chain(entries, inputs, targets)
-    loss.backward()  # type: ignore[no-untyped-call]
+    out, loss, sent, received = _run_chain(entries, inputs, targets)
+    _backward_chain(loss, sent, received)
     grads = _stage_grads(stages, plan)
     ref_grads = {n: p.grad for n, p in reference.named_parameters(remove_duplicate=False)}
     checks = []
@@ -227,26 +227,54 @@ def verify_package(
     )
 
 
+Tensors = dict[str, torch.Tensor]
+
+
 def _run_chain(
     entries: Sequence[tuple[nn.Module, list[str], list[str]]],
     inputs: Mapping[str, torch.Tensor],
     targets: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the stages in order, routing tensors by name as the runtime does; (loss input, loss)."""
-    env: dict[str, torch.Tensor] = dict(inputs)
+) -> tuple[torch.Tensor, torch.Tensor, list[Tensors], list[Tensors]]:
+    """Run the stages in order, as the runtime does: tensors routed by name, and every stage reading
+    its inputs as fresh autograd leaves (what it receives on its rank); (loss input, loss, what each
+    stage returned, what each stage read)."""
+    env: Tensors = dict(inputs)
+    sent: list[Tensors] = []
+    received: list[Tensors] = []
     for module, in_names, out_names in entries[:-1]:
         missing = [n for n in in_names if n not in env]
         if missing:
             raise PackageError(f"{type(module).__name__} reads {missing}, which no earlier stage returns")
-        result = module(*(env[n] for n in in_names))
+        leaves = {n: env[n].detach().requires_grad_(env[n].requires_grad) for n in in_names}
+        try:
+            result = module(*leaves.values())
+        except Exception as exc:
+            raise PackageError(f"{type(module).__name__} failed on its received inputs: {exc}") from exc
         results = (result,) if len(out_names) == 1 else tuple(result)
         if len(results) != len(out_names):
             raise PackageError(
                 f"{type(module).__name__} returns {len(results)} tensors, declares {len(out_names)}"
             )
         env.update(zip(out_names, results, strict=True))
+        sent.append(dict(zip(out_names, results, strict=True)))
+        received.append(leaves)
     criterion, loss_in, _ = entries[-1]
-    return env[loss_in[0]], criterion(env[loss_in[0]], targets)
+    return env[loss_in[0]], criterion(env[loss_in[0]], targets), sent, received
+
+
+def _backward_chain(loss: torch.Tensor, sent: list[Tensors], received: list[Tensors]) -> None:
+    """Backward stage by stage from the last: a stage's output gradient is the sum of the gradients of
+    every later stage's leaf of that tensor, as the runtime sends them back."""
+    loss.backward()  # type: ignore[no-untyped-call]
+    for k in reversed(range(len(sent))):
+        outputs, grads = [], []
+        for name, tensor in sent[k].items():
+            parts = [g for r in received[k + 1 :] if name in r and (g := r[name].grad) is not None]
+            if tensor.requires_grad and parts:
+                outputs.append(tensor)
+                grads.append(torch.stack(parts).sum(0))
+        if outputs:
+            torch.autograd.backward(outputs, grads)
 
 
 def _stage_grads(stages: Sequence[nn.Module], plan: Plan) -> list[dict[str, torch.Tensor | None]]:

@@ -46,3 +46,26 @@ class PlainTensor(nn.Module):
 
 def plain_tensor() -> PlainTensor:
     return PlainTensor()
+
+
+class InPlace(nn.Module):
+    """Writes tensors in place three ways (a module's ``inplace=True``, ``+=``, a ``_`` method): a stage
+    whose first node does so would write into a received autograd leaf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(6, 8)
+        self.act = nn.ReLU(inplace=True)
+        self.l2 = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.l1(x))
+        g = self.l2(h)
+        g += h
+        out: torch.Tensor = self.head(g.relu_())
+        return out
+
+
+def in_place() -> InPlace:
+    return InPlace()

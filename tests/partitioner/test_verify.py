@@ -152,3 +152,13 @@ def test_exported_stages_follow_their_inputs_device(tmp_path: Path) -> None:
     assert "input_device = input_ids.device" in code["stage0.py"]
     assert "device = input_device" in code["stage0.py"]
     assert verify_package(tmp_path / "pkg").ok
+
+
+def test_stage_writing_its_input_in_place(tmp_path: Path) -> None:
+    """Cuts right before ReLU(inplace=True) and before .relu_(): on a rank the received tensor is an
+    autograd leaf, so the stage must write into a copy; verify runs stages on leaves, as ranks do."""
+    folder = _package(tmp_path, "tests/partitioner/codegen_models.py:in_place", [2, 5])
+    _assert_match(folder, 3)
+    for k, name in ((1, "l1"), (2, "add")):
+        assert f"{name}_copy = {name}.clone()" in (folder / f"stage{k}.py").read_text()
+    assert "clone" not in (folder / "stage0.py").read_text()
