@@ -592,21 +592,25 @@ def _verify_table(report: Any) -> Any:
 @click.option("--batch-size", type=click.IntRange(min=1), help="Samples per minibatch [plan.json].")
 @click.option("--microbatches", type=click.IntRange(min=1), help="Microbatches per minibatch [plan.json].")
 @click.option("--schedule", type=click.Choice(["pipedream", "1f1b", "gpipe"]), help="[plan.json]")
-@click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default="auto", show_default=True)
+@click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default="auto", show_default=True,
+              help="auto: nccl when the ranks have GPUs, gloo on CPU.")  # fmt: skip
 @click.option("--data", default="synthetic", show_default=True, help="synthetic, module:fn or file.py:fn.")
 @click.option("--optimizer", type=click.Choice(["sgd", "adam"]), default="sgd", show_default=True)
-@click.option("--lr", type=float, default=0.01, show_default=True)
-@click.option("--momentum", type=float, default=0.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--lr", type=float, default=0.01, show_default=True, help="Learning rate.")
+@click.option("--momentum", type=float, default=0.0, show_default=True, help="SGD momentum.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Weights and data seed.")
 @click.option("--shuffle", is_flag=True, help="Shuffle a user dataset every epoch.")
-@click.option("--checkpoint-dir", type=click.Path(file_okay=False))
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False),
+              help="Where step-N/stageK.pt go  [default: PACKAGE/run/checkpoints]")  # fmt: skip
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, help="Steps between checkpoints.")
 @click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint.")
-@click.option("--trace", type=click.Path(dir_okay=False), help="Merged Chrome trace.")
-@click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True)
-@click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True)
-@click.option("--master-addr", default="127.0.0.1", show_default=True)
+@click.option("--trace", type=click.Path(dir_okay=False), help="One Chrome trace of all ranks (Perfetto).")
+@click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
+              help="Seconds a rank waits on its peers before the job is stopped.")  # fmt: skip
+@click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True, help="Machines.")
+@click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True,
+              help="This machine's index (run the same command on every node).")  # fmt: skip
+@click.option("--master-addr", default="127.0.0.1", show_default=True, help="Node 0's address (rendezvous).")
 @click.option("--master-port", type=click.IntRange(min=0, max=65535), default=0, help="0: a free port.")
 @click.option("--dry-run", is_flag=True, help="Print each node's torchrun command instead of running.")
 @user_errors
