@@ -30,8 +30,11 @@ unit: $(STAMP)
 
 test: lint typecheck unit
 
+# The benchmarks write benchmarks/results/*.{json,md}; they take minutes each (see the README).
 bench: $(STAMP)
-	$(BIN)/python benchmarks/run_all.py
+	$(BIN)/python benchmarks/bench_profile.py
+	$(BIN)/python benchmarks/bench_optimizer.py
+	$(BIN)/python benchmarks/bench_runtime.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
