@@ -17,16 +17,19 @@ from partitioner.graph import (
     save_profile,
     write_graph_txt,
 )
+from tests.data import PIPEDREAM_GRAPHS
 
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "pipedream-profiles"
-GRAPHS = sorted(SHARED.glob("*/graph.txt")) if SHARED.is_dir() else []
+GRAPHS = PIPEDREAM_GRAPHS
+
+
+def test_all_pipedream_profiles_are_here() -> None:
+    assert len(GRAPHS) == 14
 
 
 def _edges(profile: Profile) -> set[tuple[str, str]]:
     return {(src, n.id) for n in profile.nodes for src in n.inputs}
 
 
-@pytest.mark.skipif(not GRAPHS, reason="../shared/pipedream-profiles is not present")
 @pytest.mark.parametrize("path", GRAPHS, ids=lambda p: p.parent.name)
 def test_pipedream_profile_loads_and_round_trips(path: Path, tmp_path: Path) -> None:
     profile = load_profile(path)
