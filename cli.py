@@ -581,6 +581,79 @@ def _verify_table(report: Any) -> Any:
     return table
 
 
+# ----------------------------------------------------------------------------- calibrate
+# (partitioner/calibrate.py: measured stage times fed back into the profile)
+
+
+def _newest_run(models_dir: str) -> Any:
+    from pathlib import Path
+
+    from partitioner.errors import PipeplanError
+
+    found = sorted(Path(models_dir).glob("**/run/metrics.json"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise PipeplanError(f"no package under {models_dir}/ has a run/metrics.json; train one: pipeplan run")
+    return found[-1].parent.parent
+
+
+@main.command()
+@click.argument("package", required=False, type=click.Path(file_okay=False, path_type=str))
+@click.option("--metrics", "metrics_path", type=click.Path(dir_okay=False, path_type=str), default=None,
+              help="The run's metrics.json  [default: PACKAGE/run/metrics.json]")  # fmt: skip
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=str), default=None,
+              help="The calibrated profile  [default: calibrated.json beside the profile]")  # fmt: skip
+@click.option("--models-dir", default="models", show_default=True, type=click.Path(path_type=str),
+              help="Where to look for the newest trained package when PACKAGE is not given.")  # fmt: skip
+@user_errors
+def calibrate(package: str | None, metrics_path: str | None, output: str | None, models_dir: str) -> None:
+    """Scale a profile's layer times to what a run measured per stage -> a calibrated profile.
+
+    \b
+    The profiler times each layer alone; `pipeplan run` measures each stage as it really runs
+    (threads, microbatch size, neighbours, optimizer step). Plan again from what was measured:
+      pipeplan run --steps 20
+      pipeplan calibrate
+      pipeplan partition --profile profiles/MODEL/calibrated.json --gpus N
+    """
+    from pathlib import Path
+
+    from partitioner.calibrate import calibrate as calibrated
+    from partitioner.calibrate import load_run_times
+    from partitioner.errors import PipeplanError
+    from partitioner.graph import load_profile, save_profile
+    from partitioner.plan import load_plan
+
+    folder = Path(package) if package is not None else _newest_run(models_dir)
+    plan = load_plan(folder / "plan.json")
+    if not plan.profile:
+        raise PipeplanError(f"{folder}/plan.json does not name the profile it was planned from")
+    profile = load_profile(plan.profile)
+    run = load_run_times(metrics_path or folder / "run" / "metrics.json")
+    result = calibrated(profile, plan, run.stage_s, run.batch_size, run.source)
+    path = Path(output) if output else Path(plan.profile).with_name("calibrated.json")
+    save_profile(result, path)
+    console = _console()
+    console.print(_calibration_table(profile, plan, run.stage_s))
+    console.print(f"wrote {path}; next: pipeplan partition --profile {path} ...", soft_wrap=True)
+
+
+def _calibration_table(profile: Any, plan: Any, measured_s: Any) -> Any:
+    from rich.table import Table
+
+    from partitioner.calibrate import stage_factors
+
+    factors = stage_factors(profile, plan, measured_s)
+    table = Table(title=f"{profile.model}: compute per minibatch", title_justify="left")
+    for column in ("stage", "profiled", "measured", "factor"):
+        table.add_column(column, justify="right")
+    for stage in plan.stages:
+        profiled = sum(profile.node(n).compute_ms for n in stage.nodes)
+        measured = measured_s.get(stage.index)
+        table.add_row(str(stage.index), f"{profiled:.2f} ms", f"{measured * 1e3:.2f} ms" if measured else "-",
+                      f"{factors[stage.index]:.2f}x" if stage.index in factors else "-")  # fmt: skip
+    return table
+
+
 # ----------------------------------------------------------------------------- run
 # (owned by the runtime: runtime/)
 

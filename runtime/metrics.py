@@ -27,16 +27,20 @@ class Recorder:
     stage: int
     trace: bool = False
     seconds: dict[str, float] = field(default_factory=lambda: {"compute": 0.0, "comm": 0.0})
+    cpu_seconds: dict[str, float] = field(default_factory=lambda: {"compute": 0.0, "comm": 0.0})
     events: list[dict[str, Any]] = field(default_factory=list)
 
     @contextmanager
     def span(self, name: str, category: str) -> Iterator[None]:
-        start = time.time()
+        """Wall and CPU time of the block (CPU time of this thread: on a shared machine the gap
+        between the two is time the rank was runnable but not running)."""
+        start, cpu = time.time(), time.thread_time()
         try:
             yield
         finally:
             end = time.time()
             self.seconds[category] = self.seconds.get(category, 0.0) + end - start
+            self.cpu_seconds[category] = self.cpu_seconds.get(category, 0.0) + time.thread_time() - cpu
             if self.trace:
                 self.events.append(
                     {"name": name, "cat": category, "ph": "X", "pid": self.rank, "tid": self.stage,
@@ -54,6 +58,11 @@ class RankMetrics:
         wall_s: seconds from the first to the last timed step boundary.
         compute_s: forward, backward and optimizer seconds.
         comm_s: seconds blocked in receives and all-reduces.
+        compute_cpu_s: CPU seconds of the main thread within ``compute_s`` (less than ``compute_s``
+            when other processes took the core).
+        cpu_s: CPU seconds of the whole rank process (all threads, gloo's included) over the steps.
+        sends_in_flight_max: the most sent tensors this rank kept alive at once, waiting to be known
+            received (bounded by the schedule, not by the number of steps).
         step_times_s: wall seconds of each step on this rank.
         losses: loss per step (last stage only, else empty).
         param_sq_sum: sum of squares of the stage's parameters at the end (replicas must agree exactly).
@@ -65,6 +74,9 @@ class RankMetrics:
     compute_s: float
     comm_s: float
     step_times_s: tuple[float, ...]
+    compute_cpu_s: float = 0.0
+    cpu_s: float = 0.0
+    sends_in_flight_max: int = 0
     losses: tuple[float, ...] = ()
     param_sq_sum: float = 0.0
 
@@ -88,6 +100,7 @@ def summarize(
         "time_per_minibatch_s": measured,
         "predicted_time_per_minibatch_s": predicted_s,
         "ratio_measured_over_predicted": measured / predicted_s if measured and predicted_s else None,
+        "batch_size": batch_size,
         "samples_per_s": batch_size / measured if measured else None,
         "warmup_steps_excluded": warmup,
         "stages": _stage_times(ranks),

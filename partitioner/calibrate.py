@@ -1,0 +1,105 @@
+"""Feed a run's measured stage times back into its profile: metrics.json + plan.json -> Profile.
+
+The profiler times each layer alone, in one process, at the profiled batch size. A training run
+measures every stage as it really runs: with the rank's threads, at the microbatch size, next to the
+other ranks, with its optimizer step. Scaling each stage's layers by measured / profiled keeps the
+per-layer shape the profiler found and makes the next ``pipeplan partition`` predict what this
+cluster does. Pure Python, no torch: the inputs are JSON files.
+
+Example:
+    >>> calibrated = calibrate(profile, plan, {0: 0.52, 1: 0.61}, batch_size=profile.batch_size)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from partitioner.errors import PipeplanError
+from partitioner.graph import Profile
+from partitioner.plan import Plan
+
+__all__ = ["RunTimes", "calibrate", "load_run_times", "stage_factors"]
+
+
+@dataclass(frozen=True)
+class RunTimes:
+    """What calibration needs from a metrics.json.
+
+    Attributes:
+        stage_s: compute seconds per minibatch of each stage, its replicas summed.
+        batch_size: samples per minibatch of the run (None when the file does not say).
+        source: the file it came from.
+    """
+
+    stage_s: Mapping[int, float]
+    batch_size: int | None
+    source: str
+
+
+def load_run_times(path: str | os.PathLike[str]) -> RunTimes:
+    """Read the per-stage compute seconds per minibatch that ``pipeplan run`` wrote.
+
+    Raises:
+        PipeplanError: the file is missing, not JSON, or not a pipeplan metrics file with stage times.
+    """
+    source = Path(path)
+    try:
+        doc = json.loads(source.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise PipeplanError(f"no {source}: train the package first (`pipeplan run`)") from exc
+    except (OSError, ValueError) as exc:
+        raise PipeplanError(f"cannot read {source}: {exc}") from exc
+    if not isinstance(doc, dict) or doc.get("schema") != "pipeplan.metrics/1" or not doc.get("stages"):
+        raise PipeplanError(f"{source} is not a pipeplan metrics.json with per-stage times")
+    stage_s = {int(s["stage"]): float(s["compute_s_per_minibatch"]) for s in doc["stages"]}
+    rate, step = doc.get("samples_per_s"), doc.get("time_per_minibatch_s")
+    batch = doc.get("batch_size") or (round(rate * step) if rate and step else None)
+    return RunTimes(stage_s, int(batch) if batch else None, str(source))
+
+
+def stage_factors(profile: Profile, plan: Plan, measured_s: Mapping[int, float]) -> dict[int, float]:
+    """measured / profiled compute per stage, for the stages that were measured and have profiled time.
+
+    Raises:
+        PipeplanError: the plan names nodes the profile lacks, or a measured stage is not in the plan.
+    """
+    ids = {n.id: n for n in profile.nodes}
+    factors: dict[int, float] = {}
+    for stage in plan.stages:
+        missing = [n for n in stage.nodes if n not in ids]
+        if missing:
+            raise PipeplanError(f"the plan's stage {stage.index} names {missing[0]!r}, not in the profile")
+        profiled = math.fsum(ids[n].compute_ms for n in stage.nodes) / 1e3
+        if stage.index in measured_s and profiled > 0 and measured_s[stage.index] > 0:
+            factors[stage.index] = measured_s[stage.index] / profiled
+    unknown = sorted(set(measured_s) - {s.index for s in plan.stages})
+    if unknown:
+        raise PipeplanError(f"the run measured stage {unknown[0]}, which the plan does not have")
+    return factors
+
+
+def calibrate(
+    profile: Profile, plan: Plan, measured_s: Mapping[int, float], batch_size: int | None, source: str = ""
+) -> Profile:
+    """The profile with each measured stage's layer times scaled to what the run measured.
+
+    ``batch_size`` is the run's minibatch; times are rescaled linearly to the profile's batch size
+    when they differ. Layers of unmeasured stages keep their times.
+    """
+    scale = (profile.batch_size / batch_size) if profile.batch_size and batch_size else 1.0
+    factors = {k: f * scale for k, f in stage_factors(profile, plan, measured_s).items()}
+    factor_of = {n: factors[s.index] for s in plan.stages if s.index in factors for n in s.nodes}
+    nodes = tuple(
+        replace(n, forward_ms=n.forward_ms * factor_of[n.id], backward_ms=n.backward_ms * factor_of[n.id])
+        if n.id in factor_of
+        else n
+        for n in profile.nodes
+    )
+    note: dict[str, Any] = {"metrics": source, "plan_stages": len(plan.stages), "factors": factors}
+    return replace(profile, nodes=nodes, extra={**dict(profile.extra), "calibrated": note})

@@ -1,0 +1,65 @@
+"""calibrate: measured stage times scale the profile so the same plan predicts what was measured."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from partitioner.calibrate import calibrate, load_run_times, stage_factors
+from partitioner.errors import PipeplanError
+from partitioner.graph import Profile
+from partitioner.optimizer import evaluate
+from partitioner.plan import Cluster, Plan
+from tests.partitioner.optimizer.conftest import make_profile
+
+COSTS = [(5, 10, 4000, 1000), (8, 16, 2000, 2000), (3, 6, 1000, 50), (9, 18, 500, 3000)]
+CHAIN = [(0, 1), (1, 2), (2, 3)]
+
+
+def _plan() -> tuple[Profile, Plan]:
+    profile = make_profile(COSTS, CHAIN)
+    return profile, evaluate(profile, Cluster.flat(2), ["l1"], [1, 1], "pipedream", 1, "sgd", True)
+
+
+def test_same_plan_predicts_the_measured_stage_times() -> None:
+    profile, plan = _plan()
+    measured = {0: 0.117, 1: 0.054}  # profiled: 39 ms and 36 ms
+    assert stage_factors(profile, plan, measured) == pytest.approx({0: 3.0, 1: 1.5})
+    fixed = calibrate(profile, plan, measured, batch_size=profile.batch_size)
+    again = evaluate(fixed, Cluster.flat(2), ["l1"], [1, 1], "pipedream", 1, "sgd", True)
+    assert [s.compute_s for s in again.stages] == pytest.approx([0.117, 0.054])
+    assert fixed.node("l0").forward_ms == pytest.approx(15.0)  # the per-layer shape is kept
+    assert fixed.extra["calibrated"]["factors"] == pytest.approx({0: 3.0, 1: 1.5})
+
+
+def test_run_batch_size_rescales_linearly() -> None:
+    profile, plan = _plan()
+    fixed = calibrate(profile, plan, {0: 0.039, 1: 0.036}, batch_size=2 * (profile.batch_size or 1))
+    assert fixed.total_compute_ms == pytest.approx(profile.total_compute_ms / 2)
+
+
+def test_unmeasured_stage_keeps_its_times_and_unknown_stage_is_an_error() -> None:
+    profile, plan = _plan()
+    fixed = calibrate(profile, plan, {1: 0.072}, batch_size=None)
+    assert fixed.node("l0") == profile.node("l0") and fixed.node("l3").forward_ms == pytest.approx(18.0)
+    with pytest.raises(PipeplanError, match="stage 5"):
+        calibrate(profile, plan, {5: 1.0}, batch_size=None)
+
+
+def test_load_run_times(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.json"
+    doc = {
+        "schema": "pipeplan.metrics/1",
+        "batch_size": 8,
+        "stages": [{"stage": 0, "compute_s_per_minibatch": 0.5}],
+    }
+    path.write_text(json.dumps(doc))
+    run = load_run_times(path)
+    assert run.stage_s == {0: 0.5} and run.batch_size == 8
+    path.write_text(json.dumps({"schema": "something/else"}))
+    with pytest.raises(PipeplanError, match=r"not a pipeplan metrics\.json"):
+        load_run_times(path)
+    with pytest.raises(PipeplanError, match="pipeplan run"):
+        load_run_times(tmp_path / "none.json")
