@@ -18,6 +18,7 @@ import json
 import logging
 import shutil
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -329,6 +330,21 @@ def _json(doc: Mapping[str, Any]) -> str:
     return json.dumps(doc, indent=1) + "\n"
 
 
+def _keep_runs(out_dir: Path, tmp: Path) -> None:
+    """A package being replaced may hold a training run (metrics, checkpoints of its stages): move it
+    into the new package as ``run.<time of the old plan>`` rather than deleting it. It belongs to the
+    old stages, so it does not stay ``run/``, where ``pipeplan run --resume`` would look."""
+    for old_run in sorted(out_dir.glob("run*")) if out_dir.is_dir() else ():
+        if not old_run.is_dir() or (tmp / old_run.name).exists():
+            continue
+        name = old_run.name
+        if name == "run":
+            stamp = (out_dir / "plan.json").stat().st_mtime if (out_dir / "plan.json").exists() else 0.0
+            name = "run." + time.strftime("%Y%m%d-%H%M%S", time.localtime(stamp))
+        log.warning("the replaced package's %s is kept as %s", old_run, out_dir / name)
+        old_run.rename(tmp / name)
+
+
 def _write_folder(out_dir: Path, files: Mapping[str, str], keep_existing: bool = False) -> None:
     """Write all files into a temporary sibling folder, then swap it in (a reader never sees half)."""
     try:
@@ -338,6 +354,7 @@ def _write_folder(out_dir: Path, files: Mapping[str, str], keep_existing: bool =
             shutil.copytree(out_dir, tmp, dirs_exist_ok=True)
         for name, text in files.items():
             (tmp / name).write_text(text, encoding="utf-8")
+        _keep_runs(out_dir, tmp)
         old = out_dir.with_name(f".{out_dir.name}.old")
         if out_dir.exists():
             shutil.rmtree(old, ignore_errors=True)

@@ -171,6 +171,19 @@ def test_replicated_plan_writes_rank_map(tmp_path: Path) -> None:
     assert [s.ranks for s in final.stages] == [(0, 1, 2), (3,)]
 
 
+def test_replacing_a_package_keeps_its_run(tmp_path: Path) -> None:
+    """Partitioning again must not delete the previous run's metrics and checkpoints."""
+    profile = profile_for("tiny-mlp")
+    write_package(profile, plan_for(profile, [2]), tmp_path / "pkg")
+    (tmp_path / "pkg" / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "pkg" / "run" / "metrics.json").write_text("{}")
+    write_package(profile, plan_for(profile, [4]), tmp_path / "pkg")
+    kept = [p.name for p in (tmp_path / "pkg").glob("run*")]
+    assert len(kept) == 1 and kept[0].startswith("run.2")
+    assert (tmp_path / "pkg" / kept[0] / "metrics.json").read_text() == "{}"
+    assert json.loads((tmp_path / "pkg" / "mp_conf.json").read_text())["module_to_stage_map"] == [0, 1, 1]
+
+
 def test_weights_checkpoint(tmp_path: Path) -> None:
     """--weights: stages load their tensors from a full-model state_dict instead of initialising them."""
     trained = load_model("tiny-mlp").build(seed=42)
