@@ -60,6 +60,7 @@ def main(debug: bool, verbose: int) -> None:
       pipeplan partition --gpus 4     choose stages + replicas  -> models/vgg16/gpus=4/
       pipeplan verify                 check the stages against the original model
       pipeplan run                    train the package on its ranks (torchrun)
+      pipeplan calibrate              feed the run's stage times back -> profiles/<model>/calibrated.json
     """
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
