@@ -60,18 +60,22 @@ class LevelProblem:
         min_replicas: smallest replica count a stage may have (synchronous-schedule candidates).
         max_replicas: largest replica count a stage may have (1 = straight pipeline).
         memory: None, or (limit bytes, optimizer state factor, schedule, total devices).
+        unit_devices: devices in one unit of this level (all levels below multiplied). A stage's
+            time is at least its compute over its devices, compute / (r · unit_devices): the
+            bound behind the device windows of ``solve_direct``.
     """
 
     states: StateSet
     units: int
     bandwidth: float
     inner: int = 1
-    base: Callable[[int, IntArray], FloatArray] | None = None
+    base: Callable[[int | IntArray, IntArray], FloatArray] | None = None
     min_replicas: int = 1
     max_replicas: int | None = None
     memory: tuple[float, int, str, int] | None = field(default=None)
+    unit_devices: int = 1
 
-    def base_time(self, j: int, ks: IntArray) -> FloatArray:
+    def base_time(self, j: int | IntArray, ks: IntArray) -> FloatArray:
         if self.base is not None:
             return self.base(j, ks)
         c = self.states.compute_s
@@ -113,13 +117,24 @@ class _Pairs:
         offsets[1:] = np.cumsum([len(k) for k in ks_list])
         ks = np.concatenate(ks_list).astype(np.int64)
         js = np.repeat(np.arange(n), [len(k) for k in ks_list])
-        base = np.concatenate([prob.base_time(j, k) for j, k in enumerate(ks_list)]) if len(ks) else ks * 0.0
+        base = prob.base_time(js, ks) if len(ks) else ks * 0.0
         params = s.param_bytes[js] - s.param_bytes[ks]
         act = np.where(ks > 0, s.act_bytes[ks], 0.0)
         act = np.maximum(act, np.where(js < n - 1, s.act_bytes[js], 0.0))
         q = 4.0 * params / (prob.bandwidth * prob.inner)
         return _Pairs(offsets, ks, np.asarray(base, dtype=np.float64), q, act, params,
                       s.saved_bytes[js] - s.saved_bytes[ks])  # fmt: skip
+
+    def subset(self, keep: npt.NDArray[np.bool_]) -> _Pairs:
+        """The pairs where ``keep`` holds (same states, same CSR layout)."""
+        offsets = np.zeros_like(self.offsets)
+        offsets[1:] = np.cumsum(np.bincount(self.js()[keep], minlength=len(self.offsets) - 1))
+        return _Pairs(offsets, self.ks[keep], self.base[keep], self.q[keep], self.act[keep],
+                      self.params[keep], self.saved[keep])  # fmt: skip
+
+    def js(self) -> IntArray:
+        """The later state of every pair."""
+        return np.repeat(np.arange(len(self.offsets) - 1), np.diff(self.offsets))
 
     def times(self, r: FloatArray, bandwidth: float) -> FloatArray:
         busy = (self.base + self.q * (r - 1.0) / r) / r
@@ -217,71 +232,217 @@ DIRECT_MAX_UNITS = 64
 BLOCK_ELEMENTS = 400_000
 
 
-def solve_direct(prob: LevelProblem, pairs: _Pairs | None = None) -> tuple[float, list[Segment]]:
+def solve_direct(
+    prob: LevelProblem, pairs: _Pairs | None = None, upper: float = math.inf, lower: float = 0.0
+) -> tuple[float, list[Segment]]:
     """PipeDream's recurrence, exactly: f[j, u] = min over (k, r) of max(f[k, u - r], T(k, j, r)).
 
-    One pass over the pairs, vectorised over predecessors and device counts (``f[k, u]`` is the
-    best time of state k on at most u units). Costs pairs x units^2 / 2, so for few units it beats
-    the bisection; it has no memory model (the bisection has).
+    ``f[k, u]`` is the best time of state k on at most u units. Column u only needs columns < u,
+    so the DP runs over unit counts, each step vectorised over every pair at once. Given the time
+    ``upper`` of some plan, only plans at least as fast matter, and in those every stage of r
+    replicas carries at most r · unit_devices · upper of compute: the cut at state j then has at
+    least ceil(w_j / upper) units before it and ceil((w_N - w_j) / upper) after it
+    (w = compute / unit_devices), so f[j, u] is only computed for u in that window (``_windows``),
+    and a pair only with replica counts that can meet ``upper``. Given a lower bound on the
+    optimum, some optimal plan gives each stage the fewest replicas that meet the optimum, which
+    is no more than the fewest that meet ``lower``: that caps every pair's replicas. Exact
+    whenever ``lower`` <= optimum <= ``upper``; no memory model (the bisection has one).
+
+    Raises:
+        InfeasibleError: no plan at all (or none as fast as ``upper``).
     """
     pairs = pairs or _Pairs.of(prob)
     n, units = len(prob.states), prob.units
-    cap = units if prob.max_replicas is None else min(units, prob.max_replicas)
+    cand = _Candidates.of(prob, pairs, *_windows(prob, upper), upper, lower)
     f = np.full((n, units + 1), np.inf)
     f[0, :] = 0.0
-    arg_k = np.zeros((n, units + 1), dtype=np.int64)
-    arg_r = np.zeros((n, units + 1), dtype=np.int64)
-    reps = np.arange(max(1, prob.min_replicas), cap + 1, dtype=np.float64)
-    shift = np.arange(units + 1)[None, :] - reps[:, None].astype(np.int64)  # [r, u] -> u - r
-    valid = shift >= 0
-    shift = np.where(valid, shift, 0)
-    for j in range(1, n):
-        lo, hi = int(pairs.offsets[j]), int(pairs.offsets[j + 1])
-        ks = pairs.ks[lo:hi]
-        busy = (pairs.base[lo:hi, None] + pairs.q[lo:hi, None] * (reps - 1.0) / reps) / reps
-        t = np.maximum(busy, 2.0 * pairs.act[lo:hi, None] / (prob.bandwidth * reps))  # [k, r]
-        if len(ks) * len(reps) * (units + 1) <= BLOCK_ELEMENTS:  # one shot over (k, r, u)
-            prev = np.where(valid, f[ks][:, shift], np.inf)  # [k, r, u]: f[k, u - r]
-            cand = np.maximum(prev, t[:, :, None]).reshape(len(ks) * len(reps), units + 1)
-            at = np.argmin(cand, axis=0)
-            f[j] = cand[at, np.arange(units + 1)]
-            arg_k[j] = ks[at // len(reps)]
-            arg_r[j] = reps[at % len(reps)].astype(np.int64)
-            continue
-        rows = f[ks]
-        for i, r in enumerate(int(x) for x in reps):  # large predecessor sets: one r at a time
-            cand2 = np.maximum(rows[:, : units + 1 - r], t[:, i, None])  # column c: u = c + r
-            at2 = np.argmin(cand2, axis=0)
-            val = cand2[at2, np.arange(units + 1 - r)]
-            better = val < f[j, r:]
-            f[j, r:][better] = val[better]
-            arg_k[j, r:][better] = ks[at2[better]]
-            arg_r[j, r:][better] = r
+    for u in range(1, units + 1):
+        _fill_column(prob, cand, f, u)
     last = n - 1
     if not np.isfinite(f[last, units]):
         raise InfeasibleError("no plan fits")
+    return float(f[last, units]), _trace(prob, cand, f)
+
+
+def _windows(prob: LevelProblem, upper: float) -> tuple[IntArray, IntArray]:
+    """Per state: fewest units a plan as fast as ``upper`` has before it, and how many counts to try."""
+    n, units = len(prob.states), prob.units
+    if not (math.isfinite(upper) and upper > 0):
+        return np.zeros(n, dtype=np.int64), np.full(n, units + 1, dtype=np.int64)
+    w = prob.states.compute_s / (prob.unit_devices * upper)
+    before = np.maximum(np.ceil(w - 1e-9), 0.0)  # 1e-9: a plan exactly at upper stays inside
+    after = np.maximum(np.ceil((w[-1] - w) - 1e-9), 0.0)
+    before[0] = 0.0
+    lo = before.astype(np.int64)
+    return lo, np.maximum(units - after.astype(np.int64) - lo + 1, 0)
+
+
+@dataclass(frozen=True)
+class _Candidates:
+    """The (pair, replicas) choices that can take part in a plan between the bounds."""
+
+    pairs: _Pairs
+    ks: IntArray  # per pair
+    r_lo: IntArray
+    r_hi: IntArray
+    pair: IntArray  # per choice: its pair, grouped by later state
+    later: IntArray  # per choice: the later state j
+    reps: IntArray
+    time: FloatArray
+    u_lo: IntArray  # unit counts (up to and including the stage) at which the choice applies
+    u_hi: IntArray
+
+    @staticmethod
+    def of(
+        prob: LevelProblem, pairs: _Pairs, lo: IntArray, width: IntArray, upper: float, lower: float
+    ) -> _Candidates:
+        cap = prob.units if prob.max_replicas is None else min(prob.units, prob.max_replicas)
+        js, ks = pairs.js(), pairs.ks
+        r_lo = np.full(len(ks), float(max(1, prob.min_replicas)))
+        if math.isfinite(upper) and upper > 0:  # busy >= base / r and cut traffic 2·act / (B·r)
+            with np.errstate(invalid="ignore", over="ignore"):
+                need = np.maximum(pairs.base, 2.0 * pairs.act / prob.bandwidth) / upper
+            r_lo = np.maximum(r_lo, np.ceil(np.where(np.isnan(need), np.inf, need) - 1e-9))
+            r_lo = np.maximum(r_lo, _replicas_needed(prob, pairs, upper * (1 + 1e-9)))  # inf: never
+        r_hi = np.minimum(cap, lo[js] + width[js] - 1 - lo[ks])
+        if lower > 0:  # (1 - 1e-9): a count that meets slightly less than lower surely meets the optimum
+            most = _replicas_needed(prob, pairs, lower * (1 - 1e-9))
+            r_hi = np.minimum(r_hi, np.where(np.isfinite(most), most, cap).astype(np.int64))
+        keep = (width[js] > 0) & (width[ks] > 0) & (r_lo <= r_hi)
+        sub = pairs.subset(keep)
+        r_lo_k = r_lo[keep].astype(np.int64)
+        r_hi_k = r_hi[keep]
+        count = r_hi_k - r_lo_k + 1
+        pair = np.repeat(np.arange(len(sub.ks)), count)
+        first = np.cumsum(count) - count
+        reps = r_lo_k[pair] + (np.arange(len(pair)) - first[pair])
+        k, j = sub.ks[pair], js[keep][pair]
+        u_lo = np.maximum(lo[j], lo[k] + reps)
+        u_hi = np.minimum(lo[j] + width[j], lo[k] + width[k] + reps) - 1
+        time = _pair_times(prob, sub, pair, reps.astype(np.float64)[:, None])[:, 0]
+        return _Candidates(sub, sub.ks, r_lo_k, r_hi_k, pair, j, reps, time, u_lo, u_hi)
+
+
+def _fill_column(prob: LevelProblem, cand: _Candidates, f: FloatArray, u: int) -> None:
+    """f[:, u] from the columns before it: every choice that applies at u, one numpy pass."""
+    active = np.flatnonzero((cand.u_lo <= u) & (u <= cand.u_hi))
+    if not len(active):
+        return
+    pair = cand.pair[active]
+    cols = f.shape[1]
+    val = np.maximum(f.ravel()[cand.ks[pair] * cols + (u - cand.reps[active])], cand.time[active])
+    js = cand.later[active]
+    starts = np.flatnonzero(np.diff(js, prepend=-1))  # choices are grouped by j
+    f[js[starts], u] = np.minimum.reduceat(val, starts)
+
+
+def _pair_times(prob: LevelProblem, pairs: _Pairs, idx: IntArray, r: FloatArray) -> FloatArray:
+    """Stage time of pairs ``idx`` with r replicas (r is [pair, ...]), as PipeDream prices it."""
+    busy = (pairs.base[idx, None] + pairs.q[idx, None] * (r - 1.0) / r) / r
+    return np.asarray(np.maximum(busy, 2.0 * pairs.act[idx, None] / (prob.bandwidth * r)), dtype=np.float64)
+
+
+def _trace(prob: LevelProblem, cand: _Candidates, f: FloatArray) -> list[Segment]:
+    """Rebuild the stages: at each state, the first (k, r) that attains f (k, then r, ascending)."""
     stages: list[Segment] = []
-    j, u = last, units
+    j, u = len(f) - 1, prob.units
+    offsets = cand.pairs.offsets
     while j > 0:
-        k, used = int(arg_k[j, u]), int(arg_r[j, u])
-        stages.append(Segment(k, j, used))
-        j, u = k, u - used
-    return float(f[last, units]), stages[::-1]
+        idx = np.arange(offsets[j], offsets[j + 1])
+        reps = np.arange(1, u + 1)
+        ok = (reps[None, :] >= cand.r_lo[idx, None]) & (reps[None, :] <= cand.r_hi[idx, None])
+        t = _pair_times(prob, cand.pairs, idx, np.broadcast_to(reps, (len(idx), u)).astype(np.float64))
+        ks = cand.ks[idx]
+        val = np.where(ok, np.maximum(f[ks[:, None], u - reps[None, :]], t), np.inf)
+        hit = np.flatnonzero(val.ravel() <= f[j, u])
+        if not len(hit):
+            raise RuntimeError("direct DP and its trace disagree (a pipeplan bug)")
+        row, col = divmod(int(hit[0]), u)
+        stages.append(Segment(int(ks[row]), j, int(reps[col])))
+        j, u = int(ks[row]), u - int(reps[col])
+    return stages[::-1]
+
+
+def _chain_upper(prob: LevelProblem, pairs: _Pairs, most: int = 48) -> float:
+    """Time of the best plan cut only at prefixes of the layer order, thinned to ``most`` cuts.
+
+    Prefixes are downsets, so that plan is one the full search also considers: its time is an
+    attained upper bound for the windows, found on a few hundred pairs.
+    """
+    masks = prob.states.masks
+    prefix = np.array([m & (m + 1) == 0 for m in masks])
+    idx = np.flatnonzero(prefix)
+    if len(idx) < 2 or idx[-1] != len(masks) - 1:
+        return math.inf
+    if len(idx) > most:
+        c = prob.states.compute_s[idx]
+        pick = np.searchsorted(c, np.linspace(0.0, c[-1], most))
+        idx = idx[sorted({0, len(idx) - 1, *np.minimum(pick, len(idx) - 1).tolist()})]
+    chosen = np.zeros(len(masks), dtype=bool)
+    chosen[idx] = True
+    sub = pairs.subset(chosen[pairs.ks] & chosen[pairs.js()])
+    try:
+        return solve_direct(prob, sub)[0]
+    except InfeasibleError:
+        return math.inf
+
+
+def _reachable(prob: LevelProblem, pairs: _Pairs, tau: float) -> bool:
+    """Whether some plan has every stage at most tau: fewest units, vectorised over unit counts."""
+    need = _replicas_needed(prob, pairs, tau)
+    ok = np.isfinite(need)
+    ks, js, r = pairs.ks[ok], pairs.js()[ok], need[ok].astype(np.int64)
+    n, units = len(prob.states), prob.units
+    if not len(ks):
+        return n == 1
+    reach = np.zeros((n, units + 1), dtype=bool)  # reach[j, u]: state j on at most u units
+    reach[0, :] = True
+    starts = np.flatnonzero(np.diff(js, prepend=-1))
+    where = js[starts]
+    for u in range(1, units + 1):
+        hit = (r <= u) & reach[ks, np.maximum(u - r, 0)]
+        reach[where, u] = np.logical_or.reduceat(hit, starts)
+        if reach[n - 1, u]:
+            return True
+    return False
+
+
+def _narrow(prob: LevelProblem, pairs: _Pairs, lower: float, upper: float) -> tuple[float, float]:
+    """Bounds on the optimum within 5% of each other: decision probes galloping down from upper.
+
+    Probe tolerances are kept on the safe side: a feasible tau gives upper = tau (1 + 1e-8),
+    an infeasible one lower = tau (1 - 1e-9).
+    """
+    lo, hi, step = lower, upper, 0.01
+    for _ in range(8):
+        if not (math.isfinite(hi) and hi > lo * 1.05):
+            break
+        tau = hi * (1 - step) if lo < hi * (1 - step) * 0.97 else math.sqrt(lo * hi)
+        if _reachable(prob, pairs, tau):
+            hi, step = min(hi, tau * (1 + 1e-8)), 2 * step
+        else:
+            lo = max(lo, tau * (1 - 1e-9))
+    return lo, hi
 
 
 def solve_bottleneck(prob: LevelProblem, lower: float = 0.0) -> tuple[float, list[Segment], float]:
     """Minimise the slowest stage at this level; returns (time, stages, certified lower bound).
 
-    Few units and no memory limit: the direct recurrence (exact, bound = the optimum). Otherwise
-    bisection on the time with the fewest-units DP.
+    Few units and no memory limit: the direct recurrence (exact, bound = the optimum), bounded by
+    a quick plan over prefixes and decision probes that bring lower and upper bounds within 5%.
+    Otherwise (or if those bounds ever failed) bisection on the time with the fewest-units DP.
 
     Raises:
         InfeasibleError: no plan fits, even with unlimited time (memory too small).
     """
     pairs = _Pairs.of(prob)
     if prob.memory is None and prob.units <= DIRECT_MAX_UNITS:
-        time, stages = solve_direct(prob, pairs)
-        return time, stages, time
+        low, upper = _narrow(prob, pairs, lower, _chain_upper(prob, pairs))
+        try:
+            time, stages = solve_direct(prob, pairs, upper, low)
+            return time, stages, time
+        except InfeasibleError:  # only if the bounds were wrong: search without them
+            pass
     return solve_bisection(prob, lower, pairs)
 
 
@@ -399,7 +560,7 @@ def solve_hierarchy(
 ) -> tuple[float, list[Segment], float]:
     """PipeDream's recursion: each inner level's best segment time is the next level's compute time."""
     tables: list[tuple[_Table, _Table]] = []
-    base: Callable[[int, IntArray], FloatArray] | None = None
+    base: Callable[[int | IntArray, IntArray], FloatArray] | None = None
     inner = 1
     for devices, bw in levels[:-1]:
         prob = LevelProblem(states, devices, bw, inner, base, max_replicas=max_replicas)
@@ -409,7 +570,8 @@ def solve_hierarchy(
         inner = devices
     devices, bw = levels[-1]
     lower = float(states.compute_s[-1]) / math.prod(d for d, _ in levels)
-    top = LevelProblem(states, devices, bw, inner, base, max_replicas=max_replicas)
+    below = math.prod(d for d, _ in levels[:-1])
+    top = LevelProblem(states, devices, bw, inner, base, max_replicas=max_replicas, unit_devices=below)
     time, stages, lo = solve_bottleneck(top, lower)
 
     def expand(seg: Segment, level: int) -> Segment:
@@ -421,10 +583,10 @@ def solve_hierarchy(
     return time, [expand(seg, len(tables) - 1) for seg in stages], lo
 
 
-def _base_from(table: _Table, units: int) -> Callable[[int, IntArray], FloatArray]:
+def _base_from(table: _Table, units: int) -> Callable[[int | IntArray, IntArray], FloatArray]:
     best = table.time[units]
 
-    def base(j: int, ks: IntArray) -> FloatArray:
+    def base(j: int | IntArray, ks: IntArray) -> FloatArray:
         return np.asarray(best[ks, j], dtype=np.float64)
 
     return base

@@ -20,6 +20,7 @@ from partitioner.errors import InfeasibleError
 from partitioner.graph import Profile
 from partitioner.optimizer.dp import Segment
 from partitioner.optimizer.states import _layers
+from partitioner.optimizer.states import addable as _addable
 
 __all__ = ["Lattice", "enumerate_lattice", "solve_lattice"]
 
@@ -104,17 +105,6 @@ def enumerate_lattice(profile: Profile, cap: int, max_layer: int = 20_000) -> La
         cov[i, : len(c)] = c
     return Lattice(tuple(ids), tuple(masks), np.array(starts, dtype=np.int64), cov,
                    np.array(c_s), np.array(p_s), np.array(a_s))  # fmt: skip
-
-
-def _addable(base: int, x: int, grown: int, preds: list[int], succs: list[int]) -> int:
-    free, s = base, succs[x]
-    while s:
-        low = s & -s
-        s ^= low
-        y = low.bit_length() - 1
-        if preds[y] & grown == preds[y]:
-            free |= low
-    return free
 
 
 def _act_delta(x: int, grown: int, preds: list[int], succs: list[int], out: list[float]) -> float:

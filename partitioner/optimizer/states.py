@@ -135,32 +135,55 @@ def _layers(profile: Profile) -> tuple[list[str], list[int], list[int]]:
     return ids, preds, succs
 
 
-def _enumerate(preds: list[int], cap: int) -> list[int] | None:
-    """Every downset, breadth first by size; None once there are more than ``cap``."""
-    seen = {0}
-    layer = [0]
+def _enumerate(preds: list[int], succs: list[int], cap: int) -> list[int] | None:
+    """Every downset, breadth first by size; None once there are more than ``cap``.
+
+    Each downset carries the bitmask of layers that may join it next, so growing it touches only
+    those (not every layer): the enumeration costs states x addable layers.
+    """
+    roots = sum(1 << i for i, p in enumerate(preds) if p == 0)
+    layer = {0: roots}
+    found = [0]
     while layer:
-        nxt: list[int] = []
-        for mask in layer:
-            for i, p in enumerate(preds):
-                bit = 1 << i
-                if not mask & bit and p & mask == p:
-                    grown = mask | bit
-                    if grown not in seen:
-                        seen.add(grown)
-                        nxt.append(grown)
-            if len(seen) > cap:
+        nxt: dict[int, int] = {}
+        for mask, free in layer.items():
+            rest = free
+            while rest:
+                low = rest & -rest
+                rest ^= low
+                grown = mask | low
+                if grown not in nxt:
+                    nxt[grown] = addable(free & ~low, low.bit_length() - 1, grown, preds, succs)
+            if len(found) + len(nxt) > cap:
                 return None
+        found.extend(sorted(nxt))
         layer = nxt
-    return sorted(seen, key=lambda m: (m.bit_count(), m))
+    return found
+
+
+def addable(base: int, x: int, grown: int, preds: list[int], succs: list[int]) -> int:
+    """Layers that may join downset ``grown`` (just grown by layer x from a set whose were ``base``)."""
+    free, s = base, succs[x]
+    while s:
+        low = s & -s
+        s ^= low
+        y = low.bit_length() - 1
+        if preds[y] & grown == preds[y]:
+            free |= low
+    return free
+
+
+def _bits(masks: list[int], width: int) -> npt.NDArray[np.uint8]:
+    """The masks as a 0/1 matrix [state, layer], unpacked from their bytes in one numpy call."""
+    nbytes = max(1, (width + 7) // 8)
+    raw = b"".join(m.to_bytes(nbytes, "little") for m in masks)
+    packed = np.frombuffer(raw, dtype=np.uint8).reshape(len(masks), nbytes)
+    return np.unpackbits(packed, axis=1, bitorder="little")[:, :width]
 
 
 def _sums(profile: Profile, ids: list[str], masks: list[int]) -> tuple[FloatArray, ...]:
     nodes = {n.id: n for n in profile.nodes}
-    mat = np.zeros((len(masks), len(ids)), dtype=np.float64)
-    for s, mask in enumerate(masks):
-        bits = [i for i in range(len(ids)) if mask >> i & 1]
-        mat[s, bits] = 1.0
+    mat = _bits(masks, len(ids)).astype(np.float64)
     comp = np.array([nodes[i].compute_ms / 1000.0 for i in ids])
     par = np.array([float(nodes[i].param_bytes) for i in ids])
     sav = np.array([float(nodes[i].saved_bytes) for i in ids])
@@ -169,32 +192,59 @@ def _sums(profile: Profile, ids: list[str], masks: list[int]) -> tuple[FloatArra
 
 def _boundary(profile: Profile, ids: list[str], succs: list[int], mat: FloatArray) -> FloatArray:
     """Bytes each downset sends onward: outputs of members that a non-member reads."""
-    n = len(ids)
-    adj = np.zeros((n, n), dtype=np.float64)
+    src, dst = [], []
     for i, s in enumerate(succs):
-        adj[i, [t for t in range(n) if s >> t & 1]] = 1.0
-    out = np.array([float(profile.node(i).output_bytes) for i in ids])
-    leaving = ((1.0 - mat) @ adj.T) > 0  # [state, node]: node has a successor outside
-    return np.asarray(((mat > 0) & leaving) @ out, dtype=np.float64)
+        for t in _bit_indices(s):
+            src.append(i)
+            dst.append(t)
+    if not src:
+        return np.zeros(len(mat))
+    senders = np.array(sorted(set(src)), dtype=np.int64)
+    starts = np.searchsorted(np.asarray(src), senders)  # src is sorted: edges grouped by sender
+    inside = np.add.reduceat(mat[:, dst], starts, axis=1)  # [state, sender]: readers inside
+    degree = np.diff(np.append(starts, len(src)))
+    leaving = (mat[:, senders] > 0) & (inside < degree[None, :])
+    nodes = {n.id: n for n in profile.nodes}
+    out = np.array([float(nodes[ids[i]].output_bytes) for i in senders])
+    return np.asarray(leaving @ out, dtype=np.float64)
 
 
-def _subset_preds(mat: FloatArray) -> tuple[IntArray, ...]:
-    sizes = mat.sum(axis=1)
-    inter = mat @ mat.T  # inter[k, j] = |k & j|
-    sub = (np.abs(inter - sizes[:, None]) < 0.5) & (sizes[:, None] < sizes[None, :])
-    return tuple(np.flatnonzero(sub[:, j]).astype(np.int64) for j in range(len(sizes)))
+def _bit_indices(mask: int) -> list[int]:
+    """Positions of the set bits, lowest first."""
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
+
+
+def _subset_preds(masks: list[int], width: int) -> tuple[IntArray, ...]:
+    """preds[j]: the states strictly inside state j, ascending (64 layers per vectorised test)."""
+    words = max(1, (width + 63) // 64)
+    raw = b"".join(m.to_bytes(8 * words, "little") for m in masks)
+    packed = np.frombuffer(raw, dtype=np.uint64).reshape(len(masks), words)
+    outside = np.zeros((len(masks), len(masks)), dtype=np.uint64)  # [k, j]: bits of k not in j
+    for w in range(words):
+        col = packed[:, w]
+        outside |= col[:, None] & ~col[None, :]
+    sub = outside == 0
+    np.fill_diagonal(sub, False)  # the masks are distinct: equal sets are the diagonal only
+    js, ks = np.nonzero(sub.T)
+    counts = np.bincount(js, minlength=len(masks))
+    return tuple(np.split(ks.astype(np.int64), np.cumsum(counts)[:-1]))
 
 
 def downset_states(profile: Profile, max_states: int = DEFAULT_MAX_STATES) -> StateSet | None:
     """All downsets of the layer DAG, or None when there are more than ``max_states``."""
     ids, preds, succs = _layers(profile)
-    masks = _enumerate(preds, max_states)
+    masks = _enumerate(preds, succs, max_states)
     if masks is None:
         return None
     comp, par, sav, mat = _sums(profile, ids, masks)
     act = _boundary(profile, ids, succs, mat)
     is_chain = all(masks[i] & masks[i + 1] == masks[i] for i in range(len(masks) - 1))
-    preds_ = None if is_chain else _subset_preds(mat)
+    preds_ = None if is_chain else _subset_preds(masks, len(ids))
     return StateSet(tuple(ids), tuple(masks), comp, par, sav, act, preds_, True)
 
 
@@ -215,7 +265,9 @@ def chain_states(profile: Profile, max_states: int | None = None) -> StateSet:
     cuts = np.arange(n + 1)
     if max_states is not None and n + 1 > max_states:
         targets = np.linspace(0.0, cum_c[-1], max_states)
-        cuts = np.unique(np.concatenate([[0, n], np.searchsorted(cum_c, targets)]))
+        cuts = np.array(
+            sorted({0, n, *np.searchsorted(cum_c, targets).tolist()})
+        )  # (np.unique imports numpy.ma)
     masks = tuple((1 << int(c)) - 1 for c in cuts)
     exact = len(cuts) == n + 1 and _is_chain(succs)
     return StateSet(tuple(ids), masks, cum_c[cuts], cum_p[cuts], cum_s[cuts], act[cuts], None, exact)
@@ -267,7 +319,7 @@ def multi_order_states(profile: Profile, max_layers: int = 600) -> StateSet:
     comp, par, sav, mat = _sums(profile, ids, ordered)
     act = _boundary(profile, ids, succs, mat)
     is_chain = all(ordered[i] & ordered[i + 1] == ordered[i] for i in range(len(ordered) - 1))
-    preds_ = None if is_chain else _subset_preds(mat)
+    preds_ = None if is_chain else _subset_preds(ordered, len(ids))
     return StateSet(tuple(ids), tuple(ordered), comp, par, sav, act, preds_, False)
 
 

@@ -277,3 +277,35 @@ def test_free_sinks_ride_with_their_producer() -> None:
         assert plan.predicted.time_per_minibatch_s == pytest.approx(
             brute_force(profile, Cluster.flat(gpus, 1e5))
         )
+
+
+@settings(max_examples=60, deadline=None)
+@given(dag=dags, gpus=st.integers(1, 6), comm=st.booleans(), straight=st.booleans(),
+       slack=st.sampled_from([0.0, 1e-12, 0.01, 0.3, 2.0]))  # fmt: skip
+def test_direct_bounds_keep_the_optimum(
+    dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]],
+    gpus: int,
+    comm: bool,
+    straight: bool,
+    slack: float,
+) -> None:
+    """The unit windows and replica ranges of the bounded direct DP never lose the optimum,
+    even when the bounds are the optimum itself; the decision probe agrees on both sides."""
+    from dataclasses import replace
+
+    from partitioner.optimizer.dp import LevelProblem, _Pairs, _reachable, solve_direct
+    from partitioner.optimizer.states import build_states
+
+    costs, raw = dag
+    states = build_states(make_profile(costs, [(a, b) for a, b in raw if a < b]))
+    if not comm:
+        states = replace(states, act_bytes=states.act_bytes * 0.0)
+    prob = LevelProblem(states, gpus, 1e5, max_replicas=1 if straight else None)
+    best, _ = solve_direct(prob)
+    bounded, stages = solve_direct(prob, None, best * (1 + slack), best * (1 - slack))
+    assert bounded == best
+    assert max(prob.stage_time(s.start, s.end, s.replicas) for s in stages) == pytest.approx(best, rel=1e-12)
+    assert sum(s.replicas for s in stages) <= gpus
+    pairs = _Pairs.of(prob)
+    assert _reachable(prob, pairs, best * (1 + 1e-9))
+    assert not _reachable(prob, pairs, best * (1 - 1e-6))
