@@ -3,14 +3,21 @@
 Activations and gradients travel with ``isend``/``irecv`` (batched with ``batch_isend_irecv``) between
 the ranks that run neighbouring (or skip-connected) stages. Shapes are agreed once at start-up by
 :meth:`Comm.exchange_meta`; afterwards a message is just its tensors. Sends never block the sender:
-their handles are kept and reaped later, so a valid schedule cannot deadlock on a send. Replica and
+their handles are kept and retired later, so a valid schedule cannot deadlock on a send. Replica and
 tie gradients are summed with one all-reduce per group over a flat buffer.
+
+Two ways to receive. On gloo (``prefetch``) the executor posts an action's receives one receiving
+action ahead, so the transfer runs on gloo's own threads while this rank computes: gloo moves a
+payload only once the receiver has posted its buffer, so a receive posted at the moment of need
+pays a round of wake-ups (several milliseconds on a loaded CPU) even when the sender finished long
+ago. On NCCL receives are posted when needed, batched with the held sends (see :meth:`Comm.recv`).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -20,7 +27,7 @@ import torch.distributed as dist
 
 from runtime.errors import PeerLost
 
-__all__ = ["Comm", "TensorMeta", "decode_meta", "encode_meta", "peer_errors"]
+__all__ = ["Comm", "Posted", "TensorMeta", "decode_meta", "encode_meta", "peer_errors"]
 
 
 @contextmanager
@@ -58,6 +65,15 @@ def decode_meta(text: str) -> tuple[TensorMeta, ...]:
     return tuple(TensorMeta(tuple(s), getattr(torch, d)) for s, d in json.loads(text))
 
 
+@dataclass(frozen=True)
+class Posted:
+    """Receives of one action, posted and not yet waited for."""
+
+    bufs: list[list[torch.Tensor]]
+    works: list[dist.Work]
+    peers: tuple[int, ...]
+
+
 @dataclass
 class Comm:
     """One rank's channels.
@@ -65,7 +81,11 @@ class Comm:
     Attributes:
         group: the group point-to-point messages use (ranks are global ranks within it).
         device: where received tensors are allocated (CPU for gloo, the rank's GPU for nccl).
-        pending: send handles not yet known to be complete.
+        prefetch: receives are posted ahead of need (gloo) and sends are never held.
+        pending: (era, handle) of sends not yet retired; gloo never reports a send complete before
+            ``wait()``, so completion is inferred from the schedule (see :meth:`retire`).
+        era: the optimizer steps this rank has taken, stamped on each send.
+        peak_pending: the most sends ever held in ``pending`` (bounded when :meth:`retire` is called).
         seconds: time spent blocked in receives, waits and all-reduces.
         hold: keep new sends in ``outbox`` until the next receive posts them together with it.
         outbox: sends not yet posted.
@@ -73,7 +93,10 @@ class Comm:
 
     group: dist.ProcessGroup
     device: torch.device
-    pending: list[dist.Work] = field(default_factory=list)
+    prefetch: bool = False
+    pending: deque[tuple[int, dist.Work]] = field(default_factory=deque)
+    era: int = 0
+    peak_pending: int = 0
     seconds: float = 0.0
     hold: bool = False
     outbox: list[dist.P2POp] = field(default_factory=list)
@@ -108,7 +131,7 @@ class Comm:
             for peer, tensors in messages
             for t in tensors
         )
-        if not self.hold:
+        if not self.hold or self.prefetch:
             self.flush()
 
     def flush(self) -> None:
@@ -116,14 +139,11 @@ class Comm:
         if self.outbox:
             ops, self.outbox = self.outbox, []
             with peer_errors("send"):
-                self.pending.extend(dist.batch_isend_irecv(ops))
-        self.reap()
+                self._keep(dist.batch_isend_irecv(ops))
 
-    def recv(self, messages: Sequence[tuple[int, Sequence[TensorMeta]]]) -> list[list[torch.Tensor]]:
-        """Receive each (peer, metas) message, posted in one batch with the held sends (as Megatron's
-        send_backward_recv_forward: on NCCL a send waiting in the stream ahead of a receive can
-        deadlock two stages that each wait for the other's receive); blocks until all have arrived."""
-        start = time.perf_counter()
+    def post(self, messages: Sequence[tuple[int, Sequence[TensorMeta]]]) -> Posted:
+        """Post receives of each (peer, metas) message (with the held sends, if any) and return at
+        once; :meth:`wait` collects them."""
         bufs = [
             [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas] for _, metas in messages
         ]
@@ -132,21 +152,45 @@ class Comm:
             for (peer, _), tensors in zip(messages, bufs, strict=True)
             for buf in tensors
         ]
+        peers = tuple(sorted({p for p, _ in messages}))
         if not ops:
             self.flush()
-        else:
-            sends, self.outbox = self.outbox, []
-            with peer_errors(f"receive from rank(s) {sorted({p for p, _ in messages})}"):
-                works = dist.batch_isend_irecv(sends + ops)
-                self.pending.extend(works[: len(sends)])
-                for work in works[len(sends) :]:
-                    work.wait()
-        self.seconds += time.perf_counter() - start
-        return bufs
+            return Posted(bufs, [], peers)
+        sends, self.outbox = self.outbox, []
+        with peer_errors(f"receive from rank(s) {list(peers)}"):
+            works = dist.batch_isend_irecv(sends + ops)
+        self._keep(works[: len(sends)])
+        return Posted(bufs, works[len(sends) :], peers)
 
-    def reap(self) -> None:
-        """Forget sends that have completed (their buffers can be freed)."""
-        self.pending = [w for w in self.pending if not w.is_completed()]
+    def _keep(self, sends: Sequence[dist.Work]) -> None:
+        self.pending.extend((self.era, w) for w in sends)
+        self.peak_pending = max(self.peak_pending, len(self.pending))
+
+    def wait(self, posted: Posted) -> list[list[torch.Tensor]]:
+        """Block until the posted receives have arrived; returns their tensors per message."""
+        start = time.perf_counter()
+        with peer_errors(f"receive from rank(s) {list(posted.peers)}"):
+            for work in posted.works:
+                work.wait()
+        self.seconds += time.perf_counter() - start
+        return posted.bufs
+
+    def recv(self, messages: Sequence[tuple[int, Sequence[TensorMeta]]]) -> list[list[torch.Tensor]]:
+        """Receive each (peer, metas) message, posted in one batch with the held sends (as Megatron's
+        send_backward_recv_forward: on NCCL a send waiting in the stream ahead of a receive can
+        deadlock two stages that each wait for the other's receive); blocks until all have arrived."""
+        start = time.perf_counter()
+        posted = self.post(messages)
+        self.seconds += time.perf_counter() - start
+        return self.wait(posted)
+
+    def retire(self, before_era: int) -> None:
+        """Wait for (and free) the sends stamped with an era before ``before_era``. The caller picks an
+        era whose sends every receiver has provably taken, so the waits return at once; without this
+        every sent tensor of a segment would stay alive until :meth:`drain`."""
+        with peer_errors("waiting for sends"):
+            while self.pending and self.pending[0][0] < before_era:
+                self.pending.popleft()[1].wait()
 
     def drain(self) -> None:
         """Post held sends and wait for all of them (end of a segment, when every receiver will post)."""
@@ -154,7 +198,7 @@ class Comm:
         self.flush()
         start = time.perf_counter()
         with peer_errors("waiting for sends"):
-            for work in self.pending:
+            for _, work in self.pending:
                 work.wait()
         self.pending.clear()
         self.seconds += time.perf_counter() - start

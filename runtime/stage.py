@@ -15,6 +15,7 @@ weights of its forward while the optimizer updates the live parameters in place.
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.comm import Comm, TensorMeta
+from runtime.comm import Comm, Posted, TensorMeta
 from runtime.config import RankConfig
 from runtime.data import Batches
 from runtime.metrics import Recorder
@@ -107,6 +108,7 @@ class StageRuntime:
     in_meta: dict[int, tuple[TensorMeta, ...]] = field(default_factory=dict)
     out_meta: dict[str, TensorMeta] = field(default_factory=dict)
     _batch_cache: dict[str, tuple[int, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
+    _inbox: dict[tuple[str, int], Posted] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ routing
     @functools.cached_property
@@ -118,6 +120,13 @@ class StageRuntime:
     def consumers(self) -> dict[int, tuple[str, ...]]:
         """Later stages that read this stage's outputs, with the names each reads."""
         return self.wiring.consumers(self.cfg.stage)
+
+    @functools.cached_property
+    def _send_lag(self) -> int:
+        """Optimizer steps after which every send of this rank has surely been received. A flushing
+        schedule's minibatch n-1 is taken by all its receivers before this rank can finish minibatch
+        n; pipedream keeps at most world-size minibatches in flight on any stage, doubled for margin."""
+        return 2 * (self.cfg.job.world_size + 1) if self.stash else 1
 
     def _peer(self, stage: int, unit: int) -> int:
         ranks = self.cfg.job.stage_ranks[stage]
@@ -169,14 +178,34 @@ class StageRuntime:
     def play(self, actions: Sequence[Action]) -> None:
         """Run ``actions`` in order, then wait for this rank's outstanding sends."""
         run = {"F": self.forward, "B": self.backward, "S": self.step}
+        receiving = [i for i, a in enumerate(actions) if self._receives(a)]
+        posted = 0
         for i, action in enumerate(actions):
-            # An action's sends ride with the next action's receives when it has any.
-            self.comm.hold = i + 1 < len(actions) and self._receives(actions[i + 1])
+            if self.comm.prefetch:
+                # This action's receives and the next receiving action's are in flight while it runs.
+                through = min(bisect.bisect_right(receiving, i), len(receiving) - 1)
+                while posted <= through:
+                    ahead = actions[receiving[posted]]
+                    self._inbox[(ahead.kind, ahead.index)] = self.comm.post(self._incoming(ahead))
+                    posted += 1
+            else:
+                # An action's sends ride with the next action's receives when it has any.
+                self.comm.hold = i + 1 < len(actions) and self._receives(actions[i + 1])
             run[action.kind](action.index)
         self.comm.drain()
 
     def _receives(self, action: Action) -> bool:
         return bool(self.producers if action.kind == "F" else self.consumers if action.kind == "B" else False)
+
+    def _incoming(self, action: Action) -> list[tuple[int, tuple[TensorMeta, ...]]]:
+        """(peer, metas) of every message ``action`` receives: producers' outputs for a forward,
+        consumers' gradients for a backward."""
+        unit = action.index
+        if action.kind == "F":
+            return [(self._peer(k, unit), self.in_meta[k]) for k in self.producers]
+        if action.kind == "B":
+            return [(self._peer(k, unit), self._grad_meta(n)) for k, n in self.consumers.items()]
+        return []
 
     def forward(self, unit: int) -> None:
         """Inputs (data or received), the stage, outputs sent on; keeps what the backward needs."""
@@ -184,7 +213,7 @@ class StageRuntime:
         if self.cfg.is_first:
             named.update(zip(self.wiring.stage_inputs[me], self._micro("inputs", unit), strict=True))
         producers = self.producers
-        got = self._recv(f"recv F{unit}", [(self._peer(k, unit), self.in_meta[k]) for k in producers])
+        got = self._recv(Action(me, "F", unit))
         for names, tensors in zip(producers.values(), got, strict=True):
             for name, t in zip(names, tensors, strict=True):
                 named[name] = t.requires_grad_(t.is_floating_point())
@@ -213,8 +242,7 @@ class StageRuntime:
         if state.loss is not None:
             roots, grads = [state.loss], [None]
         consumers = self.consumers
-        messages = [(self._peer(k, unit), self._grad_meta(names)) for k, names in consumers.items()]
-        got = self._recv(f"recv B{unit}", messages)
+        got = self._recv(Action(self.cfg.stage, "B", unit))
         summed: dict[str, torch.Tensor] = {}
         for names, tensors in zip(consumers.values(), got, strict=True):
             for name, g in zip([n for n in names if self.out_meta[n].needs_grad], tensors, strict=True):
@@ -230,14 +258,20 @@ class StageRuntime:
                 self._collect_stash_grads(state.version, unit)
         self._send_input_grads(unit, state)
 
-    def _recv(
-        self, name: str, messages: list[tuple[int, tuple[TensorMeta, ...]]]
-    ) -> list[list[torch.Tensor]]:
-        if not messages:
-            self.comm.flush()
-            return []
-        with self.recorder.span(name, "comm"):
-            return self.comm.recv(messages)
+    def _recv(self, action: Action) -> list[list[torch.Tensor]]:
+        """What ``action`` receives: collected from its prefetched receives, or received now."""
+        posted = self._inbox.pop((action.kind, action.index), None)
+        if posted is None:
+            messages = self._incoming(action)
+            if not messages:
+                self.comm.flush()
+                return []
+            with self.recorder.span(f"recv {action.kind}{action.index}", "comm"):
+                return self.comm.recv(messages)
+        if not posted.works:
+            return posted.bufs
+        with self.recorder.span(f"recv {action.kind}{action.index}", "comm"):
+            return self.comm.wait(posted)
 
     def _grad_meta(self, names: Sequence[str]) -> tuple[TensorMeta, ...]:
         return tuple(self.out_meta[n] for n in names if self.out_meta[n].needs_grad)
@@ -273,6 +307,8 @@ class StageRuntime:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
+        self.comm.era = self.version
+        self.comm.retire(self.version - self._send_lag)
         self._report(step)
 
     def _report(self, step: int) -> None:
