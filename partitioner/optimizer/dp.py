@@ -473,69 +473,63 @@ def solve_bisection(
 
 
 @dataclass(frozen=True)
-class _Table:
-    """Best time of every segment (i, j] on up to m units, plus how it splits."""
+class _Tables:
+    """Best time of every segment (i, j] of one level on up to m units.
 
-    time: FloatArray  # [m, i, j]
-    split: IntArray  # [m, i, j]: previous cut k, or -1 for one stage
-    reps: IntArray  # [m, i, j]: replicas of the segment's last stage
+    ``opened[m]`` (m < units): the segment's last stage pays for its output (it ends at an internal
+    cut of a longer segment); ``closed``: on all the level's units, the output is the next level's
+    to charge. Entries above the level's ceiling are inf (no plan as fast as the bound uses them).
+    How each best splits is not stored: ``_unfold`` recomputes it for the few segments a plan uses.
+    """
 
-    @staticmethod
-    def empty(units: int, n: int) -> _Table:
-        return _Table(
-            np.full((units + 1, n, n), np.inf),
-            np.full((units + 1, n, n), -1, dtype=np.int64),
-            np.zeros((units + 1, n, n), dtype=np.int64),
-        )
-
-    def offer_single(self, m: int, ks: IntArray, j: int, cand: FloatArray, r: int) -> None:
-        better = cand < self.time[m, ks, j]
-        rows = ks[better]
-        self.time[m, rows, j] = cand[better]
-        self.split[m, rows, j] = -1
-        self.reps[m, rows, j] = r
-
-    def offer_split(self, m: int, j: int, cand: FloatArray, ks: IntArray, r: int) -> None:
-        at = np.argmin(cand, axis=1)
-        best = cand[np.arange(cand.shape[0]), at]
-        better = best < self.time[m, :, j]
-        self.time[m, better, j] = best[better]
-        self.split[m, better, j] = ks[at[better]]
-        self.reps[m, better, j] = r
+    prob: LevelProblem
+    opened: FloatArray  # [m, i, j]; m = 0 unused
+    closed: FloatArray  # [i, j]
 
 
-def _all_segments(prob: LevelProblem) -> tuple[_Table, _Table]:
-    """Direct DP over all segment starts at once (PipeDream's non-final level).
+def _all_segments(prob: LevelProblem, ceiling: float = math.inf) -> _Tables:
+    """Direct DP over all segment starts at once (PipeDream's non-final level), column by column.
 
-    Returns two tables: ``closed`` (the segment's last stage does not pay for its output, which
-    the next level charges) and ``opened`` (it does: the segment ends at an internal cut).
+    A segment (i, j] on m units is one stage (i, j] or a segment (i, k] on m - r units followed
+    by stage (k, j] on r; rows i and splits k whose compute alone (spread over the units) exceeds
+    ``ceiling`` are skipped: the next level cannot use anything slower.
     """
     s, n, units = prob.states, len(prob.states), prob.units
     cap = units if prob.max_replicas is None else min(units, prob.max_replicas)
-    closed, opened = _Table.empty(units, n), _Table.empty(units, n)
-    sub = s.subset_matrix()
+    opened = np.full((units, n, n), np.inf)
+    closed = np.full((n, n), np.inf)
+    limit = ceiling * (1 + 1e-9) * prob.unit_devices
     for j in range(1, n):
         ks = s.pred(j)
+        span = s.compute_s[j] - s.compute_s[ks]  # compute of (k, j]
         for m in range(1, units + 1):
-            for r in range(1, min(m, cap) + 1):
-                closed.offer_single(m, ks, j, _segment_times(prob, j, ks, r, False, False), r)
-                opened.offer_single(m, ks, j, _segment_times(prob, j, ks, r, True, False), r)
-                if m - r < 1:
-                    continue
-                prev = np.where(sub[:, ks], opened.time[m - r][:, ks], np.inf)  # [i, k]
-                last_c = _segment_times(prob, j, ks, r, False, True)
-                last_o = _segment_times(prob, j, ks, r, True, True)
-                closed.offer_split(m, j, np.maximum(prev, last_c[None, :]), ks, r)
-                opened.offer_split(m, j, np.maximum(prev, last_o[None, :]), ks, r)
-    return closed, opened
+            charge_out = m < units
+            reps = np.arange(1, min(m, cap) + 1, dtype=np.float64)
+            best = _segment_grid(prob, j, ks, reps, charge_out, False).min(axis=0)
+            rows = np.flatnonzero(span <= m * limit)
+            last = _segment_grid(prob, j, ks, reps, charge_out, True)
+            for r in range(1, min(m - 1, cap) + 1):
+                cols = np.flatnonzero(span <= r * limit)
+                if len(rows) and len(cols):
+                    prev = opened[m - r][np.ix_(ks[rows], ks[cols])]
+                    val = np.maximum(prev, last[r - 1, cols][None, :]).min(axis=1)
+                    best[rows] = np.minimum(best[rows], val)
+            best[best > ceiling * (1 + 1e-9)] = np.inf
+            if charge_out:
+                opened[m, ks, j] = best
+            else:
+                closed[ks, j] = best
+    return _Tables(prob, opened, closed)
 
 
-def _segment_times(
-    prob: LevelProblem, j: int, ks: IntArray, r: int, charge_out: bool, charge_in: bool
+def _segment_grid(
+    prob: LevelProblem, j: int, ks: IntArray, reps: FloatArray, charge_out: bool, charge_in: bool
 ) -> FloatArray:
+    """[r, k]: time of stage (k, j] on reps[r] units; cut charges on the chosen sides only."""
     s = prob.states
+    r = reps[:, None]
     dp = s.param_bytes[j] - s.param_bytes[ks]
-    sync = 4.0 * (r - 1) * dp / (prob.bandwidth * r) / prob.inner
+    sync = 4.0 * (r - 1.0) * dp / (prob.bandwidth * r) / prob.inner
     t = (prob.base_time(j, ks) + sync) / r
     act = np.zeros(len(ks))
     if charge_in:
@@ -545,32 +539,70 @@ def _segment_times(
     return np.asarray(np.maximum(t, 2.0 * act / (prob.bandwidth * r)), dtype=np.float64)
 
 
-def _unfold(tables: tuple[_Table, _Table], m: int, i: int, j: int, is_open: bool) -> list[Segment]:
-    """The inner stages of the best plan of segment (i, j] on up to m units."""
-    table = tables[1] if is_open else tables[0]
-    k = int(table.split[m, i, j])
-    r = int(table.reps[m, i, j])
-    if k < 0:
-        return [Segment(i, j, r)]
-    return [*_unfold(tables, m - r, i, k, True), Segment(k, j, r)]
+def _unfold(tables: _Tables, m: int, i: int, j: int, is_open: bool) -> list[Segment]:
+    """The inner stages of the best plan of segment (i, j] on up to m units (recomputed)."""
+    prob, s = tables.prob, tables.prob.states
+    target = tables.opened[m, i, j] if is_open else tables.closed[i, j]
+    cap = prob.units if prob.max_replicas is None else min(prob.units, prob.max_replicas)
+    ks = s.pred(j)
+    ks = ks[np.array([s.masks[i] & ~s.masks[k] == 0 and k != i for k in ks], dtype=bool)]
+    one = np.array([i], dtype=np.int64)
+    for r in range(1, min(m, cap) + 1):
+        rep = np.array([float(r)])
+        if _segment_grid(prob, j, one, rep, is_open, False)[0, 0] == target:
+            return [Segment(i, j, r)]
+        if m - r >= 1 and len(ks):
+            last = _segment_grid(prob, j, ks, rep, is_open, True)[0]
+            hit = np.flatnonzero(np.maximum(tables.opened[m - r, i, ks], last) == target)
+            if len(hit):
+                k = int(ks[hit[0]])
+                return [*_unfold(tables, m - r, i, k, True), Segment(k, j, r)]
+    raise RuntimeError("segment table and its unfolding disagree (a pipeplan bug)")
 
 
 def solve_hierarchy(
     states: StateSet, levels: list[tuple[int, float]], max_replicas: int | None = None
 ) -> tuple[float, list[Segment], float]:
-    """PipeDream's recursion: each inner level's best segment time is the next level's compute time."""
-    tables: list[tuple[_Table, _Table]] = []
+    """PipeDream's recursion: each inner level's best segment time is the next level's compute time.
+
+    A quick hierarchy over thinned prefixes of the layer order gives an attained time first; the
+    inner tables then skip what no plan that fast could use (``_all_segments``' ceiling).
+    """
+    upper = math.inf
+    thin = _prefix_subset(states)
+    if thin is not None:
+        upper = _solve_levels(thin, levels, max_replicas, math.inf)[0]
+    return _solve_levels(states, levels, max_replicas, upper)
+
+
+def _prefix_subset(states: StateSet, most: int = 48) -> StateSet | None:
+    """The states that are prefixes of the layer order, thinned evenly by compute (None if few)."""
+    idx = np.flatnonzero([m & (m + 1) == 0 for m in states.masks])
+    if len(idx) < 2 or idx[-1] != len(states) - 1 or len(states) <= most:
+        return None
+    c = states.compute_s[idx]
+    pick = np.searchsorted(c, np.linspace(0.0, c[-1], most))
+    idx = idx[sorted({0, len(idx) - 1, *np.minimum(pick, len(idx) - 1).tolist()})]
+    return StateSet(states.layer_ids, tuple(states.masks[i] for i in idx), states.compute_s[idx],
+                    states.param_bytes[idx], states.saved_bytes[idx], states.act_bytes[idx], None,
+                    False)  # fmt: skip
+
+
+def _solve_levels(
+    states: StateSet, levels: list[tuple[int, float]], max_replicas: int | None, upper: float
+) -> tuple[float, list[Segment], float]:
+    tables: list[_Tables] = []
     base: Callable[[int | IntArray, IntArray], FloatArray] | None = None
-    inner = 1
-    for devices, bw in levels[:-1]:
-        prob = LevelProblem(states, devices, bw, inner, base, max_replicas=max_replicas)
-        pair = _all_segments(prob)
-        tables.append(pair)
-        base = _base_from(pair[0], devices)
-        inner = devices
+    inner, below = 1, 1
+    caps = [d if max_replicas is None else min(d, max_replicas) for d, _ in levels]
+    for level, (devices, bw) in enumerate(levels[:-1]):
+        prob = LevelProblem(states, devices, bw, inner, base, max_replicas=max_replicas, unit_devices=below)
+        table = _all_segments(prob, upper * math.prod(caps[level + 1 :]))
+        tables.append(table)
+        base = _base_from(table)
+        inner, below = devices, below * devices
     devices, bw = levels[-1]
     lower = float(states.compute_s[-1]) / math.prod(d for d, _ in levels)
-    below = math.prod(d for d, _ in levels[:-1])
     top = LevelProblem(states, devices, bw, inner, base, max_replicas=max_replicas, unit_devices=below)
     time, stages, lo = solve_bottleneck(top, lower)
 
@@ -583,8 +615,8 @@ def solve_hierarchy(
     return time, [expand(seg, len(tables) - 1) for seg in stages], lo
 
 
-def _base_from(table: _Table, units: int) -> Callable[[int | IntArray, IntArray], FloatArray]:
-    best = table.time[units]
+def _base_from(table: _Tables) -> Callable[[int | IntArray, IntArray], FloatArray]:
+    best = table.closed
 
     def base(j: int | IntArray, ks: IntArray) -> FloatArray:
         return np.asarray(best[ks, j], dtype=np.float64)

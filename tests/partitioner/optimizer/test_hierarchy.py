@@ -90,3 +90,21 @@ def test_two_levels_equal_brute_force(
     assert sorted(r for s in plan.stages for r in s.ranks) == sorted(
         set(r for s in plan.stages for r in s.ranks)
     )
+
+
+@settings(max_examples=30, deadline=None)
+@given(dag=dags, n1=st.integers(1, 3), n2=st.integers(1, 3), slack=st.sampled_from([0.0, 1e-12, 0.2]))
+def test_table_ceiling_keeps_the_optimum(
+    dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]], n1: int, n2: int, slack: float
+) -> None:
+    """Inner tables cut at a ceiling from an attained time (even the optimum itself) lose nothing."""
+    from partitioner.optimizer.dp import _solve_levels
+    from partitioner.optimizer.states import build_states
+
+    costs, raw = dag
+    states = build_states(make_profile(costs, [(a, b) for a, b in raw if a < b]))
+    levels = [(n1, 4e5), (n2, 1e5)]
+    best, _, _ = _solve_levels(states, levels, None, math.inf)
+    bounded, stages, _ = _solve_levels(states, levels, None, best * (1 + slack))
+    assert bounded == best
+    assert sum(s.replicas * sum(x.replicas for x in s.inner) for s in stages) <= n1 * n2
