@@ -487,39 +487,67 @@ class _Tables:
     closed: FloatArray  # [i, j]
 
 
-def _all_segments(prob: LevelProblem, ceiling: float = math.inf) -> _Tables:
+def _all_segments(
+    prob: LevelProblem, ceiling: float = math.inf, top: tuple[int, int, int] | None = None
+) -> _Tables:
     """Direct DP over all segment starts at once (PipeDream's non-final level), column by column.
 
     A segment (i, j] on m units is one stage (i, j] or a segment (i, k] on m - r units followed
     by stage (k, j] on r; rows i and splits k whose compute alone (spread over the units) exceeds
-    ``ceiling`` are skipped: the next level cannot use anything slower.
+    ``ceiling`` are skipped: the next level cannot use anything slower. ``top`` = (units,
+    replica cap, devices per unit) of the level above when it is the last one and ``ceiling`` is
+    its attained time: a top stage from i can then have at most units - (units before i) replicas
+    (before i: at least its compute over devices per unit x ceiling), which lowers row i's ceiling.
     """
     s, n, units = prob.states, len(prob.states), prob.units
     cap = units if prob.max_replicas is None else min(units, prob.max_replicas)
     opened = np.full((units, n, n), np.inf)
     closed = np.full((n, n), np.inf)
-    limit = ceiling * (1 + 1e-9) * prob.unit_devices
+    before, after = _top_windows(prob, ceiling, top)
     for j in range(1, n):
         ks = s.pred(j)
         span = s.compute_s[j] - s.compute_s[ks]  # compute of (k, j]
         for m in range(1, units + 1):
             charge_out = m < units
+            limit = _limits(ceiling, top, before[ks], 0 if charge_out else int(after[j]))
             reps = np.arange(1, min(m, cap) + 1, dtype=np.float64)
             best = _segment_grid(prob, j, ks, reps, charge_out, False).min(axis=0)
-            rows = np.flatnonzero(span <= m * limit)
+            rows = np.flatnonzero(span <= m * limit * prob.unit_devices)
             last = _segment_grid(prob, j, ks, reps, charge_out, True)
+            most = float(limit[rows].max()) * prob.unit_devices if len(rows) else -1.0
             for r in range(1, min(m - 1, cap) + 1):
-                cols = np.flatnonzero(span <= r * limit)
+                cols = np.flatnonzero(span <= r * most)
                 if len(rows) and len(cols):
                     prev = opened[m - r][np.ix_(ks[rows], ks[cols])]
                     val = np.maximum(prev, last[r - 1, cols][None, :]).min(axis=1)
                     best[rows] = np.minimum(best[rows], val)
-            best[best > ceiling * (1 + 1e-9)] = np.inf
+            best[best > limit] = np.inf
             if charge_out:
                 opened[m, ks, j] = best
             else:
                 closed[ks, j] = best
     return _Tables(prob, opened, closed)
+
+
+def _top_windows(
+    prob: LevelProblem, ceiling: float, top: tuple[int, int, int] | None
+) -> tuple[IntArray, IntArray]:
+    """Top-level units any plan as fast as ``ceiling`` surely has before / after each state."""
+    n = len(prob.states)
+    if top is None or not (math.isfinite(ceiling) and ceiling > 0):
+        return np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    w = prob.states.compute_s / (top[2] * ceiling)
+    before = np.maximum(np.ceil(w - 1e-9), 0.0).astype(np.int64)
+    after = np.maximum(np.ceil(w[-1] - w - 1e-9), 0.0).astype(np.int64)
+    return before, after
+
+
+def _limits(ceiling: float, top: tuple[int, int, int] | None, before: IntArray, after: int) -> FloatArray:
+    """Slowest entry worth keeping per segment start: a top stage there has at most ``room`` units."""
+    if top is None or not (math.isfinite(ceiling) and ceiling > 0):
+        return np.full(len(before), ceiling * (1 + 1e-9))
+    room = np.minimum(top[1], top[0] - before - after)
+    return np.where(room >= 1, room * ceiling * (1 + 1e-9), -1.0)
 
 
 def _segment_grid(
@@ -597,7 +625,8 @@ def _solve_levels(
     caps = [d if max_replicas is None else min(d, max_replicas) for d, _ in levels]
     for level, (devices, bw) in enumerate(levels[:-1]):
         prob = LevelProblem(states, devices, bw, inner, base, max_replicas=max_replicas, unit_devices=below)
-        table = _all_segments(prob, upper * math.prod(caps[level + 1 :]))
+        above = (levels[-1][0], caps[-1], below * devices) if level == len(levels) - 2 else None
+        table = _all_segments(prob, upper * math.prod(caps[level + 1 :]) if above is None else upper, above)
         tables.append(table)
         base = _base_from(table)
         inner, below = devices, below * devices
