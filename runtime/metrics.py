@@ -63,6 +63,7 @@ class RankMetrics:
         cpu_s: CPU seconds of the whole rank process (all threads, gloo's included) over the steps.
         sends_in_flight_max: the most sent tensors this rank kept alive at once, waiting to be known
             received (bounded by the schedule, not by the number of steps).
+        threads: torch's intra-op threads in this rank.
         step_times_s: wall seconds of each step on this rank.
         losses: loss per step (last stage only, else empty).
         param_sq_sum: sum of squares of the stage's parameters at the end (replicas must agree exactly).
@@ -77,6 +78,7 @@ class RankMetrics:
     compute_cpu_s: float = 0.0
     cpu_s: float = 0.0
     sends_in_flight_max: int = 0
+    threads: int = 0
     losses: tuple[float, ...] = ()
     param_sq_sum: float = 0.0
 

@@ -31,7 +31,15 @@ from runtime.options import RunOptions, from_argv
 from runtime.package import import_package, read_wiring
 from runtime.stage import Groups, StageRuntime
 
-__all__ = ["PEER_LOST_GRACE_S", "main", "resolve_backend", "run_dir", "run_rank"]
+__all__ = [
+    "PEER_LOST_GRACE_S",
+    "keep_freed_memory",
+    "main",
+    "resolve_backend",
+    "run_dir",
+    "run_rank",
+    "share_cores",
+]
 
 log = logging.getLogger(__name__)
 
@@ -192,15 +200,19 @@ def _train(options: RunOptions, rt: StageRuntime, total: int) -> None:
             checkpoint.save_stage(Path(options.checkpoint_dir), first + count, cfg.stage, state)
 
 
-def _share_cores() -> None:
+def share_cores() -> None:
     """Split this machine's cores among its ranks, as torchrun does with OMP_NUM_THREADS: ranks that
-    each start one thread per core oversubscribe the CPU and spin against each other."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    each start one thread per core oversubscribe the CPU and spin against each other. An
+    OMP_NUM_THREADS in the environment wins, applied here too: a rank forked from a process whose
+    torch was already initialised would otherwise keep that process's thread count."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    torch.set_num_threads(
+        int(given) if given.isdigit() and int(given) > 0 else max(1, (os.cpu_count() or 1) // local)
+    )
 
 
-def _keep_freed_memory() -> None:
+def keep_freed_memory() -> None:
     """Stop glibc from handing freed heap back to the kernel (CPU ranks). Every step frees and
     reallocates the same megabytes of gradients and activations; with glibc's default thresholds the
     top of the heap is trimmed at each free and faulted back in on the next step (2-4 thousand
@@ -226,8 +238,8 @@ def run_rank(options: RunOptions) -> dict[str, Any] | None:
     if backend == "nccl":
         torch.cuda.set_device(device)
     else:
-        _keep_freed_memory()
-    _share_cores()
+        keep_freed_memory()
+    share_cores()
     torch.manual_seed(options.seed)
     dist.init_process_group(backend, timeout=timedelta(seconds=options.timeout))
     # On error the group is left open: closing it would let peers fail first with "connection closed"
@@ -262,6 +274,7 @@ def _finish(options: RunOptions, rt: StageRuntime, clock: _Clock) -> dict[str, A
         compute_cpu_s=rt.recorder.cpu_seconds["compute"],
         cpu_s=time.process_time() - clock.cpu_start,
         sends_in_flight_max=rt.comm.peak_pending,
+        threads=torch.get_num_threads(),
         losses=tuple(clock.losses) if rt.cfg.replica == 0 else (),
         param_sq_sum=float(sum(p.detach().double().square().sum() for p in rt.module.parameters())),
     )
