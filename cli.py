@@ -198,6 +198,13 @@ def _profile_totals(profile: Any, path: Any) -> str:
     help="CPU threads while measuring [default: torch's]. `pipeplan run` gives each rank "
     "cores / ranks per machine: profile at that count for predictions that match.",
 )
+@click.option(
+    "--microbatch-size",
+    type=int,
+    default=None,
+    help="Measure at this many samples and scale to --batch-size: the per-microbatch cost a 1f1b or "
+    "gpipe pipeline sees (partition with --microbatches = batch size / this).",
+)
 @click.option("--top", type=int, default=10, show_default=True, help="Layers shown in the summary table.")
 @click.option("--json", "as_json", is_flag=True, help="Print only the profile JSON on stdout.")
 @user_errors
@@ -212,6 +219,7 @@ def profile(
     repeats: int,
     clock: str,
     threads: int | None,
+    microbatch_size: int | None,
     top: int,
     as_json: bool,
 ) -> None:  # fmt: skip
@@ -246,7 +254,17 @@ def profile(
             bar.update(task, completed=done, total=total, description=f"measuring {name}")
 
         result = profile_model(
-            model, batch_size, shape, device, dtype, leaf_modules, repeats, progress, clock, threads
+            model,
+            batch_size,
+            shape,
+            device,
+            dtype,
+            leaf_modules,
+            repeats,
+            progress,
+            clock,
+            threads,
+            microbatch_size,
         )
         bar.update(task, description="whole-step timing")
     save_profile(result, path)
@@ -517,7 +535,25 @@ def partition(
     console.print("\n".join(gantt(sim, width=60, until_s=until)), highlight=False, markup=False)
     if explain:
         console.print(_explain(profile, cluster, plan, schedule, micro, optimizer))
+    note = _microbatch_note(profile, plan)
+    if note:
+        console.print(f"[yellow]note:[/yellow] {note}", soft_wrap=True)
     console.print(f"wrote {out_dir}/plan.json and mp_conf.json")
+
+
+def _microbatch_note(profile: Any, plan: Any) -> str | None:
+    """Say when layer times measured at one batch size are divided into microbatches of another."""
+    measured = profile.extra.get("measured_batch_size", profile.batch_size)
+    if plan.schedule == "pipedream" or not profile.batch_size or profile.tracer == "pipedream":
+        return None
+    micro = profile.batch_size / plan.microbatches
+    if measured == micro:
+        return None
+    return (
+        f"layer times measured at {measured} samples are scaled to microbatches of {micro:g}; small "
+        f"batches cost more per sample, so for this plan profile with --batch-size {profile.batch_size} "
+        f"--microbatch-size {max(1, int(micro))}"
+    )
 
 
 def _model_name(spec: str) -> str:

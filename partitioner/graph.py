@@ -31,6 +31,7 @@ __all__ = [
     "profile_to_json",
     "read_graph_txt",
     "save_profile",
+    "scale_batch",
     "write_graph_txt",
 ]
 
@@ -156,6 +157,33 @@ class Profile:
         if not self.step_ms:
             return None
         return self.total_compute_ms / self.step_ms
+
+
+def scale_batch(profile: Profile, batch_size: int) -> Profile:
+    """The profile of ``batch_size`` samples per minibatch, from one measured at ``profile.batch_size``.
+
+    Times and activation bytes scale with the samples; parameters do not. Measuring one microbatch and
+    scaling it up gives the cost model (which divides a minibatch's time by the microbatch count) the
+    time a 1F1B or GPipe stage really spends per microbatch: small batches cost more per sample.
+
+    Raises:
+        ProfileFormatError: the profile does not record the batch size it was measured at.
+    """
+    if not profile.batch_size:
+        raise ProfileFormatError("the profile does not say its batch size, so it cannot be scaled")
+    k = batch_size / profile.batch_size
+    nodes = tuple(
+        replace(n, forward_ms=n.forward_ms * k, backward_ms=n.backward_ms * k,
+                output_bytes=round(n.output_bytes * k), saved_bytes=round(n.saved_bytes * k))
+        for n in profile.nodes
+    )  # fmt: skip
+    inputs = tuple(
+        replace(t, shape=(batch_size, *t.shape[1:])) if t.shape[:1] == (profile.batch_size,) else t
+        for t in profile.inputs
+    )
+    extra = {**dict(profile.extra), "measured_batch_size": profile.batch_size}
+    step = profile.step_ms * k if profile.step_ms else profile.step_ms
+    return replace(profile, nodes=nodes, inputs=inputs, batch_size=batch_size, step_ms=step, extra=extra)
 
 
 def profile_to_json(profile: Profile) -> dict[str, Any]:

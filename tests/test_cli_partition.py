@@ -130,3 +130,24 @@ def test_weights_and_init_reach_the_package(tmp_path: Path) -> None:
 def test_init_refused_for_a_graph_txt_profile(graph: Path, tmp_path: Path) -> None:
     code, _, err = _run("partition", "--profile", str(graph), "--gpus", "2", "--init", "exact")
     assert code == 2 and "graph.txt" in err
+
+
+def test_microbatch_note_names_the_profile_to_take(tmp_path: Path) -> None:
+    from partitioner.graph import save_profile
+    from tests.partitioner.codegen_support import profile_for
+
+    save_profile(profile_for("tiny-mlp", batch_size=8), tmp_path / "p.json")
+    args = (
+        "partition",
+        "--profile",
+        str(tmp_path / "p.json"),
+        "--gpus",
+        "2",
+        "--straight",
+        "-o",
+        str(tmp_path),
+    )
+    code, out, _ = _run(*args, "--schedule", "1f1b", "--microbatches", "4")
+    assert code == 0 and "--microbatch-size 2" in out
+    code, out, _ = _run(*args)
+    assert code == 0 and "--microbatch-size" not in out  # pipedream runs whole minibatches

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from partitioner.errors import PipeplanError, TraceError
-from partitioner.graph import Node, Profile, TensorSpec
+from partitioner.graph import Node, Profile, TensorSpec, scale_batch
 from partitioner.models import ModelBundle, load_model
 from partitioner.profiler.measure import (
     LayerCost,
@@ -75,6 +75,7 @@ def profile_model(
     progress: Progress | None = None,
     clock: str = "wall",
     threads: int | None = None,
+    microbatch_size: int | None = None,
 ) -> Profile:
     """Trace ``spec`` and measure every layer at ``batch_size``; see ``partitioner.graph.Profile``.
 
@@ -91,6 +92,8 @@ def profile_model(
             CPU; its times add all threads' work, so they exceed wall time when threads run in parallel).
         threads: CPU threads while measuring (restored after); ``pipeplan run`` gives each rank
             cores / local ranks, so a profile taken at that count predicts what the ranks will do.
+        microbatch_size: measure at this many samples and scale the times to ``batch_size``: what
+            a stage of a 1f1b or gpipe pipeline with batch_size / microbatch_size microbatches runs.
 
     Raises:
         PipeplanError: bad spec, shapes, device or dtype; TraceError when the model cannot be traced.
@@ -101,12 +104,16 @@ def profile_model(
         raise PipeplanError(f"unknown clock {clock!r}: use wall or cpu")
     if threads is not None and threads <= 0:
         raise PipeplanError(f"--threads must be positive, got {threads}")
+    if microbatch_size is not None and not 0 < microbatch_size <= batch_size:
+        raise PipeplanError(f"--microbatch-size must be between 1 and --batch-size {batch_size}")
+    measured = microbatch_size or batch_size
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or previous)
     try:
-        return _profile(spec, batch_size, input_shape, device, dtype, leaf_modules, repeats, progress, clock)
+        profile = _profile(spec, measured, input_shape, device, dtype, leaf_modules, repeats, progress, clock)
     finally:
         torch.set_num_threads(previous)
+    return scale_batch(profile, batch_size) if measured != batch_size else profile
 
 
 def _profile(

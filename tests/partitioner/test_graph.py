@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from partitioner.graph import (
     load_profile,
     read_graph_txt,
     save_profile,
+    scale_batch,
     write_graph_txt,
 )
 from tests.data import PIPEDREAM_GRAPHS
@@ -96,3 +98,16 @@ def test_json_document_is_plain_data(tmp_path: Path) -> None:
     path = save_profile(Profile(nodes=(Node("x", "x", "input", "input"),)), tmp_path / "profile.json")
     doc = json.loads(path.read_text())
     assert doc["schema"] == "pipeplan.profile/1" and doc["nodes"][0]["id"] == "x"
+
+
+def test_scale_batch_scales_times_and_activations_not_parameters() -> None:
+    node = Node("l0", "fc", "call_module", "Linear", ("x",), 2.0, 4.0, 100, 60, 1000)
+    profile = Profile(nodes=(node,), batch_size=2, inputs=(TensorSpec((2, 3)),), step_ms=6.0)
+    scaled = scale_batch(profile, 8)
+    assert scaled.nodes[0] == replace(
+        node, forward_ms=8.0, backward_ms=16.0, output_bytes=400, saved_bytes=240
+    )
+    assert scaled.batch_size == 8 and scaled.inputs[0].shape == (8, 3) and scaled.step_ms == 24.0
+    assert scaled.extra["measured_batch_size"] == 2 and scaled.fidelity == profile.fidelity
+    with pytest.raises(ProfileFormatError, match="batch size"):
+        scale_batch(replace(profile, batch_size=None), 8)

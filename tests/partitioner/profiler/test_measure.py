@@ -166,3 +166,16 @@ def test_bad_repeats_and_device() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(PipeplanError, match="no usable GPU"):
             profile_model("tiny-mlp", device="cuda")
+
+
+def test_microbatch_size_measures_small_and_scales_up() -> None:
+    profile = profile_model("tiny-cnn", batch_size=8, device="cpu", repeats=1, microbatch_size=2)
+    assert profile.batch_size == 8 and profile.extra["measured_batch_size"] == 2
+    assert profile.inputs[0].shape[0] == 8
+    single = profile_model("tiny-cnn", batch_size=2, device="cpu", repeats=1)
+    assert [n.output_bytes for n in profile.nodes] == [4 * n.output_bytes for n in single.nodes]
+    assert [n.param_bytes for n in profile.nodes] == [n.param_bytes for n in single.nodes]
+    from partitioner.errors import PipeplanError
+
+    with pytest.raises(PipeplanError, match="--microbatch-size"):
+        profile_model("tiny-mlp", batch_size=2, microbatch_size=3)
