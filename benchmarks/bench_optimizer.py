@@ -145,7 +145,9 @@ def markdown(doc: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--profiles", default="/work/shared/pipedream-profiles")
+    parser.add_argument(
+        "--profiles", default=str(Path(__file__).resolve().parents[1] / "data" / "pipedream-profiles")
+    )
     parser.add_argument("--only", default="")
     args = parser.parse_args()
     root = Path(args.profiles)

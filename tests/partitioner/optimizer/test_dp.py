@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from functools import lru_cache
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -15,9 +14,10 @@ from partitioner.graph import Profile, read_graph_txt
 from partitioner.optimizer import solve
 from partitioner.optimizer.build import StageSpec, assemble
 from partitioner.plan import Cluster, SolverInfo
+from tests.data import PIPEDREAM_PROFILES
 from tests.partitioner.optimizer.conftest import make_profile
 
-PROFILES = Path("/work/shared/pipedream-profiles")
+PROFILES = PIPEDREAM_PROFILES
 
 
 def _downsets(profile: Profile) -> list[frozenset[str]]:
@@ -117,9 +117,7 @@ def _shared(name: str) -> Profile:
     return read_graph_txt(PROFILES / name / "graph.txt")
 
 
-SHARED = (
-    sorted(p.name for p in PROFILES.glob("*/") if (p / "graph.txt").exists()) if PROFILES.exists() else []
-)
+SHARED = sorted(p.name for p in PROFILES.glob("*/") if (p / "graph.txt").exists())
 
 
 @pytest.mark.skipif(not SHARED, reason="shared PipeDream profiles not present")

@@ -25,13 +25,10 @@ def test_dp_equals_ilp(dag: tuple[list[tuple[int, int, int, int]], list[tuple[in
 
 
 def test_ilp_on_a_real_profile() -> None:
-    from pathlib import Path
-
     from partitioner.graph import read_graph_txt
+    from tests.data import PIPEDREAM_PROFILES
 
-    path = Path("/work/shared/pipedream-profiles/alexnet/graph.txt")
-    if not path.exists():
-        pytest.skip("shared profiles not present")
+    path = PIPEDREAM_PROFILES / "alexnet" / "graph.txt"
     profile = read_graph_txt(path, 256)
     for gpus in (2, 4):
         dp = solve(profile, Cluster.flat(gpus)).predicted.time_per_minibatch_s
