@@ -18,12 +18,13 @@ cost model models for 1f1b (partitioner/optimizer/cost.py), plus the optimizer s
 
 with t_k = forward + backward of stage k on one microbatch (loss included on the last stage,
 gradients accumulated as the runtime does) and S_k its optimizer step with ``zero_grad``. Every term
-is measured in a probe job just before each round: two processes set up like the ranks (the
-runtime's own ``share_cores`` and ``keep_freed_memory``, so the same threads per rank), both
-computing their stage at once for a fixed time, as in the pipeline's steady state, then a gloo
-ping-pong of the real activation and gradient shapes. No term is fitted to the measured times. The
-round's prediction is written into the package's plan.json before pipeplan runs, so its own
-metrics.json reports the same ratio.
+is measured in probe jobs just before and just after each round's runs (their mean is the round's
+prediction): two processes set up like the ranks (the runtime's own ``share_cores`` and
+``keep_freed_memory``, so the same threads per rank), both computing their stage at once for a fixed
+time, as in the pipeline's steady state, then a gloo ping-pong of the real activation and gradient
+shapes. No term is fitted to the measured times. The
+first probe's prediction is written into the package's plan.json before pipeplan runs, for its own
+metrics.json.
 
 Run:  .venv/bin/python benchmarks/bench_runtime.py   (writes benchmarks/results/bench_runtime.{json,md})
 """
@@ -249,6 +250,17 @@ def probe(package: Path, batch: int, m: int, seconds: float) -> dict[int, dict[s
     return _elastic(_probe_rank, str(package), batch, m, seconds)
 
 
+def _mean_probe(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Term by term mean of two probes (numbers, and dicts of numbers, alike)."""
+
+    def mean(x: Any, y: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: mean(x[k], y[k]) for k in x}
+        return x if x == y else (x + y) / 2
+
+    return {k: mean(a[k], b[k]) for k in a}
+
+
 # ----------------------------------------------------------------------------- the two runtimes
 def _pipelining_rank(package: str, steps: int, micro: int, batch: int) -> list[float]:
     """One rank of torch.distributed.pipelining's Schedule1F1B on the package's stage."""
@@ -323,7 +335,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--probe-seconds", type=float, default=1.5)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -333,10 +345,9 @@ def main() -> None:
         b, m = args.batch_size, args.microbatches
         package = write_package(Path(tmp) / "pkg", args.width, args.layers, b, m)
         for r in range(args.repeats):
-            found = probe(package, b, m, args.probe_seconds)
-            terms = predict(found, m)
-            set_prediction(package, b, m, args.width, terms["predicted_s"])
-            got: dict[str, Any] = {"load_1min": os.getloadavg()[0], "terms": terms, "probe": found}
+            before = probe(package, b, m, args.probe_seconds)
+            set_prediction(package, b, m, args.width, predict(before, m)["predicted_s"])
+            got: dict[str, Any] = {"load_1min": os.getloadavg()[0]}
             # Alternate which runtime goes first, so a burst of load from other jobs hits both alike.
             for name in ("pipeplan", "torch") if r % 2 == 0 else ("torch", "pipeplan"):
                 if name == "pipeplan":
@@ -344,6 +355,9 @@ def main() -> None:
                     got["pipeplan"], got["pipeplan_ranks"] = steps[args.warmup :], _rank_summary(metrics)
                 else:
                     got["torch"] = run_pipelining(package, args.steps, m, b)[args.warmup :]
+            # Probes on both sides of the runs: the load of other jobs drifts within seconds here.
+            got["probe"] = _mean_probe(before, probe(package, b, m, args.probe_seconds))
+            got["terms"] = predict(got["probe"], m)
             rounds.append(got)
     report(args, rounds, (load_before, os.getloadavg()))
 
@@ -439,9 +453,9 @@ def _markdown(
         f"MLP {args.layers} x {args.width}, batch {args.batch_size}, {args.microbatches} microbatches, "
         f"2 gloo ranks ({doc['setup']['threads_per_rank']} thread each) on a {os.cpu_count()}-core CPU "
         f"shared with other jobs (1-min load average {load[0][0]:.2f} before, {load[1][0]:.2f} after). "
-        f"{len(rounds)} rounds: a probe of the prediction's terms, then {args.steps} steps per runtime "
+        f"{len(rounds)} rounds: a probe of the prediction's terms, {args.steps} steps per runtime "
         f"({args.warmup} warm-up steps dropped), the runtimes back to back in alternating order; per round "
-        "the median step (slower rank).",
+        "the median step (slower rank), then a second probe.",
         "",
         "| round | load 1 min | predicted s | pipeplan s | torch s | throughput ratio | measured/predicted |",
         "|---:|---:|---:|---:|---:|---:|---:|",
