@@ -43,6 +43,27 @@ def _functional(module: nn.Module, params: dict[str, torch.Tensor], *args: torch
     return torch.func.functional_call(module, params, args)
 
 
+def _no_step_between(actions: Sequence[Action]) -> frozenset[int]:
+    """Units whose forward and backward both lie in ``actions`` with no optimizer step between them.
+
+    Their backward sees the weights their forward saw, so they run on the live parameters: stashing a
+    copy of every weight costs a stage's whole parameter memory in copies per minibatch (PipeDream's
+    last stage never needs one)."""
+    forward_at: dict[int, int] = {}
+    steps: list[int] = []
+    safe = set()
+    for i, action in enumerate(actions):
+        if action.kind == "F":
+            forward_at[action.index] = i
+        elif action.kind == "S":
+            steps.append(i)
+        elif action.kind == "B" and action.index in forward_at:
+            start = forward_at[action.index]
+            if not steps or steps[-1] < start:
+                safe.add(action.index)
+    return frozenset(safe)
+
+
 @dataclass(frozen=True)
 class Groups:
     """Collective groups of this rank: its stage's replicas, and one group per tie it holds.
@@ -64,6 +85,7 @@ class Unit:
     outputs: dict[str, torch.Tensor]
     loss: torch.Tensor | None
     version: int
+    stashed: bool = False
 
 
 @dataclass
@@ -109,6 +131,7 @@ class StageRuntime:
     out_meta: dict[str, TensorMeta] = field(default_factory=dict)
     _batch_cache: dict[str, tuple[int, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
     _inbox: dict[tuple[str, int], Posted] = field(default_factory=dict)
+    _unstashed: frozenset[int] = frozenset()
 
     # ------------------------------------------------------------------ routing
     @functools.cached_property
@@ -179,6 +202,7 @@ class StageRuntime:
         """Run ``actions`` in order, then wait for this rank's outstanding sends."""
         run = {"F": self.forward, "B": self.backward, "S": self.step}
         receiving = [i for i, a in enumerate(actions) if self._receives(a)]
+        self._unstashed = _no_step_between(actions) if self.stash else frozenset()
         posted = 0
         for i, action in enumerate(actions):
             if self.comm.prefetch:
@@ -218,13 +242,14 @@ class StageRuntime:
             for name, t in zip(names, tensors, strict=True):
                 named[name] = t.requires_grad_(t.is_floating_point())
         with self.recorder.span(f"F{unit}", "compute"):
-            params = self._version_params() if self.stash else None
-            outs = self._run(named, params)
+            stashed = self.stash and unit not in self._unstashed
+            outs = self._run(named, self._version_params() if stashed else None)
             loss = self._loss(unit, outs) if self.cfg.is_last else None
         self.comm.send(
             [(self._peer(k, unit), [outs[n] for n in names]) for k, names in self.consumers.items()]
         )
-        self.units[unit] = Unit({n: t for n, t in named.items() if t.requires_grad}, outs, loss, self.version)
+        inputs = {n: t for n, t in named.items() if t.requires_grad}
+        self.units[unit] = Unit(inputs, outs, loss, self.version, stashed)
 
     def _loss(self, unit: int, outs: dict[str, torch.Tensor]) -> torch.Tensor:
         assert self.criterion is not None
@@ -254,8 +279,10 @@ class StageRuntime:
         with self.recorder.span(f"B{unit}", "compute"):
             if roots:
                 torch.autograd.backward(roots, grads)
-            if self.stash:
-                self._collect_stash_grads(state.version, unit)
+            if state.stashed:
+                self._collect_stash_grads(state.version)
+        if self.stash and len(self.stash_log) < STASH_LOG_MAX:
+            self.stash_log.append((unit, state.version, self.version))
         self._send_input_grads(unit, state)
 
     def _recv(self, action: Action) -> list[list[torch.Tensor]]:
@@ -332,7 +359,7 @@ class StageRuntime:
             }
         return self.versions[self.version]
 
-    def _collect_stash_grads(self, version: int, unit: int) -> None:
+    def _collect_stash_grads(self, version: int) -> None:
         """Move the gradients that landed on a snapshot onto the live parameters; drop unused snapshots."""
         snapshot = self.versions[version]
         for name, p in self.module.named_parameters():
@@ -340,8 +367,6 @@ class StageRuntime:
             if g is not None:
                 p.grad = g if p.grad is None else p.grad + g
                 snapshot[name].grad = None
-        if len(self.stash_log) < STASH_LOG_MAX:
-            self.stash_log.append((unit, version, self.version))
-        live = {u.version for u in self.units.values()} | {self.version}
+        live = {u.version for u in self.units.values() if u.stashed} | {self.version}
         for v in [v for v in self.versions if v not in live]:
             del self.versions[v]
