@@ -5,8 +5,8 @@ time t and r replicas, stage (k, j] fits iff W_r(k) >= W_r(j) - r·t with W_r = 
 params (linear in the additive sums) and k's cut traffic fits r. So the question "fewest devices for
 cut j" only needs, for every device count v, the largest W_r over the cuts below j that v devices
 reach; that maximum propagates through the downset lattice along its covering edges (j minus one
-maximal layer), one size layer at a time. A probe costs states x covers x replicas x devices, and a
-bisection over t finds the optimum to a relative 1e-7.
+maximal layer), one size layer at a time. A probe costs states x covers x (replicas, devices) pairs
+with replicas + devices <= units, and a bisection over t finds the optimum to a relative 1e-7.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from partitioner.errors import InfeasibleError
 from partitioner.graph import Profile
 from partitioner.optimizer.dp import Segment
 from partitioner.optimizer.states import _layers
-from partitioner.optimizer.states import addable as _addable
 
 __all__ = ["Lattice", "enumerate_lattice", "solve_lattice"]
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
+WordArray = npt.NDArray[np.uint64]
 SLACK = 1e-6  # float32 probes: thresholds are trusted to this relative precision
 
 
@@ -35,89 +35,190 @@ class Lattice:
 
     Attributes:
         layer_ids: the layers, topologically ordered (bit i of a mask = layer_ids[i]).
-        masks: every downset, ordered by size; index 0 is empty, the last is everything.
+        masks: every downset as a row of 64-bit words (bit i = layer i), ordered by size; row 0 is
+            empty, the last row is everything.
         starts: states of size s are ``starts[s]:starts[s + 1]``.
-        covers: [state, c] global index of a lower cover, -1 padding.
+        cover_ptr, cover_idx: the lower covers of state j (global indices, in discovery order) are
+            ``cover_idx[cover_ptr[j]:cover_ptr[j + 1]]``.
         compute_s, param_bytes, act_bytes: additive sums and the bytes leaving each downset.
     """
 
     layer_ids: tuple[str, ...]
-    masks: tuple[int, ...]
+    masks: WordArray
     starts: IntArray
-    covers: IntArray
+    cover_ptr: IntArray
+    cover_idx: IntArray
     compute_s: FloatArray
     param_bytes: FloatArray
     act_bytes: FloatArray
 
     def members(self, k: int, j: int) -> tuple[str, ...]:
         """Layer ids in downset j but not in downset k, in topological order."""
-        diff = self.masks[j] & ~self.masks[k]
-        return tuple(lid for i, lid in enumerate(self.layer_ids) if diff >> i & 1)
+        diff = _unpack(self.masks[j : j + 1] & ~self.masks[k : k + 1], len(self.layer_ids))[0]
+        return tuple(self.layer_ids[i] for i in np.flatnonzero(diff))
+
+
+@dataclass(frozen=True)
+class _Dag:
+    """The layer DAG as packed bit rows and CSR neighbour lists, for vectorised growth."""
+
+    bit: WordArray  # [layer, word]: the layer's own bit
+    pred: WordArray  # [layer, word]: its predecessors
+    succ: WordArray
+    pred_csr: tuple[IntArray, IntArray]
+    succ_csr: tuple[IntArray, IntArray]
+    comp: FloatArray
+    par: FloatArray
+    out: FloatArray
+    sends: FloatArray  # out[x] where x has readers, else 0
+
+    @staticmethod
+    def of(profile: Profile) -> _Dag:
+        ids, preds, succs = _layers(profile)
+        nodes = {n.id: n for n in profile.nodes}
+        width = len(ids)
+        pred, succ = _pack(preds, width), _pack(succs, width)
+        out = np.array([float(nodes[i].output_bytes) for i in ids])
+        return _Dag(
+            _pack([1 << x for x in range(width)], width), pred, succ, _csr(pred), _csr(succ),
+            np.array([nodes[i].compute_ms / 1000.0 for i in ids]),
+            np.array([float(nodes[i].param_bytes) for i in ids]), out,
+            np.where(np.array([s != 0 for s in succs], dtype=bool), out, 0.0),
+        )  # fmt: skip
+
+
+def _pack(masks: list[int], width: int) -> WordArray:
+    """Python-int bitmasks as rows of little-endian 64-bit words."""
+    words = max(1, (width + 63) // 64)
+    raw = b"".join(m.to_bytes(8 * words, "little") for m in masks)
+    return np.frombuffer(raw, dtype=np.uint64).reshape(len(masks), words).copy()
+
+
+def _unpack(rows: WordArray, width: int) -> npt.NDArray[np.uint8]:
+    """Rows of words as a 0/1 matrix [row, layer]."""
+    as_bytes = np.ascontiguousarray(rows).view(np.uint8).reshape(len(rows), -1)
+    return np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :width]
+
+
+def _csr(rows: WordArray) -> tuple[IntArray, IntArray]:
+    """The set bits of each row as CSR lists (ascending)."""
+    row, bit = _set_bits(rows)
+    ptr = np.zeros(len(rows) + 1, dtype=np.int64)
+    ptr[1:] = np.cumsum(np.bincount(row, minlength=len(rows)))
+    return ptr, bit
+
+
+def _expand(csr: tuple[IntArray, IntArray], x: IntArray) -> tuple[IntArray, IntArray]:
+    """(i, y) for every neighbour y of x[i] in the CSR lists."""
+    ptr, flat = csr
+    count = ptr[x + 1] - ptr[x]
+    row = np.repeat(np.arange(len(x)), count)
+    first = np.cumsum(count) - count
+    return row, flat[ptr[x][row] + np.arange(len(row)) - first[row]]
+
+
+def _inside(words: WordArray, rows: WordArray) -> npt.NDArray[np.bool_]:
+    """Row-wise subset test: words[i] is contained in rows[i]."""
+    return np.asarray(((words & ~rows) == 0).all(axis=1))
+
+
+def _act_delta(dag: _Dag, x: IntArray, grown: WordArray) -> FloatArray:
+    """Change of the bytes leaving each downset when maximal layer x joins it.
+
+    Byte counts are whole numbers, so the sum is exact in any order.
+    """
+    row, y = _expand(dag.pred_csr, x)
+    done = _inside(dag.succ[y], grown[row])  # y's last reader arrived: its output no longer leaves
+    freed = np.bincount(row[done], weights=dag.out[y[done]], minlength=len(x))
+    return np.asarray(dag.sends[x] - freed, dtype=np.float64)
+
+
+def _next_free(dag: _Dag, free: WordArray, x: IntArray, grown: WordArray) -> WordArray:
+    """Layers that may join each grown downset: the parent's, less x, plus x's ready successors."""
+    out = free & ~dag.bit[x]
+    row, y = _expand(dag.succ_csr, x)
+    ready = _inside(dag.pred[y], grown[row])
+    np.bitwise_or.at(out, row[ready], dag.bit[y[ready]])
+    return out
 
 
 def enumerate_lattice(profile: Profile, cap: int, max_layer: int = 20_000) -> Lattice | None:
-    """Every downset, size layer by size layer, with covers and sums.
+    """Every downset, size layer by size layer, with covers and sums (vectorised per size layer).
 
     None beyond ``cap`` downsets, or as soon as one size layer exceeds ``max_layer`` (a cheap sign
-    that the total explodes, as on NASNet; Inception-v3's widest layer has 7,010).
+    that the total explodes, as on NASNet; Inception-v3's widest layer has 7,010). A size layer's
+    states are numbered in order of discovery (parent, then added layer), and each state's sums
+    are its first parent's plus the added layer's.
     """
-    ids, preds, succs = _layers(profile)
-    nodes = {n.id: n for n in profile.nodes}
-    comp = [nodes[i].compute_ms / 1000.0 for i in ids]
-    par = [float(nodes[i].param_bytes) for i in ids]
-    out = [float(nodes[i].output_bytes) for i in ids]
-    addable0 = sum(1 << i for i, p in enumerate(preds) if p == 0)
-    masks, c_s, p_s, a_s, starts = [0], [0.0], [0.0], [0.0], [0, 1]
-    covers: list[list[int]] = [[]]
-    layer: dict[int, int] = {0: 0}
-    addable = {0: addable0}
-    while layer:
-        nxt: dict[int, int] = {}
-        nxt_addable: dict[int, int] = {}
-        for mask, idx in layer.items():
-            free = addable[mask]
-            while free:
-                low = free & -free
-                free ^= low
-                x = low.bit_length() - 1
-                grown = mask | low
-                at = nxt.get(grown)
-                if at is None:
-                    at = len(masks)
-                    nxt[grown] = at
-                    masks.append(grown)
-                    covers.append([])
-                    c_s.append(c_s[idx] + comp[x])
-                    p_s.append(p_s[idx] + par[x])
-                    a_s.append(a_s[idx] + _act_delta(x, grown, preds, succs, out))
-                    nxt_addable[grown] = _addable(addable[mask] & ~low, x, grown, preds, succs)
-                    if len(masks) > cap:
-                        return None
-                covers[at].append(idx)
-        if len(nxt) > max_layer:
+    dag = _Dag.of(profile)
+    words = dag.bit.shape[1]
+    salt = np.random.default_rng(0).integers(0, 2**63, size=len(dag.comp), dtype=np.uint64)
+    rows, keys = np.zeros((1, words), dtype=np.uint64), np.zeros(1, dtype=np.uint64)
+    free = np.bitwise_or.reduce(dag.bit[(dag.pred == 0).all(axis=1)], axis=0, keepdims=True)
+    sums = (np.zeros(1), np.zeros(1), np.zeros(1))
+    parts: list[tuple[WordArray, FloatArray, FloatArray, FloatArray, IntArray, IntArray]] = []
+    starts, total = [0, 1], 1
+    while True:
+        parent, x = _set_bits(free)
+        if not len(x):
+            break
+        grown = rows[parent] | dag.bit[x]
+        first, new_of = _distinct(grown, keys[parent] + salt[x])
+        if len(first) > max_layer or total + len(first) > cap:
             return None
-        if nxt:
-            starts.append(len(masks))
-        layer, addable = nxt, nxt_addable
-    width = max(len(c) for c in covers)
-    cov = np.full((len(masks), max(width, 1)), -1, dtype=np.int64)
-    for i, c in enumerate(covers):
-        cov[i, : len(c)] = c
-    return Lattice(tuple(ids), tuple(masks), np.array(starts, dtype=np.int64), cov,
-                   np.array(c_s), np.array(p_s), np.array(a_s))  # fmt: skip
+        p0, x0, rows, keys = parent[first], x[first], grown[first], keys[parent[first]] + salt[x[first]]
+        act = _act_delta(dag, x0, rows)
+        sums = (sums[0][p0] + dag.comp[x0], sums[1][p0] + dag.par[x0], sums[2][p0] + act)
+        free = _next_free(dag, free[p0], x0, rows)
+        covers = parent[np.argsort(new_of, kind="stable")] + starts[-2]
+        parts.append((rows, *sums, np.bincount(new_of, minlength=len(first)), covers))
+        total += len(first)
+        starts.append(total)
+    return _assemble(profile, parts, words, np.array(starts, dtype=np.int64))
 
 
-def _act_delta(x: int, grown: int, preds: list[int], succs: list[int], out: list[float]) -> float:
-    """Change of the bytes leaving the downset when maximal layer x joins it."""
-    delta = out[x] if succs[x] else 0.0
-    p = preds[x]
-    while p:
-        low = p & -p
-        p ^= low
-        y = low.bit_length() - 1
-        if succs[y] & grown == succs[y]:  # y's last reader arrived: its output no longer leaves
-            delta -= out[y]
-    return delta
+def _set_bits(rows: WordArray) -> tuple[IntArray, IntArray]:
+    """(row, bit) of every set bit, row-major and ascending: non-zero bytes first (bits are sparse)."""
+    as_bytes = np.ascontiguousarray(rows).view(np.uint8).reshape(len(rows), -1)
+    row, byte = np.nonzero(as_bytes)
+    bits = np.unpackbits(as_bytes[row, byte][:, None], axis=1, bitorder="little")
+    at, bit = np.nonzero(bits)
+    return row[at].astype(np.int64), (byte[at] * 8 + bit).astype(np.int64)
+
+
+def _distinct(grown: WordArray, keys: npt.NDArray[np.uint64]) -> tuple[IntArray, IntArray]:
+    """Distinct rows by first occurrence, and each row's index among them (in that order).
+
+    ``keys`` are additive hashes of the rows (sums of random words per layer): equal rows have equal
+    keys; rows sharing a key are compared in full, and a collision falls back to sorting the rows.
+    """
+    _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    inverse = inverse.ravel()
+    if not (grown == grown[first[inverse]]).all():  # a hash collision (never seen): exact fallback
+        view = np.ascontiguousarray(grown).view(np.dtype((np.void, 8 * grown.shape[1]))).ravel()
+        _, first, inverse = np.unique(view, return_index=True, return_inverse=True)
+        inverse = inverse.ravel()
+    order = np.argsort(first)
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    return first[order].astype(np.int64), rank[inverse].astype(np.int64)
+
+
+def _assemble(
+    profile: Profile,
+    parts: list[tuple[WordArray, FloatArray, FloatArray, FloatArray, IntArray, IntArray]],
+    words: int,
+    starts: IntArray,
+) -> Lattice:
+    ids = tuple(_layers(profile)[0])
+    zero = np.zeros(1)
+    counts = np.concatenate([np.zeros(1, dtype=np.int64), *[p[4] for p in parts]])
+    ptr = np.zeros(len(counts) + 1, dtype=np.int64)
+    ptr[1:] = np.cumsum(counts)
+    masks = np.concatenate([np.zeros((1, words), dtype=np.uint64), *[p[0] for p in parts]])
+    cover_idx = np.concatenate([np.zeros(0, dtype=np.int64), *[p[5] for p in parts]])
+    return Lattice(ids, masks, starts, ptr, cover_idx.astype(np.int64),
+                   *(np.concatenate([zero, *[p[i] for p in parts]]) for i in (1, 2, 3)))  # fmt: skip
 
 
 def _weights(lat: Lattice, reps: FloatArray, bandwidth: float) -> FloatArray:
@@ -126,41 +227,93 @@ def _weights(lat: Lattice, reps: FloatArray, bandwidth: float) -> FloatArray:
     return np.asarray(lat.compute_s[None, :] + a[:, None] * lat.param_bytes[None, :], dtype=np.float64)
 
 
-def _probe(lat: Lattice, units: int, bandwidth: float, tau: float, weights: FloatArray) -> FloatArray:
+@dataclass(frozen=True)
+class _Grid:
+    """The (replicas r, devices before v) pairs a probe tracks: r + v <= units, r-major.
+
+    Pairs with r + v > units can never be part of a plan, so they are not stored (about half of
+    the square). Row r spans ``row_start[r - 1]`` .. and holds v = 0 .. units - r.
+    """
+
+    r_of: IntArray  # per pair: r - 1
+    v_of: FloatArray  # per pair: v
+    row_start: IntArray
+    row_len: FloatArray
+
+    @staticmethod
+    def of(units: int, cap: int) -> _Grid:
+        lens = np.array([units - r + 1 for r in range(1, cap + 1)], dtype=np.int64)
+        r_of = np.repeat(np.arange(cap), lens)
+        start = np.cumsum(lens) - lens
+        return _Grid(
+            r_of, (np.arange(len(r_of)) - start[r_of]).astype(np.float64), start, lens.astype(np.float64)
+        )
+
+
+@dataclass(frozen=True)
+class _Sweep:
+    """Per size layer, the covers laid out for slice-only maxima.
+
+    A layer's states are visited in ``order`` (most covers first), so the states with more than
+    c covers are a prefix: ``cols[c][:]`` are their c-th covers, as positions in the previous
+    layer's visiting order. Built once per search and shared by every probe.
+    """
+
+    order: tuple[IntArray, ...]
+    cols: tuple[tuple[IntArray, ...], ...]
+
+    @staticmethod
+    def of(lat: Lattice) -> _Sweep:
+        orders: list[IntArray] = [np.zeros(1, dtype=np.int64)]
+        cols: list[tuple[IntArray, ...]] = [()]
+        for s in range(1, len(lat.starts) - 1):
+            lo, hi = int(lat.starts[s]), int(lat.starts[s + 1])
+            count = np.diff(lat.cover_ptr[lo : hi + 1])
+            order = np.argsort(-count, kind="stable")
+            where = np.empty_like(orders[-1])
+            where[orders[-1]] = np.arange(len(where))  # previous layer: state -> visiting position
+            first = lat.cover_ptr[lo:hi][order]
+            cover = lat.cover_idx
+            prev_lo = int(lat.starts[s - 1])
+            cols.append(tuple(
+                where[cover[first[: int((count > c).sum())] + c] - prev_lo] for c in range(int(count.max()))
+            ))  # fmt: skip
+            orders.append(order)
+        return _Sweep(tuple(orders), tuple(cols))
+
+
+def _probe(
+    lat: Lattice, sweep: _Sweep, units: int, bandwidth: float, tau: float, weights: FloatArray
+) -> FloatArray:
     """g[state]: fewest devices covering each downset with every stage at most tau (inf if none).
 
-    ``best[j, r, v]`` is the largest W_r of a cut strictly below j that v devices reach and whose
-    traffic r replicas can receive; it is the max over j's lower covers of theirs (state-major
-    float32 arrays, so the gathers copy whole rows).
+    ``best[j, (r, v)]`` is the largest W_r of a cut strictly below j that v devices reach and whose
+    traffic r replicas can receive; it is the max over j's lower covers of theirs (rows in the
+    sweep's visiting order, so each cover column is a slice; float32).
     """
     reps = np.arange(1, weights.shape[0] + 1, dtype=np.float64)
-    v_axis = np.arange(units, dtype=np.float64)  # devices before a stage: 0 .. units-1
+    grid = _Grid.of(units, len(reps))
     room = bandwidth * tau * reps / 2.0  # cut bytes r replicas can move within tau
     n, last = len(lat.masks), len(lat.masks) - 1
     g = np.full(n, np.inf)
     g[0] = 0.0
     wt = weights.T.astype(np.float32)  # [state, r]
-    prev = np.empty((1, len(reps), units), dtype=np.float32)  # the layer of the empty cut
-    prev[0] = wt[0][:, None]
+    prev = wt[0][grid.r_of][None, :]  # the layer of the empty cut
     for s in range(1, len(lat.starts) - 1):
-        lo, hi = int(lat.starts[s]), int(lat.starts[s + 1])
-        plo = int(lat.starts[s - 1])
-        cov = lat.covers[lo:hi]
-        best = prev[cov[:, 0] - plo]  # [j, r, v]; every non-empty downset has a lower cover
-        for c in range(1, cov.shape[1]):
-            rows = np.flatnonzero(cov[:, c] >= 0)
-            if not len(rows):
-                break
-            best[rows] = np.maximum(best[rows], prev[cov[rows, c] - plo])
-        need = (weights[:, lo:hi] - reps[:, None] * tau * (1 + 1e-12)).T.astype(np.float32)  # [j, r]
-        short = (best < need[:, :, None]).sum(axis=2)  # best rises with v: count of v short of need
-        vmin = np.where(short < units, short, np.inf)
-        fits = lat.act_bytes[lo:hi, None] <= room[None, :] * (1 + 1e-12)
-        if hi - 1 == last:
-            fits[-1] = True
-        g[lo:hi] = np.where(fits, vmin + reps[None, :], np.inf).min(axis=1)
-        mask = (v_axis[None, None, :] >= g[lo:hi, None, None]) & fits[:, :, None]
-        np.maximum(best, wt[lo:hi][:, :, None], out=best, where=mask)
+        lo, cols = int(lat.starts[s]), sweep.cols[s]
+        states = lo + sweep.order[s]
+        best = prev[cols[0]]
+        for col in cols[1:]:
+            np.maximum(best[: len(col)], prev[col], out=best[: len(col)])
+        need = (weights[:, states] - reps[:, None] * tau * (1 + 1e-12)).T.astype(np.float32)  # [j, r]
+        short = np.add.reduceat(best < need[:, grid.r_of], grid.row_start, axis=1, dtype=np.int32)
+        vmin = np.where(short < grid.row_len[None, :], short, np.inf)  # best rises with v
+        fits = lat.act_bytes[states, None] <= room[None, :] * (1 + 1e-12)
+        fits[states == last] = True
+        reach = np.where(fits, vmin + reps[None, :], np.inf).min(axis=1)
+        g[states] = reach
+        mask = (grid.v_of[None, :] >= reach[:, None]) & fits[:, grid.r_of]
+        np.maximum(best, wt[states][:, grid.r_of], out=best, where=mask)
         prev = best
     return g
 
@@ -175,17 +328,8 @@ def _stage_times(lat: Lattice, ks: IntArray, j: int, r: int, bandwidth: float) -
     return np.asarray(np.maximum(busy, 2.0 * act / (bandwidth * r)), dtype=np.float64)
 
 
-def _packed(lat: Lattice) -> npt.NDArray[np.uint64]:
-    """The masks as rows of 64-bit words, for vectorised subset tests."""
-    words = max(1, (len(lat.layer_ids) + 63) // 64)
-    low = (1 << 64) - 1
-    columns = [np.array([(m >> (64 * w)) & low for m in lat.masks], dtype=np.uint64) for w in range(words)]
-    return np.stack(columns, axis=1)
-
-
 def _walk(
     lat: Lattice,
-    packed: npt.NDArray[np.uint64],
     g: FloatArray,
     units: int,
     bandwidth: float,
@@ -196,7 +340,8 @@ def _walk(
     stages: list[Segment] = []
     j, budget = len(lat.masks) - 1, units
     while j > 0:
-        below = np.flatnonzero(((packed[:j] & ~packed[j]) == 0).all(axis=1))  # strict subsets of j
+        near = np.flatnonzero(g[:j] <= budget - 1)  # only cuts the budget can still reach
+        below = near[_inside(lat.masks[near], lat.masks[j][None, :])]  # strict subsets of j
         found = None
         for r in range(1, min(cap, budget) + 1):
             ks = below[g[below] <= budget - r]
@@ -227,14 +372,14 @@ def solve_lattice(
     """
     cap = units if max_replicas is None else min(units, max_replicas)
     weights = _weights(lat, np.arange(1, cap + 1, dtype=np.float64), bandwidth)
-    packed = _packed(lat)
+    sweep = _Sweep.of(lat)
 
     def attained(tau: float) -> tuple[float, list[Segment]] | None:
         """The plan a feasible probe at tau rebuilds, with its exact time; None when infeasible."""
-        g = _probe(lat, units, bandwidth, tau, weights)
+        g = _probe(lat, sweep, units, bandwidth, tau, weights)
         if not g[-1] <= units:
             return None
-        stages = _walk(lat, packed, g, units, bandwidth, tau, cap)
+        stages = _walk(lat, g, units, bandwidth, tau, cap)
         ends = [
             float(_stage_times(lat, np.array([s.start]), s.end, s.replicas, bandwidth)[0]) for s in stages
         ]
