@@ -825,6 +825,12 @@ def _print_run_table(metrics: dict[str, Any], path: object) -> None:
     if losses:
         console.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
     console.print(f"metrics: {path}")
+    if ratio is not None and not 0.8 <= ratio <= 1.25:
+        console.print(
+            f"[yellow]note:[/yellow] measured/predicted {ratio:.2f}: `pipeplan calibrate` feeds the measured "
+            "stage times back into the profile, so the next `pipeplan partition` plans with them",
+            soft_wrap=True,
+        )
 
 
 if __name__ == "__main__":

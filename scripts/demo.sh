@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole workflow on this machine: profile vgg16, plan it for 4 GPUs and verify the generated stages,
 # then plan it for 2 devices and train a few steps on them (CPU ranks over gloo when there is no GPU),
-# printing measured against predicted time per minibatch.
+# printing measured against predicted time per minibatch, and feed the measured stage times back.
 # `make demo` calls it with the virtualenv's bin folder; it writes profiles/ and models/ here.
 set -euo pipefail
 BIN=$(cd "${1:-.venv/bin}" && pwd)
@@ -29,5 +29,9 @@ step "4. partition for 2 devices (PipeDream's 1F1B with weight stashing), then t
 pipeplan partition --gpus 2
 pipeplan run models/vgg16/gpus=2 --steps 8 --lr 0.001
 
-printf '\nWritten: profiles/vgg16/profile.json, models/vgg16/gpus={2,4}/ (stage code, plan.json, mp_conf.json),\n'
-printf 'models/vgg16/gpus=2/run/metrics.json. Next: %s/pipeplan --help\n' "${1:-.venv/bin}"
+step "5. calibrate: the run's measured stage times against the profile's, fed back for the next plan" \
+     "pipeplan calibrate models/vgg16/gpus=2"
+pipeplan calibrate models/vgg16/gpus=2
+
+printf '\nWritten: profiles/vgg16/{profile,calibrated}.json, models/vgg16/gpus={2,4}/ (stage code, plan.json,\n'
+printf 'mp_conf.json), models/vgg16/gpus=2/run/metrics.json. Next: %s/pipeplan --help\n' "${1:-.venv/bin}"
