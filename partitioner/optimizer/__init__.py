@@ -139,7 +139,8 @@ def _pipedream(
         cap = 1 if straight else None
         bw = cluster.levels[0].bandwidth
         bound = global_lower_bound(profile, cluster)
-        value, segments, lower = solve_lattice(lattice, cluster.gpus, bw, bound, value, cap)
+        start = _on_lattice(states, lattice, segments)
+        value, segments, lower = solve_lattice(lattice, cluster.gpus, bw, bound, value, cap, start)
         searched = {"states": len(lattice.masks), "all_downsets": True, "search": "lattice"}
         plan = assemble(profile, cluster, _specs(profile, lattice, segments), "pipedream", 1, optimizer,
                         info, time_override=value, extra=searched, activation_comm=comm)  # fmt: skip
@@ -158,6 +159,18 @@ def _pipedream(
                         info, activation_comm=comm)  # fmt: skip
         return plan, lower, False
     return plan, lower, states.exact
+
+
+def _on_lattice(states: StateSet, lattice: Lattice, segments: list[Segment]) -> list[Segment] | None:
+    """The pair search's plan in the lattice's numbering (its cuts are downsets too), if it maps."""
+    if states.layer_ids != lattice.layer_ids or any(seg.inner for seg in segments):
+        return None
+    index = {0: 0, len(states) - 1: len(lattice.masks) - 1}
+    for seg in segments:
+        for state in (seg.start, seg.end):
+            if state not in index:
+                index[state] = lattice.index_of(states.masks[state])
+    return [Segment(index[seg.start], index[seg.end], seg.replicas) for seg in segments]
 
 
 def _lattice_for(profile: Profile, cluster: Cluster, states: StateSet, comm: bool) -> Lattice | None:

@@ -57,6 +57,16 @@ class Lattice:
         diff = _unpack(self.masks[j : j + 1] & ~self.masks[k : k + 1], len(self.layer_ids))[0]
         return tuple(self.layer_ids[i] for i in np.flatnonzero(diff))
 
+    def index_of(self, mask: int) -> int:
+        """The state whose downset is ``mask`` (bit i = layer i); ValueError if it is not one."""
+        size = mask.bit_count()
+        lo, hi = int(self.starts[size]), int(self.starts[size + 1]) if size + 1 < len(self.starts) else 0
+        row = _pack([mask], len(self.layer_ids))
+        hit = np.flatnonzero((self.masks[lo:hi] == row).all(axis=1))
+        if not len(hit):
+            raise ValueError("not a downset of this lattice")
+        return lo + int(hit[0])
+
 
 @dataclass(frozen=True)
 class _Dag:
@@ -229,25 +239,25 @@ def _weights(lat: Lattice, reps: FloatArray, bandwidth: float) -> FloatArray:
 
 @dataclass(frozen=True)
 class _Grid:
-    """The (replicas r, devices before v) pairs a probe tracks: r + v <= units, r-major.
+    """The (replicas r, devices before v) pairs a probe tracks, by u = r + v <= units, then r.
 
-    Pairs with r + v > units can never be part of a plan, so they are not stored (about half of
-    the square). Row r spans ``row_start[r - 1]`` .. and holds v = 0 .. units - r.
+    Pairs with u > units can never be part of a plan, so they are not stored (about half of the
+    square). The pairs with u >= L are the columns ``start[L]:``, so a probe that knows every
+    state of a size layer (and every later one) needs at least L devices drops a column prefix.
     """
 
     r_of: IntArray  # per pair: r - 1
     v_of: FloatArray  # per pair: v
-    row_start: IntArray
-    row_len: FloatArray
+    u_of: FloatArray  # per pair: r + v, non-decreasing
+    start: IntArray  # [u]: first pair with r + v = u (u = 1 .. units + 1)
 
     @staticmethod
     def of(units: int, cap: int) -> _Grid:
-        lens = np.array([units - r + 1 for r in range(1, cap + 1)], dtype=np.int64)
-        r_of = np.repeat(np.arange(cap), lens)
-        start = np.cumsum(lens) - lens
-        return _Grid(
-            r_of, (np.arange(len(r_of)) - start[r_of]).astype(np.float64), start, lens.astype(np.float64)
-        )
+        pairs = [(u - r, r - 1) for u in range(1, units + 1) for r in range(1, min(u, cap) + 1)]
+        v_of, r_of = (np.array(x, dtype=np.int64) for x in zip(*pairs, strict=True))
+        u_of = v_of + r_of + 1
+        start = np.searchsorted(u_of, np.arange(units + 2))
+        return _Grid(r_of, v_of.astype(np.float64), u_of.astype(np.float64), start.astype(np.int64))
 
 
 @dataclass(frozen=True)
@@ -283,16 +293,24 @@ class _Sweep:
 
 
 def _probe(
-    lat: Lattice, sweep: _Sweep, units: int, bandwidth: float, tau: float, weights: FloatArray
+    lat: Lattice,
+    sweep: _Sweep,
+    units: int,
+    bandwidth: float,
+    tau: float,
+    weights: FloatArray,
+    band: bool = True,
 ) -> FloatArray:
     """g[state]: fewest devices covering each downset with every stage at most tau (inf if none).
 
     ``best[j, (r, v)]`` is the largest W_r of a cut strictly below j that v devices reach and whose
     traffic r replicas can receive; it is the max over j's lower covers of theirs (rows in the
-    sweep's visiting order, so each cover column is a slice; float32).
+    sweep's visiting order, so each cover column is a slice; float32). With ``band``, pairs with
+    r + v below ``_floors`` are dropped: no state from that size layer on can use them.
     """
     reps = np.arange(1, weights.shape[0] + 1, dtype=np.float64)
     grid = _Grid.of(units, len(reps))
+    floors = _floors(lat, units, tau, weights) if band else np.ones(len(lat.starts), dtype=np.int64)
     room = bandwidth * tau * reps / 2.0  # cut bytes r replicas can move within tau
     n, last = len(lat.masks), len(lat.masks) - 1
     g = np.full(n, np.inf)
@@ -300,22 +318,37 @@ def _probe(
     wt = weights.T.astype(np.float32)  # [state, r]
     prev = wt[0][grid.r_of][None, :]  # the layer of the empty cut
     for s in range(1, len(lat.starts) - 1):
-        lo, cols = int(lat.starts[s]), sweep.cols[s]
+        lo, cols, floor = int(lat.starts[s]), sweep.cols[s], int(floors[s])
+        c0, shift = int(grid.start[floor]), int(grid.start[floor] - grid.start[floors[s - 1]])
         states = lo + sweep.order[s]
-        best = prev[cols[0]]
+        best = prev[cols[0], shift:]
         for col in cols[1:]:
-            np.maximum(best[: len(col)], prev[col], out=best[: len(col)])
+            np.maximum(best[: len(col)], prev[col, shift:], out=best[: len(col)])
         need = (weights[:, states] - reps[:, None] * tau * (1 + 1e-12)).T.astype(np.float32)  # [j, r]
-        short = np.add.reduceat(best < need[:, grid.r_of], grid.row_start, axis=1, dtype=np.int32)
-        vmin = np.where(short < grid.row_len[None, :], short, np.inf)  # best rises with v
         fits = lat.act_bytes[states, None] <= room[None, :] * (1 + 1e-12)
         fits[states == last] = True
-        reach = np.where(fits, vmin + reps[None, :], np.inf).min(axis=1)
+        ok = (best >= need[:, grid.r_of[c0:]]) & fits[:, grid.r_of[c0:]]
+        first = ok.argmax(axis=1)  # pairs are ordered by u = r + v: the first one is the fewest
+        reach = np.where(ok[np.arange(len(ok)), first], grid.u_of[c0 + first], np.inf)
         g[states] = reach
-        mask = (grid.v_of[None, :] >= reach[:, None]) & fits[:, grid.r_of]
-        np.maximum(best, wt[states][:, grid.r_of], out=best, where=mask)
+        mask = (grid.v_of[None, c0:] >= reach[:, None]) & fits[:, grid.r_of[c0:]]
+        np.maximum(best, wt[states][:, grid.r_of[c0:]], out=best, where=mask)
         prev = best
     return g
+
+
+def _floors(lat: Lattice, units: int, tau: float, weights: FloatArray) -> IntArray:
+    """Per size layer: devices every plan at tau surely puts on each of its states and later ones.
+
+    A stage (k, j] on r replicas fits only if (C_j - C_k) + a_r (P_j - P_k) <= r·tau, so a downset
+    needs at least C_j / tau devices; the float32 probe is trusted to ``margin`` devices (its
+    rounding: a few float32 ulps of the largest W per stage, at most ``units`` stages).
+    """
+    margin = units * 1e-6 * float(weights[:, -1].max()) / tau + 1e-6
+    lows = np.minimum.reduceat(lat.compute_s, lat.starts[:-1])
+    floors = np.clip(np.ceil(lows / tau - margin), 1, units).astype(np.int64)
+    floors[0] = 1
+    return np.maximum.accumulate(floors)
 
 
 def _stage_times(lat: Lattice, ks: IntArray, j: int, r: int, bandwidth: float) -> FloatArray:
@@ -359,13 +392,26 @@ def _walk(
     return stages[::-1]
 
 
+def _priced(lat: Lattice, stages: list[Segment], bandwidth: float) -> tuple[float, list[Segment]]:
+    """A plan with its exact time (the slowest stage, priced on the lattice's sums)."""
+    ends = [float(_stage_times(lat, np.array([s.start]), s.end, s.replicas, bandwidth)[0]) for s in stages]
+    return max(ends), stages
+
+
 def solve_lattice(
-    lat: Lattice, units: int, bandwidth: float, lower: float, upper: float, max_replicas: int | None = None
+    lat: Lattice,
+    units: int,
+    bandwidth: float,
+    lower: float,
+    upper: float,
+    max_replicas: int | None = None,
+    start: list[Segment] | None = None,
 ) -> tuple[float, list[Segment], float]:
     """Optimum over all downsets, between a lower bound and an attained time ``upper``.
 
     Bisection to 1e-3, then descent on attained values: rebuild the plan, and probe just below its
-    exact time; when that fails the plan is optimal (to the float32 probe's 1e-6 slack).
+    exact time; when that fails the plan is optimal (to the float32 probe's 1e-6 slack). ``start``
+    (a plan in this lattice's states, e.g. the one that attained ``upper``) saves the first probe.
 
     Returns:
         (time, stages, certified lower bound).
@@ -379,13 +425,9 @@ def solve_lattice(
         g = _probe(lat, sweep, units, bandwidth, tau, weights)
         if not g[-1] <= units:
             return None
-        stages = _walk(lat, g, units, bandwidth, tau, cap)
-        ends = [
-            float(_stage_times(lat, np.array([s.start]), s.end, s.replicas, bandwidth)[0]) for s in stages
-        ]
-        return max(ends), stages
+        return _priced(lat, _walk(lat, g, units, bandwidth, tau, cap), bandwidth)
 
-    found = attained(upper)
+    found = _priced(lat, start, bandwidth) if start else attained(upper)
     if found is None:
         raise InfeasibleError("no plan fits")
     hi, stages = found

@@ -107,3 +107,49 @@ def test_lattice_gives_up_beyond_its_caps() -> None:
     assert enumerate_lattice(profile, 10_000, max_layer=500) is None
     lat = enumerate_lattice(profile, 10_000)
     assert lat is not None and len(lat.masks) == 4096
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dag=wide_dags,
+    gpus=st.integers(1, 8),
+    scale=st.floats(0.05, 1.5),
+    bandwidth=st.sampled_from([1e3, 1e5, 1e7]),
+    straight=st.booleans(),
+)
+def test_banded_probe_equals_full_probe(
+    dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]],
+    gpus: int,
+    scale: float,
+    bandwidth: float,
+    straight: bool,
+) -> None:
+    """Dropping (replicas, devices) pairs below the compute floor never changes a probe's answer."""
+    from partitioner.optimizer.lattice import _probe, _Sweep, _weights
+
+    costs, raw = dag
+    lat = enumerate_lattice(make_profile(costs, [(a, b) for a, b in raw if a < b]), 10_000)
+    assert lat is not None
+    cap = 1 if straight else gpus
+    weights = _weights(lat, np.arange(1, cap + 1, dtype=np.float64), bandwidth)
+    tau = scale * float(lat.compute_s[-1])
+    sweep = _Sweep.of(lat)
+    full = _probe(lat, sweep, gpus, bandwidth, tau, weights, band=False)
+    banded = _probe(lat, sweep, gpus, bandwidth, tau, weights)
+    assert np.array_equal(full, banded)
+
+
+def test_plan_start_maps_onto_the_lattice() -> None:
+    """The pair search's plan, renumbered onto the lattice, keeps its cuts (same downsets)."""
+    from partitioner.optimizer import _on_lattice
+    from partitioner.optimizer.dp import Segment
+
+    profile = make_profile([(1, 2, 10, 10)] * 6, [(0, 1), (0, 2), (1, 3), (2, 3), (3, 4), (3, 5)])
+    lat, states = enumerate_lattice(profile, 1000), downset_states(profile)
+    assert lat is not None and states is not None
+    last = len(states) - 1
+    mid = next(j for j in range(1, last) if bin(states.masks[j]).count("1") == 3)
+    mapped = _on_lattice(states, lat, [Segment(0, mid, 2), Segment(mid, last, 1)])
+    assert mapped is not None
+    assert [s.replicas for s in mapped] == [2, 1] and mapped[-1].end == len(lat.masks) - 1
+    assert lat.members(0, mapped[0].end) == states.members(0, mid)
