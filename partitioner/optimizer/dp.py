@@ -487,17 +487,27 @@ class _Tables:
     closed: FloatArray  # [i, j]
 
 
-def _all_segments(
-    prob: LevelProblem, ceiling: float = math.inf, top: tuple[int, int, int] | None = None
-) -> _Tables:
+@dataclass(frozen=True)
+class _Top:
+    """The last level, as seen from the level below it (for the ceilings of its tables)."""
+
+    units: int
+    cap: int  # most replicas a top stage may have
+    unit_devices: int  # devices in one top-level unit
+    bandwidth: float
+    inner: int  # devices of the level below in one top-level unit (PipeDream divides the sync by it)
+
+
+def _all_segments(prob: LevelProblem, ceiling: float = math.inf, top: _Top | None = None) -> _Tables:
     """Direct DP over all segment starts at once (PipeDream's non-final level), column by column.
 
     A segment (i, j] on m units is one stage (i, j] or a segment (i, k] on m - r units followed
     by stage (k, j] on r; rows i and splits k whose compute alone (spread over the units) exceeds
-    ``ceiling`` are skipped: the next level cannot use anything slower. ``top`` = (units,
-    replica cap, devices per unit) of the level above when it is the last one and ``ceiling`` is
-    its attained time: a top stage from i can then have at most units - (units before i) replicas
-    (before i: at least its compute over devices per unit x ceiling), which lowers row i's ceiling.
+    ``ceiling`` are skipped: the next level cannot use anything slower. ``top`` = the level above
+    when it is the last one and ``ceiling`` is its attained time: a top stage from i can then have
+    at most units - (units before i) replicas (before i: at least its compute over devices per
+    unit x ceiling), and on R replicas it pays the gradient sync of its parameters, both of which
+    lower the ceiling of row i (``_limits``).
     """
     s, n, units = prob.states, len(prob.states), prob.units
     cap = units if prob.max_replicas is None else min(units, prob.max_replicas)
@@ -507,9 +517,10 @@ def _all_segments(
     for j in range(1, n):
         ks = s.pred(j)
         span = s.compute_s[j] - s.compute_s[ks]  # compute of (k, j]
+        params = s.param_bytes[j] - s.param_bytes[ks]
         for m in range(1, units + 1):
             charge_out = m < units
-            limit = _limits(ceiling, top, before[ks], 0 if charge_out else int(after[j]))
+            limit = _limits(ceiling, top, before[ks], 0 if charge_out else int(after[j]), params)
             reps = np.arange(1, min(m, cap) + 1, dtype=np.float64)
             best = _segment_grid(prob, j, ks, reps, charge_out, False).min(axis=0)
             rows = np.flatnonzero(span <= m * limit * prob.unit_devices)
@@ -529,25 +540,32 @@ def _all_segments(
     return _Tables(prob, opened, closed)
 
 
-def _top_windows(
-    prob: LevelProblem, ceiling: float, top: tuple[int, int, int] | None
-) -> tuple[IntArray, IntArray]:
+def _top_windows(prob: LevelProblem, ceiling: float, top: _Top | None) -> tuple[IntArray, IntArray]:
     """Top-level units any plan as fast as ``ceiling`` surely has before / after each state."""
     n = len(prob.states)
     if top is None or not (math.isfinite(ceiling) and ceiling > 0):
         return np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-    w = prob.states.compute_s / (top[2] * ceiling)
+    w = prob.states.compute_s / (top.unit_devices * ceiling)
     before = np.maximum(np.ceil(w - 1e-9), 0.0).astype(np.int64)
     after = np.maximum(np.ceil(w[-1] - w - 1e-9), 0.0).astype(np.int64)
     return before, after
 
 
-def _limits(ceiling: float, top: tuple[int, int, int] | None, before: IntArray, after: int) -> FloatArray:
-    """Slowest entry worth keeping per segment start: a top stage there has at most ``room`` units."""
+def _limits(ceiling: float, top: _Top | None, before: IntArray, after: int, params: FloatArray) -> FloatArray:
+    """Slowest entry worth keeping per segment start i (the segment (i, j] has ``params``).
+
+    A top stage from i has at most ``room`` replicas; on R of them it takes (T + sync_R) / R with
+    sync_R = 4(R-1)P/(R·B·inner), so its inner time T must be at most R·ceiling - sync_R for some
+    R <= room. The sync only grows with the parameters, so an open segment (i, j], which a top
+    stage can only extend, is bounded by its own parameters too.
+    """
     if top is None or not (math.isfinite(ceiling) and ceiling > 0):
         return np.full(len(before), ceiling * (1 + 1e-9))
-    room = np.minimum(top[1], top[0] - before - after)
-    return np.where(room >= 1, room * ceiling * (1 + 1e-9), -1.0)
+    room = np.minimum(top.cap, top.units - before - after)
+    reps = np.arange(1.0, max(int(room.max(initial=0)), 1) + 1.0)
+    sync = 4.0 * (reps[None, :] - 1.0) * params[:, None] / (reps[None, :] * top.bandwidth * top.inner)
+    value = np.where(reps[None, :] <= room[:, None], reps[None, :] * ceiling * (1 + 1e-9) - sync, -1.0)
+    return np.asarray(value.max(axis=1), dtype=np.float64)
 
 
 def _segment_grid(
@@ -625,7 +643,8 @@ def _solve_levels(
     caps = [d if max_replicas is None else min(d, max_replicas) for d, _ in levels]
     for level, (devices, bw) in enumerate(levels[:-1]):
         prob = LevelProblem(states, devices, bw, inner, base, max_replicas=max_replicas, unit_devices=below)
-        above = (levels[-1][0], caps[-1], below * devices) if level == len(levels) - 2 else None
+        last = level == len(levels) - 2
+        above = _Top(levels[-1][0], caps[-1], below * devices, levels[-1][1], devices) if last else None
         table = _all_segments(prob, upper * math.prod(caps[level + 1 :]) if above is None else upper, above)
         tables.append(table)
         base = _base_from(table)

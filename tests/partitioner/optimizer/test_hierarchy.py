@@ -108,3 +108,28 @@ def test_table_ceiling_keeps_the_optimum(
     bounded, stages, _ = _solve_levels(states, levels, None, best * (1 + slack))
     assert bounded == best
     assert sum(s.replicas * sum(x.replicas for x in s.inner) for s in stages) <= n1 * n2
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dag=dags,
+    units=st.lists(st.integers(1, 3), min_size=2, max_size=3),
+    top_bw=st.sampled_from([1e3, 1e5, 1e7]),
+    slack=st.sampled_from([0.0, 1e-12, 0.05]),
+)
+def test_sync_aware_ceilings_keep_the_optimum(
+    dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]],
+    units: list[int],
+    top_bw: float,
+    slack: float,
+) -> None:
+    """Ceilings that charge a top stage its gradient sync (slow top links: sync dominates) lose nothing."""
+    from partitioner.optimizer.dp import _solve_levels
+    from partitioner.optimizer.states import build_states
+
+    costs, raw = dag
+    states = build_states(make_profile(costs, [(a, b) for a, b in raw if a < b]))
+    levels = [(n, 4e5) for n in units[:-1]] + [(units[-1], top_bw)]
+    best, _, _ = _solve_levels(states, levels, None, math.inf)
+    bounded, _, _ = _solve_levels(states, levels, None, best * (1 + slack))
+    assert bounded == best
