@@ -162,7 +162,7 @@ def enumerate_lattice(profile: Profile, cap: int, max_layer: int = 20_000) -> La
     """
     dag = _Dag.of(profile)
     words = dag.bit.shape[1]
-    salt = np.random.default_rng(0).integers(0, 2**63, size=len(dag.comp), dtype=np.uint64)
+    salt = _mix(np.arange(1, len(dag.comp) + 1, dtype=np.uint64))
     rows, keys = np.zeros((1, words), dtype=np.uint64), np.zeros(1, dtype=np.uint64)
     free = np.bitwise_or.reduce(dag.bit[(dag.pred == 0).all(axis=1)], axis=0, keepdims=True)
     sums = (np.zeros(1), np.zeros(1), np.zeros(1))
@@ -185,6 +185,14 @@ def enumerate_lattice(profile: Profile, cap: int, max_layer: int = 20_000) -> La
         total += len(first)
         starts.append(total)
     return _assemble(profile, parts, words, np.array(starts, dtype=np.int64))
+
+
+def _mix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """SplitMix64's finaliser: well-spread 64-bit words from small integers (hash salts)."""
+    x = x * np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return np.asarray(x ^ (x >> np.uint64(31)), dtype=np.uint64)
 
 
 def _set_bits(rows: WordArray) -> tuple[IntArray, IntArray]:
@@ -409,9 +417,11 @@ def solve_lattice(
 ) -> tuple[float, list[Segment], float]:
     """Optimum over all downsets, between a lower bound and an attained time ``upper``.
 
-    Bisection to 1e-3, then descent on attained values: rebuild the plan, and probe just below its
-    exact time; when that fails the plan is optimal (to the float32 probe's 1e-6 slack). ``start``
-    (a plan in this lattice's states, e.g. the one that attained ``upper``) saves the first probe.
+    Gallop down from the start, bisection to 3e-3, then descent on attained values: rebuild the
+    plan, and probe just below its exact time; when that fails the plan is optimal (to the float32
+    probe's 1e-6 slack). ``start`` (a plan in this lattice's states, e.g. the one that attained
+    ``upper``) saves the first probe, and when the gallop cannot beat it, the next probe checks
+    whether it is already optimal (often so: one probe instead of a bisection).
 
     Returns:
         (time, stages, certified lower bound).
@@ -431,16 +441,16 @@ def solve_lattice(
     if found is None:
         raise InfeasibleError("no plan fits")
     hi, stages = found
-    lo, step = lower, 0.03
+    lo, step, bet = lower, 0.03, start is not None
     while lo < hi * (1 - step):  # gallop down from the upper plan: the optimum is usually close
         found = attained(hi * (1 - step))
         if found is None:
             lo = hi * (1 - step)
             break
-        hi, stages = found
-        step *= 2
-    while True:
-        mid = 0.5 * (lo + hi) if hi - lo > 3e-3 * hi else hi * (1 - 10 * SLACK)  # then descent
+        hi, stages, step, bet = *found, 2 * step, False
+    while True:  # bisection, then descent; first, if the start plan held, bet that it is optimal
+        close = bet or hi - lo <= 3e-3 * hi
+        mid, bet = (hi * (1 - 10 * SLACK) if close else 0.5 * (lo + hi)), False
         found = attained(mid)
         if found is None:
             lo = mid
