@@ -514,30 +514,49 @@ def _all_segments(prob: LevelProblem, ceiling: float = math.inf, top: _Top | Non
     opened = np.full((units, n, n), np.inf)
     closed = np.full((n, n), np.inf)
     before, after = _top_windows(prob, ceiling, top)
+    reps = np.arange(1, cap + 1, dtype=np.float64)
     for j in range(1, n):
         ks = s.pred(j)
         span = s.compute_s[j] - s.compute_s[ks]  # compute of (k, j]
         params = s.param_bytes[j] - s.param_bytes[ks]
+        grids = {out: (_segment_grid(prob, j, ks, reps, out, False),
+                       _segment_grid(prob, j, ks, reps, out, True))
+                 for out in ((True, False) if units > 1 else (False,))}  # fmt: skip
+        limits = {True: _limits(ceiling, top, before[ks], 0, params),
+                  False: _limits(ceiling, top, before[ks], int(after[j]), params)}  # fmt: skip
         for m in range(1, units + 1):
             charge_out = m < units
-            limit = _limits(ceiling, top, before[ks], 0 if charge_out else int(after[j]), params)
-            reps = np.arange(1, min(m, cap) + 1, dtype=np.float64)
-            best = _segment_grid(prob, j, ks, reps, charge_out, False).min(axis=0)
+            (whole, last), limit = grids[charge_out], limits[charge_out]
+            best = whole[: min(m, cap)].min(axis=0)
             rows = np.flatnonzero(span <= m * limit * prob.unit_devices)
-            last = _segment_grid(prob, j, ks, reps, charge_out, True)
-            most = float(limit[rows].max()) * prob.unit_devices if len(rows) else -1.0
             for r in range(1, min(m - 1, cap) + 1):
-                cols = np.flatnonzero(span <= r * most)
-                if len(rows) and len(cols):
-                    prev = opened[m - r][np.ix_(ks[rows], ks[cols])]
-                    val = np.maximum(prev, last[r - 1, cols][None, :]).min(axis=1)
-                    best[rows] = np.minimum(best[rows], val)
+                _split_into(opened[m - r], ks, rows, last[r - 1], np.minimum(best, limit), best)
             best[best > limit] = np.inf
             if charge_out:
                 opened[m, ks, j] = best
             else:
                 closed[ks, j] = best
     return _Tables(prob, opened, closed)
+
+
+def _split_into(
+    table: FloatArray, ks: IntArray, rows: IntArray, last: FloatArray, target: FloatArray, best: FloatArray
+) -> None:
+    """best[i] = min(best[i], min over k of max(table[i, k], last[k])) for the rows i listed.
+
+    Only values at or below ``target`` (the row's best so far, or its ceiling) can matter, so a
+    split k whose last stage alone is slower than every row's target is skipped, and a row whose
+    target no last stage meets is skipped.
+    """
+    if not len(rows):
+        return
+    cols = np.flatnonzero(last <= target[rows].max())
+    if not len(cols):
+        return
+    rows = rows[target[rows] >= last[cols].min()]
+    if len(rows):
+        val = np.maximum(table[np.ix_(ks[rows], ks[cols])], last[cols][None, :]).min(axis=1)
+        best[rows] = np.minimum(best[rows], val)
 
 
 def _top_windows(prob: LevelProblem, ceiling: float, top: _Top | None) -> tuple[IntArray, IntArray]:
