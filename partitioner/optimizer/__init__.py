@@ -30,7 +30,16 @@ from partitioner.optimizer.dp import (
     solve_hierarchy,
 )
 from partitioner.optimizer.lattice import Lattice, enumerate_lattice, solve_lattice
-from partitioner.optimizer.states import StateSet, build_states, chain_states, free_sinks, without_free_sinks
+from partitioner.optimizer.states import (
+    StateSet,
+    build_states,
+    chain_states,
+    downset_states,
+    free_sinks,
+    multi_order_size,
+    multi_order_states,
+    without_free_sinks,
+)
 from partitioner.plan import SCHEDULES, Cluster, Plan, SolverInfo
 
 __all__ = ["evaluate", "solve"]
@@ -103,12 +112,21 @@ def _specs(profile: Profile, states: StateSet | Lattice, segments: list[Segment]
 
 def _states_for(profile: Profile, cluster: Cluster, activation_comm: bool) -> StateSet:
     profile = without_free_sinks(profile)
-    states = build_states(profile)
-    if len(cluster.levels) > 1 and len(states) > HIERARCHY_MAX_STATES:
-        log.info("hierarchy: thinning %d states to %d prefixes", len(states), HIERARCHY_THIN_STATES)
-        states = chain_states(profile, HIERARCHY_THIN_STATES)  # (free sinks already removed)
+    states = build_states(profile) if len(cluster.levels) == 1 else _hierarchy_states(profile)
     if not activation_comm:
         states = replace(states, act_bytes=states.act_bytes * 0.0)
+    return states
+
+
+def _hierarchy_states(profile: Profile) -> StateSet:
+    """``build_states``, thinned to prefixes of one order beyond ``HIERARCHY_MAX_STATES`` (without
+    building the fallback states first when they would be thinned anyway)."""
+    states = downset_states(profile)
+    if states is None and multi_order_size(profile) <= HIERARCHY_MAX_STATES:
+        states = multi_order_states(profile)
+    if states is None or len(states) > HIERARCHY_MAX_STATES:
+        log.info("hierarchy: thinning the states to %d prefixes", HIERARCHY_THIN_STATES)
+        return chain_states(profile, HIERARCHY_THIN_STATES)  # (free sinks already removed)
     return states
 
 

@@ -133,3 +133,18 @@ def test_sync_aware_ceilings_keep_the_optimum(
     best, _, _ = _solve_levels(states, levels, None, math.inf)
     bounded, _, _ = _solve_levels(states, levels, None, best * (1 + slack))
     assert bounded == best
+
+
+@pytest.mark.parametrize("name", ["gnmt", "gnmt_large", "inception_v3", "nasnetamobile", "resnet18"])
+def test_hierarchy_states_are_build_states_thinned(name: str) -> None:
+    """Hierarchies search build_states' states, or 200 prefixes beyond 600 (skipping no shortcut)."""
+    from partitioner.graph import read_graph_txt
+    from partitioner.optimizer import HIERARCHY_MAX_STATES, HIERARCHY_THIN_STATES, _hierarchy_states
+    from partitioner.optimizer.states import build_states, chain_states, without_free_sinks
+    from tests.data import PIPEDREAM_PROFILES
+
+    profile = without_free_sinks(read_graph_txt(PIPEDREAM_PROFILES / name / "graph.txt"))
+    full = build_states(profile)
+    if len(full) > HIERARCHY_MAX_STATES:
+        full = chain_states(profile, HIERARCHY_THIN_STATES)
+    assert _hierarchy_states(profile).masks == full.masks
