@@ -7,6 +7,7 @@ process per rank) that opens in Perfetto or chrome://tracing.
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import time
@@ -29,6 +30,16 @@ class Recorder:
     seconds: dict[str, float] = field(default_factory=lambda: {"compute": 0.0, "comm": 0.0})
     cpu_seconds: dict[str, float] = field(default_factory=lambda: {"compute": 0.0, "comm": 0.0})
     events: list[dict[str, Any]] = field(default_factory=list)
+    step_marks: list[float] = field(default_factory=list)
+
+    def mark_step(self) -> None:
+        """A step ended: remember the compute seconds so far, for the compute of each step."""
+        self.step_marks.append(self.seconds["compute"])
+
+    def step_compute_s(self) -> tuple[float, ...]:
+        """Compute seconds of each step (forward, backward and optimizer work between step marks)."""
+        marks = [0.0, *self.step_marks]
+        return tuple(b - a for a, b in itertools.pairwise(marks))
 
     @contextmanager
     def span(self, name: str, category: str) -> Iterator[None]:
@@ -65,6 +76,7 @@ class RankMetrics:
             received (bounded by the schedule, not by the number of steps).
         threads: torch's intra-op threads in this rank.
         step_times_s: wall seconds of each step on this rank.
+        step_compute_s: compute seconds of each step on this rank.
         losses: loss per step (last stage only, else empty).
         param_sq_sum: sum of squares of the stage's parameters at the end (replicas must agree exactly).
     """
@@ -75,6 +87,7 @@ class RankMetrics:
     compute_s: float
     comm_s: float
     step_times_s: tuple[float, ...]
+    step_compute_s: tuple[float, ...] = ()
     compute_cpu_s: float = 0.0
     cpu_s: float = 0.0
     sends_in_flight_max: int = 0
@@ -105,19 +118,25 @@ def summarize(
         "batch_size": batch_size,
         "samples_per_s": batch_size / measured if measured else None,
         "warmup_steps_excluded": warmup,
-        "stages": _stage_times(ranks),
+        "stages": _stage_times(ranks, warmup),
         "ranks": [{**asdict(r), "idle_s": r.idle_s} for r in ranks],
     }
 
 
-def _stage_times(ranks: Sequence[RankMetrics]) -> list[dict[str, Any]]:
+def _stage_times(ranks: Sequence[RankMetrics], warmup: int) -> list[dict[str, Any]]:
     """Per stage, its compute seconds per minibatch on one device (replicas summed): the number the
-    cost model's ``Stage.compute_s`` predicts, for calibrating profiles with measured times."""
+    cost model's ``Stage.compute_s`` predicts, for calibrating profiles with measured times. The
+    median step after the warm-up, as for the time per minibatch: the first step also allocates."""
     out = []
     for stage in sorted({r.stage for r in ranks}):
         mine = [r for r in ranks if r.stage == stage]
-        steps = max(len(r.step_times_s) for r in mine) or 1
-        out.append({"stage": stage, "compute_s_per_minibatch": sum(r.compute_s for r in mine) / steps})
+        per_rank = [
+            statistics.median(r.step_compute_s[warmup:] or r.step_compute_s)
+            if r.step_compute_s
+            else r.compute_s / max(1, len(r.step_times_s))
+            for r in mine
+        ]
+        out.append({"stage": stage, "compute_s_per_minibatch": sum(per_rank)})
     return out
 
 

@@ -333,6 +333,7 @@ class StageRuntime:
         with self.recorder.span(f"S{step}", "compute"):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        self.recorder.mark_step()
         self.version += 1
         self.comm.era = self.version
         self.comm.retire(self.version - self._send_lag)

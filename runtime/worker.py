@@ -271,6 +271,7 @@ def _finish(options: RunOptions, rt: StageRuntime, clock: _Clock) -> dict[str, A
         compute_s=rt.recorder.seconds["compute"],
         comm_s=rt.comm.seconds,
         step_times_s=tuple(clock.times),
+        step_compute_s=rt.recorder.step_compute_s(),
         compute_cpu_s=rt.recorder.cpu_seconds["compute"],
         cpu_s=time.process_time() - clock.cpu_start,
         sends_in_flight_max=rt.comm.peak_pending,

@@ -1,0 +1,34 @@
+"""metrics.json: per-stage compute is the median step after the warm-up, replicas summed."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.metrics import RankMetrics, Recorder, summarize
+
+
+def test_recorder_splits_compute_by_step() -> None:
+    recorder = Recorder(rank=0, stage=0)
+    for seconds in (0.5, 0.1, 0.2):
+        recorder.seconds["compute"] += seconds
+        recorder.mark_step()
+    assert recorder.step_compute_s() == pytest.approx((0.5, 0.1, 0.2))
+
+
+def _rank(rank: int, stage: int, compute: tuple[float, ...]) -> RankMetrics:
+    times = tuple(c + 0.01 for c in compute)
+    return RankMetrics(rank, stage, sum(times), sum(compute), 0.0, times, step_compute_s=compute)
+
+
+def test_stage_compute_skips_the_warm_up_and_sums_replicas() -> None:
+    ranks = [
+        _rank(0, 0, (2.0, 0.3, 0.3, 0.4)),
+        _rank(1, 0, (2.0, 0.3, 0.3, 0.3)),
+        _rank(2, 1, (1.0, 0.5, 0.5, 0.5)),
+    ]
+    doc = summarize(ranks, batch_size=8, predicted_s=0.5, warmup=1)
+    assert doc["stages"] == [
+        {"stage": 0, "compute_s_per_minibatch": pytest.approx(0.6)},
+        {"stage": 1, "compute_s_per_minibatch": pytest.approx(0.5)},
+    ]
+    assert doc["batch_size"] == 8 and doc["time_per_minibatch_s"] == pytest.approx(0.51)
