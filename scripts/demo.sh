@@ -33,5 +33,11 @@ step "5. calibrate: the run's measured stage times against the profile's, fed ba
      "pipeplan calibrate models/vgg16/gpus=2"
 pipeplan calibrate models/vgg16/gpus=2
 
+step "6. plan again from the calibrated profile and train again: the prediction now matches the machine" \
+     "pipeplan partition --profile profiles/vgg16/calibrated.json --gpus 2 && pipeplan run ... --steps 8"
+pipeplan partition --profile profiles/vgg16/calibrated.json --gpus 2
+pipeplan run models/vgg16/gpus=2 --steps 8 --lr 0.001
+
 printf '\nWritten: profiles/vgg16/{profile,calibrated}.json, models/vgg16/gpus={2,4}/ (stage code, plan.json,\n'
-printf 'mp_conf.json), models/vgg16/gpus=2/run/metrics.json. Next: %s/pipeplan --help\n' "${1:-.venv/bin}"
+printf 'mp_conf.json), models/vgg16/gpus=2/run/metrics.json (the first run: run.<time>/). Next: %s/pipeplan --help\n' \
+       "${1:-.venv/bin}"
