@@ -148,3 +148,42 @@ def test_hierarchy_states_are_build_states_thinned(name: str) -> None:
     if len(full) > HIERARCHY_MAX_STATES:
         full = chain_states(profile, HIERARCHY_THIN_STATES)
     assert _hierarchy_states(profile).masks == full.masks
+
+
+@settings(max_examples=40, deadline=None)
+@given(dag=dags, units=st.integers(1, 4), bandwidth=st.sampled_from([1e3, 1e5, 1e7]))
+def test_segment_tables_equal_plain_recurrence(
+    dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]], units: int, bandwidth: float
+) -> None:
+    """The pruned table fill (splits and rows that cannot beat a row's best are skipped) equals the
+    plain recurrence over every start, split and replica count, entry for entry."""
+    import numpy as np
+
+    from partitioner.optimizer.dp import LevelProblem, _all_segments, _segment_grid
+    from partitioner.optimizer.states import build_states
+
+    costs, raw = dag
+    states = build_states(make_profile(costs, [(a, b) for a, b in raw if a < b]))
+    prob = LevelProblem(states, units, bandwidth)
+    tables = _all_segments(prob)
+    n, sub = len(states), states.subset_matrix()
+    opened = np.full((units, n, n), np.inf)
+    for j in range(1, n):
+        for m in range(1, units + 1):
+            out = m < units
+            for i in states.pred(j):
+                one = np.array([i])
+                best = min(float(_segment_grid(prob, j, one, np.array([float(r)]), out, False)[0, 0])
+                           for r in range(1, m + 1))  # fmt: skip
+                for r in range(1, m):
+                    for k in states.pred(j):
+                        if sub[i, k]:
+                            last = float(
+                                _segment_grid(prob, j, np.array([k]), np.array([float(r)]), out, True)[0, 0]
+                            )
+                            best = min(best, max(opened[m - r, i, k], last))
+                if out:
+                    opened[m, i, j] = best
+                    assert tables.opened[m, i, j] == best
+                else:
+                    assert tables.closed[i, j] == best
