@@ -509,24 +509,19 @@ def _all_segments(prob: LevelProblem, ceiling: float = math.inf, top: _Top | Non
     unit x ceiling), and on R replicas it pays the gradient sync of its parameters, both of which
     lower the ceiling of row i (``_limits``).
     """
-    s, n, units = prob.states, len(prob.states), prob.units
+    n, units = len(prob.states), prob.units
     cap = units if prob.max_replicas is None else min(units, prob.max_replicas)
     opened = np.full((units, n, n), np.inf)
     closed = np.full((n, n), np.inf)
     before, after = _top_windows(prob, ceiling, top)
-    reps = np.arange(1, cap + 1, dtype=np.float64)
+    pairs = _LevelPairs.of(prob, cap, ceiling, top, before, after)
     for j in range(1, n):
-        ks = s.pred(j)
-        span = s.compute_s[j] - s.compute_s[ks]  # compute of (k, j]
-        params = s.param_bytes[j] - s.param_bytes[ks]
-        grids = {out: (_segment_grid(prob, j, ks, reps, out, False),
-                       _segment_grid(prob, j, ks, reps, out, True))
-                 for out in ((True, False) if units > 1 else (False,))}  # fmt: skip
-        limits = {True: _limits(ceiling, top, before[ks], 0, params),
-                  False: _limits(ceiling, top, before[ks], int(after[j]), params)}  # fmt: skip
+        at = slice(int(pairs.offsets[j]), int(pairs.offsets[j + 1]))
+        ks, span = pairs.ks[at], pairs.span[at]
         for m in range(1, units + 1):
             charge_out = m < units
-            (whole, last), limit = grids[charge_out], limits[charge_out]
+            whole, last = pairs.grid[charge_out, False][:, at], pairs.grid[charge_out, True][:, at]
+            limit = pairs.limit[charge_out][at]
             best = whole[: min(m, cap)].min(axis=0)
             rows = np.flatnonzero(span <= m * limit * prob.unit_devices)
             for r in range(1, min(m - 1, cap) + 1):
@@ -537,6 +532,48 @@ def _all_segments(prob: LevelProblem, ceiling: float = math.inf, top: _Top | Non
             else:
                 closed[ks, j] = best
     return _Tables(prob, opened, closed)
+
+
+@dataclass(frozen=True)
+class _LevelPairs:
+    """Every (k, j) pair of a level (CSR by j) with its stage times and ceilings, computed at once.
+
+    ``grid[charge_out, charge_in]`` is [replicas, pair], as ``_segment_grid`` prices it per j;
+    ``limit[charge_out]`` is ``_limits`` of the pair's start (after = 0 for open segments).
+    """
+
+    offsets: IntArray
+    ks: IntArray
+    span: FloatArray
+    grid: dict[tuple[bool, bool], FloatArray]
+    limit: dict[bool, FloatArray]
+
+    @staticmethod
+    def of(
+        prob: LevelProblem, cap: int, ceiling: float, top: _Top | None, before: IntArray, after: IntArray
+    ) -> _LevelPairs:
+        s, n = prob.states, len(prob.states)
+        ks_list = [s.pred(j) for j in range(n)]
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        offsets[1:] = np.cumsum([len(k) for k in ks_list])
+        ks = np.concatenate(ks_list).astype(np.int64)
+        js = np.repeat(np.arange(n), np.diff(offsets))
+        params = s.param_bytes[js] - s.param_bytes[ks]
+        r = np.arange(1, cap + 1, dtype=np.float64)[:, None]
+        sync = 4.0 * (r - 1.0) * params / (prob.bandwidth * r) / prob.inner
+        t = (prob.base_time(js, ks) + sync) / r
+        act_in = np.where(ks > 0, s.act_bytes[ks], 0.0)
+        act_out = np.where(js < n - 1, s.act_bytes[js], 0.0)
+        grid = {}
+        for out in (False, True):
+            for into in (False, True):
+                act = np.maximum(act_in if into else 0.0, act_out if out else 0.0)
+                grid[out, into] = np.asarray(
+                    np.maximum(t, 2.0 * act / (prob.bandwidth * r)), dtype=np.float64
+                )
+        limit = {True: _limits(ceiling, top, before[ks], 0, params),
+                 False: _limits(ceiling, top, before[ks], after[js], params)}  # fmt: skip
+        return _LevelPairs(offsets, ks, s.compute_s[js] - s.compute_s[ks], grid, limit)
 
 
 def _split_into(
@@ -570,7 +607,9 @@ def _top_windows(prob: LevelProblem, ceiling: float, top: _Top | None) -> tuple[
     return before, after
 
 
-def _limits(ceiling: float, top: _Top | None, before: IntArray, after: int, params: FloatArray) -> FloatArray:
+def _limits(
+    ceiling: float, top: _Top | None, before: IntArray, after: int | IntArray, params: FloatArray
+) -> FloatArray:
     """Slowest entry worth keeping per segment start i (the segment (i, j] has ``params``).
 
     A top stage from i has at most ``room`` replicas; on R of them it takes (T + sync_R) / R with
