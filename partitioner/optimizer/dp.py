@@ -6,13 +6,13 @@ no slower than t (the replicas a stage needs at time t have a closed form, so ea
 pass over its predecessor states). Each feasible t is tightened to the plan's real time, so the search
 ends on an attained value with a certified lower bound (the largest infeasible t). Inner levels of a
 hierarchy (servers made of GPUs) need the best time of *every* segment on one unit, as PipeDream's
-recursion does; ``_all_segments`` fills that table directly, vectorised over segment starts.
+recursion does; ``_all_segments`` fills that table one unit count at a time, every segment at once.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -499,15 +499,18 @@ class _Top:
 
 
 def _all_segments(prob: LevelProblem, ceiling: float = math.inf, top: _Top | None = None) -> _Tables:
-    """Direct DP over all segment starts at once (PipeDream's non-final level), column by column.
+    """Direct DP over all segments at once (PipeDream's non-final level), one unit count at a time.
 
     A segment (i, j] on m units is one stage (i, j] or a segment (i, k] on m - r units followed
-    by stage (k, j] on r; rows i and splits k whose compute alone (spread over the units) exceeds
-    ``ceiling`` are skipped: the next level cannot use anything slower. ``top`` = the level above
-    when it is the last one and ``ceiling`` is its attained time: a top stage from i can then have
-    at most units - (units before i) replicas (before i: at least its compute over devices per
-    unit x ceiling), and on R replicas it pays the gradient sync of its parameters, both of which
-    lower the ceiling of row i (``_limits``).
+    by stage (k, j] on r. Entries on m units only read tables on fewer units, so every (i, j) of
+    one unit count is filled together: a few balanced splits per entry first (a tight bound),
+    then every split that can still beat the entry's best so far (or its ceiling), listed
+    sparsely (``_Splits``). Rows whose compute alone (spread over the units) exceeds ``ceiling``
+    are skipped: the next level cannot use anything slower. ``top`` = the level above when it is
+    the last one and ``ceiling`` is its attained time: a top stage from i can then have at most
+    units - (units before i) replicas (before i: at least its compute over devices per unit x
+    ceiling), and on R replicas it pays the gradient sync of its parameters, both of which lower
+    the ceiling of row i (``_limits``).
     """
     n, units = len(prob.states), prob.units
     cap = units if prob.max_replicas is None else min(units, prob.max_replicas)
@@ -515,22 +518,29 @@ def _all_segments(prob: LevelProblem, ceiling: float = math.inf, top: _Top | Non
     closed = np.full((n, n), np.inf)
     before, after = _top_windows(prob, ceiling, top)
     pairs = _LevelPairs.of(prob, cap, ceiling, top, before, after)
-    for j in range(1, n):
-        at = slice(int(pairs.offsets[j]), int(pairs.offsets[j + 1]))
-        ks, span = pairs.ks[at], pairs.span[at]
-        for m in range(1, units + 1):
-            charge_out = m < units
-            whole, last = pairs.grid[charge_out, False][:, at], pairs.grid[charge_out, True][:, at]
-            limit = pairs.limit[charge_out][at]
-            best = whole[: min(m, cap)].min(axis=0)
-            rows = np.flatnonzero(span <= m * limit * prob.unit_devices)
-            for r in range(1, min(m - 1, cap) + 1):
-                _split_into(opened[m - r], ks, rows, last[r - 1], np.minimum(best, limit), best)
-            best[best > limit] = np.inf
-            if charge_out:
-                opened[m, ks, j] = best
-            else:
-                closed[ks, j] = best
+    splits = _Splits.of(prob, pairs)
+    index: dict[int, _SortedTable] = {}
+    for m in range(1, units + 1):
+        out = m < units
+        limit = pairs.limit[out]
+        best = np.full(n * n, np.inf)
+        best[splits.flat] = pairs.grid[out, False][: min(m, cap)].min(axis=0)
+        keep = pairs.span <= m * limit * prob.unit_devices
+        cells = splits.flat[keep]
+        reps = range(1, min(m - 1, cap) + 1)
+        lasts = {r: splits.dense(pairs.grid[out, True][r - 1]) for r in reps}
+        for r in reps:
+            splits.probe(best, opened[m - r], lasts[r], (m - r, r), cells)
+        for r in reps:
+            bound = np.full(n * n, -np.inf)  # what a split must meet; -inf: the entry takes none
+            bound[cells] = np.minimum(best[cells], limit[keep])
+            if m - r not in index:
+                index[m - r] = _SortedTable.of(opened[m - r])
+            splits.fold(best, bound, opened[m - r], index[m - r], lasts[r], (m - r, r), cells)
+        best = best[splits.flat]
+        best[best > limit] = np.inf
+        table = opened[m] if out else closed
+        table[pairs.ks, splits.js] = best
     return _Tables(prob, opened, closed)
 
 
@@ -576,24 +586,137 @@ class _LevelPairs:
         return _LevelPairs(offsets, ks, s.compute_s[js] - s.compute_s[ks], grid, limit)
 
 
-def _split_into(
-    table: FloatArray, ks: IntArray, rows: IntArray, last: FloatArray, target: FloatArray, best: FloatArray
-) -> None:
-    """best[i] = min(best[i], min over k of max(table[i, k], last[k])) for the rows i listed.
+CHUNK = 1 << 16  # splits priced per numpy pass: big enough to amortise calls, small enough for cache
 
-    Only values at or below ``target`` (the row's best so far, or its ceiling) can matter, so a
-    split k whose last stage alone is slower than every row's target is skipped, and a row whose
-    target no last stage meets is skipped.
+
+@dataclass(frozen=True)
+class _Splits:
+    """Finds the splits (i, k, j) of one level that can meet a bound, two ways, cheaper per end j.
+
+    By compute window: a segment on u units and a stage on r replicas both take at least their
+    compute over their devices, so k can meet an entry's bound b only if c_k lies in
+    [c_j - r·d·b, c_i + u·d·b] (d devices per unit), a range of the states sorted by compute.
+    By column: k such that the stage (k, j] and some entry (., k) of the first table both meet
+    the largest bound of end j (``_SortedTable``). The first is tight where compute dominates
+    (CNNs), the second where many states share their compute or communication dominates (GNMT).
+    Tables are flat: entry (i, j) at i·n + j.
     """
-    if not len(rows):
+
+    n: int
+    ks: IntArray  # per pair (k, j) of the level
+    js: IntArray
+    flat: IntArray  # per pair: k·n + j
+    compute: FloatArray
+    order: IntArray  # states by compute
+    devices: int  # devices per unit
+
+    @staticmethod
+    def of(prob: LevelProblem, pairs: _LevelPairs) -> _Splits:
+        n = len(prob.states)
+        js = np.repeat(np.arange(n), np.diff(pairs.offsets))
+        c = prob.states.compute_s
+        return _Splits(n, pairs.ks, js, pairs.ks * n + js, c, np.argsort(c, kind="stable"),
+                       prob.unit_devices)  # fmt: skip
+
+    def dense(self, per_pair: FloatArray) -> FloatArray:
+        """A per-pair value as a flat table (inf off the pairs)."""
+        table = np.full(self.n * self.n, np.inf)
+        table[self.flat] = per_pair
+        return table
+
+    def probe(self, best: FloatArray, first: FloatArray, last: FloatArray, units: tuple[int, int],
+              cells: IntArray) -> None:  # fmt: skip
+        """best[i, j] lowered by the splits k whose compute is nearest the balanced one.
+
+        The balanced split gives the first part units[0] / (units[0] + units[1]) of the compute;
+        the four states around it in compute order are tried (any split is a valid plan).
+        """
+        n, c = self.n, self.compute
+        i, j = cells // n, cells % n
+        mid = c[i] + (c[j] - c[i]) * (units[0] / (units[0] + units[1]))
+        at = np.searchsorted(c[self.order], mid)
+        for shift in (-2, -1, 0, 1):
+            k = self.order[np.clip(at + shift, 0, n - 1)]
+            np.minimum.at(best, cells, np.maximum(first.reshape(-1)[i * n + k], last[k * n + j]))
+
+    def fold(self, best: FloatArray, bound: FloatArray, first: FloatArray, index: _SortedTable,
+             last: FloatArray, units: tuple[int, int], cells: IntArray) -> None:  # fmt: skip
+        """best[i, j] = min(best, max(first[i, k], last[k, j])) over the splits meeting ``bound``.
+
+        ``first``: the table on units[0] units; ``last``: the stage on units[1] replicas;
+        ``bound``: -inf where an entry takes no split; ``cells``: the entries that may.
+        """
+        n = self.n
+        i, j = cells // n, cells % n
+        reach = self.devices * bound[cells]
+        slack = 1e-9 * (abs(float(self.compute[-1])) + 1e-30)  # the compute bounds are not rounded
+        sorted_c = self.compute[self.order]
+        lo = np.searchsorted(sorted_c, self.compute[j] - units[1] * reach - slack, side="left")
+        wide = np.maximum(np.searchsorted(sorted_c, self.compute[i] + units[0] * reach + slack,
+                                          side="right") - lo, 0)  # fmt: skip
+        top = bound.reshape(n, n).max(axis=0)
+        pick = np.flatnonzero(last[self.flat] <= top[self.js])
+        start, stop = index.upto(self.ks[pick], top[self.js[pick]])
+        tall = np.maximum(stop - start, 0)
+        by_window = np.bincount(j, wide, n) <= np.bincount(self.js[pick], tall, n)
+        w, by_col = by_window[j], ~by_window[self.js[pick]]
+        flat_first, i, j = first.reshape(-1), i[w], j[w]
+        for owner, at in _runs(lo[w], wide[w]):
+            k, ii, jj = self.order[at], i[owner], j[owner]
+            _lower(best, bound, ii * n + jj, np.maximum(flat_first[ii * n + k], last[k * n + jj]))
+        col = pick[by_col]
+        for owner, at in _runs(start[by_col], tall[by_col]):
+            pair = col[owner]
+            _lower(best, bound, index.rows[at] * n + self.js[pair],
+                   np.maximum(index.values[at], last[self.flat[pair]]))  # fmt: skip
+
+
+def _lower(best: FloatArray, bound: FloatArray, cell: IntArray, value: FloatArray) -> None:
+    good = value <= bound[cell]
+    np.minimum.at(best, cell[good], value[good])
+
+
+def _runs(start: IntArray, count: IntArray) -> Iterator[tuple[IntArray, IntArray]]:
+    """The runs [start, start + count) in blocks of about CHUNK: (run of each element, element)."""
+    ends = np.cumsum(count)
+    if not len(ends) or ends[-1] == 0:
         return
-    cols = np.flatnonzero(last <= target[rows].max())
-    if not len(cols):
-        return
-    rows = rows[target[rows] >= last[cols].min()]
-    if len(rows):
-        val = np.maximum(table[np.ix_(ks[rows], ks[cols])], last[cols][None, :]).min(axis=1)
-        best[rows] = np.minimum(best[rows], val)
+    cuts = np.unique(np.searchsorted(ends, np.arange(CHUNK, int(ends[-1]), CHUNK), side="right"))
+    for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), len(count)], strict=True):
+        if a < b:
+            c = count[a:b]
+            owner = np.repeat(np.arange(a, b), c)
+            yield owner, np.repeat(start[a:b] - (np.cumsum(c) - c), c) + np.arange(int(c.sum()))
+
+
+@dataclass(frozen=True)
+class _SortedTable:
+    """The finite entries (i, k) of one table, sorted by k then by value, for joins on k.
+
+    ``key`` = k · (entries + 1) + the value's rank (count of values <= it), so one searchsorted
+    finds, for any k and threshold, how many entries of column k are at most the threshold.
+    """
+
+    rows: IntArray
+    values: FloatArray
+    key: IntArray
+    sorted_values: FloatArray
+
+    @staticmethod
+    def of(table: FloatArray) -> _SortedTable:
+        i, k = np.nonzero(np.isfinite(table))
+        v = table[i, k]
+        sorted_values = np.sort(v)
+        key = k * (len(v) + 1) + np.searchsorted(sorted_values, v, side="right")
+        order = np.argsort(key, kind="stable")
+        return _SortedTable(i[order], v[order], key[order], sorted_values)
+
+    def upto(self, k: IntArray, threshold: FloatArray) -> tuple[IntArray, IntArray]:
+        """[start, stop) of the entries (., k) with value <= threshold, per query."""
+        width = len(self.values) + 1
+        start = np.searchsorted(self.key, k * width, side="left")
+        rank = np.searchsorted(self.sorted_values, threshold, side="right")
+        return start, np.searchsorted(self.key, k * width + rank, side="right")
 
 
 def _top_windows(prob: LevelProblem, ceiling: float, top: _Top | None) -> tuple[IntArray, IntArray]:
