@@ -635,9 +635,11 @@ class _Splits:
         i, j = cells // n, cells % n
         mid = c[i] + (c[j] - c[i]) * (units[0] / (units[0] + units[1]))
         at = np.searchsorted(c[self.order], mid)
+        value = best[cells]  # cells are distinct: no ufunc.at needed
         for shift in (-2, -1, 0, 1):
             k = self.order[np.clip(at + shift, 0, n - 1)]
-            np.minimum.at(best, cells, np.maximum(first.reshape(-1)[i * n + k], last[k * n + j]))
+            value = np.minimum(value, np.maximum(first.reshape(-1)[i * n + k], last[k * n + j]))
+        best[cells] = value
 
     def fold(self, best: FloatArray, bound: FloatArray, first: FloatArray, index: _SortedTable,
              last: FloatArray, units: tuple[int, int], cells: IntArray) -> None:  # fmt: skip
@@ -656,7 +658,7 @@ class _Splits:
                                           side="right") - lo, 0)  # fmt: skip
         top = bound.reshape(n, n).max(axis=0)
         pick = np.flatnonzero(last[self.flat] <= top[self.js])
-        start, stop = index.upto(self.ks[pick], top[self.js[pick]])
+        start, stop = index.upto(self.ks[pick], index.ranks(top)[self.js[pick]])
         tall = np.maximum(stop - start, 0)
         by_window = np.bincount(j, wide, n) <= np.bincount(self.js[pick], tall, n)
         w, by_col = by_window[j], ~by_window[self.js[pick]]
@@ -701,6 +703,7 @@ class _SortedTable:
     values: FloatArray
     key: IntArray
     sorted_values: FloatArray
+    starts: IntArray  # column k's entries begin at starts[k]
 
     @staticmethod
     def of(table: FloatArray) -> _SortedTable:
@@ -709,14 +712,18 @@ class _SortedTable:
         sorted_values = np.sort(v)
         key = k * (len(v) + 1) + np.searchsorted(sorted_values, v, side="right")
         order = np.argsort(key, kind="stable")
-        return _SortedTable(i[order], v[order], key[order], sorted_values)
+        starts = np.zeros(table.shape[1] + 1, dtype=np.int64)
+        starts[1:] = np.cumsum(np.bincount(k, minlength=table.shape[1]))
+        return _SortedTable(i[order], v[order], key[order], sorted_values, starts)
 
-    def upto(self, k: IntArray, threshold: FloatArray) -> tuple[IntArray, IntArray]:
-        """[start, stop) of the entries (., k) with value <= threshold, per query."""
-        width = len(self.values) + 1
-        start = np.searchsorted(self.key, k * width, side="left")
-        rank = np.searchsorted(self.sorted_values, threshold, side="right")
-        return start, np.searchsorted(self.key, k * width + rank, side="right")
+    def upto(self, k: IntArray, rank: IntArray) -> tuple[IntArray, IntArray]:
+        """[start, stop) of the entries (., k) whose value has at most ``rank`` (``ranks``)."""
+        stop = np.searchsorted(self.key, k * (len(self.values) + 1) + rank, side="right")
+        return self.starts[k], stop
+
+    def ranks(self, threshold: FloatArray) -> IntArray:
+        """How many entries are at most each threshold: the rank ``upto`` compares with."""
+        return np.asarray(np.searchsorted(self.sorted_values, threshold, side="right"), dtype=np.int64)
 
 
 def _top_windows(prob: LevelProblem, ceiling: float, top: _Top | None) -> tuple[IntArray, IntArray]:
