@@ -11,6 +11,7 @@ recursion does; ``_all_segments`` fills that table one unit count at a time, eve
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -498,7 +499,9 @@ class _Top:
     inner: int  # devices of the level below in one top-level unit (PipeDream divides the sync by it)
 
 
-def _all_segments(prob: LevelProblem, ceiling: float = math.inf, top: _Top | None = None) -> _Tables:
+def _all_segments(
+    prob: LevelProblem, ceiling: float = math.inf, top: _Top | None = None, search: str = "auto"
+) -> _Tables:
     """Direct DP over all segments at once (PipeDream's non-final level), one unit count at a time.
 
     A segment (i, j] on m units is one stage (i, j] or a segment (i, k] on m - r units followed
@@ -510,7 +513,8 @@ def _all_segments(prob: LevelProblem, ceiling: float = math.inf, top: _Top | Non
     the last one and ``ceiling`` is its attained time: a top stage from i can then have at most
     units - (units before i) replicas (before i: at least its compute over devices per unit x
     ceiling), and on R replicas it pays the gradient sync of its parameters, both of which lower
-    the ceiling of row i (``_limits``).
+    the ceiling of row i (``_limits``). ``search``: how splits are listed (``_Splits``; tests
+    pin "window" or "column", both exact).
     """
     n, units = len(prob.states), prob.units
     cap = units if prob.max_replicas is None else min(units, prob.max_replicas)
@@ -518,8 +522,8 @@ def _all_segments(prob: LevelProblem, ceiling: float = math.inf, top: _Top | Non
     closed = np.full((n, n), np.inf)
     before, after = _top_windows(prob, ceiling, top)
     pairs = _LevelPairs.of(prob, cap, ceiling, top, before, after)
-    splits = _Splits.of(prob, pairs)
-    index: dict[int, _SortedTable] = {}
+    splits = _Splits.of(prob, pairs, search)
+    prior: dict[int, _Prior] = {}  # opened[u] with its search structures, once complete
     for m in range(1, units + 1):
         out = m < units
         limit = pairs.limit[out]
@@ -530,17 +534,16 @@ def _all_segments(prob: LevelProblem, ceiling: float = math.inf, top: _Top | Non
         reps = range(1, min(m - 1, cap) + 1)
         lasts = {r: splits.dense(pairs.grid[out, True][r - 1]) for r in reps}
         for r in reps:
-            splits.probe(best, opened[m - r], lasts[r], (m - r, r), cells)
+            splits.probe(best, prior[m - r].table, lasts[r], (m - r, r), cells)
         for r in reps:
             bound = np.full(n * n, -np.inf)  # what a split must meet; -inf: the entry takes none
             bound[cells] = np.minimum(best[cells], limit[keep])
-            if m - r not in index:
-                index[m - r] = _SortedTable.of(opened[m - r])
-            splits.fold(best, bound, opened[m - r], index[m - r], lasts[r], (m - r, r), cells)
+            splits.fold(best, bound, prior[m - r], lasts[r], (m - r, r), cells)
         best = best[splits.flat]
         best[best > limit] = np.inf
         table = opened[m] if out else closed
         table[pairs.ks, splits.js] = best
+        prior[m] = _Prior(table, splits.order)
     return _Tables(prob, opened, closed)
 
 
@@ -609,14 +612,15 @@ class _Splits:
     compute: FloatArray
     order: IntArray  # states by compute
     devices: int  # devices per unit
+    search: str  # "window", "column", or "auto": per end j, whichever lists fewer splits
 
     @staticmethod
-    def of(prob: LevelProblem, pairs: _LevelPairs) -> _Splits:
+    def of(prob: LevelProblem, pairs: _LevelPairs, search: str = "auto") -> _Splits:
         n = len(prob.states)
         js = np.repeat(np.arange(n), np.diff(pairs.offsets))
         c = prob.states.compute_s
         return _Splits(n, pairs.ks, js, pairs.ks * n + js, c, np.argsort(c, kind="stable"),
-                       prob.unit_devices)  # fmt: skip
+                       prob.unit_devices, search)  # fmt: skip
 
     def dense(self, per_pair: FloatArray) -> FloatArray:
         """A per-pair value as a flat table (inf off the pairs)."""
@@ -641,8 +645,8 @@ class _Splits:
             value = np.minimum(value, np.maximum(first.reshape(-1)[i * n + k], last[k * n + j]))
         best[cells] = value
 
-    def fold(self, best: FloatArray, bound: FloatArray, first: FloatArray, index: _SortedTable,
-             last: FloatArray, units: tuple[int, int], cells: IntArray) -> None:  # fmt: skip
+    def fold(self, best: FloatArray, bound: FloatArray, first: _Prior, last: FloatArray,
+             units: tuple[int, int], cells: IntArray) -> None:  # fmt: skip
         """best[i, j] = min(best, max(first[i, k], last[k, j])) over the splits meeting ``bound``.
 
         ``first``: the table on units[0] units; ``last``: the stage on units[1] replicas;
@@ -650,27 +654,82 @@ class _Splits:
         """
         n = self.n
         i, j = cells // n, cells % n
-        reach = self.devices * bound[cells]
+        b = bound[cells]
+        hi = first.reach.count(i, b)
         slack = 1e-9 * (abs(float(self.compute[-1])) + 1e-30)  # the compute bounds are not rounded
         sorted_c = self.compute[self.order]
-        lo = np.searchsorted(sorted_c, self.compute[j] - units[1] * reach - slack, side="left")
-        wide = np.maximum(np.searchsorted(sorted_c, self.compute[i] + units[0] * reach + slack,
-                                          side="right") - lo, 0)  # fmt: skip
+        lo = np.searchsorted(sorted_c, self.compute[j] - units[1] * self.devices * b - slack, side="left")
+        wide = np.maximum(hi - lo, 0)
         top = bound.reshape(n, n).max(axis=0)
         pick = np.flatnonzero(last[self.flat] <= top[self.js])
-        start, stop = index.upto(self.ks[pick], index.ranks(top)[self.js[pick]])
-        tall = np.maximum(stop - start, 0)
-        by_window = np.bincount(j, wide, n) <= np.bincount(self.js[pick], tall, n)
+        by_window = np.full(n, self.search != "column")
+        weigh = self.search == "auto" and wide.sum() > 4 * len(cells)  # wide windows (GNMT)
+        if weigh or self.search == "column":
+            index = first.index
+            start, stop = index.upto(self.ks[pick], index.ranks(top)[self.js[pick]])
+            tall = np.maximum(stop - start, 0)
+            if weigh:
+                by_window = np.bincount(j, wide, n) <= np.bincount(self.js[pick], tall, n)
+        else:
+            start = tall = np.zeros(len(pick), dtype=np.int64)
         w, by_col = by_window[j], ~by_window[self.js[pick]]
-        flat_first, i, j = first.reshape(-1), i[w], j[w]
+        flat_first, i, j = first.table.reshape(-1), i[w], j[w]
         for owner, at in _runs(lo[w], wide[w]):
             k, ii, jj = self.order[at], i[owner], j[owner]
             _lower(best, bound, ii * n + jj, np.maximum(flat_first[ii * n + k], last[k * n + jj]))
-        col = pick[by_col]
+        if not by_col.any():
+            return
+        col, index = pick[by_col], first.index
         for owner, at in _runs(start[by_col], tall[by_col]):
             pair = col[owner]
             _lower(best, bound, index.rows[at] * n + self.js[pair],
                    np.maximum(index.values[at], last[self.flat[pair]]))  # fmt: skip
+
+
+class _Prior:
+    """A finished table on fewer units, with the search structures ``_Splits.fold`` may need."""
+
+    def __init__(self, table: FloatArray, order: IntArray) -> None:
+        self.table = table
+        self.order = order
+
+    @functools.cached_property
+    def index(self) -> _SortedTable:
+        return _SortedTable.of(self.table)
+
+    @functools.cached_property
+    def reach(self) -> _Monotone:
+        """Per row i and compute-order position p: the best entry at p or later (never decreasing)."""
+        later = np.minimum.accumulate(self.table[:, self.order][:, ::-1], axis=1)[:, ::-1]
+        return _Monotone.of(np.ascontiguousarray(later))
+
+
+@dataclass(frozen=True)
+class _Monotone:
+    """Rows that never decrease, flattened with a row offset so one searchsorted counts per row.
+
+    ``count(rows, b)`` is how many entries of each row are at most b, or a few more (the offset
+    costs float precision, so the query is rounded up; extra entries are only extra work). Row r
+    lives in [4·r·scale, 4·r·scale + 3·scale] (inf stored as 3·scale), queries are clipped to
+    [-scale/2, 2·scale]: a query never reaches a neighbouring row.
+    """
+
+    keys: FloatArray
+    scale: float
+    width: int
+
+    @staticmethod
+    def of(rows: FloatArray) -> _Monotone:
+        finite = np.isfinite(rows)
+        scale = max(float(rows[finite].max(initial=0.0)), 1e-30)
+        offset = 4.0 * scale * np.arange(rows.shape[0], dtype=np.float64)[:, None]
+        keys = offset + np.where(finite, rows, 3.0 * scale)
+        return _Monotone(keys.reshape(-1), scale, rows.shape[1])
+
+    def count(self, rows: IntArray, b: FloatArray) -> IntArray:
+        s = self.scale
+        q = 4.0 * s * rows + (np.clip(b, -0.5 * s, 2.0 * s) + 1e-6 * s)
+        return np.searchsorted(self.keys, q, side="right") - self.width * rows
 
 
 def _lower(best: FloatArray, bound: FloatArray, cell: IntArray, value: FloatArray) -> None:
