@@ -660,29 +660,32 @@ class _Splits:
         sorted_c = self.compute[self.order]
         lo = np.searchsorted(sorted_c, self.compute[j] - units[1] * self.devices * b - slack, side="left")
         wide = np.maximum(hi - lo, 0)
-        top = bound.reshape(n, n).max(axis=0)
-        pick = np.flatnonzero(last[self.flat] <= top[self.js])
         by_window = np.full(n, self.search != "column")
-        weigh = self.search == "auto" and wide.sum() > 4 * len(cells)  # wide windows (GNMT)
-        if weigh or self.search == "column":
-            index = first.index
-            start, stop = index.upto(self.ks[pick], index.ranks(top)[self.js[pick]])
-            tall = np.maximum(stop - start, 0)
-            if weigh:
+        if self.search == "column" or (self.search == "auto" and wide.sum() > 4 * len(cells)):
+            pick, start, tall = self._columns(bound, first.index, last)  # wide windows (GNMT)
+            if self.search == "auto":
                 by_window = np.bincount(j, wide, n) <= np.bincount(self.js[pick], tall, n)
-        else:
-            start = tall = np.zeros(len(pick), dtype=np.int64)
-        w, by_col = by_window[j], ~by_window[self.js[pick]]
+            take = ~by_window[self.js[pick]]
+            self._fold_columns(best, bound, first.index, last, pick[take], start[take], tall[take])
+        w = by_window[j]
         flat_first, i, j = first.table.reshape(-1), i[w], j[w]
         for owner, at in _runs(lo[w], wide[w]):
             k, ii, jj = self.order[at], i[owner], j[owner]
             _lower(best, bound, ii * n + jj, np.maximum(flat_first[ii * n + k], last[k * n + jj]))
-        if not by_col.any():
-            return
-        col, index = pick[by_col], first.index
-        for owner, at in _runs(start[by_col], tall[by_col]):
-            pair = col[owner]
-            _lower(best, bound, index.rows[at] * n + self.js[pair],
+
+    def _columns(self, bound: FloatArray, index: _SortedTable, last: FloatArray
+                 ) -> tuple[IntArray, IntArray, IntArray]:  # fmt: skip
+        """Pairs (k, j) whose stage meets end j's largest bound, with their column runs."""
+        top = bound.reshape(self.n, self.n).max(axis=0)
+        pick = np.flatnonzero(last[self.flat] <= top[self.js])
+        start, stop = index.upto(self.ks[pick], index.ranks(top)[self.js[pick]])
+        return pick, start, np.maximum(stop - start, 0)
+
+    def _fold_columns(self, best: FloatArray, bound: FloatArray, index: _SortedTable, last: FloatArray,
+                      pick: IntArray, start: IntArray, count: IntArray) -> None:  # fmt: skip
+        for owner, at in _runs(start, count):
+            pair = pick[owner]
+            _lower(best, bound, index.rows[at] * self.n + self.js[pair],
                    np.maximum(index.values[at], last[self.flat[pair]]))  # fmt: skip
 
 
