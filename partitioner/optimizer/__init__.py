@@ -27,8 +27,8 @@ from partitioner.optimizer.dp import (
     LevelProblem,
     Segment,
     solve_bottleneck,
-    solve_hierarchy,
 )
+from partitioner.optimizer.hierarchy import solve_hierarchy
 from partitioner.optimizer.lattice import Lattice, enumerate_lattice, solve_lattice
 from partitioner.optimizer.states import (
     StateSet,

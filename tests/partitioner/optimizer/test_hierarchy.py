@@ -98,7 +98,7 @@ def test_table_ceiling_keeps_the_optimum(
     dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]], n1: int, n2: int, slack: float
 ) -> None:
     """Inner tables cut at a ceiling from an attained time (even the optimum itself) lose nothing."""
-    from partitioner.optimizer.dp import _solve_levels
+    from partitioner.optimizer.hierarchy import _solve_levels
     from partitioner.optimizer.states import build_states
 
     costs, raw = dag
@@ -124,7 +124,7 @@ def test_sync_aware_ceilings_keep_the_optimum(
     slack: float,
 ) -> None:
     """Ceilings that charge a top stage its gradient sync (slow top links: sync dominates) lose nothing."""
-    from partitioner.optimizer.dp import _solve_levels
+    from partitioner.optimizer.hierarchy import _solve_levels
     from partitioner.optimizer.states import build_states
 
     costs, raw = dag
@@ -160,7 +160,8 @@ def test_segment_tables_equal_plain_recurrence(
     splits are listed (compute windows, value-ordered columns, or the cheaper per end)."""
     import numpy as np
 
-    from partitioner.optimizer.dp import LevelProblem, _all_segments, _segment_grid
+    from partitioner.optimizer.dp import LevelProblem
+    from partitioner.optimizer.hierarchy import _all_segments, _segment_grid
     from partitioner.optimizer.states import build_states
 
     costs, raw = dag
