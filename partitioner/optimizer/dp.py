@@ -106,6 +106,7 @@ class _Pairs:
     act: FloatArray  # the larger of the cut traffic into and out of the stage
     params: FloatArray
     saved: FloatArray
+    layers: IntArray  # states of one size are layers[i]:layers[i + 1] (no pair inside a layer)
 
     @staticmethod
     def of(prob: LevelProblem) -> _Pairs:
@@ -120,23 +121,26 @@ class _Pairs:
         act = np.where(ks > 0, s.act_bytes[ks], 0.0)
         act = np.maximum(act, np.where(js < n - 1, s.act_bytes[js], 0.0))
         q = 4.0 * params / (prob.bandwidth * prob.inner)
+        sizes = np.array([m.bit_count() for m in s.masks])
+        layers = np.flatnonzero(np.diff(sizes, prepend=-1, append=-1)).astype(np.int64)
         return _Pairs(offsets, ks, np.asarray(base, dtype=np.float64), q, act, params,
-                      s.saved_bytes[js] - s.saved_bytes[ks])  # fmt: skip
+                      s.saved_bytes[js] - s.saved_bytes[ks], layers)  # fmt: skip
 
     def subset(self, keep: npt.NDArray[np.bool_]) -> _Pairs:
         """The pairs where ``keep`` holds (same states, same CSR layout)."""
         offsets = np.zeros_like(self.offsets)
         offsets[1:] = np.cumsum(np.bincount(self.js()[keep], minlength=len(self.offsets) - 1))
         return _Pairs(offsets, self.ks[keep], self.base[keep], self.q[keep], self.act[keep],
-                      self.params[keep], self.saved[keep])  # fmt: skip
+                      self.params[keep], self.saved[keep], self.layers)  # fmt: skip
 
     def js(self) -> IntArray:
         """The later state of every pair."""
         return np.repeat(np.arange(len(self.offsets) - 1), np.diff(self.offsets))
 
-    def times(self, r: FloatArray, bandwidth: float) -> FloatArray:
-        busy = (self.base + self.q * (r - 1.0) / r) / r
-        return np.asarray(np.maximum(busy, 2.0 * self.act / (bandwidth * r)), dtype=np.float64)
+    def times_of(self, idx: IntArray, r: FloatArray, bandwidth: float) -> FloatArray:
+        """Stage times of the pairs ``idx`` with r replicas each (cut traffic included)."""
+        busy = (self.base[idx] + self.q[idx] * (r - 1.0) / r) / r
+        return np.asarray(np.maximum(busy, 2.0 * self.act[idx] / (bandwidth * r)), dtype=np.float64)
 
 
 def _replicas_needed(prob: LevelProblem, pairs: _Pairs, tau: float) -> FloatArray:
@@ -151,24 +155,26 @@ def _replicas_needed(prob: LevelProblem, pairs: _Pairs, tau: float) -> FloatArra
     b = base + q
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         disc = b * b - 4.0 * tau * q
-        upper = np.where(
-            disc > 0, np.ceil((b + np.sqrt(np.maximum(disc, 0.0))) / (2.0 * tau) * (1 - 1e-12)), 1.0
-        )
-        comm = np.ceil(2.0 * pairs.act / (prob.bandwidth * tau) * (1 - 1e-12))
+        root = np.where(disc > 0, (b + np.sqrt(np.maximum(disc, 0.0))) / (2.0 * tau), 0.0)
+        traffic = 2.0 * pairs.act / (prob.bandwidth * tau)
+    upper = np.ceil(root * (1 - 1e-12))
+    comm = np.ceil(traffic * (1 - 1e-12))
     single = (base <= tau) & (comm <= 1) & (prob.min_replicas <= 1)
     r = np.where(single, 1.0, np.maximum(np.maximum(upper, comm), max(2.0, prob.min_replicas)))
     r = np.where(np.isnan(r), np.inf, r)
     cap = prob.units if prob.max_replicas is None else min(prob.units, prob.max_replicas)
     r = np.where(r <= cap, r, np.inf)
-    for _ in range(3):  # guard the closed form against rounding: bump where still too slow
-        with np.errstate(invalid="ignore"):
-            slow = np.isfinite(r) & (pairs.times(r, prob.bandwidth) > tau * (1 + 1e-12))
-        if not slow.any():
-            break
-        r = np.where(slow, np.where(r + 1.0 <= cap, r + 1.0, np.inf), r)
-    with np.errstate(invalid="ignore"):
-        slow = np.isfinite(r) & (pairs.times(r, prob.bandwidth) > tau * (1 + 1e-9))
-    return np.where(slow, np.inf, r)
+    # only a root or traffic ratio within rounding of an integer can leave the closed form short
+    near = (np.ceil(root * (1 + 1e-9)) != upper) | (np.ceil(traffic * (1 + 1e-9)) != comm)
+    check = np.flatnonzero(near & np.isfinite(r))
+    for _ in range(3):  # guard those: bump where still too slow
+        slow = check[pairs.times_of(check, r[check], prob.bandwidth) > tau * (1 + 1e-12)]
+        if not len(slow):
+            return r
+        r[slow] = np.where(r[slow] + 1.0 <= cap, r[slow] + 1.0, np.inf)
+        check = slow[np.isfinite(r[slow])]
+    r[check[pairs.times_of(check, r[check], prob.bandwidth) > tau * (1 + 1e-9)]] = np.inf
+    return r
 
 
 def _memory_replicas(prob: LevelProblem, pairs: _Pairs, lo: int, hi: int, gk: FloatArray) -> FloatArray:
@@ -386,23 +392,42 @@ def _chain_upper(prob: LevelProblem, pairs: _Pairs, most: int = 48) -> float:
 
 
 def _reachable(prob: LevelProblem, pairs: _Pairs, tau: float) -> bool:
-    """Whether some plan has every stage at most tau: fewest units, vectorised over unit counts."""
+    """Whether some plan has every stage at most tau: fewest units, one numpy pass per size layer.
+
+    A stage's earlier cut is a strict subset of its later one, so no pair joins two states of the
+    same size: g (fewest units per state) of a whole size layer follows from the layers before it.
+    """
     need = _replicas_needed(prob, pairs, tau)
-    ok = np.isfinite(need)
-    ks, js, r = pairs.ks[ok], pairs.js()[ok], need[ok].astype(np.int64)
     n, units = len(prob.states), prob.units
-    if not len(ks):
-        return n == 1
-    reach = np.zeros((n, units + 1), dtype=bool)  # reach[j, u]: state j on at most u units
-    reach[0, :] = True
-    starts = np.flatnonzero(np.diff(js, prepend=-1))
-    where = js[starts]
-    for u in range(1, units + 1):
-        hit = (r <= u) & reach[ks, np.maximum(u - r, 0)]
-        reach[where, u] = np.logical_or.reduceat(hit, starts)
-        if reach[n - 1, u]:
-            return True
-    return False
+    g = np.full(n, np.inf)
+    g[0] = 0.0
+    offsets = pairs.offsets
+    for lo, hi in zip(pairs.layers[:-1].tolist(), pairs.layers[1:].tolist(), strict=True):
+        a, b = int(offsets[lo]), int(offsets[hi])
+        if a == b:
+            continue
+        val = g[pairs.ks[a:b]] + need[a:b]
+        has = np.flatnonzero(offsets[lo + 1 : hi + 1] > offsets[lo:hi])
+        g[lo + has] = np.minimum.reduceat(val, offsets[lo + has] - a)
+    return bool(g[n - 1] <= units)
+
+
+def _within(prob: LevelProblem, pairs: _Pairs, upper: float) -> _Pairs:
+    """The pairs a plan as fast as ``upper`` can use: those whose fewest replicas fit the windows.
+
+    A stage needs r >= max(C, 2·act/B) / upper replicas (C + q/2 when r >= 2: the sync term), and
+    its cuts leave the units of ``_windows`` before and after it; on NASNet that drops most of the
+    millions of pairs.
+    """
+    if not (math.isfinite(upper) and upper > 0):
+        return pairs
+    lo, width = _windows(prob, upper)
+    cap = prob.units if prob.max_replicas is None else min(prob.units, prob.max_replicas)
+    js, ks = pairs.js(), pairs.ks
+    busy = np.where(pairs.base <= upper, pairs.base, pairs.base + 0.5 * pairs.q)  # r >= 2: sync >= q/2
+    r_lo = np.maximum(np.ceil(np.maximum(busy, 2.0 * pairs.act / prob.bandwidth) / upper - 1e-9), 1)
+    r_hi = np.minimum(cap, lo[js] + width[js] - 1 - lo[ks])
+    return pairs.subset((width[js] > 0) & (width[ks] > 0) & (r_lo <= r_hi))
 
 
 def _narrow(prob: LevelProblem, pairs: _Pairs, lower: float, upper: float) -> tuple[float, float]:
@@ -435,9 +460,11 @@ def solve_bottleneck(prob: LevelProblem, lower: float = 0.0) -> tuple[float, lis
     """
     pairs = _Pairs.of(prob)
     if prob.memory is None and prob.units <= DIRECT_MAX_UNITS:
-        low, upper = _narrow(prob, pairs, lower, _chain_upper(prob, pairs))
+        upper = _chain_upper(prob, pairs)
+        useful = _within(prob, pairs, upper)
+        low, upper = _narrow(prob, useful, lower, upper)
         try:
-            time, stages = solve_direct(prob, pairs, upper, low)
+            time, stages = solve_direct(prob, useful, upper, low)
             return time, stages, time
         except InfeasibleError:  # only if the bounds were wrong: search without them
             pass

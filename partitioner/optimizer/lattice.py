@@ -152,7 +152,7 @@ def _next_free(dag: _Dag, free: WordArray, x: IntArray, grown: WordArray) -> Wor
     return out
 
 
-def enumerate_lattice(profile: Profile, cap: int, max_layer: int = 20_000) -> Lattice | None:
+def enumerate_lattice(profile: Profile, cap: int, max_layer: int = 10_000) -> Lattice | None:
     """Every downset, size layer by size layer, with covers and sums (vectorised per size layer).
 
     None beyond ``cap`` downsets, or as soon as one size layer exceeds ``max_layer`` (a cheap sign

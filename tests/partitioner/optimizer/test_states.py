@@ -1,0 +1,34 @@
+"""State sets: the prefix-order subset lists against the direct pairwise mask test."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from partitioner.optimizer.states import _subset_preds, multi_order_states
+from tests.partitioner.optimizer.conftest import make_profile
+
+wide_dags = st.integers(min_value=2, max_value=12).flatmap(
+    lambda n: st.tuples(
+        st.just([(1, 1, 10, 10)] * n),
+        st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), max_size=2 * n),
+    )
+)  # fmt: skip
+
+
+@settings(max_examples=80, deadline=None)
+@given(dag=wide_dags)
+def test_prefix_preds_equal_pairwise_subset_tests(
+    dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]],
+) -> None:
+    """Prefixes of several orders: the running-position shortcut lists exactly the strict subsets."""
+    costs, raw = dag
+    states = multi_order_states(make_profile(costs, [(a, b) for a, b in raw if a < b]), max_layers=100)
+    if states.preds is None:  # a chain: every earlier state is a subset
+        assert all(a & b == a for a, b in zip(states.masks, states.masks[1:], strict=False))
+        return
+    expected = _subset_preds(list(states.masks), len(states.layer_ids))
+    assert len(expected) == len(states.preds)
+    for want, got in zip(expected, states.preds, strict=True):
+        assert np.array_equal(want, got)
