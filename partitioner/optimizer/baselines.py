@@ -4,7 +4,9 @@
 - straight: our DP with one device per stage (GPipe-style pipelines);
 - parameter balancing: DeepSpeed's ``partition_method="parameters"``: one device per stage, the
   topological order cut so the stages' parameter counts are as even as possible;
-- uniform: DeepSpeed's ``"uniform"``: the same number of layers in every stage.
+- uniform: DeepSpeed's ``"uniform"``: the same number of layers in every stage;
+- time balancing: torchgpipe's ``balance_by_time``: one device per stage, the topological order
+  cut so the stages' forward+backward times are as even as possible (communication ignored).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from partitioner.graph import Profile
 from partitioner.optimizer.build import StageSpec, assemble
 from partitioner.plan import Cluster, Plan, SolverInfo
 
-__all__ = ["balanced_cuts", "baselines", "data_parallel", "parameter_balanced", "uniform"]
+__all__ = ["balanced_cuts", "baselines", "data_parallel", "parameter_balanced", "time_balanced", "uniform"]
 
 
 def _inputs(profile: Profile) -> list[str]:
@@ -81,6 +83,13 @@ def parameter_balanced(profile: Profile, cluster: Cluster, schedule: str, m: int
     return _chain_plan(profile, cluster, bounds, "parameters", schedule, m, optimizer)
 
 
+def time_balanced(profile: Profile, cluster: Cluster, schedule: str, m: int, optimizer: str) -> Plan:
+    """torchgpipe's balance_by_time: one GPU per stage, measured compute split evenly."""
+    weights = [n.compute_ms for n in profile.layers]
+    bounds = balanced_cuts(weights, cluster.gpus)
+    return _chain_plan(profile, cluster, bounds, "time", schedule, m, optimizer)
+
+
 def uniform(profile: Profile, cluster: Cluster, schedule: str, m: int, optimizer: str) -> Plan:
     """DeepSpeed's uniform method: the same number of layers per stage, one GPU each."""
     n = len(profile.layers)
@@ -107,6 +116,7 @@ def baselines(
         "data parallel": lambda: data_parallel(profile, cluster, schedule, m, optimizer),
         "best straight": lambda: solve(profile, cluster, schedule, m, optimizer, straight=True),
         "parameter balanced": lambda: parameter_balanced(profile, cluster, schedule, m, optimizer),
+        "time balanced": lambda: time_balanced(profile, cluster, schedule, m, optimizer),
         "uniform layers": lambda: uniform(profile, cluster, schedule, m, optimizer),
     }
     for name, make in makers.items():

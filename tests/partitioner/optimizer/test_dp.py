@@ -123,6 +123,9 @@ SHARED = sorted(p.name for p in PROFILES.glob("*/") if (p / "graph.txt").exists(
 @pytest.mark.skipif(not SHARED, reason="shared PipeDream profiles not present")
 @pytest.mark.parametrize("name", SHARED)
 def test_every_shared_profile_solves(name: str) -> None:
+    """Each profile solves at 4, 8 and 16 GPUs, never slower than the baselines other tools pick."""
+    from partitioner.optimizer.baselines import parameter_balanced, time_balanced, uniform
+
     profile = _shared(name)
     layers = {n.id for n in profile.nodes}
     previous = math.inf
@@ -132,6 +135,9 @@ def test_every_shared_profile_solves(name: str) -> None:
         assert plan.gpus <= gpus
         t = plan.predicted.time_per_minibatch_s
         assert 0 < t <= previous * (1 + 1e-9)  # more devices never hurt (unused ones are allowed)
+        for make in (parameter_balanced, uniform, time_balanced):
+            other = make(profile, Cluster.flat(gpus), "pipedream", 1, "sgd")
+            assert t <= other.predicted.time_per_minibatch_s * (1 + 1e-9), other.solver.name
         assert plan.solver.lower_bound_s is not None and plan.solver.lower_bound_s <= t * (1 + 1e-9)
         previous = t
 
@@ -310,3 +316,14 @@ def test_direct_bounds_keep_the_optimum(
     useful = _within(prob, pairs, best * (1 + slack))  # the pairs a plan that fast can use
     assert solve_direct(prob, useful, best * (1 + slack), best * (1 - slack))[0] == best
     assert _reachable(prob, useful, best * (1 + 1e-9))
+
+
+def test_time_balancing_splits_compute_evenly() -> None:
+    """torchgpipe's balance_by_time on a chain: contiguous stages, the heaviest as light as can be."""
+    from partitioner.optimizer.baselines import time_balanced
+
+    costs = [(f, 2 * f, 10, 10) for f in (1, 1, 1, 1, 4, 4)]  # compute 3,3,3,3,12,12 ms
+    profile = make_profile(costs, [(i, i + 1) for i in range(5)])
+    plan = time_balanced(profile, Cluster.flat(3, 1e12), "pipedream", 1, "sgd")
+    assert [len([n for n in s.nodes if n != "x"]) for s in plan.stages] == [4, 1, 1]
+    assert [s.replicas for s in plan.stages] == [1, 1, 1]
