@@ -11,14 +11,15 @@ hierarchy (servers made of GPUs) are solved in ``hierarchy.py`` from these flat 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from partitioner.errors import InfeasibleError
-from partitioner.optimizer.states import StateSet
+from partitioner.optimizer.states import StateSet, prefix_chain
 
 __all__ = [
     "LevelProblem",
@@ -31,6 +32,7 @@ __all__ = [
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 REL_TOL = 1e-10
+PAIR_BLOCK = 1 << 18  # pairs built and filtered per numpy pass
 
 
 @dataclass(frozen=True)
@@ -107,24 +109,45 @@ class _Pairs:
     params: FloatArray
     saved: FloatArray
     layers: IntArray  # states of one size are layers[i]:layers[i + 1] (no pair inside a layer)
+    b: FloatArray = field(init=False)  # base + q and its square: the replica quadratic's terms
+    b2: FloatArray = field(init=False)
+
+    def __post_init__(self) -> None:
+        b = self.base + self.q
+        object.__setattr__(self, "b", b)
+        object.__setattr__(self, "b2", b * b)
 
     @staticmethod
-    def of(prob: LevelProblem) -> _Pairs:
+    def of(prob: LevelProblem, upper: float = math.inf) -> _Pairs:
+        """Every pair, or with a finite ``upper`` (the time of some plan) only those a plan as fast
+        can use (``_useful``), built a block of states at a time: NASNet's prefixes have millions
+        of pairs and keep about a tenth, and the whole set would cost more to allocate than to use.
+        """
         s, n = prob.states, len(prob.states)
-        ks_list = [prob.states.pred(j) for j in range(n)]
+        counts = np.array([len(s.pred(j)) for j in range(n)], dtype=np.int64)
+        windows = _windows(prob, upper) if math.isfinite(upper) and upper > 0 else None
+        parts = []
+        for lo, hi in _blocks(counts, PAIR_BLOCK):
+            ks = np.concatenate([s.pred(j) for j in range(lo, hi)]).astype(np.int64)
+            js = np.repeat(np.arange(lo, hi), counts[lo:hi])
+            base = np.asarray(prob.base_time(js, ks), dtype=np.float64)
+            params = s.param_bytes[js] - s.param_bytes[ks]
+            act = np.where(ks > 0, s.act_bytes[ks], 0.0)
+            act = np.maximum(act, np.where(js < n - 1, s.act_bytes[js], 0.0))
+            cols: tuple[npt.NDArray[Any], ...] = (ks, js, base, params, act)
+            if windows is not None:
+                keep = _useful(prob, windows, upper, cols)
+                cols = tuple(c[keep] for c in cols)
+            parts.append(cols)
+        joined = [np.concatenate([p[i] for p in parts]) for i in range(5)]  # n >= 1: one block at least
+        ks, js = joined[0].astype(np.int64), joined[1].astype(np.int64)
+        base, params, act = (np.asarray(x, dtype=np.float64) for x in joined[2:])
         offsets = np.zeros(n + 1, dtype=np.int64)
-        offsets[1:] = np.cumsum([len(k) for k in ks_list])
-        ks = np.concatenate(ks_list).astype(np.int64)
-        js = np.repeat(np.arange(n), [len(k) for k in ks_list])
-        base = prob.base_time(js, ks) if len(ks) else ks * 0.0
-        params = s.param_bytes[js] - s.param_bytes[ks]
-        act = np.where(ks > 0, s.act_bytes[ks], 0.0)
-        act = np.maximum(act, np.where(js < n - 1, s.act_bytes[js], 0.0))
+        offsets[1:] = np.cumsum(np.bincount(js, minlength=n))
         q = 4.0 * params / (prob.bandwidth * prob.inner)
         sizes = np.array([m.bit_count() for m in s.masks])
         layers = np.flatnonzero(np.diff(sizes, prepend=-1, append=-1)).astype(np.int64)
-        return _Pairs(offsets, ks, np.asarray(base, dtype=np.float64), q, act, params,
-                      s.saved_bytes[js] - s.saved_bytes[ks], layers)  # fmt: skip
+        return _Pairs(offsets, ks, base, q, act, params, s.saved_bytes[js] - s.saved_bytes[ks], layers)
 
     def subset(self, keep: npt.NDArray[np.bool_]) -> _Pairs:
         """The pairs where ``keep`` holds (same states, same CSR layout)."""
@@ -152,20 +175,24 @@ def _replicas_needed(prob: LevelProblem, pairs: _Pairs, tau: float) -> FloatArra
     needs r >= 2·act/(B·tau).
     """
     base, q = pairs.base, pairs.q
-    b = base + q
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        disc = b * b - 4.0 * tau * q
-        root = np.where(disc > 0, (b + np.sqrt(np.maximum(disc, 0.0))) / (2.0 * tau), 0.0)
-        traffic = 2.0 * pairs.act / (prob.bandwidth * tau)
+        root = pairs.b2 - (4.0 * tau) * q  # the discriminant, then (in place) the upper root
+        flat = root <= 0  # no root: every r >= 2 meets tau
+        np.sqrt(root, out=root, where=~flat)
+        root += pairs.b
+        root *= 1.0 / (2.0 * tau)
+        root[flat] = 0.0
+        traffic = pairs.act * (2.0 / (prob.bandwidth * tau))
     upper = np.ceil(root * (1 - 1e-12))
     comm = np.ceil(traffic * (1 - 1e-12))
     single = (base <= tau) & (comm <= 1) & (prob.min_replicas <= 1)
-    r = np.where(single, 1.0, np.maximum(np.maximum(upper, comm), max(2.0, prob.min_replicas)))
-    r = np.where(np.isnan(r), np.inf, r)
+    r = np.maximum(upper, comm)
+    np.maximum(r, max(2.0, prob.min_replicas), out=r)
+    r[single] = 1.0
     cap = prob.units if prob.max_replicas is None else min(prob.units, prob.max_replicas)
-    r = np.where(r <= cap, r, np.inf)
+    r[~(r <= cap)] = np.inf  # (nan too)
     # only a root or traffic ratio within rounding of an integer can leave the closed form short
-    near = (np.ceil(root * (1 + 1e-9)) != upper) | (np.ceil(traffic * (1 + 1e-9)) != comm)
+    near = (upper < root * (1 + 1e-9)) | (comm < traffic * (1 + 1e-9))
     check = np.flatnonzero(near & np.isfinite(r))
     for _ in range(3):  # guard those: bump where still too slow
         slow = check[pairs.times_of(check, r[check], prob.bandwidth) > tau * (1 + 1e-12)]
@@ -367,26 +394,22 @@ def _trace(prob: LevelProblem, cand: _Candidates, f: FloatArray) -> list[Segment
     return stages[::-1]
 
 
-def _chain_upper(prob: LevelProblem, pairs: _Pairs, most: int = 48) -> float:
+def _chain_upper(prob: LevelProblem, most: int = 48) -> float:
     """Time of the best plan cut only at prefixes of the layer order, thinned to ``most`` cuts.
 
     Prefixes are downsets, so that plan is one the full search also considers: its time is an
     attained upper bound for the windows, found on a few hundred pairs.
     """
-    masks = prob.states.masks
-    prefix = np.array([m & (m + 1) == 0 for m in masks])
-    idx = np.flatnonzero(prefix)
-    if len(idx) < 2 or idx[-1] != len(masks) - 1:
+    chain = prefix_chain(prob.states, most)
+    if chain is None:
         return math.inf
-    if len(idx) > most:
-        c = prob.states.compute_s[idx]
-        pick = np.searchsorted(c, np.linspace(0.0, c[-1], most))
-        idx = idx[sorted({0, len(idx) - 1, *np.minimum(pick, len(idx) - 1).tolist()})]
-    chosen = np.zeros(len(masks), dtype=bool)
-    chosen[idx] = True
-    sub = pairs.subset(chosen[pairs.ks] & chosen[pairs.js()])
+    idx, states = chain
+    base = prob.base
+    if base is not None:
+        full = base
+        base = lambda j, ks: full(idx[j], idx[ks])  # noqa: E731 (the same segments, renumbered)
     try:
-        return solve_direct(prob, sub)[0]
+        return solve_direct(replace(prob, states=states, base=base))[0]
     except InfeasibleError:
         return math.inf
 
@@ -412,22 +435,33 @@ def _reachable(prob: LevelProblem, pairs: _Pairs, tau: float) -> bool:
     return bool(g[n - 1] <= units)
 
 
-def _within(prob: LevelProblem, pairs: _Pairs, upper: float) -> _Pairs:
-    """The pairs a plan as fast as ``upper`` can use: those whose fewest replicas fit the windows.
+def _blocks(counts: IntArray, size: int) -> Iterator[tuple[int, int]]:
+    """Runs of states [lo, hi) with about ``size`` pairs each (at least one state per run)."""
+    ends = np.cumsum(counts)
+    lo, n = 0, len(counts)
+    while lo < n:
+        done = int(ends[lo - 1]) if lo else 0
+        hi = max(lo + 1, int(np.searchsorted(ends, done + size, side="right")))
+        yield lo, min(hi, n)
+        lo = hi
+
+
+def _useful(
+    prob: LevelProblem, windows: tuple[IntArray, IntArray], upper: float, cols: tuple[npt.NDArray[Any], ...]
+) -> npt.NDArray[np.bool_]:
+    """Which pairs a plan as fast as ``upper`` can use: those whose fewest replicas fit the windows.
 
     A stage needs r >= max(C, 2·act/B) / upper replicas (C + q/2 when r >= 2: the sync term), and
-    its cuts leave the units of ``_windows`` before and after it; on NASNet that drops most of the
-    millions of pairs.
+    its cuts leave the units of ``_windows`` before and after it.
     """
-    if not (math.isfinite(upper) and upper > 0):
-        return pairs
-    lo, width = _windows(prob, upper)
+    ks, js, base, params, act = cols
+    lo, width = windows
     cap = prob.units if prob.max_replicas is None else min(prob.units, prob.max_replicas)
-    js, ks = pairs.js(), pairs.ks
-    busy = np.where(pairs.base <= upper, pairs.base, pairs.base + 0.5 * pairs.q)  # r >= 2: sync >= q/2
-    r_lo = np.maximum(np.ceil(np.maximum(busy, 2.0 * pairs.act / prob.bandwidth) / upper - 1e-9), 1)
+    q = 4.0 * params / (prob.bandwidth * prob.inner)
+    busy = np.where(base <= upper, base, base + 0.5 * q)
+    r_lo = np.maximum(np.ceil(np.maximum(busy, 2.0 * act / prob.bandwidth) / upper - 1e-9), 1)
     r_hi = np.minimum(cap, lo[js] + width[js] - 1 - lo[ks])
-    return pairs.subset((width[js] > 0) & (width[ks] > 0) & (r_lo <= r_hi))
+    return np.asarray((width[js] > 0) & (width[ks] > 0) & (r_lo <= r_hi))
 
 
 def _narrow(prob: LevelProblem, pairs: _Pairs, lower: float, upper: float) -> tuple[float, float]:
@@ -458,17 +492,16 @@ def solve_bottleneck(prob: LevelProblem, lower: float = 0.0) -> tuple[float, lis
     Raises:
         InfeasibleError: no plan fits, even with unlimited time (memory too small).
     """
-    pairs = _Pairs.of(prob)
     if prob.memory is None and prob.units <= DIRECT_MAX_UNITS:
-        upper = _chain_upper(prob, pairs)
-        useful = _within(prob, pairs, upper)
-        low, upper = _narrow(prob, useful, lower, upper)
+        upper = _chain_upper(prob)
+        pairs = _Pairs.of(prob, upper)
+        low, upper = _narrow(prob, pairs, lower, upper)
         try:
-            time, stages = solve_direct(prob, useful, upper, low)
+            time, stages = solve_direct(prob, pairs, upper, low)
             return time, stages, time
         except InfeasibleError:  # only if the bounds were wrong: search without them
             pass
-    return solve_bisection(prob, lower, pairs)
+    return solve_bisection(prob, lower)
 
 
 def solve_bisection(

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from partitioner.optimizer.dp import FloatArray, IntArray, LevelProblem, Segment, solve_bottleneck
-from partitioner.optimizer.states import StateSet
+from partitioner.optimizer.states import StateSet, prefix_chain
 
 __all__ = ["solve_hierarchy"]
 
@@ -420,15 +420,8 @@ def solve_hierarchy(
 
 def _prefix_subset(states: StateSet, most: int = 48) -> StateSet | None:
     """The states that are prefixes of the layer order, thinned evenly by compute (None if few)."""
-    idx = np.flatnonzero([m & (m + 1) == 0 for m in states.masks])
-    if len(idx) < 2 or idx[-1] != len(states) - 1 or len(states) <= most:
-        return None
-    c = states.compute_s[idx]
-    pick = np.searchsorted(c, np.linspace(0.0, c[-1], most))
-    idx = idx[sorted({0, len(idx) - 1, *np.minimum(pick, len(idx) - 1).tolist()})]
-    return StateSet(states.layer_ids, tuple(states.masks[i] for i in idx), states.compute_s[idx],
-                    states.param_bytes[idx], states.saved_bytes[idx], states.act_bytes[idx], None,
-                    False)  # fmt: skip
+    chain = prefix_chain(states, most) if len(states) > most else None
+    return None if chain is None else chain[1]
 
 
 def _solve_levels(

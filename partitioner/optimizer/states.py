@@ -27,6 +27,7 @@ __all__ = [
     "free_sinks",
     "multi_order_size",
     "multi_order_states",
+    "prefix_chain",
     "without_free_sinks",
 ]
 
@@ -374,6 +375,25 @@ def _prefix_preds(
     np.fill_diagonal(sub, False)
     js, ks = np.nonzero(sub)
     return tuple(np.split(ks.astype(np.int64), np.cumsum(np.bincount(js, minlength=n))[:-1]))
+
+
+def prefix_chain(states: StateSet, most: int = 48) -> tuple[IntArray, StateSet] | None:
+    """The states that are prefixes of the layer order, thinned evenly by compute to ``most``.
+
+    Returns their indices and them as a chain of states (each a subset of the next), or None when
+    the set has no such chain from nothing to everything.
+    """
+    idx = np.flatnonzero([m & (m + 1) == 0 for m in states.masks])
+    if len(idx) < 2 or idx[-1] != len(states) - 1:
+        return None
+    if len(idx) > most:
+        c = states.compute_s[idx]
+        pick = np.searchsorted(c, np.linspace(0.0, c[-1], most))
+        idx = idx[sorted({0, len(idx) - 1, *np.minimum(pick, len(idx) - 1).tolist()})]
+    sub = StateSet(states.layer_ids, tuple(states.masks[i] for i in idx), states.compute_s[idx],
+                   states.param_bytes[idx], states.saved_bytes[idx], states.act_bytes[idx], None,
+                   False)  # fmt: skip
+    return idx.astype(np.int64), sub
 
 
 def _is_chain(succs: list[int]) -> bool:

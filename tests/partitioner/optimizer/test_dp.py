@@ -297,7 +297,7 @@ def test_direct_bounds_keep_the_optimum(
     even when the bounds are the optimum itself; the decision probe agrees on both sides."""
     from dataclasses import replace
 
-    from partitioner.optimizer.dp import LevelProblem, _Pairs, _reachable, _within, solve_direct
+    from partitioner.optimizer.dp import LevelProblem, _Pairs, _reachable, solve_direct
     from partitioner.optimizer.states import build_states
 
     costs, raw = dag
@@ -313,7 +313,7 @@ def test_direct_bounds_keep_the_optimum(
     pairs = _Pairs.of(prob)
     assert _reachable(prob, pairs, best * (1 + 1e-9))
     assert not _reachable(prob, pairs, best * (1 - 1e-6))
-    useful = _within(prob, pairs, best * (1 + slack))  # the pairs a plan that fast can use
+    useful = _Pairs.of(prob, best * (1 + slack))  # only the pairs a plan that fast can use
     assert solve_direct(prob, useful, best * (1 + slack), best * (1 - slack))[0] == best
     assert _reachable(prob, useful, best * (1 + 1e-9))
 
