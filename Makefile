@@ -34,6 +34,7 @@ test: lint typecheck unit
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_profile.py
 	$(BIN)/python benchmarks/bench_optimizer.py
+	$(BIN)/python benchmarks/bench_sync.py
 	$(BIN)/python benchmarks/bench_runtime.py
 
 clean:

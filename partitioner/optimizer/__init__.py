@@ -40,6 +40,7 @@ from partitioner.optimizer.states import (
     multi_order_states,
     without_free_sinks,
 )
+from partitioner.optimizer.sync import solve_synchronous
 from partitioner.plan import SCHEDULES, Cluster, Plan, SolverInfo
 
 __all__ = ["evaluate", "solve"]
@@ -207,11 +208,13 @@ def _synchronous(
     profile: Profile, cluster: Cluster, states: StateSet, schedule: str, m: int, optimizer: str,
     straight: bool, comm: bool = True,
 ) -> tuple[Plan, float, bool]:  # fmt: skip
-    """Bubble-aware choice among candidates, each priced by the synchronous model.
+    """The synchronous model's optimum on one level by branch and bound (``sync.py``), proven.
 
-    Candidates: bottleneck-optimal plans with a floor on replicas per stage (fewer, wider stages:
-    smaller bubble), straight bottleneck plans on 1, 2, 4, .. devices, and the data-parallel,
-    uniform and parameter-balanced baselines. Not proven optimal.
+    Where that cannot run or prove its plan (hierarchies, more pairs than it prices, a plan over
+    the memory limit, states short of every downset), the best of it and of bubble-aware
+    candidates, each priced by the synchronous model: bottleneck-optimal plans with a floor on
+    replicas per stage (fewer, wider stages: smaller bubble), straight bottleneck plans on 1, 2,
+    4, .. devices, and the data-parallel, uniform and parameter-balanced baselines.
     """
     from partitioner.optimizer.baselines import data_parallel, parameter_balanced, uniform
 
@@ -224,6 +227,9 @@ def _synchronous(
         specs = _specs(profile, states, segments)
         return assemble(profile, cluster, specs, schedule, m, optimizer, info, activation_comm=comm)
 
+    exact = _exact_synchronous(profile, cluster, states, schedule, m, optimizer, straight, comm)
+    if exact is not None and exact[2]:
+        return exact
     floors = [] if straight else [1] if len(cluster.levels) > 1 else powers  # hierarchies ignore floors
     makers = [partial(bottleneck, cluster, floor, False) for floor in floors]
     for units in powers:
@@ -239,9 +245,36 @@ def _synchronous(
             continue
         if best is None or plan.predicted.time_per_minibatch_s < best.predicted.time_per_minibatch_s:
             best = plan
+    if exact is not None and (
+        best is None or exact[0].predicted.time_per_minibatch_s <= best.predicted.time_per_minibatch_s
+    ):
+        return exact[0], max(exact[1], _sync_bound(profile, cluster)), False
     if best is None:
         raise InfeasibleError("no plan fits in memory")
-    return best, _sync_bound(profile, cluster), False
+    return best, max(exact[1] if exact else 0.0, _sync_bound(profile, cluster)), False
+
+
+def _exact_synchronous(
+    profile: Profile, cluster: Cluster, states: StateSet, schedule: str, m: int, optimizer: str,
+    straight: bool, comm: bool,
+) -> tuple[Plan, float, bool] | None:  # fmt: skip
+    """The branch-and-bound optimum on one level (``sync.py``), when it is small enough to run and
+    fits in memory; (plan, lower bound valid for every plan, proven optimal over all downsets)."""
+    if len(cluster.levels) > 1:
+        return None
+    cap = 1 if straight else cluster.gpus
+    found = solve_synchronous(states, cluster.gpus, cluster.levels[0].bandwidth, m, cap)
+    if found is None:
+        return None
+    value, segments, lower = found
+    info = SolverInfo("dp", 0.0, False)
+    try:
+        plan = assemble(profile, cluster, _specs(profile, states, segments), schedule, m, optimizer, info,
+                        activation_comm=comm)  # fmt: skip
+    except InfeasibleError:  # the search has no memory model: the candidates below have
+        return None
+    done = lower >= value * (1 - 1e-9)
+    return plan, lower if states.exact else 0.0, done and states.exact
 
 
 def _sync_bound(profile: Profile, cluster: Cluster) -> float:

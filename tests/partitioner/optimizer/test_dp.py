@@ -38,7 +38,14 @@ def _downsets(profile: Profile) -> list[frozenset[str]]:
     return sorted(found, key=len)
 
 
-def brute_force(profile: Profile, cluster: Cluster, straight: bool = False, comm: bool = True) -> float:
+def brute_force(
+    profile: Profile,
+    cluster: Cluster,
+    straight: bool = False,
+    comm: bool = True,
+    schedule: str = "pipedream",
+    microbatches: int = 1,
+) -> float:
     """Every chain of downsets and every replica split, each priced by the plan cost model."""
     downs = _downsets(profile)
     full = downs[-1]
@@ -53,7 +60,7 @@ def brute_force(profile: Profile, cluster: Cluster, straight: bool = False, comm
             specs.append(StageSpec(tuple(nodes), r, tuple(range(rank, rank + r))))
             rank += r
         info = SolverInfo("brute", 0, True)
-        plan = assemble(profile, cluster, specs, "pipedream", 1, "sgd", info, activation_comm=comm)
+        plan = assemble(profile, cluster, specs, schedule, microbatches, "sgd", info, activation_comm=comm)
         return plan.predicted.time_per_minibatch_s
 
     def splits(stages: int, budget: int) -> list[list[int]]:
