@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bench_optimizer import RESULTS, batch_sizes  # run as a script: benchmarks/ is on the path
 
-from benchmarks.bench_optimizer import RESULTS, batch_sizes
 from partitioner.atomic import write_text_atomic
 from partitioner.graph import Profile, read_graph_txt
 from partitioner.optimizer import solve

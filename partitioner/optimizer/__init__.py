@@ -40,7 +40,7 @@ from partitioner.optimizer.states import (
     multi_order_states,
     without_free_sinks,
 )
-from partitioner.optimizer.sync import solve_synchronous
+from partitioner.optimizer.sync import MAX_CHOICES, MAX_STEPS, solve_synchronous
 from partitioner.plan import SCHEDULES, Cluster, Plan, SolverInfo
 
 __all__ = ["evaluate", "solve"]
@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 HIERARCHY_MAX_STATES = 600  # inner levels need every segment's best time: cubic in the states
 HIERARCHY_THIN_STATES = 200  # beyond that, prefixes of one order thinned evenly by compute
 LATTICE_MAX_STATES = 400_000  # Inception-v3 has 221,565 downsets; NASNet ~6e12 (out of reach)
+SYNC_CANDIDATE_STATES = 1000  # 1f1b/gpipe candidates each run a bottleneck search: thin beyond this
 
 
 def _check(profile: Profile, schedule: str, microbatches: int, optimizer: str) -> int:
@@ -211,31 +212,38 @@ def _synchronous(
     """The synchronous model's optimum on one level by branch and bound (``sync.py``), proven.
 
     Where that cannot run or prove its plan (hierarchies, more pairs than it prices, a plan over
-    the memory limit, states short of every downset), the best of it and of bubble-aware
-    candidates, each priced by the synchronous model: bottleneck-optimal plans with a floor on
-    replicas per stage (fewer, wider stages: smaller bubble), straight bottleneck plans on 1, 2,
-    4, .. devices, and the data-parallel, uniform and parameter-balanced baselines.
+    the memory limit, states short of every downset), the best of it (on prefixes of the layer
+    order thinned to what it can price, if need be) and of bubble-aware candidates (on at most
+    ``SYNC_CANDIDATE_STATES`` states), each priced by the synchronous model: bottleneck-optimal
+    plans with a floor on replicas per stage (fewer, wider stages: smaller bubble), straight
+    bottleneck plans on 1, 2, 4, .. devices, and the data-parallel, uniform, parameter- and
+    time-balanced baselines.
     """
-    from partitioner.optimizer.baselines import data_parallel, parameter_balanced, uniform
+    from partitioner.optimizer.baselines import data_parallel, parameter_balanced, time_balanced, uniform
 
     gpus = cluster.gpus
     powers = sorted({1, *(2**i for i in range(int(math.log2(gpus)) + 1)), gpus})
     info = SolverInfo("dp", 0.0, False)
+    exact = _exact_synchronous(profile, cluster, states, schedule, m, optimizer, straight, comm)
+    if exact is not None and exact[2]:
+        return exact
+    if len(states) > SYNC_CANDIDATE_STATES:  # candidates and the exact search on fewer cuts
+        most = int(math.sqrt(2 * MAX_CHOICES / (1 if straight else gpus)))
+        states = _thin_states(profile, min(most, SYNC_CANDIDATE_STATES), comm)
+        if exact is None:
+            exact = _exact_synchronous(profile, cluster, states, schedule, m, optimizer, straight, comm)
 
     def bottleneck(where: Cluster, floor: int, line: bool) -> Plan:
         _, segments, _ = _search(profile, where, states, schedule, optimizer, line, floor)
         specs = _specs(profile, states, segments)
         return assemble(profile, cluster, specs, schedule, m, optimizer, info, activation_comm=comm)
 
-    exact = _exact_synchronous(profile, cluster, states, schedule, m, optimizer, straight, comm)
-    if exact is not None and exact[2]:
-        return exact
     floors = [] if straight else [1] if len(cluster.levels) > 1 else powers  # hierarchies ignore floors
     makers = [partial(bottleneck, cluster, floor, False) for floor in floors]
     for units in powers:
         flat = Cluster.flat(units, cluster.levels[0].bandwidth, cluster.memory_bytes)
         makers.append(partial(bottleneck, flat, 1, True))
-    baselines = [uniform, parameter_balanced] + ([] if straight else [data_parallel])
+    baselines = [uniform, parameter_balanced, time_balanced] + ([] if straight else [data_parallel])
     makers += [partial(make, profile, cluster, schedule, m, optimizer) for make in baselines]
     best: Plan | None = None
     for make in makers:
@@ -263,7 +271,8 @@ def _exact_synchronous(
     if len(cluster.levels) > 1:
         return None
     cap = 1 if straight else cluster.gpus
-    found = solve_synchronous(states, cluster.gpus, cluster.levels[0].bandwidth, m, cap)
+    steps = MAX_STEPS if states.exact else 60  # no proof to finish on a subset of the cuts
+    found = solve_synchronous(states, cluster.gpus, cluster.levels[0].bandwidth, m, cap, steps)
     if found is None:
         return None
     value, segments, lower = found
@@ -275,6 +284,12 @@ def _exact_synchronous(
         return None
     done = lower >= value * (1 - 1e-9)
     return plan, lower if states.exact else 0.0, done and states.exact
+
+
+def _thin_states(profile: Profile, most: int, comm: bool) -> StateSet:
+    """Prefixes of the layer order, thinned evenly by compute to ``most`` (free sinks removed)."""
+    states = chain_states(without_free_sinks(profile), most)
+    return states if comm else replace(states, act_bytes=states.act_bytes * 0.0)
 
 
 def _sync_bound(profile: Profile, cluster: Cluster) -> float:

@@ -188,13 +188,13 @@ class _Box:
 
 
 def solve_synchronous(
-    states: StateSet, units: int, bandwidth: float, m: int, cap: int
+    states: StateSet, units: int, bandwidth: float, m: int, cap: int, steps: int = MAX_STEPS
 ) -> tuple[float, list[Segment], float] | None:
     """The plan minimising the synchronous time per minibatch over the states, by branch and bound.
 
     Returns (time, stages, certified lower bound: equal to the time when the search finished
-    within ``MAX_STEPS``), or None when the problem has more than ``MAX_CHOICES`` choices or no
-    plan fits the devices.
+    within ``steps`` box splits and evaluations), or None when the problem has more than
+    ``MAX_CHOICES`` choices or no plan fits the devices.
     """
     if sum(len(states.pred(j)) for j in range(len(states))) * cap > MAX_CHOICES:
         return None
@@ -208,7 +208,7 @@ def solve_synchronous(
         return None
     best = (top.total + (m - 1) * top.u_max + top.a_max, top.stages)
     heap = [_Box(top.total + (m - 1) * tau_lo, tau_lo, tau_hi, 0.0, float(ch.a.max(initial=0.0)), top.total)]
-    for _ in range(MAX_STEPS):
+    for _ in range(steps):
         if not heap or heap[0].bound >= best[0] * (1 - 1e-12):
             return best[0], best[1], best[0]
         box = heapq.heappop(heap)
