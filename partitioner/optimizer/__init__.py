@@ -379,9 +379,10 @@ def _infeasible(
         else:
             lo = mid
     have = gib(cluster.memory_bytes or 0)
+    lighter = ", or use --optimizer sgd" if optimizer != "sgd" else ""
     return InfeasibleError(
         f"no plan fits in {have} per GPU on {cluster.gpus} GPUs; about {gib(hi)} would "
-        f"(raise --memory, add GPUs, or use --optimizer sgd)"
+        f"(raise --memory or add GPUs{lighter})"
     )
 
 
