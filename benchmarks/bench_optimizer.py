@@ -18,6 +18,7 @@ import math
 import platform
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -155,24 +156,33 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def profile_args(parser: argparse.ArgumentParser) -> None:
+    """--profiles (PipeDream's graph.txt folders) and --only (some of them), for every benchmark."""
     parser.add_argument(
         "--profiles", default=str(Path(__file__).resolve().parents[1] / "data" / "pipedream-profiles")
     )
-    parser.add_argument("--only", default="")
-    args = parser.parse_args()
+    parser.add_argument("--only", default="", help="comma-separated profile folder names")
+
+
+def selected_profiles(args: argparse.Namespace) -> Iterator[tuple[str, Profile]]:
+    """(folder name, profile) for each graph.txt under --profiles that --only selects."""
     root = Path(args.profiles)
     sizes = batch_sizes(root / "README.md")
     only = {n for n in args.only.split(",") if n}
-    cases = []
     for folder in sorted(p for p in root.iterdir() if (p / "graph.txt").exists()):
-        if only and folder.name not in only:
-            continue
-        profile = read_graph_txt(folder / "graph.txt", sizes.get(folder.name))
+        if not only or folder.name in only:
+            yield folder.name, read_graph_txt(folder / "graph.txt", sizes.get(folder.name))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    profile_args(parser)
+    args = parser.parse_args()
+    cases = []
+    for name, profile in selected_profiles(args):
         for label, cluster in CLUSTERS.items():
-            row = {"profile": folder.name, "cluster": label, **run_case(profile, cluster)}
-            print(f"{folder.name:14s} {label:4s} {1e3 * row['time_per_minibatch_s']:9.3f} ms "
+            row = {"profile": name, "cluster": label, **run_case(profile, cluster)}
+            print(f"{name:14s} {label:4s} {1e3 * row['time_per_minibatch_s']:9.3f} ms "
                   f"{row['solve_time_s']:7.3f} s optimal={row['optimal']}", flush=True)  # fmt: skip
             cases.append(row)
     chain = synthetic_chain()

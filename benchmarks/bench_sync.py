@@ -17,14 +17,17 @@ import argparse
 import json
 import platform
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_optimizer import RESULTS, batch_sizes  # run as a script: benchmarks/ is on the path
+from bench_optimizer import (  # run as a script: benchmarks/ is on the path
+    RESULTS,
+    profile_args,
+    selected_profiles,
+)
 
 from partitioner.atomic import write_text_atomic
-from partitioner.graph import Profile, read_graph_txt
+from partitioner.graph import Profile
 from partitioner.optimizer import solve
 from partitioner.optimizer.baselines import data_parallel, parameter_balanced, time_balanced, uniform
 from partitioner.plan import Cluster
@@ -87,23 +90,14 @@ def markdown(doc: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument(
-        "--profiles", default=str(Path(__file__).resolve().parents[1] / "data" / "pipedream-profiles")
-    )
-    parser.add_argument("--only", default="")
+    profile_args(parser)
     parser.add_argument("--microbatches", type=int, default=8)
     args = parser.parse_args()
-    root = Path(args.profiles)
-    sizes = batch_sizes(root / "README.md")
-    only = {n for n in args.only.split(",") if n}
     cases = []
-    for folder in sorted(p for p in root.iterdir() if (p / "graph.txt").exists()):
-        if only and folder.name not in only:
-            continue
-        profile = read_graph_txt(folder / "graph.txt", sizes.get(folder.name))
+    for name, profile in selected_profiles(args):
         for gpus in (4, 8, 16):
-            row = {"profile": folder.name, **run_case(profile, gpus, args.microbatches)}
-            print(f"{folder.name:14s} {gpus:3d} {1e3 * row['time_per_minibatch_s']:9.3f} ms "
+            row = {"profile": name, **run_case(profile, gpus, args.microbatches)}
+            print(f"{name:14s} {gpus:3d} {1e3 * row['time_per_minibatch_s']:9.3f} ms "
                   f"{row['solve_cpu_s']:7.3f} s optimal={row['optimal']}", flush=True)  # fmt: skip
             cases.append(row)
     names = [*BASELINES, "straight"]

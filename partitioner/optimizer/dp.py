@@ -24,6 +24,7 @@ from partitioner.optimizer.states import StateSet, prefix_chain
 __all__ = [
     "LevelProblem",
     "Segment",
+    "fewest_units",
     "solve_bisection",
     "solve_bottleneck",
     "solve_direct",
@@ -145,9 +146,9 @@ class _Pairs:
         offsets = np.zeros(n + 1, dtype=np.int64)
         offsets[1:] = np.cumsum(np.bincount(js, minlength=n))
         q = 4.0 * params / (prob.bandwidth * prob.inner)
-        sizes = np.array([m.bit_count() for m in s.masks])
-        layers = np.flatnonzero(np.diff(sizes, prepend=-1, append=-1)).astype(np.int64)
-        return _Pairs(offsets, ks, base, q, act, params, s.saved_bytes[js] - s.saved_bytes[ks], layers)
+        return _Pairs(
+            offsets, ks, base, q, act, params, s.saved_bytes[js] - s.saved_bytes[ks], s.size_layers()
+        )
 
     def subset(self, keep: npt.NDArray[np.bool_]) -> _Pairs:
         """The pairs where ``keep`` holds (same states, same CSR layout)."""
@@ -415,24 +416,28 @@ def _chain_upper(prob: LevelProblem, most: int = 48) -> float:
 
 
 def _reachable(prob: LevelProblem, pairs: _Pairs, tau: float) -> bool:
-    """Whether some plan has every stage at most tau: fewest units, one numpy pass per size layer.
-
-    A stage's earlier cut is a strict subset of its later one, so no pair joins two states of the
-    same size: g (fewest units per state) of a whole size layer follows from the layers before it.
-    """
+    """Whether some plan has every stage at most tau (``fewest_units`` with the replicas each
+    stage needs at tau)."""
     need = _replicas_needed(prob, pairs, tau)
-    n, units = len(prob.states), prob.units
-    g = np.full(n, np.inf)
+    return bool(fewest_units(pairs.ks, pairs.offsets, pairs.layers, need)[-1] <= prob.units)
+
+
+def fewest_units(ks: IntArray, offsets: IntArray, layers: IntArray, need: FloatArray) -> FloatArray:
+    """g[j] = min over stages (k, j] of g[k] + need: fewest devices reaching each state.
+
+    Stages are CSR by j (``ks[offsets[j]:offsets[j + 1]]``); a stage's earlier cut is a strict
+    subset of its later one, so no stage joins two states of one size (``layers``): g of a whole
+    size layer follows from the layers before it, one numpy pass each.
+    """
+    g = np.full(len(offsets) - 1, np.inf)
     g[0] = 0.0
-    offsets = pairs.offsets
-    for lo, hi in zip(pairs.layers[:-1].tolist(), pairs.layers[1:].tolist(), strict=True):
+    for lo, hi in zip(layers[:-1].tolist(), layers[1:].tolist(), strict=True):
         a, b = int(offsets[lo]), int(offsets[hi])
         if a == b:
             continue
-        val = g[pairs.ks[a:b]] + need[a:b]
         has = np.flatnonzero(offsets[lo + 1 : hi + 1] > offsets[lo:hi])
-        g[lo + has] = np.minimum.reduceat(val, offsets[lo + has] - a)
-    return bool(g[n - 1] <= units)
+        g[lo + has] = np.minimum.reduceat(g[ks[a:b]] + need[a:b], offsets[lo + has] - a)
+    return g
 
 
 def _blocks(counts: IntArray, size: int) -> Iterator[tuple[int, int]]:

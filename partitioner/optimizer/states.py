@@ -72,6 +72,11 @@ class StateSet:
             return np.arange(j, dtype=np.int64)
         return self.preds[j]
 
+    def size_layers(self) -> IntArray:
+        """States of one size are ``layers[i]:layers[i + 1]``: no stage joins two of them."""
+        sizes = np.array([m.bit_count() for m in self.masks])
+        return np.flatnonzero(np.diff(sizes, prepend=-1, append=-1)).astype(np.int64)
+
     def subset_matrix(self) -> npt.NDArray[np.bool_]:
         """sub[k, j] = state k is a strict subset of state j."""
         n = len(self)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from partitioner.optimizer.dp import Segment
+from partitioner.optimizer.dp import Segment, fewest_units
 from partitioner.optimizer.states import StateSet
 
 __all__ = ["MAX_CHOICES", "solve_synchronous"]
@@ -82,11 +82,9 @@ class _Reach:
         ks = np.concatenate([states.pred(j) for j in range(n)]).astype(np.int64)
         js = np.repeat(np.arange(n), counts)
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        sizes = np.array([mask.bit_count() for mask in states.masks])
-        layers = np.flatnonzero(np.diff(sizes, prepend=-1, append=-1)).astype(np.int64)
         out = np.where(js < n - 1, states.act_bytes[js], 0.0)
         x = states.compute_s[js] - states.compute_s[ks] + 2.0 * out / bandwidth
-        return _Reach(ks, offsets, layers, x, states.param_bytes[js] - states.param_bytes[ks])
+        return _Reach(ks, offsets, states.size_layers(), x, states.param_bytes[js] - states.param_bytes[ks])
 
     def fewest(self, units: int, cap: int, m: int, bandwidth: float, tau: float, alpha: float) -> bool:
         """Whether some plan may meet the caps on ``units`` devices (False: surely none does)."""
@@ -95,15 +93,7 @@ class _Reach:
             room = 1.0 - alpha * bandwidth / (4.0 * self.p) * (1 + 1e-9)  # r <= 1 / room when room > 0
             hi = np.where(room > 0, np.floor(1.0 / room * (1 + 1e-9)), np.inf)
         need = np.where(lo <= np.minimum(hi, cap), lo, np.inf)
-        g = np.full(len(self.offsets) - 1, np.inf)
-        g[0] = 0.0
-        off = self.offsets
-        for a, b in zip(self.layers[:-1].tolist(), self.layers[1:].tolist(), strict=True):
-            s, e = int(off[a]), int(off[b])
-            if s == e:
-                continue
-            has = np.flatnonzero(off[a + 1 : b + 1] > off[a:b])
-            g[a + has] = np.minimum.reduceat(g[self.ks[s:e]] + need[s:e], off[a + has] - s)
+        g = fewest_units(self.ks, self.offsets, self.layers, need)
         return bool(g[-1] <= units)
 
 
