@@ -186,7 +186,7 @@ class Plan:
         bound = self.solver.lower_bound_s
         if not bound:
             return None
-        return self.predicted.time_per_minibatch_s / bound - 1.0
+        return max(0.0, self.predicted.time_per_minibatch_s / bound - 1.0)  # (rounding: never below 0)
 
     def stage_of(self) -> dict[str, int]:
         """Map from node id to the index of the stage that runs it."""

@@ -1,9 +1,11 @@
 """The same stage + replication problem as a MILP in pulp, to cross-check the DP on small cases.
 
 Variables x[k, j, r] pick stage (k, j] of the downset states with r replicas; they form one path from
-the empty state to the full one (flow conservation), use at most the cluster's devices, and the
-objective t bounds every chosen stage's time. HiGHS solves it when highspy imports, CBC otherwise.
-This is the only module that imports pulp.
+the empty state to the full one (flow conservation) and use at most the cluster's devices. pipedream:
+the objective t bounds every chosen stage's time. 1f1b and gpipe: sum of the chosen stages'
+microbatch times + (M-1)·t + a, with t bounding each microbatch time and a each all-reduce (the
+two maxima of the synchronous model, linear as epigraph variables). HiGHS solves it when highspy
+imports, CBC otherwise. This is the only module that imports pulp.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from partitioner.graph import Profile
 from partitioner.optimizer.build import StageSpec, assemble, global_lower_bound
 from partitioner.optimizer.cost import OPTIMIZER_STATE
 from partitioner.optimizer.dp import LevelProblem
-from partitioner.optimizer.states import build_states
+from partitioner.optimizer.states import StateSet, build_states
 from partitioner.plan import Cluster, Plan, SolverInfo
 
 __all__ = ["MAX_ILP_VARIABLES", "solve_ilp"]
@@ -44,14 +46,17 @@ def solve_ilp(
     straight: bool,
     activation_comm: bool = True,
 ) -> Plan:
-    """Optimal pipedream plan on a flat cluster by MILP (small profiles only).
+    """Optimal plan on a flat cluster by MILP (small profiles only).
 
     Raises:
-        PlanError: hierarchical clusters, synchronous schedules, or a problem too large for the ILP.
+        PlanError: hierarchical clusters, a memory limit with a synchronous schedule, or a problem
+            too large for the ILP.
         InfeasibleError: the solver finds no plan within the memory limit.
     """
-    if len(cluster.levels) > 1 or schedule != "pipedream":
-        raise PlanError("--solver ilp handles the pipedream schedule on one level; use --solver dp")
+    if len(cluster.levels) > 1:
+        raise PlanError("--solver ilp handles one level (--gpus); use --solver dp for --topology")
+    if schedule != "pipedream" and cluster.memory_bytes is not None:
+        raise PlanError("--solver ilp has no memory model for 1f1b/gpipe; drop --memory or use --solver dp")
     start = time.perf_counter()
     states = build_states(profile)
     if not activation_comm:
@@ -67,15 +72,23 @@ def solve_ilp(
     x = {(k, j, r): model.add_variable(f"x_{k}_{j}_{r}", cat="Binary")
          for k, j in pairs for r in range(1, cap + 1)
          if _fits(profile, states, k, j, r, m, cluster, optimizer)}  # fmt: skip
-    model += t
+    if schedule == "pipedream":
+        model += t
+        for (k, j, r), v in x.items():
+            model += t >= prob.stage_time(k, j, r) * v
+    else:
+        a = model.add_variable("a", lowBound=0)
+        micro = {key: _micro(states, key, microbatches, prob.bandwidth) for key in x}
+        model += pulp.lpSum(micro[key][0] * v for key, v in x.items()) + (microbatches - 1) * t + a
+        for key, v in x.items():
+            model += t >= micro[key][0] * v
+            model += a >= micro[key][1] * v
     last = len(states) - 1
     for s in range(len(states)):
         out = pulp.lpSum(v for (k, _, _), v in x.items() if k == s)
         into = pulp.lpSum(v for (_, j, _), v in x.items() if j == s)
         model += (out if s == 0 else into if s == last else out - into) == (1 if s in (0, last) else 0)
     model += pulp.lpSum(r * v for (_, _, r), v in x.items()) <= m
-    for (k, j, r), v in x.items():
-        model += t >= prob.stage_time(k, j, r) * v
     status = model.solve(_backend())
     if pulp.LpStatus[status] != "Optimal":
         raise InfeasibleError(f"the ILP found no plan ({pulp.LpStatus[status]}); check --memory")
@@ -86,10 +99,24 @@ def solve_ilp(
         nodes = states.members(k, j)
         specs.append(StageSpec(inputs + nodes if i == 0 else nodes, r, tuple(range(rank, rank + r))))
         rank += r
-    value = max(prob.stage_time(k, j, r) for k, j, r in chosen)
     info = SolverInfo("ilp", time.perf_counter() - start, states.exact, global_lower_bound(profile, cluster))
+    if schedule != "pipedream":  # the plan's own synchronous price, which the MILP minimised
+        plan = assemble(profile, cluster, specs, schedule, microbatches, optimizer, info,
+                        activation_comm=activation_comm)  # fmt: skip
+        bound = plan.predicted.time_per_minibatch_s if states.exact else None
+        return replace(plan, solver=replace(info, lower_bound_s=bound))
+    value = max(prob.stage_time(k, j, r) for k, j, r in chosen)
     return assemble(profile, cluster, specs, schedule, 1, optimizer, info, time_override=value,
                     activation_comm=activation_comm)  # fmt: skip
+
+
+def _micro(states: StateSet, key: tuple[int, int, int], m: int, bandwidth: float) -> tuple[float, float]:
+    """(microbatch time, all-reduce time) of stage (k, j] on r replicas, as ``cost._sync_times``."""
+    k, j, r = key
+    out = float(states.act_bytes[j]) if j < len(states) - 1 else 0.0
+    compute = float(states.compute_s[j] - states.compute_s[k])
+    params = float(states.param_bytes[j] - states.param_bytes[k])
+    return (compute + 2.0 * out / bandwidth) / (r * m), 4.0 * (r - 1) * params / (r * bandwidth)
 
 
 def _fits(

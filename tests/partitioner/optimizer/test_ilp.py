@@ -34,3 +34,22 @@ def test_ilp_on_a_real_profile() -> None:
         dp = solve(profile, Cluster.flat(gpus)).predicted.time_per_minibatch_s
         ilp = solve(profile, Cluster.flat(gpus), solver="ilp").predicted.time_per_minibatch_s
         assert ilp == pytest.approx(dp, rel=1e-6)
+
+
+@settings(max_examples=12, deadline=None)
+@given(dag=dags, gpus=st.integers(1, 4), schedule=st.sampled_from(["1f1b", "gpipe"]),
+       microbatches=st.sampled_from([1, 3, 8]))  # fmt: skip
+def test_dp_equals_ilp_for_synchronous_schedules(
+    dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]],
+    gpus: int,
+    schedule: str,
+    microbatches: int,
+) -> None:
+    """The branch and bound and the MILP (sum + (M-1)·t + a, t and a as epigraph variables) agree."""
+    costs, raw = dag
+    profile = make_profile(costs, [(a, b) for a, b in raw if a < b])
+    cluster = Cluster.flat(gpus, bandwidth=1e5)
+    dp = solve(profile, cluster, schedule, microbatches).predicted.time_per_minibatch_s
+    ilp = solve(profile, cluster, schedule, microbatches, solver="ilp")
+    assert ilp.solver.name == "ilp"
+    assert ilp.predicted.time_per_minibatch_s == pytest.approx(dp, rel=1e-6)
