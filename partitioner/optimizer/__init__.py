@@ -267,12 +267,12 @@ def _exact_synchronous(
     straight: bool, comm: bool,
 ) -> tuple[Plan, float, bool] | None:  # fmt: skip
     """The branch-and-bound optimum on one level (``sync.py``), when it is small enough to run and
-    fits in memory; (plan, lower bound valid for every plan, proven optimal over all downsets)."""
-    if len(cluster.levels) > 1:
-        return None
+    fits in memory; (plan, lower bound valid for every plan, proven optimal over all downsets).
+    On a hierarchy it searches as if every link were the slowest: a good candidate, no proof."""
     cap = 1 if straight else cluster.gpus
     steps = MAX_STEPS if states.exact else 60  # no proof to finish on a subset of the cuts
-    found = solve_synchronous(states, cluster.gpus, cluster.levels[0].bandwidth, m, cap, steps)
+    bandwidth = min(level.bandwidth for level in cluster.levels)  # hierarchies: a candidate only
+    found = solve_synchronous(states, cluster.gpus, bandwidth, m, cap, steps)
     if found is None:
         return None
     value, segments, lower = found
@@ -282,6 +282,8 @@ def _exact_synchronous(
                         activation_comm=comm)  # fmt: skip
     except InfeasibleError:  # the search has no memory model: the candidates below have
         return None
+    if len(cluster.levels) > 1:  # searched at the slowest bandwidth: neither optimal nor a bound
+        return plan, 0.0, False
     done = lower >= value * (1 - 1e-9)
     return plan, lower if states.exact else 0.0, done and states.exact
 
