@@ -40,7 +40,7 @@ from partitioner.optimizer.states import (
     multi_order_states,
     without_free_sinks,
 )
-from partitioner.optimizer.sync import MAX_CHOICES, MAX_STEPS, solve_synchronous
+from partitioner.optimizer.sync import MAX_CHOICES, MAX_STEPS, Memory, solve_synchronous
 from partitioner.plan import SCHEDULES, Cluster, Plan, SolverInfo
 
 __all__ = ["evaluate", "solve"]
@@ -266,26 +266,33 @@ def _exact_synchronous(
     profile: Profile, cluster: Cluster, states: StateSet, schedule: str, m: int, optimizer: str,
     straight: bool, comm: bool,
 ) -> tuple[Plan, float, bool] | None:  # fmt: skip
-    """The branch-and-bound optimum on one level (``sync.py``), when it is small enough to run and
-    fits in memory; (plan, lower bound valid for every plan, proven optimal over all downsets).
-    On a hierarchy it searches as if every link were the slowest: a good candidate, no proof."""
+    """The branch-and-bound optimum on one level (``sync.py``), when it is small enough to run;
+    (plan, lower bound valid for every plan, proven optimal over all downsets). With a memory
+    limit the optimum without one is tried first; if it does not fit, the search keeps only
+    stages that fit with all M microbatches held (exact for gpipe, cautious for 1f1b). On a
+    hierarchy it searches as if every link were the slowest: a good candidate, no proof."""
     cap = 1 if straight else cluster.gpus
     steps = MAX_STEPS if states.exact else 60  # no proof to finish on a subset of the cuts
     bandwidth = min(level.bandwidth for level in cluster.levels)  # hierarchies: a candidate only
-    found = solve_synchronous(states, cluster.gpus, bandwidth, m, cap, steps)
-    if found is None:
-        return None
-    value, segments, lower = found
+    limit = cluster.memory_bytes
+    memory = None if limit is None else Memory(limit + 0.5, 2.0 + OPTIMIZER_STATE[optimizer])
     info = SolverInfo("dp", 0.0, False)
-    try:
-        plan = assemble(profile, cluster, _specs(profile, states, segments), schedule, m, optimizer, info,
-                        activation_comm=comm)  # fmt: skip
-    except InfeasibleError:  # the search has no memory model: the candidates below have
-        return None
-    if len(cluster.levels) > 1:  # searched at the slowest bandwidth: neither optimal nor a bound
-        return plan, 0.0, False
-    done = lower >= value * (1 - 1e-9)
-    return plan, lower if states.exact else 0.0, done and states.exact
+    for held in (None, memory) if memory is not None else (None,):  # unlimited first: often fits
+        found = solve_synchronous(states, cluster.gpus, bandwidth, m, cap, steps, held)
+        if found is None:
+            return None
+        value, segments, lower = found
+        try:
+            plan = assemble(profile, cluster, _specs(profile, states, segments), schedule, m, optimizer,
+                            info, activation_comm=comm)  # fmt: skip
+        except InfeasibleError:
+            continue
+        if len(cluster.levels) > 1:  # searched at the slowest bandwidth: neither optimal nor a bound
+            return plan, 0.0, False
+        # with the limit, the search holds all M microbatches: gpipe's model, more than 1f1b's
+        proven = lower >= value * (1 - 1e-9) and states.exact and (held is None or schedule == "gpipe")
+        return plan, lower if states.exact and (held is None or schedule == "gpipe") else 0.0, proven
+    return None
 
 
 def _thin_states(profile: Profile, most: int, comm: bool) -> StateSet:

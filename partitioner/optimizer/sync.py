@@ -24,13 +24,23 @@ import numpy.typing as npt
 from partitioner.optimizer.dp import Segment, fewest_units
 from partitioner.optimizer.states import StateSet
 
-__all__ = ["MAX_CHOICES", "solve_synchronous"]
+__all__ = ["MAX_CHOICES", "MAX_STEPS", "Memory", "solve_synchronous"]
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 MAX_CHOICES = 2_000_000  # (stage, replicas) choices the DP prices per evaluation
 MAX_STEPS = 400  # box splits and DP evaluations before returning the best plan and its bound
 WIDE = 1.02  # a box whose tau range spans more than 2% may be probed at its geometric middle
+
+
+@dataclass(frozen=True)
+class Memory:
+    """A per-device limit for the search: weights count ``weights`` times their bytes (weights,
+    gradients, optimizer state) and a stage holds all M microbatches' activations (gpipe's model;
+    at least 1f1b's, which holds min(stages - i, M))."""
+
+    limit: float
+    weights: float
 
 
 @dataclass(frozen=True)
@@ -45,7 +55,7 @@ class _Choices:
     m: int
 
     @staticmethod
-    def of(states: StateSet, cap: int, bandwidth: float, m: int) -> _Choices:
+    def of(states: StateSet, cap: int, bandwidth: float, m: int, memory: Memory | None = None) -> _Choices:
         n = len(states)
         k = np.concatenate([states.pred(j) for j in range(n)]).astype(np.int64)
         j = np.repeat(np.arange(n), [len(states.pred(j)) for j in range(n)]).astype(np.int64)
@@ -55,6 +65,9 @@ class _Choices:
         params = states.param_bytes[j] - states.param_bytes[k]
         u = x[:, None] / (r * m)
         a = 4.0 * (r - 1.0) * params[:, None] / (r * bandwidth)
+        if memory is not None:  # all M microbatches' activations, split over the replicas
+            saved = states.saved_bytes[j] - states.saved_bytes[k]
+            u = np.where(params[:, None] * memory.weights + saved[:, None] / r <= memory.limit, u, np.inf)
         return _Choices(k, j, np.asarray(u, dtype=np.float64), np.asarray(a, dtype=np.float64),
                         states.compute_s, m)  # fmt: skip
 
@@ -74,9 +87,10 @@ class _Reach:
     layers: IntArray
     x: FloatArray  # compute + 2·act_out/B: u = x / (r·M)
     p: FloatArray  # parameter bytes: A = 4(r-1)p / (r·B)
+    r_mem: FloatArray  # fewest replicas that fit the memory limit (inf: none)
 
     @staticmethod
-    def of(states: StateSet, bandwidth: float) -> _Reach:
+    def of(states: StateSet, bandwidth: float, memory: Memory | None = None) -> _Reach:
         n = len(states)
         counts = [len(states.pred(j)) for j in range(n)]
         ks = np.concatenate([states.pred(j) for j in range(n)]).astype(np.int64)
@@ -84,12 +98,19 @@ class _Reach:
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         out = np.where(js < n - 1, states.act_bytes[js], 0.0)
         x = states.compute_s[js] - states.compute_s[ks] + 2.0 * out / bandwidth
-        return _Reach(ks, offsets, states.size_layers(), x, states.param_bytes[js] - states.param_bytes[ks])
+        p = states.param_bytes[js] - states.param_bytes[ks]
+        r_mem = np.ones(len(ks))
+        if memory is not None:  # p·weights + saved / r <= limit
+            room = memory.limit - p * memory.weights
+            saved = states.saved_bytes[js] - states.saved_bytes[ks]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                r_mem = np.where(room > 0, np.maximum(np.ceil(saved / room * (1 - 1e-9)), 1.0), np.inf)
+        return _Reach(ks, offsets, states.size_layers(), x, p, r_mem)
 
     def fewest(self, units: int, cap: int, m: int, bandwidth: float, tau: float, alpha: float) -> bool:
         """Whether some plan may meet the caps on ``units`` devices (False: surely none does)."""
         with np.errstate(divide="ignore", invalid="ignore"):
-            lo = np.maximum(np.ceil(self.x / (m * tau) * (1 - 1e-9)), 1.0)
+            lo = np.maximum(np.ceil(self.x / (m * tau) * (1 - 1e-9)), self.r_mem)
             room = 1.0 - alpha * bandwidth / (4.0 * self.p) * (1 + 1e-9)  # r <= 1 / room when room > 0
             hi = np.where(room > 0, np.floor(1.0 / room * (1 + 1e-9)), np.inf)
         need = np.where(lo <= np.minimum(hi, cap), lo, np.inf)
@@ -116,7 +137,7 @@ def _least_sum(ch: _Choices, n: int, units: int, tau: float, alpha: float) -> _F
     u = np.where((ch.u <= tau) & (ch.a <= alpha), ch.u, np.inf)
     fits = np.isfinite(u)
     # a plan with every u <= tau puts at least C / (M·tau) devices before any cut and after it
-    c = ch.compute / (ch.m * tau)
+    c = ch.compute / (ch.m * tau) if tau > 0 else np.zeros_like(ch.compute)
     before = np.ceil(c[ch.k] * (1 - 1e-9))
     after = np.ceil((c[-1] - c[ch.j]) * (1 - 1e-9))
     fewest = fits.argmax(axis=1) + 1.0  # fewest replicas meeting the caps
@@ -178,8 +199,9 @@ class _Box:
 
 
 def solve_synchronous(
-    states: StateSet, units: int, bandwidth: float, m: int, cap: int, steps: int = MAX_STEPS
-) -> tuple[float, list[Segment], float] | None:
+    states: StateSet, units: int, bandwidth: float, m: int, cap: int, steps: int = MAX_STEPS,
+    memory: Memory | None = None,
+) -> tuple[float, list[Segment], float] | None:  # fmt: skip
     """The plan minimising the synchronous time per minibatch over the states, by branch and bound.
 
     Returns (time, stages, certified lower bound: equal to the time when the search finished
@@ -188,10 +210,12 @@ def solve_synchronous(
     """
     if sum(len(states.pred(j)) for j in range(len(states))) * cap > MAX_CHOICES:
         return None
-    ch = _Choices.of(states, cap, bandwidth, m)
-    reach = _Reach.of(states, bandwidth)
+    ch = _Choices.of(states, cap, bandwidth, m, memory)
+    reach = _Reach.of(states, bandwidth, memory)
     n = len(states)
-    tau_hi = float(ch.u[:, 0].max(initial=0.0))
+    if not np.isfinite(ch.u).any():
+        return None  # no stage fits the memory limit on any replica count
+    tau_hi = float(ch.u[np.isfinite(ch.u)].max())
     tau_lo = _least_bottleneck(reach, units, cap, m, bandwidth, tau_hi)
     top = _least_sum(ch, n, units, tau_hi, float(ch.a.max(initial=0.0)))  # the least sum of all
     if top is None:

@@ -45,8 +45,12 @@ def brute_force(
     comm: bool = True,
     schedule: str = "pipedream",
     microbatches: int = 1,
+    optimizer: str = "sgd",
 ) -> float:
-    """Every chain of downsets and every replica split, each priced by the plan cost model."""
+    """Every chain of downsets and every replica split, each priced by the plan cost model (inf
+    when none fits the cluster's memory)."""
+    from partitioner.errors import InfeasibleError
+
     downs = _downsets(profile)
     full = downs[-1]
     order = [n.id for n in profile.nodes]
@@ -60,7 +64,12 @@ def brute_force(
             specs.append(StageSpec(tuple(nodes), r, tuple(range(rank, rank + r))))
             rank += r
         info = SolverInfo("brute", 0, True)
-        plan = assemble(profile, cluster, specs, schedule, microbatches, "sgd", info, activation_comm=comm)
+        try:
+            plan = assemble(
+                profile, cluster, specs, schedule, microbatches, optimizer, info, activation_comm=comm
+            )
+        except InfeasibleError:
+            return math.inf
         return plan.predicted.time_per_minibatch_s
 
     def splits(stages: int, budget: int) -> list[list[int]]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -47,3 +49,29 @@ def test_synchronous_trades_the_slowest_stage_against_the_sum() -> None:
     assert [s.replicas for s in plan.stages] == [2]  # data parallel: 20 ms instead of 40
     assert plan.predicted.time_per_minibatch_s == pytest.approx(0.020)
     assert plan.solver.optimal
+
+
+@settings(max_examples=40, deadline=None)
+@given(dag=dags, gpus=st.integers(1, 4), microbatches=st.sampled_from([1, 2, 4]),
+       limit=st.integers(8_000, 40_000))  # fmt: skip
+def test_gpipe_under_a_memory_limit_is_optimal(
+    dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]],
+    gpus: int,
+    microbatches: int,
+    limit: int,
+) -> None:
+    """gpipe holds all M microbatches on every stage: the search's memory filter is its exact model,
+    so the plan is the best that fits (or nothing fits, for both)."""
+    from partitioner.errors import InfeasibleError
+
+    costs, raw = dag
+    profile = make_profile(costs, [(a, b) for a, b in raw if a < b])
+    cluster = Cluster.flat(gpus, 1e5, limit)
+    expected = brute_force(profile, cluster, schedule="gpipe", microbatches=microbatches, optimizer="adam")
+    try:
+        plan = solve(profile, cluster, "gpipe", microbatches, "adam")
+    except InfeasibleError:
+        assert expected == math.inf
+        return
+    assert plan.predicted.time_per_minibatch_s == pytest.approx(expected, rel=1e-9)
+    assert max(s.memory_bytes for s in plan.stages) <= limit
