@@ -340,11 +340,40 @@ def multi_order_states(profile: Profile, max_layers: int = MULTI_ORDER_MAX_LAYER
         for i in order:
             masks.append(masks[-1] | 1 << i)
     ordered = sorted({m for masks in prefixes for m in masks}, key=lambda m: (m.bit_count(), m))
-    comp, par, sav, mat = _sums(profile, ids, ordered)
-    act = _boundary(profile, ids, succs, mat)
+    comp, par, sav, act = _prefix_sums(profile, ids, succs, orders, prefixes, ordered)
     is_chain = all(ordered[i] & ordered[i + 1] == ordered[i] for i in range(len(ordered) - 1))
     preds_ = None if is_chain else _prefix_preds(orders, prefixes, ordered)
     return StateSet(tuple(ids), tuple(ordered), comp, par, sav, act, preds_, False)
+
+
+def _prefix_sums(
+    profile: Profile, ids: list[str], succs: list[int], orders: list[list[int]], prefixes: list[list[int]],
+    ordered: list[int],
+) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray]:  # fmt: skip
+    """``_sums`` and ``_boundary`` of prefix states, from running sums along each order.
+
+    A layer's output leaves a prefix of an order from the layer's own position until its last
+    reader's, so the bytes leaving every prefix are one cumulative sum of +out / -out marks.
+    """
+    nodes = {n.id: n for n in profile.nodes}
+    cols = np.array([[nodes[i].compute_ms / 1000.0, float(nodes[i].param_bytes), float(nodes[i].saved_bytes),
+                      float(nodes[i].output_bytes)] for i in ids]).reshape(len(ids), 4)  # fmt: skip
+    out = np.zeros((len(ordered), 4))
+    index = {m: i for i, m in enumerate(ordered)}
+    for order, masks in zip(orders, prefixes, strict=True):
+        pos = np.empty(len(order), dtype=np.int64)
+        pos[np.asarray(order, dtype=np.int64)] = np.arange(len(order))
+        sums = np.vstack([np.zeros((1, 3)), np.cumsum(cols[order, :3], axis=0)])
+        marks = np.zeros(len(order) + 2)
+        for x, readers in enumerate(succs):
+            if readers:
+                last = max(int(pos[y]) for y in _bit_indices(readers))
+                marks[pos[x] + 1] += cols[x, 3]
+                marks[last + 1] -= cols[x, 3]
+        where = np.array([index[m] for m in masks], dtype=np.int64)
+        out[where, :3] = sums
+        out[where, 3] = np.cumsum(marks)[: len(order) + 1]
+    return out[:, 0], out[:, 1], out[:, 2], out[:, 3]
 
 
 def _prefix_preds(

@@ -6,12 +6,13 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from partitioner.optimizer.states import _subset_preds, multi_order_states
+from partitioner.optimizer.states import _boundary, _layers, _subset_preds, _sums, multi_order_states
 from tests.partitioner.optimizer.conftest import make_profile
 
 wide_dags = st.integers(min_value=2, max_value=12).flatmap(
     lambda n: st.tuples(
-        st.just([(1, 1, 10, 10)] * n),
+        st.lists(st.tuples(st.integers(1, 9), st.integers(1, 9), st.integers(0, 99), st.integers(0, 99)),
+                 min_size=n, max_size=n),
         st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), max_size=2 * n),
     )
 )  # fmt: skip
@@ -22,9 +23,16 @@ wide_dags = st.integers(min_value=2, max_value=12).flatmap(
 def test_prefix_preds_equal_pairwise_subset_tests(
     dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]],
 ) -> None:
-    """Prefixes of several orders: the running-position shortcut lists exactly the strict subsets."""
+    """Prefixes of several orders: the running-position shortcut lists exactly the strict subsets,
+    and the running sums along each order equal the sums over each state's members."""
     costs, raw = dag
-    states = multi_order_states(make_profile(costs, [(a, b) for a, b in raw if a < b]), max_layers=100)
+    profile = make_profile(costs, [(a, b) for a, b in raw if a < b])
+    states = multi_order_states(profile, max_layers=100)
+    ids, _, succs = _layers(profile)
+    comp, par, sav, mat = _sums(profile, ids, list(states.masks))  # running sums = matrix sums
+    for want, got in ((comp, states.compute_s), (par, states.param_bytes), (sav, states.saved_bytes),
+                      (_boundary(profile, ids, succs, mat), states.act_bytes)):  # fmt: skip
+        assert np.allclose(want, got, rtol=1e-12, atol=0.0)
     if states.preds is None:  # a chain: every earlier state is a subset
         assert all(a & b == a for a, b in zip(states.masks, states.masks[1:], strict=False))
         return
