@@ -422,14 +422,21 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
 @click.option("--bandwidth", default=None, help="Bytes/s per level: 1e9, 10GB/s, 100Gbit/s  [default: 1e9]")
 @click.option("--memory", default=None, help="Memory per device, e.g. 16GiB  [default: unlimited]")
 @click.option(
-    "--schedule", type=click.Choice(["pipedream", "1f1b", "gpipe"]), default="pipedream", show_default=True
+    "--schedule",
+    type=click.Choice(["pipedream", "1f1b", "gpipe"]),
+    default="pipedream",
+    show_default=True,
+    help="pipedream: asynchronous 1F1B with weight stashing (slowest stage sets the pace); 1f1b, gpipe: "
+    "synchronous, a flush per minibatch.",
 )
 @click.option(
     "--microbatches", type=int, default=None, help="Microbatches per minibatch (1f1b, gpipe) [default: 4]."
 )
 @click.option("--optimizer", type=click.Choice(["sgd", "momentum", "adam"]), default="sgd", show_default=True)
 @click.option("--straight", is_flag=True, help="No replication: one device per stage.")
-@click.option("--solver", type=click.Choice(["dp", "ilp"]), default="dp", show_default=True)
+@click.option("--solver", type=click.Choice(["dp", "ilp"]), default="dp", show_default=True,
+              help="dp: exact search (optimal where it can list every downset); ilp: the same problem "
+              "in pulp, for cross-checks on small profiles (one level).")  # fmt: skip
 @click.option(
     "--cuts", default=None, help="Fix the plan: last layer of every stage but the last, e.g. fc6,fc7."
 )
