@@ -290,8 +290,8 @@ def _exact_synchronous(
         if len(cluster.levels) > 1:  # searched at the slowest bandwidth: neither optimal nor a bound
             return plan, 0.0, False
         # with the limit, the search holds all M microbatches: gpipe's model, more than 1f1b's
-        proven = lower >= value * (1 - 1e-9) and states.exact and (held is None or schedule == "gpipe")
-        return plan, lower if states.exact and (held is None or schedule == "gpipe") else 0.0, proven
+        sound = states.exact and (held is None or schedule == "gpipe")
+        return plan, lower if sound else 0.0, sound and lower >= value * (1 - 1e-9)
     return None
 
 

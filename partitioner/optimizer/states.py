@@ -312,21 +312,21 @@ def _orders(preds: list[int], succs: list[int]) -> list[list[int]]:
     return [list(range(n)), asap, alap]
 
 
-def _order_masks(preds: list[int], succs: list[int]) -> set[int]:
-    masks: set[int] = set()
-    for order in _orders(preds, succs):
-        mask = 0
-        masks.add(mask)
+def _prefix_masks(orders: list[list[int]]) -> list[list[int]]:
+    """Per order, the masks of its prefixes (lengths 0 to n)."""
+    prefixes = [[0] for _ in orders]
+    for order, masks in zip(orders, prefixes, strict=True):
         for i in order:
-            mask |= 1 << i
-            masks.add(mask)
-    return masks
+            masks.append(masks[-1] | 1 << i)
+    return prefixes
 
 
 def multi_order_size(profile: Profile, max_layers: int = MULTI_ORDER_MAX_LAYERS) -> int:
     """len(multi_order_states(profile)) without its sums and subset tests (which cost more)."""
     ids, preds, succs = _layers(profile)
-    return len(ids) + 1 if len(ids) > max_layers else len(_order_masks(preds, succs))
+    if len(ids) > max_layers:
+        return len(ids) + 1
+    return len({m for masks in _prefix_masks(_orders(preds, succs)) for m in masks})
 
 
 def multi_order_states(profile: Profile, max_layers: int = MULTI_ORDER_MAX_LAYERS) -> StateSet:
@@ -335,10 +335,7 @@ def multi_order_states(profile: Profile, max_layers: int = MULTI_ORDER_MAX_LAYER
     if len(ids) > max_layers:
         return chain_states(profile)
     orders = _orders(preds, succs)
-    prefixes = [[0] for _ in orders]
-    for order, masks in zip(orders, prefixes, strict=True):
-        for i in order:
-            masks.append(masks[-1] | 1 << i)
+    prefixes = _prefix_masks(orders)
     ordered = sorted({m for masks in prefixes for m in masks}, key=lambda m: (m.bit_count(), m))
     comp, par, sav, act = _prefix_sums(profile, ids, succs, orders, prefixes, ordered)
     is_chain = all(ordered[i] & ordered[i + 1] == ordered[i] for i in range(len(ordered) - 1))
