@@ -10,6 +10,7 @@ hierarchy (servers made of GPUs) are solved in ``hierarchy.py`` from these flat 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -110,13 +111,15 @@ class _Pairs:
     params: FloatArray
     saved: FloatArray
     layers: IntArray  # states of one size are layers[i]:layers[i + 1] (no pair inside a layer)
-    b: FloatArray = field(init=False)  # base + q and its square: the replica quadratic's terms
-    b2: FloatArray = field(init=False)
 
-    def __post_init__(self) -> None:
-        b = self.base + self.q
-        object.__setattr__(self, "b", b)
-        object.__setattr__(self, "b2", b * b)
+    @functools.cached_property
+    def b(self) -> FloatArray:
+        """base + q: the linear term of the replica quadratic (kept: every probe needs it)."""
+        return np.asarray(self.base + self.q, dtype=np.float64)
+
+    @functools.cached_property
+    def b2(self) -> FloatArray:
+        return np.asarray(self.b * self.b, dtype=np.float64)
 
     @staticmethod
     def of(prob: LevelProblem, upper: float = math.inf) -> _Pairs:
