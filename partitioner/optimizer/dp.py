@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -128,12 +128,9 @@ class _Pairs:
         of pairs and keep about a tenth, and the whole set would cost more to allocate than to use.
         """
         s, n = prob.states, len(prob.states)
-        counts = np.array([len(s.pred(j)) for j in range(n)], dtype=np.int64)
         windows = _windows(prob, upper) if math.isfinite(upper) and upper > 0 else None
         parts = []
-        for lo, hi in _blocks(counts, PAIR_BLOCK):
-            ks = np.concatenate([s.pred(j) for j in range(lo, hi)]).astype(np.int64)
-            js = np.repeat(np.arange(lo, hi), counts[lo:hi])
+        for ks, js in s.pair_blocks(PAIR_BLOCK, None if windows is None else windows[1] > 0):
             base = np.asarray(prob.base_time(js, ks), dtype=np.float64)
             params = s.param_bytes[js] - s.param_bytes[ks]
             act = np.where(ks > 0, s.act_bytes[ks], 0.0)
@@ -441,17 +438,6 @@ def fewest_units(ks: IntArray, offsets: IntArray, layers: IntArray, need: FloatA
         has = np.flatnonzero(offsets[lo + 1 : hi + 1] > offsets[lo:hi])
         g[lo + has] = np.minimum.reduceat(g[ks[a:b]] + need[a:b], offsets[lo + has] - a)
     return g
-
-
-def _blocks(counts: IntArray, size: int) -> Iterator[tuple[int, int]]:
-    """Runs of states [lo, hi) with about ``size`` pairs each (at least one state per run)."""
-    ends = np.cumsum(counts)
-    lo, n = 0, len(counts)
-    while lo < n:
-        done = int(ends[lo - 1]) if lo else 0
-        hi = max(lo + 1, int(np.searchsorted(ends, done + size, side="right")))
-        yield lo, min(hi, n)
-        lo = hi
 
 
 def _useful(

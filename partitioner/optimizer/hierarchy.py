@@ -113,11 +113,9 @@ class _LevelPairs:
         prob: LevelProblem, cap: int, ceiling: float, top: _Top | None, before: IntArray, after: IntArray
     ) -> _LevelPairs:
         s, n = prob.states, len(prob.states)
-        ks_list = [s.pred(j) for j in range(n)]
+        ks, js = s.all_pairs()
         offsets = np.zeros(n + 1, dtype=np.int64)
-        offsets[1:] = np.cumsum([len(k) for k in ks_list])
-        ks = np.concatenate(ks_list).astype(np.int64)
-        js = np.repeat(np.arange(n), np.diff(offsets))
+        offsets[1:] = np.cumsum(np.bincount(js, minlength=n))
         params = s.param_bytes[js] - s.param_bytes[ks]
         r = np.arange(1, cap + 1, dtype=np.float64)[:, None]
         sync = 4.0 * (r - 1.0) * params / (prob.bandwidth * r) / prob.inner

@@ -10,6 +10,7 @@ branches). Larger lattices (up to 400,000 downsets) are searched exactly by ``la
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -50,7 +51,8 @@ class StateSet:
         param_bytes: parameter bytes of each downset.
         saved_bytes: activation bytes kept for backward by each downset.
         act_bytes: bytes leaving the downset (outputs of its members read by non-members).
-        preds: for state j, the states k with mask_k a strict subset of mask_j (None: all k < j).
+        preds: for state j, the states k with mask_k a strict subset of mask_j (None: all k < j;
+            prefix states keep them as runs, ``PrefixPreds``).
         exact: True when every downset of the DAG is present.
     """
 
@@ -60,7 +62,7 @@ class StateSet:
     param_bytes: FloatArray
     saved_bytes: FloatArray
     act_bytes: FloatArray
-    preds: tuple[IntArray, ...] | None
+    preds: tuple[IntArray, ...] | PrefixPreds | None
     exact: bool
 
     def __len__(self) -> int:
@@ -71,6 +73,42 @@ class StateSet:
         if self.preds is None:
             return np.arange(j, dtype=np.int64)
         return self.preds[j]
+
+    def pair_count(self) -> int:
+        """How many (earlier, later) state pairs there are: stage candidates before any pruning."""
+        if isinstance(self.preds, tuple):
+            return sum(len(p) for p in self.preds)
+        return int(self._runs().counts().sum())
+
+    def pair_blocks(
+        self, size: int, keep: npt.NDArray[np.bool_] | None = None
+    ) -> Iterator[tuple[IntArray, IntArray]]:
+        """Every pair (k, j), k a strict subset of j, as (ks, js) grouped by j, about ``size`` at a
+        time; with ``keep``, only pairs between kept states (never listing the others)."""
+        if isinstance(self.preds, tuple):
+            counts = np.array([len(p) for p in self.preds], dtype=np.int64)
+            for lo, hi in blocks(counts, size):
+                ks = np.concatenate(self.preds[lo:hi]).astype(np.int64)
+                js = np.repeat(np.arange(lo, hi), counts[lo:hi])
+                if keep is not None:
+                    ks, js = ks[keep[ks] & keep[js]], js[keep[ks] & keep[js]]
+                yield ks, js
+            return
+        runs = self._runs() if keep is None else self._runs().keeping(keep)
+        for lo, hi in blocks(runs.counts(), size):
+            yield runs.block(lo, hi)
+
+    def all_pairs(self) -> tuple[IntArray, IntArray]:
+        """Every pair (k, j), k a strict subset of j, grouped by j."""
+        ks, js = zip(*self.pair_blocks(1 << 62), strict=True)
+        return np.concatenate(ks), np.concatenate(js)
+
+    def _runs(self) -> PrefixPreds:
+        """The subsets as runs (a chain's state j has every earlier state as one run)."""
+        if isinstance(self.preds, PrefixPreds):
+            return self.preds
+        every = np.arange(len(self), dtype=np.int64)
+        return PrefixPreds((every,), every[None, :])
 
     def size_layers(self) -> IntArray:
         """States of one size are ``layers[i]:layers[i + 1]``: no stage joins two of them."""
@@ -89,6 +127,17 @@ class StateSet:
         """Layer ids in state j but not in state k, in topological order."""
         diff = self.masks[j] & ~self.masks[k]
         return tuple(lid for i, lid in enumerate(self.layer_ids) if diff >> i & 1)
+
+
+def blocks(counts: IntArray, size: int) -> Iterator[tuple[int, int]]:
+    """Runs of states [lo, hi) with about ``size`` pairs each (at least one state per run)."""
+    ends = np.cumsum(counts)
+    lo, n = 0, len(counts)
+    while lo < n:
+        done = int(ends[lo - 1]) if lo else 0
+        hi = max(lo + 1, int(np.searchsorted(ends, done + size, side="right")))
+        yield lo, min(hi, n)
+        lo = hi
 
 
 def free_sinks(profile: Profile) -> dict[str, str]:
@@ -339,7 +388,7 @@ def multi_order_states(profile: Profile, max_layers: int = MULTI_ORDER_MAX_LAYER
     ordered = sorted({m for masks in prefixes for m in masks}, key=lambda m: (m.bit_count(), m))
     comp, par, sav, act = _prefix_sums(profile, ids, succs, orders, prefixes, ordered)
     is_chain = all(ordered[i] & ordered[i + 1] == ordered[i] for i in range(len(ordered) - 1))
-    preds_ = None if is_chain else _prefix_preds(orders, prefixes, ordered)
+    preds_ = None if is_chain else PrefixPreds.of(orders, prefixes, ordered)
     return StateSet(tuple(ids), tuple(ordered), comp, par, sav, act, preds_, False)
 
 
@@ -373,39 +422,76 @@ def _prefix_sums(
     return out[:, 0], out[:, 1], out[:, 2], out[:, 3]
 
 
-def _prefix_preds(
-    orders: list[list[int]], prefixes: list[list[int]], ordered: list[int]
-) -> tuple[IntArray, ...]:
-    """``_subset_preds`` for prefixes of orders, without testing pairs of masks.
+@dataclass(frozen=True)
+class PrefixPreds:
+    """The strict subsets of every prefix state, kept as runs along the orders, not listed.
 
     Prefix p of order a lies inside prefix q of order b iff every layer of it comes before
     position q in b: the running maximum of those positions is below q. That maximum grows with p,
     so the prefixes of a inside a given state are a leading run, found by one binary search.
+    Each state is counted in one order only (its home: the first order it is a prefix of), so
+    the runs never list a state twice. NASNet's prefixes have millions of subset pairs and a plan
+    as fast as a known one uses about a tenth, so callers list pairs a block at a time between
+    the states they keep (``StateSet.pair_blocks``) instead of holding them all.
     """
-    index = {m: i for i, m in enumerate(ordered)}
-    idx = [np.array([index[m] for m in masks], dtype=np.int64) for masks in prefixes]
-    pos = []
-    for order in orders:
-        where = np.empty(len(order), dtype=np.int64)
-        where[np.asarray(order, dtype=np.int64)] = np.arange(len(order))
-        pos.append(where)
-    home = np.full(len(ordered), -1, dtype=np.int64)  # each state as (order b, length q): any one
-    length = np.zeros(len(ordered), dtype=np.int64)
-    for b in reversed(range(len(orders))):
-        home[idx[b]], length[idx[b]] = b, np.arange(len(idx[b]))
-    runs = np.zeros((len(orders), len(ordered)), dtype=np.int64)  # [a, j]: prefixes of a inside j
-    for a, order in enumerate(orders):
-        for b in range(len(orders)):
-            top = np.concatenate([[-1], np.maximum.accumulate(pos[b][np.asarray(order, dtype=np.int64)])])
-            mine = home == b
-            runs[a, mine] = np.searchsorted(top, length[mine], side="left")
-    n = len(ordered)
-    sub = np.zeros((n, n), dtype=bool)  # [j, k]: state k strictly inside state j
-    for a in range(len(orders)):
-        sub[:, idx[a]] |= np.arange(len(idx[a]))[None, :] < runs[a][:, None]
-    np.fill_diagonal(sub, False)
-    js, ks = np.nonzero(sub)
-    return tuple(np.split(ks.astype(np.int64), np.cumsum(np.bincount(js, minlength=n))[:-1]))
+
+    own: tuple[IntArray, ...]  # per order: the states whose home it is, shortest prefix first
+    upto: IntArray  # [order, j]: how many of own[order] are strict subsets of state j
+
+    def __getitem__(self, j: int) -> IntArray:
+        parts = [own[:count] for own, count in zip(self.own, self.upto[:, j].tolist(), strict=True)]
+        return np.sort(np.concatenate(parts))
+
+    def counts(self) -> IntArray:
+        return np.asarray(self.upto.sum(axis=0), dtype=np.int64)
+
+    def keeping(self, keep: npt.NDArray[np.bool_]) -> PrefixPreds:
+        """The runs between kept states only (a state not kept has no subsets)."""
+        own, upto = [], np.zeros_like(self.upto)
+        for a, states in enumerate(self.own):
+            mine = keep[states]
+            seen = np.concatenate([[0], np.cumsum(mine)])
+            own.append(states[mine])
+            upto[a] = np.where(keep, seen[self.upto[a]], 0)
+        return PrefixPreds(tuple(own), upto)
+
+    def block(self, lo: int, hi: int) -> tuple[IntArray, IntArray]:
+        """The pairs (k, j) for j in [lo, hi), grouped by j: one pass, however many orders."""
+        count = self.upto[:, lo:hi].T.reshape(-1)  # runs (j, order), j-major
+        first = np.cumsum([0] + [len(o) for o in self.own[:-1]])
+        starts = np.tile(first, hi - lo)
+        total = int(count.sum())
+        run = np.repeat(np.arange(len(count)), count)
+        at = np.repeat(starts - (np.cumsum(count) - count), count) + np.arange(total)
+        ks = np.concatenate(self.own)[at] if total else np.zeros(0, dtype=np.int64)
+        return ks.astype(np.int64), (lo + run // len(self.own)).astype(np.int64)
+
+    @staticmethod
+    def of(orders: list[list[int]], prefixes: list[list[int]], ordered: list[int]) -> PrefixPreds:
+        index = {m: i for i, m in enumerate(ordered)}
+        idx = [np.array([index[m] for m in masks], dtype=np.int64) for masks in prefixes]
+        pos = []
+        for order in orders:
+            where = np.empty(len(order), dtype=np.int64)
+            where[np.asarray(order, dtype=np.int64)] = np.arange(len(order))
+            pos.append(where)
+        home = np.full(len(ordered), -1, dtype=np.int64)  # each state as (order b, length q): any one
+        length = np.zeros(len(ordered), dtype=np.int64)
+        for b in reversed(range(len(orders))):
+            home[idx[b]], length[idx[b]] = b, np.arange(len(idx[b]))
+        runs = np.zeros((len(orders), len(ordered)), dtype=np.int64)  # [a, j]: prefixes of a inside j
+        for a, order in enumerate(orders):
+            for b in range(len(orders)):
+                top = np.concatenate([[-1], np.maximum.accumulate(pos[b][np.asarray(order, dtype=np.int64)])])
+                mine = home == b
+                runs[a, mine] = np.searchsorted(top, length[mine], side="left")
+        own, upto = [], np.zeros_like(runs)
+        for a in range(len(orders)):
+            at_home = home[idx[a]] == a  # idx[a] ascends with length: own[a] stays shortest first
+            seen = np.concatenate([[0], np.cumsum(at_home)])
+            own.append(idx[a][at_home])
+            upto[a] = seen[runs[a]] - (home == a)  # a state's own run ends with itself: not strict
+        return PrefixPreds(tuple(own), upto)
 
 
 def prefix_chain(states: StateSet, most: int = 48) -> tuple[IntArray, StateSet] | None:

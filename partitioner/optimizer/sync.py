@@ -57,8 +57,7 @@ class _Choices:
     @staticmethod
     def of(states: StateSet, cap: int, bandwidth: float, m: int, memory: Memory | None = None) -> _Choices:
         n = len(states)
-        k = np.concatenate([states.pred(j) for j in range(n)]).astype(np.int64)
-        j = np.repeat(np.arange(n), [len(states.pred(j)) for j in range(n)]).astype(np.int64)
+        k, j = states.all_pairs()
         r = np.arange(1, cap + 1, dtype=np.float64)[None, :]
         out = np.where(j < n - 1, states.act_bytes[j], 0.0)
         x = states.compute_s[j] - states.compute_s[k] + 2.0 * out / bandwidth
@@ -92,10 +91,8 @@ class _Reach:
     @staticmethod
     def of(states: StateSet, bandwidth: float, memory: Memory | None = None) -> _Reach:
         n = len(states)
-        counts = [len(states.pred(j)) for j in range(n)]
-        ks = np.concatenate([states.pred(j) for j in range(n)]).astype(np.int64)
-        js = np.repeat(np.arange(n), counts)
-        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        ks, js = states.all_pairs()
+        offsets = np.concatenate([[0], np.cumsum(np.bincount(js, minlength=n))]).astype(np.int64)
         out = np.where(js < n - 1, states.act_bytes[js], 0.0)
         x = states.compute_s[js] - states.compute_s[ks] + 2.0 * out / bandwidth
         p = states.param_bytes[js] - states.param_bytes[ks]
@@ -208,7 +205,7 @@ def solve_synchronous(
     within ``steps`` box splits and evaluations), or None when the problem has more than
     ``MAX_CHOICES`` choices or no plan fits the devices.
     """
-    if sum(len(states.pred(j)) for j in range(len(states))) * cap > MAX_CHOICES:
+    if states.pair_count() * cap > MAX_CHOICES:
         return None
     ch = _Choices.of(states, cap, bandwidth, m, memory)
     reach = _Reach.of(states, bandwidth, memory)

@@ -37,6 +37,14 @@ def test_prefix_preds_equal_pairwise_subset_tests(
         assert all(a & b == a for a, b in zip(states.masks, states.masks[1:], strict=False))
         return
     expected = _subset_preds(list(states.masks), len(states.layer_ids))
-    assert len(expected) == len(states.preds)
-    for want, got in zip(expected, states.preds, strict=True):
-        assert np.array_equal(want, got)
+    assert len(expected) == len(states)
+    for j, want in enumerate(expected):
+        assert np.array_equal(want, states.pred(j))
+    assert states.pair_count() == sum(len(p) for p in expected)
+    keep = np.array([bool(m.bit_count() % 3) or j == 0 for j, m in enumerate(states.masks)])
+    for size in (1, 7, 1 << 20):  # blocks of any size, between kept states only, grouped by j
+        blocks = list(states.pair_blocks(size, keep))
+        pairs = [(int(j), int(k)) for ks, js in blocks for k, j in zip(ks, js, strict=True)]
+        assert [j for j, _ in pairs] == sorted(j for j, _ in pairs)
+        kept = [(j, int(k)) for j, p in enumerate(expected) for k in p if keep[k] and keep[j]]
+        assert sorted(pairs) == kept
