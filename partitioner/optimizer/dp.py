@@ -10,6 +10,7 @@ hierarchy (servers made of GPUs) are solved in ``hierarchy.py`` from these flat 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable
@@ -20,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from partitioner.errors import InfeasibleError
-from partitioner.optimizer.states import StateSet, prefix_chain
+from partitioner.optimizer.states import StateSet, prefix_chains, thin_prefixes
 
 __all__ = [
     "LevelProblem",
@@ -34,6 +35,7 @@ __all__ = [
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 REL_TOL = 1e-10
+THIN_PREFIXES = 200  # per order, for the first upper bound on many prefix states
 PAIR_BLOCK = 1 << 18  # pairs built and filtered per numpy pass
 
 
@@ -130,7 +132,8 @@ class _Pairs:
         s, n = prob.states, len(prob.states)
         windows = _windows(prob, upper) if math.isfinite(upper) and upper > 0 else None
         parts = []
-        for ks, js in s.pair_blocks(PAIR_BLOCK, None if windows is None else windows[1] > 0):
+        limit = None if windows is None else _first_fits(prob, windows, upper)
+        for ks, js in s.pair_blocks(PAIR_BLOCK, limit):
             base = np.asarray(prob.base_time(js, ks), dtype=np.float64)
             params = s.param_bytes[js] - s.param_bytes[ks]
             act = np.where(ks > 0, s.act_bytes[ks], 0.0)
@@ -396,23 +399,28 @@ def _trace(prob: LevelProblem, cand: _Candidates, f: FloatArray) -> list[Segment
 
 
 def _chain_upper(prob: LevelProblem, most: int = 48) -> float:
-    """Time of the best plan cut only at prefixes of the layer order, thinned to ``most`` cuts.
+    """Time of the best plan cut only at prefixes of one topological order, thinned to ``most``
+    cuts: the best over the orders the states were built from (``prefix_chains``).
 
-    Prefixes are downsets, so that plan is one the full search also considers: its time is an
-    attained upper bound for the windows, found on a few hundred pairs.
+    Prefixes are states, so each such plan is one the full search also considers: its time is an
+    attained upper bound for the windows, found on a few hundred pairs. The closer it is, the
+    fewer pairs a plan that fast can use (NASNet: the as-late-as-possible order's is best).
     """
-    chain = prefix_chain(prob.states, most)
-    if chain is None:
-        return math.inf
-    idx, states = chain
-    base = prob.base
-    if base is not None:
-        full = base
-        base = lambda j, ks: full(idx[j], idx[ks])  # noqa: E731 (the same segments, renumbered)
-    try:
-        return solve_direct(replace(prob, states=states, base=base))[0]
-    except InfeasibleError:
-        return math.inf
+    best = math.inf
+    for idx, states in prefix_chains(prob.states, most):
+        with contextlib.suppress(InfeasibleError):
+            best = min(best, solve_direct(replace(prob, states=states, base=_renumbered(prob.base, idx)))[0])
+    return best
+
+
+def _renumbered(
+    base: Callable[[int | IntArray, IntArray], FloatArray] | None, idx: IntArray
+) -> Callable[[int | IntArray, IntArray], FloatArray] | None:
+    """A level's segment times for a subset ``idx`` of its states, numbered 0.. in that order."""
+    if base is None:
+        return None
+    full = base
+    return lambda j, ks: full(idx[j], idx[ks])
 
 
 def _reachable(prob: LevelProblem, pairs: _Pairs, tau: float) -> bool:
@@ -438,6 +446,27 @@ def fewest_units(ks: IntArray, offsets: IntArray, layers: IntArray, need: FloatA
         has = np.flatnonzero(offsets[lo + 1 : hi + 1] > offsets[lo:hi])
         g[lo + has] = np.minimum.reduceat(g[ks[a:b]] + need[a:b], offsets[lo + has] - a)
     return g
+
+
+def _first_fits(
+    prob: LevelProblem, windows: tuple[IntArray, IntArray], upper: float
+) -> tuple[IntArray, IntArray]:
+    """Per state, (need, room): ``_useful`` keeps pair (k, j) only if need[k] <= room[j].
+
+    Its replicas r must carry k's cut traffic, r >= 2·act_k / (B·upper) (at least 1), and fit
+    between the units before k and the most units before j's end: lo[k] + r <= lo[j] + width[j] - 1
+    (and r <= cap). The same float expression as ``_useful``, so never stricter than it; on
+    NASNet at 16 GPUs it rules out 72% of the pairs before they are listed.
+    """
+    lo, width = windows
+    cap = prob.units if prob.max_replicas is None else min(prob.units, prob.max_replicas)
+    act = prob.states.act_bytes.copy()
+    act[0] = 0.0  # the model's inputs are free
+    r = np.maximum(np.ceil(2.0 * act / prob.bandwidth / upper - 1e-9), 1)
+    far = np.iinfo(np.int64).max // 2
+    need = np.where((width > 0) & (r <= cap), lo + np.minimum(r, cap).astype(np.int64), far)
+    room = np.where(width > 0, lo + width - 1, -1)
+    return need.astype(np.int64), room.astype(np.int64)
 
 
 def _useful(
@@ -488,6 +517,9 @@ def solve_bottleneck(prob: LevelProblem, lower: float = 0.0) -> tuple[float, lis
     """
     if prob.memory is None and prob.units <= DIRECT_MAX_UNITS:
         upper = _chain_upper(prob)
+        thin = thin_prefixes(prob.states, THIN_PREFIXES) if prob.base is None else None
+        if thin is not None:  # a closer upper bound first: far fewer pairs can beat it
+            upper = min(upper, solve_bottleneck(replace(prob, states=thin))[0])
         pairs = _Pairs.of(prob, upper)
         low, upper = _narrow(prob, pairs, lower, upper)
         try:

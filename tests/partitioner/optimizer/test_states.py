@@ -6,7 +6,14 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from partitioner.optimizer.states import _boundary, _layers, _subset_preds, _sums, multi_order_states
+from partitioner.optimizer.states import (
+    _boundary,
+    _layers,
+    _subset_preds,
+    _sums,
+    multi_order_states,
+    thin_prefixes,
+)
 from tests.partitioner.optimizer.conftest import make_profile
 
 wide_dags = st.integers(min_value=2, max_value=12).flatmap(
@@ -41,10 +48,16 @@ def test_prefix_preds_equal_pairwise_subset_tests(
     for j, want in enumerate(expected):
         assert np.array_equal(want, states.pred(j))
     assert states.pair_count() == sum(len(p) for p in expected)
-    keep = np.array([bool(m.bit_count() % 3) or j == 0 for j, m in enumerate(states.masks)])
-    for size in (1, 7, 1 << 20):  # blocks of any size, between kept states only, grouped by j
-        blocks = list(states.pair_blocks(size, keep))
+    need = np.array([m.bit_count() % 3 for m in states.masks])
+    room = np.array([m.bit_count() % 4 - 1 for m in states.masks])
+    for size in (1, 7, 1 << 20):  # blocks of any size, only pairs with need[k] <= room[j], grouped by j
+        blocks = list(states.pair_blocks(size, (need, room)))
         pairs = [(int(j), int(k)) for ks, js in blocks for k, j in zip(ks, js, strict=True)]
         assert [j for j, _ in pairs] == sorted(j for j, _ in pairs)
-        kept = [(j, int(k)) for j, p in enumerate(expected) for k in p if keep[k] and keep[j]]
+        kept = [(j, int(k)) for j, p in enumerate(expected) for k in p if need[k] <= room[j]]
         assert sorted(pairs) == kept
+    thin = thin_prefixes(states, 2)  # a subset of the states keeps its subsets as runs too
+    if thin is not None:
+        assert set(thin.masks) < set(states.masks) and thin.masks[0] == 0
+        for j, want in enumerate(_subset_preds(list(thin.masks), len(thin.layer_ids))):
+            assert np.array_equal(want, thin.pred(j))
