@@ -80,8 +80,8 @@ def _all_segments(
         cells = splits.flat[keep]
         reps = range(1, min(m - 1, cap) + 1)
         lasts = {r: splits.dense(pairs.grid[out, True][r - 1]) for r in reps}
-        for r in reps:
-            splits.probe(best, prior[m - r].table, lasts[r], (m - r, r), cells)
+        if m > 1:  # a bound from the balanced splits with a one-replica last stage (wider ones rarely win)
+            splits.probe(best, prior[m - 1].table, lasts[1], (m - 1, 1), cells)
         for r in reps:
             bound = np.full(n * n, -np.inf)  # what a split must meet; -inf: the entry takes none
             bound[cells] = np.minimum(best[cells], limit[keep])
@@ -201,23 +201,43 @@ class _Splits:
         n = self.n
         i, j = cells // n, cells % n
         b = bound[cells]
-        hi = first.reach.count(i, b)
         slack = 1e-9 * (abs(float(self.compute[-1])) + 1e-30)  # the compute bounds are not rounded
         sorted_c = self.compute[self.order]
         lo = np.searchsorted(sorted_c, self.compute[j] - units[1] * self.devices * b - slack, side="left")
-        wide = np.maximum(hi - lo, 0)
         by_window = np.full(n, self.search != "column")
-        if self.search == "column" or (self.search == "auto" and wide.sum() > COLUMN_RATIO * len(cells)):
-            pick, start, tall = self._columns(bound, first.index, last)  # wide windows (GNMT)
-            if self.search == "auto":
-                by_window = np.bincount(j, wide, n) <= np.bincount(self.js[pick], tall, n)
+        if self.search != "window" and self._crowded(i, b, lo, units[0], slack):  # wide windows (GNMT)
+            pick, start, tall = self._columns(bound, first.index, last)
+            if self.search == "auto":  # per end j, whichever lists fewer (the window capped by compute)
+                hi = np.searchsorted(
+                    sorted_c, self.compute[i] + units[0] * self.devices * b + slack, side="right"
+                )
+                by_window = np.bincount(j, np.maximum(hi - lo, 0), n) <= np.bincount(self.js[pick], tall, n)
             take = ~by_window[self.js[pick]]
             self._fold_columns(best, bound, first.index, last, pick[take], start[take], tall[take])
         w = by_window[j]
-        flat_first, i, j = first.table.reshape(-1), i[w], j[w]
-        for owner, at in _runs(lo[w], wide[w]):
+        flat_first, i, j, b, lo = first.table.reshape(-1), i[w], j[w], b[w], lo[w]
+        wide = np.maximum(first.reach.count(i, b) - lo, 0)
+        for owner, at in _runs(lo, wide):
             k, ii, jj = self.order[at], i[owner], j[owner]
             _lower(best, bound, ii * n + jj, np.maximum(flat_first[ii * n + k], last[k * n + jj]))
+
+    def _crowded(self, i: IntArray, b: FloatArray, lo: IntArray, units: int, slack: float) -> bool:
+        """Whether listing by column may pay: windows average over ``COLUMN_RATIO`` splits per entry.
+
+        The window's end is capped by compute (k's compute fits ``units`` units after i), measured
+        on every 16th entry: a wrong guess costs time, never the optimum (both listings are exact).
+        """
+        if self.search == "column":
+            return True
+        hi = self._compute_cap(i[::16], b[::16], units, slack)
+        return bool(np.maximum(hi - lo[::16], 0).sum() > COLUMN_RATIO * len(hi))
+
+    def _compute_cap(self, i: IntArray, b: FloatArray, units: int, slack: float) -> IntArray:
+        """End of the compute-ordered window: k's compute fits ``units`` units after i at b."""
+        c = self.compute[self.order]
+        return np.asarray(
+            np.searchsorted(c, self.compute[i] + units * self.devices * b + slack, side="right")
+        )
 
     def _columns(self, bound: FloatArray, index: _SortedTable, last: FloatArray
                  ) -> tuple[IntArray, IntArray, IntArray]:  # fmt: skip
@@ -358,10 +378,12 @@ def _limits(
     if top is None or not (math.isfinite(ceiling) and ceiling > 0):
         return np.full(len(before), ceiling * (1 + 1e-9))
     room = np.minimum(top.cap, top.units - before - after)
-    reps = np.arange(1.0, max(int(room.max(initial=0)), 1) + 1.0)
-    sync = 4.0 * (reps[None, :] - 1.0) * params[:, None] / (reps[None, :] * top.bandwidth * top.inner)
-    value = np.where(reps[None, :] <= room[:, None], reps[None, :] * ceiling * (1 + 1e-9) - sync, -1.0)
-    return np.asarray(value.max(axis=1), dtype=np.float64)
+    best = np.full(len(params), -1.0)
+    volume = 4.0 * params / (top.bandwidth * top.inner)
+    for r in range(1, max(int(room.max(initial=0)), 1) + 1):
+        value = r * ceiling * (1 + 1e-9) - (r - 1.0) / r * volume
+        np.maximum(best, value, out=best, where=room >= r)
+    return best
 
 
 def _segment_grid(

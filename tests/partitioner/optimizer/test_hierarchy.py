@@ -160,6 +160,7 @@ def test_segment_tables_equal_plain_recurrence(
     splits are listed (compute windows, value-ordered columns, or the cheaper per end)."""
     import numpy as np
 
+    from partitioner.optimizer import hierarchy
     from partitioner.optimizer.dp import LevelProblem
     from partitioner.optimizer.hierarchy import _all_segments, _segment_grid
     from partitioner.optimizer.states import build_states
@@ -171,6 +172,13 @@ def test_segment_tables_equal_plain_recurrence(
     for search in ("window", "column"):
         other = _all_segments(prob, search=search)
         assert np.array_equal(other.opened, tables.opened) and np.array_equal(other.closed, tables.closed)
+    saved = hierarchy.COLUMN_RATIO
+    try:  # "auto" choosing per end j on every fold, not only where windows are crowded
+        hierarchy.COLUMN_RATIO = -1
+        other = _all_segments(prob)
+    finally:
+        hierarchy.COLUMN_RATIO = saved
+    assert np.array_equal(other.opened, tables.opened) and np.array_equal(other.closed, tables.closed)
     n, sub = len(states), states.subset_matrix()
     opened = np.full((units, n, n), np.inf)
     for j in range(1, n):
