@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -288,7 +289,10 @@ def solve_direct(
     """
     pairs = pairs or _Pairs.of(prob)
     n, units = len(prob.states), prob.units
-    cand = _Candidates.of(prob, pairs, *_windows(prob, upper), upper, lower)
+    lo, width = _windows(prob, upper)
+    if math.isfinite(upper) and upper > 0:
+        pairs, lo, width = _between(prob, pairs, upper, lo, width)
+    cand = _Candidates.of(prob, pairs, lo, width, upper, lower)
     f = np.full((n, units + 1), np.inf)
     f[0, :] = 0.0
     for u in range(1, units + 1):
@@ -310,6 +314,51 @@ def _windows(prob: LevelProblem, upper: float) -> tuple[IntArray, IntArray]:
     before[0] = 0.0
     lo = before.astype(np.int64)
     return lo, np.maximum(units - after.astype(np.int64) - lo + 1, 0)
+
+
+def _between(
+    prob: LevelProblem, pairs: _Pairs, upper: float, lo: IntArray, width: IntArray
+) -> tuple[_Pairs, IntArray, IntArray]:
+    """The pairs and unit windows a plan as fast as ``upper`` can use, from the fewest units any
+    such plan spends before each state and after it (``fewest_units`` both ways, each stage on
+    the fewest replicas that meet upper) on top of the compute windows ``lo``, ``width``.
+
+    Every stage (k, j] of such a plan has its replicas between the two, so with upper close to
+    the optimum few pairs survive: on NASNet at 16 GPUs, 73 of 562,119.
+    """
+    units = prob.units
+    need = _replicas_needed(prob, pairs, upper * (1 + 1e-9))
+    before = np.maximum(fewest_units(pairs.ks, pairs.offsets, pairs.layers, need), lo)
+    after = np.maximum(_fewest_after(pairs, need), units + 1 - lo - width)
+    keep = need + before[pairs.ks] + after[pairs.js()] <= units  # (inf: never)
+    ok = np.isfinite(before) & np.isfinite(after)
+    lo = np.where(ok, before, 0).astype(np.int64)
+    width = np.maximum(np.where(ok, units - np.where(ok, after, 0) - lo + 1, 0), 0).astype(np.int64)
+    return pairs.subset(keep), lo, width
+
+
+def _fewest_after(pairs: _Pairs, need: FloatArray) -> FloatArray:
+    """h[k] = min over stages (k, j] of need + h[j]: fewest devices after each state to the end.
+
+    ``fewest_units`` run backwards: the pairs grouped by their earlier state (a stable radix sort
+    on 16-bit indices), size layers from the last.
+    """
+    n = len(pairs.offsets) - 1
+    ks = pairs.ks.astype(np.uint16) if n <= 1 << 16 else pairs.ks
+    order = np.argsort(ks, kind="stable")
+    starts = np.searchsorted(ks[order], np.arange(n + 1))
+    js = pairs.js()
+    h = np.full(n, np.inf)
+    h[n - 1] = 0.0
+    bounds = pairs.layers.tolist()
+    for lo, hi in reversed(list(itertools.pairwise(bounds))):
+        a, b = int(starts[lo]), int(starts[hi])
+        if a == b:
+            continue
+        seg = order[a:b]
+        has = np.flatnonzero(starts[lo + 1 : hi + 1] > starts[lo:hi])
+        h[lo + has] = np.minimum.reduceat(h[js[seg]] + need[seg], starts[lo + has] - a)
+    return h
 
 
 @dataclass(frozen=True)
@@ -423,13 +472,6 @@ def _renumbered(
     return lambda j, ks: full(idx[j], idx[ks])
 
 
-def _reachable(prob: LevelProblem, pairs: _Pairs, tau: float) -> bool:
-    """Whether some plan has every stage at most tau (``fewest_units`` with the replicas each
-    stage needs at tau)."""
-    need = _replicas_needed(prob, pairs, tau)
-    return bool(fewest_units(pairs.ks, pairs.offsets, pairs.layers, need)[-1] <= prob.units)
-
-
 def fewest_units(ks: IntArray, offsets: IntArray, layers: IntArray, need: FloatArray) -> FloatArray:
     """g[j] = min over stages (k, j] of g[k] + need: fewest devices reaching each state.
 
@@ -487,30 +529,13 @@ def _useful(
     return np.asarray((width[js] > 0) & (width[ks] > 0) & (r_lo <= r_hi))
 
 
-def _narrow(prob: LevelProblem, pairs: _Pairs, lower: float, upper: float) -> tuple[float, float]:
-    """Bounds on the optimum within 5% of each other: decision probes galloping down from upper.
-
-    Probe tolerances are kept on the safe side: a feasible tau gives upper = tau (1 + 1e-8),
-    an infeasible one lower = tau (1 - 1e-9).
-    """
-    lo, hi, step = lower, upper, 0.01
-    for _ in range(8):
-        if not (math.isfinite(hi) and hi > lo * 1.05):
-            break
-        tau = hi * (1 - step) if lo < hi * (1 - step) * 0.97 else math.sqrt(lo * hi)
-        if _reachable(prob, pairs, tau):
-            hi, step = min(hi, tau * (1 + 1e-8)), 2 * step
-        else:
-            lo = max(lo, tau * (1 - 1e-9))
-    return lo, hi
-
-
 def solve_bottleneck(prob: LevelProblem, lower: float = 0.0) -> tuple[float, list[Segment], float]:
     """Minimise the slowest stage at this level; returns (time, stages, certified lower bound).
 
     Few units and no memory limit: the direct recurrence (exact, bound = the optimum), bounded by
-    a quick plan over prefixes and decision probes that bring lower and upper bounds within 5%.
-    Otherwise (or if those bounds ever failed) bisection on the time with the fewest-units DP.
+    a quick plan over prefixes (of the layer order, and of every order thinned, which NASNet's
+    optimum mixes). Otherwise (or if that bound ever failed) bisection on the time with the
+    fewest-units DP.
 
     Raises:
         InfeasibleError: no plan fits, even with unlimited time (memory too small).
@@ -520,10 +545,8 @@ def solve_bottleneck(prob: LevelProblem, lower: float = 0.0) -> tuple[float, lis
         thin = thin_prefixes(prob.states, THIN_PREFIXES) if prob.base is None else None
         if thin is not None:  # a closer upper bound first: far fewer pairs can beat it
             upper = min(upper, solve_bottleneck(replace(prob, states=thin))[0])
-        pairs = _Pairs.of(prob, upper)
-        low, upper = _narrow(prob, pairs, lower, upper)
         try:
-            time, stages = solve_direct(prob, pairs, upper, low)
+            time, stages = solve_direct(prob, _Pairs.of(prob, upper), upper, lower)
             return time, stages, time
         except InfeasibleError:  # only if the bounds were wrong: search without them
             pass

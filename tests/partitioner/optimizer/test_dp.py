@@ -309,11 +309,13 @@ def test_direct_bounds_keep_the_optimum(
     straight: bool,
     slack: float,
 ) -> None:
-    """The unit windows and replica ranges of the bounded direct DP never lose the optimum,
-    even when the bounds are the optimum itself; the decision probe agrees on both sides."""
+    """The unit windows (from compute and the fewest units both ways) and replica ranges of the
+    bounded direct DP never lose the optimum, even when the bounds are the optimum itself, and
+    find no plan below it."""
     from dataclasses import replace
 
-    from partitioner.optimizer.dp import LevelProblem, _Pairs, _reachable, solve_direct
+    from partitioner.errors import InfeasibleError
+    from partitioner.optimizer.dp import LevelProblem, _Pairs, solve_direct
     from partitioner.optimizer.states import build_states
 
     costs, raw = dag
@@ -326,12 +328,11 @@ def test_direct_bounds_keep_the_optimum(
     assert bounded == best
     assert max(prob.stage_time(s.start, s.end, s.replicas) for s in stages) == pytest.approx(best, rel=1e-12)
     assert sum(s.replicas for s in stages) <= gpus
-    pairs = _Pairs.of(prob)
-    assert _reachable(prob, pairs, best * (1 + 1e-9))
-    assert not _reachable(prob, pairs, best * (1 - 1e-6))
+    with pytest.raises(InfeasibleError):  # no plan is faster than the optimum
+        solve_direct(prob, None, best * (1 - 1e-6))
     useful = _Pairs.of(prob, best * (1 + slack))  # only the pairs a plan that fast can use
     assert solve_direct(prob, useful, best * (1 + slack), best * (1 - slack))[0] == best
-    assert _reachable(prob, useful, best * (1 + 1e-9))
+    assert solve_direct(prob, useful, best * (1 + slack))[0] == best
 
 
 def test_time_balancing_splits_compute_evenly() -> None:
