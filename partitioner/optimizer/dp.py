@@ -16,7 +16,6 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -115,6 +114,8 @@ class _Pairs:
     saved: FloatArray
     layers: IntArray  # states of one size are layers[i]:layers[i + 1] (no pair inside a layer)
 
+    COLUMNS = ("ks", "base", "q", "act", "params", "saved")  # the per-pair fields, in order
+
     @functools.cached_property
     def b(self) -> FloatArray:
         """base + q: the linear term of the replica quadratic (kept: every probe needs it)."""
@@ -127,37 +128,83 @@ class _Pairs:
     @staticmethod
     def of(prob: LevelProblem, upper: float = math.inf) -> _Pairs:
         """Every pair, or with a finite ``upper`` (the time of some plan) only those a plan as fast
-        can use (``_useful``), built a block of states at a time: NASNet's prefixes have millions
-        of pairs and keep about a tenth, and the whole set would cost more to allocate than to use.
+        can use, built a block of states at a time in size order: the fewest devices reaching each
+        state (``fewest_units``, each stage on the fewest replicas that meet upper) are known by
+        the time its pairs are, and a pair is kept only if those before it, its own replicas and
+        the compute floor after it fit the devices. NASNet's prefixes have millions of pairs and
+        keep a few percent; the whole set would cost more to allocate than to use.
         """
         s, n = prob.states, len(prob.states)
-        windows = _windows(prob, upper) if math.isfinite(upper) and upper > 0 else None
+        layers = s.size_layers()
+        if not (math.isfinite(upper) and upper > 0):
+            every = [
+                _Pairs.block(prob, *_Pairs.priced(prob, ks, js), layers)
+                for ks, js in s.pair_blocks(PAIR_BLOCK)
+            ]
+            return _Pairs.joined(n, every)
+        lo, width = _windows(prob, upper)
+        room = lo + width - 1  # most devices before a state's end: all but the compute floor after it
+        tau = upper * (1 + 1e-9)
+        g = np.full(n, np.inf)
+        g[0] = 0.0
+        floor = lo.astype(np.float64)  # devices surely before each state: max(g, lo) once g is known
         parts = []
-        limit = None if windows is None else _first_fits(prob, windows, upper)
-        for ks, js in s.pair_blocks(PAIR_BLOCK, limit):
-            base = np.asarray(prob.base_time(js, ks), dtype=np.float64)
-            params = s.param_bytes[js] - s.param_bytes[ks]
-            act = np.where(ks > 0, s.act_bytes[ks], 0.0)
-            act = np.maximum(act, np.where(js < n - 1, s.act_bytes[js], 0.0))
-            cols: tuple[npt.NDArray[Any], ...] = (ks, js, base, params, act)
-            if windows is not None:
-                keep = _useful(prob, windows, upper, cols)
-                cols = tuple(c[keep] for c in cols)
-            parts.append(cols)
-        joined = [np.concatenate([p[i] for p in parts]) for i in range(5)]  # n >= 1: one block at least
-        ks, js = joined[0].astype(np.int64), joined[1].astype(np.int64)
-        base, params, act = (np.asarray(x, dtype=np.float64) for x in joined[2:])
+        for ks, js in s.pair_blocks(PAIR_BLOCK, _first_fits(prob, (lo, width), upper)):
+            first = int(js[0]) if len(js) else n
+            ks, js, base, q, act = _Pairs.priced(prob, ks, js)
+            ok = _replicas_floor(prob, base, q, act, tau) + floor[ks] <= room[js]  # a cheap first cut
+            part, js = _Pairs.block(prob, ks[ok], js[ok], base[ok], q[ok], act[ok], layers)
+            need = _replicas_needed(prob, part, tau)
+            if len(js):
+                last = int(js[-1]) + 1
+                _sweep(g, part.ks, np.searchsorted(js, np.arange(first, last + 1)), layers, need, first)
+                floor[first:last] = np.maximum(g[first:last], lo[first:last])
+            keep = need + floor[part.ks] <= room[js]  # (inf: never)
+            parts.append((part.subset(keep, js), js[keep]))
+        return _Pairs.joined(n, parts)
+
+    @staticmethod
+    def priced(
+        prob: LevelProblem, ks: IntArray, js: IntArray
+    ) -> tuple[IntArray, IntArray, FloatArray, FloatArray, FloatArray]:
+        """(ks, js, base, q, act) of the pairs: what a stage's time needs."""
+        s, n = prob.states, len(prob.states)
+        base = np.asarray(prob.base_time(js, ks), dtype=np.float64)
+        q = (s.param_bytes[js] - s.param_bytes[ks]) * (4.0 / (prob.bandwidth * prob.inner))
+        act = np.where(ks > 0, s.act_bytes[ks], 0.0)
+        act = np.asarray(np.maximum(act, np.where(js < n - 1, s.act_bytes[js], 0.0)), dtype=np.float64)
+        return ks, js, base, np.asarray(q, dtype=np.float64), act
+
+    @staticmethod
+    def block(
+        prob: LevelProblem, ks: IntArray, js: IntArray, base: FloatArray, q: FloatArray, act: FloatArray,
+        layers: IntArray,
+    ) -> tuple[_Pairs, IntArray]:  # fmt: skip
+        """Priced pairs of a run of states as a ``_Pairs`` (CSR over all states; js ascending)."""
+        s, n = prob.states, len(prob.states)
         offsets = np.zeros(n + 1, dtype=np.int64)
         offsets[1:] = np.cumsum(np.bincount(js, minlength=n))
-        q = 4.0 * params / (prob.bandwidth * prob.inner)
-        return _Pairs(
-            offsets, ks, base, q, act, params, s.saved_bytes[js] - s.saved_bytes[ks], s.size_layers()
-        )
+        params, saved = s.param_bytes[js] - s.param_bytes[ks], s.saved_bytes[js] - s.saved_bytes[ks]
+        return _Pairs(offsets, ks.astype(np.int64), base, q, act, params, saved, layers), js
 
-    def subset(self, keep: npt.NDArray[np.bool_]) -> _Pairs:
-        """The pairs where ``keep`` holds (same states, same CSR layout)."""
+    @staticmethod
+    def joined(n: int, parts: list[tuple[_Pairs, IntArray]]) -> _Pairs:
+        """Blocks of consecutive states as one set of pairs (n >= 1: one block at least)."""
+        if len(parts) == 1:
+            return parts[0][0]
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        offsets[1:] = np.cumsum(np.bincount(np.concatenate([js for _, js in parts]), minlength=n))
+        ps = [p for p, _ in parts]
+        ks, base, q, act, params, saved = (
+            np.concatenate([getattr(p, f) for p in ps]) for f in _Pairs.COLUMNS
+        )
+        return _Pairs(offsets, ks, base, q, act, params, saved, ps[0].layers)
+
+    def subset(self, keep: npt.NDArray[np.bool_], js: IntArray | None = None) -> _Pairs:
+        """The pairs where ``keep`` holds (same states, same CSR layout; ``js`` if known)."""
         offsets = np.zeros_like(self.offsets)
-        offsets[1:] = np.cumsum(np.bincount(self.js()[keep], minlength=len(self.offsets) - 1))
+        js = self.js() if js is None else js
+        offsets[1:] = np.cumsum(np.bincount(js[keep], minlength=len(self.offsets) - 1))
         return _Pairs(offsets, self.ks[keep], self.base[keep], self.q[keep], self.act[keep],
                       self.params[keep], self.saved[keep], self.layers)  # fmt: skip
 
@@ -169,6 +216,16 @@ class _Pairs:
         """Stage times of the pairs ``idx`` with r replicas each (cut traffic included)."""
         busy = (self.base[idx] + self.q[idx] * (r - 1.0) / r) / r
         return np.asarray(np.maximum(busy, 2.0 * self.act[idx] / (bandwidth * r)), dtype=np.float64)
+
+
+def _replicas_floor(
+    prob: LevelProblem, base: FloatArray, q: FloatArray, act: FloatArray, tau: float
+) -> FloatArray:
+    """A cheap lower bound on ``_replicas_needed``: r >= (C + q/2) / tau once r >= 2 (the sync
+    term is at least half its volume), and r >= 2·act / (B·tau) for the cut traffic."""
+    busy = np.where(base <= tau, base, base + 0.5 * q)
+    r = np.ceil(np.maximum(busy, 2.0 * act / prob.bandwidth) / tau * (1 - 1e-12) - 1e-9)
+    return np.asarray(np.maximum(r, 1.0), dtype=np.float64)
 
 
 def _replicas_needed(prob: LevelProblem, pairs: _Pairs, tau: float) -> FloatArray:
@@ -330,7 +387,7 @@ def _between(
     need = _replicas_needed(prob, pairs, upper * (1 + 1e-9))
     before = np.maximum(fewest_units(pairs.ks, pairs.offsets, pairs.layers, need), lo)
     after = np.maximum(_fewest_after(pairs, need), units + 1 - lo - width)
-    keep = need + before[pairs.ks] + after[pairs.js()] <= units  # (inf: never)
+    keep = need + before[pairs.ks] + after[pairs.js()] <= units
     ok = np.isfinite(before) & np.isfinite(after)
     lo = np.where(ok, before, 0).astype(np.int64)
     width = np.maximum(np.where(ok, units - np.where(ok, after, 0) - lo + 1, 0), 0).astype(np.int64)
@@ -481,24 +538,33 @@ def fewest_units(ks: IntArray, offsets: IntArray, layers: IntArray, need: FloatA
     """
     g = np.full(len(offsets) - 1, np.inf)
     g[0] = 0.0
-    for lo, hi in zip(layers[:-1].tolist(), layers[1:].tolist(), strict=True):
-        a, b = int(offsets[lo]), int(offsets[hi])
-        if a == b:
-            continue
-        has = np.flatnonzero(offsets[lo + 1 : hi + 1] > offsets[lo:hi])
-        g[lo + has] = np.minimum.reduceat(g[ks[a:b]] + need[a:b], offsets[lo + has] - a)
+    _sweep(g, ks, offsets, layers, need)
     return g
+
+
+def _sweep(
+    g: FloatArray, ks: IntArray, offsets: IntArray, layers: IntArray, need: FloatArray, lo: int = 0
+) -> None:
+    """``fewest_units`` in place over states lo .. lo + len(offsets) - 2 (stages CSR from lo)."""
+    hi = lo + len(offsets) - 1
+    inner = layers[(layers > lo) & (layers < hi)].tolist()
+    for a, b in itertools.pairwise([lo, *inner, hi]):
+        start, stop = int(offsets[a - lo]), int(offsets[b - lo])
+        if start == stop:
+            continue
+        has = np.flatnonzero(offsets[a - lo + 1 : b - lo + 1] > offsets[a - lo : b - lo])
+        g[a + has] = np.minimum.reduceat(g[ks[start:stop]] + need[start:stop], offsets[a - lo + has] - start)
 
 
 def _first_fits(
     prob: LevelProblem, windows: tuple[IntArray, IntArray], upper: float
 ) -> tuple[IntArray, IntArray]:
-    """Per state, (need, room): ``_useful`` keeps pair (k, j) only if need[k] <= room[j].
+    """Per state, (need, room): a plan as fast as ``upper`` uses pair (k, j) only if need[k] <= room[j].
 
-    Its replicas r must carry k's cut traffic, r >= 2·act_k / (B·upper) (at least 1), and fit
-    between the units before k and the most units before j's end: lo[k] + r <= lo[j] + width[j] - 1
-    (and r <= cap). The same float expression as ``_useful``, so never stricter than it; on
-    NASNet at 16 GPUs it rules out 72% of the pairs before they are listed.
+    Its replicas r must carry k's cut traffic within upper, r >= 2·act_k / (B·upper) (at least
+    1), and fit between the compute floor before k and the most devices before j's end:
+    lo[k] + r <= lo[j] + width[j] - 1 (and r <= cap). Per state, so the pairs that fail it are
+    never listed: on NASNet at 16 GPUs, 72% of them.
     """
     lo, width = windows
     cap = prob.units if prob.max_replicas is None else min(prob.units, prob.max_replicas)
@@ -509,24 +575,6 @@ def _first_fits(
     need = np.where((width > 0) & (r <= cap), lo + np.minimum(r, cap).astype(np.int64), far)
     room = np.where(width > 0, lo + width - 1, -1)
     return need.astype(np.int64), room.astype(np.int64)
-
-
-def _useful(
-    prob: LevelProblem, windows: tuple[IntArray, IntArray], upper: float, cols: tuple[npt.NDArray[Any], ...]
-) -> npt.NDArray[np.bool_]:
-    """Which pairs a plan as fast as ``upper`` can use: those whose fewest replicas fit the windows.
-
-    A stage needs r >= max(C, 2·act/B) / upper replicas (C + q/2 when r >= 2: the sync term), and
-    its cuts leave the units of ``_windows`` before and after it.
-    """
-    ks, js, base, params, act = cols
-    lo, width = windows
-    cap = prob.units if prob.max_replicas is None else min(prob.units, prob.max_replicas)
-    q = 4.0 * params / (prob.bandwidth * prob.inner)
-    busy = np.where(base <= upper, base, base + 0.5 * q)
-    r_lo = np.maximum(np.ceil(np.maximum(busy, 2.0 * act / prob.bandwidth) / upper - 1e-9), 1)
-    r_hi = np.minimum(cap, lo[js] + width[js] - 1 - lo[ks])
-    return np.asarray((width[js] > 0) & (width[ks] > 0) & (r_lo <= r_hi))
 
 
 def solve_bottleneck(prob: LevelProblem, lower: float = 0.0) -> tuple[float, list[Segment], float]:

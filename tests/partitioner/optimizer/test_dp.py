@@ -315,6 +315,7 @@ def test_direct_bounds_keep_the_optimum(
     from dataclasses import replace
 
     from partitioner.errors import InfeasibleError
+    from partitioner.optimizer import dp
     from partitioner.optimizer.dp import LevelProblem, _Pairs, solve_direct
     from partitioner.optimizer.states import build_states
 
@@ -333,6 +334,13 @@ def test_direct_bounds_keep_the_optimum(
     useful = _Pairs.of(prob, best * (1 + slack))  # only the pairs a plan that fast can use
     assert solve_direct(prob, useful, best * (1 + slack), best * (1 - slack))[0] == best
     assert solve_direct(prob, useful, best * (1 + slack))[0] == best
+    saved = dp.PAIR_BLOCK
+    try:  # built a few pairs at a time, each block filtered with what the blocks before it found
+        dp.PAIR_BLOCK = 3
+        small = _Pairs.of(prob, best * (1 + slack))
+    finally:
+        dp.PAIR_BLOCK = saved
+    assert solve_direct(prob, small, best * (1 + slack))[0] == best
 
 
 def test_time_balancing_splits_compute_evenly() -> None:
