@@ -26,6 +26,7 @@ from partitioner.optimizer.states import StateSet, prefix_chains, thin_prefixes
 __all__ = [
     "LevelProblem",
     "Segment",
+    "cut_states",
     "fewest_units",
     "solve_bisection",
     "solve_bottleneck",
@@ -392,6 +393,12 @@ def _between(
     lo = np.where(ok, before, 0).astype(np.int64)
     width = np.maximum(np.where(ok, units - np.where(ok, after, 0) - lo + 1, 0), 0).astype(np.int64)
     return pairs.subset(keep), lo, width
+
+
+def cut_states(prob: LevelProblem, upper: float) -> npt.NDArray[np.bool_]:
+    """Which states some plan as fast as ``upper`` can cut at (``_between``'s windows)."""
+    lo, width = _windows(prob, upper)
+    return np.asarray(_between(prob, _Pairs.of(prob, upper), upper, lo, width)[2] > 0)
 
 
 def _fewest_after(pairs: _Pairs, need: FloatArray) -> FloatArray:
