@@ -38,6 +38,7 @@ from partitioner.optimizer.states import (
     free_sinks,
     multi_order_size,
     multi_order_states,
+    thin_prefixes,
     without_free_sinks,
 )
 from partitioner.optimizer.sync import MAX_CHOICES, MAX_STEPS, Memory, solve_synchronous
@@ -121,15 +122,19 @@ def _states_for(profile: Profile, cluster: Cluster, activation_comm: bool) -> St
 
 
 def _hierarchy_states(profile: Profile) -> StateSet:
-    """``build_states``, thinned to prefixes of one order beyond ``HIERARCHY_MAX_STATES`` (without
-    building the fallback states first when they would be thinned anyway)."""
+    """``build_states`` up to ``HIERARCHY_MAX_STATES``; beyond, the prefixes of the three orders
+    thinned to ``HIERARCHY_THIN_STATES`` each (NASNet-Mobile 4x4: 0.24% faster than one order
+    thinned so, which stays the fallback)."""
     states = downset_states(profile)
-    if states is None and multi_order_size(profile) <= HIERARCHY_MAX_STATES:
-        states = multi_order_states(profile)
-    if states is None or len(states) > HIERARCHY_MAX_STATES:
-        log.info("hierarchy: thinning the states to %d prefixes", HIERARCHY_THIN_STATES)
-        return chain_states(profile, HIERARCHY_THIN_STATES)  # (free sinks already removed)
-    return states
+    if states is not None and len(states) <= HIERARCHY_MAX_STATES:
+        return states
+    if multi_order_size(profile) <= HIERARCHY_MAX_STATES:
+        return multi_order_states(profile)
+    log.info("hierarchy: thinning the states to %d prefixes per order", HIERARCHY_THIN_STATES)
+    thin = thin_prefixes(multi_order_states(profile), HIERARCHY_THIN_STATES)
+    if thin is not None and len(thin) <= HIERARCHY_MAX_STATES:
+        return thin
+    return chain_states(profile, HIERARCHY_THIN_STATES)  # (free sinks already removed)
 
 
 def _search(
