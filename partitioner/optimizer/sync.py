@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from partitioner.optimizer.dp import Segment, fewest_units
+from partitioner.optimizer.dp import Segment, fewest_units, fewest_units_after
 from partitioner.optimizer.states import StateSet
 
 __all__ = ["MAX_CHOICES", "MAX_STEPS", "Memory", "solve_synchronous"]
@@ -53,6 +53,8 @@ class _Choices:
     a: FloatArray  # [pair, r - 1] all-reduce: 4(r-1)P / (r·B)
     compute: FloatArray  # per state
     m: int
+    offsets: IntArray  # stages of state j are [offsets[j], offsets[j + 1])
+    layers: IntArray  # ``StateSet.size_layers``
 
     @staticmethod
     def of(states: StateSet, cap: int, bandwidth: float, m: int, memory: Memory | None = None) -> _Choices:
@@ -67,8 +69,9 @@ class _Choices:
         if memory is not None:  # all M microbatches' activations, split over the replicas
             saved = states.saved_bytes[j] - states.saved_bytes[k]
             u = np.where(params[:, None] * memory.weights + saved[:, None] / r <= memory.limit, u, np.inf)
+        offsets = np.concatenate([[0], np.cumsum(np.bincount(j, minlength=n))]).astype(np.int64)
         return _Choices(k, j, np.asarray(u, dtype=np.float64), np.asarray(a, dtype=np.float64),
-                        states.compute_s, m)  # fmt: skip
+                        states.compute_s, m, offsets, states.size_layers())  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -104,15 +107,18 @@ class _Reach:
                 r_mem = np.where(room > 0, np.maximum(np.ceil(saved / room * (1 - 1e-9)), 1.0), np.inf)
         return _Reach(ks, offsets, states.size_layers(), x, p, r_mem)
 
-    def fewest(self, units: int, cap: int, m: int, bandwidth: float, tau: float, alpha: float) -> bool:
-        """Whether some plan may meet the caps on ``units`` devices (False: surely none does)."""
+    def need(self, cap: int, m: int, bandwidth: float, tau: float, alpha: float) -> FloatArray:
+        """Per stage, the fewest replicas that may meet the caps (rounded down; inf: none can)."""
         with np.errstate(divide="ignore", invalid="ignore"):
             lo = np.maximum(np.ceil(self.x / (m * tau) * (1 - 1e-9)), self.r_mem)
             room = 1.0 - alpha * bandwidth / (4.0 * self.p) * (1 + 1e-9)  # r <= 1 / room when room > 0
             hi = np.where(room > 0, np.floor(1.0 / room * (1 + 1e-9)), np.inf)
-        need = np.where(lo <= np.minimum(hi, cap), lo, np.inf)
-        g = fewest_units(self.ks, self.offsets, self.layers, need)
-        return bool(g[-1] <= units)
+        return np.asarray(np.where(lo <= np.minimum(hi, cap), lo, np.inf), dtype=np.float64)
+
+    def before(self, need: FloatArray, units: int) -> FloatArray:
+        """Per state, the fewest devices a plan meeting the caps spends up to it (the last entry
+        over ``units``: surely no plan meets them)."""
+        return fewest_units(self.ks, self.offsets, self.layers, need, units)
 
 
 @dataclass(frozen=True)
@@ -125,23 +131,26 @@ class _Found:
     stages: list[Segment]
 
 
-def _least_sum(ch: _Choices, n: int, units: int, tau: float, alpha: float) -> _Found | None:
+def _least_sum(
+    ch: _Choices, n: int, units: int, tau: float, alpha: float, need: FloatArray, before: FloatArray
+) -> _Found | None:  # fmt: skip
     """h(tau, alpha) and a plan attaining it (None when no plan meets the caps).
 
     f[j, g] = least sum of u covering state j on at most g devices. Column g reads f[k, g - r]
     for r = 1..g, which is row k of the finished columns read backwards: one [pair, r] pass.
+    Only stages whose fewest replicas (``need``) fit between the devices any plan meeting the caps
+    spends before them (``before``) and after them (the same DP backwards; both at least
+    C / (M·tau): every u <= tau) take part.
     """
-    u = np.where((ch.u <= tau) & (ch.a <= alpha), ch.u, np.inf)
-    fits = np.isfinite(u)
-    # a plan with every u <= tau puts at least C / (M·tau) devices before any cut and after it
     c = ch.compute / (ch.m * tau) if tau > 0 else np.zeros_like(ch.compute)
-    before = np.ceil(c[ch.k] * (1 - 1e-9))
-    after = np.ceil((c[-1] - c[ch.j]) * (1 - 1e-9))
-    fewest = fits.argmax(axis=1) + 1.0  # fewest replicas meeting the caps
-    rows = np.flatnonzero(fits.any(axis=1) & (before + fewest + after <= units))
+    before = np.maximum(before, np.ceil(c * (1 - 1e-9)))
+    after = fewest_units_after(ch.k, ch.j, ch.layers, need, units)
+    after = np.maximum(after, np.ceil((c[-1] - c) * (1 - 1e-9)))
+    rows = np.flatnonzero(before[ch.k] + need + after[ch.j] <= units)
     if not len(rows):
         return None
-    k, j, u = ch.k[rows], ch.j[rows], u[rows]
+    k, j = ch.k[rows], ch.j[rows]
+    u = np.where((ch.u[rows] <= tau) & (ch.a[rows] <= alpha), ch.u[rows], np.inf)
     starts = np.flatnonzero(np.diff(j, prepend=-1))  # pairs are grouped by j
     ends = j[starts]
     cap = u.shape[1]
@@ -214,11 +223,13 @@ def solve_synchronous(
         return None  # no stage fits the memory limit on any replica count
     tau_hi = float(ch.u[np.isfinite(ch.u)].max())
     tau_lo = _least_bottleneck(reach, units, cap, m, bandwidth, tau_hi)
-    top = _least_sum(ch, n, units, tau_hi, float(ch.a.max(initial=0.0)))  # the least sum of all
+    a_hi = float(ch.a.max(initial=0.0))
+    need = reach.need(cap, m, bandwidth, tau_hi, a_hi)
+    top = _least_sum(ch, n, units, tau_hi, a_hi, need, reach.before(need, units))  # the least sum of all
     if top is None:
         return None
     best = (top.total + (m - 1) * top.u_max + top.a_max, top.stages)
-    heap = [_Box(top.total + (m - 1) * tau_lo, tau_lo, tau_hi, 0.0, float(ch.a.max(initial=0.0)), top.total)]
+    heap = [_Box(top.total + (m - 1) * tau_lo, tau_lo, tau_hi, 0.0, a_hi, top.total)]
     for _ in range(steps):
         if not heap or heap[0].bound >= best[0] * (1 - 1e-12):
             return best[0], best[1], best[0]
@@ -226,9 +237,11 @@ def solve_synchronous(
         tau, alpha, upper = _probe(box, m, best[0])
         if upper is not None:  # plans above the probe are not feasible there: no better floor
             heapq.heappush(heap, upper)
-        if not reach.fewest(units, cap, m, bandwidth, tau, alpha):
+        need = reach.need(cap, m, bandwidth, tau, alpha)
+        before = reach.before(need, units)
+        if not before[-1] <= units:
             continue  # nothing at or below the probe
-        found = _least_sum(ch, n, units, tau, alpha)
+        found = _least_sum(ch, n, units, tau, alpha, need, before)
         if found is None:
             continue
         t = found.total + (m - 1) * found.u_max + found.a_max
@@ -241,11 +254,11 @@ def solve_synchronous(
 
 
 def _least_bottleneck(reach: _Reach, units: int, cap: int, m: int, bandwidth: float, hi: float) -> float:
-    """A lower bound on every plan's max u, within 1e-6 of the least (bisection on ``fewest``)."""
+    """A lower bound on every plan's max u, within 1e-6 of the least (bisection on ``before``)."""
     lo = 0.0
     while hi - lo > 1e-6 * hi:
         mid = 0.5 * (lo + hi)
-        if reach.fewest(units, cap, m, bandwidth, mid, math.inf):
+        if reach.before(reach.need(cap, m, bandwidth, mid, math.inf), units)[-1] <= units:
             hi = mid
         else:
             lo = mid
