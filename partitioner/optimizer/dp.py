@@ -1,11 +1,13 @@
 """Exact stage + replication DP over downset states, vectorised with numpy, level by level.
 
-The final level minimises the slowest stage (PipeDream's objective) by bisection on that time:
-for a candidate time t, ``_min_units`` computes the fewest devices that cover each downset with stages
-no slower than t (the replicas a stage needs at time t have a closed form, so each state is one numpy
-pass over its predecessor states). Each feasible t is tightened to the plan's real time, so the search
-ends on an attained value with a certified lower bound (the largest infeasible t). Inner levels of a
-hierarchy (servers made of GPUs) are solved in ``hierarchy.py`` from these flat solvers.
+The final level minimises the slowest stage (PipeDream's objective). On up to ``DIRECT_MAX_UNITS``
+units without a memory limit, PipeDream's recurrence runs directly (``solve_direct``) on the few
+stages a plan as fast as a known one can use: the replicas a stage needs at a time t have a closed
+form, and the fewest devices any such plan spends before each state and after it (``fewest_units``
+both ways) leave, near the optimum, a few hundred of NASNet's millions of pairs. Otherwise a
+bisection on that time with the fewest-units DP per probe (``solve_bisection``, memory-aware),
+which ends on an attained value with a certified lower bound. Inner levels of a hierarchy (servers
+made of GPUs) are solved in ``hierarchy.py`` from these flat solvers.
 """
 
 from __future__ import annotations
@@ -337,8 +339,9 @@ def solve_direct(
     ``upper`` of some plan, only plans at least as fast matter, and in those every stage of r
     replicas carries at most r · unit_devices · upper of compute: the cut at state j then has at
     least ceil(w_j / upper) units before it and ceil((w_N - w_j) / upper) after it
-    (w = compute / unit_devices), so f[j, u] is only computed for u in that window (``_windows``),
-    and a pair only with replica counts that can meet ``upper``. Given a lower bound on the
+    (w = compute / unit_devices), tightened by the fewest-units DP both ways (``_between``), so
+    f[j, u] is only computed for u in that window, and a pair only with replica counts that can
+    meet ``upper`` and fit it. Given a lower bound on the
     optimum, some optimal plan gives each stage the fewest replicas that meet the optimum, which
     is no more than the fewest that meet ``lower``: that caps every pair's replicas. Exact
     whenever ``lower`` <= optimum <= ``upper``; no memory model (the bisection has one).
