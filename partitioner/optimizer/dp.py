@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from partitioner.errors import InfeasibleError
-from partitioner.optimizer.states import StateSet, prefix_chains, thin_prefixes
+from partitioner.optimizer.states import StateSet, prefix_chain, prefix_chains, thin_prefixes
 
 __all__ = [
     "LevelProblem",
@@ -272,12 +272,16 @@ def _replicas_needed(prob: LevelProblem, pairs: _Pairs, tau: float) -> FloatArra
 
 def _memory_replicas(prob: LevelProblem, pairs: _Pairs, lo: int, hi: int, gk: FloatArray) -> FloatArray:
     """Replicas a stage needs to fit in memory (more replicas: fewer stashed minibatches per device)."""
+    return _memory_need(prob, pairs.params[lo:hi], pairs.saved[lo:hi], gk)
+
+
+def _memory_need(prob: LevelProblem, p: FloatArray, saved: FloatArray, before: FloatArray) -> FloatArray:
+    """``_memory_replicas`` of stages with parameters p and saved bytes, ``before`` units before them."""
     assert prob.memory is not None
     limit, opt, schedule, total = prob.memory
-    p, saved = pairs.params[lo:hi], pairs.saved[lo:hi]
     if schedule == "pipedream":  # weights + (h-1) stashed versions + h activations <= limit
         hmax = np.floor((limit - p * (1 + opt)) / np.maximum(p + saved, 1e-9))
-        downstream = np.maximum(total - np.where(np.isfinite(gk), gk, total), 1.0)
+        downstream = np.maximum(total - np.where(np.isfinite(before), before, total), 1.0)
         return np.where(hmax >= 1, np.ceil(downstream / np.maximum(hmax, 1.0) - 1e-9), np.inf)
     room = limit - p * (2 + opt)  # synchronous: at most all M microbatches' activations
     return np.where(room > 0, np.ceil(saved / np.maximum(room, 1e-9) - 1e-9), np.inf)
@@ -295,10 +299,11 @@ def _min_units(
     g[0] = 0.0
     arg_k = np.zeros(n, dtype=np.int64)
     arg_r = np.zeros(n, dtype=np.int64)
-    chain = prob.states.preds is None
     for j in range(1, n):
         lo, hi = int(pairs.offsets[j]), int(pairs.offsets[j + 1])
-        gk = g[:j] if chain else g[pairs.ks[lo:hi]]
+        if lo == hi:  # (pairs a known plan's time rules out)
+            continue
+        gk = g[pairs.ks[lo:hi]]
         r = reps[lo:hi]
         if prob.memory is not None:
             r = np.maximum(r, _memory_replicas(prob, pairs, lo, hi, gk))
@@ -623,25 +628,64 @@ def _first_fits(
 def solve_bottleneck(prob: LevelProblem, lower: float = 0.0) -> tuple[float, list[Segment], float]:
     """Minimise the slowest stage at this level; returns (time, stages, certified lower bound).
 
-    Few units and no memory limit: the direct recurrence (exact, bound = the optimum), bounded by
-    a quick plan over prefixes (of the layer order, and of every order thinned, which NASNet's
-    optimum mixes). Otherwise (or if that bound ever failed) bisection on the time with the
-    fewest-units DP.
+    Few units: the direct recurrence without the memory limit (exact, bound = the optimum),
+    bounded by a quick plan over prefixes (of the layer order, and of every order thinned, which
+    NASNet's optimum mixes). Under a memory limit that plan is the answer when it fits (no plan
+    that fits is faster), and otherwise its time is the lower end of a bisection on the time with
+    the memory-aware fewest-units DP (as without the direct recurrence, or if its bound failed).
 
     Raises:
         InfeasibleError: no plan fits, even with unlimited time (memory too small).
     """
-    if prob.memory is None and prob.units <= DIRECT_MAX_UNITS:
-        upper = _chain_upper(prob)
+    if prob.units <= DIRECT_MAX_UNITS:
+        free = replace(prob, memory=None)
+        upper = _chain_upper(free)
         thin = thin_prefixes(prob.states, THIN_PREFIXES) if prob.base is None else None
         if thin is not None:  # a closer upper bound first: far fewer pairs can beat it
-            upper = min(upper, solve_bottleneck(replace(prob, states=thin))[0])
+            upper = min(upper, solve_bottleneck(replace(free, states=thin))[0])
         try:
-            time, stages = solve_direct(prob, _Pairs.of(prob, upper), upper, lower)
-            return time, stages, time
+            time, stages = solve_direct(free, _Pairs.of(free, upper), upper, lower)
+            if prob.memory is None or _fits_memory(prob, stages):
+                return time, stages, time
+            lower = max(lower, time * (1 - 1e-12))
         except InfeasibleError:  # only if the bounds were wrong: search without them
             pass
+        else:  # a plan that fits, on fewer cuts: only the pairs a plan as fast can use are searched
+            upper = _fitting_upper(prob, lower, thin)
+            if math.isfinite(upper):
+                return solve_bisection(prob, lower, _Pairs.of(free, upper))
     return solve_bisection(prob, lower)
+
+
+def _fitting_upper(prob: LevelProblem, lower: float, thin: StateSet | None) -> float:
+    """Time of the best memory-fitting plan cut only at thinned prefixes (inf if none fits).
+
+    The pairs a plan as fast can use are those ``_Pairs.of`` keeps for that time without the
+    limit: memory only ever asks for more replicas, never fewer.
+    """
+    if prob.base is not None:  # (memory limits are flat: no segment times to renumber)
+        return math.inf
+    subsets = [] if thin is None else [thin]
+    chain = prefix_chain(prob.states)
+    subsets += [] if chain is None else [chain[1]]
+    best = math.inf
+    for states in subsets:
+        with contextlib.suppress(InfeasibleError):
+            best = min(best, solve_bisection(replace(prob, states=states), lower)[0])
+    return best
+
+
+def _fits_memory(prob: LevelProblem, stages: list[Segment]) -> bool:
+    """Whether every stage has the replicas ``_min_units`` would demand for memory."""
+    s = prob.states
+    k = np.array([x.start for x in stages], dtype=np.int64)
+    j = np.array([x.end for x in stages], dtype=np.int64)
+    r = np.array([x.replicas for x in stages], dtype=np.float64)
+    before = np.concatenate([[0.0], np.cumsum(r)[:-1]])
+    need = _memory_need(
+        prob, s.param_bytes[j] - s.param_bytes[k], s.saved_bytes[j] - s.saved_bytes[k], before
+    )
+    return bool((r >= need).all())
 
 
 def solve_bisection(

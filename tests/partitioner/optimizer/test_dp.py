@@ -212,6 +212,60 @@ def test_memory_limit_is_respected(
 
 
 @settings(max_examples=40, deadline=None)
+@given(dag=dags, gpus=st.integers(1, 6), limit=st.integers(2_000, 40_000))
+def test_memory_shortcuts_equal_plain_bisection(
+    dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]], gpus: int, limit: int
+) -> None:
+    """Under a memory limit, the unconstrained optimum when it fits, else a bisection over the
+    pairs a fitting plan on fewer cuts leaves, equal the memory-aware bisection over every pair."""
+    from partitioner.errors import InfeasibleError
+    from partitioner.optimizer.dp import LevelProblem, _fits_memory, solve_bisection, solve_bottleneck
+    from partitioner.optimizer.states import build_states
+
+    costs, raw = dag
+    states = build_states(make_profile(costs, [(a, b) for a, b in raw if a < b]))
+    prob = LevelProblem(states, gpus, 1e5, memory=(float(limit), 1, "pipedream", gpus))
+    try:
+        plain, _, _ = solve_bisection(prob)
+    except InfeasibleError:
+        with pytest.raises(InfeasibleError):
+            solve_bottleneck(prob)
+        return
+    fast, stages, lower = solve_bottleneck(prob)
+    assert fast == pytest.approx(plain, rel=1e-6)
+    assert _fits_memory(prob, stages) and lower <= fast * (1 + 1e-12)
+
+
+@pytest.mark.parametrize(
+    ("costs", "gpus", "limit"),
+    [([(6, 7, 1736, 1726), (1, 8, 353, 8158)], 3, 28434),
+     ([(3, 5, 2181, 4209), (4, 9, 2534, 5062), (7, 8, 3961, 6329)], 3, 30790)],
+)  # fmt: skip
+def test_memory_limit_that_binds(costs: list[tuple[int, int, int, int]], gpus: int, limit: int) -> None:
+    """Chains whose unconstrained optimum does not fit: the fast path equals the plain bisection,
+    and every stage holds its weights (twice, with the optimizer's copy) plus h stashed versions
+    and activations, h = ceil(devices from it on / its replicas), within the limit."""
+    import math
+
+    from partitioner.optimizer.dp import LevelProblem, solve_bisection, solve_bottleneck, solve_direct
+    from partitioner.optimizer.states import build_states
+
+    states = build_states(make_profile(costs, [(i, i + 1) for i in range(len(costs) - 1)]))
+    prob = LevelProblem(states, gpus, 1e5, memory=(float(limit), 1, "pipedream", gpus))
+    free, _ = solve_direct(LevelProblem(states, gpus, 1e5))
+    plain, _, _ = solve_bisection(prob)
+    fast, stages, _ = solve_bottleneck(prob)
+    assert plain > free * 1.01 and fast == pytest.approx(plain, rel=1e-6)
+    before = 0
+    for seg in stages:
+        p = states.param_bytes[seg.end] - states.param_bytes[seg.start]
+        saved = states.saved_bytes[seg.end] - states.saved_bytes[seg.start]
+        h = math.ceil((gpus - before) / seg.replicas)
+        assert 2 * p + h * (p + saved) <= limit
+        before += seg.replicas
+
+
+@settings(max_examples=40, deadline=None)
 @given(dag=dags, gpus=st.integers(1, 6), comm=st.booleans())
 def test_direct_recurrence_equals_bisection(
     dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]], gpus: int, comm: bool
