@@ -159,17 +159,24 @@ def _pipedream(
 ) -> tuple[Plan, float, bool]:
     value, segments, lower = _search(profile, cluster, states, "pipedream", optimizer, straight)
     info = SolverInfo("dp", 0.0, False)
-    lattice = _lattice_for(profile, cluster, states, comm)
+    lattice = (
+        _lattice_for(profile, cluster, states, comm)
+        if _limit_slack(profile, cluster, states, optimizer, straight, value)
+        else None
+    )
     if lattice is not None:  # every downset, without pairs: exact where the pair DP was not
         cap = 1 if straight else None
         bw = cluster.levels[0].bandwidth
         bound = global_lower_bound(profile, cluster)
         start = _on_lattice(states, lattice, segments)
-        value, segments, lower = solve_lattice(lattice, cluster.gpus, bw, bound, value, cap, start)
+        found, stages, low = solve_lattice(lattice, cluster.gpus, bw, bound, value, cap, start)
         searched = {"states": len(lattice.masks), "all_downsets": True, "search": "lattice"}
-        plan = assemble(profile, cluster, _specs(profile, lattice, segments), "pipedream", 1, optimizer,
-                        info, time_override=value, extra=searched, activation_comm=comm)  # fmt: skip
-        return plan, lower, value <= lower * (1 + 1e-4)
+        try:  # (no memory model there: under a limit, its optimum is the answer if it fits)
+            plan = assemble(profile, cluster, _specs(profile, lattice, stages), "pipedream", 1, optimizer,
+                            info, time_override=found, extra=searched, activation_comm=comm)  # fmt: skip
+            return plan, low, found <= low * (1 + 1e-4)
+        except InfeasibleError:
+            pass
     try:
         plan = assemble(profile, cluster, _specs(profile, states, segments), "pipedream", 1, optimizer,
                         info, time_override=value, activation_comm=comm)  # fmt: skip
@@ -186,6 +193,17 @@ def _pipedream(
     return plan, lower, states.exact
 
 
+def _limit_slack(
+    profile: Profile, cluster: Cluster, states: StateSet, optimizer: str, straight: bool, value: float
+) -> bool:
+    """Whether the memory limit (if any) left the search's optimum as fast as without it: only then
+    may the lattice search, which has no memory model, find a faster plan that still fits."""
+    if cluster.memory_bytes is None:
+        return True
+    free = _search(profile, replace(cluster, memory_bytes=None), states, "pipedream", optimizer, straight)
+    return value <= free[0] * (1 + 1e-9)
+
+
 def _on_lattice(states: StateSet, lattice: Lattice, segments: list[Segment]) -> list[Segment] | None:
     """The pair search's plan in the lattice's numbering (its cuts are downsets too), if it maps."""
     if states.layer_ids != lattice.layer_ids or any(seg.inner for seg in segments):
@@ -200,7 +218,7 @@ def _on_lattice(states: StateSet, lattice: Lattice, segments: list[Segment]) -> 
 
 def _lattice_for(profile: Profile, cluster: Cluster, states: StateSet, comm: bool) -> Lattice | None:
     """All downsets as a lattice, where the pair DP had to fall back and the lattice search applies."""
-    if states.exact or len(cluster.levels) > 1 or cluster.memory_bytes is not None:
+    if states.exact or len(cluster.levels) > 1:
         return None
     if cluster.gpus > DIRECT_MAX_UNITS:
         return None

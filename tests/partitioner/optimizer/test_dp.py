@@ -211,6 +211,20 @@ def test_memory_limit_is_respected(
     assert max(s.memory_bytes for s in plan.stages) <= limit
 
 
+def test_all_downsets_under_a_memory_limit_that_does_not_bind() -> None:
+    """Beyond 2,500 downsets the lattice search (no memory model) still proves the plan optimal
+    under a limit that its optimum fits; under one it does not fit, the plan fits the limit."""
+    costs = [(1 + i % 4, 2 + i % 3, 500 * (1 + i % 5), 300 * (1 + i % 7)) for i in range(13)]
+    profile = make_profile(costs, [(i, 12) for i in range(12)])  # 12 parallel layers: 4,097 downsets
+    free = solve(profile, Cluster.flat(4, bandwidth=1e5))
+    roomy = solve(profile, Cluster.flat(4, bandwidth=1e5, memory_bytes=10**9))
+    assert free.solver.optimal and roomy.solver.optimal
+    assert roomy.predicted.time_per_minibatch_s == free.predicted.time_per_minibatch_s
+    limit = max(s.memory_bytes for s in free.stages) - 1
+    tight = solve(profile, Cluster.flat(4, bandwidth=1e5, memory_bytes=limit))
+    assert max(s.memory_bytes for s in tight.stages) <= limit
+
+
 @settings(max_examples=40, deadline=None)
 @given(dag=dags, gpus=st.integers(1, 6), limit=st.integers(2_000, 40_000))
 def test_memory_shortcuts_equal_plain_bisection(
