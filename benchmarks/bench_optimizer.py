@@ -3,7 +3,8 @@
 For each case: predicted time per minibatch (PipeDream's objective), solve time, whether the search
 covered every downset (optimal) or fell back to topological prefixes (with the gap to a lower bound),
 and the ratio of DeepSpeed-style baselines (parameter balancing, uniform layer counts; one GPU per
-stage) to the chosen plan. Plus a synthetic 1000-layer chain on 1024 GPUs.
+stage) to the chosen plan. Plus a synthetic 1000-layer chain on 1024 GPUs, and every profile on
+16 GPUs under 16 and 8 GiB per device (``--memory``).
 
     .venv/bin/python benchmarks/bench_optimizer.py [--profiles DIR] [--only NAME,..]
 
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from partitioner.atomic import write_text_atomic
+from partitioner.errors import InfeasibleError
 from partitioner.graph import Node, Profile, read_graph_txt
 from partitioner.optimizer import solve
 from partitioner.optimizer.baselines import parameter_balanced, time_balanced, uniform
@@ -37,6 +39,7 @@ CLUSTERS = {
     "16": Cluster.flat(16, 1e9),
     "4,4": Cluster((Level(4, 4294967296.0), Level(4, 1250000000.0))),
 }
+MEMORY_GIB = (16, 8)  # per device, on the 16-GPU cluster
 
 
 def batch_sizes(readme: Path) -> dict[str, int]:
@@ -89,6 +92,23 @@ def run_case(profile: Profile, cluster: Cluster, repeats: int = 3) -> dict[str, 
         row[f"{name}_s"] = alt
         row[f"{name}_ratio"] = alt / t
     return row
+
+
+def memory_case(profile: Profile, gib: int, free_s: float) -> dict[str, Any]:
+    """One solve under a per-device limit on 16 GPUs: its time against the unconstrained optimum."""
+    cluster = Cluster.flat(16, 1e9, memory_bytes=gib << 30)
+    start, began = time.perf_counter(), time.process_time()
+    try:
+        plan = solve(profile, cluster)
+    except InfeasibleError:
+        return {"gib": gib, "fits": False, "solve_time_s": time.perf_counter() - start,
+                "solve_cpu_s": time.process_time() - began}  # fmt: skip
+    t = plan.predicted.time_per_minibatch_s
+    return {"gib": gib, "fits": True, "solve_time_s": time.perf_counter() - start,
+            "solve_cpu_s": time.process_time() - began, "time_per_minibatch_s": t,
+            "binds": t > free_s * (1 + 1e-9), "optimal": plan.solver.optimal,
+            "peak_gib": max(st.memory_bytes for st in plan.stages) / 2**30,
+            "replicas": [st.replicas for st in plan.stages]}  # fmt: skip
 
 
 def synthetic_chain(layers: int = 1000, seed: int = 0) -> Profile:
@@ -153,7 +173,38 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{doc['chain']['optimal']}).",
         "",
     ]
-    return "\n".join(out)
+    return "\n".join(out + memory_markdown(doc.get("memory", [])))
+
+
+def memory_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """The 16-GPU cases under a per-device memory limit (one solve each)."""
+    if not rows:
+        return []
+    out = [
+        "## Under a memory limit (16 GPUs, `--memory`)",
+        "",
+        "*binds*: the plan is slower than without the limit. One solve each (wall, CPU seconds).",
+        "",
+        "| profile | GiB | ms/minibatch | binds | optimal | peak GiB | solve s (cpu) | replicas |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if not r["fits"]:
+            out.append(
+                f"| {r['profile']} | {r['gib']} | nothing fits |  |  |  | {r['solve_time_s']:.3f} |  |"
+            )
+            continue
+        reps = ",".join(map(str, r["replicas"]))
+        out.append(
+            f"| {r['profile']} | {r['gib']} | {1e3 * r['time_per_minibatch_s']:.3f} | "
+            f"{'yes' if r['binds'] else 'no'} | {'yes' if r['optimal'] else 'no'} | {r['peak_gib']:.2f} | "
+            f"{r['solve_time_s']:.3f} ({r['solve_cpu_s']:.3f}) | {reps} |"
+        )
+    slowest = max(rows, key=lambda r: r["solve_time_s"])
+    fast = sum(r["solve_time_s"] < 0.1 for r in rows)
+    out += ["", f"Cases: {len(rows)}; under 0.1 s: {fast}; slowest: {slowest['profile']} at "
+            f"{slowest['gib']} GiB, {slowest['solve_time_s']:.2f} s.", ""]  # fmt: skip
+    return out
 
 
 def profile_args(parser: argparse.ArgumentParser) -> None:
@@ -178,13 +229,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     profile_args(parser)
     args = parser.parse_args()
-    cases = []
+    cases, memory = [], []
     for name, profile in selected_profiles(args):
         for label, cluster in CLUSTERS.items():
             row = {"profile": name, "cluster": label, **run_case(profile, cluster)}
             print(f"{name:14s} {label:4s} {1e3 * row['time_per_minibatch_s']:9.3f} ms "
                   f"{row['solve_time_s']:7.3f} s optimal={row['optimal']}", flush=True)  # fmt: skip
             cases.append(row)
+            if label == "16":
+                for gib in MEMORY_GIB:
+                    mem = {"profile": name, **memory_case(profile, gib, row["time_per_minibatch_s"])}
+                    print(f"{name:14s} 16 @{gib:2d} GiB {mem['solve_time_s']:7.3f} s "
+                          f"binds={mem.get('binds')} optimal={mem.get('optimal')}", flush=True)  # fmt: skip
+                    memory.append(mem)
     chain = synthetic_chain()
     start, cpu = time.perf_counter(), time.process_time()
     plan = solve(chain, Cluster.flat(1024, 1e10))
@@ -202,6 +259,7 @@ def main() -> None:
         "machine": f"{platform.machine()} {platform.python_version()} (CPU, shared)",
         "cases": cases,
         "chain": chain_row,
+        "memory": memory,
         "summary": {
             "cases": len(cases),
             "under_100ms": sum(c["solve_time_s"] < 0.1 for c in cases),
