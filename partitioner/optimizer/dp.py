@@ -270,31 +270,48 @@ def _replicas_needed(prob: LevelProblem, pairs: _Pairs, tau: float) -> FloatArra
     return r
 
 
-def _memory_replicas(prob: LevelProblem, pairs: _Pairs, lo: int, hi: int, gk: FloatArray) -> FloatArray:
-    """Replicas a stage needs to fit in memory (more replicas: fewer stashed minibatches per device)."""
-    return _memory_need(prob, pairs.params[lo:hi], pairs.saved[lo:hi], gk)
-
-
 def _memory_need(prob: LevelProblem, p: FloatArray, saved: FloatArray, before: FloatArray) -> FloatArray:
-    """``_memory_replicas`` of stages with parameters p and saved bytes, ``before`` units before them."""
+    """Replicas stages with parameters p and saved bytes need to fit in memory, ``before`` units
+    before them (more replicas: fewer stashed minibatches per device)."""
+    return _need_from(prob, _memory_capacity(prob, p, saved), before)
+
+
+def _memory_capacity(prob: LevelProblem, p: FloatArray, saved: FloatArray) -> FloatArray:
+    """What fits of a stage, once per pair: pipedream, the minibatches a device can hold in flight
+    (weights + (h-1) stashed versions + h activations <= limit; < 1: none); synchronous, the
+    fewest replicas that hold all M microbatches' activations (inf: none)."""
     assert prob.memory is not None
-    limit, opt, schedule, total = prob.memory
-    if schedule == "pipedream":  # weights + (h-1) stashed versions + h activations <= limit
-        hmax = np.floor((limit - p * (1 + opt)) / np.maximum(p + saved, 1e-9))
-        downstream = np.maximum(total - np.where(np.isfinite(before), before, total), 1.0)
-        return np.where(hmax >= 1, np.ceil(downstream / np.maximum(hmax, 1.0) - 1e-9), np.inf)
-    room = limit - p * (2 + opt)  # synchronous: at most all M microbatches' activations
-    return np.where(room > 0, np.ceil(saved / np.maximum(room, 1e-9) - 1e-9), np.inf)
+    limit, opt, schedule, _ = prob.memory
+    if schedule == "pipedream":
+        return np.asarray(np.floor((limit - p * (1 + opt)) / np.maximum(p + saved, 1e-9)), dtype=np.float64)
+    room = limit - p * (2 + opt)
+    return np.asarray(
+        np.where(room > 0, np.ceil(saved / np.maximum(room, 1e-9) - 1e-9), np.inf), dtype=np.float64
+    )
+
+
+def _need_from(prob: LevelProblem, capacity: FloatArray, before: FloatArray) -> FloatArray:
+    """``_memory_need`` from ``_memory_capacity``: pipedream's in-flight count is the devices from
+    the stage on (at least 1)."""
+    assert prob.memory is not None
+    _, _, schedule, total = prob.memory
+    if schedule != "pipedream":
+        return capacity
+    downstream = np.maximum(total - np.where(np.isfinite(before), before, total), 1.0)
+    return np.where(capacity >= 1, np.ceil(downstream / np.maximum(capacity, 1.0) - 1e-9), np.inf)
 
 
 def _min_units(
-    prob: LevelProblem, tau: float, pairs: _Pairs | None = None
+    prob: LevelProblem, tau: float, pairs: _Pairs | None = None, capacity: FloatArray | None = None
 ) -> tuple[FloatArray, IntArray, IntArray]:
-    """g[j]: fewest units covering state j with stages no slower than tau, plus the argmins."""
+    """g[j]: fewest units covering state j with stages no slower than tau, plus the argmins
+    (``capacity``: the pairs' ``_memory_capacity``, if known)."""
     pairs = pairs or _Pairs.of(prob)
     n = len(prob.states)
     reps = _replicas_needed(prob, pairs, tau)
     cap = prob.units if prob.max_replicas is None else min(prob.units, prob.max_replicas)
+    if prob.memory is not None and capacity is None:
+        capacity = _memory_capacity(prob, pairs.params, pairs.saved)
     g = np.full(n, np.inf)
     g[0] = 0.0
     arg_k = np.zeros(n, dtype=np.int64)
@@ -305,8 +322,8 @@ def _min_units(
             continue
         gk = g[pairs.ks[lo:hi]]
         r = reps[lo:hi]
-        if prob.memory is not None:
-            r = np.maximum(r, _memory_replicas(prob, pairs, lo, hi, gk))
+        if capacity is not None:
+            r = np.maximum(r, _need_from(prob, capacity[lo:hi], gk))
             r = np.where(r <= cap, r, np.inf)
         total = gk + r
         best = int(np.argmin(total))
@@ -694,7 +711,8 @@ def solve_bisection(
     """Bisection on the slowest stage's time; each probe is the fewest-units DP (memory-aware)."""
     pairs = pairs or _Pairs.of(prob)
     last = len(prob.states) - 1
-    g, arg_k, arg_r = _min_units(prob, math.inf, pairs)
+    capacity = None if prob.memory is None else _memory_capacity(prob, pairs.params, pairs.saved)
+    g, arg_k, arg_r = _min_units(prob, math.inf, pairs, capacity)
     if not g[last] <= prob.units:
         raise InfeasibleError("no plan fits in memory")
     best = _walk(arg_k, arg_r, last)
@@ -702,7 +720,7 @@ def solve_bisection(
     lo = min(lower, hi)
     while hi - lo > REL_TOL * hi:
         mid = 0.5 * (lo + hi)
-        g, arg_k, arg_r = _min_units(prob, mid, pairs)
+        g, arg_k, arg_r = _min_units(prob, mid, pairs, capacity)
         if g[last] <= prob.units:
             best = _walk(arg_k, arg_r, last)
             hi = min(_plan_time(prob, best), mid)
