@@ -410,16 +410,18 @@ def _prefix_sums(
                       float(nodes[i].output_bytes)] for i in ids]).reshape(len(ids), 4)  # fmt: skip
     out = np.zeros((len(ordered), 4))
     index = {m: i for i, m in enumerate(ordered)}
+    src = np.array([x for x, readers in enumerate(succs) for _ in _bit_indices(readers)], dtype=np.int64)
+    dst = np.array([y for readers in succs for y in _bit_indices(readers)], dtype=np.int64)
+    senders = np.unique(src)
     for order, masks in zip(orders, prefixes, strict=True):
         pos = np.empty(len(order), dtype=np.int64)
         pos[np.asarray(order, dtype=np.int64)] = np.arange(len(order))
         sums = np.vstack([np.zeros((1, 3)), np.cumsum(cols[order, :3], axis=0)])
+        last = np.full(len(order), -1, dtype=np.int64)
+        np.maximum.at(last, src, pos[dst])  # each sender's last reader, in this order
         marks = np.zeros(len(order) + 2)
-        for x, readers in enumerate(succs):
-            if readers:
-                last = max(int(pos[y]) for y in _bit_indices(readers))
-                marks[pos[x] + 1] += cols[x, 3]
-                marks[last + 1] -= cols[x, 3]
+        np.add.at(marks, pos[senders] + 1, cols[senders, 3])
+        np.add.at(marks, last[senders] + 1, -cols[senders, 3])
         where = np.array([index[m] for m in masks], dtype=np.int64)
         out[where, :3] = sums
         out[where, 3] = np.cumsum(marks)[: len(order) + 1]
