@@ -36,7 +36,6 @@ from partitioner.optimizer.states import (
     chain_states,
     downset_states,
     free_sinks,
-    multi_order_size,
     multi_order_states,
     thin_prefixes,
     without_free_sinks,
@@ -128,10 +127,11 @@ def _hierarchy_states(profile: Profile) -> StateSet:
     states = downset_states(profile)
     if states is not None and len(states) <= HIERARCHY_MAX_STATES:
         return states
-    if multi_order_size(profile) <= HIERARCHY_MAX_STATES:
-        return multi_order_states(profile)
+    multi = multi_order_states(profile)
+    if len(multi) <= HIERARCHY_MAX_STATES:
+        return multi
     log.info("hierarchy: thinning the states to %d prefixes per order", HIERARCHY_THIN_STATES)
-    thin = thin_prefixes(multi_order_states(profile), HIERARCHY_THIN_STATES)
+    thin = thin_prefixes(multi, HIERARCHY_THIN_STATES)
     if thin is not None and len(thin) <= HIERARCHY_MAX_STATES:
         return thin
     return chain_states(profile, HIERARCHY_THIN_STATES)  # (free sinks already removed)

@@ -19,7 +19,7 @@ import numpy.typing as npt
 from partitioner.errors import InfeasibleError
 from partitioner.graph import Profile
 from partitioner.optimizer.dp import Segment
-from partitioner.optimizer.states import _bit_indices, _layers
+from partitioner.optimizer.states import _layers, downsets_at_least
 
 __all__ = ["Lattice", "enumerate_lattice", "solve_lattice"]
 
@@ -160,7 +160,7 @@ def enumerate_lattice(profile: Profile, cap: int, max_layer: int = 10_000) -> La
     states are numbered in order of discovery (parent, then added layer), and each state's sums
     are its first parent's plus the added layer's.
     """
-    if _downsets_at_least(*_layers(profile)[1:], cap) > cap:
+    if downsets_at_least(*_layers(profile)[1:], cap) > cap:
         return None
     dag = _Dag.of(profile)
     words = dag.bit.shape[1]
@@ -187,40 +187,6 @@ def enumerate_lattice(profile: Profile, cap: int, max_layer: int = 10_000) -> La
         total += len(first)
         starts.append(total)
     return _assemble(profile, parts, words, np.array(starts, dtype=np.int64))
-
-
-def _downsets_at_least(preds: list[int], succs: list[int], cap: int) -> int:
-    """A lower bound on the number of downsets (exceeds ``cap`` early), to skip a doomed listing.
-
-    Pairwise incomparable chains give at least the product of (length + 1) downsets: each picks
-    its own prefix. The chains are the DAG's series runs (each layer the only reader of the one
-    before, which is its only producer), longest first. Paths leave a run only at its tail and
-    enter one only at its head, so run a lies below run b iff b's head descends from a's tail.
-    NASNet's first cells alone pass 400,000 here in a millisecond; listing them took 0.05 s.
-    """
-    below: list[int] = []  # per layer: its ancestors as a bitmask
-    for bits in preds:
-        mask = 0
-        for p in _bit_indices(bits):
-            mask |= below[p] | 1 << p
-        below.append(mask)
-    runs = []
-    for head, bits in enumerate(preds):
-        if bits.bit_count() == 1 and succs[bits.bit_length() - 1].bit_count() == 1:
-            continue  # inside a run
-        tail, length = head, 1
-        while succs[tail].bit_count() == 1 and preds[succs[tail].bit_length() - 1].bit_count() == 1:
-            tail, length = succs[tail].bit_length() - 1, length + 1
-        runs.append((length, head, tail))
-    chosen: list[tuple[int, int]] = []
-    count = 1
-    for length, head, tail in sorted(runs, reverse=True):
-        if all(not (below[h] >> tail & 1 or below[head] >> t & 1) for h, t in chosen):
-            chosen.append((head, tail))
-            count *= length + 1
-            if count > cap:
-                break
-    return count
 
 
 def _mix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:

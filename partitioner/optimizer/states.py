@@ -25,8 +25,8 @@ __all__ = [
     "build_states",
     "chain_states",
     "downset_states",
+    "downsets_at_least",
     "free_sinks",
-    "multi_order_size",
     "multi_order_states",
     "prefix_chain",
     "prefix_chains",
@@ -297,9 +297,45 @@ def _subset_preds(masks: list[int], width: int) -> tuple[IntArray, ...]:
     return tuple(np.split(ks.astype(np.int64), np.cumsum(counts)[:-1]))
 
 
+def downsets_at_least(preds: list[int], succs: list[int], cap: int) -> int:
+    """A lower bound on the number of downsets (exceeds ``cap`` early), to skip a doomed listing.
+
+    Pairwise incomparable chains give at least the product of (length + 1) downsets: each picks
+    its own prefix. The chains are the DAG's series runs (each layer the only reader of the one
+    before, which is its only producer), longest first. Paths leave a run only at its tail and
+    enter one only at its head, so run a lies below run b iff b's head descends from a's tail.
+    NASNet's first cells alone pass 400,000 here in a millisecond; listing them took 0.05 s.
+    """
+    below: list[int] = []  # per layer: its ancestors as a bitmask
+    for bits in preds:
+        mask = 0
+        for p in _bit_indices(bits):
+            mask |= below[p] | 1 << p
+        below.append(mask)
+    runs = []
+    for head, bits in enumerate(preds):
+        if bits.bit_count() == 1 and succs[bits.bit_length() - 1].bit_count() == 1:
+            continue  # inside a run
+        tail, length = head, 1
+        while succs[tail].bit_count() == 1 and preds[succs[tail].bit_length() - 1].bit_count() == 1:
+            tail, length = succs[tail].bit_length() - 1, length + 1
+        runs.append((length, head, tail))
+    chosen: list[tuple[int, int]] = []
+    count = 1
+    for length, head, tail in sorted(runs, reverse=True):
+        if all(not (below[h] >> tail & 1 or below[head] >> t & 1) for h, t in chosen):
+            chosen.append((head, tail))
+            count *= length + 1
+            if count > cap:
+                break
+    return count
+
+
 def downset_states(profile: Profile, max_states: int = DEFAULT_MAX_STATES) -> StateSet | None:
     """All downsets of the layer DAG, or None when there are more than ``max_states``."""
     ids, preds, succs = _layers(profile)
+    if downsets_at_least(preds, succs, max_states) > max_states:
+        return None
     masks = _enumerate(preds, succs, max_states)
     if masks is None:
         return None
@@ -372,14 +408,6 @@ def _prefix_masks(orders: list[list[int]]) -> list[list[int]]:
         for i in order:
             masks.append(masks[-1] | 1 << i)
     return prefixes
-
-
-def multi_order_size(profile: Profile, max_layers: int = MULTI_ORDER_MAX_LAYERS) -> int:
-    """len(multi_order_states(profile)) without its sums and subset tests (which cost more)."""
-    ids, preds, succs = _layers(profile)
-    if len(ids) > max_layers:
-        return len(ids) + 1
-    return len({m for masks in _prefix_masks(_orders(preds, succs)) for m in masks})
 
 
 def multi_order_states(profile: Profile, max_layers: int = MULTI_ORDER_MAX_LAYERS) -> StateSet:

@@ -11,6 +11,8 @@ from partitioner.optimizer.states import (
     _layers,
     _subset_preds,
     _sums,
+    downset_states,
+    downsets_at_least,
     multi_order_states,
     thin_prefixes,
 )
@@ -61,3 +63,16 @@ def test_prefix_preds_equal_pairwise_subset_tests(
         assert set(thin.masks) < set(states.masks) and thin.masks[0] == 0
         for j, want in enumerate(_subset_preds(list(thin.masks), len(thin.layer_ids))):
             assert np.array_equal(want, thin.pred(j))
+
+
+@settings(max_examples=80, deadline=None)
+@given(dag=wide_dags)
+def test_downset_lower_bound_never_exceeds_the_count(
+    dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]],
+) -> None:
+    """The incomparable-chains bound that lets the listings give up early is a true lower bound."""
+    costs, raw = dag
+    profile = make_profile(costs, [(a, b) for a, b in raw if a < b])
+    _, preds, succs = _layers(profile)
+    every = downset_states(profile, 10**6)
+    assert every is not None and 1 <= downsets_at_least(preds, succs, 10**9) <= len(every)
