@@ -718,7 +718,11 @@ def solve_bisection(
     best = _walk(arg_k, arg_r, last)
     hi = _plan_time(prob, best)
     lo = min(lower, hi)
+    pruned_at = math.inf
     while hi - lo > REL_TOL * hi:
+        if hi < 0.99 * pruned_at and prob.units <= DIRECT_MAX_UNITS and prob.base is None:
+            pairs, pruned_at = _usable(prob, pairs, hi), hi  # what a plan as fast as hi can use
+            capacity = None if prob.memory is None else _memory_capacity(prob, pairs.params, pairs.saved)
         mid = 0.5 * (lo + hi)
         g, arg_k, arg_r = _min_units(prob, mid, pairs, capacity)
         if g[last] <= prob.units:
@@ -727,6 +731,13 @@ def solve_bisection(
         else:
             lo = mid
     return hi, best, lo
+
+
+def _usable(prob: LevelProblem, pairs: _Pairs, upper: float) -> _Pairs:
+    """The pairs a plan as fast as ``upper`` can use (``_between`` without the memory limit, which
+    only ever asks for more replicas)."""
+    free = replace(prob, memory=None)
+    return _between(free, pairs, upper, *_windows(free, upper))[0]
 
 
 # ---------------------------------------------------------------- hierarchy

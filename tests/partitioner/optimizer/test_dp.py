@@ -128,6 +128,26 @@ def test_dp_equals_brute_force(dag: tuple[list[tuple[int, int, int, int]], list[
     )
 
 
+@settings(max_examples=60, deadline=None)
+@given(dag=dags, gpus=st.integers(1, 4), limit=st.integers(3_000, 30_000))
+def test_dp_under_memory_equals_brute_force(
+    dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]], gpus: int, limit: int
+) -> None:
+    """With a per-device memory limit (binding in about 40% of these cases), the plan is the best
+    of every plan that fits, as the plan cost model prices them; none fitting is an error."""
+    from partitioner.errors import InfeasibleError
+
+    costs, raw = dag
+    profile = make_profile(costs, [(a, b) for a, b in raw if a < b])
+    cluster = Cluster.flat(gpus, bandwidth=1e5, memory_bytes=limit)
+    expected = brute_force(profile, cluster)
+    if math.isinf(expected):
+        with pytest.raises(InfeasibleError):
+            solve(profile, cluster)
+        return
+    assert solve(profile, cluster).predicted.time_per_minibatch_s == pytest.approx(expected, rel=1e-8)
+
+
 @lru_cache
 def _shared(name: str) -> Profile:
     return read_graph_txt(PROFILES / name / "graph.txt")
