@@ -401,17 +401,19 @@ def _windows(prob: LevelProblem, upper: float) -> tuple[IntArray, IntArray]:
 
 
 def _between(
-    prob: LevelProblem, pairs: _Pairs, upper: float, lo: IntArray, width: IntArray
-) -> tuple[_Pairs, IntArray, IntArray]:
+    prob: LevelProblem, pairs: _Pairs, upper: float, lo: IntArray, width: IntArray,
+    need: FloatArray | None = None,
+) -> tuple[_Pairs, IntArray, IntArray]:  # fmt: skip
     """The pairs and unit windows a plan as fast as ``upper`` can use, from the fewest units any
     such plan spends before each state and after it (``fewest_units`` both ways, each stage on
-    the fewest replicas that meet upper) on top of the compute windows ``lo``, ``width``.
+    the fewest replicas that meet upper, or ``need`` if given) on top of the compute windows
+    ``lo``, ``width``.
 
     Every stage (k, j] of such a plan has its replicas between the two, so with upper close to
     the optimum few pairs survive: on NASNet at 16 GPUs, 73 of 562,119.
     """
     units = prob.units
-    need = _replicas_needed(prob, pairs, upper * (1 + 1e-9))
+    need = _replicas_needed(prob, pairs, upper * (1 + 1e-9)) if need is None else need
     before = np.maximum(fewest_units(pairs.ks, pairs.offsets, pairs.layers, need, units), lo)
     after = np.maximum(
         fewest_units_after(pairs.ks, pairs.js(), pairs.layers, need, units), units + 1 - lo - width
@@ -734,10 +736,26 @@ def solve_bisection(
 
 
 def _usable(prob: LevelProblem, pairs: _Pairs, upper: float) -> _Pairs:
-    """The pairs a plan as fast as ``upper`` can use (``_between`` without the memory limit, which
-    only ever asks for more replicas)."""
+    """The pairs a plan as fast as ``upper`` that fits the memory limit can use (``_between``).
+
+    Each stage needs the replicas that meet upper, and under pipedream's memory model also
+    ceil(D / h) where h is what fits of its in-flight minibatches (``_memory_capacity``) and D
+    the devices from it on, at least its own r and the fewest after it: r >= after / (h - 1).
+    """
     free = replace(prob, memory=None)
-    return _between(free, pairs, upper, *_windows(free, upper))[0]
+    lo, width = _windows(free, upper)
+    need = _replicas_needed(free, pairs, upper * (1 + 1e-9))
+    if prob.memory is not None:
+        capacity = _memory_capacity(prob, pairs.params, pairs.saved)
+        if prob.memory[2] == "pipedream":
+            after = fewest_units_after(pairs.ks, pairs.js(), pairs.layers, need, prob.units)[pairs.js()]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                floor = np.where(capacity >= 2, np.ceil(after / (capacity - 1) - 1e-9), np.inf)
+            floor = np.where((capacity >= 1) & (after == 0), 1.0, floor)
+        else:
+            floor = capacity
+        need = np.maximum(need, floor)
+    return _between(free, pairs, upper, lo, width, need)[0]
 
 
 # ---------------------------------------------------------------- hierarchy
