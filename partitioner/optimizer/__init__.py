@@ -36,6 +36,7 @@ from partitioner.optimizer.states import (
     chain_states,
     downset_states,
     free_sinks,
+    more_downsets_than,
     multi_order_states,
     thin_prefixes,
     without_free_sinks,
@@ -159,11 +160,11 @@ def _pipedream(
 ) -> tuple[Plan, float, bool]:
     value, segments, lower = _search(profile, cluster, states, "pipedream", optimizer, straight)
     info = SolverInfo("dp", 0.0, False)
-    lattice = (
-        _lattice_for(profile, cluster, states, comm)
-        if _limit_slack(profile, cluster, states, optimizer, straight, value)
-        else None
-    )
+    lattice = None
+    if _lattice_applies(profile, cluster, states) and _limit_slack(
+        profile, cluster, states, optimizer, straight, value
+    ):
+        lattice = _lattice_for(profile, cluster, states, comm)
     if lattice is not None:  # every downset, without pairs: exact where the pair DP was not
         cap = 1 if straight else None
         bw = cluster.levels[0].bandwidth
@@ -216,12 +217,16 @@ def _on_lattice(states: StateSet, lattice: Lattice, segments: list[Segment]) -> 
     return [Segment(index[seg.start], index[seg.end], seg.replicas) for seg in segments]
 
 
+def _lattice_applies(profile: Profile, cluster: Cluster, states: StateSet) -> bool:
+    """Whether the pair DP had to fall back and the lattice search may list every downset (one
+    level, few devices, and no early sign of more downsets than it lists)."""
+    if states.exact or len(cluster.levels) > 1 or cluster.gpus > DIRECT_MAX_UNITS:
+        return False
+    return not more_downsets_than(without_free_sinks(profile), LATTICE_MAX_STATES)
+
+
 def _lattice_for(profile: Profile, cluster: Cluster, states: StateSet, comm: bool) -> Lattice | None:
-    """All downsets as a lattice, where the pair DP had to fall back and the lattice search applies."""
-    if states.exact or len(cluster.levels) > 1:
-        return None
-    if cluster.gpus > DIRECT_MAX_UNITS:
-        return None
+    """All downsets as a lattice, where the lattice search applies (None beyond its caps)."""
     lattice = enumerate_lattice(without_free_sinks(profile), LATTICE_MAX_STATES)
     if lattice is None or comm:
         return lattice

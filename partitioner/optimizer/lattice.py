@@ -19,7 +19,7 @@ import numpy.typing as npt
 from partitioner.errors import InfeasibleError
 from partitioner.graph import Profile
 from partitioner.optimizer.dp import Segment
-from partitioner.optimizer.states import _layers, downsets_at_least
+from partitioner.optimizer.states import _layers, more_downsets_than
 
 __all__ = ["Lattice", "enumerate_lattice", "solve_lattice"]
 
@@ -160,7 +160,7 @@ def enumerate_lattice(profile: Profile, cap: int, max_layer: int = 10_000) -> La
     states are numbered in order of discovery (parent, then added layer), and each state's sums
     are its first parent's plus the added layer's.
     """
-    if downsets_at_least(*_layers(profile)[1:], cap) > cap:
+    if more_downsets_than(profile, cap):
         return None
     dag = _Dag.of(profile)
     words = dag.bit.shape[1]

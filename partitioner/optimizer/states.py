@@ -27,6 +27,7 @@ __all__ = [
     "downset_states",
     "downsets_at_least",
     "free_sinks",
+    "more_downsets_than",
     "multi_order_states",
     "prefix_chain",
     "prefix_chains",
@@ -329,6 +330,12 @@ def downsets_at_least(preds: list[int], succs: list[int], cap: int) -> int:
             if count > cap:
                 break
     return count
+
+
+def more_downsets_than(profile: Profile, cap: int) -> bool:
+    """Whether the layer DAG surely has more than ``cap`` downsets (``downsets_at_least``)."""
+    _, preds, succs = _layers(profile)
+    return downsets_at_least(preds, succs, cap) > cap
 
 
 def downset_states(profile: Profile, max_states: int = DEFAULT_MAX_STATES) -> StateSet | None:
