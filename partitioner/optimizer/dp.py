@@ -159,6 +159,11 @@ class _Pairs:
             ok = _replicas_floor(prob, base, q, act, tau) + floor[ks] <= room[js]  # a cheap first cut
             part, js = _Pairs.block(prob, ks[ok], js[ok], base[ok], q[ok], act[ok], layers)
             need = _replicas_needed(prob, part, tau)
+            if prob.memory is not None:  # the compute floor after each stage: devices from it on
+                need = np.maximum(
+                    need,
+                    _memory_floor(prob, part.params, part.saved, (prob.units - room)[js].astype(np.float64)),
+                )
             if len(js):
                 last = int(js[-1]) + 1
                 _sweep(g, part.ks, np.searchsorted(js, np.arange(first, last + 1)), layers, need, first)
@@ -672,7 +677,7 @@ def solve_bottleneck(prob: LevelProblem, lower: float = 0.0) -> tuple[float, lis
         else:  # a plan that fits, on fewer cuts: only the pairs a plan as fast can use are searched
             upper = _fitting_upper(prob, lower, thin)
             if math.isfinite(upper):
-                return solve_bisection(prob, lower, _Pairs.of(free, upper))
+                return solve_bisection(prob, lower, _Pairs.of(prob, upper))
     return solve_bisection(prob, lower)
 
 
@@ -736,26 +741,28 @@ def solve_bisection(
 
 
 def _usable(prob: LevelProblem, pairs: _Pairs, upper: float) -> _Pairs:
-    """The pairs a plan as fast as ``upper`` that fits the memory limit can use (``_between``).
-
-    Each stage needs the replicas that meet upper, and under pipedream's memory model also
-    ceil(D / h) where h is what fits of its in-flight minibatches (``_memory_capacity``) and D
-    the devices from it on, at least its own r and the fewest after it: r >= after / (h - 1).
-    """
+    """The pairs a plan as fast as ``upper`` that fits the memory limit can use (``_between``):
+    each stage on at least the replicas that meet upper and ``_memory_floor``'s, with the fewest
+    devices after it that the time alone asks for."""
     free = replace(prob, memory=None)
     lo, width = _windows(free, upper)
     need = _replicas_needed(free, pairs, upper * (1 + 1e-9))
     if prob.memory is not None:
-        capacity = _memory_capacity(prob, pairs.params, pairs.saved)
-        if prob.memory[2] == "pipedream":
-            after = fewest_units_after(pairs.ks, pairs.js(), pairs.layers, need, prob.units)[pairs.js()]
-            with np.errstate(divide="ignore", invalid="ignore"):
-                floor = np.where(capacity >= 2, np.ceil(after / (capacity - 1) - 1e-9), np.inf)
-            floor = np.where((capacity >= 1) & (after == 0), 1.0, floor)
-        else:
-            floor = capacity
-        need = np.maximum(need, floor)
+        after = fewest_units_after(pairs.ks, pairs.js(), pairs.layers, need, prob.units)[pairs.js()]
+        need = np.maximum(need, _memory_floor(prob, pairs.params, pairs.saved, after))
     return _between(free, pairs, upper, lo, width, need)[0]
+
+
+def _memory_floor(prob: LevelProblem, params: FloatArray, saved: FloatArray, after: FloatArray) -> FloatArray:
+    """Fewest replicas stages need for memory whatever comes before them, given at least ``after``
+    devices after each: pipedream's in-flight count is at least r + after, so r >= after / (h - 1)
+    (h: the minibatches that fit, ``_memory_capacity``); synchronous schedules' need is fixed."""
+    capacity = _memory_capacity(prob, params, saved)
+    if prob.memory is None or prob.memory[2] != "pipedream":
+        return capacity
+    with np.errstate(divide="ignore", invalid="ignore"):
+        floor = np.where(capacity >= 2, np.ceil(after / (capacity - 1) - 1e-9), np.inf)
+    return np.asarray(np.where((capacity >= 1) & (after <= 0), 1.0, floor), dtype=np.float64)
 
 
 # ---------------------------------------------------------------- hierarchy
