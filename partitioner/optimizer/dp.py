@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -23,14 +22,13 @@ import numpy as np
 import numpy.typing as npt
 
 from partitioner.errors import InfeasibleError
+from partitioner.optimizer.reach import fewest_units, fewest_units_after, sweep_layers
 from partitioner.optimizer.states import StateSet, prefix_chain, prefix_chains, thin_prefixes
 
 __all__ = [
     "LevelProblem",
     "Segment",
     "cut_states",
-    "fewest_units",
-    "fewest_units_after",
     "solve_bisection",
     "solve_bottleneck",
     "solve_direct",
@@ -166,7 +164,7 @@ class _Pairs:
                 )
             if len(js):
                 last = int(js[-1]) + 1
-                _sweep(g, part.ks, np.searchsorted(js, np.arange(first, last + 1)), layers, need, first)
+                sweep_layers(g, part.ks, np.searchsorted(js, np.arange(first, last + 1)), layers, need, first)
                 floor[first:last] = np.maximum(g[first:last], lo[first:last])
             keep = need + floor[part.ks] <= room[js]  # (inf: never)
             parts.append((part.subset(keep, js), js[keep]))
@@ -436,33 +434,6 @@ def cut_states(prob: LevelProblem, upper: float) -> npt.NDArray[np.bool_]:
     return np.asarray(_between(prob, _Pairs.of(prob, upper), upper, lo, width)[2] > 0)
 
 
-def fewest_units_after(
-    ks: IntArray, js: IntArray, layers: IntArray, need: FloatArray, most: int | None = None
-) -> FloatArray:
-    """h[k] = min over stages (k, j] of need + h[j]: fewest devices after each state to the end.
-
-    ``fewest_units`` run backwards: the pairs grouped by their earlier state (a stable radix sort
-    on 16-bit indices), size layers from the last (or rounds, given ``most``).
-    """
-    n = int(layers[-1])
-    by_k = ks.astype(np.uint16) if n <= 1 << 16 else ks
-    order = np.argsort(by_k, kind="stable")
-    starts = np.searchsorted(by_k[order], np.arange(n + 1))
-    h = np.full(n, np.inf)
-    h[n - 1] = 0.0
-    if most is not None and _rounds_pay(most, len(ks), len(layers)):
-        has = np.flatnonzero(np.diff(starts))
-        return _rounds(h, js[order], need[order], has, starts[has], most)
-    for lo, hi in reversed(list(itertools.pairwise(layers.tolist()))):
-        a, b = int(starts[lo]), int(starts[hi])
-        if a == b:
-            continue
-        seg = order[a:b]
-        has = np.flatnonzero(starts[lo + 1 : hi + 1] > starts[lo:hi])
-        h[lo + has] = np.minimum.reduceat(h[js[seg]] + need[seg], starts[lo + has] - a)
-    return h
-
-
 @dataclass(frozen=True)
 class _Candidates:
     """The (pair, replicas) choices that can take part in a plan between the bounds."""
@@ -572,60 +543,6 @@ def _renumbered(
         return None
     full = base
     return lambda j, ks: full(idx[j], idx[ks])
-
-
-def fewest_units(
-    ks: IntArray, offsets: IntArray, layers: IntArray, need: FloatArray, most: int | None = None
-) -> FloatArray:
-    """g[j] = min over stages (k, j] of g[k] + need: fewest devices reaching each state.
-
-    Stages are CSR by j (``ks[offsets[j]:offsets[j + 1]]``); a stage's earlier cut is a strict
-    subset of its later one, so no stage joins two states of one size (``layers``): g of a whole
-    size layer follows from the layers before it, one numpy pass each. Given ``most`` (values
-    above it may come out larger), when that is cheaper: rounds over every stage at once, as
-    many as the stages a plan on ``most`` devices can have (``_rounds``).
-    """
-    g = np.full(len(offsets) - 1, np.inf)
-    g[0] = 0.0
-    if most is not None and _rounds_pay(most, len(ks), len(layers)):
-        has = np.flatnonzero(np.diff(offsets))
-        return _rounds(g, ks, need, has, offsets[has], most)
-    _sweep(g, ks, offsets, layers, need)
-    return g
-
-
-def _rounds_pay(most: int, pairs: int, layers: int) -> bool:
-    """Whether ``most`` passes over every pair cost less than a numpy pass per size layer (about
-    25 us of call overhead each, against a few ns per pair and pass: measured on the shared profiles)."""
-    return most * pairs < 6000 * layers
-
-
-def _rounds(g: FloatArray, src: IntArray, need: FloatArray, dst: IntArray, starts: IntArray,
-            most: int) -> FloatArray:  # fmt: skip
-    """Bellman-Ford over the stages grouped by ``dst`` (runs from ``starts``): g[dst] = min(g[dst],
-    g[src] + need). After r rounds, every value reached in at most r stages is exact; a stage
-    takes at least one device, so ``most`` rounds settle every value up to ``most``."""
-    for _ in range(most):
-        best = np.minimum.reduceat(g[src] + need, starts)
-        better = best < g[dst]
-        if not better.any():
-            break
-        g[dst[better]] = best[better]
-    return g
-
-
-def _sweep(
-    g: FloatArray, ks: IntArray, offsets: IntArray, layers: IntArray, need: FloatArray, lo: int = 0
-) -> None:
-    """``fewest_units`` in place over states lo .. lo + len(offsets) - 2 (stages CSR from lo)."""
-    hi = lo + len(offsets) - 1
-    inner = layers[(layers > lo) & (layers < hi)].tolist()
-    for a, b in itertools.pairwise([lo, *inner, hi]):
-        start, stop = int(offsets[a - lo]), int(offsets[b - lo])
-        if start == stop:
-            continue
-        has = np.flatnonzero(offsets[a - lo + 1 : b - lo + 1] > offsets[a - lo : b - lo])
-        g[a + has] = np.minimum.reduceat(g[ks[start:stop]] + need[start:stop], offsets[a - lo + has] - start)
 
 
 def _first_fits(

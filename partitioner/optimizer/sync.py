@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from partitioner.optimizer.dp import Segment, fewest_units, fewest_units_after
+from partitioner.optimizer.dp import Segment
+from partitioner.optimizer.reach import fewest_units, fewest_units_after
 from partitioner.optimizer.states import StateSet
 
 __all__ = ["MAX_CHOICES", "MAX_STEPS", "Memory", "solve_synchronous"]
