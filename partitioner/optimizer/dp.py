@@ -573,7 +573,8 @@ def solve_bottleneck(prob: LevelProblem, lower: float = 0.0) -> tuple[float, lis
     bounded by a quick plan over prefixes (of the layer order, and of every order thinned, which
     NASNet's optimum mixes). Under a memory limit that plan is the answer when it fits (no plan
     that fits is faster), and otherwise its time is the lower end of a bisection on the time with
-    the memory-aware fewest-units DP (as without the direct recurrence, or if its bound failed).
+    the memory-aware fewest-units DP, over the pairs a fitting plan on thinned prefixes leaves (as
+    with many units, where the direct recurrence's table would be too wide).
 
     Raises:
         InfeasibleError: no plan fits, even with unlimited time (memory too small).
@@ -595,6 +596,11 @@ def solve_bottleneck(prob: LevelProblem, lower: float = 0.0) -> tuple[float, lis
             upper = _fitting_upper(prob, lower, thin)
             if math.isfinite(upper):
                 return solve_bisection(prob, lower, _Pairs.of(prob, upper))
+    elif prob.base is None:  # many units: the same, from the plans on thinned prefixes
+        thin = thin_prefixes(prob.states, THIN_PREFIXES)
+        upper = _fitting_upper(prob, lower, thin)
+        if math.isfinite(upper):
+            return solve_bisection(prob, lower, _Pairs.of(prob, upper))
     return solve_bisection(prob, lower)
 
 
