@@ -299,6 +299,30 @@ def test_memory_limit_that_binds(costs: list[tuple[int, int, int, int]], gpus: i
         before += seg.replicas
 
 
+@settings(max_examples=30, deadline=None)
+@given(dag=dags, gpus=st.integers(65, 80), limit=st.sampled_from([None, 6_000, 20_000]))
+def test_many_devices_search_only_usable_pairs(
+    dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]], gpus: int, limit: int | None
+) -> None:
+    """Beyond 64 devices (no direct recurrence), the bisection over the pairs a plan on the layer
+    order's prefixes leaves finds what the bisection over every pair finds."""
+    from partitioner.errors import InfeasibleError
+    from partitioner.optimizer.dp import LevelProblem, solve_bisection, solve_bottleneck
+    from partitioner.optimizer.states import build_states
+
+    costs, raw = dag
+    states = build_states(make_profile(costs, [(a, b) for a, b in raw if a < b]))
+    memory = None if limit is None else (float(limit), 1, "pipedream", gpus)
+    prob = LevelProblem(states, gpus, 1e5, memory=memory)
+    try:
+        plain, _, _ = solve_bisection(prob)
+    except InfeasibleError:
+        with pytest.raises(InfeasibleError):
+            solve_bottleneck(prob)
+        return
+    assert solve_bottleneck(prob)[0] == pytest.approx(plain, rel=1e-6)
+
+
 @settings(max_examples=40, deadline=None)
 @given(dag=dags, gpus=st.integers(1, 6), comm=st.booleans())
 def test_direct_recurrence_equals_bisection(
