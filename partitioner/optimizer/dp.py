@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -144,31 +144,7 @@ class _Pairs:
                 for ks, js in s.pair_blocks(PAIR_BLOCK)
             ]
             return _Pairs.joined(n, every)
-        lo, width = _windows(prob, upper)
-        room = lo + width - 1  # most devices before a state's end: all but the compute floor after it
-        tau = upper * (1 + 1e-9)
-        g = np.full(n, np.inf)
-        g[0] = 0.0
-        floor = lo.astype(np.float64)  # devices surely before each state: max(g, lo) once g is known
-        parts = []
-        for ks, js in s.pair_blocks(PAIR_BLOCK, _first_fits(prob, (lo, width), upper)):
-            first = int(js[0]) if len(js) else n
-            ks, js, base, q, act = _Pairs.priced(prob, ks, js)
-            ok = _replicas_floor(prob, base, q, act, tau) + floor[ks] <= room[js]  # a cheap first cut
-            part, js = _Pairs.block(prob, ks[ok], js[ok], base[ok], q[ok], act[ok], layers)
-            need = _replicas_needed(prob, part, tau)
-            if prob.memory is not None:  # the compute floor after each stage: devices from it on
-                need = np.maximum(
-                    need,
-                    _memory_floor(prob, part.params, part.saved, (prob.units - room)[js].astype(np.float64)),
-                )
-            if len(js):
-                last = int(js[-1]) + 1
-                sweep_layers(g, part.ks, np.searchsorted(js, np.arange(first, last + 1)), layers, need, first)
-                floor[first:last] = np.maximum(g[first:last], lo[first:last])
-            keep = need + floor[part.ks] <= room[js]  # (inf: never)
-            parts.append((part.subset(keep, js), js[keep]))
-        return _Pairs.joined(n, parts)
+        return _Pairs.joined(n, list(_usable_blocks(prob, upper, layers)))
 
     @staticmethod
     def priced(
@@ -223,6 +199,33 @@ class _Pairs:
         """Stage times of the pairs ``idx`` with r replicas each (cut traffic included)."""
         busy = (self.base[idx] + self.q[idx] * (r - 1.0) / r) / r
         return np.asarray(np.maximum(busy, 2.0 * self.act[idx] / (bandwidth * r)), dtype=np.float64)
+
+
+def _usable_blocks(prob: LevelProblem, upper: float, layers: IntArray) -> Iterator[tuple[_Pairs, IntArray]]:
+    """``_Pairs.of``'s blocks of usable pairs, with the fewest-devices DP run alongside: each block's
+    states are settled once their pairs are priced, before the blocks after them are listed."""
+    n = len(prob.states)
+    lo, width = _windows(prob, upper)
+    room = lo + width - 1  # most devices before a state's end: all but the compute floor after it
+    tau = upper * (1 + 1e-9)
+    g = np.full(n, np.inf)
+    g[0] = 0.0
+    floor = lo.astype(np.float64)  # devices surely before each state: max(g, lo) once g is known
+    for ks, js in prob.states.pair_blocks(PAIR_BLOCK, _first_fits(prob, (lo, width), upper)):
+        first = int(js[0]) if len(js) else n
+        ks, js, base, q, act = _Pairs.priced(prob, ks, js)
+        ok = _replicas_floor(prob, base, q, act, tau) + floor[ks] <= room[js]  # a cheap first cut
+        part, js = _Pairs.block(prob, ks[ok], js[ok], base[ok], q[ok], act[ok], layers)
+        need = _replicas_needed(prob, part, tau)
+        if prob.memory is not None:  # the compute floor after each stage: devices from it on
+            after = (prob.units - room)[js].astype(np.float64)
+            need = np.maximum(need, _memory_floor(prob, part.params, part.saved, after))
+        if len(js):
+            last = int(js[-1]) + 1
+            sweep_layers(g, part.ks, np.searchsorted(js, np.arange(first, last + 1)), layers, need, first)
+            floor[first:last] = np.maximum(g[first:last], lo[first:last])
+        keep = need + floor[part.ks] <= room[js]  # (inf: never)
+        yield part.subset(keep, js), js[keep]
 
 
 def _replicas_floor(
