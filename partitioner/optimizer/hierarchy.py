@@ -80,8 +80,8 @@ def _all_segments(
         best = np.full(n * n, np.inf)
         best[splits.flat] = pairs.grid[out, False][: min(m, cap)].min(axis=0)
         keep = pairs.span <= m * limit * prob.unit_devices
-        if rows is not None:
-            keep &= rows[pairs.ks]
+        if rows is not None:  # a top stage starts at a row; on all the units, it also ends at one
+            keep &= rows[pairs.ks] & (rows[splits.js] | out)
         cells = splits.flat[keep]
         reps = range(1, min(m - 1, cap) + 1)
         lasts = {r: splits.dense(pairs.grid[out, True][r - 1]) for r in reps}
