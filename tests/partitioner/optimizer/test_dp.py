@@ -245,31 +245,6 @@ def test_all_downsets_under_a_memory_limit_that_does_not_bind() -> None:
     assert max(s.memory_bytes for s in tight.stages) <= limit
 
 
-@settings(max_examples=40, deadline=None)
-@given(dag=dags, gpus=st.integers(1, 6), limit=st.integers(2_000, 40_000))
-def test_memory_shortcuts_equal_plain_bisection(
-    dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]], gpus: int, limit: int
-) -> None:
-    """Under a memory limit, the unconstrained optimum when it fits, else a bisection over the
-    pairs a fitting plan on fewer cuts leaves, equal the memory-aware bisection over every pair."""
-    from partitioner.errors import InfeasibleError
-    from partitioner.optimizer.dp import LevelProblem, _fits_memory, solve_bisection, solve_bottleneck
-    from partitioner.optimizer.states import build_states
-
-    costs, raw = dag
-    states = build_states(make_profile(costs, [(a, b) for a, b in raw if a < b]))
-    prob = LevelProblem(states, gpus, 1e5, memory=(float(limit), 1, "pipedream", gpus))
-    try:
-        plain, _, _ = solve_bisection(prob)
-    except InfeasibleError:
-        with pytest.raises(InfeasibleError):
-            solve_bottleneck(prob)
-        return
-    fast, stages, lower = solve_bottleneck(prob)
-    assert fast == pytest.approx(plain, rel=1e-6)
-    assert _fits_memory(prob, stages) and lower <= fast * (1 + 1e-12)
-
-
 @pytest.mark.parametrize(
     ("costs", "gpus", "limit"),
     [([(6, 7, 1736, 1726), (1, 8, 353, 8158)], 3, 28434),
@@ -299,15 +274,17 @@ def test_memory_limit_that_binds(costs: list[tuple[int, int, int, int]], gpus: i
         before += seg.replicas
 
 
-@settings(max_examples=30, deadline=None)
-@given(dag=dags, gpus=st.integers(65, 80), limit=st.sampled_from([None, 6_000, 20_000]))
-def test_many_devices_search_only_usable_pairs(
+@settings(max_examples=60, deadline=None)
+@given(dag=dags, gpus=st.one_of(st.integers(1, 6), st.integers(65, 80)),
+       limit=st.sampled_from([None, 2_000, 6_000, 20_000, 40_000]))  # fmt: skip
+def test_bottleneck_shortcuts_equal_plain_bisection(
     dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]], gpus: int, limit: int | None
 ) -> None:
-    """Beyond 64 devices (no direct recurrence), the bisection over the pairs a plan on the layer
-    order's prefixes leaves finds what the bisection over every pair finds."""
+    """The shortcuts (under a memory limit, the unconstrained optimum when it fits; else, and beyond
+    64 devices, a bisection over the pairs a fitting plan on fewer cuts leaves) find what the
+    memory-aware bisection over every pair finds."""
     from partitioner.errors import InfeasibleError
-    from partitioner.optimizer.dp import LevelProblem, solve_bisection, solve_bottleneck
+    from partitioner.optimizer.dp import LevelProblem, _fits_memory, solve_bisection, solve_bottleneck
     from partitioner.optimizer.states import build_states
 
     costs, raw = dag
@@ -320,7 +297,9 @@ def test_many_devices_search_only_usable_pairs(
         with pytest.raises(InfeasibleError):
             solve_bottleneck(prob)
         return
-    assert solve_bottleneck(prob)[0] == pytest.approx(plain, rel=1e-6)
+    fast, stages, lower = solve_bottleneck(prob)
+    assert fast == pytest.approx(plain, rel=1e-6) and lower <= fast * (1 + 1e-12)
+    assert memory is None or _fits_memory(prob, stages)
 
 
 @settings(max_examples=40, deadline=None)
