@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from partitioner.errors import InfeasibleError
 from partitioner.optimizer.reach import fewest_units, fewest_units_after, sweep_layers
-from partitioner.optimizer.states import StateSet, prefix_chain, prefix_chains, thin_prefixes
+from partitioner.optimizer.states import StateSet, prefix_chain, thin_prefixes
 
 __all__ = [
     "LevelProblem",
@@ -524,18 +524,20 @@ def _trace(prob: LevelProblem, cand: _Candidates, f: FloatArray) -> list[Segment
 
 
 def _chain_upper(prob: LevelProblem, most: int = 48) -> float:
-    """Time of the best plan cut only at prefixes of one topological order, thinned to ``most``
-    cuts: the best over the orders the states were built from (``prefix_chains``).
+    """Time of the best plan cut only at prefixes of the layer order, thinned to ``most`` cuts.
 
-    Prefixes are states, so each such plan is one the full search also considers: its time is an
-    attained upper bound for the windows, found on a few hundred pairs. The closer it is, the
-    fewer pairs a plan that fast can use (NASNet: the as-late-as-possible order's is best).
+    Prefixes are states, so that plan is one the full search also considers: its time is an
+    attained upper bound for the windows, found on a few hundred pairs (prefix states get a closer
+    one from every order thinned, ``thin_prefixes``).
     """
-    best = math.inf
-    for idx, states in prefix_chains(prob.states, most):
-        with contextlib.suppress(InfeasibleError):
-            best = min(best, solve_direct(replace(prob, states=states, base=_renumbered(prob.base, idx)))[0])
-    return best
+    chain = prefix_chain(prob.states, most)
+    if chain is None:
+        return math.inf
+    idx, states = chain
+    try:
+        return solve_direct(replace(prob, states=states, base=_renumbered(prob.base, idx)))[0]
+    except InfeasibleError:
+        return math.inf
 
 
 def _renumbered(

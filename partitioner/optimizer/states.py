@@ -30,7 +30,6 @@ __all__ = [
     "more_downsets_than",
     "multi_order_states",
     "prefix_chain",
-    "prefix_chains",
     "thin_prefixes",
     "without_free_sinks",
 ]
@@ -557,31 +556,6 @@ class PrefixPreds:
         return PrefixPreds(tuple(own), upto, tuple(idx))
 
 
-def prefix_chains(states: StateSet, most: int = 48) -> list[tuple[IntArray, StateSet]]:
-    """Per topological order the states hold all prefixes of, those prefixes thinned evenly by
-    compute to ``most``: their indices, and them as a chain of states (each inside the next).
-
-    Any plan cut only at them is a plan of the states, so each chain's optimum, found on a few
-    hundred pairs, is an attained upper bound. The layer order's chain comes first (for downsets,
-    it is the only one listed); prefix states add the other orders they were built from.
-    """
-    layer_order = np.flatnonzero([m & (m + 1) == 0 for m in states.masks])
-    orders = states.preds.chains if isinstance(states.preds, PrefixPreds) else ()
-    out = []
-    for idx in (layer_order, *orders[1:]):  # the first order is the layer order
-        if len(idx) < 2 or idx[0] != 0 or idx[-1] != len(states) - 1:
-            continue
-        if len(idx) > most:
-            c = states.compute_s[idx]
-            pick = np.searchsorted(c, np.linspace(0.0, c[-1], most))
-            idx = idx[sorted({0, len(idx) - 1, *np.minimum(pick, len(idx) - 1).tolist()})]
-        sub = StateSet(states.layer_ids, tuple(states.masks[i] for i in idx), states.compute_s[idx],
-                       states.param_bytes[idx], states.saved_bytes[idx], states.act_bytes[idx], None,
-                       False)  # fmt: skip
-        out.append((idx.astype(np.int64), sub))
-    return out
-
-
 def thin_prefixes(states: StateSet, most: int) -> StateSet | None:
     """Prefix states with each order's prefixes thinned evenly by compute to ``most`` (None when
     the states are not prefixes of several orders, or not more than that already).
@@ -604,9 +578,22 @@ def thin_prefixes(states: StateSet, most: int) -> StateSet | None:
 
 
 def prefix_chain(states: StateSet, most: int = 48) -> tuple[IntArray, StateSet] | None:
-    """The layer order's chain of ``prefix_chains`` (None when the states lack it)."""
-    chains = prefix_chains(states, most)
-    return chains[0] if chains and all(m & (m + 1) == 0 for m in chains[0][1].masks) else None
+    """The states that are prefixes of the layer order, thinned evenly by compute to ``most``.
+
+    Returns their indices and them as a chain of states (each a subset of the next), or None when
+    the set has no such chain from nothing to everything.
+    """
+    idx = np.flatnonzero([m & (m + 1) == 0 for m in states.masks])
+    if len(idx) < 2 or idx[0] != 0 or idx[-1] != len(states) - 1:
+        return None
+    if len(idx) > most:
+        c = states.compute_s[idx]
+        pick = np.searchsorted(c, np.linspace(0.0, c[-1], most))
+        idx = idx[sorted({0, len(idx) - 1, *np.minimum(pick, len(idx) - 1).tolist()})]
+    sub = StateSet(states.layer_ids, tuple(states.masks[i] for i in idx), states.compute_s[idx],
+                   states.param_bytes[idx], states.saved_bytes[idx], states.act_bytes[idx], None,
+                   False)  # fmt: skip
+    return idx.astype(np.int64), sub
 
 
 def _is_chain(succs: list[int]) -> bool:
