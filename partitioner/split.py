@@ -157,11 +157,17 @@ def _names(gm: fx.GraphModule, use_module_paths: bool) -> dict[fx.Node, str]:
             path = re.sub(r"\W", "_", str(list(stack.values())[-1][0]))
             if path and not name.startswith(path):
                 name = f"{path}_{name}"
+        name = _snake_case(name)
         if keyword.iskeyword(name) or name in dir(builtins) or name in taken or name == "self":
             name = f"{name}_t"
         taken.add(name)
         names[node] = name
     return names
+
+
+def _snake_case(name: str) -> str:
+    """The name as fx spells a placeholder (``LayerNorm`` -> ``layer_norm``), so a stage's signature keeps it."""
+    return re.sub(r"(?<=[a-z])([A-Z])", r"_\1", name).lower()
 
 
 def _devices_from_inputs(graph: fx.Graph) -> None:

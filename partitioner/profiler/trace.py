@@ -30,6 +30,7 @@ from torch import fx, nn
 
 from partitioner.errors import TraceError
 from partitioner.models import ModelBundle, load_model
+from partitioner.profiler.inline import inline_wrapped_regions
 
 __all__ = ["Group", "Traced", "group_nodes", "retrace", "trace_model"]
 
@@ -179,6 +180,10 @@ def _export(bundle: ModelBundle, fx_exc: Exception, failed_in: tuple[str, str] |
     try:
         with _quiet_torch_logs():
             program = torch.export.export(bundle.module, bundle.inputs, strict=False)
+        gm = program.module()
+        inline_wrapped_regions(gm)
+    except TraceError:
+        raise
     except Exception as exc:
         where = f" in module {failed_in[0] or '<root>'} ({failed_in[1]})" if failed_in else ""
         hint = f"--leaf-module {failed_in[1]}" if failed_in else "--leaf-module CLASS on the module doing it"
@@ -186,7 +191,7 @@ def _export(bundle: ModelBundle, fx_exc: Exception, failed_in: tuple[str, str] |
             f"cannot trace {bundle.spec}: torch.fx failed{where}: {_first_line(fx_exc)}; "
             f"torch.export failed: {_first_line(exc)}; keep that module whole with {hint}"
         ) from exc
-    return program.module()
+    return gm
 
 
 @contextlib.contextmanager
