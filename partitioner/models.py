@@ -64,6 +64,8 @@ class ModelBundle:
         factory: builds a fresh module (call under a seeded RNG; see ``build``).
         input_maker: ``batch_size`` -> example inputs (deterministic).
         target_maker: ``batch_size`` -> example targets (deterministic, consistent with the inputs).
+        input_names: when set, the inputs are keyword arguments of these names (Hugging Face models);
+            otherwise they are positional.
     """
 
     spec: str
@@ -75,6 +77,13 @@ class ModelBundle:
     factory: Callable[[], Any] = field(repr=False)
     input_maker: Callable[[int], tuple[Tensor, ...]] = field(repr=False)
     target_maker: Callable[[int], Tensor] = field(repr=False)
+    input_names: tuple[str, ...] = ()
+
+    def call(self, module: nn.Module, inputs: tuple[Tensor, ...]) -> Any:
+        """Run ``module`` on ``inputs`` as this model is called: by keyword or by position."""
+        if self.input_names:
+            return module(**dict(zip(self.input_names, inputs, strict=True)))
+        return module(*inputs)
 
     def build(self, seed: int = 0, device: str | torch.device = "cpu") -> nn.Module:
         """The same architecture with the weights ``seed`` gives; ``device="meta"`` allocates nothing."""

@@ -13,7 +13,8 @@ import builtins
 import keyword
 import operator
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import torch
@@ -135,14 +136,42 @@ def _members(
     return sorted(members, key=order.__getitem__)
 
 
-def _external(members: Iterable[fx.Node], stage_of: Mapping[fx.Node, int]) -> set[fx.Node]:
-    """Tensors a stage reads that it does not compute (placeholders or other stages' nodes)."""
+def _external(
+    members: Iterable[fx.Node], stage_of: Mapping[fx.Node, int], skip: AbstractSet[fx.Node] = frozenset()
+) -> set[fx.Node]:
+    """Tensors a stage reads that it does not compute (placeholders or other stages' nodes); the
+    inputs of ``skip`` nodes (sizes read again from a local tensor) do not count."""
     inside = set(members)
     found: set[fx.Node] = set()
-    for node in inside:
+    for node in inside - set(skip):
         for src in node.all_input_nodes:
             if src not in inside and (src.op == "placeholder" or src in stage_of):
                 found.add(src)
+    return found
+
+
+def _symbol(value: object) -> str | None:
+    return str(value) if isinstance(value, torch.SymInt) else None
+
+
+def _local_sizes(members: Sequence[fx.Node], needs: set[fx.Node]) -> dict[fx.Node, tuple[fx.Node, int]]:
+    """``sym_size`` nodes of a stage that read a tensor it does not otherwise need, each mapped to a
+    tensor the stage receives anyway with the same symbolic size (the dynamic batch) and its dimension.
+
+    Without this, a later stage would receive the model's input just to read its batch size again.
+    """
+    found: dict[fx.Node, tuple[fx.Node, int]] = {}
+    for node in members:
+        src = node.args[0] if node.args else None
+        if "sym_size" not in str(node.target) or not isinstance(src, fx.Node) or src in members:
+            continue
+        symbol = _symbol(node.meta.get("val"))
+        for candidate in sorted(needs - {src}, key=lambda n: n.name):
+            shape = getattr(candidate.meta.get("val"), "shape", ())
+            dims = [d for d, size in enumerate(shape) if symbol and _symbol(size) == symbol]
+            if dims:
+                found[node] = (candidate, dims[0])
+                break
     return found
 
 
@@ -153,8 +182,9 @@ def _names(gm: fx.GraphModule, use_module_paths: bool) -> dict[fx.Node, str]:
     for node in gm.graph.nodes:
         name = node.name
         stack = node.meta.get("nn_module_stack") if use_module_paths else None
-        if stack and node.op != "call_module":
-            path = re.sub(r"\W", "_", str(list(stack.values())[-1][0]))
+        paths = [str(p) for p, _ in (stack or {}).values() if not str(p).startswith("_empty_nn_module")]
+        if paths and node.op != "call_module":
+            path = re.sub(r"\W", "_", paths[-1])
             if path and not name.startswith(path):
                 name = f"{path}_{name}"
         name = _snake_case(name)
@@ -249,6 +279,8 @@ def split_graph(
     stage_of = _assign(gm, assignment, kinds, drop)
     members = [_members(s, stage_of, kinds, order) for s in range(num_stages)]
     needs = [_external(m, stage_of) for m in members]
+    resized = [_local_sizes(members[s], needs[s]) if s else {} for s in range(num_stages)]
+    needs = [_external(m, stage_of, set(resized[s])) for s, m in enumerate(members)]
     if stage_of.get(by_name[loss_node]) != num_stages - 1:
         needs[-1].add(by_name[loss_node])
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -270,7 +302,9 @@ def split_graph(
             producer = 0 if node.op == "placeholder" else stage_of[node]
             if node not in outs[producer]:
                 raise PlanError(f"stage {s} reads {node.name}, which stage {producer} does not produce")
-    return tuple(_stage_graph(gm, s, members[s], ins[s], outs[s], names) for s in range(num_stages))
+    return tuple(
+        _stage_graph(gm, s, members[s], ins[s], outs[s], names, resized[s]) for s in range(num_stages)
+    )
 
 
 def _stage_graph(
@@ -280,6 +314,7 @@ def _stage_graph(
     ins: list[fx.Node],
     outs: list[fx.Node],
     names: Mapping[fx.Node, str],
+    resized: Mapping[fx.Node, tuple[fx.Node, int]],
 ) -> StageGraph:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -291,10 +326,11 @@ def _stage_graph(
         if node.op == "get_attr" and any(u in inside for u in node.users):
             env[node] = graph.get_attr(str(node.target))
         elif node in inside:
+            args = (resized[node][0], resized[node][1]) if node in resized else node.args
             new = graph.create_node(
                 node.op,
                 node.target,
-                fx.map_arg(node.args, env.__getitem__),
+                fx.map_arg(args, env.__getitem__),
                 fx.map_arg(node.kwargs, env.__getitem__),
                 names[node],
                 node.type,

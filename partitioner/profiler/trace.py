@@ -32,7 +32,7 @@ from partitioner.errors import TraceError
 from partitioner.models import ModelBundle, load_model
 from partitioner.profiler.inline import inline_wrapped_regions
 
-__all__ = ["Group", "Traced", "group_nodes", "retrace", "trace_model"]
+__all__ = ["Group", "Traced", "group_nodes", "has_symbolic_shapes", "retrace", "trace_model"]
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def trace_model(
         gm = _export(bundle, fx_exc, tracer.failed_in)
         kind = "export"
     options["tracer"] = kind
-    options["static_shapes"] = kind == "export"
+    options["static_shapes"] = kind == "export" and not has_symbolic_shapes(gm)
     return Traced(gm, kind, options, group_nodes(gm, kind, leaves))
 
 
@@ -171,15 +171,20 @@ def _check_leaf_names(module: nn.Module, leaves: Sequence[str]) -> None:
 
 
 def _export(bundle: ModelBundle, fx_exc: Exception, failed_in: tuple[str, str] | None) -> fx.GraphModule:
-    """torch.export non-strict with static shapes.
+    """torch.export non-strict, the batch dimension dynamic where the model allows it.
 
-    A dynamic batch dimension would put a symbolic batch size (a Python int at run time) on edges into
-    every block, and only tensors may cross pipeline stages; ``retrace(options, batch_size=...)``
-    re-exports at another (micro)batch size with the same node names instead.
+    With a dynamic batch the graph runs any microbatch or replica share of a minibatch; the batch size
+    becomes a ``sym_size`` of an input that :mod:`partitioner.split` reads again, in each stage, from a
+    tensor that stage receives. A model that fixes its batch size is exported with static shapes, and
+    ``retrace(options, batch_size=...)`` re-exports it at the size a stage runs (same node names).
     """
     try:
         with _quiet_torch_logs():
-            program = torch.export.export(bundle.module, bundle.inputs, strict=False)
+            try:
+                program = _export_dynamic(bundle)
+            except Exception as exc:
+                log.info("export with a dynamic batch failed (%s); exporting with static shapes", exc)
+                program = torch.export.export(bundle.module, *_export_args(bundle.inputs, bundle), strict=False)
         gm = program.module()
         inline_wrapped_regions(gm)
     except TraceError:
@@ -192,6 +197,35 @@ def _export(bundle: ModelBundle, fx_exc: Exception, failed_in: tuple[str, str] |
             f"torch.export failed: {_first_line(exc)}; keep that module whole with {hint}"
         ) from exc
     return gm
+
+
+def _export_dynamic(bundle: ModelBundle) -> torch.export.ExportedProgram:
+    """Export at a batch of at least 2 (a size-1 dimension would be specialised) with dim 0 automatic."""
+    inputs = bundle.inputs if bundle.batch_size >= 2 else bundle.make_inputs(2)
+    auto = torch.export.Dim.AUTO
+    dims = [{0: auto} if t.dim() > 0 else None for t in inputs]
+    args, kwargs = _export_args(inputs, bundle)
+    shapes: Any = dict(zip(bundle.input_names, dims, strict=True)) if bundle.input_names else tuple(dims)
+    return torch.export.export(bundle.module, args, kwargs, dynamic_shapes=shapes, strict=False)
+
+
+def _export_args(
+    inputs: tuple[torch.Tensor, ...], bundle: ModelBundle
+) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor] | None]:
+    """Positional inputs, or keyword inputs for models called by name (Hugging Face)."""
+    if bundle.input_names:
+        return (), dict(zip(bundle.input_names, inputs, strict=True))
+    return inputs, None
+
+
+def has_symbolic_shapes(gm: fx.GraphModule) -> bool:
+    """Whether an exported graph computes with a symbolic (dynamic) size anywhere."""
+    return any(isinstance(n.meta.get("val"), torch.SymInt) for n in gm.graph.nodes) or any(
+        isinstance(d, torch.SymInt)
+        for n in gm.graph.nodes
+        if isinstance(n.meta.get("val"), torch.Tensor)
+        for d in n.meta["val"].shape
+    )
 
 
 @contextlib.contextmanager
