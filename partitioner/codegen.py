@@ -279,6 +279,7 @@ def _extra(
         ],
         "targets": _target_spec(bundle),
         "loss": loss,
+        "keyword_inputs": bool(getattr(bundle, "input_names", ())),
         "init": f"checkpoint {weights}" if weights else init,
         "tracer": tracer,
         "static_batch_size": len(bundle.inputs[0]) if _static(gm) else None,

@@ -46,7 +46,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SPEC_FORMS = "a built-in name, torchvision:NAME, package.module:factory or path/to/file.py:factory"
+SPEC_FORMS = (
+    "a built-in name, hf:FAMILY (hf:llama), hf:config.json or hf:checkpoint-folder (optionally :TASK), "
+    "torchvision:NAME, package.module:factory or path/to/file.py:factory"
+)
 _INPUT_SEED = 1234
 
 
@@ -122,7 +125,13 @@ def default_loss(output: Any, target: Tensor) -> Tensor:
 
 def model_name(spec: str) -> str:
     """A file-system-safe short name for a spec: ``vgg16``, ``resnet50`` (torchvision:), ``mymodel-make``."""
-    if ":" in spec:
+    if spec.startswith("hf:"):
+        body = spec[3:]
+        source, _, task = body.rpartition(":") if body.count(":") else (body, "", "")
+        path = Path(source)
+        stem = path.parent.name if path.suffix == ".json" else path.name
+        name = f"hf-{stem or 'model'}" + (f"-{task}" if task else "")
+    elif ":" in spec:
         where, _, factory = spec.rpartition(":")
         stem = Path(where).stem if where.endswith(".py") else where.rsplit(".", 1)[-1]
         name = factory if where == "torchvision" else f"{stem}-{factory}"
@@ -148,6 +157,11 @@ def load_model(spec: str, batch_size: int = 1, input_shape: tuple[int, ...] | No
         raise ModelSpecError(f"input shape must be positive integers such as 3,224,224, got {input_shape}")
     if spec in ZOO:
         return _zoo_bundle(spec, ZOO[spec], batch_size, input_shape)
+    if spec.startswith("hf:"):
+        from partitioner.hf_inputs import hf_bundle_parts
+
+        factory, names, make_inputs, make_targets = hf_bundle_parts(spec, input_shape)
+        return _bundle(spec, factory, batch_size, make_inputs, make_targets, default_loss, input_names=names)
     if spec.startswith("torchvision:"):
         return _zoo_bundle(spec, _torchvision_entry(spec.partition(":")[2]), batch_size, input_shape)
     if ":" in spec:
@@ -253,8 +267,10 @@ def _bundle(
     make_targets: Callable[[int], Tensor],
     loss_fn: Callable[[Any, Tensor], Tensor],
     module: nn.Module | None = None,
+    input_names: tuple[str, ...] = (),
 ) -> ModelBundle:
     return ModelBundle(
+        input_names=input_names,
         spec=spec,
         module=(module if module is not None else _build(factory, 0, "cpu")).train(),
         inputs=make_inputs(batch_size),

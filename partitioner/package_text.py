@@ -125,6 +125,10 @@ def source_text(profile: Profile, plan: Plan, bundle: Any, loss: str, weights: s
     spec = str(bundle.spec)
     where, sep, attr = spec.rpartition(":")
     factory = spec if not sep or where == "torchvision" else f"{_absolute(where)}:{attr}"
+    if spec.startswith("hf:"):
+        from runtime.hf import absolute_spec
+
+        factory = absolute_spec(spec)
     extra = plan.extra
     return (
         '"""Where this package\'s model comes from: spec, weights, inputs, targets, loss.\n\n'

@@ -56,6 +56,8 @@ def derive_seed(seed: int, path: str) -> int:
 
 def factory_from_spec(spec: str) -> Callable[[], nn.Module]:
     """The zero-argument factory of a zoo name, ``torchvision:NAME``, ``pkg.mod:fn`` or ``file.py:fn``."""
+    if spec.startswith("hf:"):
+        return importlib.import_module("runtime.hf").factory(spec)  # type: ignore[no-any-return]
     if ":" not in spec:
         zoo = importlib.import_module("partitioner.zoo")
         return zoo.ZOO[spec].factory  # type: ignore[no-any-return]

@@ -180,7 +180,8 @@ def verify_package(
     from partitioner.stagekit import loss_input
 
     torch.manual_seed(seed)
-    ref_out = loss_input(reference(*inputs.values()))
+    keyword = bool(plan.extra.get("keyword_inputs"))
+    ref_out = loss_input(reference(**inputs) if keyword else reference(*inputs.values()))
     ref_loss = criterion(ref_out, targets)
     ref_loss.backward()
     torch.manual_seed(seed)

@@ -139,7 +139,8 @@ def _profile(
         # The step runs the traced graph, the code the pipeline stages are cut from (for fx, the model's own
         # modules; for export, its aten ops without the Python around them). Its samples bracket the layer
         # measurements, so both see the same machine load.
-        step_args = (gm, bundle.inputs, bundle.targets, bundle.loss_fn)
+        inputs = dict(zip(bundle.input_names, bundle.inputs, strict=True)) if bundle.input_names else None
+        step_args = (gm, inputs or bundle.inputs, bundle.targets, bundle.loss_fn)
         before = measure_step(*step_args, repeats=1, warmup=1, clock=clock)
         profiler = LayerProfiler(gm, traced.groups, repeats=repeats, progress=progress, clock=clock)
         costs = profiler.profile(*bundle.inputs)

@@ -302,7 +302,7 @@ def _median(values: list[float]) -> float:
 
 def measure_step(
     module: nn.Module,
-    inputs: Sequence[Tensor],
+    inputs: Sequence[Tensor] | Mapping[str, Tensor],
     targets: Tensor,
     loss_fn: Callable[[Any, Tensor], Tensor],
     repeats: int = 3,
@@ -310,7 +310,8 @@ def measure_step(
     budget_ms: float = 2000.0,
     clock: str = "wall",
 ) -> StepCost:
-    """Median time of ``loss_fn(module(*inputs), targets).backward()``, gradients cleared in between.
+    """Median time of ``loss_fn(module(*inputs), targets).backward()`` (``module(**inputs)`` for a
+    mapping), gradients cleared in between.
 
     Runs ``warmup`` untimed steps, then up to ``repeats`` timed ones, stopping early once the timed
     ones add up to ``budget_ms`` (at least one always runs)."""
@@ -322,7 +323,8 @@ def measure_step(
             break
         module.zero_grad(set_to_none=True)
         with torch.enable_grad(), stopwatch.time(times if run >= warmup else []):
-            loss_fn(module(*inputs), targets).backward()  # type: ignore[no-untyped-call]
+            output = module(**inputs) if isinstance(inputs, Mapping) else module(*inputs)
+            loss_fn(output, targets).backward()  # type: ignore[no-untyped-call]
     module.zero_grad(set_to_none=True)
     return StepCost(_median(times), tuple(times))
 

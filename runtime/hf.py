@@ -1,0 +1,164 @@
+"""Hugging Face models from ``hf:`` specs, built with transformers' own config and loader classes.
+
+A spec names where the model comes from and, optionally, the task head:
+
+- ``hf:llama`` (a family name): a small default config of that family, random weights;
+- ``hf:path/to/config.json``: that config, random weights;
+- ``hf:path/to/folder``: a local checkpoint folder, weights loaded by ``from_pretrained``
+  (``local_files_only``: nothing is downloaded);
+- ``hf:SOURCE:TASK``: the head, one of :data:`TASKS` (default: the family's usual one).
+
+The profiler, the code generator and every rank of a generated package build the model through
+:func:`factory`, so it lives here, beside what a cluster node needs: it imports torch and, lazily,
+transformers.
+
+Example:
+    >>> model = factory("hf:llama")()  # doctest: +SKIP
+    >>> type(model).__name__  # doctest: +SKIP
+    'LlamaForCausalLM'
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+__all__ = ["FAMILIES", "TASKS", "HfSpec", "absolute_spec", "factory", "load_config", "parse_spec"]
+
+# task -> the transformers Auto class that adds its head
+TASKS: dict[str, str] = {
+    "causal-lm": "AutoModelForCausalLM",
+    "masked-lm": "AutoModelForMaskedLM",
+    "seq-cls": "AutoModelForSequenceClassification",
+    "seq2seq": "AutoModelForSeq2SeqLM",
+    "image-cls": "AutoModelForImageClassification",
+}
+
+_DECODER = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4}
+_SMALL = {**_DECODER, "vocab_size": 512, "max_position_embeddings": 128}
+# family -> (model_type, default task, config overrides): tiny configs that run in seconds on a CPU
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("llama", "causal-lm", {**_SMALL, "num_key_value_heads": 2}),
+    "mistral": ("mistral", "causal-lm", {**_SMALL, "num_key_value_heads": 2, "sliding_window": None}),
+    "mixtral": (
+        "mixtral",
+        "causal-lm",
+        {**_SMALL, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    "qwen2": ("qwen2", "causal-lm", {**_SMALL, "num_key_value_heads": 2}),
+    "gemma": ("gemma", "causal-lm", {**_SMALL, "num_key_value_heads": 2, "head_dim": 16}),
+    "phi3": ("phi3", "causal-lm", {**_SMALL, "num_key_value_heads": 2, "pad_token_id": 0}),
+    "gpt2": ("gpt2", "causal-lm", {**_SMALL, "bos_token_id": 0, "eos_token_id": 0}),
+    "opt": ("opt", "causal-lm", {**_SMALL, "ffn_dim": 128, "word_embed_proj_dim": 64}),
+    "gpt_neox": ("gpt_neox", "causal-lm", _SMALL),
+    "bert": ("bert", "masked-lm", _SMALL),
+    "roberta": ("roberta", "masked-lm", {**_SMALL, "max_position_embeddings": 130, "pad_token_id": 1}),
+    "distilbert": ("distilbert", "masked-lm", {**_SMALL, "hidden_dim": 128}),
+    "electra": ("electra", "masked-lm", {**_SMALL, "embedding_size": 64}),
+    "t5": ("t5", "seq2seq", {"vocab_size": 512, "d_model": 64, "d_ff": 128, "d_kv": 16, "num_heads": 4,
+                             "num_layers": 2, "num_decoder_layers": 2, "decoder_start_token_id": 0}),
+    "bart": ("bart", "seq2seq", {"vocab_size": 512, "d_model": 64, "encoder_layers": 2, "decoder_layers": 2,
+                                 "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+                                 "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
+                                 "max_position_embeddings": 128}),
+    "vit": ("vit", "image-cls", {**_DECODER, "image_size": 32, "patch_size": 8, "num_labels": 10}),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class HfSpec:
+    """A parsed ``hf:`` spec.
+
+    Attributes:
+        source: a family name, a ``config.json`` path or a checkpoint folder.
+        task: one of :data:`TASKS`.
+        family: the family name when ``source`` is one, else None.
+    """
+
+    source: str
+    task: str
+    family: str | None
+
+
+def parse_spec(spec: str) -> HfSpec:
+    """Split ``hf:SOURCE[:TASK]``; raises ValueError naming the forms when it is none of them."""
+    body = spec.removeprefix("hf:")
+    source, sep, task = body.rpartition(":")
+    if not sep or task not in TASKS:
+        source, task = body, ""
+    if not source:
+        raise ValueError(f"{spec!r}: name a family ({', '.join(FAMILIES)}), a config.json or a folder")
+    family = source if source in FAMILIES else None
+    if family is None and not os.path.exists(source):
+        raise ValueError(
+            f"{spec!r}: {source!r} is no family ({', '.join(FAMILIES)}) and no such config.json or folder"
+        )
+    if not task:
+        task = FAMILIES[family][1] if family else _task_of(load_config(HfSpec(source, "", None)))
+    return HfSpec(source, task, family)
+
+
+def absolute_spec(spec: str) -> str:
+    """The spec with a path source made absolute, so a package finds it from any working directory."""
+    parsed = parse_spec(spec)
+    source = parsed.family or os.path.abspath(parsed.source)
+    return f"hf:{source}:{parsed.task}"
+
+
+def load_config(spec: HfSpec) -> Any:
+    """The transformers config: a family's small default, a config.json, or a folder's config."""
+    import transformers
+
+    if spec.family is not None:
+        model_type, _, overrides = FAMILIES[spec.family]
+        config = transformers.AutoConfig.for_model(model_type, **overrides)
+    else:
+        path = spec.source
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    config.use_cache = False
+    return config
+
+
+def factory(spec: str) -> Callable[[], nn.Module]:
+    """A zero-argument factory for ``spec``: random weights from a config, or a folder's weights."""
+    parsed = parse_spec(spec)
+
+    def build() -> nn.Module:
+        import transformers
+
+        auto = getattr(transformers, TASKS[parsed.task])
+        config = load_config(parsed)
+        if os.path.isdir(parsed.source) and _has_weights(parsed.source):
+            model = auto.from_pretrained(parsed.source, config=config, local_files_only=True)
+        else:
+            model = auto.from_config(config)
+        return model  # type: ignore[no-any-return]
+
+    build.__qualname__ = f"hf_factory[{spec}]"
+    return build
+
+
+def _has_weights(folder: str) -> bool:
+    return any(name.endswith((".safetensors", ".bin")) for name in os.listdir(folder))
+
+
+def _task_of(config: Any) -> str:
+    """The task a config's ``architectures`` name (``LlamaForCausalLM`` -> causal-lm)."""
+    names = " ".join(getattr(config, "architectures", None) or ())
+    for suffix, task in (
+        ("ForCausalLM", "causal-lm"),
+        ("LMHeadModel", "causal-lm"),
+        ("ForMaskedLM", "masked-lm"),
+        ("ForSequenceClassification", "seq-cls"),
+        ("ForConditionalGeneration", "seq2seq"),
+        ("ForImageClassification", "image-cls"),
+    ):
+        if suffix in names:
+            return task
+    if getattr(config, "is_encoder_decoder", False):
+        return "seq2seq"
+    return "causal-lm"
