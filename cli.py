@@ -585,18 +585,24 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
 
     \b
     Builds full_model(seed) and every stage(k, seed), runs one minibatch through both in this
-    process and compares them (float32, |a-b| <= 1e-5 + 1e-4*|b|). Exit code 0: they match;
+    process and compares them (float32, |a-b| <= 1e-5 + 1e-4*|b|); without --batch-size it checks
+    the microbatch size each rank will run too. Exit code 0: they match;
     1: they differ; 2: the folder is not a valid package. PACKAGE defaults to the newest under ./models.
     """
     from pathlib import Path
 
     import torch
 
-    from partitioner.verify import newest_package, verify_package
+    from partitioner.verify import newest_package, run_batch_sizes, verify_package
 
     folder = Path(package) if package is not None else newest_package(Path(models_dir))
     torch.set_num_threads(min(torch.get_num_threads(), 4))
-    report = verify_package(folder, seed=seed, batch_size=batch_size)
+    sizes = (batch_size,) if batch_size else run_batch_sizes(folder)
+    reports = [verify_package(folder, seed=seed, batch_size=b) for b in sizes]
+    for split in reports[:-1]:
+        verdict = "[green]match[/green]" if split.ok else "[red]MISMATCH[/red]"
+        _console().print(f"{verdict} at the microbatch size {split.batch_size} (what each rank runs)")
+    report = next((r for r in reports if not r.ok), reports[-1])
     _console().print(_verify_table(report))
     for tie in report.ties:
         _console().print(f"tied: {tie} (gradients compared as their sum)", soft_wrap=True)

@@ -161,6 +161,18 @@ def _check_consistent(folder: Path, package: ModuleType, plan: Plan, conf: Mappi
         raise PackageError(f"{folder}/mp_conf.json stage_to_rank_map does not match plan.json's stage ranks")
 
 
+def run_batch_sizes(folder: Path) -> tuple[int, ...]:
+    """The batch sizes one forward of the package runs at: a microbatch (what each rank runs under the
+    plan's microbatches and replicas) and the whole minibatch; a static-shape package only its own."""
+    _, plan, _ = load_package(folder)
+    static = plan.extra.get("static_batch_size")
+    if static:
+        return (int(static),)
+    batch = plan.batch_size or 2
+    micro = max(1, batch // max(1, plan.microbatches))
+    return tuple(dict.fromkeys((micro, batch)))
+
+
 def verify_package(
     folder: Path, seed: int = 0, batch_size: int | None = None, rtol: float = RTOL, atol: float = ATOL
 ) -> VerifyReport:

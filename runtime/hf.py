@@ -69,6 +69,13 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 }  # fmt: skip
 
 
+_DROPOUTS = (
+    "hidden_dropout_prob", "attention_probs_dropout_prob", "dropout_rate", "dropout", "attention_dropout",
+    "activation_dropout", "classifier_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout",
+    "seq_classif_dropout", "qa_dropout", "hidden_dropout_prob",
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class HfSpec:
     """A parsed ``hf:`` spec.
@@ -116,6 +123,9 @@ def load_config(spec: HfSpec) -> Any:
     if spec.family is not None:
         model_type, _, overrides = FAMILIES[spec.family]
         config = transformers.AutoConfig.for_model(model_type, **overrides)
+        for name in _DROPOUTS:  # the small defaults are exact: no random masks to reproduce
+            if isinstance(getattr(config, name, None), float):
+                setattr(config, name, 0.0)
     else:
         path = spec.source
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)

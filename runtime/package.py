@@ -58,7 +58,7 @@ class Wiring:
         found: dict[int, list[str]] = {}
         for name in self.stage_inputs[stage]:
             k = self.producer(name)
-            if k is not None:
+            if k is not None and k < stage:  # stage 0 returns model inputs that later stages read
                 found.setdefault(k, []).append(name)
         return {k: tuple(v) for k, v in sorted(found.items())}
 

@@ -1,0 +1,66 @@
+"""Conformance matrix: Hugging Face families through profile -> partition -> verify -> run, as a user runs them.
+
+Each family is built from a tiny config (``hf:FAMILY``, random weights, nothing downloaded) and goes
+through the CLI: the default pipedream plan on 2 devices, a 1f1b plan with 2 microbatches, and 4
+straight stages, each verified against the unsplit model (at the microbatch size too), then 2 training
+steps with every schedule on 2 gloo ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from cli import main
+
+pytest.importorskip("transformers")
+torch.set_num_threads(1)
+
+FAMILIES = ("llama", "mistral", "mixtral", "gpt2", "bert", "t5")
+
+
+def _ok(args: list[str]) -> str:
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, f"pipeplan {' '.join(args)}:\n{result.output}"
+    return result.output
+
+
+def _run(package: Path, schedule: str) -> list[float]:
+    _ok(["run", str(package), "--steps", "2", "--schedule", schedule, "--microbatches", "2", "--timeout", "60"])
+    metrics = json.loads((package / "run" / "metrics.json").read_text())
+    losses = [float(x) for x in metrics["losses"]]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses), losses
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_profiles_partitions_verifies_and_trains(
+    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    _ok(["profile", f"hf:{family}", "--batch-size", "4", "--input-shape", "16", "--repeats", "1"])
+    profile = json.loads((tmp_path / "profiles" / f"hf-{family}" / "profile.json").read_text())
+    assert profile["tracer_options"]["static_shapes"] is False  # any microbatch or replica share runs
+    models = tmp_path / "models" / f"hf-{family}"
+    plans = {
+        "default": ["--gpus", "2"],
+        "1f1b": ["--gpus", "2", "--schedule", "1f1b", "--microbatches", "2", "--straight"],
+        "straight4": ["--gpus", "4", "--straight"],
+    }
+    for name, args in plans.items():
+        _ok(["partition", *args])
+        folder = models / ("gpus=4" if name == "straight4" else "gpus=2")
+        assert "match" in _ok(["verify", str(folder)]).splitlines()[-1]
+        if name == "straight4":
+            plan = json.loads((folder / "plan.json").read_text())
+            assert len(plan["stages"]) == 4
+        if name == "default":
+            _run(folder, "pipedream")
+    for schedule in ("1f1b", "gpipe"):
+        _run(models / "gpus=2", schedule)
