@@ -69,7 +69,7 @@ class RankConfig:
         job: the job it belongs to.
         rank: global rank.
         stage: the stage it runs.
-        replica: its index among the stage's replicas (microbatch j goes to replica j % replicas).
+        replica: its index among the stage's replicas (its work: :func:`runtime.schedule.replica_of`).
     """
 
     job: JobConfig
@@ -138,11 +138,13 @@ def load_job(
     default_batch = plan.get("batch_size") or (inputs[0]["shape"][0] if inputs else None)
     predicted = plan.get("predicted", {}).get("time_per_minibatch_s")
     batch = int(batch_size or default_batch or 0)
+    name = str(schedule or plan.get("schedule") or "1f1b")
     job = JobConfig(
         package=folder.resolve(),
         stage_ranks=ranks,
-        schedule=str(schedule or plan.get("schedule") or "1f1b"),
-        microbatches=microbatches or replica_microbatches(int(plan.get("microbatches") or 1), ranks, batch),
+        schedule=name,
+        microbatches=microbatches
+        or replica_microbatches(int(plan.get("microbatches") or 1), ranks, batch, name),
         batch_size=batch,
         ties=tuple(tuple((int(s), str(p)) for s, p in t["members"]) for t in plan.get("ties", ())),
         predicted_time_s=float(predicted) if predicted else None,
@@ -151,16 +153,18 @@ def load_job(
     return _checked(job)
 
 
-def replica_microbatches(planned: int, stage_ranks: tuple[tuple[int, ...], ...], batch_size: int) -> int:
+def replica_microbatches(
+    planned: int, stage_ranks: tuple[tuple[int, ...], ...], batch_size: int, schedule: str = "1f1b"
+) -> int:
     """Microbatches per minibatch so that every replica of every stage gets work.
 
-    The partitioner's cost model splits a minibatch across a stage's replicas (data parallelism), and
-    plans pipedream with one microbatch; the runtime hands microbatches to replicas round-robin. So a
-    plan with fewer microbatches than some stage has replicas runs with ``lcm(planned, replicas...)``
-    microbatches instead (the gradient is still the minibatch mean), if that divides the batch.
+    pipedream hands whole minibatches to replicas, so it keeps the plan's count. The synchronous
+    schedules hand a minibatch's microbatches to the replicas round-robin, so a plan with fewer
+    microbatches than some stage has replicas runs with ``lcm(planned, replicas...)`` microbatches
+    instead (the gradient is still the minibatch mean), if that divides the batch.
     """
     widest = max(len(r) for r in stage_ranks)
-    if planned >= widest:
+    if planned >= widest or schedule == "pipedream":
         return planned
     for candidate in (math.lcm(planned, *(len(r) for r in stage_ranks)), widest):
         if batch_size % candidate == 0:
@@ -183,6 +187,12 @@ def _checked(job: JobConfig) -> JobConfig:
     for tie in job.ties:
         if any(not 0 <= s < job.stages for s, _ in tie):
             raise RunError(f"{job.package}/plan.json: tie {tie} names a stage that does not exist")
+        widths = {len(job.stage_ranks[s]) for s, _ in tie}
+        if job.schedule == "pipedream" and len(widths) > 1:
+            raise RunError(
+                f"tied weights on stages {sorted({s for s, _ in tie})} with {sorted(widths)} replicas would "
+                "step at different rates under pipedream; use --schedule 1f1b, or partition with --straight"
+            )
     return job
 
 

@@ -30,16 +30,20 @@ class Recorder:
     seconds: dict[str, float] = field(default_factory=lambda: {"compute": 0.0, "comm": 0.0})
     cpu_seconds: dict[str, float] = field(default_factory=lambda: {"compute": 0.0, "comm": 0.0})
     events: list[dict[str, Any]] = field(default_factory=list)
-    step_marks: list[float] = field(default_factory=list)
+    step_marks: list[tuple[float, int]] = field(default_factory=list)
 
-    def mark_step(self) -> None:
-        """A step ended: remember the compute seconds so far, for the compute of each step."""
-        self.step_marks.append(self.seconds["compute"])
+    def mark_step(self, minibatches: int = 1) -> None:
+        """An optimizer step covering ``minibatches`` minibatches ended (a pipedream replica steps
+        once per round of its stage's replicas): remember the compute seconds so far."""
+        self.step_marks.append((self.seconds["compute"], minibatches))
 
     def step_compute_s(self) -> tuple[float, ...]:
-        """Compute seconds of each step (forward, backward and optimizer work between step marks)."""
-        marks = [0.0, *self.step_marks]
-        return tuple(b - a for a, b in itertools.pairwise(marks))
+        """Compute seconds per minibatch (forward, backward and optimizer work between step marks,
+        shared evenly by the minibatches a step covered)."""
+        out: list[float] = []
+        for (a, _), (b, n) in itertools.pairwise([(0.0, 1), *self.step_marks]):
+            out += [(b - a) / n] * n
+        return tuple(out)
 
     @contextmanager
     def span(self, name: str, category: str) -> Iterator[None]:
@@ -79,6 +83,7 @@ class RankMetrics:
         step_compute_s: compute seconds of each step on this rank.
         losses: loss per step (last stage only, else empty).
         param_sq_sum: sum of squares of the stage's parameters at the end (replicas must agree exactly).
+        versions_in_flight_max: the most weight versions this rank held at once (pipedream).
     """
 
     rank: int
@@ -94,6 +99,7 @@ class RankMetrics:
     threads: int = 0
     losses: tuple[float, ...] = ()
     param_sq_sum: float = 0.0
+    versions_in_flight_max: int = 0
 
     @property
     def idle_s(self) -> float:

@@ -22,12 +22,18 @@ __all__ = [
     "Action",
     "ScheduleError",
     "build",
+    "build_job",
     "format_actions",
     "parse_actions",
     "rank_actions",
     "replica_of",
+    "round_of",
     "simulate",
+    "simulate_job",
+    "stash_depth",
     "validate",
+    "validate_job",
+    "warmup",
 ]
 
 SCHEDULES: tuple[str, ...] = ("pipedream", "1f1b", "gpipe")
@@ -74,9 +80,9 @@ def parse_actions(text: str) -> tuple[Action, ...]:
     return tuple(Action.parse(tok) for tok in text.split())
 
 
-def _one_f_one_b(stage: int, stages: int, units: Sequence[int]) -> list[Action]:
-    """1F1B order over ``units``: ``stages-stage-1`` warm-up forwards, then F/B pairs, then backwards."""
-    warm = min(stages - stage - 1, len(units))
+def _one_f_one_b(stage: int, units: Sequence[int], warm: int) -> list[Action]:
+    """1F1B order over ``units``: ``warm`` warm-up forwards, then F/B pairs, then backwards."""
+    warm = min(warm, len(units))
     out = [Action(stage, "F", u) for u in units[:warm]]
     for i in range(len(units) - warm):
         out += [Action(stage, "F", units[warm + i]), Action(stage, "B", units[i])]
@@ -84,115 +90,225 @@ def _one_f_one_b(stage: int, stages: int, units: Sequence[int]) -> list[Action]:
     return out
 
 
-def _stage_actions(name: str, stage: int, stages: int, m: int, steps: Sequence[int]) -> list[Action]:
-    if name == "pipedream":
-        units = [s * m + j for s in steps for j in range(m)]
-        out: list[Action] = []
-        for action in _one_f_one_b(stage, stages, units):
-            out.append(action)
-            if action.kind == "B" and (action.index + 1) % m == 0:
-                out.append(Action(stage, "S", action.index // m))
-        return out
-    out = []
+def warmup(replicas: Sequence[int], stage: int) -> int:
+    """PipeDream's warm-up minibatches of a replica of ``stage``: (ranks from this stage to the end,
+    less one) // this stage's replicas. A replica keeps ``warmup + 1`` minibatches (and weight
+    versions) in flight: ``partitioner.optimizer.cost.in_flight`` prices exactly this."""
+    return (sum(replicas[stage:]) - 1) // replicas[stage]
+
+
+def _pipedream(
+    stage: int, replicas: Sequence[int], replica: int, m: int, steps: Sequence[int]
+) -> list[Action]:
+    """One replica's pipedream list: its own minibatches (every ``r``-th of the segment, PipeDream's
+    round-robin) in 1F1B order over whole minibatches, and a step per round of ``r`` minibatches
+    after its backward of that round, so replicas all-reduce gradients of one weight version."""
+    r = replicas[stage]
+    own = list(steps[replica::r])
+    units = [s * m + j for s in own for j in range(m)]
+    out: list[Action] = []
+    for action in _one_f_one_b(stage, units, warmup(replicas, stage) * m):
+        out.append(action)
+        if action.kind == "B" and (action.index + 1) % m == 0:
+            out.append(Action(stage, "S", round_of(action.index // m, steps[0], r)))
+    # A last round without a minibatch for this replica: it still joins the round's all-reduce.
+    return out + [Action(stage, "S", s) for s in steps[len(own) * r :: r]]
+
+
+def round_of(step: int, first_step: int, replicas: int) -> int:
+    """The pipedream round a minibatch belongs to, named by the round's first minibatch: ``S n``
+    steps a stage of ``replicas`` replicas over minibatches ``n .. n + replicas - 1``."""
+    return first_step + (step - first_step) // replicas * replicas
+
+
+def _synchronous(name: str, stage: int, stages: int, m: int, steps: Sequence[int]) -> list[Action]:
+    out: list[Action] = []
     for s in steps:
         units = [s * m + j for j in range(m)]
         if name == "1f1b":
-            out += _one_f_one_b(stage, stages, units)
+            out += _one_f_one_b(stage, units, stages - stage - 1)
         else:
             out += [Action(stage, "F", u) for u in units] + [Action(stage, "B", u) for u in units]
         out.append(Action(stage, "S", s))
     return out
 
 
+def build_job(
+    name: str, replicas: Sequence[int], microbatches: int, steps: int = 1, first_step: int = 0
+) -> tuple[tuple[tuple[Action, ...], ...], ...]:
+    """Every rank's action list, as ``job[stage][replica]``, for ``steps`` minibatches from
+    ``first_step``.
+
+    ``pipedream`` is PipeDream's: whole minibatches go round-robin to a stage's replicas (minibatch
+    ``first_step + i`` to replica ``i % r``), each replica runs 1F1B over its own minibatches with
+    :func:`warmup` minibatches ahead and steps after each of its backwards; ``S t`` is the stage's
+    round of minibatches ``t .. t + r - 1`` (see :func:`round_of`; their forwards all saw the same
+    weight version), joined by every replica. ``1f1b`` and ``gpipe`` flush every minibatch and
+    hand its microbatches round-robin to the replicas; ``S s`` is minibatch ``s``'s step.
+    """
+    if name not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if not replicas or min(replicas) < 1 or microbatches < 1 or steps < 0:
+        raise ScheduleError(f"need replicas >= 1 and microbatches >= 1, got {list(replicas)}, {microbatches}")
+    ids = range(first_step, first_step + steps)
+    if name == "pipedream":
+        return tuple(
+            tuple(tuple(_pipedream(k, replicas, i, microbatches, ids)) for i in range(r))
+            for k, r in enumerate(replicas)
+        )
+    job = []
+    for k, r in enumerate(replicas):
+        whole = _synchronous(name, k, len(replicas), microbatches, ids)
+        job.append(tuple(rank_actions(whole, i, r, microbatches) for i in range(r)))
+    return tuple(job)
+
+
 def build(
     name: str, stages: int, microbatches: int, steps: int = 1, first_step: int = 0
 ) -> tuple[tuple[Action, ...], ...]:
-    """Per-stage action lists of schedule ``name`` for ``steps`` minibatches starting at ``first_step``.
+    """Per-stage action lists of schedule ``name`` for a pipeline without replicas (see :func:`build_job`).
 
     ``pipedream`` pipelines across minibatches without a flush and steps each stage's optimizer after
     the backward of a minibatch's last microbatch (weights are stashed by the executor); ``1f1b`` and
     ``gpipe`` flush every minibatch, so their gradients are exact.
     """
-    if name not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    if stages < 1 or microbatches < 1 or steps < 0:
-        raise ScheduleError(f"need stages >= 1 and microbatches >= 1, got {stages}, {microbatches}")
-    step_ids = range(first_step, first_step + steps)
-    return tuple(tuple(_stage_actions(name, k, stages, microbatches, step_ids)) for k in range(stages))
+    job = build_job(name, [1] * stages, microbatches, steps, first_step)
+    return tuple(ranks[0] for ranks in job)
 
 
-def replica_of(unit: int, microbatches: int, replicas: int) -> int:
-    """Which replica of a stage runs ``unit``: microbatches go round-robin within each minibatch."""
+def replica_of(name: str, unit: int, microbatches: int, replicas: int, first_step: int = 0) -> int:
+    """Which replica of a stage runs ``unit``: pipedream hands whole minibatches round-robin from the
+    segment's first step; the synchronous schedules hand out the microbatches of each minibatch."""
+    if name == "pipedream":
+        return (unit // microbatches - first_step) % replicas
     return (unit % microbatches) % replicas
 
 
 def rank_actions(
     actions: Sequence[Action], replica: int, replicas: int, microbatches: int
 ) -> tuple[Action, ...]:
-    """The actions one replica of a stage plays: its own F/B units and every optimizer step."""
+    """The actions one replica of a synchronous stage plays: its own F/B units and every step."""
     return tuple(
-        a for a in actions if a.kind == "S" or replica_of(a.index, microbatches, replicas) == replica
+        a for a in actions if a.kind == "S" or replica_of("1f1b", a.index, microbatches, replicas) == replica
     )
 
 
+def stash_depth(actions: Sequence[Action]) -> int:
+    """The most weight versions one rank holds at once: distinct versions (steps taken before the
+    forward) among the units it has forwarded and not yet backwarded."""
+    version, held, peak = 0, dict[int, int](), 0
+    for a in actions:
+        if a.kind == "S":
+            version += 1
+        elif a.kind == "F":
+            held[a.index] = version
+            peak = max(peak, len(set(held.values())))
+        else:
+            held.pop(a.index, None)
+    return peak
+
+
 def validate(schedule: Sequence[Sequence[Action]], microbatches: int, steps: Sequence[int]) -> None:
-    """Check completeness, local order and deadlock-freedom of a per-stage schedule.
+    """:func:`validate_job` for per-stage lists without replicas (as :func:`build` makes)."""
+    validate_job(tuple((actions,) for actions in schedule), "1f1b", microbatches, steps)
+
+
+def _check_stage(
+    k: int, ranks: Sequence[Sequence[Action]], units: set[int], covering: dict[int, int]
+) -> None:
+    """Every unit forwarded and backwarded once, on one replica, backward after forward and before
+    the step that covers it; every replica joins the same steps."""
+    where: dict[tuple[str, int], tuple[int, int]] = {}
+    for i, actions in enumerate(ranks):
+        for pos, a in enumerate(actions):
+            if a.stage != k:
+                raise ScheduleError(f"stage {k} lists {a}, an action of stage {a.stage}")
+            key = (a.kind, a.index) if a.kind != "S" else ("S", a.index * len(ranks) + i)
+            if key in where:
+                raise ScheduleError(f"stage {k} lists {a} twice")
+            where[key] = (i, pos)
+    for kind in ("F", "B"):
+        have = {u for (kd, u) in where if kd == kind}
+        if have != units:
+            raise ScheduleError(f"stage {k}: {kind} actions cover {sorted(have)}, expected {sorted(units)}")
+    want = sorted(set(covering.values()))
+    for i, actions in enumerate(ranks):
+        if sorted(a.index for a in actions if a.kind == "S") != want:
+            raise ScheduleError(f"stage {k} replica {i} steps {[str(a) for a in actions if a.kind == 'S']}")
+    for u in units:
+        (i, f), (j, b) = where[("F", u)], where[("B", u)]
+        if i != j or b < f:
+            raise ScheduleError(f"stage {k} runs {k}B{u} before {k}F{u} or on another replica")
+        if where[("S", covering[u] * len(ranks) + i)][1] < b:
+            raise ScheduleError(f"stage {k} steps {k}S{covering[u]} before {k}B{u}")
+
+
+def validate_job(
+    job: Sequence[Sequence[Sequence[Action]]], name: str, microbatches: int, steps: Sequence[int]
+) -> None:
+    """Check completeness, local order and deadlock-freedom of every rank's list (``job[stage][replica]``).
 
     Raises:
         ScheduleError: naming the first stage and action that is wrong.
     """
     units = {s * microbatches + j for s in steps for j in range(microbatches)}
-    for k, actions in enumerate(schedule):
-        seen: dict[tuple[str, int], int] = {}
-        for pos, a in enumerate(actions):
-            if a.stage != k:
-                raise ScheduleError(f"stage {k} lists {a}, an action of stage {a.stage}")
-            if (a.kind, a.index) in seen:
-                raise ScheduleError(f"stage {k} lists {a} twice")
-            seen[(a.kind, a.index)] = pos
-        for kind, want in (("F", units), ("B", units), ("S", set(steps))):
-            have = {i for (kd, i) in seen if kd == kind}
-            if have != want:
-                raise ScheduleError(
-                    f"stage {k}: {kind} actions cover {sorted(have)}, expected {sorted(want)}"
-                )
-        for u in units:
-            if seen[("B", u)] < seen[("F", u)]:
-                raise ScheduleError(f"stage {k} runs {k}B{u} before {k}F{u}")
-            if seen[("S", u // microbatches)] < seen[("B", u)]:
-                raise ScheduleError(f"stage {k} steps {k}S{u // microbatches} before {k}B{u}")
-    simulate(schedule)
+    for k, ranks in enumerate(job):
+        r = len(ranks) if name == "pipedream" else 1
+        first = min(steps, default=0)
+        _check_stage(k, ranks, units, {u: round_of(u // microbatches, first, r) for u in units})
+    simulate_job(job)
 
 
 def simulate(schedule: Sequence[Sequence[Action]]) -> int:
-    """Dry-run with unit-time forwards and backwards and free steps; returns the number of slots.
+    """:func:`simulate_job` for per-stage lists without replicas."""
+    return simulate_job(tuple((actions,) for actions in schedule))
 
-    A forward needs the previous stage's forward of the same unit from an earlier slot, a backward the
-    next stage's backward (or, on the last stage, its own forward). With equal stage times GPipe and
-    1F1B take ``2 * (microbatches + stages - 1)`` slots per minibatch.
+
+def _join_steps(job: Sequence[Sequence[Sequence[Action]]], pos: list[list[int]]) -> None:
+    """Advance past every step that all replicas of its stage have reached (a collective)."""
+    for k, ranks in enumerate(job):
+        while all(p < len(acts) and acts[p].kind == "S" for p, acts in zip(pos[k], ranks, strict=True)):
+            heads = {acts[p].index for p, acts in zip(pos[k], ranks, strict=True)}
+            if len(heads) > 1:
+                raise ScheduleError(f"stage {k}: replicas join different steps {sorted(heads)}")
+            pos[k] = [p + 1 for p in pos[k]]
+
+
+def simulate_job(job: Sequence[Sequence[Sequence[Action]]]) -> int:
+    """Dry-run every rank with unit-time forwards and backwards and free steps; returns the slots.
+
+    A forward needs the previous stage's forward of the same unit (on whichever replica ran it) from
+    an earlier slot, a backward the next stage's backward (or, on the last stage, its own forward); a
+    step waits until every replica of its stage reaches it. With equal stage times and no replicas,
+    GPipe and 1F1B take ``2 * (microbatches + stages - 1)`` slots per minibatch.
 
     Raises:
-        ScheduleError: if the stages deadlock.
+        ScheduleError: if the ranks deadlock.
     """
-    last = len(schedule) - 1
+    last = len(job) - 1
     done: set[tuple[int, str, int]] = set()
-    pos = [0] * len(schedule)
+    pos = [[0] * len(ranks) for ranks in job]
     slot = 0
-    while any(p < len(acts) for p, acts in zip(pos, schedule, strict=True)):
+    left = sum(len(acts) for ranks in job for acts in ranks)
+    while left:
+        _join_steps(job, pos)
         finished: list[tuple[int, str, int]] = []
-        for k, acts in enumerate(schedule):
-            while pos[k] < len(acts) and acts[pos[k]].kind == "S":
-                pos[k] += 1
-            if pos[k] == len(acts):
-                continue
-            a = acts[pos[k]]
-            need = (k - 1, "F", a.index) if a.kind == "F" else (k + 1, "B", a.index)
-            if (a.kind == "F" and k == 0) or (a.kind == "B" and k == last) or need in done:
-                finished.append((k, a.kind, a.index))
-                pos[k] += 1
-        if not finished and any(p < len(acts) for p, acts in zip(pos, schedule, strict=True)):
-            stuck = [str(acts[p]) for p, acts in zip(pos, schedule, strict=True) if p < len(acts)]
+        for k, ranks in enumerate(job):
+            for i, acts in enumerate(ranks):
+                if pos[k][i] == len(acts) or acts[pos[k][i]].kind == "S":
+                    continue
+                a = acts[pos[k][i]]
+                need = (k - 1, "F", a.index) if a.kind == "F" else (k + 1, "B", a.index)
+                if (a.kind == "F" and k == 0) or (a.kind == "B" and k == last) or need in done:
+                    finished.append((k, a.kind, a.index))
+                    pos[k][i] += 1
+        left_now = sum(len(acts) - p for ranks, ps in zip(job, pos, strict=True)
+                       for acts, p in zip(ranks, ps, strict=True))  # fmt: skip
+        if not finished and left_now == left:
+            stuck = [str(acts[p]) for ranks, ps in zip(job, pos, strict=True)
+                     for acts, p in zip(ranks, ps, strict=True) if p < len(acts)]  # fmt: skip
             raise ScheduleError(f"schedule deadlocks at slot {slot}: waiting on {' '.join(stuck)}")
         done.update(finished)
         slot += 1 if finished else 0
+        left = left_now
     return slot

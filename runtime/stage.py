@@ -1,11 +1,18 @@
 """StageRuntime: the one executor that plays a rank's action list, whatever the schedule.
 
 ``F`` receives the stage's inputs (or reads data on the first stage), runs the stage, sends each
-output to the replica of every consumer stage that handles that microbatch, and on the last stage
+output to the replica of every consumer stage that handles that microbatch
+(:func:`runtime.schedule.replica_of`), and on the last stage
 computes the loss scaled by the microbatch's share of the minibatch (so gradients are the minibatch
 mean, as in plain training). ``B`` receives output gradients (summed over consumers), runs autograd
 and sends input gradients back. ``S`` sums gradients over the replica group and over tie groups,
 then steps the optimizer.
+
+Replicas under ``pipedream`` are PipeDream's data parallelism: each replica runs whole minibatches
+(round-robin) and steps once per round; its step all-reduces the gradients of the round's
+minibatches, which every replica computed on the same weight version, and takes their mean (as
+PipeDream's DistributedDataParallel does). The synchronous schedules split a minibatch's
+microbatches over the replicas instead, whose summed gradients are already the minibatch mean.
 
 Weight stashing (``pipedream``): a forward runs on a snapshot of the weights of its version (taken
 once per version, as PipeDream keeps one copy per version in flight) through
@@ -30,7 +37,7 @@ from runtime.config import RankConfig
 from runtime.data import Batches
 from runtime.metrics import Recorder
 from runtime.package import Wiring
-from runtime.schedule import Action
+from runtime.schedule import Action, replica_of
 
 __all__ = ["STASH_LOG_MAX", "Groups", "StageRuntime", "Unit"]
 
@@ -103,12 +110,18 @@ class StageRuntime:
         batches: minibatches by step.
         stash: keep a weight version per forward (pipedream).
         recorder: timing and trace spans.
-        on_step: called after every optimizer step with (step, loss or None).
+        on_step: called after every optimizer step with the minibatches it covered and, on the
+            last stage, their losses (None elsewhere).
         units: microbatches between their forward and backward.
         version: optimizer steps taken (the weight version new forwards use).
         versions: weight snapshots still referenced by a unit in flight (pipedream).
         stash_log: (unit, version its forward and backward used, version current at its backward) for
             the first STASH_LOG_MAX backwards under pipedream: the evidence of weight stashing.
+        step_versions: (step, forward versions of the units whose gradients it applies) for the first
+            STASH_LOG_MAX steps under pipedream: replicas of one step must name one version.
+        versions_in_flight_max: the most distinct weight versions held by units between their forward
+            and backward (the cost model's ``in_flight`` for pipedream).
+        first_step: the first minibatch of the segment being played (pipedream's round-robin origin).
     """
 
     cfg: RankConfig
@@ -121,11 +134,15 @@ class StageRuntime:
     batches: Batches
     stash: bool
     recorder: Recorder
-    on_step: Callable[[int, float | None], None] | None = None
+    on_step: Callable[[tuple[int, ...], tuple[float, ...] | None], None] | None = None
     units: dict[int, Unit] = field(default_factory=dict)
     version: int = 0
     versions: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     stash_log: list[tuple[int, int, int]] = field(default_factory=list)
+    step_versions: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+    versions_in_flight_max: int = 0
+    first_step: int = 0
+    _step_units: list[int] = field(default_factory=list)
     step_loss: torch.Tensor | None = None
     in_meta: dict[int, tuple[TensorMeta, ...]] = field(default_factory=dict)
     out_meta: dict[str, TensorMeta] = field(default_factory=dict)
@@ -152,8 +169,8 @@ class StageRuntime:
         return 2 * (self.cfg.job.world_size + 1) if self.stash else 1
 
     def _peer(self, stage: int, unit: int) -> int:
-        ranks = self.cfg.job.stage_ranks[stage]
-        return ranks[(unit % self.cfg.job.microbatches) % len(ranks)]
+        ranks, job = self.cfg.job.stage_ranks[stage], self.cfg.job
+        return ranks[replica_of(job.schedule, unit, job.microbatches, len(ranks), self.first_step)]
 
     def _micro(self, kind: str, unit: int) -> tuple[torch.Tensor, ...]:
         """Microbatch ``unit`` of the minibatch's inputs or targets (split along dim 0)."""
@@ -198,8 +215,10 @@ class StageRuntime:
         return dict(zip(names, outs, strict=True))
 
     # ------------------------------------------------------------------ actions
-    def play(self, actions: Sequence[Action]) -> None:
-        """Run ``actions`` in order, then wait for this rank's outstanding sends."""
+    def play(self, actions: Sequence[Action], first_step: int = 0) -> None:
+        """Run ``actions`` (a segment starting at minibatch ``first_step``) in order, then wait for
+        this rank's outstanding sends."""
+        self.first_step = first_step
         run = {"F": self.forward, "B": self.backward, "S": self.step}
         receiving = [i for i, a in enumerate(actions) if self._receives(a)]
         self._unstashed = _no_step_between(actions) if self.stash else frozenset()
@@ -250,6 +269,8 @@ class StageRuntime:
         )
         inputs = {n: t for n, t in named.items() if t.requires_grad}
         self.units[unit] = Unit(inputs, outs, loss, self.version, stashed)
+        held = len({u.version for u in self.units.values()})
+        self.versions_in_flight_max = max(self.versions_in_flight_max, held)
 
     def _loss(self, unit: int, outs: dict[str, torch.Tensor]) -> torch.Tensor:
         assert self.criterion is not None
@@ -283,6 +304,8 @@ class StageRuntime:
                 self._collect_stash_grads(state.version)
         if self.stash and len(self.stash_log) < STASH_LOG_MAX:
             self.stash_log.append((unit, state.version, self.version))
+        if (unit + 1) % self.cfg.job.microbatches == 0:
+            self._step_units.append(state.version)
         self._send_input_grads(unit, state)
 
     def _recv(self, action: Action) -> list[list[torch.Tensor]]:
@@ -320,35 +343,62 @@ class StageRuntime:
         for p in params.values():
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
-        tied = {name for _, name in self.groups.ties}
-        if self.groups.replicas is not None or self.groups.ties:
-            with self.recorder.span(f"all-reduce S{step}", "comm"):
-                if self.groups.replicas is not None:
-                    own = [p.grad for n, p in params.items() if n not in tied and p.grad is not None]
-                    self.comm.all_reduce_sum(own, self.groups.replicas)
-                for group, name in self.groups.ties:
-                    grad = params[name].grad
-                    assert grad is not None
-                    self.comm.all_reduce_sum([grad], group)
+        ran = self._sync_grads(params)
         with self.recorder.span(f"S{step}", "compute"):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        self.recorder.mark_step()
+        covered = tuple(step + i for i, n in enumerate(ran) if n) if self.stash else (step,)
+        self.recorder.mark_step(len(covered))
+        if self.stash and len(self.step_versions) < STASH_LOG_MAX:
+            self.step_versions.append((step, tuple(sorted(set(self._step_units)))))
+        self._step_units = []
         self.version += 1
         self.comm.era = self.version
         self.comm.retire(self.version - self._send_lag)
-        self._report(step)
+        self._report(covered, ran)
 
-    def _report(self, step: int) -> None:
-        loss = None
-        if self.cfg.is_last:
-            total = self.step_loss if self.step_loss is not None else torch.zeros((), device=self.comm.device)
+    def _sync_grads(self, params: dict[str, nn.Parameter]) -> list[float]:
+        """All-reduce gradients over the replica and tie groups. Under pipedream each replica adds
+        how many minibatches it ran this round, and the sum is divided by their total (the mean over
+        the round's minibatches). Returns the minibatches each replica ran (pipedream), else ``[1]``."""
+        tied = {name for _, name in self.groups.ties}
+        r = len(self.cfg.replica_ranks)
+        ran = torch.zeros(r if self.stash else 1, dtype=torch.float32, device=self.comm.device)
+        ran[self.cfg.replica if self.stash else 0] = len(self._step_units) if self.stash else 1
+        if self.groups.replicas is None and not self.groups.ties:
+            return ran.tolist()
+        with self.recorder.span("all-reduce", "comm"):
             if self.groups.replicas is not None:
-                total = total.reshape(1).clone()
-                self.comm.all_reduce_sum([total], self.groups.replicas)
-            loss, self.step_loss = float(total.sum()), None
+                own = [p.grad for n, p in params.items() if n not in tied and p.grad is not None]
+                self.comm.all_reduce_sum([*own, *([ran] if self.stash else [])], self.groups.replicas)
+            for group, name in self.groups.ties:
+                grad = params[name].grad
+                assert grad is not None
+                self.comm.all_reduce_sum([grad], group)
+        total = float(ran.sum())
+        if self.stash and total > 1:
+            for p in params.values():
+                if p.grad is not None:
+                    p.grad.div_(total)
+        return ran.tolist()
+
+    def _report(self, covered: tuple[int, ...], ran: list[float]) -> None:
+        """Tell ``on_step`` the minibatches this step covered and, on the last stage, their losses:
+        the replicas' losses summed (synchronous: shares of one minibatch), or one per replica that
+        ran a minibatch of the round (pipedream)."""
+        losses = None
+        if self.cfg.is_last:
+            r = len(self.cfg.replica_ranks)
+            vec = torch.zeros(r, dtype=torch.float64, device=self.comm.device)
+            if self.step_loss is not None:
+                vec[self.cfg.replica] = self.step_loss.double()
+            if self.groups.replicas is not None:
+                self.comm.all_reduce_sum([vec], self.groups.replicas)
+            values = vec.tolist()
+            losses = tuple(v for v, n in zip(values, ran, strict=True) if n) if self.stash else (sum(values),)
+            self.step_loss = None
         if self.on_step is not None:
-            self.on_step(step, loss)
+            self.on_step(covered, losses)
 
     # ------------------------------------------------------------------ weight stashing
     def _version_params(self) -> dict[str, torch.Tensor]:

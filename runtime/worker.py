@@ -106,11 +106,12 @@ class _Clock:
         self.last = time.perf_counter()
         self.cpu_start = time.process_time()
 
-    def __call__(self, step: int, loss: float | None) -> None:
+    def __call__(self, steps: tuple[int, ...], losses: tuple[float, ...] | None) -> None:
+        """An optimizer step covering ``steps`` ended: its time is shared evenly by its minibatches."""
         now = time.perf_counter()
-        self.times.append(now - self.last)
+        self.times += [(now - self.last) / len(steps)] * len(steps)
         self.last = now
-        if loss is not None:
+        for step, loss in zip(steps, losses or (), strict=False):
             self.losses.append(loss)
             if self.progress is not None:
                 with self.progress.open("a", encoding="utf-8") as handle:
@@ -118,6 +119,10 @@ class _Clock:
 
 
 def _warn_idle_replicas(job: JobConfig) -> None:
+    """Synchronous schedules split a minibatch's microbatches over a stage's replicas (pipedream
+    hands out whole minibatches, so every replica gets work)."""
+    if job.schedule == "pipedream":
+        return
     for k, ranks in enumerate(job.stage_ranks):
         if len(ranks) > job.microbatches:
             log.warning(
@@ -189,8 +194,9 @@ def _train(options: RunOptions, rt: StageRuntime, total: int) -> None:
     if isinstance(rt.on_step, _Clock):
         rt.on_step.start()
     for first, count in _segments(start, total, options.checkpoint_every):
-        stage_actions = schedule.build(job.schedule, job.stages, job.microbatches, count, first)[cfg.stage]
-        rt.play(schedule.rank_actions(stage_actions, cfg.replica, len(cfg.replica_ranks), job.microbatches))
+        replicas = [len(r) for r in job.stage_ranks]
+        actions = schedule.build_job(job.schedule, replicas, job.microbatches, count, first)
+        rt.play(actions[cfg.stage][cfg.replica], first)
         if options.checkpoint_dir and cfg.replica == 0:
             state = {
                 "model": rt.module.state_dict(),
@@ -278,10 +284,13 @@ def _finish(options: RunOptions, rt: StageRuntime, clock: _Clock) -> dict[str, A
         threads=torch.get_num_threads(),
         losses=tuple(clock.losses) if rt.cfg.replica == 0 else (),
         param_sq_sum=float(sum(p.detach().double().square().sum() for p in rt.module.parameters())),
+        versions_in_flight_max=rt.versions_in_flight_max,
     )
     gathered: list[Any] = [None] * rt.cfg.job.world_size
     dist.gather_object(
-        (mine, rt.recorder.events, rt.stash_log), gathered if rt.cfg.rank == 0 else None, dst=0
+        (mine, rt.recorder.events, rt.stash_log, rt.step_versions),
+        gathered if rt.cfg.rank == 0 else None,
+        dst=0,
     )
     if rt.cfg.rank != 0:
         return None
@@ -289,6 +298,7 @@ def _finish(options: RunOptions, rt: StageRuntime, clock: _Clock) -> dict[str, A
     doc = summarize([g[0] for g in gathered], rt.cfg.job.batch_size, rt.cfg.job.predicted_time_s, warmup)
     doc.update(schedule=rt.cfg.job.schedule, microbatches=rt.cfg.job.microbatches, world_size=len(gathered))
     doc["stash_log"] = {g[0].rank: g[2] for g in gathered}
+    doc["step_versions"] = {g[0].rank: g[3] for g in gathered}
     write_json_atomic(run_dir(options) / "metrics.json", doc)
     if options.trace:
         write_trace(Path(options.trace), [g[1] for g in gathered])

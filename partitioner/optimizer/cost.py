@@ -94,7 +94,8 @@ def allreduce_time(param_bytes: float, replicas: int, bandwidth: float) -> float
 def in_flight(schedule: str, position: int, replicas: Sequence[int], microbatches: int) -> int:
     """Minibatches (pipedream) or microbatches (1f1b, gpipe) a replica of stage ``position`` holds.
 
-    pipedream: PipeDream's NOAM, ceil(devices from this stage to the end / this stage's replicas);
+    pipedream: PipeDream's NOAM, ceil(devices from this stage to the end / this stage's replicas),
+    which is ``runtime.schedule.warmup + 1``: the minibatches (and weight versions) one replica holds;
     1f1b: min(stages - position, M); gpipe: all M.
     """
     if schedule == "pipedream":

@@ -4,6 +4,12 @@ A schedule is data: each stage gets an ordered list of actions (``F`` or ``B`` o
 being a minibatch for pipedream and a microbatch for 1f1b/gpipe); one generic executor plays every
 list, starting each action when the stage is free and its input (the previous stage's forward, or
 the next stage's backward) has arrived. The cost model's closed forms are checked against this.
+
+pipedream is played rank by rank from the runtime's own lists (``runtime.schedule.build_job``): a
+replica runs whole minibatches at the stage's full compute time, and its stage's replicas all-reduce
+once per round (PipeDream's data parallelism), so what the simulation holds in flight is what the
+runtime stashes. The synchronous schedules are played per stage, a replicated stage being one
+server r times as fast, as their cost model prices them.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from partitioner.atomic import write_text_atomic
@@ -24,6 +30,7 @@ from partitioner.optimizer.cost import (
     pipedream_stage_time,
 )
 from partitioner.plan import Plan
+from runtime.schedule import Action, build_job
 
 __all__ = ["Event", "Simulation", "actions", "gantt", "simulate", "write_chrome_trace"]
 
@@ -145,8 +152,89 @@ def _play(
     return events
 
 
+def _play_ranks(
+    job: Sequence[Sequence[Sequence[Action]]],
+    fwd: list[float],
+    bwd: list[float],
+    step: list[float],
+    link: list[float],
+) -> tuple[list[Event], list[int]]:
+    """Run every rank's list in order; a step waits for all replicas of its stage and takes ``step``;
+    a message after stage k arrives ``link[k]`` after it was sent. Returns the events and, per
+    stage, the most minibatches one replica held between F and B."""
+    done: dict[tuple[str, int, int], float] = {}
+    free = [[0.0] * len(ranks) for ranks in job]
+    pos = [[0] * len(ranks) for ranks in job]
+    held = [0] * len(job)
+    live: dict[tuple[int, int], set[int]] = {}
+    events: list[Event] = []
+    left = sum(len(a) for ranks in job for a in ranks)
+    while left:
+        moved = 0
+        for k, ranks in enumerate(job):
+            heads = [acts[i] if i < len(acts) else None for acts, i in zip(ranks, pos[k], strict=True)]
+            if all(h is not None and h.kind == "S" for h in heads):
+                start = max(free[k])
+                events += [Event(k, "S", heads[0].index, start, start + step[k])]  # type: ignore[union-attr]
+                free[k] = [start + step[k]] * len(ranks)
+                pos[k] = [i + 1 for i in pos[k]]
+                moved += len(ranks)
+            for r, a in enumerate(heads):
+                if a is None or a.kind == "S":
+                    continue
+                need = ("F", k - 1, a.index) if a.kind == "F" else ("B", k + 1, a.index)
+                first = (a.kind == "F" and k == 0) or (a.kind == "B" and k == len(job) - 1)
+                if not first and need not in done:
+                    continue
+                ready = 0.0 if a.kind == "F" and k == 0 else done.get(need, done.get(("F", k, a.index), 0.0))
+                delay = 0.0 if first else link[k - 1] if a.kind == "F" else link[k]
+                start = max(free[k][r], ready + delay)
+                end = start + (fwd[k] if a.kind == "F" else bwd[k])
+                done[(a.kind, k, a.index)], free[k][r] = end, end
+                events.append(Event(k, a.kind, a.index, start, end))
+                mine = live.setdefault((k, r), set())
+                mine.add(a.index) if a.kind == "F" else mine.discard(a.index)
+                held[k] = max(held[k], len(mine))
+                pos[k][r] += 1
+                moved += 1
+        if not moved:
+            raise PlanError("schedule deadlocks: an action waits for one that never runs")
+        left -= moved
+    return events, held
+
+
+def _simulate_pipedream(plan: Plan, profile: Profile | None, minibatches: int | None) -> Simulation:
+    """Every rank of a pipedream plan from the runtime's lists: a replica's minibatch takes the stage's
+    whole compute, its round's all-reduce PipeDream's 4(r-1)P/(rB)."""
+    replicas = [s.replicas for s in plan.stages]
+    p, bw = len(replicas), min(lv.bandwidth for lv in plan.cluster.levels)
+    fwd, bwd, _ = _durations(
+        replace(plan, stages=tuple(replace(s, replicas=1) for s in plan.stages)), profile
+    )
+    step = [allreduce_time(_params(plan, k, profile), r, bw) for k, r in enumerate(replicas)]
+    link = [activation_time(_out_bytes(plan, k, _nodes(profile)), 1, bw) / 2 for k in range(p)]
+    items = minibatches or 4 * (p + sum(replicas))
+    events, held = _play_ranks(build_job("pipedream", replicas, 1, items), fwd, bwd, step, link)
+    ends = sorted(e.end_s for e in events if e.stage == p - 1 and e.kind == "B")
+    lo, hi = len(ends) // 4, 3 * len(ends) // 4
+    per_minibatch = (ends[hi] - ends[lo]) / max(hi - lo, 1)
+    span = max(e.end_s for e in events)
+    busy = sum(e.end_s - e.start_s for e in events if e.kind != "S")
+    bubble = 1.0 - busy / (sum(replicas) * span) if span > 0 else 0.0
+    memory = _memory(plan, profile, held)
+    return Simulation(
+        tuple(sorted(events, key=lambda e: e.start_s)), per_minibatch, bubble, memory, tuple(held)
+    )
+
+
+def _nodes(profile: Profile | None) -> dict[str, Node]:
+    return {n.id: n for n in profile.nodes} if profile else {}
+
+
 def simulate(plan: Plan, profile: Profile | None = None, minibatches: int | None = None) -> Simulation:
     """Simulate ``minibatches`` minibatches (pipedream) or one minibatch of M microbatches (1f1b, gpipe)."""
+    if plan.schedule == "pipedream":
+        return _simulate_pipedream(plan, profile, minibatches)
     p = len(plan.stages)
     fwd, bwd, link = _durations(plan, profile)
     sync = plan.schedule != "pipedream"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ from runtime.data import SyntheticBatches
 from runtime.launch import launch
 from runtime.options import RunOptions
 from runtime.package import import_package
-from runtime.schedule import build
+from runtime.schedule import build_job
 
 __all__ = ["pipedream_reference", "plain_training", "run", "stage_state"]
 
@@ -55,45 +56,52 @@ def plain_training(
     return model  # type: ignore[no-any-return]
 
 
-def _forward_versions(stages: int, microbatches: int, steps: int) -> list[dict[int, int]]:
-    """Per stage, the weight version (optimizer steps taken) each unit's forward saw under pipedream."""
+def _forward_versions(replicas: Sequence[int], microbatches: int, steps: int) -> list[dict[int, int]]:
+    """Per stage, the weight version (its steps taken) each unit's forward saw under pipedream."""
     out = []
-    for actions in build("pipedream", stages, microbatches, steps):
-        taken, seen = 0, {}
-        for a in actions:
-            if a.kind == "S":
-                taken += 1
-            elif a.kind == "F":
-                seen[a.index] = taken
+    for ranks in build_job("pipedream", replicas, microbatches, steps):
+        seen = {}
+        for actions in ranks:
+            taken = 0
+            for a in actions:
+                if a.kind == "S":
+                    taken += 1
+                elif a.kind == "F":
+                    seen[a.index] = taken
         out.append(seen)
     return out
 
 
 def pipedream_reference(
-    package: Path, stages: int, steps: int, microbatches: int, batch_size: int, lr: float
+    package: Path, replicas: Sequence[int], steps: int, microbatches: int, batch_size: int, lr: float
 ) -> tuple[list[dict[str, torch.Tensor]], list[dict[int, int]]]:
     """PipeDream's semantics replayed in one process: each unit runs every stage on the weight version
-    that stage had at the unit's forward (and its backward uses those same weights); a stage's step
-    applies the minibatch's gradients to its newest weights. Returns final weights and the versions."""
+    that stage had at the unit's forward (and its backward uses those same weights); a stage of r
+    replicas steps once per round of r minibatches, with the mean of their gradients, applied to its
+    newest weights (plain SGD). Returns final weights and the versions."""
     pkg = import_package(package)
     full, loss_fn = pkg.full_model(0), pkg.criterion()
     data = SyntheticBatches(pkg, ["input0"], batch_size, seed=0)
-    versions = _forward_versions(stages, microbatches, steps)
+    versions = _forward_versions(replicas, microbatches, steps)
     weights = [[{n: p.detach().clone() for n, p in s.named_parameters()}] for s in full.stages]
+    zero = [{n: torch.zeros_like(t) for n, t in w[-1].items()} for w in weights]
+    grads, ran = [dict(z) for z in zero], [0] * len(replicas)
     for step in range(steps):
-        grads = [{n: torch.zeros_like(t) for n, t in w[-1].items()} for w in weights]
         for j, (x, y, share) in enumerate(_micro(data, step, microbatches)):
             unit, h = step * microbatches + j, x
             used = [
                 {n: t.clone().requires_grad_() for n, t in weights[k][versions[k][unit]].items()}
-                for k in range(stages)
+                for k in range(len(replicas))
             ]
-            for k in range(stages):
+            for k in range(len(replicas)):
                 h = torch.func.functional_call(full.stages[k], used[k], (h,))
             (loss_fn(h, y) * share).backward()
-            for k in range(stages):
+            for k in range(len(replicas)):
                 for n, t in used[k].items():
-                    grads[k][n] += t.grad
-        for k in range(stages):
-            weights[k].append({n: t - lr * grads[k][n] for n, t in weights[k][-1].items()})
+                    grads[k][n] = grads[k][n] + t.grad
+        for k, r in enumerate(replicas):
+            ran[k] += 1
+            if ran[k] == r or step == steps - 1:
+                weights[k].append({n: t - lr * grads[k][n] / ran[k] for n, t in weights[k][-1].items()})
+                grads[k], ran[k] = dict(zero[k]), 0
     return [w[-1] for w in weights], versions

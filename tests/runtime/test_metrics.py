@@ -32,3 +32,12 @@ def test_stage_compute_skips_the_warm_up_and_sums_replicas() -> None:
         {"stage": 1, "compute_s_per_minibatch": pytest.approx(0.5)},
     ]
     assert doc["batch_size"] == 8 and doc["time_per_minibatch_s"] == pytest.approx(0.51)
+
+
+def test_a_step_over_a_round_of_minibatches_shares_its_compute() -> None:
+    recorder = Recorder(rank=0, stage=0)
+    recorder.seconds["compute"] = 0.9
+    recorder.mark_step(3)  # a pipedream replica of a 3-replica stage steps once per 3 minibatches
+    recorder.seconds["compute"] = 1.0
+    recorder.mark_step(1)
+    assert recorder.step_compute_s() == pytest.approx((0.3, 0.3, 0.3, 0.1))

@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import pytest
 
+from partitioner.optimizer.cost import in_flight
 from runtime.schedule import (
     Action,
     ScheduleError,
     build,
+    build_job,
     format_actions,
     parse_actions,
     rank_actions,
     simulate,
+    simulate_job,
+    stash_depth,
     validate,
+    validate_job,
+    warmup,
 )
 
 RANGE = [(p, m) for p in range(1, 6) for m in range(1, 9)]
@@ -84,3 +90,45 @@ def test_replicas_split_microbatches_round_robin_and_all_step() -> None:
     assert [a.index for a in r0 if a.kind == "F"] == [0, 3]
     assert [a.index for a in r1 if a.kind == "F"] == [1]
     assert r0[-1] == r1[-1] == Action(0, "S", 0)
+
+
+PLANS = [(3, 1), (2, 1, 1), (15, 1), (1, 2, 1), (2, 2), (1, 1, 1, 1), (4,)]
+
+
+@pytest.mark.parametrize("replicas", PLANS)
+@pytest.mark.parametrize("micro", [1, 2])
+def test_every_rank_stashes_what_the_cost_model_prices(replicas: tuple[int, ...], micro: int) -> None:
+    steps = 3 * sum(replicas) + 1  # a partial last round on every replicated stage
+    job = build_job("pipedream", replicas, micro, steps, first_step=5)
+    validate_job(job, "pipedream", micro, range(5, 5 + steps))
+    for k, ranks in enumerate(job):
+        for actions in ranks:
+            assert stash_depth(actions) == in_flight("pipedream", k, replicas, micro)
+
+
+def test_pipedream_warm_up_is_pipedreams() -> None:
+    assert [warmup((1, 1, 1, 1), k) for k in range(4)] == [3, 2, 1, 0]
+    assert [warmup((3, 1), k) for k in range(2)] == [1, 0]
+    assert [warmup((2, 1, 1), k) for k in range(3)] == [1, 1, 0]
+    assert [warmup((15, 1), k) for k in range(2)] == [1, 0]
+
+
+def test_pipedream_replicas_take_whole_minibatches_and_step_per_round() -> None:
+    (r0, r1, r2), (last,) = build_job("pipedream", (3, 1), microbatches=2, steps=4)
+    assert format_actions(r0) == "0F0 0F1 0F6 0B0 0F7 0B1 0S0 0B6 0B7 0S3"
+    assert format_actions(r2) == "0F4 0F5 0B4 0B5 0S0 0S3"  # no minibatch in round 3: joins its step
+    assert [a.index for a in r1 if a.kind == "F"] == [2, 3]
+    assert [a.index for a in last if a.kind == "S"] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("replicas", PLANS)
+def test_synchronous_replicas_split_each_minibatch(name: str, replicas: tuple[int, ...]) -> None:
+    micro = 2 * max(replicas)
+    validate_job(build_job(name, replicas, micro, steps=2), name, micro, range(2))
+
+
+def test_replicas_that_join_different_steps_deadlock() -> None:
+    job = ((parse_actions("0F0 0B0 0S0"), parse_actions("0F1 0B1 0S1")), (parse_actions("1F0 1B0 1F1 1B1"),))
+    with pytest.raises(ScheduleError):
+        simulate_job(job)

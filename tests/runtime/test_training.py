@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from partitioner.optimizer.cost import in_flight
 from tests.runtime.helpers import pipedream_reference, plain_training, run, stage_state
 from tests.runtime.packages import write_package
 
@@ -68,27 +69,54 @@ def test_tied_weights_stay_equal_and_match_the_shared_parameter(tmp_path: Path) 
 def test_pipedream_backward_uses_the_weights_of_its_own_forward(
     tmp_path: Path, replicas: tuple[int, ...], micro: int
 ) -> None:
-    stages, steps, batch = len(replicas), 4, 4
+    steps, batch = 4, 4
     pkg = write_package(tmp_path / "pkg", "chain", replicas=replicas, microbatches=micro, batch_size=batch)
     ckpt = tmp_path / "ckpt"
     metrics = run(
         pkg, steps=steps, schedule="pipedream", microbatches=micro, lr=0.2, checkpoint_dir=str(ckpt)
     )
-    want, versions = pipedream_reference(pkg, stages, steps, micro, batch, lr=0.2)
-    stale = [u for u, v in versions[0].items() if v < u // micro]
+    want, versions = pipedream_reference(pkg, replicas, steps, micro, batch, lr=0.2)
+    stale = [u for u, v in versions[0].items() if v < u // micro // replicas[0]]
     assert stale, "stage 0 must run some forwards on weights older than their minibatch's"
-    for k in range(stages):
-        got = stage_state(ckpt, steps, k)
-        for name, tensor in want[k].items():
-            torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6)
+    _assert_weights(ckpt, steps, want)
     # The runtime's own log agrees: rank 0 ran backwards after newer weights existed, on the old ones.
     log = metrics["stash_log"]["0"] if "0" in metrics["stash_log"] else metrics["stash_log"][0]
-    mine = {u: v for u, v in versions[0].items() if (u % micro) % replicas[0] == 0}
+    mine = {u: v for u, v in versions[0].items() if (u // micro) % replicas[0] == 0}
     assert [(u, v) for u, v, _ in log] == sorted(mine.items())
     assert any(now > used for _, used, now in log)
     # And staleness matters: synchronous training ends elsewhere.
     sync = plain_training(pkg, steps, micro, batch, lr=0.2)
     assert not torch.allclose(sync.stages[0].fc.weight, want[0]["fc.weight"])
+
+
+def _assert_weights(ckpt: Path, step: int, want: list[dict[str, torch.Tensor]]) -> None:
+    for k, weights in enumerate(want):
+        got = stage_state(ckpt, step, k)
+        for name, tensor in weights.items():
+            torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6, msg=f"stage{k}.{name}")
+
+
+def test_pipedream_3_1_stashes_what_the_memory_model_prices_and_all_reduces_one_version(
+    tmp_path: Path,
+) -> None:
+    """PipeDream's replication: whole minibatches round-robin to stage 0's three replicas, each
+    keeping warm-up + 1 = 2 versions in flight (cost.in_flight), all-reducing gradients of one
+    version; 10 minibatches end on a round that only replica 0 ran."""
+    replicas, steps, batch = (3, 1), 10, 4
+    pkg = write_package(tmp_path / "pkg", "chain", replicas=replicas, microbatches=1, batch_size=batch)
+    ckpt = tmp_path / "ckpt"
+    metrics = run(pkg, steps=steps, schedule="pipedream", lr=0.2, checkpoint_dir=str(ckpt))
+    want, _ = pipedream_reference(pkg, replicas, steps, 1, batch, lr=0.2)
+    _assert_weights(ckpt, steps, want)
+    held = {r["rank"]: r["versions_in_flight_max"] for r in metrics["ranks"]}
+    assert held == {rank: in_flight("pipedream", int(rank >= 3), replicas, 1) for rank in range(4)}
+    assert held == {0: 2, 1: 2, 2: 2, 3: 1}
+    logs = {int(rank): log for rank, log in metrics["step_versions"].items()}
+    for step in (0, 3, 6, 9):
+        used = [set(dict(logs[rank])[step]) for rank in (0, 1, 2)]
+        assert len(set().union(*used)) == 1, f"step {step} all-reduced versions {used}"
+    assert dict(logs[0])[6] == (1,) and dict(logs[2])[9] == ()  # a round stale; replica 2 idle in the last
+    assert metrics["steps"] == steps and len({r["param_sq_sum"] for r in metrics["ranks"][:3]}) == 1
 
 
 def test_one_stage_two_replicas_is_data_parallel_training(tmp_path: Path) -> None:
@@ -113,7 +141,7 @@ def test_integer_tensors_cross_stages_without_gradients(tmp_path: Path) -> None:
     _assert_stages_equal(ckpt, 2, plain_training(pkg, 2, 2, 4, lr=0.1), 2)
 
 
-@pytest.mark.parametrize(("schedule", "steps"), [("1f1b", 4), ("pipedream", 10)])
+@pytest.mark.parametrize(("schedule", "steps"), [("1f1b", 4), ("pipedream", 12)])
 def test_sent_tensors_are_freed_during_a_long_segment(tmp_path: Path, schedule: str, steps: int) -> None:
     """gloo reports no send complete until it is waited for; the runtime must still let go of each
     sent tensor once the schedule proves it was received, not keep every one until the run ends."""

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from partitioner.optimizer import evaluate
+from partitioner.optimizer.cost import in_flight
 from partitioner.optimizer.simulate import actions, gantt, simulate, write_chrome_trace
 from partitioner.plan import Cluster
 from tests.partitioner.optimizer.conftest import make_profile
@@ -58,3 +59,22 @@ def test_trace_and_gantt(tmp_path: Path) -> None:
     assert len(spans) == 4 * 2 * 4 + 4  # forwards, backwards, and one sync+step per stage
     rows = gantt(sim, width=40)
     assert len(rows) == 4 and all(len(r) == len(rows[0]) for r in rows)
+
+
+@pytest.mark.parametrize("replicas", [(3, 1), (2, 1, 1), (15, 1)])
+def test_replicated_pipedream_holds_and_takes_what_the_cost_model_prices(replicas: tuple[int, ...]) -> None:
+    """Rank by rank from the runtime's lists: each replica holds cost.in_flight minibatches (the
+    memory model's), and the steady state is the cost model's slowest (C + all-reduce) / r."""
+    p = len(replicas)
+    profile = make_profile([(10 * r, 20 * r, 0, 1000) for r in replicas], [(i, i + 1) for i in range(p - 1)])
+    cluster = Cluster.flat(sum(replicas), bandwidth=1e6)
+    plan = evaluate(profile, cluster, [f"l{i}" for i in range(p - 1)], list(replicas))
+    sim = simulate(plan, profile)
+    assert sim.in_flight == tuple(in_flight("pipedream", k, replicas, 1) for k in range(p))
+    assert sim.peak_memory_bytes == tuple(s.memory_bytes for s in plan.stages)
+    if replicas == (2, 1, 1):
+        # The replicas step in lock-step while stage 1 feeds them one after the other: PipeDream's
+        # closed form (a throughput bound) is 31 ms, its schedule takes 46 ms here. A known gap.
+        assert sim.time_per_minibatch_s == pytest.approx(0.046, rel=0.02)
+    else:
+        assert sim.time_per_minibatch_s == pytest.approx(plan.predicted.time_per_minibatch_s, rel=0.02)
