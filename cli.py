@@ -162,7 +162,14 @@ def _profile_totals(profile: Any, path: Any) -> str:
     default=None,
     help="Where to write the profile  [default: profiles/<model>/profile.json]",
 )
-@click.option("--batch-size", type=int, default=1, show_default=True, help="Samples per minibatch.")
+@click.option(
+    "--batch-size",
+    type=int,
+    default=8,
+    show_default=True,
+    help="Samples per minibatch: the plan, the package and `pipeplan run` use it. Profile at the size "
+    "you train at; at batch 1 fixed per-layer costs dominate and the plan is unrealistic.",
+)
 @click.option(
     "--input-shape", default=None, help="One sample's shape, e.g. 3,224,224 (images) or 128 (tokens)."
 )
