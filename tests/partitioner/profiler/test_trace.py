@@ -115,10 +115,13 @@ def test_hf_gpt2_falls_back_to_export_grouped_by_block() -> None:
     check_groups(traced)
     blocks = [g.name for g in traced.groups if g.target == "GPT2Block"]
     assert blocks == [f"transformer.h.{i}" for i in range(4)]
-    again = retrace(traced.options, batch_size=4)  # static shapes: re-export at a microbatch size
+    assert traced.options["static_shapes"] is False  # a dynamic batch: any microbatch runs
+    again = retrace(traced.options, batch_size=4)
     assert [g.members for g in again.groups] == [g.members for g in traced.groups]
     owner = {m: g.id for g in traced.groups for m in g.members}
     for node in traced.graph_module.graph.nodes:
         for a in node.all_input_nodes:
             if owner[a.name] != owner[node.name] and a.op != "get_attr":
-                assert isinstance(a.meta.get("val"), torch.Tensor), f"{a.name} is not a tensor"
+                # the dynamic batch size crosses layers; split reads it again from a local tensor
+                value = a.meta.get("val")
+                assert isinstance(value, (torch.Tensor, torch.SymInt)), f"{a.name} is not a tensor"
