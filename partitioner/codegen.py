@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -141,9 +142,12 @@ def write_package_from_trace(
         ties=ties_of(bundle.module, stages),
         extra={**dict(plan.extra), **_extra(gm, bundle, stages, loss, weights_path, tracer, init)},
     )
-    source = source_text(profile, final, bundle, loss, weights_path, init)
+    zoo = _zoo_model(str(bundle.spec))
+    source = source_text(profile, final, bundle, loss, weights_path, init, zoo[0] if zoo else None)
     files = {"__init__.py": init_text(profile, final, stages, init, weights_path), "_source.py": source}
     files["_stagekit.py"] = Path(stagekit.__file__).read_text(encoding="utf-8")
+    if zoo:
+        files["_model.py"] = zoo[1]
     files.update({f"stage{s.index}.py": stage_text(profile, final, s, len(stages)) for s in stages})
     files["plan.json"] = _json(plan_to_json(final))
     files["mp_conf.json"] = _json(mp_conf(final.stages))
@@ -189,6 +193,22 @@ def assignment_of(profile: Profile, plan: Plan) -> dict[str, int]:
             for member in node.members or (node.id,):
                 assignment[member] = stage.index
     return assignment
+
+
+def _zoo_model(spec: str) -> tuple[str, str] | None:
+    """A built-in model's factory name and the text of its source file, or None for other specs.
+
+    The file is copied into the package as ``_model.py``: a package needs torch and ``runtime`` only,
+    never ``partitioner`` (whose zoo a cluster node does not have). Zoo files import torch alone.
+    """
+    from partitioner.zoo import ZOO
+
+    entry = ZOO.get(spec)
+    if entry is None:
+        return None
+    source = sys.modules[entry.factory.__module__].__file__
+    assert source is not None
+    return entry.factory.__name__, Path(source).read_text(encoding="utf-8")
 
 
 def _foreign_calls(gm: fx.GraphModule, model: nn.Module) -> frozenset[str]:

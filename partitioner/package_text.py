@@ -120,11 +120,27 @@ def stage_text(profile: Profile, plan: Plan, stage: StageGraph, num_stages: int)
     )
 
 
-def source_text(profile: Profile, plan: Plan, bundle: Any, loss: str, weights: str | None, init: str) -> str:
-    """``_source.py``: where the model, its inputs, targets and loss come from (data plus two hooks)."""
+def source_text(
+    profile: Profile,
+    plan: Plan,
+    bundle: Any,
+    loss: str,
+    weights: str | None,
+    init: str,
+    zoo_factory: str | None = None,
+) -> str:
+    """``_source.py``: where the model, its inputs, targets and loss come from (data plus two hooks).
+
+    ``zoo_factory`` names the factory of a built-in model whose source the package carries as
+    ``_model.py``; other specs are resolved by ``_stagekit.factory_from_spec`` (user code, torchvision).
+    """
     spec = str(bundle.spec)
     where, sep, attr = spec.rpartition(":")
-    factory = spec if not sep or where == "torchvision" else f"{_absolute(where)}:{attr}"
+    if zoo_factory:
+        factory, imports, body = f"_model:{zoo_factory}", "_model, _stagekit", f"_model.{zoo_factory}"
+    else:
+        factory = spec if not sep or where == "torchvision" else f"{_absolute(where)}:{attr}"
+        imports, body = "_stagekit", "_stagekit.factory_from_spec(FACTORY)"
     extra = plan.extra
     return (
         '"""Where this package\'s model comes from: spec, weights, inputs, targets, loss.\n\n'
@@ -133,17 +149,18 @@ def source_text(profile: Profile, plan: Plan, bundle: Any, loss: str, weights: s
         "from __future__ import annotations\n\n"
         "from typing import Any\n\n"
         "import torch\n\n"
-        "from . import _stagekit\n\n"
+        f"from . import {imports}\n\n"
         f"SPEC = {json.dumps(spec)}\n"
-        f"FACTORY = {json.dumps(factory)}\n"
-        f"WEIGHTS: str | None = {json.dumps(weights) if weights else 'None'}\n"
+        f"FACTORY = {json.dumps(factory)}"
+        + ("  # the built-in model's source, copied into _model.py\n" if zoo_factory else "\n")
+        + f"WEIGHTS: str | None = {json.dumps(weights) if weights else 'None'}\n"
         f"INIT = {json.dumps(init)}  # exact: as the factory under torch.manual_seed; seeded: per module\n"
         f"LOSS = {json.dumps(loss)}\n"
         f"INPUTS: list[dict[str, Any]] = {json.dumps(extra['inputs'])}\n"
         f"TARGETS: dict[str, Any] = {json.dumps(extra['targets'])}\n\n\n"
         "def factory() -> Any:\n"
-        '    """The user\'s zero-argument model factory."""\n'
-        "    return _stagekit.factory_from_spec(FACTORY)\n\n\n"
+        '    """The model\'s zero-argument factory."""\n'
+        f"    return {body}\n\n\n"
         "def populate(\n"
         "    stage: torch.nn.Module,\n"
         "    modules: tuple[str, ...],\n"

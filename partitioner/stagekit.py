@@ -2,7 +2,7 @@
 
 This file is copied verbatim into every generated package (as ``_stagekit.py``), so it imports only
 torch and the standard library: a cluster node needs torch, pipeplan's runtime and the user's model
-code, never ``partitioner``.
+code, never ``partitioner`` (a built-in model's source travels in the package as ``_model.py``).
 
 The initialisation scheme ("seeded per module"):
 
@@ -55,10 +55,12 @@ def derive_seed(seed: int, path: str) -> int:
 
 
 def factory_from_spec(spec: str) -> Callable[[], nn.Module]:
-    """The zero-argument factory of a zoo name, ``torchvision:NAME``, ``pkg.mod:fn`` or ``file.py:fn``."""
+    """The zero-argument factory of ``torchvision:NAME``, ``pkg.mod:fn`` or ``file.py:fn``.
+
+    Built-in (zoo) models are not resolved here: a package carries their source as ``_model.py``.
+    """
     if ":" not in spec:
-        zoo = importlib.import_module("partitioner.zoo")
-        return zoo.ZOO[spec].factory  # type: ignore[no-any-return]
+        raise ValueError(f"{spec!r} is not a model spec a package can load; expected module:function")
     where, name = spec.rsplit(":", 1)
     if where == "torchvision":
         models = importlib.import_module("torchvision.models")
