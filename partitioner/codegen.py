@@ -126,6 +126,7 @@ def write_package_from_trace(
         size = sum(p.numel() * p.element_size() for p in bundle.module.parameters())
         init = "exact" if size <= EXACT_INIT_MAX_BYTES else "seeded"
     inputs = tuple(bundle.inputs)
+    reshaped = bool(dict(profile.tracer_options).get("input_shape"))
     kinds, loss_node = tensor_kinds(gm, inputs)
     drop = _foreign_calls(gm, bundle.module)
     stages = split_graph(
@@ -140,7 +141,7 @@ def write_package_from_trace(
         plan,
         model=plan.model or profile.model,
         ties=ties_of(bundle.module, stages),
-        extra={**dict(plan.extra), **_extra(gm, bundle, stages, loss, weights_path, tracer, init)},
+        extra={**dict(plan.extra), **_extra(gm, bundle, stages, loss, weights_path, tracer, init, reshaped)},
     )
     zoo = _zoo_model(str(bundle.spec))
     source = source_text(profile, final, bundle, loss, weights_path, init, zoo[0] if zoo else None)
@@ -291,13 +292,17 @@ def _extra(
     weights: str | None,
     tracer: str,
     init: str,
+    reshaped: bool,
 ) -> dict[str, Any]:
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    with torch.no_grad():
+        output = stagekit.loss_input(gm(*bundle.inputs))
     return {
         "inputs": [
-            _tensor_spec(name, t, bundle) for name, t in zip(placeholders, bundle.inputs, strict=True)
+            _tensor_spec(name, t, output) for name, t in zip(placeholders, bundle.inputs, strict=True)
         ],
-        "targets": _target_spec(bundle),
+        "targets": _target_spec(bundle, output),
+        "example_functions": _example_functions(bundle, reshaped),
         "loss": loss,
         "init": f"checkpoint {weights}" if weights else init,
         "tracer": tracer,
@@ -316,31 +321,72 @@ def _static(gm: fx.GraphModule) -> bool:
     return exported and not has_symbols
 
 
-def _tensor_spec(name: str, t: torch.Tensor, bundle: Any) -> dict[str, Any]:
+def _described(name: str, t: torch.Tensor) -> dict[str, Any]:
+    return {"name": name, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+
+
+def _tensor_spec(name: str, t: torch.Tensor, output: torch.Tensor) -> dict[str, Any]:
+    """How to make more tensors like ``t`` for synthetic data (``stagekit.make_inputs`` reads it).
+
+    Integer inputs keep their meaning: a constant (an all-ones attention mask) stays that constant;
+    ids with one per output position (token ids of a language model) range over the output's last
+    dimension (the vocabulary); other integers stay below the largest value seen.
+    """
     spec: dict[str, Any] = {
         "name": name,
         "shape": list(t.shape),
         "dtype": str(t.dtype).removeprefix("torch."),
     }
-    if not t.is_floating_point():
-        from partitioner.zoo import ZOO
-
-        entry = ZOO.get(str(bundle.spec))
-        spec["high"] = entry.classes if entry is not None else int(t.max()) + 1
+    if t.is_floating_point() or t.is_complex():
+        return spec
+    flat = t.reshape(-1)
+    if flat.numel() > 1 and bool((flat == flat[0]).all()):
+        spec["fill"] = flat[0].item()
+    elif tuple(t.shape) == tuple(output.shape[:-1]):
+        spec["high"] = int(output.shape[-1])
+    else:
+        spec["high"] = int(t.max()) + 1 if t.numel() else 2
     return spec
 
 
-def _target_spec(bundle: Any) -> dict[str, Any]:
+def _target_spec(bundle: Any, output: torch.Tensor) -> dict[str, Any]:
+    """Targets: next tokens of the first input, classes over the output's last dimension, or normal."""
     from partitioner.models import next_token_targets
 
     t = bundle.targets
-    spec = _tensor_spec("target", t, bundle)
+    spec: dict[str, Any] = {
+        "name": "target",
+        "shape": list(t.shape),
+        "dtype": str(t.dtype).removeprefix("torch."),
+    }
     first = bundle.inputs[0]
     if first.shape == t.shape and not first.is_floating_point() and torch.equal(next_token_targets(first), t):
         spec["kind"] = "next_token"
+    elif t.is_floating_point():
+        spec["kind"] = "normal"
     else:
-        spec["kind"] = "classes" if "high" in spec else "normal"
+        spec.update(high=int(output.shape[-1]), kind="classes")
     return spec
+
+
+def _example_functions(bundle: Any, reshaped: bool) -> list[str | None]:
+    """The model file's ``[example_inputs, example_targets]`` as ``where:name`` where it defines them
+    (the package calls them, so its synthetic data are the user's), else None each. With
+    ``--input-shape`` (``reshaped``) the inputs are drawn at that shape instead, as the profiler did."""
+    where, sep, _ = str(bundle.spec).rpartition(":")
+    if not sep or where == "torchvision":
+        return [None, None]
+    found: list[str | None] = []
+    for name in ("example_inputs", "example_targets"):
+        if reshaped and name == "example_inputs":
+            found.append(None)
+            continue
+        full = f"{_absolute(where)}:{name}"
+        try:
+            found.append(full if callable(stagekit.factory_from_spec(full)) else None)
+        except (ImportError, AttributeError, ValueError):
+            found.append(None)
+    return found
 
 
 # ---------------------------------------------------------------- files

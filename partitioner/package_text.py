@@ -157,7 +157,9 @@ def source_text(
         f"INIT = {json.dumps(init)}  # exact: as the factory under torch.manual_seed; seeded: per module\n"
         f"LOSS = {json.dumps(loss)}\n"
         f"INPUTS: list[dict[str, Any]] = {json.dumps(extra['inputs'])}\n"
-        f"TARGETS: dict[str, Any] = {json.dumps(extra['targets'])}\n\n\n"
+        f"TARGETS: dict[str, Any] = {json.dumps(extra['targets'])}\n"
+        "# the model file's own (example_inputs, example_targets), called for synthetic data where given\n"
+        f"EXAMPLES: tuple[str | None, str | None] = {_pair(extra.get('example_functions'))}\n\n\n"
         "def factory() -> Any:\n"
         '    """The model\'s zero-argument factory."""\n'
         f"    return {body}\n\n\n"
@@ -171,6 +173,12 @@ def source_text(
         '    """Give a stage its submodules and tensors, initialised as in full_model(seed)."""\n'
         "    _stagekit.populate(stage, factory(), modules, tensors, seed, device, WEIGHTS, INIT)\n"
     )
+
+
+def _pair(values: Sequence[str | None] | None) -> str:
+    """A tuple literal of two optional strings (None where absent)."""
+    values = values or (None, None)
+    return "(" + ", ".join(json.dumps(v) if v else "None" for v in values) + ")"
 
 
 def _absolute(where: str) -> str:
@@ -232,10 +240,13 @@ def init_text(
         "def criterion() -> torch.nn.Module:\n"
         '    """The loss: forward(output, target) -> mean loss over the samples."""\n'
         "    return _stagekit.criterion(_source.LOSS)\n\n\n"
-        "def example_inputs(batch_size: int) -> dict[str, torch.Tensor]:\n"
-        '    """Deterministic example inputs, keyed by the first stage\'s input names."""\n'
-        "    return _stagekit.make_inputs(_source.INPUTS, batch_size)\n\n\n"
-        "def example_targets(batch_size: int) -> torch.Tensor:\n"
-        '    """Deterministic example targets matching example_inputs(batch_size)."""\n'
-        "    return _stagekit.make_targets(_source.TARGETS, _source.INPUTS, batch_size)\n"
+        "def example_inputs(batch_size: int, seed: int = 0) -> dict[str, torch.Tensor]:\n"
+        '    """Example inputs by the first stage\'s input names: the same for a seed, other data for\n'
+        '    another (the runtime\'s synthetic minibatches use one seed per step)."""\n'
+        "    return _stagekit.make_inputs(_source.INPUTS, batch_size, seed, _source.EXAMPLES[0])\n\n\n"
+        "def example_targets(batch_size: int, seed: int = 0) -> torch.Tensor:\n"
+        '    """Example targets matching example_inputs(batch_size, seed)."""\n'
+        "    return _stagekit.make_targets(\n"
+        "        _source.TARGETS, _source.INPUTS, batch_size, seed, _source.EXAMPLES\n"
+        "    )\n"
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -54,28 +55,42 @@ class Batches(Protocol):
 
 
 class SyntheticBatches:
-    """Random minibatches from the package's own example functions, seeded per step."""
+    """Random minibatches from the package's own example functions, seeded per step.
+
+    A package whose ``example_inputs``/``example_targets`` take a ``seed`` (generated ones do) gets
+    the step's seed for both, so targets derived from the inputs (next tokens) match them; older
+    ones draw from torch's generator, seeded per step and kind.
+    """
 
     def __init__(self, package: ModuleType, names: Sequence[str], batch_size: int, seed: int) -> None:
         self.package, self.names, self.batch_size, self.seed = package, tuple(names), batch_size, seed
         self.steps_per_epoch = SYNTHETIC_STEPS
+        for attr in ("example_inputs", "example_targets"):
+            if not callable(getattr(package, attr, None)):
+                raise RunError(
+                    f"the package defines no {attr}(batch_size); pass --data for its training data"
+                )
 
     def _seeded(self, step: int, kind: int) -> int:
         return self.seed * 1_000_003 + (step % SYNTHETIC_STEPS) * 2 + kind
 
-    def inputs(self, step: int) -> tuple[torch.Tensor, ...]:
+    def _call(self, attr: str, step: int, kind: int) -> Any:
+        fn = getattr(self.package, attr)
         with torch.random.fork_rng(devices=[]):
-            _seed(self._seeded(step, 0))
-            found = self.package.example_inputs(self.batch_size)
+            _seed(self._seeded(step, kind))
+            if "seed" in inspect.signature(fn).parameters:
+                return fn(self.batch_size, seed=self._seeded(step, 0))
+            return fn(self.batch_size)
+
+    def inputs(self, step: int) -> tuple[torch.Tensor, ...]:
+        found = self._call("example_inputs", step, 0)
         missing = [n for n in self.names if n not in found]
         if missing:
             raise RunError(f"example_inputs() lacks the first stage's inputs {missing}")
         return tuple(found[n] for n in self.names)
 
     def targets(self, step: int) -> torch.Tensor:
-        with torch.random.fork_rng(devices=[]):
-            _seed(self._seeded(step, 1))
-            return self.package.example_targets(self.batch_size)  # type: ignore[no-any-return]
+        return self._call("example_targets", step, 1)  # type: ignore[no-any-return]
 
 
 class DatasetBatches:

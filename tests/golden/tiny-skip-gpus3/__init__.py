@@ -69,11 +69,14 @@ def criterion() -> torch.nn.Module:
     return _stagekit.criterion(_source.LOSS)
 
 
-def example_inputs(batch_size: int) -> dict[str, torch.Tensor]:
-    """Deterministic example inputs, keyed by the first stage's input names."""
-    return _stagekit.make_inputs(_source.INPUTS, batch_size)
+def example_inputs(batch_size: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Example inputs by the first stage's input names: the same for a seed, other data for
+    another (the runtime's synthetic minibatches use one seed per step)."""
+    return _stagekit.make_inputs(_source.INPUTS, batch_size, seed, _source.EXAMPLES[0])
 
 
-def example_targets(batch_size: int) -> torch.Tensor:
-    """Deterministic example targets matching example_inputs(batch_size)."""
-    return _stagekit.make_targets(_source.TARGETS, _source.INPUTS, batch_size)
+def example_targets(batch_size: int, seed: int = 0) -> torch.Tensor:
+    """Example targets matching example_inputs(batch_size, seed)."""
+    return _stagekit.make_targets(
+        _source.TARGETS, _source.INPUTS, batch_size, seed, _source.EXAMPLES
+    )

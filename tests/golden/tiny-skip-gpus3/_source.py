@@ -23,6 +23,8 @@ INIT = "exact"  # exact: as the factory under torch.manual_seed; seeded: per mod
 LOSS = "cross_entropy"
 INPUTS: list[dict[str, Any]] = [{"name": "x", "shape": [2, 16], "dtype": "float32"}]
 TARGETS: dict[str, Any] = {"name": "target", "shape": [2], "dtype": "int64", "high": 10, "kind": "classes"}
+# the model file's own (example_inputs, example_targets), called for synthetic data where given
+EXAMPLES: tuple[str | None, str | None] = (None, None)
 
 
 def factory() -> Any:
