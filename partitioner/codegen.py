@@ -38,6 +38,7 @@ from partitioner.split import StageGraph, split_graph, tensor_kinds
 __all__ = [
     "EXACT_INIT_MAX_BYTES",
     "assignment_of",
+    "pipedream_names",
     "ties_of",
     "with_ranks",
     "write_package",
@@ -137,15 +138,18 @@ def write_package_from_trace(
     if weights_path:
         _check_weights(weights_path, bundle.module)
     loss = _loss_kind(bundle, gm, inputs)
+    names = pipedream_names([n.name for n in gm.graph.nodes if n.op == "placeholder"], stages)
+    extra = _extra(gm, bundle, stages, names, loss, weights_path, tracer, init, reshaped)
     final = replace(
         plan,
         model=plan.model or profile.model,
         ties=ties_of(bundle.module, stages),
-        extra={**dict(plan.extra), **_extra(gm, bundle, stages, loss, weights_path, tracer, init, reshaped)},
+        extra={**dict(plan.extra), **extra},
     )
     zoo = _zoo_model(str(bundle.spec))
     source = source_text(profile, final, bundle, loss, weights_path, init, zoo[0] if zoo else None)
-    files = {"__init__.py": init_text(profile, final, stages, init, weights_path), "_source.py": source}
+    package = init_text(profile, final, stages, init, weights_path, names)
+    files = {"__init__.py": package, "_source.py": source}
     files["_stagekit.py"] = Path(stagekit.__file__).read_text(encoding="utf-8")
     if zoo:
         files["_model.py"] = zoo[1]
@@ -194,6 +198,24 @@ def assignment_of(profile: Profile, plan: Plan) -> dict[str, int]:
             for member in node.members or (node.id,):
                 assignment[member] = stage.index
     return assignment
+
+
+def pipedream_names(inputs: Sequence[str], stages: Sequence[StageGraph]) -> dict[str, str]:
+    """Each tensor at a stage boundary -> its name in PipeDream's packages: the model's inputs are
+    ``input0``, ``input1``.. in argument order, tensors first returned by a stage ``out0``, ``out1``..
+    in stage and return order, so PipeDream's own tools (its shape-inference loop) read our packages.
+
+    Raises:
+        PackageError: a stage reads a tensor that is neither a model input nor an earlier stage's output.
+    """
+    names = {name: f"input{i}" for i, name in enumerate(inputs)}
+    for stage in stages:
+        unknown = [n for n in stage.in_names if n not in names]
+        if unknown:
+            raise PackageError(f"internal: stage {stage.index} reads {unknown[0]!r}, which nothing produces")
+        for name in stage.out_names:
+            names.setdefault(name, f"out{sum(v.startswith('out') for v in names.values())}")
+    return names
 
 
 def _zoo_model(spec: str) -> tuple[str, str] | None:
@@ -288,6 +310,7 @@ def _extra(
     gm: fx.GraphModule,
     bundle: Any,
     stages: Sequence[StageGraph],
+    names: Mapping[str, str],
     loss: str,
     weights: str | None,
     tracer: str,
@@ -307,8 +330,9 @@ def _extra(
         "init": f"checkpoint {weights}" if weights else init,
         "tracer": tracer,
         "static_batch_size": len(bundle.inputs[0]) if _static(gm) else None,
-        "stage_inputs": [list(s.in_names) for s in stages],
-        "stage_outputs": [list(s.out_names) for s in stages],
+        "stage_inputs": [[names[n] for n in s.in_names] for s in stages],
+        "stage_outputs": [[names[n] for n in s.out_names] for s in stages],
+        "tensor_names": {pipedream: name for name, pipedream in names.items()},
     }
 
 

@@ -175,6 +175,10 @@ def source_text(
     )
 
 
+def _names(code_names: Sequence[str], names: Mapping[str, str]) -> str:
+    return json.dumps([names[n] for n in code_names])
+
+
 def _pair(values: Sequence[str | None] | None) -> str:
     """A tuple literal of two optional strings (None where absent)."""
     values = values or (None, None)
@@ -196,15 +200,25 @@ _INIT_TEXT = {
 
 
 def init_text(
-    profile: Profile, plan: Plan, stages: Sequence[StageGraph], init: str, weights: str | None
+    profile: Profile,
+    plan: Plan,
+    stages: Sequence[StageGraph],
+    init: str,
+    weights: str | None,
+    names: Mapping[str, str],
 ) -> str:
-    """``__init__.py``: PipeDream's ``arch``/``model`` plus ``stage``, ``full_model`` and example data."""
+    """``__init__.py``: PipeDream's ``arch``/``model`` plus ``stage``, ``full_model`` and example data.
+
+    ``names`` maps each boundary tensor's name in the stages' code to PipeDream's (``input0``,
+    ``out0``..), the names ``model(criterion)`` wires the stages with.
+    """
     n = len(stages)
     how = f"loaded (memory-mapped) from {weights}" if weights else _INIT_TEXT[init]
     entries = "".join(
-        f"        (Stage{s.index}(seed), {json.dumps(list(s.in_names))}, {json.dumps(list(s.out_names))}),\n"
+        f"        (Stage{s.index}(seed), {_names(s.in_names, names)}, {_names(s.out_names, names)}),\n"
         for s in stages
     )
+    table = "".join(f"    {json.dumps(new)}: {json.dumps(old)},\n" for old, new in names.items())
     return (
         f'"""{profile.model} cut into {n} pipeline stages for {plan.gpus} devices.\n\n'
         f"{_origin(profile, plan)}\n" + "\n".join(textwrap.wrap(f"Parameters are {how}.", 100)) + "\n"
@@ -214,11 +228,14 @@ def init_text(
         "from . import _source, _stagekit\n"
         + "".join(f"from .stage{s.index} import Stage{s.index}\n" for s in stages)
         + "\n__all__ = [\n"
-        '    "STAGES",\n    "arch",\n    "criterion",\n    "example_inputs",\n    "example_targets",\n'
+        '    "STAGES",\n    "TENSOR_NAMES",\n    "arch",\n    "criterion",\n'
+        '    "example_inputs",\n    "example_targets",\n'
         '    "full_model",\n    "model",\n    "stage",\n'
         + "".join(f'    "Stage{s.index}",\n' for s in stages)
         + "]\n\n"
-        f"STAGES = {_tuple([f'Stage{s.index}' for s in stages]).replace(chr(34), '')}\n\n\n"
+        f"STAGES = {_tuple([f'Stage{s.index}' for s in stages]).replace(chr(34), '')}\n"
+        "# PipeDream's tensor names, which model() wires the stages with -> their names in the stages' code\n"
+        f"TENSOR_NAMES = {{\n{table}}}\n\n\n"
         "def arch() -> str:\n"
         '    """The model spec the stages were generated from."""\n'
         "    return _source.SPEC\n\n\n"
@@ -231,7 +248,7 @@ def init_text(
         '    """PipeDream\'s form: (module, input names, output names) per stage, then the criterion."""\n'
         "    return [\n"
         f"{entries}"
-        f'        (criterion, {json.dumps(list(stages[-1].out_names))}, ["loss"]),\n'
+        f'        (criterion, {_names(stages[-1].out_names, names)}, ["loss"]),\n'
         "    ]\n\n\n"
         'def full_model(seed: int = 0, device: str | torch.device = "cpu") -> torch.nn.Module:\n'
         '    """The original, unsplit model with the same initial parameters as the stages."""\n'
@@ -241,9 +258,10 @@ def init_text(
         '    """The loss: forward(output, target) -> mean loss over the samples."""\n'
         "    return _stagekit.criterion(_source.LOSS)\n\n\n"
         "def example_inputs(batch_size: int, seed: int = 0) -> dict[str, torch.Tensor]:\n"
-        '    """Example inputs by the first stage\'s input names: the same for a seed, other data for\n'
-        '    another (the runtime\'s synthetic minibatches use one seed per step)."""\n'
-        "    return _stagekit.make_inputs(_source.INPUTS, batch_size, seed, _source.EXAMPLES[0])\n\n\n"
+        '    """The model\'s inputs as input0, input1..: the same for a seed, other data for another\n'
+        '    (the runtime\'s synthetic minibatches use one seed per step)."""\n'
+        "    made = _stagekit.make_inputs(_source.INPUTS, batch_size, seed, _source.EXAMPLES[0])\n"
+        '    return {f"input{i}": tensor for i, tensor in enumerate(made.values())}\n\n\n'
         "def example_targets(batch_size: int, seed: int = 0) -> torch.Tensor:\n"
         '    """Example targets matching example_inputs(batch_size, seed)."""\n'
         "    return _stagekit.make_targets(\n"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
@@ -96,8 +96,16 @@ class SyntheticBatches:
 class DatasetBatches:
     """Minibatches of a user DataLoader, replayed deterministically by step (for resume, too)."""
 
-    def __init__(self, loader: DataLoader[Any], names: Sequence[str], seed: int, shuffle: bool) -> None:
+    def __init__(
+        self,
+        loader: DataLoader[Any],
+        names: Sequence[str],
+        seed: int,
+        shuffle: bool,
+        aliases: Mapping[str, str] | None = None,
+    ) -> None:
         self.loader, self.names, self.seed, self.shuffle = loader, tuple(names), seed, shuffle
+        self.aliases = dict(aliases or {})
         self.steps_per_epoch = len(loader)
         if self.steps_per_epoch < 1:
             raise RunError("the dataset yields no full minibatch; use a smaller --batch-size")
@@ -123,8 +131,8 @@ class DatasetBatches:
 
     def inputs(self, step: int) -> tuple[torch.Tensor, ...]:
         x = self._batch(step)[0]
-        if isinstance(x, dict):
-            return tuple(x[n] for n in self.names)
+        if isinstance(x, Mapping):  # keyed by PipeDream's names (input0..) or the model's argument names
+            return tuple(x[n] if n in x else x[self.aliases.get(n, n)] for n in self.names)
         return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
     def targets(self, step: int) -> torch.Tensor:
@@ -177,11 +185,12 @@ def make_batches(
     if spec == "synthetic":
         return SyntheticBatches(package, names, batch_size, seed)
     made = _load_factory(spec)
+    aliases = getattr(package, "TENSOR_NAMES", None)
     if isinstance(made, DataLoader):
-        return DatasetBatches(made, names, seed, shuffle)
+        return DatasetBatches(made, names, seed, shuffle, aliases)
     if not isinstance(made, Dataset):
         raise RunError(f"--data {spec} returned {type(made).__name__}, not a Dataset or DataLoader")
     generator = torch.Generator().manual_seed(seed)
     sampler = RandomSampler(made, generator=generator) if shuffle else None  # type: ignore[arg-type]
     loader: DataLoader[Any] = DataLoader(made, batch_size=batch_size, sampler=sampler, drop_last=True)
-    return DatasetBatches(loader, names, seed, shuffle)
+    return DatasetBatches(loader, names, seed, shuffle, aliases)

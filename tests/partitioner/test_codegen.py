@@ -61,10 +61,30 @@ def test_skip_tensor_named_in_every_signature(skip_package: Path) -> None:
     package, plan, conf = load_package(skip_package)
     entries = package.model(package.criterion())
     wiring = [(list(i), list(o)) for _, i, o in entries[:-1]]
-    assert wiring == [(["x"], ["act"]), (["act"], ["l3"]), (["act", "l3"], ["head"])]
-    assert entries[-1][1:] == (["head"], ["loss"])
+    assert wiring == [(["input0"], ["out0"]), (["out0"], ["out1"]), (["out0", "out1"], ["out2"])]
+    assert entries[-1][1:] == (["out2"], ["loss"])
+    assert package.TENSOR_NAMES == {"input0": "x", "out0": "act", "out1": "l3", "out2": "head"}
     assert conf == {"module_to_stage_map": [0, 1, 2, 2], "stage_to_rank_map": {"0": [0], "1": [1], "2": [2]}}
     assert plan.extra["inputs"] == [{"name": "x", "shape": [2, 16], "dtype": "float32"}]
+    assert plan.extra["stage_inputs"] == [["input0"], ["out0"], ["out0", "out1"]]
+
+
+def test_pipedreams_shape_inference_loop_reads_the_package(skip_package: Path) -> None:
+    """PipeDream's main_with_runtime.py, verbatim in substance: float32 zeros of each known shape into
+    each stage, in model() order, recording every output's shape under its name."""
+    package, _, _ = load_package(skip_package)
+    model = package.model(package.criterion())
+    training_tensor_shapes = {"input0": [5, 16], "target": [5]}
+    for stage, inputs, outputs in model[:-1]:  # Skip last layer (loss).
+        input_tensors = [torch.zeros(tuple(training_tensor_shapes[i]), dtype=torch.float32) for i in inputs]
+        with torch.no_grad():
+            output_tensors = stage(*tuple(input_tensors))
+        if type(output_tensors) is not tuple:
+            output_tensors = [output_tensors]
+        for output, output_tensor in zip(outputs, list(output_tensors), strict=True):
+            training_tensor_shapes[output] = list(output_tensor.size())
+    assert training_tensor_shapes[model[-1][1][0]] == [5, 10]
+    assert sorted(training_tensor_shapes) == ["input0", "out0", "out1", "out2", "target"]
 
 
 _STANDALONE = """
@@ -272,9 +292,9 @@ def test_non_tensor_values_are_recomputed_not_sent(tmp_path: Path) -> None:
     package, _, _ = load_package(tmp_path / "pkg")
     entries = package.model(package.criterion())
     assert [(list(i), list(o)) for _, i, o in entries[:-1]] == [
-        (["x"], ["x", "l1"]),
-        (["l1"], ["l2"]),
-        (["x", "l2"], ["view"]),
+        (["input0"], ["input0", "out0"]),  # the model input, passed on under its PipeDream name
+        (["out0"], ["out1"]),
+        (["input0", "out1"], ["out2"]),
     ]
     stage2 = (tmp_path / "pkg" / "stage2.py").read_text()
     assert "size = x.size(0)" in stage2 and "view(size, -1)" in stage2

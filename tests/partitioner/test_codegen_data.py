@@ -68,7 +68,7 @@ def _package(tmp_path: Path, classes: int, pool: bool, own: bool = False, batch:
 
 
 def _steps(package: object, batch: int) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-    data = SyntheticBatches(package, ["ids", "mask"], batch, seed=0)  # type: ignore[arg-type]
+    data = SyntheticBatches(package, ["input0", "input1"], batch, seed=0)  # type: ignore[arg-type]
     return [(dict(zip(["ids", "mask"], data.inputs(s), strict=True)), data.targets(s)) for s in range(8)]
 
 
@@ -103,7 +103,7 @@ def test_the_model_files_own_examples_are_called(tmp_path: Path) -> None:
     assert len({tuple(t.tolist()) for _, t in steps}) == SYNTHETIC_STEPS
     assert all(torch.equal(x["mask"], torch.ones(16, 6, dtype=torch.long)) for x, _ in steps)
     first = package.example_inputs(16)  # type: ignore[attr-defined]
-    assert torch.equal(first["ids"], package.example_inputs(16)["ids"])  # type: ignore[attr-defined]
+    assert torch.equal(first["input0"], package.example_inputs(16)["input0"])  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("spec", ["tiny-cnn", "tiny-gpt"])
