@@ -319,12 +319,11 @@ def _extra(
 ) -> dict[str, Any]:
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     with torch.no_grad():
-        output = stagekit.loss_input(gm(*bundle.inputs))
+        classes = int(stagekit.loss_input(gm(*bundle.inputs)).shape[-1])  # the output's class range
+    targets = _target_spec(bundle, classes)
     return {
-        "inputs": [
-            _tensor_spec(name, t, output) for name, t in zip(placeholders, bundle.inputs, strict=True)
-        ],
-        "targets": _target_spec(bundle, output),
+        "inputs": _input_specs(bundle, placeholders, targets, classes),
+        "targets": targets,
         "example_functions": _example_functions(bundle, reshaped),
         "loss": loss,
         "init": f"checkpoint {weights}" if weights else init,
@@ -349,47 +348,51 @@ def _described(name: str, t: torch.Tensor) -> dict[str, Any]:
     return {"name": name, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
 
 
-def _tensor_spec(name: str, t: torch.Tensor, output: torch.Tensor) -> dict[str, Any]:
+def _tensor_spec(name: str, t: torch.Tensor, vocabulary: int | None) -> dict[str, Any]:
     """How to make more tensors like ``t`` for synthetic data (``stagekit.make_inputs`` reads it).
 
-    Integer inputs keep their meaning: a constant (an all-ones attention mask) stays that constant;
-    ids with one per output position (token ids of a language model) range over the output's last
-    dimension (the vocabulary); other integers stay below the largest value seen.
+    Integers keep their meaning: a constant (an all-ones attention mask) stays that constant, token
+    ids range over the ``vocabulary`` where it is known, other integers stay below the largest value
+    seen (position ids, say: a range a model surely accepts).
     """
-    spec: dict[str, Any] = {
-        "name": name,
-        "shape": list(t.shape),
-        "dtype": str(t.dtype).removeprefix("torch."),
-    }
+    spec = _described(name, t)
     if t.is_floating_point() or t.is_complex():
         return spec
     flat = t.reshape(-1)
     if flat.numel() > 1 and bool((flat == flat[0]).all()):
         spec["fill"] = flat[0].item()
-    elif tuple(t.shape) == tuple(output.shape[:-1]):
-        spec["high"] = int(output.shape[-1])
     else:
-        spec["high"] = int(t.max()) + 1 if t.numel() else 2
+        spec["high"] = vocabulary or (int(t.max()) + 1 if t.numel() else 2)
     return spec
 
 
-def _target_spec(bundle: Any, output: torch.Tensor) -> dict[str, Any]:
-    """Targets: next tokens of the first input, classes over the output's last dimension, or normal."""
+def _input_specs(bundle: Any, names: Sequence[str], targets: Mapping[str, Any], classes: int) -> list[Any]:
+    """Token ids whose range is known: the first input when the targets are its next tokens (so the
+    output's classes are its vocabulary), and ``*input_ids`` of a model whose config has a
+    ``vocab_size`` (Hugging Face)."""
+    config_vocab = getattr(getattr(bundle.module, "config", None), "vocab_size", None)
+    specs = []
+    for i, (name, t) in enumerate(zip(names, bundle.inputs, strict=True)):
+        vocabulary = classes if i == 0 and targets["kind"] == "next_token" else None
+        if vocabulary is None and name.endswith("input_ids") and isinstance(config_vocab, int):
+            vocabulary = config_vocab
+        specs.append(_tensor_spec(name, t, vocabulary))
+    return specs
+
+
+def _target_spec(bundle: Any, classes: int) -> dict[str, Any]:
+    """Targets: next tokens of the first input, classes over all the output's ``classes``, or normal."""
     from partitioner.models import next_token_targets
 
     t = bundle.targets
-    spec: dict[str, Any] = {
-        "name": "target",
-        "shape": list(t.shape),
-        "dtype": str(t.dtype).removeprefix("torch."),
-    }
+    spec = _described("target", t)
     first = bundle.inputs[0]
     if first.shape == t.shape and not first.is_floating_point() and torch.equal(next_token_targets(first), t):
         spec["kind"] = "next_token"
     elif t.is_floating_point():
         spec["kind"] = "normal"
     else:
-        spec.update(high=int(output.shape[-1]), kind="classes")
+        spec.update(high=classes, kind="classes")
     return spec
 
 

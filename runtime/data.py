@@ -65,11 +65,12 @@ class SyntheticBatches:
     def __init__(self, package: ModuleType, names: Sequence[str], batch_size: int, seed: int) -> None:
         self.package, self.names, self.batch_size, self.seed = package, tuple(names), batch_size, seed
         self.steps_per_epoch = SYNTHETIC_STEPS
+        self._takes_seed: dict[str, bool] = {}
         for attr in ("example_inputs", "example_targets"):
-            if not callable(getattr(package, attr, None)):
-                raise RunError(
-                    f"the package defines no {attr}(batch_size); pass --data for its training data"
-                )
+            fn = getattr(package, attr, None)
+            if not callable(fn):
+                raise RunError(f"the package defines no {attr}(batch_size); pass --data with training data")
+            self._takes_seed[attr] = "seed" in inspect.signature(fn).parameters
 
     def _seeded(self, step: int, kind: int) -> int:
         return self.seed * 1_000_003 + (step % SYNTHETIC_STEPS) * 2 + kind
@@ -78,7 +79,7 @@ class SyntheticBatches:
         fn = getattr(self.package, attr)
         with torch.random.fork_rng(devices=[]):
             _seed(self._seeded(step, kind))
-            if "seed" in inspect.signature(fn).parameters:
+            if self._takes_seed[attr]:
                 return fn(self.batch_size, seed=self._seeded(step, 0))
             return fn(self.batch_size)
 

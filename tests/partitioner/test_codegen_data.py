@@ -24,17 +24,22 @@ import torch
 from torch import nn
 
 
+class Config:
+    vocab_size = 50
+
+
 class Masked(nn.Module):
     """Token ids and an attention mask in, {out} out."""
 
     def __init__(self):
         super().__init__()
+        self.config = Config()  # as a Hugging Face model has: its vocabulary is known
         self.emb = nn.Embedding(50, 8)
         self.mix = nn.Linear(8, 8)
         self.head = nn.Linear(8, {classes})
 
-    def forward(self, ids, mask):
-        h = torch.tanh(self.mix(self.emb(ids))) * mask.unsqueeze(-1).float()
+    def forward(self, {ids}, mask):
+        h = torch.tanh(self.mix(self.emb({ids}))) * mask.unsqueeze(-1).float()
         return self.head(h{pool})
 
 
@@ -54,8 +59,11 @@ def example_targets(batch_size):
 """
 
 
-def _package(tmp_path: Path, classes: int, pool: bool, own: bool = False, batch: int = 1) -> object:
+def _package(
+    tmp_path: Path, classes: int, pool: bool, own: bool = False, batch: int = 1, ids: str = "ids"
+) -> object:
     source = _MODEL.format(
+        ids=ids,
         out="class scores" if pool else "a token per position",
         classes=classes,
         pool=".mean(1)" if pool else "",
@@ -93,6 +101,18 @@ def test_token_ids_range_over_the_vocabulary_with_next_token_targets(tmp_path: P
     for inputs, targets in steps:
         assert torch.equal(targets[:, :-1], inputs["ids"][:, 1:])
         assert bool((targets[:, -1] == -100).all())
+
+
+@pytest.mark.parametrize(("name", "vocabulary"), [("input_ids", 50), ("ids", None)])
+def test_ids_range_over_a_known_vocabulary_else_below_the_largest_seen(
+    tmp_path: Path, name: str, vocabulary: int | None
+) -> None:
+    """``input_ids`` of a model with ``config.vocab_size`` range over it; other integers (position ids,
+    say) stay below the largest value profiled, a range the model surely accepts."""
+    package = _package(tmp_path, classes=7, pool=True, ids=name)
+    profiled = int(torch.randint(0, 50, (1, 6), generator=torch.Generator().manual_seed(3)).max())  # make()'s
+    ids = torch.cat([x["ids"] for x, _ in _steps(package, 64)])
+    assert int(ids.max()) == (vocabulary - 1 if vocabulary else profiled)
 
 
 def test_the_model_files_own_examples_are_called(tmp_path: Path) -> None:
