@@ -113,13 +113,14 @@ print("modules", sorted(m for m in sys.modules if m.startswith("partitioner")))
 """
 
 
-@pytest.mark.parametrize("spec", ["tiny-skip", "tiny-gpt"])
+@pytest.mark.parametrize("spec", ["tiny-skip", "tiny-gpt", "tests/partitioner/codegen_models.py:size_later"])
 def test_package_builds_and_trains_with_torch_and_runtime_only(tmp_path: Path, spec: str) -> None:
     """A cluster node has torch, the runtime and the model code, not the partitioner (nor its zoo):
     the package's stages, full model, example data and loss must build with ``partitioner`` blocked."""
     profile = profile_for(spec)
     write_package(profile, plan_for(profile, [2, 4]), tmp_path / "pkg")
-    assert (tmp_path / "pkg" / "_model.py").is_file()  # the zoo model's source travels with the package
+    zoo = ":" not in spec  # a zoo model's source travels with the package; a model file stays the user's
+    assert (tmp_path / "pkg" / "_model.py").is_file() == zoo
     result = subprocess.run(
         [sys.executable, "-c", _STANDALONE, str(tmp_path / "pkg")],
         capture_output=True,
