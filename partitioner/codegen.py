@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -37,6 +38,7 @@ from partitioner.split import StageGraph, split_graph, tensor_kinds
 __all__ = [
     "EXACT_INIT_MAX_BYTES",
     "assignment_of",
+    "pipedream_names",
     "ties_of",
     "with_ranks",
     "write_package",
@@ -125,6 +127,7 @@ def write_package_from_trace(
         size = sum(p.numel() * p.element_size() for p in bundle.module.parameters())
         init = "exact" if size <= EXACT_INIT_MAX_BYTES else "seeded"
     inputs = tuple(bundle.inputs)
+    reshaped = bool(dict(profile.tracer_options).get("input_shape"))
     kinds, loss_node = tensor_kinds(gm, inputs)
     drop = _foreign_calls(gm, bundle.module)
     stages = split_graph(
@@ -135,15 +138,21 @@ def write_package_from_trace(
     if weights_path:
         _check_weights(weights_path, bundle.module)
     loss = _loss_kind(bundle, gm, inputs)
+    names = pipedream_names([n.name for n in gm.graph.nodes if n.op == "placeholder"], stages)
+    extra = _extra(gm, bundle, stages, names, loss, weights_path, tracer, init, reshaped)
     final = replace(
         plan,
         model=plan.model or profile.model,
         ties=ties_of(bundle.module, stages),
-        extra={**dict(plan.extra), **_extra(gm, bundle, stages, loss, weights_path, tracer, init)},
+        extra={**dict(plan.extra), **extra},
     )
-    source = source_text(profile, final, bundle, loss, weights_path, init)
-    files = {"__init__.py": init_text(profile, final, stages, init, weights_path), "_source.py": source}
+    zoo = _zoo_model(str(bundle.spec))
+    source = source_text(profile, final, bundle, loss, weights_path, init, zoo[0] if zoo else None)
+    package = init_text(profile, final, stages, init, weights_path, names)
+    files = {"__init__.py": package, "_source.py": source}
     files["_stagekit.py"] = Path(stagekit.__file__).read_text(encoding="utf-8")
+    if zoo:
+        files["_model.py"] = zoo[1]
     files.update({f"stage{s.index}.py": stage_text(profile, final, s, len(stages)) for s in stages})
     files["plan.json"] = _json(plan_to_json(final))
     files["mp_conf.json"] = _json(mp_conf(final.stages))
@@ -189,6 +198,40 @@ def assignment_of(profile: Profile, plan: Plan) -> dict[str, int]:
             for member in node.members or (node.id,):
                 assignment[member] = stage.index
     return assignment
+
+
+def pipedream_names(inputs: Sequence[str], stages: Sequence[StageGraph]) -> dict[str, str]:
+    """Each tensor at a stage boundary -> its name in PipeDream's packages: the model's inputs are
+    ``input0``, ``input1``.. in argument order, tensors first returned by a stage ``out0``, ``out1``..
+    in stage and return order, so PipeDream's own tools (its shape-inference loop) read our packages.
+
+    Raises:
+        PackageError: a stage reads a tensor that is neither a model input nor an earlier stage's output.
+    """
+    names = {name: f"input{i}" for i, name in enumerate(inputs)}
+    for stage in stages:
+        unknown = [n for n in stage.in_names if n not in names]
+        if unknown:
+            raise PackageError(f"internal: stage {stage.index} reads {unknown[0]!r}, which nothing produces")
+        for name in stage.out_names:
+            names.setdefault(name, f"out{sum(v.startswith('out') for v in names.values())}")
+    return names
+
+
+def _zoo_model(spec: str) -> tuple[str, str] | None:
+    """A built-in model's factory name and the text of its source file, or None for other specs.
+
+    The file is copied into the package as ``_model.py``: a package needs torch and ``runtime`` only,
+    never ``partitioner`` (whose zoo a cluster node does not have). Zoo files import torch alone.
+    """
+    from partitioner.zoo import ZOO
+
+    entry = ZOO.get(spec)
+    if entry is None:
+        return None
+    source = sys.modules[entry.factory.__module__].__file__
+    assert source is not None
+    return entry.factory.__name__, Path(source).read_text(encoding="utf-8")
 
 
 def _foreign_calls(gm: fx.GraphModule, model: nn.Module) -> frozenset[str]:
@@ -267,24 +310,29 @@ def _extra(
     gm: fx.GraphModule,
     bundle: Any,
     stages: Sequence[StageGraph],
+    names: Mapping[str, str],
     loss: str,
     weights: str | None,
     tracer: str,
     init: str,
+    reshaped: bool,
 ) -> dict[str, Any]:
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    with torch.no_grad():
+        classes = int(stagekit.loss_input(fx.Interpreter(gm).run(*bundle.inputs)).shape[-1])  # output classes
+    targets = _target_spec(bundle, classes)
     return {
-        "inputs": [
-            _tensor_spec(name, t, bundle) for name, t in zip(placeholders, bundle.inputs, strict=True)
-        ],
-        "targets": _target_spec(bundle),
+        "inputs": _input_specs(bundle, placeholders, targets, classes),
+        "targets": targets,
+        "example_functions": _example_functions(bundle, reshaped),
         "loss": loss,
         "keyword_inputs": bool(getattr(bundle, "input_names", ())),
         "init": f"checkpoint {weights}" if weights else init,
         "tracer": tracer,
         "static_batch_size": len(bundle.inputs[0]) if _static(gm) else None,
-        "stage_inputs": [list(s.in_names) for s in stages],
-        "stage_outputs": [list(s.out_names) for s in stages],
+        "stage_inputs": [[names[n] for n in s.in_names] for s in stages],
+        "stage_outputs": [[names[n] for n in s.out_names] for s in stages],
+        "tensor_names": {pipedream: name for name, pipedream in names.items()},
     }
 
 
@@ -297,31 +345,76 @@ def _static(gm: fx.GraphModule) -> bool:
     return exported and not has_symbols
 
 
-def _tensor_spec(name: str, t: torch.Tensor, bundle: Any) -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        "name": name,
-        "shape": list(t.shape),
-        "dtype": str(t.dtype).removeprefix("torch."),
-    }
-    if not t.is_floating_point():
-        from partitioner.zoo import ZOO
+def _described(name: str, t: torch.Tensor) -> dict[str, Any]:
+    return {"name": name, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
 
-        entry = ZOO.get(str(bundle.spec))
-        spec["high"] = entry.classes if entry is not None else int(t.max()) + 1
+
+def _tensor_spec(name: str, t: torch.Tensor, vocabulary: int | None) -> dict[str, Any]:
+    """How to make more tensors like ``t`` for synthetic data (``stagekit.make_inputs`` reads it).
+
+    Integers keep their meaning: a constant (an all-ones attention mask) stays that constant, token
+    ids range over the ``vocabulary`` where it is known, other integers stay below the largest value
+    seen (position ids, say: a range a model surely accepts).
+    """
+    spec = _described(name, t)
+    if t.is_floating_point() or t.is_complex():
+        return spec
+    flat = t.reshape(-1)
+    if flat.numel() > 1 and bool((flat == flat[0]).all()):
+        spec["fill"] = flat[0].item()
+    else:
+        spec["high"] = vocabulary or (int(t.max()) + 1 if t.numel() else 2)
     return spec
 
 
-def _target_spec(bundle: Any) -> dict[str, Any]:
+def _input_specs(bundle: Any, names: Sequence[str], targets: Mapping[str, Any], classes: int) -> list[Any]:
+    """Token ids whose range is known: the first input when the targets are its next tokens (so the
+    output's classes are its vocabulary), and ``*input_ids`` of a model whose config has a
+    ``vocab_size`` (Hugging Face)."""
+    config_vocab = getattr(getattr(bundle.module, "config", None), "vocab_size", None)
+    specs = []
+    for i, (name, t) in enumerate(zip(names, bundle.inputs, strict=True)):
+        vocabulary = classes if i == 0 and targets["kind"] == "next_token" else None
+        if vocabulary is None and name.endswith("input_ids") and isinstance(config_vocab, int):
+            vocabulary = config_vocab
+        specs.append(_tensor_spec(name, t, vocabulary))
+    return specs
+
+
+def _target_spec(bundle: Any, classes: int) -> dict[str, Any]:
+    """Targets: next tokens of the first input, classes over all the output's ``classes``, or normal."""
     from partitioner.models import next_token_targets
 
     t = bundle.targets
-    spec = _tensor_spec("target", t, bundle)
+    spec = _described("target", t)
     first = bundle.inputs[0]
     if first.shape == t.shape and not first.is_floating_point() and torch.equal(next_token_targets(first), t):
         spec["kind"] = "next_token"
+    elif t.is_floating_point():
+        spec["kind"] = "normal"
     else:
-        spec["kind"] = "classes" if "high" in spec else "normal"
+        spec.update(high=classes, kind="classes")
     return spec
+
+
+def _example_functions(bundle: Any, reshaped: bool) -> list[str | None]:
+    """The model file's ``[example_inputs, example_targets]`` as ``where:name`` where it defines them
+    (the package calls them, so its synthetic data are the user's), else None each. With
+    ``--input-shape`` (``reshaped``) the inputs are drawn at that shape instead, as the profiler did."""
+    where, sep, _ = str(bundle.spec).rpartition(":")
+    if not sep or where == "torchvision":
+        return [None, None]
+    found: list[str | None] = []
+    for name in ("example_inputs", "example_targets"):
+        if reshaped and name == "example_inputs":
+            found.append(None)
+            continue
+        full = f"{_absolute(where)}:{name}"
+        try:
+            found.append(full if callable(stagekit.factory_from_spec(full)) else None)
+        except (ImportError, AttributeError, ValueError):
+            found.append(None)
+    return found
 
 
 # ---------------------------------------------------------------- files

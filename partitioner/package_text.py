@@ -120,11 +120,27 @@ def stage_text(profile: Profile, plan: Plan, stage: StageGraph, num_stages: int)
     )
 
 
-def source_text(profile: Profile, plan: Plan, bundle: Any, loss: str, weights: str | None, init: str) -> str:
-    """``_source.py``: where the model, its inputs, targets and loss come from (data plus two hooks)."""
+def source_text(
+    profile: Profile,
+    plan: Plan,
+    bundle: Any,
+    loss: str,
+    weights: str | None,
+    init: str,
+    zoo_factory: str | None = None,
+) -> str:
+    """``_source.py``: where the model, its inputs, targets and loss come from (data plus two hooks).
+
+    ``zoo_factory`` names the factory of a built-in model whose source the package carries as
+    ``_model.py``; other specs are resolved by ``_stagekit.factory_from_spec`` (user code, torchvision).
+    """
     spec = str(bundle.spec)
     where, sep, attr = spec.rpartition(":")
-    factory = spec if not sep or where == "torchvision" else f"{_absolute(where)}:{attr}"
+    if zoo_factory:
+        factory, imports, body = f"_model:{zoo_factory}", "_model, _stagekit", f"_model.{zoo_factory}"
+    else:
+        factory = spec if not sep or where == "torchvision" else f"{_absolute(where)}:{attr}"
+        imports, body = "_stagekit", "_stagekit.factory_from_spec(FACTORY)"
     if spec.startswith("hf:"):
         from runtime.hf import absolute_spec
 
@@ -137,17 +153,20 @@ def source_text(profile: Profile, plan: Plan, bundle: Any, loss: str, weights: s
         "from __future__ import annotations\n\n"
         "from typing import Any\n\n"
         "import torch\n\n"
-        "from . import _stagekit\n\n"
+        f"from . import {imports}\n\n"
         f"SPEC = {json.dumps(spec)}\n"
-        f"FACTORY = {json.dumps(factory)}\n"
-        f"WEIGHTS: str | None = {json.dumps(weights) if weights else 'None'}\n"
+        f"FACTORY = {json.dumps(factory)}"
+        + ("  # the built-in model's source, copied into _model.py\n" if zoo_factory else "\n")
+        + f"WEIGHTS: str | None = {json.dumps(weights) if weights else 'None'}\n"
         f"INIT = {json.dumps(init)}  # exact: as the factory under torch.manual_seed; seeded: per module\n"
         f"LOSS = {json.dumps(loss)}\n"
         f"INPUTS: list[dict[str, Any]] = {json.dumps(extra['inputs'])}\n"
-        f"TARGETS: dict[str, Any] = {json.dumps(extra['targets'])}\n\n\n"
+        f"TARGETS: dict[str, Any] = {json.dumps(extra['targets'])}\n"
+        "# the model file's own (example_inputs, example_targets), called for synthetic data where given\n"
+        f"EXAMPLES: tuple[str | None, str | None] = {_pair(extra.get('example_functions'))}\n\n\n"
         "def factory() -> Any:\n"
-        '    """The user\'s zero-argument model factory."""\n'
-        "    return _stagekit.factory_from_spec(FACTORY)\n\n\n"
+        '    """The model\'s zero-argument factory."""\n'
+        f"    return {body}\n\n\n"
         "def populate(\n"
         "    stage: torch.nn.Module,\n"
         "    modules: tuple[str, ...],\n"
@@ -158,6 +177,16 @@ def source_text(profile: Profile, plan: Plan, bundle: Any, loss: str, weights: s
         '    """Give a stage its submodules and tensors, initialised as in full_model(seed)."""\n'
         "    _stagekit.populate(stage, factory(), modules, tensors, seed, device, WEIGHTS, INIT)\n"
     )
+
+
+def _names(code_names: Sequence[str], names: Mapping[str, str]) -> str:
+    return json.dumps([names[n] for n in code_names])
+
+
+def _pair(values: Sequence[str | None] | None) -> str:
+    """A tuple literal of two optional strings (None where absent)."""
+    values = values or (None, None)
+    return "(" + ", ".join(json.dumps(v) if v else "None" for v in values) + ")"
 
 
 def _absolute(where: str) -> str:
@@ -175,15 +204,25 @@ _INIT_TEXT = {
 
 
 def init_text(
-    profile: Profile, plan: Plan, stages: Sequence[StageGraph], init: str, weights: str | None
+    profile: Profile,
+    plan: Plan,
+    stages: Sequence[StageGraph],
+    init: str,
+    weights: str | None,
+    names: Mapping[str, str],
 ) -> str:
-    """``__init__.py``: PipeDream's ``arch``/``model`` plus ``stage``, ``full_model`` and example data."""
+    """``__init__.py``: PipeDream's ``arch``/``model`` plus ``stage``, ``full_model`` and example data.
+
+    ``names`` maps each boundary tensor's name in the stages' code to PipeDream's (``input0``,
+    ``out0``..), the names ``model(criterion)`` wires the stages with.
+    """
     n = len(stages)
     how = f"loaded (memory-mapped) from {weights}" if weights else _INIT_TEXT[init]
     entries = "".join(
-        f"        (Stage{s.index}(seed), {json.dumps(list(s.in_names))}, {json.dumps(list(s.out_names))}),\n"
+        f"        (Stage{s.index}(seed), {_names(s.in_names, names)}, {_names(s.out_names, names)}),\n"
         for s in stages
     )
+    table = "".join(f"    {json.dumps(new)}: {json.dumps(old)},\n" for old, new in names.items())
     return (
         f'"""{profile.model} cut into {n} pipeline stages for {plan.gpus} devices.\n\n'
         f"{_origin(profile, plan)}\n" + "\n".join(textwrap.wrap(f"Parameters are {how}.", 100)) + "\n"
@@ -193,11 +232,14 @@ def init_text(
         "from . import _source, _stagekit\n"
         + "".join(f"from .stage{s.index} import Stage{s.index}\n" for s in stages)
         + "\n__all__ = [\n"
-        '    "STAGES",\n    "arch",\n    "criterion",\n    "example_inputs",\n    "example_targets",\n'
+        '    "STAGES",\n    "TENSOR_NAMES",\n    "arch",\n    "criterion",\n'
+        '    "example_inputs",\n    "example_targets",\n'
         '    "full_model",\n    "model",\n    "stage",\n'
         + "".join(f'    "Stage{s.index}",\n' for s in stages)
         + "]\n\n"
-        f"STAGES = {_tuple([f'Stage{s.index}' for s in stages]).replace(chr(34), '')}\n\n\n"
+        f"STAGES = {_tuple([f'Stage{s.index}' for s in stages]).replace(chr(34), '')}\n"
+        "# PipeDream's tensor names, which model() wires the stages with -> their names in the stages' code\n"
+        f"TENSOR_NAMES = {{\n{table}}}\n\n\n"
         "def arch() -> str:\n"
         '    """The model spec the stages were generated from."""\n'
         "    return _source.SPEC\n\n\n"
@@ -210,7 +252,7 @@ def init_text(
         '    """PipeDream\'s form: (module, input names, output names) per stage, then the criterion."""\n'
         "    return [\n"
         f"{entries}"
-        f'        (criterion, {json.dumps(list(stages[-1].out_names))}, ["loss"]),\n'
+        f'        (criterion, {_names(stages[-1].out_names, names)}, ["loss"]),\n'
         "    ]\n\n\n"
         'def full_model(seed: int = 0, device: str | torch.device = "cpu") -> torch.nn.Module:\n'
         '    """The original, unsplit model with the same initial parameters as the stages."""\n'
@@ -219,10 +261,14 @@ def init_text(
         "def criterion() -> torch.nn.Module:\n"
         '    """The loss: forward(output, target) -> mean loss over the samples."""\n'
         "    return _stagekit.criterion(_source.LOSS)\n\n\n"
-        "def example_inputs(batch_size: int) -> dict[str, torch.Tensor]:\n"
-        '    """Deterministic example inputs, keyed by the first stage\'s input names."""\n'
-        "    return _stagekit.make_inputs(_source.INPUTS, batch_size)\n\n\n"
-        "def example_targets(batch_size: int) -> torch.Tensor:\n"
-        '    """Deterministic example targets matching example_inputs(batch_size)."""\n'
-        "    return _stagekit.make_targets(_source.TARGETS, _source.INPUTS, batch_size)\n"
+        "def example_inputs(batch_size: int, seed: int = 0) -> dict[str, torch.Tensor]:\n"
+        '    """The model\'s inputs as input0, input1..: the same for a seed, other data for another\n'
+        '    (the runtime\'s synthetic minibatches use one seed per step)."""\n'
+        "    made = _stagekit.make_inputs(_source.INPUTS, batch_size, seed, _source.EXAMPLES[0])\n"
+        '    return {f"input{i}": tensor for i, tensor in enumerate(made.values())}\n\n\n'
+        "def example_targets(batch_size: int, seed: int = 0) -> torch.Tensor:\n"
+        '    """Example targets matching example_inputs(batch_size, seed)."""\n'
+        "    return _stagekit.make_targets(\n"
+        "        _source.TARGETS, _source.INPUTS, batch_size, seed, _source.EXAMPLES\n"
+        "    )\n"
     )

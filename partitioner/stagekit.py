@@ -2,7 +2,7 @@
 
 This file is copied verbatim into every generated package (as ``_stagekit.py``), so it imports only
 torch and the standard library: a cluster node needs torch, pipeplan's runtime and the user's model
-code, never ``partitioner``.
+code, never ``partitioner`` (a built-in model's source travels in the package as ``_model.py``).
 
 The initialisation scheme ("seeded per module"):
 
@@ -55,12 +55,14 @@ def derive_seed(seed: int, path: str) -> int:
 
 
 def factory_from_spec(spec: str) -> Callable[[], nn.Module]:
-    """The zero-argument factory of a zoo name, ``torchvision:NAME``, ``pkg.mod:fn`` or ``file.py:fn``."""
+    """The zero-argument factory of ``torchvision:NAME``, ``pkg.mod:fn`` or ``file.py:fn``.
+
+    Built-in (zoo) models are not resolved here: a package carries their source as ``_model.py``.
+    """
     if spec.startswith("hf:"):
         return importlib.import_module("runtime.hf").factory(spec)  # type: ignore[no-any-return]
     if ":" not in spec:
-        zoo = importlib.import_module("partitioner.zoo")
-        return zoo.ZOO[spec].factory  # type: ignore[no-any-return]
+        raise ValueError(f"{spec!r} is not a model spec a package can load; expected module:function")
     where, name = spec.rsplit(":", 1)
     if where == "torchvision":
         models = importlib.import_module("torchvision.models")
@@ -348,30 +350,71 @@ def criterion(kind: str) -> nn.Module:
     return _UserLoss(factory_from_spec(kind))  # type: ignore[arg-type]
 
 
-_INPUT_SEED = 1234  # the same generator seed as partitioner.models, so the example data match
+_INPUT_SEED = 1234  # the same generator seed as partitioner.models: seed 0 gives the profiled data
 
 
-def _draw(spec: Mapping[str, Any], batch_size: int) -> torch.Tensor:
+def _draw(spec: Mapping[str, Any], batch_size: int, generator: torch.Generator) -> torch.Tensor:
+    """One tensor like the recorded one: the same constant (masks), integers below ``high``, or normal."""
     shape = (batch_size, *spec["shape"][1:])
     dtype = getattr(torch, spec["dtype"])
-    generator = torch.Generator().manual_seed(_INPUT_SEED)
+    if spec.get("fill") is not None:
+        return torch.full(shape, spec["fill"], dtype=dtype)
     if spec.get("high") is not None:
-        return torch.randint(0, int(spec["high"]), shape, generator=generator, dtype=dtype)
+        return torch.randint(0, int(spec["high"]), shape, generator=generator).to(dtype)
     return torch.randn(shape, generator=generator, dtype=dtype)
 
 
-def make_inputs(specs: Sequence[Mapping[str, Any]], batch_size: int) -> dict[str, torch.Tensor]:
-    """Deterministic example inputs from their recorded names, shapes and dtypes."""
-    return {spec["name"]: _draw(spec, batch_size) for spec in specs}
+def _user_call(function: str, batch_size: int, seed: int) -> Any:
+    """The model file's ``example_inputs``/``example_targets`` under torch's CPU RNG seeded from ``seed``."""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(_INPUT_SEED + seed)  # the CPU generator, cheaply
+        return factory_from_spec(function)(batch_size)  # type: ignore[call-arg]
+
+
+def _positional(made: Any, specs: Sequence[Mapping[str, Any]]) -> list[torch.Tensor]:
+    """A tensor, tuple or name-keyed dict of inputs as a list in the model's argument order."""
+    if isinstance(made, Mapping):
+        made = [made[spec["name"]] for spec in specs]
+    values = [made] if isinstance(made, torch.Tensor) else list(made)
+    if len(values) != len(specs) or not all(isinstance(v, torch.Tensor) for v in values):
+        raise ValueError(f"example_inputs() must give the model's {len(specs)} input tensors")
+    return values
+
+
+def make_inputs(
+    specs: Sequence[Mapping[str, Any]], batch_size: int, seed: int = 0, function: str | None = None
+) -> dict[str, torch.Tensor]:
+    """Example inputs by the model's argument names; the same for a seed, other data for another seed.
+
+    With ``function`` (``file.py:example_inputs``) the model file makes them, so masks stay masks and
+    token ids stay in its vocabulary; otherwise they are drawn like the recorded names, shapes, dtypes.
+    """
+    if function:
+        values = _positional(_user_call(function, batch_size, seed), specs)
+    else:
+        generator = torch.Generator().manual_seed(_INPUT_SEED + seed)
+        values = [_draw(spec, batch_size, generator) for spec in specs]
+    return {spec["name"]: value for spec, value in zip(specs, values, strict=True)}
 
 
 def make_targets(
-    spec: Mapping[str, Any], inputs: Sequence[Mapping[str, Any]], batch_size: int
+    spec: Mapping[str, Any],
+    inputs: Sequence[Mapping[str, Any]],
+    batch_size: int,
+    seed: int = 0,
+    functions: tuple[str | None, str | None] = (None, None),
 ) -> torch.Tensor:
-    """Deterministic example targets: next tokens of the first input, or random classes/values."""
+    """Example targets for ``make_inputs(inputs, batch_size, seed)``: the model file's
+    ``example_targets``, the next tokens of the first input, or classes over the output's range.
+
+    ``functions`` are the model file's (example_inputs, example_targets), where it defines them.
+    """
+    make_in, make_out = functions
+    if make_out:
+        return _user_call(make_out, batch_size, seed)  # type: ignore[no-any-return]
     if spec.get("kind") == "next_token":
-        tokens = _draw(inputs[0], batch_size)
+        tokens = next(iter(make_inputs(inputs, batch_size, seed, make_in).values()))
         targets = torch.full_like(tokens, -100)
         targets[:, :-1] = tokens[:, 1:]
         return targets
-    return _draw(spec, batch_size)
+    return _draw(spec, batch_size, torch.Generator().manual_seed(_INPUT_SEED + seed))

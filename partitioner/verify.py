@@ -49,8 +49,8 @@ class StageCheck:
         index: stage position.
         params: parameter elements the stage holds.
         tensors: parameter tensors the stage holds.
-        in_names: tensors it reads.
-        out_names: tensors it returns.
+        in_names: tensors it reads (as the stage's code names them).
+        out_names: tensors it returns (as the stage's code names them).
         init_error: max |stage - full model| over its initial parameters.
         grad_error: max |stage - full model| over its parameter gradients.
         ok: init equal and gradients within tolerance.
@@ -202,6 +202,7 @@ def verify_package(
     grads = _stage_grads(stages, plan)
     ref_grads = {n: p.grad for n, p in reference.named_parameters(remove_duplicate=False)}
     checks = []
+    code_names = dict(getattr(package, "TENSOR_NAMES", {}))  # PipeDream's name -> the stage code's
     for k, stage in enumerate(stages):
         pairs = [(grads[k][n], ref_grads[n]) for n in grads[k]]
         grad_error = _max_error(pairs)
@@ -212,8 +213,8 @@ def verify_package(
                 k,
                 sum(p.numel() for p in params),
                 len(params),
-                tuple(entries[k][1]),
-                tuple(entries[k][2]),
+                tuple(code_names.get(n, n) for n in entries[k][1]),
+                tuple(code_names.get(n, n) for n in entries[k][2]),
                 init_errors[k],
                 grad_error,
                 ok,

@@ -32,6 +32,9 @@ class JobConfig:
         ties: for each tied parameter, its (stage, parameter name in the stage module) holders.
         predicted_time_s: plan.json's predicted seconds per minibatch (None when unknown).
         inputs: plan.json's ``extra.inputs`` (name, shape, dtype of the first stage's inputs).
+        module_stages: mp_conf.json's ``module_to_stage_map``: the stage of each entry of the
+            package's ``model(criterion)``, the criterion last (``[0, 0, 1, 1, 1]`` in PipeDream's
+            own packages: two modules on stage 0, two and the criterion on stage 1).
     """
 
     package: Path
@@ -42,6 +45,7 @@ class JobConfig:
     ties: tuple[tuple[tuple[int, str], ...], ...] = ()
     predicted_time_s: float | None = None
     inputs: tuple[dict[str, Any], ...] = ()
+    module_stages: tuple[int, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -102,20 +106,26 @@ def _read_json(path: Path) -> Any:
         raise RunError(f"cannot read {path}: {exc}") from exc
 
 
-def _stage_ranks(conf: Any, source: Path) -> tuple[tuple[int, ...], ...]:
+def _stage_ranks(conf: Any, source: Path) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """(ranks of every stage, stage of every module) from PipeDream's mp_conf, checked."""
     try:
         mapping = {int(k): tuple(int(r) for r in v) for k, v in conf["stage_to_rank_map"].items()}
-        modules = [int(s) for s in conf["module_to_stage_map"]]
+        modules = tuple(int(s) for s in conf["module_to_stage_map"])
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise RunError(f"{source} is not PipeDream's mp_conf format: {exc}") from exc
     if sorted(mapping) != list(range(len(mapping))) or not mapping:
         raise RunError(f"{source}: stages must be numbered 0..N-1, got {sorted(mapping)}")
-    if modules != [*range(len(mapping)), len(mapping) - 1]:
-        raise RunError(f"{source}: expected one module per stage plus the criterion, got {modules}")
+    last = len(mapping) - 1
+    in_order = list(modules[:-1]) == sorted(modules[:-1]) and set(modules[:-1]) == set(mapping)
+    if len(modules) < 2 or not in_order or modules[-1] != last:
+        raise RunError(
+            f"{source}: module_to_stage_map must give every stage's modules in stage order, plus the "
+            f"criterion on the last stage (e.g. [0, 1, 1] or [0, 0, 1, 1, 1]), got {list(modules)}"
+        )
     ranks = sorted(r for rs in mapping.values() for r in rs)
     if ranks != list(range(len(ranks))) or any(not rs for rs in mapping.values()):
         raise RunError(f"{source}: ranks must be 0..N-1 each used once, got {ranks}")
-    return tuple(mapping[k] for k in range(len(mapping)))
+    return tuple(mapping[k] for k in range(len(mapping))), modules
 
 
 def load_job(
@@ -132,7 +142,7 @@ def load_job(
     folder = Path(package)
     if not folder.is_dir():
         raise RunError(f"package {folder} does not exist; run `pipeplan partition` first or pass its folder")
-    ranks = _stage_ranks(_read_json(folder / "mp_conf.json"), folder / "mp_conf.json")
+    ranks, modules = _stage_ranks(_read_json(folder / "mp_conf.json"), folder / "mp_conf.json")
     plan = _read_json(folder / "plan.json") if (folder / "plan.json").exists() else {}
     inputs = tuple(plan.get("extra", {}).get("inputs", ()))
     default_batch = plan.get("batch_size") or (inputs[0]["shape"][0] if inputs else None)
@@ -149,6 +159,7 @@ def load_job(
         ties=tuple(tuple((int(s), str(p)) for s, p in t["members"]) for t in plan.get("ties", ())),
         predicted_time_s=float(predicted) if predicted else None,
         inputs=inputs,
+        module_stages=modules,
     )
     return _checked(job)
 

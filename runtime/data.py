@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Iterator, Sequence
+import inspect
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
@@ -54,35 +55,58 @@ class Batches(Protocol):
 
 
 class SyntheticBatches:
-    """Random minibatches from the package's own example functions, seeded per step."""
+    """Random minibatches from the package's own example functions, seeded per step.
+
+    A package whose ``example_inputs``/``example_targets`` take a ``seed`` (generated ones do) gets
+    the step's seed for both, so targets derived from the inputs (next tokens) match them; older
+    ones draw from torch's generator, seeded per step and kind.
+    """
 
     def __init__(self, package: ModuleType, names: Sequence[str], batch_size: int, seed: int) -> None:
         self.package, self.names, self.batch_size, self.seed = package, tuple(names), batch_size, seed
         self.steps_per_epoch = SYNTHETIC_STEPS
+        self._takes_seed: dict[str, bool] = {}
+        for attr in ("example_inputs", "example_targets"):
+            fn = getattr(package, attr, None)
+            if not callable(fn):
+                raise RunError(f"the package defines no {attr}(batch_size); pass --data with training data")
+            self._takes_seed[attr] = "seed" in inspect.signature(fn).parameters
 
     def _seeded(self, step: int, kind: int) -> int:
         return self.seed * 1_000_003 + (step % SYNTHETIC_STEPS) * 2 + kind
 
-    def inputs(self, step: int) -> tuple[torch.Tensor, ...]:
+    def _call(self, attr: str, step: int, kind: int) -> Any:
+        fn = getattr(self.package, attr)
         with torch.random.fork_rng(devices=[]):
-            _seed(self._seeded(step, 0))
-            found = self.package.example_inputs(self.batch_size)
+            _seed(self._seeded(step, kind))
+            if self._takes_seed[attr]:
+                return fn(self.batch_size, seed=self._seeded(step, 0))
+            return fn(self.batch_size)
+
+    def inputs(self, step: int) -> tuple[torch.Tensor, ...]:
+        found = self._call("example_inputs", step, 0)
         missing = [n for n in self.names if n not in found]
         if missing:
             raise RunError(f"example_inputs() lacks the first stage's inputs {missing}")
         return tuple(found[n] for n in self.names)
 
     def targets(self, step: int) -> torch.Tensor:
-        with torch.random.fork_rng(devices=[]):
-            _seed(self._seeded(step, 1))
-            return self.package.example_targets(self.batch_size)  # type: ignore[no-any-return]
+        return self._call("example_targets", step, 1)  # type: ignore[no-any-return]
 
 
 class DatasetBatches:
     """Minibatches of a user DataLoader, replayed deterministically by step (for resume, too)."""
 
-    def __init__(self, loader: DataLoader[Any], names: Sequence[str], seed: int, shuffle: bool) -> None:
+    def __init__(
+        self,
+        loader: DataLoader[Any],
+        names: Sequence[str],
+        seed: int,
+        shuffle: bool,
+        aliases: Mapping[str, str] | None = None,
+    ) -> None:
         self.loader, self.names, self.seed, self.shuffle = loader, tuple(names), seed, shuffle
+        self.aliases = dict(aliases or {})
         self.steps_per_epoch = len(loader)
         if self.steps_per_epoch < 1:
             raise RunError("the dataset yields no full minibatch; use a smaller --batch-size")
@@ -108,8 +132,8 @@ class DatasetBatches:
 
     def inputs(self, step: int) -> tuple[torch.Tensor, ...]:
         x = self._batch(step)[0]
-        if isinstance(x, dict):
-            return tuple(x[n] for n in self.names)
+        if isinstance(x, Mapping):  # keyed by PipeDream's names (input0..) or the model's argument names
+            return tuple(x[n] if n in x else x[self.aliases.get(n, n)] for n in self.names)
         return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
     def targets(self, step: int) -> torch.Tensor:
@@ -162,11 +186,12 @@ def make_batches(
     if spec == "synthetic":
         return SyntheticBatches(package, names, batch_size, seed)
     made = _load_factory(spec)
+    aliases = getattr(package, "TENSOR_NAMES", None)
     if isinstance(made, DataLoader):
-        return DatasetBatches(made, names, seed, shuffle)
+        return DatasetBatches(made, names, seed, shuffle, aliases)
     if not isinstance(made, Dataset):
         raise RunError(f"--data {spec} returned {type(made).__name__}, not a Dataset or DataLoader")
     generator = torch.Generator().manual_seed(seed)
     sampler = RandomSampler(made, generator=generator) if shuffle else None  # type: ignore[arg-type]
     loader: DataLoader[Any] = DataLoader(made, batch_size=batch_size, sampler=sampler, drop_last=True)
-    return DatasetBatches(loader, names, seed, shuffle)
+    return DatasetBatches(loader, names, seed, shuffle, aliases)

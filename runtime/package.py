@@ -3,6 +3,10 @@
 The wiring comes from the package's own ``model(criterion)`` (PipeDream's list of
 ``(module, in_names, out_names)``), built on the meta device so no rank allocates the stages it
 does not run. A rank then builds only its own stage with ``stage(k, seed)``.
+
+PipeDream's own packages may put several modules on one stage (``module_to_stage_map``
+``[0, 0, 1, 1, 1]``): such a stage runs its modules in order as one :class:`ModuleChain`, reading
+what its modules read from other stages and returning what later stages (or the criterion) read.
 """
 
 from __future__ import annotations
@@ -10,16 +14,20 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import nn
 
 from runtime.errors import RunError
 
-__all__ = ["Wiring", "import_package", "read_wiring"]
+__all__ = ["ModuleChain", "Wiring", "build_stage", "import_package", "read_wiring"]
+
+Names = tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -30,11 +38,14 @@ class Wiring:
         stage_inputs: per stage, its forward's positional inputs by name.
         stage_outputs: per stage, the names of what its forward returns.
         loss_input: the last stage output the criterion reads.
+        stage_modules: per stage, the (input names, output names) of each of its modules, in
+            ``model()`` order.
     """
 
-    stage_inputs: tuple[tuple[str, ...], ...]
-    stage_outputs: tuple[tuple[str, ...], ...]
+    stage_inputs: tuple[Names, ...]
+    stage_outputs: tuple[Names, ...]
     loss_input: str
+    stage_modules: tuple[tuple[tuple[Names, Names], ...], ...] = ()
 
     def producer(self, name: str) -> int | None:
         """The stage whose forward returns ``name``; None for the model's own inputs."""
@@ -82,28 +93,119 @@ def import_package(folder: str | Path) -> ModuleType:
     except Exception as exc:
         del sys.modules[name]
         raise RunError(f"importing {init} failed: {type(exc).__name__}: {exc}") from exc
-    for attr in ("stage", "model", "criterion", "example_inputs", "example_targets"):
+    for attr in ("model", "criterion"):
         if not callable(getattr(module, attr, None)):
             raise RunError(f"{init} does not define {attr}(); regenerate it with `pipeplan partition`")
     return module
 
 
-def read_wiring(package: ModuleType, stages: int) -> Wiring:
-    """Build ``model(criterion)`` on the meta device and read its names; check it matches mp_conf."""
+def read_wiring(package: ModuleType, stages: int, module_stages: Sequence[int] = ()) -> Wiring:
+    """Build ``model(criterion)`` on the meta device and read its names; check it matches mp_conf.
+
+    ``module_stages`` is mp_conf.json's ``module_to_stage_map``; empty means one module per stage.
+    """
     with torch.device("meta"):
         entries = package.model(package.criterion())
-    if len(entries) != stages + 1:
-        raise RunError(f"model() returns {len(entries)} entries, mp_conf.json expects {stages} stages + loss")
-    ins = tuple(tuple(str(n) for n in e[1]) for e in entries[:-1])
-    outs = tuple(tuple(str(n) for n in e[2]) for e in entries[:-1])
+    owners = tuple(module_stages) or (*range(stages), stages - 1)
+    if len(entries) != len(owners):
+        raise RunError(
+            f"model() returns {len(entries)} entries, mp_conf.json's module_to_stage_map has {len(owners)}"
+        )
+    if not all(isinstance(e[0], nn.Module) for e in entries[:-1]):
+        raise RunError("model() must return modules as the first element of each entry")
     loss_ins = [str(n) for n in entries[-1][1]]
-    if len(loss_ins) != 1 or loss_ins[0] not in outs[-1]:
+    if len(loss_ins) != 1:
         raise RunError(f"the criterion must read exactly one output of the last stage, reads {loss_ins}")
-    wiring = Wiring(ins, outs, loss_ins[0])
+    modules = tuple(
+        tuple(
+            (tuple(str(n) for n in e[1]), tuple(str(n) for n in e[2]))
+            for e, owner in zip(entries[:-1], owners, strict=False)
+            if owner == k
+        )
+        for k in range(stages)
+    )
+    ins = tuple(_stage_reads(group) for group in modules)
+    outs = tuple(_stage_returns(modules, ins, k, loss_ins[0]) for k in range(stages))
+    if loss_ins[0] not in outs[-1]:
+        raise RunError(f"the criterion must read exactly one output of the last stage, reads {loss_ins}")
+    wiring = Wiring(ins, outs, loss_ins[0], modules)
     for k in range(1, stages):
         external = [n for n in ins[k] if wiring.producer(n) is None]
         if external:
             raise RunError(f"stage {k} reads model inputs {external}; only the first stage may read inputs")
-    if not isinstance(entries[0][0], nn.Module):
-        raise RunError("model() must return modules as the first element of each entry")
     return wiring
+
+
+def _stage_reads(group: Sequence[tuple[Names, Names]]) -> Names:
+    """What a stage reads from outside: its one module's inputs, or those of its modules that no
+    earlier module of the stage returns (each once, in order of first use)."""
+    if len(group) == 1:
+        return group[0][0]
+    made: set[str] = set()
+    reads: list[str] = []
+    for ins, outs in group:
+        reads += [n for n in ins if n not in made and n not in reads]
+        made.update(outs)
+    return tuple(reads)
+
+
+def _stage_returns(
+    modules: Sequence[Sequence[tuple[Names, Names]]], ins: Sequence[Names], k: int, loss: str
+) -> Names:
+    """What stage ``k`` returns: its one module's outputs, or those of its modules that a later
+    stage or the criterion reads (each once, in order of production)."""
+    group = modules[k]
+    if len(group) == 1:
+        return group[0][1]
+    later = {n for j in range(k + 1, len(modules)) for n in ins[j]} | (
+        {loss} if k == len(modules) - 1 else set()
+    )
+    made: list[str] = []
+    for _, outs in group:
+        made += [n for n in outs if n in later and n not in made]
+    return tuple(made)
+
+
+class ModuleChain(nn.Module):
+    """Several modules of one stage played in order, tensors routed by name, as one stage module."""
+
+    def __init__(
+        self, modules: Sequence[nn.Module], wires: Sequence[tuple[Names, Names]], ins: Names, outs: Names
+    ) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(modules)
+        self.wires, self.ins, self.outs = tuple(wires), ins, outs
+
+    def forward(self, *inputs: Any) -> Any:
+        env = dict(zip(self.ins, inputs, strict=True))
+        for module, (ins, outs) in zip(self.parts, self.wires, strict=True):
+            result = module(*(env[n] for n in ins))
+            env.update(zip(outs, (result,) if len(outs) == 1 else tuple(result), strict=True))
+        found = tuple(env[n] for n in self.outs)
+        return found[0] if len(found) == 1 else found
+
+
+def build_stage(
+    package: ModuleType,
+    wiring: Wiring,
+    stage: int,
+    module_stages: Sequence[int] = (),
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> nn.Module:
+    """This rank's stage module: ``stage(k, seed)`` where the package has it and the stage is one
+    module; otherwise the stage's entries of ``model(criterion)`` (built under ``seed``, the whole
+    model, as PipeDream's runtime does), chained."""
+    single = not wiring.stage_modules or len(wiring.stage_modules[stage]) == 1
+    if single and callable(getattr(package, "stage", None)):
+        return package.stage(stage, seed=seed, device=str(device)).to(device)  # type: ignore[no-any-return]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        entries = package.model(package.criterion())
+    stages = len(wiring.stage_inputs)
+    owners = tuple(module_stages) or (*range(stages), stages - 1)
+    mine = [e[0] for e, owner in zip(entries[:-1], owners, strict=False) if owner == stage]
+    if single:
+        return mine[0].to(device)  # type: ignore[no-any-return]
+    wires = wiring.stage_modules[stage]
+    return ModuleChain(mine, wires, wiring.stage_inputs[stage], wiring.stage_outputs[stage]).to(device)

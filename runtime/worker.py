@@ -28,7 +28,7 @@ from runtime.data import make_batches
 from runtime.errors import PeerLost, RunError
 from runtime.metrics import RankMetrics, Recorder, summarize, write_json_atomic, write_trace
 from runtime.options import RunOptions, from_argv
-from runtime.package import import_package, read_wiring
+from runtime.package import build_stage, import_package, read_wiring
 from runtime.stage import Groups, StageRuntime
 
 __all__ = [
@@ -136,8 +136,8 @@ def _build(options: RunOptions, cfg: RankConfig, device: torch.device, clock: _C
     if cfg.rank == 0:
         _warn_idle_replicas(cfg.job)
     pkg = import_package(cfg.job.package)
-    wiring = read_wiring(pkg, cfg.job.stages)
-    module = pkg.stage(cfg.stage, seed=options.seed, device=str(device)).to(device)
+    wiring = read_wiring(pkg, cfg.job.stages, cfg.job.module_stages)
+    module = build_stage(pkg, wiring, cfg.stage, cfg.job.module_stages, options.seed, device)
     module.train()
     criterion = pkg.criterion().to(device) if cfg.is_last else None
     timeout = timedelta(seconds=options.timeout)

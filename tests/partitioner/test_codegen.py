@@ -20,6 +20,7 @@ from partitioner.models import load_model
 from partitioner.plan import Stage
 from partitioner.stagekit import loss_input
 from partitioner.verify import load_package, verify_package
+from partitioner.zoo import tiny
 from tests.partitioner.codegen_support import plan_for, profile_for
 
 GOLDEN = Path(__file__).parents[1] / "golden" / "tiny-skip-gpus3"
@@ -43,7 +44,8 @@ def skip_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_golden_files(skip_package: Path) -> None:
     """The package text is stable; PIPEPLAN_REGEN_GOLDEN=1 rewrites tests/golden after a deliberate change."""
-    names = sorted(p.name for p in skip_package.iterdir() if p.name != "_stagekit.py")
+    copies = {"_stagekit.py": Path(stagekit.__file__), "_model.py": Path(tiny.__file__)}  # verbatim
+    names = sorted(p.name for p in skip_package.iterdir() if p.name not in copies)
     if REGEN:
         GOLDEN.mkdir(parents=True, exist_ok=True)
         for name in names:
@@ -51,39 +53,88 @@ def test_golden_files(skip_package: Path) -> None:
     assert names == sorted(p.name for p in GOLDEN.iterdir())
     for name in names:
         assert (skip_package / name).read_text() == (GOLDEN / name).read_text(), f"{name} differs from golden"
-    assert (skip_package / "_stagekit.py").read_text() == Path(stagekit.__file__).read_text()
+    for name, source in copies.items():
+        assert (skip_package / name).read_text() == source.read_text(), name
 
 
 def test_skip_tensor_named_in_every_signature(skip_package: Path) -> None:
     package, plan, conf = load_package(skip_package)
     entries = package.model(package.criterion())
     wiring = [(list(i), list(o)) for _, i, o in entries[:-1]]
-    assert wiring == [(["x"], ["act"]), (["act"], ["l3"]), (["act", "l3"], ["head"])]
-    assert entries[-1][1:] == (["head"], ["loss"])
+    assert wiring == [(["input0"], ["out0"]), (["out0"], ["out1"]), (["out0", "out1"], ["out2"])]
+    assert entries[-1][1:] == (["out2"], ["loss"])
+    assert package.TENSOR_NAMES == {"input0": "x", "out0": "act", "out1": "l3", "out2": "head"}
     assert conf == {"module_to_stage_map": [0, 1, 2, 2], "stage_to_rank_map": {"0": [0], "1": [1], "2": [2]}}
     assert plan.extra["inputs"] == [{"name": "x", "shape": [2, 16], "dtype": "float32"}]
+    assert plan.extra["stage_inputs"] == [["input0"], ["out0"], ["out0", "out1"]]
 
 
-def test_package_imports_with_torch_only(skip_package: Path) -> None:
-    """A cluster node has torch and the model code, not the partitioner: the package must not need it."""
-    code = (
-        "import importlib.util, sys\n"
-        "class Block:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.startswith(('partitioner.', 'networkx', 'click', 'rich')):\n"
-        "            if name != 'partitioner.zoo' and not name.startswith('partitioner.zoo.'):\n"
-        "                raise ImportError('blocked ' + name)\n"
-        "        return None\n"
-        "sys.meta_path.insert(0, Block())\n"
-        f"spec = importlib.util.spec_from_file_location('pkg', '{skip_package}/__init__.py',\n"
-        f"    submodule_search_locations=['{skip_package}'])\n"
-        "pkg = importlib.util.module_from_spec(spec); sys.modules['pkg'] = pkg\n"
-        "spec.loader.exec_module(pkg)\n"
-        "s = pkg.stage(2); print(sorted(n for n, _ in s.named_parameters()))\n"
+def test_pipedreams_shape_inference_loop_reads_the_package(skip_package: Path) -> None:
+    """PipeDream's main_with_runtime.py, verbatim in substance: float32 zeros of each known shape into
+    each stage, in model() order, recording every output's shape under its name."""
+    package, _, _ = load_package(skip_package)
+    model = package.model(package.criterion())
+    training_tensor_shapes = {"input0": [5, 16], "target": [5]}
+    for stage, inputs, outputs in model[:-1]:  # Skip last layer (loss).
+        input_tensors = [torch.zeros(tuple(training_tensor_shapes[i]), dtype=torch.float32) for i in inputs]
+        with torch.no_grad():
+            output_tensors = stage(*tuple(input_tensors))
+        if type(output_tensors) is not tuple:
+            output_tensors = [output_tensors]
+        for output, output_tensor in zip(outputs, list(output_tensors), strict=True):
+            training_tensor_shapes[output] = list(output_tensor.size())
+    assert training_tensor_shapes[model[-1][1][0]] == [5, 10]
+    assert sorted(training_tensor_shapes) == ["input0", "out0", "out1", "out2", "target"]
+
+
+_STANDALONE = """
+import importlib.util, sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("partitioner", "networkx", "click", "rich", "pulp"):
+            raise ImportError("blocked " + name)
+sys.meta_path.insert(0, Block())
+folder = sys.argv[1]
+init = folder + "/__init__.py"
+spec = importlib.util.spec_from_file_location("pkg", init, submodule_search_locations=[folder])
+pkg = importlib.util.module_from_spec(spec); sys.modules["pkg"] = pkg
+spec.loader.exec_module(pkg)
+env = dict(pkg.example_inputs(2))
+for module, ins, outs in pkg.model(pkg.criterion()):
+    if outs == ["loss"]:
+        env["loss"] = module(env[ins[0]], pkg.example_targets(2))
+        continue
+    out = module.eval()(*(env[n] for n in ins))  # eval: no dropout, comparable with the original
+    env.update(zip(outs, (out,) if len(outs) == 1 else out))
+print("loss", float(env["loss"]))
+print("stage0", sorted(n for n, _ in pkg.stage(0).named_parameters())[:2])
+print("full", sum(p.numel() for p in pkg.full_model().parameters()))
+print("modules", sorted(m for m in sys.modules if m.startswith("partitioner")))
+"""
+
+
+@pytest.mark.parametrize("spec", ["tiny-skip", "tiny-gpt", "tests/partitioner/codegen_models.py:size_later"])
+def test_package_builds_and_trains_with_torch_and_runtime_only(tmp_path: Path, spec: str) -> None:
+    """A cluster node has torch, the runtime and the model code, not the partitioner (nor its zoo):
+    the package's stages, full model, example data and loss must build with ``partitioner`` blocked."""
+    profile = profile_for(spec)
+    write_package(profile, plan_for(profile, [2, 4]), tmp_path / "pkg")
+    zoo = ":" not in spec  # a zoo model's source travels with the package; a model file stays the user's
+    assert (tmp_path / "pkg" / "_model.py").is_file() == zoo
+    result = subprocess.run(
+        [sys.executable, "-c", _STANDALONE, str(tmp_path / "pkg")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert "['head.bias', 'head.weight', 'l4.bias', 'l4.weight']" in result.stdout
+    assert "modules []" in result.stdout
+    loss = float(result.stdout.split("loss ")[1].split()[0])
+    expected = load_model(spec, 2)
+    with torch.no_grad():
+        want = expected.loss_fn(expected.build(0).eval()(*expected.make_inputs(2)), expected.make_targets(2))
+    assert loss == pytest.approx(float(want), rel=1e-3)  # other threads in the subprocess: rounding
 
 
 def _chain(package: object, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -242,9 +293,9 @@ def test_non_tensor_values_are_recomputed_not_sent(tmp_path: Path) -> None:
     package, _, _ = load_package(tmp_path / "pkg")
     entries = package.model(package.criterion())
     assert [(list(i), list(o)) for _, i, o in entries[:-1]] == [
-        (["x"], ["x", "l1"]),
-        (["l1"], ["l2"]),
-        (["x", "l2"], ["view"]),
+        (["input0"], ["input0", "out0"]),  # the model input, passed on under its PipeDream name
+        (["out0"], ["out1"]),
+        (["input0", "out1"], ["out2"]),
     ]
     stage2 = (tmp_path / "pkg" / "stage2.py").read_text()
     assert "size = x.size(0)" in stage2 and "view(size, -1)" in stage2

@@ -1,9 +1,11 @@
 """Hand-written packages in the generated-package format (brief, interface 5) for runtime tests.
 
 They depend on nothing but torch, so the runtime is tested without the profiler or code generator.
-Four shapes: ``chain`` (an MLP cut into N stages), ``skip`` (a tensor that skips a stage, and a
-stage with two outputs), ``tied`` (one weight used by the first and the last stage) and ``int`` (an
-integer tensor crosses stages, without a gradient).
+Five shapes: ``chain`` (an MLP cut into N stages), ``skip`` (a tensor that skips a stage, and a
+stage with two outputs), ``tied`` (one weight used by the first and the last stage), ``int`` (an
+integer tensor crosses stages, without a gradient) and ``modules`` (PipeDream's own layout: four
+modules on two stages, ``module_to_stage_map`` [0, 0, 1, 1, 1], a tensor from the first module read
+by the last).
 """
 
 from __future__ import annotations
@@ -53,11 +55,7 @@ def full_model(seed=0):
     return Full()
 
 
-def stage(k, seed=0, device="cpu"):
-    return full_model(seed).stages[k].to(device)
-
-
-def model(criterion):
+{stage_fn}def model(criterion):
     made = [(S(), list(i), list(o)) for S, i, o in zip(STAGES, IN_NAMES, OUT_NAMES)]
     return made + [(criterion, [OUT_NAMES[-1][0]], ["loss"])]
 
@@ -73,6 +71,12 @@ def example_inputs(batch_size):
 def example_targets(batch_size):
     return torch.randn(batch_size, {out_dim})
 '''
+
+_STAGE_FN = """def stage(k, seed=0, device="cpu"):
+    return full_model(seed).stages[k].to(device)
+
+
+"""
 
 _LINEAR = """
 import torch
@@ -164,7 +168,33 @@ class Stage{k}(nn.Module):
 """
 
 
+_MODULES_LAST = """
+import torch
+from torch import nn
+
+
+class Stage3(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear({h}, {o})
+
+    def forward(self, x, skip):
+        return self.fc(x + skip)
+"""
+
+
 def _stage_sources(kind: str, stages: int) -> tuple[list[str], list[list[str]], list[list[str]]]:
+    if kind == "modules":  # four modules, two per stage (module_to_stage_map [0, 0, 1, 1, 1])
+        body = "torch.tanh(self.fc(x))"
+        sources = [
+            _LINEAR.format(k=k, din=IN_DIM if k == 0 else HIDDEN, dout=HIDDEN, body=body) for k in range(3)
+        ]
+        sources.append(_MODULES_LAST.format(h=HIDDEN, o=OUT_DIM))
+        return (
+            sources,
+            [["input0"], ["out0"], ["out1"], ["out2", "out0"]],
+            [["out0"], ["out1"], ["out2"], ["out3"]],
+        )
     if kind == "int":
         sources = [_INT[k].format(i=IN_DIM, h=HIDDEN, o=OUT_DIM) for k in range(2)]
         return sources, [["input0"], ["out0", "idx0"]], [["out0", "idx0"], ["out1"]]
@@ -200,18 +230,20 @@ def write_package(
     for k, source in enumerate(sources):
         (folder / f"stage{k}.py").write_text(textwrap.dedent(source).lstrip())
     tie = f"        self.stages[{stages - 1}].w = self.stages[0].fc.weight\n" if kind == "tied" else ""
-    (folder / "__init__.py").write_text(
-        _INIT.format(
-            arch=kind,
-            imports="\n".join(f"from .stage{k} import Stage{k}" for k in range(stages)),
-            classes=", ".join(f"Stage{k}" for k in range(stages)),
-            ins=ins,
-            outs=outs,
-            tie=tie,
-            in_dim=IN_DIM,
-            out_dim=OUT_DIM,
-        ).lstrip()
-    )
+    init = _INIT.format(
+        arch=kind,
+        imports="\n".join(f"from .stage{k} import Stage{k}" for k in range(len(sources))),
+        classes=", ".join(f"Stage{k}" for k in range(len(sources))),
+        ins=ins,
+        outs=outs,
+        tie=tie,
+        in_dim=IN_DIM,
+        out_dim=OUT_DIM,
+        stage_fn=_STAGE_FN,
+    ).lstrip()
+    if kind == "modules":  # as in PipeDream's packages: no stage(k); the runtime chains model()'s entries
+        init = init.replace(_STAGE_FN, "")
+    (folder / "__init__.py").write_text(init)
     first, plan_stages = 0, []
     for k, r in enumerate(replicas):
         plan_stages.append(Stage(k, (f"n{k}",), r, tuple(range(first, first + r))))
@@ -231,5 +263,8 @@ def write_package(
         extra={"inputs": [{"name": "input0", "shape": [batch_size, IN_DIM], "dtype": "float32"}]},
     )
     (folder / "plan.json").write_text(json.dumps(plan_to_json(plan), indent=1))
-    (folder / "mp_conf.json").write_text(json.dumps(mp_conf(plan.stages), indent=1))
+    conf = mp_conf(plan.stages)
+    if kind == "modules":
+        conf["module_to_stage_map"] = [0, 0, 1, 1, 1]
+    (folder / "mp_conf.json").write_text(json.dumps(conf, indent=1))
     return folder

@@ -36,6 +36,7 @@ def test_job_and_rank_views(tmp_path: Path) -> None:
             "ranks must be 0..N-1",
         ),
         ({"module_to_stage_map": [0, 1], "stage_to_rank_map": {"0": [0], "1": [1]}}, "plus the criterion"),
+        ({"module_to_stage_map": [0, 1, 0, 1], "stage_to_rank_map": {"0": [0], "1": [1]}}, "stage order"),
         ({"stage_to_rank_map": {"0": [0]}}, "mp_conf format"),
     ],
 )

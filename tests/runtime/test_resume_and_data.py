@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from runtime.checkpoint import latest_complete_step, save_stage
-from runtime.data import make_batches
+from runtime.data import DatasetBatches, make_batches
 from runtime.package import import_package
 from tests.runtime.helpers import run, stage_state
 from tests.runtime.packages import IN_DIM, OUT_DIM, write_package
@@ -78,3 +80,14 @@ def test_shuffled_dataset_is_the_same_on_every_rank_and_differs_per_epoch(tmp_pa
     epoch1 = torch.cat([a.targets(s) for s in range(3, 6)])
     assert not torch.equal(epoch0, epoch1)
     assert torch.equal(epoch0.sort(0).values, epoch1.sort(0).values)
+
+
+def test_dict_batches_are_read_by_pipedream_or_argument_names() -> None:
+    """A dataset of dicts keyed by the model's argument names feeds a package wired as input0, input1."""
+    samples = [({"ids": torch.tensor([i, i + 1]), "mask": torch.ones(2)}, torch.tensor(i)) for i in range(4)]
+    loader: DataLoader[Any] = DataLoader(samples, batch_size=2)  # type: ignore[arg-type]
+    aliases = {"input0": "ids", "input1": "mask"}
+    batches = DatasetBatches(loader, ["input0", "input1"], seed=0, shuffle=False, aliases=aliases)
+    ids, mask = batches.inputs(1)
+    assert ids.tolist() == [[2, 3], [3, 4]] and mask.shape == (2, 2)
+    assert batches.targets(1).tolist() == [2, 3]

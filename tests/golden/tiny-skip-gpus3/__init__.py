@@ -21,6 +21,7 @@ from .stage2 import Stage2
 
 __all__ = [
     "STAGES",
+    "TENSOR_NAMES",
     "arch",
     "criterion",
     "example_inputs",
@@ -34,6 +35,13 @@ __all__ = [
 ]
 
 STAGES = (Stage0, Stage1, Stage2)
+# PipeDream's tensor names, which model() wires the stages with -> their names in the stages' code
+TENSOR_NAMES = {
+    "input0": "x",
+    "out0": "act",
+    "out1": "l3",
+    "out2": "head",
+}
 
 
 def arch() -> str:
@@ -51,10 +59,10 @@ def model(
 ) -> list[tuple[torch.nn.Module, list[str], list[str]]]:
     """PipeDream's form: (module, input names, output names) per stage, then the criterion."""
     return [
-        (Stage0(seed), ["x"], ["act"]),
-        (Stage1(seed), ["act"], ["l3"]),
-        (Stage2(seed), ["act", "l3"], ["head"]),
-        (criterion, ["head"], ["loss"]),
+        (Stage0(seed), ["input0"], ["out0"]),
+        (Stage1(seed), ["out0"], ["out1"]),
+        (Stage2(seed), ["out0", "out1"], ["out2"]),
+        (criterion, ["out2"], ["loss"]),
     ]
 
 
@@ -69,11 +77,15 @@ def criterion() -> torch.nn.Module:
     return _stagekit.criterion(_source.LOSS)
 
 
-def example_inputs(batch_size: int) -> dict[str, torch.Tensor]:
-    """Deterministic example inputs, keyed by the first stage's input names."""
-    return _stagekit.make_inputs(_source.INPUTS, batch_size)
+def example_inputs(batch_size: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The model's inputs as input0, input1..: the same for a seed, other data for another
+    (the runtime's synthetic minibatches use one seed per step)."""
+    made = _stagekit.make_inputs(_source.INPUTS, batch_size, seed, _source.EXAMPLES[0])
+    return {f"input{i}": tensor for i, tensor in enumerate(made.values())}
 
 
-def example_targets(batch_size: int) -> torch.Tensor:
-    """Deterministic example targets matching example_inputs(batch_size)."""
-    return _stagekit.make_targets(_source.TARGETS, _source.INPUTS, batch_size)
+def example_targets(batch_size: int, seed: int = 0) -> torch.Tensor:
+    """Example targets matching example_inputs(batch_size, seed)."""
+    return _stagekit.make_targets(
+        _source.TARGETS, _source.INPUTS, batch_size, seed, _source.EXAMPLES
+    )

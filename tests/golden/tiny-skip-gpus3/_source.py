@@ -14,20 +14,22 @@ from typing import Any
 
 import torch
 
-from . import _stagekit
+from . import _model, _stagekit
 
 SPEC = "tiny-skip"
-FACTORY = "tiny-skip"
+FACTORY = "_model:tiny_skip"  # the built-in model's source, copied into _model.py
 WEIGHTS: str | None = None
 INIT = "exact"  # exact: as the factory under torch.manual_seed; seeded: per module
 LOSS = "cross_entropy"
 INPUTS: list[dict[str, Any]] = [{"name": "x", "shape": [2, 16], "dtype": "float32"}]
 TARGETS: dict[str, Any] = {"name": "target", "shape": [2], "dtype": "int64", "high": 10, "kind": "classes"}
+# the model file's own (example_inputs, example_targets), called for synthetic data where given
+EXAMPLES: tuple[str | None, str | None] = (None, None)
 
 
 def factory() -> Any:
-    """The user's zero-argument model factory."""
-    return _stagekit.factory_from_spec(FACTORY)
+    """The model's zero-argument factory."""
+    return _model.tiny_skip
 
 
 def populate(
