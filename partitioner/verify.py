@@ -192,8 +192,11 @@ def verify_package(
     from partitioner.stagekit import loss_input
 
     torch.manual_seed(seed)
-    keyword = bool(plan.extra.get("keyword_inputs"))
-    ref_out = loss_input(reference(**inputs) if keyword else reference(*inputs.values()))
+    if plan.extra.get("keyword_inputs"):  # called by the model's own argument names (Hugging Face)
+        names = [str(spec["name"]) for spec in plan.extra["inputs"]]
+        ref_out = loss_input(reference(**dict(zip(names, inputs.values(), strict=True))))
+    else:
+        ref_out = loss_input(reference(*inputs.values()))
     ref_loss = criterion(ref_out, targets)
     ref_loss.backward()
     torch.manual_seed(seed)
