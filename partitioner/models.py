@@ -21,7 +21,7 @@ import importlib.util
 import logging
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -293,6 +293,7 @@ def _user_bundle(spec: str, batch_size: int, input_shape: tuple[int, ...] | None
     if not callable(factory):
         raise ModelSpecError(f"{where} has no callable {attr!r} (spec {spec!r}; expected {SPEC_FORMS})")
     module, extra = _seeded_call(factory)
+    names = _input_names(extra, getattr(source, "example_inputs", None))
     returned = _as_inputs(extra, spec) if extra is not None else None
     make_inputs = _user_inputs(spec, source, returned, input_shape)
     loss_fn: Callable[[Any, Tensor], Tensor] = getattr(source, "loss_fn", default_loss)
@@ -300,8 +301,14 @@ def _user_bundle(spec: str, batch_size: int, input_shape: tuple[int, ...] | None
     if callable(user_targets):
         make_targets: Callable[[int], Tensor] = user_targets
     else:
-        make_targets = _derived_targets(module, make_inputs)
-    return _bundle(spec, factory, batch_size, make_inputs, make_targets, loss_fn, module)
+        make_targets = _derived_targets(module, make_inputs, names)
+    return _bundle(spec, factory, batch_size, make_inputs, make_targets, loss_fn, module, names)
+
+
+def _input_names(returned: Any, example_inputs: Any) -> tuple[str, ...]:
+    """Keyword names when the model file gives its inputs as a dict (``model(**inputs)``), else ()."""
+    sample = example_inputs(2) if callable(example_inputs) else returned
+    return tuple(str(k) for k in sample) if isinstance(sample, Mapping) else ()
 
 
 def _import_source(where: str, spec: str) -> ModuleType:
@@ -316,6 +323,8 @@ def _import_source(where: str, spec: str) -> ModuleType:
         assert loader_spec is not None and loader_spec.loader is not None
         module = importlib.util.module_from_spec(loader_spec)
         sys.modules[name] = module
+        if str(path.parent) not in sys.path:  # the file may import modules beside it, as `python file.py` can
+            sys.path.append(str(path.parent))
         try:
             loader_spec.loader.exec_module(module)
         except Exception as exc:
@@ -329,12 +338,16 @@ def _import_source(where: str, spec: str) -> ModuleType:
 
 
 def _as_inputs(value: Any, spec: str) -> tuple[Tensor, ...]:
+    """A tensor, a tuple of tensors or a dict of keyword tensors, as a tuple (dict order)."""
+    if isinstance(value, Mapping):
+        value = tuple(value.values())
     inputs = (
         (value,) if isinstance(value, Tensor) else tuple(value) if isinstance(value, (tuple, list)) else None
     )
     if not inputs or not all(isinstance(t, Tensor) for t in inputs):
         raise ModelSpecError(
-            f"{spec}: example inputs must be a tensor or a tuple of tensors, got {type(value).__name__}"
+            f"{spec}: example inputs must be a tensor, a tuple of tensors or a dict of keyword tensors "
+            f"(model(**inputs)), got {type(value).__name__}"
         )
     return inputs
 
@@ -378,14 +391,15 @@ def _reshaped(inputs: tuple[Tensor, ...], b: int, shape: tuple[int, ...], spec: 
 
 
 def _derived_targets(
-    module: nn.Module, make_inputs: Callable[[int], tuple[Tensor, ...]]
+    module: nn.Module, make_inputs: Callable[[int], tuple[Tensor, ...]], names: tuple[str, ...] = ()
 ) -> Callable[[int], Tensor]:
     """Class targets shaped like the output (next tokens when the model maps token ids to logits)."""
 
     def make_targets(b: int) -> Tensor:
         inputs = make_inputs(b)
         with torch.no_grad():
-            logits = logits_of(module(*inputs))
+            output = module(**dict(zip(names, inputs, strict=True))) if names else module(*inputs)
+            logits = logits_of(output)
         first = inputs[0]
         if (
             not first.is_floating_point()

@@ -76,6 +76,9 @@ def factory_from_spec(spec: str) -> Callable[[], nn.Module]:
                 raise ImportError(f"cannot load model file {where}")
             module = importlib.util.module_from_spec(loader)
             sys.modules[module_name] = module
+            folder = os.path.dirname(os.path.abspath(where))
+            if folder not in sys.path:  # the model file may import modules beside it
+                sys.path.append(folder)
             loader.loader.exec_module(module)
         return getattr(module, name)  # type: ignore[no-any-return]
     return getattr(importlib.import_module(where), name)  # type: ignore[no-any-return]

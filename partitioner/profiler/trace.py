@@ -99,6 +99,8 @@ def trace_model(
     }
     tracer = _FxTracer(leaves)
     try:
+        if bundle.input_names:
+            raise TraceError("a model called with keyword inputs is traced with torch.export")
         graph = tracer.trace(bundle.module)
         gm = fx.GraphModule(bundle.module, graph, type(bundle.module).__name__)
         kind = "fx"

@@ -189,3 +189,23 @@ def test_torchvision_spec() -> None:
         pytest.skip("torchvision cannot be imported here")
     bundle = load_model("torchvision:resnet18", input_shape=(3, 32, 32))
     assert sum(p.numel() for p in bundle.module.parameters()) == PARAMS["resnet18"]
+
+
+def test_model_file_with_dict_inputs_importing_a_file_beside_it(tmp_path: Path) -> None:
+    """A model file may import modules from its own folder and give its inputs as a dict of keywords."""
+    (tmp_path / "beside_block.py").write_text(
+        "from torch import nn\n\nclass Block(nn.Linear):\n    pass\n"
+    )
+    (tmp_path / "kw_model.py").write_text(
+        "import torch\nfrom torch import nn\nfrom beside_block import Block\n\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.a = Block(4, 3)\n\n"
+        "    def forward(self, x, scale):\n        return self.a(x) * scale\n\n"
+        "def make():\n    return Net()\n\n"
+        "def example_inputs(b):\n    return {'x': torch.randn(b, 4), 'scale': torch.ones(b, 1)}\n"
+    )
+    bundle = load_model(f"{tmp_path / 'kw_model.py'}:make", batch_size=3)
+    assert bundle.input_names == ("x", "scale")
+    out = bundle.call(bundle.module, bundle.inputs)
+    assert out.shape == (3, 3) and bundle.targets.shape == (3,)
+    assert int(bundle.targets.max()) < 3
