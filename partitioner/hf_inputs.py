@@ -55,7 +55,9 @@ def _generator() -> torch.Generator:
 
 def _tokens(config: Any, input_shape: tuple[int, ...] | None, spec: str) -> int:
     if input_shape is not None and len(input_shape) != 1:
-        raise ModelSpecError(f"{spec} takes token ids: --input-shape is the sequence length, got {input_shape}")
+        raise ModelSpecError(
+            f"{spec} takes token ids: --input-shape is the sequence length, got {input_shape}"
+        )
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     tokens = input_shape[0] if input_shape else min(_DEFAULT_TOKENS, limit or _DEFAULT_TOKENS)
     if limit and tokens > limit:
@@ -96,9 +98,7 @@ def _text(
     return names, make_inputs, labels
 
 
-def _image(
-    config: Any, input_shape: tuple[int, ...] | None, spec: str
-) -> tuple[InputMaker, TargetMaker]:
+def _image(config: Any, input_shape: tuple[int, ...] | None, spec: str) -> tuple[InputMaker, TargetMaker]:
     size = int(getattr(config, "image_size", 224))
     shape = tuple(input_shape) if input_shape else (int(getattr(config, "num_channels", 3)), size, size)
     if len(shape) != 3:

@@ -196,7 +196,7 @@ def _names(gm: fx.GraphModule, use_module_paths: bool) -> dict[fx.Node, str]:
 
 
 def _snake_case(name: str) -> str:
-    """The name as fx spells a placeholder (``LayerNorm`` -> ``layer_norm``), so a stage's signature keeps it."""
+    """The name as fx spells a placeholder (``LayerNorm`` -> ``layer_norm``): a signature keeps it."""
     return re.sub(r"(?<=[a-z])([A-Z])", r"_\1", name).lower()
 
 

@@ -1,4 +1,4 @@
-"""Conformance matrix: Hugging Face families through profile -> partition -> verify -> run, as a user runs them.
+"""Conformance matrix: Hugging Face families through profile, partition, verify and run, as a user runs them.
 
 Each family is built from a tiny config (``hf:FAMILY``, random weights, nothing downloaded) and goes
 through the CLI: the default pipedream plan on 2 devices, a 1f1b plan with 2 microbatches, and 4
@@ -31,7 +31,20 @@ def _ok(args: list[str]) -> str:
 
 
 def _run(package: Path, schedule: str) -> list[float]:
-    _ok(["run", str(package), "--steps", "2", "--schedule", schedule, "--microbatches", "2", "--timeout", "60"])
+    _ok(
+        [
+            "run",
+            str(package),
+            "--steps",
+            "2",
+            "--schedule",
+            schedule,
+            "--microbatches",
+            "2",
+            "--timeout",
+            "60",
+        ]
+    )
     metrics = json.loads((package / "run" / "metrics.json").read_text())
     losses = [float(x) for x in metrics["losses"]]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses), losses

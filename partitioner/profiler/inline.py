@@ -48,9 +48,7 @@ def inline_wrapped_regions(gm: fx.GraphModule) -> int:
     wrappers = _wrappers()
     count = 0
     while True:
-        node = next(
-            (n for n in gm.graph.nodes if n.op == "call_function" and n.target in wrappers), None
-        )
+        node = next((n for n in gm.graph.nodes if n.op == "call_function" and n.target in wrappers), None)
         if node is None:
             break
         _inline(gm, node, wrappers[node.target])

@@ -186,7 +186,9 @@ def _export(bundle: ModelBundle, fx_exc: Exception, failed_in: tuple[str, str] |
                 program = _export_dynamic(bundle)
             except Exception as exc:
                 log.info("export with a dynamic batch failed (%s); exporting with static shapes", exc)
-                program = torch.export.export(bundle.module, *_export_args(bundle.inputs, bundle), strict=False)
+                program = torch.export.export(
+                    bundle.module, *_export_args(bundle.inputs, bundle), strict=False
+                )
         gm = program.module()
         inline_wrapped_regions(gm)
     except TraceError:

@@ -193,9 +193,7 @@ def test_torchvision_spec() -> None:
 
 def test_model_file_with_dict_inputs_importing_a_file_beside_it(tmp_path: Path) -> None:
     """A model file may import modules from its own folder and give its inputs as a dict of keywords."""
-    (tmp_path / "beside_block.py").write_text(
-        "from torch import nn\n\nclass Block(nn.Linear):\n    pass\n"
-    )
+    (tmp_path / "beside_block.py").write_text("from torch import nn\n\nclass Block(nn.Linear):\n    pass\n")
     (tmp_path / "kw_model.py").write_text(
         "import torch\nfrom torch import nn\nfrom beside_block import Block\n\n"
         "class Net(nn.Module):\n"
