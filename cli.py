@@ -549,6 +549,13 @@ def partition(
     console.print("\n".join(gantt(sim, width=60, until_s=until)), highlight=False, markup=False)
     if explain:
         console.print(_explain(profile, cluster, plan, schedule, micro, optimizer))
+    asked = plan.extra.get("microbatches_asked")
+    if asked:
+        console.print(
+            f"[yellow]note:[/yellow] {plan.microbatches} microbatches instead of {asked}: the synchronous "
+            f"schedules give a stage's replicas microbatches round-robin, so every replica count must divide it",
+            soft_wrap=True,
+        )
     note = _microbatch_note(profile, plan)
     if note:
         console.print(f"[yellow]note:[/yellow] {note}", soft_wrap=True)

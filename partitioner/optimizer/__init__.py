@@ -353,6 +353,40 @@ def solve(
         InfeasibleError: nothing fits; the message names the smallest memory that would.
     """
     m = _check(profile, schedule, microbatches, optimizer)
+    plan = _solve_at(profile, cluster, schedule, m, optimizer, straight, solver, activation_comm)
+    for _ in range(3):
+        usable = _usable_microbatches(plan, profile.batch_size)
+        if usable == plan.microbatches:
+            break
+        plan = _solve_at(profile, cluster, schedule, usable, optimizer, straight, solver, activation_comm)
+        plan = replace(plan, extra={**plan.extra, "microbatches_asked": microbatches})
+    return plan
+
+
+def _usable_microbatches(plan: Plan, batch_size: int | None) -> int:
+    """A microbatch count every replica of a synchronous plan can use: the synchronous schedules hand
+    microbatches round-robin to a stage's replicas, and the cost model prices a stage of r replicas
+    at 1/r of its time, true when r divides the count. Raised to lcm(count, replicas) where the batch
+    splits into that many; otherwise the plan's own count (its replicas then wait, as priced by no one)."""
+    m = plan.microbatches
+    if plan.schedule == "pipedream" or all(m % s.replicas == 0 for s in plan.stages):
+        return m
+    wanted = math.lcm(m, *(s.replicas for s in plan.stages))
+    if batch_size and (wanted > batch_size or batch_size % wanted):
+        return m
+    return wanted
+
+
+def _solve_at(
+    profile: Profile,
+    cluster: Cluster,
+    schedule: str,
+    m: int,
+    optimizer: str,
+    straight: bool,
+    solver: str,
+    activation_comm: bool,
+) -> Plan:
     if solver == "ilp":
         from partitioner.optimizer.ilp import solve_ilp
 

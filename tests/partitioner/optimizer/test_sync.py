@@ -75,3 +75,20 @@ def test_gpipe_under_a_memory_limit_is_optimal(
         return
     assert plan.predicted.time_per_minibatch_s == pytest.approx(expected, rel=1e-9)
     assert max(s.memory_bytes for s in plan.stages) <= limit
+
+
+def test_synchronous_plans_use_a_microbatch_count_every_replica_can_use() -> None:
+    """Microbatches go round-robin to a stage's replicas and the cost model prices r replicas at 1/r of
+    the stage: a 3-1 plan asked for 2 or 4 microbatches is re-solved at lcm(asked, 3), which the batch
+    (12) allows; where it does not (batch 8), the plan keeps the asked count."""
+    from partitioner.optimizer import solve
+    from partitioner.plan import Cluster
+    from tests.partitioner.optimizer.conftest import make_profile
+
+    heavy = [(30, 60, 10, 0), (1, 1, 10, 10**9)]
+    for asked, expected in ((2, 6), (4, 12)):
+        plan = solve(make_profile(heavy, [(0, 1)], batch_size=12), Cluster.flat(4, 1e9), "1f1b", asked)
+        assert plan.microbatches == expected and plan.extra["microbatches_asked"] == asked
+        assert all(plan.microbatches % s.replicas == 0 for s in plan.stages)
+    kept = solve(make_profile(heavy, [(0, 1)], batch_size=8), Cluster.flat(4, 1e9), "1f1b", 2)
+    assert kept.microbatches == 2 and "microbatches_asked" not in kept.extra
