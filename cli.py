@@ -553,7 +553,7 @@ def partition(
     if asked:
         console.print(
             f"[yellow]note:[/yellow] {plan.microbatches} microbatches instead of {asked}: the synchronous "
-            f"schedules give a stage's replicas microbatches round-robin, so every replica count must divide it",
+            "schedules give a stage's replicas microbatches round-robin: each replica count divides it",
             soft_wrap=True,
         )
     note = _microbatch_note(profile, plan)
