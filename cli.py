@@ -359,7 +359,9 @@ def _plan_summary(plan: Any, sim: Any) -> str:
         f"predicted {p.time_per_minibatch_s * 1e3:.3f} ms/minibatch, {rate}; speedup "
         f"{p.speedup_vs_data_parallel or 0:.2f}x over data parallel, "
         f"{p.speedup_vs_single or 0:.2f}x over one GPU; "
-        f"bubble {100 * p.bubble_fraction:.1f}% (simulated {100 * sim.bubble_fraction:.1f}%)\n"
+        f"bubble {100 * p.bubble_fraction:.1f}% (simulated {100 * sim.bubble_fraction:.1f}%"
+        + ("" if sim.steady else f" over the first {sim.minibatches} minibatches, still filling")
+        + ")\n"
         f"solver {info.name}: {info.solve_time_s:.3f} s, {exact}; {gap}"
     )
 

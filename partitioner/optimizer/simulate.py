@@ -56,6 +56,10 @@ class Simulation:
         bubble_fraction: idle share of the stages' time over the simulated span.
         peak_memory_bytes: per stage, the most bytes one device held.
         in_flight: per stage, the most items whose activations were held at once.
+        minibatches: how many minibatches were simulated.
+        steady: whether they reach the steady state (a very large pipedream plan is simulated over
+            a shorter horizon, bounded by :data:`MAX_ACTIONS`; its time and bubble are then those of
+            the pipeline filling up).
     """
 
     events: tuple[Event, ...]
@@ -63,6 +67,12 @@ class Simulation:
     bubble_fraction: float
     peak_memory_bytes: tuple[int, ...]
     in_flight: tuple[int, ...]
+    minibatches: int = 1
+    steady: bool = True
+
+
+MAX_ACTIONS = 200_000
+"""Forwards and backwards a default pipedream simulation plays at most (about a second of Python)."""
 
 
 def actions(schedule: str, stages: int, items: int) -> list[list[tuple[str, int]]]:
@@ -161,46 +171,85 @@ def _play_ranks(
 ) -> tuple[list[Event], list[int]]:
     """Run every rank's list in order; a step waits for all replicas of its stage and takes ``step``;
     a message after stage k arrives ``link[k]`` after it was sent. Returns the events and, per
-    stage, the most minibatches one replica held between F and B."""
-    done: dict[tuple[str, int, int], float] = {}
-    free = [[0.0] * len(ranks) for ranks in job]
-    pos = [[0] * len(ranks) for ranks in job]
-    held = [0] * len(job)
-    live: dict[tuple[int, int], set[int]] = {}
-    events: list[Event] = []
-    left = sum(len(a) for ranks in job for a in ranks)
-    while left:
-        moved = 0
-        for k, ranks in enumerate(job):
-            heads = [acts[i] if i < len(acts) else None for acts, i in zip(ranks, pos[k], strict=True)]
-            if all(h is not None and h.kind == "S" for h in heads):
-                start = max(free[k])
-                events += [Event(k, "S", heads[0].index, start, start + step[k])]  # type: ignore[union-attr]
-                free[k] = [start + step[k]] * len(ranks)
-                pos[k] = [i + 1 for i in pos[k]]
-                moved += len(ranks)
-            for r, a in enumerate(heads):
-                if a is None or a.kind == "S":
-                    continue
-                need = ("F", k - 1, a.index) if a.kind == "F" else ("B", k + 1, a.index)
-                first = (a.kind == "F" and k == 0) or (a.kind == "B" and k == len(job) - 1)
-                if not first and need not in done:
-                    continue
-                ready = 0.0 if a.kind == "F" and k == 0 else done.get(need, done.get(("F", k, a.index), 0.0))
-                delay = 0.0 if first else link[k - 1] if a.kind == "F" else link[k]
-                start = max(free[k][r], ready + delay)
-                end = start + (fwd[k] if a.kind == "F" else bwd[k])
-                done[(a.kind, k, a.index)], free[k][r] = end, end
-                events.append(Event(k, a.kind, a.index, start, end))
-                mine = live.setdefault((k, r), set())
-                mine.add(a.index) if a.kind == "F" else mine.discard(a.index)
-                held[k] = max(held[k], len(mine))
-                pos[k][r] += 1
-                moved += 1
-        if not moved:
-            raise PlanError("schedule deadlocks: an action waits for one that never runs")
-        left -= moved
-    return events, held
+    stage, the most minibatches one replica held between F and B.
+
+    Event-driven: a rank runs its list until an action waits for a message (it is parked on that
+    message) or for a step (parked until every replica arrives), so each action is handled once and
+    the simulation is linear in the number of actions.
+    """
+    play = _RankPlayer(job, fwd, bwd, step, link)
+    ready = [(k, r) for k, ranks in enumerate(job) for r in range(len(ranks))]
+    while ready:
+        ready.extend(play.advance(*ready.pop()))
+    if play.left:
+        raise PlanError("schedule deadlocks: an action waits for one that never runs")
+    return play.events, play.held
+
+
+class _RankPlayer:
+    """The state of :func:`_play_ranks`: when each action ended, what each rank waits for."""
+
+    def __init__(
+        self,
+        job: Sequence[Sequence[Sequence[Action]]],
+        fwd: list[float],
+        bwd: list[float],
+        step: list[float],
+        link: list[float],
+    ) -> None:
+        self.job, self.fwd, self.bwd, self.step, self.link = job, fwd, bwd, step, link
+        self.done: dict[tuple[str, int, int], float] = {}
+        self.free = [[0.0] * len(ranks) for ranks in job]
+        self.pos = [[0] * len(ranks) for ranks in job]
+        self.held = [0] * len(job)
+        self.live = [[0] * len(ranks) for ranks in job]
+        self.parked: dict[tuple[str, int, int], list[tuple[int, int]]] = {}
+        self.at_step: list[list[int]] = [[] for _ in job]
+        self.events: list[Event] = []
+        self.left = sum(len(a) for ranks in job for a in ranks)
+
+    def advance(self, k: int, r: int) -> list[tuple[int, int]]:
+        """Run rank (k, r) as far as it can; the ranks its actions woke up."""
+        woken: list[tuple[int, int]] = []
+        acts = self.job[k][r]
+        while self.pos[k][r] < len(acts):
+            a = acts[self.pos[k][r]]
+            if a.kind == "S":
+                self.at_step[k].append(r)
+                if len(self.at_step[k]) == len(self.job[k]):
+                    woken += self._step(k, a.index)
+                return woken
+            first = (a.kind == "F" and k == 0) or (a.kind == "B" and k == len(self.job) - 1)
+            need = ("F", k - 1, a.index) if a.kind == "F" else ("B", k + 1, a.index)
+            if not first and need not in self.done:
+                self.parked.setdefault(need, []).append((k, r))
+                return woken
+            self._run(k, r, a, first, need)
+            woken += self.parked.pop((a.kind, k, a.index), [])
+        return woken
+
+    def _run(self, k: int, r: int, a: Action, first: bool, need: tuple[str, int, int]) -> None:
+        if first:
+            ready = 0.0 if a.kind == "F" else self.done.get(("F", k, a.index), 0.0)
+        else:
+            ready = self.done[need] + (self.link[k - 1] if a.kind == "F" else self.link[k])
+        start = max(self.free[k][r], ready)
+        end = start + (self.fwd[k] if a.kind == "F" else self.bwd[k])
+        self.done[(a.kind, k, a.index)] = self.free[k][r] = end
+        self.events.append(Event(k, a.kind, a.index, start, end))
+        self.live[k][r] += 1 if a.kind == "F" else -1
+        self.held[k] = max(self.held[k], self.live[k][r])
+        self.pos[k][r] += 1
+        self.left -= 1
+
+    def _step(self, k: int, index: int) -> list[tuple[int, int]]:
+        start = max(self.free[k])
+        self.events.append(Event(k, "S", index, start, start + self.step[k]))
+        self.free[k] = [start + self.step[k]] * len(self.job[k])
+        self.pos[k] = [i + 1 for i in self.pos[k]]
+        self.left -= len(self.job[k])
+        woken, self.at_step[k] = [(k, r) for r in self.at_step[k]], []
+        return woken
 
 
 def _simulate_pipedream(plan: Plan, profile: Profile | None, minibatches: int | None) -> Simulation:
@@ -213,7 +262,8 @@ def _simulate_pipedream(plan: Plan, profile: Profile | None, minibatches: int | 
     )
     step = [allreduce_time(_params(plan, k, profile), r, bw) for k, r in enumerate(replicas)]
     link = [activation_time(_out_bytes(plan, k, _nodes(profile)), 1, bw) / 2 for k in range(p)]
-    items = minibatches or 4 * (p + sum(replicas))
+    steady_items = 4 * (p + sum(replicas))  # the pipeline fills within about one minibatch per rank
+    items = minibatches or min(steady_items, max(8, MAX_ACTIONS // (2 * p)))
     events, held = _play_ranks(build_job("pipedream", replicas, 1, items), fwd, bwd, step, link)
     ends = sorted(e.end_s for e in events if e.stage == p - 1 and e.kind == "B")
     lo, hi = len(ends) // 4, 3 * len(ends) // 4
@@ -223,7 +273,13 @@ def _simulate_pipedream(plan: Plan, profile: Profile | None, minibatches: int | 
     bubble = 1.0 - busy / (sum(replicas) * span) if span > 0 else 0.0
     memory = _memory(plan, profile, held)
     return Simulation(
-        tuple(sorted(events, key=lambda e: e.start_s)), per_minibatch, bubble, memory, tuple(held)
+        tuple(sorted(events, key=lambda e: e.start_s)),
+        per_minibatch,
+        bubble,
+        memory,
+        tuple(held),
+        items,
+        items >= steady_items,
     )
 
 
@@ -312,15 +368,26 @@ def write_chrome_trace(sim: Simulation, path: str | os.PathLike[str]) -> Path:
     return write_text_atomic(path, json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}) + "\n")
 
 
-def gantt(sim: Simulation, width: int = 72, until_s: float | None = None) -> list[str]:
-    """A text Gantt: one row per stage; forwards are digits (item mod 10), backwards letters, '.' idle."""
+def gantt(sim: Simulation, width: int = 72, until_s: float | None = None, rows: int = 24) -> list[str]:
+    """A text Gantt: one row per stage; forwards are digits (item mod 10), backwards letters, '.' idle.
+
+    A pipeline of more than ``rows`` stages shows its first and last stages and says how many it left out.
+    """
     span = until_s or max(e.end_s for e in sim.events)
-    rows = []
-    for i in range(len(sim.in_flight)):
+    stages = len(sim.in_flight)
+    shown = (
+        list(range(stages)) if stages <= rows else [*range(rows * 2 // 3), *range(stages - rows // 3, stages)]
+    )
+    by_stage: dict[int, list[Event]] = {i: [] for i in shown}
+    for e in sim.events:
+        if e.stage in by_stage and e.start_s < span:
+            by_stage[e.stage].append(e)
+    lines: list[str] = []
+    for i in shown:
+        if lines and i != shown[shown.index(i) - 1] + 1:
+            lines.append(f"... {i - shown[shown.index(i) - 1] - 1} stages not shown")
         cells = ["."] * width
-        for e in sim.events:
-            if e.stage != i or e.start_s >= span:
-                continue
+        for e in by_stage[i]:
             a = int(e.start_s / span * width)
             b = max(a + 1, int(min(e.end_s, span) / span * width))
             mark = (
@@ -328,5 +395,5 @@ def gantt(sim: Simulation, width: int = 72, until_s: float | None = None) -> lis
             )
             for c in range(a, min(b, width)):
                 cells[c] = mark
-        rows.append(f"stage {i:>2} |{''.join(cells)}|")
-    return rows
+        lines.append(f"stage {i:>2} |{''.join(cells)}|")
+    return lines
