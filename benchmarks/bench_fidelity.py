@@ -2,10 +2,12 @@
 and does the cost model at least rank candidate plans in the order the runs do?
 
 Everything goes through the real CLI in a temporary folder, as a user would run it:
-``pipeplan profile MODEL --threads 1 --clock cpu`` (each of 2 local ranks gets one of this machine's
-cores), ``pipeplan partition --profile ... --gpus 2`` (the optimizer's plan, or ``--cuts/--replicas``
-for a fixed candidate), ``pipeplan run PKG --steps N``; measured is ``run/metrics.json``'s median time per
-minibatch (slower rank per step, the first step excluded), predicted is ``plan.json``'s.
+``pipeplan profile MODEL --threads 1 --clock cpu --microbatch-size B/M`` (each of 2 local ranks gets
+one of this machine's cores; layers measured at the plan's microbatch size, as ``partition`` advises
+for 1f1b and gpipe, since small batches cost more per sample), ``pipeplan partition --profile ...
+--gpus 2`` (the optimizer's plan, or ``--cuts/--replicas`` for a fixed candidate), ``pipeplan run PKG
+--steps N``; measured is ``run/metrics.json``'s median time per minibatch (slower rank per step, the
+first step excluded), predicted is ``plan.json``'s.
 
 1. Fidelity: 3 models (vgg16 and resnet18 at 3x64x64 images, the Hugging Face ``hf:llama`` family at
    128 tokens), each planned for ``pipedream`` and for ``1f1b`` with 2 microbatches: measured / predicted.
@@ -142,18 +144,21 @@ class Cli:
         return load
 
 
-def profile(cli: Cli, model: Model, repeats: int) -> tuple[Path, dict[str, Any]]:
-    """``pipeplan profile`` with one thread and the CPU clock; the profile path and a summary."""
-    path = Path("profiles") / model.spec.replace(":", "-") / "profile.json"
+def profile(cli: Cli, model: Model, repeats: int, micro: int) -> tuple[Path, dict[str, Any]]:
+    """``pipeplan profile`` with one thread and the CPU clock, measured at ``micro`` samples (what
+    ``partition`` advises for a 1f1b or gpipe plan); the profile path and a summary."""
+    path = Path("profiles") / f"{model.spec.replace(':', '-')}-micro{micro}" / "profile.json"
     started = time.perf_counter()
     load = cli(
         "profile", model.spec, "--batch-size", str(model.batch_size), "--input-shape", model.input_shape,
-        "--threads", "1", "--clock", "cpu", "--repeats", str(repeats), "-o", str(path),
+        "--threads", "1", "--clock", "cpu", "--repeats", str(repeats), "--microbatch-size", str(micro),
+        "-o", str(path),
     )  # fmt: skip
     doc = json.loads((cli.folder / path).read_text())
     return path, {
         "model": model.spec,
         "batch_size": model.batch_size,
+        "measured_at": micro,
         "input_shape": model.input_shape,
         "layers": sum(1 for n in doc["nodes"] if n["op"] != "input"),
         "profile_wall_s": round(time.perf_counter() - started, 1),
@@ -241,12 +246,15 @@ def main() -> None:
         folder.mkdir(parents=True, exist_ok=True)
         cli = Cli(folder)
         for model in chosen:
-            path, summary = profile(cli, model, args.repeats)
-            profiles.append(summary)
+            paths: dict[int, Path] = {}
             extra = CANDIDATES if model.spec == args.rank_model else ()
             seen: set[tuple[str, ...]] = set()
             for cand in (*FIDELITY, *extra):
-                plan_args = partition_args(cli, path, cand)
+                micro = model.batch_size // cand.microbatches
+                if micro not in paths:
+                    paths[micro], summary = profile(cli, model, args.repeats, micro)
+                    profiles.append(summary)
+                plan_args = partition_args(cli, paths[micro], cand)
                 if tuple(plan_args) in seen:  # two fractions that fall on one layer: one plan
                     print(f"{model.spec:10s} {cand.label:28s} skipped: the same plan as an earlier one")
                     continue
@@ -277,7 +285,8 @@ def report(
     within = sum(1 for r in fidelity if 0.75 <= r["measured_over_predicted"] <= 1.25)
     doc = {
         "benchmark": "bench_fidelity",
-        "setup": {**vars(args), "ranks": 2, "backend": "gloo", "profile": "--threads 1 --clock cpu"},
+        "setup": {**vars(args), "ranks": 2, "backend": "gloo",
+                  "profile": "--threads 1 --clock cpu --microbatch-size batch/microbatches"},
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                     "load_average_before_after": load,
                     "note": "CPU shared with other jobs; load_1min recorded before every command"},
@@ -306,14 +315,16 @@ def _header(doc: dict[str, Any]) -> list[str]:
         "",
         f"2 gloo ranks on a {machine['cpu_count']}-core CPU shared with other jobs (1-min load average "
         f"{load[0][0]:.2f} before, {load[1][0]:.2f} after; per run below), torch {machine['torch']}. "
-        f"Profiles: `pipeplan profile MODEL --threads 1 --clock cpu --repeats {setup['repeats']}`; "
+        f"Profiles: `pipeplan profile MODEL --threads 1 --clock cpu --repeats {setup['repeats']} "
+        "--microbatch-size B/M` (the microbatch size of the plans made from it, as `partition` "
+        f"advises); "
         f"runs: `pipeplan run PKG --steps {setup['steps']}` (median step of the slower rank, first "
         f"step excluded). Whole benchmark {doc['wall_s']:.0f} s.",
         "",
-        "| model | batch | input | layers | profile s | profile fidelity | load |",
-        "|---|---:|---|---:|---:|---:|---:|",
+        "| model | batch | measured at | input | layers | profile s | profile fidelity | load |",
+        "|---|---:|---:|---|---:|---:|---:|---:|",
         *(
-            f"| {p['model']} | {p['batch_size']} | {p['input_shape']} | {p['layers']} "
+            f"| {p['model']} | {p['batch_size']} | {p['measured_at']} | {p['input_shape']} | {p['layers']} "
             f"| {p['profile_wall_s']} | {p['fidelity'] or 0:.2f} | {p['load_1min']:.2f} |"
             for p in doc["profiles"]
         ),
@@ -354,7 +365,8 @@ def _summary(doc: dict[str, Any]) -> list[str]:
         return "-" if value is None else f"{value:.2f}"
 
     return [
-        f"Fidelity (the optimizer's plans, {len(doc['profiles'])} models x 2 schedules): "
+        f"Fidelity (the optimizer's plans, {len({p['model'] for p in doc['profiles']})} models x 2 "
+        "schedules): "
         f"{doc['fidelity_within_25_percent']} within 25% (target: all), median measured/predicted "
         f"{num(doc['fidelity_median_measured_over_predicted'])}; their compute CPU time / predicted "
         f"stage compute: median {num(doc['fidelity_median_compute_cpu_over_predicted'])}; median CPU "
