@@ -204,7 +204,7 @@ def plan_and_run(
         "plan": cand.label,
         "schedule": cand.schedule,
         "microbatches": cand.microbatches,
-        "cuts": args[args.index("--cuts") + 1].split(",") if "--cuts" in args else None,
+        "cuts": [c for c in args[args.index("--cuts") + 1].split(",") if c] if "--cuts" in args else None,
         "stages": [
             {
                 "replicas": s["replicas"],
