@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_optimizer.py
 	$(BIN)/python benchmarks/bench_sync.py
 	$(BIN)/python benchmarks/bench_runtime.py
+	$(BIN)/python benchmarks/bench_fidelity.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

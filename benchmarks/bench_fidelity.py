@@ -1,0 +1,407 @@
+"""Plan fidelity: does a plan's predicted time per minibatch match what `pipeplan run` then measures,
+and does the cost model at least rank candidate plans in the order the runs do?
+
+Everything goes through the real CLI in a temporary folder, as a user would run it:
+``pipeplan profile MODEL --threads 1 --clock cpu --microbatch-size B/M`` (each of 2 local ranks gets
+one of this machine's cores; layers measured at the plan's microbatch size, as ``partition`` advises
+for 1f1b and gpipe, since small batches cost more per sample), ``pipeplan partition --profile ...
+--gpus 2`` (the optimizer's plan, or ``--cuts/--replicas`` for a fixed candidate), ``pipeplan run PKG
+--steps N``; measured is ``run/metrics.json``'s median time per minibatch (slower rank per step, the
+first step excluded), predicted is ``plan.json``'s.
+
+1. Fidelity: 3 models (vgg16 and resnet18 at 3x64x64 images, the Hugging Face ``hf:llama`` family at
+   128 tokens), each planned for ``pipedream`` and for ``1f1b`` with 2 microbatches: measured / predicted.
+2. Rank correlation: 9 candidate plans of vgg16 (the optimizer's plans for pipedream, 1f1b with 2 and
+   4 microbatches and gpipe, and fixed plans: a cut at 10%, 25% or 50% of the profiled compute, data
+   parallelism), Spearman's rank correlation of measured against predicted over all of them.
+
+Besides the wall-clock ratio, every run reports its ranks' compute CPU time against the plan's stage
+compute (the profile is CPU time): on a CPU that other jobs share, a rank that gets half a core takes
+twice the predicted wall time with a faithful cost model, and the CPU ratio separates the two.
+
+All candidates use 2 ranks: this machine has 2 cores, and 4 ranks would share them, a cluster that no
+plan describes. Targets (issue 11): measured / predicted within 25%, rank correlation >= 0.8. The
+1-minute load average is recorded before every command: other jobs share this CPU.
+
+Run:  .venv/bin/python benchmarks/bench_fidelity.py   (writes benchmarks/results/bench_fidelity.{json,md})
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True)
+class Model:
+    """One model of the benchmark: its spec and the profile's shape."""
+
+    spec: str
+    batch_size: int
+    input_shape: str
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One plan: the optimizer's (``cuts`` None) or a fixed one; ``cuts`` are fractions of the
+    profiled compute at which a stage ends (empty: one stage, replicated)."""
+
+    label: str
+    schedule: str
+    microbatches: int
+    cuts: tuple[float, ...] | None = None
+    replicas: tuple[int, ...] | None = None
+
+
+MODELS = (Model("vgg16", 8, "3,64,64"), Model("resnet18", 8, "3,64,64"), Model("hf:llama", 8, "128"))
+FIDELITY = (Candidate("pipedream (optimizer)", "pipedream", 1), Candidate("1f1b m=2 (optimizer)", "1f1b", 2))
+CANDIDATES = (
+    Candidate("pipedream cut at 10%", "pipedream", 1, (0.1,), (1, 1)),
+    Candidate("pipedream cut at 25%", "pipedream", 1, (0.25,), (1, 1)),
+    Candidate("pipedream cut at 50%", "pipedream", 1, (0.5,), (1, 1)),
+    Candidate("pipedream data parallel", "pipedream", 1, (), (2,)),
+    Candidate("1f1b m=2 cut at 25%", "1f1b", 2, (0.25,), (1, 1)),
+    Candidate("gpipe m=2 (optimizer)", "gpipe", 2),
+    Candidate("1f1b m=4 (optimizer)", "1f1b", 4),
+)
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation: Pearson's correlation of the ranks (ties get their mean rank)."""
+
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in order[i : j + 1]:
+                out[k] = (i + j) / 2 + 1
+            i = j + 1
+        return out
+
+    if len(xs) != len(ys) or len(xs) < 2:
+        raise ValueError("spearman needs two lists of equal length >= 2")
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def cut_layers(profile: dict[str, Any], fractions: tuple[float, ...]) -> list[str]:
+    """The layer ids at which the profile's cumulative forward + backward time first reaches each
+    fraction of the total (never the last layer, so every stage keeps a layer)."""
+    layers = [n for n in profile["nodes"] if n["op"] != "input"]
+    total = sum(n["forward_ms"] + n["backward_ms"] for n in layers)
+    cuts, done, seen = [], 0.0, 0
+    for fraction in fractions:
+        while seen < len(layers) - 2 and done + layers[seen]["forward_ms"] + layers[seen]["backward_ms"] < (
+            fraction * total
+        ):
+            done += layers[seen]["forward_ms"] + layers[seen]["backward_ms"]
+            seen += 1
+        cuts.append(layers[seen]["id"])
+        done += layers[seen]["forward_ms"] + layers[seen]["backward_ms"]
+        seen += 1
+    return cuts
+
+
+class Cli:
+    """The ``pipeplan`` command beside this Python, run in one folder; each command's output goes to
+    a log file, and a failing command raises with its last line."""
+
+    def __init__(self, folder: Path) -> None:
+        here = Path(sys.executable).parent / "pipeplan"
+        self.exe = str(here) if here.exists() else (shutil.which("pipeplan") or "pipeplan")
+        self.folder, self.count = folder, 0
+
+    def __call__(self, *args: str) -> float:
+        """Run ``pipeplan ARGS``; the 1-minute load average just before it."""
+        load = os.getloadavg()[0]
+        self.count += 1
+        log = self.folder / f"log-{self.count:02d}-{args[0]}.txt"
+        with log.open("w") as out:
+            done = subprocess.run([self.exe, *args], cwd=self.folder, stdout=out, stderr=subprocess.STDOUT)
+        if done.returncode:
+            lines = log.read_text().strip().splitlines() or ["(no output)"]
+            raise RuntimeError(f"pipeplan {' '.join(args)} failed ({done.returncode}): {lines[-1]}")
+        return load
+
+
+def profile(cli: Cli, model: Model, repeats: int, micro: int) -> tuple[Path, dict[str, Any]]:
+    """``pipeplan profile`` with one thread and the CPU clock, measured at ``micro`` samples (what
+    ``partition`` advises for a 1f1b or gpipe plan); the profile path and a summary."""
+    path = Path("profiles") / f"{model.spec.replace(':', '-')}-micro{micro}" / "profile.json"
+    started = time.perf_counter()
+    load = cli(
+        "profile", model.spec, "--batch-size", str(model.batch_size), "--input-shape", model.input_shape,
+        "--threads", "1", "--clock", "cpu", "--repeats", str(repeats), "--microbatch-size", str(micro),
+        "-o", str(path),
+    )  # fmt: skip
+    doc = json.loads((cli.folder / path).read_text())
+    return path, {
+        "model": model.spec,
+        "batch_size": model.batch_size,
+        "measured_at": micro,
+        "input_shape": model.input_shape,
+        "layers": sum(1 for n in doc["nodes"] if n["op"] != "input"),
+        "profile_wall_s": round(time.perf_counter() - started, 1),
+        "fidelity": doc.get("fidelity", doc.get("extra", {}).get("fidelity")),
+        "load_1min": load,
+    }
+
+
+def cpu_per_stage(metrics: dict[str, Any]) -> dict[int, float]:
+    """Per stage, CPU seconds of compute per minibatch (replicas summed, all steps): what the
+    ``--clock cpu`` profile predicts, free of the time other jobs took this CPU away from the rank."""
+    out: dict[int, float] = {}
+    for r in metrics["ranks"]:
+        out[r["stage"]] = out.get(r["stage"], 0.0) + r["compute_cpu_s"] / max(1, len(r["step_times_s"]))
+    return out
+
+
+def partition_args(cli: Cli, path: Path, cand: Candidate) -> list[str]:
+    """``pipeplan partition`` arguments of a candidate (without the output folder)."""
+    args = ["partition", "--profile", str(path), "--gpus", "2", "--schedule", cand.schedule,
+            "--microbatches", str(cand.microbatches)]  # fmt: skip
+    if cand.cuts is not None and cand.replicas is not None:
+        cuts = cut_layers(json.loads((cli.folder / path).read_text()), cand.cuts)
+        args += ["--cuts", ",".join(cuts), "--replicas", ",".join(map(str, cand.replicas))]
+    return args
+
+
+def plan_and_run(
+    cli: Cli, model: Model, args: list[str], cand: Candidate, index: int, steps: int
+) -> dict[str, Any]:
+    """Partition (the optimizer's or a fixed plan), run it, and pair plan.json with metrics.json."""
+    out = f"plans/{index:02d}"
+    cli(*args, "-o", out)
+    package = next((cli.folder / out).glob("*/gpus=2"))
+    load = cli("run", str(package.relative_to(cli.folder)), "--steps", str(steps), "--timeout", "300")
+    plan = json.loads((package / "plan.json").read_text())
+    metrics = json.loads((package / "run" / "metrics.json").read_text())
+    measured, predicted = metrics["time_per_minibatch_s"], plan["predicted"]["time_per_minibatch_s"]
+    by_stage = {s["stage"]: s["compute_s_per_minibatch"] for s in metrics["stages"]}
+    cpu, ranks = cpu_per_stage(metrics), metrics["ranks"]
+    return {
+        "model": model.spec,
+        "plan": cand.label,
+        "schedule": cand.schedule,
+        "microbatches": cand.microbatches,
+        "cuts": [c for c in args[args.index("--cuts") + 1].split(",") if c] if "--cuts" in args else None,
+        "stages": [
+            {
+                "replicas": s["replicas"],
+                "layers": len(s["nodes"]),
+                "predicted_compute_s": s["compute_s"],
+                "predicted_comm_s": s["comm_s"],
+                "measured_compute_s": by_stage.get(s["index"]),
+                "measured_compute_cpu_s": cpu.get(s["index"]),
+            }
+            for s in plan["stages"]
+        ],
+        "predicted_s": predicted,
+        "measured_s": measured,
+        "measured_over_predicted": measured / predicted,
+        "compute_cpu_over_predicted": sum(cpu.values()) / sum(s["compute_s"] for s in plan["stages"]),
+        "bubble_fraction": plan["predicted"].get("bubble_fraction"),
+        "cpu_share": sum(r["compute_cpu_s"] for r in ranks) / sum(r["compute_s"] for r in ranks),
+        "load_1min": load,
+        "step_times_s_slowest_rank": [
+            max(ts) for ts in zip(*(r["step_times_s"] for r in ranks), strict=False)
+        ],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8, help="Minibatches per run (the first is excluded).")
+    parser.add_argument("--repeats", type=int, default=3, help="Profile repeats per layer.")
+    parser.add_argument("--models", default=",".join(m.spec for m in MODELS), help="Subset, comma-separated.")
+    parser.add_argument("--rank-model", default="vgg16", help="The model whose candidates are ranked.")
+    parser.add_argument("--keep", default=None, help="Work in this folder (kept) instead of a temporary one.")
+    parser.add_argument("--from-json", default=None, help="Only write the report again from a result file.")
+    args = parser.parse_args()
+    if args.from_json:
+        old = json.loads(Path(args.from_json).read_text())
+        args = argparse.Namespace(**{**old["setup"], "from_json": args.from_json})
+        load = old["machine"]["load_average_before_after"]
+        report(args, old["profiles"], old["runs"], (tuple(load[0]), tuple(load[1])), old["wall_s"])
+        return
+    chosen = [m for m in MODELS if m.spec in args.models.split(",")]
+    started, load_before = time.perf_counter(), os.getloadavg()
+    profiles: list[dict[str, Any]] = []
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(args.keep or tmp).resolve()
+        folder.mkdir(parents=True, exist_ok=True)
+        cli = Cli(folder)
+        for model in chosen:
+            paths: dict[int, Path] = {}
+            extra = CANDIDATES if model.spec == args.rank_model else ()
+            seen: set[tuple[str, ...]] = set()
+            for cand in (*FIDELITY, *extra):
+                micro = model.batch_size // cand.microbatches
+                if micro not in paths:
+                    paths[micro], summary = profile(cli, model, args.repeats, micro)
+                    profiles.append(summary)
+                plan_args = partition_args(cli, paths[micro], cand)
+                if tuple(plan_args) in seen:  # two fractions that fall on one layer: one plan
+                    print(f"{model.spec:10s} {cand.label:28s} skipped: the same plan as an earlier one")
+                    continue
+                seen.add(tuple(plan_args))
+                runs.append(plan_and_run(cli, model, plan_args, cand, len(runs), args.steps))
+                ratio = runs[-1]["measured_over_predicted"]
+                print(f"{model.spec:10s} {cand.label:28s} measured/predicted {ratio:.2f}", flush=True)
+    report(args, profiles, runs, (load_before, os.getloadavg()), time.perf_counter() - started)
+
+
+def _median(runs: list[dict[str, Any]], key: str) -> float | None:
+    return statistics.median(r[key] for r in runs) if runs else None
+
+
+def report(
+    args: argparse.Namespace,
+    profiles: list[dict[str, Any]],
+    runs: list[dict[str, Any]],
+    load: tuple[tuple[float, ...], tuple[float, ...]],
+    wall_s: float,
+) -> None:
+    """bench_fidelity.json (every run's plan and metrics summary) and bench_fidelity.md."""
+    import torch
+
+    for r in runs:  # an estimate, not a measurement: the wall time had each rank had its core
+        r["full_core_s"] = r["measured_s"] * r["cpu_share"]
+        r["full_core_over_predicted"] = r["full_core_s"] / r["predicted_s"]
+    ranked = [r for r in runs if r["model"] == args.rank_model]
+    predicted = [r["predicted_s"] for r in ranked]
+    fidelity = [r for r in runs if r["plan"] in {c.label for c in FIDELITY}]
+
+    def within(key: str) -> str:
+        return f"{sum(1 for r in fidelity if 0.75 <= r[key] <= 1.25)} of {len(fidelity)}"
+
+    def rho(key: str) -> float | None:
+        return spearman(predicted, [r[key] for r in ranked]) if len(ranked) > 1 else None
+
+    doc = {
+        "benchmark": "bench_fidelity",
+        "setup": {**vars(args), "ranks": 2, "backend": "gloo",
+                  "profile": "--threads 1 --clock cpu --microbatch-size batch/microbatches"},
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                    "load_average_before_after": load,
+                    "note": "CPU shared with other jobs; load_1min recorded before every command"},
+        "wall_s": round(wall_s, 1),
+        "profiles": profiles,
+        "fidelity_within_25_percent": within("measured_over_predicted"),
+        "fidelity_within_25_percent_full_core": within("full_core_over_predicted"),
+        "fidelity_median_measured_over_predicted": _median(fidelity, "measured_over_predicted"),
+        "fidelity_median_compute_cpu_over_predicted": _median(fidelity, "compute_cpu_over_predicted"),
+        "fidelity_median_full_core_over_predicted": _median(fidelity, "full_core_over_predicted"),
+        "median_cpu_share": _median(runs, "cpu_share"),
+        "rank_model": args.rank_model,
+        "rank_correlation_spearman": rho("measured_s"),
+        "rank_correlation_spearman_full_core": rho("full_core_s"),
+        "rank_candidates": len(ranked),
+        "runs": runs,
+    }  # fmt: skip
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "bench_fidelity.json").write_text(json.dumps(doc, indent=1) + "\n")
+    md = [*_header(doc), *_runs_table(doc["runs"]), *_summary(doc)]
+    (RESULTS / "bench_fidelity.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+def _header(doc: dict[str, Any]) -> list[str]:
+    load, setup, machine = doc["machine"]["load_average_before_after"], doc["setup"], doc["machine"]
+    return [
+        "# bench_fidelity: predicted (plan.json) against measured (`pipeplan run`) time per minibatch",
+        "",
+        f"2 gloo ranks on a {machine['cpu_count']}-core CPU shared with other jobs (1-min load average "
+        f"{load[0][0]:.2f} before, {load[1][0]:.2f} after; per run below), torch {machine['torch']}. "
+        f"Profiles: `pipeplan profile MODEL --threads 1 --clock cpu --repeats {setup['repeats']} "
+        "--microbatch-size B/M` (the microbatch size of the plans made from it, as `partition` "
+        f"advises); "
+        f"runs: `pipeplan run PKG --steps {setup['steps']}` (median step of the slower rank, first "
+        f"step excluded). Whole benchmark {doc['wall_s']:.0f} s.",
+        "",
+        "| model | batch | measured at | input | layers | profile s | profile fidelity | load |",
+        "|---|---:|---:|---|---:|---:|---:|---:|",
+        *(
+            f"| {p['model']} | {p['batch_size']} | {p['measured_at']} | {p['input_shape']} | {p['layers']} "
+            f"| {p['profile_wall_s']} | {p['fidelity'] or 0:.2f} | {p['load_1min']:.2f} |"
+            for p in doc["profiles"]
+        ),
+        "",
+    ]
+
+
+def _runs_table(runs: list[dict[str, Any]]) -> list[str]:
+    def stages(r: dict[str, Any]) -> str:
+        return " / ".join(
+            f"{1e3 * s['predicted_compute_s']:.0f}:{1e3 * (s['measured_compute_s'] or 0):.0f}"
+            f":{1e3 * (s['measured_compute_cpu_s'] or 0):.0f}"
+            + (f" x{s['replicas']}" if s["replicas"] > 1 else "")
+            for s in r["stages"]
+        )
+
+    return [
+        "Stage compute in ms per minibatch, predicted : measured wall : measured CPU (metrics.json, "
+        "replicas summed). CPU share: the ranks' compute CPU time / compute wall time (1.0 = a core "
+        "each, no other job running; the profile is CPU time, so a share of 0.5 alone makes "
+        "measured/predicted ~2). x share / predicted: measured x CPU share / predicted, an estimate of the "
+        "ratio had each rank had its own core (it assumes other jobs slowed every part of a step alike).",
+        "",
+        "| model | plan | stages pred:wall:cpu ms | bubble | predicted s | measured s "
+        "| measured/predicted | CPU/predicted compute | CPU share | x share / predicted | load |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *(
+            f"| {r['model']} | {r['plan']} | {stages(r)} | {r['bubble_fraction'] or 0:.2f} "
+            f"| {r['predicted_s']:.4f} | {r['measured_s']:.4f} | {r['measured_over_predicted']:.2f} "
+            f"| {r['compute_cpu_over_predicted']:.2f} | {r['cpu_share']:.2f} "
+            f"| {r['full_core_over_predicted']:.2f} | {r['load_1min']:.2f} |"
+            for r in runs
+        ),
+        "",
+    ]
+
+
+def _summary(doc: dict[str, Any]) -> list[str]:
+    def num(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    return [
+        f"Fidelity (the optimizer's plans, {len({p['model'] for p in doc['profiles']})} models x 2 "
+        "schedules): "
+        f"{doc['fidelity_within_25_percent']} within 25% (target: all), median measured/predicted "
+        f"{num(doc['fidelity_median_measured_over_predicted'])}; their compute CPU time / predicted "
+        f"stage compute: median {num(doc['fidelity_median_compute_cpu_over_predicted'])}; median CPU "
+        f"share of all runs {num(doc['median_cpu_share'])}.",
+        "",
+        f"Rank correlation (Spearman, measured vs predicted, {doc['rank_candidates']} plans of "
+        f"{doc['rank_model']}): **{num(doc['rank_correlation_spearman'])}** (target >= 0.8).",
+        "",
+        "Estimated for a core per rank (measured x CPU share): fidelity "
+        f"{doc['fidelity_within_25_percent_full_core']} within 25%, median "
+        f"{num(doc['fidelity_median_full_core_over_predicted'])}; rank correlation "
+        f"{num(doc['rank_correlation_spearman_full_core'])}.",
+    ]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""The plan-fidelity benchmark's own arithmetic: Spearman's rank correlation and where it cuts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks.bench_fidelity import cut_layers, spearman
+
+
+def test_spearman_orders() -> None:
+    assert spearman([1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 25.0, 90.0]) == pytest.approx(1.0)
+    assert spearman([1.0, 2.0, 3.0, 4.0], [4.0, 3.0, 2.0, 1.0]) == pytest.approx(-1.0)
+    # one swapped pair of 5: 1 - 6 * sum(d^2) / (n (n^2 - 1)) = 1 - 6 * 2 / 120
+    assert spearman([1.0, 2.0, 3.0, 4.0, 5.0], [1.0, 3.0, 2.0, 4.0, 5.0]) == pytest.approx(0.9)
+
+
+def test_spearman_ties_get_mean_ranks() -> None:
+    # ranks of y: 1, 2.5, 2.5, 4; Pearson of (1, 2, 3, 4) and those
+    expected = 4.5 / math.sqrt(5.0 * 4.5)
+    assert spearman([1.0, 2.0, 3.0, 4.0], [0.1, 0.5, 0.5, 0.9]) == pytest.approx(expected)
+    assert math.isnan(spearman([1.0, 2.0], [3.0, 3.0]))
+    with pytest.raises(ValueError):
+        spearman([1.0], [1.0])
+
+
+def test_cut_layers_by_cumulative_compute() -> None:
+    nodes = [{"id": "x", "op": "input", "forward_ms": 0.0, "backward_ms": 0.0}] + [
+        {"id": f"l{i}", "op": "call_module", "forward_ms": ms, "backward_ms": ms}
+        for i, ms in enumerate([1.0, 1.0, 6.0, 1.0, 1.0])
+    ]
+    profile = {"nodes": nodes}
+    assert cut_layers(profile, (0.1,)) == ["l0"]
+    assert cut_layers(profile, (0.25,)) == ["l2"]  # l0 + l1 is 20%: the big layer closes the stage
+    assert cut_layers(profile, (0.25, 0.9)) == ["l2", "l3"]
+    assert cut_layers(profile, (0.99,)) == ["l3"]  # never the last layer
