@@ -191,3 +191,16 @@ def test_resume_continues_the_learning_rate_schedule(tmp_path: Path) -> None:
         got = stage_state(ckpt, 4, k)
         for name in want[k]:
             torch.testing.assert_close(got[name], want[k][name], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_pipedream_schedule_counts_minibatches_on_every_stage(tmp_path: Path) -> None:
+    """Stage 0's two replicas step once per round of two minibatches, stage 1 once per minibatch:
+    both end at the same point of the warm-up (4 of 8 minibatches: half the rate)."""
+    pkg = write_package(tmp_path / "pkg", "chain", replicas=(2, 1), microbatches=1, batch_size=4)
+    ckpt = tmp_path / "ckpt"
+    run(pkg, steps=4, schedule="pipedream", lr=0.2, warmup_steps=8, checkpoint_dir=str(ckpt))
+    for k in range(2):
+        state = torch.load(ckpt / "step-4" / f"stage{k}.pt", weights_only=True)
+        assert state["scheduler"]["last_epoch"] == 4, k
+        assert state["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.1), k
