@@ -82,10 +82,12 @@ def _groups(cfg: RankConfig, timeout: timedelta) -> Groups:
 
 
 def _total_steps(options: RunOptions, batches: Batches) -> int:
+    """Minibatches of the whole run (counting those before a resume): where the schedule ends."""
     return options.steps if options.steps is not None else (options.epochs or 1) * batches.steps_per_epoch
 
 
 def _clip(settings: OptimSettings, cfg: RankConfig, module: torch.nn.Module) -> Clip | None:
+    """Global clipping over every rank (a rank started by torchrun gets no CLI check first)."""
     if settings.clip_grad_norm is None:
         return None
     settings.check_schedule(cfg.job.schedule)
