@@ -441,7 +441,9 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
 @click.option(
     "--microbatches", type=int, default=None, help="Microbatches per minibatch (1f1b, gpipe) [default: 4]."
 )
-@click.option("--optimizer", type=click.Choice(["sgd", "momentum", "adam"]), default="sgd", show_default=True)
+@click.option("--optimizer", type=click.Choice(["sgd", "momentum", "adam", "adamw"]), default="sgd",
+              show_default=True, help="Training optimizer, for the memory model: state kept per weight byte "
+              "(sgd none, momentum 1, adam and adamw 2).")  # fmt: skip
 @click.option("--straight", is_flag=True, help="No replication: one device per stage.")
 @click.option("--solver", type=click.Choice(["dp", "ilp"]), default="dp", show_default=True,
               help="dp: exact search (optimal where it can list every downset); ilp: the same problem "
@@ -734,9 +736,22 @@ def _calibration_table(profile: Any, plan: Any, measured_s: Any) -> Any:
 @click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default="auto", show_default=True,
               help="auto: nccl when the ranks have GPUs, gloo on CPU.")  # fmt: skip
 @click.option("--data", default="synthetic", show_default=True, help="synthetic, module:fn or file.py:fn.")
-@click.option("--optimizer", type=click.Choice(["sgd", "adam"]), default="sgd", show_default=True)
-@click.option("--lr", type=float, default=0.01, show_default=True, help="Learning rate.")
+@click.option("--optimizer", metavar="[sgd|adam|adamw]", default="sgd", show_default=True,
+              help="adamw: Adam with decoupled weight decay.")  # fmt: skip
+@click.option("--lr", type=float, default=0.01, show_default=True, help="Peak learning rate.")
 @click.option("--momentum", type=float, default=0.0, show_default=True, help="SGD momentum.")
+@click.option("--nesterov", is_flag=True, help="SGD with Nesterov momentum (needs --momentum).")
+@click.option("--weight-decay", type=float, default=0.0, show_default=True,
+              help="On every parameter: L2 penalty (sgd, adam), decoupled (adamw).")  # fmt: skip
+@click.option("--betas", metavar="B1,B2", default="0.9,0.999", show_default=True, help="Adam(W)'s betas.")
+@click.option("--lr-schedule", metavar="[constant|linear|cosine]", default="constant", show_default=True,
+              help="After the warm-up; linear and cosine reach 0 at the last step.")  # fmt: skip
+@click.option("--warmup-steps", type=int, default=0, show_default=True,
+              help="Minibatches of linear warm-up from 0 to --lr. The schedule counts minibatches "
+              "(a pipedream replica's step covers its round's).")  # fmt: skip
+@click.option("--clip-grad-norm", type=float, default=None,
+              help="Clip the whole model's gradient norm (all stages, tied weights once) to this "
+              "(1f1b, gpipe).")  # fmt: skip
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights and data seed.")
 @click.option("--shuffle", is_flag=True, help="Shuffle a user dataset every epoch.")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False),
@@ -765,6 +780,7 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
     from pathlib import Path
 
     from runtime.config import newest_package
+    from runtime.optim import parse_betas
     from runtime.options import RunOptions
 
     if opts["steps"] and opts["epochs"]:
@@ -774,7 +790,9 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
         opts["checkpoint_dir"] = folder / "run" / "checkpoints"
     for key in ("checkpoint_dir", "trace"):
         opts[key] = str(opts[key]) if opts[key] is not None else None
+    opts["betas"] = parse_betas(opts["betas"])
     options = RunOptions(package=str(folder), **opts)
+    _check_optim(options)
     if dry_run:
         from runtime.launch import schedule_preview, torchrun_commands
 
@@ -784,6 +802,22 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
             click.echo(f"# {line}")
         return
     _run_and_report(options)
+
+
+def _check_optim(options: Any) -> None:
+    """Bad optimizer settings fail here, before any rank starts; a warm-up longer than the run is legal
+    but worth a note."""
+    from runtime.optim import OptimSettings
+    from runtime.worker import job_of
+
+    settings = OptimSettings.of(options)
+    settings.check_schedule(job_of(options).schedule)
+    if options.steps is not None and settings.warmup_steps >= options.steps:
+        _console(stderr=True).print(
+            f"[yellow]note:[/yellow] --warmup-steps {settings.warmup_steps} is not below --steps "
+            f"{options.steps}: the learning rate stays below --lr for the whole run",
+            soft_wrap=True,
+        )
 
 
 def _run_and_report(options: Any) -> None:

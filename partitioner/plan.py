@@ -39,7 +39,7 @@ __all__ = [
 PLAN_SCHEMA = "pipeplan.plan/1"
 Schedule = Literal["pipedream", "1f1b", "gpipe"]
 SCHEDULES: tuple[str, ...] = ("pipedream", "1f1b", "gpipe")
-OPTIMIZERS: tuple[str, ...] = ("sgd", "momentum", "adam")
+OPTIMIZERS: tuple[str, ...] = ("sgd", "momentum", "adam", "adamw")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Stage checkpoints: ``D/step-<N>/stage<K>.pt`` = {"model", "optimizer", "step"}, written atomically.
+"""Stage checkpoints: ``D/step-<N>/stage<K>.pt`` = {"model", "optimizer", "step"}, written atomically
+(plus "scheduler", the learning-rate schedule's state, and "optim", the settings: runtime.optim).
 
 ``N`` counts completed minibatches. A step folder is complete when every stage's file is there (each
 file appears whole or not at all: temp file + rename), so ``--resume`` takes the newest complete one

@@ -8,8 +8,9 @@ another node (parsed back from :func:`to_argv`'s arguments).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 __all__ = ["RunOptions", "from_argv", "to_argv"]
 
@@ -27,9 +28,16 @@ class RunOptions:
         schedule: pipedream, 1f1b or gpipe; None: plan.json's.
         backend: auto (nccl on CUDA, else gloo), gloo or nccl.
         data: ``synthetic`` or a ``module:fn`` / ``file.py:fn`` spec of a Dataset or DataLoader.
-        optimizer: sgd or adam.
-        lr: learning rate.
+        optimizer: sgd, adam or adamw (see :class:`runtime.optim.OptimSettings` for this and the
+            optimizer settings below).
+        lr: peak learning rate.
         momentum: SGD momentum.
+        nesterov: SGD with Nesterov momentum.
+        weight_decay: L2 penalty (sgd, adam) or decoupled weight decay (adamw).
+        betas: Adam(W)'s moment decay rates.
+        lr_schedule: constant, linear or cosine, over minibatches.
+        warmup_steps: minibatches of linear warm-up.
+        clip_grad_norm: clip the whole model's gradient norm to this (synchronous schedules).
         seed: seeds weights, synthetic data and shuffling.
         shuffle: shuffle a user dataset each epoch.
         checkpoint_dir: where ``step-N/stageK.pt`` go; None: no checkpoints.
@@ -58,6 +66,12 @@ class RunOptions:
     optimizer: str = "sgd"
     lr: float = 0.01
     momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    clip_grad_norm: float | None = None
     seed: int = 0
     shuffle: bool = False
     checkpoint_dir: str | None = None
@@ -84,8 +98,13 @@ def to_argv(options: RunOptions) -> list[str]:
         if f.name == "package" or f.name in _LAUNCH_ONLY or value is None or value == f.default:
             continue
         flag = "--" + f.name.replace("_", "-")
-        argv += [flag] if value is True else [flag, str(value)]
+        text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+        argv += [flag] if value is True else [flag, text]
     return argv
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(part) for part in text.split(","))
 
 
 def from_argv(argv: Sequence[str]) -> RunOptions:
@@ -99,6 +118,7 @@ def from_argv(argv: Sequence[str]) -> RunOptions:
         if f.default is False:
             parser.add_argument(flag, action="store_true")
         else:
-            kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+            kinds: dict[str, Callable[[str], Any]] = {"int": int, "float": float, "tuple[float,": _floats}
+            kind = kinds.get(str(f.type).split(" ")[0], str)
             parser.add_argument(flag, type=kind, default=f.default)
     return RunOptions(**vars(parser.parse_args(list(argv))))

@@ -6,7 +6,8 @@ output to the replica of every consumer stage that handles that microbatch
 computes the loss scaled by the microbatch's share of the minibatch (so gradients are the minibatch
 mean, as in plain training). ``B`` receives output gradients (summed over consumers), runs autograd
 and sends input gradients back. ``S`` sums gradients over the replica group and over tie groups,
-then steps the optimizer.
+clips them by the whole model's norm (an all-reduce over every rank, :mod:`runtime.optim`), then
+steps the optimizer and the learning-rate schedule.
 
 Replicas under ``pipedream`` are PipeDream's data parallelism: each replica runs whole minibatches
 (round-robin) and steps once per round; its step all-reduces the gradients of the round's
@@ -36,6 +37,7 @@ from runtime.comm import Comm, Posted, TensorMeta
 from runtime.config import RankConfig
 from runtime.data import Batches
 from runtime.metrics import Recorder
+from runtime.optim import Clip, clip_grads
 from runtime.package import Wiring
 from runtime.schedule import Action, replica_of
 
@@ -110,6 +112,8 @@ class StageRuntime:
         batches: minibatches by step.
         stash: keep a weight version per forward (pipedream).
         recorder: timing and trace spans.
+        scheduler: the learning-rate schedule, stepped once per minibatch a step covers.
+        clip: global gradient-norm clipping; None: none.
         on_step: called after every optimizer step with the minibatches it covered and, on the
             last stage, their losses (None elsewhere).
         units: microbatches between their forward and backward.
@@ -134,6 +138,8 @@ class StageRuntime:
     batches: Batches
     stash: bool
     recorder: Recorder
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    clip: Clip | None = None
     on_step: Callable[[tuple[int, ...], tuple[float, ...] | None], None] | None = None
     units: dict[int, Unit] = field(default_factory=dict)
     version: int = 0
@@ -338,16 +344,22 @@ class StageRuntime:
         self.comm.send(messages)
 
     def step(self, step: int) -> None:
-        """Sum gradients over replicas and ties, step the optimizer, report the loss."""
+        """Sum gradients over replicas and ties, clip, step the optimizer and schedule, report the loss."""
         params = dict(self.module.named_parameters())
         for p in params.values():
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
         ran = self._sync_grads(params)
+        if self.clip is not None:
+            with self.recorder.span("clip", "comm"):
+                clip_grads(params, self.clip, self.comm)
+        covered = tuple(step + i for i, n in enumerate(ran) if n) if self.stash else (step,)
         with self.recorder.span(f"S{step}", "compute"):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        covered = tuple(step + i for i, n in enumerate(ran) if n) if self.stash else (step,)
+        if self.scheduler is not None:
+            for _ in covered:  # the schedule counts minibatches (a pipedream round covers several)
+                self.scheduler.step()
         self.recorder.mark_step(len(covered))
         if self.stash and len(self.step_versions) < STASH_LOG_MAX:
             self.step_versions.append((step, tuple(sorted(set(self._step_units)))))

@@ -24,9 +24,10 @@ import torch.distributed as dist
 from runtime import checkpoint, schedule
 from runtime.comm import Comm
 from runtime.config import JobConfig, RankConfig, load_job
-from runtime.data import make_batches
+from runtime.data import Batches, make_batches
 from runtime.errors import PeerLost, RunError
 from runtime.metrics import RankMetrics, Recorder, summarize, write_json_atomic, write_trace
+from runtime.optim import Clip, OptimSettings, check_resume, counted_params, make_optimizer, make_scheduler
 from runtime.options import RunOptions, from_argv
 from runtime.package import build_stage, import_package, read_wiring
 from runtime.stage import Groups, StageRuntime
@@ -80,13 +81,18 @@ def _groups(cfg: RankConfig, timeout: timedelta) -> Groups:
     return Groups(mine, tuple(ties))
 
 
-def _optimizer(options: RunOptions, module: torch.nn.Module) -> torch.optim.Optimizer:
-    params = [p for p in module.parameters() if p.requires_grad]
-    if options.optimizer == "adam":
-        return torch.optim.Adam(params, lr=options.lr)
-    if options.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=options.lr, momentum=options.momentum)
-    raise RunError(f"unknown optimizer {options.optimizer!r}; choose sgd or adam")
+def _total_steps(options: RunOptions, batches: Batches) -> int:
+    """Minibatches of the whole run (counting those before a resume): where the schedule ends."""
+    return options.steps if options.steps is not None else (options.epochs or 1) * batches.steps_per_epoch
+
+
+def _clip(settings: OptimSettings, cfg: RankConfig, module: torch.nn.Module) -> Clip | None:
+    """Global clipping over every rank (a rank started by torchrun gets no CLI check first)."""
+    if settings.clip_grad_norm is None:
+        return None
+    settings.check_schedule(cfg.job.schedule)
+    names = [n for n, p in module.named_parameters() if p.requires_grad]
+    return Clip(settings.clip_grad_norm, counted_params(cfg, names), dist.group.WORLD)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -144,12 +150,16 @@ def _build(options: RunOptions, cfg: RankConfig, device: torch.device, clock: _C
     batches = make_batches(
         options.data, pkg, wiring.stage_inputs[0], cfg.job.batch_size, options.seed, options.shuffle
     )
+    settings = OptimSettings.of(options)
+    optimizer = make_optimizer(settings, module.parameters())
     return StageRuntime(
         cfg=cfg,
         wiring=wiring,
         module=module,
         criterion=criterion,
-        optimizer=_optimizer(options, module),
+        optimizer=optimizer,
+        scheduler=make_scheduler(settings, optimizer, _total_steps(options, batches)),
+        clip=_clip(settings, cfg, module),
         comm=Comm(dist.group.WORLD, device, prefetch=device.type == "cpu"),  # type: ignore[arg-type]
         groups=_groups(cfg, timeout),
         batches=batches,
@@ -170,8 +180,11 @@ def _start_step(options: RunOptions, rt: StageRuntime) -> int:
         return 0
     assert options.checkpoint_dir is not None
     state = checkpoint.load_stage(Path(options.checkpoint_dir), step, rt.cfg.stage, rt.comm.device)
+    check_resume(state.get("optim"), OptimSettings.of(options), step)
     rt.module.load_state_dict(state["model"])
     rt.optimizer.load_state_dict(state["optimizer"])
+    if rt.scheduler is not None and state.get("scheduler") is not None:
+        rt.scheduler.load_state_dict(state["scheduler"])
     return int(state["step"])
 
 
@@ -201,6 +214,8 @@ def _train(options: RunOptions, rt: StageRuntime, total: int) -> None:
             state = {
                 "model": rt.module.state_dict(),
                 "optimizer": rt.optimizer.state_dict(),
+                "scheduler": rt.scheduler.state_dict() if rt.scheduler is not None else None,
+                "optim": OptimSettings.of(options).record(),
                 "step": first + count,
             }
             checkpoint.save_stage(Path(options.checkpoint_dir), first + count, cfg.stage, state)
@@ -262,8 +277,7 @@ def _run_joined(options: RunOptions, cfg: RankConfig, device: torch.device) -> d
     progress = run_dir(options) / "progress.jsonl" if cfg.is_last and cfg.replica == 0 else None
     clock = _Clock(progress)
     rt = _build(options, cfg, device, clock)
-    epochs = options.epochs or 1
-    _train(options, rt, options.steps if options.steps is not None else epochs * rt.batches.steps_per_epoch)
+    _train(options, rt, _total_steps(options, rt.batches))
     result = _finish(options, rt, clock)
     dist.destroy_process_group()
     return result

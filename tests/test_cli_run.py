@@ -51,6 +51,38 @@ def test_missing_package_exits_2_with_one_line(tmp_path: Path) -> None:
     assert "does not exist" in result.output and len(result.output.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--weight-decay", "-1"],
+        ["--betas", "0.9,1"],
+        ["--betas", "0.9"],
+        ["--lr-schedule", "step"],
+        ["--optimizer", "rmsprop"],
+        ["--clip-grad-norm", "nan"],
+        ["--clip-grad-norm", "1", "--schedule", "pipedream"],
+        ["--nesterov"],
+        ["--warmup-steps", "-1"],
+    ],
+)
+def test_bad_optimizer_settings_exit_2_with_one_line(tmp_path: Path, args: list[str]) -> None:
+    pkg = write_package(tmp_path / "pkg", replicas=(1, 1))
+    result = CliRunner().invoke(main, ["run", str(pkg), "--steps", "2", "--dry-run", *args])
+    assert result.exit_code == 2
+    assert result.output.startswith("error:") and len(result.output.strip().splitlines()) == 1
+
+
+def test_optimizer_settings_reach_every_rank_and_a_long_warmup_gets_a_note(tmp_path: Path) -> None:
+    pkg = write_package(tmp_path / "pkg", replicas=(1, 1))
+    args = ["--optimizer", "adamw", "--betas", "0.8,0.99", "--lr-schedule", "cosine", "--warmup-steps", "5"]
+    result = CliRunner().invoke(
+        main, ["run", str(pkg), "--steps", "2", "--dry-run", "--clip-grad-norm", "1", *args]
+    )
+    assert result.exit_code == 0, result.output
+    assert "note: --warmup-steps 5 is not below --steps 2" in result.output
+    assert "--betas 0.8,0.99 --lr-schedule cosine --warmup-steps 5 --clip-grad-norm 1.0" in result.output
+
+
 @pytest.mark.slow
 def test_failing_rank_exits_1_naming_the_rank(tmp_path: Path) -> None:
     pkg = write_package(tmp_path / "pkg", replicas=(1, 1))

@@ -57,7 +57,7 @@ def _check(profile: Profile, schedule: str, microbatches: int, optimizer: str) -
     if schedule not in SCHEDULES:
         raise PlanError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
     if optimizer not in OPTIMIZER_STATE:
-        raise PlanError(f"unknown optimizer {optimizer!r}; use sgd, momentum or adam")
+        raise PlanError(f"unknown optimizer {optimizer!r}; use sgd, momentum, adam or adamw")
     if microbatches < 1:
         raise PlanError(f"--microbatches must be >= 1, got {microbatches}")
     if not profile.layers:

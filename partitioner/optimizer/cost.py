@@ -34,8 +34,9 @@ __all__ = [
 
 FloatArray = npt.NDArray[np.float64]
 
-#: optimizer state per parameter byte: sgd keeps none, momentum one buffer, adam two moments.
-OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2}
+#: optimizer state per parameter byte: sgd keeps none, momentum one buffer, adam and adamw two moments
+#: (adamw differs only in how weight decay is applied).
+OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ def stage_memory(
     runs whole minibatches; the synchronous schedules split each microbatch over the replicas.
     """
     if optimizer not in OPTIMIZER_STATE:
-        raise PlanError(f"unknown optimizer {optimizer!r}; use sgd, momentum or adam")
+        raise PlanError(f"unknown optimizer {optimizer!r}; use sgd, momentum, adam or adamw")
     held = in_flight(schedule, position, replicas, microbatches)
     weights = load.param_bytes * (2 + OPTIMIZER_STATE[optimizer])
     if schedule == "pipedream":

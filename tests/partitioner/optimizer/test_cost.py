@@ -57,3 +57,17 @@ def test_infeasible_memory_names_a_limit_that_fits() -> None:
 
     with pytest.raises(InfeasibleError, match="would"):
         solve(THREE, Cluster.flat(2, memory_bytes=1000))
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "1f1b"])
+def test_adamw_keeps_adams_state_in_the_cost_model_and_the_simulation(schedule: str) -> None:
+    from partitioner.optimizer.simulate import simulate
+
+    m = 1 if schedule == "pipedream" else 4
+    adam = evaluate(THREE, Cluster.flat(3), ["l0"], [2, 1], schedule, m, optimizer="adam")
+    adamw = evaluate(THREE, Cluster.flat(3), ["l0"], [2, 1], schedule, m, optimizer="adamw")
+    sgd = evaluate(THREE, Cluster.flat(3), ["l0"], [2, 1], schedule, m, optimizer="sgd")
+    assert adamw.optimizer == "adamw"
+    assert [s.memory_bytes for s in adamw.stages] == [s.memory_bytes for s in adam.stages]
+    assert adamw.stages[0].memory_bytes == sgd.stages[0].memory_bytes + 2 * 1_000_000  # two moments
+    assert simulate(adamw, THREE).peak_memory_bytes == tuple(s.memory_bytes for s in adamw.stages)
