@@ -10,7 +10,7 @@ ok=0; total=0
 for f in $families; do
   total=$((total + 1))
   log="$work/$f.log"
-  if "$bin/pipeplan" profile "hf:$f" --input-shape 16 --repeats 1 >"$log" 2>&1 \
+  if "$bin/pipeplan" profile "hf:$f" --repeats 1 >"$log" 2>&1 \
     && "$bin/pipeplan" partition --profile "profiles/hf-$f/profile.json" --gpus 4 --straight >>"$log" 2>&1 \
     && "$bin/pipeplan" verify "models/hf-$f/gpus=4" >>"$log" 2>&1; then
     ok=$((ok + 1)); echo "$f: $(tail -1 "$log" | cut -c1-100)"
