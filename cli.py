@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import click
@@ -47,7 +47,34 @@ def user_errors(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _OneLineErrors(click.Group):
+    """click's own usage errors (bad option, value out of range) as one ``error:`` line, exit 2, like
+    the library's; Ctrl-C as one line and exit 130. click would print a three-line usage block."""
+
+    def main(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, prog_name: str | None = None, standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:  # fmt: skip
+        if not standalone_mode:
+            return super().main(args, prog_name, standalone_mode=False, **extra)
+        try:
+            result = super().main(args, prog_name, standalone_mode=False, **extra)
+        except click.ClickException as exc:
+            ctx = getattr(exc, "ctx", None)
+            hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            message = exc.format_message().rstrip(".")
+            click.echo(f"error: {message[:1].lower()}{message[1:]}{hint}", err=True)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("error: interrupted", err=True)
+            sys.exit(130)
+        sys.exit(result if isinstance(result, int) else 0)
+
+
+@click.group(
+    cls=_OneLineErrors,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug logs).")
 @click.version_option(package_name="pipeplan")
@@ -391,6 +418,19 @@ def _check_package_options(profile: Any, weights: str | None, init: str) -> None
         raise PlanError(f"--weights {weights}: no such file; give a torch.save(model.state_dict()) file")
 
 
+def _check_replicas(plan: Any) -> None:
+    """Refuse a plan whose replicas cannot all get a sample: the cost model divides a minibatch's time
+    by the replicas as if samples were endlessly divisible (100000 GPUs at batch 8: "97742x")."""
+    from partitioner.errors import PlanError
+
+    widest = max(plan.stages, key=lambda s: s.replicas)
+    if plan.batch_size and widest.replicas > plan.batch_size:
+        raise PlanError(
+            f"the plan gives stage {widest.index} {widest.replicas} replicas but a minibatch has only "
+            f"{plan.batch_size} samples; use fewer --gpus, --straight, or profile a larger --batch-size"
+        )
+
+
 def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init: str) -> Any:
     import json
     from pathlib import Path
@@ -524,6 +564,7 @@ def partition(
         if len(profile.layers) < 1:
             raise PlanError("the profile has no layers")
         plan = solve(profile, cluster, schedule, micro, optimizer, straight, solver, not no_comm)
+    _check_replicas(plan)
     plan = replace(plan, profile=str(path))
     name = profile.model if profile.tracer == "pipedream" else _model_name(profile.model)
     out_dir = Path(output) / re.sub(r"[^A-Za-z0-9_.-]+", "_", name or "model") / f"gpus={cluster.gpus}"
@@ -576,7 +617,8 @@ def _model_name(spec: str) -> str:
 @main.command()
 @click.argument("package", required=False, type=click.Path(path_type=str))
 @click.option("--seed", default=0, show_default=True, help="Initialisation seed of both models.")
-@click.option("--batch-size", type=int, default=None, help="Samples in the minibatch [default: the plan's].")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None,
+              help="Samples in the minibatch [default: the plan's].")  # fmt: skip
 @click.option("--models-dir", default="models", show_default=True, type=click.Path(path_type=str),
               help="Where to look for the newest package when PACKAGE is not given.")  # fmt: skip
 @user_errors
@@ -673,6 +715,11 @@ def calibrate(package: str | None, metrics_path: str | None, output: str | None,
         raise PipeplanError(f"{folder}/plan.json does not name the profile it was planned from")
     profile = load_profile(plan.profile)
     run = load_run_times(metrics_path or folder / "run" / "metrics.json")
+    if run.model and plan.model and run.model != plan.model:
+        raise PipeplanError(
+            f"{run.source} measured {run.model}, but {folder} is a package of {plan.model}; "
+            "give the metrics of a run of this package (PACKAGE/run/metrics.json)"
+        )
     result = calibrated(profile, plan, run.stage_s, run.batch_size, run.source)
     path = Path(output) if output else Path(plan.profile).with_name("calibrated.json")
     save_profile(result, path)
@@ -702,6 +749,15 @@ def _calibration_table(profile: Any, plan: Any, measured_s: Any) -> Any:
 # (owned by the runtime: runtime/)
 
 
+def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    """A click callback: refuse nan, inf and negative numbers (nan trains to a nan loss, exit 0)."""
+    import math
+
+    if not math.isfinite(value) or value < 0:
+        raise click.BadParameter(f"{value} is not a finite number >= 0", ctx, param)
+    return value
+
+
 @main.command()
 @click.argument("package", required=False, type=click.Path(file_okay=False))
 @click.option("--steps", type=click.IntRange(min=1), help="Minibatches to train (in total, with --resume).")
@@ -713,8 +769,10 @@ def _calibration_table(profile: Any, plan: Any, measured_s: Any) -> Any:
               help="auto: nccl when the ranks have GPUs, gloo on CPU.")  # fmt: skip
 @click.option("--data", default="synthetic", show_default=True, help="synthetic, module:fn or file.py:fn.")
 @click.option("--optimizer", type=click.Choice(["sgd", "adam"]), default="sgd", show_default=True)
-@click.option("--lr", type=float, default=0.01, show_default=True, help="Learning rate.")
-@click.option("--momentum", type=float, default=0.0, show_default=True, help="SGD momentum.")
+@click.option("--lr", type=float, default=0.01, show_default=True, callback=_finite, help="Learning rate.")
+@click.option(
+    "--momentum", type=float, default=0.0, show_default=True, callback=_finite, help="SGD momentum."
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights and data seed.")
 @click.option("--shuffle", is_flag=True, help="Shuffle a user dataset every epoch.")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False),
@@ -774,7 +832,7 @@ def _run_and_report(options: Any) -> None:
     from runtime.errors import JobFailed
     from runtime.launch import check_launch, launch
 
-    check_launch(options)
+    per_node = check_launch(options)
     total = options.steps or (
         (options.epochs or 1) * SYNTHETIC_STEPS if options.data == "synthetic" else None
     )
@@ -786,7 +844,7 @@ def _run_and_report(options: Any) -> None:
             bar.update(task, completed=step, description=f"step {step} loss {loss:.4f}")
 
         try:
-            metrics = launch(options, on_progress)
+            metrics = launch(options, on_progress, per_node)
         except JobFailed as exc:
             bar.stop()
             from rich.markup import escape

@@ -360,7 +360,15 @@ def _derived_targets(
     def make_targets(b: int) -> Tensor:
         inputs = make_inputs(b)
         with torch.no_grad():
-            logits = logits_of(module(*inputs))
+            try:
+                logits = logits_of(module(*inputs))
+            except Exception as exc:
+                given = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in inputs)
+                raise ModelSpecError(
+                    f"the model's forward raised on example inputs {given}: {type(exc).__name__}: "
+                    f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}; fix the model or "
+                    "its inputs (--input-shape, or example_inputs in the model file)"
+                ) from exc
         first = inputs[0]
         if (
             not first.is_floating_point()

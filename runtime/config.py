@@ -32,6 +32,7 @@ class JobConfig:
         ties: for each tied parameter, its (stage, parameter name in the stage module) holders.
         predicted_time_s: plan.json's predicted seconds per minibatch (None when unknown).
         inputs: plan.json's ``extra.inputs`` (name, shape, dtype of the first stage's inputs).
+        model: plan.json's model spec (recorded in metrics.json, so calibration can match the two).
     """
 
     package: Path
@@ -42,6 +43,7 @@ class JobConfig:
     ties: tuple[tuple[tuple[int, str], ...], ...] = ()
     predicted_time_s: float | None = None
     inputs: tuple[dict[str, Any], ...] = ()
+    model: str = ""
 
     @property
     def world_size(self) -> int:
@@ -134,6 +136,7 @@ def load_job(
         raise RunError(f"package {folder} does not exist; run `pipeplan partition` first or pass its folder")
     ranks = _stage_ranks(_read_json(folder / "mp_conf.json"), folder / "mp_conf.json")
     plan = _read_json(folder / "plan.json") if (folder / "plan.json").exists() else {}
+    _check_plan_matches(plan, ranks, folder)
     inputs = tuple(plan.get("extra", {}).get("inputs", ()))
     default_batch = plan.get("batch_size") or (inputs[0]["shape"][0] if inputs else None)
     predicted = plan.get("predicted", {}).get("time_per_minibatch_s")
@@ -147,8 +150,30 @@ def load_job(
         ties=tuple(tuple((int(s), str(p)) for s, p in t["members"]) for t in plan.get("ties", ())),
         predicted_time_s=float(predicted) if predicted else None,
         inputs=inputs,
+        model=str(plan.get("model") or ""),
     )
     return _checked(job)
+
+
+def _check_plan_matches(plan: Any, ranks: tuple[tuple[int, ...], ...], folder: Path) -> None:
+    """plan.json and mp_conf.json describe the same stages on the same ranks (an edited or mixed-up
+    package would otherwise train a layout nobody planned)."""
+    if not isinstance(plan, dict):
+        raise RunError(
+            f"{folder}/plan.json is not a JSON object; regenerate the package with `pipeplan partition`"
+        )
+    stages = plan.get("stages")
+    if stages is None:
+        return
+    try:
+        planned = tuple(tuple(int(r) for r in s["ranks"]) for s in stages)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RunError(f"{folder}/plan.json has a stage without a valid ranks list: {exc}") from exc
+    if planned != ranks:
+        raise RunError(
+            f"{folder}: plan.json puts stages on ranks {[list(r) for r in planned]} but mp_conf.json on "
+            f"{[list(r) for r in ranks]}; regenerate the package with `pipeplan partition`"
+        )
 
 
 def replica_microbatches(planned: int, stage_ranks: tuple[tuple[int, ...], ...], batch_size: int) -> int:

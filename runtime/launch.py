@@ -22,6 +22,7 @@ from typing import Any
 from runtime.data import check_data_spec
 from runtime.errors import JobFailed, RunError
 from runtime.options import RunOptions, to_argv
+from runtime.preflight import preflight
 from runtime.worker import job_of, run_dir, run_rank
 
 __all__ = ["check_launch", "free_port", "launch", "schedule_preview", "torchrun_commands"]
@@ -37,7 +38,8 @@ def free_port() -> int:
 
 
 def check_launch(options: RunOptions) -> int:
-    """Validate the package and node options before anything starts; returns ranks per node."""
+    """Validate the package, data, output paths and node options before anything starts (see
+    :mod:`runtime.preflight`); returns ranks per node."""
     check_data_spec(options.data)
     job = job_of(options)
     if not (job.package / "__init__.py").is_file():
@@ -52,6 +54,7 @@ def check_launch(options: RunOptions) -> int:
         raise RunError(f"--node-rank must be in 0..{options.nnodes - 1}, got {options.node_rank}")
     if options.nnodes > 1 and not options.master_port:
         raise RunError("a multi-node job needs --master-addr and --master-port (the same on every node)")
+    preflight(options, job, run_dir(options))
     return world // options.nnodes
 
 
@@ -152,8 +155,13 @@ def _config(options: RunOptions, per_node: int) -> Any:
     )
 
 
-def launch(options: RunOptions, on_progress: Progress | None = None) -> dict[str, Any] | None:
+def launch(
+    options: RunOptions, on_progress: Progress | None = None, checked: int | None = None
+) -> dict[str, Any] | None:
     """Run this node's ranks to completion; returns rank 0's metrics (None on other nodes).
+
+    ``checked``: what :func:`check_launch` returned when the caller already ran it (it imports the
+    package and draws a minibatch, so it runs once).
 
     Raises:
         RunError: bad package or options, or no rendezvous with the master within the timeout.
@@ -162,7 +170,7 @@ def launch(options: RunOptions, on_progress: Progress | None = None) -> dict[str
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    per_node = check_launch(options)
+    per_node = checked if checked is not None else check_launch(options)
     if options.nnodes == 1 and not options.master_port:
         options = replace(options, master_port=free_port())
     out = run_dir(options)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -111,6 +112,10 @@ class _Clock:
         self.times.append(now - self.last)
         self.last = now
         if loss is not None:
+            if not math.isfinite(loss):
+                raise RunError(
+                    f"the loss is {loss} at step {step + 1}: training diverged; lower --lr, or check the data"
+                )
             self.losses.append(loss)
             if self.progress is not None:
                 with self.progress.open("a", encoding="utf-8") as handle:
@@ -288,6 +293,7 @@ def _finish(options: RunOptions, rt: StageRuntime, clock: _Clock) -> dict[str, A
     warmup = 1 if len(clock.times) >= 3 else 0
     doc = summarize([g[0] for g in gathered], rt.cfg.job.batch_size, rt.cfg.job.predicted_time_s, warmup)
     doc.update(schedule=rt.cfg.job.schedule, microbatches=rt.cfg.job.microbatches, world_size=len(gathered))
+    doc["model"] = rt.cfg.job.model
     doc["stash_log"] = {g[0].rank: g[2] for g in gathered}
     write_json_atomic(run_dir(options) / "metrics.json", doc)
     if options.trace:
