@@ -829,10 +829,13 @@ def _run_and_report(options: Any) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from runtime.data import SYNTHETIC_STEPS
-    from runtime.errors import JobFailed
-    from runtime.launch import check_launch, launch
+    from runtime.errors import Interrupted, JobFailed
+    from runtime.launch import check_launch, launch, resolve_resume
 
     per_node = check_launch(options)
+    options, notes = resolve_resume(options)
+    for note in notes:
+        _console(stderr=True).print(note, soft_wrap=True, markup=False)
     total = options.steps or (
         (options.epochs or 1) * SYNTHETIC_STEPS if options.data == "synthetic" else None
     )
@@ -845,14 +848,15 @@ def _run_and_report(options: Any) -> None:
 
         try:
             metrics = launch(options, on_progress, per_node)
-        except JobFailed as exc:
+        except (JobFailed, Interrupted) as exc:
             bar.stop()
             from rich.markup import escape
 
+            failed = isinstance(exc, JobFailed)
             _console(stderr=True).print(
-                f"[red]error:[/red] training failed: {escape(str(exc))}", soft_wrap=True
+                f"[red]error:[/red] {'training failed: ' if failed else ''}{escape(str(exc))}", soft_wrap=True
             )
-            sys.exit(1)
+            sys.exit(1 if isinstance(exc, JobFailed) else 128 + exc.signum)
     if metrics is not None:
         _print_run_table(metrics, Path(options.run_dir or Path(options.package) / "run") / "metrics.json")
 

@@ -27,6 +27,7 @@ from runtime.comm import Comm
 from runtime.config import JobConfig, RankConfig, load_job
 from runtime.data import make_batches
 from runtime.errors import PeerLost, RunError
+from runtime.lifeline import die_with, wake_siblings
 from runtime.metrics import RankMetrics, Recorder, summarize, write_json_atomic, write_trace
 from runtime.options import RunOptions, from_argv
 from runtime.package import import_package, read_wiring
@@ -159,20 +160,36 @@ def _build(options: RunOptions, cfg: RankConfig, device: torch.device, clock: _C
     )
 
 
-def _start_step(options: RunOptions, rt: StageRuntime) -> int:
-    """0, or the newest complete checkpoint's step (rank 0 decides for everyone) after loading it."""
-    found: list[int | None] = [None]
-    if options.resume and options.checkpoint_dir and rt.cfg.rank == 0:
-        found = [checkpoint.latest_complete_step(Path(options.checkpoint_dir), rt.cfg.job.stages)]
+def _start_step(options: RunOptions, rt: StageRuntime) -> tuple[int, dict[str, Any] | None]:
+    """0, or the step to resume after (rank 0 decides for everyone; the launcher usually chose it
+    already) with this rank's model and optimizer loaded; also the generator states to restore."""
+    found: list[int | None] = [options.resume_step or None]
+    root = Path(options.checkpoint_dir) if options.checkpoint_dir else None
+    if options.resume and options.resume_step is None and root is not None and rt.cfg.rank == 0:
+        job = rt.cfg.job
+        found = [checkpoint.resume_point(root, job.package, job.stages, job.world_size).step]
     dist.broadcast_object_list(found, src=0)
     step = found[0]
-    if step is None:
-        return 0
-    assert options.checkpoint_dir is not None
-    state = checkpoint.load_stage(Path(options.checkpoint_dir), step, rt.cfg.stage, rt.comm.device)
+    if step is None or root is None:
+        return 0, None
+    state = checkpoint.load_stage(root, step, rt.cfg.stage, rt.comm.device)
     rt.module.load_state_dict(state["model"])
     rt.optimizer.load_state_dict(state["optimizer"])
-    return int(state["step"])
+    return int(state["step"]), checkpoint.load_rank(root, step, rt.cfg.rank)["rng"]
+
+
+def _save(options: RunOptions, rt: StageRuntime, step: int) -> None:
+    """Every rank's generator states, each stage's weights (first replica), then rank 0 marks the step
+    complete once all are on disk."""
+    assert options.checkpoint_dir is not None
+    root, cfg = Path(options.checkpoint_dir), rt.cfg
+    if cfg.replica == 0:
+        state = {"model": rt.module.state_dict(), "optimizer": rt.optimizer.state_dict(), "step": step}
+        checkpoint.save_stage(root, step, cfg.stage, state)
+    checkpoint.save_rank(root, step, cfg.rank)
+    dist.barrier()
+    if cfg.rank == 0:
+        checkpoint.save_meta(root, step, cfg.job.package, cfg.job.world_size)
 
 
 def _segments(start: int, total: int, every: int) -> list[tuple[int, int]]:
@@ -189,20 +206,17 @@ def _segments(start: int, total: int, every: int) -> list[tuple[int, int]]:
 
 def _train(options: RunOptions, rt: StageRuntime, total: int) -> None:
     job, cfg = rt.cfg.job, rt.cfg
-    start = _start_step(options, rt)
+    start, rng = _start_step(options, rt)
     rt.setup()
+    if rng is not None:
+        checkpoint.set_rng_state(rng)
     if isinstance(rt.on_step, _Clock):
         rt.on_step.start()
     for first, count in _segments(start, total, options.checkpoint_every):
         stage_actions = schedule.build(job.schedule, job.stages, job.microbatches, count, first)[cfg.stage]
         rt.play(schedule.rank_actions(stage_actions, cfg.replica, len(cfg.replica_ranks), job.microbatches))
-        if options.checkpoint_dir and cfg.replica == 0:
-            state = {
-                "model": rt.module.state_dict(),
-                "optimizer": rt.optimizer.state_dict(),
-                "step": first + count,
-            }
-            checkpoint.save_stage(Path(options.checkpoint_dir), first + count, cfg.stage, state)
+        if options.checkpoint_dir:
+            _save(options, rt, first + count)
 
 
 def share_cores() -> None:
@@ -238,6 +252,7 @@ def run_rank(options: RunOptions) -> dict[str, Any] | None:
     job = job_of(options)
     if world != job.world_size:
         raise RunError(f"{job.package} runs on {job.world_size} ranks but the job has {world}")
+    die_with(options.launcher_pid or os.getppid())
     backend = resolve_backend(options.backend)
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if backend == "nccl" else "cpu")
     if backend == "nccl":
@@ -253,6 +268,7 @@ def run_rank(options: RunOptions) -> dict[str, Any] | None:
         return _run_joined(options, job.for_rank(rank), device)
     except PeerLost:
         # Let the rank that really failed exit first: the agent reports the first failure it sees.
+        wake_siblings()
         time.sleep(PEER_LOST_GRACE_S)
         raise
 
