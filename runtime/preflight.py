@@ -119,6 +119,8 @@ def check_first_stage(package: ModuleType, inputs: Sequence[torch.Tensor], data:
         except NotImplementedError:  # an operator without a meta kernel: the ranks will tell
             return
         except Exception as exc:
+            if "meta" in str(exc).lower():  # data-dependent code (.item(), nonzero): not checkable here
+                return
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             shapes = ", ".join(str(tuple(t.shape)) for t in inputs)
             raise RunError(

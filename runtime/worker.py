@@ -268,8 +268,10 @@ def run_rank(options: RunOptions) -> dict[str, Any] | None:
         return _run_joined(options, job.for_rank(rank), device)
     except PeerLost:
         # Let the rank that really failed exit first: the agent reports the first failure it sees.
-        wake_siblings()
+        # Then resume a stopped sibling, which the agent's SIGTERM could not end otherwise; woken, it
+        # finds its own wait timed out and sleeps this same grace, so this rank's error is first.
         time.sleep(PEER_LOST_GRACE_S)
+        wake_siblings()
         raise
 
 
