@@ -42,9 +42,12 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
-def _rank_pid(pkg: Path) -> int:
-    """The pid of the rank running stage 1 (its forward writes it, see :func:`_package`)."""
-    return int((pkg / "stage1.pid").read_text())
+def _rank_pid(pkg: Path, launcher: int) -> int:
+    """The pid of the rank running stage 1 (its forward writes it, see :func:`_package`), checked to be
+    a process of this job before anything signals it."""
+    pid = int((pkg / "stage1.pid").read_text())
+    assert pid in _descendants(launcher), f"{pid} is not a process of the job {launcher}"
+    return pid
 
 
 def _alive(pids: set[int]) -> set[int]:
@@ -95,7 +98,11 @@ def _package(tmp_path: Path) -> Path:
     pkg = write_package(tmp_path / "pkg", "chain", replicas=(1, 1), microbatches=2, batch_size=4)
     source = (pkg / "stage1.py").read_text()
     pid_file = pkg / "stage1.pid"
-    write_pid = f"        import os; open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+    write_pid = (  # through a rename: the test must never read a half-written pid
+        f"        import os; tmp = {str(pid_file)!r} + f'.{{os.getpid()}}'\n"
+        "        open(tmp, 'w').write(str(os.getpid()))\n"
+        f"        os.replace(tmp, {str(pid_file)!r})\n"
+    )
     (pkg / "stage1.py").write_text(
         source.replace("    def forward(self, x):\n", "    def forward(self, x):\n" + write_pid)
     )
@@ -124,7 +131,7 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_and_is_named(tmp_path: P
     timeout = 5.0
     pkg = _package(tmp_path)
     with _training(pkg, timeout) as proc:
-        os.kill(_rank_pid(pkg), signal.SIGSTOP)
+        os.kill(_rank_pid(pkg, proc.pid), signal.SIGSTOP)
         code, took, out = _wait(proc, timeout + 10)
     assert code == 1, out
     assert took < timeout + 10
