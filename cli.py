@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import click
@@ -47,7 +47,34 @@ def user_errors(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _OneLineErrors(click.Group):
+    """click's own usage errors (bad option, value out of range) as one ``error:`` line, exit 2, like
+    the library's; Ctrl-C as one line and exit 130. click would print a three-line usage block."""
+
+    def main(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, prog_name: str | None = None, standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:  # fmt: skip
+        if not standalone_mode:
+            return super().main(args, prog_name, standalone_mode=False, **extra)
+        try:
+            result = super().main(args, prog_name, standalone_mode=False, **extra)
+        except click.ClickException as exc:
+            ctx = getattr(exc, "ctx", None)
+            hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            message = exc.format_message().rstrip(".")
+            click.echo(f"error: {message[:1].lower()}{message[1:]}{hint}", err=True)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("error: interrupted", err=True)
+            sys.exit(130)
+        sys.exit(result if isinstance(result, int) else 0)
+
+
+@click.group(
+    cls=_OneLineErrors,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug logs).")
 @click.version_option(package_name="pipeplan")
@@ -400,6 +427,19 @@ def _check_package_options(profile: Any, weights: str | None, init: str) -> None
         raise PlanError(f"--weights {weights}: no such file; give a torch.save(model.state_dict()) file")
 
 
+def _check_replicas(plan: Any) -> None:
+    """Refuse a plan whose replicas cannot all get a sample: the cost model divides a minibatch's time
+    by the replicas as if samples were endlessly divisible (100000 GPUs at batch 8: "97742x")."""
+    from partitioner.errors import PlanError
+
+    widest = max(plan.stages, key=lambda s: s.replicas)
+    if plan.batch_size and widest.replicas > plan.batch_size:
+        raise PlanError(
+            f"the plan gives stage {widest.index} {widest.replicas} replicas but a minibatch has only "
+            f"{plan.batch_size} samples; use fewer --gpus, --straight, or profile a larger --batch-size"
+        )
+
+
 def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init: str) -> Any:
     import json
     from pathlib import Path
@@ -535,6 +575,7 @@ def partition(
         if len(profile.layers) < 1:
             raise PlanError("the profile has no layers")
         plan = solve(profile, cluster, schedule, micro, optimizer, straight, solver, not no_comm)
+    _check_replicas(plan)
     plan = replace(plan, profile=str(path))
     name = profile.model if profile.tracer == "pipedream" else _model_name(profile.model)
     out_dir = Path(output) / re.sub(r"[^A-Za-z0-9_.-]+", "_", name or "model") / f"gpus={cluster.gpus}"
@@ -594,7 +635,8 @@ def _model_name(spec: str) -> str:
 @main.command()
 @click.argument("package", required=False, type=click.Path(path_type=str))
 @click.option("--seed", default=0, show_default=True, help="Initialisation seed of both models.")
-@click.option("--batch-size", type=int, default=None, help="Samples in the minibatch [default: the plan's].")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None,
+              help="Samples in the minibatch [default: the plan's].")  # fmt: skip
 @click.option("--models-dir", default="models", show_default=True, type=click.Path(path_type=str),
               help="Where to look for the newest package when PACKAGE is not given.")  # fmt: skip
 @user_errors
@@ -697,6 +739,11 @@ def calibrate(package: str | None, metrics_path: str | None, output: str | None,
         raise PipeplanError(f"{folder}/plan.json does not name the profile it was planned from")
     profile = load_profile(plan.profile)
     run = load_run_times(metrics_path or folder / "run" / "metrics.json")
+    if run.model and plan.model and run.model != plan.model:
+        raise PipeplanError(
+            f"{run.source} measured {run.model}, but {folder} is a package of {plan.model}; "
+            "give the metrics of a run of this package (PACKAGE/run/metrics.json)"
+        )
     result = calibrated(profile, plan, run.stage_s, run.batch_size, run.source)
     path = Path(output) if output else Path(plan.profile).with_name("calibrated.json")
     save_profile(result, path)
@@ -726,6 +773,15 @@ def _calibration_table(profile: Any, plan: Any, measured_s: Any) -> Any:
 # (owned by the runtime: runtime/)
 
 
+def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    """A click callback: refuse nan, inf and negative numbers (nan trains to a nan loss, exit 0)."""
+    import math
+
+    if not math.isfinite(value) or value < 0:
+        raise click.BadParameter(f"{value} is not a finite number >= 0", ctx, param)
+    return value
+
+
 @main.command()
 @click.argument("package", required=False, type=click.Path(file_okay=False))
 @click.option("--steps", type=click.IntRange(min=1), help="Minibatches to train (in total, with --resume).")
@@ -738,8 +794,12 @@ def _calibration_table(profile: Any, plan: Any, measured_s: Any) -> Any:
 @click.option("--data", default="synthetic", show_default=True, help="synthetic, module:fn or file.py:fn.")
 @click.option("--optimizer", metavar="[sgd|adam|adamw]", default="sgd", show_default=True,
               help="adamw: Adam with decoupled weight decay.")  # fmt: skip
-@click.option("--lr", type=float, default=0.01, show_default=True, help="Peak learning rate.")
-@click.option("--momentum", type=float, default=0.0, show_default=True, help="SGD momentum.")
+@click.option(
+    "--lr", type=float, default=0.01, show_default=True, callback=_finite, help="Peak learning rate."
+)
+@click.option(
+    "--momentum", type=float, default=0.0, show_default=True, callback=_finite, help="SGD momentum."
+)
 @click.option("--nesterov", is_flag=True, help="SGD with Nesterov momentum (needs --momentum).")
 @click.option("--weight-decay", type=float, default=0.0, show_default=True,
               help="On every parameter: L2 penalty (sgd, adam), decoupled (adamw).")  # fmt: skip
@@ -827,10 +887,13 @@ def _run_and_report(options: Any) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from runtime.data import SYNTHETIC_STEPS
-    from runtime.errors import JobFailed
-    from runtime.launch import check_launch, launch
+    from runtime.errors import Interrupted, JobFailed
+    from runtime.launch import check_launch, launch, resolve_resume
 
-    check_launch(options)
+    per_node = check_launch(options)
+    options, notes = resolve_resume(options)
+    for note in notes:
+        _console(stderr=True).print(note, soft_wrap=True, markup=False)
     total = options.steps or (
         (options.epochs or 1) * SYNTHETIC_STEPS if options.data == "synthetic" else None
     )
@@ -842,15 +905,16 @@ def _run_and_report(options: Any) -> None:
             bar.update(task, completed=step, description=f"step {step} loss {loss:.4f}")
 
         try:
-            metrics = launch(options, on_progress)
-        except JobFailed as exc:
+            metrics = launch(options, on_progress, per_node)
+        except (JobFailed, Interrupted) as exc:
             bar.stop()
             from rich.markup import escape
 
+            failed = isinstance(exc, JobFailed)
             _console(stderr=True).print(
-                f"[red]error:[/red] training failed: {escape(str(exc))}", soft_wrap=True
+                f"[red]error:[/red] {'training failed: ' if failed else ''}{escape(str(exc))}", soft_wrap=True
             )
-            sys.exit(1)
+            sys.exit(1 if isinstance(exc, JobFailed) else 128 + exc.signum)
     if metrics is not None:
         _print_run_table(metrics, Path(options.run_dir or Path(options.package) / "run") / "metrics.json")
 

@@ -35,11 +35,13 @@ class RunTimes:
         stage_s: compute seconds per minibatch of each stage, its replicas summed.
         batch_size: samples per minibatch of the run (None when the file does not say).
         source: the file it came from.
+        model: the model spec of the package that ran (empty in files written before it was recorded).
     """
 
     stage_s: Mapping[int, float]
     batch_size: int | None
     source: str
+    model: str = ""
 
 
 def load_run_times(path: str | os.PathLike[str]) -> RunTimes:
@@ -60,7 +62,7 @@ def load_run_times(path: str | os.PathLike[str]) -> RunTimes:
     stage_s = {int(s["stage"]): float(s["compute_s_per_minibatch"]) for s in doc["stages"]}
     rate, step = doc.get("samples_per_s"), doc.get("time_per_minibatch_s")
     batch = doc.get("batch_size") or (round(rate * step) if rate and step else None)
-    return RunTimes(stage_s, int(batch) if batch else None, str(source))
+    return RunTimes(stage_s, int(batch) if batch else None, str(source), str(doc.get("model") or ""))
 
 
 def stage_factors(profile: Profile, plan: Plan, measured_s: Mapping[int, float]) -> dict[int, float]:

@@ -26,6 +26,7 @@ __all__ = [
     "Node",
     "Profile",
     "TensorSpec",
+    "checked",
     "load_profile",
     "profile_from_json",
     "profile_to_json",
@@ -206,7 +207,7 @@ def profile_from_json(doc: Mapping[str, Any], source: str = "profile") -> Profil
         )
     try:
         nodes = tuple(_node_from_json(n) for n in doc["nodes"])
-        return Profile(
+        profile = Profile(
             nodes=nodes,
             model=str(doc.get("model", "")),
             batch_size=doc.get("batch_size"),
@@ -225,9 +226,13 @@ def profile_from_json(doc: Mapping[str, Any], source: str = "profile") -> Profil
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ProfileFormatError(f"{source} is corrupt: bad or missing field {exc}") from exc
+    return checked(profile, source)
 
 
 def _node_from_json(doc: Mapping[str, Any]) -> Node:
+    missing = [key for key in ("forward_ms", "backward_ms") if key not in doc]
+    if missing:
+        raise KeyError(f"{missing[0]} of node {doc.get('id')!r}")
     return Node(
         id=str(doc["id"]),
         name=str(doc.get("name", doc["id"])),
@@ -245,6 +250,59 @@ def _node_from_json(doc: Mapping[str, Any]) -> Node:
     )
 
 
+def checked(profile: Profile, source: str = "profile") -> Profile:
+    """The profile itself, once it is a graph the optimizer can trust: unique ids, every input an earlier
+    node (a DAG in topological order), finite non-negative times and sizes, a positive batch size.
+
+    Raises:
+        ProfileFormatError: naming the first node and field that break this.
+    """
+    batch = profile.batch_size
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise ProfileFormatError(f"{source}: batch_size must be a positive integer or null, got {batch!r}")
+    if profile.step_ms is not None and not _non_negative(profile.step_ms):
+        raise ProfileFormatError(f"{source}: step_ms must be a finite number >= 0, got {profile.step_ms!r}")
+    seen: set[str] = set()
+    for node in profile.nodes:
+        if node.id in seen:
+            raise ProfileFormatError(f"{source}: node id {node.id!r} appears twice; ids must be unique")
+        for field_name in ("forward_ms", "backward_ms", "output_bytes", "saved_bytes", "param_bytes"):
+            value = getattr(node, field_name)
+            if not _non_negative(value):
+                raise ProfileFormatError(
+                    f"{source}: node {node.id!r} has {field_name}={value!r}; it must be a finite number >= 0"
+                )
+        _check_inputs(profile, node, seen, source)
+        seen.add(node.id)
+    return profile
+
+
+def _non_negative(value: object) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
+
+
+def _check_inputs(profile: Profile, node: Node, earlier: set[str], source: str) -> None:
+    """Every input of ``node`` is a node listed before it; say whether an offender is unknown or a cycle."""
+    for src in node.inputs:
+        if src in earlier:
+            continue
+        if all(n.id != src for n in profile.nodes):
+            raise ProfileFormatError(
+                f"{source}: node {node.id!r} reads {src!r}, which is not a node of the profile"
+            )
+        if not nx.is_directed_acyclic_graph(profile.to_networkx()):
+            cycle = " -> ".join(a for a, _ in nx.find_cycle(profile.to_networkx()))
+            raise ProfileFormatError(f"{source} has a cycle ({cycle}): a layer graph must be acyclic")
+        raise ProfileFormatError(
+            f"{source}: node {node.id!r} reads {src!r}, listed after it; nodes must be in topological order"
+        )
+
+
 def save_profile(profile: Profile, path: str | os.PathLike[str]) -> Path:
     """Write profile.json atomically."""
     return write_text_atomic(path, json.dumps(profile_to_json(profile), indent=1) + "\n")
@@ -257,6 +315,10 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
         text = source.read_text(encoding="utf-8")
     except OSError as exc:
         raise ProfileFormatError(f"cannot read profile {source}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ProfileFormatError(
+            f"{source} is not a text file; give a profile.json or a PipeDream graph.txt"
+        ) from exc
     if text.lstrip().startswith("{"):
         try:
             doc = json.loads(text)
@@ -280,6 +342,8 @@ def read_graph_txt(path: str | os.PathLike[str], batch_size: int | None = None) 
         text = source.read_text(encoding="utf-8")
     except OSError as exc:
         raise ProfileFormatError(f"cannot read {source}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ProfileFormatError(f"{source} is not a text file; give a PipeDream graph.txt") from exc
     profile = parse_graph_txt(text, str(source))
     return replace(profile, batch_size=batch_size) if batch_size else profile
 
@@ -294,7 +358,10 @@ def parse_graph_txt(text: str, source: str = "graph.txt") -> Profile:
         if edge := _EDGE_LINE.match(line):
             edges.append((edge["src"], edge["dst"]))
         elif node := _NODE_LINE.match(line):
-            raw[node["id"]] = {"desc": node["desc"], **_parse_metrics(node["metrics"])}
+            try:
+                raw[node["id"]] = {"desc": node["desc"], **_parse_metrics(node["metrics"])}
+            except ValueError as exc:
+                raise ProfileFormatError(f"{source}:{lineno}: {exc}; every metric must be a number") from exc
         else:
             raise ProfileFormatError(
                 f"{source}:{lineno} is neither a graph.txt node nor an edge line: {line[:60]!r}"
@@ -304,25 +371,34 @@ def parse_graph_txt(text: str, source: str = "graph.txt") -> Profile:
     unknown = {n for edge in edges for n in edge} - raw.keys()
     if unknown:
         raise ProfileFormatError(f"{source} has edges to unknown nodes: {sorted(unknown)[:3]}")
-    return Profile(
+    profile = Profile(
         nodes=_graph_nodes(raw, edges, source),
         model=Path(source).parent.name,
         device="pipedream",
         tracer="pipedream",
     )
+    return checked(profile, source)
+
+
+def _number(key: str, text: str) -> float:
+    """One graph.txt metric value; ValueError names the metric."""
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{key}={text.strip()!r} is not a number") from None
 
 
 def _parse_metrics(text: str) -> dict[str, Any]:
     metrics: dict[str, Any] = {}
     for key, value in _METRIC.findall(text):
         if value.startswith("["):
-            parts = [float(v) for v in value.strip("[]").split(";") if v.strip()]
+            parts = [_number(key, v) for v in value.strip("[]").split(";") if v.strip()]
             metrics[key] = sum(parts)
             metrics[key + "_list"] = parts
         elif key == "stage_id":
-            metrics[key] = int(float(value))
+            metrics[key] = int(_number(key, value))
         else:
-            metrics[key] = float(value)
+            metrics[key] = _number(key, value)
     return metrics
 
 

@@ -398,8 +398,16 @@ def _derived_targets(
     def make_targets(b: int) -> Tensor:
         inputs = make_inputs(b)
         with torch.no_grad():
-            output = module(**dict(zip(names, inputs, strict=True))) if names else module(*inputs)
-            logits = logits_of(output)
+            try:
+                output = module(**dict(zip(names, inputs, strict=True))) if names else module(*inputs)
+                logits = logits_of(output)
+            except Exception as exc:
+                given = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in inputs)
+                raise ModelSpecError(
+                    f"the model's forward raised on example inputs {given}: {type(exc).__name__}: "
+                    f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}; fix the model or "
+                    "its inputs (--input-shape, or example_inputs in the model file)"
+                ) from exc
         first = inputs[0]
         if (
             not first.is_floating_point()

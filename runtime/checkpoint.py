@@ -1,22 +1,49 @@
-"""Stage checkpoints: ``D/step-<N>/stage<K>.pt`` = {"model", "optimizer", "step"}, written atomically
-(plus "scheduler", the learning-rate schedule's state, and "optim", the settings: runtime.optim).
+"""Checkpoints: ``D/step-<N>/`` holds what an exact continuation after ``N`` minibatches needs.
 
-``N`` counts completed minibatches. A step folder is complete when every stage's file is there (each
-file appears whole or not at all: temp file + rename), so ``--resume`` takes the newest complete one
-and a job killed in the middle of writing one simply resumes from the one before.
+``stage<K>.pt`` = {"model", "optimizer", "scheduler", "optim", "step"} of stage K (written by its first
+replica; "scheduler" is the learning-rate schedule's state, "optim" the settings: runtime.optim),
+``rank<R>.pt`` = {"rng", "step"}: the random generator states of rank R (dropout draws differ per
+rank), and ``meta.json``, written last by rank 0 once every rank has written its files, names the
+package the step belongs to. Each file appears whole or not at all (temp file + rename). The data
+position is the step itself (minibatches are addressed by step) and the schedule restarts at a step
+boundary, so these files are the whole state. Asynchronous pipedream drains its pipeline at every
+checkpoint: a run with checkpoints every N steps is the run to compare a resumed one with.
+
+:func:`resume_point` is the launcher's choice of step: the newest complete step whose files all
+read back, of this package; it skips torn or truncated steps and removes temp files a kill left.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["latest_complete_step", "load_stage", "save_stage", "stage_path"]
+from runtime.errors import RunError
 
+__all__ = [
+    "META",
+    "ResumePoint",
+    "load_rank",
+    "load_stage",
+    "package_fingerprint",
+    "resume_point",
+    "rng_state",
+    "save_meta",
+    "save_rank",
+    "save_stage",
+    "set_rng_state",
+    "stage_path",
+]
+
+META = "meta.json"
 _STEP = re.compile(r"^step-(\d+)$")
 
 
@@ -24,9 +51,11 @@ def stage_path(root: Path, step: int, stage: int) -> Path:
     return root / f"step-{step}" / f"stage{stage}.pt"
 
 
-def save_stage(root: Path, step: int, stage: int, state: dict[str, Any]) -> Path:
-    """Write one stage's checkpoint through a temporary file and a rename."""
-    path = stage_path(root, step, stage)
+def _rank_path(root: Path, step: int, rank: int) -> Path:
+    return root / f"step-{step}" / f"rank{rank}.pt"
+
+
+def _save(path: Path, state: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     torch.save(state, tmp)
@@ -34,17 +63,126 @@ def save_stage(root: Path, step: int, stage: int, state: dict[str, Any]) -> Path
     return path
 
 
-def latest_complete_step(root: Path, stages: int) -> int | None:
-    """The newest step with a checkpoint of every stage, or None."""
-    steps = []
-    for child in root.iterdir() if root.is_dir() else ():
-        match = _STEP.match(child.name)
-        if match and all((child / f"stage{k}.pt").is_file() for k in range(stages)):
-            steps.append(int(match.group(1)))
-    return max(steps, default=None)
+def _load(path: Path, device: torch.device) -> dict[str, Any]:
+    try:
+        state: dict[str, Any] = torch.load(path, map_location=device, weights_only=True)
+    except (OSError, RuntimeError, EOFError, zipfile.BadZipFile) as exc:
+        raise RunError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from exc
+    return state
+
+
+def save_stage(root: Path, step: int, stage: int, state: dict[str, Any]) -> Path:
+    """Write one stage's model and optimizer state through a temporary file and a rename."""
+    return _save(stage_path(root, step, stage), state)
 
 
 def load_stage(root: Path, step: int, stage: int, device: torch.device) -> dict[str, Any]:
     """Read one stage's checkpoint onto ``device``."""
-    state: dict[str, Any] = torch.load(stage_path(root, step, stage), map_location=device, weights_only=True)
+    return _load(stage_path(root, step, stage), device)
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's generator states: CPU, and every CUDA device's where CUDA is up."""
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+def save_rank(root: Path, step: int, rank: int) -> Path:
+    """Write this rank's generator states for ``step``."""
+    return _save(_rank_path(root, step, rank), {"rng": rng_state(), "step": step})
+
+
+def load_rank(root: Path, step: int, rank: int) -> dict[str, Any]:
+    return _load(_rank_path(root, step, rank), torch.device("cpu"))
+
+
+def package_fingerprint(package: Path) -> str:
+    """A hash of what decides the checkpoint's layout: mp_conf.json and every stage's code."""
+    digest = hashlib.sha256()
+    for path in sorted([package / "mp_conf.json", *package.glob("stage*.py")]):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def save_meta(root: Path, step: int, package: Path, world_size: int) -> Path:
+    """Mark ``step`` complete: written by rank 0 after every rank saved its files."""
+    doc = {"schema": "pipeplan.checkpoint/1", "step": step, "package": str(package),
+           "fingerprint": package_fingerprint(package), "world_size": world_size}  # fmt: skip
+    path = root / f"step-{step}" / META
+    tmp = path.with_name(f".{META}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where ``--resume`` continues.
+
+    Attributes:
+        step: the step to continue after; None: no usable checkpoint, start from step 0.
+        skipped: one line per newer step that could not be used, and why.
+        removed: temp files of interrupted writes that were deleted.
+    """
+
+    step: int | None
+    skipped: tuple[str, ...] = ()
+    removed: int = 0
+
+
+def resume_point(root: Path, package: Path, stages: int, world_size: int) -> ResumePoint:
+    """The newest step of ``root`` that is complete, readable and written by this package.
+
+    Raises:
+        RunError: the newest complete step belongs to another package (another model, or stages
+            swapped): resuming from it would fail deep in load_state_dict, or train the wrong layers.
+    """
+    removed = 0
+    for tmp in root.glob("step-*/.*.tmp") if root.is_dir() else ():
+        tmp.unlink(missing_ok=True)
+        removed += 1
+    names = [c.name for c in root.iterdir()] if root.is_dir() else []
+    steps = sorted((int(m[1]) for name in names if (m := _STEP.match(name))), reverse=True)
+    skipped: list[str] = []
+    mine = package_fingerprint(package)
+    for step in steps:
+        problem = _unusable(root, step, stages, world_size)
+        if problem:
+            skipped.append(f"step-{step}: {problem}")
+            continue
+        meta = json.loads((root / f"step-{step}" / META).read_text(encoding="utf-8"))
+        if meta.get("fingerprint") != mine:
+            raise RunError(
+                f"{root}/step-{step} was written by the package {meta.get('package')}, not by {package} "
+                "(another model, or other stages); use another --checkpoint-dir, or drop --resume"
+            )
+        return ResumePoint(step, tuple(skipped), removed)
+    return ResumePoint(None, tuple(skipped), removed)
+
+
+def _unusable(root: Path, step: int, stages: int, world_size: int) -> str | None:
+    """Why ``step`` cannot be resumed from (a missing or unreadable file), or None."""
+    folder = root / f"step-{step}"
+    files = [folder / f"stage{k}.pt" for k in range(stages)] + [
+        folder / f"rank{r}.pt" for r in range(world_size)
+    ]
+    missing = [f.name for f in [folder / META, *files] if not f.is_file()]
+    if missing:
+        return f"incomplete, no {missing[0]}"
+    for path in files:
+        try:
+            with zipfile.ZipFile(path) as archive:
+                bad = archive.testzip()
+        except (OSError, zipfile.BadZipFile) as exc:
+            return f"{path.name} is unreadable ({exc})"
+        if bad is not None:
+            return f"{path.name} is corrupt (record {bad})"
+    return None

@@ -35,6 +35,7 @@ class JobConfig:
         module_stages: mp_conf.json's ``module_to_stage_map``: the stage of each entry of the
             package's ``model(criterion)``, the criterion last (``[0, 0, 1, 1, 1]`` in PipeDream's
             own packages: two modules on stage 0, two and the criterion on stage 1).
+        model: plan.json's model spec (recorded in metrics.json, so calibration can match the two).
     """
 
     package: Path
@@ -46,6 +47,7 @@ class JobConfig:
     predicted_time_s: float | None = None
     inputs: tuple[dict[str, Any], ...] = ()
     module_stages: tuple[int, ...] = ()
+    model: str = ""
 
     @property
     def world_size(self) -> int:
@@ -144,6 +146,7 @@ def load_job(
         raise RunError(f"package {folder} does not exist; run `pipeplan partition` first or pass its folder")
     ranks, modules = _stage_ranks(_read_json(folder / "mp_conf.json"), folder / "mp_conf.json")
     plan = _read_json(folder / "plan.json") if (folder / "plan.json").exists() else {}
+    _check_plan_matches(plan, ranks, folder)
     inputs = tuple(plan.get("extra", {}).get("inputs", ()))
     default_batch = plan.get("batch_size") or (inputs[0]["shape"][0] if inputs else None)
     predicted = plan.get("predicted", {}).get("time_per_minibatch_s")
@@ -160,8 +163,30 @@ def load_job(
         predicted_time_s=float(predicted) if predicted else None,
         inputs=inputs,
         module_stages=modules,
+        model=str(plan.get("model") or ""),
     )
     return _checked(job)
+
+
+def _check_plan_matches(plan: Any, ranks: tuple[tuple[int, ...], ...], folder: Path) -> None:
+    """plan.json and mp_conf.json describe the same stages on the same ranks (an edited or mixed-up
+    package would otherwise train a layout nobody planned)."""
+    if not isinstance(plan, dict):
+        raise RunError(
+            f"{folder}/plan.json is not a JSON object; regenerate the package with `pipeplan partition`"
+        )
+    stages = plan.get("stages")
+    if stages is None:
+        return
+    try:
+        planned = tuple(tuple(int(r) for r in s["ranks"]) for s in stages)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RunError(f"{folder}/plan.json has a stage without a valid ranks list: {exc}") from exc
+    if planned != ranks:
+        raise RunError(
+            f"{folder}: plan.json puts stages on ranks {[list(r) for r in planned]} but mp_conf.json on "
+            f"{[list(r) for r in ranks]}; regenerate the package with `pipeplan partition`"
+        )
 
 
 def replica_microbatches(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["JobFailed", "PeerLost", "RunError"]
+__all__ = ["Interrupted", "JobFailed", "PeerLost", "RunError"]
 
 
 class RunError(Exception):
@@ -27,3 +27,17 @@ class PeerLost(RuntimeError):
     Usually a consequence, not a cause: the launcher reports the rank that failed for another reason
     when there is one.
     """
+
+
+class Interrupted(Exception):
+    """The launcher got SIGTERM, SIGINT or SIGHUP; every rank was stopped with the same signal.
+
+    Attributes:
+        signum: the signal's number (the command exits with 128 + signum, as a shell does).
+    """
+
+    def __init__(self, signum: int) -> None:
+        import signal
+
+        super().__init__(f"stopped by {signal.Signals(signum).name}; every rank was stopped with it")
+        self.signum = signum

@@ -9,24 +9,32 @@ error. :func:`torchrun_commands` prints the equivalent per-node torchrun lines f
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
+import os
 import shlex
+import shutil
 import socket
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from runtime import checkpoint
+from runtime.blame import blame
 from runtime.data import check_data_spec
-from runtime.errors import JobFailed, RunError
+from runtime.errors import Interrupted, RunError
 from runtime.options import RunOptions, to_argv
+from runtime.preflight import preflight
 from runtime.worker import job_of, run_dir, run_rank
 
-__all__ = ["check_launch", "free_port", "launch", "schedule_preview", "torchrun_commands"]
+__all__ = ["check_launch", "free_port", "launch", "resolve_resume", "schedule_preview", "torchrun_commands"]
 
 Progress = Callable[[int, float], None]
+log = logging.getLogger(__name__)
 
 
 def free_port() -> int:
@@ -37,7 +45,8 @@ def free_port() -> int:
 
 
 def check_launch(options: RunOptions) -> int:
-    """Validate the package and node options before anything starts; returns ranks per node."""
+    """Validate the package, data, output paths and node options before anything starts (see
+    :mod:`runtime.preflight`); returns ranks per node."""
     check_data_spec(options.data)
     job = job_of(options)
     if not (job.package / "__init__.py").is_file():
@@ -52,7 +61,27 @@ def check_launch(options: RunOptions) -> int:
         raise RunError(f"--node-rank must be in 0..{options.nnodes - 1}, got {options.node_rank}")
     if options.nnodes > 1 and not options.master_port:
         raise RunError("a multi-node job needs --master-addr and --master-port (the same on every node)")
+    preflight(options, job, run_dir(options))
     return world // options.nnodes
+
+
+def resolve_resume(options: RunOptions) -> tuple[RunOptions, list[str]]:
+    """With ``--resume``: the options with the step to continue after, and one line per thing the user
+    should hear (the step, or that there is none; steps skipped as torn or unreadable)."""
+    if not options.resume or not options.checkpoint_dir or options.resume_step is not None:
+        return options, []
+    job = job_of(options)
+    root = Path(options.checkpoint_dir)
+    point = checkpoint.resume_point(root, job.package, job.stages, job.world_size)
+    notes = [f"skipped {root}/{line}" for line in point.skipped]
+    if point.removed:
+        notes.append(f"removed {point.removed} temp file(s) of an interrupted checkpoint write in {root}")
+    notes.append(
+        f"resuming after step {point.step} from {root}/step-{point.step}"
+        if point.step is not None
+        else f"no usable checkpoint in {root}: starting from step 0"
+    )
+    return replace(options, resume_step=point.step or 0), notes
 
 
 def torchrun_commands(options: RunOptions) -> list[str]:
@@ -84,26 +113,6 @@ def _first_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
-def _failure(exc: Any) -> JobFailed:
-    """The first real error of a ChildFailedError: a rank that raised beats ranks the agent stopped."""
-
-    def text(failure: Any) -> str:
-        message = failure.message
-        if isinstance(message, dict):
-            message = message.get("message", "")
-        if failure.exitcode < 0 or not message or "To enable traceback" in str(message):
-            how = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-            return f"the process died ({how}) without a Python error"
-        return str(message).strip().splitlines()[-1]
-
-    def blame(item: tuple[int, Any]) -> tuple[bool, bool, int, int]:
-        rank, failure = item
-        return (failure.exitcode < 0, "PeerLost" in text(failure), failure.timestamp, rank)
-
-    rank, failure = min(exc.failures.items(), key=blame)
-    return JobFailed(f"rank {rank} failed: {text(failure)}", rank)
-
-
 def _forward(path: Path, on_progress: Progress, seen: int) -> int:
     """Hand every new complete progress line to ``on_progress``; returns how many were handled."""
     if not path.exists():
@@ -128,8 +137,10 @@ def _watch(path: Path, on_progress: Progress, stop: threading.Event) -> None:
             return
 
 
-def _config(options: RunOptions, per_node: int) -> Any:
-    """torchrun's static rendezvous at the master, no restarts, a fast failure monitor."""
+def _config(options: RunOptions, per_node: int, logs: Path) -> Any:
+    """torchrun's static rendezvous at the master, no restarts, a fast failure monitor; each rank's
+    stdout and stderr go to ``logs/<run id>/attempt_0/<rank>/``, not to the user's terminal."""
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig
 
     if options.start_method == "forkserver":
@@ -149,26 +160,58 @@ def _config(options: RunOptions, per_node: int) -> Any:
         monitor_interval=0.1,
         start_method=options.start_method,
         shutdown_timeout=5,
+        logs_specs=DefaultLogsSpecs(log_dir=str(logs), redirects=Std.ALL),
     )
 
 
-def launch(options: RunOptions, on_progress: Progress | None = None) -> dict[str, Any] | None:
+@contextmanager
+def _agent_log(path: Path) -> Iterator[None]:
+    """Send the elastic agent's own log (worker start/stop, its tracebacks) to ``path``, not stderr."""
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    saved = [(logger, logger.propagate, logger.level, logger.handlers[:]) for logger in loggers]
+    for logger in loggers:
+        logger.handlers = [handler]
+        logger.propagate = False
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        handler.close()
+        for logger, propagate, level, handlers in saved:
+            logger.handlers, logger.propagate, logger.level = handlers, propagate, level
+
+
+def launch(
+    options: RunOptions, on_progress: Progress | None = None, checked: int | None = None
+) -> dict[str, Any] | None:
     """Run this node's ranks to completion; returns rank 0's metrics (None on other nodes).
+
+    ``checked``: what :func:`check_launch` returned when the caller already ran it (it imports the
+    package and draws a minibatch, so it runs once).
 
     Raises:
         RunError: bad package or options, or no rendezvous with the master within the timeout.
         JobFailed: a rank raised or died.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    per_node = check_launch(options)
+    per_node = checked if checked is not None else check_launch(options)
+    options, notes = resolve_resume(options)
+    for note in notes:
+        log.info("%s", note)
     if options.nnodes == 1 and not options.master_port:
         options = replace(options, master_port=free_port())
+    options = replace(options, launcher_pid=os.getpid())
     out = run_dir(options)
     out.mkdir(parents=True, exist_ok=True)
     (out / "progress.jsonl").unlink(missing_ok=True)
-    config = _config(options, per_node)
+    shutil.rmtree(out / "logs", ignore_errors=True)
+    (out / "logs").mkdir()
+    config = _config(options, per_node, out / "logs")
     stop = threading.Event()
     watcher = None
     if on_progress is not None:
@@ -177,9 +220,14 @@ def launch(options: RunOptions, on_progress: Progress | None = None) -> dict[str
         )
         watcher.start()
     try:
-        results = elastic_launch(config, run_rank)(options)
+        with _agent_log(out / "logs" / "launcher.log"):
+            results = elastic_launch(config, run_rank)(options)
     except ChildFailedError as exc:
-        raise _failure(exc) from exc
+        job = job_of(options)
+        stage_of = {r: k for k, ranks in enumerate(job.stage_ranks) for r in ranks}
+        raise blame(exc.failures, stage_of, options.timeout, out / "logs" / "launcher.log") from exc
+    except SignalException as exc:
+        raise Interrupted(int(exc.sigval)) from exc
     except (TimeoutError, RuntimeError) as exc:
         where = f"{options.master_addr}:{options.master_port}"
         raise RunError(

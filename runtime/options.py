@@ -53,6 +53,10 @@ class RunOptions:
         start_method: how local workers start: forkserver (default: torch imported once, ranks forked
             from a single-threaded server), spawn (a fresh interpreter per rank, like torchrun) or fork
             (fastest, but may deadlock a rank; see runtime.launch).
+        resume_step: with ``resume``, the step the launcher chose to continue after (0: none usable,
+            start afresh); None: rank 0 chooses (ranks started by torchrun).
+        launcher_pid: the process every rank dies with (set by :func:`runtime.launch.launch`; 0: the
+            rank's parent, the torchrun agent).
     """
 
     package: str
@@ -85,9 +89,11 @@ class RunOptions:
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     start_method: str = "forkserver"
+    launcher_pid: int = 0
+    resume_step: int | None = None
 
 
-_LAUNCH_ONLY = {"nnodes", "node_rank", "master_addr", "master_port", "start_method"}
+_LAUNCH_ONLY = {"nnodes", "node_rank", "master_addr", "master_port", "start_method", "launcher_pid"}
 
 
 def to_argv(options: RunOptions) -> list[str]:

@@ -92,6 +92,10 @@ def import_package(folder: str | Path) -> ModuleType:
         spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[name]
+        missing = getattr(exc, "name", None) or ""
+        if isinstance(exc, ModuleNotFoundError) and missing.startswith(name + "."):
+            lost = path / (missing.removeprefix(name + ".").replace(".", "/") + ".py")
+            raise RunError(f"{lost} is missing; regenerate the package with `pipeplan partition`") from exc
         raise RunError(f"importing {init} failed: {type(exc).__name__}: {exc}") from exc
     for attr in ("model", "criterion"):
         if not callable(getattr(module, attr, None)):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -26,6 +27,7 @@ from runtime.comm import Comm
 from runtime.config import JobConfig, RankConfig, load_job
 from runtime.data import Batches, make_batches
 from runtime.errors import PeerLost, RunError
+from runtime.lifeline import die_with, wake_siblings
 from runtime.metrics import RankMetrics, Recorder, summarize, write_json_atomic, write_trace
 from runtime.optim import Clip, OptimSettings, check_resume, counted_params, make_optimizer, make_scheduler
 from runtime.options import RunOptions, from_argv
@@ -118,6 +120,10 @@ class _Clock:
         self.times += [(now - self.last) / len(steps)] * len(steps)
         self.last = now
         for step, loss in zip(steps, losses or (), strict=False):
+            if not math.isfinite(loss):
+                raise RunError(
+                    f"the loss is {loss} at step {step + 1}: training diverged; lower --lr, or check the data"
+                )
             self.losses.append(loss)
             if self.progress is not None:
                 with self.progress.open("a", encoding="utf-8") as handle:
@@ -169,23 +175,45 @@ def _build(options: RunOptions, cfg: RankConfig, device: torch.device, clock: _C
     )
 
 
-def _start_step(options: RunOptions, rt: StageRuntime) -> int:
-    """0, or the newest complete checkpoint's step (rank 0 decides for everyone) after loading it."""
-    found: list[int | None] = [None]
-    if options.resume and options.checkpoint_dir and rt.cfg.rank == 0:
-        found = [checkpoint.latest_complete_step(Path(options.checkpoint_dir), rt.cfg.job.stages)]
+def _start_step(options: RunOptions, rt: StageRuntime) -> tuple[int, dict[str, Any] | None]:
+    """0, or the step to resume after (rank 0 decides for everyone; the launcher usually chose it
+    already) with this rank's model and optimizer loaded; also the generator states to restore."""
+    found: list[int | None] = [options.resume_step or None]
+    root = Path(options.checkpoint_dir) if options.checkpoint_dir else None
+    if options.resume and options.resume_step is None and root is not None and rt.cfg.rank == 0:
+        job = rt.cfg.job
+        found = [checkpoint.resume_point(root, job.package, job.stages, job.world_size).step]
     dist.broadcast_object_list(found, src=0)
     step = found[0]
-    if step is None:
-        return 0
-    assert options.checkpoint_dir is not None
-    state = checkpoint.load_stage(Path(options.checkpoint_dir), step, rt.cfg.stage, rt.comm.device)
+    if step is None or root is None:
+        return 0, None
+    state = checkpoint.load_stage(root, step, rt.cfg.stage, rt.comm.device)
     check_resume(state.get("optim"), OptimSettings.of(options), step)
     rt.module.load_state_dict(state["model"])
     rt.optimizer.load_state_dict(state["optimizer"])
     if rt.scheduler is not None and state.get("scheduler") is not None:
         rt.scheduler.load_state_dict(state["scheduler"])
-    return int(state["step"])
+    return int(state["step"]), checkpoint.load_rank(root, step, rt.cfg.rank)["rng"]
+
+
+def _save(options: RunOptions, rt: StageRuntime, step: int) -> None:
+    """Every rank's generator states, each stage's weights, optimizer and schedule (first replica),
+    then rank 0 marks the step complete once all are on disk."""
+    assert options.checkpoint_dir is not None
+    root, cfg = Path(options.checkpoint_dir), rt.cfg
+    if cfg.replica == 0:
+        state = {
+            "model": rt.module.state_dict(),
+            "optimizer": rt.optimizer.state_dict(),
+            "scheduler": rt.scheduler.state_dict() if rt.scheduler is not None else None,
+            "optim": OptimSettings.of(options).record(),
+            "step": step,
+        }
+        checkpoint.save_stage(root, step, cfg.stage, state)
+    checkpoint.save_rank(root, step, cfg.rank)
+    dist.barrier()
+    if cfg.rank == 0:
+        checkpoint.save_meta(root, step, cfg.job.package, cfg.job.world_size)
 
 
 def _segments(start: int, total: int, every: int) -> list[tuple[int, int]]:
@@ -202,23 +230,18 @@ def _segments(start: int, total: int, every: int) -> list[tuple[int, int]]:
 
 def _train(options: RunOptions, rt: StageRuntime, total: int) -> None:
     job, cfg = rt.cfg.job, rt.cfg
-    start = _start_step(options, rt)
+    start, rng = _start_step(options, rt)
     rt.setup()
+    if rng is not None:
+        checkpoint.set_rng_state(rng)
     if isinstance(rt.on_step, _Clock):
         rt.on_step.start()
     for first, count in _segments(start, total, options.checkpoint_every):
         replicas = [len(r) for r in job.stage_ranks]
         actions = schedule.build_job(job.schedule, replicas, job.microbatches, count, first)
         rt.play(actions[cfg.stage][cfg.replica], first)
-        if options.checkpoint_dir and cfg.replica == 0:
-            state = {
-                "model": rt.module.state_dict(),
-                "optimizer": rt.optimizer.state_dict(),
-                "scheduler": rt.scheduler.state_dict() if rt.scheduler is not None else None,
-                "optim": OptimSettings.of(options).record(),
-                "step": first + count,
-            }
-            checkpoint.save_stage(Path(options.checkpoint_dir), first + count, cfg.stage, state)
+        if options.checkpoint_dir:
+            _save(options, rt, first + count)
 
 
 def share_cores() -> None:
@@ -254,6 +277,7 @@ def run_rank(options: RunOptions) -> dict[str, Any] | None:
     job = job_of(options)
     if world != job.world_size:
         raise RunError(f"{job.package} runs on {job.world_size} ranks but the job has {world}")
+    die_with(options.launcher_pid or os.getppid())
     backend = resolve_backend(options.backend)
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if backend == "nccl" else "cpu")
     if backend == "nccl":
@@ -269,7 +293,10 @@ def run_rank(options: RunOptions) -> dict[str, Any] | None:
         return _run_joined(options, job.for_rank(rank), device)
     except PeerLost:
         # Let the rank that really failed exit first: the agent reports the first failure it sees.
+        # Then resume a stopped sibling, which the agent's SIGTERM could not end otherwise; woken, it
+        # finds its own wait timed out and sleeps this same grace, so this rank's error is first.
         time.sleep(PEER_LOST_GRACE_S)
+        wake_siblings()
         raise
 
 
@@ -311,6 +338,7 @@ def _finish(options: RunOptions, rt: StageRuntime, clock: _Clock) -> dict[str, A
     warmup = 1 if len(clock.times) >= 3 else 0
     doc = summarize([g[0] for g in gathered], rt.cfg.job.batch_size, rt.cfg.job.predicted_time_s, warmup)
     doc.update(schedule=rt.cfg.job.schedule, microbatches=rt.cfg.job.microbatches, world_size=len(gathered))
+    doc["model"] = rt.cfg.job.model
     doc["stash_log"] = {g[0].rank: g[2] for g in gathered}
     doc["step_versions"] = {g[0].rank: g[3] for g in gathered}
     write_json_atomic(run_dir(options) / "metrics.json", doc)

@@ -90,7 +90,11 @@ def test_failing_rank_exits_1_naming_the_rank(tmp_path: Path) -> None:
     (pkg / "stage1.py").write_text(source.replace("return self.fc(x)", "raise KeyError('no such layer')"))
     result = CliRunner().invoke(main, ["run", str(pkg), "--steps", "2", "--timeout", "20"])
     assert result.exit_code == 1
-    assert "rank 1 failed" in result.output and "no such layer" in result.output
+    lines = result.output.strip().splitlines()
+    assert lines[-1].startswith(
+        "error: training failed: rank 1 (stage 1) failed: KeyError: 'no such layer'; log: "
+    )
+    assert "Traceback" not in result.output
 
 
 @pytest.mark.slow
@@ -134,5 +138,7 @@ def test_two_nodes_on_one_machine_train_like_torchrun(tmp_path: Path) -> None:
     assert [node.returncode for node in nodes] == [0, 0], outputs
     assert "time per minibatch" in outputs[0]
     assert sorted(p.name for p in (tmp_path / "ckpt" / "step-3").iterdir()) == [
-        f"stage{k}.pt" for k in range(4)
+        "meta.json",
+        *(f"rank{r}.pt" for r in range(4)),
+        *(f"stage{k}.pt" for k in range(4)),
     ]

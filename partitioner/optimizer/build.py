@@ -41,8 +41,12 @@ class StageSpec:
 
 
 def gib(nbytes: float) -> str:
-    """Bytes as a short human string (GiB with two decimals)."""
-    return f"{nbytes / 2**30:.2f} GiB"
+    """Bytes as a short human string: two decimals in GiB, or in MiB / KiB for amounts that would
+    read 0.00 GiB (a limit of 1 KiB must not be told that "0.00 GiB" would fit)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size / 10:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def stage_loads(profile: Profile, groups: Sequence[Sequence[str]]) -> list[StageLoad]:

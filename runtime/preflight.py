@@ -1,0 +1,129 @@
+"""What the launcher checks before any rank starts, so bad input fails in one line at second 1.
+
+A rank that finds a broken stage file, a data function of the wrong shape or an unwritable output
+path does so after the rendezvous, behind the elastic agent's logs, or (for a checkpoint folder or a
+trace file) only at the first checkpoint or after the last step. Here the package is imported, one
+minibatch drawn and every output folder written to, in the launcher, in seconds.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from runtime.config import JobConfig
+from runtime.data import make_batches
+from runtime.errors import RunError
+from runtime.options import RunOptions
+from runtime.package import import_package, read_wiring
+
+__all__ = ["check_first_stage", "check_inputs_match", "check_writable", "preflight"]
+
+
+def preflight(options: RunOptions, job: JobConfig, run_dir: Path) -> None:
+    """Import the package, draw minibatch 0 and check its shapes, and write to every output folder.
+
+    Raises:
+        RunError: naming the file, option or tensor at fault.
+    """
+    check_writable(run_dir, "the run folder (--run-dir)")
+    if options.checkpoint_dir:
+        check_writable(Path(options.checkpoint_dir), "--checkpoint-dir")
+    if options.trace:
+        trace = Path(options.trace)
+        if trace.is_dir():
+            raise RunError(f"--trace {trace} is a folder; give a file name such as {trace / 'trace.json'}")
+        check_writable(trace.parent, "--trace")
+    _check_package_and_data(options, job)
+
+
+def check_writable(folder: Path, what: str) -> None:
+    """Create ``folder`` if needed and write a file into it."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise RunError(
+            f"{what}: cannot write to {folder}: {exc.strerror or exc}; choose another folder"
+        ) from exc
+
+
+def _check_package_and_data(options: RunOptions, job: JobConfig) -> None:
+    """Import the package fresh (and forget it again: the ranks import their own) and draw one batch."""
+    before = set(sys.modules)
+    try:
+        package = import_package(job.package)
+        wiring = read_wiring(package, job.stages)
+        names = wiring.stage_inputs[0]
+        batches = make_batches(options.data, package, names, job.batch_size, options.seed, options.shuffle)
+        try:
+            inputs, targets = batches.inputs(0), batches.targets(0)
+        except RunError:
+            raise
+        except Exception as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise RunError(
+                f"--data {options.data}: minibatch 0 failed: {type(exc).__name__}: {first}"
+            ) from exc
+        check_inputs_match(names, inputs, job.inputs, job.batch_size, options.data)
+        check_first_stage(package, inputs, options.data)
+        if not isinstance(targets, torch.Tensor) or targets.shape[:1] != (job.batch_size,):
+            got = tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__
+            raise RunError(
+                f"--data {options.data}: targets of minibatch 0 are {got}, not {job.batch_size} rows"
+            )
+    finally:
+        for name in set(sys.modules) - before:
+            if name.startswith("pipeplan_pkg_"):
+                del sys.modules[name]
+
+
+def check_inputs_match(
+    names: Sequence[str], inputs: Sequence[Any], planned: Sequence[dict[str, Any]], batch_size: int, data: str
+) -> None:
+    """Minibatch 0's first-stage inputs are tensors of ``batch_size`` rows, with the rank and dtype
+    plan.json recorded for them (the sample's own sizes may differ, e.g. a shorter sequence)."""
+    if len(inputs) != len(names):
+        raise RunError(
+            f"--data {data}: minibatch 0 has {len(inputs)} inputs; the first stage reads {list(names)}"
+        )
+    recorded = {str(p.get("name")): p for p in planned}
+    for name, tensor in zip(names, inputs, strict=True):
+        if not isinstance(tensor, torch.Tensor):
+            raise RunError(f"--data {data}: input {name} is a {type(tensor).__name__}, not a tensor")
+        shape, dtype = tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")
+        want = recorded.get(name, {})
+        rank = len(want.get("shape", shape))
+        if shape[:1] != (batch_size,) or len(shape) != rank:
+            expected = (
+                f"({batch_size}, {', '.join(map(str, want['shape'][1:]))})" if want else f"{batch_size} rows"
+            )
+            raise RunError(f"--data {data}: input {name} has shape {shape}, the package expects {expected}")
+        if want.get("dtype", dtype) != dtype:
+            raise RunError(f"--data {data}: input {name} is {dtype}, the package expects {want['dtype']}")
+
+
+def check_first_stage(package: ModuleType, inputs: Sequence[torch.Tensor], data: str) -> None:
+    """Run the first stage on minibatch 0 on the meta device: shapes are checked, nothing is computed."""
+    with torch.device("meta"):
+        first = package.model(package.criterion())[0][0]
+        try:
+            first(*(t.to("meta") for t in inputs))
+        except NotImplementedError:  # an operator without a meta kernel: the ranks will tell
+            return
+        except Exception as exc:
+            if "meta" in str(exc).lower():  # data-dependent code (.item(), nonzero): not checkable here
+                return
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            shapes = ", ".join(str(tuple(t.shape)) for t in inputs)
+            raise RunError(
+                f"--data {data}: the first stage cannot read minibatch 0 of shape {shapes}: "
+                f"{type(exc).__name__}: {first_line}"
+            ) from exc
