@@ -60,7 +60,7 @@ def _check_package_and_data(options: RunOptions, job: JobConfig) -> None:
     before = set(sys.modules)
     try:
         package = import_package(job.package)
-        wiring = read_wiring(package, job.stages)
+        wiring = read_wiring(package, job.stages, job.module_stages)
         names = wiring.stage_inputs[0]
         batches = make_batches(options.data, package, names, job.batch_size, options.seed, options.shuffle)
         try:
@@ -73,7 +73,8 @@ def _check_package_and_data(options: RunOptions, job: JobConfig) -> None:
                 f"--data {options.data}: minibatch 0 failed: {type(exc).__name__}: {first}"
             ) from exc
         check_inputs_match(names, inputs, job.inputs, job.batch_size, options.data)
-        check_first_stage(package, inputs, options.data)
+        if list(job.module_stages).count(0) <= 1:  # one module on stage 0 (PipeDream's may chain several)
+            check_first_stage(package, inputs, options.data)
         if not isinstance(targets, torch.Tensor) or targets.shape[:1] != (job.batch_size,):
             got = tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__
             raise RunError(
