@@ -229,8 +229,8 @@ def _profile_totals(profile: Any, path: Any) -> str:
     "--threads",
     type=int,
     default=None,
-    help="CPU threads while measuring [default: torch's]. `pipeplan run` gives each rank "
-    "cores / ranks per machine: profile at that count for predictions that match.",
+    help="CPU threads while measuring [default: 1 on a CPU]. `pipeplan run` gives each rank "
+    "cores / ranks per machine (at least 1): profile at that count for predictions that match.",
 )
 @click.option(
     "--microbatch-size",
@@ -952,12 +952,38 @@ def _print_run_table(metrics: dict[str, Any], path: object) -> None:
     if losses:
         console.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
     console.print(f"metrics: {path}")
-    if ratio is not None and not 0.8 <= ratio <= 1.25:
+    share = _cpu_share(metrics)
+    if ratio is not None and share is not None and share < 0.85:
+        console.print(
+            f"[yellow]note:[/yellow] the ranks had {share:.0%} of a core while computing ({_cores()} cores "
+            f"for {len(metrics['ranks'])} ranks here, other jobs included); the plan assumes a device per "
+            f"rank, so wall time runs slow by about 1/{share:.2f}: measured x share / predicted = "
+            f"{ratio * share:.2f}",
+            soft_wrap=True,
+        )
+    elif ratio is not None and not 0.8 <= ratio <= 1.25:
         console.print(
             f"[yellow]note:[/yellow] measured/predicted {ratio:.2f}: `pipeplan calibrate` feeds the measured "
             "stage times back into the profile, so the next `pipeplan partition` plans with them",
             soft_wrap=True,
         )
+
+
+def _cores() -> int:
+    import os
+
+    return os.cpu_count() or 1
+
+
+def _cpu_share(metrics: dict[str, Any]) -> float | None:
+    """The share of a core the CPU ranks had while computing (their compute CPU time over wall time);
+    None on GPUs or when the run recorded no CPU time."""
+    ranks = metrics.get("ranks", [])
+    wall = sum(float(r.get("compute_s", 0.0)) for r in ranks)
+    cpu = sum(float(r.get("compute_cpu_s", 0.0)) for r in ranks)
+    if metrics.get("device", "cpu") != "cpu" or wall <= 0 or cpu <= 0:
+        return None
+    return min(1.0, cpu / wall)
 
 
 if __name__ == "__main__":

@@ -338,6 +338,7 @@ def _finish(options: RunOptions, rt: StageRuntime, clock: _Clock) -> dict[str, A
     warmup = 1 if len(clock.times) >= 3 else 0
     doc = summarize([g[0] for g in gathered], rt.cfg.job.batch_size, rt.cfg.job.predicted_time_s, warmup)
     doc.update(schedule=rt.cfg.job.schedule, microbatches=rt.cfg.job.microbatches, world_size=len(gathered))
+    doc.update(device=rt.comm.device.type)
     doc["model"] = rt.cfg.job.model
     doc["stash_log"] = {g[0].rank: g[2] for g in gathered}
     doc["step_versions"] = {g[0].rank: g[3] for g in gathered}

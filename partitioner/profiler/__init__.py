@@ -92,6 +92,7 @@ def profile_model(
             CPU; its times add all threads' work, so they exceed wall time when threads run in parallel).
         threads: CPU threads while measuring (restored after); ``pipeplan run`` gives each rank
             cores / local ranks, so a profile taken at that count predicts what the ranks will do.
+            Default on a CPU: 1 (what a rank gets as soon as a machine runs as many ranks as cores).
         microbatch_size: measure at this many samples and scale the times to ``batch_size``: what
             a stage of a 1f1b or gpipe pipeline with batch_size / microbatch_size microbatches runs.
 
@@ -108,6 +109,8 @@ def profile_model(
         raise PipeplanError(f"--microbatch-size must be between 1 and --batch-size {batch_size}")
     measured = microbatch_size or batch_size
     previous = torch.get_num_threads()
+    if threads is None and resolve_device(device).type == "cpu":
+        threads = 1  # a CPU rank of `pipeplan run` gets cores / ranks threads: one as soon as ranks >= cores
     torch.set_num_threads(threads or previous)
     try:
         profile = _profile(spec, measured, input_shape, device, dtype, leaf_modules, repeats, progress, clock)
