@@ -72,7 +72,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 _DROPOUTS = (
     "hidden_dropout_prob", "attention_probs_dropout_prob", "dropout_rate", "dropout", "attention_dropout",
     "activation_dropout", "classifier_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout",
-    "seq_classif_dropout", "qa_dropout", "hidden_dropout_prob",
+    "seq_classif_dropout", "qa_dropout",
 )  # fmt: skip
 
 
