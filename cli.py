@@ -350,6 +350,28 @@ def _cluster(gpus: int | None, topology: str | None, bandwidth: str | None, memo
     return Cluster(tuple(Level(d, r) for d, r in zip(devices, rates, strict=True)), limit)
 
 
+def _cpu_hosts(cluster: Any, profile: Any, host_cores: int | None) -> Any:
+    """CPU ranks time-slice their host's cores: a CPU profile's cluster gets this machine's cores (or
+    --host-cores) and the threads the profile measured with, so the prediction counts the sharing."""
+    import os
+    from dataclasses import replace
+
+    from partitioner.errors import PlanError
+
+    if profile.device != "cpu":
+        if host_cores is not None:
+            raise PlanError(
+                f"--host-cores is for profiles measured on a CPU; this one was measured on "
+                f"{profile.device}, whose devices compute on their own: leave --host-cores out"
+            )
+        return cluster
+    if host_cores is not None and host_cores < 0:
+        raise PlanError(f"--host-cores must be >= 0 (0: every rank has cores of its own), got {host_cores}")
+    cores = len(os.sched_getaffinity(0)) if host_cores is None else host_cores
+    threads = int(profile.extra.get("threads") or 1)
+    return replace(cluster, cores=cores or None, threads=max(1, threads))
+
+
 def _plan_table(plan: Any, profile: Any) -> Any:
     from rich.table import Table
 
@@ -382,8 +404,16 @@ def _plan_summary(plan: Any, sim: Any) -> str:
         else ""
     )
     exact = "optimal" if info.optimal else "not proven optimal"
+    c = plan.cluster
+    hosts = (
+        f" (CPU ranks, {c.levels[0].devices} per host of {c.cores} cores, {c.threads} thread(s) each: "
+        f"the busiest host needs {p.host_bound_s * 1e3:.3f} ms for their compute; the pipeline alone "
+        f"{(p.pipeline_s or 0) * 1e3:.3f} ms)"
+        if p.host_bound_s and p.host_bound_s >= (p.pipeline_s or 0)
+        else ""
+    )
     return (
-        f"predicted {p.time_per_minibatch_s * 1e3:.3f} ms/minibatch, {rate}; speedup "
+        f"predicted {p.time_per_minibatch_s * 1e3:.3f} ms/minibatch{hosts}, {rate}; speedup "
         f"{p.speedup_vs_data_parallel or 0:.2f}x over data parallel, "
         f"{p.speedup_vs_single or 0:.2f}x over one GPU; "
         f"bubble {100 * p.bubble_fraction:.1f}% (simulated {100 * sim.bubble_fraction:.1f}%"
@@ -471,6 +501,14 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
 @click.option("--bandwidth", default=None, help="Bytes/s per level: 1e9, 10GB/s, 100Gbit/s  [default: 1e9]")
 @click.option("--memory", default=None, help="Memory per device, e.g. 16GiB  [default: unlimited]")
 @click.option(
+    "--host-cores",
+    type=int,
+    default=None,
+    help="For a profile measured on a CPU: cores of one host (a unit of the innermost level), which its "
+    "CPU ranks share; the prediction is at least the time the host needs to run their compute on "
+    "them. 0: every rank has cores of its own.  [default: this machine's cores]",
+)
+@click.option(
     "--schedule",
     type=click.Choice(["pipedream", "1f1b", "gpipe"]),
     default="pipedream",
@@ -532,9 +570,10 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
 @user_errors
 def partition(
     profile_path: str | None, gpus: int | None, topology: str | None, bandwidth: str | None,
-    memory: str | None, schedule: str, microbatches: int | None, optimizer: str, straight: bool,
-    solver: str, cuts: str | None, replicas: str | None, explain: bool, trace_path: str | None,
-    batch_size: int | None, no_comm: bool, weights: str | None, init: str, as_json: bool, output: str,
+    memory: str | None, host_cores: int | None, schedule: str, microbatches: int | None, optimizer: str,
+    straight: bool, solver: str, cuts: str | None, replicas: str | None, explain: bool,
+    trace_path: str | None, batch_size: int | None, no_comm: bool, weights: str | None, init: str,
+    as_json: bool, output: str,
 ) -> None:  # fmt: skip
     """Choose pipeline stages and replicas for a profile -> plan.json + mp_conf.json (+ stage code).
 
@@ -563,7 +602,7 @@ def partition(
             raise PlanError(f"--batch-size must be >= 1, got {batch_size}")
         profile = replace(profile, batch_size=batch_size)
     _check_package_options(profile, weights, init)
-    cluster = _cluster(gpus, topology, bandwidth, memory)
+    cluster = _cpu_hosts(_cluster(gpus, topology, bandwidth, memory), profile, host_cores)
     micro = microbatches if microbatches is not None else (1 if schedule == "pipedream" else 4)
     if (cuts is None) != (replicas is None):
         raise PlanError("--cuts and --replicas go together: give both, or neither")
@@ -728,7 +767,7 @@ def calibrate(package: str | None, metrics_path: str | None, output: str | None,
     from pathlib import Path
 
     from partitioner.calibrate import calibrate as calibrated
-    from partitioner.calibrate import load_run_times
+    from partitioner.calibrate import device_seconds, load_run_times
     from partitioner.errors import PipeplanError
     from partitioner.graph import load_profile, save_profile
     from partitioner.plan import load_plan
@@ -744,11 +783,12 @@ def calibrate(package: str | None, metrics_path: str | None, output: str | None,
             f"{run.source} measured {run.model}, but {folder} is a package of {plan.model}; "
             "give the metrics of a run of this package (PACKAGE/run/metrics.json)"
         )
-    result = calibrated(profile, plan, run.stage_s, run.batch_size, run.source)
+    measured = device_seconds(plan, run)
+    result = calibrated(profile, plan, measured, run.batch_size, run.source)
     path = Path(output) if output else Path(plan.profile).with_name("calibrated.json")
     save_profile(result, path)
     console = _console()
-    console.print(_calibration_table(profile, plan, run.stage_s))
+    console.print(_calibration_table(profile, plan, measured))
     console.print(f"wrote {path}; next: pipeplan partition --profile {path} ...", soft_wrap=True)
 
 
@@ -952,21 +992,20 @@ def _print_run_table(metrics: dict[str, Any], path: object) -> None:
     if losses:
         console.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
     console.print(f"metrics: {path}")
+    if ratio is None or 0.8 <= ratio <= 1.25:
+        return
     share = _cpu_share(metrics)
-    if ratio is not None and share is not None and share < 0.85:
-        console.print(
-            f"[yellow]note:[/yellow] the ranks had {share:.0%} of a core while computing ({_cores()} cores "
-            f"for {len(metrics['ranks'])} ranks here, other jobs included); the plan assumes a device per "
-            f"rank, so wall time runs slow by about 1/{share:.2f}: measured x share / predicted = "
-            f"{ratio * share:.2f}",
-            soft_wrap=True,
-        )
-    elif ratio is not None and not 0.8 <= ratio <= 1.25:
-        console.print(
-            f"[yellow]note:[/yellow] measured/predicted {ratio:.2f}: `pipeplan calibrate` feeds the measured "
-            "stage times back into the profile, so the next `pipeplan partition` plans with them",
-            soft_wrap=True,
-        )
+    shared = (
+        f"; the ranks had {share:.0%} of a core while computing ({_cores()} cores for "
+        f"{len(metrics['ranks'])} ranks here, other jobs included)"
+        if share is not None and share < 0.85
+        else ""
+    )
+    console.print(
+        f"[yellow]note:[/yellow] measured/predicted {ratio:.2f}{shared}: `pipeplan calibrate` feeds the "
+        "measured stage times back into the profile, so the next `pipeplan partition` plans with them",
+        soft_wrap=True,
+    )
 
 
 def _cores() -> int:

@@ -16,7 +16,7 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from partitioner.errors import PipeplanError
 from partitioner.graph import Profile
 from partitioner.plan import Plan
 
-__all__ = ["RunTimes", "calibrate", "load_run_times", "stage_factors"]
+__all__ = ["RunTimes", "calibrate", "device_seconds", "load_run_times", "stage_factors"]
 
 
 @dataclass(frozen=True)
@@ -36,12 +36,14 @@ class RunTimes:
         batch_size: samples per minibatch of the run (None when the file does not say).
         source: the file it came from.
         model: the model spec of the package that ran (empty in files written before it was recorded).
+        cpu_share: per stage, the share of a core its CPU ranks had while computing (where recorded).
     """
 
     stage_s: Mapping[int, float]
     batch_size: int | None
     source: str
     model: str = ""
+    cpu_share: Mapping[int, float] = field(default_factory=dict)
 
 
 def load_run_times(path: str | os.PathLike[str]) -> RunTimes:
@@ -62,7 +64,22 @@ def load_run_times(path: str | os.PathLike[str]) -> RunTimes:
     stage_s = {int(s["stage"]): float(s["compute_s_per_minibatch"]) for s in doc["stages"]}
     rate, step = doc.get("samples_per_s"), doc.get("time_per_minibatch_s")
     batch = doc.get("batch_size") or (round(rate * step) if rate and step else None)
-    return RunTimes(stage_s, int(batch) if batch else None, str(source), str(doc.get("model") or ""))
+    shares = ((int(s["stage"]), s.get("compute_cpu_share")) for s in doc["stages"])
+    share = {stage: float(value) for stage, value in shares if value}
+    batch_size, model = int(batch) if batch else None, str(doc.get("model") or "")
+    return RunTimes(stage_s, batch_size, str(source), model, share)
+
+
+def device_seconds(plan: Plan, run: RunTimes) -> dict[int, float]:
+    """The run's compute per stage in the sense of ``Stage.compute_s``: one device's own seconds.
+
+    A plan that prices CPU ranks time-slicing their host's cores (``cluster.cores``) counts the
+    sharing in its host bound, so the sharing comes out of the measured wall seconds here (times the
+    share of a core the stage's ranks had); otherwise the wall seconds are the device's own.
+    """
+    if plan.cluster.cores is None:
+        return dict(run.stage_s)
+    return {k: s * run.cpu_share.get(k, 1.0) for k, s in run.stage_s.items()}
 
 
 def stage_factors(profile: Profile, plan: Plan, measured_s: Mapping[int, float]) -> dict[int, float]:

@@ -62,10 +62,15 @@ class Cluster:
     Attributes:
         levels: the hierarchy; a flat cluster has one level.
         memory_bytes: memory of one device; None means unlimited.
+        cores: where the devices are CPU processes, the cores of one host (one unit of the innermost
+            level), which its processes time-slice; None: every device computes on its own (GPUs).
+        threads: compute threads of one CPU process (the profile's), with ``cores``.
     """
 
     levels: tuple[Level, ...]
     memory_bytes: int | None = None
+    cores: int | None = None
+    threads: int = 1
 
     def __post_init__(self) -> None:
         if not self.levels:
@@ -77,6 +82,10 @@ class Cluster:
                 raise PlanError(f"bandwidth must be > 0 bytes/s, got {level.bandwidth}")
         if self.memory_bytes is not None and self.memory_bytes <= 0:
             raise PlanError(f"memory must be > 0 bytes, got {self.memory_bytes}")
+        if self.cores is not None and self.cores < 1:
+            raise PlanError(f"a host needs at least 1 core, got {self.cores}")
+        if self.threads < 1:
+            raise PlanError(f"a CPU process needs at least 1 thread, got {self.threads}")
 
     @property
     def gpus(self) -> int:
@@ -114,13 +123,20 @@ class Stage:
 
 @dataclass(frozen=True)
 class Prediction:
-    """What the cost model predicts for the plan."""
+    """What the cost model predicts for the plan.
+
+    ``time_per_minibatch_s`` is the slower of the pipeline's own time (``pipeline_s``) and
+    ``host_bound_s``, the time the busiest host needs to run its CPU processes' compute on its cores
+    (0 for GPUs): on 2 cores, 4 CPU ranks cannot all compute at once however the stages balance.
+    """
 
     time_per_minibatch_s: float
     throughput_samples_per_s: float | None = None
     bubble_fraction: float = 0.0
     speedup_vs_data_parallel: float | None = None
     speedup_vs_single: float | None = None
+    pipeline_s: float | None = None
+    host_bound_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -182,11 +198,12 @@ class Plan:
 
     @property
     def gap(self) -> float | None:
-        """Relative distance of the predicted time above the solver's lower bound, if known."""
+        """Relative distance of the pipeline's predicted time above the solver's lower bound, if known."""
         bound = self.solver.lower_bound_s
         if not bound:
             return None
-        return max(0.0, self.predicted.time_per_minibatch_s / bound - 1.0)  # (rounding: never below 0)
+        time = self.predicted.pipeline_s or self.predicted.time_per_minibatch_s
+        return max(0.0, time / bound - 1.0)  # (rounding: never below 0)
 
     def stage_of(self) -> dict[str, int]:
         """Map from node id to the index of the stage that runs it."""
@@ -212,6 +229,8 @@ def plan_from_json(doc: Mapping[str, Any], source: str = "plan") -> Plan:
             cluster=Cluster(
                 tuple(Level(int(lv["devices"]), float(lv["bandwidth"])) for lv in cluster["levels"]),
                 cluster.get("memory_bytes"),
+                cluster.get("cores"),
+                int(cluster.get("threads", 1)),
             ),
             schedule=str(doc["schedule"]),
             microbatches=int(doc["microbatches"]),

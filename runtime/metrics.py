@@ -132,7 +132,9 @@ def summarize(
 def _stage_times(ranks: Sequence[RankMetrics], warmup: int) -> list[dict[str, Any]]:
     """Per stage, its compute seconds per minibatch on one device (replicas summed): the number the
     cost model's ``Stage.compute_s`` predicts, for calibrating profiles with measured times. The
-    median step after the warm-up, as for the time per minibatch: the first step also allocates."""
+    median step after the warm-up, as for the time per minibatch: the first step also allocates.
+    ``compute_cpu_share``: CPU over wall seconds of its computing, below 1 where CPU ranks time-sliced
+    their cores (what a plan that prices the host's cores must take out again)."""
     out = []
     for stage in sorted({r.stage for r in ranks}):
         mine = [r for r in ranks if r.stage == stage]
@@ -142,7 +144,9 @@ def _stage_times(ranks: Sequence[RankMetrics], warmup: int) -> list[dict[str, An
             else r.compute_s / max(1, len(r.step_times_s))
             for r in mine
         ]
-        out.append({"stage": stage, "compute_s_per_minibatch": sum(per_rank)})
+        wall, cpu = sum(r.compute_s for r in mine), sum(r.compute_cpu_s for r in mine)
+        share = min(1.0, cpu / wall) if wall > 0 and cpu > 0 else None
+        out.append({"stage": stage, "compute_s_per_minibatch": sum(per_rank), "compute_cpu_share": share})
     return out
 
 

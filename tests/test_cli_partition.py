@@ -86,6 +86,7 @@ def test_synchronous_schedules(graph: Path, tmp_path: Path, schedule: str) -> No
         ["--gpus", "4", "--gpus", "2", "--topology", "2,2"],
         ["--gpus", "4", "--batch-size", "0"],
         ["--gpus", "4", "--schedule", "1f1b", "--microbatches", "0"],
+        ["--gpus", "4", "--host-cores", "2"],  # a PipeDream (GPU) profile: its devices share no cores
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(graph: Path, tmp_path: Path, args: list[str]) -> None:
@@ -154,3 +155,37 @@ def test_microbatch_note_names_the_profile_to_take(tmp_path: Path) -> None:
     assert code == 0 and "--microbatch-size 2" in out
     code, out, _ = _run(*args)
     assert code == 0 and "--microbatch-size" not in out  # pipedream runs whole minibatches
+
+
+def test_cpu_profile_prices_ranks_sharing_this_machines_cores(tmp_path: Path) -> None:
+    """A CPU profile's cluster has this machine's cores (or --host-cores; 0: none) and its threads."""
+    import os
+
+    from partitioner.graph import save_profile
+    from tests.partitioner.codegen_support import profile_for
+
+    save_profile(profile_for("tiny-mlp"), tmp_path / "p.json")
+    common = (
+        "partition",
+        "--profile",
+        str(tmp_path / "p.json"),
+        "--gpus",
+        "3",
+        "--json",
+        "-o",
+        str(tmp_path),
+    )
+    code, out, _ = _run(*common)
+    plan = json.loads(out)
+    assert code == 0 and plan["cluster"]["cores"] == len(os.sched_getaffinity(0))
+    code, out, _ = _run(*common, "--host-cores", "1")
+    plan = json.loads(out)
+    work = sum(s["compute_s"] for s in plan["stages"])  # one core runs every rank's share in turn
+    assert plan["predicted"]["host_bound_s"] == pytest.approx(work)
+    assert plan["predicted"]["time_per_minibatch_s"] == pytest.approx(
+        max(work, plan["predicted"]["pipeline_s"])
+    )
+    code, out, _ = _run(*common, "--host-cores", "0")
+    assert code == 0 and json.loads(out)["cluster"]["cores"] is None
+    code, _, err = _run(*common, "--host-cores", "-1")
+    assert code == 2 and err.startswith("error: --host-cores must be >= 0")

@@ -14,6 +14,7 @@ from partitioner.graph import Profile
 from partitioner.optimizer.cost import (
     StageLoad,
     StageTimes,
+    host_bound,
     plan_times,
     stage_memory,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "data_parallel_time",
     "gib",
     "global_lower_bound",
+    "hosts_bound",
     "layer_compute_s",
     "stage_bandwidth",
     "stage_loads",
@@ -119,6 +121,16 @@ def data_parallel_time(profile: Profile, cluster: Cluster, schedule: str = "pipe
     return time
 
 
+def hosts_bound(cluster: Cluster, stages: Sequence[Stage]) -> float:
+    """:func:`~partitioner.optimizer.cost.host_bound` of a plan's stages: a replica computes its
+    share of the minibatches, ``compute_s / replicas`` per minibatch."""
+    rank_s = [0.0] * cluster.gpus
+    for stage in stages:
+        for rank in stage.ranks:
+            rank_s[rank] += stage.compute_s / stage.replicas
+    return host_bound(rank_s, cluster.levels[0].devices, cluster.cores, cluster.threads)
+
+
 def global_lower_bound(profile: Profile, cluster: Cluster) -> float:
     """No plan beats perfect scaling of the compute, nor the fastest possible stage of one layer."""
     gpus = cluster.gpus
@@ -181,8 +193,11 @@ def assemble(
         Stage(i, spec.nodes, spec.replicas, spec.ranks, ld.compute_s, times.comm_s[i], memory[i])
         for i, (spec, ld) in enumerate(zip(specs, loads, strict=True))
     )
-    dp = data_parallel_time(profile, cluster, schedule)
     single = layer_compute_s(profile)
+    everyone = Stage(0, (), cluster.gpus, tuple(range(cluster.gpus)), single)
+    dp = max(data_parallel_time(profile, cluster, schedule), hosts_bound(cluster, [everyone]))
+    host = hosts_bound(cluster, stages)
+    pipeline, time = time, max(time, host)
     batch = profile.batch_size
     prediction = Prediction(
         time_per_minibatch_s=time,
@@ -190,6 +205,8 @@ def assemble(
         bubble_fraction=times.bubble_fraction,
         speedup_vs_data_parallel=dp / time if time > 0 else None,
         speedup_vs_single=single / time if time > 0 else None,
+        pipeline_s=pipeline,
+        host_bound_s=host,
     )
     return Plan(
         gpus=used,

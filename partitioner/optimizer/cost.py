@@ -26,6 +26,7 @@ __all__ = [
     "StageTimes",
     "activation_time",
     "allreduce_time",
+    "host_bound",
     "in_flight",
     "pipedream_stage_time",
     "plan_times",
@@ -90,6 +91,21 @@ def activation_time(nbytes: float, replicas: int, bandwidth: float) -> float:
 def allreduce_time(param_bytes: float, replicas: int, bandwidth: float) -> float:
     """Gradient synchronisation of a replicated stage, with PipeDream's 4(r-1)P/(rB) volume."""
     return 4.0 * (replicas - 1) * param_bytes / (bandwidth * replicas)
+
+
+def host_bound(rank_compute_s: Sequence[float], per_host: int, cores: int | None, threads: int) -> float:
+    """Seconds per minibatch the busiest host needs where devices are CPU processes (0 for GPUs).
+
+    Ranks ``h*per_host .. (h+1)*per_host - 1`` share host ``h``'s cores, and a process computes on
+    ``threads`` of them, so at most ``cores / threads`` ranks (at least one, at most ``per_host``) run at
+    once: the host's compute seconds per minibatch, over that, bound the time per minibatch from below
+    however well the stages balance. ``rank_compute_s[r]`` is rank r's compute per minibatch.
+    """
+    if cores is None or not rank_compute_s:
+        return 0.0
+    at_once = max(1.0, min(float(per_host), cores / threads))
+    hosts = range(0, len(rank_compute_s), per_host)
+    return max(sum(rank_compute_s[h : h + per_host]) for h in hosts) / at_once
 
 
 def in_flight(schedule: str, position: int, replicas: Sequence[int], microbatches: int) -> int:

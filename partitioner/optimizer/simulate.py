@@ -23,6 +23,7 @@ from pathlib import Path
 from partitioner.atomic import write_text_atomic
 from partitioner.errors import PlanError
 from partitioner.graph import Node, Profile
+from partitioner.optimizer.build import hosts_bound
 from partitioner.optimizer.cost import (
     OPTIMIZER_STATE,
     activation_time,
@@ -288,7 +289,17 @@ def _nodes(profile: Profile | None) -> dict[str, Node]:
 
 
 def simulate(plan: Plan, profile: Profile | None = None, minibatches: int | None = None) -> Simulation:
-    """Simulate ``minibatches`` minibatches (pipedream) or one minibatch of M microbatches (1f1b, gpipe)."""
+    """Simulate ``minibatches`` minibatches (pipedream) or one minibatch of M microbatches (1f1b, gpipe).
+
+    Each device runs its actions on its own; where the devices are CPU processes sharing a host's
+    cores, the time per minibatch is at least the cost model's host bound (``Prediction.host_bound_s``).
+    """
+    sim = _simulate_devices(plan, profile, minibatches)
+    host = hosts_bound(plan.cluster, plan.stages)
+    return replace(sim, time_per_minibatch_s=max(sim.time_per_minibatch_s, host))
+
+
+def _simulate_devices(plan: Plan, profile: Profile | None, minibatches: int | None) -> Simulation:
     if plan.schedule == "pipedream":
         return _simulate_pipedream(plan, profile, minibatches)
     p = len(plan.stages)

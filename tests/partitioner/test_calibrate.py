@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from partitioner.calibrate import calibrate, load_run_times, stage_factors
+from partitioner.calibrate import RunTimes, calibrate, device_seconds, load_run_times, stage_factors
 from partitioner.errors import PipeplanError
 from partitioner.graph import Profile
 from partitioner.optimizer import evaluate
@@ -53,13 +54,23 @@ def test_load_run_times(tmp_path: Path) -> None:
     doc = {
         "schema": "pipeplan.metrics/1",
         "batch_size": 8,
-        "stages": [{"stage": 0, "compute_s_per_minibatch": 0.5}],
+        "stages": [{"stage": 0, "compute_s_per_minibatch": 0.5, "compute_cpu_share": 0.75}],
     }
     path.write_text(json.dumps(doc))
     run = load_run_times(path)
-    assert run.stage_s == {0: 0.5} and run.batch_size == 8
+    assert run.stage_s == {0: 0.5} and run.batch_size == 8 and run.cpu_share == {0: 0.75}
     path.write_text(json.dumps({"schema": "something/else"}))
     with pytest.raises(PipeplanError, match=r"not a pipeplan metrics\.json"):
         load_run_times(path)
     with pytest.raises(PipeplanError, match="pipeplan run"):
         load_run_times(tmp_path / "none.json")
+
+
+def test_time_slicing_comes_out_where_the_plan_prices_the_hosts_cores() -> None:
+    """A plan with ``cluster.cores`` counts CPU ranks sharing cores in its host bound, so calibration
+    takes the device's own seconds (wall x share of a core); elsewhere the wall seconds."""
+    _, plan = _plan()
+    run = RunTimes({0: 0.2, 1: 0.1}, 8, "m.json", cpu_share={0: 0.5})
+    assert device_seconds(plan, run) == {0: 0.2, 1: 0.1}
+    shared = replace(plan, cluster=replace(plan.cluster, cores=1))
+    assert device_seconds(shared, run) == pytest.approx({0: 0.1, 1: 0.1})

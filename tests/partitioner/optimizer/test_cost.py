@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from partitioner.optimizer import evaluate, solve
+from partitioner.optimizer.cost import host_bound
+from partitioner.optimizer.simulate import simulate
 from partitioner.plan import Cluster
 from tests.partitioner.optimizer.conftest import make_profile
 
@@ -71,3 +75,30 @@ def test_adamw_keeps_adams_state_in_the_cost_model_and_the_simulation(schedule: 
     assert [s.memory_bytes for s in adamw.stages] == [s.memory_bytes for s in adam.stages]
     assert adamw.stages[0].memory_bytes == sgd.stages[0].memory_bytes + 2 * 1_000_000  # two moments
     assert simulate(adamw, THREE).peak_memory_bytes == tuple(s.memory_bytes for s in adamw.stages)
+
+
+def test_host_bound_counts_cpu_ranks_sharing_cores() -> None:
+    # 4 ranks of 1, 2, 3, 4 s on 2 cores at 1 thread: 10 s over 2 at a time; 2 threads: 1 at a time
+    assert host_bound([1, 2, 3, 4], 4, 2, 1) == pytest.approx(5.0)
+    assert host_bound([1, 2, 3, 4], 4, 2, 2) == pytest.approx(10.0)
+    assert host_bound([1, 2, 3, 4], 2, 2, 1) == pytest.approx(3.5)  # two hosts of 2: the busier, 7 s / 2
+    assert host_bound([1, 2], 2, 8, 1) == pytest.approx(1.5)  # more cores than ranks: 2 at a time
+    assert host_bound([1, 2, 3, 4], 4, None, 1) == 0.0  # GPUs compute on their own
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "1f1b"])
+def test_cpu_hosts_bound_the_prediction_and_the_simulation(schedule: str) -> None:
+    # l0 | l1,l2 on 1 + 1 of 3 CPU ranks on 1 core: the host runs 30 + 60 ms of compute one at a time
+    micro = 1 if schedule == "pipedream" else 2
+    alone = evaluate(THREE, Cluster.flat(3), ["l0"], [1, 1], schedule, micro)
+    shared = evaluate(THREE, replace(Cluster.flat(3), cores=1), ["l0"], [1, 1], schedule, micro)
+    assert shared.predicted.host_bound_s == pytest.approx(0.090)
+    assert shared.predicted.pipeline_s == pytest.approx(alone.predicted.time_per_minibatch_s)
+    assert shared.predicted.time_per_minibatch_s == pytest.approx(max(0.090, alone.predicted.pipeline_s or 0))
+    assert simulate(shared, THREE).time_per_minibatch_s == pytest.approx(
+        max(0.090, simulate(alone, THREE).time_per_minibatch_s)
+    )
+    roomy = evaluate(THREE, replace(Cluster.flat(3), cores=2), ["l0"], [1, 1], schedule, micro)
+    assert roomy.predicted.host_bound_s == pytest.approx(0.045)
+    assert roomy.predicted.time_per_minibatch_s == pytest.approx(alone.predicted.time_per_minibatch_s)
+    assert roomy.gap == alone.gap  # the solver's bound is on the pipeline's own time
