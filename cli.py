@@ -162,6 +162,8 @@ def _profile_table(profile: Any, top: int) -> Any:
 
 
 def _profile_totals(profile: Any, path: Any) -> str:
+    from partitioner.update import UPDATE_KEY, update_ms
+
     mb = 1 / 2**20
     fwd = sum(n.forward_ms for n in profile.nodes)
     bwd = sum(n.backward_ms for n in profile.nodes)
@@ -170,13 +172,17 @@ def _profile_totals(profile: Any, path: Any) -> str:
     params = profile.total_param_bytes
     activations = sum(n.output_bytes for n in profile.nodes) * mb
     saved = sum(n.saved_bytes for n in profile.nodes) * mb
+    updates = ", ".join(
+        f"{name} {update_ms(profile, name):.1f} ms" for name in profile.extra.get(UPDATE_KEY, {})
+    )
     return (
         f"{len(profile.layers)} layers ({profile.tracer}), {params / elem / 1e6:.2f}M params "
         f"({params * mb:.1f} MB), activations {activations:.1f} MB, saved for backward {saved:.1f} MB\n"
         f"forward {fwd:.1f} ms + backward {bwd:.1f} ms = {fwd + bwd:.1f} ms; "
         f"whole step {profile.step_ms or 0:.1f} ms; fidelity {fidelity} "
         f"(batch {profile.batch_size}, {profile.device}, {profile.dtype})\n"
-        f"wrote {path}"
+        + (f"optimizer update of all weights: {updates}\n" if updates else "")
+        + f"wrote {path}"
     )
 
 
@@ -594,6 +600,7 @@ def partition(
     from partitioner.optimizer.simulate import gantt, simulate, write_chrome_trace
     from partitioner.optimizer.units import parse_int_list
     from partitioner.plan import plan_to_json
+    from partitioner.update import with_update_time
 
     path = Path(profile_path) if profile_path else _newest_profile()
     profile = load_profile(path)
@@ -602,6 +609,7 @@ def partition(
             raise PlanError(f"--batch-size must be >= 1, got {batch_size}")
         profile = replace(profile, batch_size=batch_size)
     _check_package_options(profile, weights, init)
+    profile = with_update_time(profile, optimizer)
     cluster = _cpu_hosts(_cluster(gpus, topology, bandwidth, memory), profile, host_cores)
     micro = microbatches if microbatches is not None else (1 if schedule == "pipedream" else 4)
     if (cuts is None) != (replicas is None):
@@ -628,6 +636,14 @@ def partition(
     console = _console()
     console.print(_plan_table(plan, profile))
     console.print(_plan_summary(plan, sim))
+    charged = profile.extra.get("update_charged")
+    if charged:
+        whole = sum(n.param_bytes for n in profile.nodes) * charged["s_per_byte"] * 1e3
+        console.print(
+            f"stage compute includes the {optimizer} update of its weights (the profile measured "
+            f"{whole:.2f} ms for the whole model; --optimizer to plan for another)",
+            soft_wrap=True,
+        )
     first = [e.end_s for e in sim.events if e.stage == 0 and e.kind == "B"]
     until = first[min(2, len(first) - 1)] if plan.schedule == "pipedream" and first else None
     console.print("\n".join(gantt(sim, width=60, until_s=until)), highlight=False, markup=False)
@@ -771,12 +787,13 @@ def calibrate(package: str | None, metrics_path: str | None, output: str | None,
     from partitioner.errors import PipeplanError
     from partitioner.graph import load_profile, save_profile
     from partitioner.plan import load_plan
+    from partitioner.update import with_update_time
 
     folder = Path(package) if package is not None else _newest_run(models_dir)
     plan = load_plan(folder / "plan.json")
     if not plan.profile:
         raise PipeplanError(f"{folder}/plan.json does not name the profile it was planned from")
-    profile = load_profile(plan.profile)
+    profile = with_update_time(load_profile(plan.profile), plan.optimizer)  # as partition priced it
     run = load_run_times(metrics_path or folder / "run" / "metrics.json")
     if run.model and plan.model and run.model != plan.model:
         raise PipeplanError(

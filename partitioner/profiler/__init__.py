@@ -32,6 +32,8 @@ from partitioner.profiler.measure import (
     measure_step,
 )
 from partitioner.profiler.trace import Group, Traced, trace_model
+from partitioner.profiler.update import measure_update
+from partitioner.update import UPDATE_KEY
 
 __all__ = ["profile_model", "resolve_device", "resolve_dtype"]
 
@@ -157,6 +159,7 @@ def _profile(
         )
         samples = before.samples_ms + after.samples_ms
         step = StepCost(statistics.median(samples), samples)
+        update = measure_update(gm, repeats, clock)
     except PipeplanError:
         raise
     except Exception as exc:
@@ -189,6 +192,7 @@ def _profile(
             "non_tensor_edges": non_tensor_edges,
             "loadavg_1min": [load_before, _load()],
             "cpus": os.cpu_count(),
+            UPDATE_KEY: update,
         },
     )
 
