@@ -389,7 +389,11 @@ def _plan_table(plan: Any, profile: Any) -> Any:
                   title_justify="left")  # fmt: skip
     for col in ("stage", "layers", "replicas", "ranks", "compute", "comm", "memory", "util"):
         table.add_column(col, justify="left" if col in ("layers", "ranks") else "right")
-    for s in plan.stages:
+    rows = 24  # as the Gantt: a pipeline of more stages shows its first and last, and how many it left out
+    stages = plan.stages if len(plan.stages) <= rows else [*plan.stages[:16], *plan.stages[-8:]]
+    for s in stages:
+        if s.index == len(plan.stages) - 8 and len(plan.stages) > rows:
+            table.add_row("...", f"{len(plan.stages) - rows} stages not shown", *[""] * 6)
         layers = [n for n in s.nodes if profile.node(n).op != "input"] or list(s.nodes)
         ranks = ",".join(map(str, s.ranks)) if len(s.ranks) <= 6 else f"{s.ranks[0]}..{s.ranks[-1]}"
         busy = s.compute_s / s.replicas + s.comm_s

@@ -9,6 +9,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile
 from partitioner.optimizer.cost import (
@@ -135,12 +137,13 @@ def global_lower_bound(profile: Profile, cluster: Cluster) -> float:
     """No plan beats perfect scaling of the compute, nor the fastest possible stage of one layer."""
     gpus = cluster.gpus
     bw = max(level.bandwidth for level in cluster.levels)
+    r = np.arange(1, gpus + 1, dtype=np.float64)
     single = 0.0
     for node in profile.nodes:
         if node.op == "input":
             continue
         c, p = node.compute_ms / 1000.0, float(node.param_bytes)
-        single = max(single, min((c + 4.0 * (r - 1) * p / (r * bw)) / r for r in range(1, gpus + 1)))
+        single = max(single, float(np.min((c + 4.0 * (r - 1) * p / (r * bw)) / r)))
     return max(layer_compute_s(profile) / gpus, single)
 
 

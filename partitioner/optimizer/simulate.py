@@ -72,7 +72,7 @@ class Simulation:
     steady: bool = True
 
 
-MAX_ACTIONS = 200_000
+MAX_ACTIONS = 100_000
 """Forwards and backwards a default pipedream simulation plays at most (about a second of Python)."""
 
 
@@ -97,6 +97,7 @@ def _durations(plan: Plan, profile: Profile | None) -> tuple[list[float], list[f
     m = plan.microbatches if plan.schedule != "pipedream" else 1
     nodes = {n.id: n for n in profile.nodes} if profile else {}
     fwd, bwd, link = [], [], []
+    out_bytes = _out_bytes(plan, nodes)
     bws = [lv.bandwidth for lv in plan.cluster.levels]
     bw = min(bws)
     for stage in plan.stages:
@@ -111,21 +112,29 @@ def _durations(plan: Plan, profile: Profile | None) -> tuple[list[float], list[f
             total = total / (stage.replicas * m)
         fwd.append(total * f_share)
         bwd.append(total * (1 - f_share))
-        out = _out_bytes(plan, stage.index, nodes)
-        link.append(activation_time(out, stage.replicas, bw) / 2 / m)
+        link.append(activation_time(out_bytes[stage.index], stage.replicas, bw) / 2 / m)
     return fwd, bwd, link
 
 
-def _out_bytes(plan: Plan, index: int, nodes: dict[str, Node]) -> float:
-    if index + 1 >= len(plan.stages) or not nodes:
-        return 0.0
-    later = {n for s in plan.stages[index + 1 :] for n in s.nodes}
-    earlier = {n for s in plan.stages[: index + 1] for n in s.nodes}
-    crossing = {
-        src for nid in later for src in nodes[nid].inputs if src in earlier and nodes[src].op != "input"
-    }
-    total = float(sum(nodes[src].output_bytes for src in crossing))
-    return total
+def _out_bytes(plan: Plan, nodes: dict[str, Node]) -> list[float]:
+    """Per stage, the activation bytes crossing the cut after it: outputs of it or earlier stages read
+    by a later one (an output read two stages on crosses both cuts). Linear in nodes and stages."""
+    stage_of = plan.stage_of()
+    crossing = [0.0] * (len(plan.stages) + 1)  # a difference array over the cuts
+    last_reader: dict[str, int] = {}
+    for nid, k in stage_of.items():
+        for src in nodes[nid].inputs if nid in nodes else ():
+            if src in stage_of and k > stage_of[src]:
+                last_reader[src] = max(last_reader.get(src, 0), k)
+    for src, last in last_reader.items():
+        if nodes[src].op != "input":
+            crossing[stage_of[src]] += nodes[src].output_bytes
+            crossing[last] -= nodes[src].output_bytes
+    out, running = [], 0.0
+    for k in range(len(plan.stages)):
+        running += crossing[k]
+        out.append(running if k + 1 < len(plan.stages) and nodes else 0.0)
+    return out
 
 
 def _play(
@@ -261,8 +270,9 @@ def _simulate_pipedream(plan: Plan, profile: Profile | None, minibatches: int | 
     fwd, bwd, _ = _durations(
         replace(plan, stages=tuple(replace(s, replicas=1) for s in plan.stages)), profile
     )
-    step = [allreduce_time(_params(plan, k, profile), r, bw) for k, r in enumerate(replicas)]
-    link = [activation_time(_out_bytes(plan, k, _nodes(profile)), 1, bw) / 2 for k in range(p)]
+    params = _params(plan, profile)
+    step = [allreduce_time(params[k], r, bw) for k, r in enumerate(replicas)]
+    link = [activation_time(out, 1, bw) / 2 for out in _out_bytes(plan, _nodes(profile))]
     steady_items = 4 * (p + sum(replicas))  # the pipeline fills within about one minibatch per rank
     items = minibatches or min(steady_items, max(8, MAX_ACTIONS // (2 * p)))
     events, held = _play_ranks(build_job("pipedream", replicas, 1, items), fwd, bwd, step, link)
@@ -310,7 +320,8 @@ def _simulate_devices(plan: Plan, profile: Profile | None, minibatches: int | No
     end = max(e.end_s for e in events)
     if sync:
         bws = min(lv.bandwidth for lv in plan.cluster.levels)
-        step = max(allreduce_time(_params(plan, s.index, profile), s.replicas, bws)
+        params = _params(plan, profile)
+        step = max(allreduce_time(params[s.index], s.replicas, bws)
                    for s in plan.stages)  # fmt: skip
         events += [Event(i, "S", 0, end, end + step) for i in range(p)]
         per_minibatch = end + step
@@ -327,11 +338,10 @@ def _simulate_devices(plan: Plan, profile: Profile | None, minibatches: int | No
     return Simulation(tuple(sorted(events, key=lambda e: e.start_s)), per_minibatch, bubble, memory, held)
 
 
-def _params(plan: Plan, index: int, profile: Profile | None) -> float:
-    if profile is None:
-        return 0.0
-    nodes = {n.id: n for n in profile.nodes}
-    return float(sum(nodes[n].param_bytes for n in plan.stages[index].nodes if n in nodes))
+def _params(plan: Plan, profile: Profile | None) -> list[float]:
+    """Parameter bytes per stage (0 without a profile)."""
+    nodes = _nodes(profile)
+    return [float(sum(nodes[n].param_bytes for n in s.nodes if n in nodes)) for s in plan.stages]
 
 
 def _in_flight(events: Sequence[Event], p: int) -> tuple[int, ...]:

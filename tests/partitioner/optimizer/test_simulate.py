@@ -9,7 +9,7 @@ import pytest
 
 from partitioner.optimizer import evaluate
 from partitioner.optimizer.cost import in_flight
-from partitioner.optimizer.simulate import actions, gantt, simulate, write_chrome_trace
+from partitioner.optimizer.simulate import _out_bytes, actions, gantt, simulate, write_chrome_trace
 from partitioner.plan import Cluster
 from tests.partitioner.optimizer.conftest import make_profile
 
@@ -78,3 +78,10 @@ def test_replicated_pipedream_holds_and_takes_what_the_cost_model_prices(replica
         assert sim.time_per_minibatch_s == pytest.approx(0.046, rel=0.02)
     else:
         assert sim.time_per_minibatch_s == pytest.approx(plan.predicted.time_per_minibatch_s, rel=0.02)
+
+
+def test_an_output_read_two_stages_on_crosses_both_cuts() -> None:
+    # l0 (4000 B) is read by l1 and l2; l1 (2000 B) by l2: cut 0 carries l0, cut 1 carries l0 and l1
+    profile = make_profile([(1, 2, 4000, 0), (1, 2, 2000, 0), (1, 2, 0, 0)], [(0, 1), (0, 2), (1, 2)])
+    plan = evaluate(profile, Cluster.flat(3), ["l0", "l1"], [1, 1, 1])
+    assert _out_bytes(plan, {n.id: n for n in profile.nodes}) == [4000.0, 6000.0, 0.0]
