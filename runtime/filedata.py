@@ -9,6 +9,7 @@ fit it (more class folders than outputs, token ids beyond the vocabulary) is ref
 
 from __future__ import annotations
 
+import multiprocessing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -162,6 +163,9 @@ def file_loader(
             "use a smaller --batch-size"
         )
     generator = torch.Generator().manual_seed(seed)
+    # Workers fork from the rank: ranks start under forkserver, whose default would start each rank's
+    # workers from a fresh interpreter that imports torch again (seconds per rank, on the first batch).
+    forks = settings.workers > 0 and "fork" in multiprocessing.get_all_start_methods()
     sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(seed)) if shuffle else None  # type: ignore[arg-type]
     return DataLoader(
         dataset,
@@ -170,5 +174,6 @@ def file_loader(
         drop_last=True,
         num_workers=settings.workers,
         persistent_workers=settings.workers > 0,
+        multiprocessing_context="fork" if forks else None,
         generator=generator,
     )

@@ -68,7 +68,7 @@ def _check_package_and_data(options: RunOptions, job: JobConfig) -> None:
         if list(job.module_stages).count(0) <= 1:  # one module on stage 0 (PipeDream's may chain several)
             check_first_stage(package, inputs, options.data)
         if options.eval_data is not None:
-            held_out = _first_minibatch(options.eval_data, options, job, package, names)
+            held_out = _first_minibatch(options.eval_data, options, job, package, names, "--eval-data")
             for name, a, b in zip(names, inputs, held_out, strict=True):
                 if a.shape != b.shape:
                     raise RunError(
@@ -82,7 +82,12 @@ def _check_package_and_data(options: RunOptions, job: JobConfig) -> None:
 
 
 def _first_minibatch(
-    spec: str, options: RunOptions, job: JobConfig, package: ModuleType, names: Sequence[str]
+    spec: str,
+    options: RunOptions,
+    job: JobConfig,
+    package: ModuleType,
+    names: Sequence[str],
+    option: str = "--data",
 ) -> Sequence[torch.Tensor]:
     """Minibatch 0 of ``spec``'s inputs, checked against the plan, and its targets' rows."""
     settings = DataSettings.of(options, job)
@@ -93,11 +98,11 @@ def _first_minibatch(
         raise
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise RunError(f"--data {spec}: minibatch 0 failed: {type(exc).__name__}: {first}") from exc
+        raise RunError(f"{option} {spec}: minibatch 0 failed: {type(exc).__name__}: {first}") from exc
     check_inputs_match(names, inputs, job.inputs, job.batch_size, spec)
     if not isinstance(targets, torch.Tensor) or targets.shape[:1] != (job.batch_size,):
         got = tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__
-        raise RunError(f"--data {spec}: targets of minibatch 0 are {got}, not {job.batch_size} rows")
+        raise RunError(f"{option} {spec}: targets of minibatch 0 are {got}, not {job.batch_size} rows")
     return inputs
 
 
