@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench clean
+.PHONY: demo demo-gpt test lint typecheck unit bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	bash scripts/demo.sh $(BIN)
+
+demo-gpt: $(STAMP)
+	bash scripts/demo_gpt.sh $(BIN)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -852,7 +852,27 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 @click.option("--schedule", type=click.Choice(["pipedream", "1f1b", "gpipe"]), help="[plan.json]")
 @click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default="auto", show_default=True,
               help="auto: nccl when the ranks have GPUs, gloo on CPU.")  # fmt: skip
-@click.option("--data", default="synthetic", show_default=True, help="synthetic, module:fn or file.py:fn.")
+@click.option("--data", default="synthetic", show_default=True,
+              help="synthetic (the package's example_inputs), module:fn or file.py:fn (a Dataset or "
+              "DataLoader of (input, target)), imagefolder:DIR (DIR/<class>/<image>; sorted class names "
+              "are the targets; images resized to the package's input shape; needs Pillow) or text:FILE "
+              "(next-token windows of --seq-len tokens: bytes, or --tokenizer's ids).")  # fmt: skip
+@click.option("--seq-len", type=click.IntRange(min=1), default=None,
+              help="Tokens per window of text:FILE data "
+              "(input tokens[i:i+N], target tokens[i+1:i+N+1]).")  # fmt: skip
+@click.option("--tokenizer", type=click.Path(path_type=str), default=None,
+              help="A local Hugging Face tokenizer folder for text:FILE data (needs transformers) "
+              "[default: bytes, vocabulary 256]. Its ids must fit the model's vocabulary.")  # fmt: skip
+@click.option("--data-workers", type=click.IntRange(min=0), default=1, show_default=True,
+              help="DataLoader worker processes of each rank that reads imagefolder:/text: data "
+              "(0: the rank reads itself).")  # fmt: skip
+@click.option("--eval-data", default=None, metavar="SPEC",
+              help="Held-out data, any --data form: evaluated forward-only (no dropout) every "
+              "--eval-every steps and at the end; mean loss and class accuracy go to the progress "
+              "line and metrics.json. Weights: those after the step (pipedream drains its pipeline "
+              "there).")  # fmt: skip
+@click.option("--eval-every", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Steps between evaluations of --eval-data (0: only at the end).")  # fmt: skip
 @click.option("--optimizer", metavar="[sgd|adam|adamw]", default="sgd", show_default=True,
               help="adamw: Adam with decoupled weight decay.")  # fmt: skip
 @click.option(
@@ -962,8 +982,13 @@ def _run_and_report(options: Any) -> None:
     with Progress(*columns, console=_console(stderr=True), transient=False) as bar:
         task = bar.add_task(f"training {Path(options.package).name}", total=total)
 
-        def on_progress(step: int, loss: float) -> None:
-            bar.update(task, completed=step, description=f"step {step} loss {loss:.4f}")
+        held_out = ""
+
+        def on_progress(step: int, loss: float, evaluation: dict[str, Any] | None = None) -> None:
+            nonlocal held_out
+            if evaluation is not None:
+                held_out = _eval_text(evaluation)
+            bar.update(task, completed=step, description=f"step {step} loss {loss:.4f}{held_out}")
 
         try:
             metrics = launch(options, on_progress, per_node)
@@ -978,6 +1003,12 @@ def _run_and_report(options: Any) -> None:
             sys.exit(1 if isinstance(exc, JobFailed) else 128 + exc.signum)
     if metrics is not None:
         _print_run_table(metrics, Path(options.run_dir or Path(options.package) / "run") / "metrics.json")
+
+
+def _eval_text(evaluation: dict[str, Any]) -> str:
+    """`` eval 1.2345 (acc 67.8%)`` for the progress line."""
+    accuracy = evaluation.get("accuracy")
+    return f" eval {evaluation['loss']:.4f}" + (f" acc {accuracy:.1%}" if accuracy is not None else "")
 
 
 def _print_run_table(metrics: dict[str, Any], path: object) -> None:
@@ -1012,6 +1043,10 @@ def _print_run_table(metrics: dict[str, Any], path: object) -> None:
     losses = metrics["losses"]
     if losses:
         console.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
+    evals = metrics.get("eval") or []
+    if evals:
+        steps = ", ".join(f"step {e['step']}{_eval_text(e)}" for e in evals)
+        console.print(f"held-out: {steps}", soft_wrap=True)
     console.print(f"metrics: {path}")
     if ratio is None or 0.8 <= ratio <= 1.25:
         return

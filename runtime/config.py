@@ -36,6 +36,8 @@ class JobConfig:
             package's ``model(criterion)``, the criterion last (``[0, 0, 1, 1, 1]`` in PipeDream's
             own packages: two modules on stage 0, two and the criterion on stage 1).
         model: plan.json's model spec (recorded in metrics.json, so calibration can match the two).
+        targets: plan.json's ``extra.targets`` (kind ``classes`` with ``high`` classes, ``next_token``
+            or ``normal``); None when not recorded.
     """
 
     package: Path
@@ -48,6 +50,7 @@ class JobConfig:
     inputs: tuple[dict[str, Any], ...] = ()
     module_stages: tuple[int, ...] = ()
     model: str = ""
+    targets: dict[str, Any] | None = None
 
     @property
     def world_size(self) -> int:
@@ -164,6 +167,7 @@ def load_job(
         inputs=inputs,
         module_stages=modules,
         model=str(plan.get("model") or ""),
+        targets=plan.get("extra", {}).get("targets"),
     )
     return _checked(job)
 

@@ -5,6 +5,7 @@ and only the last reads targets, without sending either through the pipeline.
 the step (a fixed set of minibatches that repeats, so the loss falls as the model fits it). A user
 spec ``module:fn`` or ``path/file.py:fn`` returns a Dataset or DataLoader of ``(input, target)``,
 read in order unless ``shuffle`` (then shuffled per epoch from ``seed``, the same on every rank).
+``imagefolder:DIR`` and ``text:FILE`` are read by :mod:`runtime.filedata` through the same replay.
 """
 
 from __future__ import annotations
@@ -21,15 +22,20 @@ import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 from runtime.errors import RunError
+from runtime.filedata import DataSettings, check_file_spec, file_loader, file_spec, is_file_spec
+from runtime.options import RunOptions
 
 __all__ = [
     "SYNTHETIC_STEPS",
     "Batches",
     "DatasetBatches",
     "SyntheticBatches",
+    "check_data_options",
     "check_data_spec",
     "make_batches",
 ]
+
+_FORMS = "synthetic, module:function, path/file.py:function, imagefolder:DIR or text:FILE"
 
 SYNTHETIC_STEPS = 8
 """Distinct synthetic minibatches; step ``s`` uses minibatch ``s % SYNTHETIC_STEPS`` (one epoch)."""
@@ -143,7 +149,7 @@ class DatasetBatches:
 def _load_factory(spec: str) -> Any:
     where, _, attr = spec.rpartition(":")
     if not where or not attr:
-        raise RunError(f"--data {spec!r}: expected synthetic, module:function or path/file.py:function")
+        raise RunError(f"--data {spec!r}: expected {_FORMS}")
     try:
         if where.endswith(".py"):
             file_spec = importlib.util.spec_from_file_location(Path(where).stem, where)
@@ -162,11 +168,11 @@ def _load_factory(spec: str) -> Any:
 
 def check_data_spec(spec: str) -> None:
     """Fail early, in the launcher, on a ``--data`` spec that names no file or module."""
-    if spec == "synthetic":
+    if spec == "synthetic" or is_file_spec(spec):
         return
     where, _, attr = spec.rpartition(":")
     if not where or not attr:
-        raise RunError(f"--data {spec!r}: expected synthetic, module:function or path/file.py:function")
+        raise RunError(f"--data {spec!r}: expected {_FORMS}")
     if where.endswith(".py"):
         if not Path(where).is_file():
             raise RunError(f"--data: {where} does not exist")
@@ -179,12 +185,38 @@ def check_data_spec(spec: str) -> None:
         raise RunError(f"--data: no module named {where!r}")
 
 
+def check_data_options(options: RunOptions) -> None:
+    """Fail early, in the launcher, on ``--data``/``--eval-data`` specs that cannot be read, and on a data
+    option that the chosen data would ignore."""
+    specs = {"--data": options.data, **({"--eval-data": options.eval_data} if options.eval_data else {})}
+    for option, spec in specs.items():
+        check_data_spec(spec)
+        check_file_spec(spec, DataSettings(options.seq_len, options.tokenizer), option)
+    kinds = {found[0] for found in map(file_spec, specs.values()) if found is not None}
+    if "text" not in kinds:
+        for flag, value in (("--seq-len", options.seq_len), ("--tokenizer", options.tokenizer)):
+            if value is not None:
+                raise RunError(f"{flag} applies to text:FILE data only; give --data text:FILE or drop {flag}")
+    if options.eval_every and options.eval_data is None:
+        raise RunError("--eval-every needs --eval-data SPEC, the held-out data to evaluate")
+
+
 def make_batches(
-    spec: str, package: ModuleType, names: Sequence[str], batch_size: int, seed: int, shuffle: bool
+    spec: str,
+    package: ModuleType,
+    names: Sequence[str],
+    batch_size: int,
+    seed: int,
+    shuffle: bool,
+    settings: DataSettings | None = None,
 ) -> Batches:
-    """The minibatch source named by ``--data``."""
+    """The minibatch source named by ``--data``; ``settings`` serve ``imagefolder:`` and ``text:``."""
     if spec == "synthetic":
         return SyntheticBatches(package, names, batch_size, seed)
+    if is_file_spec(spec):
+        return DatasetBatches(
+            file_loader(spec, settings or DataSettings(), batch_size, seed, shuffle), names, seed, shuffle
+        )
     made = _load_factory(spec)
     aliases = getattr(package, "TENSOR_NAMES", None)
     if isinstance(made, DataLoader):

@@ -17,15 +17,15 @@ import shutil
 import socket
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from runtime import checkpoint
 from runtime.blame import blame
-from runtime.data import check_data_spec
+from runtime.data import check_data_options
 from runtime.errors import Interrupted, RunError
 from runtime.options import RunOptions, to_argv
 from runtime.preflight import preflight
@@ -33,7 +33,13 @@ from runtime.worker import job_of, run_dir, run_rank
 
 __all__ = ["check_launch", "free_port", "launch", "resolve_resume", "schedule_preview", "torchrun_commands"]
 
-Progress = Callable[[int, float], None]
+
+class Progress(Protocol):
+    """Told each step's loss, and after an evaluation its entry (``step``, ``loss``, ``accuracy``)."""
+
+    def __call__(self, step: int, loss: float, evaluation: dict[str, Any] | None = None) -> None: ...
+
+
 log = logging.getLogger(__name__)
 
 
@@ -47,7 +53,7 @@ def free_port() -> int:
 def check_launch(options: RunOptions) -> int:
     """Validate the package, data, output paths and node options before anything starts (see
     :mod:`runtime.preflight`); returns ranks per node."""
-    check_data_spec(options.data)
+    check_data_options(options)
     job = job_of(options)
     if not (job.package / "__init__.py").is_file():
         raise RunError(
@@ -122,7 +128,7 @@ def _forward(path: Path, on_progress: Progress, seen: int) -> int:
             doc = json.loads(line)
         except json.JSONDecodeError:
             break
-        on_progress(int(doc["step"]), float(doc["loss"]))
+        on_progress(int(doc["step"]), float(doc["loss"]), doc.get("eval"))
         seen += 1
     return seen
 

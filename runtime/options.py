@@ -27,7 +27,13 @@ class RunOptions:
         microbatches: microbatches per minibatch; None: plan.json's.
         schedule: pipedream, 1f1b or gpipe; None: plan.json's.
         backend: auto (nccl on CUDA, else gloo), gloo or nccl.
-        data: ``synthetic`` or a ``module:fn`` / ``file.py:fn`` spec of a Dataset or DataLoader.
+        data: ``synthetic``, a ``module:fn`` / ``file.py:fn`` spec of a Dataset or DataLoader,
+            ``imagefolder:DIR`` or ``text:FILE`` (see :mod:`runtime.filedata`).
+        seq_len: tokens per window of ``text:`` data.
+        tokenizer: a local Hugging Face tokenizer folder for ``text:`` data; None: bytes.
+        data_workers: DataLoader worker processes per reading rank for ``imagefolder:``/``text:`` data.
+        eval_data: held-out data (any ``data`` form) evaluated forward-only; None: no evaluation.
+        eval_every: evaluate every this many steps (0: only at the end), with ``eval_data``.
         optimizer: sgd, adam or adamw (see :class:`runtime.optim.OptimSettings` for this and the
             optimizer settings below).
         lr: peak learning rate.
@@ -67,6 +73,11 @@ class RunOptions:
     schedule: str | None = None
     backend: str = "auto"
     data: str = "synthetic"
+    seq_len: int | None = None
+    tokenizer: str | None = None
+    data_workers: int = 1
+    eval_data: str | None = None
+    eval_every: int = 0
     optimizer: str = "sgd"
     lr: float = 0.01
     momentum: float = 0.0

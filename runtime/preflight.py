@@ -20,6 +20,7 @@ import torch
 from runtime.config import JobConfig
 from runtime.data import make_batches
 from runtime.errors import RunError
+from runtime.filedata import DataSettings
 from runtime.options import RunOptions
 from runtime.package import import_package, read_wiring
 
@@ -56,34 +57,53 @@ def check_writable(folder: Path, what: str) -> None:
 
 
 def _check_package_and_data(options: RunOptions, job: JobConfig) -> None:
-    """Import the package fresh (and forget it again: the ranks import their own) and draw one batch."""
+    """Import the package fresh (and forget it again: the ranks import their own) and draw one batch
+    of ``--data`` (and of ``--eval-data``, which must have the same sample shapes)."""
     before = set(sys.modules)
     try:
         package = import_package(job.package)
         wiring = read_wiring(package, job.stages, job.module_stages)
         names = wiring.stage_inputs[0]
-        batches = make_batches(options.data, package, names, job.batch_size, options.seed, options.shuffle)
-        try:
-            inputs, targets = batches.inputs(0), batches.targets(0)
-        except RunError:
-            raise
-        except Exception as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            raise RunError(
-                f"--data {options.data}: minibatch 0 failed: {type(exc).__name__}: {first}"
-            ) from exc
-        check_inputs_match(names, inputs, job.inputs, job.batch_size, options.data)
+        inputs = _first_minibatch(options.data, options, job, package, names)
         if list(job.module_stages).count(0) <= 1:  # one module on stage 0 (PipeDream's may chain several)
             check_first_stage(package, inputs, options.data)
-        if not isinstance(targets, torch.Tensor) or targets.shape[:1] != (job.batch_size,):
-            got = tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__
-            raise RunError(
-                f"--data {options.data}: targets of minibatch 0 are {got}, not {job.batch_size} rows"
-            )
+        if options.eval_data is not None:
+            held_out = _first_minibatch(options.eval_data, options, job, package, names, "--eval-data")
+            for name, a, b in zip(names, inputs, held_out, strict=True):
+                if a.shape != b.shape:
+                    raise RunError(
+                        f"--eval-data {options.eval_data}: input {name} has shape {tuple(b.shape)}, --data "
+                        f"{tuple(a.shape)}; the pipeline sends fixed shapes, so give both the same"
+                    )
     finally:
         for name in set(sys.modules) - before:
             if name.startswith("pipeplan_pkg_"):
                 del sys.modules[name]
+
+
+def _first_minibatch(
+    spec: str,
+    options: RunOptions,
+    job: JobConfig,
+    package: ModuleType,
+    names: Sequence[str],
+    option: str = "--data",
+) -> Sequence[torch.Tensor]:
+    """Minibatch 0 of ``spec``'s inputs, checked against the plan, and its targets' rows."""
+    settings = DataSettings.of(options, job)
+    batches = make_batches(spec, package, names, job.batch_size, options.seed, options.shuffle, settings)
+    try:
+        inputs, targets = batches.inputs(0), batches.targets(0)
+    except RunError:
+        raise
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise RunError(f"{option} {spec}: minibatch 0 failed: {type(exc).__name__}: {first}") from exc
+    check_inputs_match(names, inputs, job.inputs, job.batch_size, spec)
+    if not isinstance(targets, torch.Tensor) or targets.shape[:1] != (job.batch_size,):
+        got = tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__
+        raise RunError(f"{option} {spec}: targets of minibatch 0 are {got}, not {job.batch_size} rows")
+    return inputs
 
 
 def check_inputs_match(

@@ -210,6 +210,10 @@ class StageRuntime:
                 for peer in self.cfg.job.stage_ranks[k]:
                     self.comm.send_meta(peer, [self.out_meta[n] for n in names])
 
+    def run_stage(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The stage on named inputs with its live weights, outputs by name (forward-only evaluation)."""
+        return self._run(named, None)
+
     def _run(
         self, named: dict[str, torch.Tensor], params: dict[str, torch.Tensor] | None
     ) -> dict[str, torch.Tensor]:

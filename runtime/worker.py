@@ -27,6 +27,8 @@ from runtime.comm import Comm
 from runtime.config import JobConfig, RankConfig, load_job
 from runtime.data import Batches, make_batches
 from runtime.errors import PeerLost, RunError
+from runtime.evaluate import EvalResult, Evaluator, eval_steps, segments
+from runtime.filedata import DataSettings
 from runtime.lifeline import die_with, wake_siblings
 from runtime.metrics import RankMetrics, Recorder, summarize, write_json_atomic, write_trace
 from runtime.optim import Clip, OptimSettings, check_resume, counted_params, make_optimizer, make_scheduler
@@ -107,6 +109,7 @@ class _Clock:
     def __post_init__(self) -> None:
         self.times: list[float] = []
         self.losses: list[float] = []
+        self.evals: list[EvalResult] = []
         self.start()
 
     def start(self) -> None:
@@ -125,9 +128,21 @@ class _Clock:
                     f"the loss is {loss} at step {step + 1}: training diverged; lower --lr, or check the data"
                 )
             self.losses.append(loss)
-            if self.progress is not None:
-                with self.progress.open("a", encoding="utf-8") as handle:
-                    handle.write(json.dumps({"step": step + 1, "loss": loss}) + "\n")
+            self._write({"step": step + 1, "loss": loss})
+
+    def evaluated(self, result: EvalResult | None, seconds: float) -> None:
+        """Leave an evaluation's ``seconds`` out of the next step's time; keep its result (the reporting
+        rank's) and show it in the progress line."""
+        self.last += seconds
+        if result is not None:
+            self.evals.append(result)
+            last = self.losses[-1] if self.losses else float("nan")
+            self._write({"step": result.step, "loss": last, "eval": result.record()})
+
+    def _write(self, line: dict[str, Any]) -> None:
+        if self.progress is not None:
+            with self.progress.open("a", encoding="utf-8") as handle:
+                handle.write(json.dumps(line) + "\n")
 
 
 def _warn_idle_replicas(job: JobConfig) -> None:
@@ -153,8 +168,9 @@ def _build(options: RunOptions, cfg: RankConfig, device: torch.device, clock: _C
     module.train()
     criterion = pkg.criterion().to(device) if cfg.is_last else None
     timeout = timedelta(seconds=options.timeout)
+    names, reading = wiring.stage_inputs[0], DataSettings.of(options, cfg.job)
     batches = make_batches(
-        options.data, pkg, wiring.stage_inputs[0], cfg.job.batch_size, options.seed, options.shuffle
+        options.data, pkg, names, cfg.job.batch_size, options.seed, options.shuffle, reading
     )
     settings = OptimSettings.of(options)
     optimizer = make_optimizer(settings, module.parameters())
@@ -228,20 +244,43 @@ def _segments(start: int, total: int, every: int) -> list[tuple[int, int]]:
     return out
 
 
+def _evaluator(options: RunOptions, rt: StageRuntime) -> Evaluator | None:
+    """The held-out data of ``--eval-data`` (on every rank: the middle stages need its length).
+    Synthetic held-out data is drawn with another seed than training's."""
+    if options.eval_data is None:
+        return None
+    pkg, job = import_package(rt.cfg.job.package), rt.cfg.job
+    seed = options.seed + 1 if options.eval_data == "synthetic" else options.seed
+    settings = DataSettings.of(options, job)
+    data = make_batches(
+        options.eval_data, pkg, rt.wiring.stage_inputs[0], job.batch_size, seed, False, settings
+    )
+    return Evaluator(rt, data, data.steps_per_epoch)
+
+
 def _train(options: RunOptions, rt: StageRuntime, total: int) -> None:
     job, cfg = rt.cfg.job, rt.cfg
     start, rng = _start_step(options, rt)
     rt.setup()
     if rng is not None:
         checkpoint.set_rng_state(rng)
-    if isinstance(rt.on_step, _Clock):
-        rt.on_step.start()
-    for first, count in _segments(start, total, options.checkpoint_every):
+    clock = rt.on_step if isinstance(rt.on_step, _Clock) else None
+    if clock is not None:
+        clock.start()
+    evaluator = _evaluator(options, rt)
+    saves = {first + count for first, count in _segments(start, total, options.checkpoint_every)}
+    evals = eval_steps(start, total, options.eval_every) if evaluator is not None else ()
+    for first, count in segments(start, total, sorted(saves | set(evals))):
         replicas = [len(r) for r in job.stage_ranks]
         actions = schedule.build_job(job.schedule, replicas, job.microbatches, count, first)
         rt.play(actions[cfg.stage][cfg.replica], first)
-        if options.checkpoint_dir:
+        if options.checkpoint_dir and first + count in saves:
             _save(options, rt, first + count)
+        if evaluator is not None and first + count in evals:
+            began = time.perf_counter()
+            result = evaluator(first + count)
+            if clock is not None:
+                clock.evaluated(result, time.perf_counter() - began)
 
 
 def share_cores() -> None:
@@ -329,7 +368,7 @@ def _finish(options: RunOptions, rt: StageRuntime, clock: _Clock) -> dict[str, A
     )
     gathered: list[Any] = [None] * rt.cfg.job.world_size
     dist.gather_object(
-        (mine, rt.recorder.events, rt.stash_log, rt.step_versions),
+        (mine, rt.recorder.events, rt.stash_log, rt.step_versions, [e.record() for e in clock.evals]),
         gathered if rt.cfg.rank == 0 else None,
         dst=0,
     )
@@ -342,6 +381,7 @@ def _finish(options: RunOptions, rt: StageRuntime, clock: _Clock) -> dict[str, A
     doc["model"] = rt.cfg.job.model
     doc["stash_log"] = {g[0].rank: g[2] for g in gathered}
     doc["step_versions"] = {g[0].rank: g[3] for g in gathered}
+    doc["eval"] = [e for g in gathered for e in g[4]]
     write_json_atomic(run_dir(options) / "metrics.json", doc)
     if options.trace:
         write_trace(Path(options.trace), [g[1] for g in gathered])

@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 from cli import main
 from tests.data import PIPEDREAM_PROFILES
+from tests.runtime.generated import generate
 from tests.runtime.packages import write_package
 
 Row = Callable[[Path], list[str]]
@@ -117,6 +118,29 @@ def _data(tmp: Path, body: str) -> list[str]:
     return _run(tmp, "--data", f"{path}:make")
 
 
+def _images(tmp: Path, classes: tuple[str, ...] = (), *args: str) -> list[str]:
+    """An image folder with these (empty) class folders."""
+    for name in classes:
+        (tmp / "images" / name).mkdir(parents=True)
+    (tmp / "images").mkdir(exist_ok=True)
+    return _run(tmp, "--data", f"imagefolder:{tmp / 'images'}", *args)
+
+
+def _text(tmp: Path, size: int, *args: str) -> list[str]:
+    (tmp / "t.txt").write_bytes(b"abcdefgh" * (size // 8))
+    return _run(tmp, "--data", f"text:{tmp / 't.txt'}", *args)
+
+
+def _tiny_gpt(tmp: Path, data: str, *args: str) -> list[str]:
+    """A generated tiny-gpt package (vocabulary 97, sequences of 8) and a text of lowercase letters."""
+    pkg = generate(tmp / "gpt", "tiny-gpt", (1, 1), batch_size=4, input_shape=(8,))
+    (tmp / "t.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 20)
+    (tmp / "images" / "cat").mkdir(parents=True)
+    (tmp / "images" / "cat" / "a.png").write_bytes(b"")
+    spec = data.replace("TEXT", str(tmp / "t.txt")).replace("IMAGES", str(tmp / "images"))
+    return ["run", str(pkg), "--steps", "1", "--data", spec, *args]
+
+
 def _inconsistent_plan(tmp: Path) -> list[str]:
     pkg = _package(tmp)
     plan = json.loads((pkg / "plan.json").read_text())
@@ -213,6 +237,39 @@ ROWS: dict[str, tuple[Row, str]] = {
         "batch",
     ),
     "run: plan.json disagrees with mp_conf.json": (_inconsistent_plan, "mp_conf.json"),
+    "run: imagefolder missing": (lambda t: _run(t, "--data", f"imagefolder:{t / 'nope'}"), "no such folder"),
+    "run: imagefolder empty": (lambda t: _images(t), "no class folders"),
+    "run: imagefolder class without images": (lambda t: _images(t, ("cat", "dog")), "holds no image"),
+    "run: imagefolder for a token model": (lambda t: _tiny_gpt(t, "imagefolder:IMAGES"), "not an image"),
+    "run: text missing": (lambda t: _run(t, "--data", "text:nope.txt", "--seq-len", "4"), "no such file"),
+    "run: text without --seq-len": (lambda t: _text(t, 64), "--seq-len"),
+    "run: --seq-len 0 (click)": (lambda t: _text(t, 64, "--seq-len", "0"), "--seq-len"),
+    "run: --seq-len -3 (click)": (lambda t: _text(t, 64, "--seq-len", "-3"), "--seq-len"),
+    "run: text shorter than a minibatch": (lambda t: _text(t, 64, "--seq-len", "16"), "minibatch"),
+    "run: token ids beyond the vocabulary": (
+        lambda t: _tiny_gpt(t, "text:TEXT", "--seq-len", "8"),
+        "vocabulary of 97",
+    ),
+    "run: --tokenizer folder missing": (
+        lambda t: _text(t, 640, "--seq-len", "4", "--tokenizer", str(t / "tok")),
+        "--tokenizer",
+    ),
+    "run: --seq-len without text data": (lambda t: _run(t, "--seq-len", "8"), "--seq-len"),
+    "run: --tokenizer without text data": (lambda t: _run(t, "--tokenizer", str(t)), "--tokenizer"),
+    "run: --data-workers -1 (click)": (lambda t: _run(t, "--data-workers", "-1"), "--data-workers"),
+    "run: --eval-every without --eval-data": (lambda t: _run(t, "--eval-every", "2"), "--eval-data"),
+    "run: --eval-data missing": (
+        lambda t: _run(t, "--eval-data", "text:nope.txt", "--seq-len", "4"),
+        "--eval-data",
+    ),
+    "run: --eval-data of another shape": (
+        lambda t: _run(
+            t,
+            "--eval-data",
+            _data(t, "def make():\n    return TensorDataset(torch.randn(8, 5), torch.randn(8, 3))\n")[-1],
+        ),
+        "--eval-data",
+    ),
     "run: --lr nan": (lambda t: _run(t, "--lr", "nan"), "--lr"),
     "run: --lr inf": (lambda t: _run(t, "--lr", "inf"), "--lr"),
     "run: --momentum nan": (lambda t: _run(t, "--momentum", "nan"), "--momentum"),

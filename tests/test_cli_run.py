@@ -142,3 +142,48 @@ def test_two_nodes_on_one_machine_train_like_torchrun(tmp_path: Path) -> None:
         *(f"rank{r}.pt" for r in range(4)),
         *(f"stage{k}.pt" for k in range(4)),
     ]
+
+
+@pytest.mark.slow
+def test_text_data_trains_a_gpt_with_held_out_evaluation(tmp_path: Path) -> None:
+    """A generated tiny-gpt (vocabulary 97) learns a text of characters below 97 byte by byte; the
+    held-out loss and next-token accuracy reach the progress line and metrics.json."""
+    from tests.runtime.generated import generate
+
+    pkg = generate(tmp_path / "gpt", "tiny-gpt", (1, 1), "pipedream", batch_size=4, input_shape=(8,))
+    (tmp_path / "train.txt").write_text("ABCDEFGHIJ0123456789\n" * 40)
+    (tmp_path / "held.txt").write_text("ABCDEFGHIJ0123456789\n" * 4)
+    args = ["--data", f"text:{tmp_path / 'train.txt'}", "--seq-len", "8", "--shuffle", "--optimizer", "adam"]
+    args += ["--eval-data", f"text:{tmp_path / 'held.txt'}", "--eval-every", "10", "--lr", "0.01"]
+    result = CliRunner().invoke(main, ["run", str(pkg), "--steps", "25", "--timeout", "30", *args])
+    assert result.exit_code == 0, result.output
+    metrics = json.loads((pkg / "run" / "metrics.json").read_text())
+    evals = metrics["eval"]
+    assert [e["step"] for e in evals] == [10, 20, 25]
+    assert evals[0]["samples"] == 8  # 84 bytes: 10 windows of 8, 2 full minibatches
+    assert evals[-1]["loss"] < evals[0]["loss"] and evals[-1]["accuracy"] > evals[0]["accuracy"]
+    assert metrics["losses"][-1] < metrics["losses"][0]
+    assert "held-out: step 10 eval" in result.output
+
+
+@pytest.mark.slow
+def test_an_image_folder_trains_a_cnn(tmp_path: Path) -> None:
+    """Images of two sizes and modes, resized to the package's 3x16x16, classes from folder names."""
+    from PIL import Image
+
+    from tests.runtime.generated import generate
+
+    pkg = generate(tmp_path / "cnn", "tiny-cnn", (1, 1), batch_size=4)
+    for k, (name, colour) in enumerate([("blue", (0, 0, 255)), ("red", (255, 0, 0))]):
+        (tmp_path / "images" / name).mkdir(parents=True)
+        for i in range(4):
+            Image.new("RGB", (20 + 3 * i, 12), colour).save(tmp_path / "images" / name / f"{i}.png")
+        Image.new("L", (9, 9), 60 + 120 * k).save(tmp_path / "images" / name / "grey.png")
+    spec = f"imagefolder:{tmp_path / 'images'}"
+    args = ["--data", spec, "--eval-data", spec, "--shuffle", "--lr", "0.05", "--data-workers", "2"]
+    result = CliRunner().invoke(main, ["run", str(pkg), "--epochs", "3", "--timeout", "30", *args])
+    assert result.exit_code == 0, result.output
+    metrics = json.loads((pkg / "run" / "metrics.json").read_text())
+    assert metrics["steps"] == 3 * (10 // 4)
+    (final,) = metrics["eval"]
+    assert final["step"] == 6 and final["samples"] == 8 and 0 <= final["accuracy"] <= 1

@@ -50,6 +50,7 @@ ZOO: dict[str, ZooEntry] = {
     "resnet152": ZooEntry(resnet.resnet152, _IMAGE, False, 1000, "ResNet-152, 60.2M params"),
     "gpt2": ZooEntry(gpt2.gpt2, (128,), True, 50257, "GPT-2 small, 124.4M params, tied LM head"),
     "gpt2-medium": ZooEntry(gpt2.gpt2_medium, (128,), True, 50257, "GPT-2 medium, 354.8M params"),
+    "byte-gpt": ZooEntry(gpt2.byte_gpt, (64,), True, 256, "4-block GPT over bytes (vocabulary 256), 0.86M"),
     "tiny-mlp": ZooEntry(tiny.tiny_mlp, (16,), False, 10, "3 linear layers (tests)"),
     "tiny-cnn": ZooEntry(tiny.tiny_cnn, (3, 16, 16), False, 10, "CNN with a residual (tests)"),
     "tiny-skip": ZooEntry(tiny.tiny_skip, (16,), False, 10, "linears with a 3-layer skip (tests)"),

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "GPTConfig", "gpt2", "gpt2_medium", "tiny_gpt"]
+__all__ = ["GPT", "GPTConfig", "byte_gpt", "gpt2", "gpt2_medium", "tiny_gpt"]
 
 
 @dataclass(frozen=True)
@@ -139,3 +139,9 @@ def gpt2_medium() -> GPT:
 def tiny_gpt() -> GPT:
     """Two 32-wide blocks over a 97-token vocabulary: fast enough for tests, same structure as GPT-2."""
     return GPT(GPTConfig(vocab_size=97, n_positions=64, n_embd=32, n_layer=2, n_head=2))
+
+
+def byte_gpt() -> GPT:
+    """Four 128-wide blocks over bytes (a vocabulary of 256, so ``--data text:FILE`` needs no
+    tokenizer), sequences up to 256, no dropout: 0.86M parameters, trained in minutes on a CPU."""
+    return GPT(GPTConfig(vocab_size=256, n_positions=256, n_embd=128, n_layer=4, n_head=4, dropout=0.0))
