@@ -359,7 +359,8 @@ def _plan_table(plan: Any, profile: Any) -> Any:
     slowest = max((s.compute_s / s.replicas + s.comm_s for s in plan.stages), default=1.0) or 1.0
     table = Table(title=f"{plan.model}: {len(plan.stages)} stages on {plan.gpus} GPUs ({plan.schedule})",
                   title_justify="left")  # fmt: skip
-    for col in ("stage", "layers", "replicas", "ranks", "compute", "comm", "memory", "util"):
+    cols = ("stage", "layers", "replicas", "ranks", "compute", "comm", "memory", "recompute", "util")
+    for col in cols:
         table.add_column(col, justify="left" if col in ("layers", "ranks") else "right")
     for s in plan.stages:
         layers = [n for n in s.nodes if profile.node(n).op != "input"] or list(s.nodes)
@@ -367,7 +368,8 @@ def _plan_table(plan: Any, profile: Any) -> Any:
         busy = s.compute_s / s.replicas + s.comm_s
         table.add_row(str(s.index), f"{names[layers[0]]} .. {names[layers[-1]]} ({len(layers)})",
                       str(s.replicas), ranks, f"{s.compute_s * 1e3:.2f} ms", f"{s.comm_s * 1e3:.2f} ms",
-                      gib(s.memory_bytes), f"{100 * busy / slowest:.0f}%")  # fmt: skip
+                      gib(s.memory_bytes), "yes" if s.recompute else "no",
+                      f"{100 * busy / slowest:.0f}%")  # fmt: skip
     return table
 
 
@@ -393,24 +395,33 @@ def _plan_summary(plan: Any, sim: Any) -> str:
     )
 
 
-def _explain(profile: Any, cluster: Any, plan: Any, schedule: str, micro: int, optimizer: str) -> Any:
+def _explain(
+    profile: Any, cluster: Any, plan: Any, schedule: str, micro: int, optimizer: str, recompute: str
+) -> Any:
     from rich.table import Table
 
     from partitioner.optimizer.baselines import baselines
 
-    table = Table(title="alternatives", title_justify="left")
-    for col in ("plan", "stages", "replicas", "ms/minibatch", "vs chosen"):
-        table.add_column(col, justify="left" if col in ("plan", "replicas") else "right")
-    rows = [("chosen", plan), *baselines(profile, cluster, schedule, micro, optimizer).items()]
+    table = Table(title=f"alternatives (--recompute {recompute})", title_justify="left")
+    for col in ("plan", "stages", "replicas", "recomputing stages", "ms/minibatch", "vs chosen"):
+        table.add_column(
+            col, justify="left" if col in ("plan", "replicas", "recomputing stages") else "right"
+        )
+    rows = [("chosen", plan), *baselines(profile, cluster, schedule, micro, optimizer, recompute).items()]
     for name, alt in rows:
         if alt is None:
-            table.add_row(name, "-", "does not fit", "-", "-")
+            table.add_row(name, "-", "does not fit", "-", "-", "-")
             continue
         t = alt.predicted.time_per_minibatch_s
-        reps = ",".join(str(s.replicas) for s in alt.stages)
-        table.add_row(name, str(len(alt.stages)), reps if len(reps) < 40 else reps[:37] + "...",
+        reps = _short(",".join(str(s.replicas) for s in alt.stages))
+        again = _short(",".join(str(s.index) for s in alt.stages if s.recompute) or "none")
+        table.add_row(name, str(len(alt.stages)), reps, again,
                       f"{t * 1e3:.3f}", f"{t / plan.predicted.time_per_minibatch_s:.2f}x")  # fmt: skip
     return table
+
+
+def _short(text: str) -> str:
+    return text if len(text) < 40 else text[:37] + "..."
 
 
 def _check_package_options(profile: Any, weights: str | None, init: str) -> None:
@@ -485,6 +496,12 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
               show_default=True, help="Training optimizer, for the memory model: state kept per weight byte "
               "(sgd none, momentum 1, adam and adamw 2).")  # fmt: skip
 @click.option("--straight", is_flag=True, help="No replication: one device per stage.")
+@click.option("--recompute", type=click.Choice(["none", "all", "auto"]), default="none", show_default=True,
+              help="Activation recomputation: a recomputing stage keeps only its inputs per microbatch in "
+              "flight and runs its forward again in backward (more compute, less memory). none; all "
+              "stages; auto: the plan without it if one fits --memory, else recompute exactly the stages "
+              "that do not fit without it. Recorded per stage in plan.json; `pipeplan run` obeys "
+              "it.")  # fmt: skip
 @click.option("--solver", type=click.Choice(["dp", "ilp"]), default="dp", show_default=True,
               help="dp: exact search (optimal where it can list every downset); ilp: the same problem "
               "in pulp, for cross-checks on small profiles (one level).")  # fmt: skip
@@ -533,8 +550,9 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
 def partition(
     profile_path: str | None, gpus: int | None, topology: str | None, bandwidth: str | None,
     memory: str | None, schedule: str, microbatches: int | None, optimizer: str, straight: bool,
-    solver: str, cuts: str | None, replicas: str | None, explain: bool, trace_path: str | None,
-    batch_size: int | None, no_comm: bool, weights: str | None, init: str, as_json: bool, output: str,
+    recompute: str, solver: str, cuts: str | None, replicas: str | None, explain: bool,
+    trace_path: str | None, batch_size: int | None, no_comm: bool, weights: str | None, init: str,
+    as_json: bool, output: str,
 ) -> None:  # fmt: skip
     """Choose pipeline stages and replicas for a profile -> plan.json + mp_conf.json (+ stage code).
 
@@ -570,11 +588,11 @@ def partition(
     if cuts is not None and replicas is not None:
         layers = [c.strip() for c in cuts.split(",") if c.strip()]
         counts = parse_int_list(replicas, "--replicas")
-        plan = evaluate(profile, cluster, layers, counts, schedule, micro, optimizer, not no_comm)
+        plan = evaluate(profile, cluster, layers, counts, schedule, micro, optimizer, not no_comm, recompute)
     else:
         if len(profile.layers) < 1:
             raise PlanError("the profile has no layers")
-        plan = solve(profile, cluster, schedule, micro, optimizer, straight, solver, not no_comm)
+        plan = solve(profile, cluster, schedule, micro, optimizer, straight, solver, not no_comm, recompute)
     _check_replicas(plan)
     plan = replace(plan, profile=str(path))
     name = profile.model if profile.tracer == "pipedream" else _model_name(profile.model)
@@ -593,7 +611,7 @@ def partition(
     until = first[min(2, len(first) - 1)] if plan.schedule == "pipedream" and first else None
     console.print("\n".join(gantt(sim, width=60, until_s=until)), highlight=False, markup=False)
     if explain:
-        console.print(_explain(profile, cluster, plan, schedule, micro, optimizer))
+        console.print(_explain(profile, cluster, plan, schedule, micro, optimizer, recompute))
     asked = plan.extra.get("microbatches_asked")
     if asked:
         console.print(

@@ -154,3 +154,14 @@ def test_microbatch_note_names_the_profile_to_take(tmp_path: Path) -> None:
     assert code == 0 and "--microbatch-size 2" in out
     code, out, _ = _run(*args)
     assert code == 0 and "--microbatch-size" not in out  # pipedream runs whole minibatches
+
+
+def test_recompute_is_recorded_and_shown(graph: Path, tmp_path: Path) -> None:
+    code, out, _ = _run("partition", "--profile", str(graph), "--gpus", "2", "--schedule", "gpipe",
+                        "--recompute", "all", "--explain", "-o", str(tmp_path / "m"))  # fmt: skip
+    assert code == 0, out
+    plan = load_plan(tmp_path / "m" / "toy" / "gpus=2" / "plan.json")
+    assert all(s.recompute for s in plan.stages) and plan.extra["recompute"] == "all"
+    assert "recompute" in out and "alternatives (--recompute all)" in out
+    code, out, _ = _run("partition", "--help")
+    assert "--recompute [none|all|auto]" in out
