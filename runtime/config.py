@@ -36,6 +36,9 @@ class JobConfig:
             package's ``model(criterion)``, the criterion last (``[0, 0, 1, 1, 1]`` in PipeDream's
             own packages: two modules on stage 0, two and the criterion on stage 1).
         model: plan.json's model spec (recorded in metrics.json, so calibration can match the two).
+        recompute: per stage, whether it recomputes its forward in backward (plan.json's stages'
+            ``recompute``; absent: none).
+        predicted_memory_bytes: per stage, plan.json's predicted peak bytes per device (absent: ()).
     """
 
     package: Path
@@ -48,6 +51,8 @@ class JobConfig:
     inputs: tuple[dict[str, Any], ...] = ()
     module_stages: tuple[int, ...] = ()
     model: str = ""
+    recompute: tuple[bool, ...] = ()
+    predicted_memory_bytes: tuple[int, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -87,6 +92,11 @@ class RankConfig:
     def replica_ranks(self) -> tuple[int, ...]:
         """Ranks of this stage's replicas (its gradient all-reduce group)."""
         return self.job.stage_ranks[self.stage]
+
+    @property
+    def recompute(self) -> bool:
+        """Whether this rank's stage recomputes its forward in backward."""
+        return bool(self.job.recompute) and self.job.recompute[self.stage]
 
     @property
     def is_first(self) -> bool:
@@ -164,8 +174,18 @@ def load_job(
         inputs=inputs,
         module_stages=modules,
         model=str(plan.get("model") or ""),
+        recompute=_per_stage(plan, "recompute", folder),
+        predicted_memory_bytes=tuple(int(s.get("memory_bytes") or 0) for s in plan.get("stages") or ()),
     )
     return _checked(job)
+
+
+def _per_stage(plan: Any, key: str, folder: Path) -> tuple[bool, ...]:
+    """A boolean per stage from plan.json (False where a stage, or the whole plan, lacks it)."""
+    flags = tuple(s.get(key, False) for s in plan.get("stages") or ())
+    if not all(isinstance(f, bool) for f in flags):
+        raise RunError(f"{folder}/plan.json: every stage's {key!r} must be true or false, got {list(flags)}")
+    return flags
 
 
 def _check_plan_matches(plan: Any, ranks: tuple[tuple[int, ...], ...], folder: Path) -> None:
