@@ -966,6 +966,8 @@ def _print_run_table(metrics: dict[str, Any], path: object) -> None:
     console = _console()
     console.print(table)
     console.print(ranks)
+    if metrics.get("memory"):
+        console.print(_memory_table(metrics["memory"]))
     losses = metrics["losses"]
     if losses:
         console.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
@@ -985,6 +987,23 @@ def _print_run_table(metrics: dict[str, Any], path: object) -> None:
             "stage times back into the profile, so the next `pipeplan partition` plans with them",
             soft_wrap=True,
         )
+
+
+def _memory_table(memory: dict[str, Any]) -> Any:
+    """Per stage: the peak memory its ranks measured next to the plan's prediction."""
+    from rich.table import Table
+
+    from partitioner.optimizer.build import gib
+
+    table = Table(title=f"peak memory per device ({memory['method']}, first {memory['window_minibatches']} "
+                  "minibatches)")  # fmt: skip
+    for col in ("stage", "measured", "predicted (plan.json)", "measured/predicted"):
+        table.add_column(col, justify="right")
+    for s in memory["stages"]:
+        got, want, ratio = s["measured_peak_bytes"], s["predicted_bytes"], s["ratio_measured_over_predicted"]
+        table.add_row(str(s["stage"]), gib(got) if got is not None else "-", gib(want) if want else "-",
+                      f"{ratio:.2f}" if ratio is not None else "-")  # fmt: skip
+    return table
 
 
 def _cores() -> int:
