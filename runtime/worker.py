@@ -239,7 +239,7 @@ def _train(options: RunOptions, rt: StageRuntime, total: int) -> None:
     if rng is not None:
         checkpoint.set_rng_state(rng)
     if isinstance(rt.on_step, _Clock):
-        rt.on_step.memory = PeakMemory(rt.comm.device, 2 * job.stages + 2)
+        rt.on_step.memory = PeakMemory(rt.comm.device, job.world_size + 1)
         rt.on_step.memory.start(rt.module, rt.optimizer)
         rt.on_step.start()
     for first, count in _segments(start, total, options.checkpoint_every):
