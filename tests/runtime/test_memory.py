@@ -53,6 +53,7 @@ def test_report_per_stage() -> None:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe"])
 def test_a_run_records_each_ranks_peak_next_to_the_prediction(tmp_path: Path, schedule: str) -> None:
     pkg = write_package(

@@ -35,6 +35,7 @@ def _package(folder: Path, schedule: str, recompute: bool) -> Path:
     return pkg
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "pipedream"])
 def test_recompute_gives_the_gradients_of_keeping_activations(tmp_path: Path, schedule: str) -> None:
     """lr 1 and plain SGD: each step moves the weights by exactly the gradient, so equal weights after
