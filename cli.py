@@ -387,19 +387,21 @@ def _plan_table(plan: Any, profile: Any) -> Any:
     slowest = max((s.compute_s / s.replicas + s.comm_s for s in plan.stages), default=1.0) or 1.0
     table = Table(title=f"{plan.model}: {len(plan.stages)} stages on {plan.gpus} GPUs ({plan.schedule})",
                   title_justify="left")  # fmt: skip
-    for col in ("stage", "layers", "replicas", "ranks", "compute", "comm", "memory", "util"):
+    cols = ("stage", "layers", "replicas", "ranks", "compute", "comm", "memory", "recompute", "util")
+    for col in cols:
         table.add_column(col, justify="left" if col in ("layers", "ranks") else "right")
     rows = 24  # as the Gantt: a pipeline of more stages shows its first and last, and how many it left out
     stages = plan.stages if len(plan.stages) <= rows else [*plan.stages[:16], *plan.stages[-8:]]
     for s in stages:
         if s.index == len(plan.stages) - 8 and len(plan.stages) > rows:
-            table.add_row("...", f"{len(plan.stages) - rows} stages not shown", *[""] * 6)
+            table.add_row("...", f"{len(plan.stages) - rows} stages not shown", *[""] * (len(cols) - 2))
         layers = [n for n in s.nodes if profile.node(n).op != "input"] or list(s.nodes)
         ranks = ",".join(map(str, s.ranks)) if len(s.ranks) <= 6 else f"{s.ranks[0]}..{s.ranks[-1]}"
         busy = s.compute_s / s.replicas + s.comm_s
         table.add_row(str(s.index), f"{names[layers[0]]} .. {names[layers[-1]]} ({len(layers)})",
                       str(s.replicas), ranks, f"{s.compute_s * 1e3:.2f} ms", f"{s.comm_s * 1e3:.2f} ms",
-                      gib(s.memory_bytes), f"{100 * busy / slowest:.0f}%")  # fmt: skip
+                      gib(s.memory_bytes), "yes" if s.recompute else "no",
+                      f"{100 * busy / slowest:.0f}%")  # fmt: skip
     return table
 
 
@@ -433,24 +435,33 @@ def _plan_summary(plan: Any, sim: Any) -> str:
     )
 
 
-def _explain(profile: Any, cluster: Any, plan: Any, schedule: str, micro: int, optimizer: str) -> Any:
+def _explain(
+    profile: Any, cluster: Any, plan: Any, schedule: str, micro: int, optimizer: str, recompute: str
+) -> Any:
     from rich.table import Table
 
     from partitioner.optimizer.baselines import baselines
 
-    table = Table(title="alternatives", title_justify="left")
-    for col in ("plan", "stages", "replicas", "ms/minibatch", "vs chosen"):
-        table.add_column(col, justify="left" if col in ("plan", "replicas") else "right")
-    rows = [("chosen", plan), *baselines(profile, cluster, schedule, micro, optimizer).items()]
+    table = Table(title=f"alternatives (--recompute {recompute})", title_justify="left")
+    for col in ("plan", "stages", "replicas", "recomputing stages", "ms/minibatch", "vs chosen"):
+        table.add_column(
+            col, justify="left" if col in ("plan", "replicas", "recomputing stages") else "right"
+        )
+    rows = [("chosen", plan), *baselines(profile, cluster, schedule, micro, optimizer, recompute).items()]
     for name, alt in rows:
         if alt is None:
-            table.add_row(name, "-", "does not fit", "-", "-")
+            table.add_row(name, "-", "does not fit", "-", "-", "-")
             continue
         t = alt.predicted.time_per_minibatch_s
-        reps = ",".join(str(s.replicas) for s in alt.stages)
-        table.add_row(name, str(len(alt.stages)), reps if len(reps) < 40 else reps[:37] + "...",
+        reps = _short(",".join(str(s.replicas) for s in alt.stages))
+        again = _short(",".join(str(s.index) for s in alt.stages if s.recompute) or "none")
+        table.add_row(name, str(len(alt.stages)), reps, again,
                       f"{t * 1e3:.3f}", f"{t / plan.predicted.time_per_minibatch_s:.2f}x")  # fmt: skip
     return table
+
+
+def _short(text: str) -> str:
+    return text if len(text) < 40 else text[:37] + "..."
 
 
 def _check_package_options(profile: Any, weights: str | None, init: str) -> None:
@@ -533,6 +544,12 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
               show_default=True, help="Training optimizer, for the memory model: state kept per weight byte "
               "(sgd none, momentum 1, adam and adamw 2).")  # fmt: skip
 @click.option("--straight", is_flag=True, help="No replication: one device per stage.")
+@click.option("--recompute", type=click.Choice(["none", "all", "auto"]), default="none", show_default=True,
+              help="Activation recomputation: a recomputing stage keeps only its inputs per microbatch in "
+              "flight and runs its forward again in backward (more compute, less memory). none; all "
+              "stages; auto: the plan without it if one fits --memory, else recompute exactly the stages "
+              "that do not fit without it. Recorded per stage in plan.json; `pipeplan run` obeys "
+              "it.")  # fmt: skip
 @click.option("--solver", type=click.Choice(["dp", "ilp"]), default="dp", show_default=True,
               help="dp: exact search (optimal where it can list every downset); ilp: the same problem "
               "in pulp, for cross-checks on small profiles (one level).")  # fmt: skip
@@ -581,7 +598,7 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
 def partition(
     profile_path: str | None, gpus: int | None, topology: str | None, bandwidth: str | None,
     memory: str | None, host_cores: int | None, schedule: str, microbatches: int | None, optimizer: str,
-    straight: bool, solver: str, cuts: str | None, replicas: str | None, explain: bool,
+    straight: bool, recompute: str, solver: str, cuts: str | None, replicas: str | None, explain: bool,
     trace_path: str | None, batch_size: int | None, no_comm: bool, weights: str | None, init: str,
     as_json: bool, output: str,
 ) -> None:  # fmt: skip
@@ -621,11 +638,11 @@ def partition(
     if cuts is not None and replicas is not None:
         layers = [c.strip() for c in cuts.split(",") if c.strip()]
         counts = parse_int_list(replicas, "--replicas")
-        plan = evaluate(profile, cluster, layers, counts, schedule, micro, optimizer, not no_comm)
+        plan = evaluate(profile, cluster, layers, counts, schedule, micro, optimizer, not no_comm, recompute)
     else:
         if len(profile.layers) < 1:
             raise PlanError("the profile has no layers")
-        plan = solve(profile, cluster, schedule, micro, optimizer, straight, solver, not no_comm)
+        plan = solve(profile, cluster, schedule, micro, optimizer, straight, solver, not no_comm, recompute)
     _check_replicas(plan)
     plan = replace(plan, profile=str(path))
     name = profile.model if profile.tracer == "pipedream" else _model_name(profile.model)
@@ -652,7 +669,7 @@ def partition(
     until = first[min(2, len(first) - 1)] if plan.schedule == "pipedream" and first else None
     console.print("\n".join(gantt(sim, width=60, until_s=until)), highlight=False, markup=False)
     if explain:
-        console.print(_explain(profile, cluster, plan, schedule, micro, optimizer))
+        console.print(_explain(profile, cluster, plan, schedule, micro, optimizer, recompute))
     asked = plan.extra.get("microbatches_asked")
     if asked:
         console.print(
@@ -1040,6 +1057,8 @@ def _print_run_table(metrics: dict[str, Any], path: object) -> None:
     console = _console()
     console.print(table)
     console.print(ranks)
+    if metrics.get("memory"):
+        console.print(_memory_table(metrics["memory"]))
     losses = metrics["losses"]
     if losses:
         console.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
@@ -1062,6 +1081,23 @@ def _print_run_table(metrics: dict[str, Any], path: object) -> None:
         "measured stage times back into the profile, so the next `pipeplan partition` plans with them",
         soft_wrap=True,
     )
+
+
+def _memory_table(memory: dict[str, Any]) -> Any:
+    """Per stage: the peak memory its ranks measured next to the plan's prediction."""
+    from rich.table import Table
+
+    from partitioner.optimizer.build import gib
+
+    table = Table(title=f"peak memory per device ({memory['method']}, first {memory['window_minibatches']} "
+                  "minibatches)")  # fmt: skip
+    for col in ("stage", "measured", "predicted (plan.json)", "measured/predicted"):
+        table.add_column(col, justify="right")
+    for s in memory["stages"]:
+        got, want, ratio = s["measured_peak_bytes"], s["predicted_bytes"], s["ratio_measured_over_predicted"]
+        table.add_row(str(s["stage"]), gib(got) if got is not None else "-", gib(want) if want else "-",
+                      f"{ratio:.2f}" if ratio is not None else "-")  # fmt: skip
+    return table
 
 
 def _cores() -> int:

@@ -110,6 +110,8 @@ class Stage:
         compute_s: forward+backward seconds per minibatch on one device (before dividing by replicas).
         comm_s: predicted communication seconds per minibatch (activations and gradient all-reduce).
         memory_bytes: predicted peak memory per device.
+        recompute: whether the stage recomputes its forward in backward (activation checkpointing),
+            keeping only its inputs per microbatch in flight; absent in older plan.json: False.
     """
 
     index: int
@@ -119,6 +121,7 @@ class Stage:
     compute_s: float = 0.0
     comm_s: float = 0.0
     memory_bytes: int = 0
+    recompute: bool = False
 
 
 @dataclass(frozen=True)
@@ -260,7 +263,15 @@ def _stage_from_json(doc: Mapping[str, Any]) -> Stage:
         compute_s=float(doc.get("compute_s", 0.0)),
         comm_s=float(doc.get("comm_s", 0.0)),
         memory_bytes=int(doc.get("memory_bytes", 0)),
+        recompute=_flag(doc.get("recompute", False), "recompute"),
     )
+
+
+def _flag(value: Any, name: str) -> bool:
+    """A JSON boolean, refused otherwise (a string "false" must not read as true)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be true or false, got {value!r}")
+    return value
 
 
 def save_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:

@@ -38,6 +38,9 @@ class JobConfig:
         model: plan.json's model spec (recorded in metrics.json, so calibration can match the two).
         targets: plan.json's ``extra.targets`` (kind ``classes`` with ``high`` classes, ``next_token``
             or ``normal``); None when not recorded.
+        recompute: per stage, whether it recomputes its forward in backward (plan.json's stages'
+            ``recompute``; absent: none).
+        predicted_memory_bytes: per stage, plan.json's predicted peak bytes per device (absent: ()).
     """
 
     package: Path
@@ -51,6 +54,8 @@ class JobConfig:
     module_stages: tuple[int, ...] = ()
     model: str = ""
     targets: dict[str, Any] | None = None
+    recompute: tuple[bool, ...] = ()
+    predicted_memory_bytes: tuple[int, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -90,6 +95,11 @@ class RankConfig:
     def replica_ranks(self) -> tuple[int, ...]:
         """Ranks of this stage's replicas (its gradient all-reduce group)."""
         return self.job.stage_ranks[self.stage]
+
+    @property
+    def recompute(self) -> bool:
+        """Whether this rank's stage recomputes its forward in backward."""
+        return bool(self.job.recompute) and self.job.recompute[self.stage]
 
     @property
     def is_first(self) -> bool:
@@ -168,8 +178,18 @@ def load_job(
         module_stages=modules,
         model=str(plan.get("model") or ""),
         targets=plan.get("extra", {}).get("targets"),
+        recompute=_per_stage(plan, "recompute", folder),
+        predicted_memory_bytes=tuple(int(s.get("memory_bytes") or 0) for s in plan.get("stages") or ()),
     )
     return _checked(job)
+
+
+def _per_stage(plan: Any, key: str, folder: Path) -> tuple[bool, ...]:
+    """A boolean per stage from plan.json (False where a stage, or the whole plan, lacks it)."""
+    flags = tuple(s.get(key, False) for s in plan.get("stages") or ())
+    if not all(isinstance(f, bool) for f in flags):
+        raise RunError(f"{folder}/plan.json: every stage's {key!r} must be true or false, got {list(flags)}")
+    return flags
 
 
 def _check_plan_matches(plan: Any, ranks: tuple[tuple[int, ...], ...], folder: Path) -> None:

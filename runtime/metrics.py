@@ -84,6 +84,7 @@ class RankMetrics:
         losses: loss per step (last stage only, else empty).
         param_sq_sum: sum of squares of the stage's parameters at the end (replicas must agree exactly).
         versions_in_flight_max: the most weight versions this rank held at once (pipedream).
+        peak_memory_bytes: the rank's measured peak memory (``runtime.memory``; None: not measured).
     """
 
     rank: int
@@ -100,6 +101,7 @@ class RankMetrics:
     losses: tuple[float, ...] = ()
     param_sq_sum: float = 0.0
     versions_in_flight_max: int = 0
+    peak_memory_bytes: int | None = None
 
     @property
     def idle_s(self) -> float:

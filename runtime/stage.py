@@ -39,6 +39,7 @@ from runtime.data import Batches
 from runtime.metrics import Recorder
 from runtime.optim import Clip, clip_grads
 from runtime.package import Wiring
+from runtime.recompute import run_forward
 from runtime.schedule import Action, replica_of
 
 __all__ = ["STASH_LOG_MAX", "Groups", "StageRuntime", "Unit"]
@@ -219,7 +220,7 @@ class StageRuntime:
     ) -> dict[str, torch.Tensor]:
         args = tuple(named[n] for n in self.wiring.stage_inputs[self.cfg.stage])
         call = self.module if params is None else functools.partial(_functional, self.module, params)
-        out = call(*args)
+        out = run_forward(call, args, self.cfg.recompute)
         names = self.wiring.stage_outputs[self.cfg.stage]
         outs = (out,) if len(names) == 1 else tuple(out)
         return dict(zip(names, outs, strict=True))

@@ -30,6 +30,7 @@ from runtime.errors import PeerLost, RunError
 from runtime.evaluate import EvalResult, Evaluator, eval_steps, segments
 from runtime.filedata import DataSettings
 from runtime.lifeline import die_with, wake_siblings
+from runtime.memory import PeakMemory, memory_report
 from runtime.metrics import RankMetrics, Recorder, summarize, write_json_atomic, write_trace
 from runtime.optim import Clip, OptimSettings, check_resume, counted_params, make_optimizer, make_scheduler
 from runtime.options import RunOptions, from_argv
@@ -105,6 +106,7 @@ class _Clock:
 
     progress: Path | None
     last: float = 0.0
+    memory: PeakMemory | None = None
 
     def __post_init__(self) -> None:
         self.times: list[float] = []
@@ -120,6 +122,8 @@ class _Clock:
     def __call__(self, steps: tuple[int, ...], losses: tuple[float, ...] | None) -> None:
         """An optimizer step covering ``steps`` ended: its time is shared evenly by its minibatches."""
         now = time.perf_counter()
+        if self.memory is not None:
+            self.memory.stepped(len(steps))
         self.times += [(now - self.last) / len(steps)] * len(steps)
         self.last = now
         for step, loss in zip(steps, losses or (), strict=False):
@@ -266,6 +270,8 @@ def _train(options: RunOptions, rt: StageRuntime, total: int) -> None:
         checkpoint.set_rng_state(rng)
     clock = rt.on_step if isinstance(rt.on_step, _Clock) else None
     if clock is not None:
+        clock.memory = PeakMemory(rt.comm.device, job.world_size + 1)
+        clock.memory.start(rt.module, rt.optimizer)
         clock.start()
     evaluator = _evaluator(options, rt)
     saves = {first + count for first, count in _segments(start, total, options.checkpoint_every)}
@@ -350,6 +356,8 @@ def _run_joined(options: RunOptions, cfg: RankConfig, device: torch.device) -> d
 
 
 def _finish(options: RunOptions, rt: StageRuntime, clock: _Clock) -> dict[str, Any] | None:
+    memory = clock.memory or PeakMemory(rt.comm.device, 0)
+    memory.stop()
     mine = RankMetrics(
         rank=rt.cfg.rank,
         stage=rt.cfg.stage,
@@ -365,6 +373,7 @@ def _finish(options: RunOptions, rt: StageRuntime, clock: _Clock) -> dict[str, A
         losses=tuple(clock.losses) if rt.cfg.replica == 0 else (),
         param_sq_sum=float(sum(p.detach().double().square().sum() for p in rt.module.parameters())),
         versions_in_flight_max=rt.versions_in_flight_max,
+        peak_memory_bytes=memory.peak_bytes,
     )
     gathered: list[Any] = [None] * rt.cfg.job.world_size
     dist.gather_object(
@@ -382,6 +391,10 @@ def _finish(options: RunOptions, rt: StageRuntime, clock: _Clock) -> dict[str, A
     doc["stash_log"] = {g[0].rank: g[2] for g in gathered}
     doc["step_versions"] = {g[0].rank: g[3] for g in gathered}
     doc["eval"] = [e for g in gathered for e in g[4]]
+    peaks = [(g[0].stage, g[0].peak_memory_bytes) for g in gathered]
+    doc["memory"] = memory_report(
+        peaks, rt.cfg.job.predicted_memory_bytes, memory.method, memory.measured_minibatches
+    )
     write_json_atomic(run_dir(options) / "metrics.json", doc)
     if options.trace:
         write_trace(Path(options.trace), [g[1] for g in gathered])

@@ -207,6 +207,11 @@ ROWS: dict[str, tuple[Row, str]] = {
         "microbatches",
     ),
     "--schedule bogus (click)": (lambda t: [*_profile(t), "--schedule", "bogus"], "--schedule"),
+    "--recompute bogus (click)": (lambda t: [*_profile(t), "--recompute", "some"], "--recompute"),
+    "--recompute auto, --memory too small even so": (
+        lambda t: [*_profile(t), "--recompute", "auto", "--memory", "1KiB"],
+        "recomputing",
+    ),
     "unknown option (click)": (lambda t: [*_profile(t), "--gpuz", "2"], "--gpuz"),
     # -- profile
     "forward raises while profiling": (lambda t: _model_file(t, _RAISES), "forward is broken"),

@@ -189,3 +189,14 @@ def test_cpu_profile_prices_ranks_sharing_this_machines_cores(tmp_path: Path) ->
     assert code == 0 and json.loads(out)["cluster"]["cores"] is None
     code, _, err = _run(*common, "--host-cores", "-1")
     assert code == 2 and err.startswith("error: --host-cores must be >= 0")
+
+
+def test_recompute_is_recorded_and_shown(graph: Path, tmp_path: Path) -> None:
+    code, out, _ = _run("partition", "--profile", str(graph), "--gpus", "2", "--schedule", "gpipe",
+                        "--recompute", "all", "--explain", "-o", str(tmp_path / "m"))  # fmt: skip
+    assert code == 0, out
+    plan = load_plan(tmp_path / "m" / "toy" / "gpus=2" / "plan.json")
+    assert all(s.recompute for s in plan.stages) and plan.extra["recompute"] == "all"
+    assert "recompute" in out and "alternatives (--recompute all)" in out
+    code, out, _ = _run("partition", "--help")
+    assert "--recompute [none|all|auto]" in out

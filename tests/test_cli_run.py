@@ -29,6 +29,8 @@ def test_run_trains_and_writes_metrics_checkpoints_and_trace(tmp_path: Path) -> 
     assert [s["stage"] for s in metrics["stages"]] == [0, 1]
     assert all(s["compute_s_per_minibatch"] > 0 for s in metrics["stages"])
     assert "time per minibatch" in result.output
+    assert "peak memory per device" in result.output  # measured per stage, beside the prediction
+    assert all(r["peak_memory_bytes"] > 0 for r in metrics["ranks"])
     assert sorted(p.name for p in (pkg / "run" / "checkpoints").iterdir()) == ["step-2", "step-4"]
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["pid"] for e in events} == {0, 1}

@@ -21,7 +21,7 @@ from functools import partial
 from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile
 from partitioner.optimizer.build import StageSpec, assemble, gib, global_lower_bound, layer_compute_s
-from partitioner.optimizer.cost import OPTIMIZER_STATE
+from partitioner.optimizer.cost import OPTIMIZER_STATE, RECOMPUTE_MODES
 from partitioner.optimizer.dp import (
     DIRECT_MAX_UNITS,
     LevelProblem,
@@ -30,6 +30,7 @@ from partitioner.optimizer.dp import (
 )
 from partitioner.optimizer.hierarchy import solve_hierarchy
 from partitioner.optimizer.lattice import Lattice, enumerate_lattice, solve_lattice
+from partitioner.optimizer.recompute import recomputing, repriced
 from partitioner.optimizer.states import (
     StateSet,
     build_states,
@@ -342,17 +343,50 @@ def solve(
     straight: bool = False,
     solver: str = "dp",
     activation_comm: bool = True,
+    recompute: str = "none",
 ) -> Plan:
     """The fastest plan under the schedule's cost model that fits the cluster's memory.
 
     ``activation_comm=False`` drops the 2·activation/(B·r) cut charge, which is what PipeDream's
     optimizer computes by default (its activation term only applies with a compression ratio).
+    ``recompute``: ``none``; ``all`` (every stage recomputes its forward in backward); ``auto``
+    (the plan without recomputation if one fits; otherwise the plan searched with every stage
+    recomputing, then each stage that fits without recomputation keeps its activations).
 
     Raises:
-        PlanError: bad schedule, optimizer, solver or microbatch count.
+        PlanError: bad schedule, optimizer, solver, recompute mode or microbatch count.
         InfeasibleError: nothing fits; the message names the smallest memory that would.
     """
     m = _check(profile, schedule, microbatches, optimizer)
+    if recompute not in RECOMPUTE_MODES:
+        raise PlanError(f"unknown recompute mode {recompute!r}; use {', '.join(RECOMPUTE_MODES)}")
+    args = (cluster, schedule, microbatches, m, optimizer, straight, solver, activation_comm)
+    if recompute != "all":
+        try:
+            plan = _solve_kept(profile, *args)
+        except InfeasibleError:
+            if recompute == "none" or cluster.memory_bytes is None:
+                raise
+        else:
+            return replace(plan, extra={**plan.extra, "recompute": recompute})
+    where = f"{gib(cluster.memory_bytes or 0)} per GPU on {cluster.gpus} GPUs"
+    try:  # (the search's own estimate of what would fit ignores the inputs recomputing stages keep)
+        searched = _solve_kept(recomputing(profile), *args)
+    except InfeasibleError:
+        raise InfeasibleError(
+            f"no plan fits in {where} even with every stage recomputing; raise --memory or add GPUs"
+        ) from None
+    try:
+        return repriced(profile, cluster, searched, recompute, activation_comm)
+    except InfeasibleError as exc:
+        raise InfeasibleError(f"no plan fits in {where} even with every stage recomputing: {exc}") from None
+
+
+def _solve_kept(
+    profile: Profile, cluster: Cluster, schedule: str, microbatches: int, m: int, optimizer: str,
+    straight: bool, solver: str, activation_comm: bool,
+) -> Plan:  # fmt: skip
+    """``solve`` without recomputation on ``profile``, the microbatch count made usable."""
     plan = _solve_at(profile, cluster, schedule, m, optimizer, straight, solver, activation_comm)
     for _ in range(3):
         usable = _usable_microbatches(plan, profile.batch_size)
@@ -466,8 +500,11 @@ def evaluate(
     microbatches: int = 1,
     optimizer: str = "sgd",
     activation_comm: bool = True,
+    recompute: str = "none",
 ) -> Plan:
     """Price a fixed plan: ``cuts`` are the last layer of every stage but the last (topological order).
+
+    ``recompute``: ``none``, ``all``, or ``auto`` (exactly the stages over the memory limit recompute).
 
     Raises:
         PlanError: unknown layer names, cuts out of order, or replicas not one per stage.
@@ -497,7 +534,8 @@ def evaluate(
                          specs[0].replicas, specs[0].ranks)  # fmt: skip
     _check_closed(profile, specs)
     info = SolverInfo("evaluate", 0.0, False)
-    plan = assemble(profile, cluster, specs, schedule, m, optimizer, info, activation_comm=activation_comm)
+    plan = assemble(profile, cluster, specs, schedule, m, optimizer, info, activation_comm=activation_comm,
+                    recompute=recompute)  # fmt: skip
     return _with(plan, SolverInfo("evaluate", time.perf_counter() - start, False), {})
 
 

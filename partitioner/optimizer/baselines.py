@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -106,22 +107,30 @@ def data_parallel(profile: Profile, cluster: Cluster, schedule: str, m: int, opt
 
 
 def baselines(
-    profile: Profile, cluster: Cluster, schedule: str, m: int, optimizer: str
+    profile: Profile, cluster: Cluster, schedule: str, m: int, optimizer: str, recompute: str = "none"
 ) -> dict[str, Plan | None]:
-    """Every baseline by name; None where it does not fit in memory."""
+    """Every baseline by name, under the same ``recompute`` mode; None where it does not fit in memory."""
     from partitioner.optimizer import solve
+    from partitioner.optimizer.recompute import repriced
 
-    out: dict[str, Plan | None] = {}
-    makers: dict[str, Callable[[], Plan]] = {
-        "data parallel": lambda: data_parallel(profile, cluster, schedule, m, optimizer),
-        "best straight": lambda: solve(profile, cluster, schedule, m, optimizer, straight=True),
-        "parameter balanced": lambda: parameter_balanced(profile, cluster, schedule, m, optimizer),
-        "time balanced": lambda: time_balanced(profile, cluster, schedule, m, optimizer),
-        "uniform layers": lambda: uniform(profile, cluster, schedule, m, optimizer),
+    free = replace(cluster, memory_bytes=None)
+    makers: dict[str, Callable[[Cluster], Plan]] = {
+        "data parallel": lambda c: data_parallel(profile, c, schedule, m, optimizer),
+        "parameter balanced": lambda c: parameter_balanced(profile, c, schedule, m, optimizer),
+        "time balanced": lambda c: time_balanced(profile, c, schedule, m, optimizer),
+        "uniform layers": lambda c: uniform(profile, c, schedule, m, optimizer),
     }
+    out: dict[str, Plan | None] = {}
     for name, make in makers.items():
-        try:
-            out[name] = make()
+        try:  # fixed stages: priced with the recompute mode where it applies
+            fixed = make(cluster) if recompute == "none" else make(free)
+            out[name] = fixed if recompute == "none" else repriced(profile, cluster, fixed, recompute, True)
         except InfeasibleError:
             out[name] = None
+    try:
+        out["best straight"] = solve(
+            profile, cluster, schedule, m, optimizer, straight=True, recompute=recompute
+        )
+    except InfeasibleError:
+        out["best straight"] = None
     return out

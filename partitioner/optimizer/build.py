@@ -14,11 +14,13 @@ import numpy as np
 from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile
 from partitioner.optimizer.cost import (
+    RECOMPUTE_MODES,
     StageLoad,
+    StagePrice,
     StageTimes,
     host_bound,
     plan_times,
-    stage_memory,
+    price_stage,
 )
 from partitioner.plan import Cluster, Plan, Prediction, SolverInfo, Stage
 
@@ -67,12 +69,15 @@ def stage_loads(profile: Profile, groups: Sequence[Sequence[str]]) -> list[Stage
             if node.id in where:
                 last_reader[src] = max(last_reader.get(src, -1), where[node.id])
     crossing = [0.0] * (len(groups) + 1)  # crossing[c]: bytes over the cut before stage c
+    taken = [0.0] * len(groups)  # taken[c]: bytes stage c's forward takes, the model's inputs too
     for src, reader in last_reader.items():
         node = nodes[src]
-        if node.op == "input" or src not in where:
+        if src not in where:
             continue
-        for cut in range(where[src] + 1, reader + 1):
-            crossing[cut] += node.output_bytes
+        first = 0 if node.op == "input" else where[src] + 1
+        for cut in range(first, reader + 1):
+            taken[cut] += node.output_bytes
+            crossing[cut] += node.output_bytes if node.op != "input" else 0.0
     loads = []
     for i, group in enumerate(groups):
         members = [nodes[n] for n in group if nodes[n].op != "input"]
@@ -83,6 +88,8 @@ def stage_loads(profile: Profile, groups: Sequence[Sequence[str]]) -> list[Stage
                 saved_bytes=float(sum(n.saved_bytes for n in members)),
                 in_bytes=crossing[i],
                 out_bytes=crossing[i + 1],
+                forward_s=math.fsum(n.forward_ms for n in members) / 1000.0,
+                input_bytes=taken[i],
             )
         )
     return loads
@@ -148,16 +155,36 @@ def global_lower_bound(profile: Profile, cluster: Cluster) -> float:
 
 
 def _times(
-    profile: Profile, cluster: Cluster, specs: Sequence[StageSpec], schedule: str, m: int, comm: bool
-) -> tuple[list[StageLoad], StageTimes]:
-    loads = stage_loads(profile, [s.nodes for s in specs])
+    cluster: Cluster, specs: Sequence[StageSpec], schedule: str, m: int, comm: bool,
+    loads: Sequence[StageLoad],
+) -> StageTimes:  # fmt: skip
     if not comm:  # PipeDream's optimizer by default (no --activation_compression_ratio) charges none
         loads = [replace(ld, in_bytes=0.0, out_bytes=0.0) for ld in loads]
     bws = []
     for i, spec in enumerate(specs):
         near = [r for j in (i - 1, i + 1) if 0 <= j < len(specs) for r in specs[j].ranks]
         bws.append(stage_bandwidth(cluster, spec.ranks, near))
-    return loads, plan_times(loads, [s.replicas for s in specs], bws, schedule, m)
+    return plan_times(loads, [s.replicas for s in specs], bws, schedule, m)
+
+
+def _priced(
+    loads: Sequence[StageLoad], specs: Sequence[StageSpec], schedule: str, m: int, optimizer: str,
+    recompute: str, limit: int | None,
+) -> list[tuple[bool, StagePrice]]:  # fmt: skip
+    """Each stage's recompute choice and price: ``auto`` recomputes exactly the stages that do not
+    fit ``limit`` without it and need less with it (each stage's memory depends on its own choice
+    only; a stage whose inputs outweigh its activations gains nothing from recomputing)."""
+    if recompute not in RECOMPUTE_MODES:
+        raise PlanError(f"unknown recompute mode {recompute!r}; use {', '.join(RECOMPUTE_MODES)}")
+    reps = [s.replicas for s in specs]
+    out = []
+    for i, ld in enumerate(loads):
+        keep = price_stage(ld, schedule, i, reps, m, optimizer, recompute=False)
+        redo = price_stage(ld, schedule, i, reps, m, optimizer, recompute=True)
+        needed = limit is not None and keep.memory_bytes > limit and redo.memory_bytes < keep.memory_bytes
+        again = recompute == "all" or (recompute == "auto" and needed)
+        out.append((again, redo if again else keep))
+    return out
 
 
 def assemble(
@@ -171,8 +198,12 @@ def assemble(
     time_override: float | None = None,
     extra: dict[str, object] | None = None,
     activation_comm: bool = True,
+    recompute: str = "none",
 ) -> Plan:
     """Cost the stages and build the Plan; ``time_override`` keeps a solver's own objective value.
+
+    ``recompute`` (``none``, ``all`` or ``auto``) decides which stages recompute their forward in
+    backward, priced by :func:`~partitioner.optimizer.cost.price_stage`.
 
     Raises:
         InfeasibleError: a stage needs more memory than the cluster's devices have.
@@ -181,10 +212,12 @@ def assemble(
     used = sum(s.replicas for s in specs)
     if used > cluster.gpus:
         raise PlanError(f"the plan uses {used} GPUs but the cluster has {cluster.gpus}")
-    loads, times = _times(profile, cluster, specs, schedule, microbatches, activation_comm)
-    reps = [s.replicas for s in specs]
-    memory = [stage_memory(ld, schedule, i, reps, microbatches, optimizer) for i, ld in enumerate(loads)]
     limit = cluster.memory_bytes
+    loads = stage_loads(profile, [s.nodes for s in specs])
+    priced = _priced(loads, specs, schedule, microbatches, optimizer, recompute, limit)
+    loads = [replace(ld, compute_s=price.compute_s) for ld, (_, price) in zip(loads, priced, strict=True)]
+    times = _times(cluster, specs, schedule, microbatches, activation_comm, loads)
+    memory = [price.memory_bytes for _, price in priced]
     if limit is not None and max(memory) > limit:
         worst = max(range(len(memory)), key=memory.__getitem__)
         raise InfeasibleError(
@@ -193,8 +226,8 @@ def assemble(
         )
     time = times.time_per_minibatch_s if time_override is None else time_override
     stages = tuple(
-        Stage(i, spec.nodes, spec.replicas, spec.ranks, ld.compute_s, times.comm_s[i], memory[i])
-        for i, (spec, ld) in enumerate(zip(specs, loads, strict=True))
+        Stage(i, spec.nodes, spec.replicas, spec.ranks, ld.compute_s, times.comm_s[i], memory[i], again)
+        for i, (spec, ld, (again, _)) in enumerate(zip(specs, loads, priced, strict=True))
     )
     single = layer_compute_s(profile)
     everyone = Stage(0, (), cluster.gpus, tuple(range(cluster.gpus)), single)
@@ -222,5 +255,5 @@ def assemble(
         batch_size=profile.batch_size,
         optimizer=optimizer,
         model=profile.model,
-        extra={**(extra or {}), "activation_comm": activation_comm},
+        extra={**(extra or {}), "activation_comm": activation_comm, "recompute": recompute},
     )

@@ -7,6 +7,11 @@ costs 2·activation/(B·r) on each side of it, with that side's r; the pipeline'
 the slowest of all these terms. ``1f1b`` and ``gpipe`` are synchronous: M microbatches flow through,
 so a minibatch takes the sum of one microbatch's stage times, plus (M-1) slowest stages, plus the
 largest gradient all-reduce once per minibatch.
+
+Activation recomputation (``price_stage(..., recompute=True)``): a stage that recomputes keeps only
+its inputs per item in flight and runs its forward again in backward, so its compute grows by its
+forward time; while one item's backward runs, that item's activations exist again, so one item's
+saved activations stay in its peak.
 """
 
 from __future__ import annotations
@@ -22,14 +27,18 @@ from partitioner.errors import PlanError
 
 __all__ = [
     "OPTIMIZER_STATE",
+    "RECOMPUTE_MODES",
     "StageLoad",
+    "StagePrice",
     "StageTimes",
     "activation_time",
     "allreduce_time",
+    "held_memory",
     "host_bound",
     "in_flight",
     "pipedream_stage_time",
     "plan_times",
+    "price_stage",
     "stage_memory",
 ]
 
@@ -38,6 +47,10 @@ FloatArray = npt.NDArray[np.float64]
 #: optimizer state per parameter byte: sgd keeps none, momentum one buffer, adam and adamw two moments
 #: (adamw differs only in how weight decay is applied).
 OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
+
+#: ``none``: every stage keeps its activations; ``all``: every stage recomputes; ``auto``: a stage
+#: recomputes only where it does not fit the memory limit otherwise.
+RECOMPUTE_MODES = ("none", "all", "auto")
 
 
 @dataclass(frozen=True)
@@ -50,6 +63,10 @@ class StageLoad:
         saved_bytes: activation bytes its layers keep for backward.
         in_bytes: activation bytes it receives from earlier stages (0 for the first stage).
         out_bytes: activation bytes it sends to later stages (0 for the last stage).
+        forward_s: forward seconds of its layers on one device (what recomputation repeats).
+        input_bytes: bytes of every tensor its forward takes (the model's inputs on the first
+            stage, relayed tensors included): what a recomputing stage keeps per item in flight.
+            Unlike ``in_bytes`` it is never zeroed for cut pricing.
     """
 
     compute_s: float
@@ -57,6 +74,17 @@ class StageLoad:
     saved_bytes: float
     in_bytes: float
     out_bytes: float
+    forward_s: float = 0.0
+    input_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class StagePrice:
+    """A stage's cost on one device: compute seconds per minibatch (recomputation included, before
+    dividing by replicas) and peak memory bytes."""
+
+    compute_s: float
+    memory_bytes: int
 
 
 @dataclass(frozen=True)
@@ -131,20 +159,52 @@ def stage_memory(
     replicas: Sequence[int],
     microbatches: int,
     optimizer: str,
+    recompute: bool = False,
 ) -> int:
     """Peak bytes on one device of a stage: weights, grads, optimizer state, stashes, activations.
 
     pipedream keeps one weight version per minibatch in flight (weight stashing) and each replica
     runs whole minibatches; the synchronous schedules split each microbatch over the replicas.
     """
+    held = in_flight(schedule, position, replicas, microbatches)
+    share = 1 if schedule == "pipedream" else microbatches * replicas[position]
+    return held_memory(load, schedule, held, share, optimizer, recompute)
+
+
+def held_memory(
+    load: StageLoad, schedule: str, held: int, share: int, optimizer: str, recompute: bool
+) -> int:
+    """Peak bytes of one device holding ``held`` items, each ``1/share`` of a minibatch.
+
+    Without recomputation each item keeps its saved activations; with it, each item keeps its
+    inputs and one item's activations are rebuilt during its backward. pipedream also keeps
+    ``held - 1`` stashed weight versions. Shared by the cost model and the simulation (which
+    counts ``held`` itself).
+    """
     if optimizer not in OPTIMIZER_STATE:
         raise PlanError(f"unknown optimizer {optimizer!r}; use sgd, momentum, adam or adamw")
-    held = in_flight(schedule, position, replicas, microbatches)
     weights = load.param_bytes * (2 + OPTIMIZER_STATE[optimizer])
     if schedule == "pipedream":
-        return round(weights + (held - 1) * load.param_bytes + held * load.saved_bytes)
-    per_micro = load.saved_bytes / (microbatches * replicas[position])
-    return round(weights + held * per_micro)
+        weights += (held - 1) * load.param_bytes
+    if recompute:
+        return round(weights + (held * load.input_bytes + load.saved_bytes) / share)
+    return round(weights + held * load.saved_bytes / share)
+
+
+def price_stage(
+    load: StageLoad,
+    schedule: str,
+    position: int,
+    replicas: Sequence[int],
+    microbatches: int,
+    optimizer: str,
+    recompute: bool,
+) -> StagePrice:
+    """A stage's compute time and peak memory, with or without activation recomputation: the one
+    place every memory check and time of a recomputing stage comes from."""
+    compute = load.compute_s + (load.forward_s if recompute else 0.0)
+    memory = stage_memory(load, schedule, position, replicas, microbatches, optimizer, recompute)
+    return StagePrice(compute, memory)
 
 
 def plan_times(

@@ -23,11 +23,11 @@ from pathlib import Path
 from partitioner.atomic import write_text_atomic
 from partitioner.errors import PlanError
 from partitioner.graph import Node, Profile
-from partitioner.optimizer.build import hosts_bound
+from partitioner.optimizer.build import hosts_bound, stage_loads
 from partitioner.optimizer.cost import (
-    OPTIMIZER_STATE,
     activation_time,
     allreduce_time,
+    held_memory,
     pipedream_stage_time,
 )
 from partitioner.plan import Plan
@@ -103,7 +103,8 @@ def _durations(plan: Plan, profile: Profile | None) -> tuple[list[float], list[f
     for stage in plan.stages:
         total = stage.compute_s
         known = [nodes[n] for n in stage.nodes if n in nodes]
-        f_share = sum(n.forward_ms for n in known) / max(sum(n.compute_ms for n in known), 1e-12)
+        forward = sum(n.forward_ms for n in known)  # a recomputing stage runs it twice
+        f_share = forward / max(sum(n.compute_ms for n in known) + forward * stage.recompute, 1e-12)
         f_share = f_share if known else 1.0 / 3.0
         if plan.schedule == "pipedream":
             params = sum(nodes[n].param_bytes for n in stage.nodes if n in nodes)
@@ -359,18 +360,15 @@ def _in_flight(events: Sequence[Event], p: int) -> tuple[int, ...]:
 
 
 def _memory(plan: Plan, profile: Profile | None, held: Sequence[int]) -> tuple[int, ...]:
+    """Each stage's peak with the items the simulation held, priced as the cost model does."""
     if profile is None:
         return tuple(s.memory_bytes for s in plan.stages)
-    nodes = {n.id: n for n in profile.nodes}
+    known = {n.id for n in profile.nodes}
+    loads = stage_loads(profile, [[n for n in s.nodes if n in known] for s in plan.stages])
     out = []
-    opt = OPTIMIZER_STATE.get(plan.optimizer, 0)
-    for stage, h in zip(plan.stages, held, strict=True):
-        params = sum(nodes[n].param_bytes for n in stage.nodes if n in nodes)
-        saved = sum(nodes[n].saved_bytes for n in stage.nodes if n in nodes)
-        if plan.schedule == "pipedream":
-            out.append(round(params * (2 + opt) + (h - 1) * params + h * saved))
-        else:
-            out.append(round(params * (2 + opt) + h * saved / (plan.microbatches * stage.replicas)))
+    for stage, load, h in zip(plan.stages, loads, held, strict=True):
+        share = 1 if plan.schedule == "pipedream" else plan.microbatches * stage.replicas
+        out.append(held_memory(load, plan.schedule, h, share, plan.optimizer, stage.recompute))
     return tuple(out)
 
 

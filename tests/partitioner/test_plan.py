@@ -43,3 +43,16 @@ def test_corrupt_plan_is_a_plan_error(tmp_path: Path) -> None:
     bad.write_text('{"schema": "pipeplan.plan/1", "gpus": 2}')
     with pytest.raises(PlanError):
         load_plan(bad)
+
+
+def test_recompute_round_trips_and_old_plans_read_as_none(tmp_path: Path) -> None:
+    plan = solve(PROFILE, Cluster.flat(2), schedule="gpipe", microbatches=2, recompute="all")
+    assert all(s.recompute for s in plan.stages)
+    doc = plan_to_json(plan)
+    assert plan_from_json(doc) == plan
+    for stage in doc["stages"]:
+        del stage["recompute"]  # a plan.json written before the field existed
+    assert not any(s.recompute for s in plan_from_json(doc).stages)
+    doc["stages"][0]["recompute"] = "false"
+    with pytest.raises(PlanError, match="recompute"):
+        plan_from_json(doc)

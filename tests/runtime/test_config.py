@@ -87,3 +87,21 @@ def test_planned_microbatches_grow_to_feed_every_replica(tmp_path: Path) -> None
     assert replica_microbatches(2, ((0, 1, 2), (3,), (4, 5)), 12) == 6
     assert replica_microbatches(1, ((0, 1, 2), (3,)), 8) == 1  # 3 does not divide 8: keep the plan's
     assert replica_microbatches(4, ((0, 1), (2,)), 8) == 4
+
+
+def test_recompute_and_predicted_memory_per_stage(tmp_path: Path) -> None:
+    pkg = write_package(tmp_path / "pkg", "chain", replicas=(2, 1))
+    job = load_job(pkg)  # a plan.json without the fields: nothing recomputes
+    assert job.recompute == (False, False) and not job.for_rank(0).recompute
+    plan = json.loads((pkg / "plan.json").read_text())
+    for stage in plan["stages"]:
+        del stage["recompute"]
+    plan["stages"][1].update(recompute=True, memory_bytes=1234)
+    (pkg / "plan.json").write_text(json.dumps(plan))
+    job = load_job(pkg)
+    assert [job.for_rank(r).recompute for r in range(3)] == [False, False, True]
+    assert job.predicted_memory_bytes == (0, 1234)
+    plan["stages"][1]["recompute"] = "yes"
+    (pkg / "plan.json").write_text(json.dumps(plan))
+    with pytest.raises(RunError, match="recompute"):
+        load_job(pkg)
