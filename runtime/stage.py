@@ -5,7 +5,10 @@ output to the replica of every consumer stage that handles that microbatch
 (:func:`runtime.schedule.replica_of`), and on the last stage
 computes the loss scaled by the microbatch's share of the minibatch (so gradients are the minibatch
 mean, as in plain training). ``B`` receives output gradients (summed over consumers), runs autograd
-and sends input gradients back. ``S`` sums gradients over the replica group and over tie groups,
+and sends input gradients back. Under a zero-bubble schedule (a list with ``W`` actions), ``B``
+computes only the input gradients (``torch.autograd.grad`` with ``retain_graph``) and sends them at
+once; ``W`` later takes the weight gradients from the retained graph, adds them to ``.grad`` and
+frees the graph. ``S`` sums gradients over the replica group and over tie groups,
 clips them by the whole model's norm (an all-reduce over every rank, :mod:`runtime.optim`), then
 steps the optimizer and the learning-rate schedule.
 
@@ -41,7 +44,7 @@ from runtime.optim import Clip, clip_grads
 from runtime.package import Wiring
 from runtime.schedule import Action, replica_of
 
-__all__ = ["STASH_LOG_MAX", "Groups", "StageRuntime", "Unit"]
+__all__ = ["STASH_LOG_MAX", "Groups", "Pending", "StageRuntime", "Unit"]
 
 STASH_LOG_MAX = 1000
 """Backwards per rank whose (unit, forward version, version at backward) go into metrics.json."""
@@ -95,6 +98,15 @@ class Unit:
     loss: torch.Tensor | None
     version: int
     stashed: bool = False
+
+
+@dataclass
+class Pending:
+    """A unit whose input gradients are sent (B done) and whose weight gradients are not (W to do):
+    the autograd roots and their incoming gradients, which keep the graph alive."""
+
+    roots: list[torch.Tensor]
+    grads: list[torch.Tensor | None]
 
 
 @dataclass
@@ -155,6 +167,8 @@ class StageRuntime:
     _batch_cache: dict[str, tuple[int, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
     _inbox: dict[tuple[str, int], Posted] = field(default_factory=dict)
     _unstashed: frozenset[int] = frozenset()
+    _split: frozenset[int] = frozenset()
+    pending: dict[int, Pending] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ routing
     @functools.cached_property
@@ -225,7 +239,8 @@ class StageRuntime:
         """Run ``actions`` (a segment starting at minibatch ``first_step``) in order, then wait for
         this rank's outstanding sends."""
         self.first_step = first_step
-        run = {"F": self.forward, "B": self.backward, "S": self.step}
+        run = {"F": self.forward, "B": self.backward, "W": self.weights, "S": self.step}
+        self._split = frozenset(a.index for a in actions if a.kind == "W")
         receiving = [i for i, a in enumerate(actions) if self._receives(a)]
         self._unstashed = _no_step_between(actions) if self.stash else frozenset()
         posted = 0
@@ -303,6 +318,9 @@ class StageRuntime:
             if state.outputs[name].requires_grad:
                 roots.append(state.outputs[name])
                 grads.append(g)
+        if unit in self._split:
+            self._input_grads(unit, state, roots, grads)
+            return
         with self.recorder.span(f"B{unit}", "compute"):
             if roots:
                 torch.autograd.backward(roots, grads)
@@ -313,6 +331,36 @@ class StageRuntime:
         if (unit + 1) % self.cfg.job.microbatches == 0:
             self._step_units.append(state.version)
         self._send_input_grads(unit, state)
+
+    def _input_grads(
+        self, unit: int, state: Unit, roots: list[torch.Tensor], grads: list[torch.Tensor | None]
+    ) -> None:
+        """Split B: only the gradients of the stage's inputs, sent at once; the graph is kept for W.
+        A stage without inputs that need gradients (stage 0) computes nothing here: its whole
+        backward is its W."""
+        names = [n for n, t in state.inputs.items() if t.requires_grad]
+        if roots and names:
+            with self.recorder.span(f"B{unit}", "compute"):
+                got = torch.autograd.grad(
+                    roots, [state.inputs[n] for n in names], grads, retain_graph=True, allow_unused=True
+                )
+            for name, g in zip(names, got, strict=True):
+                state.inputs[name].grad = g
+        self.pending[unit] = Pending(roots, grads)
+        self._send_input_grads(unit, state)
+
+    def weights(self, unit: int) -> None:
+        """W of a split backward: the weight gradients of ``unit`` from its retained graph, added to
+        ``.grad`` as a fused backward would; dropping the roots frees the graph."""
+        pending = self.pending.pop(unit)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if not pending.roots or not params:
+            return
+        with self.recorder.span(f"W{unit}", "compute"):
+            got = torch.autograd.grad(pending.roots, params, pending.grads, allow_unused=True)
+        for p, g in zip(params, got, strict=True):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
 
     def _recv(self, action: Action) -> list[list[torch.Tensor]]:
         """What ``action`` receives: collected from its prefetched receives, or received now."""
