@@ -79,6 +79,7 @@ def stage_loads(profile: Profile, groups: Sequence[Sequence[str]]) -> list[Stage
                 saved_bytes=float(sum(n.saved_bytes for n in members)),
                 in_bytes=crossing[i],
                 out_bytes=crossing[i + 1],
+                forward_s=math.fsum(n.forward_ms for n in members) / 1000.0,
             )
         )
     return loads
