@@ -8,7 +8,8 @@ mean, as in plain training). ``B`` receives output gradients (summed over consum
 and sends input gradients back. Under a zero-bubble schedule (a list with ``W`` actions), ``B``
 computes only the input gradients (``torch.autograd.grad`` with ``retain_graph``) and sends them at
 once; ``W`` later takes the weight gradients from the retained graph, adds them to ``.grad`` and
-frees the graph. ``S`` sums gradients over the replica group and over tie groups,
+frees the graph (:mod:`runtime.split_backward`: W does only the weight half, not the backward
+again). ``S`` sums gradients over the replica group and over tie groups,
 clips them by the whole model's norm (an all-reduce over every rank, :mod:`runtime.optim`), then
 steps the optimizer and the learning-rate schedule.
 
@@ -43,8 +44,9 @@ from runtime.metrics import Recorder
 from runtime.optim import Clip, clip_grads
 from runtime.package import Wiring
 from runtime.schedule import Action, replica_of
+from runtime.split_backward import WeightWork, backward_input, backward_weight
 
-__all__ = ["STASH_LOG_MAX", "Groups", "Pending", "StageRuntime", "Unit"]
+__all__ = ["STASH_LOG_MAX", "Groups", "StageRuntime", "Unit"]
 
 STASH_LOG_MAX = 1000
 """Backwards per rank whose (unit, forward version, version at backward) go into metrics.json."""
@@ -98,15 +100,6 @@ class Unit:
     loss: torch.Tensor | None
     version: int
     stashed: bool = False
-
-
-@dataclass
-class Pending:
-    """A unit whose input gradients are sent (B done) and whose weight gradients are not (W to do):
-    the autograd roots and their incoming gradients, which keep the graph alive."""
-
-    roots: list[torch.Tensor]
-    grads: list[torch.Tensor | None]
 
 
 @dataclass
@@ -168,7 +161,7 @@ class StageRuntime:
     _inbox: dict[tuple[str, int], Posted] = field(default_factory=dict)
     _unstashed: frozenset[int] = frozenset()
     _split: frozenset[int] = frozenset()
-    pending: dict[int, Pending] = field(default_factory=dict)
+    pending: dict[int, WeightWork] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ routing
     @functools.cached_property
@@ -339,27 +332,19 @@ class StageRuntime:
         A stage without inputs that need gradients (stage 0) computes nothing here: its whole
         backward is its W."""
         names = [n for n, t in state.inputs.items() if t.requires_grad]
-        if roots and names:
-            with self.recorder.span(f"B{unit}", "compute"):
-                got = torch.autograd.grad(
-                    roots, [state.inputs[n] for n in names], grads, retain_graph=True, allow_unused=True
-                )
-            for name, g in zip(names, got, strict=True):
-                state.inputs[name].grad = g
-        self.pending[unit] = Pending(roots, grads)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        with self.recorder.span(f"B{unit}", "compute"):
+            got, self.pending[unit] = backward_input(roots, grads, [state.inputs[n] for n in names], params)
+        for name, g in zip(names, got, strict=True):
+            state.inputs[name].grad = g
         self._send_input_grads(unit, state)
 
     def weights(self, unit: int) -> None:
         """W of a split backward: the weight gradients of ``unit`` from its retained graph, added to
-        ``.grad`` as a fused backward would; dropping the roots frees the graph."""
-        pending = self.pending.pop(unit)
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        if not pending.roots or not params:
-            return
+        ``.grad`` as a fused backward would; dropping the unit's roots frees the graph."""
+        work = self.pending.pop(unit)
         with self.recorder.span(f"W{unit}", "compute"):
-            got = torch.autograd.grad(pending.roots, params, pending.grads, allow_unused=True)
-        for p, g in zip(params, got, strict=True):
-            if g is not None:
+            for p, g in backward_weight(work):
                 p.grad = g if p.grad is None else p.grad + g
 
     def _recv(self, action: Action) -> list[list[torch.Tensor]]:
