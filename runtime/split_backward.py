@@ -126,8 +126,8 @@ def backward_input(
 
     The graph analysis is plain Python over the stage's autograd nodes, linear in their number
     for the usual shapes (weight branches are a node or two deep)."""
-    if not inputs:
-        return (), WeightWork(roots, grads, rest=list(params))
+    if not inputs or not roots:
+        return (None,) * len(inputs), WeightWork(roots, grads, rest=list(params))
     nodes = _nodes(roots)
     present = set(nodes)
     weights = {torch.autograd.graph.get_gradient_edge(p).node: p for p in params}

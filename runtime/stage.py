@@ -131,6 +131,7 @@ class StageRuntime:
         versions_in_flight_max: the most distinct weight versions held by units between their forward
             and backward (the cost model's ``in_flight`` for pipedream).
         first_step: the first minibatch of the segment being played (pipedream's round-robin origin).
+        pending: units whose B has run and whose W has not (zero-bubble schedules): what W needs.
     """
 
     cfg: RankConfig
