@@ -61,7 +61,12 @@ def run_ours(package: Path, schedule: str, steps: int, micro: int, warmup: int) 
     walls = [max(ts) for ts in zip(*(r["step_times_s"] for r in ranks), strict=True)][warmup:]
     busy = [sum(cs) for cs in zip(*(r["step_compute_s"] for r in ranks), strict=True)][warmup:]
     bubbles = [1.0 - c / (len(ranks) * w) for c, w in zip(busy, walls, strict=True)]
-    return {"s_per_minibatch": statistics.median(walls), "bubble": statistics.median(bubbles)}
+    cpu = sum(r.get("compute_cpu_s", 0.0) for r in ranks) / len(ranks[0]["step_times_s"])
+    return {
+        "s_per_minibatch": statistics.median(walls),
+        "bubble": statistics.median(bubbles),
+        "compute_cpu_s_per_minibatch": cpu,
+    }
 
 
 def _torch_rank(package: str, name: str, steps: int, micro: int, batch: int) -> list[float]:
@@ -152,6 +157,7 @@ def report(args: argparse.Namespace, rounds: list[dict[str, Any]], load: tuple[A
         rows[name] = {
             "s_per_minibatch": _median(rounds, name, "s_per_minibatch"),
             "measured_bubble": _median(rounds, name, "bubble"),
+            "compute_cpu_s_per_minibatch": _median(rounds, name, "compute_cpu_s_per_minibatch"),
             "predicted_bubble": predicted_bubble(name, f, bw, m) if name in OURS else None,
             "errors": sorted({r[name]["error"] for r in rounds if "error" in r.get(name, {})}),
         }
@@ -187,15 +193,16 @@ def _markdown(doc: dict[str, Any]) -> str:
         f"microbatches, {cfg['steps']} steps ({cfg['warmup']} warm-up dropped), {cfg['repeats']} alternating "
         f"rounds; load (1 min) {load[0]:.1f} before, {load[1]:.1f} after on {doc['host']['cpus']} CPUs.",
         "",
-        "| schedule | s / minibatch | vs pipeplan 1f1b | measured bubble | predicted bubble |",
-        "|---|---|---|---|---|",
+        "| schedule | s / minibatch | vs pipeplan 1f1b | measured bubble | predicted bubble "
+        "| compute CPU s |",
+        "|---|---|---|---|---|---|",
     ]
     for name, row in doc["results"].items():
         note = f" (failed: {row['errors'][0]})" if row["errors"] and row["s_per_minibatch"] is None else ""
         lines.append(
             f"| {name}{note} | {_fmt(row['s_per_minibatch'], '.4f')} | "
             f"{_fmt(row['speedup_vs_pipeplan_1f1b'], '.2f')} | {_fmt(row['measured_bubble'], '.2f')} | "
-            f"{_fmt(row['predicted_bubble'], '.2f')} |"
+            f"{_fmt(row['predicted_bubble'], '.2f')} | {_fmt(row['compute_cpu_s_per_minibatch'], '.3f')} |"
         )
     f, b = doc["stage_forward_s_per_microbatch"], doc["stage_backward_s_per_microbatch"]
     lines += [
