@@ -531,14 +531,19 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
 )
 @click.option(
     "--schedule",
-    type=click.Choice(["pipedream", "1f1b", "gpipe"]),
+    type=click.Choice(["pipedream", "1f1b", "gpipe", "zb1p"]),
     default="pipedream",
     show_default=True,
     help="pipedream: asynchronous 1F1B with weight stashing (slowest stage sets the pace); 1f1b, gpipe: "
-    "synchronous, a flush per minibatch.",
+    "synchronous, a flush per minibatch; zb1p: zero bubble (ZB-H1), 1f1b with each backward split into "
+    "input and weight gradients, the weight half deferred into the bubbles (about a third of 1f1b's "
+    "bubble; every stage holds up to min(stages, microbatches) microbatches' activations).",
 )
 @click.option(
-    "--microbatches", type=int, default=None, help="Microbatches per minibatch (1f1b, gpipe) [default: 4]."
+    "--microbatches",
+    type=int,
+    default=None,
+    help="Microbatches per minibatch (1f1b, gpipe, zb1p) [default: 4].",
 )
 @click.option("--optimizer", type=click.Choice(["sgd", "momentum", "adam", "adamw"]), default="sgd",
               show_default=True, help="Training optimizer, for the memory model: state kept per weight byte "
@@ -866,7 +871,9 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 @click.option("--epochs", type=click.IntRange(min=1), help="Passes over the data (default 1) if no --steps.")
 @click.option("--batch-size", type=click.IntRange(min=1), help="Samples per minibatch [plan.json].")
 @click.option("--microbatches", type=click.IntRange(min=1), help="Microbatches per minibatch [plan.json].")
-@click.option("--schedule", type=click.Choice(["pipedream", "1f1b", "gpipe"]), help="[plan.json]")
+@click.option("--schedule", type=click.Choice(["pipedream", "1f1b", "gpipe", "zb1p"]),
+              help="[plan.json] zb1p: zero bubble H1, each backward split in B (input gradients, "
+              "sent at once) and W (weight gradients, run later in the bubbles); exact as 1f1b.")  # fmt: skip
 @click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default="auto", show_default=True,
               help="auto: nccl when the ranks have GPUs, gloo on CPU.")  # fmt: skip
 @click.option("--data", default="synthetic", show_default=True,
@@ -909,7 +916,7 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
               "(a pipedream replica's step covers its round's).")  # fmt: skip
 @click.option("--clip-grad-norm", type=float, default=None,
               help="Clip the whole model's gradient norm (all stages, tied weights once) to this "
-              "(1f1b, gpipe).")  # fmt: skip
+              "(1f1b, gpipe, zb1p).")  # fmt: skip
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights and data seed.")
 @click.option("--shuffle", is_flag=True, help="Shuffle a user dataset every epoch.")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False),

@@ -37,8 +37,8 @@ __all__ = [
 ]
 
 PLAN_SCHEMA = "pipeplan.plan/1"
-Schedule = Literal["pipedream", "1f1b", "gpipe"]
-SCHEDULES: tuple[str, ...] = ("pipedream", "1f1b", "gpipe")
+Schedule = Literal["pipedream", "1f1b", "gpipe", "zb1p"]
+SCHEDULES: tuple[str, ...] = ("pipedream", "1f1b", "gpipe", "zb1p")
 OPTIMIZERS: tuple[str, ...] = ("sgd", "momentum", "adam", "adamw")
 
 

@@ -1,7 +1,9 @@
 """Pipeline schedules as data: per-stage action lists that one generic executor plays back.
 
 A schedule never runs code; it lists, for every stage, the order of its forwards (``F``), backwards
-(``B``) and optimizer steps (``S``). Microbatches are numbered globally across minibatches
+(``B``) and optimizer steps (``S``); zero-bubble schedules split the backward into ``B`` (gradients
+of the stage's inputs, which the previous stage waits for) and ``W`` (gradients of its weights,
+which nobody waits for, so it fills the bubbles). Microbatches are numbered globally across minibatches
 (``unit = step * microbatches + j``), so an asynchronous schedule that never flushes is a plain list
 too. Being data, a schedule is checked by :func:`validate` and dry-run by :func:`simulate` without
 torch, and printed in the text form of ``torch.distributed.pipelining`` (``0F3 0B3``).
@@ -36,8 +38,8 @@ __all__ = [
     "warmup",
 ]
 
-SCHEDULES: tuple[str, ...] = ("pipedream", "1f1b", "gpipe")
-_ACTION = re.compile(r"^(\d+)([FBS])(\d+)$")
+SCHEDULES: tuple[str, ...] = ("pipedream", "1f1b", "gpipe", "zb1p")
+_ACTION = re.compile(r"^(\d+)([FBWS])(\d+)$")
 
 
 class ScheduleError(ValueError):
@@ -50,8 +52,10 @@ class Action:
 
     Attributes:
         stage: the pipeline stage that does it.
-        kind: ``F`` forward, ``B`` backward, ``S`` optimizer step (all replicas of the stage join it).
-        index: the global microbatch (unit) for F/B; the step (minibatch) number for S.
+        kind: ``F`` forward, ``B`` backward (of the inputs only, when the list also has a ``W`` of
+            the unit), ``W`` the weight gradients of a split backward, ``S`` optimizer step (all
+            replicas of the stage join it).
+        index: the global microbatch (unit) for F/B/W; the step (minibatch) number for S.
     """
 
     stage: int
@@ -66,7 +70,7 @@ class Action:
         """Read the text form ``0F3``."""
         match = _ACTION.match(text.strip())
         if not match:
-            raise ScheduleError(f"not an action: {text!r} (expected e.g. 0F3, 0B3, 0S0)")
+            raise ScheduleError(f"not an action: {text!r} (expected e.g. 0F3, 0B3, 0W3, 0S0)")
         return Action(int(match.group(1)), match.group(2), int(match.group(3)))
 
 
@@ -88,6 +92,31 @@ def _one_f_one_b(stage: int, units: Sequence[int], warm: int) -> list[Action]:
         out += [Action(stage, "F", units[warm + i]), Action(stage, "B", units[i])]
     out += [Action(stage, "B", u) for u in units[len(units) - warm :]]
     return out
+
+
+def _zero_bubble(stage: int, stages: int, units: Sequence[int]) -> list[Action]:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024) over ``units``.
+
+    The forwards and input backwards (B) come in 1F1B's order, with 1F1B's warm-up of
+    ``stages - stage - 1`` forwards, so a stage holds no more forwards before their B than under
+    1F1B. Each B is followed by the weight backward (W) of the unit ``stage`` Bs earlier: the later
+    stages, which idle longest at the end of a 1F1B minibatch, keep the most Ws in hand and run them
+    while the last input gradients travel to stage 0. With equal F, B and W times and at least as
+    many microbatches as stages, the bubble is ``(stages - 1)`` slots of one pass against 1F1B's
+    ``3 (stages - 1)`` (B+W fused), a third. The price: stage ``i`` holds the graphs of ``i`` units
+    more (B done, W not), so every stage holds up to ``stages`` units, 1F1B's stage 0 peak.
+    """
+    warm = min(stages - stage - 1, len(units))
+    out = [Action(stage, "F", u) for u in units[:warm]]
+    pending: list[int] = []
+    for i, u in enumerate(units):
+        if warm + i < len(units):
+            out.append(Action(stage, "F", units[warm + i]))
+        out.append(Action(stage, "B", u))
+        pending.append(u)
+        if len(pending) > stage:
+            out.append(Action(stage, "W", pending.pop(0)))
+    return out + [Action(stage, "W", u) for u in pending]
 
 
 def warmup(replicas: Sequence[int], stage: int) -> int:
@@ -127,6 +156,8 @@ def _synchronous(name: str, stage: int, stages: int, m: int, steps: Sequence[int
         units = [s * m + j for j in range(m)]
         if name == "1f1b":
             out += _one_f_one_b(stage, units, stages - stage - 1)
+        elif name == "zb1p":
+            out += _zero_bubble(stage, stages, units)
         else:
             out += [Action(stage, "F", u) for u in units] + [Action(stage, "B", u) for u in units]
         out.append(Action(stage, "S", s))
@@ -144,7 +175,8 @@ def build_job(
     :func:`warmup` minibatches ahead and steps after each of its backwards; ``S t`` is the stage's
     round of minibatches ``t .. t + r - 1`` (see :func:`round_of`; their forwards all saw the same
     weight version), joined by every replica. ``1f1b`` and ``gpipe`` flush every minibatch and
-    hand its microbatches round-robin to the replicas; ``S s`` is minibatch ``s``'s step.
+    hand its microbatches round-robin to the replicas; ``S s`` is minibatch ``s``'s step. ``zb1p`` is
+    1f1b with each backward split into B and W (see :func:`_zero_bubble`), flushed the same way.
     """
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
@@ -170,7 +202,7 @@ def build(
 
     ``pipedream`` pipelines across minibatches without a flush and steps each stage's optimizer after
     the backward of a minibatch's last microbatch (weights are stashed by the executor); ``1f1b`` and
-    ``gpipe`` flush every minibatch, so their gradients are exact.
+    ``gpipe`` flush every minibatch, so their gradients are exact; so does ``zb1p`` (zero bubble H1).
     """
     job = build_job(name, [1] * stages, microbatches, steps, first_step)
     return tuple(ranks[0] for ranks in job)
@@ -203,7 +235,7 @@ def stash_depth(actions: Sequence[Action]) -> int:
         elif a.kind == "F":
             held[a.index] = version
             peak = max(peak, len(set(held.values())))
-        else:
+        elif a.kind == "B":
             held.pop(a.index, None)
     return peak
 
@@ -217,7 +249,8 @@ def _check_stage(
     k: int, ranks: Sequence[Sequence[Action]], units: set[int], covering: dict[int, int]
 ) -> None:
     """Every unit forwarded and backwarded once, on one replica, backward after forward and before
-    the step that covers it; every replica joins the same steps."""
+    the step that covers it; every replica joins the same steps. A split backward: every unit's W
+    (or none at all) on the B's replica, after its B and before that step."""
     where: dict[tuple[str, int], tuple[int, int]] = {}
     for i, actions in enumerate(ranks):
         for pos, a in enumerate(actions):
@@ -227,7 +260,8 @@ def _check_stage(
             if key in where:
                 raise ScheduleError(f"stage {k} lists {a} twice")
             where[key] = (i, pos)
-    for kind in ("F", "B"):
+    split = any(kd == "W" for kd, _ in where)
+    for kind in ("F", "B", "W") if split else ("F", "B"):
         have = {u for (kd, u) in where if kd == kind}
         if have != units:
             raise ScheduleError(f"stage {k}: {kind} actions cover {sorted(have)}, expected {sorted(units)}")
@@ -239,8 +273,13 @@ def _check_stage(
         (i, f), (j, b) = where[("F", u)], where[("B", u)]
         if i != j or b < f:
             raise ScheduleError(f"stage {k} runs {k}B{u} before {k}F{u} or on another replica")
-        if where[("S", covering[u] * len(ranks) + i)][1] < b:
-            raise ScheduleError(f"stage {k} steps {k}S{covering[u]} before {k}B{u}")
+        last = b
+        if split:
+            w, last = where[("W", u)]
+            if w != i or last < b:
+                raise ScheduleError(f"stage {k} runs {k}W{u} before {k}B{u} or on another replica")
+        if where[("S", covering[u] * len(ranks) + i)][1] < last:
+            raise ScheduleError(f"stage {k} steps {k}S{covering[u]} before {k}{'W' if split else 'B'}{u}")
 
 
 def validate_job(
@@ -275,12 +314,16 @@ def _join_steps(job: Sequence[Sequence[Sequence[Action]]], pos: list[list[int]])
 
 
 def simulate_job(job: Sequence[Sequence[Sequence[Action]]]) -> int:
-    """Dry-run every rank with unit-time forwards and backwards and free steps; returns the slots.
+    """Dry-run every rank with unit-time forwards, backwards and weight backwards and free steps;
+    returns the slots.
 
     A forward needs the previous stage's forward of the same unit (on whichever replica ran it) from
-    an earlier slot, a backward the next stage's backward (or, on the last stage, its own forward); a
-    step waits until every replica of its stage reaches it. With equal stage times and no replicas,
-    GPipe and 1F1B take ``2 * (microbatches + stages - 1)`` slots per minibatch.
+    an earlier slot, a backward the next stage's backward (or, on the last stage, its own forward), a
+    W only its own B (earlier in its list); a step waits until every replica of its stage reaches
+    it. With equal stage times and no replicas,
+    GPipe and 1F1B take ``2 * (microbatches + stages - 1)`` slots per minibatch, and zb1p (three
+    unit passes per unit) ``2 * (microbatches + stages - 1) + 1 + max(microbatches - stages, 0)``:
+    ``3 microbatches + stages - 1`` once there are as many microbatches as stages.
 
     Raises:
         ScheduleError: if the ranks deadlock.
@@ -299,7 +342,8 @@ def simulate_job(job: Sequence[Sequence[Sequence[Action]]]) -> int:
                     continue
                 a = acts[pos[k][i]]
                 need = (k - 1, "F", a.index) if a.kind == "F" else (k + 1, "B", a.index)
-                if (a.kind == "F" and k == 0) or (a.kind == "B" and k == last) or need in done:
+                local = (a.kind == "F" and k == 0) or (a.kind == "B" and k == last) or a.kind == "W"
+                if local or need in done:
                     finished.append((k, a.kind, a.index))
                     pos[k][i] += 1
         left_now = sum(len(acts) - p for ranks, ps in zip(job, pos, strict=True)

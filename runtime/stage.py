@@ -5,7 +5,11 @@ output to the replica of every consumer stage that handles that microbatch
 (:func:`runtime.schedule.replica_of`), and on the last stage
 computes the loss scaled by the microbatch's share of the minibatch (so gradients are the minibatch
 mean, as in plain training). ``B`` receives output gradients (summed over consumers), runs autograd
-and sends input gradients back. ``S`` sums gradients over the replica group and over tie groups,
+and sends input gradients back. Under a zero-bubble schedule (a list with ``W`` actions), ``B``
+computes only the input gradients (``torch.autograd.grad`` with ``retain_graph``) and sends them at
+once; ``W`` later takes the weight gradients from the retained graph, adds them to ``.grad`` and
+frees the graph (:mod:`runtime.split_backward`: W does only the weight half, not the backward
+again). ``S`` sums gradients over the replica group and over tie groups,
 clips them by the whole model's norm (an all-reduce over every rank, :mod:`runtime.optim`), then
 steps the optimizer and the learning-rate schedule.
 
@@ -41,6 +45,7 @@ from runtime.optim import Clip, clip_grads
 from runtime.package import Wiring
 from runtime.recompute import run_forward
 from runtime.schedule import Action, replica_of
+from runtime.split_backward import WeightWork, backward_input, backward_weight
 
 __all__ = ["STASH_LOG_MAX", "Groups", "StageRuntime", "Unit"]
 
@@ -127,6 +132,7 @@ class StageRuntime:
         versions_in_flight_max: the most distinct weight versions held by units between their forward
             and backward (the cost model's ``in_flight`` for pipedream).
         first_step: the first minibatch of the segment being played (pipedream's round-robin origin).
+        pending: units whose B has run and whose W has not (zero-bubble schedules): what W needs.
     """
 
     cfg: RankConfig
@@ -156,6 +162,8 @@ class StageRuntime:
     _batch_cache: dict[str, tuple[int, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
     _inbox: dict[tuple[str, int], Posted] = field(default_factory=dict)
     _unstashed: frozenset[int] = frozenset()
+    _split: frozenset[int] = frozenset()
+    pending: dict[int, WeightWork] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ routing
     @functools.cached_property
@@ -230,7 +238,8 @@ class StageRuntime:
         """Run ``actions`` (a segment starting at minibatch ``first_step``) in order, then wait for
         this rank's outstanding sends."""
         self.first_step = first_step
-        run = {"F": self.forward, "B": self.backward, "S": self.step}
+        run = {"F": self.forward, "B": self.backward, "W": self.weights, "S": self.step}
+        self._split = frozenset(a.index for a in actions if a.kind == "W")
         receiving = [i for i, a in enumerate(actions) if self._receives(a)]
         self._unstashed = _no_step_between(actions) if self.stash else frozenset()
         posted = 0
@@ -308,6 +317,9 @@ class StageRuntime:
             if state.outputs[name].requires_grad:
                 roots.append(state.outputs[name])
                 grads.append(g)
+        if unit in self._split:
+            self._input_grads(unit, state, roots, grads)
+            return
         with self.recorder.span(f"B{unit}", "compute"):
             if roots:
                 torch.autograd.backward(roots, grads)
@@ -318,6 +330,28 @@ class StageRuntime:
         if (unit + 1) % self.cfg.job.microbatches == 0:
             self._step_units.append(state.version)
         self._send_input_grads(unit, state)
+
+    def _input_grads(
+        self, unit: int, state: Unit, roots: list[torch.Tensor], grads: list[torch.Tensor | None]
+    ) -> None:
+        """Split B: only the gradients of the stage's inputs, sent at once; the graph is kept for W.
+        A stage without inputs that need gradients (stage 0) computes nothing here: its whole
+        backward is its W."""
+        names = [n for n, t in state.inputs.items() if t.requires_grad]
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        with self.recorder.span(f"B{unit}", "compute"):
+            got, self.pending[unit] = backward_input(roots, grads, [state.inputs[n] for n in names], params)
+        for name, g in zip(names, got, strict=True):
+            state.inputs[name].grad = g
+        self._send_input_grads(unit, state)
+
+    def weights(self, unit: int) -> None:
+        """W of a split backward: the weight gradients of ``unit`` from its retained graph, added to
+        ``.grad`` as a fused backward would; dropping the unit's roots frees the graph."""
+        work = self.pending.pop(unit)
+        with self.recorder.span(f"W{unit}", "compute"):
+            for p, g in backward_weight(work):
+                p.grad = g if p.grad is None else p.grad + g
 
     def _recv(self, action: Action) -> list[list[torch.Tensor]]:
         """What ``action`` receives: collected from its prefetched receives, or received now."""

@@ -61,7 +61,7 @@ def test_cuts_and_replicas_are_evaluated(graph: Path, tmp_path: Path) -> None:
     assert doc["stages"][0]["nodes"] == ["x", "l0", "l1"]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb1p"])
 def test_synchronous_schedules(graph: Path, tmp_path: Path, schedule: str) -> None:
     code, out, _ = _run("partition", "--profile", str(graph), "--gpus", "3", "--schedule", schedule,
                         "--microbatches", "4", "--json", "-o", str(tmp_path))  # fmt: skip
@@ -70,6 +70,7 @@ def test_synchronous_schedules(graph: Path, tmp_path: Path, schedule: str) -> No
     m = plan["microbatches"]  # raised to a count every replica can use, if needed
     assert m % 4 == 0 and all(m % s["replicas"] == 0 for s in plan["stages"])
     assert m == 4 or plan["extra"]["microbatches_asked"] == 4
+    assert plan["schedule"] == schedule
 
 
 @pytest.mark.parametrize(

@@ -318,8 +318,9 @@ def _exact_synchronous(
             continue
         if len(cluster.levels) > 1:  # searched at the slowest bandwidth: neither optimal nor a bound
             return plan, 0.0, False
-        # with the limit, the search holds all M microbatches: gpipe's model, more than 1f1b's
-        sound = states.exact and (held is None or schedule == "gpipe")
+        # with the limit, the search holds all M microbatches: gpipe's model, more than 1f1b's;
+        # it minimises the 1f1b/gpipe time, so neither its optimum nor its bound is zb1p's
+        sound = states.exact and (held is None or schedule == "gpipe") and schedule != "zb1p"
         return plan, lower if sound else 0.0, sound and lower >= value * (1 - 1e-9)
     return None
 

@@ -8,8 +8,10 @@ the next stage's backward) has arrived. The cost model's closed forms are checke
 pipedream is played rank by rank from the runtime's own lists (``runtime.schedule.build_job``): a
 replica runs whole minibatches at the stage's full compute time, and its stage's replicas all-reduce
 once per round (PipeDream's data parallelism), so what the simulation holds in flight is what the
-runtime stashes. The synchronous schedules are played per stage, a replicated stage being one
-server r times as fast, as their cost model prices them.
+runtime stashes. The synchronous schedules (1f1b, gpipe, zb1p) are played per stage from the
+runtime's own lists too (``runtime.schedule.build``), a replicated stage being one server r times as
+fast, as their cost model prices them. zb1p's split backward takes ``1 - W_SHARE`` of a stage's
+backward for B and ``W_SHARE`` for W (:data:`partitioner.optimizer.cost.W_SHARE`).
 """
 
 from __future__ import annotations
@@ -25,20 +27,22 @@ from partitioner.errors import PlanError
 from partitioner.graph import Node, Profile
 from partitioner.optimizer.build import hosts_bound, stage_loads
 from partitioner.optimizer.cost import (
+    W_SHARE,
     activation_time,
     allreduce_time,
     held_memory,
     pipedream_stage_time,
 )
 from partitioner.plan import Plan
-from runtime.schedule import Action, build_job
+from runtime.schedule import Action, build, build_job
 
 __all__ = ["Event", "Simulation", "actions", "gantt", "simulate", "write_chrome_trace"]
 
 
 @dataclass(frozen=True)
 class Event:
-    """One action on one stage: ``kind`` is F, B or S (gradient sync + optimizer step)."""
+    """One action on one stage: ``kind`` is F, B, W (weight gradients of a split backward) or S
+    (gradient sync + optimizer step)."""
 
     stage: int
     kind: str
@@ -77,7 +81,11 @@ MAX_ACTIONS = 100_000
 
 
 def actions(schedule: str, stages: int, items: int) -> list[list[tuple[str, int]]]:
-    """Per-stage action order: GPipe all-forward-then-backward; 1F1B (and pipedream) warm-up + steady."""
+    """Per-stage action order: the runtime's lists of a synchronous schedule for one minibatch of
+    ``items`` microbatches (GPipe all-forward-then-backward, 1F1B warm-up + steady, zb1p 1F1B with
+    deferred Ws); pipedream: 1F1B over ``items`` minibatches."""
+    if schedule != "pipedream":
+        return [[(a.kind, a.index) for a in acts if a.kind != "S"] for acts in build(schedule, stages, items)]
     plans: list[list[tuple[str, int]]] = []
     for i in range(stages):
         if schedule == "gpipe":
@@ -139,9 +147,14 @@ def _out_bytes(plan: Plan, nodes: dict[str, Node]) -> list[float]:
 
 
 def _play(
-    orders: list[list[tuple[str, int]]], fwd: list[float], bwd: list[float], link: list[float]
+    orders: list[list[tuple[str, int]]],
+    fwd: list[float],
+    bwd: list[float],
+    link: list[float],
+    wgt: list[float] | None = None,
 ) -> list[Event]:
-    """Run every stage's list in order; an action waits for its stage and for its input."""
+    """Run every stage's list in order; an action waits for its stage and for its input. A W (time
+    ``wgt``) waits only for its stage: its B came earlier in the list."""
     p = len(orders)
     done: dict[tuple[str, int, int], float] = {}
     free = [0.0] * p
@@ -153,7 +166,9 @@ def _play(
             if pos[i] >= len(orders[i]):
                 continue
             kind, k = orders[i][pos[i]]
-            if kind == "F":
+            if kind == "W":
+                ok, dep = True, 0.0
+            elif kind == "F":
                 dep = 0.0 if i == 0 else done.get(("F", i - 1, k), -1.0) + link[i - 1] * (i > 0)
                 ok = i == 0 or ("F", i - 1, k) in done
             else:
@@ -162,7 +177,7 @@ def _play(
             if not ok:
                 continue
             start = max(free[i], dep)
-            end = start + (fwd[i] if kind == "F" else bwd[i])
+            end = start + (fwd[i] if kind == "F" else bwd[i] if kind == "B" else (wgt or bwd)[i])
             done[(kind, i, k)] = end
             free[i] = end
             events.append(Event(i, kind, k, start, end))
@@ -317,7 +332,10 @@ def _simulate_devices(plan: Plan, profile: Profile | None, minibatches: int | No
     fwd, bwd, link = _durations(plan, profile)
     sync = plan.schedule != "pipedream"
     items = plan.microbatches if sync else (minibatches or 4 * p + 4)
-    events = _play(actions(plan.schedule, p, items), fwd, bwd, link)
+    wgt = None
+    if plan.schedule == "zb1p":
+        bwd, wgt = [t * (1.0 - W_SHARE) for t in bwd], [t * W_SHARE for t in bwd]
+    events = _play(actions(plan.schedule, p, items), fwd, bwd, link, wgt)
     end = max(e.end_s for e in events)
     if sync:
         bws = min(lv.bandwidth for lv in plan.cluster.levels)
@@ -334,7 +352,7 @@ def _simulate_devices(plan: Plan, profile: Profile | None, minibatches: int | No
     span = max(e.end_s for e in events)
     busy = sum(e.end_s - e.start_s for e in events if e.kind != "S")
     bubble = 1.0 - busy / (p * span) if span > 0 else 0.0
-    held = _in_flight(events, p)
+    held = _in_flight(events, p, "W" if plan.schedule == "zb1p" else "B")
     memory = _memory(plan, profile, held)
     return Simulation(tuple(sorted(events, key=lambda e: e.start_s)), per_minibatch, bubble, memory, held)
 
@@ -345,12 +363,14 @@ def _params(plan: Plan, profile: Profile | None) -> list[float]:
     return [float(sum(nodes[n].param_bytes for n in s.nodes if n in nodes)) for s in plan.stages]
 
 
-def _in_flight(events: Sequence[Event], p: int) -> tuple[int, ...]:
+def _in_flight(events: Sequence[Event], p: int, release: str = "B") -> tuple[int, ...]:
+    """Per stage, the most items whose graphs were held at once: from their F's end to the end of
+    the ``release`` that frees them (B, or W for a split backward)."""
     peak = [0] * p
     for i in range(p):
         marks = sorted(
             [(e.end_s, 1) for e in events if e.stage == i and e.kind == "F"]
-            + [(e.end_s, -1) for e in events if e.stage == i and e.kind == "B"]
+            + [(e.end_s, -1) for e in events if e.stage == i and e.kind == release]
         )
         level = 0
         for _, delta in marks:
@@ -374,7 +394,7 @@ def _memory(plan: Plan, profile: Profile | None, held: Sequence[int]) -> tuple[i
 
 def write_chrome_trace(sim: Simulation, path: str | os.PathLike[str]) -> Path:
     """Chrome trace JSON (opens in Perfetto / chrome://tracing): one row per stage."""
-    names = {"F": "forward", "B": "backward", "S": "sync+step"}
+    names = {"F": "forward", "B": "backward", "W": "weight backward", "S": "sync+step"}
     trace = [
         {"name": f"{e.kind}{e.item}", "cat": names[e.kind], "ph": "X", "pid": 0, "tid": e.stage,
          "ts": e.start_s * 1e6, "dur": (e.end_s - e.start_s) * 1e6}
@@ -388,7 +408,8 @@ def write_chrome_trace(sim: Simulation, path: str | os.PathLike[str]) -> Path:
 
 
 def gantt(sim: Simulation, width: int = 72, until_s: float | None = None, rows: int = 24) -> list[str]:
-    """A text Gantt: one row per stage; forwards are digits (item mod 10), backwards letters, '.' idle.
+    """A text Gantt: one row per stage; forwards are digits (item mod 10), backwards letters (W of a
+    split backward in capitals), '.' idle.
 
     A pipeline of more than ``rows`` stages shows its first and last stages and says how many it left out.
     """
@@ -412,6 +433,7 @@ def gantt(sim: Simulation, width: int = 72, until_s: float | None = None, rows: 
             mark = (
                 str(e.item % 10) if e.kind == "F" else ("s" if e.kind == "S" else chr(ord("a") + e.item % 26))
             )
+            mark = mark.upper() if e.kind == "W" else mark
             for c in range(a, min(b, width)):
                 cells[c] = mark
         lines.append(f"stage {i:>2} |{''.join(cells)}|")
