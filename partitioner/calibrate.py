@@ -36,12 +36,14 @@ class RunTimes:
         batch_size: samples per minibatch of the run (None when the file does not say).
         source: the file it came from.
         model: the model spec of the package that ran (empty in files written before it was recorded).
+        precision: what the run computed in (fp32 in files written before it was recorded).
     """
 
     stage_s: Mapping[int, float]
     batch_size: int | None
     source: str
     model: str = ""
+    precision: str = "fp32"
 
 
 def load_run_times(path: str | os.PathLike[str]) -> RunTimes:
@@ -62,7 +64,8 @@ def load_run_times(path: str | os.PathLike[str]) -> RunTimes:
     stage_s = {int(s["stage"]): float(s["compute_s_per_minibatch"]) for s in doc["stages"]}
     rate, step = doc.get("samples_per_s"), doc.get("time_per_minibatch_s")
     batch = doc.get("batch_size") or (round(rate * step) if rate and step else None)
-    return RunTimes(stage_s, int(batch) if batch else None, str(source), str(doc.get("model") or ""))
+    model, precision = str(doc.get("model") or ""), str(doc.get("precision") or "fp32")
+    return RunTimes(stage_s, int(batch) if batch else None, str(source), model, precision)
 
 
 def stage_factors(profile: Profile, plan: Plan, measured_s: Mapping[int, float]) -> dict[int, float]:

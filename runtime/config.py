@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.errors import RunError
+from runtime.precision import check_precision
 from runtime.schedule import SCHEDULES
 
 __all__ = ["JobConfig", "RankConfig", "load_job", "newest_package", "replica_microbatches"]
@@ -36,6 +37,9 @@ class JobConfig:
             package's ``model(criterion)``, the criterion last (``[0, 0, 1, 1, 1]`` in PipeDream's
             own packages: two modules on stage 0, two and the criterion on stage 1).
         model: plan.json's model spec (recorded in metrics.json, so calibration can match the two).
+        precision: fp32, bf16 or fp16: what the stages compute in (:mod:`runtime.precision`).
+        plan_precision: the precision plan.json was planned for (its profile's; fp32 when it does
+            not say).
     """
 
     package: Path
@@ -48,6 +52,8 @@ class JobConfig:
     inputs: tuple[dict[str, Any], ...] = ()
     module_stages: tuple[int, ...] = ()
     model: str = ""
+    precision: str = "fp32"
+    plan_precision: str = "fp32"
 
     @property
     def world_size(self) -> int:
@@ -135,6 +141,7 @@ def load_job(
     schedule: str | None = None,
     microbatches: int | None = None,
     batch_size: int | None = None,
+    precision: str | None = None,
 ) -> JobConfig:
     """Read a package's mp_conf.json and plan.json; explicit arguments override the plan.
 
@@ -152,6 +159,7 @@ def load_job(
     predicted = plan.get("predicted", {}).get("time_per_minibatch_s")
     batch = int(batch_size or default_batch or 0)
     name = str(schedule or plan.get("schedule") or "1f1b")
+    planned = str(plan.get("precision") or "fp32")  # plans written before precision existed: fp32
     job = JobConfig(
         package=folder.resolve(),
         stage_ranks=ranks,
@@ -164,6 +172,8 @@ def load_job(
         inputs=inputs,
         module_stages=modules,
         model=str(plan.get("model") or ""),
+        precision=precision or planned,
+        plan_precision=planned,
     )
     return _checked(job)
 
@@ -220,6 +230,7 @@ def _checked(job: JobConfig) -> JobConfig:
             f"batch size {job.batch_size} does not split into {job.microbatches} equal microbatches; "
             "pick --microbatches that divides --batch-size"
         )
+    check_precision(job.precision, job.schedule)
     for tie in job.ties:
         if any(not 0 <= s < job.stages for s, _ in tie):
             raise RunError(f"{job.package}/plan.json: tie {tie} names a stage that does not exist")

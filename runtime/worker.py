@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import resource
 import sys
 import time
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from runtime.config import JobConfig, RankConfig, load_job
 from runtime.data import Batches, make_batches
 from runtime.errors import PeerLost, RunError
 from runtime.lifeline import die_with, wake_siblings
+from runtime.loss_scale import LossScaler
 from runtime.metrics import RankMetrics, Recorder, summarize, write_json_atomic, write_trace
 from runtime.optim import Clip, OptimSettings, check_resume, counted_params, make_optimizer, make_scheduler
 from runtime.options import RunOptions, from_argv
@@ -38,6 +40,7 @@ __all__ = [
     "PEER_LOST_GRACE_S",
     "keep_freed_memory",
     "main",
+    "peak_memory_bytes",
     "resolve_backend",
     "run_dir",
     "run_rank",
@@ -65,7 +68,9 @@ def run_dir(options: RunOptions) -> Path:
 
 
 def job_of(options: RunOptions) -> JobConfig:
-    return load_job(options.package, options.schedule, options.microbatches, options.batch_size)
+    return load_job(
+        options.package, options.schedule, options.microbatches, options.batch_size, options.precision
+    )
 
 
 def _groups(cfg: RankConfig, timeout: timedelta) -> Groups:
@@ -172,6 +177,8 @@ def _build(options: RunOptions, cfg: RankConfig, device: torch.device, clock: _C
         stash=cfg.job.schedule == "pipedream",
         recorder=Recorder(cfg.rank, cfg.stage, trace=options.trace is not None),
         on_step=clock,
+        precision=cfg.job.precision,
+        scaler=LossScaler(dist.group.WORLD) if cfg.job.precision == "fp16" else None,  # type: ignore[arg-type]
     )
 
 
@@ -193,6 +200,8 @@ def _start_step(options: RunOptions, rt: StageRuntime) -> tuple[int, dict[str, A
     rt.optimizer.load_state_dict(state["optimizer"])
     if rt.scheduler is not None and state.get("scheduler") is not None:
         rt.scheduler.load_state_dict(state["scheduler"])
+    if rt.scaler is not None and state.get("scaler") is not None:
+        rt.scaler.load_state_dict(state["scaler"])
     return int(state["step"]), checkpoint.load_rank(root, step, rt.cfg.rank)["rng"]
 
 
@@ -207,13 +216,15 @@ def _save(options: RunOptions, rt: StageRuntime, step: int) -> None:
             "optimizer": rt.optimizer.state_dict(),
             "scheduler": rt.scheduler.state_dict() if rt.scheduler is not None else None,
             "optim": OptimSettings.of(options).record(),
+            "scaler": rt.scaler.state_dict() if rt.scaler is not None else None,
+            "precision": cfg.job.precision,
             "step": step,
         }
         checkpoint.save_stage(root, step, cfg.stage, state)
     checkpoint.save_rank(root, step, cfg.rank)
     dist.barrier()
     if cfg.rank == 0:
-        checkpoint.save_meta(root, step, cfg.job.package, cfg.job.world_size)
+        checkpoint.save_meta(root, step, cfg.job.package, cfg.job.world_size, options.seed)
 
 
 def _segments(start: int, total: int, every: int) -> list[tuple[int, int]]:
@@ -271,6 +282,15 @@ def keep_freed_memory() -> None:
     mallopt(m_trim_threshold, 1 << 30)
 
 
+def peak_memory_bytes(device: torch.device) -> int:
+    """The most memory this rank held: torch's allocations on its GPU, or its process's peak resident
+    set on a CPU (Linux reports kilobytes, macOS bytes)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) * (1 if sys.platform == "darwin" else 1024)
+
+
 def run_rank(options: RunOptions) -> dict[str, Any] | None:
     """Train this rank's stage; rank 0 returns the metrics.json document, the others None."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -326,6 +346,10 @@ def _finish(options: RunOptions, rt: StageRuntime, clock: _Clock) -> dict[str, A
         losses=tuple(clock.losses) if rt.cfg.replica == 0 else (),
         param_sq_sum=float(sum(p.detach().double().square().sum() for p in rt.module.parameters())),
         versions_in_flight_max=rt.versions_in_flight_max,
+        loss_scale=rt.scaler.scale if rt.scaler is not None else None,
+        overflow_steps=tuple(rt.overflow_steps),
+        skipped_steps=tuple(rt.skipped_steps),
+        peak_memory_bytes=peak_memory_bytes(rt.comm.device),
     )
     gathered: list[Any] = [None] * rt.cfg.job.world_size
     dist.gather_object(
@@ -338,7 +362,7 @@ def _finish(options: RunOptions, rt: StageRuntime, clock: _Clock) -> dict[str, A
     warmup = 1 if len(clock.times) >= 3 else 0
     doc = summarize([g[0] for g in gathered], rt.cfg.job.batch_size, rt.cfg.job.predicted_time_s, warmup)
     doc.update(schedule=rt.cfg.job.schedule, microbatches=rt.cfg.job.microbatches, world_size=len(gathered))
-    doc.update(device=rt.comm.device.type)
+    doc.update(device=rt.comm.device.type, precision=rt.cfg.job.precision)
     doc["model"] = rt.cfg.job.model
     doc["stash_log"] = {g[0].rank: g[2] for g in gathered}
     doc["step_versions"] = {g[0].rank: g[3] for g in gathered}

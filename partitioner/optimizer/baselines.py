@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from partitioner.errors import InfeasibleError
-from partitioner.graph import Profile
+from partitioner.graph import Profile, with_forward_copies
 from partitioner.optimizer.build import StageSpec, assemble
 from partitioner.plan import Cluster, Plan, SolverInfo
 
@@ -111,6 +111,7 @@ def baselines(
     """Every baseline by name; None where it does not fit in memory."""
     from partitioner.optimizer import solve
 
+    profile = with_forward_copies(profile, 1 if schedule == "pipedream" else m)
     out: dict[str, Plan | None] = {}
     makers: dict[str, Callable[[], Plan]] = {
         "data parallel": lambda: data_parallel(profile, cluster, schedule, m, optimizer),

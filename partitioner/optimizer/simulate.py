@@ -22,7 +22,7 @@ from pathlib import Path
 
 from partitioner.atomic import write_text_atomic
 from partitioner.errors import PlanError
-from partitioner.graph import Node, Profile
+from partitioner.graph import Node, Profile, with_forward_copies
 from partitioner.optimizer.cost import (
     OPTIMIZER_STATE,
     activation_time,
@@ -289,6 +289,8 @@ def _nodes(profile: Profile | None) -> dict[str, Node]:
 
 def simulate(plan: Plan, profile: Profile | None = None, minibatches: int | None = None) -> Simulation:
     """Simulate ``minibatches`` minibatches (pipedream) or one minibatch of M microbatches (1f1b, gpipe)."""
+    if profile is not None:
+        profile = with_forward_copies(profile, 1 if plan.schedule == "pipedream" else plan.microbatches)
     if plan.schedule == "pipedream":
         return _simulate_pipedream(plan, profile, minibatches)
     p = len(plan.stages)
