@@ -88,6 +88,7 @@ def main(debug: bool, verbose: int) -> None:
       pipeplan verify                 check the stages against the original model
       pipeplan run                    train the package on its ranks (torchrun)
       pipeplan calibrate              feed the run's stage times back -> profiles/<model>/calibrated.json
+      pipeplan export -o model.pt     the trained stages as one state_dict of the original model
     """
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
@@ -175,12 +176,17 @@ def _profile_totals(profile: Any, path: Any) -> str:
     updates = ", ".join(
         f"{name} {update_ms(profile, name):.1f} ms" for name in profile.extra.get(UPDATE_KEY, {})
     )
+    cast = sum(n.cast_bytes for n in profile.nodes) * mb
+    copies = f" + {cast:.1f} MB of {profile.precision} weight copies per forward" if cast else ""
     return (
         f"{len(profile.layers)} layers ({profile.tracer}), {params / elem / 1e6:.2f}M params "
-        f"({params * mb:.1f} MB), activations {activations:.1f} MB, saved for backward {saved:.1f} MB\n"
+        f"({params * mb:.1f} MB), activations {activations:.1f} MB, saved for backward {saved:.1f} MB"
+        f"{copies}\n"
         f"forward {fwd:.1f} ms + backward {bwd:.1f} ms = {fwd + bwd:.1f} ms; "
         f"whole step {profile.step_ms or 0:.1f} ms; fidelity {fidelity} "
-        f"(batch {profile.batch_size}, {profile.device}, {profile.dtype})\n"
+        f"(batch {profile.batch_size}, {profile.device}, {profile.dtype}"
+        + (f" weights, {profile.precision} autocast" if profile.precision != "fp32" else "")
+        + ")\n"
         + (f"optimizer update of all weights: {updates}\n" if updates else "")
         + f"wrote {path}"
     )
@@ -245,6 +251,14 @@ def _profile_totals(profile: Any, path: Any) -> str:
     help="Measure at this many samples and scale to --batch-size: the per-microbatch cost a 1f1b or "
     "gpipe pipeline sees (partition with --microbatches = batch size / this).",
 )
+@click.option(
+    "--precision",
+    type=click.Choice(["fp32", "bf16", "fp16"]),
+    default="fp32",
+    show_default=True,
+    help="Measure under autocast to bf16 or fp16 (float32 weights), as `pipeplan run --precision` "
+    "trains; partition carries it into plan.json.",
+)
 @click.option("--top", type=int, default=10, show_default=True, help="Layers shown in the summary table.")
 @click.option("--json", "as_json", is_flag=True, help="Print only the profile JSON on stdout.")
 @user_errors
@@ -260,6 +274,7 @@ def profile(
     clock: str,
     threads: int | None,
     microbatch_size: int | None,
+    precision: str,
     top: int,
     as_json: bool,
 ) -> None:  # fmt: skip
@@ -279,10 +294,11 @@ def profile(
     from partitioner.errors import PipeplanError
     from partitioner.graph import profile_to_json, save_profile
     from partitioner.models import model_name
-    from partitioner.profiler import profile_model
+    from partitioner.profiler import check_precision, profile_model
 
     if batch_size <= 0:
         raise PipeplanError(f"--batch-size must be positive, got {batch_size}")
+    check_precision(precision, dtype)
     shape = _parse_shape(input_shape)
     path = Path(output) if output else Path("profiles") / model_name(model) / "profile.json"
     _check_output(path)
@@ -305,6 +321,7 @@ def profile(
             clock,
             threads,
             microbatch_size,
+            precision,
         )
         bar.update(task, description="whole-step timing")
     save_profile(result, path)
@@ -635,6 +652,11 @@ def partition(
             raise PlanError(f"--batch-size must be >= 1, got {batch_size}")
         profile = replace(profile, batch_size=batch_size)
     _check_package_options(profile, weights, init)
+    if profile.precision == "fp16" and schedule == "pipedream":
+        raise PlanError(
+            f"{path} was measured at fp16, whose loss scaling needs a synchronous schedule: partition with "
+            "--schedule 1f1b or gpipe, or profile with --precision bf16 for pipedream"
+        )
     profile = with_update_time(profile, optimizer)
     cluster = _cpu_hosts(_cluster(gpus, topology, bandwidth, memory), profile, host_cores)
     micro = microbatches if microbatches is not None else (1 if schedule == "pipedream" else 4)
@@ -649,7 +671,7 @@ def partition(
             raise PlanError("the profile has no layers")
         plan = solve(profile, cluster, schedule, micro, optimizer, straight, solver, not no_comm, recompute)
     _check_replicas(plan)
-    plan = replace(plan, profile=str(path))
+    plan = replace(plan, profile=str(path), precision=profile.precision)
     name = profile.model if profile.tracer == "pipedream" else _model_name(profile.model)
     out_dir = Path(output) / re.sub(r"[^A-Za-z0-9_.-]+", "_", name or "model") / f"gpus={cluster.gpus}"
     plan = _write_plan(profile, plan, out_dir, weights, init)
@@ -826,6 +848,12 @@ def calibrate(package: str | None, metrics_path: str | None, output: str | None,
             f"{run.source} measured {run.model}, but {folder} is a package of {plan.model}; "
             "give the metrics of a run of this package (PACKAGE/run/metrics.json)"
         )
+    if run.precision != profile.precision:
+        raise PipeplanError(
+            f"{run.source} trained at {run.precision}, but {plan.profile} was measured at "
+            f"{profile.precision}: calibrate from a run with --precision {profile.precision}, or profile "
+            f"with --precision {run.precision}"
+        )
     measured = device_seconds(plan, run)
     result = calibrated(profile, plan, measured, run.batch_size, run.source)
     path = Path(output) if output else Path(plan.profile).with_name("calibrated.json")
@@ -917,6 +945,9 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 @click.option("--clip-grad-norm", type=float, default=None,
               help="Clip the whole model's gradient norm (all stages, tied weights once) to this "
               "(1f1b, gpipe, zb1p).")  # fmt: skip
+@click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]),
+              help="Forwards under autocast to bf16 or fp16 (float32 weights and optimizer state); fp16 "
+              "adds dynamic loss scaling and needs a synchronous schedule  [plan.json's]")  # fmt: skip
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights and data seed.")
 @click.option("--shuffle", is_flag=True, help="Shuffle a user dataset every epoch.")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False),
@@ -970,13 +1001,21 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
 
 
 def _check_optim(options: Any) -> None:
-    """Bad optimizer settings fail here, before any rank starts; a warm-up longer than the run is legal
-    but worth a note."""
+    """Bad optimizer and precision settings fail here, before any rank starts; a warm-up longer than the
+    run, or a precision other than the plan's, is legal but worth a note."""
     from runtime.optim import OptimSettings
     from runtime.worker import job_of
 
     settings = OptimSettings.of(options)
-    settings.check_schedule(job_of(options).schedule)
+    job = job_of(options)
+    settings.check_schedule(job.schedule)
+    if job.precision != job.plan_precision:
+        _console(stderr=True).print(
+            f"[yellow]note:[/yellow] training at {job.precision}, but the plan was made for "
+            f"{job.plan_precision}: its predicted time and memory are {job.plan_precision}'s (profile and "
+            f"partition with --precision {job.precision} for a plan of this run)",
+            soft_wrap=True,
+        )
     if options.steps is not None and settings.warmup_steps >= options.steps:
         _console(stderr=True).print(
             f"[yellow]note:[/yellow] --warmup-steps {settings.warmup_steps} is not below --steps "
@@ -1105,6 +1144,70 @@ def _memory_table(memory: dict[str, Any]) -> Any:
         table.add_row(str(s["stage"]), gib(got) if got is not None else "-", gib(want) if want else "-",
                       f"{ratio:.2f}" if ratio is not None else "-")  # fmt: skip
     return table
+
+
+# ----------------------------------------------------------------------------- export
+# (runtime/export.py: a run's stage checkpoints merged into the original model's state_dict)
+
+
+@main.command()
+@click.argument("package", required=False, type=click.Path(file_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="The state_dict file to write (torch.save of the model's state_dict()).")  # fmt: skip
+@click.option("--step", type=click.IntRange(min=0), default=None,
+              help="The checkpoint step to export  [default: the newest complete one]")  # fmt: skip
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False),
+              help="Where the run wrote step-N/  [default: PACKAGE/run/checkpoints]")  # fmt: skip
+@click.option("--hf-dir", type=click.Path(file_okay=False),
+              help="hf: models: the save_pretrained folder  [default: beside -o, named after it: "
+              "model.pt -> model-hf/]")  # fmt: skip
+@click.option("--seed", type=int, default=None,
+              help="Seed of tensors no stage holds (never trained)  [default: the run's]")  # fmt: skip
+@user_errors
+def export(
+    package: str | None, output: str, step: int | None, checkpoint_dir: str | None, hf_dir: str | None,
+    seed: int | None,
+) -> None:  # fmt: skip
+    """Merge a run's stage checkpoints into one state_dict of the original model.
+
+    \b
+    The file loads into the model the package was made from, with every original name (tied
+    weights under each of theirs):
+      pipeplan export -o model.pt
+      model.load_state_dict(torch.load("model.pt"), strict=True)
+    An hf: model is also written with save_pretrained (from_pretrained reads it back).
+    PACKAGE defaults to the newest under ./models, --step to the newest complete checkpoint.
+    """
+    from pathlib import Path
+
+    from runtime.config import newest_package
+    from runtime.export import export_checkpoint
+
+    folder = Path(package) if package is not None else newest_package("models")
+    done = export_checkpoint(folder, output, step, checkpoint_dir, hf_dir, seed)
+    console, merged = _console(), done.merged
+    for line in done.skipped:
+        _console(stderr=True).print(f"skipped {line}", soft_wrap=True, markup=False)
+    console.print(
+        f"wrote {done.path}: step {done.step} of {folder}, {len(merged.loaded)} tensors from the stage "
+        f"checkpoints" + (f", {len(merged.tied)} tied names filled in" if merged.tied else ""),
+        soft_wrap=True,
+        markup=False,
+    )
+    if merged.untrained:
+        console.print(
+            f"[yellow]note:[/yellow] no stage holds {len(merged.untrained)} tensors (e.g. "
+            f"{merged.untrained[0]}): they keep full_model(seed={done.seed})'s values, untrained",
+            soft_wrap=True,
+        )
+    if merged.tie_max_diff > 0:
+        console.print(
+            f"[yellow]note:[/yellow] the stages' copies of a tied weight differ by up to "
+            f"{merged.tie_max_diff:.3g}; the first stage's copy was kept",
+            soft_wrap=True,
+        )
+    if done.hf_dir is not None:
+        console.print(f"wrote {done.hf_dir} (save_pretrained; from_pretrained reads it)", soft_wrap=True)
 
 
 def _cores() -> int:

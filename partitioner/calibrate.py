@@ -37,6 +37,7 @@ class RunTimes:
         source: the file it came from.
         model: the model spec of the package that ran (empty in files written before it was recorded).
         cpu_share: per stage, the share of a core its CPU ranks had while computing (where recorded).
+        precision: what the run computed in (fp32 in files written before it was recorded).
     """
 
     stage_s: Mapping[int, float]
@@ -44,6 +45,7 @@ class RunTimes:
     source: str
     model: str = ""
     cpu_share: Mapping[int, float] = field(default_factory=dict)
+    precision: str = "fp32"
 
 
 def load_run_times(path: str | os.PathLike[str]) -> RunTimes:
@@ -66,8 +68,9 @@ def load_run_times(path: str | os.PathLike[str]) -> RunTimes:
     batch = doc.get("batch_size") or (round(rate * step) if rate and step else None)
     shares = ((int(s["stage"]), s.get("compute_cpu_share")) for s in doc["stages"])
     share = {stage: float(value) for stage, value in shares if value}
-    batch_size, model = int(batch) if batch else None, str(doc.get("model") or "")
-    return RunTimes(stage_s, batch_size, str(source), model, share)
+    model, precision = str(doc.get("model") or ""), str(doc.get("precision") or "fp32")
+    batch_size = int(batch) if batch else None
+    return RunTimes(stage_s, batch_size, str(source), model, cpu_share=share, precision=precision)
 
 
 def device_seconds(plan: Plan, run: RunTimes) -> dict[int, float]:

@@ -20,6 +20,7 @@ import networkx as nx
 
 from partitioner.atomic import write_text_atomic
 from partitioner.errors import ProfileFormatError
+from runtime.precision import PRECISIONS
 
 __all__ = [
     "PROFILE_SCHEMA",
@@ -33,6 +34,7 @@ __all__ = [
     "read_graph_txt",
     "save_profile",
     "scale_batch",
+    "with_forward_copies",
     "write_graph_txt",
 ]
 
@@ -60,13 +62,18 @@ class Node:
         forward_ms: forward time per minibatch, milliseconds.
         backward_ms: backward time per minibatch, milliseconds.
         output_bytes: bytes of the output tensors (what crosses a cut after this node).
-        saved_bytes: bytes autograd keeps for backward (what a stage holds per microbatch in flight).
+        saved_bytes: bytes autograd keeps for backward (what a stage holds per microbatch in flight),
+            low-precision copies of parameters excluded.
         param_bytes: bytes of parameters owned by this node (a tied parameter counts once, at its first user).
         param_names: qualified names of the parameters this node uses (tied ones included).
         description: free text, e.g. the module's repr or PipeDream's description.
         members: names of the traced graph nodes merged into this node (coarsened free ops, or
             the aten ops of one module under torch.export), in graph order; empty means the
             node is exactly the traced node ``id``. Code generation splits by these.
+        cast_bytes: under a mixed precision, bytes of the low-precision copies of its parameters that
+            autocast makes in each forward and autograd keeps for backward: made once per forward,
+            whatever the batch size (0 in fp32). :func:`with_forward_copies` folds them into
+            ``saved_bytes`` for a schedule's number of forwards per minibatch.
     """
 
     id: str
@@ -82,6 +89,7 @@ class Node:
     param_names: tuple[str, ...] = ()
     description: str = ""
     members: tuple[str, ...] = ()
+    cast_bytes: int = 0
 
     @property
     def compute_ms(self) -> float:
@@ -106,6 +114,8 @@ class Profile:
         step_ms: one whole forward+backward step measured end to end, if measured.
         tied: groups of parameter names that share one tensor (tied weights).
         extra: anything else worth keeping; never needed by the optimizer.
+        precision: ``fp32``, or ``bf16``/``fp16``: measured under autocast to that type (float32
+            weights; times, outputs and saved bytes are what mixed-precision training has).
     """
 
     nodes: tuple[Node, ...]
@@ -120,6 +130,7 @@ class Profile:
     step_ms: float | None = None
     tied: tuple[tuple[str, ...], ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
+    precision: str = "fp32"
 
     def node(self, node_id: str) -> Node:
         """The node with this id; KeyError names it when absent."""
@@ -163,7 +174,8 @@ class Profile:
 def scale_batch(profile: Profile, batch_size: int) -> Profile:
     """The profile of ``batch_size`` samples per minibatch, from one measured at ``profile.batch_size``.
 
-    Times and activation bytes scale with the samples; parameters do not. Measuring one microbatch and
+    Times and activation bytes scale with the samples; parameters and their low-precision copies
+    (``cast_bytes``, one per forward) do not. Measuring one microbatch and
     scaling it up gives the cost model (which divides a minibatch's time by the microbatch count) the
     time a 1F1B or GPipe stage really spends per microbatch: small batches cost more per sample.
 
@@ -185,6 +197,24 @@ def scale_batch(profile: Profile, batch_size: int) -> Profile:
     extra = {**dict(profile.extra), "measured_batch_size": profile.batch_size}
     step = profile.step_ms * k if profile.step_ms else profile.step_ms
     return replace(profile, nodes=nodes, inputs=inputs, batch_size=batch_size, step_ms=step, extra=extra)
+
+
+def with_forward_copies(profile: Profile, forwards: int) -> Profile:
+    """The profile with each node's ``cast_bytes`` folded into ``saved_bytes``, for a minibatch that a
+    stage runs as ``forwards`` forwards (a synchronous schedule's microbatches; pipedream: 1).
+
+    Every forward under autocast keeps its own low-precision copy of the weights it casts until its
+    backward, so a minibatch of M microbatches holds M copies where its activations add up to one
+    minibatch's: the memory model, which divides ``saved_bytes`` by M per microbatch in flight, then
+    charges each microbatch one copy. Idempotent: the result has no ``cast_bytes`` left.
+    """
+    if not any(n.cast_bytes for n in profile.nodes):
+        return profile
+    nodes = tuple(
+        replace(n, saved_bytes=n.saved_bytes + forwards * n.cast_bytes, cast_bytes=0) if n.cast_bytes else n
+        for n in profile.nodes
+    )
+    return replace(profile, nodes=nodes)
 
 
 def profile_to_json(profile: Profile) -> dict[str, Any]:
@@ -217,6 +247,7 @@ def profile_from_json(doc: Mapping[str, Any], source: str = "profile") -> Profil
             ),
             device=str(doc.get("device", "cpu")),
             dtype=str(doc.get("dtype", "float32")),
+            precision=str(doc.get("precision") or "fp32"),  # profiles from before precision: fp32
             torch_version=str(doc.get("torch_version", "")),
             tracer=str(doc.get("tracer", "fx")),
             tracer_options=dict(doc.get("tracer_options", {})),
@@ -243,6 +274,7 @@ def _node_from_json(doc: Mapping[str, Any]) -> Node:
         backward_ms=float(doc.get("backward_ms", 0.0)),
         output_bytes=int(doc.get("output_bytes", 0)),
         saved_bytes=int(doc.get("saved_bytes", 0)),
+        cast_bytes=int(doc.get("cast_bytes", 0)),
         param_bytes=int(doc.get("param_bytes", 0)),
         param_names=tuple(str(p) for p in doc.get("param_names", ())),
         description=str(doc.get("description", "")),
@@ -260,13 +292,18 @@ def checked(profile: Profile, source: str = "profile") -> Profile:
     batch = profile.batch_size
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
         raise ProfileFormatError(f"{source}: batch_size must be a positive integer or null, got {batch!r}")
+    if profile.precision not in PRECISIONS:
+        raise ProfileFormatError(
+            f"{source}: precision must be one of {', '.join(PRECISIONS)}, got {profile.precision!r}"
+        )
     if profile.step_ms is not None and not _non_negative(profile.step_ms):
         raise ProfileFormatError(f"{source}: step_ms must be a finite number >= 0, got {profile.step_ms!r}")
     seen: set[str] = set()
     for node in profile.nodes:
         if node.id in seen:
             raise ProfileFormatError(f"{source}: node id {node.id!r} appears twice; ids must be unique")
-        for field_name in ("forward_ms", "backward_ms", "output_bytes", "saved_bytes", "param_bytes"):
+        fields = ("forward_ms", "backward_ms", "output_bytes", "saved_bytes", "cast_bytes", "param_bytes")
+        for field_name in fields:
             value = getattr(node, field_name)
             if not _non_negative(value):
                 raise ProfileFormatError(

@@ -183,6 +183,8 @@ class Plan:
         profile: path of the profile it was planned from.
         ties: shared parameters split across stages.
         extra: anything else worth keeping (inputs, loss convention, ...).
+        precision: ``fp32``, ``bf16`` or ``fp16``: what the profile was measured in and ``pipeplan
+            run`` trains in by default (autocast; float32 weights either way).
     """
 
     gpus: int
@@ -198,6 +200,7 @@ class Plan:
     profile: str = ""
     ties: tuple[Tie, ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
+    precision: str = "fp32"
 
     @property
     def gap(self) -> float | None:
@@ -242,6 +245,7 @@ def plan_from_json(doc: Mapping[str, Any], source: str = "plan") -> Plan:
             solver=SolverInfo(**doc["solver"]),
             batch_size=doc.get("batch_size"),
             optimizer=str(doc.get("optimizer", "sgd")),
+            precision=str(doc.get("precision") or "fp32"),  # plans from before precision: fp32
             model=str(doc.get("model", "")),
             profile=str(doc.get("profile", "")),
             ties=tuple(

@@ -1,13 +1,15 @@
 """Checkpoints: ``D/step-<N>/`` holds what an exact continuation after ``N`` minibatches needs.
 
-``stage<K>.pt`` = {"model", "optimizer", "scheduler", "optim", "step"} of stage K (written by its first
-replica; "scheduler" is the learning-rate schedule's state, "optim" the settings: runtime.optim),
+``stage<K>.pt`` = {"model", "optimizer", "scheduler", "optim", "scaler", "precision", "step"} of stage K
+(written by its first replica; "scheduler" is the learning-rate schedule's state, "optim" the
+settings: runtime.optim; "scaler" fp16's loss scale, runtime.loss_scale, None otherwise),
 ``rank<R>.pt`` = {"rng", "step"}: the random generator states of rank R (dropout draws differ per
 rank), and ``meta.json``, written last by rank 0 once every rank has written its files, names the
-package the step belongs to. Each file appears whole or not at all (temp file + rename). The data
-position is the step itself (minibatches are addressed by step) and the schedule restarts at a step
-boundary, so these files are the whole state. Asynchronous pipedream drains its pipeline at every
-checkpoint: a run with checkpoints every N steps is the run to compare a resumed one with.
+package the step belongs to (and the run's seed). Each file appears whole or not at all (temp file +
+rename). The data position is the step itself (minibatches are addressed by step) and the schedule
+restarts at a step boundary, so these files are the whole state. Asynchronous pipedream drains its
+pipeline at every checkpoint: a run with checkpoints every N steps is the run to compare a resumed one
+with.
 
 :func:`resume_point` is the launcher's choice of step: the newest complete step whose files all
 read back, of this package; it skips torn or truncated steps and removes temp files a kill left.
@@ -41,6 +43,8 @@ __all__ = [
     "save_stage",
     "set_rng_state",
     "stage_path",
+    "step_problem",
+    "steps_in",
 ]
 
 META = "meta.json"
@@ -63,9 +67,9 @@ def _save(path: Path, state: Any) -> Path:
     return path
 
 
-def _load(path: Path, device: torch.device) -> dict[str, Any]:
+def _load(path: Path, device: torch.device, mmap: bool = False) -> dict[str, Any]:
     try:
-        state: dict[str, Any] = torch.load(path, map_location=device, weights_only=True)
+        state: dict[str, Any] = torch.load(path, map_location=device, weights_only=True, mmap=mmap)
     except (OSError, RuntimeError, EOFError, zipfile.BadZipFile) as exc:
         raise RunError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from exc
     return state
@@ -76,9 +80,9 @@ def save_stage(root: Path, step: int, stage: int, state: dict[str, Any]) -> Path
     return _save(stage_path(root, step, stage), state)
 
 
-def load_stage(root: Path, step: int, stage: int, device: torch.device) -> dict[str, Any]:
-    """Read one stage's checkpoint onto ``device``."""
-    return _load(stage_path(root, step, stage), device)
+def load_stage(root: Path, step: int, stage: int, device: torch.device, mmap: bool = False) -> dict[str, Any]:
+    """Read one stage's checkpoint onto ``device`` (``mmap``: tensors are read only when touched)."""
+    return _load(stage_path(root, step, stage), device, mmap)
 
 
 def rng_state() -> dict[str, Any]:
@@ -112,10 +116,10 @@ def package_fingerprint(package: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def save_meta(root: Path, step: int, package: Path, world_size: int) -> Path:
+def save_meta(root: Path, step: int, package: Path, world_size: int, seed: int | None = None) -> Path:
     """Mark ``step`` complete: written by rank 0 after every rank saved its files."""
     doc = {"schema": "pipeplan.checkpoint/1", "step": step, "package": str(package),
-           "fingerprint": package_fingerprint(package), "world_size": world_size}  # fmt: skip
+           "fingerprint": package_fingerprint(package), "world_size": world_size, "seed": seed}  # fmt: skip
     path = root / f"step-{step}" / META
     tmp = path.with_name(f".{META}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
@@ -149,12 +153,10 @@ def resume_point(root: Path, package: Path, stages: int, world_size: int) -> Res
     for tmp in root.glob("step-*/.*.tmp") if root.is_dir() else ():
         tmp.unlink(missing_ok=True)
         removed += 1
-    names = [c.name for c in root.iterdir()] if root.is_dir() else []
-    steps = sorted((int(m[1]) for name in names if (m := _STEP.match(name))), reverse=True)
     skipped: list[str] = []
     mine = package_fingerprint(package)
-    for step in steps:
-        problem = _unusable(root, step, stages, world_size)
+    for step in steps_in(root):
+        problem = step_problem(root, step, stages, world_size)
         if problem:
             skipped.append(f"step-{step}: {problem}")
             continue
@@ -168,8 +170,14 @@ def resume_point(root: Path, package: Path, stages: int, world_size: int) -> Res
     return ResumePoint(None, tuple(skipped), removed)
 
 
-def _unusable(root: Path, step: int, stages: int, world_size: int) -> str | None:
-    """Why ``step`` cannot be resumed from (a missing or unreadable file), or None."""
+def steps_in(root: Path) -> list[int]:
+    """The steps that have a ``step-N`` folder under ``root``, newest first (complete or not)."""
+    names = [c.name for c in root.iterdir()] if root.is_dir() else []
+    return sorted((int(m[1]) for name in names if (m := _STEP.match(name))), reverse=True)
+
+
+def step_problem(root: Path, step: int, stages: int, world_size: int) -> str | None:
+    """Why ``step`` cannot be resumed from or exported (a missing or unreadable file), or None."""
     folder = root / f"step-{step}"
     files = [folder / f"stage{k}.pt" for k in range(stages)] + [
         folder / f"rank{r}.pt" for r in range(world_size)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.errors import RunError
+from runtime.precision import check_precision
 from runtime.schedule import SCHEDULES
 
 __all__ = ["JobConfig", "RankConfig", "load_job", "newest_package", "replica_microbatches"]
@@ -41,6 +42,9 @@ class JobConfig:
         recompute: per stage, whether it recomputes its forward in backward (plan.json's stages'
             ``recompute``; absent: none).
         predicted_memory_bytes: per stage, plan.json's predicted peak bytes per device (absent: ()).
+        precision: fp32, bf16 or fp16: what the stages compute in (:mod:`runtime.precision`).
+        plan_precision: the precision plan.json was planned for (its profile's; fp32 when it does
+            not say).
     """
 
     package: Path
@@ -56,6 +60,8 @@ class JobConfig:
     targets: dict[str, Any] | None = None
     recompute: tuple[bool, ...] = ()
     predicted_memory_bytes: tuple[int, ...] = ()
+    precision: str = "fp32"
+    plan_precision: str = "fp32"
 
     @property
     def world_size(self) -> int:
@@ -148,6 +154,7 @@ def load_job(
     schedule: str | None = None,
     microbatches: int | None = None,
     batch_size: int | None = None,
+    precision: str | None = None,
 ) -> JobConfig:
     """Read a package's mp_conf.json and plan.json; explicit arguments override the plan.
 
@@ -165,6 +172,7 @@ def load_job(
     predicted = plan.get("predicted", {}).get("time_per_minibatch_s")
     batch = int(batch_size or default_batch or 0)
     name = str(schedule or plan.get("schedule") or "1f1b")
+    planned = str(plan.get("precision") or "fp32")  # plans written before precision existed: fp32
     job = JobConfig(
         package=folder.resolve(),
         stage_ranks=ranks,
@@ -180,6 +188,8 @@ def load_job(
         targets=plan.get("extra", {}).get("targets"),
         recompute=_per_stage(plan, "recompute", folder),
         predicted_memory_bytes=tuple(int(s.get("memory_bytes") or 0) for s in plan.get("stages") or ()),
+        precision=precision or planned,
+        plan_precision=planned,
     )
     return _checked(job)
 
@@ -244,6 +254,7 @@ def _checked(job: JobConfig) -> JobConfig:
             f"batch size {job.batch_size} does not split into {job.microbatches} equal microbatches; "
             "pick --microbatches that divides --batch-size"
         )
+    check_precision(job.precision, job.schedule)
     for tie in job.ties:
         if any(not 0 <= s < job.stages for s, _ in tie):
             raise RunError(f"{job.package}/plan.json: tie {tie} names a stage that does not exist")

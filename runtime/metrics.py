@@ -84,6 +84,9 @@ class RankMetrics:
         losses: loss per step (last stage only, else empty).
         param_sq_sum: sum of squares of the stage's parameters at the end (replicas must agree exactly).
         versions_in_flight_max: the most weight versions this rank held at once (pipedream).
+        loss_scale: fp16's loss scale at the end (None under fp32 and bf16).
+        overflow_steps: steps (1-based) whose gradients on this rank held an inf or nan (fp16).
+        skipped_steps: steps (1-based) that every rank skipped for an overflow on some rank (fp16).
         peak_memory_bytes: the rank's measured peak memory (``runtime.memory``; None: not measured).
     """
 
@@ -101,6 +104,9 @@ class RankMetrics:
     losses: tuple[float, ...] = ()
     param_sq_sum: float = 0.0
     versions_in_flight_max: int = 0
+    loss_scale: float | None = None
+    overflow_steps: tuple[int, ...] = ()
+    skipped_steps: tuple[int, ...] = ()
     peak_memory_bytes: int | None = None
 
     @property

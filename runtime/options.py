@@ -44,6 +44,7 @@ class RunOptions:
         lr_schedule: constant, linear or cosine, over minibatches.
         warmup_steps: minibatches of linear warm-up.
         clip_grad_norm: clip the whole model's gradient norm to this (synchronous schedules).
+        precision: fp32, bf16 or fp16 (autocast; fp16 with dynamic loss scaling); None: plan.json's.
         seed: seeds weights, synthetic data and shuffling.
         shuffle: shuffle a user dataset each epoch.
         checkpoint_dir: where ``step-N/stageK.pt`` go; None: no checkpoints.
@@ -87,6 +88,7 @@ class RunOptions:
     lr_schedule: str = "constant"
     warmup_steps: int = 0
     clip_grad_norm: float | None = None
+    precision: str | None = None
     seed: int = 0
     shuffle: bool = False
     checkpoint_dir: str | None = None

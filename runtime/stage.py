@@ -19,6 +19,11 @@ minibatches, which every replica computed on the same weight version, and takes 
 PipeDream's DistributedDataParallel does). The synchronous schedules split a minibatch's
 microbatches over the replicas instead, whose summed gradients are already the minibatch mean.
 
+Mixed precision (:mod:`runtime.precision`): under ``bf16`` or ``fp16`` every forward and the loss run
+under autocast; weights, gradients and optimizer state stay float32. Under ``fp16`` the last stage
+scales its loss by a :class:`runtime.loss_scale.LossScaler`'s factor, and ``S`` first unscales this
+rank's gradients and agrees with every rank on an overflow: all of them skip that step together.
+
 Weight stashing (``pipedream``): a forward runs on a snapshot of the weights of its version (taken
 once per version, as PipeDream keeps one copy per version in flight) through
 ``torch.func.functional_call``; the autograd graph holds that snapshot, so the backward uses the very
@@ -40,9 +45,11 @@ from torch import nn
 from runtime.comm import Comm, Posted, TensorMeta
 from runtime.config import RankConfig
 from runtime.data import Batches
+from runtime.loss_scale import LossScaler
 from runtime.metrics import Recorder
 from runtime.optim import Clip, clip_grads
 from runtime.package import Wiring
+from runtime.precision import autocast
 from runtime.recompute import run_forward
 from runtime.schedule import Action, replica_of
 from runtime.split_backward import WeightWork, backward_input, backward_weight
@@ -122,6 +129,10 @@ class StageRuntime:
         clip: global gradient-norm clipping; None: none.
         on_step: called after every optimizer step with the minibatches it covered and, on the
             last stage, their losses (None elsewhere).
+        precision: fp32, bf16 or fp16: forwards and the loss run under autocast to the latter two.
+        scaler: fp16's dynamic loss scale (None otherwise).
+        overflow_steps: steps (1-based) whose gradients on this rank held an inf or nan (fp16).
+        skipped_steps: steps (1-based) every rank skipped because some rank found an overflow (fp16).
         units: microbatches between their forward and backward.
         version: optimizer steps taken (the weight version new forwards use).
         versions: weight snapshots still referenced by a unit in flight (pipedream).
@@ -148,6 +159,10 @@ class StageRuntime:
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     clip: Clip | None = None
     on_step: Callable[[tuple[int, ...], tuple[float, ...] | None], None] | None = None
+    precision: str = "fp32"
+    scaler: LossScaler | None = None
+    overflow_steps: list[int] = field(default_factory=list)
+    skipped_steps: list[int] = field(default_factory=list)
     units: dict[int, Unit] = field(default_factory=dict)
     version: int = 0
     versions: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
@@ -228,7 +243,8 @@ class StageRuntime:
     ) -> dict[str, torch.Tensor]:
         args = tuple(named[n] for n in self.wiring.stage_inputs[self.cfg.stage])
         call = self.module if params is None else functools.partial(_functional, self.module, params)
-        out = run_forward(call, args, self.cfg.recompute)
+        with autocast(self.precision, self.comm.device):
+            out = run_forward(call, args, self.cfg.recompute)
         names = self.wiring.stage_outputs[self.cfg.stage]
         outs = (out,) if len(names) == 1 else tuple(out)
         return dict(zip(names, outs, strict=True))
@@ -295,10 +311,11 @@ class StageRuntime:
     def _loss(self, unit: int, outs: dict[str, torch.Tensor]) -> torch.Tensor:
         assert self.criterion is not None
         (target,) = self._micro("targets", unit)
-        loss = self.criterion(outs[self.wiring.loss_input], target)
+        with autocast(self.precision, self.comm.device):
+            loss = self.criterion(outs[self.wiring.loss_input], target)
         share = target.shape[0] / self.cfg.job.batch_size
         self.step_loss = loss.detach() * share + (0 if self.step_loss is None else self.step_loss)
-        return loss * share  # type: ignore[no-any-return]
+        return loss * share if self.scaler is None else self.scaler.scale_loss(loss * share)
 
     def backward(self, unit: int) -> None:
         """Output gradients summed over consumers, autograd, input gradients sent back."""
@@ -383,18 +400,21 @@ class StageRuntime:
         self.comm.send(messages)
 
     def step(self, step: int) -> None:
-        """Sum gradients over replicas and ties, clip, step the optimizer and schedule, report the loss."""
+        """Sum gradients over replicas and ties, unscale them (fp16: every rank skips the step if one
+        found an overflow), clip, step the optimizer and schedule, report the loss."""
         params = dict(self.module.named_parameters())
         for p in params.values():
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
         ran = self._sync_grads(params)
-        if self.clip is not None:
+        skip = self._unscale(params, step) if self.scaler is not None else False
+        if self.clip is not None and not skip:
             with self.recorder.span("clip", "comm"):
                 clip_grads(params, self.clip, self.comm)
         covered = tuple(step + i for i, n in enumerate(ran) if n) if self.stash else (step,)
         with self.recorder.span(f"S{step}", "compute"):
-            self.optimizer.step()
+            if not skip:
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             for _ in covered:  # the schedule counts minibatches (a pipedream round covers several)
@@ -407,6 +427,19 @@ class StageRuntime:
         self.comm.era = self.version
         self.comm.retire(self.version - self._send_lag)
         self._report(covered, ran)
+
+    def _unscale(self, params: dict[str, nn.Parameter], step: int) -> bool:
+        """Divide the gradients by the loss scale and move the scale; whether every rank skips ``step``
+        (the learning-rate schedule still advances: it counts minibatches)."""
+        assert self.scaler is not None
+        with self.recorder.span("unscale", "comm"):
+            found = self.scaler.unscale_((p.grad for p in params.values()), self.comm)
+        self.scaler.update(found.anywhere)
+        if found.here:
+            self.overflow_steps.append(step + 1)
+        if found.anywhere:
+            self.skipped_steps.append(step + 1)
+        return found.anywhere
 
     def _sync_grads(self, params: dict[str, nn.Parameter]) -> list[float]:
         """All-reduce gradients over the replica and tie groups. Under pipedream each replica adds

@@ -30,6 +30,7 @@ from runtime.errors import PeerLost, RunError
 from runtime.evaluate import EvalResult, Evaluator, eval_steps, segments
 from runtime.filedata import DataSettings
 from runtime.lifeline import die_with, wake_siblings
+from runtime.loss_scale import LossScaler
 from runtime.memory import PeakMemory, memory_report
 from runtime.metrics import RankMetrics, Recorder, summarize, write_json_atomic, write_trace
 from runtime.optim import Clip, OptimSettings, check_resume, counted_params, make_optimizer, make_scheduler
@@ -68,7 +69,9 @@ def run_dir(options: RunOptions) -> Path:
 
 
 def job_of(options: RunOptions) -> JobConfig:
-    return load_job(options.package, options.schedule, options.microbatches, options.batch_size)
+    return load_job(
+        options.package, options.schedule, options.microbatches, options.batch_size, options.precision
+    )
 
 
 def _groups(cfg: RankConfig, timeout: timedelta) -> Groups:
@@ -192,6 +195,8 @@ def _build(options: RunOptions, cfg: RankConfig, device: torch.device, clock: _C
         stash=cfg.job.schedule == "pipedream",
         recorder=Recorder(cfg.rank, cfg.stage, trace=options.trace is not None),
         on_step=clock,
+        precision=cfg.job.precision,
+        scaler=LossScaler(dist.group.WORLD) if cfg.job.precision == "fp16" else None,  # type: ignore[arg-type]
     )
 
 
@@ -213,6 +218,8 @@ def _start_step(options: RunOptions, rt: StageRuntime) -> tuple[int, dict[str, A
     rt.optimizer.load_state_dict(state["optimizer"])
     if rt.scheduler is not None and state.get("scheduler") is not None:
         rt.scheduler.load_state_dict(state["scheduler"])
+    if rt.scaler is not None and state.get("scaler") is not None:
+        rt.scaler.load_state_dict(state["scaler"])
     return int(state["step"]), checkpoint.load_rank(root, step, rt.cfg.rank)["rng"]
 
 
@@ -227,13 +234,15 @@ def _save(options: RunOptions, rt: StageRuntime, step: int) -> None:
             "optimizer": rt.optimizer.state_dict(),
             "scheduler": rt.scheduler.state_dict() if rt.scheduler is not None else None,
             "optim": OptimSettings.of(options).record(),
+            "scaler": rt.scaler.state_dict() if rt.scaler is not None else None,
+            "precision": cfg.job.precision,
             "step": step,
         }
         checkpoint.save_stage(root, step, cfg.stage, state)
     checkpoint.save_rank(root, step, cfg.rank)
     dist.barrier()
     if cfg.rank == 0:
-        checkpoint.save_meta(root, step, cfg.job.package, cfg.job.world_size)
+        checkpoint.save_meta(root, step, cfg.job.package, cfg.job.world_size, options.seed)
 
 
 def _segments(start: int, total: int, every: int) -> list[tuple[int, int]]:
@@ -373,6 +382,9 @@ def _finish(options: RunOptions, rt: StageRuntime, clock: _Clock) -> dict[str, A
         losses=tuple(clock.losses) if rt.cfg.replica == 0 else (),
         param_sq_sum=float(sum(p.detach().double().square().sum() for p in rt.module.parameters())),
         versions_in_flight_max=rt.versions_in_flight_max,
+        loss_scale=rt.scaler.scale if rt.scaler is not None else None,
+        overflow_steps=tuple(rt.overflow_steps),
+        skipped_steps=tuple(rt.skipped_steps),
         peak_memory_bytes=memory.peak_bytes,
     )
     gathered: list[Any] = [None] * rt.cfg.job.world_size
@@ -386,7 +398,7 @@ def _finish(options: RunOptions, rt: StageRuntime, clock: _Clock) -> dict[str, A
     warmup = 1 if len(clock.times) >= 3 else 0
     doc = summarize([g[0] for g in gathered], rt.cfg.job.batch_size, rt.cfg.job.predicted_time_s, warmup)
     doc.update(schedule=rt.cfg.job.schedule, microbatches=rt.cfg.job.microbatches, world_size=len(gathered))
-    doc.update(device=rt.comm.device.type)
+    doc.update(device=rt.comm.device.type, precision=rt.cfg.job.precision)
     doc["model"] = rt.cfg.job.model
     doc["stash_log"] = {g[0].rank: g[2] for g in gathered}
     doc["step_versions"] = {g[0].rank: g[3] for g in gathered}

@@ -19,7 +19,7 @@ from dataclasses import replace
 from functools import partial
 
 from partitioner.errors import InfeasibleError, PlanError
-from partitioner.graph import Profile
+from partitioner.graph import Profile, with_forward_copies
 from partitioner.optimizer.build import StageSpec, assemble, gib, global_lower_bound, layer_compute_s
 from partitioner.optimizer.cost import OPTIMIZER_STATE, RECOMPUTE_MODES
 from partitioner.optimizer.dp import (
@@ -422,6 +422,7 @@ def _solve_at(
     solver: str,
     activation_comm: bool,
 ) -> Plan:
+    profile = with_forward_copies(profile, 1 if schedule == "pipedream" else m)
     if solver == "ilp":
         from partitioner.optimizer.ilp import solve_ilp
 
@@ -511,6 +512,7 @@ def evaluate(
         PlanError: unknown layer names, cuts out of order, or replicas not one per stage.
     """
     m = _check(profile, schedule, microbatches, optimizer)
+    profile = with_forward_copies(profile, 1 if schedule == "pipedream" else m)
     start = time.perf_counter()
     layers = [n.id for n in profile.nodes if n.op != "input"]
     names = {n.name: n.id for n in profile.nodes} | {lid: lid for lid in layers}

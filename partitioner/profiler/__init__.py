@@ -34,8 +34,9 @@ from partitioner.profiler.measure import (
 from partitioner.profiler.trace import Group, Traced, trace_model
 from partitioner.profiler.update import measure_update
 from partitioner.update import UPDATE_KEY
+from runtime.precision import PRECISIONS
 
-__all__ = ["profile_model", "resolve_device", "resolve_dtype"]
+__all__ = ["check_precision", "profile_model", "resolve_device", "resolve_dtype"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,17 @@ def resolve_dtype(dtype: str) -> torch.dtype:
     return names[dtype]
 
 
+def check_precision(precision: str, dtype: str = "float32") -> None:
+    """A PipeplanError for an unknown precision, or one combined with low-precision weights."""
+    if precision not in PRECISIONS:
+        raise PipeplanError(f"unknown --precision {precision!r}: use {', '.join(PRECISIONS)}")
+    if precision != "fp32" and resolve_dtype(dtype) != torch.float32:
+        raise PipeplanError(
+            f"--precision {precision} keeps float32 weights and computes under autocast; --dtype {dtype} "
+            "makes the weights themselves low-precision: give one of the two"
+        )
+
+
 def profile_model(
     spec: str,
     batch_size: int = 1,
@@ -78,6 +90,7 @@ def profile_model(
     clock: str = "wall",
     threads: int | None = None,
     microbatch_size: int | None = None,
+    precision: str = "fp32",
 ) -> Profile:
     """Trace ``spec`` and measure every layer at ``batch_size``; see ``partitioner.graph.Profile``.
 
@@ -97,6 +110,8 @@ def profile_model(
             Default on a CPU: 1 (what a rank gets as soon as a machine runs as many ranks as cores).
         microbatch_size: measure at this many samples and scale the times to ``batch_size``: what
             a stage of a 1f1b or gpipe pipeline with batch_size / microbatch_size microbatches runs.
+        precision: ``fp32``, or ``bf16``/``fp16``: every forward and the loss under autocast to that
+            type, float32 weights (what ``pipeplan run --precision`` trains with).
 
     Raises:
         PipeplanError: bad spec, shapes, device or dtype; TraceError when the model cannot be traced.
@@ -107,6 +122,7 @@ def profile_model(
         raise PipeplanError(f"unknown clock {clock!r}: use wall or cpu")
     if threads is not None and threads <= 0:
         raise PipeplanError(f"--threads must be positive, got {threads}")
+    check_precision(precision, dtype)
     if microbatch_size is not None and not 0 < microbatch_size <= batch_size:
         raise PipeplanError(f"--microbatch-size must be between 1 and --batch-size {batch_size}")
     measured = microbatch_size or batch_size
@@ -115,7 +131,9 @@ def profile_model(
         threads = 1  # a CPU rank of `pipeplan run` gets cores / ranks threads: one as soon as ranks >= cores
     torch.set_num_threads(threads or previous)
     try:
-        profile = _profile(spec, measured, input_shape, device, dtype, leaf_modules, repeats, progress, clock)
+        profile = _profile(
+            spec, measured, input_shape, device, dtype, leaf_modules, repeats, progress, clock, precision
+        )
     finally:
         torch.set_num_threads(previous)
     return scale_batch(profile, batch_size) if measured != batch_size else profile
@@ -131,13 +149,14 @@ def _profile(
     repeats: int,
     progress: Progress | None,
     clock: str,
+    precision: str = "fp32",
 ) -> Profile:
     """profile_model's work, under the thread count it set."""
     started, load_before = time.perf_counter(), _load()
-    where, precision = resolve_device(device), resolve_dtype(dtype)
+    where, param_dtype = resolve_device(device), resolve_dtype(dtype)
     if clock == "cpu" and where.type != "cpu":
         raise PipeplanError("--clock cpu measures CPU time: it only applies to --device cpu")
-    bundle = _placed(load_model(spec, batch_size, input_shape), where, precision)
+    bundle = _placed(load_model(spec, batch_size, input_shape), where, param_dtype)
     traced = trace_model(bundle, leaf_modules, input_shape)
     gm = traced.graph_module
     try:
@@ -146,17 +165,22 @@ def _profile(
         # measurements, so both see the same machine load.
         inputs = dict(zip(bundle.input_names, bundle.inputs, strict=True)) if bundle.input_names else None
         step_args = (gm, inputs or bundle.inputs, bundle.targets, bundle.loss_fn)
-        before = measure_step(*step_args, repeats=1, warmup=1, clock=clock)
-        profiler = LayerProfiler(gm, traced.groups, repeats=repeats, progress=progress, clock=clock)
+        before = measure_step(*step_args, repeats=1, warmup=1, clock=clock, precision=precision)
+        profiler = LayerProfiler(
+            gm, traced.groups, repeats=repeats, progress=progress, clock=clock, precision=precision
+        )
         costs = profiler.profile(*bundle.inputs)
-        loss_ms = measure_loss(profiler.result, bundle.targets, bundle.loss_fn, repeats, clock=clock)
+        loss_ms = measure_loss(
+            profiler.result, bundle.targets, bundle.loss_fn, repeats, clock=clock, precision=precision
+        )
         non_tensor_edges = [list(edge) for edge in profiler.non_tensor_edges]
         if non_tensor_edges:
             log.warning("layers read non-tensor values from other layers: %s", non_tensor_edges[:5])
         del profiler
         after = measure_step(
-            *step_args, repeats=max(1, repeats - 1), warmup=0, budget_ms=math.inf, clock=clock
-        )
+            *step_args, repeats=max(1, repeats - 1), warmup=0, budget_ms=math.inf, clock=clock,
+            precision=precision,
+        )  # fmt: skip
         samples = before.samples_ms + after.samples_ms
         step = StepCost(statistics.median(samples), samples)
         update = measure_update(gm, repeats, clock)
@@ -175,7 +199,8 @@ def _profile(
         batch_size=batch_size,
         inputs=tuple(TensorSpec(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in bundle.inputs),
         device=str(where),
-        dtype=str(precision).removeprefix("torch."),
+        dtype=str(param_dtype).removeprefix("torch."),
+        precision=precision,
         torch_version=torch.__version__,
         tracer=traced.tracer,
         tracer_options=dict(traced.options),
@@ -251,6 +276,7 @@ def _nodes(
                 backward_ms=bwd,
                 output_bytes=cost.output_bytes,
                 saved_bytes=cost.saved_bytes,
+                cast_bytes=cost.cast_bytes,
                 param_bytes=sum(p.numel() * p.element_size() for p in fresh),
                 param_names=tuple(names),
                 description=description,

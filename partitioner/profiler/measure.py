@@ -8,6 +8,12 @@ The median of each is kept. The warm-up run also counts the bytes autograd saves
 (``saved_tensors_hooks``), attributing a tensor saved by several layers to the first, and never counting
 parameters. ``measure_step`` times the whole model's forward + loss + backward, the yardstick that
 ``Profile.fidelity`` compares the layer sum to.
+
+Under a mixed ``precision`` (``bf16``, ``fp16``) every forward (the capture run, each layer's runs,
+the loss) runs under autocast as a training rank's does, and every backward outside it: the layers
+then read the low-precision tensors their producers really give them, and the bytes saved for
+backward include the low-precision copy of each weight that autocast casts once per forward and the
+backward keeps (float32 parameters themselves are never counted: the memory model prices those).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from partitioner.profiler.trace import Group
+from runtime.precision import autocast
 
 __all__ = ["LayerCost", "LayerProfiler", "StepCost", "Stopwatch", "measure_loss", "measure_step"]
 
@@ -38,13 +45,17 @@ class LayerCost:
         forward_ms: median forward time.
         backward_ms: median backward time (gradients of inputs that need them and of parameters).
         output_bytes: bytes of the tensors other layers read from this one.
-        saved_bytes: bytes autograd keeps for backward, first counted here, parameters excluded.
+        saved_bytes: bytes autograd keeps for backward, first counted here, parameters excluded (and
+            their low-precision copies, counted in ``cast_bytes``).
+        cast_bytes: bytes of the low-precision copies of parameters that autocast makes in the
+            forward and autograd keeps for backward (0 in fp32): once per forward, whatever the batch.
     """
 
     forward_ms: float
     backward_ms: float
     output_bytes: int
     saved_bytes: int
+    cast_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -109,8 +120,10 @@ class LayerProfiler(fx.Interpreter):
         progress: Progress | None = None,
         budget_ms: float = 500.0,
         clock: str = "wall",
+        precision: str = "fp32",
     ) -> None:
         super().__init__(gm, garbage_collect_values=False)
+        self.precision = precision
         self.groups = list(groups)
         self.repeats = max(1, repeats)
         self.warmup = max(1, warmup)
@@ -122,6 +135,7 @@ class LayerProfiler(fx.Interpreter):
         self.member_of = {m: g.id for g in self.groups for m in g.members}
         self.grad_nodes = self._nodes_needing_grad(gm)
         device = next((p.device for p in gm.parameters()), torch.device("cpu"))
+        self.device = device
         self.stopwatch = Stopwatch(device, clock)
         self.param_storages = {_storage_key(t)[0] for t in [*gm.parameters(), *gm.buffers()]}
         self.seen_saved: set[int] = set()
@@ -137,7 +151,8 @@ class LayerProfiler(fx.Interpreter):
         return self.costs
 
     def run_node(self, n: fx.Node) -> Any:
-        result = super().run_node(n)
+        with autocast(self.precision, self.device):  # one region per node: layers measure outside it
+            result = super().run_node(n)
         group = self.last_of.get(n.name)
         if group is not None:
             self.env[n] = result
@@ -174,17 +189,19 @@ class LayerProfiler(fx.Interpreter):
         )
         exported = [m for m in members if any(self.member_of[u.name] != group.id for u in m.users)]
         params = self._params_of(members)
-        saved = 0
+        saved = cast = 0
         forward: list[float] = []
         backward: list[float] = []
         for run in range(self.warmup + self.repeats):
             if run > self.warmup and sum(forward) + sum(backward) >= self.budget_ms:
                 break  # a slow layer's median needs fewer samples: its relative noise is small
             leaves, env, aliases = self._fresh_inputs(external)
-            outs, saved_keys = self._forward(members, env, forward if run >= self.warmup else [], run == 0)
+            outs, saved_keys, casts = self._forward(
+                members, env, forward if run >= self.warmup else [], run == 0
+            )
             differentiable = [t for m in exported for t in _tensors(outs[m.name]) if t.grad_fn is not None]
             if run == 0:
-                saved = self._saved_bytes(saved_keys, aliases, exported, outs)
+                saved, cast = self._saved_bytes(saved_keys, aliases, exported, outs, casts)
             if differentiable and (leaves or params):
                 times = backward if run >= self.warmup else []
                 with torch.enable_grad(), self.stopwatch.time(times):
@@ -195,7 +212,7 @@ class LayerProfiler(fx.Interpreter):
                         allow_unused=True,
                     )
         out_bytes = sum(t.nbytes for m in exported for t in _tensors(self.env[m]))
-        return LayerCost(_median(forward), _median(backward), out_bytes, saved)
+        return LayerCost(_median(forward), _median(backward), out_bytes, saved, cast)
 
     def _params_of(self, members: list[fx.Node]) -> list[Tensor]:
         found: dict[int, Tensor] = {}
@@ -237,16 +254,21 @@ class LayerProfiler(fx.Interpreter):
 
     def _forward(
         self, members: list[fx.Node], env: dict[fx.Node, Any], times: list[float], record_saved: bool
-    ) -> tuple[dict[str, Any], list[tuple[int, int]]]:
+    ) -> tuple[dict[str, Any], list[tuple[int, int]], set[int]]:
         saved: list[tuple[int, int]] = []
+        casts: set[int] = set()
 
         def pack(t: Tensor) -> Tensor:
             saved.append(_storage_key(t))
+            if _is_parameter_cast(t):
+                casts.add(saved[-1][0])
             return t
 
         captured, self.env = self.env, env
         try:
-            with torch.enable_grad(), self.stopwatch.time(times):
+            # Its own autocast region, as a rank's forward is: the weight casts are made (and timed)
+            # in each run, not cached from an earlier one.
+            with torch.enable_grad(), autocast(self.precision, self.device), self.stopwatch.time(times):
                 if record_saved:
                     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                         outs = {m.name: self._run_member(m) for m in members}
@@ -254,7 +276,7 @@ class LayerProfiler(fx.Interpreter):
                     outs = {m.name: self._run_member(m) for m in members}
         finally:
             self.env = captured
-        return outs, saved
+        return outs, saved, casts
 
     def _run_member(self, m: fx.Node) -> Any:
         self.env[m] = fx.Interpreter.run_node(self, m)
@@ -266,12 +288,14 @@ class LayerProfiler(fx.Interpreter):
         aliases: Mapping[int, int],
         exported: list[fx.Node],
         outs: dict[str, Any],
-    ) -> int:
-        """Distinct saved storages, parameters excluded; a captured tensor counts at its first saver."""
+        casts: set[int],
+    ) -> tuple[int, int]:
+        """(activation bytes, parameter-cast bytes) of the distinct saved storages, parameters
+        excluded; a captured tensor counts at its first saver."""
         for m in exported:
             for copy, original in zip(_tensors(outs[m.name]), _tensors(self.env[m]), strict=False):
                 aliases = {**aliases, _storage_key(copy)[0]: _storage_key(original)[0]}
-        total = 0
+        total = cast = 0
         local: set[int] = set()
         for ptr, nbytes in keys:
             if ptr in self.param_storages or ptr == 0:
@@ -284,8 +308,35 @@ class LayerProfiler(fx.Interpreter):
             elif ptr in local:
                 continue
             local.add(ptr)
-            total += nbytes
-        return total
+            if ptr in casts:
+                cast += nbytes
+            else:
+                total += nbytes
+        return total, cast
+
+
+_VIEWS = frozenset(
+    ("TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "UnsafeViewBackward0",
+     "ReshapeAliasBackward0", "ExpandBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "AliasBackward0")
+)  # fmt: skip
+
+
+def _is_parameter_cast(t: Tensor) -> bool:
+    """Whether ``t`` is a dtype copy of a parameter (autocast's cast of a weight), or a view of one
+    (``linear`` saves the cast weight transposed): its autograd history is a copy, and views, of one
+    parameter and nothing else."""
+    fn, copied = t.grad_fn, False
+    for _ in range(8):
+        if fn is None or len(fn.next_functions) != 1:
+            return False
+        name = type(fn).__name__
+        if name not in _VIEWS and name != "ToCopyBackward0":
+            return False
+        copied = copied or name == "ToCopyBackward0"
+        fn = fn.next_functions[0][0]
+        if isinstance(getattr(fn, "variable", None), nn.Parameter):
+            return copied
+    return False
 
 
 def getattr_path(root: nn.Module, target: str) -> Any:
@@ -309,9 +360,10 @@ def measure_step(
     warmup: int = 1,
     budget_ms: float = 2000.0,
     clock: str = "wall",
+    precision: str = "fp32",
 ) -> StepCost:
     """Median time of ``loss_fn(module(*inputs), targets).backward()`` (``module(**inputs)`` for a
-    mapping), gradients cleared in between.
+    mapping; the forward and loss under ``precision``'s autocast), gradients cleared in between.
 
     Runs ``warmup`` untimed steps, then up to ``repeats`` timed ones, stopping early once the timed
     ones add up to ``budget_ms`` (at least one always runs)."""
@@ -323,8 +375,10 @@ def measure_step(
             break
         module.zero_grad(set_to_none=True)
         with torch.enable_grad(), stopwatch.time(times if run >= warmup else []):
-            output = module(**inputs) if isinstance(inputs, Mapping) else module(*inputs)
-            loss_fn(output, targets).backward()  # type: ignore[no-untyped-call]
+            with autocast(precision, device):
+                output = module(**inputs) if isinstance(inputs, Mapping) else module(*inputs)
+                loss = loss_fn(output, targets)
+            loss.backward()  # type: ignore[no-untyped-call]
     module.zero_grad(set_to_none=True)
     return StepCost(_median(times), tuple(times))
 
@@ -336,8 +390,10 @@ def measure_loss(
     repeats: int = 3,
     warmup: int = 1,
     clock: str = "wall",
+    precision: str = "fp32",
 ) -> tuple[float, float]:
-    """(forward_ms, backward_ms) of the loss alone on a captured model output."""
+    """(forward_ms, backward_ms) of the loss alone on a captured model output (forward under
+    ``precision``'s autocast)."""
     logits = [t for t in _tensors(output) if t.is_floating_point()]
     device = logits[0].device if logits else torch.device("cpu")
     stopwatch = Stopwatch(device, clock)
@@ -349,7 +405,7 @@ def measure_loss(
             output,
         )
         with torch.enable_grad():
-            with stopwatch.time(forward if run >= warmup else []):
+            with stopwatch.time(forward if run >= warmup else []), autocast(precision, device):
                 loss = loss_fn(leaf_out, targets)
             if loss.grad_fn is not None:
                 with stopwatch.time(backward if run >= warmup else []):

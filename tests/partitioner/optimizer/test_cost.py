@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from partitioner.graph import Profile, with_forward_copies
 from partitioner.optimizer import evaluate, solve
 from partitioner.optimizer.cost import host_bound
 from partitioner.optimizer.simulate import simulate
@@ -102,3 +103,43 @@ def test_cpu_hosts_bound_the_prediction_and_the_simulation(schedule: str) -> Non
     assert roomy.predicted.host_bound_s == pytest.approx(0.045)
     assert roomy.predicted.time_per_minibatch_s == pytest.approx(alone.predicted.time_per_minibatch_s)
     assert roomy.gap == alone.gap  # the solver's bound is on the pipeline's own time
+
+
+def _with_casts(profile: Profile, casts: dict[str, int]) -> Profile:
+    return replace(profile, nodes=tuple(replace(n, cast_bytes=casts.get(n.id, 0)) for n in profile.nodes))
+
+
+# THREE measured under autocast: l0 and l2 keep a low-precision copy of their weights per forward
+CAST = _with_casts(THREE, {"l0": 500_000, "l2": 1_000_000})
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "1f1b", "gpipe"])
+def test_weight_copies_cost_one_per_forward_in_flight(schedule: str) -> None:
+    from partitioner.optimizer.simulate import simulate
+
+    m = 1 if schedule == "pipedream" else 4
+    plain = evaluate(THREE, Cluster.flat(3), ["l0"], [2, 1], schedule, m)
+    cast = evaluate(CAST, Cluster.flat(3), ["l0"], [2, 1], schedule, m)
+    # master weights, gradients and optimizer state stay what the float32 parameters cost; each
+    # forward in flight adds its copy: pipedream holds 2 minibatches on a stage-0 replica, 1f1b
+    # min(2, 4) = 2 microbatches over 2 replicas, gpipe all 4 over 2; stage 1 one, one and four.
+    held = {"pipedream": (2, 1), "1f1b": (1, 1), "gpipe": (2, 4)}[schedule]
+    extra = [c.memory_bytes - p.memory_bytes for c, p in zip(cast.stages, plain.stages, strict=True)]
+    assert extra == [held[0] * 500_000, held[1] * 1_000_000]
+    assert simulate(cast, CAST).peak_memory_bytes == tuple(s.memory_bytes for s in cast.stages)
+
+
+@pytest.mark.parametrize(("schedule", "copies"), [("1f1b", 1), ("gpipe", 4)])
+def test_weight_copies_count_against_the_memory_limit(schedule: str, copies: int) -> None:
+    from partitioner.errors import InfeasibleError
+
+    one = make_profile([(10, 20, 0, 1_000_000)], [])
+    cast = _with_casts(one, {"l0": 100_000})
+    # one device, 4 microbatches: 2P (weights + gradients) + a copy per microbatch in flight
+    need = 2 * 1_000_000 + copies * 100_000
+    assert with_forward_copies(with_forward_copies(cast, 4), 4) == with_forward_copies(cast, 4)
+    assert with_forward_copies(one, 4) is one
+    assert solve(cast, Cluster.flat(1, memory_bytes=need), schedule, 4).stages[0].memory_bytes == need
+    with pytest.raises(InfeasibleError):
+        solve(cast, Cluster.flat(1, memory_bytes=need - 1), schedule, 4)
+    solve(one, Cluster.flat(1, memory_bytes=need - 1), schedule, 4)
