@@ -197,6 +197,8 @@ def check_data_options(options: RunOptions) -> None:
         for flag, value in (("--seq-len", options.seq_len), ("--tokenizer", options.tokenizer)):
             if value is not None:
                 raise RunError(f"{flag} applies to text:FILE data only; give --data text:FILE or drop {flag}")
+    if not kinds and options.data_workers != RunOptions.data_workers:
+        raise RunError("--data-workers applies to imagefolder:DIR and text:FILE data only; drop it")
     if options.eval_every and options.eval_data is None:
         raise RunError("--eval-every needs --eval-data SPEC, the held-out data to evaluate")
 

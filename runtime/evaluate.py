@@ -118,12 +118,12 @@ class Evaluator:
     def _pass(self) -> torch.Tensor:
         """This rank's microbatches of one pass: (loss x rows, rows, correct, counted) summed."""
         rt, m = self.rt, self.rt.cfg.job.microbatches
-        replicas, totals = len(rt.cfg.replica_ranks), torch.zeros(4, dtype=torch.float64)
+        device = rt.comm.device  # the totals' all-reduce runs on the rank's backend (nccl: a GPU tensor)
+        replicas, totals = len(rt.cfg.replica_ranks), torch.zeros(4, dtype=torch.float64, device=device)
         for b in range(self.minibatches):
             units = [b * m + j for j in range(m) if (b * m + j) % replicas == rt.cfg.replica]
             if not units:
                 continue
-            device = rt.comm.device
             inputs = tuple(t.to(device) for t in self.batches.inputs(b)) if rt.cfg.is_first else ()
             target = self.batches.targets(b).to(device) if rt.cfg.is_last else None
             for unit in units:
@@ -160,7 +160,7 @@ class Evaluator:
         loss = float(self.rt.criterion(output, target))
         hits = class_hits(output, target) if isinstance(output, torch.Tensor) else None
         correct, counted = hits if hits is not None else (0, 0)
-        return torch.tensor([loss * rows, rows, correct, counted], dtype=torch.float64)
+        return torch.tensor([loss * rows, rows, correct, counted], dtype=torch.float64, device=target.device)
 
 
 def _split(tensors: Sequence[torch.Tensor], microbatches: int, index: int) -> tuple[torch.Tensor, ...]:

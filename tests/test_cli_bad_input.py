@@ -262,6 +262,7 @@ ROWS: dict[str, tuple[Row, str]] = {
     "run: --seq-len without text data": (lambda t: _run(t, "--seq-len", "8"), "--seq-len"),
     "run: --tokenizer without text data": (lambda t: _run(t, "--tokenizer", str(t)), "--tokenizer"),
     "run: --data-workers -1 (click)": (lambda t: _run(t, "--data-workers", "-1"), "--data-workers"),
+    "run: --data-workers for synthetic data": (lambda t: _run(t, "--data-workers", "3"), "--data-workers"),
     "run: --eval-every without --eval-data": (lambda t: _run(t, "--eval-every", "2"), "--eval-data"),
     "run: --eval-data missing": (
         lambda t: _run(t, "--eval-data", "text:nope.txt", "--seq-len", "4"),

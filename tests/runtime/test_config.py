@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,9 @@ def test_options_survive_the_torchrun_command_line(tmp_path: Path) -> None:
     assert from_argv(to_argv(opts)) == RunOptions(
         str(pkg), steps=7, schedule="gpipe", lr=0.5, shuffle=True, trace="t.json"
     )
+    data = RunOptions(str(pkg), data="text:a.txt", seq_len=64, tokenizer="tok", data_workers=0)
+    data = replace(data, eval_data="imagefolder:b", eval_every=5)
+    assert from_argv(to_argv(data)) == data
     lines = torchrun_commands(
         RunOptions(str(pkg), steps=7, nnodes=2, master_addr="10.0.0.1", master_port=29400)
     )
