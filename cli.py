@@ -818,7 +818,7 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
               "(a pipedream replica's step covers its round's).")  # fmt: skip
 @click.option("--clip-grad-norm", type=float, default=None,
               help="Clip the whole model's gradient norm (all stages, tied weights once) to this "
-              "(1f1b, gpipe, zb1p).")  # fmt: skip
+              "(1f1b, gpipe).")  # fmt: skip
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights and data seed.")
 @click.option("--shuffle", is_flag=True, help="Shuffle a user dataset every epoch.")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False),
