@@ -368,7 +368,10 @@ class StageRuntime:
         work = self.pending.pop(unit)
         with self.recorder.span(f"W{unit}", "compute"):
             for p, g in backward_weight(work):
-                p.grad = g if p.grad is None else p.grad + g
+                if p.grad is None:
+                    p.grad = g  # a fresh tensor of autograd's, ours to add into in place later
+                else:
+                    p.grad.add_(g)
 
     def _recv(self, action: Action) -> list[list[torch.Tensor]]:
         """What ``action`` receives: collected from its prefetched receives, or received now."""
