@@ -188,7 +188,8 @@ def main() -> None:
             paths: dict[int, Path] = {}
             for schedule, m in schedules:
                 micro = model.batch_size // m
-                paths.setdefault(micro, profile(cli, model, micro))
+                if micro not in paths:  # one profile per microbatch size
+                    paths[micro] = profile(cli, model, micro)
                 for recompute in ("none", "all"):
                     runs.append(plan_and_run(cli, model, paths[micro], schedule, m, recompute, len(runs),
                                              args.steps))  # fmt: skip
