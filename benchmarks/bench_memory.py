@@ -58,13 +58,24 @@ class Model:
     batch_size: int
     input_shape: str
 
+    @property
+    def label(self) -> str:
+        """The spec and input shape: one model may be measured at two shapes."""
+        return f"{self.spec}@{self.input_shape.replace(',', 'x')}"
 
-MODELS = (Model("vgg16", 8, "3,32,32"), Model("resnet18", 8, "3,64,64"), Model("gpt2", 4, "32"))
+
+# vgg16 and gpt2 hold mostly weights at these sizes; resnet18 at 128x128 mostly activations
+MODELS = (
+    Model("vgg16", 8, "3,32,32"),
+    Model("resnet18", 8, "3,64,64"),
+    Model("gpt2", 4, "32"),
+    Model("resnet18", 8, "3,128,128"),
+)
 
 
 def profile(cli: Cli, model: Model, micro: int) -> Path:
     """``pipeplan profile`` at ``micro`` samples (one thread, the CPU clock, one timed repeat)."""
-    path = Path("profiles") / f"{model.spec}-micro{micro}" / "profile.json"
+    path = Path("profiles") / f"{model.label}-micro{micro}" / "profile.json"
     cli("profile", model.spec, "--batch-size", str(model.batch_size), "--input-shape", model.input_shape,
         "--threads", "1", "--clock", "cpu", "--repeats", "1", "--microbatch-size", str(micro),
         "-o", str(path))  # fmt: skip
@@ -116,7 +127,7 @@ def plan_and_run(
     ranks = metrics["ranks"]
     unpriced = unpriced_bytes(plan, json.loads((cli.folder / path).read_text()))
     return {
-        "model": model.spec,
+        "model": model.label,
         "schedule": schedule,
         "microbatches": m,
         "recompute": recompute,
@@ -172,11 +183,12 @@ def recompute_cost(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3, help="Minibatches per run (the first is excluded).")
-    parser.add_argument("--models", default=",".join(m.spec for m in MODELS), help="Subset, comma-separated.")
+    labels = ",".join(m.label for m in MODELS)
+    parser.add_argument("--models", default=labels, help="Model labels (spec@shape), comma-separated.")
     parser.add_argument("--schedules", default=",".join(s for s, _ in SCHEDULES), help="Subset.")
     parser.add_argument("--keep", default=None, help="Work in this folder (kept) instead of a temporary one.")
     args = parser.parse_args()
-    chosen = [m for m in MODELS if m.spec in args.models.split(",")]
+    chosen = [m for m in MODELS if m.label in args.models.split(",")]
     schedules = [(s, m) for s, m in SCHEDULES if s in args.schedules.split(",")]
     started, load_before = time.perf_counter(), os.getloadavg()
     runs: list[dict[str, Any]] = []
@@ -188,12 +200,13 @@ def main() -> None:
             paths: dict[int, Path] = {}
             for schedule, m in schedules:
                 micro = model.batch_size // m
-                paths.setdefault(micro, profile(cli, model, micro))
+                if micro not in paths:  # one profile per microbatch size
+                    paths[micro] = profile(cli, model, micro)
                 for recompute in ("none", "all"):
                     runs.append(plan_and_run(cli, model, paths[micro], schedule, m, recompute, len(runs),
                                              args.steps))  # fmt: skip
                     ratios = " ".join(f"{s['measured_over_predicted']:.2f}" for s in runs[-1]["stages"])
-                    print(f"{model.spec:9s} {schedule:9s} recompute {recompute:4s} "
+                    print(f"{model.label:18s} {schedule:9s} recompute {recompute:4s} "
                           f"measured/predicted {ratios}", flush=True)  # fmt: skip
     report(args, runs, (load_before, os.getloadavg()), time.perf_counter() - started)
 

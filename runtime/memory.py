@@ -11,7 +11,9 @@ is the stage's tensors alive when the window opens (parameters, buffers, gradien
 state, counted once per storage) plus the highest running sum of the bytes allocated minus freed in
 the window: weights and gradients, optimizer state, stashed weight versions, activations autograd
 keeps, received and sent tensors, recomputed activations and temporaries of every operator. It does
-not count memory that is not a tensor (Python objects, gloo's buffers, allocator slack).
+not count memory that is not a tensor (Python objects, gloo's buffers, allocator slack), nor other
+tensors made before the window (torch logs a warning in the rank's log when one is freed in it). The
+same allocations give the same number: byte for byte from one run to the next.
 
 The window is the first ``ranks + 1`` minibatches (or all of a shorter run): a synchronous schedule
 flushes after every minibatch (the second already holds the optimizer state the first step made) and
