@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_sync.py
 	$(BIN)/python benchmarks/bench_runtime.py
 	$(BIN)/python benchmarks/bench_fidelity.py
+	$(BIN)/python benchmarks/bench_precision.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -294,11 +294,11 @@ def profile(
     from partitioner.errors import PipeplanError
     from partitioner.graph import profile_to_json, save_profile
     from partitioner.models import model_name
-    from partitioner.profiler import check_precision, profile_model
+    from partitioner.profiler import check_precision_options, profile_model
 
     if batch_size <= 0:
         raise PipeplanError(f"--batch-size must be positive, got {batch_size}")
-    check_precision(precision, dtype)
+    check_precision_options(precision, dtype)
     shape = _parse_shape(input_shape)
     path = Path(output) if output else Path("profiles") / model_name(model) / "profile.json"
     _check_output(path)

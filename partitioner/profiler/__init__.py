@@ -36,7 +36,7 @@ from partitioner.profiler.update import measure_update
 from partitioner.update import UPDATE_KEY
 from runtime.precision import PRECISIONS
 
-__all__ = ["check_precision", "profile_model", "resolve_device", "resolve_dtype"]
+__all__ = ["check_precision_options", "profile_model", "resolve_device", "resolve_dtype"]
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def resolve_dtype(dtype: str) -> torch.dtype:
     return names[dtype]
 
 
-def check_precision(precision: str, dtype: str = "float32") -> None:
+def check_precision_options(precision: str, dtype: str = "float32") -> None:
     """A PipeplanError for an unknown precision, or one combined with low-precision weights."""
     if precision not in PRECISIONS:
         raise PipeplanError(f"unknown --precision {precision!r}: use {', '.join(PRECISIONS)}")
@@ -122,7 +122,7 @@ def profile_model(
         raise PipeplanError(f"unknown clock {clock!r}: use wall or cpu")
     if threads is not None and threads <= 0:
         raise PipeplanError(f"--threads must be positive, got {threads}")
-    check_precision(precision, dtype)
+    check_precision_options(precision, dtype)
     if microbatch_size is not None and not 0 < microbatch_size <= batch_size:
         raise PipeplanError(f"--microbatch-size must be between 1 and --batch-size {batch_size}")
     measured = microbatch_size or batch_size

@@ -179,3 +179,12 @@ def test_microbatch_size_measures_small_and_scales_up() -> None:
 
     with pytest.raises(PipeplanError, match="--microbatch-size"):
         profile_model("tiny-mlp", batch_size=2, microbatch_size=3)
+
+
+def test_bf16_profile_measures_low_precision_outputs_and_weight_copies() -> None:
+    fp32 = {n.id: n for n in profile_model("tiny-mlp", batch_size=8, repeats=1).nodes}
+    bf16 = {n.id: n for n in profile_model("tiny-mlp", batch_size=8, repeats=1, precision="bf16").nodes}
+    assert bf16["fc1"].output_bytes * 2 == fp32["fc1"].output_bytes  # bf16 activations cross a cut
+    assert bf16["fc2"].param_bytes == fp32["fc2"].param_bytes == (32 * 32 + 32) * 4  # float32 weights
+    assert bf16["fc2"].cast_bytes == 32 * 32 * 2 and fp32["fc2"].cast_bytes == 0  # the bf16 copy kept
+    assert bf16["fc1"].cast_bytes == 0  # its input needs no gradient: the copy is not kept
