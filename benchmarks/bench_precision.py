@@ -11,8 +11,9 @@ For every model and precision P, in a temporary folder, as a user would run it:
 3. ``pipeplan run PKG --steps N``: the plan's precision; measured time per minibatch (median step of
    the slower rank, first excluded), the ranks' compute CPU time per minibatch (forward, backward
    and optimizer, both stages: the work, steadier than wall time when other jobs take the cores),
-   each rank's peak resident memory (``metrics.json``'s ``peak_memory_bytes``: on a CPU the whole
-   process, torch's libraries included) and the losses.
+   each rank's peak memory (``metrics.json``'s ``peak_memory_bytes``: on a CPU the tensors that
+   ``runtime/memory.py`` counts; results written before it were the whole process's resident size)
+   and the losses.
 
 The runs of one model are repeated ``--rounds`` times, the precisions in alternating order, and the
 median round is reported, since other jobs share this CPU (its 1-minute load average is recorded
@@ -270,8 +271,8 @@ def _markdown(doc: dict[str, Any]) -> list[str]:
         "bytes crossing the cut. Plan: predicted memory per device (float32 weights, gradients and "
         "optimizer state, plus what the microbatches in flight keep). Run: measured time per minibatch "
         "(wall) and the ranks' compute CPU time per minibatch (both stages; steadier on a busy machine), "
-        "each rank's peak resident memory (the whole process), the loss of its last step against fp32's "
-        "at the same step. Load: the median 1-minute load average before the runs.",
+        "each rank's peak memory (metrics.json's peak_memory_bytes), the loss of its last step against "
+        "fp32's at the same step. Load: the median 1-minute load average before the runs.",
         "",
         "| model | precision | layers fwd+bwd ms | vs fp32 | kept MiB (+copies) | cut MiB "
         "| predicted MiB per stage | run s/minibatch | vs fp32 | run CPU ms | vs fp32 "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from runtime.metrics import RankMetrics, Recorder, summarize
@@ -28,10 +30,13 @@ def test_stage_compute_skips_the_warm_up_and_sums_replicas() -> None:
     ]
     doc = summarize(ranks, batch_size=8, predicted_s=0.5, warmup=1)
     assert doc["stages"] == [
-        {"stage": 0, "compute_s_per_minibatch": pytest.approx(0.6)},
-        {"stage": 1, "compute_s_per_minibatch": pytest.approx(0.5)},
+        {"stage": 0, "compute_s_per_minibatch": pytest.approx(0.6), "compute_cpu_share": None},
+        {"stage": 1, "compute_s_per_minibatch": pytest.approx(0.5), "compute_cpu_share": None},
     ]
     assert doc["batch_size"] == 8 and doc["time_per_minibatch_s"] == pytest.approx(0.51)
+    halved = [replace(r, compute_cpu_s=r.compute_s / 2) for r in ranks]  # time-sliced: half a core
+    shares = [s["compute_cpu_share"] for s in summarize(halved, 8, 0.5, 1)["stages"]]
+    assert shares == pytest.approx([0.5, 0.5])
 
 
 def test_a_step_over_a_round_of_minibatches_shares_its_compute() -> None:
