@@ -955,6 +955,10 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, help="Steps between checkpoints.")
 @click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint.")
 @click.option("--trace", type=click.Path(dir_okay=False), help="One Chrome trace of all ranks (Perfetto).")
+@click.option("--measure-memory", is_flag=True,
+              help="On a CPU, also measure each rank's peak tensor memory over its first ranks+1 minibatches "
+              "with torch.profiler (it has crashed a rank at teardown with torch 2.13, so it is opt-in; "
+              "GPUs always report torch.cuda.max_memory_allocated).")  # fmt: skip
 @click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
               help="Seconds a rank waits on its peers before the job is stopped.")  # fmt: skip
 @click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True, help="Machines.")
@@ -1103,7 +1107,7 @@ def _print_run_table(metrics: dict[str, Any], path: object) -> None:
     console = _console()
     console.print(table)
     console.print(ranks)
-    if metrics.get("memory"):
+    if (metrics.get("memory") or {}).get("method"):
         console.print(_memory_table(metrics["memory"]))
     losses = metrics["losses"]
     if losses:

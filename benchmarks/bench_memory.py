@@ -121,7 +121,15 @@ def plan_and_run(
     cli("partition", "--profile", str(path), "--gpus", "2", "--schedule", schedule, "--microbatches", str(m),
         "--cuts", cut[0], "--replicas", "1,1", "--recompute", recompute, "-o", out)  # fmt: skip
     package = next((cli.folder / out).glob("*/gpus=2"))
-    load = cli("run", str(package.relative_to(cli.folder)), "--steps", str(steps), "--timeout", "300")
+    load = cli(
+        "run",
+        str(package.relative_to(cli.folder)),
+        "--steps",
+        str(steps),
+        "--timeout",
+        "300",
+        "--measure-memory",
+    )
     plan = json.loads((package / "plan.json").read_text())
     metrics = json.loads((package / "run" / "metrics.json").read_text())
     ranks = metrics["ranks"]

@@ -57,12 +57,16 @@ class PeakMemory:
     Attributes:
         device: the rank's device.
         window: minibatches measured.
+        cpu: measure on a CPU (torch.profiler; ``pipeplan run --measure-memory``). On torch 2.13 a
+            rank that ran the profiler has died of a segmentation fault while collecting garbage after
+            it (a 2-rank vgg16 run, its communication thread running), so it is opt-in there.
         peak_bytes: the peak, None until measured.
         method: how it was measured (recorded in metrics.json).
     """
 
     device: torch.device
     window: int
+    cpu: bool = True
     peak_bytes: int | None = None
     method: str = ""
     _seen: int = 0
@@ -74,6 +78,8 @@ class PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             self.method = "torch.cuda.max_memory_allocated"
+            return
+        if not self.cpu:
             return
         self._base = live_tensor_bytes(module, optimizer)
         self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)

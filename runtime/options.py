@@ -51,6 +51,8 @@ class RunOptions:
         checkpoint_every: checkpoint every this many steps (0: only at the end).
         resume: continue from the newest complete checkpoint in ``checkpoint_dir``.
         trace: path of a merged Chrome trace to write; None: no trace.
+        measure_memory: on a CPU, measure each rank's peak tensor memory with torch.profiler
+            (:mod:`runtime.memory`; opt-in: it has crashed a rank at teardown with torch 2.13).
         timeout: seconds any rank waits for another before the job fails.
         run_dir: where metrics.json and progress go (default: ``<package>/run``).
         nnodes: machines in the job.
@@ -95,6 +97,7 @@ class RunOptions:
     checkpoint_every: int = 0
     resume: bool = False
     trace: str | None = None
+    measure_memory: bool = False
     timeout: float = 60.0
     run_dir: str | None = None
     nnodes: int = 1

@@ -279,7 +279,7 @@ def _train(options: RunOptions, rt: StageRuntime, total: int) -> None:
         checkpoint.set_rng_state(rng)
     clock = rt.on_step if isinstance(rt.on_step, _Clock) else None
     if clock is not None:
-        clock.memory = PeakMemory(rt.comm.device, job.world_size + 1)
+        clock.memory = PeakMemory(rt.comm.device, job.world_size + 1, cpu=options.measure_memory)
         clock.memory.start(rt.module, rt.optimizer)
         clock.start()
     evaluator = _evaluator(options, rt)

@@ -20,7 +20,8 @@ torch.set_num_threads(1)
 def test_run_trains_and_writes_metrics_checkpoints_and_trace(tmp_path: Path) -> None:
     pkg = write_package(tmp_path / "pkg", "chain", replicas=(1, 1), microbatches=2, batch_size=4)
     trace = tmp_path / "trace.json"
-    args = [str(pkg), "--steps", "4", "--checkpoint-every", "2", "--trace", str(trace), "--timeout", "30"]
+    args = [str(pkg), "--steps", "4", "--checkpoint-every", "2", "--trace", str(trace), "--timeout", "30",
+            "--measure-memory"]  # fmt: skip
     result = CliRunner().invoke(main, ["run", *args])
     assert result.exit_code == 0, result.output
     metrics = json.loads((pkg / "run" / "metrics.json").read_text())
