@@ -247,14 +247,7 @@ def _save(options: RunOptions, rt: StageRuntime, step: int) -> None:
 
 def _segments(start: int, total: int, every: int) -> list[tuple[int, int]]:
     """(first step, steps) runs between checkpoints; a pipeline drains at each boundary."""
-    bounds = list(range(start, total, every)) if every > 0 else [start]
-    edges = [*(b for b in bounds if b > start), total]
-    out, first = [], start
-    for edge in edges:
-        if edge > first:
-            out.append((first, edge - first))
-            first = edge
-    return out
+    return segments(start, total, range(start, total, every) if every > 0 else ())
 
 
 def _evaluator(options: RunOptions, rt: StageRuntime) -> Evaluator | None:
