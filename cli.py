@@ -548,13 +548,15 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
 )
 @click.option(
     "--schedule",
-    type=click.Choice(["pipedream", "1f1b", "gpipe", "zb1p"]),
+    type=click.Choice(["pipedream", "1f1b", "gpipe", "zb1p", "auto"]),
     default="pipedream",
     show_default=True,
     help="pipedream: asynchronous 1F1B with weight stashing (slowest stage sets the pace); 1f1b, gpipe: "
     "synchronous, a flush per minibatch; zb1p: zero bubble (ZB-H1), 1f1b with each backward split into "
     "input and weight gradients, the weight half deferred into the bubbles (about a third of 1f1b's "
-    "bubble; every stage holds up to min(stages, microbatches) microbatches' activations).",
+    "bubble; every stage holds up to min(stages, microbatches) microbatches' activations); auto: the "
+    "fastest predicted of them all, each searched at --microbatches, with a table of each one's best plan "
+    "(pipedream among them trains asynchronously, on gradients of weights a few minibatches old).",
 )
 @click.option(
     "--microbatches",
@@ -660,12 +662,21 @@ def partition(
     profile = with_update_time(profile, optimizer)
     cluster = _cpu_hosts(_cluster(gpus, topology, bandwidth, memory), profile, host_cores)
     micro = microbatches if microbatches is not None else (1 if schedule == "pipedream" else 4)
+    auto_table = None
     if (cuts is None) != (replicas is None):
         raise PlanError("--cuts and --replicas go together: give both, or neither")
+    if cuts is not None and schedule == "auto":
+        raise PlanError(
+            "--cuts fixes the plan, so there is nothing for --schedule auto to choose: name a schedule"
+        )
     if cuts is not None and replicas is not None:
         layers = [c.strip() for c in cuts.split(",") if c.strip()]
         counts = parse_int_list(replicas, "--replicas")
         plan = evaluate(profile, cluster, layers, counts, schedule, micro, optimizer, not no_comm, recompute)
+    elif schedule == "auto":
+        choice = _auto(profile, cluster, micro, optimizer, straight, solver, not no_comm, recompute)
+        auto_table = _auto_table(choice.times, choice.plan.schedule, micro)
+        plan, schedule, micro = choice.plan, choice.plan.schedule, choice.plan.microbatches
     else:
         if len(profile.layers) < 1:
             raise PlanError("the profile has no layers")
@@ -695,6 +706,8 @@ def partition(
     first = [e.end_s for e in sim.events if e.stage == 0 and e.kind == "B"]
     until = first[min(2, len(first) - 1)] if plan.schedule == "pipedream" and first else None
     console.print("\n".join(gantt(sim, width=60, until_s=until)), highlight=False, markup=False)
+    if auto_table is not None:
+        console.print(auto_table)
     if explain:
         console.print(_explain(profile, cluster, plan, schedule, micro, optimizer, recompute))
     asked = plan.extra.get("microbatches_asked")
@@ -708,6 +721,36 @@ def partition(
     if note:
         console.print(f"[yellow]note:[/yellow] {note}", soft_wrap=True)
     console.print(f"wrote {out_dir}/plan.json and mp_conf.json")
+
+
+def _auto(
+    profile: Any, cluster: Any, micro: int, optimizer: str, straight: bool, solver: str, comm: bool,
+    recompute: str,
+) -> Any:  # fmt: skip
+    """--schedule auto: every schedule's best plan (pipedream left out of an fp16 profile's)."""
+    from partitioner.optimizer.auto import solve_auto
+    from partitioner.plan import SCHEDULES
+
+    if len(profile.layers) < 1:
+        from partitioner.errors import PlanError
+
+        raise PlanError("the profile has no layers")
+    names = [s for s in SCHEDULES if not (s == "pipedream" and profile.precision == "fp16")]
+    return solve_auto(profile, cluster, micro, optimizer, straight, solver, comm, recompute, names)
+
+
+def _auto_table(times: dict[str, float | None], chosen: str, micro: int) -> Any:
+    from rich.table import Table
+
+    table = Table(title="--schedule auto: each schedule's best plan", title_justify="left")
+    for col in ("schedule", "microbatches", "predicted ms/minibatch", "vs chosen"):
+        table.add_column(col, justify="left" if col == "schedule" else "right")
+    best = times[chosen] or 1.0
+    for name, t in times.items():
+        m = "1" if name == "pipedream" else str(micro)
+        shown = (f"{t * 1e3:.3f}", f"{t / best:.2f}x") if t is not None else ("does not fit", "-")
+        table.add_row(name + (" (chosen)" if name == chosen else ""), m, *shown)
+    return table
 
 
 def _microbatch_note(profile: Any, plan: Any) -> str | None:

@@ -87,7 +87,17 @@ def test_synchronous_schedules(graph: Path, tmp_path: Path, schedule: str) -> No
         ["--gpus", "4", "--gpus", "2", "--topology", "2,2"],
         ["--gpus", "4", "--batch-size", "0"],
         ["--gpus", "4", "--schedule", "1f1b", "--microbatches", "0"],
-        ["--gpus", "4", "--host-cores", "2"],  # a PipeDream (GPU) profile: its devices share no cores
+        ["--gpus", "4", "--host-cores", "2"],
+        [
+            "--gpus",
+            "4",
+            "--schedule",
+            "auto",
+            "--cuts",
+            "l1",
+            "--replicas",
+            "3,1",
+        ],  # a PipeDream (GPU) profile: its devices share no cores
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(graph: Path, tmp_path: Path, args: list[str]) -> None:
@@ -201,3 +211,14 @@ def test_recompute_is_recorded_and_shown(graph: Path, tmp_path: Path) -> None:
     assert "recompute" in out and "alternatives (--recompute all)" in out
     code, out, _ = _run("partition", "--help")
     assert "--recompute [none|all|auto]" in out
+
+
+def test_schedule_auto_shows_every_schedule_and_records_its_choice(graph: Path, tmp_path: Path) -> None:
+    code, out, _ = _run("partition", "--profile", str(graph), "--gpus", "4", "--schedule", "auto",
+                        "-o", str(tmp_path / "m"))  # fmt: skip
+    assert code == 0, out
+    plan = load_plan(tmp_path / "m" / "toy" / "gpus=4" / "plan.json")
+    times = plan.extra["schedule_auto"]
+    assert set(times) == {"pipedream", "1f1b", "gpipe", "zb1p"} and plan.schedule in times
+    assert plan.predicted.time_per_minibatch_s == min(t for t in times.values() if t is not None)
+    assert "each schedule's best plan" in out and f"{plan.schedule} (chosen)" in out

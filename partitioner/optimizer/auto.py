@@ -1,0 +1,78 @@
+"""``--schedule auto``: the fastest predicted plan over every schedule the planner prices.
+
+Each schedule has its own exact search (:func:`partitioner.optimizer.solve`); ``auto`` runs each under
+the same cluster, memory limit, optimizer and recompute mode and keeps the plan with the least
+predicted time per minibatch, so it is never predicted slower than the best fixed schedule it
+considers. The synchronous schedules use the asked microbatch count (the cost model scales a
+minibatch's profiled time linearly to microbatches, so it would always ask for more: the count stays
+the user's choice); ``pipedream`` runs whole minibatches. Pure Python, no torch.
+
+Example:
+    >>> choice = solve_auto(profile, Cluster.flat(8), microbatches=4)  # doctest: +SKIP
+    >>> choice.plan.schedule, choice.times
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from partitioner.errors import InfeasibleError
+from partitioner.graph import Profile
+from partitioner.plan import SCHEDULES, Cluster, Plan
+
+__all__ = ["AutoChoice", "solve_auto"]
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """The chosen plan and what every schedule predicted (None: nothing fits its memory model).
+
+    Attributes:
+        plan: the fastest plan; its ``extra["schedule_auto"]`` holds ``times`` too.
+        times: per schedule, the predicted seconds per minibatch of its best plan.
+        plans: per schedule, that plan (None where nothing fits).
+    """
+
+    plan: Plan
+    times: dict[str, float | None]
+    plans: dict[str, Plan | None]
+
+
+def solve_auto(
+    profile: Profile,
+    cluster: Cluster,
+    microbatches: int = 4,
+    optimizer: str = "sgd",
+    straight: bool = False,
+    solver: str = "dp",
+    activation_comm: bool = True,
+    recompute: str = "none",
+    schedules: Sequence[str] = SCHEDULES,
+) -> AutoChoice:
+    """The best plan of each of ``schedules``, and the fastest of them.
+
+    Raises:
+        InfeasibleError: no schedule fits (the first schedule's message, naming the memory that would).
+        PlanError: bad microbatch count, optimizer, solver or recompute mode.
+    """
+    from partitioner.optimizer import solve
+
+    plans: dict[str, Plan | None] = {}
+    first_error: InfeasibleError | None = None
+    for schedule in schedules:
+        m = 1 if schedule == "pipedream" else microbatches
+        try:
+            plans[schedule] = solve(
+                profile, cluster, schedule, m, optimizer, straight, solver, activation_comm, recompute
+            )
+        except InfeasibleError as exc:
+            plans[schedule], first_error = None, first_error or exc
+    found = {name: plan for name, plan in plans.items() if plan is not None}
+    if not found:
+        assert first_error is not None
+        raise first_error
+    best = min(found.values(), key=lambda p: p.predicted.time_per_minibatch_s)
+    times = {name: p.predicted.time_per_minibatch_s if p else None for name, p in plans.items()}
+    best = replace(best, extra={**best.extra, "schedule_auto": times})
+    return AutoChoice(best, times, plans)

@@ -1,0 +1,42 @@
+"""--schedule auto: never predicted slower than the best fixed schedule it considers."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from partitioner.errors import InfeasibleError
+from partitioner.graph import Profile, load_profile
+from partitioner.optimizer import solve
+from partitioner.optimizer.auto import solve_auto
+from partitioner.plan import SCHEDULES, Cluster
+from tests.data import PIPEDREAM_PROFILES
+
+MODELS = ("alexnet", "vgg16", "resnet18", "squeezenet1_0")
+
+
+def _profile(name: str) -> Profile:
+    profile = load_profile(PIPEDREAM_PROFILES / name / "graph.txt")
+    return profile if profile.batch_size else replace(profile, batch_size=64)
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("gpus", [4, 8, 16])
+def test_auto_is_the_fastest_schedule(name: str, gpus: int) -> None:
+    profile, cluster = _profile(name), Cluster.flat(gpus)
+    choice = solve_auto(profile, cluster, microbatches=4)
+    fixed = {s: solve(profile, cluster, s, 1 if s == "pipedream" else 4) for s in SCHEDULES}
+    best = min(p.predicted.time_per_minibatch_s for p in fixed.values())
+    assert choice.plan.predicted.time_per_minibatch_s == pytest.approx(best, rel=1e-12)
+    assert choice.times == pytest.approx({s: p.predicted.time_per_minibatch_s for s, p in fixed.items()})
+    assert choice.plan.extra["schedule_auto"] == choice.times
+    assert choice.plan.schedule == min(choice.times, key=lambda s: choice.times[s] or float("inf"))
+
+
+def test_only_the_schedules_asked_and_nothing_fits_names_the_memory() -> None:
+    profile = _profile("alexnet")
+    choice = solve_auto(profile, Cluster.flat(4), 4, schedules=("1f1b", "zb1p"))
+    assert set(choice.times) == {"1f1b", "zb1p"} and choice.plan.schedule in ("1f1b", "zb1p")
+    with pytest.raises(InfeasibleError, match="memory"):
+        solve_auto(profile, Cluster.flat(4, memory_bytes=1000), 4)
