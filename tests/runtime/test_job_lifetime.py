@@ -74,7 +74,8 @@ def _gone(pids: set[int], limit_s: float) -> bool:
 @contextmanager
 def _training(pkg: Path, timeout: float) -> Iterator[subprocess.Popen[str]]:
     """``pipeplan run`` on ``pkg`` until its first step is done; every process of it is killed after."""
-    cmd = [sys.executable, "-m", "cli", "run", str(pkg), "--steps", "1000000", "--timeout", str(timeout)]
+    # steps enough to outlive the test; more would only lengthen building the schedule before step 1
+    cmd = [sys.executable, "-m", "cli", "run", str(pkg), "--steps", "100000", "--timeout", str(timeout)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -83,7 +84,9 @@ def _training(pkg: Path, timeout: float) -> Iterator[subprocess.Popen[str]]:
     try:
         deadline = time.monotonic() + 60
         while not (pkg / "run" / "progress.jsonl").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout and proc.stdout.read()
+            if proc.poll() is not None or time.monotonic() >= deadline:
+                proc.kill()  # before reading its output: a live job never closes it
+                pytest.fail(f"no first step within 60 s: {proc.communicate()[0]}")
             time.sleep(0.1)
         tree = _descendants(proc.pid)
         yield proc
