@@ -29,15 +29,18 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+if __package__ in (None, ""):  # run as a script: the repository root holds the benchmarks package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.bench_fidelity import Cli
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -53,28 +56,6 @@ class Model:
 
 
 MODELS = (Model("resnet18", 8, "3,64,64"), Model("hf:llama", 8, "128"))
-
-
-class Cli:
-    """The ``pipeplan`` command beside this Python, run in one folder; each command's output goes to
-    a log file, and a failing command raises with its last line."""
-
-    def __init__(self, folder: Path) -> None:
-        here = Path(sys.executable).parent / "pipeplan"
-        self.exe = str(here) if here.exists() else (shutil.which("pipeplan") or "pipeplan")
-        self.folder, self.count = folder, 0
-
-    def __call__(self, *args: str) -> float:
-        """Run ``pipeplan ARGS``; the 1-minute load average just before it."""
-        load = os.getloadavg()[0]
-        self.count += 1
-        log = self.folder / f"log-{self.count:02d}-{args[0]}.txt"
-        with log.open("w") as out:
-            done = subprocess.run([self.exe, *args], cwd=self.folder, stdout=out, stderr=subprocess.STDOUT)
-        if done.returncode:
-            lines = log.read_text().strip().splitlines() or ["(no output)"]
-            raise RuntimeError(f"pipeplan {' '.join(args)} failed ({done.returncode}): {lines[-1]}")
-        return load
 
 
 def profile(cli: Cli, model: Model, precision: str, repeats: int) -> tuple[Path, dict[str, Any]]:
