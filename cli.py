@@ -1000,7 +1000,7 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 @click.option("--trace", type=click.Path(dir_okay=False), help="One Chrome trace of all ranks (Perfetto).")
 @click.option("--measure-memory", is_flag=True,
               help="On a CPU, also measure each rank's peak tensor memory over its first ranks+1 minibatches "
-              "with torch.profiler (it has crashed a rank at teardown with torch 2.13, so it is opt-in; "
+              "with torch.profiler (opt-in: with torch 2.13 it kills a rank of some runs after it stops; "
               "GPUs always report torch.cuda.max_memory_allocated).")  # fmt: skip
 @click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
               help="Seconds a rank waits on its peers before the job is stopped.")  # fmt: skip

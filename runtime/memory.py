@@ -58,8 +58,9 @@ class PeakMemory:
         device: the rank's device.
         window: minibatches measured.
         cpu: measure on a CPU (torch.profiler; ``pipeplan run --measure-memory``). On torch 2.13 a
-            rank that ran the profiler has died of a segmentation fault while collecting garbage after
-            it (a 2-rank vgg16 run, its communication thread running), so it is opt-in there.
+            rank that ran the profiler dies of a segmentation fault or an abort after it stops, in a
+            later backward or while collecting garbage (a 2-rank vgg16 package: 3 runs of 3; keeping
+            the profiler object alive does not help), so it is opt-in there.
         peak_bytes: the peak, None until measured.
         method: how it was measured (recorded in metrics.json).
     """

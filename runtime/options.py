@@ -52,7 +52,7 @@ class RunOptions:
         resume: continue from the newest complete checkpoint in ``checkpoint_dir``.
         trace: path of a merged Chrome trace to write; None: no trace.
         measure_memory: on a CPU, measure each rank's peak tensor memory with torch.profiler
-            (:mod:`runtime.memory`; opt-in: it has crashed a rank at teardown with torch 2.13).
+            (:mod:`runtime.memory`; opt-in: with torch 2.13 it kills a rank of some runs).
         timeout: seconds any rank waits for another before the job fails.
         run_dir: where metrics.json and progress go (default: ``<package>/run``).
         nnodes: machines in the job.
