@@ -665,6 +665,8 @@ def partition(
     auto_table = None
     if (cuts is None) != (replicas is None):
         raise PlanError("--cuts and --replicas go together: give both, or neither")
+    if len(profile.layers) < 1:
+        raise PlanError("the profile has no layers")
     if cuts is not None and schedule == "auto":
         raise PlanError(
             "--cuts fixes the plan, so there is nothing for --schedule auto to choose: name a schedule"
@@ -678,8 +680,6 @@ def partition(
         auto_table = _auto_table(choice.times, choice.plan.schedule, micro)
         plan, schedule, micro = choice.plan, choice.plan.schedule, choice.plan.microbatches
     else:
-        if len(profile.layers) < 1:
-            raise PlanError("the profile has no layers")
         plan = solve(profile, cluster, schedule, micro, optimizer, straight, solver, not no_comm, recompute)
     _check_replicas(plan)
     plan = replace(plan, profile=str(path), precision=profile.precision)
@@ -731,10 +731,6 @@ def _auto(
     from partitioner.optimizer.auto import solve_auto
     from partitioner.plan import SCHEDULES
 
-    if len(profile.layers) < 1:
-        from partitioner.errors import PlanError
-
-        raise PlanError("the profile has no layers")
     names = [s for s in SCHEDULES if not (s == "pipedream" and profile.precision == "fp16")]
     return solve_auto(profile, cluster, micro, optimizer, straight, solver, comm, recompute, names)
 
