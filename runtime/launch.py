@@ -215,9 +215,11 @@ def launch(
     out = run_dir(options)
     out.mkdir(parents=True, exist_ok=True)
     (out / "progress.jsonl").unlink(missing_ok=True)
-    shutil.rmtree(out / "logs", ignore_errors=True)
-    (out / "logs").mkdir()
-    config = _config(options, per_node, out / "logs")
+    # nodes sharing the package folder (one machine, or a network file system) keep their own logs
+    logs = out / "logs" if options.nnodes == 1 else out / "logs" / f"node{options.node_rank}"
+    shutil.rmtree(logs, ignore_errors=True)
+    logs.mkdir(parents=True, exist_ok=True)
+    config = _config(options, per_node, logs)
     stop = threading.Event()
     watcher = None
     if on_progress is not None:
@@ -226,12 +228,12 @@ def launch(
         )
         watcher.start()
     try:
-        with _agent_log(out / "logs" / "launcher.log"):
+        with _agent_log(logs / "launcher.log"):
             results = elastic_launch(config, run_rank)(options)
     except ChildFailedError as exc:
         job = job_of(options)
         stage_of = {r: k for k, ranks in enumerate(job.stage_ranks) for r in ranks}
-        raise blame(exc.failures, stage_of, options.timeout, out / "logs" / "launcher.log") from exc
+        raise blame(exc.failures, stage_of, options.timeout, logs / "launcher.log") from exc
     except SignalException as exc:
         raise Interrupted(int(exc.sigval)) from exc
     except (TimeoutError, RuntimeError) as exc:

@@ -145,6 +145,8 @@ def test_two_nodes_on_one_machine_train_like_torchrun(tmp_path: Path) -> None:
         *(f"rank{r}.pt" for r in range(4)),
         *(f"stage{k}.pt" for k in range(4)),
     ]
+    logs = pkg / "run" / "logs"  # the nodes share the folder: each keeps its own logs
+    assert all((logs / f"node{r}" / "launcher.log").exists() for r in (0, 1))
 
 
 @pytest.mark.slow
