@@ -30,6 +30,7 @@ from partitioner.optimizer.dp import (
 )
 from partitioner.optimizer.hierarchy import solve_hierarchy
 from partitioner.optimizer.lattice import Lattice, enumerate_lattice, solve_lattice
+from partitioner.optimizer.memory import MemoryLimit
 from partitioner.optimizer.recompute import recomputing, repriced
 from partitioner.optimizer.states import (
     StateSet,
@@ -42,7 +43,7 @@ from partitioner.optimizer.states import (
     thin_prefixes,
     without_free_sinks,
 )
-from partitioner.optimizer.sync import MAX_CHOICES, MAX_STEPS, Memory, solve_synchronous
+from partitioner.optimizer.sync import MAX_CHOICES, MAX_STEPS, solve_synchronous
 from partitioner.plan import SCHEDULES, Cluster, Plan, SolverInfo
 
 __all__ = ["evaluate", "solve"]
@@ -141,7 +142,7 @@ def _hierarchy_states(profile: Profile) -> StateSet:
 
 def _search(
     profile: Profile, cluster: Cluster, states: StateSet, schedule: str, optimizer: str,
-    straight: bool, min_replicas: int = 1,
+    straight: bool, min_replicas: int = 1, m: int = 1,
 ) -> tuple[float, list[Segment], float]:  # fmt: skip
     cap = 1 if straight else None
     levels = [(lv.devices, lv.bandwidth) for lv in cluster.levels]
@@ -149,7 +150,7 @@ def _search(
         return solve_hierarchy(states, levels, cap)
     memory = None
     if cluster.memory_bytes is not None:
-        memory = (float(cluster.memory_bytes), OPTIMIZER_STATE[optimizer], schedule, cluster.gpus)
+        memory = MemoryLimit.of(float(cluster.memory_bytes), profile, optimizer, schedule, cluster.gpus, m)
     prob = LevelProblem(
         states, cluster.gpus, levels[0][1], min_replicas=min_replicas, max_replicas=cap, memory=memory
     )
@@ -263,7 +264,7 @@ def _synchronous(
             exact = _exact_synchronous(profile, cluster, states, schedule, m, optimizer, straight, comm)
 
     def bottleneck(where: Cluster, floor: int, line: bool) -> Plan:
-        _, segments, _ = _search(profile, where, states, schedule, optimizer, line, floor)
+        _, segments, _ = _search(profile, where, states, schedule, optimizer, line, floor, m)
         specs = _specs(profile, states, segments)
         return assemble(profile, cluster, specs, schedule, m, optimizer, info, activation_comm=comm)
 
@@ -304,7 +305,9 @@ def _exact_synchronous(
     steps = MAX_STEPS if states.exact else 60  # no proof to finish on a subset of the cuts
     bandwidth = min(level.bandwidth for level in cluster.levels)  # hierarchies: a candidate only
     limit = cluster.memory_bytes
-    memory = None if limit is None else Memory(limit + 0.5, 2.0 + OPTIMIZER_STATE[optimizer])
+    memory = None
+    if limit is not None:
+        memory = MemoryLimit.of(limit + 0.5, profile, optimizer, schedule, cluster.gpus, m)
     info = SolverInfo("dp", 0.0, False)
     for held in (None, memory) if memory is not None else (None,):  # unlimited first: often fits
         found = solve_synchronous(states, cluster.gpus, bandwidth, m, cap, steps, held)
