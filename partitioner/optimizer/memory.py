@@ -93,14 +93,16 @@ class Shared:
 
 
 def shared_weights(profile: Profile) -> tuple[Shared, ...]:
-    """Weights used by more than one layer. A weight's bytes are its first user's ``param_bytes``
-    (the profile records bytes per layer, not per weight): exact for an embedding tied to a head,
-    an upper bound where the owner has other weights too."""
+    """Weights used by more than one layer, under any of their names (``profile.tied``: gpt2's head
+    uses ``lm_head.weight``, the embedding's ``wte.weight``). A weight's bytes are its first user's
+    ``param_bytes`` (the profile records bytes per layer, not per weight): exact for an embedding
+    tied to a head, an upper bound where the owner has other weights too."""
+    canonical = {name: group[0] for group in profile.tied for name in group}
     first: dict[str, str] = {}
     users: dict[str, list[str]] = {}
     sizes = {n.id: float(n.param_bytes) for n in profile.nodes}
     for node in profile.nodes:
-        for name in node.param_names:
+        for name in dict.fromkeys(canonical.get(n, n) for n in node.param_names):
             if name in first and node.id != first[name] and node.id not in users[name]:
                 users[name].append(node.id)
             first.setdefault(name, node.id)

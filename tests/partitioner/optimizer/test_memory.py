@@ -27,8 +27,8 @@ def _tied(n: int = 5, embed: int = 3_000_000) -> Profile:
                            [(i, i + 1) for i in range(n - 1)])  # fmt: skip
     nodes = list(profile.nodes)
     nodes[1] = replace(nodes[1], param_names=("wte.weight",))
-    nodes[-1] = replace(nodes[-1], param_names=("wte.weight",))
-    return replace(profile, nodes=tuple(nodes))
+    nodes[-1] = replace(nodes[-1], param_names=("head.weight",))  # one tensor, two names (as gpt2's)
+    return replace(profile, nodes=tuple(nodes), tied=(("wte.weight", "head.weight"),))
 
 
 @settings(max_examples=200, deadline=None)
@@ -72,6 +72,11 @@ def test_a_tied_weight_is_copied_to_the_stage_that_uses_it_without_owning_it() -
     profile = _tied()
     (tie,) = shared_weights(profile)
     assert (tie.owner, tie.users, tie.nbytes) == ("l0", ("l4",), 3_000_000.0)
+    same_name = replace(
+        profile, nodes=(*profile.nodes[:-1], replace(profile.nodes[-1], param_names=("wte.weight",)))
+    )
+    assert shared_weights(replace(same_name, tied=())) == (tie,)  # one name used twice
+    assert shared_weights(replace(profile, tied=())) == ()  # two names, nothing says they are one
     assert copy_bytes([tie], [["x", "l0", "l1"], ["l2", "l3", "l4"]]) == [(0.0, 0.0), (3e6, 3e6)]
     assert copy_bytes([tie], [["x", "l0", "l1", "l2", "l3", "l4"]]) == [(0.0, 0.0)]
     # the searches' vectorised copies agree with the per-stage ones on every pair of states
