@@ -4,7 +4,8 @@ Activations and gradients travel with ``isend``/``irecv`` (batched with ``batch_
 the ranks that run neighbouring (or skip-connected) stages. Shapes are agreed once at start-up by
 :meth:`Comm.exchange_meta`; afterwards a message is just its tensors. Sends never block the sender:
 their handles are kept and retired later, so a valid schedule cannot deadlock on a send. Replica and
-tie gradients are summed with one all-reduce per group over a flat buffer.
+tie gradients are summed with one all-reduce per bucket of at most ``BUCKET_BYTES`` (DDP's default
+size), so the flat copy a rank makes beside its gradients stays small.
 
 Two ways to receive. On gloo (``prefetch``) the executor posts an action's receives one receiving
 action ahead, so the transfer runs on gloo's own threads while this rank computes: gloo moves a
@@ -27,7 +28,36 @@ import torch.distributed as dist
 
 from runtime.errors import PeerLost
 
-__all__ = ["Comm", "Posted", "TensorMeta", "decode_meta", "encode_meta", "peer_errors"]
+__all__ = [
+    "BUCKET_BYTES",
+    "Comm",
+    "Posted",
+    "TensorMeta",
+    "buckets",
+    "decode_meta",
+    "encode_meta",
+    "peer_errors",
+]
+
+BUCKET_BYTES = 25 * 2**20
+"""Most bytes one gradient all-reduce copies into a flat buffer (DDP's default bucket)."""
+
+
+def buckets(tensors: Sequence[torch.Tensor], most: int) -> list[list[torch.Tensor]]:
+    """``tensors`` by dtype, in order, cut into runs of at most ``most`` bytes (a larger tensor alone)."""
+    out: list[list[torch.Tensor]] = []
+    for dtype in sorted({t.dtype for t in tensors}, key=str):
+        run: list[torch.Tensor] = []
+        size = 0
+        for t in (t for t in tensors if t.dtype == dtype):
+            nbytes = t.numel() * t.element_size()
+            if run and size + nbytes > most:
+                out.append(run)
+                run, size = [], 0
+            run.append(t)
+            size += nbytes
+        out.append(run)
+    return out
 
 
 @contextmanager
@@ -204,15 +234,21 @@ class Comm:
         self.seconds += time.perf_counter() - start
 
     def all_reduce_sum(self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
-        """Sum ``tensors`` in place across ``group``: one collective per dtype over a flat buffer."""
+        """Sum ``tensors`` in place across ``group``, one collective per :func:`buckets` bucket: a
+        bucket of one tensor is reduced in place, several through one flat buffer, so the copy a
+        rank holds beside its gradients is at most ``BUCKET_BYTES`` (gpt2's 147 MiB tied head once
+        needed a second 147 MiB)."""
         start = time.perf_counter()
-        for dtype in sorted({t.dtype for t in tensors}, key=str):
-            same = [t for t in tensors if t.dtype == dtype]
-            flat = torch.cat([t.reshape(-1) for t in same])
+        for bucket in buckets(tensors, BUCKET_BYTES):
+            if len(bucket) == 1 and bucket[0].is_contiguous():
+                with peer_errors("gradient all-reduce"):
+                    dist.all_reduce(bucket[0], op=dist.ReduceOp.SUM, group=group)
+                continue
+            flat = torch.cat([t.reshape(-1) for t in bucket])
             with peer_errors("gradient all-reduce"):
                 dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
             offset = 0
-            for t in same:
+            for t in bucket:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
         self.seconds += time.perf_counter() - start

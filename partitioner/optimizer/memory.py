@@ -132,10 +132,11 @@ def _bits(masks: Sequence[int], layer_ids: Sequence[str], ids: Sequence[str]) ->
 class MemoryLimit:
     """A per-device limit as the searches check it, vectorised over candidate stages.
 
-    The searches price a stage from its parameter and saved bytes only, so two terms of
-    :func:`peak_bytes` are bounded: the accumulated gradient by ``largest`` (the profile's largest
-    layer), and a synchronous stage holds all M microbatches' activations (gpipe's count, at least
-    1f1b's and zb1p's). Every plan is then priced exactly by :func:`peak_bytes`.
+    The searches price a stage from its parameter and saved bytes, so two terms of :func:`peak_bytes`
+    may be bounds: the accumulated gradient by ``largest`` (the profile's largest layer) where a
+    search does not pass the stage's own (the exact synchronous search does, :meth:`extras`; the
+    bottleneck candidates do not), and a synchronous stage holds all M microbatches' activations
+    (gpipe's count, at least 1f1b's and zb1p's). Every plan is then priced by :func:`peak_bytes`.
 
     Attributes:
         limit: bytes per device.
@@ -143,8 +144,10 @@ class MemoryLimit:
         schedule: pipedream, 1f1b, gpipe or zb1p.
         devices: devices in the cluster (pipedream's in-flight count is the devices from a stage on).
         microbatches: M of the synchronous schedules.
-        largest: the largest layer's parameter bytes (tied copies counted).
+        largest: the largest layer's parameter bytes (tied copies counted): the bound of the
+            accumulated gradient where a search does not pass a stage's own (:meth:`extras`).
         shared: the weights several layers use (:func:`shared_weights`).
+        layers: (layer id, parameter bytes) of the layers with any, largest first.
     """
 
     limit: float
@@ -154,6 +157,7 @@ class MemoryLimit:
     microbatches: int = 1
     largest: float = 0.0
     shared: tuple[Shared, ...] = ()
+    layers: tuple[tuple[str, float], ...] = ()
 
     @staticmethod
     def of(
@@ -161,21 +165,54 @@ class MemoryLimit:
     ) -> MemoryLimit:
         """The limit for ``profile``: its shared weights and largest layer."""
         shared = shared_weights(profile)
-        largest = max([float(n.param_bytes) for n in profile.nodes] + [s.nbytes for s in shared], default=0.0)
-        return MemoryLimit(limit, optimizer, schedule, devices, m, largest, shared)
+        layers = sorted(((n.id, float(n.param_bytes)) for n in profile.nodes if n.param_bytes > 0),
+                        key=lambda x: -x[1])  # fmt: skip
+        largest = max([b for _, b in layers] + [s.nbytes for s in shared], default=0.0)
+        return MemoryLimit(limit, optimizer, schedule, devices, m, largest, shared, tuple(layers))
 
     def copies(
         self, masks: Sequence[int], layer_ids: Sequence[str], ks: IntArray, js: IntArray
     ) -> FloatArray:
         """Tied copies' bytes of the stages (ks, js] of the states ``masks`` (:func:`copy_bytes`)."""
-        out = np.zeros(len(ks), dtype=np.float64)
+        return self._copies(masks, layer_ids, ks, js)[0]
+
+    def extras(
+        self, masks: Sequence[int], layer_ids: Sequence[str], ks: IntArray, js: IntArray
+    ) -> tuple[FloatArray, FloatArray]:
+        """(tied copies' bytes, largest layer's parameter bytes, a copy counted) of the stages
+        (ks, js]: what makes :meth:`fits` and :meth:`replicas` exact rather than bounded."""
+        copies, largest = self._copies(masks, layer_ids, ks, js)
+        return copies, np.maximum(largest, self._largest_layer(masks, layer_ids, ks, js))
+
+    def _copies(
+        self, masks: Sequence[int], layer_ids: Sequence[str], ks: IntArray, js: IntArray
+    ) -> tuple[FloatArray, FloatArray]:
+        total, largest = np.zeros(len(ks)), np.zeros(len(ks))
         for s in self.shared:
             owner = _bits(masks, layer_ids, (s.owner,))
             uses = np.zeros(len(ks), dtype=bool)
             for user in s.users:
                 bits = _bits(masks, layer_ids, (user,))
                 uses |= bits[js] & ~bits[ks]
-            out += np.where(uses & ~(owner[js] & ~owner[ks]), s.nbytes, 0.0)
+            copy = np.where(uses & ~(owner[js] & ~owner[ks]), s.nbytes, 0.0)
+            total += copy
+            largest = np.maximum(largest, copy)
+        return total, largest
+
+    def _largest_layer(
+        self, masks: Sequence[int], layer_ids: Sequence[str], ks: IntArray, js: IntArray
+    ) -> FloatArray:
+        """Per stage, its largest layer's parameter bytes: layers largest first, each settling the
+        stages that hold it and no larger one (few rounds touch many stages)."""
+        out = np.zeros(len(ks))
+        todo = np.arange(len(ks))
+        for lid, nbytes in self.layers:
+            if todo.size == 0:
+                break
+            bits = _bits(masks, layer_ids, (lid,))
+            hit = bits[js[todo]] & ~bits[ks[todo]]
+            out[todo[hit]] = nbytes
+            todo = todo[~hit]
         return out
 
     def items(self, params: FloatArray, saved: FloatArray) -> FloatArray:
@@ -184,18 +221,25 @@ class MemoryLimit:
         many = np.floor(free / np.maximum(params + saved, 1e-9))  # h > 1: P (2 + s + h) + h S <= limit
         return np.asarray(np.where(many >= 2, many, np.where(free >= saved, 1.0, 0.0)), dtype=np.float64)
 
-    def replicas(self, params: FloatArray, saved: FloatArray) -> FloatArray:
+    def replicas(
+        self, params: FloatArray, saved: FloatArray, largest: FloatArray | None = None
+    ) -> FloatArray:
         """Synchronous: the fewest replicas that hold all M microbatches' activations (inf: none);
-        below M replicas a replica accumulates and holds the transient gradient too."""
+        below M replicas a replica accumulates and holds the transient gradient too (``largest``:
+        the stages' largest layers, else the profile's)."""
         base = self.limit - params * (2 + _state(self.optimizer))
         alone = _ceil_div(saved, base)
-        with_grad = _ceil_div(saved, base - transient_bytes(params, self.largest, self.schedule))
+        bound = self.largest if largest is None else largest
+        with_grad = _ceil_div(saved, base - transient_bytes(params, bound, self.schedule))
         m = float(self.microbatches)
         return np.asarray(np.where(with_grad < m, with_grad, np.maximum(alone, m)), dtype=np.float64)
 
-    def fits(self, params: FloatArray, saved: FloatArray, replicas: FloatArray) -> npt.NDArray[np.bool_]:
-        """Synchronous: whether stages fit on ``replicas`` each (shapes broadcast)."""
-        transient = transient_bytes(params, self.largest, self.schedule)
+    def fits(
+        self, params: FloatArray, saved: FloatArray, replicas: FloatArray, largest: FloatArray | None = None
+    ) -> npt.NDArray[np.bool_]:
+        """Synchronous: whether stages fit on ``replicas`` each (shapes broadcast; ``largest`` as in
+        :meth:`replicas`)."""
+        transient = transient_bytes(params, self.largest if largest is None else largest, self.schedule)
         grad = np.where(replicas < self.microbatches, transient, 0.0)
         need = params * (2 + _state(self.optimizer)) + grad + saved / replicas
         return np.asarray(need <= self.limit)

@@ -61,9 +61,10 @@ class _Choices:
         u = x[:, None] / (r * m)
         a = 4.0 * (r - 1.0) * params[:, None] / (r * bandwidth)
         if memory is not None:  # all M microbatches' activations, split over the replicas
-            held = (params + memory.copies(states.masks, states.layer_ids, k, j))[:, None]
+            copies, largest = memory.extras(states.masks, states.layer_ids, k, j)
             saved = states.saved_bytes[j] - states.saved_bytes[k]
-            u = np.where(memory.fits(held, saved[:, None], r), u, np.inf)
+            fits = memory.fits((params + copies)[:, None], saved[:, None], r, largest[:, None])
+            u = np.where(fits, u, np.inf)
         offsets = np.concatenate([[0], np.cumsum(np.bincount(j, minlength=n))]).astype(np.int64)
         return _Choices(k, j, np.asarray(u, dtype=np.float64), np.asarray(a, dtype=np.float64),
                         states.compute_s, m, offsets, states.size_layers())  # fmt: skip
@@ -96,8 +97,9 @@ class _Reach:
         p = states.param_bytes[js] - states.param_bytes[ks]
         r_mem = np.ones(len(ks))
         if memory is not None:
-            held = p + memory.copies(states.masks, states.layer_ids, ks, js)
-            r_mem = np.maximum(memory.replicas(held, states.saved_bytes[js] - states.saved_bytes[ks]), 1.0)
+            copies, largest = memory.extras(states.masks, states.layer_ids, ks, js)
+            saved = states.saved_bytes[js] - states.saved_bytes[ks]
+            r_mem = np.maximum(memory.replicas(p + copies, saved, largest), 1.0)
         return _Reach(ks, offsets, states.size_layers(), x, p, r_mem)
 
     def need(self, cap: int, m: int, bandwidth: float, tau: float, alpha: float) -> FloatArray:
