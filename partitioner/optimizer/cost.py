@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 import numpy.typing as npt
@@ -142,8 +143,15 @@ def pipedream_stage_time(
     return np.asarray((np.asarray(compute_s) + sync) / r, dtype=np.float64)
 
 
-def activation_time(nbytes: float, replicas: int, bandwidth: float) -> float:
-    """PipeDream's charge for activations crossing a cut: forward send plus backward gradient."""
+@overload
+def activation_time(nbytes: float, replicas: int, bandwidth: float) -> float: ...
+@overload
+def activation_time(nbytes: FloatArray, replicas: int | FloatArray, bandwidth: float) -> FloatArray: ...
+def activation_time(
+    nbytes: FloatArray | float, replicas: FloatArray | int, bandwidth: float
+) -> FloatArray | float:
+    """PipeDream's charge for activations crossing a cut: forward send plus backward gradient
+    (elementwise over arrays)."""
     return 2.0 * nbytes / (bandwidth * replicas)
 
 
