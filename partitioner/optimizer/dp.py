@@ -22,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from partitioner.errors import InfeasibleError
+from partitioner.optimizer.cost import activation_time, pipedream_stage_time
 from partitioner.optimizer.memory import MemoryLimit
 from partitioner.optimizer.reach import fewest_units, fewest_units_after, sweep_layers
 from partitioner.optimizer.states import StateSet, prefix_chain, thin_prefixes
@@ -103,13 +104,12 @@ class LevelProblem:
 
     def _times(self, j: int, ks: IntArray, r: FloatArray) -> FloatArray:
         s = self.states
-        dp = s.param_bytes[j] - s.param_bytes[ks]
-        sync = 4.0 * (r - 1.0) * dp / (self.bandwidth * r) / self.inner
-        busy = (self.base_time(j, ks) + sync) / r
         act = np.where(ks > 0, s.act_bytes[ks], 0.0)
         if j < len(s) - 1:
             act = np.maximum(act, s.act_bytes[j])
-        return np.asarray(np.maximum(busy, 2.0 * act / (self.bandwidth * r)), dtype=np.float64)
+        dp = s.param_bytes[j] - s.param_bytes[ks]
+        busy = pipedream_stage_time(self.base_time(j, ks), dp, r, self.bandwidth, self.inner)
+        return np.asarray(np.maximum(busy, activation_time(act, r, self.bandwidth)), dtype=np.float64)
 
 
 @dataclass(frozen=True)

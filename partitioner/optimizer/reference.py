@@ -47,12 +47,13 @@ def stage_times(
 ) -> FloatArray:
     """T(k, j, r) for every k in ``ks``: the stage (k, j] on r replicas, its cut traffic included."""
     c, p, act = states.compute_s, states.param_bytes, states.act_bytes
-    busy = pipedream_stage_time(c[j] - c[ks], p[j] - p[ks], r, bandwidth)
-    into = activation_time(act[ks], r, bandwidth)
-    out = np.full(len(ks), activation_time(float(act[j]), r, bandwidth))
+    out = np.full(len(ks), act[j])
     if not first_output:
         out[ks == 0] = 0.0
-    return np.asarray(np.maximum(busy, np.maximum(into, out)), dtype=np.float64)
+    busy = pipedream_stage_time(c[j] - c[ks], p[j] - p[ks], r, bandwidth)
+    return np.asarray(
+        np.maximum(busy, activation_time(np.maximum(act[ks], out), r, bandwidth)), dtype=np.float64
+    )
 
 
 def solve_reference(
