@@ -10,7 +10,8 @@ so a test can hold the fast path to it (tests/partitioner/optimizer/test_referen
     T(k, j, r) = max(pipedream_stage_time(C_j - C_k, P_j - P_k, r), 2·act_k / (B·r), 2·act_j / (B·r))
 
 ``best[j, u]`` is the fastest pipeline over downset j on at most u devices (u - r devices may stay
-idle: ``best[0, x] = 0`` for every x). One flat level, no memory limit, pipedream schedule; costs
+idle: ``best[0, x] = 0`` for every x); act_j is what crosses the cut at downset j (nothing at the
+empty one and the whole model). One flat level, no memory limit, pipedream schedule; costs
 states x predecessors x devices², which is why the fast path exists.
 
 ``first_output=False`` prices as PipeDream's own optimizer does: the first stage's output never counts
