@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 
 import numpy as np
@@ -72,6 +73,15 @@ def test_fast_path_equals_reference(name: str, gpus: int) -> None:
     assert _priced(states, fast) == pytest.approx(ref.time_s, rel=1e-9)
     if fast != ref.stages:
         assert count_plans(states, gpus, BANDWIDTH, ref.time_s * (1 + 1e-9)) > 1
+
+
+@pytest.mark.parametrize("name", [n for n in SHARED if n not in LATTICE_ONLY and n not in PREFIX_PAIRS])
+def test_fast_path_equals_reference_without_activation_charge(name: str) -> None:
+    """``activation_comm=False`` (PipeDream's default objective) at 16 GPUs: the same optimum."""
+    states = _states(name)
+    ref = solve_reference(replace(states, act_bytes=states.act_bytes * 0.0), 16, BANDWIDTH)
+    plan = solve(_profile(name), Cluster.flat(16, BANDWIDTH), activation_comm=False)
+    assert plan.predicted.time_per_minibatch_s == pytest.approx(ref.time_s, rel=1e-9)
 
 
 def test_unique_optima_are_found_and_counted() -> None:
