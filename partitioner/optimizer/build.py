@@ -18,7 +18,9 @@ from partitioner.optimizer.cost import (
     StageLoad,
     StagePrice,
     StageTimes,
+    allreduce_time,
     host_bound,
+    pipedream_stage_time,
     plan_times,
     price_stage,
 )
@@ -126,12 +128,11 @@ def data_parallel_time(profile: Profile, cluster: Cluster, schedule: str = "pipe
     params = float(sum(n.param_bytes for n in profile.nodes if n.op != "input"))
     if schedule != "pipedream":
         gpus, bw = cluster.gpus, min(level.bandwidth for level in cluster.levels)
-        return time / gpus + 4.0 * (gpus - 1) * params / (gpus * bw)
+        return time / gpus + allreduce_time(params, gpus, bw)
     inner = 1
     for level in cluster.levels:
-        n = level.devices
-        time = (time + 4.0 * (n - 1) * params / (level.bandwidth * n) / inner) / n
-        inner = n
+        time = float(pipedream_stage_time(time, params, level.devices, level.bandwidth, inner))
+        inner = level.devices
     return time
 
 
@@ -155,7 +156,7 @@ def global_lower_bound(profile: Profile, cluster: Cluster) -> float:
         if node.op == "input":
             continue
         c, p = node.compute_ms / 1000.0, float(node.param_bytes)
-        single = max(single, float(np.min((c + 4.0 * (r - 1) * p / (r * bw)) / r)))
+        single = max(single, float(np.min(pipedream_stage_time(c, p, r, bw))))
     return max(layer_compute_s(profile) / gpus, single)
 
 

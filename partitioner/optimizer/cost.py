@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -48,6 +49,7 @@ __all__ = [
 ]
 
 FloatArray = npt.NDArray[np.float64]
+Real = TypeVar("Real", float, FloatArray)  # a number, or numbers elementwise
 
 
 #: ``none``: every stage keeps its activations; ``all``: every stage recomputes; ``auto``: a stage
@@ -142,13 +144,15 @@ def pipedream_stage_time(
     return np.asarray((np.asarray(compute_s) + sync) / r, dtype=np.float64)
 
 
-def activation_time(nbytes: float, replicas: int, bandwidth: float) -> float:
-    """PipeDream's charge for activations crossing a cut: forward send plus backward gradient."""
+def activation_time(nbytes: Real, replicas: Real | int, bandwidth: float) -> Real:
+    """PipeDream's charge for activations crossing a cut: forward send plus backward gradient
+    (elementwise over arrays)."""
     return 2.0 * nbytes / (bandwidth * replicas)
 
 
-def allreduce_time(param_bytes: float, replicas: int, bandwidth: float) -> float:
-    """Gradient synchronisation of a replicated stage, with PipeDream's 4(r-1)P/(rB) volume."""
+def allreduce_time(param_bytes: Real, replicas: Real | int, bandwidth: float) -> Real:
+    """Gradient synchronisation of a replicated stage, with PipeDream's 4(r-1)P/(rB) volume
+    (elementwise over arrays)."""
     return 4.0 * (replicas - 1) * param_bytes / (bandwidth * replicas)
 
 

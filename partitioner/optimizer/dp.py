@@ -22,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from partitioner.errors import InfeasibleError
+from partitioner.optimizer.cost import activation_time, pipedream_stage_time
 from partitioner.optimizer.memory import MemoryLimit
 from partitioner.optimizer.reach import fewest_units, fewest_units_after, sweep_layers
 from partitioner.optimizer.states import StateSet, prefix_chain, thin_prefixes
@@ -103,13 +104,12 @@ class LevelProblem:
 
     def _times(self, j: int, ks: IntArray, r: FloatArray) -> FloatArray:
         s = self.states
-        dp = s.param_bytes[j] - s.param_bytes[ks]
-        sync = 4.0 * (r - 1.0) * dp / (self.bandwidth * r) / self.inner
-        busy = (self.base_time(j, ks) + sync) / r
         act = np.where(ks > 0, s.act_bytes[ks], 0.0)
         if j < len(s) - 1:
             act = np.maximum(act, s.act_bytes[j])
-        return np.asarray(np.maximum(busy, 2.0 * act / (self.bandwidth * r)), dtype=np.float64)
+        dp = s.param_bytes[j] - s.param_bytes[ks]
+        busy = pipedream_stage_time(self.base_time(j, ks), dp, r, self.bandwidth, self.inner)
+        return np.asarray(np.maximum(busy, activation_time(act, r, self.bandwidth)), dtype=np.float64)
 
 
 @dataclass(frozen=True)
@@ -205,9 +205,10 @@ class _Pairs:
         return np.repeat(np.arange(len(self.offsets) - 1), np.diff(self.offsets))
 
     def times_of(self, idx: IntArray, r: FloatArray, bandwidth: float) -> FloatArray:
-        """Stage times of the pairs ``idx`` with r replicas each (cut traffic included)."""
+        """Stage times of the pairs ``idx`` with r replicas each (cut traffic included): PipeDream's
+        (C + 4(r-1)P/(rB)/inner)/r with ``q`` = 4P/(B·inner) kept per pair (this runs per probe)."""
         busy = (self.base[idx] + self.q[idx] * (r - 1.0) / r) / r
-        return np.asarray(np.maximum(busy, 2.0 * self.act[idx] / (bandwidth * r)), dtype=np.float64)
+        return np.asarray(np.maximum(busy, activation_time(self.act[idx], r, bandwidth)), dtype=np.float64)
 
 
 def _usable_blocks(prob: LevelProblem, upper: float, layers: IntArray) -> Iterator[tuple[_Pairs, IntArray]]:
@@ -484,7 +485,7 @@ class _Candidates:
         k, j = sub.ks[pair], js[keep][pair]
         u_lo = np.maximum(lo[j], lo[k] + reps)
         u_hi = np.minimum(lo[j] + width[j], lo[k] + width[k] + reps) - 1
-        time = _pair_times(prob, sub, pair, reps.astype(np.float64)[:, None])[:, 0]
+        time = sub.times_of(pair, reps.astype(np.float64), prob.bandwidth)
         return _Candidates(sub, sub.ks, r_lo_k, r_hi_k, pair, j, reps, time, u_lo, u_hi)
 
 
@@ -501,12 +502,6 @@ def _fill_column(prob: LevelProblem, cand: _Candidates, f: FloatArray, u: int) -
     f[js[starts], u] = np.minimum.reduceat(val, starts)
 
 
-def _pair_times(prob: LevelProblem, pairs: _Pairs, idx: IntArray, r: FloatArray) -> FloatArray:
-    """Stage time of pairs ``idx`` with r replicas (r is [pair, ...]), as PipeDream prices it."""
-    busy = (pairs.base[idx, None] + pairs.q[idx, None] * (r - 1.0) / r) / r
-    return np.asarray(np.maximum(busy, 2.0 * pairs.act[idx, None] / (prob.bandwidth * r)), dtype=np.float64)
-
-
 def _trace(prob: LevelProblem, cand: _Candidates, f: FloatArray) -> list[Segment]:
     """Rebuild the stages: at each state, the first (k, r) that attains f (k, then r, ascending)."""
     stages: list[Segment] = []
@@ -516,7 +511,9 @@ def _trace(prob: LevelProblem, cand: _Candidates, f: FloatArray) -> list[Segment
         idx = np.arange(offsets[j], offsets[j + 1])
         reps = np.arange(1, u + 1)
         ok = (reps[None, :] >= cand.r_lo[idx, None]) & (reps[None, :] <= cand.r_hi[idx, None])
-        t = _pair_times(prob, cand.pairs, idx, np.broadcast_to(reps, (len(idx), u)).astype(np.float64))
+        t = cand.pairs.times_of(
+            idx[:, None], np.broadcast_to(reps, (len(idx), u)).astype(np.float64), prob.bandwidth
+        )
         ks = cand.ks[idx]
         val = np.where(ok, np.maximum(f[ks[:, None], u - reps[None, :]], t), np.inf)
         hit = np.flatnonzero(val.ravel() <= f[j, u])

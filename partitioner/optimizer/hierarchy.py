@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from partitioner.optimizer.cost import activation_time, pipedream_stage_time
 from partitioner.optimizer.dp import FloatArray, IntArray, LevelProblem, Segment, cut_states, solve_bottleneck
 from partitioner.optimizer.states import StateSet, prefix_chain, thin_prefixes
 
@@ -123,17 +124,14 @@ class _LevelPairs:
         offsets[1:] = np.cumsum(np.bincount(js, minlength=n))
         params = s.param_bytes[js] - s.param_bytes[ks]
         r = np.arange(1, cap + 1, dtype=np.float64)[:, None]
-        sync = 4.0 * (r - 1.0) * params / (prob.bandwidth * r) / prob.inner
-        t = (prob.base_time(js, ks) + sync) / r
+        t = pipedream_stage_time(prob.base_time(js, ks), params, r, prob.bandwidth, prob.inner)
         act_in = np.where(ks > 0, s.act_bytes[ks], 0.0)
         act_out = np.where(js < n - 1, s.act_bytes[js], 0.0)
         grid = {}
         for out in (False, True):
             for into in (False, True):
                 act = np.maximum(act_in if into else 0.0, act_out if out else 0.0)
-                grid[out, into] = np.asarray(
-                    np.maximum(t, 2.0 * act / (prob.bandwidth * r)), dtype=np.float64
-                )
+                grid[out, into] = np.maximum(t, activation_time(act, r, prob.bandwidth))
         limit = {True: _limits(ceiling, top, before[ks], 0, params),
                  False: _limits(ceiling, top, before[ks], after[js], params)}  # fmt: skip
         return _LevelPairs(offsets, ks, s.compute_s[js] - s.compute_s[ks], grid, limit)
@@ -408,16 +406,14 @@ def _segment_grid(
 ) -> FloatArray:
     """[r, k]: time of stage (k, j] on reps[r] units; cut charges on the chosen sides only."""
     s = prob.states
-    r = reps[:, None]
-    dp = s.param_bytes[j] - s.param_bytes[ks]
-    sync = 4.0 * (r - 1.0) * dp / (prob.bandwidth * r) / prob.inner
-    t = (prob.base_time(j, ks) + sync) / r
     act = np.zeros(len(ks))
     if charge_in:
         act = np.where(ks > 0, s.act_bytes[ks], 0.0)
     if charge_out and j < len(s) - 1:
         act = np.maximum(act, s.act_bytes[j])
-    return np.asarray(np.maximum(t, 2.0 * act / (prob.bandwidth * r)), dtype=np.float64)
+    dp = s.param_bytes[j] - s.param_bytes[ks]
+    t = pipedream_stage_time(prob.base_time(j, ks), dp, reps[:, None], prob.bandwidth, prob.inner)
+    return np.asarray(np.maximum(t, activation_time(act, reps[:, None], prob.bandwidth)), dtype=np.float64)
 
 
 def _unfold(tables: _Tables, m: int, i: int, j: int, is_open: bool) -> list[Segment]:

@@ -19,6 +19,7 @@ import pulp
 from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile
 from partitioner.optimizer.build import StageSpec, assemble, global_lower_bound
+from partitioner.optimizer.cost import activation_time, allreduce_time
 from partitioner.optimizer.dp import LevelProblem
 from partitioner.optimizer.memory import MemoryLimit
 from partitioner.optimizer.states import StateSet, build_states
@@ -117,7 +118,7 @@ def _micro(states: StateSet, key: tuple[int, int, int], m: int, bandwidth: float
     out = float(states.act_bytes[j]) if j < len(states) - 1 else 0.0
     compute = float(states.compute_s[j] - states.compute_s[k])
     params = float(states.param_bytes[j] - states.param_bytes[k])
-    return (compute + 2.0 * out / bandwidth) / (r * m), 4.0 * (r - 1) * params / (r * bandwidth)
+    return compute / (r * m) + activation_time(out, r, bandwidth) / m, allreduce_time(params, r, bandwidth)
 
 
 def _fits(

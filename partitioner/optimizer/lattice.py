@@ -18,6 +18,7 @@ import numpy.typing as npt
 
 from partitioner.errors import InfeasibleError
 from partitioner.graph import Profile
+from partitioner.optimizer.cost import activation_time, pipedream_stage_time
 from partitioner.optimizer.dp import Segment
 from partitioner.optimizer.states import _layers, more_downsets_than
 
@@ -362,13 +363,12 @@ def _floors(lat: Lattice, units: int, tau: float, weights: FloatArray) -> IntArr
 
 
 def _stage_times(lat: Lattice, ks: IntArray, j: int, r: int, bandwidth: float) -> FloatArray:
-    dc = lat.compute_s[j] - lat.compute_s[ks]
-    dp = lat.param_bytes[j] - lat.param_bytes[ks]
-    busy = (dc + 4.0 * (r - 1) * dp / (r * bandwidth)) / r
     act = np.where(ks > 0, lat.act_bytes[ks], 0.0)
     if j < len(lat.masks) - 1:
         act = np.maximum(act, lat.act_bytes[j])
-    return np.asarray(np.maximum(busy, 2.0 * act / (bandwidth * r)), dtype=np.float64)
+    dc, dp = lat.compute_s[j] - lat.compute_s[ks], lat.param_bytes[j] - lat.param_bytes[ks]
+    busy = pipedream_stage_time(dc, dp, r, bandwidth)
+    return np.asarray(np.maximum(busy, activation_time(act, r, bandwidth)), dtype=np.float64)
 
 
 def _walk(

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from partitioner.optimizer.cost import allreduce_time
 from partitioner.optimizer.dp import Segment
 from partitioner.optimizer.memory import MemoryLimit
 from partitioner.optimizer.reach import fewest_units, fewest_units_after
@@ -59,7 +60,7 @@ class _Choices:
         x = states.compute_s[j] - states.compute_s[k] + 2.0 * out / bandwidth
         params = states.param_bytes[j] - states.param_bytes[k]
         u = x[:, None] / (r * m)
-        a = 4.0 * (r - 1.0) * params[:, None] / (r * bandwidth)
+        a = allreduce_time(params[:, None], r, bandwidth)
         if memory is not None:  # all M microbatches' activations, split over the replicas
             copies, largest = memory.extras(states.masks, states.layer_ids, k, j)
             saved = states.saved_bytes[j] - states.saved_bytes[k]
