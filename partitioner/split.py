@@ -216,6 +216,60 @@ def _devices_from_inputs(graph: fx.Graph) -> None:
         node.kwargs = {k: device if isinstance(v, torch.device) else v for k, v in node.kwargs.items()}
 
 
+_DROPOUT_FLAGS = {  # functions whose dropout tracing fixes to training mode: (argument, position)
+    torch.nn.functional.dropout: ("training", 2),
+    torch.nn.functional.dropout1d: ("training", 2),
+    torch.nn.functional.dropout2d: ("training", 2),
+    torch.nn.functional.dropout3d: ("training", 2),
+    torch.nn.functional.alpha_dropout: ("training", 2),
+    torch.nn.functional.feature_alpha_dropout: ("training", 2),
+    torch.dropout: ("train", 2),
+    torch.ops.aten.dropout.default: ("train", 2),
+    torch.ops.aten.native_dropout.default: ("train", 2),
+}
+_ATTENTION = (
+    torch.nn.functional.scaled_dot_product_attention,
+    torch.ops.aten.scaled_dot_product_attention.default,
+)
+
+
+def _dropout_follows_mode(graph: fx.Graph) -> None:
+    """Tracing runs the model in training mode, so ``F.dropout(x, p, training=self.training)`` and
+    ``sdpa(..., dropout_p=p if self.training else 0)`` become constants that keep dropping out after
+    ``eval()``. Tie them back to the stage module's own ``training`` flag (``self.training``)."""
+    baked = [
+        n for n in graph.nodes
+        if n.op == "call_function" and (n.target in _DROPOUT_FLAGS or n.target in _ATTENTION)
+    ]  # fmt: skip
+    if not baked:
+        return
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    with graph.inserting_before(first):
+        training = graph.get_attr("training")
+    for node in baked:
+        if node.target in _ATTENTION:
+            p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+            if isinstance(p, float) and p > 0:
+                with graph.inserting_before(node):
+                    scaled = graph.call_function(operator.mul, (p, training))
+                _set_argument(node, "dropout_p", 4, scaled)
+            continue
+        name, position = _DROPOUT_FLAGS[node.target]
+        flag = node.kwargs.get(name, node.args[position] if len(node.args) > position else None)
+        if flag is True:
+            _set_argument(node, name, position, training)
+    if not training.users:
+        graph.erase_node(training)
+
+
+def _set_argument(node: fx.Node, name: str, position: int, value: fx.Node) -> None:
+    """Set ``node``'s argument ``name``, which it passes at ``position`` or as a keyword."""
+    if len(node.args) > position:
+        node.args = (*node.args[:position], value, *node.args[position + 1 :])
+    else:
+        node.kwargs = {**node.kwargs, name: value}
+
+
 _IN_PLACE_OPERATORS = frozenset(
     (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
      operator.ipow, operator.iand, operator.ior, operator.ixor, operator.imatmul)
@@ -340,6 +394,7 @@ def _stage_graph(
     results = [env[n] for n in outs]
     graph.output(results[0] if len(results) == 1 else tuple(results))
     _devices_from_inputs(graph)
+    _dropout_follows_mode(graph)
     if index > 0:
         _clone_inputs_written_in_place(graph, gm)
     graph.owning_module = gm  # purity checks of call_module nodes and lint look the targets up here
@@ -353,7 +408,9 @@ def _stage_graph(
                 raise PlanError(f"internal: stage {index} names {expected} as {node.name}")
     used = [n for n in graph.nodes]
     modules = tuple(dict.fromkeys(str(n.target) for n in used if n.op == "call_module"))
-    tensors = tuple(dict.fromkeys(str(n.target) for n in used if n.op == "get_attr"))
+    tensors = tuple(
+        dict.fromkeys(str(n.target) for n in used if n.op == "get_attr" and n.target != "training")
+    )
     return StageGraph(
         index=index,
         graph=graph,

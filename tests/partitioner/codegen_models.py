@@ -69,3 +69,25 @@ class InPlace(nn.Module):
 
 def in_place() -> InPlace:
     return InPlace()
+
+
+class Dropouts(nn.Module):
+    """Functional dropout and attention dropout that follow ``self.training``, as GPT-2 writes them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(8, 8)
+        self.l2 = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.dropout(torch.relu(self.l1(x)), 0.5, training=self.training)
+        q = self.l2(h).view(-1, 2, 2, 2)
+        p = 0.3 if self.training else 0.0
+        a = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=p)
+        out: torch.Tensor = self.head(a.flatten(1))
+        return out
+
+
+def dropouts() -> Dropouts:
+    return Dropouts()

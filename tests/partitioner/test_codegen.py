@@ -313,3 +313,32 @@ def test_profile_of_another_graph_is_rejected(tmp_path: Path) -> None:
     renamed = replace(profile, nodes=tuple(replace(n, members=(f"old_{n.id}",)) for n in profile.nodes))
     with pytest.raises(PlanError, match="profile it again"):
         write_package(renamed, plan_for(renamed, [3]), tmp_path / "pkg")
+
+
+def test_traced_dropout_follows_the_stage_modules_mode(tmp_path: Path) -> None:
+    """Tracing in training mode fixes ``training=self.training`` and ``dropout_p`` to constants; the
+    stages tie them to their own ``self.training``: after ``eval()`` the chain is deterministic and
+    equals the unsplit model's eval output, and in training mode it still drops out."""
+    profile = profile_for("tests/partitioner/codegen_models.py:dropouts", input_shape=(8,))
+    write_package(profile, plan_for(profile, [4]), tmp_path / "pkg")
+    assert "self.training" in (tmp_path / "pkg" / "stage0.py").read_text()
+    assert "self.training" in (tmp_path / "pkg" / "stage1.py").read_text()
+    package, _, _ = load_package(tmp_path / "pkg")
+    entries = package.model(package.criterion(), 0)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+
+    def chain() -> torch.Tensor:
+        env = {entries[0][1][0]: x}
+        for module, ins, outs in entries[:-1]:
+            result = module(*(env[n] for n in ins))
+            env.update(zip(outs, (result,) if len(outs) == 1 else result, strict=True))
+        return env[entries[-1][1][0]]
+
+    torch.manual_seed(0)
+    trained = [chain(), chain()]
+    assert not torch.equal(trained[0], trained[1])  # dropout is on in training mode
+    for module, _, _ in entries[:-1]:
+        module.eval()
+    original = load_model("tests/partitioner/codegen_models.py:dropouts", 4, (8,)).build(0).eval()
+    torch.testing.assert_close(chain(), original(x))
+    torch.testing.assert_close(chain(), chain())
