@@ -45,7 +45,7 @@ __all__ = [
     "warmup",
 ]
 
-SCHEDULES: tuple[str, ...] = ("pipedream", "1f1b", "gpipe", "zb1p")
+SCHEDULES: tuple[str, ...] = ("pipedream", "1f1b", "gpipe", "zb1p", "interleaved")
 _ACTION = re.compile(r"^(\d+)([FBWS])(\d+)$")
 
 
@@ -187,6 +187,8 @@ def build_job(
     """
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if name == "interleaved":
+        raise ScheduleError("interleaved is listed per rank, not per stage: use build_interleaved")
     if not replicas or min(replicas) < 1 or microbatches < 1 or steps < 0:
         raise ScheduleError(f"need replicas >= 1 and microbatches >= 1, got {list(replicas)}, {microbatches}")
     ids = range(first_step, first_step + steps)

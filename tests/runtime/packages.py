@@ -222,8 +222,11 @@ def write_package(
     microbatches: int = 4,
     batch_size: int = 8,
     predicted_s: float = 0.01,
+    virtual: int = 1,
 ) -> Path:
-    """Write a complete package (``__init__.py``, ``stageK.py``, mp_conf.json, plan.json) to ``folder``."""
+    """Write a complete package (``__init__.py``, ``stageK.py``, mp_conf.json, plan.json) to ``folder``.
+    ``virtual`` > 1: the stages (one replica each) lie on ``len(replicas) // virtual`` ranks as
+    ``interleaved`` lays them, stage ``k`` on rank ``k mod ranks``."""
     stages = len(replicas)
     sources, ins, outs = _stage_sources(kind, stages)
     folder.mkdir(parents=True, exist_ok=True)
@@ -248,6 +251,9 @@ def write_package(
     for k, r in enumerate(replicas):
         plan_stages.append(Stage(k, (f"n{k}",), r, tuple(range(first, first + r))))
         first += r
+    if virtual > 1:
+        first = stages // virtual
+        plan_stages = [Stage(k, (f"n{k}",), 1, (k % first,)) for k in range(stages)]
     ties = (Tie("stages.0.fc.weight", ((0, "fc.weight"), (stages - 1, "w"))),) if kind == "tied" else ()
     plan = Plan(
         gpus=first,

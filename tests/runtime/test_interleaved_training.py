@@ -1,0 +1,88 @@
+"""interleaved (a rank hosts v stages, Megatron's order) trains exactly as plain training with
+gradient accumulation: same weights, parameter for parameter, on 2 and 4 ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.config import load_job
+from runtime.errors import RunError
+from runtime.package import import_package
+from tests.runtime.helpers import plain_training, run, stage_state
+from tests.runtime.packages import write_package
+
+pytestmark = pytest.mark.slow
+torch.set_num_threads(1)
+
+
+def _assert_weights(ckpt: Path, step: int, model: torch.nn.Module, stages: int) -> None:
+    for k in range(stages):
+        got, want = stage_state(ckpt, step, k), model.stages[k].state_dict()
+        assert got.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=f"stage{k}.{name}")
+
+
+def test_interleaved_on_2_ranks_gives_plain_gradients(tmp_path: Path) -> None:
+    """4 stages on 2 ranks (rank 0: stages 0 and 2), one SGD step at lr 1: the weights moved by
+    exactly the gradient of plain accumulation."""
+    pkg = write_package(tmp_path / "pkg", "chain", replicas=(1,) * 4, microbatches=4, batch_size=8, virtual=2)
+    ckpt = tmp_path / "ckpt"
+    metrics = run(pkg, steps=1, schedule="interleaved", lr=1.0, checkpoint_dir=str(ckpt))
+    before = import_package(pkg).full_model(0)
+    after = plain_training(pkg, 1, 4, 8, lr=1.0)
+    for k in range(4):
+        got = stage_state(ckpt, 1, k)
+        start, want = before.stages[k].state_dict(), after.stages[k].state_dict()
+        for name in want:
+            grad, plain = start[name] - got[name], start[name] - want[name]
+            assert grad.abs().sum() > 0, f"stage{k}.{name} got no gradient"
+            torch.testing.assert_close(grad, plain, rtol=1e-5, atol=1e-5, msg=f"stage{k}.{name}")
+    assert metrics["schedule"] == "interleaved"
+    assert metrics["world_size"] == 2
+
+
+def test_interleaved_on_4_ranks_trains_as_plain_training(tmp_path: Path) -> None:
+    """8 stages on 4 ranks, 3 steps of SGD with momentum over 8 microbatches."""
+    pkg = write_package(
+        tmp_path / "pkg", "chain", replicas=(1,) * 8, microbatches=8, batch_size=16, virtual=2
+    )
+    ckpt = tmp_path / "ckpt"
+    metrics = run(pkg, steps=3, schedule="interleaved", lr=0.1, momentum=0.9, checkpoint_dir=str(ckpt))
+    _assert_weights(ckpt, 3, plain_training(pkg, 3, 8, 16, lr=0.1, momentum=0.9), 8)
+    assert len(metrics["losses"]) == 3
+
+
+def test_interleaved_with_three_chunks_and_adam(tmp_path: Path) -> None:
+    pkg = write_package(tmp_path / "pkg", "chain", replicas=(1,) * 6, microbatches=4, batch_size=8, virtual=3)
+    ckpt = tmp_path / "ckpt"
+    run(pkg, steps=2, schedule="interleaved", optimizer="adam", lr=0.01, checkpoint_dir=str(ckpt))
+    _assert_weights(ckpt, 2, plain_training(pkg, 2, 4, 8, "adam", lr=0.01), 6)
+
+
+def test_interleaved_refuses_replicas_and_odd_microbatches(tmp_path: Path) -> None:
+    replicated = write_package(tmp_path / "rep", "chain", replicas=(2, 1), microbatches=4, batch_size=8)
+    with pytest.raises(RunError, match="without replicas"):
+        load_job(replicated, schedule="interleaved")
+    pkg = write_package(
+        tmp_path / "pkg", "chain", replicas=(1,) * 4, microbatches=4, batch_size=12, virtual=2
+    )
+    with pytest.raises(RunError, match="multiple of the 2 ranks"):
+        load_job(pkg, schedule="interleaved", microbatches=3)
+    with pytest.raises(RunError, match="only --schedule interleaved runs"):
+        load_job(pkg, schedule="1f1b")
+
+
+def test_dry_run_shows_each_ranks_interleaved_list(tmp_path: Path) -> None:
+    from runtime.launch import schedule_preview
+    from runtime.options import RunOptions
+
+    pkg = write_package(tmp_path / "pkg", "chain", (1,) * 4, microbatches=2, batch_size=4, virtual=2)
+    lines = schedule_preview(RunOptions(str(pkg), schedule="interleaved"))
+    assert lines == [
+        "rank 0 (stages 0,2): 0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1 0S0 2S0",
+        "rank 1 (stages 1,3): 1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1 1S0 3S0",
+    ]
