@@ -30,6 +30,7 @@ __all__ = [
     "build_job",
     "check_interleaved",
     "format_actions",
+    "interleaved_rank",
     "interleaved_stage",
     "parse_actions",
     "rank_actions",
@@ -417,6 +418,16 @@ def _interleaved(rank: int, ranks: int, virtual: int, m: int, step: int) -> list
         out += [act("F", warm + k), act("B", k)]
     out += [act("B", k) for k in range(total - warm, total)]
     return out + [Action(interleaved_stage(rank, c, ranks), "S", step) for c in range(virtual)]
+
+
+def interleaved_rank(rank: int, ranks: int, virtual: int, microbatches: int) -> tuple[Action, ...]:
+    """One minibatch (step 0) of ``rank``'s interleaved list alone (what :func:`build_interleaved`
+    gives that rank), for a cost model that needs one rank's order without building every rank's."""
+    check_interleaved(ranks, virtual, microbatches)
+    if virtual == 1:
+        warm = ranks - rank - 1
+        return (*_one_f_one_b(rank, range(microbatches), warm), Action(rank, "S", 0))
+    return tuple(_interleaved(rank, ranks, virtual, microbatches, 0))
 
 
 def build_interleaved(

@@ -345,8 +345,12 @@ def solve(
     solver: str = "dp",
     activation_comm: bool = True,
     recompute: str = "none",
+    virtual_stages: int = 1,
 ) -> Plan:
     """The fastest plan under the schedule's cost model that fits the cluster's memory.
+
+    ``interleaved`` with ``virtual_stages`` v: ``gpus * v`` stages, stage ``s`` on rank ``s mod
+    gpus`` (:mod:`partitioner.optimizer.interleaved`; cuts from candidates, not an exact search).
 
     ``activation_comm=False`` drops the 2·activation/(B·r) cut charge, which is what PipeDream's
     optimizer computes by default (its activation term only applies with a compression ratio).
@@ -361,6 +365,10 @@ def solve(
     m = _check(profile, schedule, microbatches, optimizer)
     if recompute not in RECOMPUTE_MODES:
         raise PlanError(f"unknown recompute mode {recompute!r}; use {', '.join(RECOMPUTE_MODES)}")
+    if schedule == "interleaved":
+        return _interleaved(
+            profile, cluster, m, optimizer, solver, activation_comm, recompute, virtual_stages
+        )
     args = (cluster, schedule, microbatches, m, optimizer, straight, solver, activation_comm)
     if recompute != "all":
         try:
@@ -381,6 +389,23 @@ def solve(
         return repriced(profile, cluster, searched, recompute, activation_comm)
     except InfeasibleError as exc:
         raise InfeasibleError(f"no plan fits in {where} even with every stage recomputing: {exc}") from None
+
+
+def _interleaved(
+    profile: Profile, cluster: Cluster, m: int, optimizer: str, solver: str, comm: bool, recompute: str,
+    virtual: int,
+) -> Plan:  # fmt: skip
+    from partitioner.optimizer.interleaved import solve_interleaved
+
+    start = time.perf_counter()
+    straight = partial(_solve_kept, profile, schedule="1f1b", microbatches=m, m=m, optimizer=optimizer,
+                       straight=True, solver=solver, activation_comm=comm)  # fmt: skip
+    plan = solve_interleaved(
+        with_forward_copies(profile, m), cluster, m, optimizer, virtual,
+        lambda wide: straight(cluster=wide), comm, recompute,
+    )  # fmt: skip
+    info = replace(plan.solver, solve_time_s=time.perf_counter() - start)
+    return replace(plan, solver=info, extra={**plan.extra, "recompute": recompute})
 
 
 def _solve_kept(
@@ -503,8 +528,11 @@ def evaluate(
     optimizer: str = "sgd",
     activation_comm: bool = True,
     recompute: str = "none",
+    virtual_stages: int = 1,
 ) -> Plan:
     """Price a fixed plan: ``cuts`` are the last layer of every stage but the last (topological order).
+    ``interleaved`` with ``virtual_stages`` v: ``gpus * v`` stages of one device, stage ``s`` on rank
+    ``s mod gpus``.
 
     ``recompute``: ``none``, ``all``, or ``auto`` (exactly the stages over the memory limit recompute).
 
@@ -532,14 +560,29 @@ def evaluate(
         nodes = tuple(layers[bounds[i] : bounds[i + 1]])
         specs.append(StageSpec(nodes, r, tuple(range(rank, rank + r))))
         rank += r
+    if virtual_stages > 1:
+        specs = _laid_out(specs, schedule, virtual_stages, m)
     order = {n.id: i for i, n in enumerate(profile.nodes)}
     specs[0] = StageSpec(tuple(sorted(_inputs(profile) + specs[0].nodes, key=order.__getitem__)),
                          specs[0].replicas, specs[0].ranks)  # fmt: skip
     _check_closed(profile, specs)
     info = SolverInfo("evaluate", 0.0, False)
     plan = assemble(profile, cluster, specs, schedule, m, optimizer, info, activation_comm=activation_comm,
-                    recompute=recompute)  # fmt: skip
+                    recompute=recompute, virtual=virtual_stages)  # fmt: skip
     return _with(plan, SolverInfo("evaluate", time.perf_counter() - start, False), {})
+
+
+def _laid_out(specs: list[StageSpec], schedule: str, virtual: int, m: int) -> list[StageSpec]:
+    """``evaluate``'s stages on ranks ``s mod gpus`` (interleaved's virtual stages)."""
+    from partitioner.optimizer.interleaved import check_virtual, interleaved_specs
+
+    if schedule != "interleaved" or len(specs) % virtual or any(s.replicas != 1 for s in specs):
+        raise PlanError(
+            f"--virtual-stages {virtual} needs --schedule interleaved and a multiple of {virtual} stages "
+            "of one device each"
+        )
+    check_virtual(len(specs) // virtual, virtual, m)
+    return interleaved_specs([s.nodes for s in specs], len(specs) // virtual)
 
 
 def _check_closed(profile: Profile, specs: Sequence[StageSpec]) -> None:

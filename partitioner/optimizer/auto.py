@@ -21,7 +21,11 @@ from partitioner.errors import InfeasibleError
 from partitioner.graph import Profile
 from partitioner.plan import SCHEDULES, Cluster, Plan
 
-__all__ = ["AutoChoice", "solve_auto"]
+__all__ = ["AUTO_SCHEDULES", "AutoChoice", "solve_auto"]
+
+#: what ``auto`` tries by default: every priced schedule but ``interleaved``, whose virtual-stage
+#: count is not searched yet (``--schedule interleaved --virtual-stages V`` plans it).
+AUTO_SCHEDULES: tuple[str, ...] = tuple(s for s in SCHEDULES if s != "interleaved")
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,7 @@ def solve_auto(
     solver: str = "dp",
     activation_comm: bool = True,
     recompute: str = "none",
-    schedules: Sequence[str] = SCHEDULES,
+    schedules: Sequence[str] = AUTO_SCHEDULES,
 ) -> AutoChoice:
     """The best plan of each of ``schedules``, and the fastest of them.
 

@@ -9,8 +9,8 @@ import pytest
 from partitioner.errors import InfeasibleError
 from partitioner.graph import Profile, load_profile
 from partitioner.optimizer import solve
-from partitioner.optimizer.auto import solve_auto
-from partitioner.plan import SCHEDULES, Cluster
+from partitioner.optimizer.auto import AUTO_SCHEDULES, solve_auto
+from partitioner.plan import Cluster
 from tests.data import PIPEDREAM_PROFILES
 
 MODELS = ("alexnet", "vgg16", "resnet18", "squeezenet1_0")
@@ -26,7 +26,7 @@ def _profile(name: str) -> Profile:
 def test_auto_is_the_fastest_schedule(name: str, gpus: int) -> None:
     profile, cluster = _profile(name), Cluster.flat(gpus)
     choice = solve_auto(profile, cluster, microbatches=4)
-    fixed = {s: solve(profile, cluster, s, 1 if s == "pipedream" else 4) for s in SCHEDULES}
+    fixed = {s: solve(profile, cluster, s, 1 if s == "pipedream" else 4) for s in AUTO_SCHEDULES}
     best = min(p.predicted.time_per_minibatch_s for p in fixed.values())
     assert choice.plan.predicted.time_per_minibatch_s == pytest.approx(best, rel=1e-12)
     assert choice.times == pytest.approx({s: p.predicted.time_per_minibatch_s for s, p in fixed.items()})
