@@ -149,6 +149,9 @@ class StageRuntime:
             and backward (the cost model's ``in_flight`` for pipedream).
         first_step: the first minibatch of the segment being played (pipedream's round-robin origin).
         pending: units whose B has run and whose W has not (zero-bubble schedules): what W needs.
+        ends_minibatch: whether this runtime's step ends its rank's minibatch, and so marks the
+            recorder's step: always, but under ``interleaved`` only the rank's last chunk's step does
+            (its chunks share one recorder).
     """
 
     cfg: RankConfig
@@ -184,6 +187,7 @@ class StageRuntime:
     _unstashed: frozenset[int] = frozenset()
     _split: frozenset[int] = frozenset()
     pending: dict[int, WeightWork] = field(default_factory=dict)
+    ends_minibatch: bool = True
 
     # ------------------------------------------------------------------ routing
     @functools.cached_property
@@ -450,7 +454,8 @@ class StageRuntime:
         if self.scheduler is not None:
             for _ in covered:  # the schedule counts minibatches (a pipedream round covers several)
                 self.scheduler.step()
-        self.recorder.mark_step(len(covered))
+        if self.ends_minibatch:
+            self.recorder.mark_step(len(covered))
         if self.stash and len(self.step_versions) < STASH_LOG_MAX:
             self.step_versions.append((step, tuple(sorted(set(self._step_units)))))
         self._step_units = []

@@ -177,7 +177,10 @@ def _build_hosted(
         _build(options, cfg, device, clock if i == len(configs) - 2 else None, first)
         for i, cfg in enumerate(configs[1:])
     )
-    return (first, *rest)
+    hosted = (first, *rest)
+    for rt in hosted[:-1]:
+        rt.ends_minibatch = False
+    return hosted
 
 
 def _build(

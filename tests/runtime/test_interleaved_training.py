@@ -59,8 +59,9 @@ def test_interleaved_on_4_ranks_trains_as_plain_training(tmp_path: Path) -> None
 def test_interleaved_with_three_chunks_and_adam(tmp_path: Path) -> None:
     pkg = write_package(tmp_path / "pkg", "chain", replicas=(1,) * 6, microbatches=4, batch_size=8, virtual=3)
     ckpt = tmp_path / "ckpt"
-    run(pkg, steps=2, schedule="interleaved", optimizer="adam", lr=0.01, checkpoint_dir=str(ckpt))
+    metrics = run(pkg, steps=2, schedule="interleaved", optimizer="adam", lr=0.01, checkpoint_dir=str(ckpt))
     _assert_weights(ckpt, 2, plain_training(pkg, 2, 4, 8, "adam", lr=0.01), 6)
+    assert all(len(r["step_compute_s"]) == len(r["step_times_s"]) == 2 for r in metrics["ranks"])
 
 
 def test_interleaved_refuses_replicas_and_odd_microbatches(tmp_path: Path) -> None:
