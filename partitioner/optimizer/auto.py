@@ -17,15 +17,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from partitioner.errors import InfeasibleError
+from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile
 from partitioner.plan import SCHEDULES, Cluster, Plan
 
 __all__ = ["AUTO_SCHEDULES", "AutoChoice", "solve_auto"]
 
-#: what ``auto`` tries by default: every priced schedule but ``interleaved``, whose virtual-stage
-#: count is not searched yet (``--schedule interleaved --virtual-stages V`` plans it).
-AUTO_SCHEDULES: tuple[str, ...] = tuple(s for s in SCHEDULES if s != "interleaved")
+#: what ``auto`` tries by default: every priced schedule.
+AUTO_SCHEDULES: tuple[str, ...] = SCHEDULES
+
+#: the virtual stages per GPU ``auto`` prices ``interleaved`` at (Megatron's usual small count; the
+#: count itself is not searched yet). Where the microbatches are not a multiple of the GPUs, or the
+#: model has fewer layers than GPUs x this, ``interleaved`` does not apply: its time is None.
+AUTO_VIRTUAL_STAGES = 2
 
 
 @dataclass(frozen=True)
@@ -66,12 +70,26 @@ def solve_auto(
     first_error: InfeasibleError | None = None
     for schedule in schedules:
         m = 1 if schedule == "pipedream" else microbatches
+        virtual = AUTO_VIRTUAL_STAGES if schedule == "interleaved" else 1
         try:
             plans[schedule] = solve(
-                profile, cluster, schedule, m, optimizer, straight, solver, activation_comm, recompute
+                profile,
+                cluster,
+                schedule,
+                m,
+                optimizer,
+                straight,
+                solver,
+                activation_comm,
+                recompute,
+                virtual,
             )
         except InfeasibleError as exc:
             plans[schedule], first_error = None, first_error or exc
+        except PlanError:
+            if schedule != "interleaved":
+                raise
+            plans[schedule] = None  # does not apply: microbatches or layers (see AUTO_VIRTUAL_STAGES)
     found = {name: plan for name, plan in plans.items() if plan is not None}
     if not found:
         assert first_error is not None
