@@ -381,6 +381,11 @@ def run_rank(options: RunOptions) -> dict[str, Any] | None:
         raise RunError(f"{job.package} runs on {job.world_size} ranks but the job has {world}")
     die_with(options.launcher_pid or os.getppid())
     backend = resolve_backend(options.backend)
+    if backend == "nccl" and job.virtual_stages > 1:
+        raise RunError(
+            "--schedule interleaved runs on gloo only for now: its ranks tell their message streams apart "
+            "by tag, which NCCL ignores; pass --backend gloo"
+        )
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if backend == "nccl" else "cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)

@@ -75,6 +75,11 @@ def test_interleaved_refuses_replicas_and_odd_microbatches(tmp_path: Path) -> No
         load_job(pkg, schedule="interleaved", microbatches=3)
     with pytest.raises(RunError, match="only --schedule interleaved runs"):
         load_job(pkg, schedule="1f1b")
+    from runtime.launch import check_launch
+    from runtime.options import RunOptions
+
+    with pytest.raises(RunError, match="gloo only"):
+        check_launch(RunOptions(str(pkg), schedule="interleaved", microbatches=4, backend="nccl"))
 
 
 def test_dry_run_shows_each_ranks_interleaved_list(tmp_path: Path) -> None:
