@@ -972,9 +972,11 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 @click.option("--epochs", type=click.IntRange(min=1), help="Passes over the data (default 1) if no --steps.")
 @click.option("--batch-size", type=click.IntRange(min=1), help="Samples per minibatch [plan.json].")
 @click.option("--microbatches", type=click.IntRange(min=1), help="Microbatches per minibatch [plan.json].")
-@click.option("--schedule", type=click.Choice(["pipedream", "1f1b", "gpipe", "zb1p"]),
+@click.option("--schedule", type=click.Choice(["pipedream", "1f1b", "gpipe", "zb1p", "interleaved"]),
               help="[plan.json] zb1p: zero bubble H1, each backward split in B (input gradients, "
-              "sent at once) and W (weight gradients, run later in the bubbles); exact as 1f1b.")  # fmt: skip
+              "sent at once) and W (weight gradients, run later in the bubbles); exact as 1f1b. "
+              "interleaved: Megatron's virtual stages, for a package partitioned with --schedule "
+              "interleaved (several stages per rank); gloo only.")  # fmt: skip
 @click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default="auto", show_default=True,
               help="auto: nccl when the ranks have GPUs, gloo on CPU.")  # fmt: skip
 @click.option("--data", default="synthetic", show_default=True,

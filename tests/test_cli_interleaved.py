@@ -72,3 +72,13 @@ def test_interleaved_package_with_a_skip_across_chunks_runs(tmp_path: Path) -> N
 def test_bad_interleaved_requests_exit_2_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:
     code, _, err = _partition(tmp_path, *args)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_run_dry_run_takes_schedule_interleaved_and_shows_each_ranks_list(tmp_path: Path) -> None:
+    from tests.runtime.packages import write_package
+
+    pkg = write_package(tmp_path / "pkg", "chain", (1,) * 4, microbatches=2, batch_size=4, virtual=2)
+    args = ["run", str(pkg), "--schedule", "interleaved", "--steps", "1", "--dry-run"]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "# rank 1 (stages 1,3): 1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1 1S0 3S0" in result.output
