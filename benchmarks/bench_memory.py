@@ -18,10 +18,10 @@ jobs on this shared CPU disturb less; predicted: plan.json) and its peak memory 
 Targets (issue 13): measured within 25% of predicted per stage. The 1-minute load average is recorded
 before every command.
 
-Where a stage misses, :func:`unpriced_bytes` adds what this benchmark found the cost model leaves out
-(each checked by hand on the misses, listed in memory.md); ``measured / (predicted + unpriced)`` shows
-whether they explain the miss. They are not in the cost model: its memory model is repeated in the
-searches (dp.py, sync.py), and a later issue unifies it.
+The prediction is ``partitioner/optimizer/memory.py``'s model: weights, gradients and optimizer state
+(tied copies included), pipedream's weight snapshots, the gradient a replica accumulates, and the
+activations of the items in flight. An earlier run of this benchmark found the middle three missing
+(21 of 48 stages within 25%); they are priced now.
 
 Run:  .venv/bin/python benchmarks/bench_memory.py   (writes benchmarks/results/memory.{json,md})
 """
@@ -44,7 +44,6 @@ if __package__ in (None, ""):  # run as a script: the repository root holds the 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_fidelity import Cli, cut_layers
-from partitioner.optimizer.cost import OPTIMIZER_STATE, in_flight
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SCHEDULES = (("1f1b", 4), ("gpipe", 4), ("pipedream", 1))
@@ -82,36 +81,6 @@ def profile(cli: Cli, model: Model, micro: int) -> Path:
     return path
 
 
-def unpriced_bytes(plan: dict[str, Any], profile: dict[str, Any]) -> list[float]:
-    """Per stage, bytes the runtime holds at its peak that plan.json's memory leaves out:
-
-    - a tied weight on each stage past the first holding it (the profile counts it once), with its
-      gradient and optimizer state (gpt2's head, 147 MiB);
-    - synchronous schedules, a replica running several microbatches per step: autograd computes each
-      later microbatch's gradient beside the sum it adds it to, the largest layer's at its peak (counted
-      when that layer's backward is at the stage's peak, as in vgg16's fc6; an over-estimate otherwise);
-    - pipedream, a stage holding several minibatches: the runtime keeps a snapshot of the current
-      weight version beside the live weights (PipeDream's model counts the live ones only).
-    """
-    nodes = {n["id"]: n for n in profile["nodes"]}
-    owner = {name: n for n in profile["nodes"] if n["param_bytes"] for name in n.get("param_names", ())}
-    extra = [0.0] * len(plan["stages"])
-    copies = [0.0] * len(plan["stages"])
-    for tie in plan.get("ties", ()):
-        size = float(owner[tie["name"]]["param_bytes"]) if tie["name"] in owner else 0.0
-        for stage, _ in tie["members"][1:]:
-            copies[stage] = max(copies[stage], size)
-            extra[stage] += size * (2 + OPTIMIZER_STATE.get(plan["optimizer"], 0))
-    replicas = [s["replicas"] for s in plan["stages"]]
-    for i, stage in enumerate(plan["stages"]):
-        params = [float(nodes[n]["param_bytes"]) for n in stage["nodes"]]
-        if plan["schedule"] != "pipedream" and plan["microbatches"] > stage["replicas"]:
-            extra[i] += max([*params, copies[i]])
-        if plan["schedule"] == "pipedream" and in_flight("pipedream", i, replicas, 1) > 1:
-            extra[i] += sum(params)
-    return extra
-
-
 def plan_and_run(
     cli: Cli, model: Model, path: Path, schedule: str, m: int, recompute: str, index: int, steps: int
 ) -> dict[str, Any]:
@@ -133,7 +102,6 @@ def plan_and_run(
     plan = json.loads((package / "plan.json").read_text())
     metrics = json.loads((package / "run" / "metrics.json").read_text())
     ranks = metrics["ranks"]
-    unpriced = unpriced_bytes(plan, json.loads((cli.folder / path).read_text()))
     return {
         "model": model.label,
         "schedule": schedule,
@@ -147,9 +115,6 @@ def plan_and_run(
                 "predicted_bytes": s["predicted_bytes"],
                 "measured_bytes": s["measured_peak_bytes"],
                 "measured_over_predicted": s["ratio_measured_over_predicted"],
-                "unpriced_bytes": unpriced[s["stage"]],
-                "measured_over_predicted_plus_unpriced": s["measured_peak_bytes"]
-                / (s["predicted_bytes"] + unpriced[s["stage"]]),
             }
             for s in metrics["memory"]["stages"]
         ],
@@ -227,7 +192,6 @@ def report(
 
     ratios = [s["measured_over_predicted"] for r in runs for s in r["stages"]]
     within = sum(1 for x in ratios if 0.75 <= x <= 1.25)
-    explained = [s["measured_over_predicted_plus_unpriced"] for r in runs for s in r["stages"]]
     doc = {
         "benchmark": "bench_memory",
         "setup": {**vars(args), "ranks": 2, "backend": "gloo", "plan": "2 stages cut at 50% of the compute"},
@@ -236,9 +200,6 @@ def report(
         "wall_s": round(wall_s, 1),
         "stages_within_25_percent": f"{within} of {len(ratios)}",
         "median_measured_over_predicted": statistics.median(ratios) if ratios else None,
-        "stages_within_25_percent_plus_unpriced": f"{sum(1 for x in explained if 0.75 <= x <= 1.25)} of "
-                                                  f"{len(explained)}",
-        "median_measured_over_predicted_plus_unpriced": statistics.median(explained) if explained else None,
         "runs": runs,
         "recompute_cost": recompute_cost(runs),
     }  # fmt: skip
@@ -265,31 +226,24 @@ def _markdown(doc: dict[str, Any]) -> list[str]:
         "and without `--recompute all`. Measured: the stage's tensors at the start plus the peak of "
         "tensor bytes allocated minus freed (torch.profiler, CPU), over the first minibatches.",
         "",
-        "Ratio: measured / predicted; + unpriced: measured / (predicted + `unpriced_bytes`), the effects "
-        "this benchmark found the cost model leaves out (see below).",
+        "Predicted: `partitioner/optimizer/memory.py` (weights, gradients and optimizer state with tied "
+        "copies, pipedream's weight snapshots, the gradient a replica accumulates, activations in "
+        "flight). Ratio: measured / predicted.",
         "",
-        "| model | schedule | M | recompute | stage 0 MiB pred / meas | ratio | + unpriced "
-        "| stage 1 MiB pred / meas | ratio | + unpriced | predicted s | measured s | load |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | schedule | M | recompute | stage 0 MiB pred / meas | ratio "
+        "| stage 1 MiB pred / meas | ratio | predicted s | measured s | load |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in doc["runs"]:
         cells = [f"{_mib(s['predicted_bytes'])} / {_mib(s['measured_bytes'])} | "
-                 f"{s['measured_over_predicted']:.2f} | {s['measured_over_predicted_plus_unpriced']:.2f}"
-                 for s in r["stages"]]  # fmt: skip
+                 f"{s['measured_over_predicted']:.2f}" for s in r["stages"]]  # fmt: skip
         lines.append(f"| {r['model']} | {r['schedule']} | {r['microbatches']} | {r['recompute']} | "
                      f"{' | '.join(cells)} | {r['predicted_s']:.3f} | {r['measured_s']:.3f} | "
                      f"{r['load_1min']:.2f} |")  # fmt: skip
     lines += [
         "",
         f"Stages within 25% of the prediction: **{doc['stages_within_25_percent']}**, median "
-        f"measured/predicted {doc['median_measured_over_predicted']:.2f}; with the unpriced bytes added "
-        f"**{doc['stages_within_25_percent_plus_unpriced']}**, median "
-        f"{doc['median_measured_over_predicted_plus_unpriced']:.2f}.",
-        "",
-        "Unpriced (`unpriced_bytes`, found from the misses): a tied weight on a later stage (the profile "
-        "counts it once; gpt2's head), gradient accumulation over microbatches (autograd computes a later "
-        "microbatch's gradient beside the sum: the largest layer's, if its backward is at the peak), and "
-        "under pipedream the runtime's snapshot of the current weight version beside the live weights.",
+        f"measured/predicted {doc['median_measured_over_predicted']:.2f}.",
         "",
         "Recomputation's cost (with / without; time: measured wall, the ranks' compute CPU time, and "
         "predicted; peak memory per stage: measured and predicted):",

@@ -21,7 +21,6 @@ from functools import partial
 from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile, with_forward_copies
 from partitioner.optimizer.build import StageSpec, assemble, gib, global_lower_bound, layer_compute_s
-from partitioner.optimizer.cost import OPTIMIZER_STATE, RECOMPUTE_MODES
 from partitioner.optimizer.dp import (
     DIRECT_MAX_UNITS,
     LevelProblem,
@@ -30,6 +29,8 @@ from partitioner.optimizer.dp import (
 )
 from partitioner.optimizer.hierarchy import solve_hierarchy
 from partitioner.optimizer.lattice import Lattice, enumerate_lattice, solve_lattice
+from partitioner.optimizer.memory import MemoryLimit
+from partitioner.optimizer.options import SolveOptions
 from partitioner.optimizer.recompute import recomputing, repriced
 from partitioner.optimizer.states import (
     StateSet,
@@ -42,28 +43,16 @@ from partitioner.optimizer.states import (
     thin_prefixes,
     without_free_sinks,
 )
-from partitioner.optimizer.sync import MAX_CHOICES, MAX_STEPS, Memory, solve_synchronous
-from partitioner.plan import SCHEDULES, Cluster, Plan, SolverInfo
+from partitioner.optimizer.sync import MAX_CHOICES, MAX_STEPS, solve_synchronous
+from partitioner.plan import Cluster, Plan, SolverInfo
 
-__all__ = ["evaluate", "solve"]
+__all__ = ["SolveOptions", "evaluate", "solve", "solve_with"]
 
 log = logging.getLogger(__name__)
 HIERARCHY_MAX_STATES = 600  # inner levels need every segment's best time: cubic in the states
 HIERARCHY_THIN_STATES = 200  # beyond that, prefixes of one order thinned evenly by compute
 LATTICE_MAX_STATES = 400_000  # Inception-v3 has 221,565 downsets; NASNet ~6e12 (out of reach)
 SYNC_CANDIDATE_STATES = 1000  # 1f1b/gpipe candidates each run a bottleneck search: thin beyond this
-
-
-def _check(profile: Profile, schedule: str, microbatches: int, optimizer: str) -> int:
-    if schedule not in SCHEDULES:
-        raise PlanError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
-    if optimizer not in OPTIMIZER_STATE:
-        raise PlanError(f"unknown optimizer {optimizer!r}; use sgd, momentum, adam or adamw")
-    if microbatches < 1:
-        raise PlanError(f"--microbatches must be >= 1, got {microbatches}")
-    if not profile.layers:
-        raise PlanError("the profile has no layers to partition")
-    return 1 if schedule == "pipedream" else microbatches
 
 
 def _inputs(profile: Profile) -> tuple[str, ...]:
@@ -140,16 +129,17 @@ def _hierarchy_states(profile: Profile) -> StateSet:
 
 
 def _search(
-    profile: Profile, cluster: Cluster, states: StateSet, schedule: str, optimizer: str,
-    straight: bool, min_replicas: int = 1,
-) -> tuple[float, list[Segment], float]:  # fmt: skip
-    cap = 1 if straight else None
+    profile: Profile, cluster: Cluster, states: StateSet, opts: SolveOptions, min_replicas: int = 1
+) -> tuple[float, list[Segment], float]:
+    """The bottleneck search (PipeDream's objective) under the memory limit, if any."""
+    cap = 1 if opts.straight else None
     levels = [(lv.devices, lv.bandwidth) for lv in cluster.levels]
     if len(levels) > 1:
         return solve_hierarchy(states, levels, cap)
     memory = None
     if cluster.memory_bytes is not None:
-        memory = (float(cluster.memory_bytes), OPTIMIZER_STATE[optimizer], schedule, cluster.gpus)
+        limit = float(cluster.memory_bytes)
+        memory = MemoryLimit.of(limit, profile, opts.optimizer, opts.schedule, cluster.gpus, opts.m)
     prob = LevelProblem(
         states, cluster.gpus, levels[0][1], min_replicas=min_replicas, max_replicas=cap, memory=memory
     )
@@ -157,17 +147,16 @@ def _search(
 
 
 def _pipedream(
-    profile: Profile, cluster: Cluster, states: StateSet, optimizer: str, straight: bool, comm: bool = True
+    profile: Profile, cluster: Cluster, states: StateSet, opts: SolveOptions
 ) -> tuple[Plan, float, bool]:
-    value, segments, lower = _search(profile, cluster, states, "pipedream", optimizer, straight)
+    comm, optimizer = opts.activation_comm, opts.optimizer
+    value, segments, lower = _search(profile, cluster, states, opts)
     info = SolverInfo("dp", 0.0, False)
     lattice = None
-    if _lattice_applies(profile, cluster, states) and _limit_slack(
-        profile, cluster, states, optimizer, straight, value
-    ):
+    if _lattice_applies(profile, cluster, states) and _limit_slack(profile, cluster, states, opts, value):
         lattice = _lattice_for(profile, cluster, states, comm)
     if lattice is not None:  # every downset, without pairs: exact where the pair DP was not
-        cap = 1 if straight else None
+        cap = 1 if opts.straight else None
         bw = cluster.levels[0].bandwidth
         bound = global_lower_bound(profile, cluster)
         start = _on_lattice(states, lattice, segments)
@@ -188,7 +177,7 @@ def _pipedream(
         # PipeDream's hierarchical recursion has no memory model: fall back to the memory-aware
         # flat search over the slowest level's bandwidth, priced on the real hierarchy
         flat = _flat_like(cluster)
-        _, segments, _ = _search(profile, flat, states, "pipedream", optimizer, straight)
+        _, segments, _ = _search(profile, flat, states, opts)
         plan = assemble(profile, cluster, _specs(profile, states, segments), "pipedream", 1, optimizer,
                         info, activation_comm=comm)  # fmt: skip
         return plan, lower, False
@@ -196,13 +185,13 @@ def _pipedream(
 
 
 def _limit_slack(
-    profile: Profile, cluster: Cluster, states: StateSet, optimizer: str, straight: bool, value: float
+    profile: Profile, cluster: Cluster, states: StateSet, opts: SolveOptions, value: float
 ) -> bool:
     """Whether the memory limit (if any) left the search's optimum as fast as without it: only then
     may the lattice search, which has no memory model, find a faster plan that still fits."""
     if cluster.memory_bytes is None:
         return True
-    free = _search(profile, replace(cluster, memory_bytes=None), states, "pipedream", optimizer, straight)
+    free = _search(profile, replace(cluster, memory_bytes=None), states, opts)
     return value <= free[0] * (1 + 1e-9)
 
 
@@ -235,9 +224,8 @@ def _lattice_for(profile: Profile, cluster: Cluster, states: StateSet, comm: boo
 
 
 def _synchronous(
-    profile: Profile, cluster: Cluster, states: StateSet, schedule: str, m: int, optimizer: str,
-    straight: bool, comm: bool = True,
-) -> tuple[Plan, float, bool]:  # fmt: skip
+    profile: Profile, cluster: Cluster, states: StateSet, opts: SolveOptions
+) -> tuple[Plan, float, bool]:
     """The synchronous model's optimum on one level by branch and bound (``sync.py``), proven.
 
     Where that cannot run or prove its plan (hierarchies, more pairs than it prices, a plan over
@@ -250,20 +238,23 @@ def _synchronous(
     """
     from partitioner.optimizer.baselines import data_parallel, parameter_balanced, time_balanced, uniform
 
+    schedule, m, optimizer, straight, comm = (
+        opts.schedule, opts.m, opts.optimizer, opts.straight, opts.activation_comm
+    )  # fmt: skip
     gpus = cluster.gpus
     powers = sorted({1, *(2**i for i in range(int(math.log2(gpus)) + 1)), gpus})
     info = SolverInfo("dp", 0.0, False)
-    exact = _exact_synchronous(profile, cluster, states, schedule, m, optimizer, straight, comm)
+    exact = _exact_synchronous(profile, cluster, states, opts)
     if exact is not None and exact[2]:
         return exact
     if len(states) > SYNC_CANDIDATE_STATES:  # candidates and the exact search on fewer cuts
         most = int(math.sqrt(2 * MAX_CHOICES / (1 if straight else gpus)))
         states = _thin_states(profile, min(most, SYNC_CANDIDATE_STATES), comm)
         if exact is None:
-            exact = _exact_synchronous(profile, cluster, states, schedule, m, optimizer, straight, comm)
+            exact = _exact_synchronous(profile, cluster, states, opts)
 
     def bottleneck(where: Cluster, floor: int, line: bool) -> Plan:
-        _, segments, _ = _search(profile, where, states, schedule, optimizer, line, floor)
+        _, segments, _ = _search(profile, where, states, replace(opts, straight=line), floor)
         specs = _specs(profile, states, segments)
         return assemble(profile, cluster, specs, schedule, m, optimizer, info, activation_comm=comm)
 
@@ -292,19 +283,21 @@ def _synchronous(
 
 
 def _exact_synchronous(
-    profile: Profile, cluster: Cluster, states: StateSet, schedule: str, m: int, optimizer: str,
-    straight: bool, comm: bool,
-) -> tuple[Plan, float, bool] | None:  # fmt: skip
+    profile: Profile, cluster: Cluster, states: StateSet, opts: SolveOptions
+) -> tuple[Plan, float, bool] | None:
     """The branch-and-bound optimum on one level (``sync.py``), when it is small enough to run;
     (plan, lower bound valid for every plan, proven optimal over all downsets). With a memory
     limit the optimum without one is tried first; if it does not fit, the search keeps only
     stages that fit with all M microbatches held (exact for gpipe, cautious for 1f1b). On a
     hierarchy it searches as if every link were the slowest: a good candidate, no proof."""
-    cap = 1 if straight else cluster.gpus
+    schedule, m, optimizer, comm = opts.schedule, opts.m, opts.optimizer, opts.activation_comm
+    cap = 1 if opts.straight else cluster.gpus
     steps = MAX_STEPS if states.exact else 60  # no proof to finish on a subset of the cuts
     bandwidth = min(level.bandwidth for level in cluster.levels)  # hierarchies: a candidate only
     limit = cluster.memory_bytes
-    memory = None if limit is None else Memory(limit + 0.5, 2.0 + OPTIMIZER_STATE[optimizer])
+    memory = None
+    if limit is not None:
+        memory = MemoryLimit.of(limit + 0.5, profile, optimizer, schedule, cluster.gpus, m)
     info = SolverInfo("dp", 0.0, False)
     for held in (None, memory) if memory is not None else (None,):  # unlimited first: often fits
         found = solve_synchronous(states, cluster.gpus, bandwidth, m, cap, steps, held)
@@ -352,74 +345,68 @@ def solve(
     ``interleaved`` with ``virtual_stages`` v: ``gpus * v`` stages, stage ``s`` on rank ``s mod
     gpus`` (:mod:`partitioner.optimizer.interleaved`; cuts from candidates, not an exact search).
 
-    ``activation_comm=False`` drops the 2·activation/(B·r) cut charge, which is what PipeDream's
-    optimizer computes by default (its activation term only applies with a compression ratio).
-    ``recompute``: ``none``; ``all`` (every stage recomputes its forward in backward); ``auto``
-    (the plan without recomputation if one fits; otherwise the plan searched with every stage
-    recomputing, then each stage that fits without recomputation keeps its activations).
+    The arguments are :class:`~partitioner.optimizer.options.SolveOptions`' fields. ``recompute``:
+    ``none``; ``all`` (every stage recomputes its forward in backward); ``auto`` (the plan without
+    recomputation if one fits; otherwise the plan searched with every stage recomputing, then each
+    stage that fits without recomputation keeps its activations).
 
     Raises:
         PlanError: bad schedule, optimizer, solver, recompute mode or microbatch count.
         InfeasibleError: nothing fits; the message names the smallest memory that would.
     """
-    m = _check(profile, schedule, microbatches, optimizer)
-    if recompute not in RECOMPUTE_MODES:
-        raise PlanError(f"unknown recompute mode {recompute!r}; use {', '.join(RECOMPUTE_MODES)}")
-    if schedule == "interleaved":
-        return _interleaved(
-            profile, cluster, m, optimizer, solver, activation_comm, recompute, virtual_stages
-        )
-    args = (cluster, schedule, microbatches, m, optimizer, straight, solver, activation_comm)
-    if recompute != "all":
+    opts = SolveOptions(
+        schedule, microbatches, optimizer, straight, solver, activation_comm, recompute, virtual_stages
+    )
+    return solve_with(profile, cluster, opts.checked(profile))
+
+
+def solve_with(profile: Profile, cluster: Cluster, opts: SolveOptions) -> Plan:
+    """:func:`solve` with its options as one value (checked by ``SolveOptions.checked``)."""
+    if opts.schedule == "interleaved":
+        return _interleaved(profile, cluster, opts)
+    if opts.recompute != "all":
         try:
-            plan = _solve_kept(profile, *args)
+            plan = _solve_kept(profile, cluster, opts)
         except InfeasibleError:
-            if recompute == "none" or cluster.memory_bytes is None:
+            if opts.recompute == "none" or cluster.memory_bytes is None:
                 raise
         else:
-            return replace(plan, extra={**plan.extra, "recompute": recompute})
+            return replace(plan, extra={**plan.extra, "recompute": opts.recompute})
     where = f"{gib(cluster.memory_bytes or 0)} per GPU on {cluster.gpus} GPUs"
     try:  # (the search's own estimate of what would fit ignores the inputs recomputing stages keep)
-        searched = _solve_kept(recomputing(profile), *args)
+        searched = _solve_kept(recomputing(profile), cluster, opts)
     except InfeasibleError:
         raise InfeasibleError(
             f"no plan fits in {where} even with every stage recomputing; raise --memory or add GPUs"
         ) from None
     try:
-        return repriced(profile, cluster, searched, recompute, activation_comm)
+        return repriced(profile, cluster, searched, opts.recompute, opts.activation_comm)
     except InfeasibleError as exc:
         raise InfeasibleError(f"no plan fits in {where} even with every stage recomputing: {exc}") from None
 
 
-def _interleaved(
-    profile: Profile, cluster: Cluster, m: int, optimizer: str, solver: str, comm: bool, recompute: str,
-    virtual: int,
-) -> Plan:  # fmt: skip
+def _interleaved(profile: Profile, cluster: Cluster, opts: SolveOptions) -> Plan:
     from partitioner.optimizer.interleaved import solve_interleaved
 
-    start = time.perf_counter()
-    straight = partial(_solve_kept, profile, schedule="1f1b", microbatches=m, m=m, optimizer=optimizer,
-                       straight=True, solver=solver, activation_comm=comm)  # fmt: skip
+    start, m = time.perf_counter(), opts.m
+    straight = replace(opts, schedule="1f1b", straight=True, recompute="none", virtual_stages=1)
     plan = solve_interleaved(
-        with_forward_copies(profile, m), cluster, m, optimizer, virtual,
-        lambda wide: straight(cluster=wide), comm, recompute,
+        with_forward_copies(profile, m), cluster, m, opts.optimizer, opts.virtual_stages,
+        lambda wide: _solve_kept(profile, wide, straight), opts.activation_comm, opts.recompute,
     )  # fmt: skip
     info = replace(plan.solver, solve_time_s=time.perf_counter() - start)
-    return replace(plan, solver=info, extra={**plan.extra, "recompute": recompute})
+    return replace(plan, solver=info, extra={**plan.extra, "recompute": opts.recompute})
 
 
-def _solve_kept(
-    profile: Profile, cluster: Cluster, schedule: str, microbatches: int, m: int, optimizer: str,
-    straight: bool, solver: str, activation_comm: bool,
-) -> Plan:  # fmt: skip
+def _solve_kept(profile: Profile, cluster: Cluster, opts: SolveOptions) -> Plan:
     """``solve`` without recomputation on ``profile``, the microbatch count made usable."""
-    plan = _solve_at(profile, cluster, schedule, m, optimizer, straight, solver, activation_comm)
+    plan = _solve_at(profile, cluster, opts)
     for _ in range(3):
         usable = _usable_microbatches(plan, profile.batch_size)
         if usable == plan.microbatches:
             break
-        plan = _solve_at(profile, cluster, schedule, usable, optimizer, straight, solver, activation_comm)
-        plan = replace(plan, extra={**plan.extra, "microbatches_asked": microbatches})
+        plan = _solve_at(profile, cluster, replace(opts, microbatches=usable))
+        plan = replace(plan, extra={**plan.extra, "microbatches_asked": opts.microbatches})
     return plan
 
 
@@ -437,34 +424,20 @@ def _usable_microbatches(plan: Plan, batch_size: int | None) -> int:
     return wanted
 
 
-def _solve_at(
-    profile: Profile,
-    cluster: Cluster,
-    schedule: str,
-    m: int,
-    optimizer: str,
-    straight: bool,
-    solver: str,
-    activation_comm: bool,
-) -> Plan:
-    profile = with_forward_copies(profile, 1 if schedule == "pipedream" else m)
-    if solver == "ilp":
+def _solve_at(profile: Profile, cluster: Cluster, opts: SolveOptions) -> Plan:
+    profile = with_forward_copies(profile, opts.m)
+    if opts.solver == "ilp":
         from partitioner.optimizer.ilp import solve_ilp
 
-        return solve_ilp(profile, cluster, schedule, m, optimizer, straight, activation_comm)
-    if solver != "dp":
-        raise PlanError(f"unknown solver {solver!r}; use dp or ilp")
+        return solve_ilp(profile, cluster, opts.schedule, opts.m, opts.optimizer, opts.straight,
+                         opts.activation_comm)  # fmt: skip
     start = time.perf_counter()
-    states = _states_for(profile, cluster, activation_comm)
+    states = _states_for(profile, cluster, opts.activation_comm)
     try:
-        if schedule == "pipedream":
-            plan, lower, exact = _pipedream(profile, cluster, states, optimizer, straight, activation_comm)
-        else:
-            plan, lower, exact = _synchronous(
-                profile, cluster, states, schedule, m, optimizer, straight, activation_comm
-            )
+        search = _pipedream if opts.schedule == "pipedream" else _synchronous
+        plan, lower, exact = search(profile, cluster, states, opts)
     except InfeasibleError:
-        raise _infeasible(profile, cluster, schedule, m, optimizer, straight) from None
+        raise _infeasible(profile, cluster, opts) from None
     if not exact:
         lower = min(lower, global_lower_bound(profile, cluster))
     info = SolverInfo("dp", time.perf_counter() - start, exact, lower)
@@ -478,13 +451,10 @@ def _with(plan: Plan, info: SolverInfo, extra: Mapping[str, object]) -> Plan:
     return replace(plan, solver=info, extra={**plan.extra, **extra})
 
 
-def _fits(profile: Profile, cluster: Cluster, schedule: str, m: int, optimizer: str, straight: bool) -> bool:
+def _fits(profile: Profile, cluster: Cluster, opts: SolveOptions) -> bool:
     try:
-        states = chain_states(profile, 64)
-        if schedule == "pipedream":
-            _pipedream(profile, _flat_like(cluster), states, optimizer, straight)
-        else:
-            _synchronous(profile, _flat_like(cluster), states, schedule, m, optimizer, straight)
+        search = _pipedream if opts.schedule == "pipedream" else _synchronous
+        search(profile, _flat_like(cluster), chain_states(profile, 64), opts)
     except InfeasibleError:
         return False
     return True
@@ -495,23 +465,21 @@ def _flat_like(cluster: Cluster) -> Cluster:
     return Cluster.flat(cluster.gpus, slowest, cluster.memory_bytes)
 
 
-def _infeasible(
-    profile: Profile, cluster: Cluster, schedule: str, m: int, optimizer: str, straight: bool
-) -> InfeasibleError:
+def _infeasible(profile: Profile, cluster: Cluster, opts: SolveOptions) -> InfeasibleError:
     """Find (by bisection on the limit) the smallest per-device memory that admits a plan."""
     from dataclasses import replace
 
     lo, hi = 1.0, float(2**50)
-    if not _fits(profile, replace(cluster, memory_bytes=int(hi)), schedule, m, optimizer, straight):
+    if not _fits(profile, replace(cluster, memory_bytes=int(hi)), opts):
         return InfeasibleError("no plan fits in memory at any size")
     while hi - lo > max(1.0, hi * 1e-3):
         mid = (lo + hi) / 2
-        if _fits(profile, replace(cluster, memory_bytes=int(mid)), schedule, m, optimizer, straight):
+        if _fits(profile, replace(cluster, memory_bytes=int(mid)), opts):
             hi = mid
         else:
             lo = mid
     have = gib(cluster.memory_bytes or 0)
-    lighter = ", or use --optimizer sgd" if optimizer != "sgd" else ""
+    lighter = ", or use --optimizer sgd" if opts.optimizer != "sgd" else ""
     return InfeasibleError(
         f"no plan fits in {have} per GPU on {cluster.gpus} GPUs; about {gib(hi)} would "
         f"(raise --memory or add GPUs{lighter})"
@@ -539,8 +507,11 @@ def evaluate(
     Raises:
         PlanError: unknown layer names, cuts out of order, or replicas not one per stage.
     """
-    m = _check(profile, schedule, microbatches, optimizer)
-    profile = with_forward_copies(profile, 1 if schedule == "pipedream" else m)
+    opts = SolveOptions(
+        schedule, microbatches, optimizer, activation_comm=activation_comm, recompute=recompute
+    )
+    m = opts.checked(profile).m
+    profile = with_forward_copies(profile, m)
     start = time.perf_counter()
     layers = [n.id for n in profile.nodes if n.op != "input"]
     names = {n.name: n.id for n in profile.nodes} | {lid: lid for lid in layers}

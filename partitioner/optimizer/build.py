@@ -24,6 +24,7 @@ from partitioner.optimizer.cost import (
     plan_times,
     price_stage,
 )
+from partitioner.optimizer.memory import copy_bytes, shared_weights
 from partitioner.plan import Cluster, Plan, Prediction, SolverInfo, Stage
 
 __all__ = [
@@ -58,7 +59,7 @@ def gib(nbytes: float) -> str:
 
 
 def stage_loads(profile: Profile, groups: Sequence[Sequence[str]]) -> list[StageLoad]:
-    """Per-stage compute, parameters, saved activations and cut traffic; inputs are free.
+    """Per-stage compute, parameters, saved activations, tied copies and cut traffic; inputs are free.
 
     A stage receives everything crossing the cut before it and sends everything crossing the cut
     after it (tensors skipping a stage are relayed through it, as in PipeDream's runtime).
@@ -81,8 +82,10 @@ def stage_loads(profile: Profile, groups: Sequence[Sequence[str]]) -> list[Stage
             taken[cut] += node.output_bytes
             crossing[cut] += node.output_bytes if node.op != "input" else 0.0
     loads = []
+    copies = copy_bytes(shared_weights(profile), groups)
     for i, group in enumerate(groups):
         members = [nodes[n] for n in group if nodes[n].op != "input"]
+        largest = max([float(n.param_bytes) for n in members] + [copies[i][1]])
         loads.append(
             StageLoad(
                 compute_s=math.fsum(n.compute_ms for n in members) / 1000.0,
@@ -92,6 +95,8 @@ def stage_loads(profile: Profile, groups: Sequence[Sequence[str]]) -> list[Stage
                 out_bytes=crossing[i + 1],
                 forward_s=math.fsum(n.forward_ms for n in members) / 1000.0,
                 input_bytes=taken[i],
+                copy_bytes=copies[i][0],
+                largest_param_bytes=largest,
             )
         )
     return loads
@@ -185,8 +190,8 @@ def _priced(
         redo = price_stage(ld, schedule, i, reps, m, optimizer, recompute=True)
         if virtual > 1:  # a chunk holds its share of its rank's Megatron warm-up (cost.in_flight)
             held = in_flight(schedule, i, reps, m, virtual)
-            keep = replace(keep, memory_bytes=held_memory(ld, schedule, held, m, optimizer, False))
-            redo = replace(redo, memory_bytes=held_memory(ld, schedule, held, m, optimizer, True))
+            keep = replace(keep, memory_bytes=held_memory(ld, schedule, held, m, optimizer, False, m > 1))
+            redo = replace(redo, memory_bytes=held_memory(ld, schedule, held, m, optimizer, True, m > 1))
         needed = limit is not None and keep.memory_bytes > limit and redo.memory_bytes < keep.memory_bytes
         again = recompute == "all" or (recompute == "auto" and needed)
         out.append((again, redo if again else keep))

@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from partitioner.errors import PlanError
+from partitioner.optimizer.memory import OPTIMIZER_STATE, peak_bytes, transient_bytes
 from runtime.schedule import interleaved_rank
 
 __all__ = [
@@ -52,9 +53,6 @@ __all__ = [
 
 FloatArray = npt.NDArray[np.float64]
 
-#: optimizer state per parameter byte: sgd keeps none, momentum one buffer, adam and adamw two moments
-#: (adamw differs only in how weight decay is applied).
-OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 
 #: ``none``: every stage keeps its activations; ``all``: every stage recomputes; ``auto``: a stage
 #: recomputes only where it does not fit the memory limit otherwise.
@@ -86,6 +84,10 @@ class StageLoad:
         input_bytes: bytes of every tensor its forward takes (the model's inputs on the first
             stage, relayed tensors included): what a recomputing stage keeps per item in flight.
             Unlike ``in_bytes`` it is never zeroed for cut pricing.
+        copy_bytes: bytes of the tied weights it holds a copy of (``memory.copy_bytes``): memory only,
+            their gradients' sync is not priced.
+        largest_param_bytes: the largest of its layers' parameter bytes (a tied copy counted): the
+            gradient a replica that accumulates holds beside the sum.
     """
 
     compute_s: float
@@ -95,6 +97,8 @@ class StageLoad:
     out_bytes: float
     forward_s: float | None = None
     input_bytes: float = 0.0
+    copy_bytes: float = 0.0
+    largest_param_bytes: float = 0.0
 
     @property
     def forward_time(self) -> float:
@@ -223,34 +227,35 @@ def stage_memory(
     optimizer: str,
     recompute: bool = False,
 ) -> int:
-    """Peak bytes on one device of a stage: weights, grads, optimizer state, stashes, activations.
+    """Peak bytes on one device of a stage (``memory.peak_bytes``).
 
     pipedream keeps one weight version per minibatch in flight (weight stashing) and each replica
-    runs whole minibatches; the synchronous schedules split each microbatch over the replicas.
+    runs whole minibatches; the synchronous schedules split each microbatch over the replicas, and
+    a replica with more than one microbatch per step accumulates gradients.
     """
     held = in_flight(schedule, position, replicas, microbatches)
     share = 1 if schedule == "pipedream" else microbatches * replicas[position]
-    return held_memory(load, schedule, held, share, optimizer, recompute)
+    accumulates = schedule != "pipedream" and microbatches > replicas[position]
+    return held_memory(load, schedule, held, share, optimizer, recompute, accumulates)
 
 
 def held_memory(
-    load: StageLoad, schedule: str, held: int, share: int, optimizer: str, recompute: bool
+    load: StageLoad,
+    schedule: str,
+    held: int,
+    share: int,
+    optimizer: str,
+    recompute: bool,
+    accumulates: bool = False,
 ) -> int:
-    """Peak bytes of one device holding ``held`` items, each ``1/share`` of a minibatch.
-
-    Without recomputation each item keeps its saved activations; with it, each item keeps its
-    inputs and one item's activations are rebuilt during its backward. pipedream also keeps
-    ``held - 1`` stashed weight versions. Shared by the cost model and the simulation (which
-    counts ``held`` itself).
-    """
-    if optimizer not in OPTIMIZER_STATE:
-        raise PlanError(f"unknown optimizer {optimizer!r}; use sgd, momentum, adam or adamw")
-    weights = load.param_bytes * (2 + OPTIMIZER_STATE[optimizer])
-    if schedule == "pipedream":
-        weights += (held - 1) * load.param_bytes
-    if recompute:
-        return round(weights + (held * load.input_bytes + load.saved_bytes) / share)
-    return round(weights + held * load.saved_bytes / share)
+    """Peak bytes of one device of a stage holding ``held`` items, each ``1/share`` of a minibatch,
+    accumulating gradients or not: :func:`~partitioner.optimizer.memory.peak_bytes` of the stage's
+    bytes. Shared by the cost model and the simulation (which counts ``held`` itself)."""
+    params = load.param_bytes + load.copy_bytes
+    transient = float(transient_bytes(params, load.largest_param_bytes, schedule)) if accumulates else 0.0
+    return peak_bytes(
+        params, load.saved_bytes, held, share, schedule, optimizer, transient, load.input_bytes, recompute
+    )
 
 
 def price_stage(

@@ -22,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from partitioner.errors import InfeasibleError
+from partitioner.optimizer.memory import MemoryLimit
 from partitioner.optimizer.reach import fewest_units, fewest_units_after, sweep_layers
 from partitioner.optimizer.states import StateSet, prefix_chain, thin_prefixes
 
@@ -65,7 +66,7 @@ class LevelProblem:
             segment (K, j] on one unit; None = the summed compute time.
         min_replicas: smallest replica count a stage may have (synchronous-schedule candidates).
         max_replicas: largest replica count a stage may have (1 = straight pipeline).
-        memory: None, or (limit bytes, optimizer state factor, schedule, total devices).
+        memory: None, or the per-device limit (``memory.MemoryLimit``).
         unit_devices: devices in one unit of this level (all levels below multiplied). A stage's
             time is at least its compute over its devices, compute / (r · unit_devices): the
             bound behind the device windows of ``solve_direct``.
@@ -78,7 +79,7 @@ class LevelProblem:
     base: Callable[[int | IntArray, IntArray], FloatArray] | None = None
     min_replicas: int = 1
     max_replicas: int | None = None
-    memory: tuple[float, int, str, int] | None = field(default=None)
+    memory: MemoryLimit | None = field(default=None)
     unit_devices: int = 1
 
     def base_time(self, j: int | IntArray, ks: IntArray) -> FloatArray:
@@ -86,6 +87,14 @@ class LevelProblem:
             return self.base(j, ks)
         c = self.states.compute_s
         return np.asarray(c[j] - c[ks], dtype=np.float64)
+
+    def held_params(self, ks: IntArray, js: IntArray) -> FloatArray:
+        """Parameter bytes stages (ks, js] hold: their own and copies of tied weights owned elsewhere."""
+        s = self.states
+        params = np.asarray(s.param_bytes[js] - s.param_bytes[ks], dtype=np.float64)
+        if self.memory is None or not self.memory.shared:
+            return params
+        return params + self.memory.copies(s.masks, s.layer_ids, ks, js)
 
     def stage_time(self, k: int, j: int, r: int) -> float:
         """Time of stage (k, j] with r replicas, cut communication included."""
@@ -167,7 +176,7 @@ class _Pairs:
         s, n = prob.states, len(prob.states)
         offsets = np.zeros(n + 1, dtype=np.int64)
         offsets[1:] = np.cumsum(np.bincount(js, minlength=n))
-        params, saved = s.param_bytes[js] - s.param_bytes[ks], s.saved_bytes[js] - s.saved_bytes[ks]
+        params, saved = prob.held_params(ks, js), s.saved_bytes[js] - s.saved_bytes[ks]
         return _Pairs(offsets, ks.astype(np.int64), base, q, act, params, saved, layers), js
 
     @staticmethod
@@ -284,25 +293,21 @@ def _memory_need(prob: LevelProblem, p: FloatArray, saved: FloatArray, before: F
 
 def _memory_capacity(prob: LevelProblem, p: FloatArray, saved: FloatArray) -> FloatArray:
     """What fits of a stage, once per pair: pipedream, the minibatches a device can hold in flight
-    (weights + (h-1) stashed versions + h activations <= limit; < 1: none); synchronous, the
-    fewest replicas that hold all M microbatches' activations (inf: none)."""
+    (< 1: none); synchronous, the fewest replicas that hold all M microbatches' activations (inf:
+    none). Both from ``memory.MemoryLimit``, the one memory model."""
     assert prob.memory is not None
-    limit, opt, schedule, _ = prob.memory
-    if schedule == "pipedream":
-        return np.asarray(np.floor((limit - p * (1 + opt)) / np.maximum(p + saved, 1e-9)), dtype=np.float64)
-    room = limit - p * (2 + opt)
-    return np.asarray(
-        np.where(room > 0, np.ceil(saved / np.maximum(room, 1e-9) - 1e-9), np.inf), dtype=np.float64
-    )
+    if prob.memory.schedule == "pipedream":
+        return prob.memory.items(p, saved)
+    return prob.memory.replicas(p, saved)
 
 
 def _need_from(prob: LevelProblem, capacity: FloatArray, before: FloatArray) -> FloatArray:
     """``_memory_need`` from ``_memory_capacity``: pipedream's in-flight count is the devices from
     the stage on (at least 1)."""
     assert prob.memory is not None
-    _, _, schedule, total = prob.memory
-    if schedule != "pipedream":
+    if prob.memory.schedule != "pipedream":
         return capacity
+    total = prob.memory.devices
     downstream = np.maximum(total - np.where(np.isfinite(before), before, total), 1.0)
     return np.where(capacity >= 1, np.ceil(downstream / np.maximum(capacity, 1.0) - 1e-9), np.inf)
 
@@ -634,9 +639,7 @@ def _fits_memory(prob: LevelProblem, stages: list[Segment]) -> bool:
     j = np.array([x.end for x in stages], dtype=np.int64)
     r = np.array([x.replicas for x in stages], dtype=np.float64)
     before = np.concatenate([[0.0], np.cumsum(r)[:-1]])
-    need = _memory_need(
-        prob, s.param_bytes[j] - s.param_bytes[k], s.saved_bytes[j] - s.saved_bytes[k], before
-    )
+    need = _memory_need(prob, prob.held_params(k, j), s.saved_bytes[j] - s.saved_bytes[k], before)
     return bool((r >= need).all())
 
 
@@ -686,7 +689,7 @@ def _memory_floor(prob: LevelProblem, params: FloatArray, saved: FloatArray, aft
     devices after each: pipedream's in-flight count is at least r + after, so r >= after / (h - 1)
     (h: the minibatches that fit, ``_memory_capacity``); synchronous schedules' need is fixed."""
     capacity = _memory_capacity(prob, params, saved)
-    if prob.memory is None or prob.memory[2] != "pipedream":
+    if prob.memory is None or prob.memory.schedule != "pipedream":
         return capacity
     with np.errstate(divide="ignore", invalid="ignore"):
         floor = np.where(capacity >= 2, np.ceil(after / (capacity - 1) - 1e-9), np.inf)

@@ -13,13 +13,14 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+import numpy as np
 import pulp
 
 from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile
 from partitioner.optimizer.build import StageSpec, assemble, global_lower_bound
-from partitioner.optimizer.cost import OPTIMIZER_STATE
 from partitioner.optimizer.dp import LevelProblem
+from partitioner.optimizer.memory import MemoryLimit
 from partitioner.optimizer.states import StateSet, build_states
 from partitioner.plan import Cluster, Plan, SolverInfo
 
@@ -120,16 +121,13 @@ def _micro(states: StateSet, key: tuple[int, int, int], m: int, bandwidth: float
 
 
 def _fits(
-    profile: Profile, states: object, k: int, j: int, r: int, m: int, cluster: Cluster, opt: str
+    profile: Profile, states: StateSet, k: int, j: int, r: int, m: int, cluster: Cluster, opt: str
 ) -> bool:
-    """Memory filter with PipeDream's worst case in-flight count (all devices downstream)."""
+    """Memory filter with PipeDream's worst case in-flight count (all ``m`` devices downstream)."""
     if cluster.memory_bytes is None:
         return True
-    from partitioner.optimizer.states import StateSet
-
-    assert isinstance(states, StateSet)
-    p = float(states.param_bytes[j] - states.param_bytes[k])
-    saved = float(states.saved_bytes[j] - states.saved_bytes[k])
-    held = -(-m // r)
-    need = p * (2 + OPTIMIZER_STATE[opt]) + (held - 1) * p + held * saved
-    return need <= cluster.memory_bytes
+    limit = MemoryLimit.of(float(cluster.memory_bytes), profile, opt, "pipedream", m, 1)
+    ks, js = np.array([k], dtype=np.int64), np.array([j], dtype=np.int64)
+    p = states.param_bytes[js] - states.param_bytes[ks] + limit.copies(states.masks, states.layer_ids, ks, js)
+    items = limit.items(p, states.saved_bytes[js] - states.saved_bytes[ks])
+    return bool(items[0] >= -(-m // r))

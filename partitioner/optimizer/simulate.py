@@ -441,8 +441,10 @@ def _memory(plan: Plan, profile: Profile | None, held: Sequence[int]) -> tuple[i
     loads = stage_loads(profile, [[n for n in s.nodes if n in known] for s in plan.stages])
     out = []
     for stage, load, h in zip(plan.stages, loads, held, strict=True):
-        share = 1 if plan.schedule == "pipedream" else plan.microbatches * stage.replicas
-        out.append(held_memory(load, plan.schedule, h, share, plan.optimizer, stage.recompute))
+        sync = plan.schedule != "pipedream"
+        share = plan.microbatches * stage.replicas if sync else 1
+        accumulates = sync and plan.microbatches > stage.replicas
+        out.append(held_memory(load, plan.schedule, h, share, plan.optimizer, stage.recompute, accumulates))
     return tuple(out)
 
 

@@ -22,26 +22,17 @@ import numpy as np
 import numpy.typing as npt
 
 from partitioner.optimizer.dp import Segment
+from partitioner.optimizer.memory import MemoryLimit
 from partitioner.optimizer.reach import fewest_units, fewest_units_after
 from partitioner.optimizer.states import StateSet
 
-__all__ = ["MAX_CHOICES", "MAX_STEPS", "Memory", "solve_synchronous"]
+__all__ = ["MAX_CHOICES", "MAX_STEPS", "solve_synchronous"]
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 MAX_CHOICES = 2_000_000  # (stage, replicas) choices the DP prices per evaluation
 MAX_STEPS = 400  # box splits and DP evaluations before returning the best plan and its bound
 WIDE = 1.02  # a box whose tau range spans more than 2% may be probed at its geometric middle
-
-
-@dataclass(frozen=True)
-class Memory:
-    """A per-device limit for the search: weights count ``weights`` times their bytes (weights,
-    gradients, optimizer state) and a stage holds all M microbatches' activations (gpipe's model;
-    at least 1f1b's, which holds min(stages - i, M))."""
-
-    limit: float
-    weights: float
 
 
 @dataclass(frozen=True)
@@ -58,7 +49,9 @@ class _Choices:
     layers: IntArray  # ``StateSet.size_layers``
 
     @staticmethod
-    def of(states: StateSet, cap: int, bandwidth: float, m: int, memory: Memory | None = None) -> _Choices:
+    def of(
+        states: StateSet, cap: int, bandwidth: float, m: int, memory: MemoryLimit | None = None
+    ) -> _Choices:
         n = len(states)
         k, j = states.all_pairs()
         r = np.arange(1, cap + 1, dtype=np.float64)[None, :]
@@ -68,8 +61,9 @@ class _Choices:
         u = x[:, None] / (r * m)
         a = 4.0 * (r - 1.0) * params[:, None] / (r * bandwidth)
         if memory is not None:  # all M microbatches' activations, split over the replicas
+            held = (params + memory.copies(states.masks, states.layer_ids, k, j))[:, None]
             saved = states.saved_bytes[j] - states.saved_bytes[k]
-            u = np.where(params[:, None] * memory.weights + saved[:, None] / r <= memory.limit, u, np.inf)
+            u = np.where(memory.fits(held, saved[:, None], r), u, np.inf)
         offsets = np.concatenate([[0], np.cumsum(np.bincount(j, minlength=n))]).astype(np.int64)
         return _Choices(k, j, np.asarray(u, dtype=np.float64), np.asarray(a, dtype=np.float64),
                         states.compute_s, m, offsets, states.size_layers())  # fmt: skip
@@ -93,7 +87,7 @@ class _Reach:
     r_mem: FloatArray  # fewest replicas that fit the memory limit (inf: none)
 
     @staticmethod
-    def of(states: StateSet, bandwidth: float, memory: Memory | None = None) -> _Reach:
+    def of(states: StateSet, bandwidth: float, memory: MemoryLimit | None = None) -> _Reach:
         n = len(states)
         ks, js = states.all_pairs()
         offsets = np.concatenate([[0], np.cumsum(np.bincount(js, minlength=n))]).astype(np.int64)
@@ -101,11 +95,9 @@ class _Reach:
         x = states.compute_s[js] - states.compute_s[ks] + 2.0 * out / bandwidth
         p = states.param_bytes[js] - states.param_bytes[ks]
         r_mem = np.ones(len(ks))
-        if memory is not None:  # p·weights + saved / r <= limit
-            room = memory.limit - p * memory.weights
-            saved = states.saved_bytes[js] - states.saved_bytes[ks]
-            with np.errstate(divide="ignore", invalid="ignore"):
-                r_mem = np.where(room > 0, np.maximum(np.ceil(saved / room * (1 - 1e-9)), 1.0), np.inf)
+        if memory is not None:
+            held = p + memory.copies(states.masks, states.layer_ids, ks, js)
+            r_mem = np.maximum(memory.replicas(held, states.saved_bytes[js] - states.saved_bytes[ks]), 1.0)
         return _Reach(ks, offsets, states.size_layers(), x, p, r_mem)
 
     def need(self, cap: int, m: int, bandwidth: float, tau: float, alpha: float) -> FloatArray:
@@ -207,7 +199,7 @@ class _Box:
 
 def solve_synchronous(
     states: StateSet, units: int, bandwidth: float, m: int, cap: int, steps: int = MAX_STEPS,
-    memory: Memory | None = None,
+    memory: MemoryLimit | None = None,
 ) -> tuple[float, list[Segment], float] | None:  # fmt: skip
     """The plan minimising the synchronous time per minibatch over the states, by branch and bound.
 

@@ -38,16 +38,26 @@ def test_pipedream_activation_bound() -> None:
 
 def test_memory_per_schedule() -> None:
     cluster = Cluster.flat(3)
-    # pipedream: stage 0 holds ceil(3/2) = 2 minibatches: 2P (weights+grads) + 1 stashed P + 2 activations
+    # pipedream: stage 0 holds ceil(3/2) = 2 minibatches: 2P (weights+grads) + 2 snapshots P (one per
+    # version in flight, beside the live weights) + 2 activations
     pd = evaluate(THREE, cluster, ["l0"], [2, 1])
-    assert pd.stages[0].memory_bytes == 2_000_000 + 1_000_000 + 2 * 4_000_000
+    assert pd.stages[0].memory_bytes == 2_000_000 + 2 * 1_000_000 + 2 * 4_000_000
     adam = evaluate(THREE, cluster, ["l0"], [2, 1], optimizer="adam")
-    assert adam.stages[0].memory_bytes == 4_000_000 + 1_000_000 + 2 * 4_000_000
-    # 1f1b with M=4: min(2 - 0, 4) = 2 microbatches of 4e6/(4*2) each
+    assert adam.stages[0].memory_bytes == 4_000_000 + 2 * 1_000_000 + 2 * 4_000_000
+    # the last stage holds one minibatch: no snapshot
+    assert pd.stages[1].memory_bytes == 2 * 2_000_000 + 1_000_000 + 0
+    # 1f1b with M=4: min(2 - 0, 4) = 2 microbatches of 4e6/(4*2) each; each replica runs 2 of the 4
+    # microbatches, so it accumulates: l0's gradient (1 MB) beside the sum
     f1b = evaluate(THREE, cluster, ["l0"], [2, 1], "1f1b", 4)
-    assert f1b.stages[0].memory_bytes == 2_000_000 + 2 * 4_000_000 // 8
+    assert f1b.stages[0].memory_bytes == 2_000_000 + 1_000_000 + 2 * 4_000_000 // 8
     gp = evaluate(THREE, cluster, ["l0"], [2, 1], "gpipe", 4)
-    assert gp.stages[0].memory_bytes == 2_000_000 + 4 * 4_000_000 // 8
+    assert gp.stages[0].memory_bytes == 2_000_000 + 1_000_000 + 4 * 4_000_000 // 8
+    # zb1p's W computes the whole stage's weight gradients before adding them: P as well here
+    zb = evaluate(THREE, cluster, ["l1"], [1, 1], "zb1p", 2)
+    assert zb.stages[1].memory_bytes == 2 * 2_000_000 + 2_000_000 + 2 * 0 // 2
+    # two microbatches on two replicas: nothing to accumulate
+    two = evaluate(THREE, cluster, ["l0"], [2, 1], "1f1b", 2)
+    assert two.stages[0].memory_bytes == 2_000_000 + 2 * 4_000_000 // 4
 
 
 def test_synchronous_time_hand_checked() -> None:
@@ -135,8 +145,9 @@ def test_weight_copies_count_against_the_memory_limit(schedule: str, copies: int
 
     one = make_profile([(10, 20, 0, 1_000_000)], [])
     cast = _with_casts(one, {"l0": 100_000})
-    # one device, 4 microbatches: 2P (weights + gradients) + a copy per microbatch in flight
-    need = 2 * 1_000_000 + copies * 100_000
+    # one device, 4 microbatches: 2P (weights + gradients) + P (a later microbatch's gradient beside
+    # the sum) + a copy per microbatch in flight
+    need = 3 * 1_000_000 + copies * 100_000
     assert with_forward_copies(with_forward_copies(cast, 4), 4) == with_forward_copies(cast, 4)
     assert with_forward_copies(one, 4) is one
     assert solve(cast, Cluster.flat(1, memory_bytes=need), schedule, 4).stages[0].memory_bytes == need

@@ -32,40 +32,43 @@ def test_price_stage_by_hand() -> None:
     s0, s1 = stage_loads(THREE, [("x", "l0"), ("l1", "l2")])
     assert (s0.forward_s, s0.input_bytes, s1.forward_s, s1.input_bytes) == (0.010, 1000, 0.020, 4_000_000)
     # 1f1b, M=4, replicas (2, 1). Stage 0 holds min(2, 4) = 2 microbatches of 1/(4*2) of a minibatch:
-    # kept 2P + 2*4e6/8 = 3e6; recomputing, 2P + (2 inputs of 1000 + one item's 4e6) / 8, and +10 ms
+    # kept 2P + P (a replica runs 2 of the 4 microbatches: l0's gradient beside the sum) + 2*4e6/8 = 4e6;
+    # recomputing, 3P + (2 inputs of 1000 + one item's 4e6) / 8, and +10 ms
     kept = price_stage(s0, "1f1b", 0, (2, 1), 4, "sgd", recompute=False)
     redo = price_stage(s0, "1f1b", 0, (2, 1), 4, "sgd", recompute=True)
-    assert (kept.compute_s, kept.memory_bytes) == (pytest.approx(0.030), 3_000_000)
-    assert (redo.compute_s, redo.memory_bytes) == (pytest.approx(0.040), 2_000_000 + 500_250)
-    # stage 1 holds 1 microbatch of 1/4: recomputing keeps its 4 MB input, more than its 1 MB saved
+    assert (kept.compute_s, kept.memory_bytes) == (pytest.approx(0.030), 4_000_000)
+    assert (redo.compute_s, redo.memory_bytes) == (pytest.approx(0.040), 3_000_000 + 500_250)
+    # stage 1 holds 1 microbatch of 1/4: recomputing keeps its 4 MB input, more than its 1 MB saved;
+    # it accumulates l2's 2 MB gradient
     redo1 = price_stage(s1, "1f1b", 1, (2, 1), 4, "sgd", recompute=True)
-    assert (redo1.compute_s, redo1.memory_bytes) == (pytest.approx(0.080), 4_000_000 + 5_000_000 // 4)
-    # pipedream: stage 0 holds ceil(3/2) = 2 minibatches and one stashed version
+    assert redo1.compute_s == pytest.approx(0.080)
+    assert redo1.memory_bytes == 4_000_000 + 2_000_000 + 5_000_000 // 4
+    # pipedream: stage 0 holds ceil(3/2) = 2 minibatches and a weight snapshot for each
     pd = price_stage(s0, "pipedream", 0, (2, 1), 1, "sgd", recompute=True)
-    assert pd.memory_bytes == 2_000_000 + 1_000_000 + 2 * 1000 + 4_000_000
+    assert pd.memory_bytes == 2_000_000 + 2 * 1_000_000 + 2 * 1000 + 4_000_000
 
 
 def test_plan_of_recomputing_stages_by_hand() -> None:
     plan = evaluate(THREE, Cluster.flat(3), ["l0"], [2, 1], "1f1b", 4, recompute="all")
     assert [s.recompute for s in plan.stages] == [True, True]
     assert [s.compute_s for s in plan.stages] == [pytest.approx(0.040), pytest.approx(0.080)]
-    assert [s.memory_bytes for s in plan.stages] == [2_500_250, 5_250_000]
+    assert [s.memory_bytes for s in plan.stages] == [3_500_250, 7_250_000]  # (with the accumulated gradient)
     # per microbatch: 0.040/8 + cut 2*4e6/(1e9*2)/4 = 0.006 and 0.080/4 = 0.020; + 3 * 0.020 + 0.002
     assert plan.predicted.time_per_minibatch_s == pytest.approx(0.088)
     assert plan.extra["recompute"] == "all"
 
 
 def test_auto_recomputes_exactly_the_stages_over_the_limit() -> None:
-    # pipedream [2, 1]: stage 0 kept 11e6, recomputing 7.002e6; stage 1 kept 5e6, recomputing 9e6
+    # pipedream [2, 1]: stage 0 kept 12e6, recomputing 8.002e6; stage 1 kept 5e6, recomputing 9e6
     def flags(limit: int | None) -> list[bool]:
         plan = evaluate(THREE, Cluster.flat(3, memory_bytes=limit), ["l0"], [2, 1], recompute="auto")
         return [s.recompute for s in plan.stages]
 
     assert flags(None) == [False, False]
-    assert flags(11_000_000) == [False, False]
-    assert flags(10_999_999) == [True, False]
+    assert flags(12_000_000) == [False, False]
+    assert flags(11_999_999) == [True, False]
     with pytest.raises(InfeasibleError):
-        flags(7_001_999)
+        flags(8_001_999)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "pipedream"])
