@@ -36,6 +36,17 @@ def test_interleaved_plan_lays_stages_on_ranks_s_mod_gpus(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
+def test_a_planned_stage_without_weights_trains(tmp_path: Path) -> None:
+    """tiny-mlp (5 layers, unmeasured) in 4 stages: one of them is an activation alone."""
+    code, out, _ = _partition(tmp_path, "--schedule", "interleaved", "--microbatches", "4")
+    assert code == 0, out
+    pkg = tmp_path / "m" / "tiny-mlp" / "gpus=2"
+    assert any(not any(n.startswith("fc") for n in s.nodes) for s in load_plan(pkg / "plan.json").stages)
+    result = CliRunner().invoke(main, ["run", str(pkg), "--steps", "2", "--timeout", "30"])
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.slow
 def test_interleaved_package_with_a_skip_across_chunks_runs(tmp_path: Path) -> None:
     """tiny-skip cut so that stage 0 (rank 0) sends to stage 1 and, skipping, to stage 3 (both on
     rank 1): two streams between one pair of ranks, in different orders."""
