@@ -103,3 +103,15 @@ def test_bad_interleaved_requests_are_refused() -> None:
         solve(profile, Cluster.flat(4), "interleaved", 4, virtual_stages=2)
     with pytest.raises(PlanError, match="one device each"):
         evaluate(profile, Cluster.flat(3), cuts[:1], [2, 1], "interleaved", 4, virtual_stages=2)
+
+
+def test_a_device_holds_all_its_chunks_against_the_memory_limit() -> None:
+    from partitioner.errors import InfeasibleError
+
+    profile = make_profile([(10, 20, 4000, 10_000)] * 8, [(i, i + 1) for i in range(7)])
+    plan = solve(profile, Cluster.flat(2), "interleaved", 4, virtual_stages=2)
+    per_device = [sum(s.memory_bytes for s in plan.stages if s.ranks == (r,)) for r in range(2)]
+    assert max(per_device) > max(s.memory_bytes for s in plan.stages)
+    solve(profile, Cluster.flat(2, memory_bytes=max(per_device)), "interleaved", 4, virtual_stages=2)
+    with pytest.raises(InfeasibleError, match="fewer --virtual-stages"):
+        solve(profile, Cluster.flat(2, memory_bytes=max(per_device) - 1), "interleaved", 4, virtual_stages=2)
