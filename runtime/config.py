@@ -311,6 +311,8 @@ def _check_interleaved(job: JobConfig) -> None:
             "--schedule interleaved runs without replicas (every rank already hosts a slice of every part "
             "of the pipeline); partition with --schedule interleaved, or pick 1f1b for replicated stages"
         )
+    if job.virtual_stages > 1 and job.world_size < 2:
+        raise RunError("--schedule interleaved with several stages per rank needs at least 2 ranks")
     if job.ties or job.precision == "fp16":
         raise RunError(
             "--schedule interleaved does not run tied weights across stages or --precision fp16 "

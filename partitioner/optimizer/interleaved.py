@@ -25,7 +25,10 @@ __all__ = ["check_virtual", "interleaved_specs", "solve_interleaved"]
 
 
 def check_virtual(gpus: int, virtual: int, microbatches: int) -> None:
-    """What the runtime can play: ``microbatches`` a multiple of ``gpus`` when ``virtual`` > 1."""
+    """What the runtime can play: at least 2 GPUs (a rank does not send to itself) and
+    ``microbatches`` a multiple of ``gpus`` when ``virtual`` > 1."""
+    if virtual > 1 and gpus < 2:
+        raise PlanError("--schedule interleaved with --virtual-stages > 1 needs at least 2 GPUs")
     try:
         check_interleaved(gpus, virtual, microbatches)
     except ScheduleError as exc:

@@ -75,6 +75,9 @@ def test_interleaved_refuses_replicas_and_odd_microbatches(tmp_path: Path) -> No
         load_job(pkg, schedule="interleaved", microbatches=3)
     with pytest.raises(RunError, match="only --schedule interleaved runs"):
         load_job(pkg, schedule="1f1b")
+    one = write_package(tmp_path / "one", "chain", (1,) * 2, microbatches=2, batch_size=4, virtual=2)
+    with pytest.raises(RunError, match="at least 2 ranks"):
+        load_job(one, schedule="interleaved")
     from runtime.launch import check_launch
     from runtime.options import RunOptions
 

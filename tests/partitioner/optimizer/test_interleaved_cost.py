@@ -99,6 +99,8 @@ def test_bad_interleaved_requests_are_refused() -> None:
     profile, cuts = _even(4)
     with pytest.raises(PlanError, match="multiple of the 2 ranks"):
         solve(profile, Cluster.flat(2), "interleaved", 3, virtual_stages=2)
+    with pytest.raises(PlanError, match="at least 2 GPUs"):
+        solve(profile, Cluster.flat(1), "interleaved", 4, virtual_stages=2)
     with pytest.raises(PlanError, match="needs 8 stages"):
         solve(profile, Cluster.flat(4), "interleaved", 4, virtual_stages=2)
     with pytest.raises(PlanError, match="one device each"):
