@@ -572,8 +572,8 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
     "input and weight gradients, the weight half deferred into the bubbles (about a third of 1f1b's "
     "bubble; every stage holds up to min(stages, microbatches) microbatches' activations); interleaved: "
     "Megatron's virtual stages, GPUs x --virtual-stages stages of one GPU, stage s on GPU s mod GPUs, "
-    "bubble (GPUs-1)/(V x microbatches); auto (interleaved among them at 2 virtual stages, where the "
-    "microbatches are a multiple of the GPUs): the "
+    "bubble (GPUs-1)/(V x microbatches); auto (interleaved among them at the fastest of 2, 3 or 4 "
+    "virtual stages, where the microbatches are a multiple of the GPUs): the "
     "fastest predicted of them all, each searched at --microbatches, with a table of each one's best plan "
     "(pipedream among them trains asynchronously, on gradients of weights a few minibatches old).",
 )
