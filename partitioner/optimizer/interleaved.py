@@ -5,14 +5,17 @@ A first version, not an exact search: the cuts come from candidates priced under
 cost model (:func:`partitioner.optimizer.cost.interleaved_time`) and the fastest that fits memory
 wins. The candidates are the exact straight 1f1b search over ``gpus * v`` devices (balanced stages,
 which interleaved also wants: its time is driven by each rank's sum of chunks and the slowest
-stage) and torchgpipe's time-balanced split into ``gpus * v`` stages. An exact search would price
-the rank sums inside the DP; it does not exist yet.
+stage), when it uses all of them, and the contiguous splits of the layers' topological order:
+every one where they are few (:data:`EVERY_SPLIT_MAX`), else torchgpipe's time-balanced split
+hill-climbed one layer at a time under interleaved's model. An exact search over every downset
+would price the rank sums inside the DP; it does not exist yet.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
-from itertools import pairwise
+from itertools import combinations, pairwise
 
 from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile
@@ -21,7 +24,16 @@ from partitioner.optimizer.build import StageSpec, assemble
 from partitioner.plan import Cluster, Plan, SolverInfo
 from runtime.schedule import ScheduleError, check_interleaved
 
-__all__ = ["check_virtual", "interleaved_specs", "solve_interleaved"]
+__all__ = ["REFINE_PRICINGS", "check_virtual", "interleaved_specs", "solve_interleaved"]
+
+REFINE_PRICINGS = 200
+"""Plans the hill climb from the time-balanced cuts prices at most (about a millisecond each on a
+hundred-layer profile)."""
+
+EVERY_SPLIT_MAX = 300
+"""Up to this many contiguous splits of the layers' order, every one is priced instead of the climb:
+the best contiguous split (on random 5-9 layer chains the climb is 1.04x it at the median, 1.13x at
+worst; the plain time-balanced split 1.09x and 1.38x)."""
 
 
 def check_virtual(gpus: int, virtual: int, microbatches: int) -> None:
@@ -40,16 +52,45 @@ def interleaved_specs(groups: Sequence[Sequence[str]], gpus: int) -> list[StageS
     return [StageSpec(tuple(nodes), 1, (s % gpus,)) for s, nodes in enumerate(groups)]
 
 
-def _time_balanced(profile: Profile, parts: int) -> list[tuple[str, ...]]:
-    """Contiguous slices of the topological order with balanced compute (inputs on the first stage,
-    the output marker on the last)."""
+def _time_balanced(profile: Profile, parts: int) -> list[int]:
+    """Bounds of ``parts`` contiguous slices of the layers' topological order with balanced compute."""
+    return balanced_cuts([n.compute_ms for n in profile.layers], parts)
+
+
+def _groups(profile: Profile, bounds: Sequence[int]) -> list[tuple[str, ...]]:
+    """The slices ``bounds`` cut the layers into, the inputs on the first and the output marker on
+    the last (a slice of a topological order only reads earlier slices)."""
     layers = list(profile.layers)
-    bounds = balanced_cuts([n.compute_ms for n in layers], parts)
     groups = [tuple(n.id for n in layers[a:b]) for a, b in pairwise(bounds)]
     inputs = tuple(n.id for n in profile.nodes if n.op == "input")
     outputs = tuple(n.id for n in profile.nodes if n.op == "output")
     groups[-1] += outputs
     return [inputs + groups[0], *groups[1:]]
+
+
+def _refined(bounds: list[int], price: Callable[[list[int]], Plan | None], budget: int) -> Plan | None:
+    """Hill-climb the inner bounds one layer at a time while the priced time falls, at most
+    ``budget`` pricings: interleaved's time is set by each GPU's sum of chunks and the slowest stage,
+    which a split balanced stage by stage (and blind to cut traffic) need not minimise."""
+    best = price(bounds)
+    if best is None:
+        return None
+    spent, moved = 1, True
+    while moved and spent < budget:
+        moved = False
+        for i in range(1, len(bounds) - 1):
+            for step in (-1, 1):
+                trial = [*bounds[:i], bounds[i] + step, *bounds[i + 1 :]]
+                if not trial[i - 1] < trial[i] < trial[i + 1] or spent >= budget:
+                    continue
+                spent += 1
+                plan = price(trial)
+                if (
+                    plan is not None
+                    and plan.predicted.time_per_minibatch_s < best.predicted.time_per_minibatch_s
+                ):
+                    best, bounds, moved = plan, trial, True
+    return best
 
 
 def solve_interleaved(
@@ -75,28 +116,37 @@ def solve_interleaved(
     if len(profile.layers) < parts:
         raise PlanError(f"--virtual-stages {virtual} on {p} GPUs needs {parts} stages, the model has "
                         f"{len(profile.layers)} layers")  # fmt: skip
+    errors: list[InfeasibleError] = []
+
+    def price(name: str, groups: Sequence[Sequence[str]]) -> Plan | None:
+        info = SolverInfo(f"interleaved ({name} cuts)", 0.0, False)
+        try:
+            return assemble(profile, cluster, interleaved_specs(groups, p), "interleaved", microbatches,
+                            optimizer, info, activation_comm=activation_comm, recompute=recompute,
+                            virtual=virtual)  # fmt: skip
+        except InfeasibleError as exc:
+            errors.append(exc)
+            return None
+
     wide = Cluster.flat(parts, min(lv.bandwidth for lv in cluster.levels))
-    candidates = [("time-balanced", _time_balanced(profile, parts))]
+
+    def sliced(bounds: list[int]) -> Plan | None:
+        return price("time-balanced, refined", _groups(profile, bounds))
+
+    n = len(profile.layers)
+    if math.comb(n - 1, parts - 1) <= EVERY_SPLIT_MAX:
+        found = [price("every contiguous split", _groups(profile, [0, *cuts, n])) for cuts in
+                 combinations(range(1, n), parts - 1)]  # fmt: skip
+    else:
+        found = [_refined(_time_balanced(profile, parts), sliced, REFINE_PRICINGS)]
     try:
         one = straight(wide)
         if len(one.stages) == parts:
-            candidates.insert(0, ("straight 1f1b", [s.nodes for s in one.stages]))
+            found.append(price("straight 1f1b", [s.nodes for s in one.stages]))
     except InfeasibleError:
         pass
-    best: Plan | None = None
-    error: InfeasibleError | None = None
-    for name, groups in candidates:
-        info = SolverInfo(f"interleaved ({name} cuts)", 0.0, False)
-        specs = interleaved_specs(groups, p)
-        try:
-            plan = assemble(profile, cluster, specs, "interleaved", microbatches, optimizer, info,
-                            activation_comm=activation_comm, recompute=recompute,
-                            virtual=virtual)  # fmt: skip
-        except InfeasibleError as exc:
-            error = error or exc
-            continue
-        if best is None or plan.predicted.time_per_minibatch_s < best.predicted.time_per_minibatch_s:
-            best = plan
+    plans = [plan for plan in found if plan is not None]
+    best = min(plans, key=lambda plan: plan.predicted.time_per_minibatch_s, default=None)
     if best is None:
-        raise error or InfeasibleError("no interleaved plan fits")
+        raise errors[0] if errors else InfeasibleError("no interleaved plan fits")
     return best
