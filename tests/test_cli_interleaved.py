@@ -78,6 +78,8 @@ def test_interleaved_package_with_a_skip_across_chunks_runs(tmp_path: Path) -> N
         (["--schedule", "interleaved", "--microbatches", "3"], "multiple of the 2 ranks"),
         (["--schedule", "interleaved", "--virtual-stages", "4"], "needs 8 stages"),
         (["--schedule", "interleaved", "--virtual-stages", "0"], "must be >= 1"),
+        (["--schedule", "interleaved", "--explain"], "--explain does not support"),
+        (["--schedule", "interleaved", "--gpus", "1"], "at least 2 GPUs"),
     ],
 )
 def test_bad_interleaved_requests_exit_2_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:
