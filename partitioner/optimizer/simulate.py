@@ -193,31 +193,34 @@ def play_hosted(
 ) -> list[Event]:
     """Run every rank's list (``interleaved``: actions of several stages each) in order; an action
     waits for its rank and its input: the previous stage's forward (``link`` of that stage later),
-    or the next stage's backward (the last stage: its own forward). Steps are free (no replicas)."""
+    or the next stage's backward (the last stage: its own forward). Steps are free (no replicas).
+
+    Event-driven as :func:`_play_ranks`: a rank runs until an action's input is missing, and is
+    parked on that input until it exists, so the simulation is linear in the actions."""
     last = len(fwd) - 1
     done: dict[tuple[str, int, int], float] = {}
     free, pos = [0.0] * len(lists), [0] * len(lists)
+    parked: dict[tuple[str, int, int], list[int]] = {}
     events: list[Event] = []
-    moved = True
-    while moved:
-        moved = False
-        for r, acts in enumerate(lists):
-            while pos[r] < len(acts):
-                a, k = acts[pos[r]], acts[pos[r]].stage
-                if a.kind == "S":
-                    pos[r] += 1
-                    continue
+    ready = list(range(len(lists)))
+    while ready:
+        r = ready.pop()
+        acts = lists[r]
+        while pos[r] < len(acts):
+            a, k = acts[pos[r]], acts[pos[r]].stage
+            if a.kind != "S":
                 if a.kind == "F":
                     need, delay = ("F", k - 1, a.index), link[k - 1] if k else 0.0
                 else:
                     need, delay = (("B", k + 1, a.index), link[k]) if k < last else (("F", k, a.index), 0.0)
                 if need not in done and not (a.kind == "F" and k == 0):
+                    parked.setdefault(need, []).append(r)
                     break
                 start = max(free[r], done.get(need, 0.0) + delay)
                 free[r] = done[(a.kind, k, a.index)] = start + (fwd[k] if a.kind == "F" else bwd[k])
                 events.append(Event(k, a.kind, a.index, start, free[r]))
-                pos[r] += 1
-                moved = True
+                ready.extend(parked.pop((a.kind, k, a.index), []))
+            pos[r] += 1
     if any(p < len(acts) for p, acts in zip(pos, lists, strict=True)):
         raise PlanError("schedule deadlocks: an action waits for one that never runs")
     return events
