@@ -242,13 +242,13 @@ def _start_step(options: RunOptions, hosted: tuple[StageRuntime, ...]) -> tuple[
     step = found[0]
     if step is None or root is None:
         return 0, None
-    for each in hosted:
-        _load_stage(options, each, root, step)
-    return step, checkpoint.load_rank(root, step, rt.cfg.rank)["rng"]
+    saved = [_load_stage(options, each, root, step) for each in hosted]
+    return saved[0], checkpoint.load_rank(root, step, rt.cfg.rank)["rng"]
 
 
-def _load_stage(options: RunOptions, rt: StageRuntime, root: Path, step: int) -> None:
-    """One stage's model, optimizer, learning-rate schedule and loss scale at ``step``."""
+def _load_stage(options: RunOptions, rt: StageRuntime, root: Path, step: int) -> int:
+    """One stage's model, optimizer, learning-rate schedule and loss scale at ``step``; the step
+    its file records."""
     state = checkpoint.load_stage(root, step, rt.cfg.stage, rt.comm.device)
     check_resume(state.get("optim"), OptimSettings.of(options), step)
     rt.module.load_state_dict(state["model"])
@@ -257,8 +257,7 @@ def _load_stage(options: RunOptions, rt: StageRuntime, root: Path, step: int) ->
         rt.scheduler.load_state_dict(state["scheduler"])
     if rt.scaler is not None and state.get("scaler") is not None:
         rt.scaler.load_state_dict(state["scaler"])
-    if int(state["step"]) != step:
-        raise RunError(f"{root}/step-{step} holds stage {rt.cfg.stage} of step {state['step']}")
+    return int(state["step"])
 
 
 def _save(options: RunOptions, hosted: tuple[StageRuntime, ...], step: int) -> None:
