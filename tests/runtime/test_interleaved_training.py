@@ -64,6 +64,15 @@ def test_interleaved_with_three_chunks_and_adam(tmp_path: Path) -> None:
     assert all(len(r["step_compute_s"]) == len(r["step_times_s"]) == 2 for r in metrics["ranks"])
 
 
+def test_interleaved_routes_two_same_shaped_streams_between_one_pair_of_ranks(tmp_path: Path) -> None:
+    """Rank 0 sends stage 0's two outputs (one shape) to stage 1 and stage 3, both on rank 1, in
+    orders the ranks' lists do not share: only the per-stream tags keep them apart."""
+    pkg = write_package(tmp_path / "pkg", "skip4", (1,) * 4, microbatches=4, batch_size=8, virtual=2)
+    ckpt = tmp_path / "ckpt"
+    run(pkg, steps=2, schedule="interleaved", lr=0.1, momentum=0.9, checkpoint_dir=str(ckpt))
+    _assert_weights(ckpt, 2, plain_training(pkg, 2, 4, 8, lr=0.1, momentum=0.9), 4)
+
+
 def test_interleaved_refuses_replicas_and_odd_microbatches(tmp_path: Path) -> None:
     replicated = write_package(tmp_path / "rep", "chain", replicas=(2, 1), microbatches=4, batch_size=8)
     with pytest.raises(RunError, match="without replicas"):
