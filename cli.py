@@ -1176,7 +1176,8 @@ def _print_run_table(metrics: dict[str, Any], path: object) -> None:
         ranks.add_column(col, justify="right")
     for r in metrics["ranks"]:
         ranks.add_row(
-            *(str(r[k]) for k in ("rank", "stage")),
+            str(r["rank"]),
+            ",".join(map(str, r.get("hosted") or ())) or str(r["stage"]),
             *(f"{r[k]:.3f}" for k in ("compute_s", "comm_s", "idle_s")),
         )
     console = _console()

@@ -444,6 +444,7 @@ def _finish(options: RunOptions, hosted: tuple[StageRuntime, ...], clock: _Clock
         overflow_steps=tuple(rt.overflow_steps),
         skipped_steps=tuple(rt.skipped_steps),
         peak_memory_bytes=memory.peak_bytes,
+        hosted=tuple(each.cfg.stage for each in hosted) if len(hosted) > 1 else (),
     )
     gathered: list[Any] = [None] * rt.cfg.job.world_size
     dist.gather_object(

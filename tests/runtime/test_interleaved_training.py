@@ -43,6 +43,7 @@ def test_interleaved_on_2_ranks_gives_plain_gradients(tmp_path: Path) -> None:
             torch.testing.assert_close(grad, plain, rtol=1e-5, atol=1e-5, msg=f"stage{k}.{name}")
     assert metrics["schedule"] == "interleaved"
     assert metrics["world_size"] == 2
+    assert [list(r["hosted"]) for r in metrics["ranks"]] == [[0, 2], [1, 3]]
 
 
 def test_interleaved_on_4_ranks_trains_as_plain_training(tmp_path: Path) -> None:
