@@ -105,17 +105,11 @@ class OptimSettings:
             raise RunError(f"--clip-grad-norm must be a positive finite number, got {clip}")
 
     def check_schedule(self, schedule: str) -> None:
-        """Global clipping needs every stage's gradient of the same minibatch at the same moment
-        (and, as built, one stage per rank: its norm is one all-reduce per step)."""
+        """Global clipping needs every stage's gradient of the same minibatch at the same moment."""
         if self.clip_grad_norm is not None and schedule == "pipedream":
             raise RunError(
                 "--clip-grad-norm needs a synchronous schedule: under pipedream the stages step at "
                 "different times on gradients of different minibatches; use --schedule 1f1b or gpipe"
-            )
-        if self.clip_grad_norm is not None and schedule == "interleaved":
-            raise RunError(
-                "--clip-grad-norm is not supported under interleaved yet (a rank steps each of its "
-                "stages on its own); use --schedule 1f1b or zb1p to clip"
             )
 
     def record(self) -> dict[str, Any]:

@@ -149,6 +149,9 @@ class StageRuntime:
             and backward (the cost model's ``in_flight`` for pipedream).
         first_step: the first minibatch of the segment being played (pipedream's round-robin origin).
         pending: units whose B has run and whose W has not (zero-bubble schedules): what W needs.
+        clip_with: under ``interleaved``, on the rank's first chunk: every chunk of the rank, whose
+            gradients its step clips at once (all their backwards come before the rank's first
+            step); the other chunks have no ``clip``. Empty: clip this stage's own gradients.
         ends_minibatch: whether this runtime's step ends its rank's minibatch, and so marks the
             recorder's step: always, but under ``interleaved`` only the rank's last chunk's step does
             (its chunks share one recorder).
@@ -188,6 +191,7 @@ class StageRuntime:
     _split: frozenset[int] = frozenset()
     pending: dict[int, WeightWork] = field(default_factory=dict)
     ends_minibatch: bool = True
+    clip_with: tuple[StageRuntime, ...] = ()
 
     # ------------------------------------------------------------------ routing
     @functools.cached_property
@@ -445,7 +449,7 @@ class StageRuntime:
         skip = self._unscale(params, step) if self.scaler is not None else False
         if self.clip is not None and not skip:
             with self.recorder.span("clip", "comm"):
-                clip_grads(params, self.clip, self.comm)
+                clip_grads(self._clipped(params), self.clip, self.comm)
         covered = tuple(step + i for i, n in enumerate(ran) if n) if self.stash else (step,)
         with self.recorder.span(f"S{step}", "compute"):
             if not skip:
@@ -463,6 +467,13 @@ class StageRuntime:
         self.comm.era = self.version
         self.comm.retire(self.version - self._send_lag)
         self._report(covered, ran)
+
+    def _clipped(self, params: dict[str, nn.Parameter]) -> dict[str, nn.Parameter]:
+        """What :meth:`step` clips: this stage's parameters, or every hosted chunk's, named
+        ``<stage>/<name>`` as :attr:`clip_with`'s ``Clip`` counts them."""
+        if not self.clip_with:
+            return params
+        return {f"{rt.cfg.stage}/{n}": p for rt in self.clip_with for n, p in rt.module.named_parameters()}
 
     def _unscale(self, params: dict[str, nn.Parameter], step: int) -> bool:
         """Divide the gradients by the loss scale and move the scale; whether every rank skips ``step``

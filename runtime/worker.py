@@ -14,7 +14,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -180,6 +180,14 @@ def _build_hosted(
     hosted = (first, *rest)
     for rt in hosted[:-1]:
         rt.ends_minibatch = False
+    if first.clip is not None and rest:  # the rank's first step clips every chunk at once
+        names = {
+            f"{rt.cfg.stage}/{n}" for rt in hosted for n, p in rt.module.named_parameters() if p.requires_grad
+        }
+        first.clip = replace(first.clip, counted=frozenset(names))
+        first.clip_with = hosted
+        for rt in rest:
+            rt.clip = None
     return hosted
 
 
