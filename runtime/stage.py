@@ -149,9 +149,13 @@ class StageRuntime:
             and backward (the cost model's ``in_flight`` for pipedream).
         first_step: the first minibatch of the segment being played (pipedream's round-robin origin).
         pending: units whose B has run and whose W has not (zero-bubble schedules): what W needs.
-        clip_with: under ``interleaved``, on the rank's first chunk: every chunk of the rank, whose
-            gradients its step clips at once (all their backwards come before the rank's first
-            step); the other chunks have no ``clip``. Empty: clip this stage's own gradients.
+        chunks: under ``interleaved``, on the rank's first chunk: every chunk of the rank. Its step
+            does the rank's once-per-step work over all their gradients (all their backwards come
+            before the rank's first step): fp16's unscale and overflow vote, and clipping. Empty:
+            this stage's own gradients.
+        lead: under ``interleaved``, on the rank's other chunks: the first chunk, whose step decided
+            whether this step is skipped (fp16); they neither unscale nor clip.
+        skipping: whether the step being taken is skipped for an overflow (read by ``lead``'s chunks).
         ends_minibatch: whether this runtime's step ends its rank's minibatch, and so marks the
             recorder's step: always, but under ``interleaved`` only the rank's last chunk's step does
             (its chunks share one recorder).
@@ -191,7 +195,9 @@ class StageRuntime:
     _split: frozenset[int] = frozenset()
     pending: dict[int, WeightWork] = field(default_factory=dict)
     ends_minibatch: bool = True
-    clip_with: tuple[StageRuntime, ...] = ()
+    chunks: tuple[StageRuntime, ...] = ()
+    lead: StageRuntime | None = None
+    skipping: bool = False
 
     # ------------------------------------------------------------------ routing
     @functools.cached_property
@@ -442,14 +448,18 @@ class StageRuntime:
         """Sum gradients over replicas and ties, unscale them (fp16: every rank skips the step if one
         found an overflow), clip, step the optimizer and schedule, report the loss."""
         params = dict(self.module.named_parameters())
-        for p in params.values():
+        for p in self._rank_params(params).values():
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
         ran = self._sync_grads(params)
-        skip = self._unscale(params, step) if self.scaler is not None else False
+        if self.lead is not None:
+            skip = self.lead.skipping
+        else:
+            skip = self._unscale(self._rank_params(params), step) if self.scaler is not None else False
+            self.skipping = skip
         if self.clip is not None and not skip:
             with self.recorder.span("clip", "comm"):
-                clip_grads(self._clipped(params), self.clip, self.comm)
+                clip_grads(self._rank_params(params), self.clip, self.comm)
         covered = tuple(step + i for i, n in enumerate(ran) if n) if self.stash else (step,)
         with self.recorder.span(f"S{step}", "compute"):
             if not skip:
@@ -468,12 +478,12 @@ class StageRuntime:
         self.comm.retire(self.version - self._send_lag)
         self._report(covered, ran)
 
-    def _clipped(self, params: dict[str, nn.Parameter]) -> dict[str, nn.Parameter]:
-        """What :meth:`step` clips: this stage's parameters, or every hosted chunk's, named
-        ``<stage>/<name>`` as :attr:`clip_with`'s ``Clip`` counts them."""
-        if not self.clip_with:
+    def _rank_params(self, params: dict[str, nn.Parameter]) -> dict[str, nn.Parameter]:
+        """What :meth:`step` unscales and clips: this stage's parameters, or every chunk's of the
+        rank (:attr:`chunks`), named ``<stage>/<name>`` as the worker's ``Clip`` counts them."""
+        if not self.chunks:
             return params
-        return {f"{rt.cfg.stage}/{n}": p for rt in self.clip_with for n, p in rt.module.named_parameters()}
+        return {f"{rt.cfg.stage}/{n}": p for rt in self.chunks for n, p in rt.module.named_parameters()}
 
     def _unscale(self, params: dict[str, nn.Parameter], step: int) -> bool:
         """Divide the gradients by the loss scale and move the scale; whether every rank skips ``step``

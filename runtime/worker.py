@@ -180,14 +180,15 @@ def _build_hosted(
     hosted = (first, *rest)
     for rt in hosted[:-1]:
         rt.ends_minibatch = False
-    if first.clip is not None and rest:  # the rank's first step clips every chunk at once
+    if rest:  # the rank's first step unscales (fp16) and clips every chunk's gradients at once
+        first.chunks = hosted
+        for rt in rest:
+            rt.lead, rt.clip = first, None
+    if first.clip is not None and rest:
         names = {
             f"{rt.cfg.stage}/{n}" for rt in hosted for n, p in rt.module.named_parameters() if p.requires_grad
         }
         first.clip = replace(first.clip, counted=frozenset(names))
-        first.clip_with = hosted
-        for rt in rest:
-            rt.clip = None
     return hosted
 
 
@@ -233,8 +234,13 @@ def _build(
         else Recorder(cfg.rank, cfg.stage, trace=options.trace is not None),
         on_step=clock,
         precision=cfg.job.precision,
-        scaler=LossScaler(dist.group.WORLD) if cfg.job.precision == "fp16" else None,  # type: ignore[arg-type]
+        scaler=shared.scaler if shared else _scaler(cfg),
     )
+
+
+def _scaler(cfg: RankConfig) -> LossScaler | None:
+    """fp16's loss scaler (one per rank: its chunks share it under interleaved)."""
+    return LossScaler(dist.group.WORLD) if cfg.job.precision == "fp16" else None  # type: ignore[arg-type]
 
 
 def _start_step(options: RunOptions, hosted: tuple[StageRuntime, ...]) -> tuple[int, dict[str, Any] | None]:

@@ -74,6 +74,43 @@ def test_interleaved_routes_two_same_shaped_streams_between_one_pair_of_ranks(tm
     _assert_weights(ckpt, 2, plain_training(pkg, 2, 4, 8, lr=0.1, momentum=0.9), 4)
 
 
+def test_interleaved_fp16_trains_as_1f1b_fp16_with_one_loss_scale_per_rank(tmp_path: Path) -> None:
+    """The same 4 stages under fp16, 2 per rank (interleaved) and 1 per rank (1f1b): each rank's
+    first chunk unscales all its chunks' gradients and votes once; the results agree."""
+    kinds = {"inter": ("interleaved", 2), "plain": ("1f1b", 1)}
+    got = {}
+    for name, (schedule, virtual) in kinds.items():
+        pkg = write_package(tmp_path / name, "chain", (1,) * 4, microbatches=4, batch_size=8, virtual=virtual)
+        ckpt = tmp_path / f"{name}-ckpt"
+        metrics = run(pkg, steps=3, schedule=schedule, lr=0.1, precision="fp16", checkpoint_dir=str(ckpt))
+        got[name] = ([stage_state(ckpt, 3, k) for k in range(4)], metrics)
+    for k in range(4):
+        for key, want in got["plain"][0][k].items():
+            torch.testing.assert_close(got["inter"][0][k][key], want, rtol=1e-6, atol=1e-6, msg=f"{k}.{key}")
+    scales = {r["loss_scale"] for m in (got["inter"][1], got["plain"][1]) for r in m["ranks"]}
+    assert len(scales) == 1 and got["inter"][1]["precision"] == "fp16"
+
+
+def test_an_inf_in_one_chunk_skips_the_step_for_every_chunk_of_every_rank(tmp_path: Path) -> None:
+    """Stage 0 (rank 0's first chunk) writes an inf into its gradient at step 2: rank 0 votes once
+    for both its chunks, so all four stages skip step 2 and step again at 3."""
+    import textwrap
+
+    from tests.runtime.test_precision import _POISONED_STAGE0
+
+    pkg = write_package(tmp_path / "pkg", "chain", (1,) * 4, microbatches=2, batch_size=4, virtual=2)
+    (pkg / "stage0.py").write_text(textwrap.dedent(_POISONED_STAGE0).lstrip())
+    ckpt = tmp_path / "ckpt"
+    metrics = run(pkg, steps=4, schedule="interleaved", lr=0.1, precision="fp16", checkpoint_dir=str(ckpt),
+                  checkpoint_every=1)  # fmt: skip
+    assert [list(r["skipped_steps"]) for r in metrics["ranks"]] == [[2], [2]]
+    assert [list(r["overflow_steps"]) for r in metrics["ranks"]] == [[2], []]
+    for stage in range(4):
+        before, skipped, after = (stage_state(ckpt, s, stage) for s in (1, 2, 3))
+        assert all(torch.equal(before[n], skipped[n]) for n in before), f"stage {stage} stepped at 2"
+        assert not all(torch.equal(skipped[n], after[n]) for n in skipped), f"stage {stage} froze at 3"
+
+
 def test_interleaved_refuses_replicas_and_odd_microbatches(tmp_path: Path) -> None:
     replicated = write_package(tmp_path / "rep", "chain", replicas=(2, 1), microbatches=4, batch_size=8)
     with pytest.raises(RunError, match="without replicas"):
