@@ -495,6 +495,22 @@ def _check_package_options(profile: Any, weights: str | None, init: str) -> None
         raise PlanError(f"--weights {weights}: no such file; give a torch.save(model.state_dict()) file")
 
 
+def _virtual_stages(schedule: str, virtual: int | None, explain: bool) -> int:
+    """--virtual-stages: 2 by default under interleaved, refused elsewhere (and --explain, whose
+    baselines are not laid out in virtual stages)."""
+    from partitioner.errors import PlanError
+
+    if schedule != "interleaved":
+        if virtual is not None:
+            raise PlanError(f"--virtual-stages needs --schedule interleaved, not {schedule}")
+        return 1
+    if virtual is not None and virtual < 1:
+        raise PlanError(f"--virtual-stages must be >= 1, got {virtual}")
+    if explain:
+        raise PlanError("--explain does not support --schedule interleaved yet; drop one of them")
+    return 2 if virtual is None else virtual
+
+
 def _check_replicas(plan: Any) -> None:
     """Refuse a plan whose replicas cannot all get a sample: the cost model divides a minibatch's time
     by the replicas as if samples were endlessly divisible (100000 GPUs at batch 8: "97742x")."""
@@ -548,13 +564,16 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
 )
 @click.option(
     "--schedule",
-    type=click.Choice(["pipedream", "1f1b", "gpipe", "zb1p", "auto"]),
+    type=click.Choice(["pipedream", "1f1b", "gpipe", "zb1p", "interleaved", "auto"]),
     default="pipedream",
     show_default=True,
     help="pipedream: asynchronous 1F1B with weight stashing (slowest stage sets the pace); 1f1b, gpipe: "
     "synchronous, a flush per minibatch; zb1p: zero bubble (ZB-H1), 1f1b with each backward split into "
     "input and weight gradients, the weight half deferred into the bubbles (about a third of 1f1b's "
-    "bubble; every stage holds up to min(stages, microbatches) microbatches' activations); auto: the "
+    "bubble; every stage holds up to min(stages, microbatches) microbatches' activations); interleaved: "
+    "Megatron's virtual stages, GPUs x --virtual-stages stages of one GPU, stage s on GPU s mod GPUs, "
+    "bubble (GPUs-1)/(V x microbatches); auto (interleaved among them at the fastest of 2, 3 or 4 "
+    "virtual stages, where the microbatches are a multiple of the GPUs): the "
     "fastest predicted of them all, each searched at --microbatches, with a table of each one's best plan "
     "(pipedream among them trains asynchronously, on gradients of weights a few minibatches old).",
 )
@@ -562,7 +581,14 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
     "--microbatches",
     type=int,
     default=None,
-    help="Microbatches per minibatch (1f1b, gpipe, zb1p) [default: 4].",
+    help="Microbatches per minibatch (1f1b, gpipe, zb1p, interleaved) [default: 4; interleaved: GPUs x 2].",
+)
+@click.option(
+    "--virtual-stages",
+    "virtual",
+    type=int,
+    default=None,
+    help="With --schedule interleaved: stages per GPU (Megatron's virtual stages)  [default: 2].",
 )
 @click.option("--optimizer", type=click.Choice(["sgd", "momentum", "adam", "adamw"]), default="sgd",
               show_default=True, help="Training optimizer, for the memory model: state kept per weight byte "
@@ -621,8 +647,9 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
 @user_errors
 def partition(
     profile_path: str | None, gpus: int | None, topology: str | None, bandwidth: str | None,
-    memory: str | None, host_cores: int | None, schedule: str, microbatches: int | None, optimizer: str,
-    straight: bool, recompute: str, solver: str, cuts: str | None, replicas: str | None, explain: bool,
+    memory: str | None, host_cores: int | None, schedule: str, microbatches: int | None, virtual: int | None,
+    optimizer: str, straight: bool, recompute: str, solver: str, cuts: str | None, replicas: str | None,
+    explain: bool,
     trace_path: str | None, batch_size: int | None, no_comm: bool, weights: str | None, init: str,
     as_json: bool, output: str,
 ) -> None:  # fmt: skip
@@ -633,6 +660,7 @@ def partition(
       pipeplan partition --gpus 4
       pipeplan partition --profile graph.txt --topology 4,4 --bandwidth 4294967296,1250000000
       pipeplan partition --gpus 4 --cuts features.30,classifier.3 --replicas 3,1
+      pipeplan partition --gpus 4 --schedule interleaved --virtual-stages 2 --microbatches 8
     """
     import json
     import re
@@ -662,6 +690,9 @@ def partition(
     profile = with_update_time(profile, optimizer)
     cluster = _cpu_hosts(_cluster(gpus, topology, bandwidth, memory), profile, host_cores)
     micro = microbatches if microbatches is not None else (1 if schedule == "pipedream" else 4)
+    v = _virtual_stages(schedule, virtual, explain)
+    if schedule == "interleaved" and microbatches is None and v > 1:
+        micro = 2 * cluster.gpus  # a multiple of the GPUs, as Megatron's order needs
     auto_table = None
     if (cuts is None) != (replicas is None):
         raise PlanError("--cuts and --replicas go together: give both, or neither")
@@ -674,13 +705,17 @@ def partition(
     if cuts is not None and replicas is not None:
         layers = [c.strip() for c in cuts.split(",") if c.strip()]
         counts = parse_int_list(replicas, "--replicas")
-        plan = evaluate(profile, cluster, layers, counts, schedule, micro, optimizer, not no_comm, recompute)
+        plan = evaluate(
+            profile, cluster, layers, counts, schedule, micro, optimizer, not no_comm, recompute, v
+        )
     elif schedule == "auto":
         choice = _auto(profile, cluster, micro, optimizer, straight, solver, not no_comm, recompute)
         auto_table = _auto_table(choice.times, choice.plan.schedule, micro)
         plan, schedule, micro = choice.plan, choice.plan.schedule, choice.plan.microbatches
     else:
-        plan = solve(profile, cluster, schedule, micro, optimizer, straight, solver, not no_comm, recompute)
+        plan = solve(
+            profile, cluster, schedule, micro, optimizer, straight, solver, not no_comm, recompute, v
+        )
     _check_replicas(plan)
     plan = replace(plan, profile=str(path), precision=profile.precision)
     name = profile.model if profile.tracer == "pipedream" else _model_name(profile.model)
@@ -728,10 +763,9 @@ def _auto(
     recompute: str,
 ) -> Any:  # fmt: skip
     """--schedule auto: every schedule's best plan (pipedream left out of an fp16 profile's)."""
-    from partitioner.optimizer.auto import solve_auto
-    from partitioner.plan import SCHEDULES
+    from partitioner.optimizer.auto import AUTO_SCHEDULES, solve_auto
 
-    names = [s for s in SCHEDULES if not (s == "pipedream" and profile.precision == "fp16")]
+    names = [s for s in AUTO_SCHEDULES if not (s == "pipedream" and profile.precision == "fp16")]
     return solve_auto(profile, cluster, micro, optimizer, straight, solver, comm, recompute, names)
 
 
@@ -938,9 +972,11 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 @click.option("--epochs", type=click.IntRange(min=1), help="Passes over the data (default 1) if no --steps.")
 @click.option("--batch-size", type=click.IntRange(min=1), help="Samples per minibatch [plan.json].")
 @click.option("--microbatches", type=click.IntRange(min=1), help="Microbatches per minibatch [plan.json].")
-@click.option("--schedule", type=click.Choice(["pipedream", "1f1b", "gpipe", "zb1p"]),
+@click.option("--schedule", type=click.Choice(["pipedream", "1f1b", "gpipe", "zb1p", "interleaved"]),
               help="[plan.json] zb1p: zero bubble H1, each backward split in B (input gradients, "
-              "sent at once) and W (weight gradients, run later in the bubbles); exact as 1f1b.")  # fmt: skip
+              "sent at once) and W (weight gradients, run later in the bubbles); exact as 1f1b. "
+              "interleaved: Megatron's virtual stages, for a package partitioned with --schedule "
+              "interleaved (several stages per rank); gloo only.")  # fmt: skip
 @click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default="auto", show_default=True,
               help="auto: nccl when the ranks have GPUs, gloo on CPU.")  # fmt: skip
 @click.option("--data", default="synthetic", show_default=True,
@@ -1140,7 +1176,8 @@ def _print_run_table(metrics: dict[str, Any], path: object) -> None:
         ranks.add_column(col, justify="right")
     for r in metrics["ranks"]:
         ranks.add_row(
-            *(str(r[k]) for k in ("rank", "stage")),
+            str(r["rank"]),
+            ",".join(map(str, r.get("hosted") or ())) or str(r["stage"]),
             *(f"{r[k]:.3f}" for k in ("compute_s", "comm_s", "idle_s")),
         )
     console = _console()

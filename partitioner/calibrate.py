@@ -63,6 +63,11 @@ def load_run_times(path: str | os.PathLike[str]) -> RunTimes:
         raise PipeplanError(f"cannot read {source}: {exc}") from exc
     if not isinstance(doc, dict) or doc.get("schema") != "pipeplan.metrics/1" or not doc.get("stages"):
         raise PipeplanError(f"{source} is not a pipeplan metrics.json with per-stage times")
+    if doc.get("schedule") == "interleaved":
+        raise PipeplanError(
+            f"{source} is an interleaved run, whose ranks each time several stages together; calibrate "
+            "from a 1f1b run of the same model"
+        )
     stage_s = {int(s["stage"]): float(s["compute_s_per_minibatch"]) for s in doc["stages"]}
     rate, step = doc.get("samples_per_s"), doc.get("time_per_minibatch_s")
     batch = doc.get("batch_size") or (round(rate * step) if rate and step else None)

@@ -179,7 +179,10 @@ def with_ranks(plan: Plan) -> Plan:
         if len(s.ranks) != s.replicas:
             raise PlanError(f"stage {s.index} has {s.replicas} replicas but ranks {list(s.ranks)}")
     ranks = sorted(r for s in plan.stages for r in s.ranks)
-    if ranks != list(range(len(ranks))):
+    if plan.virtual_stages > 1:  # interleaved: stage s alone on rank s mod gpus
+        if [s.ranks for s in plan.stages] != [(k % plan.gpus,) for k in range(len(plan.stages))]:
+            raise PlanError(f"interleaved stages must lie on ranks s mod {plan.gpus}, got {ranks}")
+    elif ranks != list(range(len(ranks))):
         raise PlanError(f"stage ranks must use 0..{len(ranks) - 1} once each, got {ranks}")
     return plan
 

@@ -37,8 +37,8 @@ __all__ = [
 ]
 
 PLAN_SCHEMA = "pipeplan.plan/1"
-Schedule = Literal["pipedream", "1f1b", "gpipe", "zb1p"]
-SCHEDULES: tuple[str, ...] = ("pipedream", "1f1b", "gpipe", "zb1p")
+Schedule = Literal["pipedream", "1f1b", "gpipe", "zb1p", "interleaved"]
+SCHEDULES: tuple[str, ...] = ("pipedream", "1f1b", "gpipe", "zb1p", "interleaved")
 OPTIMIZERS: tuple[str, ...] = ("sgd", "momentum", "adam", "adamw")
 
 
@@ -185,6 +185,8 @@ class Plan:
         extra: anything else worth keeping (inputs, loss convention, ...).
         precision: ``fp32``, ``bf16`` or ``fp16``: what the profile was measured in and ``pipeplan
             run`` trains in by default (autocast; float32 weights either way).
+        virtual_stages: stages per device: 1, or ``v`` under ``interleaved`` (Megatron's virtual
+            stages: ``gpus * v`` stages, stage ``s`` on rank ``s mod gpus``).
     """
 
     gpus: int
@@ -201,6 +203,7 @@ class Plan:
     ties: tuple[Tie, ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
     precision: str = "fp32"
+    virtual_stages: int = 1
 
     @property
     def gap(self) -> float | None:
@@ -221,6 +224,8 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
     doc: dict[str, Any] = {"schema": PLAN_SCHEMA}
     doc.update(asdict(plan))
     doc["extra"] = dict(plan.extra)
+    if plan.virtual_stages == 1:  # only interleaved plans say it (older readers never see the field)
+        del doc["virtual_stages"]
     return doc
 
 
@@ -253,6 +258,7 @@ def plan_from_json(doc: Mapping[str, Any], source: str = "plan") -> Plan:
                 for t in doc.get("ties", ())
             ),
             extra=dict(doc.get("extra", {})),
+            virtual_stages=int(doc.get("virtual_stages") or 1),  # plans from before interleaved: 1
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise PlanError(f"{source} is corrupt: bad or missing field {exc}") from exc

@@ -95,6 +95,10 @@ def decode_meta(text: str) -> tuple[TensorMeta, ...]:
     return tuple(TensorMeta(tuple(s), getattr(torch, d)) for s, d in json.loads(text))
 
 
+def _tags(tags: Sequence[int], messages: Sequence[object]) -> Sequence[int]:
+    return tags or [0] * len(messages)
+
+
 @dataclass(frozen=True)
 class Posted:
     """Receives of one action, posted and not yet waited for."""
@@ -138,27 +142,38 @@ class Comm:
             out[peer] = self._recv_meta(peer)
         return out
 
-    def _recv_meta(self, peer: int) -> tuple[TensorMeta, ...]:
+    def _recv_meta(self, peer: int, tag: int = 0) -> tuple[TensorMeta, ...]:
         with peer_errors(f"start-up receive from rank {peer}"):
             size = torch.zeros(1, dtype=torch.int64, device=self.device)
-            dist.recv(size, src=peer, group=self.group)
+            dist.recv(size, src=peer, group=self.group, tag=tag)
             buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=self.device)
-            dist.recv(buf, src=peer, group=self.group)
+            dist.recv(buf, src=peer, group=self.group, tag=tag)
         return decode_meta(bytes(buf.cpu().tolist()).decode())
 
-    def send_meta(self, peer: int, metas: Sequence[TensorMeta]) -> None:
-        """Tell ``peer`` what this rank will send it (start-up only)."""
+    def recv_meta(self, peer: int, tag: int) -> tuple[TensorMeta, ...]:
+        """The metas ``peer`` sends on stream ``tag`` (start-up only; see :meth:`send_meta`)."""
+        return self._recv_meta(peer, tag)
+
+    def send_meta(self, peer: int, metas: Sequence[TensorMeta], tag: int = 0) -> None:
+        """Tell ``peer`` what this rank will send it (start-up only). With a ``tag`` (a rank hosting
+        several stages) the send does not block: the peer may be busy with another of its stages;
+        :meth:`drain` waits for it."""
         data = torch.tensor(list(encode_meta(metas).encode()), dtype=torch.uint8, device=self.device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
         with peer_errors(f"start-up send to rank {peer}"):
-            dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=self.device), peer, self.group)
+            if tag:
+                self._keep([dist.isend(t, peer, self.group, tag) for t in (size, data)])  # type: ignore[misc]
+                return
+            dist.send(size, peer, self.group)
             dist.send(data, peer, self.group)
 
-    def send(self, messages: Sequence[tuple[int, Sequence[torch.Tensor]]]) -> None:
+    def send(self, messages: Sequence[tuple[int, Sequence[torch.Tensor]]], tags: Sequence[int] = ()) -> None:
         """Post sends of each (peer, tensors) message, or hold them for the next :meth:`recv` when
-        ``hold`` is set; returns at once either way."""
+        ``hold`` is set; returns at once either way. ``tags``: one per message (default 0), for ranks
+        that exchange several streams at once (``interleaved``: a rank hosts several stages)."""
         self.outbox.extend(
-            dist.P2POp(dist.isend, t.detach().contiguous(), peer, self.group)
-            for peer, tensors in messages
+            dist.P2POp(dist.isend, t.detach().contiguous(), peer, self.group, tag)
+            for (peer, tensors), tag in zip(messages, _tags(tags, messages), strict=True)
             for t in tensors
         )
         if not self.hold or self.prefetch:
@@ -171,15 +186,15 @@ class Comm:
             with peer_errors("send"):
                 self._keep(dist.batch_isend_irecv(ops))
 
-    def post(self, messages: Sequence[tuple[int, Sequence[TensorMeta]]]) -> Posted:
+    def post(self, messages: Sequence[tuple[int, Sequence[TensorMeta]]], tags: Sequence[int] = ()) -> Posted:
         """Post receives of each (peer, metas) message (with the held sends, if any) and return at
-        once; :meth:`wait` collects them."""
+        once; :meth:`wait` collects them. ``tags`` as in :meth:`send`."""
         bufs = [
             [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas] for _, metas in messages
         ]
         ops = [
-            dist.P2POp(dist.irecv, buf, peer, self.group)
-            for (peer, _), tensors in zip(messages, bufs, strict=True)
+            dist.P2POp(dist.irecv, buf, peer, self.group, tag)
+            for (peer, _), tensors, tag in zip(messages, bufs, _tags(tags, messages), strict=True)
             for buf in tensors
         ]
         peers = tuple(sorted({p for p, _ in messages}))
@@ -205,12 +220,14 @@ class Comm:
         self.seconds += time.perf_counter() - start
         return posted.bufs
 
-    def recv(self, messages: Sequence[tuple[int, Sequence[TensorMeta]]]) -> list[list[torch.Tensor]]:
+    def recv(
+        self, messages: Sequence[tuple[int, Sequence[TensorMeta]]], tags: Sequence[int] = ()
+    ) -> list[list[torch.Tensor]]:
         """Receive each (peer, metas) message, posted in one batch with the held sends (as Megatron's
         send_backward_recv_forward: on NCCL a send waiting in the stream ahead of a receive can
         deadlock two stages that each wait for the other's receive); blocks until all have arrived."""
         start = time.perf_counter()
-        posted = self.post(messages)
+        posted = self.post(messages, tags)
         self.seconds += time.perf_counter() - start
         return self.wait(posted)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from runtime.errors import RunError
 from runtime.precision import check_precision
-from runtime.schedule import SCHEDULES
+from runtime.schedule import SCHEDULES, ScheduleError, check_interleaved
 
 __all__ = ["JobConfig", "RankConfig", "load_job", "newest_package", "replica_microbatches"]
 
@@ -27,7 +27,8 @@ class JobConfig:
     Attributes:
         package: folder of the generated package.
         stage_ranks: global ranks of every stage's replicas, in pipeline order.
-        schedule: ``pipedream``, ``1f1b`` or ``gpipe``.
+        schedule: ``pipedream``, ``1f1b``, ``gpipe``, ``zb1p`` or ``interleaved`` (whose package may
+            put several stages on a rank: :attr:`virtual_stages`).
         microbatches: microbatches per minibatch.
         batch_size: samples per minibatch.
         ties: for each tied parameter, its (stage, parameter name in the stage module) holders.
@@ -66,7 +67,13 @@ class JobConfig:
     @property
     def world_size(self) -> int:
         """Ranks the package runs on."""
-        return sum(len(r) for r in self.stage_ranks)
+        return len({r for ranks in self.stage_ranks for r in ranks})
+
+    @property
+    def virtual_stages(self) -> int:
+        """Stages per rank: 1, or ``v`` when the package lays ``p * v`` stages on ``p`` ranks for
+        ``interleaved`` (stage ``s`` on rank ``s mod p``)."""
+        return max(1, self.stages // self.world_size)
 
     @property
     def stages(self) -> int:
@@ -79,6 +86,15 @@ class JobConfig:
             if rank in ranks:
                 return RankConfig(self, rank, stage, ranks.index(rank))
         raise RunError(f"rank {rank} runs no stage of {self.package}; its ranks are 0..{self.world_size - 1}")
+
+    def hosted(self, rank: int) -> tuple[RankConfig, ...]:
+        """Every stage ``rank`` runs, in pipeline order: one, or its chunks under ``interleaved``."""
+        found = tuple(
+            RankConfig(self, rank, stage, ranks.index(rank))
+            for stage, ranks in enumerate(self.stage_ranks)
+            if rank in ranks
+        )
+        return found or (self.for_rank(rank),)
 
 
 @dataclass(frozen=True)
@@ -144,9 +160,19 @@ def _stage_ranks(conf: Any, source: Path) -> tuple[tuple[tuple[int, ...], ...], 
             f"criterion on the last stage (e.g. [0, 1, 1] or [0, 0, 1, 1, 1]), got {list(modules)}"
         )
     ranks = sorted(r for rs in mapping.values() for r in rs)
-    if ranks != list(range(len(ranks))) or any(not rs for rs in mapping.values()):
-        raise RunError(f"{source}: ranks must be 0..N-1 each used once, got {ranks}")
+    if (ranks != list(range(len(ranks))) and not _cyclic(mapping)) or any(not rs for rs in mapping.values()):
+        raise RunError(
+            f"{source}: ranks must be 0..N-1 each used once (or, for interleaved, stage s on rank s mod N "
+            f"alone), got {ranks}"
+        )
     return tuple(mapping[k] for k in range(len(mapping))), modules
+
+
+def _cyclic(mapping: dict[int, tuple[int, ...]]) -> bool:
+    """Whether stages lie on ranks as ``interleaved`` lays them: ``p * v`` stages, one rank each,
+    stage ``s`` on rank ``s mod p``."""
+    p = len({r for rs in mapping.values() for r in rs})
+    return len(mapping) % p == 0 and all(rs == (k % p,) for k, rs in mapping.items())
 
 
 def load_job(
@@ -255,6 +281,7 @@ def _checked(job: JobConfig) -> JobConfig:
             "pick --microbatches that divides --batch-size"
         )
     check_precision(job.precision, job.schedule)
+    _check_interleaved(job)
     for tie in job.ties:
         if any(not 0 <= s < job.stages for s, _ in tie):
             raise RunError(f"{job.package}/plan.json: tie {tie} names a stage that does not exist")
@@ -265,6 +292,36 @@ def _checked(job: JobConfig) -> JobConfig:
                 "step at different rates under pipedream; use --schedule 1f1b, or partition with --straight"
             )
     return job
+
+
+def _check_interleaved(job: JobConfig) -> None:
+    """A package with several stages per rank runs only under ``interleaved``, which needs one rank
+    per stage (no replicas: every rank already holds a slice of every part of the pipeline), no
+    ties (their all-reduce is per stage, and a rank steps several stages), and
+    microbatches that Megatron's order can play (:func:`runtime.schedule.check_interleaved`)."""
+    if job.virtual_stages > 1 and job.schedule != "interleaved":
+        raise RunError(
+            f"{job.package} puts {job.virtual_stages} stages on each rank, which only --schedule "
+            f"interleaved runs, not {job.schedule}"
+        )
+    if job.schedule != "interleaved":
+        return
+    if any(len(r) > 1 for r in job.stage_ranks):
+        raise RunError(
+            "--schedule interleaved runs without replicas (every rank already hosts a slice of every part "
+            "of the pipeline); partition with --schedule interleaved, or pick 1f1b for replicated stages"
+        )
+    if job.virtual_stages > 1 and job.world_size < 2:
+        raise RunError("--schedule interleaved with several stages per rank needs at least 2 ranks")
+    if job.ties:
+        raise RunError(
+            "--schedule interleaved does not run tied weights across stages yet (their all-reduce "
+            "is per stage, and a rank steps several stages)"
+        )
+    try:
+        check_interleaved(job.world_size, job.virtual_stages, job.microbatches)
+    except ScheduleError as exc:
+        raise RunError(str(exc)) from exc
 
 
 def newest_package(root: str | Path = "models") -> Path:

@@ -67,6 +67,10 @@ def check_launch(options: RunOptions) -> int:
         raise RunError(f"--node-rank must be in 0..{options.nnodes - 1}, got {options.node_rank}")
     if options.nnodes > 1 and not options.master_port:
         raise RunError("a multi-node job needs --master-addr and --master-port (the same on every node)")
+    if job.virtual_stages > 1 and options.backend == "nccl":
+        raise RunError("--schedule interleaved runs on gloo only for now (NCCL ignores message tags)")
+    if job.schedule == "interleaved" and options.eval_data is not None:
+        raise RunError("--eval-data is not supported under --schedule interleaved yet; evaluate a 1f1b run")
     preflight(options, job, run_dir(options))
     return world // options.nnodes
 
@@ -104,9 +108,16 @@ def torchrun_commands(options: RunOptions) -> list[str]:
 
 def schedule_preview(options: RunOptions) -> list[str]:
     """One minibatch of every stage's action list in text form (``0F0 0F1 0B0 ...``), for --dry-run."""
-    from runtime.schedule import build, format_actions
+    from runtime.schedule import build, build_interleaved, format_actions
 
     job = job_of(options)
+    if job.schedule == "interleaved":
+        lists = build_interleaved(job.world_size, job.virtual_stages, job.microbatches)
+        return [
+            f"rank {r} (stages {','.join(str(k) for k in range(r, job.stages, job.world_size))}): "
+            f"{format_actions(actions)}"
+            for r, actions in enumerate(lists)
+        ]
     stages = build(job.schedule, job.stages, job.microbatches)
     return [
         f"stage {k} (ranks {','.join(map(str, job.stage_ranks[k]))}): {format_actions(actions)}"

@@ -88,6 +88,8 @@ class RankMetrics:
         overflow_steps: steps (1-based) whose gradients on this rank held an inf or nan (fp16).
         skipped_steps: steps (1-based) that every rank skipped for an overflow on some rank (fp16).
         peak_memory_bytes: the rank's measured peak memory (``runtime.memory``; None: not measured).
+        hosted: every stage the rank ran when it ran several (``interleaved``: ``stage`` is the first
+            and the times are the rank's, all its stages together); empty otherwise.
     """
 
     rank: int
@@ -108,6 +110,7 @@ class RankMetrics:
     overflow_steps: tuple[int, ...] = ()
     skipped_steps: tuple[int, ...] = ()
     peak_memory_bytes: int | None = None
+    hosted: tuple[int, ...] = ()
 
     @property
     def idle_s(self) -> float:

@@ -127,8 +127,11 @@ def parse_betas(text: str) -> tuple[float, float]:
 
 
 def make_optimizer(settings: OptimSettings, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-    """The torch optimizer the settings name, over ``params``."""
-    s, trained = settings, [p for p in params if p.requires_grad]
+    """The torch optimizer the settings name, over ``params``. A stage without trained weights (an
+    activation alone, as a fine split for interleaved can make) gets one empty group: torch refuses an
+    empty parameter list, and its step then does nothing."""
+    s = settings
+    trained: Any = [p for p in params if p.requires_grad] or [{"params": []}]
     if s.optimizer == "sgd":
         return torch.optim.SGD(
             trained, lr=s.lr, momentum=s.momentum, nesterov=s.nesterov, weight_decay=s.weight_decay

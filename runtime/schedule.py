@@ -7,6 +7,8 @@ which nobody waits for, so it fills the bubbles). Microbatches are numbered glob
 (``unit = step * microbatches + j``), so an asynchronous schedule that never flushes is a plain list
 too. Being data, a schedule is checked by :func:`validate` and dry-run by :func:`simulate` without
 torch, and printed in the text form of ``torch.distributed.pipelining`` (``0F3 0B3``).
+``interleaved`` (Megatron's virtual stages) is listed per rank rather than per stage, since a rank
+hosts several stages: :func:`build_interleaved`, :func:`validate_ranks`, :func:`simulate_ranks`.
 
 Example:
     >>> [format_actions(a) for a in build("gpipe", stages=2, microbatches=2)]
@@ -24,21 +26,27 @@ __all__ = [
     "Action",
     "ScheduleError",
     "build",
+    "build_interleaved",
     "build_job",
+    "check_interleaved",
     "format_actions",
+    "interleaved_rank",
+    "interleaved_stage",
     "parse_actions",
     "rank_actions",
     "replica_of",
     "round_of",
     "simulate",
     "simulate_job",
+    "simulate_ranks",
     "stash_depth",
     "validate",
     "validate_job",
+    "validate_ranks",
     "warmup",
 ]
 
-SCHEDULES: tuple[str, ...] = ("pipedream", "1f1b", "gpipe", "zb1p")
+SCHEDULES: tuple[str, ...] = ("pipedream", "1f1b", "gpipe", "zb1p", "interleaved")
 _ACTION = re.compile(r"^(\d+)([FBWS])(\d+)$")
 
 
@@ -180,6 +188,8 @@ def build_job(
     """
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if name == "interleaved":
+        raise ScheduleError("interleaved is listed per rank, not per stage: use build_interleaved")
     if not replicas or min(replicas) < 1 or microbatches < 1 or steps < 0:
         raise ScheduleError(f"need replicas >= 1 and microbatches >= 1, got {list(replicas)}, {microbatches}")
     ids = range(first_step, first_step + steps)
@@ -355,4 +365,144 @@ def simulate_job(job: Sequence[Sequence[Sequence[Action]]]) -> int:
         done.update(finished)
         slot += 1 if finished else 0
         left = left_now
+    return slot
+
+
+def interleaved_stage(rank: int, chunk: int, ranks: int) -> int:
+    """The pipeline stage of ``chunk`` on ``rank`` under ``interleaved``: Megatron's layout, where
+    chunk ``c`` of rank ``r`` is stage ``c * ranks + r``, so a unit leaves every rank ``virtual`` times."""
+    return chunk * ranks + rank
+
+
+def check_interleaved(ranks: int, virtual: int, microbatches: int) -> None:
+    """Refuse what Megatron's interleaved order cannot play: its forwards go round in groups of
+    ``ranks`` microbatches per chunk, so with more than one chunk per rank the microbatches must be a
+    multiple of the ranks (one chunk per rank is plain 1F1B, any count)."""
+    if ranks < 1 or virtual < 1 or microbatches < 1:
+        raise ScheduleError(
+            "interleaved needs ranks, virtual stages and microbatches >= 1, "
+            f"got {ranks}, {virtual}, {microbatches}"
+        )
+    if virtual > 1 and microbatches % ranks:
+        raise ScheduleError(
+            f"interleaved with {virtual} virtual stages needs microbatches a multiple of the {ranks} ranks "
+            f"(Megatron's order), got {microbatches}; use --microbatches {ranks * -(-microbatches // ranks)}"
+        )
+
+
+def _interleaved_pass(rank: int, ranks: int, virtual: int, k: int, backward: bool) -> tuple[int, int]:
+    """(stage, microbatch within the minibatch) of a rank's ``k``-th forward (or backward): groups
+    of ``ranks`` microbatches go through chunk 0, then chunk 1, ... (backwards from the last chunk)."""
+    group, within = divmod(k, ranks * virtual)
+    chunk = within // ranks
+    chunk = virtual - 1 - chunk if backward else chunk
+    return interleaved_stage(rank, chunk, ranks), group * ranks + within % ranks
+
+
+def _interleaved(rank: int, ranks: int, virtual: int, m: int, step: int) -> list[Action]:
+    """One minibatch of Megatron's interleaved 1F1B on ``rank``, then a step of each chunk.
+
+    Warm-up: ``(virtual - 1) * ranks`` forwards for the chunks before the last, and two per rank
+    downstream (Megatron's count: one for the activation on its way down, one for the gradient on
+    its way back), at most all of them; then one forward and one backward in turn; then the
+    remaining backwards."""
+    total = m * virtual
+    warm = min((virtual - 1) * ranks + 2 * (ranks - rank - 1), total)
+
+    def act(kind: str, k: int) -> Action:
+        stage, j = _interleaved_pass(rank, ranks, virtual, k, kind == "B")
+        return Action(stage, kind, step * m + j)
+
+    out = [act("F", k) for k in range(warm)]
+    for k in range(total - warm):
+        out += [act("F", warm + k), act("B", k)]
+    out += [act("B", k) for k in range(total - warm, total)]
+    return out + [Action(interleaved_stage(rank, c, ranks), "S", step) for c in range(virtual)]
+
+
+def interleaved_rank(rank: int, ranks: int, virtual: int, microbatches: int) -> tuple[Action, ...]:
+    """One minibatch (step 0) of ``rank``'s interleaved list alone (what :func:`build_interleaved`
+    gives that rank), for a cost model that needs one rank's order without building every rank's."""
+    check_interleaved(ranks, virtual, microbatches)
+    if virtual == 1:
+        warm = ranks - rank - 1
+        return (*_one_f_one_b(rank, range(microbatches), warm), Action(rank, "S", 0))
+    return tuple(_interleaved(rank, ranks, virtual, microbatches, 0))
+
+
+def build_interleaved(
+    ranks: int, virtual: int, microbatches: int, steps: int = 1, first_step: int = 0
+) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's list of ``interleaved`` (Megatron's virtual stages): rank ``r`` hosts stages
+    ``r, r + ranks, ...`` (see :func:`interleaved_stage`) and plays their forwards and backwards in
+    one list, flushed every minibatch. With equal stages of unit F and B it takes
+    ``2 * (virtual * microbatches + ranks - 1)`` slots per minibatch: a bubble of
+    ``(ranks - 1) / (virtual * microbatches)`` against 1F1B's ``(ranks - 1) / microbatches``.
+    One chunk per rank is 1f1b's lists.
+
+    Example:
+        >>> format_actions(build_interleaved(2, 2, 2)[1])
+        '1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1 1S0 3S0'
+    """
+    check_interleaved(ranks, virtual, microbatches)
+    if virtual == 1:
+        return tuple(acts for (acts,) in build_job("1f1b", [1] * ranks, microbatches, steps, first_step))
+    ids = range(first_step, first_step + steps)
+    return tuple(
+        tuple(a for s in ids for a in _interleaved(r, ranks, virtual, microbatches, s)) for r in range(ranks)
+    )
+
+
+def validate_ranks(lists: Sequence[Sequence[Action]], microbatches: int, steps: Sequence[int]) -> None:
+    """Check per-rank lists that host several stages each (``interleaved``): rank ``r`` of ``p`` lists
+    only stages ``r, r + p, ...``; each stage, taken alone, is complete and in order (as
+    :func:`validate_job` checks it); and the ranks together do not deadlock (:func:`simulate_ranks`).
+
+    Raises:
+        ScheduleError: naming the first rank, stage or action that is wrong.
+    """
+    p = len(lists)
+    stages = 1 + max((a.stage for acts in lists for a in acts), default=-1)
+    units = {s * microbatches + j for s in steps for j in range(microbatches)}
+    for r, acts in enumerate(lists):
+        wrong = [a for a in acts if a.stage % p != r]
+        if wrong:
+            raise ScheduleError(f"rank {r} lists {wrong[0]}, an action of rank {wrong[0].stage % p}")
+    for k in range(stages):
+        own = tuple(a for a in lists[k % p] if a.stage == k)
+        _check_stage(k, (own,), units, {u: u // microbatches for u in units})
+    simulate_ranks(lists)
+
+
+def simulate_ranks(lists: Sequence[Sequence[Action]]) -> int:
+    """Dry-run ranks that each play one list of actions of any stages, one unit-time action per slot
+    (steps are free and local: no replicas); returns the slots.
+
+    As :func:`simulate_job`: a forward needs the previous stage's forward of its unit from an earlier
+    slot, a backward the next stage's (the last stage: its own forward), a W nothing.
+
+    Raises:
+        ScheduleError: if the ranks deadlock.
+    """
+    last = max((a.stage for acts in lists for a in acts), default=0)
+    done: set[tuple[int, str, int]] = set()
+    pos, slot = [0] * len(lists), 0
+    while any(p < len(acts) for p, acts in zip(pos, lists, strict=True)):
+        finished = []
+        for r, acts in enumerate(lists):
+            while pos[r] < len(acts) and acts[pos[r]].kind == "S":
+                pos[r] += 1
+            if pos[r] == len(acts):
+                continue
+            a = acts[pos[r]]
+            need = (a.stage - 1, "F", a.index) if a.kind == "F" else (a.stage + 1, "B", a.index)
+            local = (a.kind == "F" and a.stage == 0) or (a.kind == "B" and a.stage == last) or a.kind == "W"
+            if local or need in done:
+                finished.append((a.stage, a.kind, a.index))
+                pos[r] += 1
+        if not finished and any(p < len(acts) for p, acts in zip(pos, lists, strict=True)):
+            stuck = [str(acts[p]) for p, acts in zip(pos, lists, strict=True) if p < len(acts)]
+            raise ScheduleError(f"schedule deadlocks at slot {slot}: waiting on {' '.join(stuck)}")
+        done.update(finished)
+        slot += 1 if finished else 0
     return slot

@@ -13,6 +13,11 @@ again). ``S`` sums gradients over the replica group and over tie groups,
 clips them by the whole model's norm (an all-reduce over every rank, :mod:`runtime.optim`), then
 steps the optimizer and the learning-rate schedule.
 
+Under ``interleaved`` a rank hosts several stages (Megatron's virtual stages): one StageRuntime per
+stage, sharing the rank's ``comm``, and the first plays the rank's one list, handing each action to
+the runtime of its stage (``play(..., hosted=...)``). Two ranks then exchange several streams at
+once, in orders their lists need not share, so every (producer, consumer, direction) gets a tag.
+
 Replicas under ``pipedream`` are PipeDream's data parallelism: each replica runs whole minibatches
 (round-robin) and steps once per round; its step all-reduces the gradients of the round's
 minibatches, which every replica computed on the same weight version, and takes their mean (as
@@ -144,6 +149,16 @@ class StageRuntime:
             and backward (the cost model's ``in_flight`` for pipedream).
         first_step: the first minibatch of the segment being played (pipedream's round-robin origin).
         pending: units whose B has run and whose W has not (zero-bubble schedules): what W needs.
+        chunks: under ``interleaved``, on the rank's first chunk: every chunk of the rank. Its step
+            does the rank's once-per-step work over all their gradients (all their backwards come
+            before the rank's first step): fp16's unscale and overflow vote, and clipping. Empty:
+            this stage's own gradients.
+        lead: under ``interleaved``, on the rank's other chunks: the first chunk, whose step decided
+            whether this step is skipped (fp16); they neither unscale nor clip.
+        skipping: whether the step being taken is skipped for an overflow (read by ``lead``'s chunks).
+        ends_minibatch: whether this runtime's step ends its rank's minibatch, and so marks the
+            recorder's step: always, but under ``interleaved`` only the rank's last chunk's step does
+            (its chunks share one recorder).
     """
 
     cfg: RankConfig
@@ -179,6 +194,10 @@ class StageRuntime:
     _unstashed: frozenset[int] = frozenset()
     _split: frozenset[int] = frozenset()
     pending: dict[int, WeightWork] = field(default_factory=dict)
+    ends_minibatch: bool = True
+    chunks: tuple[StageRuntime, ...] = ()
+    lead: StageRuntime | None = None
+    skipping: bool = False
 
     # ------------------------------------------------------------------ routing
     @functools.cached_property
@@ -197,6 +216,14 @@ class StageRuntime:
         schedule's minibatch n-1 is taken by all its receivers before this rank can finish minibatch
         n; pipedream keeps at most world-size minibatches in flight on any stage, doubled for margin."""
         return 2 * (self.cfg.job.world_size + 1) if self.stash else 1
+
+    def _tag(self, producer: int, consumer: int, grads: bool) -> int:
+        """The stream of messages between two stages, one way. 0 (untagged) when every rank runs one
+        stage: then two ranks exchange one stream each way, in unit order. A rank that hosts several
+        stages (``interleaved``) talks to a peer for several pairs of stages, in an order the two
+        ranks' lists need not share, so each pair and direction gets its own tag."""
+        job = self.cfg.job
+        return 1 + 2 * (producer * job.stages + consumer) + grads if job.virtual_stages > 1 else 0
 
     def _peer(self, stage: int, unit: int) -> int:
         ranks, job = self.cfg.job.stage_ranks[stage], self.cfg.job
@@ -217,9 +244,12 @@ class StageRuntime:
         """Agree on the shapes of every message once: receive producers' metas, run one forward, tell
         consumers. Replica 0 of each stage speaks for its stage."""
         me = self.cfg.stage
-        producers = self.producers
-        got = self.comm.exchange_meta([self.cfg.job.stage_ranks[k][0] for k in producers])
-        self.in_meta = {k: got[self.cfg.job.stage_ranks[k][0]] for k in producers}
+        producers, first = self.producers, {k: self.cfg.job.stage_ranks[k][0] for k in self.producers}
+        if self.cfg.job.virtual_stages > 1:
+            self.in_meta = {k: self.comm.recv_meta(first[k], self._tag(k, me, False)) for k in producers}
+        else:
+            got = self.comm.exchange_meta(list(first.values()))
+            self.in_meta = {k: got[first[k]] for k in producers}
         named: dict[str, torch.Tensor] = {}
         if self.cfg.is_first:
             named.update(zip(self.wiring.stage_inputs[me], self._micro("inputs", 0), strict=True))
@@ -232,7 +262,7 @@ class StageRuntime:
         if self.cfg.replica == 0:
             for k, names in self.consumers.items():
                 for peer in self.cfg.job.stage_ranks[k]:
-                    self.comm.send_meta(peer, [self.out_meta[n] for n in names])
+                    self.comm.send_meta(peer, [self.out_meta[n] for n in names], self._tag(me, k, False))
 
     def run_stage(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The stage on named inputs with its live weights, outputs by name (forward-only evaluation)."""
@@ -250,14 +280,19 @@ class StageRuntime:
         return dict(zip(names, outs, strict=True))
 
     # ------------------------------------------------------------------ actions
-    def play(self, actions: Sequence[Action], first_step: int = 0) -> None:
+    def play(
+        self, actions: Sequence[Action], first_step: int = 0, hosted: Sequence[StageRuntime] = ()
+    ) -> None:
         """Run ``actions`` (a segment starting at minibatch ``first_step``) in order, then wait for
-        this rank's outstanding sends."""
-        self.first_step = first_step
-        run = {"F": self.forward, "B": self.backward, "W": self.weights, "S": self.step}
-        self._split = frozenset(a.index for a in actions if a.kind == "W")
-        receiving = [i for i, a in enumerate(actions) if self._receives(a)]
-        self._unstashed = _no_step_between(actions) if self.stash else frozenset()
+        this rank's outstanding sends. ``hosted``: every stage this rank runs (``interleaved``: its
+        chunks, sharing this runtime's ``comm``); each action goes to the runtime of its stage."""
+        owners = {rt.cfg.stage: rt for rt in hosted} or {self.cfg.stage: self}
+        for rt in owners.values():
+            rt.first_step = first_step
+            own = [a for a in actions if a.stage == rt.cfg.stage]
+            rt._split = frozenset(a.index for a in own if a.kind == "W")
+            rt._unstashed = _no_step_between(own) if rt.stash else frozenset()
+        receiving = [i for i, a in enumerate(actions) if owners[a.stage]._receives(a)]
         posted = 0
         for i, action in enumerate(actions):
             if self.comm.prefetch:
@@ -265,26 +300,32 @@ class StageRuntime:
                 through = min(bisect.bisect_right(receiving, i), len(receiving) - 1)
                 while posted <= through:
                     ahead = actions[receiving[posted]]
-                    self._inbox[(ahead.kind, ahead.index)] = self.comm.post(self._incoming(ahead))
+                    owner = owners[ahead.stage]
+                    owner._inbox[(ahead.kind, ahead.index)] = self.comm.post(*owner._incoming(ahead))
                     posted += 1
             else:
                 # An action's sends ride with the next action's receives when it has any.
-                self.comm.hold = i + 1 < len(actions) and self._receives(actions[i + 1])
+                following = actions[i + 1] if i + 1 < len(actions) else None
+                self.comm.hold = following is not None and owners[following.stage]._receives(following)
+            owner = owners[action.stage]
+            run = {"F": owner.forward, "B": owner.backward, "W": owner.weights, "S": owner.step}
             run[action.kind](action.index)
         self.comm.drain()
 
     def _receives(self, action: Action) -> bool:
         return bool(self.producers if action.kind == "F" else self.consumers if action.kind == "B" else False)
 
-    def _incoming(self, action: Action) -> list[tuple[int, tuple[TensorMeta, ...]]]:
-        """(peer, metas) of every message ``action`` receives: producers' outputs for a forward,
-        consumers' gradients for a backward."""
-        unit = action.index
+    def _incoming(self, action: Action) -> tuple[list[tuple[int, tuple[TensorMeta, ...]]], list[int]]:
+        """(peer, metas) of every message ``action`` receives (producers' outputs for a forward,
+        consumers' gradients for a backward), and the tag of each."""
+        unit, me = action.index, self.cfg.stage
         if action.kind == "F":
-            return [(self._peer(k, unit), self.in_meta[k]) for k in self.producers]
+            ks = list(self.producers)
+            return [(self._peer(k, unit), self.in_meta[k]) for k in ks], [self._tag(k, me, False) for k in ks]
         if action.kind == "B":
-            return [(self._peer(k, unit), self._grad_meta(n)) for k, n in self.consumers.items()]
-        return []
+            messages = [(self._peer(k, unit), self._grad_meta(n)) for k, n in self.consumers.items()]
+            return messages, [self._tag(me, k, True) for k in self.consumers]
+        return [], []
 
     def forward(self, unit: int) -> None:
         """Inputs (data or received), the stage, outputs sent on; keeps what the backward needs."""
@@ -301,7 +342,8 @@ class StageRuntime:
             outs = self._run(named, self._version_params() if stashed else None)
             loss = self._loss(unit, outs) if self.cfg.is_last else None
         self.comm.send(
-            [(self._peer(k, unit), [outs[n] for n in names]) for k, names in self.consumers.items()]
+            [(self._peer(k, unit), [outs[n] for n in names]) for k, names in self.consumers.items()],
+            [self._tag(me, k, False) for k in self.consumers],
         )
         inputs = {n: t for n, t in named.items() if t.requires_grad}
         self.units[unit] = Unit(inputs, outs, loss, self.version, stashed)
@@ -377,12 +419,12 @@ class StageRuntime:
         """What ``action`` receives: collected from its prefetched receives, or received now."""
         posted = self._inbox.pop((action.kind, action.index), None)
         if posted is None:
-            messages = self._incoming(action)
+            messages, tags = self._incoming(action)
             if not messages:
                 self.comm.flush()
                 return []
             with self.recorder.span(f"recv {action.kind}{action.index}", "comm"):
-                return self.comm.recv(messages)
+                return self.comm.recv(messages, tags)
         if not posted.works:
             return posted.bufs
         with self.recorder.span(f"recv {action.kind}{action.index}", "comm"):
@@ -400,20 +442,24 @@ class StageRuntime:
                     t = state.inputs[name]
                     tensors.append(t.grad if t.grad is not None else torch.zeros_like(t))
             messages.append((self._peer(k, unit), tensors))
-        self.comm.send(messages)
+        self.comm.send(messages, [self._tag(k, self.cfg.stage, True) for k in self.producers])
 
     def step(self, step: int) -> None:
         """Sum gradients over replicas and ties, unscale them (fp16: every rank skips the step if one
         found an overflow), clip, step the optimizer and schedule, report the loss."""
         params = dict(self.module.named_parameters())
-        for p in params.values():
+        for p in self._rank_params(params).values():
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
         ran = self._sync_grads(params)
-        skip = self._unscale(params, step) if self.scaler is not None else False
+        if self.lead is not None:
+            skip = self.lead.skipping
+        else:
+            skip = self._unscale(self._rank_params(params), step) if self.scaler is not None else False
+            self.skipping = skip
         if self.clip is not None and not skip:
             with self.recorder.span("clip", "comm"):
-                clip_grads(params, self.clip, self.comm)
+                clip_grads(self._rank_params(params), self.clip, self.comm)
         covered = tuple(step + i for i, n in enumerate(ran) if n) if self.stash else (step,)
         with self.recorder.span(f"S{step}", "compute"):
             if not skip:
@@ -422,7 +468,8 @@ class StageRuntime:
         if self.scheduler is not None:
             for _ in covered:  # the schedule counts minibatches (a pipedream round covers several)
                 self.scheduler.step()
-        self.recorder.mark_step(len(covered))
+        if self.ends_minibatch:
+            self.recorder.mark_step(len(covered))
         if self.stash and len(self.step_versions) < STASH_LOG_MAX:
             self.step_versions.append((step, tuple(sorted(set(self._step_units)))))
         self._step_units = []
@@ -430,6 +477,13 @@ class StageRuntime:
         self.comm.era = self.version
         self.comm.retire(self.version - self._send_lag)
         self._report(covered, ran)
+
+    def _rank_params(self, params: dict[str, nn.Parameter]) -> dict[str, nn.Parameter]:
+        """What :meth:`step` unscales and clips: this stage's parameters, or every chunk's of the
+        rank (:attr:`chunks`), named ``<stage>/<name>`` as the worker's ``Clip`` counts them."""
+        if not self.chunks:
+            return params
+        return {f"{rt.cfg.stage}/{n}": p for rt in self.chunks for n, p in rt.module.named_parameters()}
 
     def _unscale(self, params: dict[str, nn.Parameter], step: int) -> bool:
         """Divide the gradients by the loss scale and move the scale; whether every rank skips ``step``

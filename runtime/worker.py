@@ -14,7 +14,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -166,8 +166,40 @@ def _warn_idle_replicas(job: JobConfig) -> None:
             )  # fmt: skip
 
 
-def _build(options: RunOptions, cfg: RankConfig, device: torch.device, clock: _Clock) -> StageRuntime:
-    if cfg.rank == 0:
+def _build_hosted(
+    options: RunOptions, configs: tuple[RankConfig, ...], device: torch.device, clock: _Clock
+) -> tuple[StageRuntime, ...]:
+    """This rank's runtimes: one, or under ``interleaved`` one per chunk, sharing the first one's
+    channels, groups, recorder and data. Only the last takes ``clock``: a rank's minibatch ends
+    with its last chunk's step."""
+    first = _build(options, configs[0], device, clock if len(configs) == 1 else None)
+    rest = tuple(
+        _build(options, cfg, device, clock if i == len(configs) - 2 else None, first)
+        for i, cfg in enumerate(configs[1:])
+    )
+    hosted = (first, *rest)
+    for rt in hosted[:-1]:
+        rt.ends_minibatch = False
+    if rest:  # the rank's first step unscales (fp16) and clips every chunk's gradients at once
+        first.chunks = hosted
+        for rt in rest:
+            rt.lead, rt.clip = first, None
+    if first.clip is not None and rest:
+        names = {
+            f"{rt.cfg.stage}/{n}" for rt in hosted for n, p in rt.module.named_parameters() if p.requires_grad
+        }
+        first.clip = replace(first.clip, counted=frozenset(names))
+    return hosted
+
+
+def _build(
+    options: RunOptions,
+    cfg: RankConfig,
+    device: torch.device,
+    clock: _Clock | None,
+    shared: StageRuntime | None = None,
+) -> StageRuntime:
+    if cfg.rank == 0 and shared is None:
         _warn_idle_replicas(cfg.job)
     pkg = import_package(cfg.job.package)
     wiring = read_wiring(pkg, cfg.job.stages, cfg.job.module_stages)
@@ -176,8 +208,12 @@ def _build(options: RunOptions, cfg: RankConfig, device: torch.device, clock: _C
     criterion = pkg.criterion().to(device) if cfg.is_last else None
     timeout = timedelta(seconds=options.timeout)
     names, reading = wiring.stage_inputs[0], DataSettings.of(options, cfg.job)
-    batches = make_batches(
-        options.data, pkg, names, cfg.job.batch_size, options.seed, options.shuffle, reading
+    batches = (
+        shared.batches
+        if shared is not None
+        else make_batches(
+            options.data, pkg, names, cfg.job.batch_size, options.seed, options.shuffle, reading
+        )
     )
     settings = OptimSettings.of(options)
     optimizer = make_optimizer(settings, module.parameters())
@@ -189,20 +225,28 @@ def _build(options: RunOptions, cfg: RankConfig, device: torch.device, clock: _C
         optimizer=optimizer,
         scheduler=make_scheduler(settings, optimizer, _total_steps(options, batches)),
         clip=_clip(settings, cfg, module),
-        comm=Comm(dist.group.WORLD, device, prefetch=device.type == "cpu"),  # type: ignore[arg-type]
-        groups=_groups(cfg, timeout),
+        comm=shared.comm if shared else Comm(dist.group.WORLD, device, prefetch=device.type == "cpu"),  # type: ignore[arg-type]
+        groups=shared.groups if shared else _groups(cfg, timeout),
         batches=batches,
         stash=cfg.job.schedule == "pipedream",
-        recorder=Recorder(cfg.rank, cfg.stage, trace=options.trace is not None),
+        recorder=shared.recorder
+        if shared
+        else Recorder(cfg.rank, cfg.stage, trace=options.trace is not None),
         on_step=clock,
         precision=cfg.job.precision,
-        scaler=LossScaler(dist.group.WORLD) if cfg.job.precision == "fp16" else None,  # type: ignore[arg-type]
+        scaler=shared.scaler if shared else _scaler(cfg),
     )
 
 
-def _start_step(options: RunOptions, rt: StageRuntime) -> tuple[int, dict[str, Any] | None]:
+def _scaler(cfg: RankConfig) -> LossScaler | None:
+    """fp16's loss scaler (one per rank: its chunks share it under interleaved)."""
+    return LossScaler(dist.group.WORLD) if cfg.job.precision == "fp16" else None  # type: ignore[arg-type]
+
+
+def _start_step(options: RunOptions, hosted: tuple[StageRuntime, ...]) -> tuple[int, dict[str, Any] | None]:
     """0, or the step to resume after (rank 0 decides for everyone; the launcher usually chose it
-    already) with this rank's model and optimizer loaded; also the generator states to restore."""
+    already) with this rank's models and optimizers loaded; also the generator states to restore."""
+    rt = hosted[0]
     found: list[int | None] = [options.resume_step or None]
     root = Path(options.checkpoint_dir) if options.checkpoint_dir else None
     if options.resume and options.resume_step is None and root is not None and rt.cfg.rank == 0:
@@ -212,6 +256,13 @@ def _start_step(options: RunOptions, rt: StageRuntime) -> tuple[int, dict[str, A
     step = found[0]
     if step is None or root is None:
         return 0, None
+    saved = [_load_stage(options, each, root, step) for each in hosted]
+    return saved[0], checkpoint.load_rank(root, step, rt.cfg.rank)["rng"]
+
+
+def _load_stage(options: RunOptions, rt: StageRuntime, root: Path, step: int) -> int:
+    """One stage's model, optimizer, learning-rate schedule and loss scale at ``step``; the step
+    its file records."""
     state = checkpoint.load_stage(root, step, rt.cfg.stage, rt.comm.device)
     check_resume(state.get("optim"), OptimSettings.of(options), step)
     rt.module.load_state_dict(state["model"])
@@ -220,14 +271,25 @@ def _start_step(options: RunOptions, rt: StageRuntime) -> tuple[int, dict[str, A
         rt.scheduler.load_state_dict(state["scheduler"])
     if rt.scaler is not None and state.get("scaler") is not None:
         rt.scaler.load_state_dict(state["scaler"])
-    return int(state["step"]), checkpoint.load_rank(root, step, rt.cfg.rank)["rng"]
+    return int(state["step"])
 
 
-def _save(options: RunOptions, rt: StageRuntime, step: int) -> None:
+def _save(options: RunOptions, hosted: tuple[StageRuntime, ...], step: int) -> None:
     """Every rank's generator states, each stage's weights, optimizer and schedule (first replica),
     then rank 0 marks the step complete once all are on disk."""
     assert options.checkpoint_dir is not None
-    root, cfg = Path(options.checkpoint_dir), rt.cfg
+    root, cfg = Path(options.checkpoint_dir), hosted[0].cfg
+    for rt in hosted:
+        _save_stage(options, rt, root, step)
+    checkpoint.save_rank(root, step, cfg.rank)
+    dist.barrier()
+    if cfg.rank == 0:
+        checkpoint.save_meta(root, step, cfg.job.package, cfg.job.world_size, options.seed)
+
+
+def _save_stage(options: RunOptions, rt: StageRuntime, root: Path, step: int) -> None:
+    """One stage's weights, optimizer and schedule (its first replica writes them)."""
+    cfg = rt.cfg
     if cfg.replica == 0:
         state = {
             "model": rt.module.state_dict(),
@@ -239,10 +301,6 @@ def _save(options: RunOptions, rt: StageRuntime, step: int) -> None:
             "step": step,
         }
         checkpoint.save_stage(root, step, cfg.stage, state)
-    checkpoint.save_rank(root, step, cfg.rank)
-    dist.barrier()
-    if cfg.rank == 0:
-        checkpoint.save_meta(root, step, cfg.job.package, cfg.job.world_size, options.seed)
 
 
 def _segments(start: int, total: int, every: int) -> list[tuple[int, int]]:
@@ -255,6 +313,8 @@ def _evaluator(options: RunOptions, rt: StageRuntime) -> Evaluator | None:
     Synthetic held-out data is drawn with another seed than training's."""
     if options.eval_data is None:
         return None
+    if rt.cfg.job.schedule == "interleaved":
+        raise RunError("--eval-data is not supported under --schedule interleaved yet; evaluate a 1f1b run")
     pkg, job = import_package(rt.cfg.job.package), rt.cfg.job
     seed = options.seed + 1 if options.eval_data == "synthetic" else options.seed
     settings = DataSettings.of(options, job)
@@ -264,13 +324,15 @@ def _evaluator(options: RunOptions, rt: StageRuntime) -> Evaluator | None:
     return Evaluator(rt, data, data.steps_per_epoch)
 
 
-def _train(options: RunOptions, rt: StageRuntime, total: int) -> None:
+def _train(options: RunOptions, hosted: tuple[StageRuntime, ...], total: int) -> None:
+    rt = hosted[0]
     job, cfg = rt.cfg.job, rt.cfg
-    start, rng = _start_step(options, rt)
-    rt.setup()
+    start, rng = _start_step(options, hosted)
+    for each in hosted:
+        each.setup()
     if rng is not None:
         checkpoint.set_rng_state(rng)
-    clock = rt.on_step if isinstance(rt.on_step, _Clock) else None
+    clock = hosted[-1].on_step if isinstance(hosted[-1].on_step, _Clock) else None
     if clock is not None:
         clock.memory = PeakMemory(rt.comm.device, job.world_size + 1, cpu=options.measure_memory)
         clock.memory.start(rt.module, rt.optimizer)
@@ -279,11 +341,17 @@ def _train(options: RunOptions, rt: StageRuntime, total: int) -> None:
     saves = {first + count for first, count in _segments(start, total, options.checkpoint_every)}
     evals = eval_steps(start, total, options.eval_every) if evaluator is not None else ()
     for first, count in segments(start, total, sorted(saves | set(evals))):
-        replicas = [len(r) for r in job.stage_ranks]
-        actions = schedule.build_job(job.schedule, replicas, job.microbatches, count, first)
-        rt.play(actions[cfg.stage][cfg.replica], first)
+        if job.schedule == "interleaved":
+            lists = schedule.build_interleaved(
+                job.world_size, job.virtual_stages, job.microbatches, count, first
+            )
+            rt.play(lists[cfg.rank], first, hosted)
+        else:
+            replicas = [len(r) for r in job.stage_ranks]
+            actions = schedule.build_job(job.schedule, replicas, job.microbatches, count, first)
+            rt.play(actions[cfg.stage][cfg.replica], first)
         if options.checkpoint_dir and first + count in saves:
-            _save(options, rt, first + count)
+            _save(options, hosted, first + count)
         if evaluator is not None and first + count in evals:
             began = time.perf_counter()
             result = evaluator(first + count)
@@ -326,6 +394,11 @@ def run_rank(options: RunOptions) -> dict[str, Any] | None:
         raise RunError(f"{job.package} runs on {job.world_size} ranks but the job has {world}")
     die_with(options.launcher_pid or os.getppid())
     backend = resolve_backend(options.backend)
+    if backend == "nccl" and job.virtual_stages > 1:
+        raise RunError(
+            "--schedule interleaved runs on gloo only for now: its ranks tell their message streams apart "
+            "by tag, which NCCL ignores; pass --backend gloo"
+        )
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if backend == "nccl" else "cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
@@ -337,7 +410,7 @@ def run_rank(options: RunOptions) -> dict[str, Any] | None:
     # On error the group is left open: closing it would let peers fail first with "connection closed"
     # before this rank's error is on record; the process exit closes it a moment later.
     try:
-        return _run_joined(options, job.for_rank(rank), device)
+        return _run_joined(options, job.hosted(rank), device)
     except PeerLost:
         # Let the rank that really failed exit first: the agent reports the first failure it sees.
         # Then resume a stopped sibling, which the agent's SIGTERM could not end otherwise; woken, it
@@ -347,17 +420,21 @@ def run_rank(options: RunOptions) -> dict[str, Any] | None:
         raise
 
 
-def _run_joined(options: RunOptions, cfg: RankConfig, device: torch.device) -> dict[str, Any] | None:
+def _run_joined(
+    options: RunOptions, configs: tuple[RankConfig, ...], device: torch.device
+) -> dict[str, Any] | None:
+    cfg = configs[-1]
     progress = run_dir(options) / "progress.jsonl" if cfg.is_last and cfg.replica == 0 else None
     clock = _Clock(progress)
-    rt = _build(options, cfg, device, clock)
-    _train(options, rt, _total_steps(options, rt.batches))
-    result = _finish(options, rt, clock)
+    hosted = _build_hosted(options, configs, device, clock)
+    _train(options, hosted, _total_steps(options, hosted[0].batches))
+    result = _finish(options, hosted, clock)
     dist.destroy_process_group()
     return result
 
 
-def _finish(options: RunOptions, rt: StageRuntime, clock: _Clock) -> dict[str, Any] | None:
+def _finish(options: RunOptions, hosted: tuple[StageRuntime, ...], clock: _Clock) -> dict[str, Any] | None:
+    rt = hosted[0]
     memory = clock.memory or PeakMemory(rt.comm.device, 0)
     memory.stop()
     mine = RankMetrics(
@@ -373,12 +450,15 @@ def _finish(options: RunOptions, rt: StageRuntime, clock: _Clock) -> dict[str, A
         sends_in_flight_max=rt.comm.peak_pending,
         threads=torch.get_num_threads(),
         losses=tuple(clock.losses) if rt.cfg.replica == 0 else (),
-        param_sq_sum=float(sum(p.detach().double().square().sum() for p in rt.module.parameters())),
+        param_sq_sum=float(
+            sum(p.detach().double().square().sum() for each in hosted for p in each.module.parameters())
+        ),
         versions_in_flight_max=rt.versions_in_flight_max,
         loss_scale=rt.scaler.scale if rt.scaler is not None else None,
         overflow_steps=tuple(rt.overflow_steps),
         skipped_steps=tuple(rt.skipped_steps),
         peak_memory_bytes=memory.peak_bytes,
+        hosted=tuple(each.cfg.stage for each in hosted) if len(hosted) > 1 else (),
     )
     gathered: list[Any] = [None] * rt.cfg.job.world_size
     dist.gather_object(

@@ -338,8 +338,12 @@ def solve(
     solver: str = "dp",
     activation_comm: bool = True,
     recompute: str = "none",
+    virtual_stages: int = 1,
 ) -> Plan:
     """The fastest plan under the schedule's cost model that fits the cluster's memory.
+
+    ``interleaved`` with ``virtual_stages`` v: ``gpus * v`` stages, stage ``s`` on rank ``s mod
+    gpus`` (:mod:`partitioner.optimizer.interleaved`; cuts from candidates, not an exact search).
 
     The arguments are :class:`~partitioner.optimizer.options.SolveOptions`' fields. ``recompute``:
     ``none``; ``all`` (every stage recomputes its forward in backward); ``auto`` (the plan without
@@ -350,12 +354,16 @@ def solve(
         PlanError: bad schedule, optimizer, solver, recompute mode or microbatch count.
         InfeasibleError: nothing fits; the message names the smallest memory that would.
     """
-    opts = SolveOptions(schedule, microbatches, optimizer, straight, solver, activation_comm, recompute)
+    opts = SolveOptions(
+        schedule, microbatches, optimizer, straight, solver, activation_comm, recompute, virtual_stages
+    )
     return solve_with(profile, cluster, opts.checked(profile))
 
 
 def solve_with(profile: Profile, cluster: Cluster, opts: SolveOptions) -> Plan:
     """:func:`solve` with its options as one value (checked by ``SolveOptions.checked``)."""
+    if opts.schedule == "interleaved":
+        return _interleaved(profile, cluster, opts)
     if opts.recompute != "all":
         try:
             plan = _solve_kept(profile, cluster, opts)
@@ -375,6 +383,19 @@ def solve_with(profile: Profile, cluster: Cluster, opts: SolveOptions) -> Plan:
         return repriced(profile, cluster, searched, opts.recompute, opts.activation_comm)
     except InfeasibleError as exc:
         raise InfeasibleError(f"no plan fits in {where} even with every stage recomputing: {exc}") from None
+
+
+def _interleaved(profile: Profile, cluster: Cluster, opts: SolveOptions) -> Plan:
+    from partitioner.optimizer.interleaved import solve_interleaved
+
+    start, m = time.perf_counter(), opts.m
+    straight = replace(opts, schedule="1f1b", straight=True, recompute="none", virtual_stages=1)
+    plan = solve_interleaved(
+        with_forward_copies(profile, m), cluster, m, opts.optimizer, opts.virtual_stages,
+        lambda wide: _solve_kept(profile, wide, straight), opts.activation_comm, opts.recompute,
+    )  # fmt: skip
+    info = replace(plan.solver, solve_time_s=time.perf_counter() - start)
+    return replace(plan, solver=info, extra={**plan.extra, "recompute": opts.recompute})
 
 
 def _solve_kept(profile: Profile, cluster: Cluster, opts: SolveOptions) -> Plan:
@@ -475,8 +496,11 @@ def evaluate(
     optimizer: str = "sgd",
     activation_comm: bool = True,
     recompute: str = "none",
+    virtual_stages: int = 1,
 ) -> Plan:
     """Price a fixed plan: ``cuts`` are the last layer of every stage but the last (topological order).
+    ``interleaved`` with ``virtual_stages`` v: ``gpus * v`` stages of one device, stage ``s`` on rank
+    ``s mod gpus``.
 
     ``recompute``: ``none``, ``all``, or ``auto`` (exactly the stages over the memory limit recompute).
 
@@ -507,14 +531,29 @@ def evaluate(
         nodes = tuple(layers[bounds[i] : bounds[i + 1]])
         specs.append(StageSpec(nodes, r, tuple(range(rank, rank + r))))
         rank += r
+    if virtual_stages > 1:
+        specs = _laid_out(specs, schedule, virtual_stages, m)
     order = {n.id: i for i, n in enumerate(profile.nodes)}
     specs[0] = StageSpec(tuple(sorted(_inputs(profile) + specs[0].nodes, key=order.__getitem__)),
                          specs[0].replicas, specs[0].ranks)  # fmt: skip
     _check_closed(profile, specs)
     info = SolverInfo("evaluate", 0.0, False)
     plan = assemble(profile, cluster, specs, schedule, m, optimizer, info, activation_comm=activation_comm,
-                    recompute=recompute)  # fmt: skip
+                    recompute=recompute, virtual=virtual_stages)  # fmt: skip
     return _with(plan, SolverInfo("evaluate", time.perf_counter() - start, False), {})
+
+
+def _laid_out(specs: list[StageSpec], schedule: str, virtual: int, m: int) -> list[StageSpec]:
+    """``evaluate``'s stages on ranks ``s mod gpus`` (interleaved's virtual stages)."""
+    from partitioner.optimizer.interleaved import check_virtual, interleaved_specs
+
+    if schedule != "interleaved" or len(specs) % virtual or any(s.replicas != 1 for s in specs):
+        raise PlanError(
+            f"--virtual-stages {virtual} needs --schedule interleaved and a multiple of {virtual} stages "
+            "of one device each"
+        )
+    check_virtual(len(specs) // virtual, virtual, m)
+    return interleaved_specs([s.nodes for s in specs], len(specs) // virtual)
 
 
 def _check_closed(profile: Profile, specs: Sequence[StageSpec]) -> None:

@@ -14,14 +14,22 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from partitioner.errors import InfeasibleError
+from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile
 from partitioner.plan import SCHEDULES, Cluster, Plan
 
-__all__ = ["AutoChoice", "solve_auto"]
+__all__ = ["AUTO_SCHEDULES", "AUTO_VIRTUAL_STAGES", "AutoChoice", "fastest_interleaved", "solve_auto"]
+
+#: what ``auto`` tries by default: every priced schedule.
+AUTO_SCHEDULES: tuple[str, ...] = SCHEDULES
+
+#: the virtual stages per GPU ``auto`` tries for ``interleaved``, keeping the fastest. A count
+#: applies where the microbatches are a multiple of the GPUs and the model has at least GPUs x the
+#: count layers; where none applies, interleaved's time is None.
+AUTO_VIRTUAL_STAGES: tuple[int, ...] = (2, 3, 4)
 
 
 @dataclass(frozen=True)
@@ -48,7 +56,7 @@ def solve_auto(
     solver: str = "dp",
     activation_comm: bool = True,
     recompute: str = "none",
-    schedules: Sequence[str] = SCHEDULES,
+    schedules: Sequence[str] = AUTO_SCHEDULES,
 ) -> AutoChoice:
     """The best plan of each of ``schedules``, and the fastest of them.
 
@@ -62,10 +70,23 @@ def solve_auto(
     first_error: InfeasibleError | None = None
     for schedule in schedules:
         m = 1 if schedule == "pipedream" else microbatches
-        try:
-            plans[schedule] = solve(
-                profile, cluster, schedule, m, optimizer, straight, solver, activation_comm, recompute
+
+        def one(virtual: int, schedule: str = schedule, m: int = m) -> Plan:
+            return solve(
+                profile,
+                cluster,
+                schedule,
+                m,
+                optimizer,
+                straight,
+                solver,
+                activation_comm,
+                recompute,
+                virtual,
             )
+
+        try:
+            plans[schedule] = fastest_interleaved(one) if schedule == "interleaved" else one(1)
         except InfeasibleError as exc:
             plans[schedule], first_error = None, first_error or exc
     found = {name: plan for name, plan in plans.items() if plan is not None}
@@ -76,3 +97,27 @@ def solve_auto(
     times = {name: p.predicted.time_per_minibatch_s if p else None for name, p in plans.items()}
     best = replace(best, extra={**best.extra, "schedule_auto": times})
     return AutoChoice(best, times, plans)
+
+
+def fastest_interleaved(solve_at: Callable[[int], Plan]) -> Plan | None:
+    """The fastest of ``solve_at(v)`` over :data:`AUTO_VIRTUAL_STAGES`; None where no count applies
+    (a PlanError: microbatches or layers).
+
+    Raises:
+        InfeasibleError: some count applies but none fits memory (the first one's message).
+    """
+    best: Plan | None = None
+    error: InfeasibleError | None = None
+    for virtual in AUTO_VIRTUAL_STAGES:
+        try:
+            plan = solve_at(virtual)
+        except InfeasibleError as exc:
+            error = error or exc
+            continue
+        except PlanError:
+            continue
+        if best is None or plan.predicted.time_per_minibatch_s < best.predicted.time_per_minibatch_s:
+            best = plan
+    if best is None and error is not None:
+        raise error
+    return best

@@ -19,7 +19,9 @@ from partitioner.optimizer.cost import (
     StagePrice,
     StageTimes,
     allreduce_time,
+    held_memory,
     host_bound,
+    in_flight,
     pipedream_stage_time,
     plan_times,
     price_stage,
@@ -162,7 +164,7 @@ def global_lower_bound(profile: Profile, cluster: Cluster) -> float:
 
 def _times(
     cluster: Cluster, specs: Sequence[StageSpec], schedule: str, m: int, comm: bool,
-    loads: Sequence[StageLoad],
+    loads: Sequence[StageLoad], virtual: int = 1,
 ) -> StageTimes:  # fmt: skip
     if not comm:  # PipeDream's optimizer by default (no --activation_compression_ratio) charges none
         loads = [replace(ld, in_bytes=0.0, out_bytes=0.0) for ld in loads]
@@ -170,12 +172,12 @@ def _times(
     for i, spec in enumerate(specs):
         near = [r for j in (i - 1, i + 1) if 0 <= j < len(specs) for r in specs[j].ranks]
         bws.append(stage_bandwidth(cluster, spec.ranks, near))
-    return plan_times(loads, [s.replicas for s in specs], bws, schedule, m)
+    return plan_times(loads, [s.replicas for s in specs], bws, schedule, m, virtual)
 
 
 def _priced(
     loads: Sequence[StageLoad], specs: Sequence[StageSpec], schedule: str, m: int, optimizer: str,
-    recompute: str, limit: int | None,
+    recompute: str, limit: int | None, virtual: int = 1,
 ) -> list[tuple[bool, StagePrice]]:  # fmt: skip
     """Each stage's recompute choice and price: ``auto`` recomputes exactly the stages that do not
     fit ``limit`` without it and need less with it (each stage's memory depends on its own choice
@@ -187,6 +189,10 @@ def _priced(
     for i, ld in enumerate(loads):
         keep = price_stage(ld, schedule, i, reps, m, optimizer, recompute=False)
         redo = price_stage(ld, schedule, i, reps, m, optimizer, recompute=True)
+        if virtual > 1:  # a chunk holds its share of its rank's Megatron warm-up (cost.in_flight)
+            held = in_flight(schedule, i, reps, m, virtual)
+            keep = replace(keep, memory_bytes=held_memory(ld, schedule, held, m, optimizer, False, m > 1))
+            redo = replace(redo, memory_bytes=held_memory(ld, schedule, held, m, optimizer, True, m > 1))
         needed = limit is not None and keep.memory_bytes > limit and redo.memory_bytes < keep.memory_bytes
         again = recompute == "all" or (recompute == "auto" and needed)
         out.append((again, redo if again else keep))
@@ -205,8 +211,11 @@ def assemble(
     extra: dict[str, object] | None = None,
     activation_comm: bool = True,
     recompute: str = "none",
+    virtual: int = 1,
 ) -> Plan:
     """Cost the stages and build the Plan; ``time_override`` keeps a solver's own objective value.
+    ``virtual`` > 1 (``interleaved``): ``specs`` are ``gpus * virtual`` one-device stages on ranks
+    ``s mod gpus``; a device's memory is its stages' sum.
 
     ``recompute`` (``none``, ``all`` or ``auto``) decides which stages recompute their forward in
     backward, priced by :func:`~partitioner.optimizer.cost.price_stage`.
@@ -215,16 +224,18 @@ def assemble(
         InfeasibleError: a stage needs more memory than the cluster's devices have.
         PlanError: the stages use more devices than the cluster has.
     """
-    used = sum(s.replicas for s in specs)
+    used = len({r for s in specs for r in s.ranks}) if virtual > 1 else sum(s.replicas for s in specs)
     if used > cluster.gpus:
         raise PlanError(f"the plan uses {used} GPUs but the cluster has {cluster.gpus}")
     limit = cluster.memory_bytes
     loads = stage_loads(profile, [s.nodes for s in specs])
-    priced = _priced(loads, specs, schedule, microbatches, optimizer, recompute, limit)
+    priced = _priced(loads, specs, schedule, microbatches, optimizer, recompute, limit, virtual)
     loads = [replace(ld, compute_s=price.compute_s) for ld, (_, price) in zip(loads, priced, strict=True)]
-    times = _times(cluster, specs, schedule, microbatches, activation_comm, loads)
+    times = _times(cluster, specs, schedule, microbatches, activation_comm, loads, virtual)
     memory = [price.memory_bytes for _, price in priced]
-    if limit is not None and max(memory) > limit:
+    if virtual > 1:
+        _check_device_memory(specs, memory, limit)
+    elif limit is not None and max(memory) > limit:
         worst = max(range(len(memory)), key=memory.__getitem__)
         raise InfeasibleError(
             f"stage {worst} needs {gib(memory[worst])} per GPU but only {gib(limit)} is available; "
@@ -262,4 +273,19 @@ def assemble(
         optimizer=optimizer,
         model=profile.model,
         extra={**(extra or {}), "activation_comm": activation_comm, "recompute": recompute},
+        virtual_stages=virtual,
     )
+
+
+def _check_device_memory(specs: Sequence[StageSpec], memory: Sequence[int], limit: int | None) -> None:
+    """Interleaved: a device holds all its stages at once."""
+    per_rank: dict[int, int] = {}
+    for spec, nbytes in zip(specs, memory, strict=True):
+        for r in spec.ranks:
+            per_rank[r] = per_rank.get(r, 0) + nbytes
+    worst = max(per_rank, key=per_rank.__getitem__)
+    if limit is not None and per_rank[worst] > limit:
+        raise InfeasibleError(
+            f"GPU {worst} needs {gib(per_rank[worst])} for its stages but only {gib(limit)} is available; "
+            f"raise --memory to at least {gib(per_rank[worst])}, use fewer --virtual-stages or more GPUs"
+        )

@@ -33,6 +33,8 @@ class SolveOptions:
         activation_comm: charge 2·activation/(B·r) per cut; PipeDream's optimizer charges none by
             default (only with a compression ratio).
         recompute: ``none``, ``all`` or ``auto`` (``cost.RECOMPUTE_MODES``).
+        virtual_stages: stages per device under ``interleaved`` (Megatron's virtual stages); 1
+            elsewhere.
     """
 
     schedule: str = "pipedream"
@@ -42,6 +44,7 @@ class SolveOptions:
     solver: str = "dp"
     activation_comm: bool = True
     recompute: str = "none"
+    virtual_stages: int = 1
 
     @property
     def m(self) -> int:
@@ -67,4 +70,6 @@ class SolveOptions:
             raise PlanError(f"unknown recompute mode {self.recompute!r}; use {', '.join(RECOMPUTE_MODES)}")
         if not profile.layers:
             raise PlanError("the profile has no layers to partition")
+        if self.virtual_stages < 1 or (self.virtual_stages > 1 and self.schedule != "interleaved"):
+            raise PlanError(f"--virtual-stages {self.virtual_stages} needs --schedule interleaved (and >= 1)")
         return self

@@ -34,9 +34,9 @@ from partitioner.optimizer.cost import (
     pipedream_stage_time,
 )
 from partitioner.plan import Plan
-from runtime.schedule import Action, build, build_job
+from runtime.schedule import Action, build, build_interleaved, build_job
 
-__all__ = ["Event", "Simulation", "actions", "gantt", "simulate", "write_chrome_trace"]
+__all__ = ["Event", "Simulation", "actions", "gantt", "play_hosted", "simulate", "write_chrome_trace"]
 
 
 @dataclass(frozen=True)
@@ -188,6 +188,59 @@ def _play(
     return events
 
 
+def play_hosted(
+    lists: Sequence[Sequence[Action]], fwd: Sequence[float], bwd: Sequence[float], link: Sequence[float]
+) -> list[Event]:
+    """Run every rank's list (``interleaved``: actions of several stages each) in order; an action
+    waits for its rank and its input: the previous stage's forward (``link`` of that stage later),
+    or the next stage's backward (the last stage: its own forward). Steps are free (no replicas).
+
+    Event-driven as :func:`_play_ranks`: a rank runs until an action's input is missing, and is
+    parked on that input until it exists, so the simulation is linear in the actions."""
+    last = len(fwd) - 1
+    done: dict[tuple[str, int, int], float] = {}
+    free, pos = [0.0] * len(lists), [0] * len(lists)
+    parked: dict[tuple[str, int, int], list[int]] = {}
+    events: list[Event] = []
+    ready = list(range(len(lists)))
+    while ready:
+        r = ready.pop()
+        acts = lists[r]
+        while pos[r] < len(acts):
+            a, k = acts[pos[r]], acts[pos[r]].stage
+            if a.kind != "S":
+                if a.kind == "F":
+                    need, delay = ("F", k - 1, a.index), link[k - 1] if k else 0.0
+                else:
+                    need, delay = (("B", k + 1, a.index), link[k]) if k < last else (("F", k, a.index), 0.0)
+                if need not in done and not (a.kind == "F" and k == 0):
+                    parked.setdefault(need, []).append(r)
+                    break
+                start = max(free[r], done.get(need, 0.0) + delay)
+                free[r] = done[(a.kind, k, a.index)] = start + (fwd[k] if a.kind == "F" else bwd[k])
+                events.append(Event(k, a.kind, a.index, start, free[r]))
+                ready.extend(parked.pop((a.kind, k, a.index), []))
+            pos[r] += 1
+    if any(p < len(acts) for p, acts in zip(pos, lists, strict=True)):
+        raise PlanError("schedule deadlocks: an action waits for one that never runs")
+    return events
+
+
+def _simulate_interleaved(plan: Plan, profile: Profile | None) -> Simulation:
+    """One minibatch of interleaved from the runtime's own lists (``build_interleaved``): each rank
+    plays its chunks' actions in Megatron's order; no replicas, so no all-reduce."""
+    v = plan.virtual_stages
+    p = len(plan.stages) // v
+    fwd, bwd, link = _durations(plan, profile)
+    events = play_hosted(build_interleaved(p, v, plan.microbatches)[:], fwd, bwd, link)
+    span = max(e.end_s for e in events)
+    busy = sum(e.end_s - e.start_s for e in events)
+    held = _in_flight(events, len(plan.stages))
+    memory = _memory(plan, profile, held)
+    bubble = 1.0 - busy / (p * span) if span > 0 else 0.0
+    return Simulation(tuple(sorted(events, key=lambda e: e.start_s)), span, bubble, memory, held)
+
+
 def _play_ranks(
     job: Sequence[Sequence[Sequence[Action]]],
     fwd: list[float],
@@ -330,6 +383,8 @@ def simulate(plan: Plan, profile: Profile | None = None, minibatches: int | None
 def _simulate_devices(plan: Plan, profile: Profile | None, minibatches: int | None) -> Simulation:
     if plan.schedule == "pipedream":
         return _simulate_pipedream(plan, profile, minibatches)
+    if plan.schedule == "interleaved":
+        return _simulate_interleaved(plan, profile)
     p = len(plan.stages)
     fwd, bwd, link = _durations(plan, profile)
     sync = plan.schedule != "pipedream"

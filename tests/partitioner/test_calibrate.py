@@ -64,6 +64,9 @@ def test_load_run_times(tmp_path: Path) -> None:
         load_run_times(path)
     with pytest.raises(PipeplanError, match="pipeplan run"):
         load_run_times(tmp_path / "none.json")
+    path.write_text(json.dumps({**doc, "schedule": "interleaved"}))
+    with pytest.raises(PipeplanError, match="interleaved run"):
+        load_run_times(path)
 
 
 def test_time_slicing_comes_out_where_the_plan_prices_the_hosts_cores() -> None:

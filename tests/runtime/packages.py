@@ -1,11 +1,12 @@
 """Hand-written packages in the generated-package format (brief, interface 5) for runtime tests.
 
 They depend on nothing but torch, so the runtime is tested without the profiler or code generator.
-Five shapes: ``chain`` (an MLP cut into N stages), ``skip`` (a tensor that skips a stage, and a
-stage with two outputs), ``tied`` (one weight used by the first and the last stage), ``int`` (an
-integer tensor crosses stages, without a gradient) and ``modules`` (PipeDream's own layout: four
-modules on two stages, ``module_to_stage_map`` [0, 0, 1, 1, 1], a tensor from the first module read
-by the last).
+Six shapes: ``chain`` (an MLP cut into N stages), ``skip`` (a tensor that skips a stage, and a
+stage with two outputs), ``skip4`` (four stages; stage 0 sends two tensors of one shape, one to
+stage 1 and one, skipping, to stage 3: on two ranks under interleaved both go from rank 0 to rank
+1), ``tied`` (one weight used by the first and the last stage), ``int`` (an integer tensor crosses
+stages, without a gradient) and ``modules`` (PipeDream's own layout: four modules on two stages,
+``module_to_stage_map`` [0, 0, 1, 1, 1], a tensor from the first module read by the last).
 """
 
 from __future__ import annotations
@@ -122,6 +123,36 @@ class Stage2(nn.Module):
 """,
 }
 
+_SKIP4 = {
+    0: """
+import torch
+from torch import nn
+
+
+class Stage0(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear({i}, {h})
+        self.side = nn.Linear({i}, {h})
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)), torch.tanh(self.side(x))
+""",
+    3: """
+import torch
+from torch import nn
+
+
+class Stage3(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear({h}, {o})
+
+    def forward(self, x, skip):
+        return self.fc(x + skip)
+""",
+}
+
 _INT = {
     0: """
 import torch
@@ -195,6 +226,11 @@ def _stage_sources(kind: str, stages: int) -> tuple[list[str], list[list[str]], 
             [["input0"], ["out0"], ["out1"], ["out2", "out0"]],
             [["out0"], ["out1"], ["out2"], ["out3"]],
         )
+    if kind == "skip4":  # stage 0 sends two tensors of one shape: to stage 1 and, skipping, to stage 3
+        mids = [_LINEAR.format(k=k, din=HIDDEN, dout=HIDDEN, body="torch.tanh(self.fc(x))") for k in (1, 2)]
+        sources = [_SKIP4[0].format(i=IN_DIM, h=HIDDEN), *mids, _SKIP4[3].format(h=HIDDEN, o=OUT_DIM)]
+        ins = [["input0"], ["out0"], ["out1"], ["out2", "skip0"]]
+        return sources, ins, [["out0", "skip0"], ["out1"], ["out2"], ["out3"]]
     if kind == "int":
         sources = [_INT[k].format(i=IN_DIM, h=HIDDEN, o=OUT_DIM) for k in range(2)]
         return sources, [["input0"], ["out0", "idx0"]], [["out0", "idx0"], ["out1"]]
@@ -222,8 +258,11 @@ def write_package(
     microbatches: int = 4,
     batch_size: int = 8,
     predicted_s: float = 0.01,
+    virtual: int = 1,
 ) -> Path:
-    """Write a complete package (``__init__.py``, ``stageK.py``, mp_conf.json, plan.json) to ``folder``."""
+    """Write a complete package (``__init__.py``, ``stageK.py``, mp_conf.json, plan.json) to ``folder``.
+    ``virtual`` > 1: the stages (one replica each) lie on ``len(replicas) // virtual`` ranks as
+    ``interleaved`` lays them, stage ``k`` on rank ``k mod ranks``."""
     stages = len(replicas)
     sources, ins, outs = _stage_sources(kind, stages)
     folder.mkdir(parents=True, exist_ok=True)
@@ -248,6 +287,9 @@ def write_package(
     for k, r in enumerate(replicas):
         plan_stages.append(Stage(k, (f"n{k}",), r, tuple(range(first, first + r))))
         first += r
+    if virtual > 1:
+        first = stages // virtual
+        plan_stages = [Stage(k, (f"n{k}",), 1, (k % first,)) for k in range(stages)]
     ties = (Tie("stages.0.fc.weight", ((0, "fc.weight"), (stages - 1, "w"))),) if kind == "tied" else ()
     plan = Plan(
         gpus=first,

@@ -76,6 +76,7 @@ def test_clipping_is_refused_under_pipedream_and_resume_needs_the_same_settings(
     with pytest.raises(RunError, match="synchronous"):
         OptimSettings(clip_grad_norm=1.0).check_schedule("pipedream")
     OptimSettings(clip_grad_norm=1.0).check_schedule("1f1b")
+    OptimSettings(clip_grad_norm=1.0).check_schedule("interleaved")
     recorded = OptimSettings(**ADAMW).record()
     check_resume(recorded, OptimSettings(**ADAMW, clip_grad_norm=2.0), 4)  # clipping leaves no state
     with pytest.raises(RunError, match=r"--weight-decay 0\.1 -> 0\.2"):
@@ -127,13 +128,19 @@ def _assert_equal(ckpt: Path, step: int, model: torch.nn.Module, stages: int) ->
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("schedule", "replicas"), [("1f1b", (2, 1)), ("gpipe", (1, 1))])
+@pytest.mark.parametrize(
+    ("schedule", "replicas"), [("1f1b", (2, 1)), ("gpipe", (1, 1)), ("interleaved", (1, 1, 1, 1))]
+)
 def test_adamw_cosine_warmup_and_clipping_equal_plain_training(
     tmp_path: Path, schedule: str, replicas: tuple[int, ...]
 ) -> None:
+    """(interleaved: 4 stages on 2 ranks, each rank clipping its two chunks with one all-reduce)"""
     steps, micro, batch = 5, 4, 8
     settings = OptimSettings(**ADAMW, clip_grad_norm=0.3)
-    pkg = write_package(tmp_path / "pkg", "chain", replicas=replicas, microbatches=micro, batch_size=batch)
+    virtual = 2 if schedule == "interleaved" else 1
+    pkg = write_package(
+        tmp_path / "pkg", "chain", replicas, microbatches=micro, batch_size=batch, virtual=virtual
+    )
     ckpt = tmp_path / "ckpt"
     run(pkg, steps=steps, schedule=schedule, checkpoint_dir=str(ckpt), clip_grad_norm=0.3, **ADAMW)
     model, norms = _reference(pkg, steps, micro, batch, settings)

@@ -1,0 +1,350 @@
+"""pipeplan's interleaved 1F1B (2 virtual stages per rank) against torch.distributed.pipelining's
+ScheduleInterleaved1F1B on the same 4-stage split and microbatches, on 2 gloo ranks of this CPU; with
+pipeplan's and torch's plain 1F1B on the 2-stage split of the same layers for reference.
+
+The model is bench_runtime's MLP (Linear+ReLU layers of one width, a 10-class head), cut into 4
+stages of equal layers for interleaved (stage k on rank k mod 2) and into 2 for 1F1B. Measured
+bubble, per step: 1 - (compute seconds of both ranks) / (2 x the step's wall time, the slower
+rank's), median over the steps after warm-up (pipeplan's runs only: torch's schedules report no
+compute time). Predicted bubble: the planner's closed forms (partitioner/optimizer/cost.py) fed with
+each stage's forward and backward per microbatch timed in this process after each round (median
+over the rounds), one thread, no communication: interleaved
+:func:`partitioner.optimizer.cost.interleaved_time`, 1F1B ``sum t_k + (M-1) max t_k``. Runs
+alternate between the runtimes and repeat: this machine is shared.
+
+Run:  .venv/bin/python -m benchmarks.bench_interleaved
+      (writes benchmarks/results/bench_interleaved.{json,md})
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.bench_runtime import _elastic
+from benchmarks.bench_runtime import write_package as write_two_stages
+from benchmarks.bench_schedules import run_ours
+from partitioner.optimizer.cost import interleaved_time
+from runtime.package import import_package
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RANKS, VIRTUAL = 2, 2
+
+_INIT = '''"""Benchmark package: an MLP of {layers} Linear+ReLU layers of width {width}, {stages} stages."""
+import torch
+from torch import nn
+
+WIDTH, LAYERS, STAGES, CLASSES = {width}, {layers}, {stages}, 10
+
+
+class Part(nn.Module):
+    def __init__(self, first, last):
+        super().__init__()
+        pairs = [(nn.Linear(WIDTH, WIDTH), nn.ReLU()) for _ in range(first, last)]
+        self.layers = nn.Sequential(*[m for pair in pairs for m in pair])
+        self.head = nn.Linear(WIDTH, CLASSES) if last == LAYERS else None
+
+    def forward(self, x):
+        x = self.layers(x)
+        return self.head(x) if self.head is not None else x
+
+
+def full_model(seed=0):
+    torch.manual_seed(seed)
+    step = LAYERS // STAGES
+    return nn.ModuleList([Part(k * step, (k + 1) * step) for k in range(STAGES)])
+
+
+def stage(k, seed=0, device="cpu"):
+    return full_model(seed)[k].to(device)
+
+
+def arch():
+    return "bench-mlp"
+
+
+def model(criterion):
+    parts = full_model()
+    names = ["x"] + [f"h{{k}}" for k in range(STAGES - 1)] + ["logits"]
+    stages = [(parts[k], [names[k]], [names[k + 1]]) for k in range(STAGES)]
+    return stages + [(criterion, ["logits"], ["loss"])]
+
+
+def criterion():
+    return nn.CrossEntropyLoss()
+
+
+def example_inputs(batch_size):
+    return {{"x": torch.randn(batch_size, WIDTH)}}
+
+
+def example_targets(batch_size):
+    return torch.randint(0, CLASSES, (batch_size,))
+'''
+
+
+def write_interleaved(folder: Path, width: int, layers: int, batch: int, micro: int) -> Path:
+    """The 4-stage package, stage k on rank k mod 2, as ``pipeplan partition --schedule interleaved``
+    lays it out."""
+    stages = RANKS * VIRTUAL
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "__init__.py").write_text(_INIT.format(width=width, layers=layers, stages=stages))
+    ranks = {str(k): [k % RANKS] for k in range(stages)}
+    conf = {"module_to_stage_map": [*range(stages), stages - 1], "stage_to_rank_map": ranks}
+    (folder / "mp_conf.json").write_text(json.dumps(conf))
+    plan = {
+        "schema": "pipeplan.plan/1",
+        "gpus": RANKS,
+        "schedule": "interleaved",
+        "virtual_stages": VIRTUAL,
+        "microbatches": micro,
+        "batch_size": batch,
+        "stages": [{"index": k, "replicas": 1, "ranks": [k % RANKS]} for k in range(stages)],
+        "predicted": {"time_per_minibatch_s": None},
+        "extra": {"inputs": [{"name": "x", "shape": [batch, width], "dtype": "float32"}]},
+    }
+    (folder / "plan.json").write_text(json.dumps(plan, indent=1))
+    return folder
+
+
+def stage_times(package: Path, batch: int, m: int, repeats: int = 30) -> tuple[list[float], list[float]]:
+    """Median forward and backward seconds per microbatch of every stage, one thread, in this process
+    (the first 5 of ``repeats`` dropped: allocation)."""
+    torch.set_num_threads(1)
+    pkg, micro = import_package(package), batch // m
+    parts = pkg.full_model(0)
+    x, y, loss_fn = pkg.example_inputs(micro)["x"], pkg.example_targets(micro), pkg.criterion()
+    fwd, bwd = [], []
+    for k, part in enumerate(parts):
+        f, b = [], []
+        for _ in range(repeats):
+            inp = x.detach().requires_grad_(k > 0)
+            start = time.perf_counter()
+            out = part(inp)
+            root = loss_fn(out, y) if k == len(parts) - 1 else out
+            f.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            root.backward(None if k == len(parts) - 1 else torch.ones_like(out))
+            b.append(time.perf_counter() - start)
+        fwd.append(statistics.median(f[5:]))
+        bwd.append(statistics.median(b[5:]))
+        x = out.detach()
+    return fwd, bwd
+
+
+def _torch_rank(package: str, interleaved: bool, steps: int, micro: int, batch: int) -> list[float]:
+    """One rank of torch.distributed.pipelining's ScheduleInterleaved1F1B (stages rank, rank + 2)
+    or Schedule1F1B (stage rank) on the package's stages."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo")
+    pkg = import_package(package)
+    total = RANKS * VIRTUAL if interleaved else RANKS
+    ids = list(range(rank, total, RANKS))
+    modules = [pkg.stage(k) for k in ids]
+    stages: list[Any] = [
+        PipelineStage(mod, k, total, torch.device("cpu")) for mod, k in zip(modules, ids, strict=True)
+    ]
+    loss_fn = pkg.criterion()
+    schedule: Any
+    if interleaved:
+        schedule = ScheduleInterleaved1F1B(list(stages), micro, loss_fn=lambda out, y: loss_fn(out, y))
+    else:
+        schedule = Schedule1F1B(stages[0], micro, loss_fn=lambda out, y: loss_fn(out, y))
+    optim = torch.optim.SGD([p for mod in modules for p in mod.parameters()], lr=0.01)
+    times = []
+    for step in range(steps):
+        torch.manual_seed(step)
+        x, y = pkg.example_inputs(batch)["x"], pkg.example_targets(batch)
+        start = time.perf_counter()
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=[])
+        optim.step()
+        optim.zero_grad()
+        times.append(time.perf_counter() - start)
+    dist.barrier()
+    dist.destroy_process_group()
+    return times
+
+
+def run_theirs(
+    package: Path, interleaved: bool, steps: int, micro: int, batch: int, warmup: int
+) -> dict[str, float]:
+    per_rank = _elastic(_torch_rank, str(package), interleaved, steps, micro, batch)
+    walls = [max(a, b) for a, b in zip(per_rank[0], per_rank[1], strict=True)][warmup:]
+    return {"s_per_minibatch": statistics.median(walls)}
+
+
+RUNS = ("pipeplan interleaved", "torch ScheduleInterleaved1F1B", "pipeplan 1f1b", "torch Schedule1F1B")
+
+
+def _one(name: str, four: Path, two: Path, args: argparse.Namespace) -> dict[str, Any]:
+    m, b = args.microbatches, args.batch_size
+    if name == "pipeplan interleaved":
+        return run_ours(four, "interleaved", args.steps, m, args.warmup)
+    if name == "pipeplan 1f1b":
+        return run_ours(two, "1f1b", args.steps, m, args.warmup)
+    package = four if "Interleaved" in name else two
+    return run_theirs(package, "Interleaved" in name, args.steps, m, b, args.warmup)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    load_before = os.getloadavg()
+    rounds: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        b, m = args.batch_size, args.microbatches
+        four = write_interleaved(Path(tmp) / "four", args.width, args.layers, b, m)
+        two = write_two_stages(Path(tmp) / "two", args.width, args.layers, b, m)
+        for r in range(args.repeats):
+            got: dict[str, Any] = {"load_1min": os.getloadavg()[0]}
+            for name in RUNS if r % 2 == 0 else RUNS[::-1]:
+                try:
+                    got[name] = _one(name, four, two, args)
+                except Exception as exc:  # a schedule that cannot run this split: say why
+                    got[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            got["stage_times"] = stage_times(four, b, m)
+            rounds.append(got)
+    f = [statistics.median(r["stage_times"][0][k] for r in rounds) for k in range(RANKS * VIRTUAL)]
+    bw = [statistics.median(r["stage_times"][1][k] for r in rounds) for k in range(RANKS * VIRTUAL)]
+    report(args, rounds, f, bw, (load_before, os.getloadavg()))
+
+
+def predicted(f: list[float], b: list[float], m: int) -> dict[str, float]:
+    """Closed-form bubble (share of the span the ranks idle) of each schedule from the stage times."""
+    work = sum(m * (fk + bk) for fk, bk in zip(f, b, strict=True))
+    inter = interleaved_time(f, b, [0.0] * len(f), m, RANKS)
+    halves = [slice(k * VIRTUAL, (k + 1) * VIRTUAL) for k in range(RANKS)]  # the 2-stage split's stages
+    two = [sum(f[h]) + sum(b[h]) for h in halves]
+    one = sum(two) + (m - 1) * max(two)
+    return {
+        "pipeplan interleaved": 1.0 - work / (RANKS * inter),
+        "pipeplan 1f1b": 1.0 - work / (RANKS * one),
+        "interleaved_s": inter,
+        "1f1b_s": one,
+    }
+
+
+def _median(rounds: list[dict[str, Any]], name: str, key: str) -> float | None:
+    values = [r[name][key] for r in rounds if key in r.get(name, {})]
+    return statistics.median(values) if values else None
+
+
+def report(
+    args: argparse.Namespace,
+    rounds: list[dict[str, Any]],
+    f: list[float],
+    b: list[float],
+    load: tuple[Any, Any],
+) -> None:
+    pred = predicted(f, b, args.microbatches)
+    rows: dict[str, dict[str, Any]] = {
+        name: {
+            "s_per_minibatch": _median(rounds, name, "s_per_minibatch"),
+            "measured_bubble": _median(rounds, name, "bubble"),
+            "predicted_bubble": pred.get(name),
+            "errors": sorted({r[name]["error"] for r in rounds if "error" in r.get(name, {})}),
+        }
+        for name in RUNS
+    }
+    ours, theirs = (
+        rows["pipeplan interleaved"]["s_per_minibatch"],
+        rows["torch ScheduleInterleaved1F1B"]["s_per_minibatch"],
+    )
+    doc = {
+        "config": vars(args),
+        "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "load_1min_before_after": [load[0][0], load[1][0]],
+        "stage_forward_s_per_microbatch": f,
+        "stage_backward_s_per_microbatch": b,
+        "predicted": pred,
+        "throughput_ratio_interleaved_vs_torch": theirs / ours if ours and theirs else None,
+        "throughput_ratio_per_round": _paired(rounds),
+        "results": rows,
+        "rounds": rounds,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "bench_interleaved.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (RESULTS / "bench_interleaved.md").write_text(_markdown(doc))
+    print(_markdown(doc))
+
+
+def _paired(rounds: list[dict[str, Any]]) -> list[float]:
+    """Per round, torch's interleaved time over pipeplan's (both ran back to back in that round, so
+    the load they shared was closer than across rounds)."""
+    ours, theirs = "pipeplan interleaved", "torch ScheduleInterleaved1F1B"
+    return [
+        r[theirs]["s_per_minibatch"] / r[ours]["s_per_minibatch"]
+        for r in rounds
+        if "s_per_minibatch" in r.get(ours, {}) and "s_per_minibatch" in r.get(theirs, {})
+    ]
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _markdown(doc: dict[str, Any]) -> str:
+    cfg, load = doc["config"], doc["load_1min_before_after"]
+    lines = [
+        f"# bench_interleaved: interleaved 1F1B ({VIRTUAL} virtual stages per rank) on 2 gloo ranks on CPU",
+        "",
+        f"MLP {cfg['layers']} x {cfg['width']}, batch {cfg['batch_size']}, {cfg['microbatches']} "
+        f"microbatches, {cfg['steps']} steps ({cfg['warmup']} warm-up dropped), {cfg['repeats']} "
+        "alternating rounds; load "
+        f"(1 min) {load[0]:.1f} before, {load[1]:.1f} after on {doc['host']['cpus']} CPUs. Interleaved: 4 "
+        "stages (stage k on rank k mod 2); 1F1B: the same layers in 2 stages.",
+        "",
+        "| run | s / minibatch | measured bubble | predicted bubble |",
+        "|---|---|---|---|",
+    ]
+    for name, row in doc["results"].items():
+        note = f" (failed: {row['errors'][0]})" if row["errors"] and row["s_per_minibatch"] is None else ""
+        lines.append(
+            f"| {name}{note} | {_fmt(row['s_per_minibatch'], '.4f')} | {_fmt(row['measured_bubble'], '.2f')} "
+            f"| {_fmt(row['predicted_bubble'], '.2f')} |"
+        )
+    paired = doc["throughput_ratio_per_round"]
+    ratio = doc["throughput_ratio_interleaved_vs_torch"]
+    f, b = doc["stage_forward_s_per_microbatch"], doc["stage_backward_s_per_microbatch"]
+    lines += [
+        "",
+        f"Throughput ratio, pipeplan interleaved / torch ScheduleInterleaved1F1B: {_fmt(ratio, '.2f')}x "
+        "(medians); per round (back to back): "
+        + ", ".join(f"{x:.2f}" for x in paired)
+        + f" (median {_fmt(statistics.median(paired) if paired else None, '.2f')}).",
+        "Stage times per microbatch (one thread, alone): forward "
+        + " / ".join(f"{t * 1e3:.1f}" for t in f)
+        + " ms, backward "
+        + " / ".join(f"{t * 1e3:.1f}" for t in b)
+        + " ms.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""interleaved (a rank hosts v stages, Megatron's order) trains exactly as plain training with
+gradient accumulation: same weights, parameter for parameter, on 2 and 4 ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.config import load_job
+from runtime.errors import RunError
+from runtime.package import import_package
+from tests.runtime.helpers import plain_training, run, stage_state
+from tests.runtime.packages import write_package
+
+pytestmark = pytest.mark.slow
+torch.set_num_threads(1)
+
+
+def _assert_weights(ckpt: Path, step: int, model: torch.nn.Module, stages: int) -> None:
+    for k in range(stages):
+        got, want = stage_state(ckpt, step, k), model.stages[k].state_dict()
+        assert got.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=f"stage{k}.{name}")
+
+
+def test_interleaved_on_2_ranks_gives_plain_gradients(tmp_path: Path) -> None:
+    """4 stages on 2 ranks (rank 0: stages 0 and 2), one SGD step at lr 1: the weights moved by
+    exactly the gradient of plain accumulation."""
+    pkg = write_package(tmp_path / "pkg", "chain", replicas=(1,) * 4, microbatches=4, batch_size=8, virtual=2)
+    ckpt = tmp_path / "ckpt"
+    metrics = run(pkg, steps=1, schedule="interleaved", lr=1.0, checkpoint_dir=str(ckpt))
+    before = import_package(pkg).full_model(0)
+    after = plain_training(pkg, 1, 4, 8, lr=1.0)
+    for k in range(4):
+        got = stage_state(ckpt, 1, k)
+        start, want = before.stages[k].state_dict(), after.stages[k].state_dict()
+        for name in want:
+            grad, plain = start[name] - got[name], start[name] - want[name]
+            assert grad.abs().sum() > 0, f"stage{k}.{name} got no gradient"
+            torch.testing.assert_close(grad, plain, rtol=1e-5, atol=1e-5, msg=f"stage{k}.{name}")
+    assert metrics["schedule"] == "interleaved"
+    assert metrics["world_size"] == 2
+    assert [list(r["hosted"]) for r in metrics["ranks"]] == [[0, 2], [1, 3]]
+
+
+def test_interleaved_on_4_ranks_trains_as_plain_training(tmp_path: Path) -> None:
+    """8 stages on 4 ranks, 3 steps of SGD with momentum over 8 microbatches."""
+    pkg = write_package(
+        tmp_path / "pkg", "chain", replicas=(1,) * 8, microbatches=8, batch_size=16, virtual=2
+    )
+    ckpt = tmp_path / "ckpt"
+    metrics = run(pkg, steps=3, schedule="interleaved", lr=0.1, momentum=0.9, checkpoint_dir=str(ckpt))
+    _assert_weights(ckpt, 3, plain_training(pkg, 3, 8, 16, lr=0.1, momentum=0.9), 8)
+    assert len(metrics["losses"]) == 3
+
+
+def test_interleaved_with_three_chunks_and_adam(tmp_path: Path) -> None:
+    pkg = write_package(tmp_path / "pkg", "chain", replicas=(1,) * 6, microbatches=4, batch_size=8, virtual=3)
+    ckpt = tmp_path / "ckpt"
+    metrics = run(pkg, steps=2, schedule="interleaved", optimizer="adam", lr=0.01, checkpoint_dir=str(ckpt))
+    _assert_weights(ckpt, 2, plain_training(pkg, 2, 4, 8, "adam", lr=0.01), 6)
+    assert all(len(r["step_compute_s"]) == len(r["step_times_s"]) == 2 for r in metrics["ranks"])
+
+
+def test_interleaved_routes_two_same_shaped_streams_between_one_pair_of_ranks(tmp_path: Path) -> None:
+    """Rank 0 sends stage 0's two outputs (one shape) to stage 1 and stage 3, both on rank 1, in
+    orders the ranks' lists do not share: only the per-stream tags keep them apart."""
+    pkg = write_package(tmp_path / "pkg", "skip4", (1,) * 4, microbatches=4, batch_size=8, virtual=2)
+    ckpt = tmp_path / "ckpt"
+    run(pkg, steps=2, schedule="interleaved", lr=0.1, momentum=0.9, checkpoint_dir=str(ckpt))
+    _assert_weights(ckpt, 2, plain_training(pkg, 2, 4, 8, lr=0.1, momentum=0.9), 4)
+
+
+def test_interleaved_fp16_trains_as_1f1b_fp16_with_one_loss_scale_per_rank(tmp_path: Path) -> None:
+    """The same 4 stages under fp16, 2 per rank (interleaved) and 1 per rank (1f1b): each rank's
+    first chunk unscales all its chunks' gradients and votes once; the results agree."""
+    kinds = {"inter": ("interleaved", 2), "plain": ("1f1b", 1)}
+    got = {}
+    for name, (schedule, virtual) in kinds.items():
+        pkg = write_package(tmp_path / name, "chain", (1,) * 4, microbatches=4, batch_size=8, virtual=virtual)
+        ckpt = tmp_path / f"{name}-ckpt"
+        metrics = run(pkg, steps=3, schedule=schedule, lr=0.1, precision="fp16", checkpoint_dir=str(ckpt))
+        got[name] = ([stage_state(ckpt, 3, k) for k in range(4)], metrics)
+    for k in range(4):
+        for key, want in got["plain"][0][k].items():
+            torch.testing.assert_close(got["inter"][0][k][key], want, rtol=1e-6, atol=1e-6, msg=f"{k}.{key}")
+    scales = {r["loss_scale"] for m in (got["inter"][1], got["plain"][1]) for r in m["ranks"]}
+    assert len(scales) == 1 and got["inter"][1]["precision"] == "fp16"
+
+
+def test_an_inf_in_one_chunk_skips_the_step_for_every_chunk_of_every_rank(tmp_path: Path) -> None:
+    """Stage 0 (rank 0's first chunk) writes an inf into its gradient at step 2: rank 0 votes once
+    for both its chunks, so all four stages skip step 2 and step again at 3."""
+    import textwrap
+
+    from tests.runtime.test_precision import _POISONED_STAGE0
+
+    pkg = write_package(tmp_path / "pkg", "chain", (1,) * 4, microbatches=2, batch_size=4, virtual=2)
+    (pkg / "stage0.py").write_text(textwrap.dedent(_POISONED_STAGE0).lstrip())
+    ckpt = tmp_path / "ckpt"
+    metrics = run(pkg, steps=4, schedule="interleaved", lr=0.1, precision="fp16", checkpoint_dir=str(ckpt),
+                  checkpoint_every=1)  # fmt: skip
+    assert [list(r["skipped_steps"]) for r in metrics["ranks"]] == [[2], [2]]
+    assert [list(r["overflow_steps"]) for r in metrics["ranks"]] == [[2], []]
+    for stage in range(4):
+        before, skipped, after = (stage_state(ckpt, s, stage) for s in (1, 2, 3))
+        assert all(torch.equal(before[n], skipped[n]) for n in before), f"stage {stage} stepped at 2"
+        assert not all(torch.equal(skipped[n], after[n]) for n in skipped), f"stage {stage} froze at 3"
+
+
+def test_interleaved_refuses_replicas_and_odd_microbatches(tmp_path: Path) -> None:
+    replicated = write_package(tmp_path / "rep", "chain", replicas=(2, 1), microbatches=4, batch_size=8)
+    with pytest.raises(RunError, match="without replicas"):
+        load_job(replicated, schedule="interleaved")
+    pkg = write_package(
+        tmp_path / "pkg", "chain", replicas=(1,) * 4, microbatches=4, batch_size=12, virtual=2
+    )
+    with pytest.raises(RunError, match="multiple of the 2 ranks"):
+        load_job(pkg, schedule="interleaved", microbatches=3)
+    with pytest.raises(RunError, match="only --schedule interleaved runs"):
+        load_job(pkg, schedule="1f1b")
+    one = write_package(tmp_path / "one", "chain", (1,) * 2, microbatches=2, batch_size=4, virtual=2)
+    with pytest.raises(RunError, match="at least 2 ranks"):
+        load_job(one, schedule="interleaved")
+    from runtime.launch import check_launch
+    from runtime.options import RunOptions
+
+    with pytest.raises(RunError, match="gloo only"):
+        check_launch(RunOptions(str(pkg), schedule="interleaved", microbatches=4, backend="nccl"))
+
+
+def test_dry_run_shows_each_ranks_interleaved_list(tmp_path: Path) -> None:
+    from runtime.launch import schedule_preview
+    from runtime.options import RunOptions
+
+    pkg = write_package(tmp_path / "pkg", "chain", (1,) * 4, microbatches=2, batch_size=4, virtual=2)
+    lines = schedule_preview(RunOptions(str(pkg), schedule="interleaved"))
+    assert lines == [
+        "rank 0 (stages 0,2): 0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1 0S0 2S0",
+        "rank 1 (stages 1,3): 1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1 1S0 3S0",
+    ]
+
+
+def test_interleaved_resume_reproduces_an_uninterrupted_run(tmp_path: Path) -> None:
+    """Each rank saves and reloads every stage it hosts (weights, momentum), so 2 + 2 steps equal 4."""
+    pkg = write_package(tmp_path / "pkg", "chain", (1,) * 4, microbatches=2, batch_size=4, virtual=2)
+    common = {"schedule": "interleaved", "lr": 0.1, "momentum": 0.9, "checkpoint_every": 2}
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    run(pkg, steps=4, checkpoint_dir=str(whole), **common)
+    run(pkg, steps=2, checkpoint_dir=str(parts), **common)
+    run(pkg, steps=4, checkpoint_dir=str(parts), resume=True, **common)
+    for k in range(4):
+        want, got = stage_state(whole, 4, k), stage_state(parts, 4, k)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)

@@ -1,0 +1,91 @@
+"""interleaved (Megatron's virtual stages) as data: every supported (ranks, microbatches, virtual
+stages) validates, takes the closed-form slots (bubble (p - 1) / (v m)), holds Megatron's warm-up in
+flight, and broken or unsupported lists are refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.schedule import (
+    Action,
+    ScheduleError,
+    build,
+    build_interleaved,
+    format_actions,
+    interleaved_stage,
+    parse_actions,
+    simulate_ranks,
+    validate_ranks,
+)
+
+RANGE = [(p, m, v) for p in range(1, 5) for m in range(1, 9) for v in range(1, 4) if v == 1 or m % p == 0]
+
+
+@pytest.mark.parametrize(("ranks", "micro", "virtual"), RANGE)
+def test_every_supported_interleaved_is_valid(ranks: int, micro: int, virtual: int) -> None:
+    for steps in (1, 2):
+        lists = build_interleaved(ranks, virtual, micro, steps, first_step=3)
+        validate_ranks(lists, micro, range(3, 3 + steps))
+        hosted = {a.stage for acts in lists for a in acts}
+        assert hosted == set(range(ranks * virtual))
+
+
+@pytest.mark.parametrize(("ranks", "micro", "virtual"), RANGE)
+def test_interleaved_bubble_is_p_minus_1_over_v_m(ranks: int, micro: int, virtual: int) -> None:
+    """Equal stages, unit F and B per chunk: the ideal is 2 v m slots per rank, the bubble
+    (p - 1) / (v m) of it, so 2 (v m + p - 1) slots per minibatch."""
+    for steps in (1, 2):
+        slots = simulate_ranks(build_interleaved(ranks, virtual, micro, steps))
+        ideal = 2 * virtual * micro
+        assert slots == steps * 2 * (virtual * micro + ranks - 1)
+        assert slots / steps / ideal - 1 == pytest.approx((ranks - 1) / (virtual * micro))
+
+
+@pytest.mark.parametrize(("ranks", "micro", "virtual"), RANGE)
+def test_interleaved_holds_megatrons_warm_up_plus_one(ranks: int, micro: int, virtual: int) -> None:
+    for r, acts in enumerate(build_interleaved(ranks, virtual, micro)):
+        live = peak = 0
+        for a in acts:
+            live += {"F": 1, "B": -1}.get(a.kind, 0)
+            peak = max(peak, live)
+        warm = (virtual - 1) * ranks + 2 * (ranks - r - 1) if virtual > 1 else ranks - r - 1
+        assert peak == min(warm + 1, virtual * micro)
+
+
+def test_one_chunk_is_1f1b() -> None:
+    assert build_interleaved(3, 1, 5, steps=2) == tuple(build("1f1b", 3, 5, steps=2))
+
+
+def test_interleaved_text_form_and_layout() -> None:
+    lists = build_interleaved(2, 2, 2)
+    assert [format_actions(a) for a in lists] == [
+        "0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1 0S0 2S0",
+        "1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1 1S0 3S0",
+    ]
+    assert [interleaved_stage(r, c, 4) for c in range(2) for r in range(4)] == list(range(8))
+
+
+def test_unsupported_microbatches_are_refused() -> None:
+    with pytest.raises(ScheduleError, match=r"multiple of the 4 ranks.*--microbatches 8"):
+        build_interleaved(4, 2, 6)
+
+
+@pytest.mark.parametrize(
+    ("lists", "error"),
+    [
+        (["0F0 1F0 0B0 0S0", "1B0 1S0"], "rank 0 lists 1F0, an action of rank 1"),
+        (["0F0 2F0 0B0 2B0 0S0 2S0", "1F0 3F0 3B0 1B0 1S0 3S0"], "deadlock"),
+        (["0F0 2F0 2B0 0B0 0S0", "1F0 3F0 3B0 1B0 1S0 3S0"], "stage 2 replica 0 steps"),
+        (["0F0 2B0 2F0 0B0 0S0 2S0", "1F0 3F0 3B0 1B0 1S0 3S0"], "2B0 before 2F0"),
+        (["2F0 0F0 2B0 0B0 0S0 2S0", "1F0 3F0 3B0 1B0 1S0 3S0"], "deadlock"),
+    ],
+)
+def test_validate_ranks_refuses_broken_lists(lists: list[str], error: str) -> None:
+    with pytest.raises(ScheduleError, match=error):
+        validate_ranks([parse_actions(t) for t in lists], 1, [0])
+
+
+def test_a_valid_hand_written_list_passes() -> None:
+    rank0, rank1 = parse_actions("0F0 2F0 2B0 0B0 0S0 2S0"), parse_actions("1F0 3F0 3B0 1B0 1S0 3S0")
+    validate_ranks([rank0, rank1], 1, [0])
+    assert Action(3, "S", 0) in rank1
