@@ -101,11 +101,13 @@ def _tags(tags: Sequence[int], messages: Sequence[object]) -> Sequence[int]:
 
 @dataclass(frozen=True)
 class Posted:
-    """Receives of one action, posted and not yet waited for."""
+    """Receives of one action, posted and not yet waited for; ``local``: (message index, tag) of the
+    messages this rank sends itself, taken from its loopback when waited for."""
 
     bufs: list[list[torch.Tensor]]
     works: list[dist.Work]
     peers: tuple[int, ...]
+    local: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -123,6 +125,9 @@ class Comm:
         seconds: time spent blocked in receives, waits and all-reduces.
         hold: keep new sends in ``outbox`` until the next receive posts them together with it.
         outbox: sends not yet posted.
+        loopback: per tag, messages this rank sent itself and has not yet received (``interleaved``:
+            a tensor skipping from one of its stages to another of them), oldest first.
+        loopback_meta: per tag, the metas this rank told itself at start-up.
     """
 
     group: dist.ProcessGroup
@@ -134,6 +139,13 @@ class Comm:
     seconds: float = 0.0
     hold: bool = False
     outbox: list[dist.P2POp] = field(default_factory=list)
+    loopback: dict[int, deque[list[torch.Tensor]]] = field(default_factory=dict)
+    loopback_meta: dict[int, tuple[TensorMeta, ...]] = field(default_factory=dict)
+
+    @property
+    def me(self) -> int:
+        """This rank (in ``group``, whose ranks are the global ones)."""
+        return dist.get_rank() if dist.is_initialized() else -1
 
     def exchange_meta(self, recv_from: Sequence[int]) -> dict[int, tuple[TensorMeta, ...]]:
         """Receive, from each peer, the metas of the tensors it will send (start-up only)."""
@@ -152,12 +164,19 @@ class Comm:
 
     def recv_meta(self, peer: int, tag: int) -> tuple[TensorMeta, ...]:
         """The metas ``peer`` sends on stream ``tag`` (start-up only; see :meth:`send_meta`)."""
+        if peer == self.me:
+            if tag not in self.loopback_meta:
+                raise RuntimeError(f"internal: stream {tag} of this rank read before it was written")
+            return self.loopback_meta.pop(tag)
         return self._recv_meta(peer, tag)
 
     def send_meta(self, peer: int, metas: Sequence[TensorMeta], tag: int = 0) -> None:
         """Tell ``peer`` what this rank will send it (start-up only). With a ``tag`` (a rank hosting
         several stages) the send does not block: the peer may be busy with another of its stages;
         :meth:`drain` waits for it."""
+        if peer == self.me:
+            self.loopback_meta[tag] = tuple(metas)
+            return
         data = torch.tensor(list(encode_meta(metas).encode()), dtype=torch.uint8, device=self.device)
         size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
         with peer_errors(f"start-up send to rank {peer}"):
@@ -170,12 +189,16 @@ class Comm:
     def send(self, messages: Sequence[tuple[int, Sequence[torch.Tensor]]], tags: Sequence[int] = ()) -> None:
         """Post sends of each (peer, tensors) message, or hold them for the next :meth:`recv` when
         ``hold`` is set; returns at once either way. ``tags``: one per message (default 0), for ranks
-        that exchange several streams at once (``interleaved``: a rank hosts several stages)."""
-        self.outbox.extend(
-            dist.P2POp(dist.isend, t.detach().contiguous(), peer, self.group, tag)
-            for (peer, tensors), tag in zip(messages, _tags(tags, messages), strict=True)
-            for t in tensors
-        )
+        that exchange several streams at once (``interleaved``: a rank hosts several stages). A message
+        to this rank itself goes to its loopback as detached copies (no process group sends to itself)."""
+        me = self.me
+        for (peer, tensors), tag in zip(messages, _tags(tags, messages), strict=True):
+            if peer == me:
+                self.loopback.setdefault(tag, deque()).append([t.detach().clone() for t in tensors])
+                continue
+            self.outbox.extend(
+                dist.P2POp(dist.isend, t.detach().contiguous(), peer, self.group, tag) for t in tensors
+            )
         if not self.hold or self.prefetch:
             self.flush()
 
@@ -189,23 +212,28 @@ class Comm:
     def post(self, messages: Sequence[tuple[int, Sequence[TensorMeta]]], tags: Sequence[int] = ()) -> Posted:
         """Post receives of each (peer, metas) message (with the held sends, if any) and return at
         once; :meth:`wait` collects them. ``tags`` as in :meth:`send`."""
+        me, tagged = self.me, _tags(tags, messages)
+        local = tuple(
+            (i, tag) for i, ((peer, _), tag) in enumerate(zip(messages, tagged, strict=True)) if peer == me
+        )
         bufs = [
-            [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas] for _, metas in messages
+            [] if peer == me else [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas]
+            for peer, metas in messages
         ]
         ops = [
             dist.P2POp(dist.irecv, buf, peer, self.group, tag)
-            for (peer, _), tensors, tag in zip(messages, bufs, _tags(tags, messages), strict=True)
+            for (peer, _), tensors, tag in zip(messages, bufs, tagged, strict=True)
             for buf in tensors
         ]
         peers = tuple(sorted({p for p, _ in messages}))
         if not ops:
             self.flush()
-            return Posted(bufs, [], peers)
+            return Posted(bufs, [], peers, local)
         sends, self.outbox = self.outbox, []
         with peer_errors(f"receive from rank(s) {list(peers)}"):
             works = dist.batch_isend_irecv(sends + ops)
         self._keep(works[: len(sends)])
-        return Posted(bufs, works[len(sends) :], peers)
+        return Posted(bufs, works[len(sends) :], peers, local)
 
     def _keep(self, sends: Sequence[dist.Work]) -> None:
         self.pending.extend((self.era, w) for w in sends)
@@ -218,6 +246,10 @@ class Comm:
             for work in posted.works:
                 work.wait()
         self.seconds += time.perf_counter() - start
+        for index, tag in posted.local:  # (the sending stage ran earlier in this rank's list)
+            if not self.loopback.get(tag):
+                raise RuntimeError(f"internal: stream {tag} of this rank read before it was written")
+            posted.bufs[index] = self.loopback[tag].popleft()
         return posted.bufs
 
     def recv(

@@ -4,7 +4,8 @@ They depend on nothing but torch, so the runtime is tested without the profiler 
 Six shapes: ``chain`` (an MLP cut into N stages), ``skip`` (a tensor that skips a stage, and a
 stage with two outputs), ``skip4`` (four stages; stage 0 sends two tensors of one shape, one to
 stage 1 and one, skipping, to stage 3: on two ranks under interleaved both go from rank 0 to rank
-1), ``tied`` (one weight used by the first and the last stage), ``int`` (an integer tensor crosses
+1), ``skiphome`` (the same, but the skip goes to stage 2: under interleaved on two ranks, rank 0 to
+itself), ``tied`` (one weight used by the first and the last stage), ``int`` (an integer tensor crosses
 stages, without a gradient) and ``modules`` (PipeDream's own layout: four modules on two stages,
 ``module_to_stage_map`` [0, 0, 1, 1, 1], a tensor from the first module read by the last).
 """
@@ -153,6 +154,20 @@ class Stage3(nn.Module):
 """,
 }
 
+_SKIP_HOME = """
+import torch
+from torch import nn
+
+
+class Stage2(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear({h}, {h})
+
+    def forward(self, x, skip):
+        return torch.tanh(self.fc(x) + skip)
+"""
+
 _INT = {
     0: """
 import torch
@@ -230,6 +245,12 @@ def _stage_sources(kind: str, stages: int) -> tuple[list[str], list[list[str]], 
         mids = [_LINEAR.format(k=k, din=HIDDEN, dout=HIDDEN, body="torch.tanh(self.fc(x))") for k in (1, 2)]
         sources = [_SKIP4[0].format(i=IN_DIM, h=HIDDEN), *mids, _SKIP4[3].format(h=HIDDEN, o=OUT_DIM)]
         ins = [["input0"], ["out0"], ["out1"], ["out2", "skip0"]]
+        return sources, ins, [["out0", "skip0"], ["out1"], ["out2"], ["out3"]]
+    if kind == "skiphome":  # the skip goes to stage 2: under interleaved on 2 ranks, rank 0 to itself
+        mid = _LINEAR.format(k=1, din=HIDDEN, dout=HIDDEN, body="torch.tanh(self.fc(x))")
+        last = _LINEAR.format(k=3, din=HIDDEN, dout=OUT_DIM, body="self.fc(x)")
+        sources = [_SKIP4[0].format(i=IN_DIM, h=HIDDEN), mid, _SKIP_HOME.format(h=HIDDEN), last]
+        ins = [["input0"], ["out0"], ["out1", "skip0"], ["out2"]]
         return sources, ins, [["out0", "skip0"], ["out1"], ["out2"], ["out3"]]
     if kind == "int":
         sources = [_INT[k].format(i=IN_DIM, h=HIDDEN, o=OUT_DIM) for k in range(2)]

@@ -74,6 +74,15 @@ def test_interleaved_routes_two_same_shaped_streams_between_one_pair_of_ranks(tm
     _assert_weights(ckpt, 2, plain_training(pkg, 2, 4, 8, lr=0.1, momentum=0.9), 4)
 
 
+def test_interleaved_hands_a_tensor_between_two_stages_of_one_rank(tmp_path: Path) -> None:
+    """Stage 0's second output skips to stage 2, which rank 0 hosts too (as a transformer's rotary
+    tables or mask reach every layer): it goes through the rank's loopback, forward and backward."""
+    pkg = write_package(tmp_path / "pkg", "skiphome", (1,) * 4, microbatches=4, batch_size=8, virtual=2)
+    ckpt = tmp_path / "ckpt"
+    run(pkg, steps=2, schedule="interleaved", lr=0.1, momentum=0.9, checkpoint_dir=str(ckpt))
+    _assert_weights(ckpt, 2, plain_training(pkg, 2, 4, 8, lr=0.1, momentum=0.9), 4)
+
+
 def test_interleaved_fp16_trains_as_1f1b_fp16_with_one_loss_scale_per_rank(tmp_path: Path) -> None:
     """The same 4 stages under fp16, 2 per rank (interleaved) and 1 per rank (1f1b): each rank's
     first chunk unscales all its chunks' gradients and votes once; the results agree."""
