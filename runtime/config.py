@@ -296,8 +296,7 @@ def _checked(job: JobConfig) -> JobConfig:
 
 def _check_interleaved(job: JobConfig) -> None:
     """A package with several stages per rank runs only under ``interleaved``, which needs one rank
-    per stage (no replicas: every rank already holds a slice of every part of the pipeline), no
-    ties (their all-reduce is per stage, and a rank steps several stages), and
+    per stage (no replicas: every rank already holds a slice of every part of the pipeline) and
     microbatches that Megatron's order can play (:func:`runtime.schedule.check_interleaved`)."""
     if job.virtual_stages > 1 and job.schedule != "interleaved":
         raise RunError(
@@ -313,11 +312,6 @@ def _check_interleaved(job: JobConfig) -> None:
         )
     if job.virtual_stages > 1 and job.world_size < 2:
         raise RunError("--schedule interleaved with several stages per rank needs at least 2 ranks")
-    if job.ties:
-        raise RunError(
-            "--schedule interleaved does not run tied weights across stages yet (their all-reduce "
-            "is per stage, and a rank steps several stages)"
-        )
     try:
         check_interleaved(job.world_size, job.virtual_stages, job.microbatches)
     except ScheduleError as exc:

@@ -98,10 +98,14 @@ class Groups:
     Attributes:
         replicas: the replica group (None when the stage has one replica).
         ties: (group, parameter name in this stage) for every tie this stage holds.
+        rank_ties: under ``interleaved`` (a rank hosts several stages, and ``ties`` is empty): per
+            tie this rank holds, the group of every rank holding it (None: this rank alone) and the
+            (stage, parameter name) members this rank hosts; the rank's first chunk sums them.
     """
 
     replicas: dist.ProcessGroup | None
     ties: tuple[tuple[dist.ProcessGroup, str], ...] = ()
+    rank_ties: tuple[tuple[dist.ProcessGroup | None, tuple[tuple[int, str], ...]], ...] = ()
 
 
 @dataclass
@@ -452,6 +456,8 @@ class StageRuntime:
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
         ran = self._sync_grads(params)
+        if self.chunks:
+            self._sync_rank_ties()
         if self.lead is not None:
             skip = self.lead.skipping
         else:
@@ -477,6 +483,21 @@ class StageRuntime:
         self.comm.era = self.version
         self.comm.retire(self.version - self._send_lag)
         self._report(covered, ran)
+
+    def _sync_rank_ties(self) -> None:
+        """Under ``interleaved``, on the rank's first chunk (every chunk's backwards are done): each
+        tied weight's gradient summed over the members this rank hosts and over the other ranks
+        holding it, and given to every member, so the copies step alike."""
+        hosted = {rt.cfg.stage: dict(rt.module.named_parameters()) for rt in self.chunks}
+        with self.recorder.span("tie all-reduce", "comm"):
+            for group, members in self.groups.rank_ties:
+                grads = [hosted[stage][name].grad for stage, name in members]
+                total = torch.stack([g for g in grads if g is not None]).sum(0)
+                if group is not None:
+                    self.comm.all_reduce_sum([total], group)
+                for g in grads:
+                    if g is not None:
+                        g.copy_(total)
 
     def _rank_params(self, params: dict[str, nn.Parameter]) -> dict[str, nn.Parameter]:
         """What :meth:`step` unscales and clips: this stage's parameters, or every chunk's of the

@@ -75,18 +75,24 @@ def job_of(options: RunOptions) -> JobConfig:
 
 
 def _groups(cfg: RankConfig, timeout: timedelta) -> Groups:
-    """Create every replica and tie group in the same order on all ranks; keep this rank's."""
+    """Create every replica and tie group in the same order on all ranks; keep this rank's. Under
+    ``interleaved`` a tie's members on this rank's stages are kept together (``rank_ties``)."""
     job, mine = cfg.job, None
     for ranks in job.stage_ranks:
         if len(ranks) > 1:
             group = dist.new_group(list(ranks), timeout=timeout)
             mine = group if cfg.rank in ranks else mine
-    ties = []
+    ties, rank_ties = [], []
+    hosted = {s for s, ranks in enumerate(job.stage_ranks) if cfg.rank in ranks}
     for tie in job.ties:
         members = sorted({r for stage, _ in tie for r in job.stage_ranks[stage]})
         group = dist.new_group(members, timeout=timeout)
-        ties += [(group, name) for stage, name in tie if stage == cfg.stage]
-    return Groups(mine, tuple(ties))
+        if job.virtual_stages > 1:
+            here = tuple((stage, name) for stage, name in tie if stage in hosted)
+            rank_ties += [(group if len(members) > 1 else None, here)] if here else []
+        else:
+            ties += [(group, name) for stage, name in tie if stage == cfg.stage]
+    return Groups(mine, tuple(ties), tuple(rank_ties))
 
 
 def _total_steps(options: RunOptions, batches: Batches) -> int:
@@ -184,9 +190,11 @@ def _build_hosted(
         first.chunks = hosted
         for rt in rest:
             rt.lead, rt.clip = first, None
-    if first.clip is not None and rest:
+    if first.clip is not None and rest:  # (a tied weight counted once, by the first stage holding it)
         names = {
-            f"{rt.cfg.stage}/{n}" for rt in hosted for n, p in rt.module.named_parameters() if p.requires_grad
+            f"{rt.cfg.stage}/{n}"
+            for rt in hosted
+            for n in counted_params(rt.cfg, [n for n, p in rt.module.named_parameters() if p.requires_grad])
         }
         first.clip = replace(first.clip, counted=frozenset(names))
     return hosted

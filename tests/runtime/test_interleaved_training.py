@@ -83,6 +83,32 @@ def test_interleaved_hands_a_tensor_between_two_stages_of_one_rank(tmp_path: Pat
     _assert_weights(ckpt, 2, plain_training(pkg, 2, 4, 8, lr=0.1, momentum=0.9), 4)
 
 
+def test_interleaved_sums_a_tied_weight_across_ranks_and_clips_it_once(tmp_path: Path) -> None:
+    """Stage 0's weight is stage 3's too (rank 0 and rank 1): each rank's first chunk sums the tie's
+    gradient over the ranks before clipping, which counts it once; momentum SGD with clipping that
+    binds ends equal to plain training, the two copies bit for bit equal."""
+    from runtime.optim import OptimSettings
+    from tests.runtime.test_optim import _reference
+
+    pkg = write_package(tmp_path / "pkg", "tied", (1,) * 4, microbatches=4, batch_size=8, virtual=2)
+    model, norms = _reference(pkg, 3, 4, 8, OptimSettings(lr=0.5, momentum=0.5, clip_grad_norm=0.2))
+    assert all(n > 0.2 for n in norms), norms
+    ckpt = tmp_path / "ckpt"
+    run(
+        pkg,
+        steps=3,
+        schedule="interleaved",
+        lr=0.5,
+        momentum=0.5,
+        clip_grad_norm=0.2,
+        checkpoint_dir=str(ckpt),
+    )
+    _assert_weights(ckpt, 3, model, 4)
+    torch.testing.assert_close(
+        stage_state(ckpt, 3, 0)["fc.weight"], stage_state(ckpt, 3, 3)["w"], rtol=0, atol=0
+    )
+
+
 def test_interleaved_fp16_trains_as_1f1b_fp16_with_one_loss_scale_per_rank(tmp_path: Path) -> None:
     """The same 4 stages under fp16, 2 per rank (interleaved) and 1 per rank (1f1b): each rank's
     first chunk unscales all its chunks' gradients and votes once; the results agree."""
