@@ -80,17 +80,26 @@ def class_hits(output: torch.Tensor, target: torch.Tensor) -> tuple[int, int] | 
 
 @dataclass
 class Evaluator:
-    """Evaluates one rank's stage on ``batches`` (one pass, ``minibatches`` of them) when called.
+    """Evaluates one rank's stages on ``batches`` (one pass, ``minibatches`` of them) when called.
 
     Attributes:
         rt: the rank's runtime (its stage, criterion, channels and groups).
         batches: held-out minibatches by index, identical on every rank that reads them.
         minibatches: minibatches per evaluation.
+        hosted: under ``interleaved``, every stage the rank runs (its chunks, ``rt`` first); each
+            unit goes through them in stage order, so every rank walks the units depth first, in
+            the same order, and the one holding the last stage scores them.
     """
 
     rt: StageRuntime
     batches: Batches
     minibatches: int
+    hosted: tuple[StageRuntime, ...] = ()
+
+    @property
+    def stages(self) -> tuple[StageRuntime, ...]:
+        """The runtimes this rank evaluates, in stage order."""
+        return self.hosted or (self.rt,)
 
     def _peer(self, stage: int, unit: int) -> int:
         ranks = self.rt.cfg.job.stage_ranks[stage]
@@ -98,18 +107,20 @@ class Evaluator:
 
     def __call__(self, step: int) -> EvalResult | None:
         """Evaluate now; the last stage's first replica returns the result, every other rank None."""
-        rt = self.rt
-        comm_seconds, training = rt.comm.seconds, rt.module.training
-        rt.module.eval()
+        comm_seconds, training = self.rt.comm.seconds, [s.module.training for s in self.stages]
+        for s in self.stages:
+            s.module.eval()
         try:
             with torch.no_grad():
                 totals = self._pass()
         finally:
-            rt.module.train(training)
-        if rt.cfg.is_last and rt.groups.replicas is not None:
-            rt.comm.all_reduce_sum([totals], rt.groups.replicas)
-        rt.comm.seconds = comm_seconds  # training's communication time only
-        if not rt.cfg.is_last or rt.cfg.replica != 0:
+            for s, mode in zip(self.stages, training, strict=True):
+                s.module.train(mode)
+        last = next((s for s in self.stages if s.cfg.is_last), None)
+        if last is not None and last.groups.replicas is not None:
+            last.comm.all_reduce_sum([totals], last.groups.replicas)
+        self.rt.comm.seconds = comm_seconds  # training's communication time only
+        if last is None or last.cfg.replica != 0:
             return None
         loss_sum, rows, correct, counted = totals.tolist()
         accuracy = correct / counted if counted > 0 else None
@@ -120,44 +131,53 @@ class Evaluator:
         rt, m = self.rt, self.rt.cfg.job.microbatches
         device = rt.comm.device  # the totals' all-reduce runs on the rank's backend (nccl: a GPU tensor)
         replicas, totals = len(rt.cfg.replica_ranks), torch.zeros(4, dtype=torch.float64, device=device)
+        first = any(s.cfg.is_first for s in self.stages)
+        last = any(s.cfg.is_last for s in self.stages)
         for b in range(self.minibatches):
             units = [b * m + j for j in range(m) if (b * m + j) % replicas == rt.cfg.replica]
             if not units:
                 continue
-            inputs = tuple(t.to(device) for t in self.batches.inputs(b)) if rt.cfg.is_first else ()
-            target = self.batches.targets(b).to(device) if rt.cfg.is_last else None
+            inputs = tuple(t.to(device) for t in self.batches.inputs(b)) if first else ()
+            target = self.batches.targets(b).to(device) if last else None
             for unit in units:
-                named: dict[str, torch.Tensor] = {}
-                if rt.cfg.is_first:
-                    named.update(zip(rt.wiring.stage_inputs[0], _split(inputs, m, unit % m), strict=True))
-                outs = self._forward(unit, named)
-                if target is not None:
-                    (part,) = _split((target,), m, unit % m)
-                    totals += self._score(outs, part)
+                for stage in self.stages:
+                    named: dict[str, torch.Tensor] = {}
+                    if stage.cfg.is_first:
+                        named.update(
+                            zip(stage.wiring.stage_inputs[0], _split(inputs, m, unit % m), strict=True)
+                        )
+                    outs = self._forward(stage, unit, named)
+                    if stage.cfg.is_last and target is not None:
+                        (part,) = _split((target,), m, unit % m)
+                        totals += self._score(stage, outs, part)
+                rt.comm.drain()  # (after all this rank's stages: one may wait for a later one's send)
         return totals
 
-    def _forward(self, unit: int, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Receive the unit's inputs, run the stage, send its outputs and wait until they are taken
-        (one unit in flight per channel: pipelined, with bounded memory, and free of deadlock because
-        a rank only ever waits for a later stage to take a unit it has already sent)."""
-        rt = self.rt
-        producers = rt.producers
+    def _forward(
+        self, rt: StageRuntime, unit: int, named: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Receive the unit's inputs, run the stage and send its outputs; the caller waits until they
+        are taken once the rank's stages have run the unit (one unit in flight per channel:
+        pipelined, with bounded memory, and free of deadlock because a rank only ever waits for a
+        later stage to take a unit it has already sent). Messages carry training's stream tags
+        (``interleaved``: two ranks exchange several streams)."""
+        me, producers = rt.cfg.stage, rt.producers
         if producers:
-            got = rt.comm.recv([(self._peer(k, unit), rt.in_meta[k]) for k in producers])
+            tags = [rt._tag(k, me, False) for k in producers]
+            got = rt.comm.recv([(self._peer(k, unit), rt.in_meta[k]) for k in producers], tags)
             for names, tensors in zip(producers.values(), got, strict=True):
                 named.update(zip(names, tensors, strict=True))
         outs = rt.run_stage(named)
         messages = [(self._peer(k, unit), [outs[n] for n in names]) for k, names in rt.consumers.items()]
         if messages:
-            rt.comm.send(messages)
-            rt.comm.drain()
+            rt.comm.send(messages, [rt._tag(me, k, False) for k in rt.consumers])
         return outs
 
-    def _score(self, outs: dict[str, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
-        assert self.rt.criterion is not None
-        output = outs[self.rt.wiring.loss_input]
+    def _score(self, rt: StageRuntime, outs: dict[str, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+        assert rt.criterion is not None
+        output = outs[rt.wiring.loss_input]
         rows = target.shape[0]
-        loss = float(self.rt.criterion(output, target))
+        loss = float(rt.criterion(output, target))
         hits = class_hits(output, target) if isinstance(output, torch.Tensor) else None
         correct, counted = hits if hits is not None else (0, 0)
         return torch.tensor([loss * rows, rows, correct, counted], dtype=torch.float64, device=target.device)

@@ -69,8 +69,6 @@ def check_launch(options: RunOptions) -> int:
         raise RunError("a multi-node job needs --master-addr and --master-port (the same on every node)")
     if job.virtual_stages > 1 and options.backend == "nccl":
         raise RunError("--schedule interleaved runs on gloo only for now (NCCL ignores message tags)")
-    if job.schedule == "interleaved" and options.eval_data is not None:
-        raise RunError("--eval-data is not supported under --schedule interleaved yet; evaluate a 1f1b run")
     preflight(options, job, run_dir(options))
     return world // options.nnodes
 

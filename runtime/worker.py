@@ -316,20 +316,19 @@ def _segments(start: int, total: int, every: int) -> list[tuple[int, int]]:
     return segments(start, total, range(start, total, every) if every > 0 else ())
 
 
-def _evaluator(options: RunOptions, rt: StageRuntime) -> Evaluator | None:
+def _evaluator(options: RunOptions, hosted: tuple[StageRuntime, ...]) -> Evaluator | None:
     """The held-out data of ``--eval-data`` (on every rank: the middle stages need its length).
     Synthetic held-out data is drawn with another seed than training's."""
     if options.eval_data is None:
         return None
-    if rt.cfg.job.schedule == "interleaved":
-        raise RunError("--eval-data is not supported under --schedule interleaved yet; evaluate a 1f1b run")
+    rt = hosted[0]
     pkg, job = import_package(rt.cfg.job.package), rt.cfg.job
     seed = options.seed + 1 if options.eval_data == "synthetic" else options.seed
     settings = DataSettings.of(options, job)
     data = make_batches(
         options.eval_data, pkg, rt.wiring.stage_inputs[0], job.batch_size, seed, False, settings
     )
-    return Evaluator(rt, data, data.steps_per_epoch)
+    return Evaluator(rt, data, data.steps_per_epoch, hosted if len(hosted) > 1 else ())
 
 
 def _train(options: RunOptions, hosted: tuple[StageRuntime, ...], total: int) -> None:
@@ -345,7 +344,7 @@ def _train(options: RunOptions, hosted: tuple[StageRuntime, ...], total: int) ->
         clock.memory = PeakMemory(rt.comm.device, job.world_size + 1, cpu=options.measure_memory)
         clock.memory.start(rt.module, rt.optimizer)
         clock.start()
-    evaluator = _evaluator(options, rt)
+    evaluator = _evaluator(options, hosted)
     saves = {first + count for first, count in _segments(start, total, options.checkpoint_every)}
     evals = eval_steps(start, total, options.eval_every) if evaluator is not None else ()
     for first, count in segments(start, total, sorted(saves | set(evals))):

@@ -109,6 +109,37 @@ def test_interleaved_sums_a_tied_weight_across_ranks_and_clips_it_once(tmp_path:
     )
 
 
+def _held_out_loss(pkg_dir: Path, ckpt: Path, step: int, stages: int, batch: int) -> float:
+    """The unsplit model with the run's weights after ``step``: mean loss over one pass of the
+    held-out data (synthetic, seed 1)."""
+    from runtime.data import SyntheticBatches
+
+    pkg = import_package(pkg_dir)
+    model, loss_fn = pkg.full_model(0), pkg.criterion()
+    for k in range(stages):
+        model.stages[k].load_state_dict(stage_state(ckpt, step, k))
+    data = SyntheticBatches(pkg, ["input0"], batch, seed=1)
+    with torch.no_grad():
+        losses = [float(loss_fn(model(*data.inputs(b)), data.targets(b)))
+                  for b in range(data.steps_per_epoch)]  # fmt: skip
+    return sum(losses) / len(losses)
+
+
+def test_interleaved_evaluates_the_unsplit_models_loss(tmp_path: Path) -> None:
+    """``--eval-data`` under interleaved: each rank walks every held-out unit through its chunks in
+    stage order (the skip to a stage of the same rank included); the loss equals the unsplit
+    model's with the run's weights."""
+    pkg = write_package(tmp_path / "pkg", "skiphome", (1,) * 4, microbatches=4, batch_size=8, virtual=2)
+    ckpt = tmp_path / "ckpt"
+    metrics = run(pkg, steps=3, schedule="interleaved", lr=0.2, checkpoint_dir=str(ckpt), checkpoint_every=2,
+                  eval_data="synthetic", eval_every=2)  # fmt: skip
+    assert [e["step"] for e in metrics["eval"]] == [2, 3]
+    for entry in metrics["eval"]:
+        want = _held_out_loss(pkg, ckpt, entry["step"], 4, 8)
+        assert entry["loss"] == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert metrics["eval"][0]["loss"] != metrics["eval"][1]["loss"]
+
+
 def test_interleaved_fp16_trains_as_1f1b_fp16_with_one_loss_scale_per_rank(tmp_path: Path) -> None:
     """The same 4 stages under fp16, 2 per rank (interleaved) and 1 per rank (1f1b): each rank's
     first chunk unscales all its chunks' gradients and votes once; the results agree."""
