@@ -540,6 +540,10 @@ def evaluate(
     info = SolverInfo("evaluate", 0.0, False)
     plan = assemble(profile, cluster, specs, schedule, m, optimizer, info, activation_comm=activation_comm,
                     recompute=recompute, virtual=virtual_stages)  # fmt: skip
+    if schedule == "interleaved":
+        from partitioner.optimizer.interleaved import played
+
+        plan = played(profile, plan, activation_comm, recompute)
     return _with(plan, SolverInfo("evaluate", time.perf_counter() - start, False), {})
 
 

@@ -1,20 +1,23 @@
 """Plans for ``interleaved`` (Megatron's virtual stages): ``gpus * v`` one-device stages, stage ``s``
 on rank ``s mod gpus``.
 
-A first version, not an exact search: the cuts come from candidates priced under interleaved's own
-cost model (:func:`partitioner.optimizer.cost.interleaved_time`) and the fastest that fits memory
-wins. The candidates are the exact straight 1f1b search over ``gpus * v`` devices (balanced stages,
-which interleaved also wants: its time is driven by each rank's sum of chunks and the slowest
-stage), when it uses all of them, and the contiguous splits of the layers' topological order:
-every one where they are few (:data:`EVERY_SPLIT_MAX`), else torchgpipe's time-balanced split
-hill-climbed one layer at a time under interleaved's model. An exact search over every downset
-would price the rank sums inside the DP; it does not exist yet.
+A first version, not an exact search: the cuts come from candidates ranked by interleaved's closed
+form (:func:`partitioner.optimizer.cost.interleaved_time`, a lower bound on unequal stages); the
+:data:`SIMULATED` best that fit memory are priced by the event simulation of the runtime's lists
+(:func:`played`), and the fastest wins, so a plan predicts what the simulation plays. The
+candidates are the exact straight 1f1b search over ``gpus * v`` devices (balanced stages, which
+interleaved also wants: its time is driven by each rank's sum of chunks and the slowest stage),
+when it uses all of them, and the contiguous splits of the layers' topological order: every one
+where they are few (:data:`EVERY_SPLIT_MAX`), else torchgpipe's time-balanced split hill-climbed
+one layer at a time under the closed form. An exact search over every downset would price the
+rank sums inside the DP; it does not exist yet.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from itertools import combinations, pairwise
 
 from partitioner.errors import InfeasibleError, PlanError
@@ -24,11 +27,22 @@ from partitioner.optimizer.build import StageSpec, assemble
 from partitioner.plan import Cluster, Plan, SolverInfo
 from runtime.schedule import ScheduleError, check_interleaved
 
-__all__ = ["REFINE_PRICINGS", "check_virtual", "interleaved_specs", "solve_interleaved"]
+__all__ = [
+    "REFINE_PRICINGS",
+    "SIMULATED",
+    "check_virtual",
+    "interleaved_specs",
+    "played",
+    "solve_interleaved",
+]
 
 REFINE_PRICINGS = 200
 """Plans the hill climb from the time-balanced cuts prices at most (about a millisecond each on a
 hundred-layer profile)."""
+
+SIMULATED = 8
+"""The candidates with the lowest closed-form bound that the event simulation then prices; the fastest
+simulated one wins."""
 
 EVERY_SPLIT_MAX = 300
 """Up to this many contiguous splits of the layers' order, every one is priced instead of the climb:
@@ -145,8 +159,28 @@ def solve_interleaved(
             found.append(price("straight 1f1b", [s.nodes for s in one.stages]))
     except InfeasibleError:
         pass
-    plans = [plan for plan in found if plan is not None]
-    best = min(plans, key=lambda plan: plan.predicted.time_per_minibatch_s, default=None)
-    if best is None:
+    plans = sorted(
+        (plan for plan in found if plan is not None), key=lambda plan: plan.predicted.time_per_minibatch_s
+    )
+    if not plans:
         raise errors[0] if errors else InfeasibleError("no interleaved plan fits")
-    return best
+    simulated = [played(profile, plan, activation_comm, recompute) for plan in plans[:SIMULATED]]
+    return min(simulated, key=lambda plan: plan.predicted.time_per_minibatch_s)
+
+
+def played(profile: Profile, plan: Plan, activation_comm: bool = True, recompute: str = "none") -> Plan:
+    """``plan`` priced by the event simulation of the runtime's own lists (``simulate``), which the
+    closed form only bounds from below on unequal stages (a slow stage stalls the ranks after it in
+    every round): what the plan predicts is then what the simulation plays."""
+    from partitioner.optimizer.simulate import simulate
+
+    sim = simulate(plan, profile)
+    span = max((e.end_s for e in sim.events), default=0.0)  # (one minibatch from 0; no host bound)
+    specs = [StageSpec(s.nodes, s.replicas, s.ranks) for s in plan.stages]
+    again = assemble(
+        profile, plan.cluster, specs, "interleaved", plan.microbatches, plan.optimizer, plan.solver,
+        time_override=span, extra=dict(plan.extra), activation_comm=activation_comm,
+        recompute=recompute, virtual=plan.virtual_stages,
+    )  # fmt: skip
+    predicted = replace(again.predicted, bubble_fraction=sim.bubble_fraction)
+    return replace(again, predicted=predicted, extra={**again.extra, "priced_by": "simulation"})

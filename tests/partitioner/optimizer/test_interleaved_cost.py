@@ -144,6 +144,23 @@ def test_few_splits_are_all_priced_so_the_plan_is_the_best_contiguous_split() ->
         assert plan.predicted.time_per_minibatch_s == pytest.approx(best, rel=1e-12)
 
 
+def test_a_plan_predicts_what_the_simulation_plays() -> None:
+    """The closed form only ranks the candidates: a plan's time and bubble are the event simulation's
+    of the runtime's lists, for solve and evaluate alike, on unequal stages (where the closed form
+    is only a lower bound: test above)."""
+    rng = random.Random(4)
+    for _ in range(10):
+        profile, cluster = _random_chain(rng, 7), Cluster.flat(2, bandwidth=1e7)
+        for plan in (
+            solve(profile, cluster, "interleaved", 4, virtual_stages=2),
+            evaluate(profile, cluster, ["l0", "l2", "l4"], [1] * 4, "interleaved", 4, virtual_stages=2),
+        ):
+            sim = simulate(plan, profile)
+            assert plan.predicted.time_per_minibatch_s == pytest.approx(sim.time_per_minibatch_s, rel=1e-12)
+            assert plan.predicted.bubble_fraction == pytest.approx(sim.bubble_fraction, rel=1e-12)
+            assert plan.extra["priced_by"] == "simulation"
+
+
 def test_many_splits_climb_from_the_time_balanced_one() -> None:
     """24 layers in 8 stages: 245,157 contiguous splits, too many to price; the climb never ends
     above the time-balanced split it starts from."""
