@@ -710,7 +710,7 @@ def partition(
         )
     elif schedule == "auto":
         choice = _auto(profile, cluster, micro, optimizer, straight, solver, not no_comm, recompute)
-        auto_table = _auto_table(choice.times, choice.plan.schedule, micro)
+        auto_table = _auto_table(choice.times, choice.plan.schedule, micro, cluster.gpus)
         plan, schedule, micro = choice.plan, choice.plan.schedule, choice.plan.microbatches
     else:
         plan = solve(
@@ -769,16 +769,19 @@ def _auto(
     return solve_auto(profile, cluster, micro, optimizer, straight, solver, comm, recompute, names)
 
 
-def _auto_table(times: dict[str, float | None], chosen: str, micro: int) -> Any:
+def _auto_table(times: dict[str, float | None], chosen: str, micro: int, gpus: int) -> Any:
     from rich.table import Table
 
-    table = Table(title="--schedule auto: each schedule's best plan", title_justify="left")
+    caption = None
+    if "interleaved" in times and times["interleaved"] is None and (gpus < 2 or micro % gpus):
+        caption = f"interleaved needs 2+ GPUs and --microbatches a multiple of the {gpus} GPUs"
+    table = Table(title="--schedule auto: each schedule's best plan", title_justify="left", caption=caption)
     for col in ("schedule", "microbatches", "predicted ms/minibatch", "vs chosen"):
         table.add_column(col, justify="left" if col == "schedule" else "right")
     best = times[chosen] or 1.0
     for name, t in times.items():
         m = "1" if name == "pipedream" else str(micro)
-        shown = (f"{t * 1e3:.3f}", f"{t / best:.2f}x") if t is not None else ("does not fit", "-")
+        shown = (f"{t * 1e3:.3f}", f"{t / best:.2f}x") if t is not None else ("no plan", "-")
         table.add_row(name + (" (chosen)" if name == chosen else ""), m, *shown)
     return table
 
