@@ -262,6 +262,15 @@ def _dropout_follows_mode(graph: fx.Graph) -> None:
         graph.erase_node(training)
 
 
+def _without_dtype_asserts(graph: fx.Graph) -> None:
+    """torch.export asserts the dtype each ``.to()`` saw while tracing in float32
+    (``aten._assert_tensor_metadata``); under ``--precision bf16|fp16`` autocast makes those tensors
+    low precision, so the asserts would stop the run. They compute nothing: drop them."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            graph.erase_node(node)
+
+
 def _set_argument(node: fx.Node, name: str, position: int, value: fx.Node) -> None:
     """Set ``node``'s argument ``name``, which it passes at ``position`` or as a keyword."""
     if len(node.args) > position:
@@ -395,6 +404,7 @@ def _stage_graph(
     graph.output(results[0] if len(results) == 1 else tuple(results))
     _devices_from_inputs(graph)
     _dropout_follows_mode(graph)
+    _without_dtype_asserts(graph)
     if index > 0:
         _clone_inputs_written_in_place(graph, gm)
     graph.owning_module = gm  # purity checks of call_module nodes and lint look the targets up here

@@ -3,7 +3,8 @@
 Each family is built from a tiny config (``hf:FAMILY``, random weights, nothing downloaded) and goes
 through the CLI: the default pipedream plan on 2 devices, a 1f1b plan with 2 microbatches, and 4
 straight stages, each verified against the unsplit model (at the microbatch size too), then 2 training
-steps with every schedule on 2 gloo ranks.
+steps with every schedule on 2 gloo ranks, 1f1b under bf16 too, and an interleaved plan (4 stages, 2
+per rank).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def _ok(args: list[str]) -> str:
     return result.output
 
 
-def _run(package: Path, schedule: str) -> list[float]:
+def _run(package: Path, schedule: str, *extra: str) -> list[float]:
     _ok(
         [
             "run",
@@ -43,6 +44,7 @@ def _run(package: Path, schedule: str) -> list[float]:
             "2",
             "--timeout",
             "60",
+            *extra,
         ]
     )
     metrics = json.loads((package / "run" / "metrics.json").read_text())
@@ -77,3 +79,6 @@ def test_family_profiles_partitions_verifies_and_trains(
             _run(folder, "pipedream")
     for schedule in ("1f1b", "gpipe"):
         _run(models / "gpus=2", schedule)
+    _run(models / "gpus=2", "1f1b", "--precision", "bf16")  # (torch.export's float32 asserts dropped)
+    _ok(["partition", "--gpus", "2", "--schedule", "interleaved", "-o", "interleaved"])
+    _run(tmp_path / "interleaved" / f"hf-{family}" / "gpus=2", "interleaved")  # 4 stages, 2 per rank
