@@ -32,6 +32,7 @@ __all__ = [
     "SyntheticBatches",
     "check_data_options",
     "check_data_spec",
+    "constant_inputs",
     "make_batches",
 ]
 
@@ -110,9 +111,10 @@ class DatasetBatches:
         seed: int,
         shuffle: bool,
         aliases: Mapping[str, str] | None = None,
+        fills: Sequence[tuple[float, torch.dtype]] = (),
     ) -> None:
         self.loader, self.names, self.seed, self.shuffle = loader, tuple(names), seed, shuffle
-        self.aliases = dict(aliases or {})
+        self.aliases, self.fills = dict(aliases or {}), tuple(fills)
         self.steps_per_epoch = len(loader)
         if self.steps_per_epoch < 1:
             raise RunError("the dataset yields no full minibatch; use a smaller --batch-size")
@@ -140,10 +142,28 @@ class DatasetBatches:
         x = self._batch(step)[0]
         if isinstance(x, Mapping):  # keyed by PipeDream's names (input0..) or the model's argument names
             return tuple(x[n] if n in x else x[self.aliases.get(n, n)] for n in self.names)
-        return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+        got = tuple(x) if isinstance(x, (tuple, list)) else (x,)
+        n = len(self.names)
+        if got and len(got) < n <= len(self.fills) + 1:  # constant inputs the data lacks (masks)
+            got += tuple(torch.full(got[0].shape, v, dtype=d) for v, d in self.fills[len(got) - 1 : n - 1])
+        return got
 
     def targets(self, step: int) -> torch.Tensor:
         return self._batch(step)[1]  # type: ignore[no-any-return]
+
+
+def constant_inputs(package: ModuleType, batch_size: int) -> tuple[tuple[float, torch.dtype], ...]:
+    """(value, dtype) of the model's inputs after the first while each is a constant of the first's
+    shape (a Hugging Face model's all-ones ``attention_mask``): what a file of tokens or images does
+    not hold and a minibatch can be completed with. Stops at the first input that is not."""
+    example = list(package.example_inputs(batch_size).values())
+    out = []
+    for t in example[1:]:
+        flat = t.reshape(-1)
+        if t.shape != example[0].shape or not flat.numel() or not bool((flat == flat[0]).all()):
+            break
+        out.append((flat[0].item(), t.dtype))
+    return tuple(out)
 
 
 def _load_factory(spec: str) -> Any:
@@ -216,9 +236,8 @@ def make_batches(
     if spec == "synthetic":
         return SyntheticBatches(package, names, batch_size, seed)
     if is_file_spec(spec):
-        return DatasetBatches(
-            file_loader(spec, settings or DataSettings(), batch_size, seed, shuffle), names, seed, shuffle
-        )
+        files = file_loader(spec, settings or DataSettings(), batch_size, seed, shuffle)
+        return DatasetBatches(files, names, seed, shuffle, fills=constant_inputs(package, batch_size))
     made = _load_factory(spec)
     aliases = getattr(package, "TENSOR_NAMES", None)
     if isinstance(made, DataLoader):

@@ -112,8 +112,14 @@ def check_inputs_match(
     """Minibatch 0's first-stage inputs are tensors of ``batch_size`` rows, with the rank and dtype
     plan.json recorded for them (the sample's own sizes may differ, e.g. a shorter sequence)."""
     if len(inputs) != len(names):
+        hint = (
+            "; a text or image file gives the first input (and inputs that are constants, as an "
+            "attention mask) only: give the others with --data module:function"
+            if data.startswith(("text:", "imagefolder:"))
+            else ""
+        )
         raise RunError(
-            f"--data {data}: minibatch 0 has {len(inputs)} inputs; the first stage reads {list(names)}"
+            f"--data {data}: minibatch 0 has {len(inputs)} inputs; the first stage reads {list(names)}{hint}"
         )
     recorded = {str(p.get("name")): p for p in planned}
     for name, tensor in zip(names, inputs, strict=True):

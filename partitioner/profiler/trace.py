@@ -204,13 +204,29 @@ def _export(bundle: ModelBundle, fx_exc: Exception, failed_in: tuple[str, str] |
 
 
 def _export_dynamic(bundle: ModelBundle) -> torch.export.ExportedProgram:
-    """Export at a batch of at least 2 (a size-1 dimension would be specialised) with dim 0 automatic."""
+    """Export at a batch of at least 2 (a size-1 dimension would be specialised) with dim 0 automatic,
+    and every dimension of integer inputs (token ids, masks: the sequence length too) where the model
+    allows it; if that fails, the batch alone."""
     inputs = bundle.inputs if bundle.batch_size >= 2 else bundle.make_inputs(2)
     auto = torch.export.Dim.AUTO
-    dims = [{0: auto} if t.dim() > 0 else None for t in inputs]
     args, kwargs = _export_args(inputs, bundle)
-    shapes: Any = dict(zip(bundle.input_names, dims, strict=True)) if bundle.input_names else tuple(dims)
-    return torch.export.export(bundle.module, args, kwargs, dynamic_shapes=shapes, strict=False)
+
+    def export(every: bool) -> torch.export.ExportedProgram:
+        dims = [
+            ({i: auto for i in range(t.dim())} if every and not t.is_floating_point() else {0: auto})
+            if t.dim() > 0
+            else None
+            for t in inputs
+        ]
+        shapes: Any = dict(zip(bundle.input_names, dims, strict=True)) if bundle.input_names else tuple(dims)
+        return torch.export.export(bundle.module, args, kwargs, dynamic_shapes=shapes, strict=False)
+
+    if any(t.dim() > 1 and not t.is_floating_point() for t in inputs):
+        try:
+            return export(every=True)
+        except Exception as exc:
+            log.info("export with dynamic sequence lengths failed (%s); the batch alone is dynamic", exc)
+    return export(every=False)
 
 
 def _export_args(
