@@ -155,8 +155,13 @@ class DatasetBatches:
 def constant_inputs(package: ModuleType, batch_size: int) -> tuple[tuple[float, torch.dtype], ...]:
     """(value, dtype) of the model's inputs after the first while each is a constant of the first's
     shape (a Hugging Face model's all-ones ``attention_mask``): what a file of tokens or images does
-    not hold and a minibatch can be completed with. Stops at the first input that is not."""
-    example = list(package.example_inputs(batch_size).values())
+    not hold and a minibatch can be completed with. Stops at the first input that is not; none for a
+    package without ``example_inputs`` (PipeDream's layout, hand-written ones)."""
+    make = getattr(package, "example_inputs", None)
+    if make is None:
+        return ()
+    made = make(batch_size)
+    example = list(made.values()) if isinstance(made, Mapping) else list(made)
     out = []
     for t in example[1:]:
         flat = t.reshape(-1)
