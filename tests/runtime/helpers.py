@@ -32,6 +32,17 @@ def stage_state(ckpt: Path, step: int, stage: int) -> dict[str, torch.Tensor]:
     return torch.load(ckpt / f"step-{step}" / f"stage{stage}.pt", weights_only=True)["model"]  # type: ignore[no-any-return]
 
 
+def assert_stages_equal(
+    ckpt: Path, step: int, model: nn.Module, stages: int, rtol: float = 1e-5, atol: float = 1e-6
+) -> None:
+    """Every stage's checkpoint at ``step`` equals ``model.stages[k]``'s weights, name for name."""
+    for k in range(stages):
+        got, want = stage_state(ckpt, step, k), model.stages[k].state_dict()
+        assert got.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol, msg=f"stage{k}.{name}")
+
+
 def _micro(data: SyntheticBatches, step: int, m: int) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
     (x,), y = data.inputs(step), data.targets(step)
     return [

@@ -11,19 +11,11 @@ import torch
 from runtime.config import load_job
 from runtime.errors import RunError
 from runtime.package import import_package
-from tests.runtime.helpers import plain_training, run, stage_state
+from tests.runtime.helpers import assert_stages_equal, plain_training, run, stage_state
 from tests.runtime.packages import write_package
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(1)
-
-
-def _assert_weights(ckpt: Path, step: int, model: torch.nn.Module, stages: int) -> None:
-    for k in range(stages):
-        got, want = stage_state(ckpt, step, k), model.stages[k].state_dict()
-        assert got.keys() == want.keys()
-        for name in want:
-            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=f"stage{k}.{name}")
 
 
 def test_interleaved_on_2_ranks_gives_plain_gradients(tmp_path: Path) -> None:
@@ -53,7 +45,7 @@ def test_interleaved_on_4_ranks_trains_as_plain_training(tmp_path: Path) -> None
     )
     ckpt = tmp_path / "ckpt"
     metrics = run(pkg, steps=3, schedule="interleaved", lr=0.1, momentum=0.9, checkpoint_dir=str(ckpt))
-    _assert_weights(ckpt, 3, plain_training(pkg, 3, 8, 16, lr=0.1, momentum=0.9), 8)
+    assert_stages_equal(ckpt, 3, plain_training(pkg, 3, 8, 16, lr=0.1, momentum=0.9), 8, atol=1e-5)
     assert len(metrics["losses"]) == 3
 
 
@@ -61,7 +53,7 @@ def test_interleaved_with_three_chunks_and_adam(tmp_path: Path) -> None:
     pkg = write_package(tmp_path / "pkg", "chain", replicas=(1,) * 6, microbatches=4, batch_size=8, virtual=3)
     ckpt = tmp_path / "ckpt"
     metrics = run(pkg, steps=2, schedule="interleaved", optimizer="adam", lr=0.01, checkpoint_dir=str(ckpt))
-    _assert_weights(ckpt, 2, plain_training(pkg, 2, 4, 8, "adam", lr=0.01), 6)
+    assert_stages_equal(ckpt, 2, plain_training(pkg, 2, 4, 8, "adam", lr=0.01), 6, atol=1e-5)
     assert all(len(r["step_compute_s"]) == len(r["step_times_s"]) == 2 for r in metrics["ranks"])
 
 
@@ -71,7 +63,7 @@ def test_interleaved_routes_two_same_shaped_streams_between_one_pair_of_ranks(tm
     pkg = write_package(tmp_path / "pkg", "skip4", (1,) * 4, microbatches=4, batch_size=8, virtual=2)
     ckpt = tmp_path / "ckpt"
     run(pkg, steps=2, schedule="interleaved", lr=0.1, momentum=0.9, checkpoint_dir=str(ckpt))
-    _assert_weights(ckpt, 2, plain_training(pkg, 2, 4, 8, lr=0.1, momentum=0.9), 4)
+    assert_stages_equal(ckpt, 2, plain_training(pkg, 2, 4, 8, lr=0.1, momentum=0.9), 4, atol=1e-5)
 
 
 def test_interleaved_hands_a_tensor_between_two_stages_of_one_rank(tmp_path: Path) -> None:
@@ -80,7 +72,7 @@ def test_interleaved_hands_a_tensor_between_two_stages_of_one_rank(tmp_path: Pat
     pkg = write_package(tmp_path / "pkg", "skiphome", (1,) * 4, microbatches=4, batch_size=8, virtual=2)
     ckpt = tmp_path / "ckpt"
     run(pkg, steps=2, schedule="interleaved", lr=0.1, momentum=0.9, checkpoint_dir=str(ckpt))
-    _assert_weights(ckpt, 2, plain_training(pkg, 2, 4, 8, lr=0.1, momentum=0.9), 4)
+    assert_stages_equal(ckpt, 2, plain_training(pkg, 2, 4, 8, lr=0.1, momentum=0.9), 4, atol=1e-5)
 
 
 def test_interleaved_sums_a_tied_weight_across_ranks_and_clips_it_once(tmp_path: Path) -> None:
@@ -103,7 +95,7 @@ def test_interleaved_sums_a_tied_weight_across_ranks_and_clips_it_once(tmp_path:
         clip_grad_norm=0.2,
         checkpoint_dir=str(ckpt),
     )
-    _assert_weights(ckpt, 3, model, 4)
+    assert_stages_equal(ckpt, 3, model, 4, atol=1e-5)
     torch.testing.assert_close(
         stage_state(ckpt, 3, 0)["fc.weight"], stage_state(ckpt, 3, 3)["w"], rtol=0, atol=0
     )

@@ -15,7 +15,7 @@ from runtime.errors import RunError
 from runtime.optim import OptimSettings, check_resume, lr_factor
 from runtime.options import RunOptions, from_argv, to_argv
 from runtime.package import import_package
-from tests.runtime.helpers import run, stage_state
+from tests.runtime.helpers import assert_stages_equal, run, stage_state
 from tests.runtime.packages import write_package
 
 torch.set_num_threads(1)
@@ -119,14 +119,6 @@ def _reference(
     return model, norms
 
 
-def _assert_equal(ckpt: Path, step: int, model: torch.nn.Module, stages: int) -> None:
-    for k in range(stages):
-        got, want = stage_state(ckpt, step, k), model.stages[k].state_dict()
-        assert got.keys() == want.keys()
-        for name in want:
-            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=f"stage{k}.{name}")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("schedule", "replicas"), [("1f1b", (2, 1)), ("gpipe", (1, 1)), ("interleaved", (1, 1, 1, 1))]
@@ -145,7 +137,7 @@ def test_adamw_cosine_warmup_and_clipping_equal_plain_training(
     run(pkg, steps=steps, schedule=schedule, checkpoint_dir=str(ckpt), clip_grad_norm=0.3, **ADAMW)
     model, norms = _reference(pkg, steps, micro, batch, settings)
     assert sum(n > 0.3 for n in norms) >= 2, f"clipping must bind for the test to mean anything: {norms}"
-    _assert_equal(ckpt, steps, model, len(replicas))
+    assert_stages_equal(ckpt, steps, model, len(replicas))
     state = torch.load(ckpt / f"step-{steps}" / "stage0.pt", weights_only=True)
     assert state["scheduler"]["last_epoch"] == steps
     assert state["optim"]["optimizer"] == "adamw" and state["optim"]["lr_schedule"] == "cosine"
@@ -161,7 +153,7 @@ def test_clipping_counts_a_tied_weight_once_across_stages_and_replicas(tmp_path:
     assert _tied_share(pkg, batch) > 0.05, "counting the tie twice must change the norm for this to test it"
     ckpt = tmp_path / "ckpt"
     run(pkg, steps=steps, schedule="1f1b", lr=0.5, momentum=0.5, clip_grad_norm=0.2, checkpoint_dir=str(ckpt))
-    _assert_equal(ckpt, steps, model, 2)
+    assert_stages_equal(ckpt, steps, model, 2)
 
 
 def _tied_share(package: Path, batch: int) -> float:

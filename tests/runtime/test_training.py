@@ -12,20 +12,11 @@ import pytest
 import torch
 
 from partitioner.optimizer.cost import in_flight
-from tests.runtime.helpers import pipedream_reference, plain_training, run, stage_state
+from tests.runtime.helpers import assert_stages_equal, pipedream_reference, plain_training, run, stage_state
 from tests.runtime.packages import write_package
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(1)
-
-
-def _assert_stages_equal(ckpt: Path, step: int, model: torch.nn.Module, stages: int) -> None:
-    for k in range(stages):
-        got = stage_state(ckpt, step, k)
-        want = model.stages[k].state_dict()
-        assert got.keys() == want.keys()
-        for name in want:
-            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=f"stage{k}.{name}")
 
 
 def test_1f1b_equals_plain_training_with_gradient_accumulation(tmp_path: Path) -> None:
@@ -33,7 +24,7 @@ def test_1f1b_equals_plain_training_with_gradient_accumulation(tmp_path: Path) -
     ckpt = tmp_path / "ckpt"
     metrics = run(pkg, steps=3, schedule="1f1b", lr=0.1, momentum=0.9, checkpoint_dir=str(ckpt))
     model = plain_training(pkg, 3, 4, 8, lr=0.1, momentum=0.9)
-    _assert_stages_equal(ckpt, 3, model, 3)
+    assert_stages_equal(ckpt, 3, model, 3)
     assert len(metrics["losses"]) == 3
     assert (pkg / "run" / "metrics.json").is_file()
 
@@ -42,14 +33,14 @@ def test_gpipe_with_skip_connection_and_adam_equals_plain_training(tmp_path: Pat
     pkg = write_package(tmp_path / "pkg", "skip", replicas=(1, 1, 1), microbatches=2, batch_size=6)
     ckpt = tmp_path / "ckpt"
     run(pkg, steps=3, schedule="gpipe", optimizer="adam", lr=0.01, checkpoint_dir=str(ckpt))
-    _assert_stages_equal(ckpt, 3, plain_training(pkg, 3, 2, 6, "adam", lr=0.01), 3)
+    assert_stages_equal(ckpt, 3, plain_training(pkg, 3, 2, 6, "adam", lr=0.01), 3)
 
 
 def test_3_1_replicated_stage_trains_exactly_and_replicas_agree(tmp_path: Path) -> None:
     pkg = write_package(tmp_path / "pkg", "chain", replicas=(3, 1), microbatches=4, batch_size=8)
     ckpt = tmp_path / "ckpt"
     metrics = run(pkg, steps=3, schedule="1f1b", lr=0.1, checkpoint_dir=str(ckpt))
-    _assert_stages_equal(ckpt, 3, plain_training(pkg, 3, 4, 8, lr=0.1), 2)
+    assert_stages_equal(ckpt, 3, plain_training(pkg, 3, 4, 8, lr=0.1), 2)
     replicas = [r["param_sq_sum"] for r in metrics["ranks"] if r["stage"] == 0]
     assert len(replicas) == 3 and len(set(replicas)) == 1
 
@@ -59,7 +50,7 @@ def test_tied_weights_stay_equal_and_match_the_shared_parameter(tmp_path: Path) 
     ckpt = tmp_path / "ckpt"
     run(pkg, steps=3, schedule="1f1b", lr=0.1, checkpoint_dir=str(ckpt))
     model = plain_training(pkg, 3, 2, 4, lr=0.1)
-    _assert_stages_equal(ckpt, 3, model, 2)
+    assert_stages_equal(ckpt, 3, model, 2)
     torch.testing.assert_close(
         stage_state(ckpt, 3, 0)["fc.weight"], stage_state(ckpt, 3, 1)["w"], rtol=0, atol=0
     )
@@ -123,7 +114,7 @@ def test_one_stage_two_replicas_is_data_parallel_training(tmp_path: Path) -> Non
     pkg = write_package(tmp_path / "pkg", "chain", replicas=(2,), microbatches=2, batch_size=4)
     ckpt = tmp_path / "ckpt"
     metrics = run(pkg, steps=3, schedule="gpipe", lr=0.1, momentum=0.5, checkpoint_dir=str(ckpt))
-    _assert_stages_equal(ckpt, 3, plain_training(pkg, 3, 2, 4, lr=0.1, momentum=0.5), 1)
+    assert_stages_equal(ckpt, 3, plain_training(pkg, 3, 2, 4, lr=0.1, momentum=0.5), 1)
     assert len({r["param_sq_sum"] for r in metrics["ranks"]}) == 1
 
 
@@ -131,14 +122,14 @@ def test_replicated_middle_stage_routes_skip_connections(tmp_path: Path) -> None
     pkg = write_package(tmp_path / "pkg", "skip", replicas=(1, 2, 1), microbatches=4, batch_size=8)
     ckpt = tmp_path / "ckpt"
     run(pkg, steps=2, schedule="1f1b", lr=0.1, checkpoint_dir=str(ckpt))
-    _assert_stages_equal(ckpt, 2, plain_training(pkg, 2, 4, 8, lr=0.1), 3)
+    assert_stages_equal(ckpt, 2, plain_training(pkg, 2, 4, 8, lr=0.1), 3)
 
 
 def test_integer_tensors_cross_stages_without_gradients(tmp_path: Path) -> None:
     pkg = write_package(tmp_path / "pkg", "int", replicas=(1, 1), microbatches=2, batch_size=4)
     ckpt = tmp_path / "ckpt"
     run(pkg, steps=2, schedule="1f1b", lr=0.1, checkpoint_dir=str(ckpt))
-    _assert_stages_equal(ckpt, 2, plain_training(pkg, 2, 2, 4, lr=0.1), 2)
+    assert_stages_equal(ckpt, 2, plain_training(pkg, 2, 2, 4, lr=0.1), 2)
 
 
 @pytest.mark.parametrize(("schedule", "steps"), [("1f1b", 4), ("pipedream", 12)])
