@@ -32,6 +32,20 @@ def stage_state(ckpt: Path, step: int, stage: int) -> dict[str, torch.Tensor]:
     return torch.load(ckpt / f"step-{step}" / f"stage{stage}.pt", weights_only=True)["model"]  # type: ignore[no-any-return]
 
 
+def assert_one_step_is_the_plain_gradient(package: Path, ckpt: Path, stages: int, tol: float) -> None:
+    """After one SGD step at lr 1 (4 microbatches of a batch of 8), every weight moved by exactly the
+    gradient of plain accumulation, and every weight moved."""
+    before = import_package(package).full_model(0)
+    after = plain_training(package, 1, 4, 8, lr=1.0)
+    for k in range(stages):
+        got = stage_state(ckpt, 1, k)
+        start, want = before.stages[k].state_dict(), after.stages[k].state_dict()
+        for name in want:
+            grad, plain = start[name] - got[name], start[name] - want[name]
+            assert grad.abs().sum() > 0, f"stage{k}.{name} got no gradient"
+            torch.testing.assert_close(grad, plain, rtol=tol, atol=tol, msg=f"stage{k}.{name}")
+
+
 def assert_stages_equal(
     ckpt: Path, step: int, model: nn.Module, stages: int, rtol: float = 1e-5, atol: float = 1e-6
 ) -> None:

@@ -8,8 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.package import import_package
-from tests.runtime.helpers import assert_stages_equal, plain_training, run, stage_state
+from tests.runtime.helpers import (
+    assert_one_step_is_the_plain_gradient,
+    assert_stages_equal,
+    plain_training,
+    run,
+)
 from tests.runtime.packages import write_package
 
 pytestmark = pytest.mark.slow
@@ -21,15 +25,7 @@ def test_zb1p_on_2_ranks_gives_plain_gradients(tmp_path: Path) -> None:
     pkg = write_package(tmp_path / "pkg", "chain", replicas=(1, 1), microbatches=4, batch_size=8)
     ckpt = tmp_path / "ckpt"
     metrics = run(pkg, steps=1, schedule="zb1p", lr=1.0, checkpoint_dir=str(ckpt))
-    before = import_package(pkg).full_model(0)
-    after = plain_training(pkg, 1, 4, 8, lr=1.0)
-    for k in range(2):
-        got = stage_state(ckpt, 1, k)
-        start, want = before.stages[k].state_dict(), after.stages[k].state_dict()
-        for name in want:
-            grad, plain = start[name] - got[name], start[name] - want[name]
-            assert grad.abs().sum() > 0, f"stage{k}.{name} got no gradient"
-            torch.testing.assert_close(grad, plain, rtol=1e-6, atol=1e-6, msg=f"stage{k}.{name}")
+    assert_one_step_is_the_plain_gradient(pkg, ckpt, 2, 1e-6)
     assert metrics["schedule"] == "zb1p"
 
 
