@@ -252,6 +252,13 @@ def _profile_totals(profile: Any, path: Any) -> str:
     "gpipe pipeline sees (partition with --microbatches = batch size / this).",
 )
 @click.option(
+    "--fixed-cost/--no-fixed-cost",
+    default=True,
+    show_default=True,
+    help="Also measure every layer at an eighth of the batch, for its fixed time per call: what "
+    "`partition --schedule auto` weighs microbatch counts with (about a fifth more profiling time).",
+)
+@click.option(
     "--precision",
     type=click.Choice(["fp32", "bf16", "fp16"]),
     default="fp32",
@@ -274,6 +281,7 @@ def profile(
     clock: str,
     threads: int | None,
     microbatch_size: int | None,
+    fixed_cost: bool,
     precision: str,
     top: int,
     as_json: bool,
@@ -322,6 +330,7 @@ def profile(
             threads,
             microbatch_size,
             precision,
+            fixed_cost,
         )
         bar.update(task, description="whole-step timing")
     save_profile(result, path)
@@ -572,16 +581,18 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
     "input and weight gradients, the weight half deferred into the bubbles (about a third of 1f1b's "
     "bubble; every stage holds up to min(stages, microbatches) microbatches' activations); interleaved: "
     "Megatron's virtual stages, GPUs x --virtual-stages stages of one GPU, stage s on GPU s mod GPUs, "
-    "bubble (GPUs-1)/(V x microbatches); auto (interleaved among them at the fastest of 2, 3 or 4 "
-    "virtual stages, where the microbatches are a multiple of the GPUs): the "
-    "fastest predicted of them all, each searched at --microbatches, with a table of each one's best plan "
+    "bubble (GPUs-1)/(V x microbatches); auto: the fastest predicted of them all, each at its best "
+    "microbatch count (powers of two that split the batch, up to 4 per GPU; the count that --microbatches "
+    "gives, if given; searched only where the profile measured each layer's fixed time per call) and "
+    "interleaved at its best of 2, 3 or 4 virtual stages, with a table of each one's best plan "
     "(pipedream among them trains asynchronously, on gradients of weights a few minibatches old).",
 )
 @click.option(
     "--microbatches",
     type=int,
     default=None,
-    help="Microbatches per minibatch (1f1b, gpipe, zb1p, interleaved) [default: 4; interleaved: GPUs x 2].",
+    help="Microbatches per minibatch (1f1b, gpipe, zb1p, interleaved) [default: 4; interleaved: GPUs x 2; "
+    "auto: searched].",
 )
 @click.option(
     "--virtual-stages",
@@ -709,8 +720,8 @@ def partition(
             profile, cluster, layers, counts, schedule, micro, optimizer, not no_comm, recompute, v
         )
     elif schedule == "auto":
-        choice = _auto(profile, cluster, micro, optimizer, straight, solver, not no_comm, recompute)
-        auto_table = _auto_table(choice.times, choice.plan.schedule, micro, cluster.gpus)
+        choice = _auto(profile, cluster, microbatches, optimizer, straight, solver, not no_comm, recompute)
+        auto_table = _auto_table(choice, cluster.gpus, microbatches)
         plan, schedule, micro = choice.plan, choice.plan.schedule, choice.plan.microbatches
     else:
         plan = solve(
@@ -759,37 +770,62 @@ def partition(
 
 
 def _auto(
-    profile: Any, cluster: Any, micro: int, optimizer: str, straight: bool, solver: str, comm: bool,
+    profile: Any, cluster: Any, micro: int | None, optimizer: str, straight: bool, solver: str, comm: bool,
     recompute: str,
 ) -> Any:  # fmt: skip
-    """--schedule auto: every schedule's best plan (pipedream left out of an fp16 profile's)."""
+    """--schedule auto: every schedule's best plan (pipedream left out of an fp16 profile's), over the
+    microbatch counts auto searches, or at ``micro`` when the user gave one."""
     from partitioner.optimizer.auto import AUTO_SCHEDULES, solve_auto
+    from partitioner.optimizer.options import SolveOptions
 
     names = [s for s in AUTO_SCHEDULES if not (s == "pipedream" and profile.precision == "fp16")]
-    return solve_auto(profile, cluster, micro, optimizer, straight, solver, comm, recompute, names)
+    opts = SolveOptions("auto", micro or 4, optimizer, straight, solver, comm, recompute)
+    return solve_auto(profile, cluster, opts, names, counts=(micro,) if micro else None)
 
 
-def _auto_table(times: dict[str, float | None], chosen: str, micro: int, gpus: int) -> Any:
+def _auto_table(choice: Any, gpus: int, asked: int | None) -> Any:
+    from rich.console import Group
     from rich.table import Table
+    from rich.text import Text
 
-    caption = None
-    if "interleaved" in times and times["interleaved"] is None and (gpus < 2 or micro % gpus):
-        caption = f"interleaved needs 2+ GPUs and --microbatches a multiple of the {gpus} GPUs"
-    table = Table(title="--schedule auto: each schedule's best plan", title_justify="left", caption=caption)
-    for col in ("schedule", "microbatches", "predicted ms/minibatch", "vs chosen"):
-        table.add_column(col, justify="left" if col == "schedule" else "right")
-    best = times[chosen] or 1.0
-    for name, t in times.items():
-        m = "1" if name == "pipedream" else str(micro)
-        shown = (f"{t * 1e3:.3f}", f"{t / best:.2f}x") if t is not None else ("no plan", "-")
-        table.add_row(name + (" (chosen)" if name == chosen else ""), m, *shown)
-    return table
+    notes = []
+    plans, chosen = choice.plans, choice.plan.schedule
+    if "interleaved" in plans and plans["interleaved"] is None and gpus >= 2:
+        notes.append(f"interleaved needs microbatches a multiple of the {gpus} GPUs and {2 * gpus}+ layers")
+    if asked is None and len(choice.counts) == 1:
+        notes.append("microbatches not searched: the profile has no fixed per-call times")
+    elif asked is None:
+        notes.append(f"microbatches searched: {', '.join(map(str, choice.counts))}")
+    table = Table(title="--schedule auto: each schedule's best plan", title_justify="left")
+    for col in ("schedule", "micro", "stages: replicas", "ms/minibatch", "vs best"):
+        table.add_column(
+            col, justify="left" if col in ("schedule", "stages: replicas") else "right", no_wrap=True
+        )
+    best = choice.times[chosen] or 1.0
+    for name, plan in plans.items():
+        label = name + (" (chosen)" if name == chosen else "")
+        if plan is None:
+            table.add_row(label, "-", "-", "no plan", "-")
+            continue
+        t = choice.times[name]
+        table.add_row(label, str(plan.microbatches), _stages_cell(plan), f"{t * 1e3:.3f}", f"{t / best:.2f}x")
+    return Group(table, *(Text(note) for note in notes))
+
+
+def _stages_cell(plan: Any) -> str:
+    """``3: 2+1+1`` (stages: replicas each); interleaved: ``8 on 4 GPUs (v=2)``."""
+    if plan.schedule == "interleaved":
+        return f"{len(plan.stages)} on {plan.cluster.gpus} GPUs (v={plan.virtual_stages})"
+    return f"{len(plan.stages)}: " + "+".join(str(s.replicas) for s in plan.stages)
 
 
 def _microbatch_note(profile: Any, plan: Any) -> str | None:
-    """Say when layer times measured at one batch size are divided into microbatches of another."""
+    """Say when layer times measured at one batch size are divided into microbatches of another (not
+    when the profile measured fixed per-call times: the cost model then charges each microbatch its own)."""
     measured = profile.extra.get("measured_batch_size", profile.batch_size)
     if plan.schedule == "pipedream" or not profile.batch_size or profile.tracer == "pipedream":
+        return None
+    if any(n.forward_fixed_ms or n.backward_fixed_ms for n in profile.nodes):
         return None
     micro = profile.batch_size / plan.microbatches
     if measured == micro:
@@ -909,7 +945,7 @@ def calibrate(package: str | None, metrics_path: str | None, output: str | None,
     from partitioner.calibrate import calibrate as calibrated
     from partitioner.calibrate import device_seconds, load_run_times
     from partitioner.errors import PipeplanError
-    from partitioner.graph import load_profile, save_profile
+    from partitioner.graph import at_microbatches, load_profile, save_profile
     from partitioner.plan import load_plan
     from partitioner.update import with_update_time
 
@@ -917,7 +953,10 @@ def calibrate(package: str | None, metrics_path: str | None, output: str | None,
     plan = load_plan(folder / "plan.json")
     if not plan.profile:
         raise PipeplanError(f"{folder}/plan.json does not name the profile it was planned from")
-    profile = with_update_time(load_profile(plan.profile), plan.optimizer)  # as partition priced it
+    forwards = 1 if plan.schedule == "pipedream" else plan.microbatches
+    # as partition priced it: the update charged, and each microbatch's fixed costs (so the calibrated
+    # profile is one of this plan's microbatch count)
+    profile = at_microbatches(with_update_time(load_profile(plan.profile), plan.optimizer), forwards)
     run = load_run_times(metrics_path or folder / "run" / "metrics.json")
     if run.model and plan.model and run.model != plan.model:
         raise PipeplanError(

@@ -27,6 +27,7 @@ __all__ = [
     "Node",
     "Profile",
     "TensorSpec",
+    "at_microbatches",
     "checked",
     "load_profile",
     "profile_from_json",
@@ -34,7 +35,6 @@ __all__ = [
     "read_graph_txt",
     "save_profile",
     "scale_batch",
-    "with_forward_copies",
     "write_graph_txt",
 ]
 
@@ -72,8 +72,12 @@ class Node:
             node is exactly the traced node ``id``. Code generation splits by these.
         cast_bytes: under a mixed precision, bytes of the low-precision copies of its parameters that
             autocast makes in each forward and autograd keeps for backward: made once per forward,
-            whatever the batch size (0 in fp32). :func:`with_forward_copies` folds them into
+            whatever the batch size (0 in fp32). :func:`at_microbatches` folds them into
             ``saved_bytes`` for a schedule's number of forwards per minibatch.
+        forward_fixed_ms: the part of ``forward_ms`` that one call pays whatever its batch (kernel
+            launches, Python dispatch), fitted from a second measurement at a smaller batch (0: not
+            measured). A minibatch run as M microbatches pays it M times: :func:`at_microbatches`.
+        backward_fixed_ms: the same for ``backward_ms``.
     """
 
     id: str
@@ -90,6 +94,8 @@ class Node:
     description: str = ""
     members: tuple[str, ...] = ()
     cast_bytes: int = 0
+    forward_fixed_ms: float = 0.0
+    backward_fixed_ms: float = 0.0
 
     @property
     def compute_ms(self) -> float:
@@ -175,7 +181,7 @@ def scale_batch(profile: Profile, batch_size: int) -> Profile:
     """The profile of ``batch_size`` samples per minibatch, from one measured at ``profile.batch_size``.
 
     Times and activation bytes scale with the samples; parameters and their low-precision copies
-    (``cast_bytes``, one per forward) do not. Measuring one microbatch and
+    (``cast_bytes``, one per forward) and fixed times (one per call) do not. Measuring one microbatch and
     scaling it up gives the cost model (which divides a minibatch's time by the microbatch count) the
     time a 1F1B or GPipe stage really spends per microbatch: small batches cost more per sample.
 
@@ -199,22 +205,36 @@ def scale_batch(profile: Profile, batch_size: int) -> Profile:
     return replace(profile, nodes=nodes, inputs=inputs, batch_size=batch_size, step_ms=step, extra=extra)
 
 
-def with_forward_copies(profile: Profile, forwards: int) -> Profile:
-    """The profile with each node's ``cast_bytes`` folded into ``saved_bytes``, for a minibatch that a
-    stage runs as ``forwards`` forwards (a synchronous schedule's microbatches; pipedream: 1).
+def at_microbatches(profile: Profile, forwards: int) -> Profile:
+    """The profile of a minibatch that a stage runs as ``forwards`` forwards and backwards (a
+    synchronous schedule's microbatches; pipedream: 1): what every search, the simulation and
+    calibration price, so they all agree on one count.
 
-    Every forward under autocast keeps its own low-precision copy of the weights it casts until its
-    backward, so a minibatch of M microbatches holds M copies where its activations add up to one
-    minibatch's: the memory model, which divides ``saved_bytes`` by M per microbatch in flight, then
-    charges each microbatch one copy. Idempotent: the result has no ``cast_bytes`` left.
+    Two costs are per call, not per sample. Time: each call pays the node's fixed time, and the
+    profile's times already hold ``batch_size / measured batch size`` of them (one, unless measured at
+    a microbatch and scaled up), so the difference is added (or taken away). Memory: every forward
+    under autocast keeps its own low-precision copy of the weights it casts until its backward, so a
+    minibatch of M microbatches holds M copies where its activations add up to one minibatch's: the
+    memory model, which divides ``saved_bytes`` by M per microbatch in flight, then charges each
+    microbatch one copy. Idempotent: the result has no ``cast_bytes`` or fixed times left.
     """
-    if not any(n.cast_bytes for n in profile.nodes):
+    if not any(n.cast_bytes or n.forward_fixed_ms or n.backward_fixed_ms for n in profile.nodes):
         return profile
-    nodes = tuple(
-        replace(n, saved_bytes=n.saved_bytes + forwards * n.cast_bytes, cast_bytes=0) if n.cast_bytes else n
-        for n in profile.nodes
-    )
-    return replace(profile, nodes=nodes)
+    measured = profile.extra.get("measured_batch_size") or profile.batch_size
+    extra_calls = forwards - (profile.batch_size / measured if profile.batch_size and measured else 1.0)
+
+    def charged(n: Node) -> Node:
+        return replace(
+            n,
+            forward_ms=max(0.0, n.forward_ms + extra_calls * n.forward_fixed_ms),
+            backward_ms=max(0.0, n.backward_ms + extra_calls * n.backward_fixed_ms),
+            saved_bytes=n.saved_bytes + forwards * n.cast_bytes,
+            cast_bytes=0,
+            forward_fixed_ms=0.0,
+            backward_fixed_ms=0.0,
+        )
+
+    return replace(profile, nodes=tuple(charged(n) for n in profile.nodes))
 
 
 def profile_to_json(profile: Profile) -> dict[str, Any]:
@@ -275,6 +295,8 @@ def _node_from_json(doc: Mapping[str, Any]) -> Node:
         output_bytes=int(doc.get("output_bytes", 0)),
         saved_bytes=int(doc.get("saved_bytes", 0)),
         cast_bytes=int(doc.get("cast_bytes", 0)),
+        forward_fixed_ms=float(doc.get("forward_fixed_ms", 0.0)),
+        backward_fixed_ms=float(doc.get("backward_fixed_ms", 0.0)),
         param_bytes=int(doc.get("param_bytes", 0)),
         param_names=tuple(str(p) for p in doc.get("param_names", ())),
         description=str(doc.get("description", "")),
@@ -302,7 +324,8 @@ def checked(profile: Profile, source: str = "profile") -> Profile:
     for node in profile.nodes:
         if node.id in seen:
             raise ProfileFormatError(f"{source}: node id {node.id!r} appears twice; ids must be unique")
-        fields = ("forward_ms", "backward_ms", "output_bytes", "saved_bytes", "cast_bytes", "param_bytes")
+        fields = ("forward_ms", "backward_ms", "output_bytes", "saved_bytes", "cast_bytes", "param_bytes",
+                  "forward_fixed_ms", "backward_fixed_ms")  # fmt: skip
         for field_name in fields:
             value = getattr(node, field_name)
             if not _non_negative(value):

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from cli import main
-from partitioner.graph import write_graph_txt
+from partitioner.graph import save_profile, write_graph_txt
 from partitioner.plan import load_plan
 from tests.partitioner.optimizer.conftest import make_profile
 
@@ -223,3 +224,21 @@ def test_schedule_auto_shows_every_schedule_and_records_its_choice(graph: Path, 
     assert times["interleaved"] is None  # 4 layers cannot make 4 GPUs x 2 virtual stages
     assert plan.predicted.time_per_minibatch_s == min(t for t in times.values() if t is not None)
     assert "each schedule's best plan" in out and f"{plan.schedule} (chosen)" in out
+    assert "microbatches not searched: the profile has no fixed per-call times" in out
+
+
+def test_schedule_auto_searches_microbatches_of_a_profile_with_fixed_times(tmp_path: Path) -> None:
+    chain = make_profile([(4, 8, 100, 100)] * 8, [(i, i + 1) for i in range(7)], batch_size=16)
+    nodes = tuple(replace(n, forward_fixed_ms=n.forward_ms / 20, backward_fixed_ms=n.backward_ms / 20)
+                  for n in chain.nodes)  # fmt: skip
+    path = save_profile(replace(chain, nodes=nodes), tmp_path / "p" / "profile.json")
+    code, out, _ = _run("partition", "--profile", str(path), "--gpus", "2", "--schedule", "auto",
+                        "--host-cores", "0", "-o", str(tmp_path / "m"))  # fmt: skip
+    assert code == 0, out
+    plan = load_plan(tmp_path / "m" / "toy" / "gpus=2" / "plan.json")
+    assert plan.extra["microbatches_searched"] == [1, 2, 4, 8]
+    assert "microbatches searched: 1, 2, 4, 8" in out
+    code, out, _ = _run("partition", "--profile", str(path), "--gpus", "2", "--schedule", "auto",
+                        "--microbatches", "2", "-o", str(tmp_path / "m2"))  # fmt: skip
+    assert code == 0 and "searched" not in out  # a count the user gave is kept
+    assert load_plan(tmp_path / "m2" / "toy" / "gpus=2" / "plan.json").extra["microbatches_searched"] == [2]

@@ -19,7 +19,7 @@ from dataclasses import replace
 from functools import partial
 
 from partitioner.errors import InfeasibleError, PlanError
-from partitioner.graph import Profile, with_forward_copies
+from partitioner.graph import Profile, at_microbatches
 from partitioner.optimizer.build import StageSpec, assemble, gib, global_lower_bound, layer_compute_s
 from partitioner.optimizer.dp import (
     DIRECT_MAX_UNITS,
@@ -391,7 +391,7 @@ def _interleaved(profile: Profile, cluster: Cluster, opts: SolveOptions) -> Plan
     start, m = time.perf_counter(), opts.m
     straight = replace(opts, schedule="1f1b", straight=True, recompute="none", virtual_stages=1)
     plan = solve_interleaved(
-        with_forward_copies(profile, m), cluster, m, opts.optimizer, opts.virtual_stages,
+        at_microbatches(profile, m), cluster, m, opts.optimizer, opts.virtual_stages,
         lambda wide: _solve_kept(profile, wide, straight), opts.activation_comm, opts.recompute,
     )  # fmt: skip
     info = replace(plan.solver, solve_time_s=time.perf_counter() - start)
@@ -425,7 +425,7 @@ def _usable_microbatches(plan: Plan, batch_size: int | None) -> int:
 
 
 def _solve_at(profile: Profile, cluster: Cluster, opts: SolveOptions) -> Plan:
-    profile = with_forward_copies(profile, opts.m)
+    profile = at_microbatches(profile, opts.m)
     if opts.solver == "ilp":
         from partitioner.optimizer.ilp import solve_ilp
 
@@ -511,7 +511,7 @@ def evaluate(
         schedule, microbatches, optimizer, activation_comm=activation_comm, recompute=recompute
     )
     m = opts.checked(profile).m
-    profile = with_forward_copies(profile, m)
+    profile = at_microbatches(profile, m)
     start = time.perf_counter()
     layers = [n.id for n in profile.nodes if n.op != "input"]
     names = {n.name: n.id for n in profile.nodes} | {lid: lid for lid in layers}

@@ -17,7 +17,7 @@ from dataclasses import replace
 import numpy as np
 
 from partitioner.errors import InfeasibleError
-from partitioner.graph import Profile, with_forward_copies
+from partitioner.graph import Profile, at_microbatches
 from partitioner.optimizer.build import StageSpec, assemble
 from partitioner.plan import Cluster, Plan, SolverInfo
 
@@ -113,7 +113,7 @@ def baselines(
     from partitioner.optimizer import solve
     from partitioner.optimizer.recompute import repriced
 
-    profile = with_forward_copies(profile, 1 if schedule == "pipedream" else m)
+    profile = at_microbatches(profile, 1 if schedule == "pipedream" else m)
     free = replace(cluster, memory_bytes=None)
     makers: dict[str, Callable[[Cluster], Plan]] = {
         "data parallel": lambda c: data_parallel(profile, c, schedule, m, optimizer),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from partitioner.graph import Profile
+from partitioner.graph import Profile, at_microbatches
 from partitioner.optimizer.build import StageSpec, assemble
 from partitioner.plan import Cluster, Plan
 
@@ -21,8 +21,13 @@ __all__ = ["recomputing", "repriced"]
 
 
 def recomputing(profile: Profile) -> Profile:
-    """The profile a search for recomputing stages runs on: backward + forward, nothing saved."""
-    nodes = tuple(replace(n, backward_ms=n.backward_ms + n.forward_ms, saved_bytes=0) for n in profile.nodes)
+    """The profile a search for recomputing stages runs on: backward + forward (fixed times too, as
+    the forward runs again per microbatch), nothing saved."""
+    nodes = tuple(
+        replace(n, backward_ms=n.backward_ms + n.forward_ms, saved_bytes=0,
+                backward_fixed_ms=n.backward_fixed_ms + n.forward_fixed_ms)
+        for n in profile.nodes
+    )  # fmt: skip
     return replace(profile, nodes=nodes)
 
 
@@ -33,6 +38,7 @@ def repriced(profile: Profile, cluster: Cluster, plan: Plan, recompute: str, act
         InfeasibleError: a stage does not fit the memory limit even when it recomputes.
     """
     specs = [StageSpec(s.nodes, s.replicas, s.ranks) for s in plan.stages]
+    profile = at_microbatches(profile, 1 if plan.schedule == "pipedream" else plan.microbatches)
     priced = assemble(
         profile, cluster, specs, plan.schedule, plan.microbatches, plan.optimizer, plan.solver,
         extra=dict(plan.extra), activation_comm=activation_comm, recompute=recompute,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from partitioner.atomic import write_text_atomic
 from partitioner.errors import PlanError
-from partitioner.graph import Node, Profile, with_forward_copies
+from partitioner.graph import Node, Profile, at_microbatches
 from partitioner.optimizer.build import hosts_bound, stage_loads
 from partitioner.optimizer.cost import (
     W_SHARE,
@@ -374,7 +374,7 @@ def simulate(plan: Plan, profile: Profile | None = None, minibatches: int | None
     cores, the time per minibatch is at least the cost model's host bound (``Prediction.host_bound_s``).
     """
     if profile is not None:
-        profile = with_forward_copies(profile, 1 if plan.schedule == "pipedream" else plan.microbatches)
+        profile = at_microbatches(profile, 1 if plan.schedule == "pipedream" else plan.microbatches)
     sim = _simulate_devices(plan, profile, minibatches)
     host = hosts_bound(plan.cluster, plan.stages)
     return replace(sim, time_per_minibatch_s=max(sim.time_per_minibatch_s, host))

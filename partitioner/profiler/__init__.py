@@ -23,6 +23,7 @@ from torch import Tensor, fx, nn
 from partitioner.errors import PipeplanError, TraceError
 from partitioner.graph import Node, Profile, TensorSpec, scale_batch
 from partitioner.models import ModelBundle, load_model
+from partitioner.profiler.fixed import measure_fixed
 from partitioner.profiler.measure import (
     LayerCost,
     LayerProfiler,
@@ -91,6 +92,7 @@ def profile_model(
     threads: int | None = None,
     microbatch_size: int | None = None,
     precision: str = "fp32",
+    fixed_cost: bool = True,
 ) -> Profile:
     """Trace ``spec`` and measure every layer at ``batch_size``; see ``partitioner.graph.Profile``.
 
@@ -112,6 +114,9 @@ def profile_model(
             a stage of a 1f1b or gpipe pipeline with batch_size / microbatch_size microbatches runs.
         precision: ``fp32``, or ``bf16``/``fp16``: every forward and the loss under autocast to that
             type, float32 weights (what ``pipeplan run --precision`` trains with).
+        fixed_cost: also measure every layer at an eighth of the batch, for each layer's fixed time
+            per call (:mod:`partitioner.profiler.fixed`): what prices one microbatch count against
+            another. Costs about a fifth more time.
 
     Raises:
         PipeplanError: bad spec, shapes, device or dtype; TraceError when the model cannot be traced.
@@ -132,8 +137,9 @@ def profile_model(
     torch.set_num_threads(threads or previous)
     try:
         profile = _profile(
-            spec, measured, input_shape, device, dtype, leaf_modules, repeats, progress, clock, precision
-        )
+            spec, measured, input_shape, device, dtype, leaf_modules, repeats, progress, clock, precision,
+            fixed_cost,
+        )  # fmt: skip
     finally:
         torch.set_num_threads(previous)
     return scale_batch(profile, batch_size) if measured != batch_size else profile
@@ -150,6 +156,7 @@ def _profile(
     progress: Progress | None,
     clock: str,
     precision: str = "fp32",
+    fixed_cost: bool = True,
 ) -> Profile:
     """profile_model's work, under the thread count it set."""
     started, load_before = time.perf_counter(), _load()
@@ -184,6 +191,11 @@ def _profile(
         samples = before.samples_ms + after.samples_ms
         step = StepCost(statistics.median(samples), samples)
         update = measure_update(gm, repeats, clock)
+        fixed, fixed_note = (
+            measure_fixed(gm, traced.groups, bundle.inputs, batch_size, costs, repeats, clock, precision)
+            if fixed_cost
+            else ({}, {"skipped": "profiled with --no-fixed-cost"})
+        )
     except PipeplanError:
         raise
     except Exception as exc:
@@ -192,7 +204,7 @@ def _profile(
             f"running the traced {spec} failed: {type(exc).__name__}: {first}; "
             "mark the module that fails with --leaf-module CLASS"
         ) from exc
-    nodes = _nodes(traced, costs, loss_ms, bundle.loss_fn)
+    nodes = _nodes(traced, costs, loss_ms, bundle.loss_fn, fixed)
     return Profile(
         nodes=nodes,
         model=spec,
@@ -218,6 +230,7 @@ def _profile(
             "loadavg_1min": [load_before, _load()],
             "cpus": os.cpu_count(),
             UPDATE_KEY: update,
+            "fixed_cost": fixed_note,
         },
     )
 
@@ -246,7 +259,11 @@ def _tied(module: nn.Module) -> tuple[tuple[str, ...], ...]:
 
 
 def _nodes(
-    traced: Traced, costs: dict[str, LayerCost], loss_ms: tuple[float, float], loss_fn: Callable[..., Any]
+    traced: Traced,
+    costs: dict[str, LayerCost],
+    loss_ms: tuple[float, float],
+    loss_fn: Callable[..., Any],
+    fixed: dict[str, tuple[float, float]],
 ) -> tuple[Node, ...]:
     gm = traced.graph_module
     owner = {m: g.id for g in traced.groups for m in g.members}
@@ -281,6 +298,8 @@ def _nodes(
                 param_names=tuple(names),
                 description=description,
                 members=group.members if len(group.members) > 1 else (),
+                forward_fixed_ms=fixed.get(group.id, (0.0, 0.0))[0] if group.op != "output" else 0.0,
+                backward_fixed_ms=fixed.get(group.id, (0.0, 0.0))[1] if group.op != "output" else 0.0,
             )
         )
     return tuple(nodes)

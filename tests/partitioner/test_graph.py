@@ -13,6 +13,7 @@ from partitioner.graph import (
     Node,
     Profile,
     TensorSpec,
+    at_microbatches,
     load_profile,
     read_graph_txt,
     save_profile,
@@ -57,7 +58,21 @@ def test_pipeplan_profile_round_trips(tmp_path: Path) -> None:
     profile = Profile(
         nodes=(
             Node("x", "x", "input", "input", output_bytes=64),
-            Node("fc", "fc", "call_module", "Linear", ("x",), 1.5, 2.5, 32, 64, 40, ("fc.weight", "fc.bias")),
+            Node(
+                "fc",
+                "fc",
+                "call_module",
+                "Linear",
+                ("x",),
+                1.5,
+                2.5,
+                32,
+                64,
+                40,
+                ("fc.weight", "fc.bias"),
+                forward_fixed_ms=0.25,
+                backward_fixed_ms=0.5,
+            ),
             Node("output", "output", "output", "output", ("fc",), 0.1, 0.2, members=("output",)),
         ),
         model="tiny-mlp",
@@ -111,3 +126,24 @@ def test_scale_batch_scales_times_and_activations_not_parameters() -> None:
     assert scaled.extra["measured_batch_size"] == 2 and scaled.fidelity == profile.fidelity
     with pytest.raises(ProfileFormatError, match="batch size"):
         scale_batch(replace(profile, batch_size=None), 8)
+
+
+def test_at_microbatches_charges_each_call_its_fixed_time_once() -> None:
+    node = Node("l0", "fc", "call_module", "Linear", ("x",), 10.0, 20.0, 100, 60, 1000,
+                cast_bytes=7, forward_fixed_ms=1.0, backward_fixed_ms=2.0)  # fmt: skip
+    whole = Profile(nodes=(node,), batch_size=8)
+    four = at_microbatches(whole, 4)  # measured once at 8 samples: three more calls
+    assert (four.nodes[0].forward_ms, four.nodes[0].backward_ms) == (13.0, 26.0)
+    assert four.nodes[0].saved_bytes == 60 + 4 * 7 and four.nodes[0].cast_bytes == 0
+    assert at_microbatches(four, 4) == four and at_microbatches(four, 8) == four  # charged once
+    # measured at 2 samples and scaled to 8: the times hold four calls' fixed time already
+    scaled = scale_batch(
+        replace(whole, nodes=(replace(node, forward_ms=2.5, backward_ms=5.0),), batch_size=2), 8
+    )
+    assert scaled.nodes[0].forward_fixed_ms == 1.0  # a per-call time does not scale with samples
+    assert at_microbatches(scaled, 4).nodes[0].forward_ms == pytest.approx(10.0)
+    assert at_microbatches(scaled, 1).nodes[0].forward_ms == pytest.approx(10.0 - 3 * 1.0)
+    plain = Profile(
+        nodes=(replace(node, cast_bytes=0, forward_fixed_ms=0.0, backward_fixed_ms=0.0),), batch_size=8
+    )
+    assert at_microbatches(plain, 4) is plain

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from partitioner.graph import Profile, with_forward_copies
+from partitioner.graph import Profile, at_microbatches
 from partitioner.optimizer import evaluate, solve
 from partitioner.optimizer.cost import host_bound
 from partitioner.optimizer.simulate import simulate
@@ -148,8 +148,8 @@ def test_weight_copies_count_against_the_memory_limit(schedule: str, copies: int
     # one device, 4 microbatches: 2P (weights + gradients) + P (a later microbatch's gradient beside
     # the sum) + a copy per microbatch in flight
     need = 3 * 1_000_000 + copies * 100_000
-    assert with_forward_copies(with_forward_copies(cast, 4), 4) == with_forward_copies(cast, 4)
-    assert with_forward_copies(one, 4) is one
+    assert at_microbatches(at_microbatches(cast, 4), 4) == at_microbatches(cast, 4)
+    assert at_microbatches(one, 4) is one
     assert solve(cast, Cluster.flat(1, memory_bytes=need), schedule, 4).stages[0].memory_bytes == need
     with pytest.raises(InfeasibleError):
         solve(cast, Cluster.flat(1, memory_bytes=need - 1), schedule, 4)
