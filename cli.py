@@ -605,12 +605,12 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
               show_default=True, help="Training optimizer, for the memory model: state kept per weight byte "
               "(sgd none, momentum 1, adam and adamw 2).")  # fmt: skip
 @click.option("--straight", is_flag=True, help="No replication: one device per stage.")
-@click.option("--recompute", type=click.Choice(["none", "all", "auto"]), default="none", show_default=True,
+@click.option("--recompute", type=click.Choice(["none", "all", "auto"]), default=None,
               help="Activation recomputation: a recomputing stage keeps only its inputs per microbatch in "
               "flight and runs its forward again in backward (more compute, less memory). none; all "
               "stages; auto: the plan without it if one fits --memory, else recompute exactly the stages "
               "that do not fit without it. Recorded per stage in plan.json; `pipeplan run` obeys "
-              "it.")  # fmt: skip
+              "it.  [default: none; with --schedule auto: auto]")  # fmt: skip
 @click.option("--solver", type=click.Choice(["dp", "ilp"]), default="dp", show_default=True,
               help="dp: exact search (optimal where it can list every downset); ilp: the same problem "
               "in pulp, for cross-checks on small profiles (one level).")  # fmt: skip
@@ -659,8 +659,8 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
 def partition(
     profile_path: str | None, gpus: int | None, topology: str | None, bandwidth: str | None,
     memory: str | None, host_cores: int | None, schedule: str, microbatches: int | None, virtual: int | None,
-    optimizer: str, straight: bool, recompute: str, solver: str, cuts: str | None, replicas: str | None,
-    explain: bool,
+    optimizer: str, straight: bool, recompute: str | None, solver: str, cuts: str | None,
+    replicas: str | None, explain: bool,
     trace_path: str | None, batch_size: int | None, no_comm: bool, weights: str | None, init: str,
     as_json: bool, output: str,
 ) -> None:  # fmt: skip
@@ -699,6 +699,7 @@ def partition(
             "--schedule 1f1b or gpipe, or profile with --precision bf16 for pipedream"
         )
     profile = with_update_time(profile, optimizer)
+    recompute = recompute or ("auto" if schedule == "auto" else "none")  # auto searches recomputation too
     cluster = _cpu_hosts(_cluster(gpus, topology, bandwidth, memory), profile, host_cores)
     micro = microbatches if microbatches is not None else (1 if schedule == "pipedream" else 4)
     v = _virtual_stages(schedule, virtual, explain)

@@ -242,3 +242,13 @@ def test_schedule_auto_searches_microbatches_of_a_profile_with_fixed_times(tmp_p
                         "--microbatches", "2", "-o", str(tmp_path / "m2"))  # fmt: skip
     assert code == 0 and "searched" not in out  # a count the user gave is kept
     assert load_plan(tmp_path / "m2" / "toy" / "gpus=2" / "plan.json").extra["microbatches_searched"] == [2]
+
+
+def test_schedule_auto_recomputes_by_default_and_a_fixed_schedule_does_not(
+    graph: Path, tmp_path: Path
+) -> None:
+    for schedule, want in (("auto", "auto"), ("1f1b", "none")):
+        code, out, _ = _run("partition", "--profile", str(graph), "--gpus", "4", "--schedule", schedule,
+                            "-o", str(tmp_path / schedule))  # fmt: skip
+        assert code == 0, out
+        assert load_plan(next((tmp_path / schedule).glob("*/gpus=4/plan.json"))).extra["recompute"] == want

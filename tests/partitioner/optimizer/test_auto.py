@@ -92,3 +92,16 @@ def test_fixed_times_make_a_middle_count_the_fastest() -> None:
     free = solve_auto(chain, cluster, opts, ["1f1b"], counts=counts)
     assert free.plan.microbatches == 16
     assert microbatch_counts(chain, 4, 4) == (4,)  # no fixed times measured: the asked count only
+
+
+def test_auto_with_recompute_auto_recomputes_only_where_nothing_else_fits() -> None:
+    chain = make_profile([(4, 8, 1000, 1000)] * 8, [(i, i + 1) for i in range(7)], batch_size=16)
+    chain = replace(chain, nodes=tuple(replace(n, saved_bytes=400_000) if n.op != "input" else n
+                                       for n in chain.nodes))  # fmt: skip
+    tight, roomy = Cluster.flat(4, memory_bytes=210_000), Cluster.flat(4, memory_bytes=230_000)
+    with pytest.raises(InfeasibleError):
+        solve_auto(chain, tight, SolveOptions(microbatches=4))
+    plan = solve_auto(chain, tight, SolveOptions(microbatches=4, recompute="auto")).plan
+    assert any(s.recompute for s in plan.stages) and plan.extra["recompute"] == "auto"
+    plan = solve_auto(chain, roomy, SolveOptions(microbatches=4, recompute="auto")).plan
+    assert not any(s.recompute for s in plan.stages)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,20 @@ def test_synchronous_closed_form_matches_simulation(schedule: str, m: int) -> No
     assert sim.time_per_minibatch_s == pytest.approx(plan.predicted.time_per_minibatch_s)
     assert sim.time_per_minibatch_s == pytest.approx((m + 3) * 0.030 / m)
     assert sim.bubble_fraction == pytest.approx(3 / (m + 3))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb1p"])
+@pytest.mark.parametrize("m", [1, 2, 8])
+def test_fixed_times_per_call_are_priced_alike_by_the_plan_and_the_simulation(schedule: str, m: int) -> None:
+    fixed = replace(
+        EVEN, nodes=tuple(replace(n, forward_fixed_ms=1.0, backward_fixed_ms=2.0) for n in EVEN.nodes)
+    )
+    plan = evaluate(fixed, Cluster.flat(4), ["l0", "l1", "l2"], [1, 1, 1, 1], schedule, m)
+    assert simulate(plan, fixed).time_per_minibatch_s == pytest.approx(plan.predicted.time_per_minibatch_s)
+    # each of the m microbatches pays every layer's 3 ms once; the profile's times hold one call
+    assert plan.stages[0].compute_s == pytest.approx(0.030 + (m - 1) * 0.003)
+    if schedule != "zb1p":
+        assert plan.predicted.time_per_minibatch_s == pytest.approx((m + 3) * (0.030 + (m - 1) * 0.003) / m)
 
 
 def test_pipedream_steady_state_is_the_slowest_stage() -> None:
