@@ -954,10 +954,7 @@ def calibrate(package: str | None, metrics_path: str | None, output: str | None,
     plan = load_plan(folder / "plan.json")
     if not plan.profile:
         raise PipeplanError(f"{folder}/plan.json does not name the profile it was planned from")
-    forwards = 1 if plan.schedule == "pipedream" else plan.microbatches
-    # as partition priced it: the update charged, and each microbatch's fixed costs (so the calibrated
-    # profile is one of this plan's microbatch count)
-    profile = at_microbatches(with_update_time(load_profile(plan.profile), plan.optimizer), forwards)
+    profile = with_update_time(load_profile(plan.profile), plan.optimizer)  # as partition priced it
     run = load_run_times(metrics_path or folder / "run" / "metrics.json")
     if run.model and plan.model and run.model != plan.model:
         raise PipeplanError(
@@ -975,7 +972,8 @@ def calibrate(package: str | None, metrics_path: str | None, output: str | None,
     path = Path(output) if output else Path(plan.profile).with_name("calibrated.json")
     save_profile(result, path)
     console = _console()
-    console.print(_calibration_table(profile, plan, measured))
+    forwards = 1 if plan.schedule == "pipedream" else plan.microbatches
+    console.print(_calibration_table(at_microbatches(profile, forwards), plan, measured))
     console.print(f"wrote {path}; next: pipeplan partition --profile {path} ...", soft_wrap=True)
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from partitioner.errors import PipeplanError
-from partitioner.graph import Profile
+from partitioner.graph import Node, Profile, at_microbatches
 from partitioner.plan import Plan
 
 __all__ = ["RunTimes", "calibrate", "device_seconds", "load_run_times", "stage_factors"]
@@ -117,16 +117,26 @@ def calibrate(
     """The profile with each measured stage's layer times scaled to what the run measured.
 
     ``batch_size`` is the run's minibatch; times are rescaled linearly to the profile's batch size
-    when they differ. Layers of unmeasured stages keep their times.
+    when they differ. Layers of unmeasured stages keep their times. The factors compare the run with
+    the profile as the plan priced it (:func:`~partitioner.graph.at_microbatches` at its microbatch
+    count); each layer's fixed time per call is scaled with the rest, so the calibrated profile still
+    prices other microbatch counts.
     """
+    priced = at_microbatches(profile, 1 if plan.schedule == "pipedream" else plan.microbatches)
     scale = (profile.batch_size / batch_size) if profile.batch_size and batch_size else 1.0
-    factors = {k: f * scale for k, f in stage_factors(profile, plan, measured_s).items()}
+    factors = {k: f * scale for k, f in stage_factors(priced, plan, measured_s).items()}
     factor_of = {n: factors[s.index] for s in plan.stages if s.index in factors for n in s.nodes}
-    nodes = tuple(
-        replace(n, forward_ms=n.forward_ms * factor_of[n.id], backward_ms=n.backward_ms * factor_of[n.id])
-        if n.id in factor_of
-        else n
-        for n in profile.nodes
-    )
+
+    def scaled(n: Node) -> Node:
+        f = factor_of[n.id]
+        return replace(
+            n,
+            forward_ms=n.forward_ms * f,
+            backward_ms=n.backward_ms * f,
+            forward_fixed_ms=n.forward_fixed_ms * f,
+            backward_fixed_ms=n.backward_fixed_ms * f,
+        )
+
+    nodes = tuple(scaled(n) if n.id in factor_of else n for n in profile.nodes)
     note: dict[str, Any] = {"metrics": source, "plan_stages": len(plan.stages), "factors": factors}
     return replace(profile, nodes=nodes, extra={**dict(profile.extra), "calibrated": note})

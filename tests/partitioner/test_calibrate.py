@@ -35,6 +35,25 @@ def test_same_plan_predicts_the_measured_stage_times() -> None:
     assert fixed.extra["calibrated"]["factors"] == pytest.approx({0: 3.0, 1: 1.5})
 
 
+def test_a_calibrated_profile_keeps_pricing_other_microbatch_counts() -> None:
+    chain = make_profile(COSTS, CHAIN, batch_size=8)
+    layers = {n.id for n in chain.layers}
+    nodes = tuple(
+        replace(n, forward_fixed_ms=1.0, backward_fixed_ms=2.0) if n.id in layers else n for n in chain.nodes
+    )
+    profile = replace(chain, nodes=nodes)
+    plan = evaluate(profile, Cluster.flat(2), ["l1"], [1, 1], "1f1b", 4)
+    measured = {s.index: 2.0 * s.compute_s for s in plan.stages}  # the run took twice the plan's compute
+    fixed = calibrate(profile, plan, measured, batch_size=8)
+    for m in (1, 4, 8):
+        before = evaluate(profile, Cluster.flat(2), ["l1"], [1, 1], "1f1b", m)
+        after = evaluate(fixed, Cluster.flat(2), ["l1"], [1, 1], "1f1b", m)
+        assert [s.compute_s for s in after.stages] == pytest.approx(
+            [2.0 * s.compute_s for s in before.stages]
+        )
+    assert fixed.node("l0").forward_fixed_ms == pytest.approx(2.0)
+
+
 def test_run_batch_size_rescales_linearly() -> None:
     profile, plan = _plan()
     fixed = calibrate(profile, plan, {0: 0.039, 1: 0.036}, batch_size=2 * (profile.batch_size or 1))
