@@ -490,12 +490,26 @@ def _finish(options: RunOptions, hosted: tuple[StageRuntime, ...], clock: _Clock
     doc["eval"] = [e for g in gathered for e in g[4]]
     peaks = [(g[0].stage, g[0].peak_memory_bytes) for g in gathered]
     doc["memory"] = memory_report(
-        peaks, rt.cfg.job.predicted_memory_bytes, memory.method, memory.measured_minibatches
+        peaks,
+        _rank_predictions(rt.cfg.job, [g[0] for g in gathered]),
+        memory.method,
+        memory.measured_minibatches,
     )
     write_json_atomic(run_dir(options) / "metrics.json", doc)
     if options.trace:
         write_trace(Path(options.trace), [g[1] for g in gathered])
     return doc
+
+
+def _rank_predictions(job: JobConfig, ranks: list[RankMetrics]) -> tuple[int, ...]:
+    """plan.json's predicted peak per stage, where a rank hosting several stages (interleaved, zbv)
+    reports its peak under its first stage: there the sum of its stages' (one device holds them all,
+    as the planner checks it)."""
+    predicted = list(job.predicted_memory_bytes)
+    for r in ranks:
+        if r.hosted and all(s < len(predicted) for s in r.hosted):
+            predicted[r.stage] = sum(job.predicted_memory_bytes[s] for s in r.hosted)
+    return tuple(predicted)
 
 
 def main(argv: list[str] | None = None) -> None:

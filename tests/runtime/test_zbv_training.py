@@ -111,3 +111,50 @@ def test_zbv_ties_the_first_and_last_stage_on_rank_0(tmp_path: Path) -> None:
     torch.testing.assert_close(
         stage_state(ckpt, 3, 0)["fc.weight"], stage_state(ckpt, 3, 3)["w"], rtol=0, atol=0
     )
+
+
+def test_zbv_evaluates_the_unsplit_models_loss(tmp_path: Path) -> None:
+    """``--eval-data`` under zbv: each rank walks every held-out unit through its two stages in
+    stage order (rank 0 scores, holding the last stage); the loss equals the unsplit model's."""
+    from tests.runtime.test_interleaved_training import _held_out_loss
+
+    pkg = write_package(
+        tmp_path / "pkg", "chain", (1,) * 4, microbatches=4, batch_size=8, virtual=2, v_shape=True
+    )
+    ckpt = tmp_path / "ckpt"
+    metrics = run(
+        pkg, steps=2, schedule="zbv", lr=0.2, checkpoint_dir=str(ckpt), eval_data="synthetic", eval_every=2
+    )
+    assert [e["step"] for e in metrics["eval"]] == [2]
+    want = _held_out_loss(pkg, ckpt, 2, 4, 8)
+    assert metrics["eval"][0]["loss"] == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+def test_zbv_on_one_rank_hands_everything_through_the_loopback(tmp_path: Path) -> None:
+    """p = 1: both stages on rank 0, every message a loopback; still plain training's weights."""
+    pkg = write_package(
+        tmp_path / "pkg", "chain", (1,) * 2, microbatches=4, batch_size=8, virtual=2, v_shape=True
+    )
+    ckpt = tmp_path / "ckpt"
+    run(pkg, steps=2, schedule="zbv", lr=0.1, momentum=0.9, checkpoint_dir=str(ckpt))
+    assert_stages_equal(ckpt, 2, plain_training(pkg, 2, 4, 8, lr=0.1, momentum=0.9), 2, atol=1e-5)
+
+
+def test_a_rank_of_several_stages_is_held_to_its_devices_prediction(tmp_path: Path) -> None:
+    """metrics.json's memory: rank 0 of a zbv job (stages 0 and 3) reports under stage 0, against
+    the prediction of both its stages (the planner's per-device check), not stage 0's alone."""
+    from dataclasses import replace
+
+    from runtime.metrics import RankMetrics
+    from runtime.worker import _rank_predictions
+
+    pkg = write_package(
+        tmp_path / "pkg", "chain", (1,) * 4, microbatches=4, batch_size=8, virtual=2, v_shape=True
+    )
+    job = replace(load_job(pkg, schedule="zbv"), predicted_memory_bytes=(10, 20, 30, 40))
+    ranks = [
+        RankMetrics(0, 0, 0.0, 0.0, 0.0, (), hosted=(0, 3)),
+        RankMetrics(1, 1, 0.0, 0.0, 0.0, (), hosted=(1, 2)),
+    ]
+    assert _rank_predictions(job, ranks) == (50, 50, 30, 40)
+    assert _rank_predictions(job, [RankMetrics(0, 0, 0.0, 0.0, 0.0, ())]) == (10, 20, 30, 40)
