@@ -158,3 +158,24 @@ def test_a_rank_of_several_stages_is_held_to_its_devices_prediction(tmp_path: Pa
     ]
     assert _rank_predictions(job, ranks) == (50, 50, 30, 40)
     assert _rank_predictions(job, [RankMetrics(0, 0, 0.0, 0.0, 0.0, ())]) == (10, 20, 30, 40)
+
+
+def test_zbv_fp16_trains_as_1f1b_fp16_with_one_loss_scale_per_rank(tmp_path: Path) -> None:
+    """The same 4 stages under fp16, 2 per rank as a V (zbv) and 1 per rank (1f1b): each rank's
+    first chunk unscales both its chunks' gradients and votes once; the results agree."""
+    from tests.runtime.helpers import stage_state
+
+    got = {}
+    for name, (schedule, v_shape) in {"zbv": ("zbv", True), "plain": ("1f1b", False)}.items():
+        virtual = 2 if v_shape else 1
+        pkg = write_package(
+            tmp_path / name, "chain", (1,) * 4, microbatches=4, batch_size=8, virtual=virtual, v_shape=v_shape
+        )
+        ckpt = tmp_path / f"{name}-ckpt"
+        metrics = run(pkg, steps=3, schedule=schedule, lr=0.1, precision="fp16", checkpoint_dir=str(ckpt))
+        got[name] = ([stage_state(ckpt, 3, k) for k in range(4)], metrics)
+    for k in range(4):
+        for key, want in got["plain"][0][k].items():
+            torch.testing.assert_close(got["zbv"][0][k][key], want, rtol=1e-6, atol=1e-6, msg=f"{k}.{key}")
+    scales = {r["loss_scale"] for m in (got["zbv"][1], got["plain"][1]) for r in m["ranks"]}
+    assert len(scales) == 1 and got["zbv"][1]["precision"] == "fp16"
