@@ -9,7 +9,7 @@ previous stage waits for) and ``W`` (weight gradients, which nobody waits for): 
 would be bubbles, and since a unit's way back starts on the rank where it started, each rank holds
 about as many activations as 1F1B's first stage.
 
-The order of one rank, in four phases (counters per chunk and kind give the microbatches):
+The order of one rank, in five phases (counters per chunk and kind give the microbatches):
 
 1. warm-up down: ``2(p - r) - 1`` forwards of chunk 0, the units the ranks below need in flight;
 2. warm-up across: ``r`` pairs (chunk 1 forward, chunk 0 forward): the returning units arrive;
@@ -108,11 +108,12 @@ def build_zbv(
 
     With unit-time F, B and W on every stage (:func:`runtime.schedule.simulate_ranks`), one
     minibatch of ``m`` microbatches on ``p`` ranks takes ``max(6m + p - 1, 4m + 4p - 2)`` slots.
-    Each rank does ``6m`` actions (two chunks, three passes); from ``m >= 2p - 1`` on, the only
-    idle time is ``p - 1`` slots per rank (unit 0 takes ``p - 1`` slots to reach rank ``p - 1``,
-    after which the Ws fill every wait), a bubble of ``(p - 1) / (6m)``: with half-size stages, half
-    of zb1p's ``p - 1`` full-stage slots. Below ``2p - 1`` microbatches the warm-up cannot be filled
-    and the slots are ``4m + 4p - 2``. One rank is two chunks played back to back: ``6m``, no bubble.
+    Each rank does ``6m`` actions (two chunks, three passes); from ``m >= 2p - 1`` on, rank
+    ``p - 1`` waits ``p - 1`` slots for unit 0 to come down, then is never idle and finishes last
+    (the Ws fill every wait; tests/partitioner/optimizer/test_zbv.py): ``p - 1`` slots of bubble
+    per rank against ``6m`` of work; with half-size stages, half of zb1p's ``p - 1`` full-stage
+    slots. Below ``2p - 1`` microbatches the warm-up cannot be filled and the slots are
+    ``4m + 4p - 2``. One rank is two chunks played back to back: ``6m``, no bubble.
     """
     check_zbv(ranks, microbatches)
     ids: Sequence[int] = range(first_step, first_step + steps)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from itertools import pairwise
 
 import pytest
 
@@ -126,3 +127,17 @@ def test_bad_zbv_requests_are_refused() -> None:
         evaluate(profile, Cluster.flat(2), cuts[:2], [1, 1, 1], "zbv", 4)
     with pytest.raises(PlanError, match="one device each"):
         evaluate(profile, Cluster.flat(3), cuts[:1], [2, 1], "zbv", 4)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
+def test_the_last_rank_starts_after_p_minus_1_passes_and_never_idles(p: int) -> None:
+    """Why the bubble is p - 1 passes (F = B = W = 1, m >= 2p - 1): rank p - 1 waits p - 1 passes
+    for unit 0 to come down, then runs its 6m passes back to back and ends the minibatch."""
+    for m in range(2 * p - 1, 4 * p + 2):
+        events = play_hosted(
+            build_zbv(p, m), [1.0] * (2 * p), [1.0] * (2 * p), [0.0] * (2 * p), [1.0] * (2 * p)
+        )
+        last = sorted((e.start_s, e.end_s) for e in events if zbv_placement(p)[e.stage] == p - 1)
+        assert last[0][0] == p - 1
+        assert all(a[1] == b[0] for a, b in pairwise(last))
+        assert last[-1][1] == max(e.end_s for e in events) == 6 * m + p - 1
