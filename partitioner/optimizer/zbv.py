@@ -46,8 +46,9 @@ def zbv_time(
     forward: Sequence[float], backward: Sequence[float], link: Sequence[float], microbatches: int
 ) -> float:
     """A lower bound on zbv's time for one minibatch (no all-reduce) from one microbatch's per-stage
-    times on ``2p`` stages; ``link``: a stage's activation traffic per microbatch (none after stage
-    ``p - 1``: the turn of the V is inside one rank). The larger of:
+    times on ``2p`` stages; ``link``: a stage's activation traffic per microbatch, out and back (half
+    each way, as the simulation sends it; none after stage ``p - 1``: the turn of the V is inside
+    one rank). The larger of:
 
     - rank ``r`` works ``M`` times its two stages' F + B + W and cannot start before microbatch 0's
       forwards through stages ``0 .. r - 1`` have reached it;
@@ -62,7 +63,7 @@ def zbv_time(
     if stages % 2:
         raise PlanError(f"zbv needs an even number of stages (2 per GPU), got {stages}")
     p = stages // 2
-    hop = [0.0 if k == p - 1 else a for k, a in enumerate(link)]
+    hop = [0.0 if k == p - 1 else a / 2 for k, a in enumerate(link)]  # one way: half the traffic
     fill = [0.0]
     for f, a in zip(forward, hop, strict=True):
         fill.append(fill[-1] + f + a)

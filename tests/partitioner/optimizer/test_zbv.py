@@ -51,7 +51,8 @@ def test_equal_stages_take_the_unit_slots_of_the_lists(p: int, m: int) -> None:
 
 
 def test_closed_form_is_a_lower_bound_of_the_simulation_on_unequal_stages() -> None:
-    """600 random chains (unequal F and B, links): never above the simulation, median within 10%."""
+    """600 random chains (unequal F and B, links): never above the simulation, median within 2%,
+    all within 25%."""
     rng = random.Random(3)
     ratios = []
     for _ in range(600):
@@ -60,12 +61,13 @@ def test_closed_form_is_a_lower_bound_of_the_simulation_on_unequal_stages() -> N
         backward = [2 * f * rng.uniform(0.8, 1.2) for f in forward]
         link = [rng.uniform(0.0, 0.3) for _ in range(2 * p)]
         m = rng.randint(2 * p - 1, 4 * p)
-        hop = [0.0 if k == p - 1 else a for k, a in enumerate(link)]
+        hop = [0.0 if k == p - 1 else a / 2 for k, a in enumerate(link)]  # one way, as simulate sends it
         b, w = [t * (1 - W_SHARE) for t in backward], [t * W_SHARE for t in backward]
         events = play_hosted(build_zbv(p, m), forward, b, hop, w)
         ratios.append(max(e.end_s for e in events) / zbv_time(forward, backward, link, m))
     assert min(ratios) >= 1 - 1e-9
-    assert statistics.median(ratios) < 1.10
+    assert statistics.median(ratios) < 1.02
+    assert max(ratios) < 1.25
 
 
 @pytest.mark.parametrize(("p", "m"), [(1, 2), (2, 2), (2, 4), (3, 5), (4, 8), (4, 12)])
