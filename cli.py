@@ -572,12 +572,13 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
     help="pipedream: asynchronous 1F1B with weight stashing (slowest stage sets the pace); 1f1b, gpipe: "
     "synchronous, a flush per minibatch; zb1p: zero bubble (ZB-H1), 1f1b with each backward split into "
     "input and weight gradients, the weight half deferred into the bubbles (about a third of 1f1b's "
-    "bubble; every stage holds up to min(stages, microbatches) microbatches' activations); interleaved: "
+    "bubble; every stage holds up to min(stages, microbatches) microbatches' activations); zbv: zero bubble "
+    "V (ZB-V), 2 x GPUs stages laid out as a V (GPU r holds stages r and 2 x GPUs-1-r), backward split as "
+    "zb1p's, a bubble of about (GPUs-1)/(6 x microbatches) of equal stages, each GPU holding 1f1b's "
+    "first-stage activations, --microbatches 2 x GPUs by default, gloo only, not among auto's yet; "
+    "interleaved: "
     "Megatron's virtual stages, GPUs x --virtual-stages stages of one GPU, stage s on GPU s mod GPUs, "
-    "bubble (GPUs-1)/(V x microbatches); zbv: zero bubble V (ZB-V), 2 x GPUs stages laid out as a V "
-    "(GPU r holds stages r and 2 x GPUs-1-r), backward split as zb1p's, a bubble of about "
-    "(GPUs-1)/(6 x microbatches) of equal stages, each GPU holding 1f1b's first-stage activations "
-    "(gloo only); auto (not zbv yet; interleaved among them at the fastest of 2, 3 or 4 "
+    "bubble (GPUs-1)/(V x microbatches); auto (interleaved among them at the fastest of 2, 3 or 4 "
     "virtual stages, where the microbatches are a multiple of the GPUs): the "
     "fastest predicted of them all, each searched at --microbatches, with a table of each one's best plan "
     "(pipedream among them trains asynchronously, on gradients of weights a few minibatches old).",
@@ -586,8 +587,7 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
     "--microbatches",
     type=int,
     default=None,
-    help="Microbatches per minibatch (1f1b, gpipe, zb1p, interleaved, zbv) [default: 4; interleaved, zbv: "
-    "GPUs x 2].",
+    help="Microbatches per minibatch (1f1b, gpipe, zb1p, interleaved) [default: 4; interleaved: GPUs x 2].",
 )
 @click.option(
     "--virtual-stages",

@@ -391,9 +391,9 @@ def _interleaved(profile: Profile, cluster: Cluster, opts: SolveOptions) -> Plan
 
     start, m = time.perf_counter(), opts.m
     straight = replace(opts, schedule="1f1b", straight=True, recompute="none", virtual_stages=1)
-    virtual = 2 if opts.schedule == "zbv" else opts.virtual_stages
+    opts = replace(opts, virtual_stages=2) if opts.schedule == "zbv" else opts  # (2 stages per GPU)
     plan = solve_interleaved(
-        with_forward_copies(profile, m), cluster, m, opts.optimizer, virtual,
+        with_forward_copies(profile, m), cluster, m, opts.optimizer, opts.virtual_stages,
         lambda wide: _solve_kept(profile, wide, straight), opts.activation_comm, opts.recompute,
         opts.schedule,
     )  # fmt: skip
