@@ -509,6 +509,8 @@ def _virtual_stages(schedule: str, virtual: int | None, explain: bool) -> int:
     baselines are not laid out in virtual stages)."""
     from partitioner.errors import PlanError
 
+    if schedule == "zbv" and explain:
+        raise PlanError("--explain does not support --schedule zbv yet; drop one of them")
     if schedule != "interleaved":
         if virtual is not None:
             raise PlanError(f"--virtual-stages needs --schedule interleaved, not {schedule}")
@@ -573,13 +575,17 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
 )
 @click.option(
     "--schedule",
-    type=click.Choice(["pipedream", "1f1b", "gpipe", "zb1p", "interleaved", "auto"]),
+    type=click.Choice(["pipedream", "1f1b", "gpipe", "zb1p", "interleaved", "zbv", "auto"]),
     default="pipedream",
     show_default=True,
     help="pipedream: asynchronous 1F1B with weight stashing (slowest stage sets the pace); 1f1b, gpipe: "
     "synchronous, a flush per minibatch; zb1p: zero bubble (ZB-H1), 1f1b with each backward split into "
     "input and weight gradients, the weight half deferred into the bubbles (about a third of 1f1b's "
-    "bubble; every stage holds up to min(stages, microbatches) microbatches' activations); interleaved: "
+    "bubble; every stage holds up to min(stages, microbatches) microbatches' activations); zbv: zero bubble "
+    "V (ZB-V), 2 x GPUs stages laid out as a V (GPU r holds stages r and 2 x GPUs-1-r), backward split as "
+    "zb1p's, a bubble of about (GPUs-1)/(6 x microbatches) of equal stages, each GPU holding 1f1b's "
+    "first-stage activations, --microbatches 2 x GPUs by default, gloo only, not among auto's yet; "
+    "interleaved: "
     "Megatron's virtual stages, GPUs x --virtual-stages stages of one GPU, stage s on GPU s mod GPUs, "
     "bubble (GPUs-1)/(V x microbatches); auto: the fastest predicted of them all, each at its best "
     "microbatch count (powers of two that split the batch, up to 4 per GPU; the count that --microbatches "
@@ -705,6 +711,8 @@ def partition(
     v = _virtual_stages(schedule, virtual, explain)
     if schedule == "interleaved" and microbatches is None and v > 1:
         micro = 2 * cluster.gpus  # a multiple of the GPUs, as Megatron's order needs
+    if schedule == "zbv" and microbatches is None:
+        micro = 2 * cluster.gpus  # zbv's warm-up fills from 2 x GPUs - 1 microbatches on
     auto_table = None
     if (cuts is None) != (replicas is None):
         raise PlanError("--cuts and --replicas go together: give both, or neither")
@@ -1013,11 +1021,12 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 @click.option("--epochs", type=click.IntRange(min=1), help="Passes over the data (default 1) if no --steps.")
 @click.option("--batch-size", type=click.IntRange(min=1), help="Samples per minibatch [plan.json].")
 @click.option("--microbatches", type=click.IntRange(min=1), help="Microbatches per minibatch [plan.json].")
-@click.option("--schedule", type=click.Choice(["pipedream", "1f1b", "gpipe", "zb1p", "interleaved"]),
+@click.option("--schedule", type=click.Choice(["pipedream", "1f1b", "gpipe", "zb1p", "interleaved", "zbv"]),
               help="[plan.json] zb1p: zero bubble H1, each backward split in B (input gradients, "
               "sent at once) and W (weight gradients, run later in the bubbles); exact as 1f1b. "
               "interleaved: Megatron's virtual stages, for a package partitioned with --schedule "
-              "interleaved (several stages per rank); gloo only.")  # fmt: skip
+              "interleaved (several stages per rank); gloo only. zbv: zero bubble V, for a package "
+              "partitioned with --schedule zbv (2 stages per rank as a V); gloo only.")  # fmt: skip
 @click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default="auto", show_default=True,
               help="auto: nccl when the ranks have GPUs, gloo on CPU.")  # fmt: skip
 @click.option("--data", default="synthetic", show_default=True,

@@ -63,9 +63,9 @@ def load_run_times(path: str | os.PathLike[str]) -> RunTimes:
         raise PipeplanError(f"cannot read {source}: {exc}") from exc
     if not isinstance(doc, dict) or doc.get("schema") != "pipeplan.metrics/1" or not doc.get("stages"):
         raise PipeplanError(f"{source} is not a pipeplan metrics.json with per-stage times")
-    if doc.get("schedule") == "interleaved":
+    if doc.get("schedule") in ("interleaved", "zbv"):
         raise PipeplanError(
-            f"{source} is an interleaved run, whose ranks each time several stages together; calibrate "
+            f"{source} is an {doc['schedule']} run, whose ranks each time several stages together; calibrate "
             "from a 1f1b run of the same model"
         )
     stage_s = {int(s["stage"]): float(s["compute_s_per_minibatch"]) for s in doc["stages"]}

@@ -37,8 +37,8 @@ __all__ = [
 ]
 
 PLAN_SCHEMA = "pipeplan.plan/1"
-Schedule = Literal["pipedream", "1f1b", "gpipe", "zb1p", "interleaved"]
-SCHEDULES: tuple[str, ...] = ("pipedream", "1f1b", "gpipe", "zb1p", "interleaved")
+Schedule = Literal["pipedream", "1f1b", "gpipe", "zb1p", "interleaved", "zbv"]
+SCHEDULES: tuple[str, ...] = ("pipedream", "1f1b", "gpipe", "zb1p", "interleaved", "zbv")
 OPTIMIZERS: tuple[str, ...] = ("sgd", "momentum", "adam", "adamw")
 
 
@@ -186,7 +186,8 @@ class Plan:
         precision: ``fp32``, ``bf16`` or ``fp16``: what the profile was measured in and ``pipeplan
             run`` trains in by default (autocast; float32 weights either way).
         virtual_stages: stages per device: 1, or ``v`` under ``interleaved`` (Megatron's virtual
-            stages: ``gpus * v`` stages, stage ``s`` on rank ``s mod gpus``).
+            stages: ``gpus * v`` stages, stage ``s`` on rank ``s mod gpus``), 2 under ``zbv``
+            (``2 gpus`` stages as a V: stages ``r`` and ``2 gpus - 1 - r`` on rank ``r``).
     """
 
     gpus: int

@@ -16,6 +16,7 @@ from typing import Any
 from runtime.errors import RunError
 from runtime.precision import check_precision
 from runtime.schedule import SCHEDULES, ScheduleError, check_interleaved
+from runtime.schedule_zbv import check_zbv, zbv_placement
 
 __all__ = ["JobConfig", "RankConfig", "load_job", "newest_package", "replica_microbatches"]
 
@@ -27,8 +28,8 @@ class JobConfig:
     Attributes:
         package: folder of the generated package.
         stage_ranks: global ranks of every stage's replicas, in pipeline order.
-        schedule: ``pipedream``, ``1f1b``, ``gpipe``, ``zb1p`` or ``interleaved`` (whose package may
-            put several stages on a rank: :attr:`virtual_stages`).
+        schedule: ``pipedream``, ``1f1b``, ``gpipe``, ``zb1p``, ``interleaved`` or ``zbv`` (whose
+            packages put several stages on a rank: :attr:`virtual_stages`).
         microbatches: microbatches per minibatch.
         batch_size: samples per minibatch.
         ties: for each tied parameter, its (stage, parameter name in the stage module) holders.
@@ -72,13 +73,17 @@ class JobConfig:
     @property
     def virtual_stages(self) -> int:
         """Stages per rank: 1, or ``v`` when the package lays ``p * v`` stages on ``p`` ranks for
-        ``interleaved`` (stage ``s`` on rank ``s mod p``)."""
+        ``interleaved`` (stage ``s`` on rank ``s mod p``) or, ``v = 2``, for ``zbv`` (a V)."""
         return max(1, self.stages // self.world_size)
 
     @property
     def stages(self) -> int:
         """Pipeline depth."""
         return len(self.stage_ranks)
+
+    def hosted_stages(self, rank: int) -> tuple[int, ...]:
+        """The stages ``rank`` runs, in pipeline order."""
+        return tuple(k for k, ranks in enumerate(self.stage_ranks) if rank in ranks)
 
     def for_rank(self, rank: int) -> RankConfig:
         """The view of one rank: its stage and its place among the stage's replicas."""
@@ -160,10 +165,11 @@ def _stage_ranks(conf: Any, source: Path) -> tuple[tuple[tuple[int, ...], ...], 
             f"criterion on the last stage (e.g. [0, 1, 1] or [0, 0, 1, 1, 1]), got {list(modules)}"
         )
     ranks = sorted(r for rs in mapping.values() for r in rs)
-    if (ranks != list(range(len(ranks))) and not _cyclic(mapping)) or any(not rs for rs in mapping.values()):
+    laid_out = _cyclic(mapping) or _v_shaped(mapping)
+    if (ranks != list(range(len(ranks))) and not laid_out) or any(not rs for rs in mapping.values()):
         raise RunError(
             f"{source}: ranks must be 0..N-1 each used once (or, for interleaved, stage s on rank s mod N "
-            f"alone), got {ranks}"
+            f"alone; for zbv, stages s and 2N-1-s on rank s), got {ranks}"
         )
     return tuple(mapping[k] for k in range(len(mapping))), modules
 
@@ -173,6 +179,14 @@ def _cyclic(mapping: dict[int, tuple[int, ...]]) -> bool:
     stage ``s`` on rank ``s mod p``."""
     p = len({r for rs in mapping.values() for r in rs})
     return len(mapping) % p == 0 and all(rs == (k % p,) for k, rs in mapping.items())
+
+
+def _v_shaped(mapping: dict[int, tuple[int, ...]]) -> bool:
+    """Whether stages lie on ranks as ``zbv`` lays them: ``2p`` stages, one rank each, rank ``r``
+    holding stages ``r`` and ``2p - 1 - r``."""
+    p = len({r for rs in mapping.values() for r in rs})
+    return len(mapping) == 2 * p and all(rs == (home,) for rs, home in zip(
+        (mapping[k] for k in range(len(mapping))), zbv_placement(p), strict=True))  # fmt: skip
 
 
 def load_job(
@@ -295,9 +309,14 @@ def _checked(job: JobConfig) -> JobConfig:
 
 
 def _check_interleaved(job: JobConfig) -> None:
-    """A package with several stages per rank runs only under ``interleaved``, which needs one rank
-    per stage (no replicas: every rank already holds a slice of every part of the pipeline) and
-    microbatches that Megatron's order can play (:func:`runtime.schedule.check_interleaved`)."""
+    """A package with several stages per rank runs only under ``interleaved`` or ``zbv``, as it was
+    laid out for (:func:`_check_zbv`), which need one rank per stage (no replicas: every rank
+    already holds a slice of every part of the pipeline) and microbatches their order can play
+    (:func:`runtime.schedule.check_interleaved`)."""
+    v_only = _v_shaped(_mapping(job)) and not _cyclic(_mapping(job))  # (one rank: both layouts)
+    if job.schedule == "zbv" or (job.virtual_stages > 1 and v_only):
+        _check_zbv(job)
+        return
     if job.virtual_stages > 1 and job.schedule != "interleaved":
         raise RunError(
             f"{job.package} puts {job.virtual_stages} stages on each rank, which only --schedule "
@@ -314,6 +333,30 @@ def _check_interleaved(job: JobConfig) -> None:
         raise RunError("--schedule interleaved with several stages per rank needs at least 2 ranks")
     try:
         check_interleaved(job.world_size, job.virtual_stages, job.microbatches)
+    except ScheduleError as exc:
+        raise RunError(str(exc)) from exc
+
+
+def _mapping(job: JobConfig) -> dict[int, tuple[int, ...]]:
+    return dict(enumerate(job.stage_ranks))
+
+
+def _check_zbv(job: JobConfig) -> None:
+    """``zbv`` runs a package laid out as its V (``2p`` stages, rank ``r`` holding stages ``r`` and
+    ``2p - 1 - r``), and such a package runs only under zbv: other schedules would play it in
+    another order, which the layout was not planned for."""
+    if job.schedule != "zbv":
+        raise RunError(
+            f"{job.package} lays its stages out as a V (zbv's two stages per rank), which only "
+            f"--schedule zbv runs, not {job.schedule}"
+        )
+    if not _v_shaped(_mapping(job)):
+        raise RunError(
+            f"--schedule zbv needs a package partitioned with --schedule zbv (2 stages per GPU laid out "
+            f"as a V); {job.package} has {job.stages} stages on ranks {[list(r) for r in job.stage_ranks]}"
+        )
+    try:
+        check_zbv(job.world_size, job.microbatches)
     except ScheduleError as exc:
         raise RunError(str(exc)) from exc
 

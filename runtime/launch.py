@@ -68,7 +68,7 @@ def check_launch(options: RunOptions) -> int:
     if options.nnodes > 1 and not options.master_port:
         raise RunError("a multi-node job needs --master-addr and --master-port (the same on every node)")
     if job.virtual_stages > 1 and options.backend == "nccl":
-        raise RunError("--schedule interleaved runs on gloo only for now (NCCL ignores message tags)")
+        raise RunError(f"--schedule {job.schedule} runs on gloo only for now (NCCL ignores message tags)")
     preflight(options, job, run_dir(options))
     return world // options.nnodes
 
@@ -107,13 +107,17 @@ def torchrun_commands(options: RunOptions) -> list[str]:
 def schedule_preview(options: RunOptions) -> list[str]:
     """One minibatch of every stage's action list in text form (``0F0 0F1 0B0 ...``), for --dry-run."""
     from runtime.schedule import build, build_interleaved, format_actions
+    from runtime.schedule_zbv import build_zbv
 
     job = job_of(options)
-    if job.schedule == "interleaved":
-        lists = build_interleaved(job.world_size, job.virtual_stages, job.microbatches)
+    if job.schedule in ("interleaved", "zbv"):
+        lists = (
+            build_zbv(job.world_size, job.microbatches)
+            if job.schedule == "zbv"
+            else build_interleaved(job.world_size, job.virtual_stages, job.microbatches)
+        )
         return [
-            f"rank {r} (stages {','.join(str(k) for k in range(r, job.stages, job.world_size))}): "
-            f"{format_actions(actions)}"
+            f"rank {r} (stages {','.join(str(k) for k in job.hosted_stages(r))}): {format_actions(actions)}"
             for r, actions in enumerate(lists)
         ]
     stages = build(job.schedule, job.stages, job.microbatches)

@@ -8,7 +8,8 @@ which nobody waits for, so it fills the bubbles). Microbatches are numbered glob
 too. Being data, a schedule is checked by :func:`validate` and dry-run by :func:`simulate` without
 torch, and printed in the text form of ``torch.distributed.pipelining`` (``0F3 0B3``).
 ``interleaved`` (Megatron's virtual stages) is listed per rank rather than per stage, since a rank
-hosts several stages: :func:`build_interleaved`, :func:`validate_ranks`, :func:`simulate_ranks`.
+hosts several stages: :func:`build_interleaved`, :func:`validate_ranks`, :func:`simulate_ranks`;
+so is ``zbv`` (:mod:`runtime.schedule_zbv`, two stages per rank laid out as a V).
 
 Example:
     >>> [format_actions(a) for a in build("gpipe", stages=2, microbatches=2)]
@@ -46,7 +47,7 @@ __all__ = [
     "warmup",
 ]
 
-SCHEDULES: tuple[str, ...] = ("pipedream", "1f1b", "gpipe", "zb1p", "interleaved")
+SCHEDULES: tuple[str, ...] = ("pipedream", "1f1b", "gpipe", "zb1p", "interleaved", "zbv")
 _ACTION = re.compile(r"^(\d+)([FBWS])(\d+)$")
 
 
@@ -188,8 +189,8 @@ def build_job(
     """
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    if name == "interleaved":
-        raise ScheduleError("interleaved is listed per rank, not per stage: use build_interleaved")
+    if name in ("interleaved", "zbv"):
+        raise ScheduleError(f"{name} is listed per rank, not per stage: use build_{name}")
     if not replicas or min(replicas) < 1 or microbatches < 1 or steps < 0:
         raise ScheduleError(f"need replicas >= 1 and microbatches >= 1, got {list(replicas)}, {microbatches}")
     ids = range(first_step, first_step + steps)
@@ -453,9 +454,15 @@ def build_interleaved(
     )
 
 
-def validate_ranks(lists: Sequence[Sequence[Action]], microbatches: int, steps: Sequence[int]) -> None:
-    """Check per-rank lists that host several stages each (``interleaved``): rank ``r`` of ``p`` lists
-    only stages ``r, r + p, ...``; each stage, taken alone, is complete and in order (as
+def validate_ranks(
+    lists: Sequence[Sequence[Action]],
+    microbatches: int,
+    steps: Sequence[int],
+    placement: Sequence[int] | None = None,
+) -> None:
+    """Check per-rank lists that host several stages each: every rank lists only the stages it
+    hosts (``placement[stage]``, the rank of each stage; by default ``interleaved``'s, stage ``s`` on
+    rank ``s mod p``; ``zbv`` passes its V); each stage, taken alone, is complete and in order (as
     :func:`validate_job` checks it); and the ranks together do not deadlock (:func:`simulate_ranks`).
 
     Raises:
@@ -463,13 +470,16 @@ def validate_ranks(lists: Sequence[Sequence[Action]], microbatches: int, steps: 
     """
     p = len(lists)
     stages = 1 + max((a.stage for acts in lists for a in acts), default=-1)
+    home = list(placement) if placement is not None else [k % p for k in range(stages)]
+    if len(home) < stages:
+        raise ScheduleError(f"the lists name {stages} stages but the placement only {len(home)}")
     units = {s * microbatches + j for s in steps for j in range(microbatches)}
     for r, acts in enumerate(lists):
-        wrong = [a for a in acts if a.stage % p != r]
+        wrong = [a for a in acts if home[a.stage] != r]
         if wrong:
-            raise ScheduleError(f"rank {r} lists {wrong[0]}, an action of rank {wrong[0].stage % p}")
+            raise ScheduleError(f"rank {r} lists {wrong[0]}, an action of rank {home[wrong[0].stage]}")
     for k in range(stages):
-        own = tuple(a for a in lists[k % p] if a.stage == k)
+        own = tuple(a for a in lists[home[k]] if a.stage == k)
         _check_stage(k, (own,), units, {u: u // microbatches for u in units})
     simulate_ranks(lists)
 

@@ -36,6 +36,7 @@ from runtime.metrics import RankMetrics, Recorder, summarize, write_json_atomic,
 from runtime.optim import Clip, OptimSettings, check_resume, counted_params, make_optimizer, make_scheduler
 from runtime.options import RunOptions, from_argv
 from runtime.package import build_stage, import_package, read_wiring
+from runtime.schedule_zbv import build_zbv
 from runtime.stage import Groups, StageRuntime
 
 __all__ = [
@@ -348,9 +349,13 @@ def _train(options: RunOptions, hosted: tuple[StageRuntime, ...], total: int) ->
     saves = {first + count for first, count in _segments(start, total, options.checkpoint_every)}
     evals = eval_steps(start, total, options.eval_every) if evaluator is not None else ()
     for first, count in segments(start, total, sorted(saves | set(evals))):
-        if job.schedule == "interleaved":
-            lists = schedule.build_interleaved(
-                job.world_size, job.virtual_stages, job.microbatches, count, first
+        if job.schedule in ("interleaved", "zbv"):
+            lists = (
+                build_zbv(job.world_size, job.microbatches, count, first)
+                if job.schedule == "zbv"
+                else schedule.build_interleaved(
+                    job.world_size, job.virtual_stages, job.microbatches, count, first
+                )
             )
             rt.play(lists[cfg.rank], first, hosted)
         else:
@@ -403,8 +408,8 @@ def run_rank(options: RunOptions) -> dict[str, Any] | None:
     backend = resolve_backend(options.backend)
     if backend == "nccl" and job.virtual_stages > 1:
         raise RunError(
-            "--schedule interleaved runs on gloo only for now: its ranks tell their message streams apart "
-            "by tag, which NCCL ignores; pass --backend gloo"
+            f"--schedule {job.schedule} runs on gloo only for now: its ranks tell their message streams "
+            "apart by tag, which NCCL ignores; pass --backend gloo"
         )
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if backend == "nccl" else "cpu")
     if backend == "nccl":
@@ -485,12 +490,26 @@ def _finish(options: RunOptions, hosted: tuple[StageRuntime, ...], clock: _Clock
     doc["eval"] = [e for g in gathered for e in g[4]]
     peaks = [(g[0].stage, g[0].peak_memory_bytes) for g in gathered]
     doc["memory"] = memory_report(
-        peaks, rt.cfg.job.predicted_memory_bytes, memory.method, memory.measured_minibatches
+        peaks,
+        _rank_predictions(rt.cfg.job, [g[0] for g in gathered]),
+        memory.method,
+        memory.measured_minibatches,
     )
     write_json_atomic(run_dir(options) / "metrics.json", doc)
     if options.trace:
         write_trace(Path(options.trace), [g[1] for g in gathered])
     return doc
+
+
+def _rank_predictions(job: JobConfig, ranks: list[RankMetrics]) -> tuple[int, ...]:
+    """plan.json's predicted peak per stage, where a rank hosting several stages (interleaved, zbv)
+    reports its peak under its first stage: there the sum of its stages' (one device holds them all,
+    as the planner checks it)."""
+    predicted = list(job.predicted_memory_bytes)
+    for r in ranks:
+        if r.hosted and all(s < len(predicted) for s in r.hosted):
+            predicted[r.stage] = sum(job.predicted_memory_bytes[s] for s in r.hosted)
+    return tuple(predicted)
 
 
 def main(argv: list[str] | None = None) -> None:

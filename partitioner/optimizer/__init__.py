@@ -343,7 +343,8 @@ def solve(
     """The fastest plan under the schedule's cost model that fits the cluster's memory.
 
     ``interleaved`` with ``virtual_stages`` v: ``gpus * v`` stages, stage ``s`` on rank ``s mod
-    gpus`` (:mod:`partitioner.optimizer.interleaved`; cuts from candidates, not an exact search).
+    gpus`` (:mod:`partitioner.optimizer.interleaved`; cuts from candidates, not an exact search);
+    ``zbv``: ``2 gpus`` stages laid out as a V, planned the same way.
 
     The arguments are :class:`~partitioner.optimizer.options.SolveOptions`' fields. ``recompute``:
     ``none``; ``all`` (every stage recomputes its forward in backward); ``auto`` (the plan without
@@ -362,7 +363,7 @@ def solve(
 
 def solve_with(profile: Profile, cluster: Cluster, opts: SolveOptions) -> Plan:
     """:func:`solve` with its options as one value (checked by ``SolveOptions.checked``)."""
-    if opts.schedule == "interleaved":
+    if opts.schedule in ("interleaved", "zbv"):
         return _interleaved(profile, cluster, opts)
     if opts.recompute != "all":
         try:
@@ -390,9 +391,11 @@ def _interleaved(profile: Profile, cluster: Cluster, opts: SolveOptions) -> Plan
 
     start, m = time.perf_counter(), opts.m
     straight = replace(opts, schedule="1f1b", straight=True, recompute="none", virtual_stages=1)
+    opts = replace(opts, virtual_stages=2) if opts.schedule == "zbv" else opts  # (2 stages per GPU)
     plan = solve_interleaved(
         at_microbatches(profile, m), cluster, m, opts.optimizer, opts.virtual_stages,
         lambda wide: _solve_kept(profile, wide, straight), opts.activation_comm, opts.recompute,
+        opts.schedule,
     )  # fmt: skip
     info = replace(plan.solver, solve_time_s=time.perf_counter() - start)
     return replace(plan, solver=info, extra={**plan.extra, "recompute": opts.recompute})
@@ -531,6 +534,7 @@ def evaluate(
         nodes = tuple(layers[bounds[i] : bounds[i + 1]])
         specs.append(StageSpec(nodes, r, tuple(range(rank, rank + r))))
         rank += r
+    virtual_stages = 2 if schedule == "zbv" else virtual_stages
     if virtual_stages > 1:
         specs = _laid_out(specs, schedule, virtual_stages, m)
     order = {n.id: i for i, n in enumerate(profile.nodes)}
@@ -540,7 +544,7 @@ def evaluate(
     info = SolverInfo("evaluate", 0.0, False)
     plan = assemble(profile, cluster, specs, schedule, m, optimizer, info, activation_comm=activation_comm,
                     recompute=recompute, virtual=virtual_stages)  # fmt: skip
-    if schedule == "interleaved":
+    if schedule in ("interleaved", "zbv"):
         from partitioner.optimizer.interleaved import played
 
         plan = played(profile, plan, activation_comm, recompute)
@@ -548,16 +552,20 @@ def evaluate(
 
 
 def _laid_out(specs: list[StageSpec], schedule: str, virtual: int, m: int) -> list[StageSpec]:
-    """``evaluate``'s stages on ranks ``s mod gpus`` (interleaved's virtual stages)."""
-    from partitioner.optimizer.interleaved import check_virtual, interleaved_specs
+    """``evaluate``'s stages on ranks ``s mod gpus`` (interleaved's virtual stages) or, under zbv,
+    as its V (stages ``r`` and ``2 gpus - 1 - r`` on rank ``r``)."""
+    from partitioner.optimizer.interleaved import check_layout, layout_specs
 
-    if schedule != "interleaved" or len(specs) % virtual or any(s.replicas != 1 for s in specs):
+    if schedule == "zbv" and (len(specs) % 2 or any(s.replicas != 1 for s in specs)):
+        raise PlanError(f"--schedule zbv needs an even number of stages (2 per GPU) of one device each, "
+                        f"got {len(specs)}")  # fmt: skip
+    if schedule not in ("interleaved", "zbv") or len(specs) % virtual or any(s.replicas != 1 for s in specs):
         raise PlanError(
             f"--virtual-stages {virtual} needs --schedule interleaved and a multiple of {virtual} stages "
             "of one device each"
         )
-    check_virtual(len(specs) // virtual, virtual, m)
-    return interleaved_specs([s.nodes for s in specs], len(specs) // virtual)
+    check_layout(schedule, len(specs) // virtual, virtual, m)
+    return layout_specs(schedule, [s.nodes for s in specs], len(specs) // virtual)
 
 
 def _check_closed(profile: Profile, specs: Sequence[StageSpec]) -> None:

@@ -36,8 +36,8 @@ __all__ = [
     "solve_auto",
 ]
 
-#: what ``auto`` tries by default: every priced schedule.
-AUTO_SCHEDULES: tuple[str, ...] = SCHEDULES
+#: what ``auto`` tries by default: every priced schedule but zbv (not yet among auto's candidates).
+AUTO_SCHEDULES: tuple[str, ...] = tuple(s for s in SCHEDULES if s != "zbv")
 
 #: the virtual stages per GPU ``auto`` tries for ``interleaved``, keeping the fastest. A count
 #: applies where the microbatches are a multiple of the GPUs and the model has at least GPUs x the

@@ -68,7 +68,7 @@ RECOMPUTE_MODES = ("none", "all", "auto")
 W_SHARE = 0.5
 
 #: the schedules :func:`plan_times` prices.
-PRICED = ("pipedream", "1f1b", "gpipe", "zb1p", "interleaved")
+PRICED = ("pipedream", "1f1b", "gpipe", "zb1p", "interleaved", "zbv")
 
 
 @dataclass(frozen=True)
@@ -198,6 +198,10 @@ def in_flight(
         return min(len(replicas), microbatches)
     if schedule == "interleaved":
         return interleaved_held(position, len(replicas) // virtual, virtual, microbatches)
+    if schedule == "zbv":  # (counted from zbv's lists, F to W: partitioner.optimizer.zbv)
+        from partitioner.optimizer.zbv import zbv_held
+
+        return zbv_held(position, len(replicas) // 2, microbatches)
     raise PlanError(f"unknown schedule {schedule!r}; use {', '.join(PRICED)}")
 
 
@@ -296,6 +300,10 @@ def plan_times(
         return _zero_bubble_times(loads, replicas, bandwidths, microbatches)
     if schedule == "interleaved":
         return _interleaved_times(loads, replicas, bandwidths, microbatches, virtual)
+    if schedule == "zbv":
+        from partitioner.optimizer.zbv import zbv_times
+
+        return zbv_times(loads, replicas, bandwidths, microbatches)
     raise PlanError(f"unknown schedule {schedule!r}; use {', '.join(PRICED)}")
 
 

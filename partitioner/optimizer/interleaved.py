@@ -11,6 +11,10 @@ when it uses all of them, and the contiguous splits of the layers' topological o
 where they are few (:data:`EVERY_SPLIT_MAX`), else torchgpipe's time-balanced split hill-climbed
 one layer at a time under the closed form. An exact search over every downset would price the
 rank sums inside the DP; it does not exist yet.
+
+``zbv`` (:mod:`runtime.schedule_zbv`) is planned the same way (:func:`solve_interleaved` with
+``schedule="zbv"``): ``2 gpus`` stages laid out as a V (:func:`layout_specs`), ranked by its closed
+form (:func:`partitioner.optimizer.zbv.zbv_time`) and priced by the simulation of its lists.
 """
 
 from __future__ import annotations
@@ -26,12 +30,15 @@ from partitioner.optimizer.baselines import balanced_cuts
 from partitioner.optimizer.build import StageSpec, assemble
 from partitioner.plan import Cluster, Plan, SolverInfo
 from runtime.schedule import ScheduleError, check_interleaved
+from runtime.schedule_zbv import check_zbv, zbv_placement
 
 __all__ = [
     "REFINE_PRICINGS",
     "SIMULATED",
+    "check_layout",
     "check_virtual",
     "interleaved_specs",
+    "layout_specs",
     "played",
     "solve_interleaved",
 ]
@@ -64,6 +71,26 @@ def check_virtual(gpus: int, virtual: int, microbatches: int) -> None:
 def interleaved_specs(groups: Sequence[Sequence[str]], gpus: int) -> list[StageSpec]:
     """Stage ``s`` (its node ids) on rank ``s mod gpus``, one device each."""
     return [StageSpec(tuple(nodes), 1, (s % gpus,)) for s, nodes in enumerate(groups)]
+
+
+def layout_specs(schedule: str, groups: Sequence[Sequence[str]], gpus: int) -> list[StageSpec]:
+    """The stages of ``schedule`` on their ranks: interleaved's cycle, or zbv's V (stages ``r`` and
+    ``2 gpus - 1 - r`` on rank ``r``)."""
+    if schedule != "zbv":
+        return interleaved_specs(groups, gpus)
+    homes = zbv_placement(gpus)
+    return [StageSpec(tuple(nodes), 1, (homes[s],)) for s, nodes in enumerate(groups)]
+
+
+def check_layout(schedule: str, gpus: int, virtual: int, microbatches: int) -> None:
+    """What the runtime can play, per schedule (zbv: any microbatch count on any GPUs)."""
+    if schedule != "zbv":
+        check_virtual(gpus, virtual, microbatches)
+        return
+    try:
+        check_zbv(gpus, microbatches)
+    except ScheduleError as exc:
+        raise PlanError(str(exc)) from exc
 
 
 def _time_balanced(profile: Profile, parts: int) -> list[int]:
@@ -116,8 +143,10 @@ def solve_interleaved(
     straight: Callable[[Cluster], Plan],
     activation_comm: bool = True,
     recompute: str = "none",
+    schedule: str = "interleaved",
 ) -> Plan:
-    """The fastest interleaved plan among the candidate cuts that fits ``cluster``'s memory.
+    """The fastest interleaved (or, ``schedule="zbv"`` with ``virtual`` 2, zbv) plan among the
+    candidate cuts that fits ``cluster``'s memory.
 
     ``straight(wide)``: the exact straight 1f1b plan on ``wide`` (``gpus * virtual`` devices).
 
@@ -126,16 +155,17 @@ def solve_interleaved(
         InfeasibleError: no candidate fits.
     """
     p, parts = cluster.gpus, cluster.gpus * virtual
-    check_virtual(p, virtual, microbatches)
+    check_layout(schedule, p, virtual, microbatches)
     if len(profile.layers) < parts:
-        raise PlanError(f"--virtual-stages {virtual} on {p} GPUs needs {parts} stages, the model has "
+        what = "--schedule zbv" if schedule == "zbv" else f"--virtual-stages {virtual}"
+        raise PlanError(f"{what} on {p} GPUs needs {parts} stages, the model has "
                         f"{len(profile.layers)} layers")  # fmt: skip
     errors: list[InfeasibleError] = []
 
     def price(name: str, groups: Sequence[Sequence[str]]) -> Plan | None:
-        info = SolverInfo(f"interleaved ({name} cuts)", 0.0, False)
+        info = SolverInfo(f"{schedule} ({name} cuts)", 0.0, False)
         try:
-            return assemble(profile, cluster, interleaved_specs(groups, p), "interleaved", microbatches,
+            return assemble(profile, cluster, layout_specs(schedule, groups, p), schedule, microbatches,
                             optimizer, info, activation_comm=activation_comm, recompute=recompute,
                             virtual=virtual)  # fmt: skip
         except InfeasibleError as exc:
@@ -163,7 +193,7 @@ def solve_interleaved(
         (plan for plan in found if plan is not None), key=lambda plan: plan.predicted.time_per_minibatch_s
     )
     if not plans:
-        raise errors[0] if errors else InfeasibleError("no interleaved plan fits")
+        raise errors[0] if errors else InfeasibleError(f"no {schedule} plan fits")
     simulated = [played(profile, plan, activation_comm, recompute) for plan in plans[:SIMULATED]]
     return min(simulated, key=lambda plan: plan.predicted.time_per_minibatch_s)
 
@@ -178,7 +208,7 @@ def played(profile: Profile, plan: Plan, activation_comm: bool = True, recompute
     span = max((e.end_s for e in sim.events), default=0.0)  # (one minibatch from 0; no host bound)
     specs = [StageSpec(s.nodes, s.replicas, s.ranks) for s in plan.stages]
     again = assemble(
-        profile, plan.cluster, specs, "interleaved", plan.microbatches, plan.optimizer, plan.solver,
+        profile, plan.cluster, specs, plan.schedule, plan.microbatches, plan.optimizer, plan.solver,
         time_override=span, extra=dict(plan.extra), activation_comm=activation_comm,
         recompute=recompute, virtual=plan.virtual_stages,
     )  # fmt: skip

@@ -11,7 +11,7 @@ measured against ``pipeplan run`` by ``benchmarks/bench_memory.py``):
   version's forwards on a snapshot of it, beside the live weights the optimizer updates in place;
 - when a replica runs more than one microbatch per step, the gradient it is accumulating: autograd
   computes a layer's new gradient beside the sum it adds it to (the stage's largest layer at most;
-  zb1p's W computes the whole stage's weight gradients before adding them: P);
+  zb1p's and zbv's W computes the whole stage's weight gradients before adding them: P);
 - h items' saved activations, each ``1/share`` of a minibatch; with recomputation h items' inputs
   plus the one item's activations its backward rebuilds.
 """
@@ -61,7 +61,7 @@ def weight_bytes(params: Bytes, held: Bytes, schedule: str, optimizer: str) -> B
 
 def transient_bytes(params: Bytes, largest: Bytes, schedule: str) -> Bytes:
     """The gradient being accumulated, for a replica that runs more than one microbatch per step."""
-    return params if schedule == "zb1p" else np.minimum(params, largest)
+    return params if schedule in ("zb1p", "zbv") else np.minimum(params, largest)
 
 
 def peak_bytes(

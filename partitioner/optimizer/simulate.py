@@ -35,6 +35,7 @@ from partitioner.optimizer.cost import (
 )
 from partitioner.plan import Plan
 from runtime.schedule import Action, build, build_interleaved, build_job
+from runtime.schedule_zbv import build_zbv
 
 __all__ = ["Event", "Simulation", "actions", "gantt", "play_hosted", "simulate", "write_chrome_trace"]
 
@@ -189,11 +190,17 @@ def _play(
 
 
 def play_hosted(
-    lists: Sequence[Sequence[Action]], fwd: Sequence[float], bwd: Sequence[float], link: Sequence[float]
+    lists: Sequence[Sequence[Action]],
+    fwd: Sequence[float],
+    bwd: Sequence[float],
+    link: Sequence[float],
+    wgt: Sequence[float] | None = None,
 ) -> list[Event]:
-    """Run every rank's list (``interleaved``: actions of several stages each) in order; an action
-    waits for its rank and its input: the previous stage's forward (``link`` of that stage later),
-    or the next stage's backward (the last stage: its own forward). Steps are free (no replicas).
+    """Run every rank's list (``interleaved``, ``zbv``: actions of several stages each) in order; an
+    action waits for its rank and its input: the previous stage's forward (``link`` of that stage
+    later), or the next stage's backward (the last stage: its own forward). A W (time ``wgt``; a
+    list with Ws passes ``bwd`` as the B part alone) waits only for its rank: its B came earlier in
+    the list. Steps are free (no replicas).
 
     Event-driven as :func:`_play_ranks`: a rank runs until an action's input is missing, and is
     parked on that input until it exists, so the simulation is linear in the actions."""
@@ -208,7 +215,11 @@ def play_hosted(
         acts = lists[r]
         while pos[r] < len(acts):
             a, k = acts[pos[r]], acts[pos[r]].stage
-            if a.kind != "S":
+            if a.kind == "W":
+                start = free[r]
+                free[r] = done[("W", k, a.index)] = start + (wgt or bwd)[k]
+                events.append(Event(k, "W", a.index, start, free[r]))
+            elif a.kind != "S":
                 if a.kind == "F":
                     need, delay = ("F", k - 1, a.index), link[k - 1] if k else 0.0
                 else:
@@ -239,6 +250,25 @@ def _simulate_interleaved(plan: Plan, profile: Profile | None) -> Simulation:
     memory = _memory(plan, profile, held)
     bubble = 1.0 - busy / (p * span) if span > 0 else 0.0
     return Simulation(tuple(sorted(events, key=lambda e: e.start_s)), span, bubble, memory, held)
+
+
+def _simulate_zbv(plan: Plan, profile: Profile | None) -> Simulation:
+    """One minibatch of zbv from the runtime's own lists (``build_zbv``): each GPU plays its two
+    stages of the V with the backward split by ``W_SHARE``; the hand-off at the turn of the V
+    (stage ``p - 1`` to ``p``) stays on one GPU and costs no link. A stage holds a unit's graph from
+    its F to its W."""
+    p = len(plan.stages) // 2
+    fwd, bwd, link = _durations(plan, profile)
+    link[p - 1] = 0.0
+    b, w = [t * (1.0 - W_SHARE) for t in bwd], [t * W_SHARE for t in bwd]
+    events = play_hosted(build_zbv(p, plan.microbatches), fwd, b, link, w)
+    span = max(e.end_s for e in events)
+    busy = sum(e.end_s - e.start_s for e in events)
+    held = _in_flight(events, len(plan.stages), "W")
+    bubble = 1.0 - busy / (p * span) if span > 0 else 0.0
+    return Simulation(
+        tuple(sorted(events, key=lambda e: e.start_s)), span, bubble, _memory(plan, profile, held), held
+    )
 
 
 def _play_ranks(
@@ -385,6 +415,8 @@ def _simulate_devices(plan: Plan, profile: Profile | None, minibatches: int | No
         return _simulate_pipedream(plan, profile, minibatches)
     if plan.schedule == "interleaved":
         return _simulate_interleaved(plan, profile)
+    if plan.schedule == "zbv":
+        return _simulate_zbv(plan, profile)
     p = len(plan.stages)
     fwd, bwd, link = _durations(plan, profile)
     sync = plan.schedule != "pipedream"

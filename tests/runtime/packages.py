@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from partitioner.plan import Cluster, Plan, Prediction, SolverInfo, Stage, Tie, mp_conf, plan_to_json
+from runtime.schedule_zbv import zbv_placement
 
 __all__ = ["write_package"]
 
@@ -280,10 +281,12 @@ def write_package(
     batch_size: int = 8,
     predicted_s: float = 0.01,
     virtual: int = 1,
+    v_shape: bool = False,
 ) -> Path:
     """Write a complete package (``__init__.py``, ``stageK.py``, mp_conf.json, plan.json) to ``folder``.
     ``virtual`` > 1: the stages (one replica each) lie on ``len(replicas) // virtual`` ranks as
-    ``interleaved`` lays them, stage ``k`` on rank ``k mod ranks``."""
+    ``interleaved`` lays them, stage ``k`` on rank ``k mod ranks``; with ``v_shape`` (``virtual``
+    2) as ``zbv`` lays them, rank ``r`` holding stages ``r`` and ``2 ranks - 1 - r``."""
     stages = len(replicas)
     sources, ins, outs = _stage_sources(kind, stages)
     folder.mkdir(parents=True, exist_ok=True)
@@ -310,7 +313,8 @@ def write_package(
         first += r
     if virtual > 1:
         first = stages // virtual
-        plan_stages = [Stage(k, (f"n{k}",), 1, (k % first,)) for k in range(stages)]
+        homes = zbv_placement(first) if v_shape else tuple(k % first for k in range(stages))
+        plan_stages = [Stage(k, (f"n{k}",), 1, (homes[k],)) for k in range(stages)]
     ties = (Tie("stages.0.fc.weight", ((0, "fc.weight"), (stages - 1, "w"))),) if kind == "tied" else ()
     plan = Plan(
         gpus=first,

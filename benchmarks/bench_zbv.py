@@ -1,0 +1,271 @@
+"""pipeplan's zbv (ZB-V: 2 stages per rank laid out as a V, backward split into B and W) against
+torch.distributed.pipelining's ScheduleZBVZeroBubble on the same 4-stage split and microbatches, on
+2 gloo ranks of this CPU; with pipeplan's zb1p and 1f1b on the 2-stage split of the same layers for
+reference.
+
+The model is bench_interleaved's MLP (Linear+ReLU layers of one width, a 10-class head), cut into 4
+stages of equal layers for zbv (rank 0: stages 0 and 3, rank 1: stages 1 and 2) and into 2 for zb1p
+and 1f1b. Measured bubble, per step: 1 - (compute seconds of both ranks) / (2 x the step's wall
+time, the slower rank's), median over the steps after warm-up (pipeplan's runs only: torch's
+schedules report no compute time). Predicted bubble: what the planner predicts, the event simulation
+of the runtime's own lists (``partitioner.optimizer.simulate.play_hosted`` on
+``runtime.schedule_zbv.build_zbv``; zb1p and 1f1b: the closed forms of
+``partitioner.optimizer.cost``), fed with each stage's forward and backward per microbatch timed in
+this process after each round (median over rounds), one thread, no communication, the backward
+split into B and W by ``W_SHARE`` as the planner does. Runs alternate and repeat: this machine is
+shared.
+
+Run:  .venv/bin/python -m benchmarks.bench_zbv
+      (writes benchmarks/results/bench_zbv.{json,md})
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.bench_interleaved import _INIT, _fmt, stage_times
+from benchmarks.bench_runtime import _elastic
+from benchmarks.bench_runtime import write_package as write_two_stages
+from benchmarks.bench_schedules import run_ours
+from partitioner.optimizer.cost import W_SHARE, zero_bubble_time
+from partitioner.optimizer.simulate import play_hosted
+from runtime.package import import_package
+from runtime.schedule_zbv import build_zbv, zbv_placement, zbv_stages
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RANKS = 2
+OURS, THEIRS = "pipeplan zbv", "torch ScheduleZBVZeroBubble"
+RUNS = (OURS, THEIRS, "pipeplan zb1p", "pipeplan 1f1b")
+
+
+def write_zbv(folder: Path, width: int, layers: int, batch: int, micro: int) -> Path:
+    """The 4-stage package laid out as ``pipeplan partition --schedule zbv`` lays it: a V."""
+    stages = 2 * RANKS
+    homes = zbv_placement(RANKS)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "__init__.py").write_text(_INIT.format(width=width, layers=layers, stages=stages))
+    conf = {
+        "module_to_stage_map": [*range(stages), stages - 1],
+        "stage_to_rank_map": {str(k): [homes[k]] for k in range(stages)},
+    }
+    (folder / "mp_conf.json").write_text(json.dumps(conf))
+    plan = {
+        "schema": "pipeplan.plan/1",
+        "gpus": RANKS,
+        "schedule": "zbv",
+        "virtual_stages": 2,
+        "microbatches": micro,
+        "batch_size": batch,
+        "stages": [{"index": k, "replicas": 1, "ranks": [homes[k]]} for k in range(stages)],
+        "predicted": {"time_per_minibatch_s": None},
+        "extra": {"inputs": [{"name": "x", "shape": [batch, width], "dtype": "float32"}]},
+    }
+    (folder / "plan.json").write_text(json.dumps(plan, indent=1))
+    return folder
+
+
+def _torch_rank(package: str, steps: int, micro: int, batch: int) -> list[float]:
+    """One rank of torch.distributed.pipelining's ScheduleZBVZeroBubble on its two stages of the V
+    (rank 0 feeds the inputs and, holding the last stage, the targets too)."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo")
+    pkg = import_package(package)
+    ids = zbv_stages(rank, RANKS)
+    modules = [pkg.stage(k) for k in ids]
+    stages: list[Any] = [
+        PipelineStage(mod, k, 2 * RANKS, torch.device("cpu")) for mod, k in zip(modules, ids, strict=True)
+    ]
+    loss_fn = pkg.criterion()
+    schedule = ScheduleZBVZeroBubble(stages, micro, loss_fn=lambda out, y: loss_fn(out, y))
+    optim = torch.optim.SGD([p for mod in modules for p in mod.parameters()], lr=0.01)
+    times = []
+    for step in range(steps):
+        torch.manual_seed(step)
+        x, y = pkg.example_inputs(batch)["x"], pkg.example_targets(batch)
+        start = time.perf_counter()
+        if rank == 0:
+            schedule.step(x, target=y, losses=[])
+        else:
+            schedule.step()
+        optim.step()
+        optim.zero_grad()
+        times.append(time.perf_counter() - start)
+    dist.barrier()
+    dist.destroy_process_group()
+    return times
+
+
+def run_theirs(package: Path, steps: int, micro: int, batch: int, warmup: int) -> dict[str, float]:
+    per_rank = _elastic(_torch_rank, str(package), steps, micro, batch)
+    walls = [max(a, b) for a, b in zip(per_rank[0], per_rank[1], strict=True)][warmup:]
+    return {"s_per_minibatch": statistics.median(walls)}
+
+
+def _one(name: str, four: Path, two: Path, args: argparse.Namespace) -> dict[str, Any]:
+    m = args.microbatches
+    if name == OURS:
+        return run_ours(four, "zbv", args.steps, m, args.warmup)
+    if name == THEIRS:
+        return run_theirs(four, args.steps, m, args.batch_size, args.warmup)
+    return run_ours(two, name.split()[-1], args.steps, m, args.warmup)
+
+
+def predicted(f: list[float], b: list[float], m: int) -> dict[str, float]:
+    """Predicted bubble (share of the span the ranks idle) of each pipeplan run from the 4 stages'
+    forward and backward per microbatch: zbv by the simulation of its lists (the planner's price),
+    zb1p and 1f1b on the 2-stage split by their closed forms."""
+    work = sum(m * (fk + bk) for fk, bk in zip(f, b, strict=True))
+    split_b, split_w = [t * (1 - W_SHARE) for t in b], [t * W_SHARE for t in b]
+    events = play_hosted(build_zbv(RANKS, m), f, split_b, [0.0] * len(f), split_w)
+    zbv = max(e.end_s for e in events)
+    halves = [slice(k * 2, (k + 1) * 2) for k in range(RANKS)]
+    f2, b2 = [sum(f[h]) for h in halves], [sum(b[h]) for h in halves]
+    zb1p = zero_bubble_time(f2, b2, [0.0] * RANKS, m)
+    one = sum(x + y for x, y in zip(f2, b2, strict=True)) + (m - 1) * max(
+        x + y for x, y in zip(f2, b2, strict=True)
+    )
+    return {
+        OURS: 1.0 - work / (RANKS * zbv),
+        "pipeplan zb1p": 1.0 - work / (RANKS * zb1p),
+        "pipeplan 1f1b": 1.0 - work / (RANKS * one),
+        "zbv_s": zbv,
+        "zb1p_s": zb1p,
+        "1f1b_s": one,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    load_before = os.getloadavg()
+    rounds: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        b, m = args.batch_size, args.microbatches
+        four = write_zbv(Path(tmp) / "four", args.width, args.layers, b, m)
+        two = write_two_stages(Path(tmp) / "two", args.width, args.layers, b, m)
+        for r in range(args.repeats):
+            got: dict[str, Any] = {"load_1min": os.getloadavg()[0]}
+            for name in RUNS if r % 2 == 0 else RUNS[::-1]:
+                try:
+                    got[name] = _one(name, four, two, args)
+                except Exception as exc:  # a schedule that cannot run this split: say why
+                    got[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            got["stage_times"] = stage_times(four, b, m)
+            rounds.append(got)
+    f = [statistics.median(r["stage_times"][0][k] for r in rounds) for k in range(2 * RANKS)]
+    bw = [statistics.median(r["stage_times"][1][k] for r in rounds) for k in range(2 * RANKS)]
+    report(args, rounds, f, bw, (load_before, os.getloadavg()))
+
+
+def _median(rounds: list[dict[str, Any]], name: str, key: str) -> float | None:
+    values = [r[name][key] for r in rounds if key in r.get(name, {})]
+    return statistics.median(values) if values else None
+
+
+def _paired(rounds: list[dict[str, Any]]) -> list[float]:
+    """Per round, torch's zbv time over pipeplan's (run back to back in that round)."""
+    return [
+        r[THEIRS]["s_per_minibatch"] / r[OURS]["s_per_minibatch"]
+        for r in rounds
+        if "s_per_minibatch" in r.get(OURS, {}) and "s_per_minibatch" in r.get(THEIRS, {})
+    ]
+
+
+def report(
+    args: argparse.Namespace,
+    rounds: list[dict[str, Any]],
+    f: list[float],
+    b: list[float],
+    load: tuple[Any, Any],
+) -> None:
+    pred = predicted(f, b, args.microbatches)
+    rows: dict[str, dict[str, Any]] = {
+        name: {
+            "s_per_minibatch": _median(rounds, name, "s_per_minibatch"),
+            "measured_bubble": _median(rounds, name, "bubble"),
+            "predicted_bubble": pred.get(name),
+            "errors": sorted({r[name]["error"] for r in rounds if "error" in r.get(name, {})}),
+        }
+        for name in RUNS
+    }
+    ours, theirs = rows[OURS]["s_per_minibatch"], rows[THEIRS]["s_per_minibatch"]
+    doc = {
+        "config": vars(args),
+        "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "load_1min_before_after": [load[0][0], load[1][0]],
+        "stage_forward_s_per_microbatch": f,
+        "stage_backward_s_per_microbatch": b,
+        "predicted": pred,
+        "throughput_ratio_zbv_vs_torch": theirs / ours if ours and theirs else None,
+        "throughput_ratio_per_round": _paired(rounds),
+        "results": rows,
+        "rounds": rounds,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "bench_zbv.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (RESULTS / "bench_zbv.md").write_text(_markdown(doc))
+    print(_markdown(doc))
+
+
+def _markdown(doc: dict[str, Any]) -> str:
+    cfg, load = doc["config"], doc["load_1min_before_after"]
+    lines = [
+        "# bench_zbv: zero bubble V (2 stages per rank as a V) on 2 gloo ranks on CPU",
+        "",
+        f"MLP {cfg['layers']} x {cfg['width']}, batch {cfg['batch_size']}, {cfg['microbatches']} "
+        f"microbatches, {cfg['steps']} steps ({cfg['warmup']} warm-up dropped), {cfg['repeats']} "
+        f"alternating rounds; load (1 min) {load[0]:.1f} before, {load[1]:.1f} after on "
+        f"{doc['host']['cpus']} CPUs. zbv: 4 stages (rank 0: stages 0 and 3, rank 1: 1 and 2); zb1p "
+        "and 1f1b: the same layers in 2 stages.",
+        "",
+        "| run | s / minibatch | measured bubble | predicted bubble |",
+        "|---|---|---|---|",
+    ]
+    for name, row in doc["results"].items():
+        note = f" (failed: {row['errors'][0]})" if row["errors"] and row["s_per_minibatch"] is None else ""
+        lines.append(
+            f"| {name}{note} | {_fmt(row['s_per_minibatch'], '.4f')} | {_fmt(row['measured_bubble'], '.2f')} "
+            f"| {_fmt(row['predicted_bubble'], '.2f')} |"
+        )
+    paired, ratio = doc["throughput_ratio_per_round"], doc["throughput_ratio_zbv_vs_torch"]
+    f, b = doc["stage_forward_s_per_microbatch"], doc["stage_backward_s_per_microbatch"]
+    lines += [
+        "",
+        f"Throughput ratio, pipeplan zbv / torch ScheduleZBVZeroBubble: {_fmt(ratio, '.2f')}x (medians); "
+        "per round (back to back): "
+        + ", ".join(f"{x:.2f}" for x in paired)
+        + f" (median {_fmt(statistics.median(paired) if paired else None, '.2f')}).",
+        "Stage times per microbatch (one thread, alone): forward "
+        + " / ".join(f"{t * 1e3:.1f}" for t in f)
+        + " ms, backward "
+        + " / ".join(f"{t * 1e3:.1f}" for t in b)
+        + " ms.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

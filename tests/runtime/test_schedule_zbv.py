@@ -1,0 +1,97 @@
+"""zbv (ZB-V) as data: every (ranks, microbatches) validates on the V placement, takes the closed-form
+slots (bubble p - 1 slots once m >= 2p - 1), splits every backward, keeps each rank's activations
+near 1F1B's first stage, and lists that break the V or drop Ws are refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.schedule import (
+    ScheduleError,
+    build_job,
+    format_actions,
+    parse_actions,
+    simulate_ranks,
+    validate_ranks,
+)
+from runtime.schedule_zbv import build_zbv, check_zbv, zbv_placement, zbv_rank, zbv_rank_of, zbv_stages
+
+RANGE = [(p, m) for p in range(1, 5) for m in range(1, 13)]
+
+
+def zbv_slots(ranks: int, micro: int) -> int:
+    """Unit F, B and W per chunk: 6m per rank plus p - 1 slots of bubble once m >= 2p - 1."""
+    return max(6 * micro + ranks - 1, 4 * micro + 4 * ranks - 2)
+
+
+@pytest.mark.parametrize(("ranks", "micro"), RANGE)
+def test_every_zbv_is_valid_on_the_v(ranks: int, micro: int) -> None:
+    for steps in (1, 2):
+        lists = build_zbv(ranks, micro, steps, first_step=3)
+        validate_ranks(lists, micro, range(3, 3 + steps), zbv_placement(ranks))
+        assert [{a.stage for a in acts} for acts in lists] == [
+            set(zbv_stages(r, ranks)) for r in range(ranks)
+        ]
+
+
+@pytest.mark.parametrize(("ranks", "micro"), RANGE)
+def test_zbv_takes_the_closed_form(ranks: int, micro: int) -> None:
+    one = simulate_ranks(build_zbv(ranks, micro))
+    assert one == zbv_slots(ranks, micro)
+    # Steps are local: the next minibatch's first forwards may start under the last Ws of this one.
+    assert 2 * 6 * micro <= simulate_ranks(build_zbv(ranks, micro, 2)) <= 2 * one
+    if micro >= 2 * ranks - 1:  # the bubble: p - 1 slots of one chunk pass, against 6m of work
+        assert zbv_slots(ranks, micro) - 6 * micro == ranks - 1
+
+
+@pytest.mark.parametrize(("ranks", "micro"), RANGE)
+def test_zbv_splits_every_backward_and_holds_about_1f1b_first_stage(ranks: int, micro: int) -> None:
+    for r in range(ranks):
+        acts = zbv_rank(r, ranks, micro)
+        for stage in zbv_stages(r, ranks):
+            own = [a for a in acts if a.stage == stage]
+            assert [a.index for a in own if a.kind == "W"] == [a.index for a in own if a.kind == "B"]
+            assert own[-1].kind == "S"
+        graphs = peak = 0
+        for a in acts:
+            graphs += {"F": 1, "W": -1}.get(a.kind, 0)
+            peak = max(peak, graphs)
+        # At most 2p graphs of half a stage (B and W of a unit pending): 1F1B's stage-0 peak of p
+        # full-stage activations, reached on every rank once the warm-up fills (m >= 2p - 1).
+        assert peak <= 2 * ranks
+        assert peak == 2 * ranks or micro < 2 * ranks - 1
+
+
+def test_zbv_layout() -> None:
+    assert zbv_placement(4) == (0, 1, 2, 3, 3, 2, 1, 0)
+    assert [zbv_rank_of(s, 4) for s in range(8)] == list(zbv_placement(4))
+    assert zbv_stages(3, 4) == (3, 4)  # the turn of the V: a loopback on the last rank
+
+
+def test_zbv_text_form() -> None:
+    got = [format_actions(a) for a in build_zbv(2, 3)]
+    assert got == [
+        "0F0 0F1 0F2 3F0 3B0 3W0 3F1 3B1 3W1 0B0 0W0 3F2 3B2 3W2 0B1 0W1 0B2 0W2 0S0 3S0",
+        "1F0 2F0 1F1 2F1 2B0 2W0 1F2 1B0 1W0 2F2 2B1 2W1 1B1 2B2 1B2 1W1 2W2 1W2 1S0 2S0",
+    ]
+    assert parse_actions(got[1]) == build_zbv(2, 3)[1]
+
+
+def test_zbv_is_listed_per_rank_and_refuses_nonsense() -> None:
+    with pytest.raises(ScheduleError, match="use build_zbv"):
+        build_job("zbv", [1, 1], 4)
+    with pytest.raises(ScheduleError, match="zbv needs ranks >= 1 and microbatches >= 1"):
+        check_zbv(2, 0)
+
+
+def test_dropped_ws_or_a_broken_v_are_refused() -> None:
+    lists = [list(acts) for acts in build_zbv(2, 4)]
+    no_w = [[a for a in acts if not (a.kind == "W" and a.index == 1)] for acts in lists]
+    with pytest.raises(ScheduleError, match="W actions cover"):
+        validate_ranks(no_w, 4, [0], zbv_placement(2))
+    with pytest.raises(ScheduleError, match="an action of rank"):
+        validate_ranks(lists, 4, [0])  # interleaved's placement: stage 3 is not on rank 1
+    swapped = [lists[0], [*lists[1]]]
+    swapped[1][0], swapped[1][1] = swapped[1][1], swapped[1][0]  # 2F0 before 1F0 on one rank
+    with pytest.raises(ScheduleError, match="deadlock"):
+        validate_ranks(swapped, 4, [0], zbv_placement(2))
