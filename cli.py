@@ -584,7 +584,7 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
     "bubble; every stage holds up to min(stages, microbatches) microbatches' activations); zbv: zero bubble "
     "V (ZB-V), 2 x GPUs stages laid out as a V (GPU r holds stages r and 2 x GPUs-1-r), backward split as "
     "zb1p's, a bubble of about (GPUs-1)/(6 x microbatches) of equal stages, each GPU holding 1f1b's "
-    "first-stage activations, --microbatches 2 x GPUs by default, gloo only, not among auto's yet; "
+    "first-stage activations, --microbatches 2 x GPUs by default, gloo only; "
     "interleaved: "
     "Megatron's virtual stages, GPUs x --virtual-stages stages of one GPU, stage s on GPU s mod GPUs, "
     "bubble (GPUs-1)/(V x microbatches); auto: the fastest predicted of them all, each at its best "
@@ -822,9 +822,11 @@ def _auto_table(choice: Any, gpus: int, asked: int | None) -> Any:
 
 
 def _stages_cell(plan: Any) -> str:
-    """``3: 2+1+1`` (stages: replicas each); interleaved: ``8 on 4 GPUs (v=2)``."""
+    """``3: 2+1+1`` (stages: replicas each); interleaved: ``8 on 4 GPUs (v=2)``; zbv: ``8 on 4 GPUs (V)``."""
     if plan.schedule == "interleaved":
         return f"{len(plan.stages)} on {plan.cluster.gpus} GPUs (v={plan.virtual_stages})"
+    if plan.schedule == "zbv":
+        return f"{len(plan.stages)} on {plan.cluster.gpus} GPUs (V)"
     return f"{len(plan.stages)}: " + "+".join(str(s.replicas) for s in plan.stages)
 
 

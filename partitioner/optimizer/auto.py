@@ -1,4 +1,5 @@
-"""``--schedule auto``: the fastest predicted plan over schedules x microbatch counts x virtual stages.
+"""``--schedule auto``: the fastest predicted plan over schedules x microbatch counts x virtual stages
+(x recomputation, with ``recompute="auto"``).
 
 Each schedule has its own exact search (:func:`partitioner.optimizer.solve_with`) of cuts,
 replicas and recomputation under the memory limit; ``auto`` runs it for every schedule at every
@@ -30,14 +31,20 @@ from partitioner.plan import SCHEDULES, Cluster, Plan
 __all__ = [
     "AUTO_SCHEDULES",
     "AUTO_VIRTUAL_STAGES",
+    "LAID_OUT",
     "AutoChoice",
     "fastest_interleaved",
     "microbatch_counts",
     "solve_auto",
 ]
 
-#: what ``auto`` tries by default: every priced schedule but zbv (not yet among auto's candidates).
-AUTO_SCHEDULES: tuple[str, ...] = tuple(s for s in SCHEDULES if s != "zbv")
+#: what ``auto`` tries by default: every priced schedule.
+AUTO_SCHEDULES: tuple[str, ...] = SCHEDULES
+
+#: schedules with a fixed number of stages per GPU (interleaved's virtual stages, zbv's V of two):
+#: a model with too few layers, or microbatches their order cannot play, has no plan of theirs, which
+#: ``auto`` shows as None rather than an error.
+LAID_OUT = ("interleaved", "zbv")
 
 #: the virtual stages per GPU ``auto`` tries for ``interleaved``, keeping the fastest. A count
 #: applies where the microbatches are a multiple of the GPUs and the model has at least GPUs x the
@@ -140,6 +147,10 @@ def _best_schedule(
             plan = fastest_interleaved(one) if opts.schedule == "interleaved" else one(1)
         except InfeasibleError as exc:
             error = error or exc
+            continue
+        except PlanError:
+            if opts.schedule not in LAID_OUT:
+                raise
             continue
         if plan is not None and (best is None or _time(plan) < _time(best)):
             best = plan

@@ -38,9 +38,11 @@ def _chain_plan(
     optimizer: str,
 ) -> Plan:
     layers = [n.id for n in profile.layers]
+    last = len(bounds) - 2
+    outputs = tuple(n.id for n in profile.nodes if n.op == "output")  # the loss: the last stage's
     specs = []
     for i in range(len(bounds) - 1):
-        nodes = tuple(layers[bounds[i] : bounds[i + 1]])
+        nodes = tuple(layers[bounds[i] : bounds[i + 1]]) + (outputs if i == last else ())
         specs.append(StageSpec(tuple(_inputs(profile)) + nodes if i == 0 else nodes, 1, (i,)))
     return assemble(profile, cluster, specs, schedule, m, optimizer, SolverInfo(name, 0.0, False))
 

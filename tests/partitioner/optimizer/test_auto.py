@@ -27,6 +27,10 @@ def _profile(name: str) -> Profile:
 def _fixed(profile: Profile, cluster: Cluster, schedule: str) -> Plan | None:
     """The fixed schedule's best plan as auto asks for it (interleaved: the fastest over the virtual
     stage counts that apply, None where none does)."""
+    if schedule == "zbv":
+        with contextlib.suppress(PlanError):  # 2 x GPUs stages: a model with fewer layers has none
+            return solve(profile, cluster, schedule, 4)
+        return None
     if schedule != "interleaved":
         return solve(profile, cluster, schedule, 1 if schedule == "pipedream" else 4)
     found = []
