@@ -116,7 +116,7 @@ def profile_model(
             type, float32 weights (what ``pipeplan run --precision`` trains with).
         fixed_cost: also measure every layer at an eighth of the batch, for each layer's fixed time
             per call (:mod:`partitioner.profiler.fixed`): what prices one microbatch count against
-            another. Costs about a fifth more time.
+            another. A second pass, at an eighth of the samples.
 
     Raises:
         PipeplanError: bad spec, shapes, device or dtype; TraceError when the model cannot be traced.
