@@ -256,7 +256,7 @@ def _profile_totals(profile: Any, path: Any) -> str:
     default=True,
     show_default=True,
     help="Also measure every layer at an eighth of the batch, for its fixed time per call: what "
-    "`partition --schedule auto` weighs microbatch counts with (a second pass over the layers at an eighth of the work).",
+    "`partition --schedule auto` weighs microbatch counts with (a second, smaller pass over the layers).",
 )
 @click.option(
     "--precision",
