@@ -25,6 +25,7 @@ import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -189,6 +190,9 @@ def run_theirs(
     return {"s_per_minibatch": statistics.median(walls)}
 
 
+OneRun = Callable[[str, Path, Path, argparse.Namespace], dict[str, Any]]
+"""One named run of a round: its package folders and the options -> its measurements."""
+
 RUNS = ("pipeplan interleaved", "torch ScheduleInterleaved1F1B", "pipeplan 1f1b", "torch Schedule1F1B")
 
 
@@ -202,34 +206,50 @@ def _one(name: str, four: Path, two: Path, args: argparse.Namespace) -> dict[str
     return run_theirs(package, "Interleaved" in name, args.steps, m, b, args.warmup)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(description: str, steps: int) -> argparse.Namespace:
+    """The options bench_interleaved and bench_zbv share: the MLP, its batch and the rounds."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def play_rounds(
+    args: argparse.Namespace, four: Path, two: Path, runs: tuple[str, ...], one: OneRun
+) -> tuple[list[dict[str, Any]], list[float], list[float]]:
+    """``args.repeats`` rounds of every run, alternating their order (the machine's load drifts), each
+    round also timing the four stages alone; the rounds and the stages' median forward and backward."""
+    rounds: list[dict[str, Any]] = []
+    b, m = args.batch_size, args.microbatches
+    for r in range(args.repeats):
+        got: dict[str, Any] = {"load_1min": os.getloadavg()[0]}
+        for name in runs if r % 2 == 0 else runs[::-1]:
+            try:
+                got[name] = one(name, four, two, args)
+            except Exception as exc:  # a schedule that cannot run this split: say why
+                got[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        got["stage_times"] = stage_times(four, b, m)
+        rounds.append(got)
+    stages = len(rounds[0]["stage_times"][0])
+    f = [statistics.median(r["stage_times"][0][k] for r in rounds) for k in range(stages)]
+    bw = [statistics.median(r["stage_times"][1][k] for r in rounds) for k in range(stages)]
+    return rounds, f, bw
+
+
+def main() -> None:
+    args = arguments(__doc__.splitlines()[0], steps=8)
     torch.set_num_threads(1)
     load_before = os.getloadavg()
-    rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         b, m = args.batch_size, args.microbatches
         four = write_interleaved(Path(tmp) / "four", args.width, args.layers, b, m)
         two = write_two_stages(Path(tmp) / "two", args.width, args.layers, b, m)
-        for r in range(args.repeats):
-            got: dict[str, Any] = {"load_1min": os.getloadavg()[0]}
-            for name in RUNS if r % 2 == 0 else RUNS[::-1]:
-                try:
-                    got[name] = _one(name, four, two, args)
-                except Exception as exc:  # a schedule that cannot run this split: say why
-                    got[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-            got["stage_times"] = stage_times(four, b, m)
-            rounds.append(got)
-    f = [statistics.median(r["stage_times"][0][k] for r in rounds) for k in range(RANKS * VIRTUAL)]
-    bw = [statistics.median(r["stage_times"][1][k] for r in rounds) for k in range(RANKS * VIRTUAL)]
+        rounds, f, bw = play_rounds(args, four, two, RUNS, _one)
     report(args, rounds, f, bw, (load_before, os.getloadavg()))
 
 

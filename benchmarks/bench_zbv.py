@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.bench_interleaved import _INIT, _fmt, stage_times
+from benchmarks.bench_interleaved import _INIT, _fmt, arguments, play_rounds
 from benchmarks.bench_runtime import _elastic
 from benchmarks.bench_runtime import write_package as write_two_stages
 from benchmarks.bench_schedules import run_ours
@@ -149,33 +149,14 @@ def predicted(f: list[float], b: list[float], m: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = arguments(__doc__.splitlines()[0], steps=12)
     torch.set_num_threads(1)
     load_before = os.getloadavg()
-    rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         b, m = args.batch_size, args.microbatches
         four = write_zbv(Path(tmp) / "four", args.width, args.layers, b, m)
         two = write_two_stages(Path(tmp) / "two", args.width, args.layers, b, m)
-        for r in range(args.repeats):
-            got: dict[str, Any] = {"load_1min": os.getloadavg()[0]}
-            for name in RUNS if r % 2 == 0 else RUNS[::-1]:
-                try:
-                    got[name] = _one(name, four, two, args)
-                except Exception as exc:  # a schedule that cannot run this split: say why
-                    got[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-            got["stage_times"] = stage_times(four, b, m)
-            rounds.append(got)
-    f = [statistics.median(r["stage_times"][0][k] for r in rounds) for k in range(2 * RANKS)]
-    bw = [statistics.median(r["stage_times"][1][k] for r in rounds) for k in range(2 * RANKS)]
+        rounds, f, bw = play_rounds(args, four, two, RUNS, _one)
     report(args, rounds, f, bw, (load_before, os.getloadavg()))
 
 
