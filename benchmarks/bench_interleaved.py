@@ -26,6 +26,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -190,10 +191,31 @@ def run_theirs(
     return {"s_per_minibatch": statistics.median(walls)}
 
 
+@dataclass(frozen=True)
+class Bench:
+    """What tells bench_interleaved's and bench_zbv's reports apart: the file name, the pair compared
+    (``ours`` against ``theirs``), the runs, the title and the line saying how the stages lie."""
+
+    name: str
+    ours: str
+    theirs: str
+    runs: tuple[str, ...]
+    title: str
+    layout: str
+
+
 OneRun = Callable[[str, Path, Path, argparse.Namespace], dict[str, Any]]
 """One named run of a round: its package folders and the options -> its measurements."""
 
 RUNS = ("pipeplan interleaved", "torch ScheduleInterleaved1F1B", "pipeplan 1f1b", "torch Schedule1F1B")
+BENCH = Bench(
+    "bench_interleaved",
+    RUNS[0],
+    RUNS[1],
+    RUNS,
+    f"interleaved 1F1B ({VIRTUAL} virtual stages per rank)",
+    "Interleaved: 4 stages (stage k on rank k mod 2); 1F1B: the same layers in 2 stages.",
+)
 
 
 def _one(name: str, four: Path, two: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -250,7 +272,7 @@ def main() -> None:
         four = write_interleaved(Path(tmp) / "four", args.width, args.layers, b, m)
         two = write_two_stages(Path(tmp) / "two", args.width, args.layers, b, m)
         rounds, f, bw = play_rounds(args, four, two, RUNS, _one)
-    report(args, rounds, f, bw, (load_before, os.getloadavg()))
+    report(BENCH, args, rounds, f, bw, predicted(f, bw, args.microbatches), (load_before, os.getloadavg()))
 
 
 def predicted(f: list[float], b: list[float], m: int) -> dict[str, float]:
@@ -273,49 +295,9 @@ def _median(rounds: list[dict[str, Any]], name: str, key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def report(
-    args: argparse.Namespace,
-    rounds: list[dict[str, Any]],
-    f: list[float],
-    b: list[float],
-    load: tuple[Any, Any],
-) -> None:
-    pred = predicted(f, b, args.microbatches)
-    rows: dict[str, dict[str, Any]] = {
-        name: {
-            "s_per_minibatch": _median(rounds, name, "s_per_minibatch"),
-            "measured_bubble": _median(rounds, name, "bubble"),
-            "predicted_bubble": pred.get(name),
-            "errors": sorted({r[name]["error"] for r in rounds if "error" in r.get(name, {})}),
-        }
-        for name in RUNS
-    }
-    ours, theirs = (
-        rows["pipeplan interleaved"]["s_per_minibatch"],
-        rows["torch ScheduleInterleaved1F1B"]["s_per_minibatch"],
-    )
-    doc = {
-        "config": vars(args),
-        "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
-        "load_1min_before_after": [load[0][0], load[1][0]],
-        "stage_forward_s_per_microbatch": f,
-        "stage_backward_s_per_microbatch": b,
-        "predicted": pred,
-        "throughput_ratio_interleaved_vs_torch": theirs / ours if ours and theirs else None,
-        "throughput_ratio_per_round": _paired(rounds),
-        "results": rows,
-        "rounds": rounds,
-    }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "bench_interleaved.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (RESULTS / "bench_interleaved.md").write_text(_markdown(doc))
-    print(_markdown(doc))
-
-
-def _paired(rounds: list[dict[str, Any]]) -> list[float]:
-    """Per round, torch's interleaved time over pipeplan's (both ran back to back in that round, so
-    the load they shared was closer than across rounds)."""
-    ours, theirs = "pipeplan interleaved", "torch ScheduleInterleaved1F1B"
+def paired(rounds: list[dict[str, Any]], ours: str, theirs: str) -> list[float]:
+    """Per round, ``theirs``' time over ``ours`` (both ran back to back in that round, so the load
+    they shared was closer than across rounds); rounds where either failed are skipped."""
     return [
         r[theirs]["s_per_minibatch"] / r[ours]["s_per_minibatch"]
         for r in rounds
@@ -323,20 +305,59 @@ def _paired(rounds: list[dict[str, Any]]) -> list[float]:
     ]
 
 
+def report(
+    bench: Bench,
+    args: argparse.Namespace,
+    rounds: list[dict[str, Any]],
+    f: list[float],
+    b: list[float],
+    pred: dict[str, float],
+    load: tuple[Any, Any],
+) -> None:
+    """``benchmarks/results/<bench.name>.{json,md}``: medians per run, measured against predicted bubble,
+    the throughput ratio of the pair and its rounds."""
+    rows: dict[str, dict[str, Any]] = {
+        name: {
+            "s_per_minibatch": _median(rounds, name, "s_per_minibatch"),
+            "measured_bubble": _median(rounds, name, "bubble"),
+            "predicted_bubble": pred.get(name),
+            "errors": sorted({r[name]["error"] for r in rounds if "error" in r.get(name, {})}),
+        }
+        for name in bench.runs
+    }
+    ours, theirs = rows[bench.ours]["s_per_minibatch"], rows[bench.theirs]["s_per_minibatch"]
+    short = bench.ours.removeprefix("pipeplan ")
+    doc = {
+        "config": vars(args),
+        "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "load_1min_before_after": [load[0][0], load[1][0]],
+        "stage_forward_s_per_microbatch": f,
+        "stage_backward_s_per_microbatch": b,
+        "predicted": pred,
+        f"throughput_ratio_{short}_vs_torch": theirs / ours if ours and theirs else None,
+        "throughput_ratio_per_round": paired(rounds, bench.ours, bench.theirs),
+        "results": rows,
+        "rounds": rounds,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{bench.name}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (RESULTS / f"{bench.name}.md").write_text(_markdown(bench, doc))
+    print(_markdown(bench, doc))
+
+
 def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def _markdown(doc: dict[str, Any]) -> str:
+def _markdown(bench: Bench, doc: dict[str, Any]) -> str:
     cfg, load = doc["config"], doc["load_1min_before_after"]
     lines = [
-        f"# bench_interleaved: interleaved 1F1B ({VIRTUAL} virtual stages per rank) on 2 gloo ranks on CPU",
+        f"# {bench.name}: {bench.title} on 2 gloo ranks on CPU",
         "",
         f"MLP {cfg['layers']} x {cfg['width']}, batch {cfg['batch_size']}, {cfg['microbatches']} "
         f"microbatches, {cfg['steps']} steps ({cfg['warmup']} warm-up dropped), {cfg['repeats']} "
-        "alternating rounds; load "
-        f"(1 min) {load[0]:.1f} before, {load[1]:.1f} after on {doc['host']['cpus']} CPUs. Interleaved: 4 "
-        "stages (stage k on rank k mod 2); 1F1B: the same layers in 2 stages.",
+        f"alternating rounds; load (1 min) {load[0]:.1f} before, {load[1]:.1f} after on "
+        f"{doc['host']['cpus']} CPUs. {bench.layout}",
         "",
         "| run | s / minibatch | measured bubble | predicted bubble |",
         "|---|---|---|---|",
@@ -347,15 +368,15 @@ def _markdown(doc: dict[str, Any]) -> str:
             f"| {name}{note} | {_fmt(row['s_per_minibatch'], '.4f')} | {_fmt(row['measured_bubble'], '.2f')} "
             f"| {_fmt(row['predicted_bubble'], '.2f')} |"
         )
-    paired = doc["throughput_ratio_per_round"]
-    ratio = doc["throughput_ratio_interleaved_vs_torch"]
+    rounds = doc["throughput_ratio_per_round"]
+    ratio = doc[f"throughput_ratio_{bench.ours.removeprefix('pipeplan ')}_vs_torch"]
     f, b = doc["stage_forward_s_per_microbatch"], doc["stage_backward_s_per_microbatch"]
     lines += [
         "",
-        f"Throughput ratio, pipeplan interleaved / torch ScheduleInterleaved1F1B: {_fmt(ratio, '.2f')}x "
-        "(medians); per round (back to back): "
-        + ", ".join(f"{x:.2f}" for x in paired)
-        + f" (median {_fmt(statistics.median(paired) if paired else None, '.2f')}).",
+        f"Throughput ratio, {bench.ours} / {bench.theirs}: {_fmt(ratio, '.2f')}x (medians); per round "
+        "(back to back): "
+        + ", ".join(f"{x:.2f}" for x in rounds)
+        + f" (median {_fmt(statistics.median(rounds) if rounds else None, '.2f')}).",
         "Stage times per microbatch (one thread, alone): forward "
         + " / ".join(f"{t * 1e3:.1f}" for t in f)
         + " ms, backward "

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -33,7 +32,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.bench_interleaved import _INIT, _fmt, arguments, play_rounds
+from benchmarks.bench_interleaved import _INIT, Bench, arguments, paired, play_rounds, report
 from benchmarks.bench_runtime import _elastic
 from benchmarks.bench_runtime import write_package as write_two_stages
 from benchmarks.bench_schedules import run_ours
@@ -46,6 +45,14 @@ RESULTS = Path(__file__).resolve().parent / "results"
 RANKS = 2
 OURS, THEIRS = "pipeplan zbv", "torch ScheduleZBVZeroBubble"
 RUNS = (OURS, THEIRS, "pipeplan zb1p", "pipeplan 1f1b")
+BENCH = Bench(
+    "bench_zbv",
+    OURS,
+    THEIRS,
+    RUNS,
+    "zero bubble V (2 stages per rank as a V)",
+    "zbv: 4 stages (rank 0: stages 0 and 3, rank 1: 1 and 2); zb1p and 1f1b: the same layers in 2 stages.",
+)
 
 
 def write_zbv(folder: Path, width: int, layers: int, batch: int, micro: int) -> Path:
@@ -157,95 +164,12 @@ def main() -> None:
         four = write_zbv(Path(tmp) / "four", args.width, args.layers, b, m)
         two = write_two_stages(Path(tmp) / "two", args.width, args.layers, b, m)
         rounds, f, bw = play_rounds(args, four, two, RUNS, _one)
-    report(args, rounds, f, bw, (load_before, os.getloadavg()))
-
-
-def _median(rounds: list[dict[str, Any]], name: str, key: str) -> float | None:
-    values = [r[name][key] for r in rounds if key in r.get(name, {})]
-    return statistics.median(values) if values else None
+    report(BENCH, args, rounds, f, bw, predicted(f, bw, args.microbatches), (load_before, os.getloadavg()))
 
 
 def _paired(rounds: list[dict[str, Any]]) -> list[float]:
     """Per round, torch's zbv time over pipeplan's (run back to back in that round)."""
-    return [
-        r[THEIRS]["s_per_minibatch"] / r[OURS]["s_per_minibatch"]
-        for r in rounds
-        if "s_per_minibatch" in r.get(OURS, {}) and "s_per_minibatch" in r.get(THEIRS, {})
-    ]
-
-
-def report(
-    args: argparse.Namespace,
-    rounds: list[dict[str, Any]],
-    f: list[float],
-    b: list[float],
-    load: tuple[Any, Any],
-) -> None:
-    pred = predicted(f, b, args.microbatches)
-    rows: dict[str, dict[str, Any]] = {
-        name: {
-            "s_per_minibatch": _median(rounds, name, "s_per_minibatch"),
-            "measured_bubble": _median(rounds, name, "bubble"),
-            "predicted_bubble": pred.get(name),
-            "errors": sorted({r[name]["error"] for r in rounds if "error" in r.get(name, {})}),
-        }
-        for name in RUNS
-    }
-    ours, theirs = rows[OURS]["s_per_minibatch"], rows[THEIRS]["s_per_minibatch"]
-    doc = {
-        "config": vars(args),
-        "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
-        "load_1min_before_after": [load[0][0], load[1][0]],
-        "stage_forward_s_per_microbatch": f,
-        "stage_backward_s_per_microbatch": b,
-        "predicted": pred,
-        "throughput_ratio_zbv_vs_torch": theirs / ours if ours and theirs else None,
-        "throughput_ratio_per_round": _paired(rounds),
-        "results": rows,
-        "rounds": rounds,
-    }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "bench_zbv.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (RESULTS / "bench_zbv.md").write_text(_markdown(doc))
-    print(_markdown(doc))
-
-
-def _markdown(doc: dict[str, Any]) -> str:
-    cfg, load = doc["config"], doc["load_1min_before_after"]
-    lines = [
-        "# bench_zbv: zero bubble V (2 stages per rank as a V) on 2 gloo ranks on CPU",
-        "",
-        f"MLP {cfg['layers']} x {cfg['width']}, batch {cfg['batch_size']}, {cfg['microbatches']} "
-        f"microbatches, {cfg['steps']} steps ({cfg['warmup']} warm-up dropped), {cfg['repeats']} "
-        f"alternating rounds; load (1 min) {load[0]:.1f} before, {load[1]:.1f} after on "
-        f"{doc['host']['cpus']} CPUs. zbv: 4 stages (rank 0: stages 0 and 3, rank 1: 1 and 2); zb1p "
-        "and 1f1b: the same layers in 2 stages.",
-        "",
-        "| run | s / minibatch | measured bubble | predicted bubble |",
-        "|---|---|---|---|",
-    ]
-    for name, row in doc["results"].items():
-        note = f" (failed: {row['errors'][0]})" if row["errors"] and row["s_per_minibatch"] is None else ""
-        lines.append(
-            f"| {name}{note} | {_fmt(row['s_per_minibatch'], '.4f')} | {_fmt(row['measured_bubble'], '.2f')} "
-            f"| {_fmt(row['predicted_bubble'], '.2f')} |"
-        )
-    paired, ratio = doc["throughput_ratio_per_round"], doc["throughput_ratio_zbv_vs_torch"]
-    f, b = doc["stage_forward_s_per_microbatch"], doc["stage_backward_s_per_microbatch"]
-    lines += [
-        "",
-        f"Throughput ratio, pipeplan zbv / torch ScheduleZBVZeroBubble: {_fmt(ratio, '.2f')}x (medians); "
-        "per round (back to back): "
-        + ", ".join(f"{x:.2f}" for x in paired)
-        + f" (median {_fmt(statistics.median(paired) if paired else None, '.2f')}).",
-        "Stage times per microbatch (one thread, alone): forward "
-        + " / ".join(f"{t * 1e3:.1f}" for t in f)
-        + " ms, backward "
-        + " / ".join(f"{t * 1e3:.1f}" for t in b)
-        + " ms.",
-        "",
-    ]
-    return "\n".join(lines)
+    return paired(rounds, OURS, THEIRS)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.bench_interleaved import _paired, predicted, write_interleaved
+from benchmarks.bench_interleaved import RUNS, paired, predicted, write_interleaved
 from runtime.config import load_job
 from runtime.package import import_package
 
@@ -34,4 +34,4 @@ def test_paired_ratios_skip_rounds_where_either_failed() -> None:
         {ours: {"s_per_minibatch": 2.0}, theirs: {"s_per_minibatch": 3.0}},
         {ours: {"error": "x"}, theirs: {"s_per_minibatch": 3.0}},
     ]
-    assert _paired(rounds) == [1.5]
+    assert paired(rounds, RUNS[0], RUNS[1]) == [1.5]
