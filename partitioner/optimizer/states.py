@@ -127,6 +127,12 @@ class StateSet:
             sub[self.pred(j), j] = True
         return sub
 
+    def take(self, idx: IntArray, preds: PrefixPreds | None) -> StateSet:
+        """The states ``idx`` (ascending), renumbered 0.. in that order, with ``preds``; not exact."""
+        masks = tuple(self.masks[i] for i in idx)
+        sums = (self.compute_s[idx], self.param_bytes[idx], self.saved_bytes[idx], self.act_bytes[idx])
+        return StateSet(self.layer_ids, masks, *sums, preds, False)
+
     def members(self, k: int, j: int) -> tuple[str, ...]:
         """Layer ids in state j but not in state k, in topological order."""
         diff = self.masks[j] & ~self.masks[k]
@@ -253,11 +259,8 @@ def _sums(profile: Profile, ids: list[str], masks: list[int]) -> tuple[FloatArra
 
 def _boundary(profile: Profile, ids: list[str], succs: list[int], mat: FloatArray) -> FloatArray:
     """Bytes each downset sends onward: outputs of members that a non-member reads."""
-    src, dst = [], []
-    for i, s in enumerate(succs):
-        for t in _bit_indices(s):
-            src.append(i)
-            dst.append(t)
+    src = [i for i, s in enumerate(succs) for _ in _bit_indices(s)]
+    dst = [t for s in succs for t in _bit_indices(s)]
     if not src:
         return np.zeros(len(mat))
     senders = np.array(sorted(set(src)), dtype=np.int64)
@@ -355,26 +358,17 @@ def downset_states(profile: Profile, max_states: int = DEFAULT_MAX_STATES) -> St
 def chain_states(profile: Profile, max_states: int | None = None) -> StateSet:
     """Prefixes of the profile's topological order (optionally thinned evenly by compute time)."""
     ids, _, succs = _layers(profile)
-    nodes = {n.id: n for n in profile.nodes}
     n = len(ids)
-    cum_c = np.concatenate([[0.0], np.cumsum([nodes[i].compute_ms / 1000.0 for i in ids])])
-    cum_p = np.concatenate([[0.0], np.cumsum([float(nodes[i].param_bytes) for i in ids])])
-    cum_s = np.concatenate([[0.0], np.cumsum([float(nodes[i].saved_bytes) for i in ids])])
-    diff = np.zeros(n + 2)
-    for i, s in enumerate(succs):
-        if s:  # node i's output crosses every prefix cut after i up to its last reader
-            diff[i + 1] += nodes[ids[i]].output_bytes
-            diff[s.bit_length()] -= nodes[ids[i]].output_bytes
-    act = np.cumsum(diff)[: n + 1]
+    order = [list(range(n))]
+    prefixes = _prefix_masks(order)
+    comp, par, sav, act = _prefix_sums(profile, ids, succs, order, prefixes, prefixes[0])
     cuts = np.arange(n + 1)
     if max_states is not None and n + 1 > max_states:
-        targets = np.linspace(0.0, cum_c[-1], max_states)
-        cuts = np.array(
-            sorted({0, n, *np.searchsorted(cum_c, targets).tolist()})
-        )  # (np.unique imports numpy.ma)
-    masks = tuple((1 << int(c)) - 1 for c in cuts)
+        pick = np.searchsorted(comp, np.linspace(0.0, comp[-1], max_states)).tolist()
+        cuts = np.array(sorted({0, n, *pick}))  # (np.unique imports numpy.ma)
+    masks = tuple(prefixes[0][c] for c in cuts)
     exact = len(cuts) == n + 1 and _is_chain(succs)
-    return StateSet(tuple(ids), masks, cum_c[cuts], cum_p[cuts], cum_s[cuts], act[cuts], None, exact)
+    return StateSet(tuple(ids), masks, comp[cuts], par[cuts], sav[cuts], act[cuts], None, exact)
 
 
 def _orders(preds: list[int], succs: list[int]) -> list[list[int]]:
@@ -385,22 +379,11 @@ def _orders(preds: list[int], succs: list[int]) -> list[list[int]]:
     cuts that no single order has.
     """
     n = len(preds)
-    depth = [0] * n
+    depth, height = [0] * n, [0] * n
     for i in range(n):
-        bits, p = preds[i], 0
-        while bits:
-            low = bits & -bits
-            p = max(p, depth[low.bit_length() - 1] + 1)
-            bits ^= low
-        depth[i] = p
-    height = [0] * n
+        depth[i] = max((depth[p] + 1 for p in _bit_indices(preds[i])), default=0)
     for i in reversed(range(n)):
-        bits, h = succs[i], 0
-        while bits:
-            low = bits & -bits
-            h = max(h, height[low.bit_length() - 1] + 1)
-            bits ^= low
-        height[i] = h
+        height[i] = max((height[x] + 1 for x in _bit_indices(succs[i])), default=0)
     top = max(d + h for d, h in zip(depth, height, strict=True))
     asap = sorted(range(n), key=lambda i: (depth[i], i))
     alap = sorted(range(n), key=lambda i: (top - height[i], i))
@@ -572,9 +555,7 @@ def thin_prefixes(states: StateSet, most: int) -> StateSet | None:
             chain[np.minimum(np.searchsorted(c, np.linspace(0.0, c[-1], most)), len(chain) - 1)].tolist()
         )
     idx = np.array(sorted(picked), dtype=np.int64)
-    return StateSet(states.layer_ids, tuple(states.masks[i] for i in idx), states.compute_s[idx],
-                    states.param_bytes[idx], states.saved_bytes[idx], states.act_bytes[idx],
-                    states.preds.subset(idx), False)  # fmt: skip
+    return states.take(idx, states.preds.subset(idx))
 
 
 def prefix_chain(states: StateSet, most: int = 48) -> tuple[IntArray, StateSet] | None:
@@ -590,10 +571,7 @@ def prefix_chain(states: StateSet, most: int = 48) -> tuple[IntArray, StateSet] 
         c = states.compute_s[idx]
         pick = np.searchsorted(c, np.linspace(0.0, c[-1], most))
         idx = idx[sorted({0, len(idx) - 1, *np.minimum(pick, len(idx) - 1).tolist()})]
-    sub = StateSet(states.layer_ids, tuple(states.masks[i] for i in idx), states.compute_s[idx],
-                   states.param_bytes[idx], states.saved_bytes[idx], states.act_bytes[idx], None,
-                   False)  # fmt: skip
-    return idx.astype(np.int64), sub
+    return idx.astype(np.int64), states.take(idx, None)
 
 
 def _is_chain(succs: list[int]) -> bool:
