@@ -83,6 +83,11 @@ class LevelProblem:
     memory: MemoryLimit | None = field(default=None)
     unit_devices: int = 1
 
+    @property
+    def cap(self) -> int:
+        """Most replicas a stage may have: the units, or fewer under ``max_replicas``."""
+        return self.units if self.max_replicas is None else min(self.units, self.max_replicas)
+
     def base_time(self, j: int | IntArray, ks: IntArray) -> FloatArray:
         if self.base is not None:
             return self.base(j, ks)
@@ -271,7 +276,7 @@ def _replicas_needed(prob: LevelProblem, pairs: _Pairs, tau: float) -> FloatArra
     r = np.maximum(upper, comm)
     np.maximum(r, max(2.0, prob.min_replicas), out=r)
     r[single] = 1.0
-    cap = prob.units if prob.max_replicas is None else min(prob.units, prob.max_replicas)
+    cap = prob.cap
     r[~(r <= cap)] = np.inf  # (nan too)
     # only a root or traffic ratio within rounding of an integer can leave the closed form short
     near = (upper < root * (1 + 1e-9)) | (comm < traffic * (1 + 1e-9))
@@ -286,12 +291,6 @@ def _replicas_needed(prob: LevelProblem, pairs: _Pairs, tau: float) -> FloatArra
     return r
 
 
-def _memory_need(prob: LevelProblem, p: FloatArray, saved: FloatArray, before: FloatArray) -> FloatArray:
-    """Replicas stages with parameters p and saved bytes need to fit in memory, ``before`` units
-    before them (more replicas: fewer stashed minibatches per device)."""
-    return _need_from(prob, _memory_capacity(prob, p, saved), before)
-
-
 def _memory_capacity(prob: LevelProblem, p: FloatArray, saved: FloatArray) -> FloatArray:
     """What fits of a stage, once per pair: pipedream, the minibatches a device can hold in flight
     (< 1: none); synchronous, the fewest replicas that hold all M microbatches' activations (inf:
@@ -303,8 +302,9 @@ def _memory_capacity(prob: LevelProblem, p: FloatArray, saved: FloatArray) -> Fl
 
 
 def _need_from(prob: LevelProblem, capacity: FloatArray, before: FloatArray) -> FloatArray:
-    """``_memory_need`` from ``_memory_capacity``: pipedream's in-flight count is the devices from
-    the stage on (at least 1)."""
+    """Replicas stages need to fit in memory (``capacity``: their ``_memory_capacity``), ``before``
+    units before them (more replicas: fewer stashed minibatches per device): pipedream's in-flight
+    count is the devices from the stage on (at least 1)."""
     assert prob.memory is not None
     if prob.memory.schedule != "pipedream":
         return capacity
@@ -321,7 +321,7 @@ def _min_units(
     pairs = pairs or _Pairs.of(prob)
     n = len(prob.states)
     reps = _replicas_needed(prob, pairs, tau)
-    cap = prob.units if prob.max_replicas is None else min(prob.units, prob.max_replicas)
+    cap = prob.cap
     if prob.memory is not None and capacity is None:
         capacity = _memory_capacity(prob, pairs.params, pairs.saved)
     g = np.full(n, np.inf)
@@ -462,7 +462,7 @@ class _Candidates:
     def of(
         prob: LevelProblem, pairs: _Pairs, lo: IntArray, width: IntArray, upper: float, lower: float
     ) -> _Candidates:
-        cap = prob.units if prob.max_replicas is None else min(prob.units, prob.max_replicas)
+        cap = prob.cap
         js, ks = pairs.js(), pairs.ks
         r_lo = np.full(len(ks), float(max(1, prob.min_replicas)))
         if math.isfinite(upper) and upper > 0:  # busy >= base / r and cut traffic 2·act / (B·r)
@@ -563,7 +563,7 @@ def _first_fits(
     never listed: on NASNet at 16 GPUs, 72% of them.
     """
     lo, width = windows
-    cap = prob.units if prob.max_replicas is None else min(prob.units, prob.max_replicas)
+    cap = prob.cap
     act = prob.states.act_bytes.copy()
     act[0] = 0.0  # the model's inputs are free
     r = np.maximum(np.ceil(2.0 * act / prob.bandwidth / upper - 1e-9), 1)
@@ -636,7 +636,8 @@ def _fits_memory(prob: LevelProblem, stages: list[Segment]) -> bool:
     j = np.array([x.end for x in stages], dtype=np.int64)
     r = np.array([x.replicas for x in stages], dtype=np.float64)
     before = np.concatenate([[0.0], np.cumsum(r)[:-1]])
-    need = _memory_need(prob, prob.held_params(k, j), s.saved_bytes[j] - s.saved_bytes[k], before)
+    capacity = _memory_capacity(prob, prob.held_params(k, j), s.saved_bytes[j] - s.saved_bytes[k])
+    need = _need_from(prob, capacity, before)
     return bool((r >= need).all())
 
 
@@ -691,6 +692,3 @@ def _memory_floor(prob: LevelProblem, params: FloatArray, saved: FloatArray, aft
     with np.errstate(divide="ignore", invalid="ignore"):
         floor = np.where(capacity >= 2, np.ceil(after / (capacity - 1) - 1e-9), np.inf)
     return np.asarray(np.where((capacity >= 1) & (after <= 0), 1.0, floor), dtype=np.float64)
-
-
-# ---------------------------------------------------------------- hierarchy

@@ -67,7 +67,7 @@ def _all_segments(
     pin "window" or "column", both exact).
     """
     n, units = len(prob.states), prob.units
-    cap = units if prob.max_replicas is None else min(units, prob.max_replicas)
+    cap = prob.cap
     opened = np.full((units, n, n), np.inf)
     closed = np.full((n, n), np.inf)
     before, after = _top_windows(prob, ceiling, top)
@@ -420,11 +420,10 @@ def _unfold(tables: _Tables, m: int, i: int, j: int, is_open: bool) -> list[Segm
     """The inner stages of the best plan of segment (i, j] on up to m units (recomputed)."""
     prob, s = tables.prob, tables.prob.states
     target = tables.opened[m, i, j] if is_open else tables.closed[i, j]
-    cap = prob.units if prob.max_replicas is None else min(prob.units, prob.max_replicas)
     ks = s.pred(j)
     ks = ks[np.array([s.masks[i] & ~s.masks[k] == 0 and k != i for k in ks], dtype=bool)]
     one = np.array([i], dtype=np.int64)
-    for r in range(1, min(m, cap) + 1):
+    for r in range(1, min(m, prob.cap) + 1):
         rep = np.array([float(r)])
         if _segment_grid(prob, j, one, rep, is_open, False)[0, 0] == target:
             return [Segment(i, j, r)]
