@@ -586,29 +586,23 @@ def solve_bottleneck(prob: LevelProblem, lower: float = 0.0) -> tuple[float, lis
     Raises:
         InfeasibleError: no plan fits, even with unlimited time (memory too small).
     """
+    thin = thin_prefixes(prob.states, THIN_PREFIXES) if prob.base is None else None
     if prob.units <= DIRECT_MAX_UNITS:
         free = replace(prob, memory=None)
         upper = _chain_upper(free)
-        thin = thin_prefixes(prob.states, THIN_PREFIXES) if prob.base is None else None
         if thin is not None:  # a closer upper bound first: far fewer pairs can beat it
             upper = min(upper, solve_bottleneck(replace(free, states=thin))[0])
         try:
             time, stages = solve_direct(free, _Pairs.of(free, upper), upper, lower)
-            if prob.memory is None or _fits_memory(prob, stages):
-                return time, stages, time
-            lower = max(lower, time * (1 - 1e-12))
         except InfeasibleError:  # only if the bounds were wrong: search without them
-            pass
-        else:  # a plan that fits, on fewer cuts: only the pairs a plan as fast can use are searched
-            upper = _fitting_upper(prob, lower, thin)
-            if math.isfinite(upper):
-                return solve_bisection(prob, lower, _Pairs.of(prob, upper))
-    elif prob.base is None:  # many units: the same, from the plans on thinned prefixes
-        thin = thin_prefixes(prob.states, THIN_PREFIXES)
-        upper = _fitting_upper(prob, lower, thin)
-        if math.isfinite(upper):
-            return solve_bisection(prob, lower, _Pairs.of(prob, upper))
-    return solve_bisection(prob, lower)
+            return solve_bisection(prob, lower)
+        if prob.memory is None or _fits_memory(prob, stages):
+            return time, stages, time
+        lower = max(lower, time * (1 - 1e-12))
+    # a plan that fits, on fewer cuts (many units: the same, from the plans on thinned prefixes):
+    # only the pairs a plan as fast can use are searched
+    upper = _fitting_upper(prob, lower, thin)
+    return solve_bisection(prob, lower, _Pairs.of(prob, upper) if math.isfinite(upper) else None)
 
 
 def _fitting_upper(prob: LevelProblem, lower: float, thin: StateSet | None) -> float:
