@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
+WordArray = npt.NDArray[np.uint64]
 DEFAULT_MAX_STATES = 2500
 MULTI_ORDER_MAX_LAYERS = 1500  # NASNet-large: 1,249 layers, 3,657 prefixes, 6.3M subset pairs
 
@@ -240,17 +241,22 @@ def addable(base: int, x: int, grown: int, preds: list[int], succs: list[int]) -
     return free
 
 
-def _bits(masks: list[int], width: int) -> npt.NDArray[np.uint8]:
-    """The masks as a 0/1 matrix [state, layer], unpacked from their bytes in one numpy call."""
-    nbytes = max(1, (width + 7) // 8)
-    raw = b"".join(m.to_bytes(nbytes, "little") for m in masks)
-    packed = np.frombuffer(raw, dtype=np.uint8).reshape(len(masks), nbytes)
-    return np.unpackbits(packed, axis=1, bitorder="little")[:, :width]
+def _pack(masks: list[int], width: int) -> WordArray:
+    """Python-int bitmasks as rows of little-endian 64-bit words."""
+    words = max(1, (width + 63) // 64)
+    raw = b"".join(m.to_bytes(8 * words, "little") for m in masks)
+    return np.frombuffer(raw, dtype=np.uint64).reshape(len(masks), words).copy()
+
+
+def _unpack(rows: WordArray, width: int) -> npt.NDArray[np.uint8]:
+    """Rows of words as a 0/1 matrix [row, layer]."""
+    as_bytes = np.ascontiguousarray(rows).view(np.uint8).reshape(len(rows), -1)
+    return np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :width]
 
 
 def _sums(profile: Profile, ids: list[str], masks: list[int]) -> tuple[FloatArray, ...]:
     nodes = {n.id: n for n in profile.nodes}
-    mat = _bits(masks, len(ids)).astype(np.float64)
+    mat = _unpack(_pack(masks, len(ids)), len(ids)).astype(np.float64)
     comp = np.array([nodes[i].compute_ms / 1000.0 for i in ids])
     par = np.array([float(nodes[i].param_bytes) for i in ids])
     sav = np.array([float(nodes[i].saved_bytes) for i in ids])
@@ -286,11 +292,9 @@ def _bit_indices(mask: int) -> list[int]:
 
 def _subset_preds(masks: list[int], width: int) -> tuple[IntArray, ...]:
     """preds[j]: the states strictly inside state j, ascending (64 layers per vectorised test)."""
-    words = max(1, (width + 63) // 64)
-    raw = b"".join(m.to_bytes(8 * words, "little") for m in masks)
-    packed = np.frombuffer(raw, dtype=np.uint64).reshape(len(masks), words)
+    packed = _pack(masks, width)
     outside = np.zeros((len(masks), len(masks)), dtype=np.uint64)  # [k, j]: bits of k not in j
-    for w in range(words):
+    for w in range(packed.shape[1]):
         col = packed[:, w]
         outside |= col[:, None] & ~col[None, :]
     sub = outside == 0
