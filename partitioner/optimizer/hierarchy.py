@@ -211,9 +211,7 @@ class _Splits:
         if self.search != "window" and self._crowded(i, b, lo, units[0], slack):  # wide windows (GNMT)
             pick, start, tall = self._columns(bound, first.index, last)
             if self.search == "auto":  # per end j, whichever lists fewer (the window capped by compute)
-                hi = np.searchsorted(
-                    sorted_c, self.compute[i] + units[0] * self.devices * b + slack, side="right"
-                )
+                hi = self._compute_cap(i, b, units[0], slack)
                 by_window = np.bincount(j, np.maximum(hi - lo, 0), n) <= np.bincount(self.js[pick], tall, n)
             take = ~by_window[self.js[pick]]
             self._fold_columns(best, bound, first.index, last, pick[take], start[take], tall[take])
