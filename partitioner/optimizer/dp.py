@@ -104,17 +104,10 @@ class LevelProblem:
 
     def stage_time(self, k: int, j: int, r: int) -> float:
         """Time of stage (k, j] with r replicas, cut communication included."""
-        ks = np.array([k], dtype=np.int64)
-        return float(self._times(j, ks, np.array([float(r)]))[0])
-
-    def _times(self, j: int, ks: IntArray, r: FloatArray) -> FloatArray:
-        s = self.states
-        act = np.where(ks > 0, s.act_bytes[ks], 0.0)
-        if j < len(s) - 1:
-            act = np.maximum(act, s.act_bytes[j])
-        dp = s.param_bytes[j] - s.param_bytes[ks]
-        busy = pipedream_stage_time(self.base_time(j, ks), dp, r, self.bandwidth, self.inner)
-        return np.asarray(np.maximum(busy, activation_time(act, r, self.bandwidth)), dtype=np.float64)
+        _, _, base, _, act = _Pairs.priced(self, np.array([k], dtype=np.int64), np.array([j], dtype=np.int64))
+        dp = self.states.param_bytes[j] - self.states.param_bytes[k]
+        busy = pipedream_stage_time(base, dp, r, self.bandwidth, self.inner)
+        return float(np.maximum(busy, activation_time(act, r, self.bandwidth))[0])
 
 
 @dataclass(frozen=True)
