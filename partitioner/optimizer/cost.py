@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
-import numpy.typing as npt
 
 from partitioner.errors import PlanError
 from partitioner.optimizer.memory import OPTIMIZER_STATE, peak_bytes, transient_bytes
+from partitioner.optimizer.states import FloatArray
 from runtime.schedule import interleaved_rank
 
 __all__ = [
@@ -52,7 +52,6 @@ __all__ = [
     "zero_bubble_time",
 ]
 
-FloatArray = npt.NDArray[np.float64]
 Real = TypeVar("Real", float, FloatArray)  # a number, or numbers elementwise
 
 

@@ -25,7 +25,7 @@ from partitioner.errors import InfeasibleError
 from partitioner.optimizer.cost import activation_time, pipedream_stage_time
 from partitioner.optimizer.memory import MemoryLimit
 from partitioner.optimizer.reach import fewest_units, fewest_units_after, sweep_layers
-from partitioner.optimizer.states import StateSet, prefix_chain, thin_prefixes
+from partitioner.optimizer.states import FloatArray, IntArray, StateSet, prefix_chain, thin_prefixes
 
 __all__ = [
     "LevelProblem",
@@ -36,8 +36,6 @@ __all__ = [
     "solve_direct",
 ]
 
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
 REL_TOL = 1e-10
 THIN_PREFIXES = 200  # per order, for the first upper bound on many prefix states
 PAIR_BLOCK = 1 << 18  # pairs built and filtered per numpy pass

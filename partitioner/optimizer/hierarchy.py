@@ -16,8 +16,8 @@ import numpy as np
 import numpy.typing as npt
 
 from partitioner.optimizer.cost import activation_time, pipedream_stage_time
-from partitioner.optimizer.dp import FloatArray, IntArray, LevelProblem, Segment, cut_states, solve_bottleneck
-from partitioner.optimizer.states import StateSet, prefix_chain, thin_prefixes
+from partitioner.optimizer.dp import LevelProblem, Segment, cut_states, solve_bottleneck
+from partitioner.optimizer.states import FloatArray, IntArray, StateSet, prefix_chain, thin_prefixes
 
 __all__ = ["solve_hierarchy"]
 

@@ -26,6 +26,7 @@ import numpy.typing as npt
 
 from partitioner.errors import PlanError
 from partitioner.graph import Profile
+from partitioner.optimizer.states import FloatArray, IntArray
 
 __all__ = [
     "OPTIMIZER_STATE",
@@ -38,8 +39,6 @@ __all__ = [
     "weight_bytes",
 ]
 
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
 Bytes = FloatArray | float
 
 #: optimizer state per parameter byte: sgd keeps none, momentum one buffer, adam and adamw two moments

@@ -11,12 +11,10 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
-import numpy.typing as npt
+
+from partitioner.optimizer.states import FloatArray, IntArray
 
 __all__ = ["fewest_units", "fewest_units_after", "sweep_layers"]
-
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
 
 
 def fewest_units(

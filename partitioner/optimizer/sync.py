@@ -19,18 +19,15 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 
 from partitioner.optimizer.cost import allreduce_time
 from partitioner.optimizer.dp import Segment
 from partitioner.optimizer.memory import MemoryLimit
 from partitioner.optimizer.reach import fewest_units, fewest_units_after
-from partitioner.optimizer.states import StateSet
+from partitioner.optimizer.states import FloatArray, IntArray, StateSet
 
 __all__ = ["MAX_CHOICES", "MAX_STEPS", "solve_synchronous"]
 
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
 MAX_CHOICES = 2_000_000  # (stage, replicas) choices the DP prices per evaluation
 MAX_STEPS = 400  # box splits and DP evaluations before returning the best plan and its bound
 WIDE = 1.02  # a box whose tau range spans more than 2% may be probed at its geometric middle
