@@ -20,7 +20,7 @@ from partitioner.errors import InfeasibleError
 from partitioner.graph import Profile
 from partitioner.optimizer.cost import activation_time, pipedream_stage_time
 from partitioner.optimizer.dp import Segment
-from partitioner.optimizer.states import WordArray, _layers, _pack, _unpack, more_downsets_than
+from partitioner.optimizer.states import WordArray, _columns, _layers, _pack, _unpack, more_downsets_than
 
 __all__ = ["Lattice", "enumerate_lattice", "solve_lattice"]
 
@@ -85,14 +85,11 @@ class _Dag:
     @staticmethod
     def of(profile: Profile) -> _Dag:
         ids, preds, succs = _layers(profile)
-        nodes = {n.id: n for n in profile.nodes}
         width = len(ids)
         pred, succ = _pack(preds, width), _pack(succs, width)
-        out = np.array([float(nodes[i].output_bytes) for i in ids])
+        comp, par, _, out = _columns(profile, ids).T.copy()
         return _Dag(
-            _pack([1 << x for x in range(width)], width), pred, succ, _csr(pred), _csr(succ),
-            np.array([nodes[i].compute_ms / 1000.0 for i in ids]),
-            np.array([float(nodes[i].param_bytes) for i in ids]), out,
+            _pack([1 << x for x in range(width)], width), pred, succ, _csr(pred), _csr(succ), comp, par, out,
             np.where(np.array([s != 0 for s in succs], dtype=bool), out, 0.0),
         )  # fmt: skip
 

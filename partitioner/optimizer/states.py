@@ -254,12 +254,17 @@ def _unpack(rows: WordArray, width: int) -> npt.NDArray[np.uint8]:
     return np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :width]
 
 
-def _sums(profile: Profile, ids: list[str], masks: list[int]) -> tuple[FloatArray, ...]:
+def _columns(profile: Profile, ids: list[str]) -> FloatArray:
+    """[layer, 4]: each layer's compute seconds, parameter, saved and output bytes."""
     nodes = {n.id: n for n in profile.nodes}
+    layers = [nodes[i] for i in ids]
+    cols = [[n.compute_ms / 1000.0, n.param_bytes, n.saved_bytes, n.output_bytes] for n in layers]
+    return np.array(cols, dtype=np.float64).reshape(len(ids), 4)
+
+
+def _sums(profile: Profile, ids: list[str], masks: list[int]) -> tuple[FloatArray, ...]:
     mat = _unpack(_pack(masks, len(ids)), len(ids)).astype(np.float64)
-    comp = np.array([nodes[i].compute_ms / 1000.0 for i in ids])
-    par = np.array([float(nodes[i].param_bytes) for i in ids])
-    sav = np.array([float(nodes[i].saved_bytes) for i in ids])
+    comp, par, sav, _ = _columns(profile, ids).T.copy()  # (contiguous rows, as the products had)
     return mat @ comp, mat @ par, mat @ sav, mat
 
 
@@ -275,9 +280,7 @@ def _boundary(profile: Profile, ids: list[str], succs: list[int], mat: FloatArra
     inside = np.add.reduceat(bits[:, dst], starts, axis=1, dtype=np.int32)  # [state, sender]: readers inside
     degree = np.diff(np.append(starts, len(src)))
     leaving = (mat[:, senders] > 0) & (inside < degree[None, :])
-    nodes = {n.id: n for n in profile.nodes}
-    out = np.array([float(nodes[ids[i]].output_bytes) for i in senders])
-    return np.asarray(leaving @ out, dtype=np.float64)
+    return np.asarray(leaving @ _columns(profile, ids)[senders, 3], dtype=np.float64)
 
 
 def _bit_indices(mask: int) -> list[int]:
@@ -426,9 +429,7 @@ def _prefix_sums(
     A layer's output leaves a prefix of an order from the layer's own position until its last
     reader's, so the bytes leaving every prefix are one cumulative sum of +out / -out marks.
     """
-    nodes = {n.id: n for n in profile.nodes}
-    cols = np.array([[nodes[i].compute_ms / 1000.0, float(nodes[i].param_bytes), float(nodes[i].saved_bytes),
-                      float(nodes[i].output_bytes)] for i in ids]).reshape(len(ids), 4)  # fmt: skip
+    cols = _columns(profile, ids)
     out = np.zeros((len(ordered), 4))
     index = {m: i for i, m in enumerate(ordered)}
     src = np.array([x for x, readers in enumerate(succs) for _ in _bit_indices(readers)], dtype=np.int64)
