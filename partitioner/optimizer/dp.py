@@ -98,7 +98,7 @@ class LevelProblem:
         params = np.asarray(s.param_bytes[js] - s.param_bytes[ks], dtype=np.float64)
         if self.memory is None or not self.memory.shared:
             return params
-        return params + self.memory.copies(s.masks, s.layer_ids, ks, js)
+        return params + self.memory.copies(s.masks, s.layer_ids, ks, js)[0]
 
     def stage_time(self, k: int, j: int, r: int) -> float:
         """Time of stage (k, j] with r replicas, cut communication included."""
