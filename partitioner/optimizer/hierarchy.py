@@ -237,13 +237,13 @@ class _Splits:
                    np.maximum(index.values[at], last[self.flat[pair]]))  # fmt: skip
 
 
+@dataclass(frozen=True)
 class _Prior:
     """A finished table on fewer units, with the search structures ``_Splits.fold`` may need."""
 
-    def __init__(self, table: FloatArray, order: IntArray, rows: IntArray) -> None:
-        self.table = table
-        self.order = order
-        self.rows = rows  # the rows filled (the others are inf)
+    table: FloatArray
+    order: IntArray
+    rows: IntArray  # the rows filled (the others are inf)
 
     @functools.cached_property
     def index(self) -> _SortedTable:
