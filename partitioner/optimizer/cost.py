@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
-import numpy.typing as npt
 
 from partitioner.errors import PlanError
 from partitioner.optimizer.memory import OPTIMIZER_STATE, peak_bytes, transient_bytes
+from partitioner.optimizer.states import FloatArray
 from runtime.schedule import interleaved_rank
 
 __all__ = [
@@ -52,7 +52,6 @@ __all__ = [
     "zero_bubble_time",
 ]
 
-FloatArray = npt.NDArray[np.float64]
 Real = TypeVar("Real", float, FloatArray)  # a number, or numbers elementwise
 
 
@@ -322,20 +321,33 @@ def _pipedream_times(
     return StageTimes(tuple(compute), tuple(comm), tuple(total), slowest, bubble)
 
 
+def _microbatch_parts(
+    loads: Sequence[StageLoad], replicas: Sequence[int], bandwidths: Sequence[float], m: int
+) -> tuple[list[float], list[float], list[float], list[float], list[float], list[float], float]:
+    """The synchronous schedules' terms: per stage, one microbatch's forward and backward on a
+    replica, its cut traffic (out and back), their sum, compute and communication per minibatch
+    on a replica; and the largest gradient all-reduce."""
+    fwd, bwd, link, micro, compute, comm = [], [], [], [], [], []
+    sync = 0.0
+    for load, r, bw in zip(loads, replicas, bandwidths, strict=True):
+        each = load.compute_s / (r * m)
+        act = activation_time(load.out_bytes, r, bw) / m
+        fwd.append(each * load.forward_share)
+        bwd.append(each * (1.0 - load.forward_share))
+        link.append(act)
+        micro.append(each + act)
+        compute.append(load.compute_s / r)
+        sync = max(sync, allreduce_time(load.param_bytes, r, bw))
+        comm.append(act * m + allreduce_time(load.param_bytes, r, bw))
+    return fwd, bwd, link, micro, compute, comm, sync
+
+
 def _sync_times(
     loads: Sequence[StageLoad], replicas: Sequence[int], bandwidths: Sequence[float], m: int
 ) -> StageTimes:
     """Sum of one microbatch's stage times + (M-1) slowest + the largest all-reduce."""
-    micro, compute, comm = [], [], []
-    sync = 0.0
-    for load, r, bw in zip(loads, replicas, bandwidths, strict=True):
-        act = activation_time(load.out_bytes, r, bw) / m
-        micro.append(load.compute_s / (r * m) + act)
-        compute.append(load.compute_s / r)
-        sync = max(sync, allreduce_time(load.param_bytes, r, bw))
-        comm.append(act * m + allreduce_time(load.param_bytes, r, bw))
-    slowest = max(micro)
-    time = sum(micro) + (m - 1) * slowest + sync
+    _, _, _, micro, compute, comm, sync = _microbatch_parts(loads, replicas, bandwidths, m)
+    time = sum(micro) + (m - 1) * max(micro) + sync
     busy = sum(c / m for c in compute) * m
     bubble = 1.0 - busy / (len(loads) * time) if time > 0 else 0.0
     return StageTimes(tuple(compute), tuple(comm), tuple(micro), time, bubble)
@@ -371,21 +383,9 @@ def _zero_bubble_times(
     loads: Sequence[StageLoad], replicas: Sequence[int], bandwidths: Sequence[float], m: int
 ) -> StageTimes:
     """:func:`zero_bubble_time` + the largest all-reduce; per-stage times as ``_sync_times``'."""
-    fwd, bwd, link, compute, comm, micro = [], [], [], [], [], []
-    sync = 0.0
-    for load, r, bw in zip(loads, replicas, bandwidths, strict=True):
-        each = load.compute_s / (r * m)
-        act = activation_time(load.out_bytes, r, bw) / m
-        fwd.append(each * load.forward_share)
-        bwd.append(each * (1.0 - load.forward_share))
-        link.append(act)
-        micro.append(each + act)
-        compute.append(load.compute_s / r)
-        sync = max(sync, allreduce_time(load.param_bytes, r, bw))
-        comm.append(act * m + allreduce_time(load.param_bytes, r, bw))
+    fwd, bwd, link, micro, compute, comm, sync = _microbatch_parts(loads, replicas, bandwidths, m)
     time = zero_bubble_time(fwd, bwd, link, m) + sync
-    busy = sum(compute)
-    bubble = 1.0 - busy / (len(loads) * time) if time > 0 else 0.0
+    bubble = 1.0 - sum(compute) / (len(loads) * time) if time > 0 else 0.0
     return StageTimes(tuple(compute), tuple(comm), tuple(micro), time, bubble)
 
 
@@ -430,16 +430,7 @@ def _interleaved_times(
     ``_sync_times``'; the bubble is the ranks' idle share."""
     if any(r != 1 for r in replicas) or len(loads) % virtual:
         raise PlanError(f"interleaved needs one device per stage and {virtual} stages per rank")
-    fwd, bwd, link, compute, comm, micro = [], [], [], [], [], []
-    for load, bw in zip(loads, bandwidths, strict=True):
-        each = load.compute_s / m
-        act = activation_time(load.out_bytes, 1, bw) / m
-        fwd.append(each * load.forward_share)
-        bwd.append(each * (1.0 - load.forward_share))
-        link.append(act)
-        micro.append(each + act)
-        compute.append(load.compute_s)
-        comm.append(act * m)
+    fwd, bwd, link, micro, compute, comm, _ = _microbatch_parts(loads, replicas, bandwidths, m)
     ranks = len(loads) // virtual
     time = interleaved_time(fwd, bwd, link, m, ranks)
     bubble = 1.0 - sum(compute) / (ranks * time) if time > 0 else 0.0

@@ -25,7 +25,7 @@ from partitioner.errors import InfeasibleError
 from partitioner.optimizer.cost import activation_time, pipedream_stage_time
 from partitioner.optimizer.memory import MemoryLimit
 from partitioner.optimizer.reach import fewest_units, fewest_units_after, sweep_layers
-from partitioner.optimizer.states import StateSet, prefix_chain, thin_prefixes
+from partitioner.optimizer.states import FloatArray, IntArray, StateSet, prefix_chain, thin_prefixes
 
 __all__ = [
     "LevelProblem",
@@ -36,8 +36,6 @@ __all__ = [
     "solve_direct",
 ]
 
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
 REL_TOL = 1e-10
 THIN_PREFIXES = 200  # per order, for the first upper bound on many prefix states
 PAIR_BLOCK = 1 << 18  # pairs built and filtered per numpy pass
@@ -83,6 +81,11 @@ class LevelProblem:
     memory: MemoryLimit | None = field(default=None)
     unit_devices: int = 1
 
+    @property
+    def cap(self) -> int:
+        """Most replicas a stage may have: the units, or fewer under ``max_replicas``."""
+        return self.units if self.max_replicas is None else min(self.units, self.max_replicas)
+
     def base_time(self, j: int | IntArray, ks: IntArray) -> FloatArray:
         if self.base is not None:
             return self.base(j, ks)
@@ -95,21 +98,14 @@ class LevelProblem:
         params = np.asarray(s.param_bytes[js] - s.param_bytes[ks], dtype=np.float64)
         if self.memory is None or not self.memory.shared:
             return params
-        return params + self.memory.copies(s.masks, s.layer_ids, ks, js)
+        return params + self.memory.copies(s.masks, s.layer_ids, ks, js)[0]
 
     def stage_time(self, k: int, j: int, r: int) -> float:
         """Time of stage (k, j] with r replicas, cut communication included."""
-        ks = np.array([k], dtype=np.int64)
-        return float(self._times(j, ks, np.array([float(r)]))[0])
-
-    def _times(self, j: int, ks: IntArray, r: FloatArray) -> FloatArray:
-        s = self.states
-        act = np.where(ks > 0, s.act_bytes[ks], 0.0)
-        if j < len(s) - 1:
-            act = np.maximum(act, s.act_bytes[j])
-        dp = s.param_bytes[j] - s.param_bytes[ks]
-        busy = pipedream_stage_time(self.base_time(j, ks), dp, r, self.bandwidth, self.inner)
-        return np.asarray(np.maximum(busy, activation_time(act, r, self.bandwidth)), dtype=np.float64)
+        _, _, base, _, act = _Pairs.priced(self, np.array([k], dtype=np.int64), np.array([j], dtype=np.int64))
+        dp = self.states.param_bytes[j] - self.states.param_bytes[k]
+        busy = pipedream_stage_time(base, dp, r, self.bandwidth, self.inner)
+        return float(np.maximum(busy, activation_time(act, r, self.bandwidth))[0])
 
 
 @dataclass(frozen=True)
@@ -271,7 +267,7 @@ def _replicas_needed(prob: LevelProblem, pairs: _Pairs, tau: float) -> FloatArra
     r = np.maximum(upper, comm)
     np.maximum(r, max(2.0, prob.min_replicas), out=r)
     r[single] = 1.0
-    cap = prob.units if prob.max_replicas is None else min(prob.units, prob.max_replicas)
+    cap = prob.cap
     r[~(r <= cap)] = np.inf  # (nan too)
     # only a root or traffic ratio within rounding of an integer can leave the closed form short
     near = (upper < root * (1 + 1e-9)) | (comm < traffic * (1 + 1e-9))
@@ -286,12 +282,6 @@ def _replicas_needed(prob: LevelProblem, pairs: _Pairs, tau: float) -> FloatArra
     return r
 
 
-def _memory_need(prob: LevelProblem, p: FloatArray, saved: FloatArray, before: FloatArray) -> FloatArray:
-    """Replicas stages with parameters p and saved bytes need to fit in memory, ``before`` units
-    before them (more replicas: fewer stashed minibatches per device)."""
-    return _need_from(prob, _memory_capacity(prob, p, saved), before)
-
-
 def _memory_capacity(prob: LevelProblem, p: FloatArray, saved: FloatArray) -> FloatArray:
     """What fits of a stage, once per pair: pipedream, the minibatches a device can hold in flight
     (< 1: none); synchronous, the fewest replicas that hold all M microbatches' activations (inf:
@@ -303,8 +293,9 @@ def _memory_capacity(prob: LevelProblem, p: FloatArray, saved: FloatArray) -> Fl
 
 
 def _need_from(prob: LevelProblem, capacity: FloatArray, before: FloatArray) -> FloatArray:
-    """``_memory_need`` from ``_memory_capacity``: pipedream's in-flight count is the devices from
-    the stage on (at least 1)."""
+    """Replicas stages need to fit in memory (``capacity``: their ``_memory_capacity``), ``before``
+    units before them (more replicas: fewer stashed minibatches per device): pipedream's in-flight
+    count is the devices from the stage on (at least 1)."""
     assert prob.memory is not None
     if prob.memory.schedule != "pipedream":
         return capacity
@@ -321,7 +312,7 @@ def _min_units(
     pairs = pairs or _Pairs.of(prob)
     n = len(prob.states)
     reps = _replicas_needed(prob, pairs, tau)
-    cap = prob.units if prob.max_replicas is None else min(prob.units, prob.max_replicas)
+    cap = prob.cap
     if prob.memory is not None and capacity is None:
         capacity = _memory_capacity(prob, pairs.params, pairs.saved)
     g = np.full(n, np.inf)
@@ -462,7 +453,7 @@ class _Candidates:
     def of(
         prob: LevelProblem, pairs: _Pairs, lo: IntArray, width: IntArray, upper: float, lower: float
     ) -> _Candidates:
-        cap = prob.units if prob.max_replicas is None else min(prob.units, prob.max_replicas)
+        cap = prob.cap
         js, ks = pairs.js(), pairs.ks
         r_lo = np.full(len(ks), float(max(1, prob.min_replicas)))
         if math.isfinite(upper) and upper > 0:  # busy >= base / r and cut traffic 2·act / (B·r)
@@ -563,7 +554,7 @@ def _first_fits(
     never listed: on NASNet at 16 GPUs, 72% of them.
     """
     lo, width = windows
-    cap = prob.units if prob.max_replicas is None else min(prob.units, prob.max_replicas)
+    cap = prob.cap
     act = prob.states.act_bytes.copy()
     act[0] = 0.0  # the model's inputs are free
     r = np.maximum(np.ceil(2.0 * act / prob.bandwidth / upper - 1e-9), 1)
@@ -586,29 +577,23 @@ def solve_bottleneck(prob: LevelProblem, lower: float = 0.0) -> tuple[float, lis
     Raises:
         InfeasibleError: no plan fits, even with unlimited time (memory too small).
     """
+    thin = thin_prefixes(prob.states, THIN_PREFIXES) if prob.base is None else None
     if prob.units <= DIRECT_MAX_UNITS:
         free = replace(prob, memory=None)
         upper = _chain_upper(free)
-        thin = thin_prefixes(prob.states, THIN_PREFIXES) if prob.base is None else None
         if thin is not None:  # a closer upper bound first: far fewer pairs can beat it
             upper = min(upper, solve_bottleneck(replace(free, states=thin))[0])
         try:
             time, stages = solve_direct(free, _Pairs.of(free, upper), upper, lower)
-            if prob.memory is None or _fits_memory(prob, stages):
-                return time, stages, time
-            lower = max(lower, time * (1 - 1e-12))
         except InfeasibleError:  # only if the bounds were wrong: search without them
-            pass
-        else:  # a plan that fits, on fewer cuts: only the pairs a plan as fast can use are searched
-            upper = _fitting_upper(prob, lower, thin)
-            if math.isfinite(upper):
-                return solve_bisection(prob, lower, _Pairs.of(prob, upper))
-    elif prob.base is None:  # many units: the same, from the plans on thinned prefixes
-        thin = thin_prefixes(prob.states, THIN_PREFIXES)
-        upper = _fitting_upper(prob, lower, thin)
-        if math.isfinite(upper):
-            return solve_bisection(prob, lower, _Pairs.of(prob, upper))
-    return solve_bisection(prob, lower)
+            return solve_bisection(prob, lower)
+        if prob.memory is None or _fits_memory(prob, stages):
+            return time, stages, time
+        lower = max(lower, time * (1 - 1e-12))
+    # a plan that fits, on fewer cuts (many units: the same, from the plans on thinned prefixes):
+    # only the pairs a plan as fast can use are searched
+    upper = _fitting_upper(prob, lower, thin)
+    return solve_bisection(prob, lower, _Pairs.of(prob, upper) if math.isfinite(upper) else None)
 
 
 def _fitting_upper(prob: LevelProblem, lower: float, thin: StateSet | None) -> float:
@@ -636,7 +621,8 @@ def _fits_memory(prob: LevelProblem, stages: list[Segment]) -> bool:
     j = np.array([x.end for x in stages], dtype=np.int64)
     r = np.array([x.replicas for x in stages], dtype=np.float64)
     before = np.concatenate([[0.0], np.cumsum(r)[:-1]])
-    need = _memory_need(prob, prob.held_params(k, j), s.saved_bytes[j] - s.saved_bytes[k], before)
+    capacity = _memory_capacity(prob, prob.held_params(k, j), s.saved_bytes[j] - s.saved_bytes[k])
+    need = _need_from(prob, capacity, before)
     return bool((r >= need).all())
 
 
@@ -691,6 +677,3 @@ def _memory_floor(prob: LevelProblem, params: FloatArray, saved: FloatArray, aft
     with np.errstate(divide="ignore", invalid="ignore"):
         floor = np.where(capacity >= 2, np.ceil(after / (capacity - 1) - 1e-9), np.inf)
     return np.asarray(np.where((capacity >= 1) & (after <= 0), 1.0, floor), dtype=np.float64)
-
-
-# ---------------------------------------------------------------- hierarchy

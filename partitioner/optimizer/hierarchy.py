@@ -16,8 +16,8 @@ import numpy as np
 import numpy.typing as npt
 
 from partitioner.optimizer.cost import activation_time, pipedream_stage_time
-from partitioner.optimizer.dp import FloatArray, IntArray, LevelProblem, Segment, cut_states, solve_bottleneck
-from partitioner.optimizer.states import StateSet, prefix_chain, thin_prefixes
+from partitioner.optimizer.dp import LevelProblem, Segment, cut_states, solve_bottleneck
+from partitioner.optimizer.states import FloatArray, IntArray, StateSet, prefix_chain, thin_prefixes
 
 __all__ = ["solve_hierarchy"]
 
@@ -37,19 +37,8 @@ class _Tables:
     closed: FloatArray  # [i, j]
 
 
-@dataclass(frozen=True)
-class _Top:
-    """The last level, as seen from the level below it (for the ceilings of its tables)."""
-
-    units: int
-    cap: int  # most replicas a top stage may have
-    unit_devices: int  # devices in one top-level unit
-    bandwidth: float
-    inner: int  # devices of the level below in one top-level unit (PipeDream divides the sync by it)
-
-
 def _all_segments(
-    prob: LevelProblem, ceiling: float = math.inf, top: _Top | None = None, search: str = "auto",
+    prob: LevelProblem, ceiling: float = math.inf, top: LevelProblem | None = None, search: str = "auto",
     rows: npt.NDArray[np.bool_] | None = None,
 ) -> _Tables:  # fmt: skip
     """Direct DP over all segments at once (PipeDream's non-final level), one unit count at a time.
@@ -67,11 +56,11 @@ def _all_segments(
     pin "window" or "column", both exact).
     """
     n, units = len(prob.states), prob.units
-    cap = units if prob.max_replicas is None else min(units, prob.max_replicas)
+    cap = prob.cap
     opened = np.full((units, n, n), np.inf)
     closed = np.full((n, n), np.inf)
     before, after = _top_windows(prob, ceiling, top)
-    pairs = _LevelPairs.of(prob, cap, ceiling, top, before, after)
+    pairs = _LevelPairs.of(prob, ceiling, top, before, after)
     splits = _Splits.of(prob, pairs, search)
     prior: dict[int, _Prior] = {}  # opened[u] with its search structures, once complete
     filled = np.arange(n, dtype=np.int64) if rows is None else np.flatnonzero(rows)
@@ -104,7 +93,7 @@ def _all_segments(
 class _LevelPairs:
     """Every (k, j) pair of a level (CSR by j) with its stage times and ceilings, computed at once.
 
-    ``grid[charge_out, charge_in]`` is [replicas, pair], as ``_segment_grid`` prices it per j;
+    ``grid[charge_out, charge_in]`` is [replicas, pair] (``_segment_grids``);
     ``limit[charge_out]`` is ``_limits`` of the pair's start (after = 0 for open segments).
     """
 
@@ -116,22 +105,14 @@ class _LevelPairs:
 
     @staticmethod
     def of(
-        prob: LevelProblem, cap: int, ceiling: float, top: _Top | None, before: IntArray, after: IntArray
+        prob: LevelProblem, ceiling: float, top: LevelProblem | None, before: IntArray, after: IntArray
     ) -> _LevelPairs:
         s, n = prob.states, len(prob.states)
         ks, js = s.all_pairs()
         offsets = np.zeros(n + 1, dtype=np.int64)
         offsets[1:] = np.cumsum(np.bincount(js, minlength=n))
         params = s.param_bytes[js] - s.param_bytes[ks]
-        r = np.arange(1, cap + 1, dtype=np.float64)[:, None]
-        t = pipedream_stage_time(prob.base_time(js, ks), params, r, prob.bandwidth, prob.inner)
-        act_in = np.where(ks > 0, s.act_bytes[ks], 0.0)
-        act_out = np.where(js < n - 1, s.act_bytes[js], 0.0)
-        grid = {}
-        for out in (False, True):
-            for into in (False, True):
-                act = np.maximum(act_in if into else 0.0, act_out if out else 0.0)
-                grid[out, into] = np.maximum(t, activation_time(act, r, prob.bandwidth))
+        grid = _segment_grids(prob, js, ks, np.arange(1, prob.cap + 1, dtype=np.float64)[:, None])
         limit = {True: _limits(ceiling, top, before[ks], 0, params),
                  False: _limits(ceiling, top, before[ks], after[js], params)}  # fmt: skip
         return _LevelPairs(offsets, ks, s.compute_s[js] - s.compute_s[ks], grid, limit)
@@ -211,9 +192,7 @@ class _Splits:
         if self.search != "window" and self._crowded(i, b, lo, units[0], slack):  # wide windows (GNMT)
             pick, start, tall = self._columns(bound, first.index, last)
             if self.search == "auto":  # per end j, whichever lists fewer (the window capped by compute)
-                hi = np.searchsorted(
-                    sorted_c, self.compute[i] + units[0] * self.devices * b + slack, side="right"
-                )
+                hi = self._compute_cap(i, b, units[0], slack)
                 by_window = np.bincount(j, np.maximum(hi - lo, 0), n) <= np.bincount(self.js[pick], tall, n)
             take = ~by_window[self.js[pick]]
             self._fold_columns(best, bound, first.index, last, pick[take], start[take], tall[take])
@@ -258,13 +237,13 @@ class _Splits:
                    np.maximum(index.values[at], last[self.flat[pair]]))  # fmt: skip
 
 
+@dataclass(frozen=True)
 class _Prior:
     """A finished table on fewer units, with the search structures ``_Splits.fold`` may need."""
 
-    def __init__(self, table: FloatArray, order: IntArray, rows: IntArray) -> None:
-        self.table = table
-        self.order = order
-        self.rows = rows  # the rows filled (the others are inf)
+    table: FloatArray
+    order: IntArray
+    rows: IntArray  # the rows filled (the others are inf)
 
     @functools.cached_property
     def index(self) -> _SortedTable:
@@ -369,7 +348,7 @@ class _SortedTable:
         return np.asarray(np.searchsorted(self.sorted_values, threshold, side="right"), dtype=np.int64)
 
 
-def _top_windows(prob: LevelProblem, ceiling: float, top: _Top | None) -> tuple[IntArray, IntArray]:
+def _top_windows(prob: LevelProblem, ceiling: float, top: LevelProblem | None) -> tuple[IntArray, IntArray]:
     """Top-level units any plan as fast as ``ceiling`` surely has before / after each state."""
     n = len(prob.states)
     if top is None or not (math.isfinite(ceiling) and ceiling > 0):
@@ -381,7 +360,7 @@ def _top_windows(prob: LevelProblem, ceiling: float, top: _Top | None) -> tuple[
 
 
 def _limits(
-    ceiling: float, top: _Top | None, before: IntArray, after: int | IntArray, params: FloatArray
+    ceiling: float, top: LevelProblem | None, before: IntArray, after: int | IntArray, params: FloatArray
 ) -> FloatArray:
     """Slowest entry worth keeping per segment start i (the segment (i, j] has ``params``).
 
@@ -401,36 +380,38 @@ def _limits(
     return best
 
 
-def _segment_grid(
-    prob: LevelProblem, j: int, ks: IntArray, reps: FloatArray, charge_out: bool, charge_in: bool
-) -> FloatArray:
-    """[r, k]: time of stage (k, j] on reps[r] units; cut charges on the chosen sides only."""
-    s = prob.states
-    act = np.zeros(len(ks))
-    if charge_in:
-        act = np.where(ks > 0, s.act_bytes[ks], 0.0)
-    if charge_out and j < len(s) - 1:
-        act = np.maximum(act, s.act_bytes[j])
+def _segment_grids(
+    prob: LevelProblem, j: int | IntArray, ks: IntArray, reps: FloatArray
+) -> dict[tuple[bool, bool], FloatArray]:
+    """[r, k]: time of stages (ks, j] on reps[r, 0] units, by the cuts they pay for: keyed
+    (charge_out, charge_in), the cut after the stage and the one before it."""
+    s, n = prob.states, len(prob.states)
     dp = s.param_bytes[j] - s.param_bytes[ks]
-    t = pipedream_stage_time(prob.base_time(j, ks), dp, reps[:, None], prob.bandwidth, prob.inner)
-    return np.asarray(np.maximum(t, activation_time(act, reps[:, None], prob.bandwidth)), dtype=np.float64)
+    t = pipedream_stage_time(prob.base_time(j, ks), dp, reps, prob.bandwidth, prob.inner)
+    act_in = np.where(ks > 0, s.act_bytes[ks], 0.0)
+    act_out = np.where(j < n - 1, s.act_bytes[j], 0.0)
+    grid: dict[tuple[bool, bool], FloatArray] = {}
+    for out in (False, True):
+        for into in (False, True):
+            act = np.maximum(act_in if into else 0.0, act_out if out else 0.0)
+            grid[out, into] = np.maximum(t, activation_time(act, reps, prob.bandwidth))
+    return grid
 
 
 def _unfold(tables: _Tables, m: int, i: int, j: int, is_open: bool) -> list[Segment]:
     """The inner stages of the best plan of segment (i, j] on up to m units (recomputed)."""
     prob, s = tables.prob, tables.prob.states
     target = tables.opened[m, i, j] if is_open else tables.closed[i, j]
-    cap = prob.units if prob.max_replicas is None else min(prob.units, prob.max_replicas)
     ks = s.pred(j)
     ks = ks[np.array([s.masks[i] & ~s.masks[k] == 0 and k != i for k in ks], dtype=bool)]
-    one = np.array([i], dtype=np.int64)
-    for r in range(1, min(m, cap) + 1):
-        rep = np.array([float(r)])
-        if _segment_grid(prob, j, one, rep, is_open, False)[0, 0] == target:
+    reps = np.arange(1, min(m, prob.cap) + 1, dtype=np.float64)[:, None]
+    alone = _segment_grids(prob, j, np.array([i], dtype=np.int64), reps)[is_open, False][:, 0]
+    lasts = _segment_grids(prob, j, ks, reps)[is_open, True]
+    for r in range(1, len(reps) + 1):
+        if alone[r - 1] == target:
             return [Segment(i, j, r)]
         if m - r >= 1 and len(ks):
-            last = _segment_grid(prob, j, ks, rep, is_open, True)[0]
-            hit = np.flatnonzero(np.maximum(tables.opened[m - r, i, ks], last) == target)
+            hit = np.flatnonzero(np.maximum(tables.opened[m - r, i, ks], lasts[r - 1]) == target)
             if len(hit):
                 k = int(ks[hit[0]])
                 return [*_unfold(tables, m - r, i, k, True), Segment(k, j, r)]
@@ -471,8 +452,8 @@ def _solve_levels(
     for level, (devices, bw) in enumerate(levels[:-1]):
         prob = LevelProblem(states, devices, bw, inner, base, max_replicas=max_replicas, unit_devices=below)
         last = level == len(levels) - 2
-        above = _Top(levels[-1][0], caps[-1], below * devices, levels[-1][1], devices) if last else None
-        rows = None if above is None else _top_cuts(states, above, upper, max_replicas)
+        above = _top_floor(states, levels[-1], max_replicas, devices, below * devices) if last else None
+        rows = _top_cuts(above, upper)
         table = _all_segments(prob, upper * math.prod(caps[level + 1 :]) if above is None else upper, above,
                               rows=rows)  # fmt: skip
         tables.append(table)
@@ -492,26 +473,30 @@ def _solve_levels(
     return time, [expand(seg, len(tables) - 1) for seg in stages], lo
 
 
-def _top_cuts(
-    states: StateSet, top: _Top, upper: float, max_replicas: int | None
-) -> npt.NDArray[np.bool_] | None:
-    """States a top-level plan as fast as ``upper`` can cut at (None: any, when upper is unknown).
-
-    The top level's segment time (the table below it) is at least the segment's compute over a
-    top unit's devices; priced so, the fewest top units any such plan spends before a state and
-    after it must fit (``dp.cut_states``). Near the optimum few states pass (ResNet-101 on 4x4:
-    18 of 411 at the first bound), and only those rows of the table below are filled.
-    """
-    if not (math.isfinite(upper) and upper > 0):
-        return None
+def _top_floor(
+    states: StateSet, top: tuple[int, float], max_replicas: int | None, inner: int, unit_devices: int
+) -> LevelProblem:
+    """The last level as the level below it sees it (for the ceilings of its tables): a top
+    segment's time, the table still being filled, is at least its compute over a top unit's
+    ``unit_devices``; ``inner``: the devices of the level below in one top unit."""
     c = states.compute_s
 
     def base(j: int | IntArray, ks: IntArray) -> FloatArray:
-        return np.asarray((c[j] - c[ks]) / top.unit_devices, dtype=np.float64)
+        return np.asarray((c[j] - c[ks]) / unit_devices, dtype=np.float64)
 
-    prob = LevelProblem(states, top.units, top.bandwidth, top.inner, base, max_replicas=max_replicas,
-                        unit_devices=top.unit_devices)  # fmt: skip
-    return cut_states(prob, upper)
+    return LevelProblem(states, *top, inner, base, max_replicas=max_replicas, unit_devices=unit_devices)
+
+
+def _top_cuts(top: LevelProblem | None, upper: float) -> npt.NDArray[np.bool_] | None:
+    """States a top-level plan as fast as ``upper`` can cut at (None: any, when upper is unknown).
+
+    Priced by ``_top_floor``, the fewest top units any such plan spends before a state and after
+    it must fit (``dp.cut_states``). Near the optimum few states pass (ResNet-101 on 4x4: 18 of
+    411 at the first bound), and only those rows of the table below are filled.
+    """
+    if top is None or not (math.isfinite(upper) and upper > 0):
+        return None
+    return cut_states(top, upper)
 
 
 def _base_from(table: _Tables) -> Callable[[int | IntArray, IntArray], FloatArray]:

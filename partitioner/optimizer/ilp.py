@@ -129,6 +129,7 @@ def _fits(
         return True
     limit = MemoryLimit.of(float(cluster.memory_bytes), profile, opt, "pipedream", m, 1)
     ks, js = np.array([k], dtype=np.int64), np.array([j], dtype=np.int64)
-    p = states.param_bytes[js] - states.param_bytes[ks] + limit.copies(states.masks, states.layer_ids, ks, js)
+    copies, _ = limit.copies(states.masks, states.layer_ids, ks, js)
+    p = states.param_bytes[js] - states.param_bytes[ks] + copies
     items = limit.items(p, states.saved_bytes[js] - states.saved_bytes[ks])
     return bool(items[0] >= -(-m // r))

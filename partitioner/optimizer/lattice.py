@@ -20,13 +20,12 @@ from partitioner.errors import InfeasibleError
 from partitioner.graph import Profile
 from partitioner.optimizer.cost import activation_time, pipedream_stage_time
 from partitioner.optimizer.dp import Segment
-from partitioner.optimizer.states import _layers, more_downsets_than
+from partitioner.optimizer.states import WordArray, _columns, _layers, _pack, _unpack, more_downsets_than
 
 __all__ = ["Lattice", "enumerate_lattice", "solve_lattice"]
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
-WordArray = npt.NDArray[np.uint64]
 SLACK = 1e-6  # float32 probes: thresholds are trusted to this relative precision
 
 
@@ -86,29 +85,13 @@ class _Dag:
     @staticmethod
     def of(profile: Profile) -> _Dag:
         ids, preds, succs = _layers(profile)
-        nodes = {n.id: n for n in profile.nodes}
         width = len(ids)
         pred, succ = _pack(preds, width), _pack(succs, width)
-        out = np.array([float(nodes[i].output_bytes) for i in ids])
+        comp, par, _, out = _columns(profile, ids).T.copy()
         return _Dag(
-            _pack([1 << x for x in range(width)], width), pred, succ, _csr(pred), _csr(succ),
-            np.array([nodes[i].compute_ms / 1000.0 for i in ids]),
-            np.array([float(nodes[i].param_bytes) for i in ids]), out,
+            _pack([1 << x for x in range(width)], width), pred, succ, _csr(pred), _csr(succ), comp, par, out,
             np.where(np.array([s != 0 for s in succs], dtype=bool), out, 0.0),
         )  # fmt: skip
-
-
-def _pack(masks: list[int], width: int) -> WordArray:
-    """Python-int bitmasks as rows of little-endian 64-bit words."""
-    words = max(1, (width + 63) // 64)
-    raw = b"".join(m.to_bytes(8 * words, "little") for m in masks)
-    return np.frombuffer(raw, dtype=np.uint64).reshape(len(masks), words).copy()
-
-
-def _unpack(rows: WordArray, width: int) -> npt.NDArray[np.uint8]:
-    """Rows of words as a 0/1 matrix [row, layer]."""
-    as_bytes = np.ascontiguousarray(rows).view(np.uint8).reshape(len(rows), -1)
-    return np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :width]
 
 
 def _csr(rows: WordArray) -> tuple[IntArray, IntArray]:

@@ -26,6 +26,7 @@ import numpy.typing as npt
 
 from partitioner.errors import PlanError
 from partitioner.graph import Profile
+from partitioner.optimizer.states import FloatArray, IntArray
 
 __all__ = [
     "OPTIMIZER_STATE",
@@ -38,8 +39,6 @@ __all__ = [
     "weight_bytes",
 ]
 
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
 Bytes = FloatArray | float
 
 #: optimizer state per parameter byte: sgd keeps none, momentum one buffer, adam and adamw two moments
@@ -170,23 +169,19 @@ class MemoryLimit:
         largest = max([b for _, b in layers] + [s.nbytes for s in shared], default=0.0)
         return MemoryLimit(limit, optimizer, schedule, devices, m, largest, shared, tuple(layers))
 
-    def copies(
-        self, masks: Sequence[int], layer_ids: Sequence[str], ks: IntArray, js: IntArray
-    ) -> FloatArray:
-        """Tied copies' bytes of the stages (ks, js] of the states ``masks`` (:func:`copy_bytes`)."""
-        return self._copies(masks, layer_ids, ks, js)[0]
-
     def extras(
         self, masks: Sequence[int], layer_ids: Sequence[str], ks: IntArray, js: IntArray
     ) -> tuple[FloatArray, FloatArray]:
         """(tied copies' bytes, largest layer's parameter bytes, a copy counted) of the stages
         (ks, js]: what makes :meth:`fits` and :meth:`replicas` exact rather than bounded."""
-        copies, largest = self._copies(masks, layer_ids, ks, js)
+        copies, largest = self.copies(masks, layer_ids, ks, js)
         return copies, np.maximum(largest, self._largest_layer(masks, layer_ids, ks, js))
 
-    def _copies(
+    def copies(
         self, masks: Sequence[int], layer_ids: Sequence[str], ks: IntArray, js: IntArray
     ) -> tuple[FloatArray, FloatArray]:
+        """(Tied copies' bytes, the largest copy) of the stages (ks, js] of the states ``masks``
+        (:func:`copy_bytes`)."""
         total, largest = np.zeros(len(ks)), np.zeros(len(ks))
         for s in self.shared:
             owner = _bits(masks, layer_ids, (s.owner,))

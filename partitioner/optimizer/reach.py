@@ -11,12 +11,10 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
-import numpy.typing as npt
+
+from partitioner.optimizer.states import FloatArray, IntArray
 
 __all__ = ["fewest_units", "fewest_units_after", "sweep_layers"]
-
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
 
 
 def fewest_units(
@@ -78,23 +76,12 @@ def fewest_units_after(
 ) -> FloatArray:
     """h[k] = min over stages (k, j] of need + h[j]: fewest devices after each state to the end.
 
-    ``fewest_units`` run backwards: the pairs grouped by their earlier state (a stable radix sort
-    on 16-bit indices), size layers from the last (or rounds, given ``most``).
+    ``fewest_units`` run backwards, each state s numbered n - 1 - s: the pairs grouped by their
+    earlier state (a stable radix sort on 16-bit indices), from the last, are CSR by the later one.
     """
     n = int(layers[-1])
     by_k = ks.astype(np.uint16) if n <= 1 << 16 else ks
     order = np.argsort(by_k, kind="stable")
     starts = np.searchsorted(by_k[order], np.arange(n + 1))
-    h = np.full(n, np.inf)
-    h[n - 1] = 0.0
-    if most is not None and _rounds_pay(most, len(ks), len(layers)):
-        has = np.flatnonzero(np.diff(starts))
-        return _rounds(h, js[order], need[order], has, starts[has], most)
-    for lo, hi in reversed(list(itertools.pairwise(layers.tolist()))):
-        a, b = int(starts[lo]), int(starts[hi])
-        if a == b:
-            continue
-        seg = order[a:b]
-        has = np.flatnonzero(starts[lo + 1 : hi + 1] > starts[lo:hi])
-        h[lo + has] = np.minimum.reduceat(h[js[seg]] + need[seg], starts[lo + has] - a)
-    return h
+    back = order[::-1]
+    return fewest_units(n - 1 - js[back], len(ks) - starts[::-1], (n - layers)[::-1], need[back], most)[::-1]

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
+WordArray = npt.NDArray[np.uint64]
 DEFAULT_MAX_STATES = 2500
 MULTI_ORDER_MAX_LAYERS = 1500  # NASNet-large: 1,249 layers, 3,657 prefixes, 6.3M subset pairs
 
@@ -126,6 +127,12 @@ class StateSet:
         for j in range(n):
             sub[self.pred(j), j] = True
         return sub
+
+    def take(self, idx: IntArray, preds: PrefixPreds | None) -> StateSet:
+        """The states ``idx`` (ascending), renumbered 0.. in that order, with ``preds``; not exact."""
+        masks = tuple(self.masks[i] for i in idx)
+        sums = (self.compute_s[idx], self.param_bytes[idx], self.saved_bytes[idx], self.act_bytes[idx])
+        return StateSet(self.layer_ids, masks, *sums, preds, False)
 
     def members(self, k: int, j: int) -> tuple[str, ...]:
         """Layer ids in state j but not in state k, in topological order."""
@@ -234,30 +241,37 @@ def addable(base: int, x: int, grown: int, preds: list[int], succs: list[int]) -
     return free
 
 
-def _bits(masks: list[int], width: int) -> npt.NDArray[np.uint8]:
-    """The masks as a 0/1 matrix [state, layer], unpacked from their bytes in one numpy call."""
-    nbytes = max(1, (width + 7) // 8)
-    raw = b"".join(m.to_bytes(nbytes, "little") for m in masks)
-    packed = np.frombuffer(raw, dtype=np.uint8).reshape(len(masks), nbytes)
-    return np.unpackbits(packed, axis=1, bitorder="little")[:, :width]
+def _pack(masks: list[int], width: int) -> WordArray:
+    """Python-int bitmasks as rows of little-endian 64-bit words."""
+    words = max(1, (width + 63) // 64)
+    raw = b"".join(m.to_bytes(8 * words, "little") for m in masks)
+    return np.frombuffer(raw, dtype=np.uint64).reshape(len(masks), words).copy()
+
+
+def _unpack(rows: WordArray, width: int) -> npt.NDArray[np.uint8]:
+    """Rows of words as a 0/1 matrix [row, layer]."""
+    as_bytes = np.ascontiguousarray(rows).view(np.uint8).reshape(len(rows), -1)
+    return np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :width]
+
+
+def _columns(profile: Profile, ids: list[str]) -> FloatArray:
+    """[layer, 4]: each layer's compute seconds, parameter, saved and output bytes."""
+    nodes = {n.id: n for n in profile.nodes}
+    layers = [nodes[i] for i in ids]
+    cols = [[n.compute_ms / 1000.0, n.param_bytes, n.saved_bytes, n.output_bytes] for n in layers]
+    return np.array(cols, dtype=np.float64).reshape(len(ids), 4)
 
 
 def _sums(profile: Profile, ids: list[str], masks: list[int]) -> tuple[FloatArray, ...]:
-    nodes = {n.id: n for n in profile.nodes}
-    mat = _bits(masks, len(ids)).astype(np.float64)
-    comp = np.array([nodes[i].compute_ms / 1000.0 for i in ids])
-    par = np.array([float(nodes[i].param_bytes) for i in ids])
-    sav = np.array([float(nodes[i].saved_bytes) for i in ids])
+    mat = _unpack(_pack(masks, len(ids)), len(ids)).astype(np.float64)
+    comp, par, sav, _ = _columns(profile, ids).T.copy()  # (contiguous rows, as the products had)
     return mat @ comp, mat @ par, mat @ sav, mat
 
 
 def _boundary(profile: Profile, ids: list[str], succs: list[int], mat: FloatArray) -> FloatArray:
     """Bytes each downset sends onward: outputs of members that a non-member reads."""
-    src, dst = [], []
-    for i, s in enumerate(succs):
-        for t in _bit_indices(s):
-            src.append(i)
-            dst.append(t)
+    src = [i for i, s in enumerate(succs) for _ in _bit_indices(s)]
+    dst = [t for s in succs for t in _bit_indices(s)]
     if not src:
         return np.zeros(len(mat))
     senders = np.array(sorted(set(src)), dtype=np.int64)
@@ -266,9 +280,7 @@ def _boundary(profile: Profile, ids: list[str], succs: list[int], mat: FloatArra
     inside = np.add.reduceat(bits[:, dst], starts, axis=1, dtype=np.int32)  # [state, sender]: readers inside
     degree = np.diff(np.append(starts, len(src)))
     leaving = (mat[:, senders] > 0) & (inside < degree[None, :])
-    nodes = {n.id: n for n in profile.nodes}
-    out = np.array([float(nodes[ids[i]].output_bytes) for i in senders])
-    return np.asarray(leaving @ out, dtype=np.float64)
+    return np.asarray(leaving @ _columns(profile, ids)[senders, 3], dtype=np.float64)
 
 
 def _bit_indices(mask: int) -> list[int]:
@@ -283,11 +295,9 @@ def _bit_indices(mask: int) -> list[int]:
 
 def _subset_preds(masks: list[int], width: int) -> tuple[IntArray, ...]:
     """preds[j]: the states strictly inside state j, ascending (64 layers per vectorised test)."""
-    words = max(1, (width + 63) // 64)
-    raw = b"".join(m.to_bytes(8 * words, "little") for m in masks)
-    packed = np.frombuffer(raw, dtype=np.uint64).reshape(len(masks), words)
+    packed = _pack(masks, width)
     outside = np.zeros((len(masks), len(masks)), dtype=np.uint64)  # [k, j]: bits of k not in j
-    for w in range(words):
+    for w in range(packed.shape[1]):
         col = packed[:, w]
         outside |= col[:, None] & ~col[None, :]
     sub = outside == 0
@@ -355,26 +365,17 @@ def downset_states(profile: Profile, max_states: int = DEFAULT_MAX_STATES) -> St
 def chain_states(profile: Profile, max_states: int | None = None) -> StateSet:
     """Prefixes of the profile's topological order (optionally thinned evenly by compute time)."""
     ids, _, succs = _layers(profile)
-    nodes = {n.id: n for n in profile.nodes}
     n = len(ids)
-    cum_c = np.concatenate([[0.0], np.cumsum([nodes[i].compute_ms / 1000.0 for i in ids])])
-    cum_p = np.concatenate([[0.0], np.cumsum([float(nodes[i].param_bytes) for i in ids])])
-    cum_s = np.concatenate([[0.0], np.cumsum([float(nodes[i].saved_bytes) for i in ids])])
-    diff = np.zeros(n + 2)
-    for i, s in enumerate(succs):
-        if s:  # node i's output crosses every prefix cut after i up to its last reader
-            diff[i + 1] += nodes[ids[i]].output_bytes
-            diff[s.bit_length()] -= nodes[ids[i]].output_bytes
-    act = np.cumsum(diff)[: n + 1]
+    order = [list(range(n))]
+    prefixes = _prefix_masks(order)
+    comp, par, sav, act = _prefix_sums(profile, ids, succs, order, prefixes, prefixes[0])
     cuts = np.arange(n + 1)
     if max_states is not None and n + 1 > max_states:
-        targets = np.linspace(0.0, cum_c[-1], max_states)
-        cuts = np.array(
-            sorted({0, n, *np.searchsorted(cum_c, targets).tolist()})
-        )  # (np.unique imports numpy.ma)
-    masks = tuple((1 << int(c)) - 1 for c in cuts)
+        pick = np.searchsorted(comp, np.linspace(0.0, comp[-1], max_states)).tolist()
+        cuts = np.array(sorted({0, n, *pick}))  # (np.unique imports numpy.ma)
+    masks = tuple(prefixes[0][c] for c in cuts)
     exact = len(cuts) == n + 1 and _is_chain(succs)
-    return StateSet(tuple(ids), masks, cum_c[cuts], cum_p[cuts], cum_s[cuts], act[cuts], None, exact)
+    return StateSet(tuple(ids), masks, comp[cuts], par[cuts], sav[cuts], act[cuts], None, exact)
 
 
 def _orders(preds: list[int], succs: list[int]) -> list[list[int]]:
@@ -385,22 +386,11 @@ def _orders(preds: list[int], succs: list[int]) -> list[list[int]]:
     cuts that no single order has.
     """
     n = len(preds)
-    depth = [0] * n
+    depth, height = [0] * n, [0] * n
     for i in range(n):
-        bits, p = preds[i], 0
-        while bits:
-            low = bits & -bits
-            p = max(p, depth[low.bit_length() - 1] + 1)
-            bits ^= low
-        depth[i] = p
-    height = [0] * n
+        depth[i] = max((depth[p] + 1 for p in _bit_indices(preds[i])), default=0)
     for i in reversed(range(n)):
-        bits, h = succs[i], 0
-        while bits:
-            low = bits & -bits
-            h = max(h, height[low.bit_length() - 1] + 1)
-            bits ^= low
-        height[i] = h
+        height[i] = max((height[x] + 1 for x in _bit_indices(succs[i])), default=0)
     top = max(d + h for d, h in zip(depth, height, strict=True))
     asap = sorted(range(n), key=lambda i: (depth[i], i))
     alap = sorted(range(n), key=lambda i: (top - height[i], i))
@@ -439,9 +429,7 @@ def _prefix_sums(
     A layer's output leaves a prefix of an order from the layer's own position until its last
     reader's, so the bytes leaving every prefix are one cumulative sum of +out / -out marks.
     """
-    nodes = {n.id: n for n in profile.nodes}
-    cols = np.array([[nodes[i].compute_ms / 1000.0, float(nodes[i].param_bytes), float(nodes[i].saved_bytes),
-                      float(nodes[i].output_bytes)] for i in ids]).reshape(len(ids), 4)  # fmt: skip
+    cols = _columns(profile, ids)
     out = np.zeros((len(ordered), 4))
     index = {m: i for i, m in enumerate(ordered)}
     src = np.array([x for x, readers in enumerate(succs) for _ in _bit_indices(readers)], dtype=np.int64)
@@ -572,9 +560,7 @@ def thin_prefixes(states: StateSet, most: int) -> StateSet | None:
             chain[np.minimum(np.searchsorted(c, np.linspace(0.0, c[-1], most)), len(chain) - 1)].tolist()
         )
     idx = np.array(sorted(picked), dtype=np.int64)
-    return StateSet(states.layer_ids, tuple(states.masks[i] for i in idx), states.compute_s[idx],
-                    states.param_bytes[idx], states.saved_bytes[idx], states.act_bytes[idx],
-                    states.preds.subset(idx), False)  # fmt: skip
+    return states.take(idx, states.preds.subset(idx))
 
 
 def prefix_chain(states: StateSet, most: int = 48) -> tuple[IntArray, StateSet] | None:
@@ -590,10 +576,7 @@ def prefix_chain(states: StateSet, most: int = 48) -> tuple[IntArray, StateSet] 
         c = states.compute_s[idx]
         pick = np.searchsorted(c, np.linspace(0.0, c[-1], most))
         idx = idx[sorted({0, len(idx) - 1, *np.minimum(pick, len(idx) - 1).tolist()})]
-    sub = StateSet(states.layer_ids, tuple(states.masks[i] for i in idx), states.compute_s[idx],
-                   states.param_bytes[idx], states.saved_bytes[idx], states.act_bytes[idx], None,
-                   False)  # fmt: skip
-    return idx.astype(np.int64), sub
+    return idx.astype(np.int64), states.take(idx, None)
 
 
 def _is_chain(succs: list[int]) -> bool:

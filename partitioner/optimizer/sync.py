@@ -19,18 +19,15 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 
 from partitioner.optimizer.cost import allreduce_time
 from partitioner.optimizer.dp import Segment
 from partitioner.optimizer.memory import MemoryLimit
 from partitioner.optimizer.reach import fewest_units, fewest_units_after
-from partitioner.optimizer.states import StateSet
+from partitioner.optimizer.states import FloatArray, IntArray, StateSet
 
 __all__ = ["MAX_CHOICES", "MAX_STEPS", "solve_synchronous"]
 
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
 MAX_CHOICES = 2_000_000  # (stage, replicas) choices the DP prices per evaluation
 MAX_STEPS = 400  # box splits and DP evaluations before returning the best plan and its bound
 WIDE = 1.02  # a box whose tau range spans more than 2% may be probed at its geometric middle
@@ -38,16 +35,28 @@ WIDE = 1.02  # a box whose tau range spans more than 2% may be probed at its geo
 
 @dataclass(frozen=True)
 class _Choices:
-    """Every stage (k, j], sorted by the later state j, with its times on 1..cap replicas."""
+    """Every stage (k, j], sorted by the later state j (CSR), with its times on 1..cap replicas,
+    and a quick test whether any plan meets caps.
+
+    u falls as 1/r and A rises with r, so a stage meets (tau, alpha) with r replicas exactly for
+    r in [ceil(X / (M·tau)), A's limit]; the fewest devices per state then follow one size layer
+    at a time (no stage joins two states of one size). Bounds are rounded outwards: the test may
+    pass caps no plan meets (the DP then finds none), never the reverse.
+    """
 
     k: IntArray
     j: IntArray
+    offsets: IntArray  # stages of state j are [offsets[j], offsets[j + 1])
+    layers: IntArray  # ``StateSet.size_layers``
+    x: FloatArray  # compute + 2·act_out/B: u = x / (r·M)
+    p: FloatArray  # parameter bytes: A = 4(r-1)p / (r·B)
+    r_mem: FloatArray  # fewest replicas that fit the memory limit (inf: none)
     u: FloatArray  # [pair, r - 1] microbatch time: (compute + 2·act_out/B) / (r·M)
     a: FloatArray  # [pair, r - 1] all-reduce: 4(r-1)P / (r·B)
     compute: FloatArray  # per state
     m: int
-    offsets: IntArray  # stages of state j are [offsets[j], offsets[j + 1])
-    layers: IntArray  # ``StateSet.size_layers``
+    cap: int
+    bandwidth: float
 
     @staticmethod
     def of(
@@ -61,60 +70,30 @@ class _Choices:
         params = states.param_bytes[j] - states.param_bytes[k]
         u = x[:, None] / (r * m)
         a = allreduce_time(params[:, None], r, bandwidth)
+        r_mem = np.ones(len(k))
         if memory is not None:  # all M microbatches' activations, split over the replicas
             copies, largest = memory.extras(states.masks, states.layer_ids, k, j)
             saved = states.saved_bytes[j] - states.saved_bytes[k]
             fits = memory.fits((params + copies)[:, None], saved[:, None], r, largest[:, None])
             u = np.where(fits, u, np.inf)
+            r_mem = np.maximum(memory.replicas(params + copies, saved, largest), 1.0)
         offsets = np.concatenate([[0], np.cumsum(np.bincount(j, minlength=n))]).astype(np.int64)
-        return _Choices(k, j, np.asarray(u, dtype=np.float64), np.asarray(a, dtype=np.float64),
-                        states.compute_s, m, offsets, states.size_layers())  # fmt: skip
+        u, a = np.asarray(u, dtype=np.float64), np.asarray(a, dtype=np.float64)
+        layers = states.size_layers()
+        return _Choices(k, j, offsets, layers, x, params, r_mem, u, a, states.compute_s, m, cap, bandwidth)
 
-
-@dataclass(frozen=True)
-class _Reach:
-    """The stages (k, j] once each (CSR by j), for a quick test whether any plan meets caps.
-
-    u falls as 1/r and A rises with r, so a stage meets (tau, alpha) with r replicas exactly for
-    r in [ceil(X / (M·tau)), A's limit]; the fewest devices per state then follow one size layer
-    at a time (no stage joins two states of one size). Bounds are rounded outwards: the test may
-    pass caps no plan meets (the DP then finds none), never the reverse.
-    """
-
-    ks: IntArray
-    offsets: IntArray
-    layers: IntArray
-    x: FloatArray  # compute + 2·act_out/B: u = x / (r·M)
-    p: FloatArray  # parameter bytes: A = 4(r-1)p / (r·B)
-    r_mem: FloatArray  # fewest replicas that fit the memory limit (inf: none)
-
-    @staticmethod
-    def of(states: StateSet, bandwidth: float, memory: MemoryLimit | None = None) -> _Reach:
-        n = len(states)
-        ks, js = states.all_pairs()
-        offsets = np.concatenate([[0], np.cumsum(np.bincount(js, minlength=n))]).astype(np.int64)
-        out = np.where(js < n - 1, states.act_bytes[js], 0.0)
-        x = states.compute_s[js] - states.compute_s[ks] + 2.0 * out / bandwidth
-        p = states.param_bytes[js] - states.param_bytes[ks]
-        r_mem = np.ones(len(ks))
-        if memory is not None:
-            copies, largest = memory.extras(states.masks, states.layer_ids, ks, js)
-            saved = states.saved_bytes[js] - states.saved_bytes[ks]
-            r_mem = np.maximum(memory.replicas(p + copies, saved, largest), 1.0)
-        return _Reach(ks, offsets, states.size_layers(), x, p, r_mem)
-
-    def need(self, cap: int, m: int, bandwidth: float, tau: float, alpha: float) -> FloatArray:
+    def need(self, tau: float, alpha: float) -> FloatArray:
         """Per stage, the fewest replicas that may meet the caps (rounded down; inf: none can)."""
         with np.errstate(divide="ignore", invalid="ignore"):
-            lo = np.maximum(np.ceil(self.x / (m * tau) * (1 - 1e-9)), self.r_mem)
-            room = 1.0 - alpha * bandwidth / (4.0 * self.p) * (1 + 1e-9)  # r <= 1 / room when room > 0
+            lo = np.maximum(np.ceil(self.x / (self.m * tau) * (1 - 1e-9)), self.r_mem)
+            room = 1.0 - alpha * self.bandwidth / (4.0 * self.p) * (1 + 1e-9)  # r <= 1 / room when room > 0
             hi = np.where(room > 0, np.floor(1.0 / room * (1 + 1e-9)), np.inf)
-        return np.asarray(np.where(lo <= np.minimum(hi, cap), lo, np.inf), dtype=np.float64)
+        return np.asarray(np.where(lo <= np.minimum(hi, self.cap), lo, np.inf), dtype=np.float64)
 
     def before(self, need: FloatArray, units: int) -> FloatArray:
         """Per state, the fewest devices a plan meeting the caps spends up to it (the last entry
         over ``units``: surely no plan meets them)."""
-        return fewest_units(self.ks, self.offsets, self.layers, need, units)
+        return fewest_units(self.k, self.offsets, self.layers, need, units)
 
 
 @dataclass(frozen=True)
@@ -213,15 +192,14 @@ def solve_synchronous(
     if states.pair_count() * cap > MAX_CHOICES:
         return None
     ch = _Choices.of(states, cap, bandwidth, m, memory)
-    reach = _Reach.of(states, bandwidth, memory)
     n = len(states)
     if not np.isfinite(ch.u).any():
         return None  # no stage fits the memory limit on any replica count
     tau_hi = float(ch.u[np.isfinite(ch.u)].max())
-    tau_lo = _least_bottleneck(reach, units, cap, m, bandwidth, tau_hi)
+    tau_lo = _least_bottleneck(ch, units, tau_hi)
     a_hi = float(ch.a.max(initial=0.0))
-    need = reach.need(cap, m, bandwidth, tau_hi, a_hi)
-    top = _least_sum(ch, n, units, tau_hi, a_hi, need, reach.before(need, units))  # the least sum of all
+    need = ch.need(tau_hi, a_hi)
+    top = _least_sum(ch, n, units, tau_hi, a_hi, need, ch.before(need, units))  # the least sum of all
     if top is None:
         return None
     best = (top.total + (m - 1) * top.u_max + top.a_max, top.stages)
@@ -233,8 +211,8 @@ def solve_synchronous(
         tau, alpha, upper = _probe(box, m, best[0])
         if upper is not None:  # plans above the probe are not feasible there: no better floor
             heapq.heappush(heap, upper)
-        need = reach.need(cap, m, bandwidth, tau, alpha)
-        before = reach.before(need, units)
+        need = ch.need(tau, alpha)
+        before = ch.before(need, units)
         if not before[-1] <= units:
             continue  # nothing at or below the probe
         found = _least_sum(ch, n, units, tau, alpha, need, before)
@@ -249,12 +227,12 @@ def solve_synchronous(
     return best[0], best[1], min(best[0], heap[0].bound if heap else best[0])
 
 
-def _least_bottleneck(reach: _Reach, units: int, cap: int, m: int, bandwidth: float, hi: float) -> float:
+def _least_bottleneck(ch: _Choices, units: int, hi: float) -> float:
     """A lower bound on every plan's max u, within 1e-6 of the least (bisection on ``before``)."""
     lo = 0.0
     while hi - lo > 1e-6 * hi:
         mid = 0.5 * (lo + hi)
-        if reach.before(reach.need(cap, m, bandwidth, mid, math.inf), units)[-1] <= units:
+        if ch.before(ch.need(mid, math.inf), units)[-1] <= units:
             hi = mid
         else:
             lo = mid

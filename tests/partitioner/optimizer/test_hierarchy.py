@@ -171,7 +171,7 @@ def test_segment_tables_equal_plain_recurrence(
 
     from partitioner.optimizer import hierarchy
     from partitioner.optimizer.dp import LevelProblem
-    from partitioner.optimizer.hierarchy import _all_segments, _segment_grid
+    from partitioner.optimizer.hierarchy import _all_segments, _segment_grids
     from partitioner.optimizer.states import build_states
 
     costs, raw = dag
@@ -195,14 +195,13 @@ def test_segment_tables_equal_plain_recurrence(
             out = m < units
             for i in states.pred(j):
                 one = np.array([i])
-                best = min(float(_segment_grid(prob, j, one, np.array([float(r)]), out, False)[0, 0])
+                best = min(float(_segment_grids(prob, j, one, np.array([[float(r)]]))[out, False][0, 0])
                            for r in range(1, m + 1))  # fmt: skip
                 for r in range(1, m):
                     for k in states.pred(j):
                         if sub[i, k]:
-                            last = float(
-                                _segment_grid(prob, j, np.array([k]), np.array([float(r)]), out, True)[0, 0]
-                            )
+                            grids = _segment_grids(prob, j, np.array([k]), np.array([[float(r)]]))
+                            last = float(grids[out, True][0, 0])
                             best = min(best, max(opened[m - r, i, k], last))
                 if out:
                     opened[m, i, j] = best
