@@ -13,7 +13,7 @@ import functools
 from collections.abc import Sequence
 
 from partitioner.errors import PlanError
-from partitioner.optimizer.cost import W_SHARE, StageLoad, StageTimes, activation_time
+from partitioner.optimizer.cost import W_SHARE, StageLoad, StageTimes, _microbatch_parts
 from runtime.schedule_zbv import zbv_placement, zbv_rank, zbv_stages
 
 __all__ = ["zbv_held", "zbv_time", "zbv_times"]
@@ -87,16 +87,7 @@ def zbv_times(
     bubble is the GPUs' idle share."""
     if any(r != 1 for r in replicas) or len(loads) % 2:
         raise PlanError("zbv needs one device per stage and 2 stages per GPU")
-    fwd, bwd, link, compute, comm, micro = [], [], [], [], [], []
-    for load, bw in zip(loads, bandwidths, strict=True):
-        each = load.compute_s / m
-        act = activation_time(load.out_bytes, 1, bw) / m
-        fwd.append(each * load.forward_share)
-        bwd.append(each * (1.0 - load.forward_share))
-        link.append(act)
-        micro.append(each + act)
-        compute.append(load.compute_s)
-        comm.append(act * m)
+    fwd, bwd, link, micro, compute, comm, _ = _microbatch_parts(loads, replicas, bandwidths, m)
     time = zbv_time(fwd, bwd, link, m)
     bubble = 1.0 - sum(compute) / (len(loads) // 2 * time) if time > 0 else 0.0
     return StageTimes(tuple(compute), tuple(comm), tuple(micro), time, bubble)
