@@ -8,6 +8,7 @@ error. :func:`torchrun_commands` prints the equivalent per-node torchrun lines f
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import multiprocessing
@@ -167,6 +168,11 @@ def _config(options: RunOptions, per_node: int, logs: Path) -> Any:
         # process. Forking the launcher itself is faster but can deadlock a rank: the launcher runs the
         # rendezvous store's threads, and a lock one of them holds at fork time stays locked in the child.
         multiprocessing.set_forkserver_preload(["runtime.worker"])
+    # shutdown_timeout (torch >= 2.12) bounds the wait for ranks to exit after a failure; older
+    # torch has no such field and keeps its own default.
+    extra: dict[str, Any] = (
+        {"shutdown_timeout": 5} if "shutdown_timeout" in inspect.signature(LaunchConfig).parameters else {}
+    )
     return LaunchConfig(
         min_nodes=options.nnodes,
         max_nodes=options.nnodes,
@@ -178,8 +184,8 @@ def _config(options: RunOptions, per_node: int, logs: Path) -> Any:
         max_restarts=0,
         monitor_interval=0.1,
         start_method=options.start_method,
-        shutdown_timeout=5,
         logs_specs=DefaultLogsSpecs(log_dir=str(logs), redirects=Std.ALL),
+        **extra,
     )
 
 

@@ -1,0 +1,461 @@
+"""The GPU kit: one command that measures what only a GPU can tell, and writes it into the repository.
+
+A GPU machine is lent to this project now and then, for minutes. This script is prepared and tested
+beforehand (its ``--cpu`` mode runs in the test suite on tiny models) so that nothing is improvised there:
+
+1. ``env``: device, driver, torch, the packages the CLI needs;
+2. ``ceilings``: the device's measured matrix-product rate per dtype and size, copy bandwidth and launch
+   latency (what a device description for planning without the device is built from);
+3. ``profile``: ``pipeplan profile`` of each model on the device, whole command timed; fidelity (sum of
+   layer times over the whole step) and the profiler's own wall time;
+4. ``run``: ``pipeplan partition --gpus 1`` and ``pipeplan run`` on one rank (nccl on a GPU), measured
+   against predicted time and memory, fp32 and bf16; the same model trained plainly in one process, for
+   the executor's efficiency (plain / pipelined time; 1.0 is the physical limit);
+5. ``tests``: the tests marked ``cuda``.
+
+Every step runs on its own, with a time limit; a failed step is recorded with its error and the rest go
+on. The report (``gpu_<device>_<date>.{json,md}``, or ``cpu_check.{json,md}`` in CPU mode) is rewritten
+after every step, so a run cut short still leaves what it measured.
+
+Run:  python benchmarks/gpu_check.py [--cpu] [--out DIR] [--work DIR] [--steps env,ceilings,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    """One model the kit profiles and runs: the CLI's spec and profile options."""
+
+    name: str
+    spec: str
+    batch_size: int
+    input_shape: str | None
+    options: tuple[str, ...] = ()
+    run: bool = True
+
+
+GPU_MODELS = (
+    ModelCase("vgg16", "vgg16", 32, "3,224,224"),
+    ModelCase("resnet50", "resnet50", 32, "3,224,224"),
+    ModelCase("gpt2", "gpt2", 8, "512"),
+    ModelCase("gpt2-bf16", "gpt2", 8, "512", ("--precision", "bf16")),
+    ModelCase(
+        "llama-1b-bf16",
+        f"hf:{ROOT}/benchmarks/gpu/llama-1b.json",
+        4,
+        "512",
+        ("--dtype", "bfloat16"),
+        run=False,
+    ),
+)
+CPU_MODELS = (
+    ModelCase("tiny-cnn", "tiny-cnn", 8, None),
+    ModelCase("tiny-gpt", "tiny-gpt", 8, None),
+)
+
+
+@dataclass(frozen=True)
+class Context:
+    """What every step reads: the mode, the device, the folders, the models."""
+
+    cpu: bool
+    device: str
+    work: Path
+    models: tuple[ModelCase, ...]
+    limit_s: float
+    deadline: float  # time.perf_counter() after which no command starts
+
+    def timeout(self) -> float:
+        """Seconds the next command may take: its limit, or what is left of the kit's budget."""
+        return max(0.0, min(self.limit_s, self.deadline - time.perf_counter()))
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def pipeplan(ctx: Context, *args: str, timeout: float | None = None, log: str) -> dict[str, Any]:
+    """Run the CLI as a user would (a whole process); its output goes to ``work/logs/<log>.log``."""
+    logs = ctx.work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", COLUMNS="100")
+    started, limit = time.perf_counter(), timeout or ctx.timeout()
+    if limit < 5:
+        return {"rc": None, "wall_s": 0.0, "tail": [], "skipped": "the kit's --budget is spent"}
+    with open(logs / f"{log}.log", "w") as out:
+        try:
+            rc = subprocess.run(
+                [sys.executable, str(ROOT / "cli.py"), *args], cwd=ctx.work, env=env, stdout=out,
+                stderr=subprocess.STDOUT, timeout=limit,
+            ).returncode  # fmt: skip
+        except subprocess.TimeoutExpired:
+            rc = 124
+    wall = time.perf_counter() - started
+    tail = (logs / f"{log}.log").read_text(errors="replace").strip().splitlines()[-3:]
+    return {"rc": rc, "wall_s": round(wall, 2), "tail": tail}
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_ms(fn: Callable[[], Any], device: str, repeats: int, warmup: int = 2) -> float:
+    """Median milliseconds of ``fn`` after ``warmup`` calls (CUDA events on a GPU)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    samples = []
+    for _ in range(repeats):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+# ---------------------------------------------------------------- steps
+
+
+def step_env(ctx: Context) -> dict[str, Any]:
+    """The machine, the driver, torch and the packages the CLI imports."""
+    import importlib.metadata as md
+
+    import torch
+
+    versions = {}
+    for name in ("torch", "transformers", "click", "rich", "networkx", "numpy", "pulp", "pytest"):
+        try:
+            versions[name] = md.version(name)
+        except md.PackageNotFoundError:
+            versions[name] = None
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "packages": versions,
+        "cuda_available": torch.cuda.is_available(),
+    }
+    if ctx.device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        info.update(
+            gpu=props.name, multiprocessors=props.multi_processor_count,
+            memory_gib=round(props.total_memory / 2**30, 2), capability=f"{props.major}.{props.minor}",
+            cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), nccl=".".join(
+                str(v) for v in torch.cuda.nccl.version()),
+        )  # fmt: skip
+        smi = shutil.which("nvidia-smi")
+        if smi:
+            query = "--query-gpu=driver_version,clocks.max.sm,clocks.max.mem,power.limit"
+            line = subprocess.run([smi, query, "--format=csv,noheader"], capture_output=True, text=True)
+            info["nvidia_smi"] = line.stdout.strip()
+    else:
+        info["gpu"] = None
+    return info
+
+
+def step_ceilings(ctx: Context) -> dict[str, Any]:
+    """Matrix products per dtype and size, a device-to-device copy, and one tiny kernel's launch time."""
+    import torch
+
+    dev = ctx.device
+    sizes = (256, 512, 1024) if ctx.cpu else (1024, 2048, 4096, 8192)
+    dtypes = {"float32": torch.float32} if ctx.cpu else {
+        "bfloat16": torch.bfloat16, "float16": torch.float16, "tf32": torch.float32, "float32": torch.float32,
+    }  # fmt: skip
+    matmul: dict[str, dict[str, float]] = {}
+    for label, dtype in dtypes.items():
+        if dev == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = label == "tf32"
+        rates = {}
+        for n in sizes:
+            a = torch.randn(n, n, device=dev, dtype=dtype)
+            b = torch.randn(n, n, device=dev, dtype=dtype)
+            ms = timed_ms(lambda a=a, b=b: a @ b, dev, repeats=5 if ctx.cpu else 20)
+            rates[str(n)] = round(2 * n**3 / (ms * 1e-3) / 1e12, 2)
+        matmul[label] = rates
+    if dev == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+    numel = (64 if ctx.cpu else 1024) * 2**20 // 4
+    src = torch.randn(numel, device=dev)
+    dst = torch.empty_like(src)
+    copy_ms = timed_ms(lambda: dst.copy_(src), dev, repeats=10)
+    tiny = torch.zeros(1, device=dev)
+    launch_us = timed_ms(lambda: [tiny.add_(1) for _ in range(100)], dev, repeats=5) * 10  # 100 launches
+    return {
+        "matmul_tflops": matmul,
+        "copy_gb_s": round(2 * src.numel() * 4 / (copy_ms * 1e-3) / 1e9, 1),
+        "launch_us": round(launch_us, 2),
+        "note": "matmul: 2n^3 / median time of an n x n x n product on random data; copy counts bytes "
+        "read plus written; launch: 100 one-element adds in a row, per add",
+    }
+
+
+def _layer_sums(profile: dict[str, Any]) -> tuple[float, float, int]:
+    nodes = profile["nodes"]
+    fwd = sum(float(n.get("forward_ms", 0.0)) for n in nodes)
+    bwd = sum(float(n.get("backward_ms", 0.0)) for n in nodes)
+    return fwd, bwd, len(nodes)
+
+
+def step_profile(ctx: Context) -> dict[str, Any]:
+    """``pipeplan profile`` of every model on the device: the command's wall time and what it measured."""
+    results = {}
+    for case in ctx.models:
+        out = ctx.work / "profiles" / f"{case.name}.json"
+        args = ["profile", case.spec, "--batch-size", str(case.batch_size), "--device", ctx.device,
+                "-o", str(out), *case.options]  # fmt: skip
+        if case.input_shape:
+            args += ["--input-shape", case.input_shape]
+        ran = pipeplan(ctx, *args, log=f"profile-{case.name}")
+        if ran["rc"] == 0 and out.exists():
+            prof = json.loads(out.read_text())
+            fwd, bwd, layers = _layer_sums(prof)
+            extra = prof.get("extra", {})
+            ran.update(
+                layers=layers, forward_ms=round(fwd, 3), backward_ms=round(bwd, 3),
+                step_ms=round(float(prof["step_ms"]), 3),
+                fidelity=round((fwd + bwd) / float(prof["step_ms"]), 3) if prof["step_ms"] else None,
+                profile_wall_s=extra.get("profile_wall_s"), tracer=prof.get("tracer"),
+                params=sum(int(n.get("param_bytes", 0)) for n in prof["nodes"]),
+            )  # fmt: skip
+        results[case.name] = ran
+    return results
+
+
+def _plain_step_ms(ctx: Context, case: ModelCase, precision: str, microbatches: int) -> dict[str, Any]:
+    """The model trained plainly in this process (SGD, gradient accumulation over ``microbatches``)."""
+    import torch
+
+    from partitioner.models import load_model
+    from runtime.precision import autocast
+
+    shape = tuple(int(d) for d in case.input_shape.split(",")) if case.input_shape else None
+    bundle = load_model(case.spec, case.batch_size, shape)
+    model = bundle.module.to(ctx.device)
+    inputs = [t.to(ctx.device) for t in bundle.inputs]
+    targets = bundle.targets.to(ctx.device)
+    optim = torch.optim.SGD(model.parameters(), lr=1e-4)
+    dev = torch.device(ctx.device)
+
+    def step() -> None:
+        chunks = zip(*(t.chunk(microbatches) for t in inputs), strict=True)
+        for chunk, target in zip(chunks, targets.chunk(microbatches), strict=True):
+            with autocast(precision, dev):
+                loss = bundle.loss_fn(model(*chunk), target)
+            loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+
+    if ctx.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    ms = timed_ms(step, ctx.device, repeats=5 if ctx.cpu else 20, warmup=3)
+    peak = torch.cuda.max_memory_allocated() if ctx.device == "cuda" else None
+    return {"step_ms": round(ms, 3), "peak_memory_bytes": peak}
+
+
+def step_run(ctx: Context) -> dict[str, Any]:
+    """One-rank packages trained by ``pipeplan run``, against prediction and against plain training."""
+    results: dict[str, Any] = {}
+    for case in (c for c in ctx.models if c.run):
+        prof = ctx.work / "profiles" / f"{case.name}.json"
+        if not prof.exists():
+            results[case.name] = {"skipped": "no profile"}
+            continue
+        pkg_root = ctx.work / "models" / case.name
+        part = pipeplan(ctx, "partition", "--profile", str(prof), "--gpus", "1", "-o", str(pkg_root),
+                        log=f"partition-{case.name}")  # fmt: skip
+        package = next(pkg_root.glob("*/gpus=1"), pkg_root / "gpus=1")  # -o is the models root
+        entry: dict[str, Any] = {"partition": part}
+        for precision in ("fp32", "bf16"):
+            trace = ctx.work / f"trace-{case.name}-{precision}.json"
+            ran = pipeplan(ctx, "run", str(package), "--steps", "6" if ctx.cpu else "20",
+                           "--precision", precision, "--lr", "0.0001", "--trace", str(trace),
+                           log=f"run-{case.name}-{precision}")  # fmt: skip
+            metrics_path = package / "run" / "metrics.json"
+            if ran["rc"] == 0 and metrics_path.exists():
+                metrics = json.loads(metrics_path.read_text())
+                shutil.copy(metrics_path, ctx.work / f"metrics-{case.name}-{precision}.json")
+                ran.update(
+                    measured_ms=round(1e3 * metrics["time_per_minibatch_s"], 3),
+                    predicted_ms=round(1e3 * metrics["predicted_time_per_minibatch_s"], 3),
+                    ratio=round(metrics["ratio_measured_over_predicted"], 3),
+                    microbatches=metrics["microbatches"], device=metrics["device"],
+                    memory=metrics.get("memory"),
+                    trace_bytes=trace.stat().st_size if trace.exists() else None,
+                )  # fmt: skip
+            try:
+                ran["plain"] = _plain_step_ms(ctx, case, precision, int(ran.get("microbatches", 1)))
+                if "measured_ms" in ran:
+                    ran["efficiency_plain_over_pipelined"] = round(
+                        ran["plain"]["step_ms"] / ran["measured_ms"], 3
+                    )
+            except Exception as exc:  # recorded; the kit goes on
+                ran["plain"] = {"error": f"{type(exc).__name__}: {exc}"}
+            entry[precision] = ran
+        results[case.name] = entry
+    return results
+
+
+def step_tests(ctx: Context) -> dict[str, Any]:
+    """The tests marked ``cuda`` (skipped without a GPU; this step is what runs them)."""
+    if ctx.cpu:
+        return {"skipped": "CPU mode: the cuda tests skip themselves without a GPU"}
+    started = time.perf_counter()
+    log = ctx.work / "logs" / "pytest-cuda.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        try:
+            rc = subprocess.run(
+                [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider"], cwd=ROOT,
+                env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=out, stderr=subprocess.STDOUT,
+                timeout=max(5.0, ctx.timeout()),
+            ).returncode  # fmt: skip
+        except subprocess.TimeoutExpired:
+            rc = 124
+    tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+    return {"rc": rc, "wall_s": round(time.perf_counter() - started, 2), "tail": tail}
+
+
+STEPS: dict[str, Callable[[Context], dict[str, Any]]] = {
+    "env": step_env,
+    "ceilings": step_ceilings,
+    "profile": step_profile,
+    "run": step_run,
+    "tests": step_tests,
+}
+
+
+# ---------------------------------------------------------------- report
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as a page a person reads: one table per step."""
+    env = report["steps"].get("env", {})
+    lines = [f"# GPU kit: {env.get('gpu') or 'CPU mode'}, {report['date']}", ""]
+    lines.append(f"torch {env.get('packages', {}).get('torch')}, CUDA {env.get('cuda')}, "
+                 f"driver/clocks {env.get('nvidia_smi')}, {env.get('cpus')} CPUs; "
+                 f"command: `{report['command']}`; wall {report.get('wall_s')} s")  # fmt: skip
+    ceil = report["steps"].get("ceilings", {})
+    if "matmul_tflops" in ceil:
+        lines += ["", "## Ceilings", "", "| dtype | " + " | ".join(
+            f"n={n}" for n in next(iter(ceil["matmul_tflops"].values()))) + " |"]  # fmt: skip
+        lines.append("|---" * (1 + len(next(iter(ceil["matmul_tflops"].values())))) + "|")
+        for dtype, rates in ceil["matmul_tflops"].items():
+            lines.append(f"| {dtype} TFLOP/s | " + " | ".join(str(r) for r in rates.values()) + " |")
+        lines += [
+            "",
+            f"copy {ceil['copy_gb_s']} GB/s (read + write); launch {ceil['launch_us']} us per kernel",
+        ]
+    prof = report["steps"].get("profile", {})
+    if prof and "error" not in prof:
+        lines += ["", "## Profiles", "",
+                  "| model | rc | command s | layers | fwd+bwd ms | step ms | fidelity |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for name, r in prof.items():
+            fb = (r.get("forward_ms") or 0) + (r.get("backward_ms") or 0)
+            lines.append(f"| {name} | {r['rc']} | {r['wall_s']} | {r.get('layers', '-')} | "
+                         f"{fb:.2f} | {r.get('step_ms', '-')} | {r.get('fidelity', '-')} |")  # fmt: skip
+    run = report["steps"].get("run", {})
+    if run and "error" not in run:
+        lines += ["", "## One-rank runs", "",
+                  "| model | precision | rc | measured ms | predicted ms | ratio | plain ms "
+                  "| plain/pipelined |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for name, entry in run.items():
+            for precision in ("fp32", "bf16"):
+                r = entry.get(precision)
+                if not r:
+                    continue
+                plain = r.get("plain", {}).get("step_ms", "-")
+                lines.append(f"| {name} | {precision} | {r['rc']} | {r.get('measured_ms', '-')} | "
+                             f"{r.get('predicted_ms', '-')} | {r.get('ratio', '-')} | {plain} | "
+                             f"{r.get('efficiency_plain_over_pipelined', '-')} |")  # fmt: skip
+    errors = {k: v["error"] for k, v in report["steps"].items() if isinstance(v, dict) and "error" in v}
+    if errors:
+        lines += ["", "## Failed steps", ""] + [f"- {k}: {v}" for k, v in errors.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu", action="store_true", help="CPU mode: tiny models, the kit's plumbing")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the report goes")
+    parser.add_argument("--work", type=Path, default=None, help="profiles, packages, logs [a temp folder]")
+    parser.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, of {', '.join(STEPS)}")
+    parser.add_argument("--limit", type=float, default=240.0, help="seconds each command may take")
+    parser.add_argument("--budget", type=float, default=780.0, help="seconds for the whole kit")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not args.cpu and not torch.cuda.is_available():
+        parser.error("no CUDA device here: pass --cpu for the CPU mode")
+    unknown = set(args.steps.split(",")) - set(STEPS)
+    if unknown:
+        parser.error(f"unknown steps {sorted(unknown)}; choose from {', '.join(STEPS)}")
+    work = args.work or Path(os.environ.get("TMPDIR", "/tmp")) / f"pipeplan-gpu-check-{os.getpid()}"
+    work.mkdir(parents=True, exist_ok=True)
+    ctx = Context(args.cpu, "cpu" if args.cpu else "cuda", work.resolve(),
+                  CPU_MODELS if args.cpu else GPU_MODELS, args.limit,
+                  time.perf_counter() + args.budget)  # fmt: skip
+    report: dict[str, Any] = {
+        "schema": "pipeplan.gpu_check/1", "date": dt.date.today().isoformat(), "mode": ctx.device,
+        "command": " ".join(["benchmarks/gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
+        "work": str(ctx.work), "steps": {}, "step_wall_s": {},
+    }  # fmt: skip
+    started = time.perf_counter()
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in args.steps.split(","):
+        t0 = time.perf_counter()
+        print(f"[gpu_check] {name} ...", flush=True)
+        try:
+            report["steps"][name] = STEPS[name](ctx)
+        except Exception as exc:  # recorded; the kit goes on
+            report["steps"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+        report["step_wall_s"][name] = round(time.perf_counter() - t0, 2)
+        report["wall_s"] = round(time.perf_counter() - started, 1)
+        stem = "cpu_check" if args.cpu else _stem(report)
+        (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+        (args.out / f"{stem}.md").write_text(markdown(report))
+        print(f"[gpu_check] {name} done in {report['step_wall_s'][name]} s", flush=True)
+    print(markdown(report))
+    return 0
+
+
+def _stem(report: dict[str, Any]) -> str:
+    gpu = str(report["steps"].get("env", {}).get("gpu") or "gpu").lower()
+    short = next((w for w in ("h100", "h200", "a100", "l4", "v100") if w in gpu), gpu.replace(" ", "-"))
+    return f"gpu_{short}_{report['date']}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""What only a GPU can check: CUDA-event timing, autocast on CUDA, the allocator's peak.
+
+Marked ``cuda`` and skipped without a GPU; ``benchmarks/gpu_check.py`` runs them on a lent one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from partitioner.profiler import profile_model
+from partitioner.profiler.measure import Stopwatch
+from runtime.memory import PeakMemory
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def test_stopwatch_times_device_work_with_events() -> None:
+    cuda = torch.device("cuda")
+    watch = Stopwatch(cuda)
+    a = torch.randn(4096, 4096, device=cuda)
+    a @ a  # cuBLAS's first call sets up its handle: keep it out of both timings
+    small: list[float] = []
+    large: list[float] = []
+    with watch.time(small):
+        a[:64, :64] @ a[:64, :64]
+    with watch.time(large):
+        for _ in range(8):
+            a @ a
+    assert watch.cuda and small[0] > 0
+    assert large[0] > 10 * small[0], "events bracket the device work, not the launch"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_profile_on_cuda(precision: str) -> None:
+    profile = profile_model("tiny-gpt", batch_size=8, device="cuda", repeats=2, precision=precision)
+    assert profile.device.startswith("cuda")
+    assert all(n.forward_ms >= 0 and n.backward_ms >= 0 for n in profile.nodes)
+    assert sum(n.forward_ms + n.backward_ms for n in profile.nodes) > 0
+    assert profile.step_ms and profile.step_ms > 0
+
+
+def test_peak_memory_counts_the_window() -> None:
+    cuda = torch.device("cuda")
+    module = nn.Linear(1024, 1024).to(cuda)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    peak = PeakMemory(cuda, window=1)
+    peak.start(module, optimizer)
+    big = torch.empty(64 * 2**20, dtype=torch.uint8, device=cuda)  # 64 MiB inside the window
+    del big
+    peak.stepped(1)
+    assert peak.peak_bytes is not None and peak.peak_bytes >= 64 * 2**20
+    assert peak.method == "torch.cuda.max_memory_allocated"
