@@ -366,8 +366,9 @@ def solve_with(profile: Profile, cluster: Cluster, opts: SolveOptions) -> Plan:
     if opts.schedule in ("interleaved", "zbv"):
         return _interleaved(profile, cluster, opts)
     if opts.recompute != "all":
+        final = opts.recompute == "none" or cluster.memory_bytes is None  # else recomputation comes next
         try:
-            plan = _solve_kept(profile, cluster, opts)
+            plan = _solve_kept(profile, cluster, opts, explain=final)
         except InfeasibleError:
             if opts.recompute == "none" or cluster.memory_bytes is None:
                 raise
@@ -401,9 +402,11 @@ def _interleaved(profile: Profile, cluster: Cluster, opts: SolveOptions) -> Plan
     return replace(plan, solver=info, extra={**plan.extra, "recompute": opts.recompute})
 
 
-def _solve_kept(profile: Profile, cluster: Cluster, opts: SolveOptions) -> Plan:
-    """``solve`` without recomputation on ``profile``, the microbatch count made usable."""
-    plan = _solve_at(profile, cluster, opts)
+def _solve_kept(profile: Profile, cluster: Cluster, opts: SolveOptions, explain: bool = True) -> Plan:
+    """``solve`` without recomputation on ``profile``, the microbatch count made usable; ``explain``:
+    an InfeasibleError names the memory that would fit (a bisection of searches: skipped where the
+    caller tries recomputation next)."""
+    plan = _solve_at(profile, cluster, opts, explain)
     for _ in range(3):
         usable = _usable_microbatches(plan, profile.batch_size)
         if usable == plan.microbatches:
@@ -427,7 +430,7 @@ def _usable_microbatches(plan: Plan, batch_size: int | None) -> int:
     return wanted
 
 
-def _solve_at(profile: Profile, cluster: Cluster, opts: SolveOptions) -> Plan:
+def _solve_at(profile: Profile, cluster: Cluster, opts: SolveOptions, explain: bool = True) -> Plan:
     profile = at_microbatches(profile, opts.m)
     if opts.solver == "ilp":
         from partitioner.optimizer.ilp import solve_ilp
@@ -440,7 +443,7 @@ def _solve_at(profile: Profile, cluster: Cluster, opts: SolveOptions) -> Plan:
         search = _pipedream if opts.schedule == "pipedream" else _synchronous
         plan, lower, exact = search(profile, cluster, states, opts)
     except InfeasibleError:
-        raise _infeasible(profile, cluster, opts) from None
+        raise (_infeasible(profile, cluster, opts) if explain else InfeasibleError("no plan fits")) from None
     if not exact:
         lower = min(lower, global_lower_bound(profile, cluster))
     info = SolverInfo("dp", time.perf_counter() - start, exact, lower)

@@ -26,7 +26,7 @@ from partitioner.optimizer.cost import (
     plan_times,
     price_stage,
 )
-from partitioner.optimizer.memory import copy_bytes, shared_weights
+from partitioner.optimizer.memory import copy_bytes, master_ratio, shared_weights
 from partitioner.plan import Cluster, Plan, Prediction, SolverInfo, Stage
 
 __all__ = [
@@ -85,6 +85,7 @@ def stage_loads(profile: Profile, groups: Sequence[Sequence[str]]) -> list[Stage
             crossing[cut] += node.output_bytes if node.op != "input" else 0.0
     loads = []
     copies = copy_bytes(shared_weights(profile), groups)
+    master = master_ratio(profile.dtype)
     for i, group in enumerate(groups):
         members = [nodes[n] for n in group if nodes[n].op != "input"]
         largest = max([float(n.param_bytes) for n in members] + [copies[i][1]])
@@ -99,6 +100,7 @@ def stage_loads(profile: Profile, groups: Sequence[Sequence[str]]) -> list[Stage
                 input_bytes=taken[i],
                 copy_bytes=copies[i][0],
                 largest_param_bytes=largest,
+                master=master,
             )
         )
     return loads

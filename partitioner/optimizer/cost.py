@@ -89,6 +89,8 @@ class StageLoad:
             their gradients' sync is not priced.
         largest_param_bytes: the largest of its layers' parameter bytes (a tied copy counted): the
             gradient a replica that accumulates holds beside the sum.
+        master: bytes of float32 master weights per weight byte (``memory.master_ratio``: 2 for
+            bfloat16 weights, 0 for float32).
     """
 
     compute_s: float
@@ -100,6 +102,7 @@ class StageLoad:
     input_bytes: float = 0.0
     copy_bytes: float = 0.0
     largest_param_bytes: float = 0.0
+    master: float = 0.0
 
     @property
     def forward_time(self) -> float:
@@ -261,8 +264,9 @@ def held_memory(
     params = load.param_bytes + load.copy_bytes
     transient = float(transient_bytes(params, load.largest_param_bytes, schedule)) if accumulates else 0.0
     return peak_bytes(
-        params, load.saved_bytes, held, share, schedule, optimizer, transient, load.input_bytes, recompute
-    )
+        params, load.saved_bytes, held, share, schedule, optimizer, transient, load.input_bytes, recompute,
+        load.master,
+    )  # fmt: skip
 
 
 def price_stage(

@@ -6,7 +6,11 @@ through :func:`peak_bytes`, so they agree by construction. At its peak a device 
 measured against ``pipeplan run`` by ``benchmarks/bench_memory.py``):
 
 - its weights, their gradients and the optimizer's state: P (2 + s), s from ``OPTIMIZER_STATE``;
-  P counts a copy of every tied weight the stage uses but another stage owns (:func:`copy_bytes`);
+  P counts a copy of every tied weight the stage uses but another stage owns (:func:`copy_bytes`).
+  Weights held in a 2-byte dtype (a profile of ``--dtype bfloat16``) train as mixed precision
+  does: bf16 weights and gradients, a float32 master copy of the weights and float32 optimizer
+  state (:func:`persistent_factor`): 16 bytes a parameter under Adam, the count of ZeRO
+  (Rajbhandari et al. 2020, section 3.1: 2 + 2 + 12 bytes);
 - under pipedream with h > 1 minibatches in flight, h weight snapshots: ``runtime.stage`` runs each
   version's forwards on a snapshot of it, beside the live weights the optimizer updates in place;
 - when a replica runs more than one microbatch per step, the gradient it is accumulating: autograd
@@ -32,8 +36,11 @@ __all__ = [
     "OPTIMIZER_STATE",
     "MemoryLimit",
     "Shared",
+    "check_layers_fit",
     "copy_bytes",
+    "master_ratio",
     "peak_bytes",
+    "persistent_factor",
     "shared_weights",
     "transient_bytes",
     "weight_bytes",
@@ -52,10 +59,42 @@ def _state(optimizer: str) -> int:
     return OPTIMIZER_STATE[optimizer]
 
 
-def weight_bytes(params: Bytes, held: Bytes, schedule: str, optimizer: str) -> Bytes:
-    """Weights, gradients, optimizer state and (pipedream, ``held`` > 1) one snapshot per item."""
+def master_ratio(dtype: str) -> float:
+    """Bytes of a float32 master copy per weight byte: 2 for bfloat16 or float16 weights, 0 for
+    float32 ones (they are their own master)."""
+    return 2.0 if dtype in ("bfloat16", "float16") else 0.0
+
+
+def persistent_factor(optimizer: str, master: float = 0.0) -> float:
+    """Bytes a device keeps per weight byte whatever it runs: the weight, its gradient, the float32
+    master copy (``master`` bytes, :func:`master_ratio`) and the optimizer's state, kept in the
+    master's precision (float32) where there is one. float32 Adam: 1 + 1 + 2 = 4 (16 bytes a
+    parameter); bfloat16 Adam: 1 + 1 + 2 + 2 x 2 = 8 (16 bytes a parameter too)."""
+    return 2 + master + _state(optimizer) * max(master, 1.0)
+
+
+def check_layers_fit(profile: Profile, limit: float, optimizer: str) -> None:
+    """A PlanError naming the largest layer that no device can hold: its weights, gradients, master
+    copy and optimizer state alone exceed ``limit`` (a pipeline cuts between layers, never inside
+    one, and replicas each hold the whole layer), with its bytes and the device memory."""
+    factor = persistent_factor(optimizer, master_ratio(profile.dtype))
+    worst = max(profile.nodes, key=lambda n: n.param_bytes, default=None)
+    if worst is None or worst.param_bytes * factor <= limit:
+        return
+    raise PlanError(
+        f"layer {worst.name} needs {worst.param_bytes * factor / 2**30:.2f} GiB for its "
+        f"{worst.param_bytes / 2**30:.2f} GiB of {profile.dtype} weights with their gradients"
+        + (", float32 master copy" if master_ratio(profile.dtype) else "")
+        + f" and {optimizer} state, more than a device's {limit / 2**30:.2f} GiB: no plan can hold it "
+        "(a pipeline splits a model between layers); raise --memory, or use a lighter --optimizer"
+    )
+
+
+def weight_bytes(params: Bytes, held: Bytes, schedule: str, optimizer: str, master: float = 0.0) -> Bytes:
+    """Weights, gradients, master weights, optimizer state and (pipedream, ``held`` > 1) one weight
+    snapshot per item."""
     snapshots = np.where(np.asarray(held) > 1, held, 0) if schedule == "pipedream" else 0
-    return params * (2 + _state(optimizer) + snapshots)
+    return params * (persistent_factor(optimizer, master) + snapshots)
 
 
 def transient_bytes(params: Bytes, largest: Bytes, schedule: str) -> Bytes:
@@ -73,13 +112,16 @@ def peak_bytes(
     transient: float = 0.0,
     inputs: float = 0.0,
     recompute: bool = False,
+    master: float = 0.0,
 ) -> int:
     """Peak bytes of one device holding ``held`` items, each ``1/share`` of a minibatch.
 
     ``transient``: :func:`transient_bytes` where the replica accumulates, else 0; ``inputs``: the
-    bytes of the stage's forward inputs per minibatch (what a recomputing stage keeps per item)."""
+    bytes of the stage's forward inputs per minibatch (what a recomputing stage keeps per item);
+    ``master``: :func:`master_ratio` of the weights' dtype."""
     held_bytes = (held * inputs + saved) if recompute else held * saved
-    return round(float(weight_bytes(params, held, schedule, optimizer)) + transient + held_bytes / share)
+    weights = float(weight_bytes(params, held, schedule, optimizer, master))
+    return round(weights + transient + held_bytes / share)
 
 
 @dataclass(frozen=True)
@@ -147,6 +189,7 @@ class MemoryLimit:
             accumulated gradient where a search does not pass a stage's own (:meth:`extras`).
         shared: the weights several layers use (:func:`shared_weights`).
         layers: (layer id, parameter bytes) of the layers with any, largest first.
+        master: :func:`master_ratio` of the profile's weight dtype.
     """
 
     limit: float
@@ -157,6 +200,12 @@ class MemoryLimit:
     largest: float = 0.0
     shared: tuple[Shared, ...] = ()
     layers: tuple[tuple[str, float], ...] = ()
+    master: float = 0.0
+
+    @property
+    def per_byte(self) -> float:
+        """Bytes kept per weight byte: :func:`persistent_factor`."""
+        return persistent_factor(self.optimizer, self.master)
 
     @staticmethod
     def of(
@@ -167,7 +216,8 @@ class MemoryLimit:
         layers = sorted(((n.id, float(n.param_bytes)) for n in profile.nodes if n.param_bytes > 0),
                         key=lambda x: -x[1])  # fmt: skip
         largest = max([b for _, b in layers] + [s.nbytes for s in shared], default=0.0)
-        return MemoryLimit(limit, optimizer, schedule, devices, m, largest, shared, tuple(layers))
+        master = master_ratio(profile.dtype)
+        return MemoryLimit(limit, optimizer, schedule, devices, m, largest, shared, tuple(layers), master)
 
     def extras(
         self, masks: Sequence[int], layer_ids: Sequence[str], ks: IntArray, js: IntArray
@@ -212,8 +262,8 @@ class MemoryLimit:
 
     def items(self, params: FloatArray, saved: FloatArray) -> FloatArray:
         """pipedream: the most minibatches one device can hold in flight (< 1: none)."""
-        free = self.limit - params * (2 + _state(self.optimizer))
-        many = np.floor(free / np.maximum(params + saved, 1e-9))  # h > 1: P (2 + s + h) + h S <= limit
+        free = self.limit - params * self.per_byte
+        many = np.floor(free / np.maximum(params + saved, 1e-9))  # h > 1: P (f + h) + h S <= limit
         return np.asarray(np.where(many >= 2, many, np.where(free >= saved, 1.0, 0.0)), dtype=np.float64)
 
     def replicas(
@@ -222,7 +272,7 @@ class MemoryLimit:
         """Synchronous: the fewest replicas that hold all M microbatches' activations (inf: none);
         below M replicas a replica accumulates and holds the transient gradient too (``largest``:
         the stages' largest layers, else the profile's)."""
-        base = self.limit - params * (2 + _state(self.optimizer))
+        base = self.limit - params * self.per_byte
         alone = _ceil_div(saved, base)
         bound = self.largest if largest is None else largest
         with_grad = _ceil_div(saved, base - transient_bytes(params, bound, self.schedule))
@@ -236,7 +286,7 @@ class MemoryLimit:
         :meth:`replicas`)."""
         transient = transient_bytes(params, self.largest if largest is None else largest, self.schedule)
         grad = np.where(replicas < self.microbatches, transient, 0.0)
-        need = params * (2 + _state(self.optimizer)) + grad + saved / replicas
+        need = params * self.per_byte + grad + saved / replicas
         return np.asarray(need <= self.limit)
 
 
