@@ -192,6 +192,22 @@ def _profile_totals(profile: Any, path: Any) -> str:
     )
 
 
+def _check_estimate_options(device_model: str) -> None:
+    """--device-model estimates without running: options that only shape a measurement are refused."""
+    from click.core import ParameterSource
+
+    from partitioner.errors import PipeplanError
+
+    ctx = click.get_current_context()
+    measuring = ["device", "repeats", "fixed_cost", "materialize"]
+    if device_model != "cpu":
+        measuring += ["threads", "clock"]  # the cpu model measures this machine at --threads, --clock
+    given = [p for p in measuring if ctx.get_parameter_source(p) == ParameterSource.COMMANDLINE]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise PipeplanError(f"{flag} shapes a measurement; --device-model estimates without one: drop {flag}")
+
+
 @main.command()
 @click.argument("model")
 @click.option(
@@ -266,6 +282,29 @@ def _profile_totals(profile: Any, path: Any) -> str:
     help="Measure under autocast to bf16 or fp16 (float32 weights), as `pipeplan run --precision` "
     "trains; partition carries it into plan.json.",
 )
+@click.option(
+    "--materialize",
+    type=click.Choice(["auto", "whole", "layer"]),
+    default="auto",
+    show_default=True,
+    help="whole: build the model on the device and time the whole step too; layer: build it without "
+    "weights and make one layer real at a time (memory of one layer, no whole-step time); auto: whole "
+    "while the weights take at most an eighth of the free memory.",
+)
+@click.option(
+    "--device-model",
+    default=None,
+    metavar="NAME|FILE.json",
+    help="Estimate every layer for a device that is not here instead of measuring: h100, a100-80gb, "
+    "h200, cpu (this machine's measured rates) or a device model file (docs/devices.md). Nothing is "
+    "allocated: plans a 70B model on a laptop.",
+)
+@click.option(
+    "--reuse/--no-reuse",
+    default=True,
+    show_default=True,
+    help="Measure identical layers (same code, shapes and dtypes) once and share the result.",
+)
 @click.option("--top", type=int, default=10, show_default=True, help="Layers shown in the summary table.")
 @click.option("--json", "as_json", is_flag=True, help="Print only the profile JSON on stdout.")
 @user_errors
@@ -283,6 +322,9 @@ def profile(
     microbatch_size: int | None,
     fixed_cost: bool,
     precision: str,
+    materialize: str,
+    reuse: bool,
+    device_model: str | None,
     top: int,
     as_json: bool,
 ) -> None:  # fmt: skip
@@ -306,6 +348,8 @@ def profile(
 
     if batch_size <= 0:
         raise PipeplanError(f"--batch-size must be positive, got {batch_size}")
+    if device_model is not None:
+        _check_estimate_options(device_model)
     check_precision_options(precision, dtype)
     shape = _parse_shape(input_shape)
     path = Path(output) if output else Path("profiles") / model_name(model) / "profile.json"
@@ -331,6 +375,9 @@ def profile(
             microbatch_size,
             precision,
             fixed_cost,
+            materialize=materialize,
+            reuse=reuse,
+            device_model=device_model,
         )
         bar.update(task, description="whole-step timing")
     save_profile(result, path)
@@ -365,13 +412,30 @@ def _newest_profile() -> Any:
     return found[-1]
 
 
-def _cluster(gpus: int | None, topology: str | None, bandwidth: str | None, memory: str | None) -> Any:
+def _cluster(
+    gpus: int | None,
+    topology: str | None,
+    bandwidth: str | None,
+    memory: str | None,
+    preset: str | None = None,
+) -> Any:
+    from dataclasses import replace
+
     from partitioner.errors import PlanError
     from partitioner.optimizer.units import parse_bandwidth, parse_bytes, parse_int_list
     from partitioner.plan import Cluster, Level
 
+    if preset is not None:
+        from partitioner.clusters import load_cluster
+
+        if gpus is not None or topology is not None or bandwidth is not None:
+            raise PlanError(
+                "--cluster gives the devices and their bandwidths: drop --gpus, --topology, --bandwidth"
+            )
+        cluster = load_cluster(preset)
+        return replace(cluster, memory_bytes=parse_bytes(memory)) if memory else cluster
     if (gpus is None) == (topology is None):
-        raise PlanError("give exactly one of --gpus N or --topology N1,N2,..")
+        raise PlanError("give exactly one of --gpus N, --topology N1,N2,.. or --cluster NAME[:NODES]")
     if gpus is not None and gpus < 1:
         raise PlanError(f"--gpus must be >= 1, got {gpus}")
     devices = [gpus] if gpus is not None else parse_int_list(str(topology), "--topology")
@@ -380,6 +444,23 @@ def _cluster(gpus: int | None, topology: str | None, bandwidth: str | None, memo
         raise PlanError(f"--bandwidth has {len(rates)} values but the topology has {len(devices)} levels")
     limit = parse_bytes(memory) if memory else None
     return Cluster(tuple(Level(d, r) for d, r in zip(devices, rates, strict=True)), limit)
+
+
+def _estimated_memory(profile: Any, cluster: Any) -> Any:
+    """A profile estimated for a device model plans with that device's memory unless told otherwise."""
+    from dataclasses import replace
+
+    from partitioner.devices import estimated_device
+
+    device = estimated_device(profile)
+    if device is None or cluster.memory_bytes is not None:
+        return cluster
+    _console(stderr=True).print(
+        f"[yellow]note:[/yellow] --memory {device.memory_bytes / 2**30:.0f}GiB, the memory of the "
+        f"{device.name} the profile was estimated for (give --memory to plan for another)",
+        soft_wrap=True,
+    )
+    return replace(cluster, memory_bytes=device.memory_bytes)
 
 
 def _cpu_hosts(cluster: Any, profile: Any, host_cores: int | None) -> Any:
@@ -540,12 +621,23 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
     from pathlib import Path
 
     from partitioner.atomic import write_text_atomic
+    from partitioner.errors import PlanError
     from partitioner.plan import mp_conf, save_plan
+    from partitioner.profiler.budget import unbuildable
 
-    if profile.tracer != "pipedream":
+    too_big = unbuildable(profile)
+    if profile.tracer != "pipedream" and too_big is None:
         from partitioner.codegen import write_package
 
         return write_package(profile, plan, out_dir, Path(weights) if weights else None, init)
+    if too_big and (weights or init != "auto"):
+        raise PlanError(f"--weights and --init shape the stage code, which is not written: {too_big}")
+    if too_big:
+        _console(stderr=True).print(
+            f"[yellow]note:[/yellow] stage code not written, only plan.json and mp_conf.json: {too_big}",
+            soft_wrap=True,
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
     save_plan(plan, out_dir / "plan.json")
     write_text_atomic(out_dir / "mp_conf.json", json.dumps(mp_conf(plan.stages), indent=1) + "\n")
     return plan
@@ -560,6 +652,14 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
     help="profile.json or PipeDream graph.txt  [default: newest profiles/*/profile.json]",
 )
 @click.option("--gpus", type=int, default=None, help="Devices on one level.")
+@click.option(
+    "--cluster",
+    "cluster_spec",
+    default=None,
+    metavar="NAME[:NODES]|FILE.json",
+    help="A cluster by name: dgx-a100, dgx-h100 or hgx-h200 (8 GPUs a node) times NODES, or a cluster "
+    "file; sets the topology, bandwidths and memory (--memory overrides). See docs/devices.md.",
+)
 @click.option(
     "--topology", default=None, help="Devices per level, innermost first (4,4 = 4 servers of 4 GPUs)."
 )
@@ -663,7 +763,8 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
 @click.option("-o", "--output", default="models", show_default=True, help="Output root: OUT/<model>/gpus=N/.")
 @user_errors
 def partition(
-    profile_path: str | None, gpus: int | None, topology: str | None, bandwidth: str | None,
+    profile_path: str | None, gpus: int | None, cluster_spec: str | None, topology: str | None,
+    bandwidth: str | None,
     memory: str | None, host_cores: int | None, schedule: str, microbatches: int | None, virtual: int | None,
     optimizer: str, straight: bool, recompute: str | None, solver: str, cuts: str | None,
     replicas: str | None, explain: bool,
@@ -706,7 +807,12 @@ def partition(
         )
     profile = with_update_time(profile, optimizer)
     recompute = recompute or ("auto" if schedule == "auto" else "none")  # auto searches recomputation too
-    cluster = _cpu_hosts(_cluster(gpus, topology, bandwidth, memory), profile, host_cores)
+    cluster = _cpu_hosts(_cluster(gpus, topology, bandwidth, memory, cluster_spec), profile, host_cores)
+    cluster = _estimated_memory(profile, cluster)
+    if cluster.memory_bytes is not None:
+        from partitioner.optimizer.memory import check_layers_fit
+
+        check_layers_fit(profile, cluster.memory_bytes, optimizer)
     micro = microbatches if microbatches is not None else (1 if schedule == "pipedream" else 4)
     v = _virtual_stages(schedule, virtual, explain)
     if schedule == "interleaved" and microbatches is None and v > 1:
@@ -954,7 +1060,8 @@ def calibrate(package: str | None, metrics_path: str | None, output: str | None,
     from pathlib import Path
 
     from partitioner.calibrate import calibrate as calibrated
-    from partitioner.calibrate import device_seconds, load_run_times
+    from partitioner.calibrate import calibrated_device, device_seconds, load_run_times
+    from partitioner.devices import save_device_model
     from partitioner.errors import PipeplanError
     from partitioner.graph import at_microbatches, load_profile, save_profile
     from partitioner.plan import load_plan
@@ -985,6 +1092,15 @@ def calibrate(package: str | None, metrics_path: str | None, output: str | None,
     forwards = 1 if plan.schedule == "pipedream" else plan.microbatches
     console.print(_calibration_table(at_microbatches(profile, forwards), plan, measured))
     console.print(f"wrote {path}; next: pipeplan partition --profile {path} ...", soft_wrap=True)
+    device = calibrated_device(profile, plan, measured, run.batch_size, run.source)
+    if device is not None:
+        where = save_device_model(device, path.with_name(f"{device.name}-calibrated.json"))
+        console.print(
+            f"the profile was estimated for {device.name}: its efficiencies corrected to matmul "
+            f"{device.matmul_efficiency:.3f}, memory {device.memory_efficiency:.3f}, launch "
+            f"{device.launch_s * 1e6:.1f} us; wrote {where} (pipeplan profile MODEL --device-model {where})",
+            soft_wrap=True,
+        )
 
 
 def _calibration_table(profile: Any, plan: Any, measured_s: Any) -> Any:

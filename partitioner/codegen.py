@@ -83,7 +83,8 @@ def write_package(
     shape = tuple(options["input_shape"]) if options.get("input_shape") else None
     batch = _trace_batch(options, plan)
     bundle = load_model(str(options.get("spec", profile.model)), batch, shape)
-    traced = trace_model(bundle, tuple(options.get("leaf_modules", ())), shape)
+    dynamic = not options.get("static_shapes")  # a graph traced with static shapes is traced so again
+    traced = trace_model(bundle, tuple(options.get("leaf_modules", ())), shape, dynamic=dynamic)
     if traced.tracer != profile.tracer:
         raise PackageError(
             f"re-tracing {bundle.spec} used {traced.tracer}, the profile used {profile.tracer}"

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from partitioner.errors import ModelSpecError
 from partitioner.zoo import ZOO, ZooEntry
+from runtime.lazy import split_buffers, weightless
 
 __all__ = [
     "SPEC_FORMS",
@@ -69,6 +70,8 @@ class ModelBundle:
         target_maker: ``batch_size`` -> example targets (deterministic, consistent with the inputs).
         input_names: when set, the inputs are keyword arguments of these names (Hugging Face models);
             otherwise they are positional.
+        buffers: for a module built without its weights (``load_model(..., lazy=True)``: every
+            tensor of ``module`` on the meta device), the real values of its buffers by qualified name.
     """
 
     spec: str
@@ -81,6 +84,7 @@ class ModelBundle:
     input_maker: Callable[[int], tuple[Tensor, ...]] = field(repr=False)
     target_maker: Callable[[int], Tensor] = field(repr=False)
     input_names: tuple[str, ...] = ()
+    buffers: Mapping[str, Tensor] = field(default_factory=dict, repr=False)
 
     def call(self, module: nn.Module, inputs: tuple[Tensor, ...]) -> Any:
         """Run ``module`` on ``inputs`` as this model is called: by keyword or by position."""
@@ -140,13 +144,18 @@ def model_name(spec: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name) or "model"
 
 
-def load_model(spec: str, batch_size: int = 1, input_shape: tuple[int, ...] | None = None) -> ModelBundle:
+def load_model(
+    spec: str, batch_size: int = 1, input_shape: tuple[int, ...] | None = None, lazy: bool = False
+) -> ModelBundle:
     """Resolve a spec into a bundle of module, example inputs, targets and loss.
 
     Args:
         spec: a zoo name, ``torchvision:NAME``, ``pkg.mod:factory`` or ``file.py:factory``.
         batch_size: samples in the example inputs and targets.
         input_shape: shape of one sample of the (single) input, overriding the model's default.
+        lazy: build the module without its weights (:func:`runtime.lazy.weightless`): every tensor
+            on the meta device, the buffers' real values in ``bundle.buffers``. Costs what the
+            buffers cost, whatever the model's size.
 
     Raises:
         ModelSpecError: unknown name, missing file or factory, a factory that raised, bad shapes.
@@ -156,16 +165,18 @@ def load_model(spec: str, batch_size: int = 1, input_shape: tuple[int, ...] | No
     if input_shape is not None and (not input_shape or any(d <= 0 for d in input_shape)):
         raise ModelSpecError(f"input shape must be positive integers such as 3,224,224, got {input_shape}")
     if spec in ZOO:
-        return _zoo_bundle(spec, ZOO[spec], batch_size, input_shape)
+        return _zoo_bundle(spec, ZOO[spec], batch_size, input_shape, lazy)
     if spec.startswith("hf:"):
         from partitioner.hf_inputs import hf_bundle_parts
 
         factory, names, make_inputs, make_targets = hf_bundle_parts(spec, input_shape)
-        return _bundle(spec, factory, batch_size, make_inputs, make_targets, default_loss, input_names=names)
+        return _bundle(
+            spec, factory, batch_size, make_inputs, make_targets, default_loss, input_names=names, lazy=lazy
+        )
     if spec.startswith("torchvision:"):
-        return _zoo_bundle(spec, _torchvision_entry(spec.partition(":")[2]), batch_size, input_shape)
+        return _zoo_bundle(spec, _torchvision_entry(spec.partition(":")[2]), batch_size, input_shape, lazy)
     if ":" in spec:
-        return _user_bundle(spec, batch_size, input_shape)
+        return _user_bundle(spec, batch_size, input_shape, lazy)
     close = difflib.get_close_matches(spec, ZOO, n=3)
     hint = f" (did you mean {', '.join(close)}?)" if close else ""
     raise ModelSpecError(f"unknown model {spec!r}{hint}; use {SPEC_FORMS}; built-ins: {', '.join(ZOO)}")
@@ -174,16 +185,20 @@ def load_model(spec: str, batch_size: int = 1, input_shape: tuple[int, ...] | No
 # ---------------------------------------------------------------- building
 
 
-def _build(factory: Callable[[], Any], seed: int, device: str | torch.device) -> nn.Module:
-    return _seeded_call(factory, seed, device)[0]
+def _build(
+    factory: Callable[[], Any], seed: int, device: str | torch.device, lazy: bool = False
+) -> nn.Module:
+    return _seeded_call(factory, seed, device, lazy)[0]
 
 
 def _seeded_call(
-    factory: Callable[[], Any], seed: int = 0, device: str | torch.device = "cpu"
+    factory: Callable[[], Any], seed: int = 0, device: str | torch.device = "cpu", lazy: bool = False
 ) -> tuple[nn.Module, Any]:
-    """Call a factory under ``seed`` without disturbing the caller's RNG; (module, example inputs or None)."""
+    """Call a factory under ``seed`` without disturbing the caller's RNG; (module, example inputs or None).
+    ``lazy``: the module's parameters on the meta device, its buffers real (``runtime.lazy``)."""
     name = getattr(factory, "__qualname__", repr(factory))
-    with torch.random.fork_rng(devices=[]), torch.device(device):
+    place = weightless() if lazy else torch.device(device)
+    with torch.random.fork_rng(devices=[]), place:
         torch.manual_seed(seed)
         try:
             made = factory()
@@ -215,7 +230,7 @@ def _generator() -> torch.Generator:
 
 
 def _zoo_bundle(
-    spec: str, entry: ZooEntry, batch_size: int, input_shape: tuple[int, ...] | None
+    spec: str, entry: ZooEntry, batch_size: int, input_shape: tuple[int, ...] | None, lazy: bool = False
 ) -> ModelBundle:
     shape = tuple(input_shape) if input_shape else entry.input_shape
     if entry.tokens and len(shape) != 1:
@@ -231,7 +246,7 @@ def _zoo_bundle(
             return next_token_targets(make_inputs(b)[0])
         return torch.randint(0, entry.classes, (b,), generator=_generator())
 
-    return _bundle(spec, entry.factory, batch_size, make_inputs, make_targets, default_loss)
+    return _bundle(spec, entry.factory, batch_size, make_inputs, make_targets, default_loss, lazy=lazy)
 
 
 def next_token_targets(tokens: Tensor) -> Tensor:
@@ -268,11 +283,17 @@ def _bundle(
     loss_fn: Callable[[Any, Tensor], Tensor],
     module: nn.Module | None = None,
     input_names: tuple[str, ...] = (),
+    lazy: bool = False,
+    buffers: Mapping[str, Tensor] | None = None,
 ) -> ModelBundle:
+    if module is None:
+        module = _build(factory, 0, "cpu", lazy)
+        buffers = split_buffers(module) if lazy else None
     return ModelBundle(
         input_names=input_names,
+        buffers=dict(buffers or {}),
         spec=spec,
-        module=(module if module is not None else _build(factory, 0, "cpu")).train(),
+        module=module.train(),
         inputs=make_inputs(batch_size),
         targets=make_targets(batch_size),
         loss_fn=loss_fn,
@@ -286,13 +307,16 @@ def _bundle(
 # ---------------------------------------------------------------- user factories
 
 
-def _user_bundle(spec: str, batch_size: int, input_shape: tuple[int, ...] | None) -> ModelBundle:
+def _user_bundle(
+    spec: str, batch_size: int, input_shape: tuple[int, ...] | None, lazy: bool = False
+) -> ModelBundle:
     where, _, attr = spec.rpartition(":")
     source = _import_source(where, spec)
     factory = getattr(source, attr, None)
     if not callable(factory):
         raise ModelSpecError(f"{where} has no callable {attr!r} (spec {spec!r}; expected {SPEC_FORMS})")
-    module, extra = _seeded_call(factory)
+    module, extra = _seeded_call(factory, lazy=lazy)
+    buffers = split_buffers(module) if lazy else None
     names = _input_names(extra, getattr(source, "example_inputs", None))
     returned = _as_inputs(extra, spec) if extra is not None else None
     make_inputs = _user_inputs(spec, source, returned, input_shape)
@@ -302,7 +326,9 @@ def _user_bundle(spec: str, batch_size: int, input_shape: tuple[int, ...] | None
         make_targets: Callable[[int], Tensor] = user_targets
     else:
         make_targets = _derived_targets(module, make_inputs, names)
-    return _bundle(spec, factory, batch_size, make_inputs, make_targets, loss_fn, module, names)
+    return _bundle(
+        spec, factory, batch_size, make_inputs, make_targets, loss_fn, module, names, lazy, buffers
+    )
 
 
 def _input_names(returned: Any, example_inputs: Any) -> tuple[str, ...]:
@@ -397,9 +423,11 @@ def _derived_targets(
 
     def make_targets(b: int) -> Tensor:
         inputs = make_inputs(b)
+        where = next((t.device for t in module.parameters()), torch.device("cpu"))
+        run = tuple(t.to("meta") for t in inputs) if where.type == "meta" else inputs  # built lazily
         with torch.no_grad():
             try:
-                output = module(**dict(zip(names, inputs, strict=True))) if names else module(*inputs)
+                output = module(**dict(zip(names, run, strict=True))) if names else module(*run)
                 logits = logits_of(output)
             except Exception as exc:
                 given = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in inputs)

@@ -13,17 +13,29 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import Tensor, fx, nn
 
+from partitioner.devices import device_model_to_json, load_device_model
 from partitioner.errors import PipeplanError, TraceError
 from partitioner.graph import Node, Profile, TensorSpec, scale_batch
 from partitioner.models import ModelBundle, load_model
+from partitioner.profiler.budget import choose_materialize
+from partitioner.profiler.cpu_model import cpu_model
+from partitioner.profiler.estimate import (
+    LayerEstimator,
+    estimate_loss,
+    estimate_update,
+    moe_assumption,
+    on_meta,
+)
+from partitioner.profiler.fake import trace_weightless
 from partitioner.profiler.fixed import measure_fixed
+from partitioner.profiler.layerwise import LayerwiseProfiler, Weights
 from partitioner.profiler.measure import (
     LayerCost,
     LayerProfiler,
@@ -37,11 +49,27 @@ from partitioner.profiler.update import measure_update
 from partitioner.update import UPDATE_KEY
 from runtime.precision import PRECISIONS
 
-__all__ = ["check_precision_options", "profile_model", "resolve_device", "resolve_dtype"]
+__all__ = [
+    "ESTIMATE_KEY",
+    "MEASURED_KEY",
+    "check_layers_fit",
+    "check_precision_options",
+    "profile_model",
+    "resolve_device",
+    "resolve_dtype",
+]
 
 log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int, str], None]
+
+ESTIMATE_KEY = "estimate"
+"""``profile.extra`` key of an estimated profile: the device model (with its sources) and what the
+estimate assumed. Absent from measured profiles."""
+
+MEASURED_KEY = "layers_measured"
+"""``profile.extra`` key: how many layers the profile has, how many distinct ones were measured (or
+estimated), and which layer shares which one's measurement."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -93,6 +121,9 @@ def profile_model(
     microbatch_size: int | None = None,
     precision: str = "fp32",
     fixed_cost: bool = True,
+    materialize: str = "auto",
+    reuse: bool = True,
+    device_model: str | None = None,
 ) -> Profile:
     """Trace ``spec`` and measure every layer at ``batch_size``; see ``partitioner.graph.Profile``.
 
@@ -117,6 +148,15 @@ def profile_model(
         fixed_cost: also measure every layer at an eighth of the batch, for each layer's fixed time
             per call (:mod:`partitioner.profiler.fixed`): what prices one microbatch count against
             another. A second pass, at an eighth of the samples.
+        materialize: ``whole`` (the model real on the device: every layer measured on one real
+            forward, and the whole step timed), ``layer`` (built without its weights, each layer real
+            only while measured: peak memory one layer; no step time) or ``auto`` (whole while the
+            weights take at most an eighth of the free memory; :mod:`partitioner.profiler.budget`).
+        reuse: measure identical layers once (:mod:`partitioner.profiler.fingerprint`).
+        device_model: estimate every layer for this device instead of measuring it: a preset
+            (``h100``, ``a100-80gb``, ``h200``; ``cpu``: this machine's measured rates) or a device
+            model JSON file (:mod:`partitioner.devices`). Nothing is materialised; ``device``,
+            ``repeats``, ``clock``, ``fixed_cost`` and ``materialize`` do not apply.
 
     Raises:
         PipeplanError: bad spec, shapes, device or dtype; TraceError when the model cannot be traced.
@@ -131,6 +171,17 @@ def profile_model(
     if microbatch_size is not None and not 0 < microbatch_size <= batch_size:
         raise PipeplanError(f"--microbatch-size must be between 1 and --batch-size {batch_size}")
     measured = microbatch_size or batch_size
+    if device_model is not None:
+        if (clock != "wall" and device_model != "cpu") or materialize not in ("auto", "layer"):
+            raise PipeplanError(
+                "--device-model estimates times without running the model: --clock (but for the cpu "
+                "model) and --materialize whole do not apply"
+            )
+        profile = _estimated(
+            spec, measured, input_shape, dtype, leaf_modules, progress, precision, reuse, device_model,
+            threads, clock,
+        )  # fmt: skip
+        return scale_batch(profile, batch_size) if measured != batch_size else profile
     previous = torch.get_num_threads()
     if threads is None and resolve_device(device).type == "cpu":
         threads = 1  # a CPU rank of `pipeplan run` gets cores / ranks threads: one as soon as ranks >= cores
@@ -138,7 +189,7 @@ def profile_model(
     try:
         profile = _profile(
             spec, measured, input_shape, device, dtype, leaf_modules, repeats, progress, clock, precision,
-            fixed_cost,
+            fixed_cost, materialize, reuse,
         )  # fmt: skip
     finally:
         torch.set_num_threads(previous)
@@ -157,45 +208,26 @@ def _profile(
     clock: str,
     precision: str = "fp32",
     fixed_cost: bool = True,
+    materialize: str = "whole",
+    reuse: bool = True,
 ) -> Profile:
     """profile_model's work, under the thread count it set."""
     started, load_before = time.perf_counter(), _load()
     where, param_dtype = resolve_device(device), resolve_dtype(dtype)
     if clock == "cpu" and where.type != "cpu":
         raise PipeplanError("--clock cpu measures CPU time: it only applies to --device cpu")
-    bundle = _placed(load_model(spec, batch_size, input_shape), where, param_dtype)
-    traced = trace_model(bundle, leaf_modules, input_shape)
-    gm = traced.graph_module
+    lazy = None
+    if materialize != "whole":
+        lazy, materialize = _lazy_or_whole(spec, batch_size, input_shape, where, param_dtype, materialize)
+    options = _Options(repeats, progress, clock, precision, fixed_cost, reuse)
     try:
-        # The step runs the traced graph, the code the pipeline stages are cut from (for fx, the model's own
-        # modules; for export, its aten ops without the Python around them). Its samples bracket the layer
-        # measurements, so both see the same machine load.
-        inputs = dict(zip(bundle.input_names, bundle.inputs, strict=True)) if bundle.input_names else None
-        step_args = (gm, inputs or bundle.inputs, bundle.targets, bundle.loss_fn)
-        before = measure_step(*step_args, repeats=1, warmup=1, clock=clock, precision=precision)
-        profiler = LayerProfiler(
-            gm, traced.groups, repeats=repeats, progress=progress, clock=clock, precision=precision
-        )
-        costs = profiler.profile(*bundle.inputs)
-        loss_ms = measure_loss(
-            profiler.result, bundle.targets, bundle.loss_fn, repeats, clock=clock, precision=precision
-        )
-        non_tensor_edges = [list(edge) for edge in profiler.non_tensor_edges]
-        if non_tensor_edges:
-            log.warning("layers read non-tensor values from other layers: %s", non_tensor_edges[:5])
-        del profiler
-        after = measure_step(
-            *step_args, repeats=max(1, repeats - 1), warmup=0, budget_ms=math.inf, clock=clock,
-            precision=precision,
-        )  # fmt: skip
-        samples = before.samples_ms + after.samples_ms
-        step = StepCost(statistics.median(samples), samples)
-        update = measure_update(gm, repeats, clock)
-        fixed, fixed_note = (
-            measure_fixed(gm, traced.groups, bundle.inputs, batch_size, costs, repeats, clock, precision)
-            if fixed_cost
-            else ({}, {"skipped": "profiled with --no-fixed-cost"})
-        )
+        if lazy is not None and materialize == "layer":
+            bundle, traced = lazy, trace_weightless(lazy, where, leaf_modules, input_shape)
+            run = _by_layer(bundle, traced, where, options)
+        else:
+            bundle = _placed(load_model(spec, batch_size, input_shape), where, param_dtype)
+            traced = trace_model(bundle, leaf_modules, input_shape)
+            run = _whole(bundle, traced, batch_size, options)
     except PipeplanError:
         raise
     except Exception as exc:
@@ -204,11 +236,218 @@ def _profile(
             f"running the traced {spec} failed: {type(exc).__name__}: {first}; "
             "mark the module that fails with --leaf-module CLASS"
         ) from exc
-    nodes = _nodes(traced, costs, loss_ms, bundle.loss_fn, fixed)
+    extra = {
+        "threads": torch.get_num_threads(),
+        "repeats": repeats,
+        "clock": clock,
+        "materialized": materialize,
+        **run.extra,
+        "profile_wall_s": round(time.perf_counter() - started, 3),
+        "loadavg_1min": [load_before, _load()],
+        "cpus": os.cpu_count(),
+    }
+    return _assemble(spec, bundle, traced, where, param_dtype, precision, run, extra)
+
+
+def _estimated(
+    spec: str,
+    batch_size: int,
+    input_shape: tuple[int, ...] | None,
+    dtype: str,
+    leaf_modules: Sequence[str],
+    progress: Progress | None,
+    precision: str,
+    reuse: bool,
+    device_model: str,
+    threads: int | None,
+    clock: str = "wall",
+) -> Profile:
+    """The profile ``device_model`` would give: every layer estimated on the meta device
+    (:mod:`partitioner.profiler.estimate`), traced as on a CPU (what ``partition`` re-traces)."""
+    started, load_before = time.perf_counter(), _load()
+    model = cpu_model(threads or 1, clock=clock) if device_model == "cpu" else load_device_model(device_model)
+    param_dtype, cpu = resolve_dtype(dtype), torch.device("cpu")
+    bundle = _lazy_bundle(load_model(spec, batch_size, input_shape, lazy=True), cpu, param_dtype)
+    traced = trace_weightless(bundle, cpu, leaf_modules, input_shape)
+    estimator = LayerEstimator(on_meta(traced.graph_module), traced.groups, model, precision, reuse, progress)
+    try:
+        costs = estimator.profile(*(t.to("meta") for t in bundle.inputs))
+        loss_ms = estimate_loss(estimator.result, bundle.targets, bundle.loss_fn, model, precision)
+    except PipeplanError:
+        raise
+    except Exception as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise TraceError(
+            f"estimating {spec} on the meta device failed: {type(exc).__name__}: {first}; "
+            "keep the module that fails whole with --leaf-module CLASS"
+        ) from exc
+    assumptions = [*model.assumptions]
+    moe = moe_assumption(bundle.module)
+    if moe:
+        assumptions.append(moe)
+    if precision != "fp32":
+        assumptions.append(
+            f"{precision} autocast: matrix products priced in {precision}, other kernels and the bytes "
+            "saved for backward in the dtypes of a float32 run (an over-estimate of memory)"
+        )
+    estimate = {
+        "device_model": device_model_to_json(model),
+        "from": device_model,
+        "assumptions": assumptions,
+    }
+    extra = {
+        ESTIMATE_KEY: estimate,
+        "loss_ms": list(loss_ms),
+        **_profiler_notes(estimator),
+        UPDATE_KEY: estimate_update(traced.graph_module, model),
+        "fixed_cost": {"estimated": "one kernel launch per kernel"},
+        "materialized": "none",
+        "profile_wall_s": round(time.perf_counter() - started, 3),
+        "loadavg_1min": [load_before, _load()],
+        "cpus": os.cpu_count(),
+    }
+    run = _Run(costs, loss_ms, None, estimator.fixed(), extra)
+    where = "cpu" if device_model == "cpu" else model.name
+    profile = _assemble(spec, bundle, traced, where, param_dtype, precision, run, extra)
+    check_layers_fit(profile, model.memory_bytes, model.name)
+    return profile
+
+
+def check_layers_fit(profile: Profile, memory_bytes: int, device: str) -> None:
+    """A PipeplanError naming the largest layer whose weights alone exceed a device's memory: a
+    pipeline cuts between layers, so no plan can hold it."""
+    too_big = [n for n in profile.nodes if n.param_bytes > memory_bytes]
+    if too_big:
+        worst = max(too_big, key=lambda n: n.param_bytes)
+        raise PipeplanError(
+            f"layer {worst.name} has {worst.param_bytes / 2**30:.1f} GiB of weights and a {device} has "
+            f"{memory_bytes / 2**30:.1f} GiB: no device can hold it (a pipeline splits a model between "
+            "layers, not inside one); use a device with more memory or lower-precision weights (--dtype)"
+        )
+
+
+@dataclass(frozen=True)
+class _Options:
+    """How to measure: profile_model's arguments, passed on together."""
+
+    repeats: int
+    progress: Progress | None
+    clock: str
+    precision: str
+    fixed_cost: bool
+    reuse: bool
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What one way of profiling measured: per-group costs, the loss, the whole step if measured,
+    each layer's fixed time per call, and what to record in ``profile.extra``."""
+
+    costs: Mapping[str, LayerCost]
+    loss_ms: tuple[float, float]
+    step_ms: float | None
+    fixed: Mapping[str, tuple[float, float]]
+    extra: Mapping[str, Any]
+
+
+def _whole(bundle: ModelBundle, traced: Traced, batch_size: int, o: _Options) -> _Run:
+    """The model real and whole on the device: every layer measured on the values of one forward,
+    bracketed by timings of the whole step (the yardstick of ``Profile.fidelity``)."""
+    gm = traced.graph_module
+    # The step runs the traced graph, the code the pipeline stages are cut from (for fx, the model's own
+    # modules; for export, its aten ops without the Python around them). Its samples bracket the layer
+    # measurements, so both see the same machine load.
+    inputs = dict(zip(bundle.input_names, bundle.inputs, strict=True)) if bundle.input_names else None
+    step_args = (gm, inputs or bundle.inputs, bundle.targets, bundle.loss_fn)
+    before = measure_step(*step_args, repeats=1, warmup=1, clock=o.clock, precision=o.precision)
+    profiler = LayerProfiler(
+        gm, traced.groups, repeats=o.repeats, progress=o.progress, clock=o.clock, precision=o.precision,
+        reuse=o.reuse,
+    )  # fmt: skip
+    costs = profiler.profile(*bundle.inputs)
+    loss_ms = measure_loss(
+        profiler.result, bundle.targets, bundle.loss_fn, o.repeats, clock=o.clock, precision=o.precision
+    )
+    notes = _profiler_notes(profiler)
+    del profiler
+    after = measure_step(
+        *step_args, repeats=max(1, o.repeats - 1), warmup=0, budget_ms=math.inf, clock=o.clock,
+        precision=o.precision,
+    )  # fmt: skip
+    samples = before.samples_ms + after.samples_ms
+    step = StepCost(statistics.median(samples), samples)
+    update = measure_update(gm, o.repeats, o.clock)
+    fixed, fixed_note = (
+        measure_fixed(gm, traced.groups, bundle.inputs, batch_size, costs, o.repeats, o.clock, o.precision)
+        if o.fixed_cost
+        else ({}, {"skipped": "profiled with --no-fixed-cost"})
+    )
+    extra = {
+        "step_of": "graph_module",
+        "step_samples_ms": list(step.samples_ms),
+        "loss_ms": list(loss_ms),
+        **notes,
+        UPDATE_KEY: update,
+        "fixed_cost": fixed_note,
+    }
+    return _Run(costs, loss_ms, step.step_ms, fixed, extra)
+
+
+def _by_layer(bundle: ModelBundle, traced: Traced, where: torch.device, o: _Options) -> _Run:
+    """The model on the meta device, each layer made real on ``where`` only while it is measured
+    (:mod:`partitioner.profiler.layerwise`): no whole step, so no fidelity."""
+    gm = traced.graph_module
+    profiler = LayerwiseProfiler(
+        gm, traced.groups, Weights(gm, bundle.buffers, where), repeats=o.repeats, progress=o.progress,
+        clock=o.clock, precision=o.precision, reuse=o.reuse,
+    )  # fmt: skip
+    costs = profiler.profile(*bundle.inputs)
+    loss_ms = measure_loss(
+        profiler.result, bundle.targets, bundle.loss_fn, o.repeats, clock=o.clock, precision=o.precision
+    )
+    notes = _profiler_notes(profiler)
+    del profiler
+    update = measure_update(gm, o.repeats, o.clock, device=where)
+    skipped = "measured layer by layer on a graph of static shapes, which runs one batch size only"
+    extra = {
+        "loss_ms": list(loss_ms),
+        **notes,
+        UPDATE_KEY: update,
+        "fixed_cost": {"skipped": skipped if o.fixed_cost else "profiled with --no-fixed-cost"},
+    }
+    return _Run(costs, loss_ms, None, {}, extra)
+
+
+def _profiler_notes(profiler: LayerProfiler) -> dict[str, Any]:
+    """What a profiler run records beside the costs: non-tensor edges and which layers were measured."""
+    non_tensor_edges = [list(edge) for edge in profiler.non_tensor_edges]
+    if non_tensor_edges:
+        log.warning("layers read non-tensor values from other layers: %s", non_tensor_edges[:5])
+    layers = [g for g in profiler.groups if g.op not in ("input", "output")]
+    measured = {
+        "layers": len(layers),
+        "distinct": len(layers) - len(profiler.twins),
+        "reused": dict(profiler.twins),
+    }
+    return {"non_tensor_edges": non_tensor_edges, MEASURED_KEY: measured}
+
+
+def _assemble(
+    spec: str,
+    bundle: ModelBundle,
+    traced: Traced,
+    where: torch.device | str,
+    param_dtype: torch.dtype,
+    precision: str,
+    run: _Run,
+    extra: Mapping[str, Any],
+) -> Profile:
+    """The profile of a traced model from what a run measured (or estimated)."""
+    nodes = _nodes(traced, run.costs, run.loss_ms, bundle.loss_fn, run.fixed)
     return Profile(
         nodes=nodes,
         model=spec,
-        batch_size=batch_size,
+        batch_size=bundle.batch_size,
         inputs=tuple(TensorSpec(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in bundle.inputs),
         device=str(where),
         dtype=str(param_dtype).removeprefix("torch."),
@@ -216,22 +455,9 @@ def _profile(
         torch_version=torch.__version__,
         tracer=traced.tracer,
         tracer_options=dict(traced.options),
-        step_ms=step.step_ms,
+        step_ms=run.step_ms,
         tied=_tied(bundle.module),
-        extra={
-            "threads": torch.get_num_threads(),
-            "repeats": repeats,
-            "step_of": "graph_module",
-            "clock": clock,
-            "step_samples_ms": list(step.samples_ms),
-            "loss_ms": list(loss_ms),
-            "profile_wall_s": round(time.perf_counter() - started, 3),
-            "non_tensor_edges": non_tensor_edges,
-            "loadavg_1min": [load_before, _load()],
-            "cpus": os.cpu_count(),
-            UPDATE_KEY: update,
-            "fixed_cost": fixed_note,
-        },
+        extra=dict(extra),
     )
 
 
@@ -241,6 +467,43 @@ def _load() -> float:
         return round(os.getloadavg()[0], 2)
     except OSError:
         return 0.0
+
+
+def _lazy_or_whole(
+    spec: str,
+    batch_size: int,
+    input_shape: tuple[int, ...] | None,
+    where: torch.device,
+    dtype: torch.dtype,
+    materialize: str,
+) -> tuple[ModelBundle | None, str]:
+    """The model built without its weights and ``whole`` or ``layer`` (``auto`` decided from its
+    size); under ``auto``, a model that cannot be built so (its file runs it on the meta device,
+    and it reads a value) is profiled whole."""
+    try:
+        lazy = _lazy_bundle(load_model(spec, batch_size, input_shape, lazy=True), where, dtype)
+    except PipeplanError as exc:
+        if materialize == "layer":
+            raise PipeplanError(
+                f"{exc}; building {spec} without its weights failed: try --materialize whole"
+            ) from exc
+        log.info("cannot build %s without its weights (%s): profiling it whole", spec, exc)
+        return None, "whole"
+    return lazy, choose_materialize(materialize, lazy.module, where)
+
+
+def _lazy_bundle(bundle: ModelBundle, device: torch.device, dtype: torch.dtype) -> ModelBundle:
+    """A bundle built without its weights, in ``dtype`` (weights, float buffers and float inputs) and
+    with its inputs on ``device``; the module stays on the meta device."""
+
+    def move(t: Tensor) -> Tensor:
+        return t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+
+    bundle.module.to(dtype=dtype)
+    buffers = {k: v.to(dtype) if v.is_floating_point() else v for k, v in bundle.buffers.items()}
+    return replace(
+        bundle, inputs=tuple(move(t) for t in bundle.inputs), targets=move(bundle.targets), buffers=buffers
+    )
 
 
 def _placed(bundle: ModelBundle, device: torch.device, dtype: torch.dtype) -> ModelBundle:
@@ -260,10 +523,10 @@ def _tied(module: nn.Module) -> tuple[tuple[str, ...], ...]:
 
 def _nodes(
     traced: Traced,
-    costs: dict[str, LayerCost],
+    costs: Mapping[str, LayerCost],
     loss_ms: tuple[float, float],
     loss_fn: Callable[..., Any],
-    fixed: dict[str, tuple[float, float]],
+    fixed: Mapping[str, tuple[float, float]],
 ) -> tuple[Node, ...]:
     gm = traced.graph_module
     owner = {m: g.id for g in traced.groups for m in g.members}

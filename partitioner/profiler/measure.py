@@ -22,13 +22,14 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from partitioner.profiler.fingerprint import fingerprint
 from partitioner.profiler.trace import Group
 from runtime.precision import autocast
 
@@ -96,8 +97,10 @@ class Stopwatch:
 
 
 def _storage_key(t: Tensor) -> tuple[int, int]:
+    """(identity, bytes) of a tensor's storage: its address, or for a meta tensor (address 0) the
+    address of torch's storage object, so storages are told apart on the meta device too."""
     storage = t.untyped_storage()
-    return storage.data_ptr(), storage.nbytes()
+    return storage.data_ptr() or storage._cdata, storage.nbytes()
 
 
 def _tensors(value: Any) -> list[Tensor]:
@@ -121,6 +124,8 @@ class LayerProfiler(fx.Interpreter):
         budget_ms: float = 500.0,
         clock: str = "wall",
         precision: str = "fp32",
+        reuse: bool = True,
+        device: torch.device | None = None,
     ) -> None:
         super().__init__(gm, garbage_collect_values=False)
         self.precision = precision
@@ -134,7 +139,7 @@ class LayerProfiler(fx.Interpreter):
         self.last_of = {g.members[-1]: g for g in self.groups}
         self.member_of = {m: g.id for g in self.groups for m in g.members}
         self.grad_nodes = self._nodes_needing_grad(gm)
-        device = next((p.device for p in gm.parameters()), torch.device("cpu"))
+        device = device or next((p.device for p in gm.parameters()), torch.device("cpu"))
         self.device = device
         self.stopwatch = Stopwatch(device, clock)
         self.param_storages = {_storage_key(t)[0] for t in [*gm.parameters(), *gm.buffers()]}
@@ -143,6 +148,11 @@ class LayerProfiler(fx.Interpreter):
         self.non_tensor_edges: list[tuple[str, str]] = []
         """(graph node, group id) pairs where a layer reads a non-tensor (a Python int, a shape) from
         another layer: a cut there would have to send it, and only tensors cross pipeline stages."""
+        self.reuse = reuse
+        self.prints: dict[str, str] = {}
+        """fingerprint -> the group measured with it (:mod:`partitioner.profiler.fingerprint`)."""
+        self.twins: dict[str, str] = {}
+        """group id -> the group whose measurement it shares (``reuse``: identical layers measured once)."""
 
     def profile(self, *inputs: Tensor) -> dict[str, LayerCost]:
         """Measure every group; keys are group ids."""
@@ -156,10 +166,31 @@ class LayerProfiler(fx.Interpreter):
         group = self.last_of.get(n.name)
         if group is not None:
             self.env[n] = result
-            self.costs[group.id] = self._measure(group)
+            self.costs[group.id] = self._cost(group, self.twin_of(group))
             if self.progress:
                 self.progress(len(self.costs), len(self.groups), group.name)
         return result
+
+    def twin_of(self, group: Group) -> str | None:
+        """The group already measured that ``group`` is identical to, else None (and ``group``
+        becomes the one its later twins share). Reads the values of the group's inputs."""
+        members = [self.by_name[m] for m in group.members]
+        if not self.reuse or members[0].op in ("placeholder", "output"):
+            return None
+        key = fingerprint(self.module, members, self.env, self.grad_nodes)
+        twin = self.prints.setdefault(key, group.id)
+        return None if twin == group.id else twin
+
+    def _cost(self, group: Group, twin: str | None) -> LayerCost:
+        """The group's measurement, or its twin's (with its own output bytes) when it has one."""
+        self._note_non_tensor_edges(group)
+        if twin is None:
+            return self._measure(group)
+        self.twins[group.id] = twin
+        members = [self.by_name[m] for m in group.members]
+        exported = [m for m in members if any(self.member_of[u.name] != group.id for u in m.users)]
+        out_bytes = sum(t.nbytes for m in exported for t in _tensors(self.env[m]))
+        return replace(self.costs[twin], output_bytes=out_bytes)
 
     def _nodes_needing_grad(self, gm: fx.GraphModule) -> set[str]:
         """Nodes whose values depend on a trainable parameter: those get gradients in a real step."""
@@ -182,11 +213,6 @@ class LayerProfiler(fx.Interpreter):
             outputs = self.env[members[0]] if members[0].op == "placeholder" else ()
             return LayerCost(0.0, 0.0, sum(t.nbytes for t in _tensors(outputs)), 0)
         external = {a for m in members for a in m.all_input_nodes if a.name not in group.members}
-        self.non_tensor_edges.extend(
-            (a.name, group.id)
-            for a in sorted(external, key=lambda a: a.name)
-            if a.op != "get_attr" and any(not isinstance(v, Tensor) for v in tree_flatten(self.env[a])[0])
-        )
         exported = [m for m in members if any(self.member_of[u.name] != group.id for u in m.users)]
         params = self._params_of(members)
         saved = cast = 0
@@ -213,6 +239,17 @@ class LayerProfiler(fx.Interpreter):
                     )
         out_bytes = sum(t.nbytes for m in exported for t in _tensors(self.env[m]))
         return LayerCost(_median(forward), _median(backward), out_bytes, saved, cast)
+
+    def _note_non_tensor_edges(self, group: Group) -> None:
+        members = [self.by_name[m] for m in group.members]
+        if members[0].op in ("placeholder", "output"):
+            return
+        external = {a for m in members for a in m.all_input_nodes if a.name not in group.members}
+        self.non_tensor_edges.extend(
+            (a.name, group.id)
+            for a in sorted(external, key=lambda a: a.name)
+            if a.op != "get_attr" and any(not isinstance(v, Tensor) for v in tree_flatten(self.env[a])[0])
+        )
 
     def _params_of(self, members: list[fx.Node]) -> list[Tensor]:
         found: dict[int, Tensor] = {}

@@ -32,28 +32,37 @@ _OPTIMIZERS: dict[str, Callable[[list[Tensor]], torch.optim.Optimizer]] = {
 }
 
 
-def _sample(params: Sequence[Tensor]) -> list[Tensor]:
-    """Copies of the first tensors up to the byte budget (at least one), with gradients."""
+def _sample(params: Sequence[Tensor], device: torch.device | None) -> list[Tensor]:
+    """Tensors shaped as the first parameters up to the byte budget, with gradients, on ``device``
+    (else the parameters' own; the update's cost does not depend on the values). A parameter that
+    would cross the budget is cut to it (a flat prefix): the update is elementwise, so its rate per
+    byte is the same, and the optimizer state of a 1 GiB embedding is not allocated to learn it."""
     chosen, total = [], 0
     for p in params:
         if total >= UPDATE_BUDGET_BYTES:
             break
-        copy = p.detach().clone().requires_grad_()
+        room = max(1, (UPDATE_BUDGET_BYTES - total) // p.element_size())
+        shape = p.shape if p.numel() <= room else (room,)
+        copy = torch.empty(shape, dtype=p.dtype, device=device or p.device).normal_(0, 0.02)
+        copy.requires_grad_()
         copy.grad = torch.full_like(copy, 1e-3)
         chosen.append(copy)
-        total += p.numel() * p.element_size()
+        total += copy.numel() * copy.element_size()
     return chosen
 
 
-def measure_update(module: nn.Module, repeats: int = 3, clock: str = "wall") -> dict[str, float]:
+def measure_update(
+    module: nn.Module, repeats: int = 3, clock: str = "wall", device: torch.device | None = None
+) -> dict[str, float]:
     """Seconds per parameter byte of one optimizer step, per optimizer (sgd, momentum, adam, adamw).
 
-    Copies of the module's floating-point parameters are stepped (the module is left as it was),
-    after one untimed step that allocates the optimizer's state; the median of ``repeats``.
-    Empty when the module has no trainable floating-point parameters.
+    Tensors shaped as the module's floating-point parameters are stepped (the module is left as it
+    was), after one untimed step that allocates the optimizer's state; the median of ``repeats``.
+    ``device``: where, for a module whose parameters are on the meta device. Empty when the module
+    has no trainable floating-point parameters.
     """
     params = [p for p in module.parameters() if p.requires_grad and p.is_floating_point()]
-    sample = _sample(params)
+    sample = _sample(params, device)
     nbytes = sum(p.numel() * p.element_size() for p in sample)
     if not nbytes:
         return {}

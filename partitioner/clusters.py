@@ -1,0 +1,132 @@
+"""Clusters that are not here: GPUs per node, link bandwidth per level and memory per GPU, by name.
+
+``pipeplan partition --cluster dgx-h100:8`` plans for 8 nodes of 8 H100s without spelling out
+``--topology 8,8 --bandwidth 450GB/s,50GB/s --memory 80GiB``. A preset is one node design; the
+count after the colon is how many nodes (1 by default). A cluster file (JSON) describes any
+hierarchy: levels innermost first, each with its devices and the bandwidth one device has to its
+peers at that level.
+
+Bandwidths are per GPU and per direction, what the cost model divides bytes by: NVLink's
+datasheet figures are bidirectional totals per GPU (900 GB/s for NVLink 4), so half of them; the
+network is one NIC per GPU (DGX H100: eight 400 Gb/s ConnectX-7 ports per node, 50 GB/s a GPU).
+Plain data, no torch.
+
+Example:
+    >>> load_cluster("dgx-h100:8").gpus
+    64
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from partitioner.errors import PlanError
+from partitioner.optimizer.units import parse_bandwidth, parse_bytes
+from partitioner.plan import Cluster, Level
+
+__all__ = ["CLUSTER_SCHEMA", "NODES", "NodeDesign", "cluster_from_json", "load_cluster"]
+
+CLUSTER_SCHEMA = "pipeplan.cluster/1"
+
+
+@dataclass(frozen=True)
+class NodeDesign:
+    """One kind of node, repeated to make a cluster.
+
+    Attributes:
+        name: the preset name.
+        description: what it is.
+        gpus: GPUs in one node.
+        nvlink: bytes/s one GPU sends to another in the node (one direction).
+        network: bytes/s one GPU sends to another node (one direction: its NIC's rate).
+        memory_bytes: memory of one GPU.
+        device_model: the device preset (``partitioner.devices``) its GPUs are.
+        sources: where the numbers come from.
+    """
+
+    name: str
+    description: str
+    gpus: int
+    nvlink: float
+    network: float
+    memory_bytes: int
+    device_model: str
+    sources: str
+
+    def cluster(self, nodes: int = 1) -> Cluster:
+        """``nodes`` of these nodes: one level of NVLink, and one of network when there are several."""
+        if nodes < 1:
+            raise PlanError(f"a cluster needs at least 1 node, got {nodes}")
+        levels = [Level(self.gpus, self.nvlink)] + ([Level(nodes, self.network)] if nodes > 1 else [])
+        return Cluster(tuple(levels), self.memory_bytes)
+
+
+NODES: dict[str, NodeDesign] = {
+    "dgx-a100": NodeDesign(
+        "dgx-a100", "DGX A100: 8 A100 80GB SXM4, NVLink 3, 8 HDR InfiniBand 200 Gb/s ports", 8, 300e9, 25e9,
+        80 * 2**30, "a100-80gb",
+        "NVIDIA DGX A100 datasheet: NVLink 3 600 GB/s per GPU (both directions), 8 x 200 Gb/s HDR NICs",
+    ),
+    "dgx-h100": NodeDesign(
+        "dgx-h100", "DGX H100: 8 H100 SXM5 80GB, NVLink 4, 8 NDR InfiniBand 400 Gb/s ports", 8, 450e9, 50e9,
+        80 * 2**30, "h100",
+        "NVIDIA DGX H100 datasheet: NVLink 4 900 GB/s per GPU (both directions), 8 x 400 Gb/s ConnectX-7",
+    ),
+    "hgx-h200": NodeDesign(
+        "hgx-h200", "HGX H200: 8 H200 SXM 141GB, NVLink 4, one 400 Gb/s NIC per GPU", 8, 450e9, 50e9,
+        141 * 10**9, "h200",
+        "NVIDIA HGX H200 datasheet: NVLink 4 900 GB/s per GPU (both directions); 400 Gb/s per GPU assumed",
+    ),
+}  # fmt: skip
+
+
+def load_cluster(spec: str) -> Cluster:
+    """``NAME`` or ``NAME:NODES`` (a preset of :data:`NODES`), or a cluster JSON file.
+
+    Raises:
+        PlanError: neither a preset nor a valid file; the message lists the presets.
+    """
+    name, _, count = spec.partition(":")
+    if name in NODES:
+        try:
+            nodes = int(count) if count else 1
+        except ValueError:
+            raise PlanError(f"--cluster {spec}: the node count after ':' must be an integer") from None
+        return NODES[name].cluster(nodes)
+    path = Path(spec)
+    if not path.is_file():
+        raise PlanError(
+            f"unknown cluster {spec!r}: use a preset NAME[:NODES] ({', '.join(NODES)}) or a cluster JSON "
+            "file (see docs/devices.md)"
+        )
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"cannot read cluster {spec}: {exc}") from exc
+    return cluster_from_json(doc, spec)
+
+
+def cluster_from_json(doc: Any, source: str = "cluster") -> Cluster:
+    """A cluster file: ``{"schema": "pipeplan.cluster/1", "levels": [{"devices": 8, "bandwidth":
+    "450GB/s"}, ...], "memory": "80GiB"}``, levels innermost first."""
+    if not isinstance(doc, Mapping) or doc.get("schema") != CLUSTER_SCHEMA:
+        raise PlanError(f"{source} is not a pipeplan cluster file (schema {CLUSTER_SCHEMA!r})")
+    unknown = sorted(
+        set(doc) - {"schema", "name", "description", "levels", "memory", "device_model", "sources"}
+    )
+    if unknown:
+        raise PlanError(f"{source}: unknown field {unknown[0]!r}")
+    try:
+        levels = tuple(
+            Level(int(level["devices"]), parse_bandwidth(str(level["bandwidth"]))) for level in doc["levels"]
+        )
+        memory = parse_bytes(str(doc["memory"])) if doc.get("memory") is not None else None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PlanError(
+            f"{source}: bad or missing field {exc}; each level needs devices and bandwidth"
+        ) from exc
+    return Cluster(levels, memory)

@@ -1,0 +1,86 @@
+"""Whether a model is profiled whole or layer by layer: its weights against the memory free here.
+
+Profiling the model whole measures each layer on the values of one real forward and times the
+whole training step (the check that the layer times add up), but holds every weight, every
+activation of the forward and the whole model's gradients at once. Layer by layer
+(:mod:`partitioner.profiler.layerwise`) holds one layer. ``auto`` profiles whole while the weights
+take at most :data:`WHOLE_SHARE` of the memory free to this process, leaving the rest to
+gradients, activations and the measurements.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+
+import torch
+from torch import nn
+
+from partitioner.errors import PipeplanError
+from partitioner.graph import Profile
+
+__all__ = ["MATERIALIZE", "WHOLE_SHARE", "choose_materialize", "free_bytes", "unbuildable"]
+
+MATERIALIZE = ("auto", "whole", "layer")
+"""The values of ``pipeplan profile --materialize``."""
+
+WHOLE_SHARE = 1 / 8
+"""The largest share of the free memory a model's weights may take to be profiled whole."""
+
+
+def choose_materialize(mode: str, module: nn.Module, device: torch.device) -> str:
+    """``whole`` or ``layer`` for ``mode`` (``auto`` decides from the weights of ``module``, which may
+    be on the meta device, against :func:`free_bytes` of ``device``)."""
+    if mode not in MATERIALIZE:
+        raise PipeplanError(f"unknown --materialize {mode!r}: use {', '.join(MATERIALIZE)}")
+    if mode != "auto":
+        return mode
+    weights = sum(p.numel() * p.element_size() for p in module.parameters())
+    return "whole" if weights <= WHOLE_SHARE * free_bytes(device) else "layer"
+
+
+def unbuildable(profile: Profile) -> str | None:
+    """Why ``partition`` cannot write the stage code of ``profile``'s model here, or None.
+
+    Writing a package re-traces the model built whole, in float32, on this machine's CPU (the
+    generated stages are cut from that graph). A model whose float32 weights exceed half of the
+    memory free here would not build; its plan is still made and written.
+    """
+    if profile.tracer == "pipedream":
+        return None
+    itemsize = {"float16": 2, "bfloat16": 2, "float64": 8}.get(profile.dtype, 4)
+    need = profile.total_param_bytes * 4 / itemsize
+    free = free_bytes(torch.device("cpu"))
+    if need <= free / 2:
+        return None
+    return (
+        f"writing the stage code builds {profile.model} whole in float32 "
+        f"({need / 2**30:.1f} GiB of weights), "
+        f"more than half of the {free / 2**30:.1f} GiB free here"
+    )
+
+
+def free_bytes(device: torch.device) -> float:
+    """Bytes this process can still allocate on ``device``: a GPU's free memory; on the CPU the
+    smaller of the available memory and what the address-space limit (``ulimit -v``, ``prlimit
+    --as``) leaves."""
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
+    available = _meminfo("MemAvailable") or float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit == resource.RLIM_INFINITY:
+        return available
+    used = _meminfo("VmSize", "/proc/self/status") or 0.0
+    return max(0.0, min(available, limit - used))
+
+
+def _meminfo(key: str, path: str = "/proc/meminfo") -> float | None:
+    """A ``kB`` field of a /proc file in bytes; None where there is none (not Linux)."""
+    try:
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
