@@ -20,11 +20,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from partitioner.devices import DeviceModel, estimated_device
 from partitioner.errors import PipeplanError
 from partitioner.graph import Node, Profile, at_microbatches
 from partitioner.plan import Plan
 
-__all__ = ["RunTimes", "calibrate", "device_seconds", "load_run_times", "stage_factors"]
+__all__ = ["RunTimes", "calibrate", "calibrated_device", "device_seconds", "load_run_times", "stage_factors"]
 
 
 @dataclass(frozen=True)
@@ -140,3 +141,27 @@ def calibrate(
     nodes = tuple(scaled(n) if n.id in factor_of else n for n in profile.nodes)
     note: dict[str, Any] = {"metrics": source, "plan_stages": len(plan.stages), "factors": factors}
     return replace(profile, nodes=nodes, extra={**dict(profile.extra), "calibrated": note})
+
+
+def calibrated_device(
+    profile: Profile, plan: Plan, measured_s: Mapping[int, float], batch_size: int | None, source: str = ""
+) -> DeviceModel | None:
+    """For a profile estimated for a device model (``--device-model``), that model corrected by the
+    run: its efficiencies divided, and its launch time multiplied, by the median of the stages'
+    measured / estimated compute, so the next estimate with it predicts what this run measured.
+    None for a measured profile, or when no stage was measured.
+
+    One factor for the whole device: a run measures stages, not kernels, so it cannot tell a slow
+    matrix product from a slow copy; the per-stage spread is in the calibrated profile itself.
+    """
+    device = estimated_device(profile)
+    if device is None:
+        return None
+    priced = at_microbatches(profile, 1 if plan.schedule == "pipedream" else plan.microbatches)
+    scale = (profile.batch_size / batch_size) if profile.batch_size and batch_size else 1.0
+    factors = sorted(f * scale for f in stage_factors(priced, plan, measured_s).values())
+    if not factors:
+        return None
+    middle = len(factors) // 2
+    median = factors[middle] if len(factors) % 2 else (factors[middle - 1] + factors[middle]) / 2
+    return device.scaled(median, f"calibrated from {source or 'a run'}")
