@@ -436,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the report goes")
     parser.add_argument("--work", type=Path, default=None, help="profiles, packages, logs [a temp folder]")
     parser.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, of {', '.join(STEPS)}")
+    parser.add_argument("--models", default=None, help="comma-separated names of the mode's models [all]")
     parser.add_argument("--limit", type=float, default=240.0, help="seconds each command may take")
     parser.add_argument("--budget", type=float, default=780.0, help="seconds for the whole kit")
     args = parser.parse_args(argv)
@@ -446,10 +447,17 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.steps.split(",")) - set(STEPS)
     if unknown:
         parser.error(f"unknown steps {sorted(unknown)}; choose from {', '.join(STEPS)}")
+    models = CPU_MODELS if args.cpu else GPU_MODELS
+    if args.models:
+        names = args.models.split(",")
+        unknown_models = sorted(set(names) - {m.name for m in models})
+        if unknown_models:
+            parser.error(f"unknown models {unknown_models}; choose from {', '.join(m.name for m in models)}")
+        models = tuple(m for m in models if m.name in names)
     work = args.work or Path(os.environ.get("TMPDIR", "/tmp")) / f"pipeplan-gpu-check-{os.getpid()}"
     work.mkdir(parents=True, exist_ok=True)
     ctx = Context(args.cpu, "cpu" if args.cpu else "cuda", work.resolve(),
-                  CPU_MODELS if args.cpu else GPU_MODELS, args.limit,
+                  models, args.limit,
                   time.perf_counter() + args.budget)  # fmt: skip
     report: dict[str, Any] = {
         "schema": "pipeplan.gpu_check/1", "date": dt.date.today().isoformat(), "mode": ctx.device,
