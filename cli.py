@@ -196,8 +196,11 @@ def _check_estimate_options(device_model: str) -> None:
     """--device-model estimates without running: options that only shape a measurement are refused."""
     from click.core import ParameterSource
 
+    from partitioner.devices import load_device_model
     from partitioner.errors import PipeplanError
 
+    if device_model != "cpu":
+        load_device_model(device_model)  # before a progress bar: an unknown name is one line
     ctx = click.get_current_context()
     measuring = ["device", "repeats", "fixed_cost", "materialize"]
     if device_model != "cpu":
@@ -810,7 +813,7 @@ def partition(
     cluster = _cpu_hosts(_cluster(gpus, topology, bandwidth, memory, cluster_spec), profile, host_cores)
     cluster = _estimated_memory(profile, cluster)
     if cluster.memory_bytes is not None:
-        from partitioner.optimizer.memory import check_layers_fit
+        from partitioner.optimizer.build import check_layers_fit
 
         check_layers_fit(profile, cluster.memory_bytes, optimizer)
     micro = microbatches if microbatches is not None else (1 if schedule == "pipedream" else 4)

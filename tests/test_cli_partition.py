@@ -117,10 +117,38 @@ def test_foreign_or_missing_profile_exit_2(tmp_path: Path) -> None:
 
 def test_memory_infeasible_names_the_smallest_that_fits(graph: Path, tmp_path: Path) -> None:
     code, _, err = _run(
-        "partition", "--profile", str(graph), "--gpus", "2", "--memory", "100KB", "-o", str(tmp_path)
+        "partition", "--profile", str(graph), "--gpus", "2", "--memory", "410KB", "-o", str(tmp_path)
     )
     assert code == 2
     assert "about 0.44 MiB would" in err  # not "0.00 GiB": small limits in small units
+
+
+def test_a_layer_that_fits_no_device_is_named(graph: Path, tmp_path: Path) -> None:
+    """layer1 holds 200 kB of weights: with its gradients 391 KiB, more than a 100 kB device."""
+    code, _, err = _run(
+        "partition", "--profile", str(graph), "--gpus", "2", "--memory", "100KB", "-o", str(tmp_path)
+    )
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "layer l1 needs 0.38 MiB for its 0.19 MiB of float32 weights" in err  # (graph.txt: ids)
+    assert "more than a device's 97.66 KiB" in err
+
+
+def test_cluster_presets_and_files_set_the_topology(graph: Path, tmp_path: Path) -> None:
+    _, out, _ = _run(
+        "partition", "--profile", str(graph), "--cluster", "dgx-h100:2", "-o", str(tmp_path), "--json"
+    )
+    _, same, _ = _run(
+        "partition", "--profile", str(graph), "--topology", "8,2", "--bandwidth", "450GB/s,50GB/s",
+        "--memory", "80GiB", "-o", str(tmp_path), "--json",
+    )  # fmt: skip
+    assert json.loads(out)["cluster"] == json.loads(same)["cluster"]
+    assert json.loads(out)["stages"] == json.loads(same)["stages"]
+    _, lower, _ = _run("partition", "--profile", str(graph), "--cluster", "dgx-h100", "--memory", "1GiB",
+                       "-o", str(tmp_path), "--json")  # fmt: skip
+    assert json.loads(lower)["cluster"]["memory_bytes"] == 2**30
+    for bad in (["--cluster", "dgx-h100", "--gpus", "2"], ["--cluster", "nope"]):
+        code, _, err = _run("partition", "--profile", str(graph), "-o", str(tmp_path), *bad)
+        assert code == 2 and err.startswith("error:") and len(err.strip().splitlines()) == 1
 
 
 def test_weights_and_init_reach_the_package(tmp_path: Path) -> None:

@@ -142,3 +142,66 @@ def test_bfloat16_profile_halves_parameter_bytes(runner: CliRunner, tmp_path: Pa
     assert result.exit_code == 0, result.output
     profile = load_profile(tmp_path / "b.json")
     assert profile.dtype == "bfloat16" and profile.total_param_bytes == 2 * 1930
+
+
+def test_device_model_estimates_and_partition_plans_with_its_memory(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    result = runner.invoke(
+        main, ["profile", "tiny-gpt", "--batch-size", "2", "--device-model", "h100", "-o", "e.json"]
+    )
+    assert result.exit_code == 0, result.output
+    profile = load_profile(tmp_path / "e.json")
+    assert (
+        profile.device == "h100" and profile.extra["estimate"]["device_model"]["memory_bytes"] == 80 * 2**30
+    )
+    planned = runner.invoke(main, ["partition", "--profile", "e.json", "--gpus", "2", "--json"])
+    assert planned.exit_code == 0, planned.output
+    assert json.loads(planned.stdout)["cluster"]["memory_bytes"] == 80 * 2**30  # the estimated device's
+    assert "the memory of the h100" in planned.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--device-model", "h10"], "unknown device model 'h10' (did you mean h100?)"),
+        (["--device-model", "h100", "--repeats", "2"], "--repeats shapes a measurement"),
+        (["--device-model", "h100", "--clock", "cpu"], "--clock shapes a measurement"),
+        (
+            ["--materialize", "layer", "--device", "cpu", "--leaf-module", "Nope"],
+            "--leaf-module Nope matches",
+        ),
+    ],
+)
+def test_bad_estimate_options_are_one_line(runner: CliRunner, args: list[str], message: str) -> None:
+    result = runner.invoke(main, ["profile", "tiny-gpt", "--batch-size", "2", *args])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().startswith("error:") and message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_profile_made_layer_by_layer_partitions_and_verifies(runner: CliRunner, tmp_path: Path) -> None:
+    """The graph traced without weights is the one `partition` re-traces to write the stages."""
+    args = [
+        "profile",
+        "hf:llama",
+        "--batch-size",
+        "4",
+        "--input-shape",
+        "8",
+        "--device",
+        "cpu",
+        "--repeats",
+        "1",
+    ]
+    result = runner.invoke(main, [*args, "--materialize", "layer", "--no-fixed-cost"])
+    assert result.exit_code == 0, result.output
+    assert load_profile(tmp_path / "profiles" / "hf-llama" / "profile.json").extra["materialized"] == "layer"
+    cuts = "model_layers_1_self_attn_q_proj_weight"
+    planned = runner.invoke(
+        main, ["partition", "--gpus", "2", "--schedule", "1f1b", "--cuts", cuts, "--replicas", "1,1"]
+    )
+    assert planned.exit_code == 0, planned.output
+    verified = runner.invoke(main, ["verify"])
+    assert verified.exit_code == 0, verified.output
+    assert "match" in verified.output

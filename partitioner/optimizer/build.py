@@ -26,7 +26,7 @@ from partitioner.optimizer.cost import (
     plan_times,
     price_stage,
 )
-from partitioner.optimizer.memory import copy_bytes, master_ratio, shared_weights
+from partitioner.optimizer.memory import copy_bytes, master_ratio, persistent_factor, shared_weights
 from partitioner.plan import Cluster, Plan, Prediction, SolverInfo, Stage
 
 __all__ = [
@@ -58,6 +58,23 @@ def gib(nbytes: float) -> str:
         if nbytes >= size / 10:
             return f"{nbytes / size:.2f} {unit}"
     return f"{nbytes:.0f} B"
+
+
+def check_layers_fit(profile: Profile, limit: float, optimizer: str) -> None:
+    """A PlanError naming the largest layer that no device can hold: its weights, gradients, master
+    copy and optimizer state alone exceed ``limit`` (a pipeline cuts between layers, never inside
+    one, and replicas each hold the whole layer), with its bytes and the device memory."""
+    master = master_ratio(profile.dtype)
+    factor = persistent_factor(optimizer, master)
+    worst = max(profile.nodes, key=lambda n: n.param_bytes, default=None)
+    if worst is None or worst.param_bytes * factor <= limit:
+        return
+    raise PlanError(
+        f"layer {worst.name} needs {gib(worst.param_bytes * factor)} for its {gib(worst.param_bytes)} of "
+        f"{profile.dtype} weights with their gradients" + (", float32 master copy" if master else "")
+        + f" and {optimizer} state, more than a device's {gib(limit)}: no plan can hold it (a pipeline "
+        "splits a model between layers); raise --memory, or use a lighter --optimizer"
+    )  # fmt: skip
 
 
 def stage_loads(profile: Profile, groups: Sequence[Sequence[str]]) -> list[StageLoad]:

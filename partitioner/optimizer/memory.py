@@ -36,7 +36,6 @@ __all__ = [
     "OPTIMIZER_STATE",
     "MemoryLimit",
     "Shared",
-    "check_layers_fit",
     "copy_bytes",
     "master_ratio",
     "peak_bytes",
@@ -71,23 +70,6 @@ def persistent_factor(optimizer: str, master: float = 0.0) -> float:
     master's precision (float32) where there is one. float32 Adam: 1 + 1 + 2 = 4 (16 bytes a
     parameter); bfloat16 Adam: 1 + 1 + 2 + 2 x 2 = 8 (16 bytes a parameter too)."""
     return 2 + master + _state(optimizer) * max(master, 1.0)
-
-
-def check_layers_fit(profile: Profile, limit: float, optimizer: str) -> None:
-    """A PlanError naming the largest layer that no device can hold: its weights, gradients, master
-    copy and optimizer state alone exceed ``limit`` (a pipeline cuts between layers, never inside
-    one, and replicas each hold the whole layer), with its bytes and the device memory."""
-    factor = persistent_factor(optimizer, master_ratio(profile.dtype))
-    worst = max(profile.nodes, key=lambda n: n.param_bytes, default=None)
-    if worst is None or worst.param_bytes * factor <= limit:
-        return
-    raise PlanError(
-        f"layer {worst.name} needs {worst.param_bytes * factor / 2**30:.2f} GiB for its "
-        f"{worst.param_bytes / 2**30:.2f} GiB of {profile.dtype} weights with their gradients"
-        + (", float32 master copy" if master_ratio(profile.dtype) else "")
-        + f" and {optimizer} state, more than a device's {limit / 2**30:.2f} GiB: no plan can hold it "
-        "(a pipeline splits a model between layers); raise --memory, or use a lighter --optimizer"
-    )
 
 
 def weight_bytes(params: Bytes, held: Bytes, schedule: str, optimizer: str, master: float = 0.0) -> Bytes:

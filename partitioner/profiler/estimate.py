@@ -207,24 +207,25 @@ class LayerEstimator(LayerProfiler):
         exported = [m for m in members if any(self.member_of[u.name] != group.id for u in m.users)]
         params = self._params_of(members)
         leaves, env, aliases = self._fresh_inputs(external)
-        forward = _Sink(self.model, self.estimate_precision)
-        with _Attention(forward), _Counter(forward):
+        sink = _Sink(self.model, self.estimate_precision)  # the attention's backward finds it here
+        with _Attention(sink), _Counter(sink):
             outs, keys, casts = self._forward(members, env, [], record_saved=True)
         saved, cast = self._saved_bytes(keys, aliases, exported, outs, casts)
-        backward = _Sink(self.model, self.estimate_precision)
+        forward, sink.work = sink.work, Work()
         differentiable = [t for m in exported for t in _tensors(outs[m.name]) if t.grad_fn is not None]
         if differentiable and (leaves or params):
-            with _Counter(backward), torch.enable_grad():
+            with _Counter(sink), torch.enable_grad():
                 torch.autograd.grad(
                     differentiable,
                     [*leaves, *params],
                     [torch.ones_like(t) for t in differentiable],
                     allow_unused=True,
                 )
-        self.kernels[group.id] = (forward.work.kernels, backward.work.kernels)
-        self.work[group.id] = (forward.work, backward.work)
+        backward = sink.work
+        self.kernels[group.id] = (forward.kernels, backward.kernels)
+        self.work[group.id] = (forward, backward)
         out_bytes = sum(t.nbytes for m in exported for t in _tensors(self.env[m]))
-        return LayerCost(forward.work.seconds * 1e3, backward.work.seconds * 1e3, out_bytes, saved, cast)
+        return LayerCost(forward.seconds * 1e3, backward.seconds * 1e3, out_bytes, saved, cast)
 
 
 def estimate_loss(
@@ -235,14 +236,15 @@ def estimate_loss(
         lambda v: v.detach().requires_grad_() if isinstance(v, Tensor) and v.is_floating_point() else v,
         output,
     )
-    forward, backward = _Sink(model, precision), _Sink(model, precision)
+    sink = _Sink(model, precision)
     with torch.enable_grad():
-        with _Counter(forward):
+        with _Counter(sink):
             loss = loss_fn(leaf, targets.to("meta"))
+        forward, sink.work = sink.work, Work()
         if loss.grad_fn is not None:
-            with _Counter(backward):
+            with _Counter(sink):
                 loss.backward()  # type: ignore[no-untyped-call]
-    return forward.work.seconds * 1e3, backward.work.seconds * 1e3
+    return forward.seconds * 1e3, sink.work.seconds * 1e3
 
 
 def estimate_update(module: nn.Module, model: DeviceModel) -> dict[str, float]:

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from partitioner.profiler.measure import LayerCost, LayerProfiler, _storage_key, getattr_path
+from partitioner.profiler.measure import LayerCost, LayerProfiler, _storage_key, _tensors, getattr_path
 from partitioner.profiler.trace import Group
 from runtime.precision import autocast
 
@@ -184,9 +184,14 @@ class LayerwiseProfiler(LayerProfiler):
         return True
 
     def _forget(self, done: int) -> None:
-        """Drop every value no group after ``done`` reads."""
-        for node in [n for n in self.env if self.last_read[n.name] <= done and n.op != "output"]:
+        """Drop every value no group after ``done`` reads. Their storages leave ``seen_saved`` too:
+        their memory will hold new tensors, which must not pass for ones already counted."""
+        dropped = [n for n in self.env if self.last_read[n.name] <= done]
+        keys = {_storage_key(t)[0] for n in dropped for t in _tensors(self.env[n])}
+        for node in dropped:
             del self.env[node]
+        alive = {_storage_key(t)[0] for value in self.env.values() for t in _tensors(value)}
+        self.seen_saved -= keys - alive
 
 
 @dataclass(frozen=True)

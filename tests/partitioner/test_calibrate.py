@@ -96,3 +96,21 @@ def test_time_slicing_comes_out_where_the_plan_prices_the_hosts_cores() -> None:
     assert device_seconds(plan, run) == {0: 0.2, 1: 0.1}
     shared = replace(plan, cluster=replace(plan.cluster, cores=1))
     assert device_seconds(shared, run) == pytest.approx({0: 0.1, 1: 0.1})
+
+
+def test_an_estimated_profile_gets_its_device_model_corrected() -> None:
+    """A run twice as slow as an h100 estimate: the device model's work becomes twice as slow."""
+    from partitioner.calibrate import calibrated_device
+    from partitioner.devices import PRESETS, device_model_to_json
+
+    profile, plan = _plan()
+    assert (
+        calibrated_device(profile, plan, {0: 0.117}, profile.batch_size) is None
+    )  # measured: nothing to correct
+    estimated = replace(profile, extra={"estimate": {"device_model": device_model_to_json(PRESETS["h100"])}})
+    measured = {s.index: 2.0 * s.compute_s for s in plan.stages}
+    device = calibrated_device(estimated, plan, measured, profile.batch_size, "run/metrics.json")
+    assert device is not None and device.name == "h100"
+    assert device.memory_efficiency == pytest.approx(PRESETS["h100"].memory_efficiency / 2)
+    assert device.launch_s == pytest.approx(2 * PRESETS["h100"].launch_s)
+    assert "run/metrics.json" in device.sources["matmul_efficiency"]

@@ -138,3 +138,49 @@ def test_the_simulation_prices_memory_as_the_plan(schedule: str, m: int) -> None
     profile = _tied()
     plan = evaluate(profile, Cluster.flat(3), ["l1", "l3"], [1, 1, 1], schedule, m)
     assert simulate(plan, profile).peak_memory_bytes == tuple(s.memory_bytes for s in plan.stages)
+
+
+def test_bfloat16_weights_are_priced_as_mixed_precision_trains_them() -> None:
+    """bf16 weights and gradients, a float32 master copy and float32 Adam moments: 16 bytes a
+    parameter, as float32 Adam (ZeRO's 2 + 2 + 12); sgd keeps the master copy: 8 bytes."""
+    from partitioner.optimizer.memory import master_ratio, persistent_factor, weight_bytes
+
+    assert master_ratio("bfloat16") == master_ratio("float16") == 2.0 and master_ratio("float32") == 0.0
+    params = 1_000_000  # parameters
+    assert weight_bytes(2 * params, 1, "1f1b", "adamw", master_ratio("bfloat16")) == 16 * params
+    assert weight_bytes(4 * params, 1, "1f1b", "adamw", master_ratio("float32")) == 16 * params
+    assert weight_bytes(2 * params, 1, "1f1b", "sgd", 2.0) == 8 * params
+    assert weight_bytes(2 * params, 1, "1f1b", "momentum", 2.0) == 12 * params
+    assert persistent_factor("adam", 0.0) == 4  # float32 as before: weights, gradients, 2 moments
+    # pipedream's weight snapshots are of the weights themselves (bf16), not of the master copy
+    assert weight_bytes(2 * params, 3, "pipedream", "adamw", 2.0) == 16 * params + 3 * 2 * params
+
+
+@pytest.mark.parametrize(("schedule", "m"), [("pipedream", 1), ("1f1b", 4), ("zb1p", 4)])
+def test_a_bfloat16_plan_the_search_and_the_simulation_agree_on_memory(schedule: str, m: int) -> None:
+    """One truth: the search's limit, the plan's price and the simulation's peaks use one persistent
+    factor for a bfloat16 profile (8 bytes per weight byte under Adam)."""
+    profile = replace(_tied(), dtype="bfloat16")
+    plan = evaluate(profile, Cluster.flat(3), ["l1", "l3"], [1, 1, 1], schedule, m, "adam")
+    fp32 = evaluate(
+        replace(profile, dtype="float32"), Cluster.flat(3), ["l1", "l3"], [1, 1, 1], schedule, m, "adam"
+    )
+    assert simulate(plan, profile).peak_memory_bytes == tuple(s.memory_bytes for s in plan.stages)
+    # the same bytes of weights cost twice as much memory held as bf16 with a float32 master copy
+    assert all(b.memory_bytes > a.memory_bytes for a, b in zip(fp32.stages, plan.stages, strict=True))
+    assert MemoryLimit.of(1e12, profile, "adam", schedule, 3, m).per_byte == 8.0
+    limit = max(s.memory_bytes for s in plan.stages)
+    found = solve(profile, Cluster.flat(3, memory_bytes=limit), schedule, m, "adam")
+    assert max(s.memory_bytes for s in found.stages) <= limit
+
+
+def test_a_layer_no_device_can_hold_is_named_with_its_bytes() -> None:
+    from partitioner.errors import PlanError
+    from partitioner.optimizer.build import check_layers_fit
+
+    profile = replace(_tied(), dtype="bfloat16")  # l0 has 3 MB of bf16 weights: 24 MB with Adam
+    check_layers_fit(profile, 24e6, "adam")
+    with pytest.raises(
+        PlanError, match=r"layer layer0 needs 22\.89 MiB for its 2\.86 MiB of bfloat16 weights .* master copy"
+    ):
+        check_layers_fit(profile, 23e6, "adam")
