@@ -178,12 +178,19 @@ def _profile_totals(profile: Any, path: Any) -> str:
     )
     cast = sum(n.cast_bytes for n in profile.nodes) * mb
     copies = f" + {cast:.1f} MB of {profile.precision} weight copies per forward" if cast else ""
+    measured = profile.extra.get("layers_measured") or {}
+    distinct = f", {measured['distinct']} distinct" if measured.get("reused") else ""
+    how = {"layer": "measured layer by layer", "none": f"estimated for {profile.device}"}
+    step = (
+        f"whole step {profile.step_ms:.1f} ms; fidelity {fidelity}"
+        if profile.step_ms
+        else f"whole step not timed ({how.get(profile.extra.get('materialized'), 'not measured')})"
+    )
     return (
-        f"{len(profile.layers)} layers ({profile.tracer}), {params / elem / 1e6:.2f}M params "
+        f"{len(profile.layers)} layers{distinct} ({profile.tracer}), {params / elem / 1e6:.2f}M params "
         f"({params * mb:.1f} MB), activations {activations:.1f} MB, saved for backward {saved:.1f} MB"
         f"{copies}\n"
-        f"forward {fwd:.1f} ms + backward {bwd:.1f} ms = {fwd + bwd:.1f} ms; "
-        f"whole step {profile.step_ms or 0:.1f} ms; fidelity {fidelity} "
+        f"forward {fwd:.1f} ms + backward {bwd:.1f} ms = {fwd + bwd:.1f} ms; {step} "
         f"(batch {profile.batch_size}, {profile.device}, {profile.dtype}"
         + (f" weights, {profile.precision} autocast" if profile.precision != "fp32" else "")
         + ")\n"

@@ -18,12 +18,11 @@ Example:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from partitioner.devices import read_spec_file
 from partitioner.errors import PlanError
 from partitioner.optimizer.units import parse_bandwidth, parse_bytes
 from partitioner.plan import Cluster, Level
@@ -88,7 +87,8 @@ def load_cluster(spec: str) -> Cluster:
     """``NAME`` or ``NAME:NODES`` (a preset of :data:`NODES`), or a cluster JSON file.
 
     Raises:
-        PlanError: neither a preset nor a valid file; the message lists the presets.
+        PipeplanError: neither a preset nor a valid file (PlanError: a bad node count); the message
+            lists the presets.
     """
     name, _, count = spec.partition(":")
     if name in NODES:
@@ -97,17 +97,8 @@ def load_cluster(spec: str) -> Cluster:
         except ValueError:
             raise PlanError(f"--cluster {spec}: the node count after ':' must be an integer") from None
         return NODES[name].cluster(nodes)
-    path = Path(spec)
-    if not path.is_file():
-        raise PlanError(
-            f"unknown cluster {spec!r}: use a preset NAME[:NODES] ({', '.join(NODES)}) or a cluster JSON "
-            "file (see docs/devices.md)"
-        )
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise PlanError(f"cannot read cluster {spec}: {exc}") from exc
-    return cluster_from_json(doc, spec)
+    presets = f": use a preset NAME[:NODES] ({', '.join(NODES)}) or a cluster JSON file"
+    return cluster_from_json(read_spec_file(spec, "cluster", presets), spec)
 
 
 def cluster_from_json(doc: Any, source: str = "cluster") -> Cluster:

@@ -45,6 +45,7 @@ __all__ = [
     "device_model_to_json",
     "estimated_device",
     "load_device_model",
+    "read_spec_file",
     "save_device_model",
 ]
 
@@ -268,19 +269,25 @@ def load_device_model(spec: str) -> DeviceModel:
     """
     if spec in PRESETS:
         return PRESETS[spec]
+    close = difflib.get_close_matches(spec, [*PRESETS, "cpu"], n=2)
+    hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+    presets = f"{hint}: use a preset ({', '.join([*PRESETS, 'cpu'])}) or a device model JSON file"
+    return device_model_from_json(read_spec_file(spec, "device model", presets), spec)
+
+
+def read_spec_file(spec: str, what: str, presets: str) -> Any:
+    """The JSON document a ``--device-model`` or ``--cluster`` that names no preset points to.
+
+    Raises:
+        PipeplanError: no such file (``presets`` says what else ``spec`` could be), or not JSON.
+    """
     path = Path(spec)
     if not path.is_file():
-        close = difflib.get_close_matches(spec, [*PRESETS, "cpu"], n=2)
-        hint = f" (did you mean {' or '.join(close)}?)" if close else ""
-        raise PipeplanError(
-            f"unknown device model {spec!r}{hint}: use a preset ({', '.join([*PRESETS, 'cpu'])}) or a "
-            "device model JSON file (see docs/devices.md)"
-        )
+        raise PipeplanError(f"unknown {what} {spec!r}{presets} (see docs/devices.md)")
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise PipeplanError(f"cannot read device model {spec}: {exc}") from exc
-    return device_model_from_json(doc, spec)
+        raise PipeplanError(f"cannot read {what} {spec}: {exc}") from exc
 
 
 def device_model_to_json(model: DeviceModel) -> dict[str, Any]:

@@ -132,7 +132,7 @@ def _search(
     profile: Profile, cluster: Cluster, states: StateSet, opts: SolveOptions, min_replicas: int = 1
 ) -> tuple[float, list[Segment], float]:
     """The bottleneck search (PipeDream's objective) under the memory limit, if any."""
-    cap = 1 if opts.straight else None
+    cap = _replica_cap(profile, opts)
     levels = [(lv.devices, lv.bandwidth) for lv in cluster.levels]
     if len(levels) > 1:
         return solve_hierarchy(states, levels, cap)
@@ -146,6 +146,15 @@ def _search(
     return solve_bottleneck(prob, global_lower_bound(profile, cluster))
 
 
+def _replica_cap(profile: Profile, opts: SolveOptions) -> int | None:
+    """The most replicas a stage may have: 1 for a straight pipeline, and never more than a
+    minibatch has samples (a replica without a sample idles; the cost model, dividing a stage's
+    time by its replicas, would not see it)."""
+    if opts.straight:
+        return 1
+    return profile.batch_size if profile.batch_size else None
+
+
 def _pipedream(
     profile: Profile, cluster: Cluster, states: StateSet, opts: SolveOptions
 ) -> tuple[Plan, float, bool]:
@@ -156,7 +165,7 @@ def _pipedream(
     if _lattice_applies(profile, cluster, states) and _limit_slack(profile, cluster, states, opts, value):
         lattice = _lattice_for(profile, cluster, states, comm)
     if lattice is not None:  # every downset, without pairs: exact where the pair DP was not
-        cap = 1 if opts.straight else None
+        cap = _replica_cap(profile, opts)
         bw = cluster.levels[0].bandwidth
         bound = global_lower_bound(profile, cluster)
         start = _on_lattice(states, lattice, segments)
@@ -291,7 +300,7 @@ def _exact_synchronous(
     stages that fit with all M microbatches held (exact for gpipe, cautious for 1f1b). On a
     hierarchy it searches as if every link were the slowest: a good candidate, no proof."""
     schedule, m, optimizer, comm = opts.schedule, opts.m, opts.optimizer, opts.activation_comm
-    cap = 1 if opts.straight else cluster.gpus
+    cap = _replica_cap(profile, opts) or cluster.gpus
     steps = MAX_STEPS if states.exact else 60  # no proof to finish on a subset of the cuts
     bandwidth = min(level.bandwidth for level in cluster.levels)  # hierarchies: a candidate only
     limit = cluster.memory_bytes

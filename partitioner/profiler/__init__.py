@@ -8,12 +8,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -220,7 +221,7 @@ def _profile(
     if materialize != "whole":
         lazy, materialize = _lazy_or_whole(spec, batch_size, input_shape, where, param_dtype, materialize)
     options = _Options(repeats, progress, clock, precision, fixed_cost, reuse)
-    try:
+    with _failures(f"running the traced {spec}", "mark the module that fails with --leaf-module CLASS"):
         if lazy is not None and materialize == "layer":
             bundle, traced = lazy, trace_weightless(lazy, where, leaf_modules, input_shape)
             run = _by_layer(bundle, traced, where, options)
@@ -228,14 +229,6 @@ def _profile(
             bundle = _placed(load_model(spec, batch_size, input_shape), where, param_dtype)
             traced = trace_model(bundle, leaf_modules, input_shape)
             run = _whole(bundle, traced, batch_size, options)
-    except PipeplanError:
-        raise
-    except Exception as exc:
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        raise TraceError(
-            f"running the traced {spec} failed: {type(exc).__name__}: {first}; "
-            "mark the module that fails with --leaf-module CLASS"
-        ) from exc
     extra = {
         "threads": torch.get_num_threads(),
         "repeats": repeats,
@@ -270,17 +263,11 @@ def _estimated(
     bundle = _lazy_bundle(load_model(spec, batch_size, input_shape, lazy=True), cpu, param_dtype)
     traced = trace_weightless(bundle, cpu, leaf_modules, input_shape)
     estimator = LayerEstimator(on_meta(traced.graph_module), traced.groups, model, precision, reuse, progress)
-    try:
+    with _failures(
+        f"estimating {spec} on the meta device", "keep the module that fails whole with --leaf-module"
+    ):
         costs = estimator.profile(*(t.to("meta") for t in bundle.inputs))
         loss_ms = estimate_loss(estimator.result, bundle.targets, bundle.loss_fn, model, precision)
-    except PipeplanError:
-        raise
-    except Exception as exc:
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        raise TraceError(
-            f"estimating {spec} on the meta device failed: {type(exc).__name__}: {first}; "
-            "keep the module that fails whole with --leaf-module CLASS"
-        ) from exc
     assumptions = [*model.assumptions]
     moe = moe_assumption(bundle.module)
     if moe:
@@ -311,6 +298,18 @@ def _estimated(
     profile = _assemble(spec, bundle, traced, where, param_dtype, precision, run, extra)
     check_layers_fit(profile, model.memory_bytes, model.name)
     return profile
+
+
+@contextlib.contextmanager
+def _failures(doing: str, hint: str) -> Iterator[None]:
+    """A model's own exception while it is traced, run or estimated as one TraceError line."""
+    try:
+        yield
+    except PipeplanError:
+        raise
+    except Exception as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise TraceError(f"{doing} failed: {type(exc).__name__}: {first}; {hint}") from exc
 
 
 def check_layers_fit(profile: Profile, memory_bytes: int, device: str) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from partitioner.clusters import NODES, load_cluster
-from partitioner.errors import PlanError
+from partitioner.errors import PipeplanError, PlanError
 from partitioner.plan import Cluster, Level
 
 
@@ -38,7 +38,7 @@ def test_a_cluster_file(tmp_path: Path) -> None:
 
 
 def test_bad_cluster_names() -> None:
-    with pytest.raises(PlanError, match="dgx-a100, dgx-h100, hgx-h200"):
+    with pytest.raises(PipeplanError, match="dgx-a100, dgx-h100, hgx-h200"):
         load_cluster("dgx-h200")
     with pytest.raises(PlanError, match="node count"):
         load_cluster("dgx-h100:eight")
