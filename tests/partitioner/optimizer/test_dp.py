@@ -444,3 +444,16 @@ def test_time_balancing_splits_compute_evenly() -> None:
     plan = time_balanced(profile, Cluster.flat(3, 1e12), "pipedream", 1, "sgd")
     assert [len([n for n in s.nodes if n != "x"]) for s in plan.stages] == [4, 1, 1]
     assert [s.replicas for s in plan.stages] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "1f1b"])
+def test_no_stage_gets_more_replicas_than_a_minibatch_has_samples(schedule: str) -> None:
+    """A batch of 2 on 8 devices: without the cap the best plan replicates a stage 8 ways."""
+    from partitioner.plan import Cluster
+    from tests.partitioner.optimizer.conftest import make_profile
+
+    profile = make_profile([(40, 80, 10, 10)] * 3, [(0, 1), (1, 2)], batch_size=64)
+    wide = solve(profile, Cluster.flat(8, 1e12), schedule, 2)
+    assert max(s.replicas for s in wide.stages) > 2
+    capped = solve(replace(profile, batch_size=2), Cluster.flat(8, 1e12), schedule, 2)
+    assert max(s.replicas for s in capped.stages) <= 2
