@@ -209,8 +209,12 @@ ROWS: dict[str, tuple[Row, str]] = {
     "--schedule bogus (click)": (lambda t: [*_profile(t), "--schedule", "bogus"], "--schedule"),
     "--recompute bogus (click)": (lambda t: [*_profile(t), "--recompute", "some"], "--recompute"),
     "--recompute auto, --memory too small even so": (
-        lambda t: [*_profile(t), "--recompute", "auto", "--memory", "1KiB"],
+        lambda t: [*_profile(t), "--recompute", "auto", "--memory", "8300B"],  # each layer fits alone
         "recomputing",
+    ),
+    "a layer that fits no device": (
+        lambda t: [*_profile(t), "--memory", "1KiB"],
+        "layer fc1 needs 8.00 KiB for its 4.00 KiB of float32 weights",
     ),
     "unknown option (click)": (lambda t: [*_profile(t), "--gpuz", "2"], "--gpuz"),
     # -- profile

@@ -66,7 +66,7 @@ def check_layers_fit(profile: Profile, limit: float, optimizer: str) -> None:
     one, and replicas each hold the whole layer), with its bytes and the device memory."""
     master = master_ratio(profile.dtype)
     factor = persistent_factor(optimizer, master)
-    worst = max(profile.nodes, key=lambda n: n.param_bytes, default=None)
+    worst = max(profile.layers, key=lambda n: n.param_bytes, default=None)
     if worst is None or worst.param_bytes * factor <= limit:
         return
     raise PlanError(
