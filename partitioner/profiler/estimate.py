@@ -116,10 +116,27 @@ class _Counter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
         unique = {id(t): t for t in inputs + outputs}
         packet = func._overloadpacket
-        flops = float(self.formulas[packet](*args, **kwargs, out_val=out)) if packet in self.formulas else 0.0
+        if packet in self.formulas:
+            flops = float(self.formulas[packet](*args, **kwargs, out_val=out))
+        else:
+            flops = _grouped_flops(str(packet), inputs)
         dtype = _compute_dtype(self.sink, packet.__name__, inputs) if flops else "float32"
         self.sink.work.add(self.sink.model, flops, sum(_nbytes(t) for t in unique.values()), dtype)
         return out
+
+
+def _grouped_flops(name: str, inputs: Sequence[Tensor]) -> float:
+    """FLOPs of a grouped matrix product (``aten._grouped_mm``, transformers' ``grouped_mm_fallback``:
+    the experts of a mixture of experts, tokens (S, K) sorted by expert against weights (E, K, N)),
+    which torch's flop counter does not know: 2 S K N forward, twice that backward, however the
+    tokens are shared among the experts. Priced as one product of that size: balanced experts."""
+    if "grouped_mm" not in name or len(inputs) < 2 or inputs[0].dim() != 2 or inputs[1].dim() != 3:
+        return 0.0
+    tokens, width = inputs[0].shape
+    weight = inputs[1].shape
+    out = weight[2] if weight[1] == width else weight[1]
+    flops = 2.0 * tokens * width * out
+    return 2 * flops if "backward" in name else flops
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -282,10 +299,11 @@ def on_meta(gm: fx.GraphModule) -> fx.GraphModule:
 def moe_assumption(module: nn.Module) -> str | None:
     """What the estimate of a mixture-of-experts model assumes, or None for a dense one.
 
-    On meta tensors routing has no values: the top-k of random-free scores is not computed, and a
-    run on meta gives every expert the same number of tokens (``top_k x tokens / experts``): the
-    balanced routing an auxiliary load-balancing loss trains towards. Real routing is uneven, and
-    its slowest expert sets the pace where experts run in parallel.
+    On meta tensors routing has no values, so which expert gets which token is unknown. The experts'
+    grouped product is priced by its total (``top_k x tokens`` tokens, each through one expert) as
+    one product of that size: as if every expert got an equal share (balanced experts, what an
+    auxiliary load-balancing loss trains towards). Real routing is uneven: small groups run below
+    the large product's rate, and where experts run in parallel the slowest sets the pace.
     """
     config = getattr(module, "config", None)
     experts = next(

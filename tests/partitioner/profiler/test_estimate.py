@@ -86,6 +86,20 @@ def test_an_estimate_has_the_structure_of_a_measurement() -> None:
 def test_a_mixture_of_experts_estimate_says_what_it_assumed() -> None:
     profile = profile_model("hf:mixtral", 2, (8,), device_model="h100")
     assert any("balanced experts" in a for a in profile.extra["estimate"]["assumptions"])
+    # the experts' grouped product (which torch's counter does not know) counts: 16 tokens, top 2,
+    # each through gate_up (64 -> 2 x 128) and down (128 -> 64), twice that backward
+    from partitioner.models import load_model
+    from partitioner.profiler.estimate import LayerEstimator, on_meta
+    from partitioner.profiler.fake import trace_weightless
+
+    bundle = load_model("hf:mixtral", 2, (8,), lazy=True)
+    traced = trace_weightless(bundle, torch.device("cpu"))
+    dense = LayerEstimator(on_meta(traced.graph_module), traced.groups, PRESETS["h100"], reuse=False)
+    dense.profile(*(t.to("meta") for t in bundle.inputs))
+    block = dense.work["model_layers_0_self_attn_q_proj_weight"]
+    experts = 16 * 2 * (2 * 64 * 256 + 2 * 128 * 64)
+    projections = 16 * 2 * (64 * 64 * 2 + 64 * 32 * 2)  # q, o of 64 x 64; k, v of 64 x 32
+    assert block[0].flops >= experts + projections and block[1].flops >= 2 * experts
     dense = profile_model("hf:llama", 2, (8,), device_model="h100")
     assert not any("experts" in a for a in dense.extra["estimate"]["assumptions"])
 
