@@ -25,6 +25,7 @@ from partitioner.devices import device_model_to_json, load_device_model
 from partitioner.errors import PipeplanError, TraceError
 from partitioner.graph import Node, Profile, TensorSpec, scale_batch
 from partitioner.models import ModelBundle, load_model
+from partitioner.optimizer.build import gib
 from partitioner.profiler.budget import choose_materialize
 from partitioner.profiler.cpu_model import cpu_model
 from partitioner.profiler.estimate import (
@@ -53,8 +54,8 @@ from runtime.precision import PRECISIONS
 __all__ = [
     "ESTIMATE_KEY",
     "MEASURED_KEY",
-    "check_layers_fit",
     "check_precision_options",
+    "check_weights_fit",
     "profile_model",
     "resolve_device",
     "resolve_dtype",
@@ -296,7 +297,7 @@ def _estimated(
     run = _Run(costs, loss_ms, None, estimator.fixed(), extra)
     where = "cpu" if device_model == "cpu" else model.name
     profile = _assemble(spec, bundle, traced, where, param_dtype, precision, run, extra)
-    check_layers_fit(profile, model.memory_bytes, model.name)
+    check_weights_fit(profile, model.memory_bytes, model.name)
     return profile
 
 
@@ -312,16 +313,16 @@ def _failures(doing: str, hint: str) -> Iterator[None]:
         raise TraceError(f"{doing} failed: {type(exc).__name__}: {first}; {hint}") from exc
 
 
-def check_layers_fit(profile: Profile, memory_bytes: int, device: str) -> None:
+def check_weights_fit(profile: Profile, memory_bytes: int, device: str) -> None:
     """A PipeplanError naming the largest layer whose weights alone exceed a device's memory: a
-    pipeline cuts between layers, so no plan can hold it."""
-    too_big = [n for n in profile.nodes if n.param_bytes > memory_bytes]
-    if too_big:
-        worst = max(too_big, key=lambda n: n.param_bytes)
+    pipeline cuts between layers, so no plan can hold it (``partition`` checks the weights with
+    their gradients and optimizer state against its ``--memory``)."""
+    worst = max(profile.layers, key=lambda n: n.param_bytes, default=None)
+    if worst is not None and worst.param_bytes > memory_bytes:
         raise PipeplanError(
-            f"layer {worst.name} has {worst.param_bytes / 2**30:.1f} GiB of weights and a {device} has "
-            f"{memory_bytes / 2**30:.1f} GiB: no device can hold it (a pipeline splits a model between "
-            "layers, not inside one); use a device with more memory or lower-precision weights (--dtype)"
+            f"layer {worst.name} has {gib(worst.param_bytes)} of weights and a {device} has "
+            f"{gib(memory_bytes)}: no device can hold it (a pipeline splits a model between layers, "
+            "not inside one); use a device with more memory or lower-precision weights (--dtype)"
         )
 
 

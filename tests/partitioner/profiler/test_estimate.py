@@ -105,7 +105,7 @@ def test_a_mixture_of_experts_estimate_says_what_it_assumed() -> None:
 
 
 def test_a_layer_that_fits_no_device_is_named(tmp_path: Path) -> None:
-    with pytest.raises(PipeplanError, match=r"layer fc_a has 0\.0 GiB of weights and a test has 0\.0 GiB"):
+    with pytest.raises(PipeplanError, match=r"layer fc_a has 8\.12 KiB of weights and a test has 3\.91 KiB"):
         profile_model(MLP, 8, device_model=_device(tmp_path, memory_bytes=4000))
 
 
