@@ -279,8 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown section {unknown[0]}; choose from {', '.join(SECTIONS)}")
     started = time.perf_counter()
-    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / GIB
-    doc: dict[str, Any] = {"machine": f"{os.cpu_count()} CPUs, {memory:.0f} GiB"}
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / GIB
+    doc: dict[str, Any] = {"machine": f"{os.cpu_count()} CPUs, {ram:.0f} GiB"}
     with tempfile.TemporaryDirectory(prefix="bench-big-") as tmp:
         folder = Path(tmp)
         if "blocks" in wanted:
