@@ -17,6 +17,7 @@ from cli import main
 from partitioner.stagekit import factory_from_spec
 from runtime.package import import_package, read_wiring
 from tests.runtime.helpers import run, stage_state
+from tests.runtime.tied_lm import write_model
 
 codegen = pytest.importorskip("partitioner.codegen")
 profiler = pytest.importorskip("partitioner.profiler")
@@ -62,48 +63,11 @@ def _stage_chain(pkg: ModuleType, ckpt: Path, step: int, inputs: dict[str, torch
     return env[wiring.loss_input]
 
 
-# A small language model with what export must map back: a token embedding tied to the LM head (on
-# different stages), a persistent buffer, one that state_dict leaves out, and a module the forward
-# never calls (no stage holds it). No dropout: stages and model compare exactly.
-_MODEL = """
-import torch
-from torch import nn
-
-
-class TiedLM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(50, 16)
-        self.body = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
-        self.head = nn.Linear(16, 50, bias=False)
-        self.head.weight = self.embed.weight
-        self.register_buffer("gain", torch.full((16,), 0.5))
-        self.register_buffer("scratch", torch.zeros(16), persistent=False)
-        self.unused = nn.Linear(2, 2)
-
-    def forward(self, idx):
-        return self.head(self.body(self.embed(idx) * self.gain + self.scratch))
-
-
-def factory():
-    return TiedLM()
-
-
-def example_inputs(batch_size):
-    return torch.randint(0, 50, (batch_size, 8))
-
-
-def example_targets(batch_size):
-    return torch.randint(0, 50, (batch_size, 8))
-"""
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The tied model trained 3 steps on 2 gloo ranks, a checkpoint after every step."""
     root = tmp_path_factory.mktemp("export")
-    (root / "tied_lm.py").write_text(_MODEL)
-    pkg = _package(root / "pkg", f"{root / 'tied_lm.py'}:factory", batch=4)
+    pkg = _package(root / "pkg", write_model(root), batch=4)
     ckpt = root / "ckpt"
     run(pkg, steps=3, lr=0.05, checkpoint_dir=str(ckpt), checkpoint_every=1)
     return pkg, ckpt
