@@ -1078,10 +1078,34 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights and data seed.")
 @click.option("--shuffle", is_flag=True, help="Shuffle a user dataset every epoch.")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False),
-              help="Where step-N/stageK.pt go  [default: PACKAGE/run/checkpoints]")  # fmt: skip
+              help="Where step-N/ checkpoints go (torch.distributed.checkpoint, keyed by the model's "
+              "parameter names: they resume on any plan of the model)  "
+              "[default: PACKAGE/run/checkpoints]")  # fmt: skip
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, help="Steps between checkpoints.")
-@click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint.")
+@click.option("--checkpoint-async", is_flag=True,
+              help="Write checkpoints in the background: training goes on once each rank has copied "
+              "its tensors.")  # fmt: skip
+@click.option("--keep-checkpoints", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Keep only the newest N checkpoints (0: all), plus pinned ones (--pin-every, or a "
+              "file named 'pinned' in a step folder).")  # fmt: skip
+@click.option("--pin-every", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Never delete checkpoints of steps that are multiples of this (0: none).")  # fmt: skip
+@click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint (of any plan of "
+              "the model; another seed, schedule, data, optimizer setting or learning-rate horizon is "
+              "refused unless --accept-changes).")  # fmt: skip
+@click.option("--accept-changes", is_flag=True,
+              help="With --resume: continue with settings other than the checkpoint's (each is named).")
 @click.option("--trace", type=click.Path(dir_okay=False), help="One Chrome trace of all ranks (Perfetto).")
+@click.option("--tensorboard", type=click.Path(file_okay=False),
+              help="Also write TensorBoard event files into this folder, one run per rank (needs "
+              "`pip install 'pipeplan[tensorboard]'`). Every rank always logs one JSON line per step "
+              "to PACKAGE/run/steps/rankR.jsonl.")  # fmt: skip
+@click.option("--peak-tflops", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="One device's peak dense TFLOP/s at the run's precision, for the model FLOP "
+              "utilisation (MFU)  [default: the spec sheet's for known GPUs; none on CPUs]")  # fmt: skip
+@click.option("--config", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="A run.toml of options (keys as these options: steps = 100); flags given here win. "
+              "Each run writes its options to PACKAGE/run/run.toml.")  # fmt: skip
 @click.option("--measure-memory", is_flag=True,
               help="On a CPU, also measure each rank's peak tensor memory over its first ranks+1 minibatches "
               "with torch.profiler (opt-in: with torch 2.13 it kills a rank of some runs after it stops; "
@@ -1110,6 +1134,7 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
     from runtime.optim import parse_betas
     from runtime.options import RunOptions
 
+    package = _with_config(click.get_current_context(), package, opts)
     if opts["steps"] and opts["epochs"]:
         raise click.UsageError("give --steps or --epochs, not both")
     folder = Path(package) if package is not None else newest_package("models")
@@ -1129,6 +1154,24 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
             click.echo(f"# {line}")
         return
     _run_and_report(options)
+
+
+def _with_config(ctx: click.Context, package: str | None, opts: dict[str, Any]) -> str | None:
+    """Fill the options not given on the command line from ``--config``'s run.toml, through click's own
+    conversions and checks; returns the package (the command line's, else the file's)."""
+    from click.core import ParameterSource
+
+    from runtime.run_config import read_config
+
+    path = opts.pop("config")
+    if path is None:
+        return package
+    options = [p for p in ctx.command.params if p.name and p.name not in ("package", "dry_run", "config")]
+    values = read_config(path, [p.name for p in options if p.name] + ["package"])
+    for param in options:
+        if param.name in values and ctx.get_parameter_source(param.name) is ParameterSource.DEFAULT:
+            opts[param.name] = param.process_value(ctx, values[param.name])
+    return package if package is not None else values.get("package")
 
 
 def _check_optim(options: Any) -> None:

@@ -31,6 +31,7 @@ from runtime.errors import Interrupted, RunError
 from runtime.options import RunOptions, to_argv
 from runtime.preflight import preflight
 from runtime.resume import resume_lines
+from runtime.run_config import write_config
 from runtime.worker import job_of, run_dir, run_rank
 
 __all__ = ["check_launch", "free_port", "launch", "resolve_resume", "schedule_preview", "torchrun_commands"]
@@ -235,6 +236,7 @@ def launch(
     options, notes = resolve_resume(options)
     for note in notes:
         log.info("%s", note)
+    write_config(run_dir(options), replace(options, resume_step=None))
     if options.nnodes == 1 and not options.master_port:
         options = replace(options, master_port=free_port())
     options = replace(options, launcher_pid=os.getpid())

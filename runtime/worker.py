@@ -39,6 +39,7 @@ from runtime.package import build_stage, import_package, read_wiring
 from runtime.rank_checkpoints import RankCheckpoints
 from runtime.schedule_zbv import build_zbv
 from runtime.stage import Groups, StageRuntime
+from runtime.step_log import StepLog, open_step_log
 
 __all__ = [
     "PEER_LOST_GRACE_S",
@@ -118,6 +119,7 @@ class _Clock:
     progress: Path | None
     last: float = 0.0
     memory: PeakMemory | None = None
+    log: StepLog | None = None
 
     def __post_init__(self) -> None:
         self.times: list[float] = []
@@ -137,6 +139,8 @@ class _Clock:
         if self.memory is not None:
             self.memory.stepped(len(steps))
         self.times += [(now - self.last) / len(steps)] * len(steps)
+        if self.log is not None:
+            self.log.record(steps, now - self.last, losses)
         self.last = now
         for step, loss in zip(steps, losses or (), strict=False):
             if not math.isfinite(loss):
@@ -288,7 +292,9 @@ def _train(
         each.setup()
     set_rng()
     clock = hosted[-1].on_step if isinstance(hosted[-1].on_step, _Clock) else None
+    step_log = open_step_log(options, hosted, run_dir(options), total)
     if clock is not None:
+        clock.log = step_log
         clock.memory = PeakMemory(rt.comm.device, job.world_size + 1, cpu=options.measure_memory)
         clock.memory.start(rt.module, rt.optimizer)
         clock.start()
@@ -319,6 +325,7 @@ def _train(
             result = evaluator(first + count)
             if clock is not None:
                 clock.evaluated(result, time.perf_counter() - began)
+    step_log.close()
 
 
 def share_cores() -> None:
@@ -437,6 +444,9 @@ def _finish(options: RunOptions, hosted: tuple[StageRuntime, ...], clock: _Clock
     warmup = 1 if len(clock.times) >= 3 else 0
     doc = summarize([g[0] for g in gathered], rt.cfg.job.batch_size, rt.cfg.job.predicted_time_s, warmup)
     doc.update(schedule=rt.cfg.job.schedule, microbatches=rt.cfg.job.microbatches, world_size=len(gathered))
+    if clock.log is not None:
+        doc.update(clock.log.summary(doc["time_per_minibatch_s"]))
+    doc["checkpoints"] = [{"step": step, "seconds": seconds} for step, seconds in clock.checkpoints]
     doc.update(device=rt.comm.device.type, precision=rt.cfg.job.precision)
     doc["model"] = rt.cfg.job.model
     doc["stash_log"] = {g[0].rank: g[2] for g in gathered}
