@@ -34,7 +34,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from runtime.errors import RunError
+from runtime.errors import PeerLost, RunError
 
 __all__ = [
     "META",
@@ -52,6 +52,7 @@ __all__ = [
     "step_problem",
     "steps_in",
     "v1_hint",
+    "write_error",
 ]
 
 META = "meta.json"
@@ -230,6 +231,31 @@ def _publish(root: Path, step: int, meta: dict[str, Any]) -> None:
         os.replace(partial, final)
 
 
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc``, what it was raised from, and each rank's failure DCP collected in it."""
+    found: list[BaseException] = []
+    stack = [exc]
+    while stack:
+        cur = stack.pop()
+        if cur in found:
+            continue
+        found.append(cur)
+        stack += [c for c in (cur.__cause__, cur.__context__) if c is not None]
+        if isinstance(cur, dcp.CheckpointException):
+            stack += [pair[0] for pair in cur.failures.values()]
+    return found
+
+
+def write_error(exc: BaseException, root: Path) -> Exception:
+    """What a failed checkpoint write means: the disk (a RunError naming it), or another rank gone
+    in DCP's collectives (:class:`runtime.errors.PeerLost`, so the rank that died is the one blamed)."""
+    disk = next((c for c in _causes(exc) if isinstance(c, OSError) and not isinstance(c, ConnectionError)), None)
+    if disk is not None:
+        return RunError(f"writing a checkpoint into {root} failed: {disk.strerror or disk}")
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return PeerLost(f"a checkpoint write failed, another rank is gone or stuck: {first}")
+
+
 @dataclass
 class Saver:
     """Writes a rank's checkpoints (every rank holds one; they save together).
@@ -268,15 +294,18 @@ class Saver:
         if self.rank == 0:  # before DCP's planning collective: no rank writes into it before this
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True, exist_ok=True)
-        if self.background:
-            started = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.group)
-            upload = started if isinstance(started, Future) else started.upload_completion
-            if self._worker is None:
-                self._worker = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
-            self.pending = self._worker.submit(self._complete, step, began, upload)
-        else:
-            dcp.save(state, checkpoint_id=str(partial), process_group=self.group)
-            self._complete(step, began)
+        try:
+            if self.background:
+                started = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.group)
+                upload = started if isinstance(started, Future) else started.upload_completion
+                if self._worker is None:
+                    self._worker = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+                self.pending = self._worker.submit(self._complete, step, began, upload)
+            else:
+                dcp.save(state, checkpoint_id=str(partial), process_group=self.group)
+                self._complete(step, began)
+        except (RuntimeError, OSError, dcp.CheckpointException) as exc:
+            raise write_error(exc, self.root) from exc
         self.blocked_s += time.perf_counter() - began
 
     def _complete(self, step: int, began: float, upload: Future[Any] | None = None) -> None:
@@ -299,7 +328,7 @@ class Saver:
         error = pending.exception()
         self.blocked_s += time.perf_counter() - began
         if error is not None:
-            raise RunError(f"writing a checkpoint into {self.root} failed: {type(error).__name__}: {error}")
+            raise write_error(error, self.root) from error
 
     def close(self) -> None:
         """Wait for the last background write and stop its thread."""

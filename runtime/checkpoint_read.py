@@ -24,7 +24,7 @@ from runtime.errors import RunError
 from runtime.fqns import ModelNames, TensorSpec, model_names
 from runtime.package import import_package
 
-__all__ = ["Tensors", "load_v1_stage", "read_stage"]
+__all__ = ["Tensors", "load_v1_stage", "read_stage", "read_values"]
 
 
 def load_v1_stage(folder: Path, stage: int, mmap: bool = True) -> dict[str, Any]:
@@ -85,13 +85,21 @@ class Tensors:
         return {key.removeprefix("model."): t for key, t in out.items()}
 
 
+def read_values(folder: Path, keys: Iterable[str]) -> dict[str, Any]:
+    """Entries of a DCP step that are not tensors (``lr_scheduler.last_epoch``, ``loss_scale.scale``,
+    ``optimizer.param_groups.<fqn>.lr``), by their checkpoint names."""
+    out: dict[str, Any] = dict.fromkeys(keys)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(out, checkpoint_id=str(folder), no_dist=True)
+    return out
+
+
 def read_stage(root: Path, step: int, stage: int, package: Path | None = None) -> dict[str, torch.Tensor]:
     """Stage ``stage``'s weights and buffers at ``step``, under the stage's own names (the package
     defaults to the one ``meta.json`` names)."""
-    if package is None:
-        doc = json.loads((checkpoint.step_dir(root, step) / checkpoint.META).read_text(encoding="utf-8"))
-        package = Path(doc["package"])
-    job = load_job(package)
+    doc = json.loads((checkpoint.step_dir(root, step) / checkpoint.META).read_text(encoding="utf-8"))
+    job = load_job(package or Path(doc["package"]), schedule=doc.get("schedule"))
     names = model_names(import_package(job.package), job)
     tensors = Tensors.open(checkpoint.step_dir(root, step), names)
     found = {
