@@ -1328,51 +1328,65 @@ def _memory_table(memory: dict[str, Any]) -> Any:
 @main.command()
 @click.argument("package", required=False, type=click.Path(file_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
-              help="The state_dict file to write (torch.save of the model's state_dict()).")  # fmt: skip
+              help="model.safetensors (safetensors; sharded with an index above --max-shard-size), or "
+              "model.pt (torch.save of the model's state_dict()).")  # fmt: skip
 @click.option("--step", type=click.IntRange(min=0), default=None,
               help="The checkpoint step to export  [default: the newest complete one]")  # fmt: skip
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False),
-              help="Where the run wrote step-N/  [default: PACKAGE/run/checkpoints]")  # fmt: skip
+              help="Where the run wrote step-N/ (a run of any plan of the model)  "
+              "[default: PACKAGE/run/checkpoints]")  # fmt: skip
 @click.option("--hf-dir", type=click.Path(file_okay=False),
-              help="hf: models: the save_pretrained folder  [default: beside -o, named after it: "
-              "model.pt -> model-hf/]")  # fmt: skip
+              help="hf: models: the from_pretrained folder (config and safetensors)  [default: beside "
+              "-o, named after it: model.pt -> model-hf/]")  # fmt: skip
+@click.option("--max-shard-size", default="5GB", show_default=True,
+              help="The largest safetensors file; above it the weights are sharded with an index "
+              "(Hugging Face's layout). Memory holds one shard at a time.")  # fmt: skip
 @click.option("--seed", type=int, default=None,
-              help="Seed of tensors no stage holds (never trained)  [default: the run's]")  # fmt: skip
+              help="Seed of tensors no stage holds (never trained; state_dict files only)  "
+              "[default: the run's]")  # fmt: skip
 @user_errors
 def export(
     package: str | None, output: str, step: int | None, checkpoint_dir: str | None, hf_dir: str | None,
-    seed: int | None,
+    max_shard_size: str, seed: int | None,
 ) -> None:  # fmt: skip
-    """Merge a run's stage checkpoints into one state_dict of the original model.
+    """Write a run's checkpoint as the original model's weights.
 
     \b
-    The file loads into the model the package was made from, with every original name (tied
-    weights under each of theirs):
-      pipeplan export -o model.pt
-      model.load_state_dict(torch.load("model.pt"), strict=True)
-    An hf: model is also written with save_pretrained (from_pretrained reads it back).
-    PACKAGE defaults to the newest under ./models, --step to the newest complete checkpoint.
+    The files load into the model the package was made from, under every original name:
+      pipeplan export -o model.safetensors        (safetensors.torch.load_file)
+      pipeplan export -o model.pt                 (model.load_state_dict(torch.load(...), strict=True))
+    An hf: model also gets a from_pretrained folder (config and safetensors shards).
+    PACKAGE (any plan of the model) defaults to the newest under ./models, --step to the newest
+    complete checkpoint.
     """
     from pathlib import Path
 
+    from partitioner.optimizer.units import parse_bytes
     from runtime.config import newest_package
     from runtime.export import export_checkpoint
 
     folder = Path(package) if package is not None else newest_package("models")
-    done = export_checkpoint(folder, output, step, checkpoint_dir, hf_dir, seed)
+    most = int(parse_bytes(max_shard_size))
+    done = export_checkpoint(folder, output, step, checkpoint_dir, hf_dir, seed, most)
     console, merged = _console(), done.merged
     for line in done.skipped:
         _console(stderr=True).print(f"skipped {line}", soft_wrap=True, markup=False)
+    shards = f" ({len(done.files)} shards)" if done.path.name.endswith(".index.json") else ""
     console.print(
-        f"wrote {done.path}: step {done.step} of {folder}, {len(merged.loaded)} tensors from the stage "
-        f"checkpoints" + (f", {len(merged.tied)} tied names filled in" if merged.tied else ""),
+        f"wrote {done.path}{shards}: step {done.step} of {folder}, {len(merged.loaded)} tensors from the "
+        f"checkpoint" + (f", {len(merged.tied)} tied names filled in" if merged.tied else ""),
         soft_wrap=True,
         markup=False,
     )
     if merged.untrained:
+        kept = (
+            "left out (from_pretrained initialises them)"
+            if done.path.suffix in (".safetensors", ".json")
+            else f"kept at full_model(seed={done.seed})'s values, untrained"
+        )
         console.print(
             f"[yellow]note:[/yellow] no stage holds {len(merged.untrained)} tensors (e.g. "
-            f"{merged.untrained[0]}): they keep full_model(seed={done.seed})'s values, untrained",
+            f"{merged.untrained[0]}): {kept}",
             soft_wrap=True,
         )
     if merged.tie_max_diff > 0:
@@ -1382,7 +1396,34 @@ def export(
             soft_wrap=True,
         )
     if done.hf_dir is not None:
-        console.print(f"wrote {done.hf_dir} (save_pretrained; from_pretrained reads it)", soft_wrap=True)
+        console.print(f"wrote {done.hf_dir} (config and safetensors; from_pretrained reads it)", soft_wrap=True)
+
+
+@main.command("convert-checkpoint")
+@click.argument("checkpoint_dir", type=click.Path(file_okay=False, exists=True))
+@click.option("--package", "package", required=True, type=click.Path(file_okay=False, exists=True),
+              help="The package whose run wrote the checkpoints.")  # fmt: skip
+@click.option("--step", type=click.IntRange(min=0), default=None, help="Only this step  [default: every old one]")
+@user_errors
+def convert_checkpoint(checkpoint_dir: str, package: str, step: int | None) -> None:
+    """Rewrite per-stage checkpoints of an earlier pipeplan (step-N/stageK.pt) in today's format.
+
+    \b
+    Today's checkpoints are torch.distributed.checkpoint folders keyed by the model's parameter
+    names: they resume on any plan of the model (pipeplan run PKG --resume) and export like any
+    other. The old files move to step-N.v1/.
+      pipeplan convert-checkpoint models/vgg16/gpus=2/run/checkpoints --package models/vgg16/gpus=2
+    """
+    from pathlib import Path
+
+    from runtime.checkpoint_v1 import convert
+
+    done = convert(Path(checkpoint_dir), Path(package), step)
+    _console().print(
+        f"converted {', '.join(f'step-{s}' for s in done)} of {checkpoint_dir} (old files in step-N.v1/)",
+        soft_wrap=True,
+        markup=False,
+    )
 
 
 def _cores() -> int:

@@ -45,6 +45,7 @@ __all__ = [
     "is_v1",
     "package_fingerprint",
     "prune",
+    "publish",
     "read_meta",
     "resume_point",
     "saved_tensors",
@@ -214,9 +215,9 @@ def prune(root: Path, keep: int, pin_every: int = 0) -> list[int]:
     return gone
 
 
-def _publish(root: Path, step: int, meta: dict[str, Any]) -> None:
-    """Rank 0, after DCP finished: ``meta.json`` into the partial folder, then the folder in place of
-    any older ``step-N`` (a rename: readers see the old folder, none, or the new one, whole)."""
+def publish(root: Path, step: int, meta: dict[str, Any]) -> None:
+    """After DCP finished writing ``step-N.partial`` (rank 0): ``meta.json`` into it, then the folder
+    in place of any older ``step-N`` (a rename: readers see the old folder, none, or the new one)."""
     partial, final = root / f"step-{step}.partial", step_dir(root, step)
     tmp = partial / f".{META}.tmp"
     tmp.write_text(json.dumps({**meta, "schema": SCHEMA, "step": step}, indent=1) + "\n", encoding="utf-8")
@@ -314,7 +315,7 @@ class Saver:
         if upload is not None:
             upload.result()
         if self.rank == 0:
-            _publish(self.root, step, self.meta)
+            publish(self.root, step, self.meta)
             prune(self.root, self.keep, self.pin_every)
             if self.on_saved is not None:
                 self.on_saved(step, time.perf_counter() - began)

@@ -122,7 +122,7 @@ def _setting_changes(old: dict[str, Any], new: dict[str, Any], step: int) -> lis
         if k != "optimizer" and k in old_optim and _differs(old_optim[k], v)
     ]
     decays = {old_optim.get("lr_schedule"), new_optim["lr_schedule"]} - {"constant", None}
-    if decays and old.get("total_steps") != new["total_steps"]:
+    if decays and "total_steps" in old and old["total_steps"] != new["total_steps"]:
         out.append(
             f"the learning rate's horizon {old.get('total_steps')} -> {new['total_steps']} steps (the "
             f"{'/'.join(sorted(decays))} decay ends at the last step, so every rate after step {step} moves)"

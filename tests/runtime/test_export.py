@@ -4,6 +4,7 @@ save_pretrained and from_pretrained; missing, incomplete and absent steps are re
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from types import ModuleType
@@ -114,15 +115,15 @@ def test_export_takes_an_older_step_and_refuses_missing_incomplete_and_absent_on
 
     torn = tmp_path / "torn"
     shutil.copytree(ckpt, torn)
-    (torn / "step-3" / "stage1.pt").unlink()  # a run killed while writing step 3
+    (torn / "step-3" / "__1_0.distcp").unlink()  # a file lost after the step was written
     result = _export(str(package), "--checkpoint-dir", str(torn), "-o", str(out))
     assert result.exit_code == 0, result.output
-    assert "skipped step-3: incomplete, no stage1.pt" in result.output and "step 2" in result.output
+    assert "skipped step-3: incomplete, no __1_0.distcp" in result.output and "step 2" in result.output
 
     refusals = {
         "no checkpoints in": ["--checkpoint-dir", str(tmp_path / "none")],
         "has no step-7; it has step-3, step-2, step-1": ["--checkpoint-dir", str(ckpt), "--step", "7"],
-        "step-3 cannot be exported: incomplete, no stage1.pt": ["--checkpoint-dir", str(torn), "--step", "3"],
+        "step-3 cannot be exported: incomplete, no __1_0.distcp": ["--checkpoint-dir", str(torn), "--step", "3"],
     }
     for words, args in refusals.items():
         result = _export(str(package), *args, "-o", str(tmp_path / "x.pt"))
@@ -140,10 +141,16 @@ def test_hf_export_round_trips_through_save_pretrained(tmp_path: Path) -> None:
     package = _package(tmp_path / "pkg", "hf:gpt2", batch=4, shape=(16,))
     ckpt = tmp_path / "ckpt"
     run(package, steps=2, lr=0.05, checkpoint_dir=str(ckpt))
-    result = _export(str(package), "--checkpoint-dir", str(ckpt), "-o", str(tmp_path / "model.pt"))
+    result = _export(
+        str(package), "--checkpoint-dir", str(ckpt), "-o", str(tmp_path / "model.pt"), "--max-shard-size", "200KB"
+    )
     assert result.exit_code == 0, result.output
     hf_dir = tmp_path / "model-hf"
     assert f"wrote {hf_dir}" in result.output
+    index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and all((hf_dir / s).is_file() for s in shards), shards
+    assert "lm_head.weight" not in index["weight_map"]  # tied to transformer.wte.weight, as save_pretrained
 
     model = factory("hf:gpt2")().eval()
     model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True), strict=True)
@@ -158,3 +165,29 @@ def test_hf_export_round_trips_through_save_pretrained(tmp_path: Path) -> None:
         want = _stage_chain(pkg, ckpt, 2, inputs)
         torch.testing.assert_close(model(**keyword).logits, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(loaded(**keyword).logits, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_safetensors_shards_one_at_a_time_hold_what_the_state_dict_holds(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    package, ckpt = trained
+    assert _export(str(package), "--checkpoint-dir", str(ckpt), "-o", str(tmp_path / "model.pt")).exit_code == 0
+    result = _export(
+        str(package), "--checkpoint-dir", str(ckpt), "-o", str(tmp_path / "model.safetensors"), "--max-shard-size", "4KB"
+    )
+    assert result.exit_code == 0, result.output
+    index_path = tmp_path / "model.safetensors.index.json"
+    assert f"wrote {index_path} (" in result.output and "left out (from_pretrained initialises them)" in result.output
+    index = json.loads(index_path.read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert files == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
+    loaded = {k: v for f in files for k, v in load_file(tmp_path / f).items()}
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in loaded.values())
+    state = torch.load(tmp_path / "model.pt", weights_only=True)
+    # each tensor once (the tie under its first name), nothing no stage held, nothing left unsaved
+    assert set(loaded) == set(state) - {"head.weight", "unused.weight", "unused.bias"}
+    for name, tensor in loaded.items():
+        torch.testing.assert_close(tensor, state[name], rtol=0, atol=0, msg=name)
