@@ -1399,6 +1399,39 @@ def export(
         console.print(f"wrote {done.hf_dir} (config and safetensors; from_pretrained reads it)", soft_wrap=True)
 
 
+@main.command("export-plan")
+@click.argument("package", required=False, type=click.Path(file_okay=False))
+@click.option("-o", "--output", type=click.Path(file_okay=False), default=None,
+              help="The folder to write  [default: PACKAGE/torch]")  # fmt: skip
+@click.option("--schedule", type=click.Choice(["1f1b", "gpipe", "zb1p", "interleaved", "zbv"]), default=None,
+              help="[plan.json]")  # fmt: skip
+@user_errors
+def export_plan(package: str | None, output: str | None, schedule: str | None) -> None:
+    """Write a straight plan in the forms torch.distributed.pipelining and torchtitan read.
+
+    \b
+    schedule.csv     each rank's actions for one minibatch (_PipelineScheduleRuntime._load_csv)
+    stages.json      each stage's rank, module FQNs and loose tensors, inputs and outputs
+    torchtitan.toml  [parallelism] settings that use them
+    Each stage's module is the package's stage(k). Torch cannot run replicated stages, pipedream's
+    asynchrony, or a tensor that skips a stage: those plans are refused.
+    """
+    from pathlib import Path
+
+    from runtime.config import newest_package
+    from runtime.torch_plan import export_torch_plan
+
+    folder = Path(package) if package is not None else newest_package("models")
+    out = Path(output) if output is not None else folder / "torch"
+    plan = export_torch_plan(folder, out, schedule)
+    _console().print(
+        f"wrote {out}/schedule.csv, stages.json, torchtitan.toml: {len(plan.stages)} stages, {plan.schedule}, "
+        f"{plan.microbatches} microbatches per minibatch of {plan.batch_size}",
+        soft_wrap=True,
+        markup=False,
+    )
+
+
 @main.command("convert-checkpoint")
 @click.argument("checkpoint_dir", type=click.Path(file_okay=False, exists=True))
 @click.option("--package", "package", required=True, type=click.Path(file_okay=False, exists=True),

@@ -297,13 +297,14 @@ class Saver:
             partial.mkdir(parents=True, exist_ok=True)
         try:
             if self.background:
-                started = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.group)
+                writer = dcp.FileSystemWriter(str(partial))
+                started = dcp.async_save(state, storage_writer=writer, process_group=self.group)
                 upload = started if isinstance(started, Future) else started.upload_completion
                 if self._worker is None:
                     self._worker = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
                 self.pending = self._worker.submit(self._complete, step, began, upload)
             else:
-                dcp.save(state, checkpoint_id=str(partial), process_group=self.group)
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(str(partial)), process_group=self.group)
                 self._complete(step, began)
         except (RuntimeError, OSError, dcp.CheckpointException) as exc:
             raise write_error(exc, self.root) from exc

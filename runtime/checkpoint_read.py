@@ -69,20 +69,20 @@ class Tensors:
         root, step = folder.parent, int(folder.name.removeprefix("step-"))
         return cls(folder, checkpoint.saved_tensors(root, step))
 
-    def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
-        """The tensors of ``keys`` (CPU; DCP reads only these)."""
+    def read(self, keys: Iterable[str], prefix: str = "model.") -> dict[str, torch.Tensor]:
+        """The tensors of ``keys`` (CPU; DCP reads only these), named without ``prefix``."""
         keys = list(keys)
         if self.v1:
             return {key: self.v1[self.v1_keys[key][0]][self.v1_keys[key][1]] for key in keys}
         out = {
-            f"model.{key}": torch.empty(self.specs[key][0], dtype=getattr(torch, self.specs[key][1]))
+            f"{prefix}{key}": torch.empty(self.specs[key][0], dtype=getattr(torch, self.specs[key][1]))
             for key in keys
         }
         if out:
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
                 warnings.simplefilter("ignore", UserWarning)
                 dcp.load(out, checkpoint_id=str(self.folder), no_dist=True)
-        return {key.removeprefix("model."): t for key, t in out.items()}
+        return {key.removeprefix(prefix): t for key, t in out.items()}
 
 
 def read_values(folder: Path, keys: Iterable[str]) -> dict[str, Any]:
