@@ -1093,8 +1093,11 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 @click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint (of any plan of "
               "the model; another seed, schedule, data, optimizer setting or learning-rate horizon is "
               "refused unless --accept-changes).")  # fmt: skip
-@click.option("--accept-changes", is_flag=True,
-              help="With --resume: continue with settings other than the checkpoint's (each is named).")
+@click.option(
+    "--accept-changes",
+    is_flag=True,
+    help="With --resume: continue with settings other than the checkpoint's (each is named).",
+)
 @click.option("--trace", type=click.Path(dir_okay=False), help="One Chrome trace of all ranks (Perfetto).")
 @click.option("--tensorboard", type=click.Path(file_okay=False),
               help="Also write TensorBoard event files into this folder, one run per rank (needs "
@@ -1396,7 +1399,9 @@ def export(
             soft_wrap=True,
         )
     if done.hf_dir is not None:
-        console.print(f"wrote {done.hf_dir} (config and safetensors; from_pretrained reads it)", soft_wrap=True)
+        console.print(
+            f"wrote {done.hf_dir} (config and safetensors; from_pretrained reads it)", soft_wrap=True
+        )
 
 
 @main.command("export-plan")
@@ -1436,7 +1441,9 @@ def export_plan(package: str | None, output: str | None, schedule: str | None) -
 @click.argument("checkpoint_dir", type=click.Path(file_okay=False, exists=True))
 @click.option("--package", "package", required=True, type=click.Path(file_okay=False, exists=True),
               help="The package whose run wrote the checkpoints.")  # fmt: skip
-@click.option("--step", type=click.IntRange(min=0), default=None, help="Only this step  [default: every old one]")
+@click.option(
+    "--step", type=click.IntRange(min=0), default=None, help="Only this step  [default: every old one]"
+)
 @user_errors
 def convert_checkpoint(checkpoint_dir: str, package: str, step: int | None) -> None:
     """Rewrite per-stage checkpoints of an earlier pipeplan (step-N/stageK.pt) in today's format.

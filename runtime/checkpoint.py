@@ -114,7 +114,9 @@ def read_meta(root: Path, step: int) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise RunError(f"cannot read {path}: {exc}") from exc
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("step"), int):
-        raise RunError(f"{path} is not a {SCHEMA} record (schema {doc.get('schema') if isinstance(doc, dict) else '?'})")
+        raise RunError(
+            f"{path} is not a {SCHEMA} record (schema {doc.get('schema') if isinstance(doc, dict) else '?'})"
+        )
     return doc
 
 
@@ -250,7 +252,9 @@ def _causes(exc: BaseException) -> list[BaseException]:
 def write_error(exc: BaseException, root: Path) -> Exception:
     """What a failed checkpoint write means: the disk (a RunError naming it), or another rank gone
     in DCP's collectives (:class:`runtime.errors.PeerLost`, so the rank that died is the one blamed)."""
-    disk = next((c for c in _causes(exc) if isinstance(c, OSError) and not isinstance(c, ConnectionError)), None)
+    disk = next(
+        (c for c in _causes(exc) if isinstance(c, OSError) and not isinstance(c, ConnectionError)), None
+    )
     if disk is not None:
         return RunError(f"writing a checkpoint into {root} failed: {disk.strerror or disk}")
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

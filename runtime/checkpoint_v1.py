@@ -55,7 +55,9 @@ def _stage_entries(names: ModelNames, k: int, state: dict[str, Any], trained: li
     return out
 
 
-def _entries(folder: Path, names: ModelNames, trained: list[list[str]], world_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def _entries(
+    folder: Path, names: ModelNames, trained: list[list[str]], world_size: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every entry of the DCP checkpoint, and stage 0's file (settings, schedule, step)."""
     out: dict[str, Any] = {}
     first: dict[str, Any] = {}

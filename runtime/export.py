@@ -238,7 +238,11 @@ def _shard_files(
     sizes = {n: _bytes(tensors.specs[merged.sources[n]]) for n in names}
     shards = _shards(names, sizes, most)
     for i, shard in enumerate(shards):
-        name = f"{stem}.safetensors" if len(shards) == 1 else f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        name = (
+            f"{stem}.safetensors"
+            if len(shards) == 1
+            else f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        )
         yield folder / name, shard
 
 
@@ -266,7 +270,9 @@ def write_safetensors(
     return _replace(path.parent / f"{stem}.safetensors.index.json", lambda tmp: tmp.write_text(text)), written
 
 
-def write_state_dict(path: Path, pkg: ModuleType, model: nn.Module, tensors: Tensors, merged: Merged, seed: int) -> Path:
+def write_state_dict(
+    path: Path, pkg: ModuleType, model: nn.Module, tensors: Tensors, merged: Merged, seed: int
+) -> Path:
     """``torch.save`` of the model's state_dict: every name, a tied tensor's names sharing storage,
     untrained tensors as ``full_model(seed)`` builds them (the whole model is in memory here)."""
     assert merged.sources is not None
@@ -282,7 +288,9 @@ def write_state_dict(path: Path, pkg: ModuleType, model: nn.Module, tensors: Ten
     return _replace(path, lambda tmp: torch.save(state, tmp))
 
 
-def write_hf_folder(folder: Path, model: nn.Module, tensors: Tensors, merged: Merged, most: int) -> list[Path]:
+def write_hf_folder(
+    folder: Path, model: nn.Module, tensors: Tensors, merged: Merged, most: int
+) -> list[Path]:
     """A folder ``from_pretrained`` reads: the model's config (and generation config), and the
     weights as safetensors shards with an index above ``most`` bytes."""
     config = getattr(model, "config", None)
@@ -326,7 +334,11 @@ def export_checkpoint(
     root = Path(checkpoint_dir) if checkpoint_dir is not None else job.package / "run" / "checkpoints"
     chosen, skipped = choose_step(root, step)
     folder = checkpoint.step_dir(root, chosen)
-    meta = json.loads((folder / checkpoint.META).read_text(encoding="utf-8")) if (folder / checkpoint.META).is_file() else {}
+    meta = (
+        json.loads((folder / checkpoint.META).read_text(encoding="utf-8"))
+        if (folder / checkpoint.META).is_file()
+        else {}
+    )
     seed = seed if seed is not None else int(meta.get("seed") or 0)
     pkg = import_package(job.package)
     if not callable(getattr(pkg, "full_model", None)):
@@ -334,7 +346,14 @@ def export_checkpoint(
     tensors = Tensors.open(folder, model_names(pkg, job))
     model = _meta_model(pkg, seed)
     merged = match_names(model, tensors.specs)
-    merged = Merged(merged.loaded, merged.tied, merged.untrained, merged.dropped, _tie_difference(tensors, model), merged.sources)
+    merged = Merged(
+        merged.loaded,
+        merged.tied,
+        merged.untrained,
+        merged.dropped,
+        _tie_difference(tensors, model),
+        merged.sources,
+    )
     out = Path(output)
     if out.suffix == ".safetensors":
         out, files = write_safetensors(out, model, tensors, merged, max_shard_bytes)

@@ -183,7 +183,9 @@ def apply_settings(
             group["betas"] = settings.betas
     if scheduler is not None:
         scheduler.base_lrs = [settings.lr] * len(optimizer.param_groups)
-        for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
+        for group, base, factor in zip(
+            optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
+        ):
             group["lr"] = base * factor(scheduler.last_epoch)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from runtime import checkpoint, resume, train_state
+from runtime.comm import peer_errors
 from runtime.fqns import ModelNames, model_names
 from runtime.optim import OptimSettings, apply_settings
 from runtime.options import RunOptions
@@ -63,7 +64,10 @@ class RankCheckpoints:
             return None
         rt = hosted[0]
         names = model_names(import_package(rt.cfg.job.package), rt.cfg.job)
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(options.timeout, WRITE_TIMEOUT_S)))
+        with peer_errors("creating the checkpoint group"):
+            group = dist.new_group(
+                backend="gloo", timeout=timedelta(seconds=max(options.timeout, WRITE_TIMEOUT_S))
+            )
         saver = checkpoint.Saver(
             Path(options.checkpoint_dir),
             rt.cfg.rank,
@@ -93,7 +97,8 @@ class RankCheckpoints:
                 verdict = resume.compare(old, self.saver.meta, found[0], where)
                 for line in verdict.lines(options.accept_changes):
                     log.warning("%s", line)
-        dist.broadcast_object_list(found, src=0, group=self.saver.group)
+        with peer_errors("agreeing on the step to resume"):
+            dist.broadcast_object_list(found, src=0, group=self.saver.group)
         return found[0]
 
     def resume(self) -> tuple[int, Callable[[], None]]:
@@ -106,10 +111,11 @@ class RankCheckpoints:
         rt = self.hosted[0]
         same = checkpoint.read_meta(self.root, step).get("fingerprint") == self.saver.meta["fingerprint"]
         held = [train_state.Held(each.cfg.stage, each.module, each.optimizer) for each in self.hosted]
-        loaded, rng = train_state.load(
-            checkpoint.step_dir(self.root, step), self.names, held, rt.cfg.rank, self.saver.group,
-            rt.scheduler, rt.scaler, rng=same,
-        )  # fmt: skip
+        with peer_errors("loading a checkpoint"):
+            loaded, rng = train_state.load(
+                checkpoint.step_dir(self.root, step), self.names, held, rt.cfg.rank, self.saver.group,
+                rt.scheduler, rt.scaler, rng=same,
+            )  # fmt: skip
         for each in self.hosted[1:]:
             if each.scheduler is not None and rt.scheduler is not None:
                 each.scheduler.load_state_dict(rt.scheduler.state_dict())
@@ -130,7 +136,9 @@ class RankCheckpoints:
             train_state.Held(each.cfg.stage, each.module, each.optimizer, writes=each.cfg.replica == 0)
             for each in self.hosted
         ]
-        self.saver.save(step, train_state.rank_entries(self.names, held, rt.cfg.rank, step, rt.scheduler, rt.scaler))
+        self.saver.save(
+            step, train_state.rank_entries(self.names, held, rt.cfg.rank, step, rt.scheduler, rt.scaler)
+        )
 
     def close(self) -> None:
         """Wait for a checkpoint still being written in the background."""

@@ -56,7 +56,9 @@ def read_config(path: str | Path, known: Iterable[str]) -> dict[str, Any]:
         name = key.replace("-", "_")
         if name not in names:
             shown = ", ".join(sorted(n.replace("_", "-") for n in names))
-            raise RunError(f"--config {file}: unknown key {key!r}; the keys are the options of `pipeplan run`: {shown}")
+            raise RunError(
+                f"--config {file}: unknown key {key!r}; the keys are the options of `pipeplan run`: {shown}"
+            )
         if isinstance(value, dict):
             raise RunError(f"--config {file}: {key} is a table; give it as {key} = value")
         out[name] = ",".join(map(str, value)) if isinstance(value, list) else value

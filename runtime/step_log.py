@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from runtime.comm import peer_errors
 from runtime.errors import RunError
 from runtime.flops import minibatch_flops, peak_flops, token_count
 from runtime.optim import OptimSettings, lr_factor
@@ -177,7 +178,8 @@ def _model_rates(rt: StageRuntime) -> tuple[int | None, int | None]:
         inputs, targets = rt.batches.inputs(0), rt.batches.targets(0)
         flops = minibatch_flops(import_package(job.package), rt.wiring, job.module_stages, inputs, targets)
         found = [(flops, token_count(inputs))]
-    dist.broadcast_object_list(found, src=0)
+    with peer_errors("sharing the model's FLOP count"):
+        dist.broadcast_object_list(found, src=0)
     return found[0]  # type: ignore[no-any-return]
 
 

@@ -177,7 +177,9 @@ def _ask_stage(request: _Request, names: ModelNames, held: Held) -> tuple[dict[s
         cands = names.candidates(names.key(held.stage, fqn))
         for k, v in state.items():
             if not isinstance(v, torch.Tensor):
-                raise RunError(f"optimizer state {fqn}.{k} is not a tensor; pipeplan checkpoints tensors only")
+                raise RunError(
+                    f"optimizer state {fqn}.{k} is not a tensor; pipeplan checkpoints tensors only"
+                )
             request.tensor([f"optimizer.state.{c}.{k}" for c in cands], v, f"optimizer state {k} of {fqn!r}")
     settings: dict[str, str] = {}
     for group in nested[_PG][:1]:  # a stage's optimizer has one group

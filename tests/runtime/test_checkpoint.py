@@ -19,7 +19,9 @@ from runtime.package import import_package
 from tests.runtime.packages import write_package
 
 
-def save_step(root: Path, pkg: Path, step: int, options: RunOptions | None = None, publish: bool = True) -> None:
+def save_step(
+    root: Path, pkg: Path, step: int, options: RunOptions | None = None, publish: bool = True
+) -> None:
     """A complete checkpoint of ``step`` of ``pkg`` (fresh weights, SGD), written in one process as
     the ranks write it together."""
     job = load_job(pkg)
@@ -81,12 +83,16 @@ def test_a_damaged_newest_step_falls_back_to_the_one_before(
     assert point.skipped[0].startswith("step-4: ") and why in point.skipped[0], point.skipped
 
 
-def test_a_checkpoint_before_dcp_is_refused_with_the_command_that_converts_it(tmp_path: Path, pkg: Path) -> None:
+def test_a_checkpoint_before_dcp_is_refused_with_the_command_that_converts_it(
+    tmp_path: Path, pkg: Path
+) -> None:
     root = tmp_path / "ck"
     (root / "step-3").mkdir(parents=True)
     torch.save({"model": {}, "optimizer": {}, "step": 3}, root / "step-3" / "stage0.pt")
     (root / "step-3" / "meta.json").write_text(f'{{"schema": "pipeplan.checkpoint/1", "package": "{pkg}"}}')
-    with pytest.raises(RunError, match=rf"per-stage checkpoint .* `pipeplan convert-checkpoint {root} --package {pkg}`"):
+    with pytest.raises(
+        RunError, match=rf"per-stage checkpoint .* `pipeplan convert-checkpoint {root} --package {pkg}`"
+    ):
         checkpoint.resume_point(root)
 
 
@@ -115,5 +121,8 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path, pkg: Path) -> 
     root = tmp_path / "ck"
     save_step(root, other, 2)
     options = RunOptions(str(pkg), steps=10, resume=True, checkpoint_dir=str(root))
-    with pytest.raises(RunError, match=r"step-2 holds 'stages.1.fc.weight' of shape \(8, 8\), this package's is \(3, 8\): it was written for another model"):
+    with pytest.raises(
+        RunError,
+        match=r"step-2 holds 'stages.1.fc.weight' of shape \(8, 8\), this package's is \(3, 8\): it was written for another model",
+    ):
         resolve_resume(options)

@@ -123,7 +123,12 @@ def test_export_takes_an_older_step_and_refuses_missing_incomplete_and_absent_on
     refusals = {
         "no checkpoints in": ["--checkpoint-dir", str(tmp_path / "none")],
         "has no step-7; it has step-3, step-2, step-1": ["--checkpoint-dir", str(ckpt), "--step", "7"],
-        "step-3 cannot be exported: incomplete, no __1_0.distcp": ["--checkpoint-dir", str(torn), "--step", "3"],
+        "step-3 cannot be exported: incomplete, no __1_0.distcp": [
+            "--checkpoint-dir",
+            str(torn),
+            "--step",
+            "3",
+        ],
     }
     for words, args in refusals.items():
         result = _export(str(package), *args, "-o", str(tmp_path / "x.pt"))
@@ -142,7 +147,13 @@ def test_hf_export_round_trips_through_save_pretrained(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     run(package, steps=2, lr=0.05, checkpoint_dir=str(ckpt))
     result = _export(
-        str(package), "--checkpoint-dir", str(ckpt), "-o", str(tmp_path / "model.pt"), "--max-shard-size", "200KB"
+        str(package),
+        "--checkpoint-dir",
+        str(ckpt),
+        "-o",
+        str(tmp_path / "model.pt"),
+        "--max-shard-size",
+        "200KB",
     )
     assert result.exit_code == 0, result.output
     hf_dir = tmp_path / "model-hf"
@@ -174,13 +185,24 @@ def test_safetensors_shards_one_at_a_time_hold_what_the_state_dict_holds(
     from safetensors.torch import load_file
 
     package, ckpt = trained
-    assert _export(str(package), "--checkpoint-dir", str(ckpt), "-o", str(tmp_path / "model.pt")).exit_code == 0
+    assert (
+        _export(str(package), "--checkpoint-dir", str(ckpt), "-o", str(tmp_path / "model.pt")).exit_code == 0
+    )
     result = _export(
-        str(package), "--checkpoint-dir", str(ckpt), "-o", str(tmp_path / "model.safetensors"), "--max-shard-size", "4KB"
+        str(package),
+        "--checkpoint-dir",
+        str(ckpt),
+        "-o",
+        str(tmp_path / "model.safetensors"),
+        "--max-shard-size",
+        "4KB",
     )
     assert result.exit_code == 0, result.output
     index_path = tmp_path / "model.safetensors.index.json"
-    assert f"wrote {index_path} (" in result.output and "left out (from_pretrained initialises them)" in result.output
+    assert (
+        f"wrote {index_path} (" in result.output
+        and "left out (from_pretrained initialises them)" in result.output
+    )
     index = json.loads(index_path.read_text())
     files = sorted(set(index["weight_map"].values()))
     assert files == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]

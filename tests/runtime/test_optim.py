@@ -89,7 +89,9 @@ def test_accepted_changes_replace_what_a_checkpoint_loaded() -> None:
     params = [torch.nn.Parameter(torch.ones(2))]
     optimizer = make_optimizer(old, params)
     scheduler = make_scheduler(new, optimizer, 12)
-    scheduler.load_state_dict({**make_scheduler(old, make_optimizer(old, params), 8).state_dict(), "last_epoch": 5})
+    scheduler.load_state_dict(
+        {**make_scheduler(old, make_optimizer(old, params), 8).state_dict(), "last_epoch": 5}
+    )
     apply_settings(new, optimizer, scheduler)
     (group,) = optimizer.param_groups
     assert (group["initial_lr"], group["weight_decay"], group["betas"]) == (0.02, 0.2, new.betas)
@@ -151,7 +153,9 @@ def test_adamw_cosine_warmup_and_clipping_equal_plain_training(
     model, norms = _reference(pkg, steps, micro, batch, settings)
     assert sum(n > 0.3 for n in norms) >= 2, f"clipping must bind for the test to mean anything: {norms}"
     assert_stages_equal(ckpt, steps, model, len(replicas))
-    assert read_values(ckpt / f"step-{steps}", ["lr_scheduler.last_epoch"])["lr_scheduler.last_epoch"] == steps
+    assert (
+        read_values(ckpt / f"step-{steps}", ["lr_scheduler.last_epoch"])["lr_scheduler.last_epoch"] == steps
+    )
     optim = json.loads((ckpt / f"step-{steps}" / "meta.json").read_text())["optim"]
     assert optim["optimizer"] == "adamw" and optim["lr_schedule"] == "cosine"
 

@@ -43,7 +43,9 @@ def _package(
     edges = [0, *(round(c * len(ids)) for c in cuts), len(ids)]
     first, stages = 0, []
     for k, r in enumerate(replicas):
-        stages.append(plan_mod.Stage(k, tuple(ids[edges[k] : edges[k + 1]]), r, tuple(range(first, first + r))))
+        stages.append(
+            plan_mod.Stage(k, tuple(ids[edges[k] : edges[k + 1]]), r, tuple(range(first, first + r)))
+        )
         first += r
     plan = plan_mod.Plan(
         gpus=first,
@@ -89,10 +91,14 @@ def _assert_like_plain(ckpt: Path, step: int, plain: tuple[dict[str, torch.Tenso
         got = {f"optimizer.state.{name}.{k}": torch.empty_like(v) for k, v in state.items()}
         dcp.load(got, checkpoint_id=str(ckpt / f"step-{step}"), no_dist=True)
         for k, v in state.items():
-            torch.testing.assert_close(got[f"optimizer.state.{name}.{k}"], v, rtol=1e-5, atol=1e-7, msg=f"{name}.{k}")
+            torch.testing.assert_close(
+                got[f"optimizer.state.{name}.{k}"], v, rtol=1e-5, atol=1e-7, msg=f"{name}.{k}"
+            )
 
 
-def test_resume_on_a_three_stage_plan_with_a_replica_equals_plain_training(tmp_path: Path, profile: object) -> None:
+def test_resume_on_a_three_stage_plan_with_a_replica_equals_plain_training(
+    tmp_path: Path, profile: object
+) -> None:
     two = _package(profile, tmp_path / "two", [0.5], [1, 1])
     three = _package(profile, tmp_path / "three", [0.3, 0.7], [1, 2, 1])
     ckpt = tmp_path / "ckpt"

@@ -63,7 +63,9 @@ def test_a_constant_rate_has_no_horizon_to_move() -> None:
         ({"fingerprint": "g", "keys": "per-stage"}, "keyed per stage"),
     ],
 )
-def test_what_cannot_resume_is_refused_even_when_changes_are_accepted(changed: dict[str, Any], words: str) -> None:
+def test_what_cannot_resume_is_refused_even_when_changes_are_accepted(
+    changed: dict[str, Any], words: str
+) -> None:
     with pytest.raises(RunError, match=words):
         compare(_record(), _record(**changed), 4, WHERE).lines(accept=True)
 
@@ -73,4 +75,7 @@ def test_another_plan_is_a_note_and_restarts_the_generators() -> None:
     verdict = compare(_record(), other, 4, WHERE)
     assert not verdict.same_layout
     (note,) = verdict.lines(accept=False)
-    assert "another plan (2 stages on 2 ranks, replicas 1x1); resuming on 3 stages on 4 ranks, replicas 1x2x1" in note
+    assert (
+        "another plan (2 stages on 2 ranks, replicas 1x1); resuming on 3 stages on 4 ranks, replicas 1x2x1"
+        in note
+    )

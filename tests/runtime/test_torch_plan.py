@@ -26,7 +26,9 @@ LR, STEPS = 0.05, 3
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return generate(tmp_path_factory.mktemp("mlp") / "pkg", "tiny-mlp", (1, 1), "1f1b", microbatches=4, batch_size=8)
+    return generate(
+        tmp_path_factory.mktemp("mlp") / "pkg", "tiny-mlp", (1, 1), "1f1b", microbatches=4, batch_size=8
+    )
 
 
 def test_the_schedule_is_torch_s_notation_for_one_minibatch(straight: Path) -> None:
@@ -49,7 +51,12 @@ def test_the_schedule_is_torch_s_notation_for_one_minibatch(straight: Path) -> N
         ("chain", (2, 1), "1f1b", "stage 0 has 2 replicas; torch's pipelining runs one rank per stage"),
         ("chain", (1, 1), "pipedream", "torch's pipelining has no asynchronous schedule"),
         ("skip", (1, 1, 1), "1f1b", "a tensor skipping a stage cannot be expressed"),
-        ("chain", (1, 1), "1f1b", "lists no MODULES; export-plan needs a package written by `pipeplan partition`"),
+        (
+            "chain",
+            (1, 1),
+            "1f1b",
+            "lists no MODULES; export-plan needs a package written by `pipeplan partition`",
+        ),
     ],
 )
 def test_what_torch_cannot_run_is_refused(
