@@ -32,8 +32,8 @@ else:  # pragma: no cover
 __all__ = ["CONFIG_NAME", "read_config", "to_toml", "write_config"]
 
 CONFIG_NAME = "run.toml"
-_INTERNAL = {"launcher_pid", "resume_step"}
-"""Fields the launcher sets for its ranks, not options a user gives."""
+_INTERNAL = {"launcher_pid", "resume_step", "start_method"}
+"""Fields the launcher sets for its ranks (or the library's callers only), not options of ``pipeplan run``."""
 
 
 def read_config(path: str | Path, known: Iterable[str]) -> dict[str, Any]:
