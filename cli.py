@@ -1430,8 +1430,8 @@ def export_plan(package: str | None, output: str | None, schedule: str | None) -
     out = Path(output) if output is not None else folder / "torch"
     plan = export_torch_plan(folder, out, schedule)
     _console().print(
-        f"wrote {out}/schedule.csv, stages.json, torchtitan.toml: {len(plan.stages)} stages, {plan.schedule}, "
-        f"{plan.microbatches} microbatches per minibatch of {plan.batch_size}",
+        f"wrote {out}/schedule.csv, stages.json, torchtitan.toml: {len(plan.stages)} stages, "
+        f"{plan.schedule}, {plan.microbatches} microbatches per minibatch of {plan.batch_size}",
         soft_wrap=True,
         markup=False,
     )

@@ -8,7 +8,7 @@ resumed run). The ranks write into ``step-N.partial/``; rank 0 adds ``meta.json`
 folder to ``step-N`` once DCP has finished, so a ``step-N`` folder is always complete: a rank killed
 mid-write leaves only a ``.partial`` folder, which the next ``--resume`` removes. With
 :attr:`Saver.background` the ranks copy their tensors and go on training while DCP writes
-(``dcp.async_save``); the next checkpoint, and the end of the run, wait for it.
+(``dcp_async_save``); the next checkpoint, and the end of the run, wait for it.
 
 A checkpoint folder may keep only its newest ``keep`` steps (:func:`prune`), plus steps the run pins
 and steps a user pinned by putting a file named ``pinned`` into the folder.
@@ -19,6 +19,7 @@ by ``--resume`` with the command that converts them (:mod:`runtime.checkpoint_v1
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -32,7 +33,11 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from runtime.errors import PeerLost, RunError
 
@@ -91,10 +96,8 @@ def is_v1(root: Path, step: int) -> bool:
 def v1_hint(root: Path, step: int) -> str:
     """The one line that says how to convert a checkpoint of pipeplan before DCP."""
     package = "PACKAGE"
-    try:
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         package = str(json.loads((step_dir(root, step) / META).read_text(encoding="utf-8"))["package"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
     return (
         f"{step_dir(root, step)} is a per-stage checkpoint of an earlier pipeplan (stage<K>.pt files); "
         f"convert it once with `pipeplan convert-checkpoint {root} --package {package}`, then resume "
@@ -130,7 +133,7 @@ def step_problem(root: Path, step: int) -> str | None:
             return f"incomplete, no {name}"
     try:
         read_meta(root, step)
-        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+        metadata = FileSystemReader(str(folder)).read_metadata()
     except (RunError, OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
         return f"unreadable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
     ends: dict[str, int] = {}
@@ -147,11 +150,11 @@ def step_problem(root: Path, step: int) -> str | None:
 
 def saved_tensors(root: Path, step: int, prefix: str = "model.") -> dict[str, tuple[tuple[int, ...], str]]:
     """The tensors a step holds under ``prefix`` (without it), with shape and dtype, from DCP's metadata."""
-    metadata = dcp.FileSystemReader(str(step_dir(root, step))).read_metadata()
+    metadata = FileSystemReader(str(step_dir(root, step))).read_metadata()
     return {
         key.removeprefix(prefix): (tuple(md.size), str(md.properties.dtype).removeprefix("torch."))
         for key, md in metadata.state_dict_metadata.items()
-        if key.startswith(prefix) and isinstance(md, dcp.TensorStorageMetadata)
+        if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
     }
 
 
@@ -244,7 +247,7 @@ def _causes(exc: BaseException) -> list[BaseException]:
             continue
         found.append(cur)
         stack += [c for c in (cur.__cause__, cur.__context__) if c is not None]
-        if isinstance(cur, dcp.CheckpointException):
+        if isinstance(cur, CheckpointException):
             stack += [pair[0] for pair in cur.failures.values()]
     return found
 
@@ -271,7 +274,7 @@ class Saver:
         group: the process group DCP plans and agrees over (a gloo group of every rank, apart from the
             training's, so a background write never interleaves with its collectives).
         meta: the run's record for ``meta.json`` (rank 0).
-        background: write with ``dcp.async_save``: training goes on once the tensors are copied.
+        background: write with ``dcp_async_save``: training goes on once the tensors are copied.
         keep: keep the newest this many steps (0: all), plus pinned ones.
         pin_every: steps that are multiples of this are never deleted (0: none).
         on_saved: called by rank 0 with (step, seconds) once a step is complete on disk.
@@ -301,16 +304,16 @@ class Saver:
             partial.mkdir(parents=True, exist_ok=True)
         try:
             if self.background:
-                writer = dcp.FileSystemWriter(str(partial))
-                started = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+                writer = FileSystemWriter(str(partial))
+                started = dcp_async_save(state, storage_writer=writer, process_group=self.group)
                 upload = started if isinstance(started, Future) else started.upload_completion
                 if self._worker is None:
                     self._worker = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
                 self.pending = self._worker.submit(self._complete, step, began, upload)
             else:
-                dcp.save(state, storage_writer=dcp.FileSystemWriter(str(partial)), process_group=self.group)
+                dcp_save(state, storage_writer=FileSystemWriter(str(partial)), process_group=self.group)
                 self._complete(step, began)
-        except (RuntimeError, OSError, dcp.CheckpointException) as exc:
+        except (RuntimeError, OSError, CheckpointException) as exc:
             raise write_error(exc, self.root) from exc
         self.blocked_s += time.perf_counter() - began
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from runtime import checkpoint
 from runtime.config import load_job
@@ -81,7 +81,7 @@ class Tensors:
         if out:
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
                 warnings.simplefilter("ignore", UserWarning)
-                dcp.load(out, checkpoint_id=str(self.folder), no_dist=True)
+                dcp_load(out, checkpoint_id=str(self.folder), no_dist=True)
         return {key.removeprefix(prefix): t for key, t in out.items()}
 
 
@@ -91,7 +91,7 @@ def read_values(folder: Path, keys: Iterable[str]) -> dict[str, Any]:
     out: dict[str, Any] = dict.fromkeys(keys)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(out, checkpoint_id=str(folder), no_dist=True)
+        dcp_load(out, checkpoint_id=str(folder), no_dist=True)
     return out
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from runtime import checkpoint
 from runtime.checkpoint_read import load_v1_stage
@@ -117,7 +117,7 @@ def convert(root: Path, package: Path, step: int | None = None) -> list[int]:
         partial = root / f"step-{s}.partial"
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.save(entries, checkpoint_id=str(partial), no_dist=True)
+            dcp_save(entries, checkpoint_id=str(partial), no_dist=True)
         os.replace(folder, root / f"step-{s}.v1")
         checkpoint.publish(root, s, _record(old, first, job, names))
     return steps

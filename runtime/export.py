@@ -298,8 +298,8 @@ def write_hf_folder(
         raise RunError(f"{type(model).__name__} has no Hugging Face config to save")
     folder.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(folder)
-    generation = getattr(model, "generation_config", None)
-    if generation is not None and callable(getattr(model, "can_generate", None)) and model.can_generate():
+    generation, can_generate = getattr(model, "generation_config", None), getattr(model, "can_generate", None)
+    if generation is not None and callable(can_generate) and can_generate():
         generation.save_pretrained(folder)
     _, files = write_safetensors(folder / "model.safetensors", model, tensors, merged, most)
     return files

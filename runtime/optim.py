@@ -169,7 +169,7 @@ def make_scheduler(
 def apply_settings(
     settings: OptimSettings,
     optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LambdaLR | None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
 ) -> None:
     """Put ``settings`` into an optimizer and schedule loaded from a checkpoint of other settings
     (a resume whose changes were accepted): a checkpoint's groups carry their rates, betas and decay,
@@ -183,9 +183,8 @@ def apply_settings(
             group["betas"] = settings.betas
     if scheduler is not None:
         scheduler.base_lrs = [settings.lr] * len(optimizer.param_groups)
-        for group, base, factor in zip(
-            optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
-        ):
+        factors = getattr(scheduler, "lr_lambdas", None) or [lambda _: 1.0] * len(scheduler.base_lrs)
+        for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, factors, strict=True):
             group["lr"] = base * factor(scheduler.last_epoch)
 
 

@@ -117,7 +117,7 @@ def _setting_changes(old: dict[str, Any], new: dict[str, Any], step: int) -> lis
     ]
     old_optim, new_optim = old.get("optim") or {}, new["optim"]
     out += [
-        f"{_flag(k)} {_shown(old_optim[k])} -> {_shown(v)} (the optimizer steps differently from step {step + 1})"
+        f"{_flag(k)} {_shown(old_optim[k])} -> {_shown(v)} (the optimizer steps otherwise after step {step})"
         for k, v in new_optim.items()
         if k != "optimizer" and k in old_optim and _differs(old_optim[k], v)
     ]

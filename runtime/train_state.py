@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from runtime.errors import RunError
 from runtime.fqns import ModelNames
@@ -68,7 +69,7 @@ class Held:
 def _optimizer(held: Held) -> dict[str, Any]:
     """torch's FQN-keyed optimizer state dict (state created by a no-op step if the optimizer has
     none yet, which is what loading needs: a template of every entry)."""
-    return get_optimizer_state_dict(held.module, held.optimizer)  # type: ignore[return-value]
+    return dict(get_optimizer_state_dict(held.module, held.optimizer))
 
 
 def stage_entries(names: ModelNames, held: Held) -> dict[str, Any]:
@@ -204,7 +205,7 @@ def load(
     """Load this rank's stages, optimizers, schedule and loss scale from the DCP checkpoint at
     ``path`` (every rank calls this together); returns the checkpoint's step and, with ``rng``, this
     rank's generator states (for :func:`set_rng` once the rank is set up)."""
-    reader = dcp.FileSystemReader(str(path))
+    reader = FileSystemReader(str(path))
     present = frozenset(reader.read_metadata().state_dict_metadata)
     request = _Request(present, {}, [])
     asked = [_ask_stage(request, names, each) for each in held]
@@ -215,13 +216,13 @@ def load(
         wanted["loss_scale"] = scaler.state_dict()
     if rng:
         wanted[f"rng.rank{rank}"] = _rng_now()
-    dcp.load(wanted, storage_reader=reader, process_group=group)
+    dcp_load(wanted, storage_reader=reader, process_group=group)
     with torch.no_grad():
         for target, source in request.copies:
             target.copy_(wanted[source])
     for each, (nested, settings) in zip(held, asked, strict=True):
-        for group in nested[_PG][:1]:
-            group.update({k: wanted[found] for k, found in settings.items()})
+        for values in nested[_PG][:1]:
+            values.update({k: wanted[found] for k, found in settings.items()})
         set_optimizer_state_dict(each.module, each.optimizer, nested)
     if "lr_scheduler" in wanted and scheduler is not None:
         scheduler.load_state_dict({**wanted["lr_scheduler"], "lr_lambdas": [None] * len(scheduler.base_lrs)})

@@ -35,11 +35,17 @@ def test_a_resume_that_would_change_the_run_is_refused_or_accepted_by_name(tmp_p
 
     code, out = _run(str(pkg), "--steps", "2", "--resume", *COSINE)
     assert code == 2 and out.count("\n") == 1, out
-    assert out.startswith("error: ") and "is at step 4 and this run ends at step 2: nothing is left to train" in out
+    assert (
+        out.startswith("error: ")
+        and "is at step 4 and this run ends at step 2: nothing is left to train" in out
+    )
     assert (pkg / "run" / "metrics.json").read_text() == metrics  # nothing ran, nothing overwritten
 
     for changed, words in [
-        (["--steps", "8"], "the learning rate's horizon 4 -> 8 steps (the cosine decay ends at the last step"),
+        (
+            ["--steps", "8"],
+            "the learning rate's horizon 4 -> 8 steps (the cosine decay ends at the last step",
+        ),
         (["--steps", "6", "--seed", "1"], "--seed 0 -> 1"),
         (["--steps", "6", "--microbatches", "4"], "--microbatches 2 -> 4"),
     ]:
@@ -57,9 +63,19 @@ def test_a_resume_that_would_change_the_run_is_refused_or_accepted_by_name(tmp_p
 def test_keep_checkpoints_keeps_the_newest_and_the_pinned(tmp_path: Path) -> None:
     pkg = write_package(tmp_path / "pkg", "chain", replicas=(1, 1), microbatches=2, batch_size=4)
     code, out = _run(
-        str(pkg), "--steps", "6", "--checkpoint-every", "1", "--keep-checkpoints", "2", "--pin-every", "4",
-        "--checkpoint-async", "--timeout", "30",
-    )  # fmt: skip
+        str(pkg),
+        "--steps",
+        "6",
+        "--checkpoint-every",
+        "1",
+        "--keep-checkpoints",
+        "2",
+        "--pin-every",
+        "4",
+        "--checkpoint-async",
+        "--timeout",
+        "30",
+    )
     assert code == 0, out
     assert steps_in(pkg / "run" / "checkpoints") == [6, 5, 4]
 
@@ -67,7 +83,8 @@ def test_keep_checkpoints_keeps_the_newest_and_the_pinned(tmp_path: Path) -> Non
 def test_config_file_repeats_a_run_and_flags_win(tmp_path: Path) -> None:
     pkg = write_package(tmp_path / "pkg", "chain", replicas=(1, 1), microbatches=2, batch_size=4)
     (tmp_path / "run.toml").write_text(
-        f'package = "{pkg}"\nsteps = 3\nlr = 0.2\nbetas = [0.8, 0.9]\noptimizer = "adam"\ncheckpoint-every = 3\n'
+        f'package = "{pkg}"\nsteps = 3\nlr = 0.2\nbetas = [0.8, 0.9]\noptimizer = "adam"\n'
+        "checkpoint-every = 3\n"
     )
     code, out = _run("--config", str(tmp_path / "run.toml"), "--steps", "2", "--timeout", "30")
     assert code == 0, out
@@ -91,8 +108,9 @@ def test_step_lines_appear_while_the_run_goes_on(tmp_path: Path) -> None:
     log = pkg / "run" / "steps" / "rank1.jsonl"
     proc = subprocess.Popen(
         [sys.executable, "-m", "cli", "run", str(pkg), "--steps", "100000", "--timeout", "30"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         seen = []
         deadline = time.monotonic() + 120

@@ -123,6 +123,7 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path, pkg: Path) -> 
     options = RunOptions(str(pkg), steps=10, resume=True, checkpoint_dir=str(root))
     with pytest.raises(
         RunError,
-        match=r"step-2 holds 'stages.1.fc.weight' of shape \(8, 8\), this package's is \(3, 8\): it was written for another model",
+        match=r"step-2 holds 'stages.1.fc.weight' of shape \(8, 8\), this package's is \(3, 8\): it was "
+        "written for another model",
     ):
         resolve_resume(options)

@@ -34,13 +34,26 @@ def _write_v1(root: Path, pkg: Path, step: int) -> list[torch.nn.Module]:
             p.grad = torch.randn_like(p)
         optimizer.step()
         scheduler.step()
-        state = {"model": module.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                 "optim": SETTINGS.record(), "scaler": None, "precision": "fp32", "step": step}  # fmt: skip
+        state = {
+            "model": module.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "optim": SETTINGS.record(),
+            "scaler": None,
+            "precision": "fp32",
+            "step": step,
+        }
         torch.save(state, folder / f"stage{k}.pt")
         torch.save({"rng": {"cpu": torch.get_rng_state()}, "step": step}, folder / f"rank{k}.pt")
         modules.append((module, optimizer))
-    meta = {"schema": "pipeplan.checkpoint/1", "step": step, "package": str(pkg),
-            "fingerprint": checkpoint.package_fingerprint(pkg), "world_size": 2, "seed": 0}  # fmt: skip
+    meta = {
+        "schema": "pipeplan.checkpoint/1",
+        "step": step,
+        "package": str(pkg),
+        "fingerprint": checkpoint.package_fingerprint(pkg),
+        "world_size": 2,
+        "seed": 0,
+    }
     (folder / "meta.json").write_text(json.dumps(meta))
     return modules  # type: ignore[return-value]
 

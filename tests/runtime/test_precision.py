@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from runtime.checkpoint_read import read_values
 from runtime.config import load_job
 from runtime.data import SyntheticBatches
 from runtime.errors import RunError
@@ -19,7 +20,6 @@ from runtime.loss_scale import LossScaler
 from runtime.options import RunOptions, from_argv, to_argv
 from runtime.package import import_package
 from runtime.precision import autocast, check_precision
-from runtime.checkpoint_read import read_values
 from tests.runtime.helpers import run, stage_state
 from tests.runtime.packages import IN_DIM, write_package
 

@@ -14,13 +14,36 @@ WHERE = Path("ck/step-4")
 
 
 def _record(**changes: Any) -> dict[str, Any]:
-    optim = {"optimizer": "adam", "lr": 0.01, "momentum": 0.0, "nesterov": False, "weight_decay": 0.0,
-             "betas": [0.9, 0.999], "lr_schedule": "cosine", "warmup_steps": 3, "clip_grad_norm": None}  # fmt: skip
+    optim = {
+        "optimizer": "adam",
+        "lr": 0.01,
+        "momentum": 0.0,
+        "nesterov": False,
+        "weight_decay": 0.0,
+        "betas": [0.9, 0.999],
+        "lr_schedule": "cosine",
+        "warmup_steps": 3,
+        "clip_grad_norm": None,
+    }
     optim.update(changes.pop("optim", {}))
-    doc = {"model": "m", "package": "pkg", "fingerprint": "f", "stage_ranks": [[0], [1]], "keys": "original",
-           "seed": 0, "schedule": "1f1b", "microbatches": 4, "batch_size": 8, "precision": "fp32",
-           "data": "synthetic", "seq_len": None, "tokenizer": None, "shuffle": False, "optim": optim,
-           "total_steps": 8}  # fmt: skip
+    doc = {
+        "model": "m",
+        "package": "pkg",
+        "fingerprint": "f",
+        "stage_ranks": [[0], [1]],
+        "keys": "original",
+        "seed": 0,
+        "schedule": "1f1b",
+        "microbatches": 4,
+        "batch_size": 8,
+        "precision": "fp32",
+        "data": "synthetic",
+        "seq_len": None,
+        "tokenizer": None,
+        "shuffle": False,
+        "optim": optim,
+        "total_steps": 8,
+    }
     return {**doc, **changes}
 
 

@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader
 from runtime import checkpoint
 from runtime.checkpoint import resume_point, saved_tensors
 from runtime.checkpoint_read import Tensors
-from runtime.errors import JobFailed
 from runtime.data import DatasetBatches, make_batches
+from runtime.errors import JobFailed
 from runtime.package import import_package
 from tests.runtime.helpers import run, stage_state
 from tests.runtime.packages import IN_DIM, OUT_DIM, write_package
@@ -93,7 +93,8 @@ def _die_mid_checkpoint(module, state, prefix, local_metadata):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-Stage1.__init__ = (lambda init: lambda self: (init(self), self._register_state_dict_hook(_die_mid_checkpoint))[0])(Stage1.__init__)
+_init = Stage1.__init__
+Stage1.__init__ = lambda self: (_init(self), self._register_state_dict_hook(_die_mid_checkpoint))[0]
 """
 
 

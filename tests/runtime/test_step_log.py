@@ -36,20 +36,31 @@ def test_flops_of_a_linear_chain_are_the_matmuls_forward_and_backward(tmp_path: 
 @pytest.mark.slow
 def test_every_rank_logs_each_step_as_it_ends_and_tensorboard_reads_the_events(tmp_path: Path) -> None:
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
-    pkg = generate(tmp_path / "gpt", "tiny-gpt", (1, 1), "1f1b", microbatches=2, batch_size=4, input_shape=(8,))
+    pkg = generate(
+        tmp_path / "gpt", "tiny-gpt", (1, 1), "1f1b", microbatches=2, batch_size=4, input_shape=(8,)
+    )
     boards = tmp_path / "tb"
-    metrics = run(pkg, steps=3, tensorboard=str(boards), peak_tflops=1.0, optimizer="adamw", lr_schedule="cosine")
+    metrics = run(
+        pkg, steps=3, tensorboard=str(boards), peak_tflops=1.0, optimizer="adamw", lr_schedule="cosine"
+    )
     for rank in (0, 1):
-        lines = [json.loads(line) for line in (pkg / "run" / "steps" / f"rank{rank}.jsonl").read_text().splitlines()]
+        lines = [
+            json.loads(line)
+            for line in (pkg / "run" / "steps" / f"rank{rank}.jsonl").read_text().splitlines()
+        ]
         assert [line["step"] for line in lines] == [1, 2, 3] and all(line["rank"] == rank for line in lines)
         for line in lines:
             assert line["step_s"] > 0 and line["samples_per_s"] == pytest.approx(4 / line["step_s"])
-            assert line["tokens_per_s"] == pytest.approx(4 * 8 / line["step_s"])  # token ids: batch x positions
+            assert line["tokens_per_s"] == pytest.approx(
+                4 * 8 / line["step_s"]
+            )  # token ids: batch x positions
             assert line["compute_s"] > 0 and line["idle_s"] >= 0 and line["memory_bytes"] > 0
             assert 0 < line["mfu"] < 1
         assert [line["lr"] for line in lines] == pytest.approx([0.01, 0.01 * 0.75, 0.01 * 0.25])
         assert ("loss" in lines[0]) == (rank == 1)
-    assert [json.loads(x)["loss"] for x in (pkg / "run" / "steps" / "rank1.jsonl").read_text().splitlines()] == metrics["losses"]
+    assert [
+        json.loads(x)["loss"] for x in (pkg / "run" / "steps" / "rank1.jsonl").read_text().splitlines()
+    ] == metrics["losses"]
     assert metrics["model_flops_per_minibatch"] > 0 and 0 < metrics["mfu"] < 1
     for rank in (0, 1):
         events = event_accumulator.EventAccumulator(str(boards / f"rank{rank}"))
