@@ -295,14 +295,18 @@ class Saver:
     _worker: ThreadPoolExecutor | None = None
 
     def save(self, step: int, state: dict[str, Any]) -> None:
-        """Write ``state`` (this rank's entries) as ``step``; returns when training may go on."""
-        began = time.perf_counter()
+        """Write ``state`` (this rank's entries) as ``step``; returns when training may go on. The
+        time reported to ``on_saved`` runs from the moment every rank is ready (a barrier: a rank that
+        is still stepping its optimizer would otherwise count in another rank's checkpoint time)."""
         self.wait()
-        partial = self.root / f"step-{step}.partial"
-        if self.rank == 0:  # before DCP's planning collective: no rank writes into it before this
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True, exist_ok=True)
         try:
+            if self.group is not None:
+                dist.barrier(group=self.group)
+            began = time.perf_counter()
+            partial = self.root / f"step-{step}.partial"
+            if self.rank == 0:  # before DCP's planning collective: no rank writes into it before this
+                shutil.rmtree(partial, ignore_errors=True)
+                partial.mkdir(parents=True, exist_ok=True)
             if self.background:
                 writer = FileSystemWriter(str(partial))
                 started = dcp_async_save(state, storage_writer=writer, process_group=self.group)
