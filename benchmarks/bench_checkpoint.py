@@ -150,46 +150,19 @@ def _rank(rank: int, port: int, package: str, work: str, rounds: int, out: str) 
     dist.destroy_process_group()
 
 
-def _package(work: Path) -> Path:
-    """vgg16 profiled and partitioned straight over 2 ranks (1f1b), as the demo profiles it."""
-    pipeplan = [sys.executable, "-m", "cli"]
+def _pipeplan(*args: str, cwd: Path) -> None:
     env = {**os.environ, "COLUMNS": "120"}
     subprocess.run(
-        [
-            *pipeplan,
-            "profile",
-            "vgg16",
-            "--batch-size",
-            "8",
-            "--input-shape",
-            "3,64,64",
-            "-o",
-            str(work / "vgg16.json"),
-        ],
-        check=True,
-        cwd=work,
-        env=env,
-        stdout=subprocess.DEVNULL,
+        [sys.executable, "-m", "cli", *args], check=True, cwd=cwd, env=env, stdout=subprocess.DEVNULL
     )
-    subprocess.run(
-        [
-            *pipeplan,
-            "partition",
-            "--profile",
-            str(work / "vgg16.json"),
-            "--gpus",
-            "2",
-            "--straight",
-            "--schedule",
-            "1f1b",
-            "-o",
-            str(work / "models"),
-        ],
-        check=True,
-        cwd=work,
-        env=env,
-        stdout=subprocess.DEVNULL,
-    )
+
+
+def _package(work: Path) -> Path:
+    """vgg16 profiled and partitioned straight over 2 ranks (1f1b), as the demo profiles it."""
+    profile = str(work / "vgg16.json")
+    _pipeplan("profile", "vgg16", "--batch-size", "8", "--input-shape", "3,64,64", "-o", profile, cwd=work)
+    _pipeplan("partition", "--profile", profile, "--gpus", "2", "--straight", "--schedule", "1f1b", "-o",
+              str(work / "models"), cwd=work)  # fmt: skip
     return next((work / "models").glob("*/gpus=2"))
 
 
@@ -197,29 +170,8 @@ def _whole_run(package: Path, work: Path) -> dict[str, Any]:
     """``pipeplan run`` with a checkpoint after each of 3 steps: the seconds each checkpoint took."""
     load = os.getloadavg()[0]
     began = time.perf_counter()
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cli",
-            "run",
-            str(package),
-            "--steps",
-            "3",
-            "--checkpoint-every",
-            "1",
-            "--optimizer",
-            "adam",
-            "--lr",
-            "1e-4",
-            "--checkpoint-dir",
-            str(work / "run-ckpt"),
-            "--timeout",
-            "600",
-        ],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
+    _pipeplan("run", str(package), "--steps", "3", "--checkpoint-every", "1", "--optimizer", "adam", "--lr",
+              "1e-4", "--checkpoint-dir", str(work / "run-ckpt"), "--timeout", "600", cwd=work)  # fmt: skip
     wall = time.perf_counter() - began
     metrics = json.loads((package / "run" / "metrics.json").read_text())
     return {"wall_s": wall, "checkpoint_s": [c["seconds"] for c in metrics["checkpoints"]], "load": load}
