@@ -1355,12 +1355,14 @@ def export(
     """Write a run's checkpoint as the original model's weights.
 
     \b
-    The files load into the model the package was made from, under every original name:
-      pipeplan export -o model.safetensors        (safetensors.torch.load_file)
-      pipeplan export -o model.pt                 (model.load_state_dict(torch.load(...), strict=True))
-    An hf: model also gets a from_pretrained folder (config and safetensors shards).
-    PACKAGE (any plan of the model) defaults to the newest under ./models, --step to the newest
-    complete checkpoint.
+    The files load into the model the package was made from:
+      pipeplan export -o model.safetensors   (safetensors.torch.load_file)
+      pipeplan export -o model.pt            (model.load_state_dict(
+                                              torch.load(...), strict=True))
+
+    An hf: model also gets a from_pretrained folder (config and safetensors
+    shards). PACKAGE (any plan of the model) defaults to the newest under
+    ./models, --step to the newest complete checkpoint.
     """
     from pathlib import Path
 
@@ -1415,11 +1417,14 @@ def export_plan(package: str | None, output: str | None, schedule: str | None) -
     """Write a straight plan in the forms torch.distributed.pipelining and torchtitan read.
 
     \b
-    schedule.csv     each rank's actions for one minibatch (_PipelineScheduleRuntime._load_csv)
-    stages.json      each stage's rank, module FQNs and loose tensors, inputs and outputs
-    torchtitan.toml  [parallelism] settings that use them
-    Each stage's module is the package's stage(k). Torch cannot run replicated stages, pipedream's
-    asynchrony, or a tensor that skips a stage: those plans are refused.
+    schedule.csv     each rank's actions for one minibatch, as
+                     _PipelineScheduleRuntime._load_csv reads them
+    stages.json      each stage's rank, module FQNs, inputs and outputs
+    torchtitan.toml  the [parallelism] settings that use them
+
+    Each stage's module is the package's stage(k). Torch cannot run replicated
+    stages, pipedream's asynchrony, or a tensor that skips a stage: such plans
+    are refused.
     """
     from pathlib import Path
 
@@ -1448,11 +1453,13 @@ def export_plan(package: str | None, output: str | None, schedule: str | None) -
 def convert_checkpoint(checkpoint_dir: str, package: str, step: int | None) -> None:
     """Rewrite per-stage checkpoints of an earlier pipeplan (step-N/stageK.pt) in today's format.
 
+    Today's checkpoints are torch.distributed.checkpoint folders keyed by the
+    model's parameter names: they resume on any plan of the model (pipeplan run
+    PKG --resume) and export like any other. The old files move to step-N.v1/.
+
     \b
-    Today's checkpoints are torch.distributed.checkpoint folders keyed by the model's parameter
-    names: they resume on any plan of the model (pipeplan run PKG --resume) and export like any
-    other. The old files move to step-N.v1/.
-      pipeplan convert-checkpoint models/vgg16/gpus=2/run/checkpoints --package models/vgg16/gpus=2
+      pipeplan convert-checkpoint models/vgg16/gpus=2/run/checkpoints \\
+          --package models/vgg16/gpus=2
     """
     from pathlib import Path
 
