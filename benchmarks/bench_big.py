@@ -116,20 +116,7 @@ def blocks(folder: Path, rounds: int) -> list[dict[str, Any]]:
         for depth in (2, 8, 32) if r % 2 == 0 else (32, 8, 2):
             spec = llama(folder, f"blocks{depth}", 512, depth)
             for mode in ("layer", "whole"):
-                out = f"blocks{depth}-{mode}.json"
-                args = (
-                    "profile",
-                    spec,
-                    "--batch-size",
-                    "1",
-                    "--input-shape",
-                    "128",
-                    "--materialize",
-                    mode,
-                    "-o",
-                    out,
-                )
-                rows.append({"round": r + 1, "depth": depth, **_profile_row(folder, out, run(folder, *args))})
+                rows.append({"round": r + 1, "depth": depth, **_small(folder, spec, f"blocks{depth}", mode)})
     return rows
 
 
@@ -138,21 +125,15 @@ def memory(folder: Path) -> list[dict[str, Any]]:
     for depth in (2, 8, 32):
         spec = llama(folder, f"size{depth}", 1024, depth)
         for mode in ("layer", "whole"):
-            out = f"size{depth}-{mode}.json"
-            args = (
-                "profile",
-                spec,
-                "--batch-size",
-                "1",
-                "--input-shape",
-                "128",
-                "--materialize",
-                mode,
-                "-o",
-                out,
-            )
-            rows.append({"depth": depth, **_profile_row(folder, out, run(folder, *args))})
+            rows.append({"depth": depth, **_small(folder, spec, f"size{depth}", mode)})
     return rows
+
+
+def _small(folder: Path, spec: str, name: str, mode: str) -> dict[str, Any]:
+    """``spec`` profiled at batch 1 x 128 tokens, ``--materialize mode``: its row."""
+    out = f"{name}-{mode}.json"
+    args = ("profile", spec, "--batch-size", "1", "--input-shape", "128", "--materialize", mode, "-o", out)
+    return _profile_row(folder, out, run(folder, *args))
 
 
 def eight_b(folder: Path) -> dict[str, Any]:

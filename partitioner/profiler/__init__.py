@@ -364,11 +364,7 @@ def _whole(bundle: ModelBundle, traced: Traced, batch_size: int, o: _Options) ->
         gm, traced.groups, repeats=o.repeats, progress=o.progress, clock=o.clock, precision=o.precision,
         reuse=o.reuse,
     )  # fmt: skip
-    costs = profiler.profile(*bundle.inputs)
-    loss_ms = measure_loss(
-        profiler.result, bundle.targets, bundle.loss_fn, o.repeats, clock=o.clock, precision=o.precision
-    )
-    notes = _profiler_notes(profiler)
+    costs, loss_ms, notes = _layers_and_loss(profiler, bundle, o)
     del profiler
     after = measure_step(
         *step_args, repeats=max(1, o.repeats - 1), warmup=0, budget_ms=math.inf, clock=o.clock,
@@ -401,11 +397,7 @@ def _by_layer(bundle: ModelBundle, traced: Traced, where: torch.device, o: _Opti
         gm, traced.groups, Weights(gm, bundle.buffers, where), repeats=o.repeats, progress=o.progress,
         clock=o.clock, precision=o.precision, reuse=o.reuse,
     )  # fmt: skip
-    costs = profiler.profile(*bundle.inputs)
-    loss_ms = measure_loss(
-        profiler.result, bundle.targets, bundle.loss_fn, o.repeats, clock=o.clock, precision=o.precision
-    )
-    notes = _profiler_notes(profiler)
+    costs, loss_ms, notes = _layers_and_loss(profiler, bundle, o)
     del profiler
     update = measure_update(gm, o.repeats, o.clock, device=where)
     skipped = "measured layer by layer on a graph of static shapes, which runs one batch size only"
@@ -416,6 +408,17 @@ def _by_layer(bundle: ModelBundle, traced: Traced, where: torch.device, o: _Opti
         "fixed_cost": {"skipped": skipped if o.fixed_cost else "profiled with --no-fixed-cost"},
     }
     return _Run(costs, loss_ms, None, {}, extra)
+
+
+def _layers_and_loss(
+    profiler: LayerProfiler, bundle: ModelBundle, o: _Options
+) -> tuple[dict[str, LayerCost], tuple[float, float], dict[str, Any]]:
+    """Every layer's cost, the loss's (forward, backward) on the layers' output, and the notes."""
+    costs = profiler.profile(*bundle.inputs)
+    loss_ms = measure_loss(
+        profiler.result, bundle.targets, bundle.loss_fn, o.repeats, clock=o.clock, precision=o.precision
+    )
+    return costs, loss_ms, _profiler_notes(profiler)
 
 
 def _profiler_notes(profiler: LayerProfiler) -> dict[str, Any]:
