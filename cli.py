@@ -615,7 +615,8 @@ def _virtual_stages(schedule: str, virtual: int | None, explain: bool) -> int:
 
 def _check_replicas(plan: Any) -> None:
     """Refuse a plan whose replicas cannot all get a sample: the cost model divides a minibatch's time
-    by the replicas as if samples were endlessly divisible (100000 GPUs at batch 8: "97742x")."""
+    by the replicas as if samples were endlessly divisible (100000 GPUs at batch 8: "97742x"). The
+    search caps replicas at the samples, so such a plan leaves GPUs idle: refused too."""
     from partitioner.errors import PlanError
 
     widest = max(plan.stages, key=lambda s: s.replicas)
@@ -623,6 +624,11 @@ def _check_replicas(plan: Any) -> None:
         raise PlanError(
             f"the plan gives stage {widest.index} {widest.replicas} replicas but a minibatch has only "
             f"{plan.batch_size} samples; use fewer --gpus, --straight, or profile a larger --batch-size"
+        )
+    if plan.batch_size and widest.replicas == plan.batch_size and plan.gpus < plan.cluster.gpus:
+        raise PlanError(  # the search caps replicas at the samples: GPUs beyond would sit idle
+            f"a minibatch of {plan.batch_size} samples gives work to {plan.gpus} of the "
+            f"{plan.cluster.gpus} GPUs; use --gpus {plan.gpus}, or profile a larger --batch-size"
         )
 
 
