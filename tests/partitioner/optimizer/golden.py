@@ -8,6 +8,8 @@ reads as what changed.
 
     .venv/bin/python -m tests.partitioner.optimizer.golden --write   # regenerate tests/golden/plans.json
     .venv/bin/python -m tests.partitioner.optimizer.golden           # compare every case, say which differ
+    .venv/bin/python -m tests.partitioner.optimizer.golden --dump DIR --against OLD
+                 # also keep every plan's JSON in DIR, and list field by field how they differ from OLD's
 
 The cases: bench_optimizer's 56 (14 profiles x 4, 8, 16 GPUs and a 4x4 hierarchy, with and without
 activation charges, and its three baselines) and 28 memory-limited ones (16 GPUs at 16 and 8 GiB);
@@ -182,19 +184,38 @@ def cases(everything: bool = True) -> list[Case]:
     return out
 
 
+def canonical(plan: Plan | Simulation) -> dict[str, Any]:
+    """A plan's plan.json with the solve time zeroed, or a simulation's fields."""
+    if isinstance(plan, Simulation):
+        return asdict(plan)
+    return plan_to_json(replace(plan, solver=replace(plan.solver, solve_time_s=0.0)))
+
+
+def differences(old: Any, new: Any, where: str = "") -> Iterator[str]:
+    """Paths where two JSON values differ, numbers with their relative difference."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in sorted(set(old) | set(new)):
+            yield from differences(old.get(key), new.get(key), f"{where}.{key}")
+    elif isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        for i, (a, b) in enumerate(zip(old, new, strict=True)):
+            yield from differences(a, b, f"{where}[{i}]")
+    elif isinstance(old, float) and isinstance(new, float) and old != new:
+        yield f"{where}: {old!r} -> {new!r} (relative {abs(new - old) / max(abs(old), 1e-300):.1e})"
+    elif old != new:
+        yield f"{where}: {old!r} -> {new!r}"
+
+
 def digest(plan: Plan | Simulation) -> dict[str, Any]:
     """What the golden file keeps of a plan: the SHA-256 of its plan.json (solve time zeroed) and a
     summary that reads as the difference when the digest changes; of a simulation, the SHA-256 of
     its fields, events included."""
+    text = json.dumps(canonical(plan), sort_keys=True)
     if isinstance(plan, Simulation):
-        text = json.dumps(asdict(plan), sort_keys=True)
         return {
             "sha256": hashlib.sha256(text.encode()).hexdigest(),
             "time_per_minibatch_s": repr(plan.time_per_minibatch_s),
             "in_flight": list(plan.in_flight),
         }
-    doc = plan_to_json(replace(plan, solver=replace(plan.solver, solve_time_s=0.0)))
-    text = json.dumps(doc, sort_keys=True)
     return {
         "sha256": hashlib.sha256(text.encode()).hexdigest(),
         "time_per_minibatch_s": repr(plan.predicted.time_per_minibatch_s),
@@ -204,12 +225,16 @@ def digest(plan: Plan | Simulation) -> dict[str, Any]:
     }
 
 
-def outcome(make: Callable[[], Plan | Simulation]) -> dict[str, Any]:
-    """A case's golden value: its plan's digest, or the error it raises."""
+def outcome(make: Callable[[], Plan | Simulation], dump: Path | None = None) -> dict[str, Any]:
+    """A case's golden value: its plan's digest, or the error it raises (its JSON into ``dump``)."""
     try:
-        return digest(make())
+        made = make()
     except PipeplanError as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
+    if dump is not None:
+        dump.parent.mkdir(parents=True, exist_ok=True)
+        dump.write_text(json.dumps(canonical(made), sort_keys=True))
+    return digest(made)
 
 
 def main() -> None:
@@ -217,16 +242,23 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--write", action="store_true", help="regenerate tests/golden/plans.json")
+    parser.add_argument("--dump", type=Path, help="write every plan's JSON under this folder")
+    parser.add_argument("--against", type=Path, help="with --dump: a folder of older dumps to diff against")
     args = parser.parse_args()
     golden = {} if args.write else json.loads(GOLDEN.read_text())
     found: dict[str, Any] = {}
     differ = 0
     began = time.perf_counter()
     for name, make in cases():
-        found[name] = outcome(make)
+        found[name] = outcome(make, args.dump / f"{name}.json" if args.dump else None)
         if not args.write and golden.get(name) != found[name]:
             differ += 1
             print(f"DIFFERS {name}: {golden.get(name)} -> {found[name]}", flush=True)
+            if args.dump and args.against and (args.against / f"{name}.json").exists():
+                old = json.loads((args.against / f"{name}.json").read_text())
+                new = json.loads((args.dump / f"{name}.json").read_text())
+                for line in differences(old, new):
+                    print(f"    {line}", flush=True)
     if args.write:
         GOLDEN.write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")
     missing = sorted(set(golden) - set(found))
