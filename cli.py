@@ -407,7 +407,7 @@ def _cpu_hosts(cluster: Any, profile: Any, host_cores: int | None) -> Any:
 def _plan_table(plan: Any, profile: Any) -> Any:
     from rich.table import Table
 
-    from partitioner.optimizer.build import gib
+    from partitioner.optimizer.pricing.price import gib
 
     names = {n.id: n.name for n in profile.nodes}
     slowest = max((s.compute_s / s.replicas + s.comm_s for s in plan.stages), default=1.0) or 1.0
@@ -466,7 +466,7 @@ def _explain(
 ) -> Any:
     from rich.table import Table
 
-    from partitioner.optimizer.baselines import baselines
+    from partitioner.optimizer.search.candidates import baselines
 
     table = Table(title=f"alternatives (--recompute {recompute})", title_justify="left")
     for col in ("plan", "stages", "replicas", "recomputing stages", "ms/minibatch", "vs chosen"):
@@ -687,7 +687,7 @@ def partition(
     from partitioner.errors import PlanError
     from partitioner.graph import load_profile
     from partitioner.optimizer import evaluate, solve
-    from partitioner.optimizer.simulate import gantt, simulate, write_chrome_trace
+    from partitioner.optimizer.pricing.simulate import gantt, simulate, write_chrome_trace
     from partitioner.optimizer.units import parse_int_list
     from partitioner.plan import plan_to_json
     from partitioner.update import with_update_time
@@ -1265,7 +1265,7 @@ def _memory_table(memory: dict[str, Any]) -> Any:
     """Per stage: the peak memory its ranks measured next to the plan's prediction."""
     from rich.table import Table
 
-    from partitioner.optimizer.build import gib
+    from partitioner.optimizer.pricing.price import gib
 
     table = Table(title=f"peak memory per device ({memory['method']}, first {memory['window_minibatches']} "
                   "minibatches)")  # fmt: skip

@@ -8,9 +8,10 @@ stages of equal layers for zbv (rank 0: stages 0 and 3, rank 1: stages 1 and 2) 
 and 1f1b. Measured bubble, per step: 1 - (compute seconds of both ranks) / (2 x the step's wall
 time, the slower rank's), median over the steps after warm-up (pipeplan's runs only: torch's
 schedules report no compute time). Predicted bubble: what the planner predicts, the event simulation
-of the runtime's own lists (``partitioner.optimizer.simulate.play_hosted`` on
+of the runtime's own lists (``partitioner.optimizer.pricing.simulate.play_hosted`` on
 ``runtime.schedule_zbv.build_zbv``; zb1p and 1f1b: the closed forms of
-``partitioner.optimizer.cost``), fed with each stage's forward and backward per microbatch timed in
+``partitioner.optimizer.pricing.schedules``), fed with each stage's forward and backward per
+microbatch timed in
 this process after each round (median over rounds), one thread, no communication, the backward
 split into B and W by ``W_SHARE`` as the planner does. Runs alternate and repeat: this machine is
 shared.
@@ -36,8 +37,8 @@ from benchmarks.bench_interleaved import _INIT, Bench, arguments, paired, play_r
 from benchmarks.bench_runtime import _elastic
 from benchmarks.bench_runtime import write_package as write_two_stages
 from benchmarks.bench_schedules import run_ours
-from partitioner.optimizer.cost import W_SHARE, zero_bubble_time
-from partitioner.optimizer.simulate import play_hosted
+from partitioner.optimizer.pricing.schedules import W_SHARE, zero_bubble_time
+from partitioner.optimizer.pricing.simulate import play_hosted
 from runtime.package import import_package
 from runtime.schedule_zbv import build_zbv, zbv_placement, zbv_stages
 

@@ -2,7 +2,7 @@
 on rank ``s mod gpus``.
 
 A first version, not an exact search: the cuts come from candidates ranked by interleaved's closed
-form (:func:`partitioner.optimizer.cost.interleaved_time`, a lower bound on unequal stages); the
+form (:func:`partitioner.optimizer.pricing.schedules.interleaved_time`, a lower bound on unequal stages); the
 :data:`SIMULATED` best that fit memory are priced by the event simulation of the runtime's lists
 (:func:`played`), and the fastest wins, so a plan predicts what the simulation plays. The
 candidates are the exact straight 1f1b search over ``gpus * v`` devices (balanced stages, which
@@ -26,8 +26,8 @@ from itertools import combinations, pairwise
 
 from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile
-from partitioner.optimizer.baselines import balanced_cuts
-from partitioner.optimizer.build import StageSpec, assemble
+from partitioner.optimizer.pricing.price import StageSpec, assemble
+from partitioner.optimizer.search.candidates import balanced_cuts
 from partitioner.plan import Cluster, Plan, SolverInfo
 from runtime.schedule import ScheduleError, check_interleaved
 from runtime.schedule_zbv import check_zbv, zbv_placement
@@ -202,7 +202,7 @@ def played(profile: Profile, plan: Plan, activation_comm: bool = True, recompute
     """``plan`` priced by the event simulation of the runtime's own lists (``simulate``), which the
     closed form only bounds from below on unequal stages (a slow stage stalls the ranks after it in
     every round): what the plan predicts is then what the simulation plays."""
-    from partitioner.optimizer.simulate import simulate
+    from partitioner.optimizer.pricing.simulate import simulate
 
     sim = simulate(plan, profile)
     span = max((e.end_s for e in sim.events), default=0.0)  # (one minibatch from 0; no host bound)

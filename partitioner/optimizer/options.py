@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from partitioner.errors import PlanError
 from partitioner.graph import Profile
-from partitioner.optimizer.cost import RECOMPUTE_MODES
-from partitioner.optimizer.memory import OPTIMIZER_STATE
+from partitioner.optimizer.pricing.memory import OPTIMIZER_STATE
+from partitioner.optimizer.pricing.schedules import RECOMPUTE_MODES
 from partitioner.plan import SCHEDULES
 
 __all__ = ["SOLVERS", "SolveOptions"]

@@ -1,6 +1,6 @@
 """Cost model of ``zbv`` (ZB-V, :mod:`runtime.schedule_zbv`): ``2p`` one-device stages on ``p``
 GPUs laid out as a V, rank ``r`` hosting stages ``r`` and ``2p - 1 - r``, every backward split into
-B and W (:data:`partitioner.optimizer.cost.W_SHARE`).
+B and W (:data:`partitioner.optimizer.pricing.schedules.W_SHARE`).
 
 What a stage holds is counted from the runtime's own lists (:func:`zbv_held`), its time bounded
 from below in closed form (:func:`zbv_time`) to rank candidate cuts; a plan's predicted time is the
@@ -13,7 +13,7 @@ import functools
 from collections.abc import Sequence
 
 from partitioner.errors import PlanError
-from partitioner.optimizer.cost import W_SHARE, StageLoad, StageTimes, _microbatch_parts
+from partitioner.optimizer.pricing.schedules import W_SHARE, StageLoad, StageTimes, _microbatch_parts
 from runtime.schedule_zbv import zbv_placement, zbv_rank, zbv_stages
 
 __all__ = ["zbv_held", "zbv_time", "zbv_times"]

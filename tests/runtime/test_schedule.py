@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from partitioner.optimizer.cost import in_flight
+from partitioner.optimizer.pricing.schedules import in_flight
 from runtime.schedule import (
     Action,
     ScheduleError,

@@ -36,8 +36,8 @@ from partitioner.errors import PipeplanError
 from partitioner.graph import Profile, read_graph_txt
 from partitioner.optimizer import SolveOptions, evaluate, solve
 from partitioner.optimizer.auto import solve_auto
-from partitioner.optimizer.baselines import data_parallel, parameter_balanced, time_balanced, uniform
-from partitioner.optimizer.simulate import Simulation, simulate
+from partitioner.optimizer.pricing.simulate import Simulation, simulate
+from partitioner.optimizer.search.candidates import data_parallel, parameter_balanced, time_balanced, uniform
 from partitioner.plan import Cluster, Level, Plan, plan_to_json
 from tests.data import PIPEDREAM_PROFILES
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from partitioner.optimizer.simulate import Simulation
+from partitioner.optimizer.pricing.simulate import Simulation
 from partitioner.plan import Plan
 from tests.partitioner.optimizer.golden import GOLDEN, cases, outcome
 
