@@ -466,14 +466,14 @@ def _explain(
 ) -> Any:
     from rich.table import Table
 
-    from partitioner.optimizer.search.candidates import baselines
+    from partitioner.optimizer.planner import alternatives
 
     table = Table(title=f"alternatives (--recompute {recompute})", title_justify="left")
     for col in ("plan", "stages", "replicas", "recomputing stages", "ms/minibatch", "vs chosen"):
         table.add_column(
             col, justify="left" if col in ("plan", "replicas", "recomputing stages") else "right"
         )
-    rows = [("chosen", plan), *baselines(profile, cluster, schedule, micro, optimizer, recompute).items()]
+    rows = [("chosen", plan), *alternatives(profile, cluster, schedule, micro, optimizer, recompute).items()]
     for name, alt in rows:
         if alt is None:
             table.add_row(name, "-", "does not fit", "-", "-", "-")

@@ -26,7 +26,8 @@ import numpy.typing as npt
 
 from partitioner.errors import PlanError
 from partitioner.graph import Profile
-from partitioner.optimizer.search.states import FloatArray, IntArray
+from partitioner.optimizer.pricing.stage import FloatArray, IntArray
+from runtime.schedule import REGISTRY
 
 __all__ = [
     "OPTIMIZER_STATE",
@@ -54,13 +55,13 @@ def _state(optimizer: str) -> int:
 
 def weight_bytes(params: Bytes, held: Bytes, schedule: str, optimizer: str) -> Bytes:
     """Weights, gradients, optimizer state and (pipedream, ``held`` > 1) one snapshot per item."""
-    snapshots = np.where(np.asarray(held) > 1, held, 0) if schedule == "pipedream" else 0
+    snapshots = np.where(np.asarray(held) > 1, held, 0) if REGISTRY[schedule].stashes else 0
     return params * (2 + _state(optimizer) + snapshots)
 
 
 def transient_bytes(params: Bytes, largest: Bytes, schedule: str) -> Bytes:
     """The gradient being accumulated, for a replica that runs more than one microbatch per step."""
-    return params if schedule in ("zb1p", "zbv") else np.minimum(params, largest)
+    return params if REGISTRY[schedule].split_backward else np.minimum(params, largest)
 
 
 def peak_bytes(
@@ -140,7 +141,8 @@ class MemoryLimit:
     Attributes:
         limit: bytes per device.
         optimizer: sgd, momentum, adam or adamw.
-        schedule: pipedream, 1f1b, gpipe or zb1p.
+        schedule: the schedule (``runtime.schedule.REGISTRY``): whether it stashes weights and
+            splits its backward.
         devices: devices in the cluster (pipedream's in-flight count is the devices from a stage on).
         microbatches: M of the synchronous schedules.
         largest: the largest layer's parameter bytes (tied copies counted): the bound of the
@@ -157,6 +159,12 @@ class MemoryLimit:
     largest: float = 0.0
     shared: tuple[Shared, ...] = ()
     layers: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whole minibatches in flight per replica (pipedream): their count is the devices from the
+        stage on, not the microbatches of one minibatch."""
+        return not REGISTRY[self.schedule].flushes
 
     @staticmethod
     def of(

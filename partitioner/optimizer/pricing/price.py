@@ -1,6 +1,15 @@
 """Turn a list of stages (node sets + replicas + ranks) into a costed ``Plan``.
 
-Shared by the solvers, ``evaluate`` and the baselines, so that every plan is priced by one model.
+Shared by the solvers, ``evaluate`` and the baselines, so that every plan is priced by one model:
+each stage's load (:func:`stage_loads`), its time under the schedule's model
+(:func:`~partitioner.optimizer.pricing.schedules.plan_times`) and its peak memory
+(:func:`stage_memory`, the memory model's :func:`~partitioner.optimizer.pricing.memory.peak_bytes`
+of what the schedule holds in flight), with or without recomputation.
+
+Activation recomputation (``price_stage(..., recompute=True)``): a stage that recomputes keeps only
+its inputs per item in flight and runs its forward again in backward, so its compute grows by its
+forward time; while one item's backward runs, that item's activations exist again, so one item's
+saved activations stay in its peak.
 """
 
 from __future__ import annotations
@@ -13,33 +22,37 @@ import numpy as np
 
 from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile
-from partitioner.optimizer.pricing.memory import copy_bytes, shared_weights
-from partitioner.optimizer.pricing.schedules import (
-    RECOMPUTE_MODES,
+from partitioner.optimizer.pricing.memory import copy_bytes, peak_bytes, shared_weights, transient_bytes
+from partitioner.optimizer.pricing.schedules import model, plan_times
+from partitioner.optimizer.pricing.stage import (
     StageLoad,
     StagePrice,
     StageTimes,
     allreduce_time,
-    held_memory,
     host_bound,
-    in_flight,
-    pipedream_stage_time,
-    plan_times,
-    price_stage,
+    stage_time,
 )
 from partitioner.plan import Cluster, Plan, Prediction, SolverInfo, Stage
 
 __all__ = [
+    "RECOMPUTE_MODES",
     "StageSpec",
     "assemble",
     "data_parallel_time",
     "gib",
     "global_lower_bound",
+    "held_memory",
     "hosts_bound",
     "layer_compute_s",
+    "price_stage",
     "stage_bandwidth",
     "stage_loads",
+    "stage_memory",
 ]
+
+#: ``none``: every stage keeps its activations; ``all``: every stage recomputes; ``auto``: a stage
+#: recomputes only where it does not fit the memory limit otherwise.
+RECOMPUTE_MODES = ("none", "all", "auto")
 
 
 @dataclass(frozen=True)
@@ -128,12 +141,12 @@ def data_parallel_time(profile: Profile, cluster: Cluster, schedule: str = "pipe
     slowest level."""
     time = layer_compute_s(profile)
     params = float(sum(n.param_bytes for n in profile.nodes if n.op != "input"))
-    if schedule != "pipedream":
+    if not model(schedule).asynchronous:
         gpus, bw = cluster.gpus, min(level.bandwidth for level in cluster.levels)
         return time / gpus + allreduce_time(params, gpus, bw)
     inner = 1
     for level in cluster.levels:
-        time = float(pipedream_stage_time(time, params, level.devices, level.bandwidth, inner))
+        time = float(stage_time(time, params, level.devices, level.bandwidth, inner))
         inner = level.devices
     return time
 
@@ -158,7 +171,7 @@ def global_lower_bound(profile: Profile, cluster: Cluster) -> float:
         if node.op == "input":
             continue
         c, p = node.compute_ms / 1000.0, float(node.param_bytes)
-        single = max(single, float(np.min(pipedream_stage_time(c, p, r, bw))))
+        single = max(single, float(np.min(stage_time(c, p, r, bw))))
     return max(layer_compute_s(profile) / gpus, single)
 
 
@@ -175,6 +188,49 @@ def _times(
     return plan_times(loads, [s.replicas for s in specs], bws, schedule, m, virtual)
 
 
+def held_memory(
+    load: StageLoad, schedule: str, held: int, share: int, optimizer: str, recompute: bool, accumulates: bool
+) -> int:
+    """Peak bytes of one device of a stage holding ``held`` items, each ``1/share`` of a minibatch,
+    accumulating gradients or not: :func:`~partitioner.optimizer.pricing.memory.peak_bytes` of the
+    stage's bytes. Shared by the cost model and the simulation (which counts ``held`` itself)."""
+    params = load.param_bytes + load.copy_bytes
+    transient = float(transient_bytes(params, load.largest_param_bytes, schedule)) if accumulates else 0.0
+    return peak_bytes(
+        params, load.saved_bytes, held, share, schedule, optimizer, transient, load.input_bytes, recompute
+    )
+
+
+def stage_memory(
+    load: StageLoad, schedule: str, position: int, replicas: Sequence[int], microbatches: int, optimizer: str,
+    recompute: bool = False, virtual: int = 1,
+) -> int:  # fmt: skip
+    """Peak bytes on one device of a stage: what its schedule holds in flight (``ScheduleModel``).
+
+    A schedule of whole minibatches (pipedream) keeps one weight version per minibatch in flight
+    (weight stashing) and each replica runs whole minibatches; a flushing schedule splits each
+    microbatch over the replicas, and a replica with more than one microbatch per step accumulates
+    gradients.
+    """
+    sched = model(schedule)
+    held = sched.held(position, replicas, microbatches, virtual)
+    whole = sched.asynchronous
+    share = 1 if whole else microbatches * replicas[position]
+    accumulates = not whole and microbatches > replicas[position]
+    return held_memory(load, schedule, held, share, optimizer, recompute, accumulates)
+
+
+def price_stage(
+    load: StageLoad, schedule: str, position: int, replicas: Sequence[int], microbatches: int, optimizer: str,
+    recompute: bool, virtual: int = 1,
+) -> StagePrice:  # fmt: skip
+    """A stage's compute time and peak memory, with or without activation recomputation: the one
+    place every memory check and time of a recomputing stage comes from."""
+    compute = load.compute_s + (load.forward_time if recompute else 0.0)
+    memory = stage_memory(load, schedule, position, replicas, microbatches, optimizer, recompute, virtual)
+    return StagePrice(compute, memory)
+
+
 def _priced(
     loads: Sequence[StageLoad], specs: Sequence[StageSpec], schedule: str, m: int, optimizer: str,
     recompute: str, limit: int | None, virtual: int = 1,
@@ -187,12 +243,8 @@ def _priced(
     reps = [s.replicas for s in specs]
     out = []
     for i, ld in enumerate(loads):
-        keep = price_stage(ld, schedule, i, reps, m, optimizer, recompute=False)
-        redo = price_stage(ld, schedule, i, reps, m, optimizer, recompute=True)
-        if virtual > 1:  # a chunk holds its share of its rank's Megatron warm-up (cost.in_flight)
-            held = in_flight(schedule, i, reps, m, virtual)
-            keep = replace(keep, memory_bytes=held_memory(ld, schedule, held, m, optimizer, False, m > 1))
-            redo = replace(redo, memory_bytes=held_memory(ld, schedule, held, m, optimizer, True, m > 1))
+        keep = price_stage(ld, schedule, i, reps, m, optimizer, False, virtual)
+        redo = price_stage(ld, schedule, i, reps, m, optimizer, True, virtual)
         needed = limit is not None and keep.memory_bytes > limit and redo.memory_bytes < keep.memory_bytes
         again = recompute == "all" or (recompute == "auto" and needed)
         out.append((again, redo if again else keep))
@@ -224,7 +276,7 @@ def assemble(
         InfeasibleError: a stage needs more memory than the cluster's devices have.
         PlanError: the stages use more devices than the cluster has.
     """
-    used = len({r for s in specs for r in s.ranks}) if virtual > 1 else sum(s.replicas for s in specs)
+    used = len({r for s in specs for r in s.ranks})
     if used > cluster.gpus:
         raise PlanError(f"the plan uses {used} GPUs but the cluster has {cluster.gpus}")
     limit = cluster.memory_bytes
@@ -233,14 +285,7 @@ def assemble(
     loads = [replace(ld, compute_s=price.compute_s) for ld, (_, price) in zip(loads, priced, strict=True)]
     times = _times(cluster, specs, schedule, microbatches, activation_comm, loads, virtual)
     memory = [price.memory_bytes for _, price in priced]
-    if virtual > 1:
-        _check_device_memory(specs, memory, limit)
-    elif limit is not None and max(memory) > limit:
-        worst = max(range(len(memory)), key=memory.__getitem__)
-        raise InfeasibleError(
-            f"stage {worst} needs {gib(memory[worst])} per GPU but only {gib(limit)} is available; "
-            f"raise --memory to at least {gib(max(memory))} or use more GPUs"
-        )
+    _check_device_memory(specs, memory, limit)
     time = times.time_per_minibatch_s if time_override is None else time_override
     stages = tuple(
         Stage(i, spec.nodes, spec.replicas, spec.ranks, ld.compute_s, times.comm_s[i], memory[i], again)
@@ -278,14 +323,25 @@ def assemble(
 
 
 def _check_device_memory(specs: Sequence[StageSpec], memory: Sequence[int], limit: int | None) -> None:
-    """Interleaved: a device holds all its stages at once."""
-    per_rank: dict[int, int] = {}
+    """Every device holds its stages (several, where a schedule lays them so) within ``limit``."""
+    if limit is None:
+        return
+    per_rank: dict[int, list[int]] = {}
     for spec, nbytes in zip(specs, memory, strict=True):
         for r in spec.ranks:
-            per_rank[r] = per_rank.get(r, 0) + nbytes
-    worst = max(per_rank, key=per_rank.__getitem__)
-    if limit is not None and per_rank[worst] > limit:
+            per_rank.setdefault(r, []).append(nbytes)
+    if all(len(held) == 1 for held in per_rank.values()):
+        if max(memory) > limit:
+            worst = max(range(len(memory)), key=memory.__getitem__)
+            raise InfeasibleError(
+                f"stage {worst} needs {gib(memory[worst])} per GPU but only {gib(limit)} is available; "
+                f"raise --memory to at least {gib(max(memory))} or use more GPUs"
+            )
+        return
+    worst = max(per_rank, key=lambda r: sum(per_rank[r]))
+    if sum(per_rank[worst]) > limit:
         raise InfeasibleError(
-            f"GPU {worst} needs {gib(per_rank[worst])} for its stages but only {gib(limit)} is available; "
-            f"raise --memory to at least {gib(per_rank[worst])}, use fewer --virtual-stages or more GPUs"
+            f"GPU {worst} needs {gib(sum(per_rank[worst]))} for its stages but only {gib(limit)} is "
+            f"available; raise --memory to at least {gib(sum(per_rank[worst]))}, use fewer --virtual-stages "
+            "or more GPUs"
         )

@@ -16,6 +16,7 @@ from dataclasses import replace
 
 from partitioner.graph import Profile, at_microbatches
 from partitioner.optimizer.pricing.price import StageSpec, assemble
+from partitioner.optimizer.pricing.schedules import model
 from partitioner.plan import Cluster, Plan
 
 __all__ = ["recomputing", "repriced"]
@@ -39,7 +40,7 @@ def repriced(profile: Profile, cluster: Cluster, plan: Plan, recompute: str, act
         InfeasibleError: a stage does not fit the memory limit even when it recomputes.
     """
     specs = [StageSpec(s.nodes, s.replicas, s.ranks) for s in plan.stages]
-    profile = at_microbatches(profile, 1 if plan.schedule == "pipedream" else plan.microbatches)
+    profile = at_microbatches(profile, model(plan.schedule).microbatches(plan.microbatches))
     priced = assemble(
         profile, cluster, specs, plan.schedule, plan.microbatches, plan.optimizer, plan.solver,
         extra=dict(plan.extra), activation_comm=activation_comm, recompute=recompute,

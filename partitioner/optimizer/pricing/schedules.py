@@ -1,321 +1,168 @@
-"""Cost and memory models of one pipeline plan, per schedule.
+"""One :class:`ScheduleModel` per schedule: how the planner prices it. The registry (:data:`MODELS`)
+is the only place that tells schedules apart by name; everything else asks it.
 
-``pipedream`` is PipeDream's published optimizer objective (optimizer_graph_hierarchical.py): a stage of
-compute C and parameters P on r replicas over bandwidth B takes (C + 4(r-1)P/(rB)/inner)/r, where
-``inner`` is the number of devices in one unit of the level (1 on the innermost level); every cut
-costs 2·activation/(B·r) on each side of it, with that side's r; the pipeline's time per minibatch is
-the slowest of all these terms. ``1f1b`` and ``gpipe`` are synchronous: M microbatches flow through,
-so a minibatch takes the sum of one microbatch's stage times, plus (M-1) slowest stages, plus the
-largest gradient all-reduce once per minibatch. ``zb1p`` (zero bubble H1) splits each backward into
-B (input gradients, on the critical path) and W (weight gradients, deferred into the bubbles); see
-:func:`zero_bubble_time` for its closed form and :data:`W_SHARE` for the split.
+A model holds its time per minibatch (a closed form over its stages' :class:`~.stage.StageLoad`),
+the items a stage holds in flight (counted from the runtime's own lists unless a closed form is
+given), whether the event simulation of those lists prices its plans, and how it lays stages on
+GPUs. Its twin :class:`runtime.schedule.Schedule` (:attr:`ScheduleModel.runtime`) builds the lists
+and says whether the schedule flushes, stashes weights or splits its backward.
 
-Activation recomputation (``price_stage(..., recompute=True)``): a stage that recomputes keeps only
-its inputs per item in flight and runs its forward again in backward, so its compute grows by its
-forward time; while one item's backward runs, that item's activations exist again, so one item's
-saved activations stay in its peak.
+- ``pipedream`` (PipeDream's objective): the slowest stage's time, :func:`~.stage.stage_time`.
+- ``1f1b``, ``gpipe``: M microbatches flow through, so a minibatch takes the sum of one
+  microbatch's stage times, plus (M-1) slowest stages, plus the largest gradient all-reduce.
+- ``zb1p`` (zero bubble H1): each backward split into B (on the critical path) and W (deferred into
+  the bubbles), :func:`zero_bubble_time` and :data:`~.stage.W_SHARE`.
+- ``interleaved`` (Megatron's virtual stages) and ``zbv`` (ZB-V): lower bounds in closed form
+  (:func:`interleaved_time`, :func:`zbv_time`) rank candidate cuts; the simulation prices the plan.
+
+Adding a schedule is one entry here and its builder in ``runtime.schedule`` (docs/optimizer-pricing.md).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
-
-import numpy as np
 
 from partitioner.errors import PlanError
-from partitioner.optimizer.pricing.memory import OPTIMIZER_STATE, peak_bytes, transient_bytes
-from partitioner.optimizer.search.states import FloatArray
-from runtime.schedule import interleaved_rank
+from partitioner.optimizer.pricing.stage import (
+    W_SHARE,
+    StageLoad,
+    StageTimes,
+    activation_time,
+    allreduce_time,
+    microbatch_compute,
+    microbatch_link,
+    stage_time,
+)
+from runtime.schedule import REGISTRY, Schedule, actions, layout_of
 
 __all__ = [
-    "OPTIMIZER_STATE",
-    "RECOMPUTE_MODES",
-    "W_SHARE",
-    "StageLoad",
-    "StagePrice",
-    "StageTimes",
-    "activation_time",
-    "allreduce_time",
-    "held_memory",
-    "host_bound",
+    "MODELS",
+    "ScheduleModel",
     "in_flight",
-    "interleaved_held",
     "interleaved_time",
-    "pipedream_stage_time",
+    "model",
     "plan_times",
-    "price_stage",
-    "stage_memory",
+    "zbv_time",
     "zero_bubble_time",
 ]
 
-Real = TypeVar("Real", float, FloatArray)  # a number, or numbers elementwise
-
-
-#: ``none``: every stage keeps its activations; ``all``: every stage recomputes; ``auto``: a stage
-#: recomputes only where it does not fit the memory limit otherwise.
-RECOMPUTE_MODES = ("none", "all", "auto")
-
-#: the share of a layer's backward time that is its weight gradient (W), the rest being its input
-#: gradient (B). The profile measures one fused backward, so this is an assumption: the zero-bubble
-#: paper's T_B = T_W for transformer layers, where both are one matrix product of the same size per
-#: linear layer (dX = dY W^T, dW = X^T dY). Convolutions are about the same; element-wise layers have
-#: no W and are overcharged by it, which a measured split would fix.
-W_SHARE = 0.5
-
-#: the schedules :func:`plan_times` prices.
-PRICED = ("pipedream", "1f1b", "gpipe", "zb1p", "interleaved", "zbv")
+Times = Callable[[Sequence[StageLoad], Sequence[int], Sequence[float], int, int], StageTimes]
+"""(loads, replicas, bandwidths, microbatches, virtual stages) -> a plan's times."""
 
 
 @dataclass(frozen=True)
-class StageLoad:
-    """What one stage carries, for one minibatch of the profile's batch size.
+class ScheduleModel:
+    """How the planner prices one schedule.
 
     Attributes:
-        compute_s: forward+backward seconds of its layers on one device.
-        param_bytes: parameter bytes of its layers.
-        saved_bytes: activation bytes its layers keep for backward.
-        in_bytes: activation bytes it receives from earlier stages (0 for the first stage).
-        out_bytes: activation bytes it sends to later stages (0 for the last stage).
-        forward_s: forward seconds of its layers on one device (what recomputation repeats); None: a
-            third of ``compute_s`` (backward twice forward).
-        input_bytes: bytes of every tensor its forward takes (the model's inputs on the first
-            stage, relayed tensors included): what a recomputing stage keeps per item in flight.
-            Unlike ``in_bytes`` it is never zeroed for cut pricing.
-        copy_bytes: bytes of the tied weights it holds a copy of (``memory.copy_bytes``): memory only,
-            their gradients' sync is not priced.
-        largest_param_bytes: the largest of its layers' parameter bytes (a tied copy counted): the
-            gradient a replica that accumulates holds beside the sum.
+        name: the schedule (a key of ``runtime.schedule.REGISTRY`` too).
+        times: its time per minibatch and per-stage times (:data:`Times`).
+        in_flight: (position, replicas, microbatches, virtual) -> items (minibatches or
+            microbatches) a device of that stage holds at once; None: counted from the runtime's
+            own list of one minibatch (:func:`played_in_flight`).
+        simulated: plans are priced by the event simulation of the runtime's lists (``times`` only
+            ranks candidates: a lower bound on unequal stages).
+        sync_sum: ``times`` is the synchronous sum the exact search minimises (its optimum is then
+            this schedule's).
+        holds_all: every stage holds all M microbatches (the exact search's memory model is exact).
+        virtual_stages: stages per GPU of a schedule that lays several on each (``zbv``'s V: 2);
+            None: as many as asked (``interleaved``); 1 elsewhere.
+        auto_virtual: the virtual stage counts ``--schedule auto`` tries.
+        seed_schedule: a laid-out schedule's first candidate cuts are this schedule's exact
+            straight plan over one device per stage.
     """
 
-    compute_s: float
-    param_bytes: float
-    saved_bytes: float
-    in_bytes: float
-    out_bytes: float
-    forward_s: float | None = None
-    input_bytes: float = 0.0
-    copy_bytes: float = 0.0
-    largest_param_bytes: float = 0.0
+    name: str
+    times: Times
+    in_flight: Callable[[int, Sequence[int], int, int], int] | None = None
+    simulated: bool = False
+    sync_sum: bool = False
+    holds_all: bool = False
+    virtual_stages: int | None = 1
+    auto_virtual: tuple[int, ...] = (1,)
+    seed_schedule: str = ""
 
     @property
-    def forward_time(self) -> float:
-        """Forward seconds: ``forward_s``, or a third of ``compute_s`` where not measured."""
-        return self.compute_s / 3.0 if self.forward_s is None else self.forward_s
+    def runtime(self) -> Schedule:
+        """The runtime's entry: builder, flush, weight stashing, split backward, placement."""
+        return REGISTRY[self.name]
 
     @property
-    def forward_share(self) -> float:
-        """The forward's part of ``compute_s``."""
-        if self.compute_s <= 0:
-            return 1.0 / 3.0
-        return self.forward_time / self.compute_s
+    def asynchronous(self) -> bool:
+        """Whole minibatches, no flush (pipedream): priced per minibatch, one microbatch each."""
+        return not self.runtime.flushes
+
+    @property
+    def laid_out(self) -> bool:
+        """Several one-device stages on each GPU in a fixed pattern (no replicas)."""
+        return self.runtime.placement is not None
+
+    def microbatches(self, m: int) -> int:
+        """The microbatches its cost model prices: 1 for a schedule of whole minibatches."""
+        return 1 if self.asynchronous else m
+
+    def virtual(self, asked: int) -> int:
+        """Stages per GPU, given the count asked for."""
+        return asked if self.virtual_stages is None else self.virtual_stages
+
+    def default_microbatches(self, gpus: int, virtual: int) -> int:
+        """Microbatches when none are asked: 1 (whole minibatches), 2 per GPU where several stages
+        share a GPU (Megatron's order wants a multiple of the GPUs; zbv fills from 2 x GPUs - 1 on),
+        else 4."""
+        if self.asynchronous:
+            return 1
+        return 2 * gpus if self.laid_out and self.virtual(virtual) > 1 else 4
+
+    def held(self, position: int, replicas: Sequence[int], microbatches: int, virtual: int) -> int:
+        """Items a device of stage ``position`` holds at once (:attr:`in_flight`)."""
+        if self.in_flight is not None:
+            return self.in_flight(position, replicas, microbatches, virtual)
+        return played_in_flight(self.name, position, len(replicas), microbatches, self.virtual(virtual))
 
 
-@dataclass(frozen=True)
-class StagePrice:
-    """A stage's cost on one device: compute seconds per minibatch (recomputation included, before
-    dividing by replicas) and peak memory bytes."""
-
-    compute_s: float
-    memory_bytes: int
+def _pipedream_in_flight(position: int, replicas: Sequence[int], microbatches: int, virtual: int) -> int:
+    """PipeDream's NOAM: ceil(devices from this stage to the end / this stage's replicas), which is
+    ``runtime.schedule.warmup + 1``: the minibatches (and weight versions) one replica holds."""
+    return math.ceil(sum(replicas[position:]) / replicas[position])
 
 
-@dataclass(frozen=True)
-class StageTimes:
-    """Per-stage times of a plan and the resulting time per minibatch."""
-
-    compute_s: tuple[float, ...]
-    comm_s: tuple[float, ...]
-    stage_s: tuple[float, ...]
-    time_per_minibatch_s: float
-    bubble_fraction: float
-
-
-def pipedream_stage_time(
-    compute_s: FloatArray | float,
-    param_bytes: FloatArray | float,
-    replicas: FloatArray | int,
-    bandwidth: float,
-    inner: int = 1,
-) -> FloatArray:
-    """PipeDream's replicated stage time: (C + 4(r-1)P/(rB)/inner) / r."""
-    r = np.asarray(replicas, dtype=np.float64)
-    sync = 4.0 * (r - 1.0) * np.asarray(param_bytes) / (bandwidth * r) / inner
-    return np.asarray((np.asarray(compute_s) + sync) / r, dtype=np.float64)
+@functools.lru_cache(maxsize=1024)
+def _rank_peaks(name: str, stages: int, virtual: int, microbatches: int, rank: int) -> dict[int, int]:
+    """Per stage of ``rank``, the most units whose graph it holds at once over one minibatch of the
+    runtime's list: from a unit's F to its W (split backward) or B."""
+    layout = layout_of(name, stages // virtual, virtual)
+    release = "W" if REGISTRY[name].split_backward else "B"
+    live: dict[int, int] = {}
+    peak: dict[int, int] = {}
+    for a in actions(name, layout, rank, microbatches, range(1)):
+        if a.kind in ("F", release):
+            live[a.stage] = live.get(a.stage, 0) + (1 if a.kind == "F" else -1)
+            peak[a.stage] = max(peak.get(a.stage, 0), live[a.stage])
+    return peak
 
 
-def activation_time(nbytes: Real, replicas: Real | int, bandwidth: float) -> Real:
-    """PipeDream's charge for activations crossing a cut: forward send plus backward gradient
-    (elementwise over arrays)."""
-    return 2.0 * nbytes / (bandwidth * replicas)
-
-
-def allreduce_time(param_bytes: Real, replicas: Real | int, bandwidth: float) -> Real:
-    """Gradient synchronisation of a replicated stage, with PipeDream's 4(r-1)P/(rB) volume
-    (elementwise over arrays)."""
-    return 4.0 * (replicas - 1) * param_bytes / (bandwidth * replicas)
-
-
-def host_bound(rank_compute_s: Sequence[float], per_host: int, cores: int | None, threads: int) -> float:
-    """Seconds per minibatch the busiest host needs where devices are CPU processes (0 for GPUs).
-
-    Ranks ``h*per_host .. (h+1)*per_host - 1`` share host ``h``'s cores, and a process computes on
-    ``threads`` of them, so at most ``cores / threads`` ranks (at least one, at most ``per_host``) run at
-    once: the host's compute seconds per minibatch, over that, bound the time per minibatch from below
-    however well the stages balance. ``rank_compute_s[r]`` is rank r's compute per minibatch.
-    """
-    if cores is None or not rank_compute_s:
-        return 0.0
-    at_once = max(1.0, min(float(per_host), cores / threads))
-    hosts = range(0, len(rank_compute_s), per_host)
-    return max(sum(rank_compute_s[h : h + per_host]) for h in hosts) / at_once
-
-
-def in_flight(
-    schedule: str, position: int, replicas: Sequence[int], microbatches: int, virtual: int = 1
-) -> int:
-    """Minibatches (pipedream) or microbatches (1f1b, gpipe) a replica of stage ``position`` holds.
-
-    pipedream: PipeDream's NOAM, ceil(devices from this stage to the end / this stage's replicas),
-    which is ``runtime.schedule.warmup + 1``: the minibatches (and weight versions) one replica holds;
-    1f1b: min(stages - position, M); gpipe: all M; zb1p: min(stages, M) on every stage, since a
-    unit's graph lives until its W and stage ``position`` defers ``position`` Ws
-    (``runtime.schedule``): 1F1B's stage-0 peak everywhere. interleaved (``virtual`` stages per
-    rank, stage ``position`` being chunk ``position // p`` of rank ``position mod p``): the units of
-    this chunk it holds at most in Megatron's order (:func:`interleaved_held`).
-    """
-    if schedule == "pipedream":
-        return math.ceil(sum(replicas[position:]) / replicas[position])
-    if schedule == "1f1b":
-        return min(len(replicas) - position, microbatches)
-    if schedule == "gpipe":
-        return microbatches
-    if schedule == "zb1p":
-        return min(len(replicas), microbatches)
-    if schedule == "interleaved":
-        return interleaved_held(position, len(replicas) // virtual, virtual, microbatches)
-    if schedule == "zbv":  # (counted from zbv's lists, F to W: partitioner.optimizer.zbv)
-        from partitioner.optimizer.zbv import zbv_held
-
-        return zbv_held(position, len(replicas) // 2, microbatches)
-    raise PlanError(f"unknown schedule {schedule!r}; use {', '.join(PRICED)}")
-
-
-def interleaved_held(position: int, ranks: int, virtual: int, microbatches: int) -> int:
-    """Units of stage ``position`` (chunk ``position // ranks`` of rank ``position mod ranks``) held
-    at once at most under interleaved: played from that rank's own list
-    (``runtime.schedule.interleaved_rank``; one chunk per rank is 1f1b's ``min(p - r, M)``). The
-    rank holds at most its Megatron warm-up + 1 units in all, ``(v - 1) p + 2 (p - r - 1) + 1``, but
-    not every chunk peaks at the same moment: summing the chunks' peaks, as a device's memory does,
-    is an upper bound (rank 0 of p = 4, v = 2, M = 8: 8 + 4 = 12 units against 11 at once)."""
-    return _chunk_peaks(position % ranks, ranks, virtual, microbatches)[position // ranks]
-
-
-@functools.lru_cache(maxsize=256)
-def _chunk_peaks(rank: int, ranks: int, virtual: int, microbatches: int) -> tuple[int, ...]:
-    live, peak = [0] * virtual, [0] * virtual
-    for a in interleaved_rank(rank, ranks, virtual, microbatches):
-        if a.kind in "FB":
-            chunk = a.stage // ranks
-            live[chunk] += 1 if a.kind == "F" else -1
-            peak[chunk] = max(peak[chunk], live[chunk])
-    return tuple(peak)
-
-
-def stage_memory(
-    load: StageLoad,
-    schedule: str,
-    position: int,
-    replicas: Sequence[int],
-    microbatches: int,
-    optimizer: str,
-    recompute: bool = False,
-) -> int:
-    """Peak bytes on one device of a stage (``memory.peak_bytes``).
-
-    pipedream keeps one weight version per minibatch in flight (weight stashing) and each replica
-    runs whole minibatches; the synchronous schedules split each microbatch over the replicas, and
-    a replica with more than one microbatch per step accumulates gradients.
-    """
-    held = in_flight(schedule, position, replicas, microbatches)
-    share = 1 if schedule == "pipedream" else microbatches * replicas[position]
-    accumulates = schedule != "pipedream" and microbatches > replicas[position]
-    return held_memory(load, schedule, held, share, optimizer, recompute, accumulates)
-
-
-def held_memory(
-    load: StageLoad,
-    schedule: str,
-    held: int,
-    share: int,
-    optimizer: str,
-    recompute: bool,
-    accumulates: bool = False,
-) -> int:
-    """Peak bytes of one device of a stage holding ``held`` items, each ``1/share`` of a minibatch,
-    accumulating gradients or not: :func:`~partitioner.optimizer.pricing.memory.peak_bytes` of the stage's
-    bytes. Shared by the cost model and the simulation (which counts ``held`` itself)."""
-    params = load.param_bytes + load.copy_bytes
-    transient = float(transient_bytes(params, load.largest_param_bytes, schedule)) if accumulates else 0.0
-    return peak_bytes(
-        params, load.saved_bytes, held, share, schedule, optimizer, transient, load.input_bytes, recompute
-    )
-
-
-def price_stage(
-    load: StageLoad,
-    schedule: str,
-    position: int,
-    replicas: Sequence[int],
-    microbatches: int,
-    optimizer: str,
-    recompute: bool,
-) -> StagePrice:
-    """A stage's compute time and peak memory, with or without activation recomputation: the one
-    place every memory check and time of a recomputing stage comes from."""
-    compute = load.compute_s + (load.forward_time if recompute else 0.0)
-    memory = stage_memory(load, schedule, position, replicas, microbatches, optimizer, recompute)
-    return StagePrice(compute, memory)
-
-
-def plan_times(
-    loads: Sequence[StageLoad],
-    replicas: Sequence[int],
-    bandwidths: Sequence[float],
-    schedule: str,
-    microbatches: int,
-    virtual: int = 1,
-) -> StageTimes:
-    """Time per minibatch of a plan; ``bandwidths[i]`` is what stage i's replicas and cuts use;
-    ``virtual``: stages per rank (interleaved)."""
-    if schedule == "pipedream":
-        return _pipedream_times(loads, replicas, bandwidths)
-    if schedule in ("1f1b", "gpipe"):
-        return _sync_times(loads, replicas, bandwidths, microbatches)
-    if schedule == "zb1p":
-        return _zero_bubble_times(loads, replicas, bandwidths, microbatches)
-    if schedule == "interleaved":
-        return _interleaved_times(loads, replicas, bandwidths, microbatches, virtual)
-    if schedule == "zbv":
-        from partitioner.optimizer.zbv import zbv_times
-
-        return zbv_times(loads, replicas, bandwidths, microbatches)
-    raise PlanError(f"unknown schedule {schedule!r}; use {', '.join(PRICED)}")
+def played_in_flight(name: str, position: int, stages: int, microbatches: int, virtual: int = 1) -> int:
+    """Units stage ``position`` holds at once at most, played from its rank's own list (a replicated
+    stage as one: its replicas share each minibatch's microbatches). Under ``interleaved`` or
+    ``zbv`` a device's memory sums its chunks' peaks, which need not coincide: an upper bound by
+    about one unit of one chunk (rank 0 of p = 4, v = 2, M = 8: 8 + 4 = 12 units against 11)."""
+    layout = layout_of(name, stages // virtual, virtual)
+    return _rank_peaks(name, stages, virtual, microbatches, layout[position][0])[position]
 
 
 def _pipedream_times(
-    loads: Sequence[StageLoad], replicas: Sequence[int], bandwidths: Sequence[float]
+    loads: Sequence[StageLoad], replicas: Sequence[int], bandwidths: Sequence[float], m: int, virtual: int
 ) -> StageTimes:
+    """The slowest stage (:func:`~.stage.stage_time`) sets the pace."""
     compute, comm, total = [], [], []
     for load, r, bw in zip(loads, replicas, bandwidths, strict=True):
-        busy = float(pipedream_stage_time(load.compute_s, load.param_bytes, r, bw))
-        edge = max(activation_time(load.in_bytes, r, bw), activation_time(load.out_bytes, r, bw))
+        cut = max(load.in_bytes, load.out_bytes)
         compute.append(load.compute_s / r)
-        comm.append(edge + allreduce_time(load.param_bytes, r, bw) / r)
-        total.append(max(busy, edge))
+        comm.append(activation_time(cut, r, bw) + allreduce_time(load.param_bytes, r, bw) / r)
+        total.append(float(stage_time(load.compute_s, load.param_bytes, r, bw, act=cut)))
     slowest = max(total)
     bubble = 1.0 - sum(total) / (len(total) * slowest) if slowest > 0 else 0.0
     return StageTimes(tuple(compute), tuple(comm), tuple(total), slowest, bubble)
@@ -330,8 +177,8 @@ def _microbatch_parts(
     fwd, bwd, link, micro, compute, comm = [], [], [], [], [], []
     sync = 0.0
     for load, r, bw in zip(loads, replicas, bandwidths, strict=True):
-        each = load.compute_s / (r * m)
-        act = activation_time(load.out_bytes, r, bw) / m
+        each = microbatch_compute(load.compute_s, r, m)
+        act = microbatch_link(load.out_bytes, r, m, bw)
         fwd.append(each * load.forward_share)
         bwd.append(each * (1.0 - load.forward_share))
         link.append(act)
@@ -343,7 +190,7 @@ def _microbatch_parts(
 
 
 def _sync_times(
-    loads: Sequence[StageLoad], replicas: Sequence[int], bandwidths: Sequence[float], m: int
+    loads: Sequence[StageLoad], replicas: Sequence[int], bandwidths: Sequence[float], m: int, virtual: int
 ) -> StageTimes:
     """Sum of one microbatch's stage times + (M-1) slowest + the largest all-reduce."""
     _, _, _, micro, compute, comm, sync = _microbatch_parts(loads, replicas, bandwidths, m)
@@ -358,16 +205,16 @@ def zero_bubble_time(
 ) -> float:
     """ZB-H1's time for one minibatch (no all-reduce) from one microbatch's per-stage times.
 
-    ``backward`` is split by :data:`W_SHARE` into B and W; ``link`` is a stage's activation traffic
-    per microbatch (out and back), a latency that overlaps compute. Two bounds, the larger wins. The
-    critical path: one microbatch's forwards, input backwards and links through every stage, M - 1
-    more of the slowest stage's F + B, and stage 0's last W. The busiest stage s: M microbatches of
-    its F + B + W, plus, for every other stage, what it adds to the fill and drain (F + B + link - W:
-    its deferred Ws overlap the drain). With equal stages and F = B = W = t this is ``3Mt + (p-1)t``
-    for M >= p: a bubble of (p - 1)(T_F + T_B - T_W), the paper's, a third of 1F1B's 3(p - 1)t.
-    It is exact against the event simulation of ``runtime.schedule``'s lists on equal stages; on 600
-    random chains of unequal stages and links, median ratio 1.00, 99% within 10%, all within 16%
-    (tests/partitioner/optimizer/test_zero_bubble.py).
+    ``backward`` is split by :data:`~.stage.W_SHARE` into B and W; ``link`` is a stage's activation
+    traffic per microbatch (out and back), a latency that overlaps compute. Two bounds, the larger
+    wins. The critical path: one microbatch's forwards, input backwards and links through every
+    stage, M - 1 more of the slowest stage's F + B, and stage 0's last W. The busiest stage s: M
+    microbatches of its F + B + W, plus, for every other stage, what it adds to the fill and drain
+    (F + B + link - W: its deferred Ws overlap the drain). With equal stages and F = B = W = t this
+    is ``3Mt + (p-1)t`` for M >= p: a bubble of (p - 1)(T_F + T_B - T_W), the paper's, a third of
+    1F1B's 3(p - 1)t. It is exact against the event simulation of the runtime's lists on equal
+    stages; on 600 random chains of unequal stages and links, median ratio 1.00, 99% within 10%,
+    all within 16% (tests/partitioner/optimizer/pricing/test_zero_bubble.py).
     """
     b = [t * (1.0 - W_SHARE) for t in backward]
     w = [t * W_SHARE for t in backward]
@@ -380,7 +227,7 @@ def zero_bubble_time(
 
 
 def _zero_bubble_times(
-    loads: Sequence[StageLoad], replicas: Sequence[int], bandwidths: Sequence[float], m: int
+    loads: Sequence[StageLoad], replicas: Sequence[int], bandwidths: Sequence[float], m: int, virtual: int
 ) -> StageTimes:
     """:func:`zero_bubble_time` + the largest all-reduce; per-stage times as ``_sync_times``'."""
     fwd, bwd, link, micro, compute, comm, sync = _microbatch_parts(loads, replicas, bandwidths, m)
@@ -403,11 +250,10 @@ def interleaved_time(
     - one microbatch's trip through every stage.
 
     With equal stages of time t (F + B) it is ``(v M + p - 1) t``: the bubble ``(p - 1) / (v M)``
-    of Megatron's paper, exact against the event simulation of
-    ``runtime.schedule.build_interleaved``'s lists. On unequal stages a slow stage also stalls the
-    ranks after it within each round of ``p`` microbatches, which no term here charges: on 600
-    random chains the simulation is 1.00-1.3x this, median 1.03
-    (tests/partitioner/optimizer/test_interleaved_cost.py).
+    of Megatron's paper, exact against the event simulation of the runtime's lists. On unequal
+    stages a slow stage also stalls the ranks after it within each round of ``p`` microbatches,
+    which no term here charges: on 600 random chains the simulation is 1.00-1.3x this, median 1.03
+    (tests/partitioner/optimizer/pricing/test_interleaved_cost.py).
     """
     e = [f + b + a for f, b, a in zip(forward, backward, link, strict=True)]
     fill = [0.0]
@@ -426,8 +272,8 @@ def interleaved_time(
 def _interleaved_times(
     loads: Sequence[StageLoad], replicas: Sequence[int], bandwidths: Sequence[float], m: int, virtual: int
 ) -> StageTimes:
-    """:func:`interleaved_time` + the largest all-reduce (none without replicas); per-stage times as
-    ``_sync_times``'; the bubble is the ranks' idle share."""
+    """:func:`interleaved_time` (no all-reduce: no replicas); per-stage times as ``_sync_times``';
+    the bubble is the ranks' idle share."""
     if any(r != 1 for r in replicas) or len(loads) % virtual:
         raise PlanError(f"interleaved needs one device per stage and {virtual} stages per rank")
     fwd, bwd, link, micro, compute, comm, _ = _microbatch_parts(loads, replicas, bandwidths, m)
@@ -435,3 +281,102 @@ def _interleaved_times(
     time = interleaved_time(fwd, bwd, link, m, ranks)
     bubble = 1.0 - sum(compute) / (ranks * time) if time > 0 else 0.0
     return StageTimes(tuple(compute), tuple(comm), tuple(micro), time, bubble)
+
+
+def zbv_time(
+    forward: Sequence[float], backward: Sequence[float], link: Sequence[float], microbatches: int
+) -> float:
+    """A lower bound on zbv's time for one minibatch (no all-reduce) from one microbatch's per-stage
+    times on ``2p`` stages, rank ``r`` hosting stages ``r`` and ``2p - 1 - r``; ``link``: a stage's
+    activation traffic per microbatch, out and back (half each way, as the simulation sends it; none
+    after stage ``p - 1``: the turn of the V is inside one rank). The larger of:
+
+    - rank ``r`` works ``M`` times its two stages' F + B + W and cannot start before microbatch 0's
+      forwards through stages ``0 .. r - 1`` have reached it;
+    - one microbatch's trip: its forwards and input backwards (B) through every stage, then stage
+      0's W.
+
+    With equal stages of F = B = W = t it is ``6Mt + (p - 1)t``, the unit-time slots of the
+    runtime's zbv lists once ``M >= 2p - 1``; on unequal stages the simulation prices what this
+    bound misses.
+    """
+    stages = len(forward)
+    if stages % 2:
+        raise PlanError(f"zbv needs an even number of stages (2 per GPU), got {stages}")
+    p = stages // 2
+    hop = [0.0 if k == p - 1 else a / 2 for k, a in enumerate(link)]  # one way: half the traffic
+    fill = [0.0]
+    for f, a in zip(forward, hop, strict=True):
+        fill.append(fill[-1] + f + a)
+    by_rank = max(
+        microbatches * sum(forward[k] + backward[k] for k in (r, stages - 1 - r)) + fill[r] for r in range(p)
+    )
+    b = [t * (1.0 - W_SHARE) for t in backward]
+    trip = (
+        fill[stages - 1]
+        + forward[-1]
+        + sum(bi + a for bi, a in zip(b, hop, strict=True))
+        + backward[0] * W_SHARE
+    )
+    return max(by_rank, trip)
+
+
+def _zbv_times(
+    loads: Sequence[StageLoad], replicas: Sequence[int], bandwidths: Sequence[float], m: int, virtual: int
+) -> StageTimes:
+    """:func:`zbv_time` (no all-reduce: no replicas); per-stage times as the other schedules'; the
+    bubble is the GPUs' idle share."""
+    if any(r != 1 for r in replicas) or len(loads) % 2:
+        raise PlanError("zbv needs one device per stage and 2 stages per GPU")
+    fwd, bwd, link, micro, compute, comm, _ = _microbatch_parts(loads, replicas, bandwidths, m)
+    time = zbv_time(fwd, bwd, link, m)
+    bubble = 1.0 - sum(compute) / (len(loads) // 2 * time) if time > 0 else 0.0
+    return StageTimes(tuple(compute), tuple(comm), tuple(micro), time, bubble)
+
+
+MODELS: dict[str, ScheduleModel] = {
+    "pipedream": ScheduleModel("pipedream", _pipedream_times, _pipedream_in_flight),
+    "1f1b": ScheduleModel("1f1b", _sync_times, sync_sum=True),
+    "gpipe": ScheduleModel("gpipe", _sync_times, sync_sum=True, holds_all=True),
+    "zb1p": ScheduleModel("zb1p", _zero_bubble_times),
+    "interleaved": ScheduleModel(
+        "interleaved",
+        _interleaved_times,
+        simulated=True,
+        virtual_stages=None,
+        auto_virtual=(2, 3, 4),
+        seed_schedule="1f1b",
+    ),
+    "zbv": ScheduleModel("zbv", _zbv_times, simulated=True, virtual_stages=2, seed_schedule="1f1b"),
+}
+
+
+def model(name: str) -> ScheduleModel:
+    """The registry's model of ``name``.
+
+    Raises:
+        PlanError: an unknown schedule (the message lists the known ones).
+    """
+    if name not in MODELS:
+        raise PlanError(f"unknown schedule {name!r}; use one of {', '.join(MODELS)}")
+    return MODELS[name]
+
+
+def in_flight(
+    schedule: str, position: int, replicas: Sequence[int], microbatches: int, virtual: int = 1
+) -> int:
+    """Minibatches (pipedream) or microbatches a device of stage ``position`` holds at once."""
+    return model(schedule).held(position, replicas, microbatches, virtual)
+
+
+def plan_times(
+    loads: Sequence[StageLoad],
+    replicas: Sequence[int],
+    bandwidths: Sequence[float],
+    schedule: str,
+    microbatches: int,
+    virtual: int = 1,
+) -> StageTimes:
+    """Time per minibatch of a plan; ``bandwidths[i]`` is what stage i's replicas and cuts use;
+    ``virtual``: stages per rank (interleaved)."""
+    return model(schedule).times(loads, replicas, bandwidths, microbatches, virtual)

@@ -11,17 +11,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import replace
+from collections.abc import Sequence
 
 import numpy as np
 
-from partitioner.errors import InfeasibleError
-from partitioner.graph import Profile, at_microbatches
+from partitioner.graph import Profile
 from partitioner.optimizer.pricing.price import StageSpec, assemble
 from partitioner.plan import Cluster, Plan, SolverInfo
 
-__all__ = ["balanced_cuts", "baselines", "data_parallel", "parameter_balanced", "time_balanced", "uniform"]
+__all__ = ["balanced_cuts", "data_parallel", "parameter_balanced", "time_balanced", "uniform"]
 
 
 def _inputs(profile: Profile) -> list[str]:
@@ -106,34 +104,3 @@ def data_parallel(profile: Profile, cluster: Cluster, schedule: str, m: int, opt
     nodes = tuple(n.id for n in profile.nodes)
     spec = StageSpec(nodes, cluster.gpus, tuple(range(cluster.gpus)))
     return assemble(profile, cluster, [spec], schedule, m, optimizer, SolverInfo("data-parallel", 0.0, False))
-
-
-def baselines(
-    profile: Profile, cluster: Cluster, schedule: str, m: int, optimizer: str, recompute: str = "none"
-) -> dict[str, Plan | None]:
-    """Every baseline by name, under the same ``recompute`` mode; None where it does not fit in memory."""
-    from partitioner.optimizer import solve
-    from partitioner.optimizer.pricing.recompute import repriced
-
-    profile = at_microbatches(profile, 1 if schedule == "pipedream" else m)
-    free = replace(cluster, memory_bytes=None)
-    makers: dict[str, Callable[[Cluster], Plan]] = {
-        "data parallel": lambda c: data_parallel(profile, c, schedule, m, optimizer),
-        "parameter balanced": lambda c: parameter_balanced(profile, c, schedule, m, optimizer),
-        "time balanced": lambda c: time_balanced(profile, c, schedule, m, optimizer),
-        "uniform layers": lambda c: uniform(profile, c, schedule, m, optimizer),
-    }
-    out: dict[str, Plan | None] = {}
-    for name, make in makers.items():
-        try:  # fixed stages: priced with the recompute mode where it applies
-            fixed = make(cluster) if recompute == "none" else make(free)
-            out[name] = fixed if recompute == "none" else repriced(profile, cluster, fixed, recompute, True)
-        except InfeasibleError:
-            out[name] = None
-    try:
-        out["best straight"] = solve(
-            profile, cluster, schedule, m, optimizer, straight=True, recompute=recompute
-        )
-    except InfeasibleError:
-        out["best straight"] = None
-    return out

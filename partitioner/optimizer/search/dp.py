@@ -23,9 +23,9 @@ import numpy.typing as npt
 
 from partitioner.errors import InfeasibleError
 from partitioner.optimizer.pricing.memory import MemoryLimit
-from partitioner.optimizer.pricing.schedules import activation_time, pipedream_stage_time
+from partitioner.optimizer.pricing.stage import FloatArray, IntArray, stage_time
 from partitioner.optimizer.search.reach import fewest_units, fewest_units_after, sweep_layers
-from partitioner.optimizer.search.states import FloatArray, IntArray, StateSet, prefix_chain, thin_prefixes
+from partitioner.optimizer.search.states import StateSet, prefix_chain, thin_prefixes
 
 __all__ = [
     "LevelProblem",
@@ -102,10 +102,10 @@ class LevelProblem:
 
     def stage_time(self, k: int, j: int, r: int) -> float:
         """Time of stage (k, j] with r replicas, cut communication included."""
-        _, _, base, _, act = _Pairs.priced(self, np.array([k], dtype=np.int64), np.array([j], dtype=np.int64))
-        dp = self.states.param_bytes[j] - self.states.param_bytes[k]
-        busy = pipedream_stage_time(base, dp, r, self.bandwidth, self.inner)
-        return float(np.maximum(busy, activation_time(act, r, self.bandwidth))[0])
+        _, _, base, dp, act = _Pairs.priced(
+            self, np.array([k], dtype=np.int64), np.array([j], dtype=np.int64)
+        )
+        return float(stage_time(base, dp, r, self.bandwidth, self.inner, act)[0])
 
 
 @dataclass(frozen=True)
@@ -115,13 +115,20 @@ class _Pairs:
     offsets: IntArray  # pairs of state j are [offsets[j], offsets[j+1])
     ks: IntArray
     base: FloatArray
-    q: FloatArray  # 4·ΔP/(B·inner): the gradient-sync volume term
+    dp: FloatArray  # ΔP: the stage's parameter bytes
     act: FloatArray  # the larger of the cut traffic into and out of the stage
     params: FloatArray
     saved: FloatArray
     layers: IntArray  # states of one size are layers[i]:layers[i + 1] (no pair inside a layer)
+    bandwidth: float
+    inner: int
 
-    COLUMNS = ("ks", "base", "q", "act", "params", "saved")  # the per-pair fields, in order
+    COLUMNS = ("ks", "base", "dp", "act", "params", "saved")  # the per-pair fields, in order
+
+    @functools.cached_property
+    def q(self) -> FloatArray:
+        """4·ΔP/(B·inner): the gradient-sync volume, what solving for replicas needs."""
+        return _volume(self.dp, self.bandwidth, self.inner)
 
     @functools.cached_property
     def b(self) -> FloatArray:
@@ -155,17 +162,17 @@ class _Pairs:
     def priced(
         prob: LevelProblem, ks: IntArray, js: IntArray
     ) -> tuple[IntArray, IntArray, FloatArray, FloatArray, FloatArray]:
-        """(ks, js, base, q, act) of the pairs: what a stage's time needs."""
+        """(ks, js, base, ΔP, act) of the pairs: what a stage's time needs."""
         s, n = prob.states, len(prob.states)
         base = np.asarray(prob.base_time(js, ks), dtype=np.float64)
-        q = (s.param_bytes[js] - s.param_bytes[ks]) * (4.0 / (prob.bandwidth * prob.inner))
+        dp = np.asarray(s.param_bytes[js] - s.param_bytes[ks], dtype=np.float64)
         act = np.where(ks > 0, s.act_bytes[ks], 0.0)
         act = np.asarray(np.maximum(act, np.where(js < n - 1, s.act_bytes[js], 0.0)), dtype=np.float64)
-        return ks, js, base, np.asarray(q, dtype=np.float64), act
+        return ks, js, base, dp, act
 
     @staticmethod
     def block(
-        prob: LevelProblem, ks: IntArray, js: IntArray, base: FloatArray, q: FloatArray, act: FloatArray,
+        prob: LevelProblem, ks: IntArray, js: IntArray, base: FloatArray, dp: FloatArray, act: FloatArray,
         layers: IntArray,
     ) -> tuple[_Pairs, IntArray]:  # fmt: skip
         """Priced pairs of a run of states as a ``_Pairs`` (CSR over all states; js ascending)."""
@@ -173,7 +180,10 @@ class _Pairs:
         offsets = np.zeros(n + 1, dtype=np.int64)
         offsets[1:] = np.cumsum(np.bincount(js, minlength=n))
         params, saved = prob.held_params(ks, js), s.saved_bytes[js] - s.saved_bytes[ks]
-        return _Pairs(offsets, ks.astype(np.int64), base, q, act, params, saved, layers), js
+        pairs = _Pairs(
+            offsets, ks.astype(np.int64), base, dp, act, params, saved, layers, prob.bandwidth, prob.inner
+        )
+        return pairs, js
 
     @staticmethod
     def joined(n: int, parts: list[tuple[_Pairs, IntArray]]) -> _Pairs:
@@ -183,28 +193,32 @@ class _Pairs:
         offsets = np.zeros(n + 1, dtype=np.int64)
         offsets[1:] = np.cumsum(np.bincount(np.concatenate([js for _, js in parts]), minlength=n))
         ps = [p for p, _ in parts]
-        ks, base, q, act, params, saved = (
+        ks, base, dp, act, params, saved = (
             np.concatenate([getattr(p, f) for p in ps]) for f in _Pairs.COLUMNS
         )
-        return _Pairs(offsets, ks, base, q, act, params, saved, ps[0].layers)
+        return _Pairs(offsets, ks, base, dp, act, params, saved, ps[0].layers, ps[0].bandwidth, ps[0].inner)
 
     def subset(self, keep: npt.NDArray[np.bool_], js: IntArray | None = None) -> _Pairs:
         """The pairs where ``keep`` holds (same states, same CSR layout; ``js`` if known)."""
         offsets = np.zeros_like(self.offsets)
         js = self.js() if js is None else js
         offsets[1:] = np.cumsum(np.bincount(js[keep], minlength=len(self.offsets) - 1))
-        return _Pairs(offsets, self.ks[keep], self.base[keep], self.q[keep], self.act[keep],
-                      self.params[keep], self.saved[keep], self.layers)  # fmt: skip
+        ks, base, dp, act, params, saved = (getattr(self, f)[keep] for f in _Pairs.COLUMNS)
+        return _Pairs(offsets, ks, base, dp, act, params, saved, self.layers, self.bandwidth, self.inner)
 
     def js(self) -> IntArray:
         """The later state of every pair."""
         return np.repeat(np.arange(len(self.offsets) - 1), np.diff(self.offsets))
 
-    def times_of(self, idx: IntArray, r: FloatArray, bandwidth: float) -> FloatArray:
-        """Stage times of the pairs ``idx`` with r replicas each (cut traffic included): PipeDream's
-        (C + 4(r-1)P/(rB)/inner)/r with ``q`` = 4P/(B·inner) kept per pair (this runs per probe)."""
-        busy = (self.base[idx] + self.q[idx] * (r - 1.0) / r) / r
-        return np.asarray(np.maximum(busy, activation_time(self.act[idx], r, bandwidth)), dtype=np.float64)
+    def times_of(self, idx: IntArray, r: FloatArray) -> FloatArray:
+        """Stage times of the pairs ``idx`` with r replicas each (cut traffic included)."""
+        return stage_time(self.base[idx], self.dp[idx], r, self.bandwidth, self.inner, self.act[idx])
+
+
+def _volume(dp: FloatArray, bandwidth: float, inner: int) -> FloatArray:
+    """4·ΔP/(B·inner): a stage's gradient-sync volume, the coefficient solving for replicas needs
+    (its time on r replicas is (C + volume·(r-1)/r)/r, :func:`~.stage.stage_time`)."""
+    return np.asarray(dp * (4.0 / (bandwidth * inner)), dtype=np.float64)
 
 
 def _usable_blocks(prob: LevelProblem, upper: float, layers: IntArray) -> Iterator[tuple[_Pairs, IntArray]]:
@@ -219,9 +233,10 @@ def _usable_blocks(prob: LevelProblem, upper: float, layers: IntArray) -> Iterat
     floor = lo.astype(np.float64)  # devices surely before each state: max(g, lo) once g is known
     for ks, js in prob.states.pair_blocks(PAIR_BLOCK, _first_fits(prob, (lo, width), upper)):
         first = int(js[0]) if len(js) else n
-        ks, js, base, q, act = _Pairs.priced(prob, ks, js)
+        ks, js, base, dp, act = _Pairs.priced(prob, ks, js)
+        q = _volume(dp, prob.bandwidth, prob.inner)
         ok = _replicas_floor(prob, base, q, act, tau) + floor[ks] <= room[js]  # a cheap first cut
-        part, js = _Pairs.block(prob, ks[ok], js[ok], base[ok], q[ok], act[ok], layers)
+        part, js = _Pairs.block(prob, ks[ok], js[ok], base[ok], dp[ok], act[ok], layers)
         need = _replicas_needed(prob, part, tau)
         if prob.memory is not None:  # the compute floor after each stage: devices from it on
             after = (prob.units - room)[js].astype(np.float64)
@@ -273,12 +288,12 @@ def _replicas_needed(prob: LevelProblem, pairs: _Pairs, tau: float) -> FloatArra
     near = (upper < root * (1 + 1e-9)) | (comm < traffic * (1 + 1e-9))
     check = np.flatnonzero(near & np.isfinite(r))
     for _ in range(3):  # guard those: bump where still too slow
-        slow = check[pairs.times_of(check, r[check], prob.bandwidth) > tau * (1 + 1e-12)]
+        slow = check[pairs.times_of(check, r[check]) > tau * (1 + 1e-12)]
         if not len(slow):
             return r
         r[slow] = np.where(r[slow] + 1.0 <= cap, r[slow] + 1.0, np.inf)
         check = slow[np.isfinite(r[slow])]
-    r[check[pairs.times_of(check, r[check], prob.bandwidth) > tau * (1 + 1e-9)]] = np.inf
+    r[check[pairs.times_of(check, r[check]) > tau * (1 + 1e-9)]] = np.inf
     return r
 
 
@@ -287,7 +302,7 @@ def _memory_capacity(prob: LevelProblem, p: FloatArray, saved: FloatArray) -> Fl
     (< 1: none); synchronous, the fewest replicas that hold all M microbatches' activations (inf:
     none). Both from ``memory.MemoryLimit``, the one memory model."""
     assert prob.memory is not None
-    if prob.memory.schedule == "pipedream":
+    if prob.memory.asynchronous:
         return prob.memory.items(p, saved)
     return prob.memory.replicas(p, saved)
 
@@ -297,7 +312,7 @@ def _need_from(prob: LevelProblem, capacity: FloatArray, before: FloatArray) -> 
     units before them (more replicas: fewer stashed minibatches per device): pipedream's in-flight
     count is the devices from the stage on (at least 1)."""
     assert prob.memory is not None
-    if prob.memory.schedule != "pipedream":
+    if not prob.memory.asynchronous:
         return capacity
     total = prob.memory.devices
     downstream = np.maximum(total - np.where(np.isfinite(before), before, total), 1.0)
@@ -476,7 +491,7 @@ class _Candidates:
         k, j = sub.ks[pair], js[keep][pair]
         u_lo = np.maximum(lo[j], lo[k] + reps)
         u_hi = np.minimum(lo[j] + width[j], lo[k] + width[k] + reps) - 1
-        time = sub.times_of(pair, reps.astype(np.float64), prob.bandwidth)
+        time = sub.times_of(pair, reps.astype(np.float64))
         return _Candidates(sub, sub.ks, r_lo_k, r_hi_k, pair, j, reps, time, u_lo, u_hi)
 
 
@@ -502,9 +517,7 @@ def _trace(prob: LevelProblem, cand: _Candidates, f: FloatArray) -> list[Segment
         idx = np.arange(offsets[j], offsets[j + 1])
         reps = np.arange(1, u + 1)
         ok = (reps[None, :] >= cand.r_lo[idx, None]) & (reps[None, :] <= cand.r_hi[idx, None])
-        t = cand.pairs.times_of(
-            idx[:, None], np.broadcast_to(reps, (len(idx), u)).astype(np.float64), prob.bandwidth
-        )
+        t = cand.pairs.times_of(idx[:, None], np.broadcast_to(reps, (len(idx), u)).astype(np.float64))
         ks = cand.ks[idx]
         val = np.where(ok, np.maximum(f[ks[:, None], u - reps[None, :]], t), np.inf)
         hit = np.flatnonzero(val.ravel() <= f[j, u])
@@ -672,7 +685,7 @@ def _memory_floor(prob: LevelProblem, params: FloatArray, saved: FloatArray, aft
     devices after each: pipedream's in-flight count is at least r + after, so r >= after / (h - 1)
     (h: the minibatches that fit, ``_memory_capacity``); synchronous schedules' need is fixed."""
     capacity = _memory_capacity(prob, params, saved)
-    if prob.memory is None or prob.memory.schedule != "pipedream":
+    if prob.memory is None or not prob.memory.asynchronous:
         return capacity
     with np.errstate(divide="ignore", invalid="ignore"):
         floor = np.where(capacity >= 2, np.ceil(after / (capacity - 1) - 1e-9), np.inf)

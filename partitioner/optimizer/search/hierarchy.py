@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from partitioner.optimizer.pricing.schedules import activation_time, pipedream_stage_time
+from partitioner.optimizer.pricing.stage import FloatArray, IntArray, stage_time
 from partitioner.optimizer.search.dp import LevelProblem, Segment, cut_states, solve_bottleneck
-from partitioner.optimizer.search.states import FloatArray, IntArray, StateSet, prefix_chain, thin_prefixes
+from partitioner.optimizer.search.states import StateSet, prefix_chain, thin_prefixes
 
 __all__ = ["solve_hierarchy"]
 
@@ -387,15 +387,12 @@ def _segment_grids(
     (charge_out, charge_in), the cut after the stage and the one before it."""
     s, n = prob.states, len(prob.states)
     dp = s.param_bytes[j] - s.param_bytes[ks]
-    t = pipedream_stage_time(prob.base_time(j, ks), dp, reps, prob.bandwidth, prob.inner)
     act_in = np.where(ks > 0, s.act_bytes[ks], 0.0)
     act_out = np.where(j < n - 1, s.act_bytes[j], 0.0)
-    grid: dict[tuple[bool, bool], FloatArray] = {}
-    for out in (False, True):
-        for into in (False, True):
-            act = np.maximum(act_in if into else 0.0, act_out if out else 0.0)
-            grid[out, into] = np.maximum(t, activation_time(act, reps, prob.bandwidth))
-    return grid
+    keys = [(out, into) for out in (False, True) for into in (False, True)]
+    acts = np.stack(np.broadcast_arrays(*(np.maximum(act_in * into, act_out * out) for out, into in keys)))
+    times = stage_time(prob.base_time(j, ks), dp, reps, prob.bandwidth, prob.inner, acts[:, None])
+    return {key: times[i] for i, key in enumerate(keys)}
 
 
 def _unfold(tables: _Tables, m: int, i: int, j: int, is_open: bool) -> list[Segment]:

@@ -5,25 +5,30 @@ the empty state to the full one (flow conservation) and use at most the cluster'
 the objective t bounds every chosen stage's time. 1f1b and gpipe: sum of the chosen stages'
 microbatch times + (M-1)·t + a, with t bounding each microbatch time and a each all-reduce (the
 two maxima of the synchronous model, linear as epigraph variables). HiGHS solves it when highspy
-imports, CBC otherwise. This is the only module that imports pulp.
+imports, CBC otherwise. This is the only module that imports pulp, and only when a MILP is solved
+(importing the optimizer never loads it).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pulp
 
 from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile
 from partitioner.optimizer.pricing.memory import MemoryLimit
 from partitioner.optimizer.pricing.price import StageSpec, assemble, global_lower_bound
-from partitioner.optimizer.pricing.schedules import activation_time, allreduce_time
+from partitioner.optimizer.pricing.schedules import model as schedule_model
+from partitioner.optimizer.pricing.stage import allreduce_time, microbatch_time
 from partitioner.optimizer.search.dp import LevelProblem
 from partitioner.optimizer.search.states import StateSet, build_states
 from partitioner.plan import Cluster, Plan, SolverInfo
+
+if TYPE_CHECKING:
+    import pulp
 
 __all__ = ["MAX_ILP_VARIABLES", "solve_ilp"]
 
@@ -31,6 +36,8 @@ MAX_ILP_VARIABLES = 200_000
 
 
 def _backend() -> pulp.LpSolver:
+    import pulp
+
     try:
         import highspy  # noqa: F401
 
@@ -57,7 +64,10 @@ def solve_ilp(
     """
     if len(cluster.levels) > 1:
         raise PlanError("--solver ilp handles one level (--gpus); use --solver dp for --topology")
-    if schedule != "pipedream" and cluster.memory_bytes is not None:
+    import pulp
+
+    bottleneck = schedule_model(schedule).asynchronous  # whole minibatches: the slowest stage, else the sum
+    if not bottleneck and cluster.memory_bytes is not None:
         raise PlanError("--solver ilp has no memory model for 1f1b/gpipe; drop --memory or use --solver dp")
     start = time.perf_counter()
     states = build_states(profile)
@@ -73,8 +83,8 @@ def solve_ilp(
     t = model.add_variable("t", lowBound=0)
     x = {(k, j, r): model.add_variable(f"x_{k}_{j}_{r}", cat="Binary")
          for k, j in pairs for r in range(1, cap + 1)
-         if _fits(profile, states, k, j, r, m, cluster, optimizer)}  # fmt: skip
-    if schedule == "pipedream":
+         if _fits(profile, states, k, j, r, m, cluster, optimizer, schedule)}  # fmt: skip
+    if bottleneck:
         model += t
         for (k, j, r), v in x.items():
             model += t >= prob.stage_time(k, j, r) * v
@@ -102,7 +112,7 @@ def solve_ilp(
         specs.append(StageSpec(inputs + nodes if i == 0 else nodes, r, tuple(range(rank, rank + r))))
         rank += r
     info = SolverInfo("ilp", time.perf_counter() - start, states.exact, global_lower_bound(profile, cluster))
-    if schedule != "pipedream":  # the plan's own synchronous price, which the MILP minimised
+    if not bottleneck:  # the plan's own synchronous price, which the MILP minimised
         plan = assemble(profile, cluster, specs, schedule, microbatches, optimizer, info,
                         activation_comm=activation_comm)  # fmt: skip
         bound = plan.predicted.time_per_minibatch_s if states.exact else None
@@ -113,21 +123,22 @@ def solve_ilp(
 
 
 def _micro(states: StateSet, key: tuple[int, int, int], m: int, bandwidth: float) -> tuple[float, float]:
-    """(microbatch time, all-reduce time) of stage (k, j] on r replicas, as ``cost._sync_times``."""
+    """(microbatch time, all-reduce time) of stage (k, j] on r replicas, as the synchronous model's."""
     k, j, r = key
     out = float(states.act_bytes[j]) if j < len(states) - 1 else 0.0
     compute = float(states.compute_s[j] - states.compute_s[k])
     params = float(states.param_bytes[j] - states.param_bytes[k])
-    return compute / (r * m) + activation_time(out, r, bandwidth) / m, allreduce_time(params, r, bandwidth)
+    return microbatch_time(compute, out, r, m, bandwidth), allreduce_time(params, r, bandwidth)
 
 
 def _fits(
-    profile: Profile, states: StateSet, k: int, j: int, r: int, m: int, cluster: Cluster, opt: str
-) -> bool:
+    profile: Profile, states: StateSet, k: int, j: int, r: int, m: int, cluster: Cluster, opt: str,
+    schedule: str,
+) -> bool:  # fmt: skip
     """Memory filter with PipeDream's worst case in-flight count (all ``m`` devices downstream)."""
     if cluster.memory_bytes is None:
         return True
-    limit = MemoryLimit.of(float(cluster.memory_bytes), profile, opt, "pipedream", m, 1)
+    limit = MemoryLimit.of(float(cluster.memory_bytes), profile, opt, schedule, m, 1)
     ks, js = np.array([k], dtype=np.int64), np.array([j], dtype=np.int64)
     copies, _ = limit.copies(states.masks, states.layer_ids, ks, js)
     p = states.param_bytes[js] - states.param_bytes[ks] + copies

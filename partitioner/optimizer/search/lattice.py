@@ -18,7 +18,7 @@ import numpy.typing as npt
 
 from partitioner.errors import InfeasibleError
 from partitioner.graph import Profile
-from partitioner.optimizer.pricing.schedules import activation_time, pipedream_stage_time
+from partitioner.optimizer.pricing.stage import FloatArray, IntArray, stage_time
 from partitioner.optimizer.search.dp import Segment
 from partitioner.optimizer.search.states import (
     WordArray,
@@ -31,8 +31,6 @@ from partitioner.optimizer.search.states import (
 
 __all__ = ["Lattice", "enumerate_lattice", "solve_lattice"]
 
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
 SLACK = 1e-6  # float32 probes: thresholds are trusted to this relative precision
 
 
@@ -357,8 +355,7 @@ def _stage_times(lat: Lattice, ks: IntArray, j: int, r: int, bandwidth: float) -
     if j < len(lat.masks) - 1:
         act = np.maximum(act, lat.act_bytes[j])
     dc, dp = lat.compute_s[j] - lat.compute_s[ks], lat.param_bytes[j] - lat.param_bytes[ks]
-    busy = pipedream_stage_time(dc, dp, r, bandwidth)
-    return np.asarray(np.maximum(busy, activation_time(act, r, bandwidth)), dtype=np.float64)
+    return stage_time(dc, dp, r, bandwidth, act=act)
 
 
 def _walk(

@@ -12,7 +12,7 @@ import itertools
 
 import numpy as np
 
-from partitioner.optimizer.search.states import FloatArray, IntArray
+from partitioner.optimizer.pricing.stage import FloatArray, IntArray
 
 __all__ = ["fewest_units", "fewest_units_after", "sweep_layers"]
 

@@ -3,12 +3,12 @@
 The solvers in ``dp.py``, ``lattice.py`` and ``hierarchy.py`` stack bounds, windows and closed forms on
 top of one recurrence (PipeDream's ``compute_partitioning`` in optimizer_graph_hierarchical.py). This
 module is that recurrence and nothing else, priced by
-:mod:`~partitioner.optimizer.pricing.schedules`'s functions,
+:func:`~partitioner.optimizer.pricing.stage.stage_time`,
 so a test can hold the fast path to it (tests/partitioner/optimizer/test_reference.py):
 
     best[0, u] = 0
     best[j, u] = min over states k before j, replicas r <= u of max(best[k, u - r], T(k, j, r))
-    T(k, j, r) = max(pipedream_stage_time(C_j - C_k, P_j - P_k, r), 2·act_k / (B·r), 2·act_j / (B·r))
+    T(k, j, r) = stage_time(C_j - C_k, P_j - P_k, r, act = max(act_k, act_j))
 
 ``best[j, u]`` is the fastest pipeline over downset j on at most u devices (u - r devices may stay
 idle: ``best[0, x] = 0`` for every x); act_j is what crosses the cut at downset j (nothing at the
@@ -24,16 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 
 from partitioner.errors import InfeasibleError
-from partitioner.optimizer.pricing.schedules import activation_time, pipedream_stage_time
+from partitioner.optimizer.pricing.stage import FloatArray, IntArray, stage_time
 from partitioner.optimizer.search.states import StateSet
 
 __all__ = ["ReferencePlan", "count_plans", "solve_reference", "stage_times"]
-
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True)
@@ -52,10 +48,7 @@ def stage_times(
     out = np.full(len(ks), act[j])
     if not first_output:
         out[ks == 0] = 0.0
-    busy = pipedream_stage_time(c[j] - c[ks], p[j] - p[ks], r, bandwidth)
-    return np.asarray(
-        np.maximum(busy, activation_time(np.maximum(act[ks], out), r, bandwidth)), dtype=np.float64
-    )
+    return stage_time(c[j] - c[ks], p[j] - p[ks], r, bandwidth, act=np.maximum(act[ks], out))
 
 
 def solve_reference(

@@ -18,6 +18,7 @@ import numpy.typing as npt
 
 from partitioner.errors import PlanError
 from partitioner.graph import Profile
+from partitioner.optimizer.pricing.stage import FloatArray, IntArray
 
 __all__ = [
     "DEFAULT_MAX_STATES",
@@ -36,8 +37,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
 WordArray = npt.NDArray[np.uint64]
 DEFAULT_MAX_STATES = 2500
 MULTI_ORDER_MAX_LAYERS = 1500  # NASNet-large: 1,249 layers, 3,657 prefixes, 6.3M subset pairs

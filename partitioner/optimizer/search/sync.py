@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from partitioner.optimizer.pricing.memory import MemoryLimit
-from partitioner.optimizer.pricing.schedules import allreduce_time
+from partitioner.optimizer.pricing.stage import FloatArray, IntArray, allreduce_time, microbatch_time
 from partitioner.optimizer.search.dp import Segment
 from partitioner.optimizer.search.reach import fewest_units, fewest_units_after
-from partitioner.optimizer.search.states import FloatArray, IntArray, StateSet
+from partitioner.optimizer.search.states import StateSet
 
 __all__ = ["MAX_CHOICES", "MAX_STEPS", "solve_synchronous"]
 
@@ -48,10 +48,10 @@ class _Choices:
     j: IntArray
     offsets: IntArray  # stages of state j are [offsets[j], offsets[j + 1])
     layers: IntArray  # ``StateSet.size_layers``
-    x: FloatArray  # compute + 2·act_out/B: u = x / (r·M)
+    x: FloatArray  # compute + 2·act_out/B: u = x / (r·M) up to rounding, what solving for r needs
     p: FloatArray  # parameter bytes: A = 4(r-1)p / (r·B)
     r_mem: FloatArray  # fewest replicas that fit the memory limit (inf: none)
-    u: FloatArray  # [pair, r - 1] microbatch time: (compute + 2·act_out/B) / (r·M)
+    u: FloatArray  # [pair, r - 1] microbatch time (``stage.microbatch_time``)
     a: FloatArray  # [pair, r - 1] all-reduce: 4(r-1)P / (r·B)
     compute: FloatArray  # per state
     m: int
@@ -66,9 +66,10 @@ class _Choices:
         k, j = states.all_pairs()
         r = np.arange(1, cap + 1, dtype=np.float64)[None, :]
         out = np.where(j < n - 1, states.act_bytes[j], 0.0)
-        x = states.compute_s[j] - states.compute_s[k] + 2.0 * out / bandwidth
+        compute = states.compute_s[j] - states.compute_s[k]
+        x = compute + 2.0 * out / bandwidth  # (only to solve for replicas: u is about x / (r·M))
         params = states.param_bytes[j] - states.param_bytes[k]
-        u = x[:, None] / (r * m)
+        u = microbatch_time(compute[:, None], out[:, None], r, m, bandwidth)
         a = allreduce_time(params[:, None], r, bandwidth)
         r_mem = np.ones(len(k))
         if memory is not None:  # all M microbatches' activations, split over the replicas

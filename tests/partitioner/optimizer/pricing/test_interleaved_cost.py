@@ -1,5 +1,5 @@
 """interleaved's cost model (closed form, memory in flight) against the event simulation of the
-runtime's own lists (``runtime.schedule.build_interleaved``), and the planner's interleaved plans."""
+runtime's own lists (``runtime.schedule``'s interleaved builder), and the planner's interleaved plans."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from partitioner.errors import PlanError
 from partitioner.graph import Profile
 from partitioner.optimizer import evaluate, solve
 from partitioner.optimizer.pricing.schedules import in_flight, interleaved_time
-from partitioner.optimizer.pricing.simulate import play_hosted, simulate
+from partitioner.optimizer.pricing.simulate import play, simulate
 from partitioner.plan import Cluster, plan_from_json, plan_to_json
-from runtime.schedule import build_interleaved
+from runtime.schedule import build, layout_of
 from tests.partitioner.optimizer.conftest import make_profile
 
 
@@ -59,8 +59,8 @@ def test_closed_form_is_a_lower_bound_of_the_simulation_on_unequal_stages() -> N
     ratios = []
     for _ in range(600):
         forward, backward, link, m, p = _random_case(rng)
-        lists = build_interleaved(p, len(forward) // p, m)
-        events = play_hosted(lists, forward, backward, [a / 2 for a in link])
+        layout = layout_of("interleaved", p, len(forward) // p)
+        events, _ = play(build("interleaved", layout, m), layout, forward, backward, [a / 2 for a in link])
         ratios.append(max(e.end_s for e in events) / interleaved_time(forward, backward, link, m, p))
     assert min(ratios) >= 1 - 1e-9
     assert statistics.median(ratios) < 1.05

@@ -9,9 +9,8 @@ import pytest
 from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile
 from partitioner.optimizer import evaluate, solve
-from partitioner.optimizer.pricing.price import stage_loads
+from partitioner.optimizer.pricing.price import price_stage, stage_loads
 from partitioner.optimizer.pricing.recompute import recomputing
-from partitioner.optimizer.pricing.schedules import price_stage
 from partitioner.optimizer.pricing.simulate import simulate
 from partitioner.plan import Cluster, Plan
 from tests.partitioner.optimizer.conftest import make_profile

@@ -8,8 +8,8 @@ import pytest
 
 from partitioner.graph import Profile, at_microbatches
 from partitioner.optimizer import evaluate, solve
-from partitioner.optimizer.pricing.schedules import host_bound
 from partitioner.optimizer.pricing.simulate import simulate
+from partitioner.optimizer.pricing.stage import host_bound
 from partitioner.plan import Cluster
 from tests.partitioner.optimizer.conftest import make_profile
 

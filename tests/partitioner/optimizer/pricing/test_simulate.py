@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from partitioner.optimizer import evaluate
+from partitioner.optimizer.pricing.price import stage_loads
 from partitioner.optimizer.pricing.schedules import in_flight
-from partitioner.optimizer.pricing.simulate import _out_bytes, actions, gantt, simulate, write_chrome_trace
+from partitioner.optimizer.pricing.simulate import gantt, simulate, write_chrome_trace
 from partitioner.plan import Cluster
 from tests.partitioner.optimizer.conftest import make_profile
 
@@ -56,16 +57,6 @@ def test_in_flight_per_schedule() -> None:
         assert simulate(plan, EVEN).in_flight == expect
 
 
-def test_actions_are_complete() -> None:
-    for schedule in ("gpipe", "1f1b", "pipedream"):
-        for p in range(1, 5):
-            for m in range(1, 6):
-                for order in actions(schedule, p, m):
-                    assert sorted(order) == sorted(
-                        [("F", k) for k in range(m)] + [("B", k) for k in range(m)]
-                    )
-
-
 def test_trace_and_gantt(tmp_path: Path) -> None:
     plan = evaluate(EVEN, Cluster.flat(4), ["l0", "l1", "l2"], [1, 1, 1, 1], "1f1b", 4)
     sim = simulate(plan, EVEN)
@@ -99,4 +90,8 @@ def test_an_output_read_two_stages_on_crosses_both_cuts() -> None:
     # l0 (4000 B) is read by l1 and l2; l1 (2000 B) by l2: cut 0 carries l0, cut 1 carries l0 and l1
     profile = make_profile([(1, 2, 4000, 0), (1, 2, 2000, 0), (1, 2, 0, 0)], [(0, 1), (0, 2), (1, 2)])
     plan = evaluate(profile, Cluster.flat(3), ["l0", "l1"], [1, 1, 1])
-    assert _out_bytes(plan, {n.id: n for n in profile.nodes}) == [4000.0, 6000.0, 0.0]
+    assert [ld.out_bytes for ld in stage_loads(profile, [s.nodes for s in plan.stages])] == [
+        4000.0,
+        6000.0,
+        0.0,
+    ]

@@ -1,5 +1,5 @@
 """zbv's cost model (closed form, memory in flight) against the event simulation of the runtime's own
-lists (``runtime.schedule_zbv.build_zbv``), and the planner's zbv plans."""
+lists (``runtime.schedule``'s zbv builder), and the planner's zbv plans."""
 
 from __future__ import annotations
 
@@ -12,12 +12,21 @@ import pytest
 from partitioner.errors import PlanError
 from partitioner.graph import Profile
 from partitioner.optimizer import evaluate, solve
-from partitioner.optimizer.pricing.schedules import W_SHARE, in_flight
-from partitioner.optimizer.pricing.simulate import play_hosted, simulate
-from partitioner.optimizer.zbv import zbv_time
+from partitioner.optimizer.pricing.schedules import in_flight, zbv_time
+from partitioner.optimizer.pricing.simulate import Event, play, simulate
+from partitioner.optimizer.pricing.stage import W_SHARE
 from partitioner.plan import Cluster, plan_from_json, plan_to_json
-from runtime.schedule_zbv import build_zbv, zbv_placement
+from runtime.schedule import build, layout_of
 from tests.partitioner.optimizer.conftest import make_profile
+
+
+def played(
+    p: int, m: int, fwd: list[float], bwd: list[float], link: list[float], wgt: list[float]
+) -> list[Event]:
+    """One minibatch of zbv's lists on ``p`` GPUs, played."""
+    layout = layout_of("zbv", p, 2)
+    return play(build("zbv", layout, m), layout, fwd, bwd, link, wgt)[0]
+
 
 CASES = [(p, m) for p in (1, 2, 3, 4) for m in (1, 2, 2 * p - 1, 2 * p, 3 * p)]
 
@@ -43,7 +52,7 @@ def test_equal_stages_take_the_unit_slots_of_the_lists(p: int, m: int) -> None:
         assert sim.bubble_fraction == pytest.approx((p - 1) / (6 * m + p - 1))
     assert plan.predicted.time_per_minibatch_s == pytest.approx(sim.time_per_minibatch_s, rel=1e-12)
     assert plan.predicted.bubble_fraction == pytest.approx(sim.bubble_fraction, rel=1e-12)
-    assert [s.ranks for s in plan.stages] == [(r,) for r in zbv_placement(p)]
+    assert tuple(s.ranks for s in plan.stages) == layout_of("zbv", p, 2)
     assert plan.gpus == p and plan.virtual_stages == 2 and plan.schedule == "zbv"
     if m >= 2 * p - 1:  # the closed form is exact on equal stages
         f, b = [t] * (2 * p), [2 * t] * (2 * p)
@@ -63,7 +72,7 @@ def test_closed_form_is_a_lower_bound_of_the_simulation_on_unequal_stages() -> N
         m = rng.randint(2 * p - 1, 4 * p)
         hop = [0.0 if k == p - 1 else a / 2 for k, a in enumerate(link)]  # one way, as simulate sends it
         b, w = [t * (1 - W_SHARE) for t in backward], [t * W_SHARE for t in backward]
-        events = play_hosted(build_zbv(p, m), forward, b, hop, w)
+        events = played(p, m, forward, b, hop, w)
         ratios.append(max(e.end_s for e in events) / zbv_time(forward, backward, link, m))
     assert min(ratios) >= 1 - 1e-9
     assert statistics.median(ratios) < 1.02
@@ -125,7 +134,7 @@ def test_bad_zbv_requests_are_refused() -> None:
     profile, cuts = _even(4)
     with pytest.raises(PlanError, match="--schedule zbv on 4 GPUs needs 8 stages"):
         solve(profile, Cluster.flat(4), "zbv", 8)
-    with pytest.raises(PlanError, match="even number of stages"):
+    with pytest.raises(PlanError, match="a multiple of 2 stages"):
         evaluate(profile, Cluster.flat(2), cuts[:2], [1, 1, 1], "zbv", 4)
     with pytest.raises(PlanError, match="one device each"):
         evaluate(profile, Cluster.flat(3), cuts[:1], [2, 1], "zbv", 4)
@@ -136,10 +145,8 @@ def test_the_last_rank_starts_after_p_minus_1_passes_and_never_idles(p: int) -> 
     """Why the bubble is p - 1 passes (F = B = W = 1, m >= 2p - 1): rank p - 1 waits p - 1 passes
     for unit 0 to come down, then runs its 6m passes back to back and ends the minibatch."""
     for m in range(2 * p - 1, 4 * p + 2):
-        events = play_hosted(
-            build_zbv(p, m), [1.0] * (2 * p), [1.0] * (2 * p), [0.0] * (2 * p), [1.0] * (2 * p)
-        )
-        last = sorted((e.start_s, e.end_s) for e in events if zbv_placement(p)[e.stage] == p - 1)
+        events = played(p, m, [1.0] * (2 * p), [1.0] * (2 * p), [0.0] * (2 * p), [1.0] * (2 * p))
+        last = sorted((e.start_s, e.end_s) for e in events if layout_of("zbv", p, 2)[e.stage] == (p - 1,))
         assert last[0][0] == p - 1
         assert all(a[1] == b[0] for a, b in pairwise(last))
         assert last[-1][1] == max(e.end_s for e in events) == 6 * m + p - 1

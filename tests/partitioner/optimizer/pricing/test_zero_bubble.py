@@ -7,8 +7,9 @@ import random
 import pytest
 
 from partitioner.optimizer import evaluate, solve
-from partitioner.optimizer.pricing.schedules import W_SHARE, in_flight, zero_bubble_time
+from partitioner.optimizer.pricing.schedules import in_flight, zero_bubble_time
 from partitioner.optimizer.pricing.simulate import gantt, simulate
+from partitioner.optimizer.pricing.stage import W_SHARE
 from partitioner.plan import Cluster
 from tests.partitioner.optimizer.conftest import make_profile
 

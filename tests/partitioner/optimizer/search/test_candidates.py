@@ -8,7 +8,7 @@ import pytest
 
 from partitioner.graph import Node
 from partitioner.optimizer import solve
-from partitioner.optimizer.search.candidates import baselines
+from partitioner.optimizer.planner import alternatives as baselines
 from partitioner.plan import Cluster
 from tests.partitioner.optimizer.conftest import make_profile
 

@@ -140,7 +140,8 @@ def test_hierarchy_states_are_build_states_thinned(name: str) -> None:
     """Hierarchies search build_states' states, or beyond 600 each order's prefixes thinned to 200
     (skipping no shortcut): a subset of the flat search's states that keeps its layer-order chain."""
     from partitioner.graph import read_graph_txt
-    from partitioner.optimizer.planner import HIERARCHY_MAX_STATES, HIERARCHY_THIN_STATES, _hierarchy_states
+    from partitioner.optimizer.search.plans import HIERARCHY_MAX_STATES, HIERARCHY_THIN_STATES
+    from partitioner.optimizer.search.plans import hierarchy_states as _hierarchy_states
     from partitioner.optimizer.search.states import (
         build_states,
         chain_states,

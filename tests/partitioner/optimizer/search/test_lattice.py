@@ -141,7 +141,7 @@ def test_banded_probe_equals_full_probe(
 
 def test_plan_start_maps_onto_the_lattice() -> None:
     """The pair search's plan, renumbered onto the lattice, keeps its cuts (same downsets)."""
-    from partitioner.optimizer.planner import _on_lattice
+    from partitioner.optimizer.search.bottleneck import _on_lattice
     from partitioner.optimizer.search.dp import Segment
 
     profile = make_profile([(1, 2, 10, 10)] * 6, [(0, 1), (0, 2), (1, 3), (2, 3), (3, 4), (3, 5)])

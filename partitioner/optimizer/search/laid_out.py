@@ -1,46 +1,40 @@
-"""Plans for ``interleaved`` (Megatron's virtual stages): ``gpus * v`` one-device stages, stage ``s``
-on rank ``s mod gpus``.
+"""Plans for the schedules that lay several one-device stages on each GPU (``interleaved``'s virtual
+stages, stage ``s`` on GPU ``s mod gpus``; ``zbv``'s V), as ``ScheduleModel.laid_out`` says.
 
-A first version, not an exact search: the cuts come from candidates ranked by interleaved's closed
-form (:func:`partitioner.optimizer.pricing.schedules.interleaved_time`, a lower bound on unequal stages); the
-:data:`SIMULATED` best that fit memory are priced by the event simulation of the runtime's lists
-(:func:`played`), and the fastest wins, so a plan predicts what the simulation plays. The
-candidates are the exact straight 1f1b search over ``gpus * v`` devices (balanced stages, which
-interleaved also wants: its time is driven by each rank's sum of chunks and the slowest stage),
-when it uses all of them, and the contiguous splits of the layers' topological order: every one
-where they are few (:data:`EVERY_SPLIT_MAX`), else torchgpipe's time-balanced split hill-climbed
-one layer at a time under the closed form. An exact search over every downset would price the
-rank sums inside the DP; it does not exist yet.
-
-``zbv`` (:mod:`runtime.schedule_zbv`) is planned the same way (:func:`solve_interleaved` with
-``schedule="zbv"``): ``2 gpus`` stages laid out as a V (:func:`layout_specs`), ranked by its closed
-form (:func:`partitioner.optimizer.zbv.zbv_time`) and priced by the simulation of its lists.
+Not an exact search: the cuts come from candidates ranked by the schedule's closed form (a lower
+bound on unequal stages); the :data:`SIMULATED` best that fit memory are priced by the event
+simulation of the runtime's lists (``pricing.simulate.played``), and the fastest wins, so a plan
+predicts what the simulation plays. The candidates are the exact straight plan of the model's
+``seed_schedule`` over ``gpus * v`` devices (balanced stages, which a laid-out schedule also wants:
+its time is driven by each GPU's sum of chunks and the slowest stage), when it uses all of them,
+and the contiguous splits of the layers' topological order: every one where they are few
+(:data:`EVERY_SPLIT_MAX`), else torchgpipe's time-balanced split hill-climbed one layer at a time
+under the closed form. An exact search over every downset would price the GPU sums inside the DP;
+it does not exist yet.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from itertools import combinations, pairwise
 
 from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile
 from partitioner.optimizer.pricing.price import StageSpec, assemble
+from partitioner.optimizer.pricing.schedules import model
+from partitioner.optimizer.pricing.simulate import played
 from partitioner.optimizer.search.candidates import balanced_cuts
 from partitioner.plan import Cluster, Plan, SolverInfo
-from runtime.schedule import ScheduleError, check_interleaved
-from runtime.schedule_zbv import check_zbv, zbv_placement
+from runtime.schedule import ScheduleError
 
 __all__ = [
+    "EVERY_SPLIT_MAX",
     "REFINE_PRICINGS",
     "SIMULATED",
     "check_layout",
-    "check_virtual",
-    "interleaved_specs",
     "layout_specs",
-    "played",
-    "solve_interleaved",
+    "solve_laid_out",
 ]
 
 REFINE_PRICINGS = 200
@@ -57,38 +51,18 @@ the best contiguous split (on random 5-9 layer chains the climb is 1.04x it at t
 worst; the plain time-balanced split 1.09x and 1.38x)."""
 
 
-def check_virtual(gpus: int, virtual: int, microbatches: int) -> None:
-    """What the runtime can play: at least 2 GPUs (a rank does not send to itself) and
-    ``microbatches`` a multiple of ``gpus`` when ``virtual`` > 1."""
-    if virtual > 1 and gpus < 2:
-        raise PlanError("--schedule interleaved with --virtual-stages > 1 needs at least 2 GPUs")
-    try:
-        check_interleaved(gpus, virtual, microbatches)
-    except ScheduleError as exc:
-        raise PlanError(str(exc)) from exc
-
-
-def interleaved_specs(groups: Sequence[Sequence[str]], gpus: int) -> list[StageSpec]:
-    """Stage ``s`` (its node ids) on rank ``s mod gpus``, one device each."""
-    return [StageSpec(tuple(nodes), 1, (s % gpus,)) for s, nodes in enumerate(groups)]
-
-
 def layout_specs(schedule: str, groups: Sequence[Sequence[str]], gpus: int) -> list[StageSpec]:
-    """The stages of ``schedule`` on their ranks: interleaved's cycle, or zbv's V (stages ``r`` and
-    ``2 gpus - 1 - r`` on rank ``r``)."""
-    if schedule != "zbv":
-        return interleaved_specs(groups, gpus)
-    homes = zbv_placement(gpus)
-    return [StageSpec(tuple(nodes), 1, (homes[s],)) for s, nodes in enumerate(groups)]
+    """The stages (their node ids) on the GPUs the schedule lays them on, one device each."""
+    placement = model(schedule).runtime.placement
+    assert placement is not None, f"{schedule} does not lay out its stages"
+    homes = placement(gpus, len(groups) // gpus)
+    return [StageSpec(tuple(nodes), 1, homes[s]) for s, nodes in enumerate(groups)]
 
 
 def check_layout(schedule: str, gpus: int, virtual: int, microbatches: int) -> None:
-    """What the runtime can play, per schedule (zbv: any microbatch count on any GPUs)."""
-    if schedule != "zbv":
-        check_virtual(gpus, virtual, microbatches)
-        return
+    """What the runtime can play (``runtime.schedule.Schedule.check``), as a PlanError."""
     try:
-        check_zbv(gpus, microbatches)
+        model(schedule).runtime.check(gpus, virtual, microbatches)
     except ScheduleError as exc:
         raise PlanError(str(exc)) from exc
 
@@ -134,7 +108,7 @@ def _refined(bounds: list[int], price: Callable[[list[int]], Plan | None], budge
     return best
 
 
-def solve_interleaved(
+def solve_laid_out(
     profile: Profile,
     cluster: Cluster,
     microbatches: int,
@@ -145,10 +119,11 @@ def solve_interleaved(
     recompute: str = "none",
     schedule: str = "interleaved",
 ) -> Plan:
-    """The fastest interleaved (or, ``schedule="zbv"`` with ``virtual`` 2, zbv) plan among the
-    candidate cuts that fits ``cluster``'s memory.
+    """The fastest plan of ``schedule`` with ``virtual`` stages per GPU among the candidate cuts that
+    fits ``cluster``'s memory.
 
-    ``straight(wide)``: the exact straight 1f1b plan on ``wide`` (``gpus * virtual`` devices).
+    ``straight(wide)``: the exact straight plan of the model's ``seed_schedule`` on ``wide``
+    (``gpus * virtual`` devices).
 
     Raises:
         PlanError: too few layers for ``gpus * virtual`` stages, or microbatches the order cannot play.
@@ -157,7 +132,11 @@ def solve_interleaved(
     p, parts = cluster.gpus, cluster.gpus * virtual
     check_layout(schedule, p, virtual, microbatches)
     if len(profile.layers) < parts:
-        what = "--schedule zbv" if schedule == "zbv" else f"--virtual-stages {virtual}"
+        what = (
+            f"--virtual-stages {virtual}"
+            if model(schedule).virtual_stages is None
+            else f"--schedule {schedule}"
+        )
         raise PlanError(f"{what} on {p} GPUs needs {parts} stages, the model has "
                         f"{len(profile.layers)} layers")  # fmt: skip
     errors: list[InfeasibleError] = []
@@ -186,7 +165,7 @@ def solve_interleaved(
     try:
         one = straight(wide)
         if len(one.stages) == parts:
-            found.append(price("straight 1f1b", [s.nodes for s in one.stages]))
+            found.append(price(f"straight {model(schedule).seed_schedule}", [s.nodes for s in one.stages]))
     except InfeasibleError:
         pass
     plans = sorted(
@@ -196,21 +175,3 @@ def solve_interleaved(
         raise errors[0] if errors else InfeasibleError(f"no {schedule} plan fits")
     simulated = [played(profile, plan, activation_comm, recompute) for plan in plans[:SIMULATED]]
     return min(simulated, key=lambda plan: plan.predicted.time_per_minibatch_s)
-
-
-def played(profile: Profile, plan: Plan, activation_comm: bool = True, recompute: str = "none") -> Plan:
-    """``plan`` priced by the event simulation of the runtime's own lists (``simulate``), which the
-    closed form only bounds from below on unequal stages (a slow stage stalls the ranks after it in
-    every round): what the plan predicts is then what the simulation plays."""
-    from partitioner.optimizer.pricing.simulate import simulate
-
-    sim = simulate(plan, profile)
-    span = max((e.end_s for e in sim.events), default=0.0)  # (one minibatch from 0; no host bound)
-    specs = [StageSpec(s.nodes, s.replicas, s.ranks) for s in plan.stages]
-    again = assemble(
-        profile, plan.cluster, specs, plan.schedule, plan.microbatches, plan.optimizer, plan.solver,
-        time_override=span, extra=dict(plan.extra), activation_comm=activation_comm,
-        recompute=recompute, virtual=plan.virtual_stages,
-    )  # fmt: skip
-    predicted = replace(again.predicted, bubble_fraction=sim.bubble_fraction)
-    return replace(again, predicted=predicted, extra={**again.extra, "priced_by": "simulation"})
