@@ -5,7 +5,7 @@ being a minibatch for pipedream and a microbatch for 1f1b/gpipe); one generic ex
 list, starting each action when the stage is free and its input (the previous stage's forward, or
 the next stage's backward) has arrived. The cost model's closed forms are checked against this.
 
-pipedream is played rank by rank from the runtime's own lists (``runtime.schedule.build_job``): a
+pipedream is played rank by rank from the runtime's own lists (``runtime.schedule.build``): a
 replica runs whole minibatches at the stage's full compute time, and its stage's replicas all-reduce
 once per round (PipeDream's data parallelism), so what the simulation holds in flight is what the
 runtime stashes. The synchronous schedules (1f1b, gpipe, zb1p) are played per stage from the
