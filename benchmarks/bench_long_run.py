@@ -3,10 +3,10 @@
 
 The whole command is timed, as a user waits for it: from starting ``pipeplan run`` to its first
 progress line (step 1, ``run/progress.jsonl``). Each rank's peak resident memory (``VmHWM`` of the
-processes with ``LOCAL_RANK`` in their environment, read every 10 ms) is taken when step
-``--upto`` is reached, or at the last reading before the 10-step run ends; the long run is then
-stopped (SIGINT to its process group). The two step counts alternate, ``--rounds`` times, and the
-load average is recorded with each run: this machine is shared.
+rank processes, read every 10 ms) is taken when step ``--upto`` is reached, or at the last reading
+before the 10-step run ends; the long run is then stopped (SIGINT to its process group). The two
+step counts alternate, ``--rounds`` times, and the load average is recorded with each run: this
+machine is shared.
 
 ``--source DIR`` runs another checkout's ``cli`` (e.g. one from before the schedule was generated
 as it plays) with this interpreter, for a before/after comparison on the same machine.
@@ -40,33 +40,43 @@ def _cli(source: Path) -> list[str]:
     return [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(source)!r}); import cli; cli.main()"]
 
 
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
-                kids = [int(k) for k in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            out += kids
-            todo += kids
-    return out
+def _children(pid: int) -> list[int]:
+    kids = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids += [int(k) for k in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return kids
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def _rank_peaks(pid: int) -> list[int]:
-    """VmHWM (bytes) of every rank process below ``pid``."""
+    """VmHWM (bytes) of every rank process below ``pid``: the elastic launcher starts a function
+    entrypoint through multiprocessing (a fork server, or spawn) and sets the rank's environment
+    inside it, so a rank is a child of the fork server or a spawned interpreter, not a process with
+    ``LOCAL_RANK`` in its environment."""
+    ranks, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        server = b"forkserver" in _cmdline(p)
+        for child in _children(p):
+            todo.append(child)
+            if server or b"spawn_main" in _cmdline(child):
+                ranks.append(child)
     peaks = []
-    for child in _descendants(pid):
+    for rank in ranks:
         try:
-            if b"LOCAL_RANK=" not in Path(f"/proc/{child}/environ").read_bytes():
-                continue
-            status = Path(f"/proc/{child}/status").read_text()
+            status = Path(f"/proc/{rank}/status").read_text()
         except OSError:
             continue
-        for line in status.splitlines():
-            if line.startswith("VmHWM:"):
-                peaks.append(int(line.split()[1]) * 1024)
+        peaks += [int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:")]
     return peaks
 
 

@@ -6,6 +6,7 @@ The graph is read from the source (``ast``), so a test of it needs nothing impor
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import networkx as nx
@@ -34,6 +35,7 @@ def _imported(node: ast.Import | ast.ImportFrom, here: str, modules: set[str]) -
     return [name for name in names if name in modules]
 
 
+@functools.cache  # (read only: the tests share one walk of the source)
 def import_graph() -> nx.DiGraph:
     """Module -> the library modules it imports, at module level or inside functions (edges carry
     ``lazy`` when the import sits in a function)."""
