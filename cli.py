@@ -1113,8 +1113,8 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
               "Each run writes its options to PACKAGE/run/run.toml.")  # fmt: skip
 @click.option("--measure-memory", is_flag=True,
               help="On a CPU, also measure each rank's peak tensor memory over its first ranks+1 minibatches "
-              "by counting the storages its operators make (opt-in: a Python call per operator in those steps; "
-              "GPUs always report torch.cuda.max_memory_allocated).")  # fmt: skip
+              "by counting the storages its operators make (opt-in: a Python call per operator in those "
+              "steps; GPUs always report torch.cuda.max_memory_allocated).")  # fmt: skip
 @click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
               help="Seconds a rank waits on its peers before the job is stopped.")  # fmt: skip
 @click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True, help="Machines.")
