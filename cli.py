@@ -689,6 +689,7 @@ def partition(
     from partitioner.errors import PlanError
     from partitioner.graph import load_profile
     from partitioner.optimizer import evaluate, solve
+    from partitioner.optimizer.pricing.schedules import model as schedule_model
     from partitioner.optimizer.pricing.simulate import gantt, simulate, write_chrome_trace
     from partitioner.optimizer.units import parse_int_list
     from partitioner.plan import plan_to_json
@@ -709,12 +710,11 @@ def partition(
     profile = with_update_time(profile, optimizer)
     recompute = recompute or ("auto" if schedule == "auto" else "none")  # auto searches recomputation too
     cluster = _cpu_hosts(_cluster(gpus, topology, bandwidth, memory), profile, host_cores)
-    micro = microbatches if microbatches is not None else (1 if schedule == "pipedream" else 4)
     v = _virtual_stages(schedule, virtual, explain)
-    if schedule == "interleaved" and microbatches is None and v > 1:
-        micro = 2 * cluster.gpus  # a multiple of the GPUs, as Megatron's order needs
-    if schedule == "zbv" and microbatches is None:
-        micro = 2 * cluster.gpus  # zbv's warm-up fills from 2 x GPUs - 1 microbatches on
+    if microbatches is not None:
+        micro = microbatches
+    else:  # (auto tries several counts; 4 is where it starts)
+        micro = 4 if schedule == "auto" else schedule_model(schedule).default_microbatches(cluster.gpus, v)
     auto_table = None
     if (cuts is None) != (replicas is None):
         raise PlanError("--cuts and --replicas go together: give both, or neither")

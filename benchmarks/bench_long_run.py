@@ -8,10 +8,7 @@ before the 10-step run ends; the long run is then stopped (SIGINT to its process
 step counts alternate, ``--rounds`` times, and the load average is recorded with each run: this
 machine is shared.
 
-``--source DIR`` runs another checkout's ``cli`` (e.g. one from before the schedule was generated
-as it plays) with this interpreter, for a before/after comparison on the same machine.
-
-    .venv/bin/python benchmarks/bench_long_run.py [--rounds 3] [--source DIR] [--name NAME]
+    .venv/bin/python benchmarks/bench_long_run.py [--rounds 3] [--name NAME]
 
 Writes benchmarks/results/NAME.{json,md} (default bench_long_run).
 """
@@ -32,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
+SOURCE = Path(__file__).resolve().parents[1]
 STEPS = (10, 1_000_000)
 SCHEDULES = ("pipedream", "1f1b")
 
@@ -158,17 +156,16 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--upto", type=int, default=10, help="the step at which memory is read")
-    parser.add_argument("--source", type=Path, default=Path(__file__).resolve().parents[1])
     parser.add_argument("--name", default="bench_long_run")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for schedule in SCHEDULES:
-            package = _package(args.source, Path(tmp), schedule)
+            package = _package(SOURCE, Path(tmp), schedule)
             runs: dict[int, list[dict[str, Any]]] = {s: [] for s in STEPS}
             for _ in range(args.rounds):
                 for steps in STEPS:
-                    runs[steps].append(run_once(args.source, package, steps, args.upto))
+                    runs[steps].append(run_once(SOURCE, package, steps, args.upto))
                     print(schedule, runs[steps][-1], flush=True)
             for steps, done in runs.items():
                 firsts = [r["first_step_s"] for r in done if r["first_step_s"] is not None]
