@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import click
 from rich.console import Console
 
-from runtime.schedule import SCHEDULES
+from runtime.schedule import SCHEDULES, get_schedule
 
 __all__ = ["main"]
 
@@ -702,7 +702,7 @@ def partition(
             raise PlanError(f"--batch-size must be >= 1, got {batch_size}")
         profile = replace(profile, batch_size=batch_size)
     _check_package_options(profile, weights, init)
-    if profile.precision == "fp16" and schedule == "pipedream":
+    if profile.precision == "fp16" and schedule != "auto" and get_schedule(schedule).stashes:
         raise PlanError(
             f"{path} was measured at fp16, whose loss scaling needs a synchronous schedule: partition with "
             "--schedule 1f1b or gpipe, or profile with --precision bf16 for pipedream"
@@ -761,7 +761,7 @@ def partition(
             soft_wrap=True,
         )
     first = [e.end_s for e in sim.events if e.stage == 0 and e.kind == "B"]
-    until = first[min(2, len(first) - 1)] if plan.schedule == "pipedream" and first else None
+    until = first[min(2, len(first) - 1)] if get_schedule(plan.schedule).stashes and first else None
     console.print("\n".join(gantt(sim, width=60, until_s=until)), highlight=False, markup=False)
     if auto_table is not None:
         console.print(auto_table)
@@ -789,7 +789,7 @@ def _auto(
     from partitioner.optimizer.auto import AUTO_SCHEDULES, solve_auto
     from partitioner.optimizer.options import SolveOptions
 
-    names = [s for s in AUTO_SCHEDULES if not (s == "pipedream" and profile.precision == "fp16")]
+    names = [s for s in AUTO_SCHEDULES if not (get_schedule(s).stashes and profile.precision == "fp16")]
     opts = SolveOptions("auto", micro or 4, optimizer, straight, solver, comm, recompute)
     return solve_auto(profile, cluster, opts, names, counts=(micro,) if micro else None)
 
@@ -836,7 +836,7 @@ def _microbatch_note(profile: Any, plan: Any) -> str | None:
     """Say when layer times measured at one batch size are divided into microbatches of another (not
     when the profile measured fixed per-call times: the cost model then charges each microbatch its own)."""
     measured = profile.extra.get("measured_batch_size", profile.batch_size)
-    if plan.schedule == "pipedream" or not profile.batch_size or profile.tracer == "pipedream":
+    if get_schedule(plan.schedule).stashes or not profile.batch_size or profile.tracer == "pipedream":
         return None
     if any(n.forward_fixed_ms or n.backward_fixed_ms for n in profile.nodes):
         return None
@@ -984,7 +984,7 @@ def calibrate(package: str | None, metrics_path: str | None, output: str | None,
     path = Path(output) if output else Path(plan.profile).with_name("calibrated.json")
     save_profile(result, path)
     console = _console()
-    forwards = 1 if plan.schedule == "pipedream" else plan.microbatches
+    forwards = 1 if get_schedule(plan.schedule).stashes else plan.microbatches
     console.print(_calibration_table(at_microbatches(profile, forwards), plan, measured))
     console.print(f"wrote {path}; next: pipeplan partition --profile {path} ...", soft_wrap=True)
 

@@ -52,7 +52,7 @@ def test_schedule_names_are_compared_only_in_the_registries() -> None:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="cli.py still holds schedule rules (microbatch defaults, checks) "
+    reason="cli.py still holds schedule rules (virtual stages, the auto table, stage cells) "
     "that belong in the registries; strict, so it fails once they have moved",
 )
 def test_the_cli_compares_no_schedule_names() -> None:
