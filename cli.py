@@ -510,17 +510,20 @@ def _virtual_stages(schedule: str, virtual: int | None, explain: bool) -> int:
     """--virtual-stages: 2 by default under interleaved, refused elsewhere (and --explain, whose
     baselines are not laid out in virtual stages)."""
     from partitioner.errors import PlanError
+    from partitioner.optimizer.pricing.schedules import model
 
-    if schedule == "zbv" and explain:
-        raise PlanError("--explain does not support --schedule zbv yet; drop one of them")
-    if schedule != "interleaved":
+    laid_out = schedule != "auto" and model(schedule).laid_out
+    asks = laid_out and model(schedule).virtual_stages is None  # (as many as asked: interleaved)
+    if laid_out and explain and not asks:
+        raise PlanError(f"--explain does not support --schedule {schedule} yet; drop one of them")
+    if not asks:
         if virtual is not None:
             raise PlanError(f"--virtual-stages needs --schedule interleaved, not {schedule}")
         return 1
     if virtual is not None and virtual < 1:
         raise PlanError(f"--virtual-stages must be >= 1, got {virtual}")
     if explain:
-        raise PlanError("--explain does not support --schedule interleaved yet; drop one of them")
+        raise PlanError(f"--explain does not support --schedule {schedule} yet; drop one of them")
     return 2 if virtual is None else virtual
 
 
@@ -799,10 +802,15 @@ def _auto_table(choice: Any, gpus: int, asked: int | None) -> Any:
     from rich.table import Table
     from rich.text import Text
 
+    from partitioner.optimizer.pricing.schedules import model
+
     notes = []
     plans, chosen = choice.plans, choice.plan.schedule
-    if "interleaved" in plans and plans["interleaved"] is None and gpus >= 2:
-        notes.append(f"interleaved needs microbatches a multiple of the {gpus} GPUs and {2 * gpus}+ layers")
+    asked_virtual = [
+        name for name, plan in plans.items() if plan is None and model(name).virtual_stages is None
+    ]
+    for name in asked_virtual if gpus >= 2 else ():  # (interleaved: v stages on each GPU, as asked)
+        notes.append(f"{name} needs microbatches a multiple of the {gpus} GPUs and {2 * gpus}+ layers")
     if asked is None and len(choice.counts) == 1:
         notes.append("microbatches not searched: the profile has no fixed per-call times")
     elif asked is None:
@@ -825,10 +833,12 @@ def _auto_table(choice: Any, gpus: int, asked: int | None) -> Any:
 
 def _stages_cell(plan: Any) -> str:
     """``3: 2+1+1`` (stages: replicas each); interleaved: ``8 on 4 GPUs (v=2)``; zbv: ``8 on 4 GPUs (V)``."""
-    if plan.schedule == "interleaved":
-        return f"{len(plan.stages)} on {plan.cluster.gpus} GPUs (v={plan.virtual_stages})"
-    if plan.schedule == "zbv":
-        return f"{len(plan.stages)} on {plan.cluster.gpus} GPUs (V)"
+    from partitioner.optimizer.pricing.schedules import model
+
+    sched = model(plan.schedule)
+    if sched.laid_out:
+        shape = f"v={plan.virtual_stages}" if sched.virtual_stages is None else "V"
+        return f"{len(plan.stages)} on {plan.cluster.gpus} GPUs ({shape})"
     return f"{len(plan.stages)}: " + "+".join(str(s.replicas) for s in plan.stages)
 
 
