@@ -19,7 +19,7 @@ jobs on this shared CPU disturb less; predicted: plan.json) and its peak memory 
 Targets (issue 13): measured within 25% of predicted per stage. The 1-minute load average is recorded
 before every command.
 
-The prediction is ``partitioner/optimizer/memory.py``'s model: weights, gradients and optimizer state
+The prediction is ``partitioner/optimizer/pricing/memory.py``'s model: weights, gradients and optimizer state
 (tied copies included), pipedream's weight snapshots, the gradient a replica accumulates, and the
 activations of the items in flight. An earlier run of this benchmark found the middle three missing
 (21 of 48 stages within 25%); they are priced now.
@@ -227,7 +227,8 @@ def _markdown(doc: dict[str, Any]) -> list[str]:
         "and without `--recompute all`. Measured: the stage's tensors at the start plus the peak of "
         "bytes of live tensor storages operators made (CPU), over the first minibatches.",
         "",
-        "Predicted: `partitioner/optimizer/memory.py` (weights, gradients and optimizer state with tied "
+        "Predicted: `partitioner/optimizer/pricing/memory.py` (weights, gradients and optimizer state "
+        "with tied "
         "copies, pipedream's weight snapshots, the gradient a replica accumulates, activations in "
         "flight). Ratio: measured / predicted.",
         "",

@@ -23,7 +23,9 @@ from typing import Any
 from partitioner.devices import DeviceModel, estimated_device
 from partitioner.errors import PipeplanError
 from partitioner.graph import Node, Profile, at_microbatches
+from partitioner.optimizer.pricing.schedules import model
 from partitioner.plan import Plan
+from runtime.schedule import REGISTRY
 
 __all__ = ["RunTimes", "calibrate", "calibrated_device", "device_seconds", "load_run_times", "stage_factors"]
 
@@ -64,7 +66,8 @@ def load_run_times(path: str | os.PathLike[str]) -> RunTimes:
         raise PipeplanError(f"cannot read {source}: {exc}") from exc
     if not isinstance(doc, dict) or doc.get("schema") != "pipeplan.metrics/1" or not doc.get("stages"):
         raise PipeplanError(f"{source} is not a pipeplan metrics.json with per-stage times")
-    if doc.get("schedule") in ("interleaved", "zbv"):
+    kind = REGISTRY.get(str(doc.get("schedule")))
+    if kind is not None and kind.placement is not None:  # several stages on each rank
         raise PipeplanError(
             f"{source} is an {doc['schedule']} run, whose ranks each time several stages together; calibrate "
             "from a 1f1b run of the same model"
@@ -123,7 +126,7 @@ def calibrate(
     count); each layer's fixed time per call is scaled with the rest, so the calibrated profile still
     prices other microbatch counts.
     """
-    priced = at_microbatches(profile, 1 if plan.schedule == "pipedream" else plan.microbatches)
+    priced = at_microbatches(profile, model(plan.schedule).microbatches(plan.microbatches))
     scale = (profile.batch_size / batch_size) if profile.batch_size and batch_size else 1.0
     factors = {k: f * scale for k, f in stage_factors(priced, plan, measured_s).items()}
     factor_of = {n: factors[s.index] for s in plan.stages if s.index in factors for n in s.nodes}

@@ -18,13 +18,20 @@ from torch import Tensor, nn
 
 from partitioner.errors import ModelSpecError
 
-__all__ = ["hf_bundle_parts"]
+__all__ = ["hf_bundle_parts", "next_token_targets"]
 
 _SEED = 1234
 _DEFAULT_TOKENS = 32
 
 InputMaker = Callable[[int], tuple[Tensor, ...]]
 TargetMaker = Callable[[int], Tensor]
+
+
+def next_token_targets(tokens: Tensor) -> Tensor:
+    """Targets of a causal LM: each position predicts the next token; the last one is ignored (-100)."""
+    targets = torch.full_like(tokens, -100)
+    targets[:, :-1] = tokens[:, 1:]
+    return targets
 
 
 def hf_bundle_parts(
@@ -79,8 +86,6 @@ def _text(
         if task == "seq-cls":
             return torch.randint(0, int(config.num_labels), (b,), generator=_generator())
         if task == "causal-lm":
-            from partitioner.models import next_token_targets
-
             return next_token_targets(ids(b))
         return ids(b, offset=1) if task == "seq2seq" else ids(b, offset=2)
 

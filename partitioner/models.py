@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from partitioner.errors import ModelSpecError
+from partitioner.hf_inputs import hf_bundle_parts, next_token_targets
 from partitioner.zoo import ZOO, ZooEntry
 from runtime.lazy import split_buffers, weightless
 
@@ -167,8 +168,6 @@ def load_model(
     if spec in ZOO:
         return _zoo_bundle(spec, ZOO[spec], batch_size, input_shape, lazy)
     if spec.startswith("hf:"):
-        from partitioner.hf_inputs import hf_bundle_parts
-
         factory, names, make_inputs, make_targets = hf_bundle_parts(spec, input_shape)
         return _bundle(
             spec, factory, batch_size, make_inputs, make_targets, default_loss, input_names=names, lazy=lazy
@@ -247,13 +246,6 @@ def _zoo_bundle(
         return torch.randint(0, entry.classes, (b,), generator=_generator())
 
     return _bundle(spec, entry.factory, batch_size, make_inputs, make_targets, default_loss, lazy=lazy)
-
-
-def next_token_targets(tokens: Tensor) -> Tensor:
-    """Targets of a causal LM: each position predicts the next token; the last one is ignored (-100)."""
-    targets = torch.full_like(tokens, -100)
-    targets[:, :-1] = tokens[:, 1:]
-    return targets
 
 
 def _torchvision_entry(name: str) -> ZooEntry:

@@ -25,7 +25,7 @@ from partitioner.devices import device_model_to_json, load_device_model
 from partitioner.errors import PipeplanError, TraceError
 from partitioner.graph import Node, Profile, TensorSpec, scale_batch
 from partitioner.models import ModelBundle, load_model
-from partitioner.optimizer.build import gib
+from partitioner.optimizer.pricing.price import gib
 from partitioner.profiler.budget import choose_materialize
 from partitioner.profiler.cpu_model import cpu_model
 from partitioner.profiler.estimate import (
