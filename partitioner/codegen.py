@@ -33,12 +33,13 @@ from partitioner.errors import PackageError, PipeplanError, PlanError
 from partitioner.graph import Profile
 from partitioner.package_text import init_text, source_text, stage_text
 from partitioner.plan import Plan, Tie, mp_conf, plan_to_json
-from partitioner.split import StageGraph, split_graph, tensor_kinds
+from partitioner.split import CONSTANT_MAX_ELEMENTS, StageGraph, split_graph, tensor_kinds
 from runtime.schedule_zbv import zbv_placement
 
 __all__ = [
     "EXACT_INIT_MAX_BYTES",
     "assignment_of",
+    "lifted_constants",
     "pipedream_names",
     "ties_of",
     "with_ranks",
@@ -129,10 +130,16 @@ def write_package_from_trace(
         init = "exact" if size <= EXACT_INIT_MAX_BYTES else "seeded"
     inputs = tuple(bundle.inputs)
     reshaped = bool(dict(profile.tracer_options).get("input_shape"))
-    kinds, loss_node = tensor_kinds(gm, inputs)
+    kinds, _ = tensor_kinds(gm, inputs)
     drop = _foreign_calls(gm, bundle.module)
     stages = split_graph(
-        gm, assignment_of(profile, plan), len(plan.stages), kinds, loss_node, tracer == "export", drop
+        gm,
+        assignment_of(profile, plan),
+        len(plan.stages),
+        kinds,
+        tracer == "export",
+        drop,
+        lifted_constants(gm, bundle.module),
     )
     _check_tensors(stages, bundle.module)
     weights_path = str(Path(weights).resolve()) if weights else None
@@ -251,6 +258,43 @@ def _foreign_calls(gm: fx.GraphModule, model: nn.Module) -> frozenset[str]:
     if used:
         raise PackageError(f"the traced graph calls {used[0]}, which is not a module of the model")
     return frozenset(n.name for n in foreign)
+
+
+def lifted_constants(gm: fx.GraphModule, model: nn.Module) -> dict[str, torch.Tensor]:
+    """Tensors the graph reads that the model does not have at all: torch.export lifts a
+    ``torch.tensor(...)`` or a Python list used as an index inside ``forward`` into such attributes.
+    Each stage that reads one writes it into its own code (:func:`partitioner.split.constant_node`).
+    A plain tensor attribute of the model (set in ``__init__``, perhaps from the RNG) is no constant:
+    ``_check_tensors`` asks for a buffer.
+
+    Raises:
+        PackageError: a constant too large to write into code (make it a buffer in ``__init__``).
+    """
+    state = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    state |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    found: dict[str, torch.Tensor] = {}
+    for node in gm.graph.nodes:
+        target = str(node.target)
+        if node.op != "get_attr" or target in state or _attribute(model, target) is not None:
+            continue
+        value = _attribute(gm, target)
+        if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
+            continue
+        if value.numel() > CONSTANT_MAX_ELEMENTS:
+            raise PackageError(
+                f"the model makes a constant tensor of {value.numel()} elements in forward ({target}); "
+                f"stages write constants of up to {CONSTANT_MAX_ELEMENTS} into their code: create it once "
+                "in __init__ with register_buffer(..., persistent=False)"
+            )
+        found[target] = value
+    return found
+
+
+def _attribute(root: nn.Module, path: str) -> Any:
+    value: Any = root
+    for part in path.split("."):
+        value = getattr(value, part, None)
+    return value
 
 
 def _check_tensors(stages: Sequence[StageGraph], model: nn.Module) -> None:
