@@ -373,9 +373,9 @@ def _extra(
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     with torch.no_grad():
         classes = int(stagekit.loss_input(fx.Interpreter(gm).run(*bundle.inputs)).shape[-1])  # output classes
-    targets = _target_spec(bundle, classes)
+    inputs, targets = _data_specs(bundle, placeholders, classes)
     return {
-        "inputs": _input_specs(bundle, placeholders, targets, classes),
+        "inputs": inputs,
         "targets": targets,
         "example_functions": _example_functions(bundle, reshaped),
         "loss": loss,
@@ -418,6 +418,20 @@ def _tensor_spec(name: str, t: torch.Tensor, vocabulary: int | None) -> dict[str
     else:
         spec["high"] = vocabulary or (int(t.max()) + 1 if t.numel() else 2)
     return spec
+
+
+def _data_specs(bundle: Any, names: Sequence[str], classes: int) -> tuple[list[Any], dict[str, Any]]:
+    """The (inputs, targets) specs the package draws synthetic data from: a built-in or ``hf:``
+    model's own (the profile drew its inputs from them), else read off the example tensors."""
+    if getattr(bundle, "data", None) is None:
+        targets = _target_spec(bundle, classes)
+        return _input_specs(bundle, names, targets, classes), targets
+    specs, target = bundle.data
+    inputs = [
+        {**spec, "name": name, "shape": list(t.shape)}
+        for spec, name, t in zip(specs, names, bundle.inputs, strict=True)
+    ]
+    return inputs, {**target, "shape": list(bundle.targets.shape)}
 
 
 def _input_specs(bundle: Any, names: Sequence[str], targets: Mapping[str, Any], classes: int) -> list[Any]:

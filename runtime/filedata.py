@@ -72,7 +72,7 @@ def output_classes(job: JobConfig) -> int | None:
     """The width of the model's output as plan.json records it: the classes of class targets, or the
     vocabulary of next-token targets (the first input's id range); None when not recorded."""
     targets = job.targets or {}
-    if targets.get("kind") == "classes" and targets.get("high") is not None:
+    if targets.get("kind") in ("classes", "masked", "shifted") and targets.get("high") is not None:
         return int(targets["high"])
     if targets.get("kind") == "next_token" and job.inputs and job.inputs[0].get("high") is not None:
         return int(job.inputs[0]["high"])
