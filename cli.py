@@ -687,6 +687,7 @@ def partition(
     from partitioner.errors import PlanError
     from partitioner.graph import load_profile
     from partitioner.optimizer import evaluate, solve
+    from partitioner.optimizer.options import check_devices, default_microbatches
     from partitioner.optimizer.simulate import gantt, simulate, write_chrome_trace
     from partitioner.optimizer.units import parse_int_list
     from partitioner.plan import plan_to_json
@@ -707,7 +708,9 @@ def partition(
     profile = with_update_time(profile, optimizer)
     recompute = recompute or ("auto" if schedule == "auto" else "none")  # auto searches recomputation too
     cluster = _cpu_hosts(_cluster(gpus, topology, bandwidth, memory), profile, host_cores)
-    micro = microbatches if microbatches is not None else (1 if schedule == "pipedream" else 4)
+    check_devices(profile, cluster.gpus)
+    default = 1 if schedule == "pipedream" else default_microbatches(profile.batch_size)
+    micro = microbatches if microbatches is not None else default
     v = _virtual_stages(schedule, virtual, explain)
     if schedule == "interleaved" and microbatches is None and v > 1:
         micro = 2 * cluster.gpus  # a multiple of the GPUs, as Megatron's order needs
@@ -1086,7 +1089,7 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
               help="On a CPU, also measure each rank's peak tensor memory over its first ranks+1 minibatches "
               "with torch.profiler (opt-in: with torch 2.13 it kills a rank of some runs after it stops; "
               "GPUs always report torch.cuda.max_memory_allocated).")  # fmt: skip
-@click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
+@click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True, callback=_finite,
               help="Seconds a rank waits on its peers before the job is stopped.")  # fmt: skip
 @click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True, help="Machines.")
 @click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True,

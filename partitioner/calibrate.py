@@ -23,6 +23,8 @@ from typing import Any
 from partitioner.errors import PipeplanError
 from partitioner.graph import Node, Profile, at_microbatches
 from partitioner.plan import Plan
+from runtime.formats import METRICS_FIELDS
+from runtime.schema import SchemaError, check
 
 __all__ = ["RunTimes", "calibrate", "device_seconds", "load_run_times", "stage_factors"]
 
@@ -63,6 +65,12 @@ def load_run_times(path: str | os.PathLike[str]) -> RunTimes:
         raise PipeplanError(f"cannot read {source}: {exc}") from exc
     if not isinstance(doc, dict) or doc.get("schema") != "pipeplan.metrics/1" or not doc.get("stages"):
         raise PipeplanError(f"{source} is not a pipeplan metrics.json with per-stage times")
+    try:
+        check(doc, METRICS_FIELDS, str(source))
+    except SchemaError as exc:
+        raise PipeplanError(
+            f"{exc}; calibrate from the metrics.json a finished `pipeplan run` wrote"
+        ) from None
     if doc.get("schedule") in ("interleaved", "zbv"):
         raise PipeplanError(
             f"{source} is an {doc['schedule']} run, whose ranks each time several stages together; calibrate "

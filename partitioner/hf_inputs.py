@@ -87,7 +87,13 @@ def _ids(name: str, tokens: int, high: int) -> dict[str, Any]:
 
 
 def _classes(config: Any) -> dict[str, Any]:
-    return {"name": "target", "shape": [1], "dtype": "int64", "kind": "classes", "high": int(config.num_labels)}
+    return {
+        "name": "target",
+        "shape": [1],
+        "dtype": "int64",
+        "kind": "classes",
+        "high": int(config.num_labels),
+    }
 
 
 def _text(config: Any, task: str, input_shape: tuple[int, ...] | None, spec: str) -> DataSpec:

@@ -61,8 +61,8 @@ def output_structure(gm: fx.GraphModule) -> OutputStructure:
     if info is not None and info.out_spec is not None:
         leaves = tuple(value) if isinstance(value, (tuple, list)) else (value,)
         return OutputStructure(leaves, info.out_spec)
-    leaves, spec = pytree.tree_flatten(value)
-    return OutputStructure(tuple(leaves), spec)
+    flat, spec = pytree.tree_flatten(value)
+    return OutputStructure(tuple(flat), spec)
 
 
 def rebuild(graph: fx.Graph, structure: OutputStructure, value_of: Callable[[fx.Node], fx.Node]) -> Any:

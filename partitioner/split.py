@@ -161,7 +161,10 @@ def _size_reads(members: Sequence[fx.Node]) -> list[fx.Node]:
     return [
         n
         for n in members
-        if "sym_size" in str(n.target) and n.args and isinstance(n.args[0], fx.Node) and n.args[0] not in inside
+        if "sym_size" in str(n.target)
+        and n.args
+        and isinstance(n.args[0], fx.Node)
+        and n.args[0] not in inside
     ]
 
 
@@ -387,7 +390,14 @@ def split_graph(
                 raise PlanError(f"stage {s} reads {node.name}, which stage {producer} does not produce")
     return tuple(
         _stage_graph(
-            gm, s, members[s], ins[s], outs[s], names, resized[s], constants or {},
+            gm,
+            s,
+            members[s],
+            ins[s],
+            outs[s],
+            names,
+            resized[s],
+            constants or {},
             structure if s == num_stages - 1 else None,
         )
         for s in range(num_stages)
