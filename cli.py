@@ -23,7 +23,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def _console(stderr: bool = False) -> Console:
     """One Console per stream; commands print tables on stdout and progress/errors on stderr."""
-    return Console(stderr=stderr, highlight=False)
+    return Console(stderr=stderr, highlight=False, emoji=False)  # (":llama:" is no emoji in a spec)
 
 
 def user_errors(func: F) -> F:

@@ -81,9 +81,12 @@ def _tokens(config: Any, input_shape: tuple[int, ...] | None, spec: str) -> int:
     return int(tokens)
 
 
-def _ids(name: str, tokens: int, high: int) -> dict[str, Any]:
-    """Token ids in ``[1, high)``: 0 is often the padding token."""
-    return {"name": name, "shape": [1, tokens], "dtype": "int64", "low": 1, "high": high}
+def _ids(name: str, tokens: int, high: int, config: Any = None) -> dict[str, Any]:
+    """Token ids in ``[1, high)`` (0 is often the padding token); ``max_length``: the positions the
+    model has, which a run's ``--seq-len`` must not exceed."""
+    spec: dict[str, Any] = {"name": name, "shape": [1, tokens], "dtype": "int64", "low": 1, "high": high}
+    limit = _positions(config) if config is not None else None
+    return {**spec, "max_length": limit} if limit else spec
 
 
 def _classes(config: Any) -> dict[str, Any]:
@@ -100,7 +103,8 @@ def _text(config: Any, task: str, input_shape: tuple[int, ...] | None, spec: str
     tokens, vocab = _tokens(config, input_shape, spec), int(config.vocab_size)
     mask = {"name": "attention_mask", "shape": [1, tokens], "dtype": "int64", "fill": 1}
     if task == "seq2seq":
-        inputs = [_ids("input_ids", tokens, vocab), mask, _ids("decoder_input_ids", tokens, vocab)]
+        ids = [_ids(name, tokens, vocab, config) for name in ("input_ids", "decoder_input_ids")]
+        inputs = [ids[0], mask, ids[1]]
         return inputs, _shifted(config, 2, tokens, vocab)
     if task == "masked-lm":
         mask_token = getattr(config, "mask_token_id", None)
@@ -109,11 +113,11 @@ def _text(config: Any, task: str, input_shape: tuple[int, ...] | None, spec: str
         high = vocab - 1 if mask_token == vocab - 1 else vocab
         target = {"name": "target", "shape": [1, tokens], "dtype": "int64", "kind": "masked", "high": vocab,
                   "input": 0, "mask_token": mask_token}  # fmt: skip
-        return [_ids("input_ids", tokens, high), mask], target
+        return [_ids("input_ids", tokens, high, config), mask], target
     if task == "seq-cls":
-        return [_ids("input_ids", tokens, vocab), mask], _classes(config)
+        return [_ids("input_ids", tokens, vocab, config), mask], _classes(config)
     target = {"name": "target", "shape": [1, tokens], "dtype": "int64", "kind": "next_token", "high": vocab}
-    return [_ids("input_ids", tokens, vocab), mask], target
+    return [_ids("input_ids", tokens, vocab, config), mask], target
 
 
 def _shifted(config: Any, decoder: int, tokens: int, vocab: int) -> dict[str, Any]:
@@ -142,4 +146,4 @@ def _speech(config: Any, input_shape: tuple[int, ...] | None, spec: str) -> Data
         )
     tokens, vocab = _tokens(config, input_shape, spec), int(config.vocab_size)
     features = {"name": "input_features", "shape": [1, bins, frames], "dtype": "float32"}
-    return [features, _ids("decoder_input_ids", tokens, vocab)], _shifted(config, 1, tokens, vocab)
+    return [features, _ids("decoder_input_ids", tokens, vocab, config)], _shifted(config, 1, tokens, vocab)

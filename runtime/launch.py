@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,6 +29,7 @@ from runtime import checkpoint
 from runtime.blame import blame
 from runtime.data import check_data_options
 from runtime.errors import Interrupted, RunError
+from runtime.liveness import Watchdog
 from runtime.options import RunOptions, to_argv
 from runtime.preflight import preflight
 from runtime.worker import job_of, run_dir, run_rank
@@ -220,17 +222,67 @@ def launch(
         RunError: bad package or options, or no rendezvous with the master within the timeout.
         JobFailed: a rank raised or died.
     """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
-
     per_node = checked if checked is not None else check_launch(options)
     options, notes = resolve_resume(options)
     for note in notes:
         log.info("%s", note)
-    if options.nnodes == 1 and not options.master_port:
-        options = replace(options, master_port=free_port())
-    options = replace(options, launcher_pid=os.getpid())
+    with _rendezvous_store(options) as (port, store):
+        options = replace(options, master_port=port, launcher_pid=os.getpid())
+        return _launch(options, per_node, on_progress, store)
+
+
+@contextmanager
+def _rendezvous_store(options: RunOptions) -> Iterator[tuple[int, Any]]:
+    """On node 0, the rendezvous store's server, listening on ``master_addr`` only (127.0.0.1 for a
+    local run) rather than every interface, as torch's static rendezvous would bind it; the rendezvous
+    then shares this server (``multi_tenant``). Yields the port (a free one when none was given) and
+    the store (on other nodes a client of node 0's, or None when it does not answer yet).
+
+    Raises:
+        RunError: the address or port cannot be listened on.
+    """
+    import torch.distributed as dist
+
+    if options.node_rank != 0:
+        try:
+            client = dist.TCPStore(  # type: ignore[attr-defined]
+                options.master_addr, options.master_port, is_master=False,
+                timeout=timedelta(seconds=options.timeout),
+            )  # fmt: skip
+        except (RuntimeError, ValueError):
+            client = None  # the rendezvous below says what is wrong
+        yield options.master_port, client
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            options.master_addr, options.master_port, type=socket.SOCK_STREAM
+        )[0]
+        listener = socket.socket(family, kind, proto)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(1024)
+    except OSError as exc:
+        where = f"{options.master_addr}:{options.master_port}"
+        raise RunError(f"cannot listen on {where} for the rendezvous: {exc.strerror or exc}") from exc
+    port = int(listener.getsockname()[1])
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        options.master_addr, port, is_master=True, multi_tenant=True, master_listen_fd=listener.detach(),
+        timeout=timedelta(seconds=options.timeout), wait_for_workers=False,
+    )  # fmt: skip
+    try:
+        yield port, store
+    finally:
+        del store
+
+
+def _launch(
+    options: RunOptions, per_node: int, on_progress: Progress | None, store: Any
+) -> dict[str, Any] | None:
+    """:func:`launch` once the rendezvous store listens; a :class:`Watchdog` over this node's ranks."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
     out = run_dir(options)
     out.mkdir(parents=True, exist_ok=True)
     (out / "progress.jsonl").unlink(missing_ok=True)
@@ -246,13 +298,16 @@ def launch(
             target=_watch, args=(out / "progress.jsonl", on_progress, stop), daemon=True
         )
         watcher.start()
+    local = range(options.node_rank * per_node, (options.node_rank + 1) * per_node)
+    watchdog = Watchdog(store, config.run_id, local if store is not None else (), options.timeout)
     try:
-        with _agent_log(logs / "launcher.log"):
+        with _agent_log(logs / "launcher.log"), watchdog:
             results = elastic_launch(config, run_rank)(options)
     except ChildFailedError as exc:
         job = job_of(options)
         stage_of = {r: k for k, ranks in enumerate(job.stage_ranks) for r in ranks}
-        raise blame(exc.failures, stage_of, options.timeout, logs / "launcher.log") from exc
+        failures = exc.failures
+        raise blame(failures, stage_of, options.timeout, logs / "launcher.log", watchdog.stalled) from exc
     except SignalException as exc:
         raise Interrupted(int(exc.sigval)) from exc
     except (TimeoutError, RuntimeError) as exc:

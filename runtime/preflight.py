@@ -135,6 +135,12 @@ def check_inputs_match(
             raise RunError(f"--data {data}: input {name} has shape {shape}, the package expects {expected}")
         if want.get("dtype", dtype) != dtype:
             raise RunError(f"--data {data}: input {name} is {dtype}, the package expects {want['dtype']}")
+        limit = want.get("max_length")
+        if limit and len(shape) > 1 and shape[1] > limit:
+            raise RunError(
+                f"--data {data}: input {name} holds {shape[1]} positions, the model has {limit}; "
+                f"give --seq-len {limit} or less"
+            )
 
 
 def check_first_stage(package: ModuleType, inputs: Sequence[torch.Tensor], data: str) -> None:

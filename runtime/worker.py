@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from runtime import checkpoint, schedule
+from runtime.checkin import CheckIn
 from runtime.comm import Comm
 from runtime.config import JobConfig, RankConfig, load_job
 from runtime.data import Batches, make_batches
@@ -30,6 +31,7 @@ from runtime.errors import PeerLost, RunError
 from runtime.evaluate import EvalResult, Evaluator, eval_steps, segments
 from runtime.filedata import DataSettings
 from runtime.lifeline import die_with, wake_siblings
+from runtime.liveness import start_heartbeat
 from runtime.loss_scale import LossScaler
 from runtime.memory import PeakMemory, memory_report
 from runtime.metrics import RankMetrics, Recorder, summarize, write_json_atomic, write_trace
@@ -174,12 +176,20 @@ def _warn_idle_replicas(job: JobConfig) -> None:
 
 
 def _build_hosted(
-    options: RunOptions, configs: tuple[RankConfig, ...], device: torch.device, clock: _Clock
+    options: RunOptions,
+    configs: tuple[RankConfig, ...],
+    device: torch.device,
+    clock: _Clock,
+    checkin: CheckIn,
 ) -> tuple[StageRuntime, ...]:
     """This rank's runtimes: one, or under ``interleaved`` one per chunk, sharing the first one's
     channels, groups, recorder and data. Only the last takes ``clock``: a rank's minibatch ends
-    with its last chunk's step."""
-    first = _build(options, configs[0], device, clock if len(configs) == 1 else None)
+    with its last chunk's step. The groups come first: their creation waits on every rank, the
+    building after it does not (start-up steps 2 and 3 of :class:`CheckIn`)."""
+    with checkin.waiting("creating the replica and tie groups"):
+        groups = _groups(configs[0], timedelta(seconds=options.timeout))
+    checkin.done(2)
+    first = _build(options, configs[0], device, clock if len(configs) == 1 else None, groups=groups)
     rest = tuple(
         _build(options, cfg, device, clock if i == len(configs) - 2 else None, first)
         for i, cfg in enumerate(configs[1:])
@@ -207,6 +217,7 @@ def _build(
     device: torch.device,
     clock: _Clock | None,
     shared: StageRuntime | None = None,
+    groups: Groups | None = None,
 ) -> StageRuntime:
     if cfg.rank == 0 and shared is None:
         _warn_idle_replicas(cfg.job)
@@ -235,7 +246,7 @@ def _build(
         scheduler=make_scheduler(settings, optimizer, _total_steps(options, batches)),
         clip=_clip(settings, cfg, module),
         comm=shared.comm if shared else Comm(dist.group.WORLD, device, prefetch=device.type == "cpu"),  # type: ignore[arg-type]
-        groups=shared.groups if shared else _groups(cfg, timeout),
+        groups=shared.groups if shared else groups or _groups(cfg, timeout),
         batches=batches,
         stash=cfg.job.schedule == "pipedream",
         recorder=shared.recorder
@@ -332,12 +343,15 @@ def _evaluator(options: RunOptions, hosted: tuple[StageRuntime, ...]) -> Evaluat
     return Evaluator(rt, data, data.steps_per_epoch, hosted if len(hosted) > 1 else ())
 
 
-def _train(options: RunOptions, hosted: tuple[StageRuntime, ...], total: int) -> None:
+def _train(options: RunOptions, hosted: tuple[StageRuntime, ...], total: int, checkin: CheckIn) -> None:
     rt = hosted[0]
     job, cfg = rt.cfg.job, rt.cfg
-    start, rng = _start_step(options, hosted)
+    with checkin.waiting("agreeing on the step to start from"):
+        start, rng = _start_step(options, hosted)
+    checkin.done(4)
     for each in hosted:
         each.setup()
+    checkin.done(5)
     if rng is not None:
         checkpoint.set_rng_state(rng)
     clock = hosted[-1].on_step if isinstance(hosted[-1].on_step, _Clock) else None
@@ -405,6 +419,7 @@ def run_rank(options: RunOptions) -> dict[str, Any] | None:
     if world != job.world_size:
         raise RunError(f"{job.package} runs on {job.world_size} ranks but the job has {world}")
     die_with(options.launcher_pid or os.getppid())
+    start_heartbeat(rank, options.timeout)
     backend = resolve_backend(options.backend)
     if backend == "nccl" and job.virtual_stages > 1:
         raise RunError(
@@ -418,11 +433,15 @@ def run_rank(options: RunOptions) -> dict[str, Any] | None:
         keep_freed_memory()
     share_cores()
     torch.manual_seed(options.seed)
-    dist.init_process_group(backend, timeout=timedelta(seconds=options.timeout))
+    checkin = CheckIn.from_env(rank, world, options.timeout)
+    checkin.done(0)
     # On error the group is left open: closing it would let peers fail first with "connection closed"
     # before this rank's error is on record; the process exit closes it a moment later.
     try:
-        return _run_joined(options, job.hosted(rank), device)
+        with checkin.waiting("joining the process group"):
+            dist.init_process_group(backend, timeout=timedelta(seconds=options.timeout))
+        checkin.done(1)
+        return _run_joined(options, job.hosted(rank), device, checkin)
     except PeerLost:
         # Let the rank that really failed exit first: the agent reports the first failure it sees.
         # Then resume a stopped sibling, which the agent's SIGTERM could not end otherwise; woken, it
@@ -433,13 +452,14 @@ def run_rank(options: RunOptions) -> dict[str, Any] | None:
 
 
 def _run_joined(
-    options: RunOptions, configs: tuple[RankConfig, ...], device: torch.device
+    options: RunOptions, configs: tuple[RankConfig, ...], device: torch.device, checkin: CheckIn
 ) -> dict[str, Any] | None:
     cfg = configs[-1]
     progress = run_dir(options) / "progress.jsonl" if cfg.is_last and cfg.replica == 0 else None
     clock = _Clock(progress)
-    hosted = _build_hosted(options, configs, device, clock)
-    _train(options, hosted, _total_steps(options, hosted[0].batches))
+    hosted = _build_hosted(options, configs, device, clock, checkin)
+    checkin.done(3)
+    _train(options, hosted, _total_steps(options, hosted[0].batches), checkin)
     result = _finish(options, hosted, clock)
     dist.destroy_process_group()
     return result
