@@ -1160,6 +1160,13 @@ def _check_optim(options: Any) -> None:
 
 def _run_and_report(options: Any) -> None:
     """Launch with a progress bar fed by the loss-reporting rank, then print measured vs predicted."""
+    from runtime.launch import holding_run_folder
+
+    with holding_run_folder(options):  # one job per package folder, from the first check to the end
+        _report_run(options)
+
+
+def _report_run(options: Any) -> None:
     from pathlib import Path
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

@@ -34,6 +34,7 @@ from partitioner.graph import Profile
 from partitioner.package_text import init_text, source_text, stage_text
 from partitioner.plan import Plan, Tie, mp_conf, plan_to_json
 from partitioner.split import CONSTANT_MAX_ELEMENTS, StageGraph, split_graph, tensor_kinds
+from runtime.runlock import holder
 from runtime.schedule_zbv import zbv_placement
 
 __all__ = [
@@ -507,7 +508,14 @@ def _keep_runs(out_dir: Path, tmp: Path) -> None:
 
 
 def _write_folder(out_dir: Path, files: Mapping[str, str], keep_existing: bool = False) -> None:
-    """Write all files into a temporary sibling folder, then swap it in (a reader never sees half)."""
+    """Write all files into a temporary sibling folder, then swap it in (a reader never sees half).
+    A package a ``pipeplan run`` is training is left alone (its run folder is locked)."""
+    training = holder(out_dir / "run")
+    if training:
+        raise PipeplanError(
+            f"{out_dir} is being trained by `pipeplan run` ({training}); wait for it to end, or "
+            "partition into another folder with -o"
+        )
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))

@@ -37,6 +37,7 @@ from runtime import checkpoint
 from runtime.config import load_job
 from runtime.errors import RunError
 from runtime.package import import_package
+from runtime.preflight import check_writable, disk_full
 
 __all__ = ["Exported", "Merged", "choose_step", "export_checkpoint", "merge_into"]
 
@@ -168,11 +169,33 @@ def choose_step(
 
 def _save_atomic(state: Mapping[str, torch.Tensor], path: Path) -> None:
     """``torch.save`` through a temporary file and a rename (the state_dict as is: its ``_metadata``
-    carries the module versions ``load_state_dict`` reads)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    carries the module versions ``load_state_dict`` reads); on failure nothing is left behind and
+    the error says why (a full disk reads ``unexpected pos`` in torch's own words).
+
+    Raises:
+        RunError: the file cannot be written.
+    """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as exc:
+        tmp.unlink(missing_ok=True)
+        reason = disk_full(path.parent) or (exc.strerror if isinstance(exc, OSError) else None)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RunError(f"cannot write {path}: {reason or first}; choose another -o") from exc
+
+
+def check_output(path: Path) -> None:
+    """Fail before any checkpoint is read when ``path`` cannot be written (a read-only or full disk).
+
+    Raises:
+        RunError: naming the file and why.
+    """
+    if path.is_dir():
+        raise RunError(f"-o {path} is a folder; give a file name such as {path / 'model.pt'}")
+    check_writable(path.parent, f"-o {path}")
 
 
 def export_checkpoint(
@@ -199,6 +222,7 @@ def export_checkpoint(
             fit the package's model.
     """
     job = load_job(package)
+    check_output(Path(output))
     root = Path(checkpoint_dir) if checkpoint_dir is not None else job.package / "run" / "checkpoints"
     chosen, skipped = choose_step(root, job.package, job.stages, job.world_size, step)
     meta = json.loads((root / f"step-{chosen}" / checkpoint.META).read_text(encoding="utf-8"))
@@ -217,5 +241,9 @@ def export_checkpoint(
         written_hf = Path(hf_dir) if hf_dir is not None else out.with_name(f"{out.stem}-hf")
         if not callable(getattr(model, "save_pretrained", None)):
             raise RunError(f"{job.model} built a {type(model).__name__}, which has no save_pretrained()")
-        model.save_pretrained(written_hf)
+        try:
+            model.save_pretrained(written_hf)
+        except (OSError, RuntimeError) as exc:
+            reason = disk_full(written_hf.parent) or str(exc).strip().splitlines()[0]
+            raise RunError(f"wrote {out}, but not {written_hf}: {reason}; give --hf-dir elsewhere") from exc
     return Exported(chosen, out, written_hf, merged, skipped, seed)

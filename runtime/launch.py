@@ -19,7 +19,7 @@ import socket
 import threading
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -31,10 +31,19 @@ from runtime.data import check_data_options
 from runtime.errors import Interrupted, RunError
 from runtime.liveness import Watchdog
 from runtime.options import RunOptions, to_argv
-from runtime.preflight import preflight
+from runtime.preflight import disk_full, preflight
+from runtime.runlock import run_lock
 from runtime.worker import job_of, run_dir, run_rank
 
-__all__ = ["check_launch", "free_port", "launch", "resolve_resume", "schedule_preview", "torchrun_commands"]
+__all__ = [
+    "check_launch",
+    "free_port",
+    "holding_run_folder",
+    "launch",
+    "resolve_resume",
+    "schedule_preview",
+    "torchrun_commands",
+]
 
 
 class Progress(Protocol):
@@ -130,6 +139,18 @@ def schedule_preview(options: RunOptions) -> list[str]:
     ]
 
 
+def _raise_if_full(out: Path, options: RunOptions) -> None:
+    """A full disk under the run folder or the checkpoints is the cause of a failure: say so, once."""
+    folders = [out, *([Path(options.checkpoint_dir)] if options.checkpoint_dir else [])]
+    for folder in folders:
+        full = disk_full(folder)
+        if full:
+            raise RunError(
+                f"training stopped: {full}; free space (or give --checkpoint-dir elsewhere), then "
+                "`pipeplan run --resume` continues from the last complete checkpoint"
+            )
+
+
 def _first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return lines[0] if lines else type(exc).__name__
@@ -191,11 +212,19 @@ def _config(options: RunOptions, per_node: int, logs: Path) -> Any:
     )
 
 
+class _QuietFileHandler(logging.FileHandler):
+    """A log file that drops what it cannot write (a full disk) instead of printing a traceback per
+    record; the job's own error says what happened."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        return None
+
+
 @contextmanager
 def _agent_log(path: Path) -> Iterator[None]:
     """Send the elastic agent's own log (worker start/stop, its tracebacks) to ``path``, not stderr."""
     loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
-    handler = logging.FileHandler(path, encoding="utf-8")
+    handler = _QuietFileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     saved = [(logger, logger.propagate, logger.level, logger.handlers[:]) for logger in loggers]
     for logger in loggers:
@@ -208,6 +237,12 @@ def _agent_log(path: Path) -> Iterator[None]:
         handler.close()
         for logger, propagate, level, handlers in saved:
             logger.handlers, logger.propagate, logger.level = handlers, propagate, level
+
+
+def holding_run_folder(options: RunOptions) -> AbstractContextManager[None]:
+    """The run folder's lock (:mod:`runtime.runlock`), to hold across :func:`check_launch` and
+    :func:`launch` (which takes it too: one job per package folder at a time)."""
+    return run_lock(run_dir(options), options.node_rank)
 
 
 def launch(
@@ -278,13 +313,20 @@ def _rendezvous_store(options: RunOptions) -> Iterator[tuple[int, Any]]:
 def _launch(
     options: RunOptions, per_node: int, on_progress: Progress | None, store: Any
 ) -> dict[str, Any] | None:
-    """:func:`launch` once the rendezvous store listens; a :class:`Watchdog` over this node's ranks."""
+    """:func:`launch` once the rendezvous store listens: the run folder locked, a :class:`Watchdog`
+    over this node's ranks, a full disk named as the cause of whatever it broke."""
+    with run_lock(run_dir(options), options.node_rank):
+        return _launch_locked(options, per_node, on_progress, store)
+
+
+def _launch_locked(
+    options: RunOptions, per_node: int, on_progress: Progress | None, store: Any
+) -> dict[str, Any] | None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
     out = run_dir(options)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "progress.jsonl").unlink(missing_ok=True)
     # nodes sharing the package folder (one machine, or a network file system) keep their own logs
     logs = out / "logs" if options.nnodes == 1 else out / "logs" / f"node{options.node_rank}"
@@ -304,10 +346,14 @@ def _launch(
         with _agent_log(logs / "launcher.log"), watchdog:
             results = elastic_launch(config, run_rank)(options)
     except ChildFailedError as exc:
+        _raise_if_full(out, options)
         job = job_of(options)
         stage_of = {r: k for k, ranks in enumerate(job.stage_ranks) for r in ranks}
         failures = exc.failures
         raise blame(failures, stage_of, options.timeout, logs / "launcher.log", watchdog.stalled) from exc
+    except (OSError, ValueError) as exc:  # the agent could not write or read its own files (a rank's
+        _raise_if_full(out, options)  # error file, left empty on a full disk)
+        raise RunError(f"the launcher failed: {_first_line(exc)}; its log: {logs / 'launcher.log'}") from exc
     except SignalException as exc:
         raise Interrupted(int(exc.sigval)) from exc
     except (TimeoutError, RuntimeError) as exc:

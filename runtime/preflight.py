@@ -8,6 +8,8 @@ minibatch drawn and every output folder written to, in the launcher, in seconds.
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -24,7 +26,14 @@ from runtime.filedata import DataSettings
 from runtime.options import RunOptions
 from runtime.package import import_package, read_wiring
 
-__all__ = ["check_first_stage", "check_inputs_match", "check_writable", "preflight"]
+__all__ = [
+    "SPARE_BYTES",
+    "check_first_stage",
+    "check_inputs_match",
+    "check_writable",
+    "disk_full",
+    "preflight",
+]
 
 
 def preflight(options: RunOptions, job: JobConfig, run_dir: Path) -> None:
@@ -44,16 +53,36 @@ def preflight(options: RunOptions, job: JobConfig, run_dir: Path) -> None:
     _check_package_and_data(options, job)
 
 
+SPARE_BYTES = 1 << 20
+"""Free bytes below which a disk counts as full (logs, metrics and a small checkpoint need more)."""
+
+
 def check_writable(folder: Path, what: str) -> None:
-    """Create ``folder`` if needed and write a file into it."""
+    """Create ``folder`` if needed and write data into it: an empty file still fits on a full disk."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
+        with tempfile.TemporaryFile(dir=folder) as probe:
+            probe.write(bytes(64 << 10))
+            probe.flush()
+            os.fsync(probe.fileno())
     except OSError as exc:
         raise RunError(
             f"{what}: cannot write to {folder}: {exc.strerror or exc}; choose another folder"
         ) from exc
+    full = disk_full(folder)
+    if full:
+        raise RunError(f"{what}: {full}; free space or choose another folder")
+
+
+def disk_full(folder: Path) -> str | None:
+    """``the disk holding FOLDER is full (N KiB free)`` when under :data:`SPARE_BYTES` are free."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return None
+    if free >= SPARE_BYTES:
+        return None
+    return f"the disk holding {folder} is full ({free // 1024} KiB free)"
 
 
 def _check_package_and_data(options: RunOptions, job: JobConfig) -> None:
