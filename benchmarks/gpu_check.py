@@ -67,10 +67,7 @@ GPU_MODELS = (
         run=False,
     ),
 )
-CPU_MODELS = (
-    ModelCase("tiny-cnn", "tiny-cnn", 8, None),
-    ModelCase("tiny-gpt", "tiny-gpt", 8, None),
-)
+CPU_MODELS = (ModelCase("tiny-gpt", "tiny-gpt", 8, None),)
 
 
 @dataclass(frozen=True)
@@ -201,7 +198,7 @@ def step_ceilings(ctx: Context) -> dict[str, Any]:
             a = torch.randn(n, n, device=dev, dtype=dtype)
             b = torch.randn(n, n, device=dev, dtype=dtype)
             ms = timed_ms(lambda a=a, b=b: a @ b, dev, repeats=5 if ctx.cpu else 20)
-            rates[str(n)] = round(2 * n**3 / (ms * 1e-3) / 1e12, 2)
+            rates[str(n)] = round(2 * n**3 / (ms * 1e-3) / 1e12, 4)
         matmul[label] = rates
     if dev == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -283,47 +280,76 @@ def _plain_step_ms(ctx: Context, case: ModelCase, precision: str, microbatches: 
     return {"step_ms": round(ms, 3), "peak_memory_bytes": peak}
 
 
+@dataclass(frozen=True)
+class Variant:
+    """One way of running a model on one rank: the partition options and the precisions it runs at."""
+
+    name: str
+    partition: tuple[str, ...]
+    precisions: tuple[str, ...]
+
+
+VARIANTS = (
+    Variant("1 stage", (), ("fp32", "bf16")),
+    # Two stages on the one rank as a V: the executor's own cost against plain gradient accumulation.
+    Variant("zbv, 2 stages", ("--schedule", "zbv", "--microbatches", "4"), ("fp32",)),
+)
+
+
+def _run_row(
+    ctx: Context, case: ModelCase, variant: Variant, package: Path, precision: str
+) -> dict[str, Any]:
+    """``pipeplan run`` of one package at one precision, and the same model trained plainly."""
+    tag = f"{case.name}-{variant.name.split(',')[0].replace(' ', '')}-{precision}"
+    trace = ctx.work / f"trace-{tag}.json"
+    ran = pipeplan(ctx, "run", str(package), "--steps", "6" if ctx.cpu else "20", "--precision", precision,
+                   "--lr", "0.0001", "--trace", str(trace), log=f"run-{tag}")  # fmt: skip
+    row: dict[str, Any] = {"model": case.name, "variant": variant.name, "precision": precision, **ran}
+    metrics_path = package / "run" / "metrics.json"
+    if ran["rc"] == 0 and metrics_path.exists():
+        metrics = json.loads(metrics_path.read_text())
+        shutil.copy(metrics_path, ctx.work / f"metrics-{tag}.json")
+        stages = (metrics.get("memory") or {}).get("stages", [])
+        row.update(
+            measured_ms=round(1e3 * metrics["time_per_minibatch_s"], 3),
+            predicted_ms=round(1e3 * metrics["predicted_time_per_minibatch_s"], 3),
+            ratio=round(metrics["ratio_measured_over_predicted"], 3),
+            microbatches=metrics["microbatches"], device=metrics["device"],
+            memory_predicted_mib=[round(st["predicted_bytes"] / 2**20, 1) for st in stages],
+            memory_measured_mib=[_mib(st.get("measured_peak_bytes")) for st in stages],
+            trace_bytes=trace.stat().st_size if trace.exists() else None,
+        )  # fmt: skip
+    try:
+        row["plain"] = _plain_step_ms(ctx, case, precision, int(row.get("microbatches", 1)))
+        if "measured_ms" in row:
+            row["efficiency_plain_over_pipelined"] = round(row["plain"]["step_ms"] / row["measured_ms"], 3)
+    except Exception as exc:  # recorded; the kit goes on
+        row["plain"] = {"error": f"{type(exc).__name__}: {exc}"}
+    return row
+
+
+def _mib(size: int | None) -> float | None:
+    return None if size is None else round(size / 2**20, 1)
+
+
 def step_run(ctx: Context) -> dict[str, Any]:
     """One-rank packages trained by ``pipeplan run``, against prediction and against plain training."""
-    results: dict[str, Any] = {}
+    rows: list[dict[str, Any]] = []
     for case in (c for c in ctx.models if c.run):
         prof = ctx.work / "profiles" / f"{case.name}.json"
         if not prof.exists():
-            results[case.name] = {"skipped": "no profile"}
+            rows.append({"model": case.name, "skipped": "no profile"})
             continue
-        pkg_root = ctx.work / "models" / case.name
-        part = pipeplan(ctx, "partition", "--profile", str(prof), "--gpus", "1", "-o", str(pkg_root),
-                        log=f"partition-{case.name}")  # fmt: skip
-        package = next(pkg_root.glob("*/gpus=1"), pkg_root / "gpus=1")  # -o is the models root
-        entry: dict[str, Any] = {"partition": part}
-        for precision in ("fp32", "bf16"):
-            trace = ctx.work / f"trace-{case.name}-{precision}.json"
-            ran = pipeplan(ctx, "run", str(package), "--steps", "6" if ctx.cpu else "20",
-                           "--precision", precision, "--lr", "0.0001", "--trace", str(trace),
-                           log=f"run-{case.name}-{precision}")  # fmt: skip
-            metrics_path = package / "run" / "metrics.json"
-            if ran["rc"] == 0 and metrics_path.exists():
-                metrics = json.loads(metrics_path.read_text())
-                shutil.copy(metrics_path, ctx.work / f"metrics-{case.name}-{precision}.json")
-                ran.update(
-                    measured_ms=round(1e3 * metrics["time_per_minibatch_s"], 3),
-                    predicted_ms=round(1e3 * metrics["predicted_time_per_minibatch_s"], 3),
-                    ratio=round(metrics["ratio_measured_over_predicted"], 3),
-                    microbatches=metrics["microbatches"], device=metrics["device"],
-                    memory=metrics.get("memory"),
-                    trace_bytes=trace.stat().st_size if trace.exists() else None,
-                )  # fmt: skip
-            try:
-                ran["plain"] = _plain_step_ms(ctx, case, precision, int(ran.get("microbatches", 1)))
-                if "measured_ms" in ran:
-                    ran["efficiency_plain_over_pipelined"] = round(
-                        ran["plain"]["step_ms"] / ran["measured_ms"], 3
-                    )
-            except Exception as exc:  # recorded; the kit goes on
-                ran["plain"] = {"error": f"{type(exc).__name__}: {exc}"}
-            entry[precision] = ran
-        results[case.name] = entry
-    return results
+        for number, variant in enumerate(VARIANTS):
+            pkg_root = ctx.work / "models" / f"{case.name}-{number}"
+            part = pipeplan(ctx, "partition", "--profile", str(prof), "--gpus", "1", "-o", str(pkg_root),
+                            *variant.partition, log=f"partition-{case.name}-{number}")  # fmt: skip
+            if part["rc"] != 0:
+                rows.append({"model": case.name, "variant": variant.name, "partition": part})
+                continue
+            package = next(pkg_root.glob("*/gpus=1"))  # -o is the models root
+            rows += [_run_row(ctx, case, variant, package, precision) for precision in variant.precisions]
+    return {"rows": rows}
 
 
 def step_tests(ctx: Context) -> dict[str, Any]:
@@ -385,21 +411,19 @@ def markdown(report: dict[str, Any]) -> str:
             fb = (r.get("forward_ms") or 0) + (r.get("backward_ms") or 0)
             lines.append(f"| {name} | {r['rc']} | {r['wall_s']} | {r.get('layers', '-')} | "
                          f"{fb:.2f} | {r.get('step_ms', '-')} | {r.get('fidelity', '-')} |")  # fmt: skip
-    run = report["steps"].get("run", {})
-    if run and "error" not in run:
+    rows = report["steps"].get("run", {}).get("rows", [])
+    if rows:
         lines += ["", "## One-rank runs", "",
-                  "| model | precision | rc | measured ms | predicted ms | ratio | plain ms "
-                  "| plain/pipelined |",
-                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-        for name, entry in run.items():
-            for precision in ("fp32", "bf16"):
-                r = entry.get(precision)
-                if not r:
-                    continue
-                plain = r.get("plain", {}).get("step_ms", "-")
-                lines.append(f"| {name} | {precision} | {r['rc']} | {r.get('measured_ms', '-')} | "
-                             f"{r.get('predicted_ms', '-')} | {r.get('ratio', '-')} | {plain} | "
-                             f"{r.get('efficiency_plain_over_pipelined', '-')} |")  # fmt: skip
+                  "| model | variant | precision | rc | measured ms | predicted ms | ratio | memory MiB "
+                  "(pred / meas) | plain ms | plain/pipelined |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for r in rows:
+            pairs = zip(r.get("memory_predicted_mib", []), r.get("memory_measured_mib", []), strict=True)
+            memory = ", ".join(f"{p:.0f} / {'-' if m is None else f'{m:.0f}'}" for p, m in pairs) or "-"
+            lines.append(f"| {r['model']} | {r.get('variant', '-')} | {r.get('precision', '-')} | "
+                         f"{r.get('rc', '-')} | {r.get('measured_ms', '-')} | {r.get('predicted_ms', '-')} | "
+                         f"{r.get('ratio', '-')} | {memory} | {r.get('plain', {}).get('step_ms', '-')} | "
+                         f"{r.get('efficiency_plain_over_pipelined', '-')} |")  # fmt: skip
     errors = {k: v["error"] for k, v in report["steps"].items() if isinstance(v, dict) and "error" in v}
     if errors:
         lines += ["", "## Failed steps", ""] + [f"- {k}: {v}" for k, v in errors.items()]
@@ -412,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the report goes")
     parser.add_argument("--work", type=Path, default=None, help="profiles, packages, logs [a temp folder]")
     parser.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, of {', '.join(STEPS)}")
+    parser.add_argument("--models", default=None, help="comma-separated names of the mode's models [all]")
     parser.add_argument("--limit", type=float, default=240.0, help="seconds each command may take")
     parser.add_argument("--budget", type=float, default=780.0, help="seconds for the whole kit")
     args = parser.parse_args(argv)
@@ -422,10 +447,17 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.steps.split(",")) - set(STEPS)
     if unknown:
         parser.error(f"unknown steps {sorted(unknown)}; choose from {', '.join(STEPS)}")
+    models = CPU_MODELS if args.cpu else GPU_MODELS
+    if args.models:
+        names = args.models.split(",")
+        unknown_models = sorted(set(names) - {m.name for m in models})
+        if unknown_models:
+            parser.error(f"unknown models {unknown_models}; choose from {', '.join(m.name for m in models)}")
+        models = tuple(m for m in models if m.name in names)
     work = args.work or Path(os.environ.get("TMPDIR", "/tmp")) / f"pipeplan-gpu-check-{os.getpid()}"
     work.mkdir(parents=True, exist_ok=True)
     ctx = Context(args.cpu, "cpu" if args.cpu else "cuda", work.resolve(),
-                  CPU_MODELS if args.cpu else GPU_MODELS, args.limit,
+                  models, args.limit,
                   time.perf_counter() + args.budget)  # fmt: skip
     report: dict[str, Any] = {
         "schema": "pipeplan.gpu_check/1", "date": dt.date.today().isoformat(), "mode": ctx.device,

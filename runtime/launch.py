@@ -79,7 +79,7 @@ def check_launch(options: RunOptions) -> int:
         raise RunError(f"--node-rank must be in 0..{options.nnodes - 1}, got {options.node_rank}")
     if options.nnodes > 1 and not options.master_port:
         raise RunError("a multi-node job needs --master-addr and --master-port (the same on every node)")
-    if job.virtual_stages > 1 and options.backend == "nccl":
+    if job.virtual_stages > 1 and world > 1 and options.backend == "nccl":
         raise RunError(f"--schedule {job.schedule} runs on gloo only for now (NCCL ignores message tags)")
     preflight(options, job, run_dir(options))
     return world // options.nnodes

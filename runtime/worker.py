@@ -421,7 +421,7 @@ def run_rank(options: RunOptions) -> dict[str, Any] | None:
     die_with(options.launcher_pid or os.getppid())
     start_heartbeat(rank, options.timeout)
     backend = resolve_backend(options.backend)
-    if backend == "nccl" and job.virtual_stages > 1:
+    if backend == "nccl" and job.virtual_stages > 1 and world > 1:  # one rank: every message is loopback
         raise RunError(
             f"--schedule {job.schedule} runs on gloo only for now: its ranks tell their message streams "
             "apart by tag, which NCCL ignores; pass --backend gloo"
