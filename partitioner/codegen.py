@@ -429,10 +429,27 @@ def _data_specs(bundle: Any, names: Sequence[str], classes: int) -> tuple[list[A
         return _input_specs(bundle, names, targets, classes), targets
     specs, target = bundle.data
     inputs = [
-        {**spec, "name": name, "shape": list(t.shape)}
+        _positions_checked({**spec, "name": name, "shape": list(t.shape)}, bundle.module)
         for spec, name, t in zip(specs, names, bundle.inputs, strict=True)
     ]
     return inputs, {**target, "shape": list(bundle.targets.shape)}
+
+
+def _positions_checked(spec: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """Keep an input's ``max_length`` (the positions a run's ``--seq-len`` may not exceed) only when
+    the model has a learned position table of that size (gpt2's ``wpe``, bert's ``position_embeddings``,
+    with the offset some add): rotary and ALiBi models run longer sequences, and are not refused."""
+    limit = spec.get("max_length")
+    if limit is None:
+        return spec
+    tables = [
+        m.num_embeddings
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Embedding) and ("pos" in name.rsplit(".", 1)[-1] or name.endswith("wpe"))
+    ]
+    if any(limit <= rows <= limit + 2 for rows in tables):
+        return spec
+    return {k: v for k, v in spec.items() if k != "max_length"}
 
 
 def _input_specs(bundle: Any, names: Sequence[str], targets: Mapping[str, Any], classes: int) -> list[Any]:

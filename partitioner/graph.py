@@ -452,9 +452,12 @@ def parse_graph_txt(text: str, source: str = "graph.txt") -> Profile:
 def _number(key: str, text: str) -> float:
     """One graph.txt metric value; ValueError names the metric."""
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
         raise ValueError(f"{key}={text.strip()!r} is not a number") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{key}={text.strip()!r} is not a finite number")
+    return value
 
 
 def _parse_metrics(text: str) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import re
 import zipfile
 from dataclasses import dataclass
@@ -70,9 +71,28 @@ def _save(path: Path, state: Any) -> Path:
 def _load(path: Path, device: torch.device, mmap: bool = False) -> dict[str, Any]:
     try:
         state: dict[str, Any] = torch.load(path, map_location=device, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as exc:  # weights_only's refusal: dozens of lines in torch's words
+        raise RunError(
+            f"cannot read checkpoint {path}: torch.load(weights_only=True) refused it, as it holds Python "
+            f"objects besides tensors ({_refusal(exc)}); pipeplan writes none, so this file was not "
+            "written by `pipeplan run` or was altered: give another --checkpoint-dir or --step"
+        ) from exc
     except (OSError, RuntimeError, EOFError, zipfile.BadZipFile) as exc:
-        raise RunError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from exc
+        raise RunError(f"cannot read checkpoint {path}: {type(exc).__name__}: {_first_line(exc)}") from exc
     return state
+
+
+def _refusal(exc: BaseException) -> str:
+    """What weights_only refused (``Unsupported global: GLOBAL builtins.print``), from torch's text."""
+    for line in str(exc).splitlines():
+        if "WeightsUnpickler error:" in line:
+            return line.split("WeightsUnpickler error:", 1)[1].strip().split(" was not an allowed")[0][:150]
+    return _first_line(exc)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
 def save_stage(root: Path, step: int, stage: int, state: dict[str, Any]) -> Path:

@@ -81,8 +81,21 @@ def check_launch(options: RunOptions) -> int:
         raise RunError("a multi-node job needs --master-addr and --master-port (the same on every node)")
     if job.virtual_stages > 1 and world > 1 and options.backend == "nccl":
         raise RunError(f"--schedule {job.schedule} runs on gloo only for now (NCCL ignores message tags)")
+    local, gpus = world // options.nnodes, _cuda_count()
+    if options.backend == "nccl" and gpus < local:
+        raise RunError(
+            f"--backend nccl runs each of this node's {local} ranks on a CUDA GPU, and torch here sees "
+            f"{gpus}; use --backend gloo (or auto), or a machine with the GPUs"
+        )
     preflight(options, job, run_dir(options))
     return world // options.nnodes
+
+
+def _cuda_count() -> int:
+    """CUDA devices torch sees on this node."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def resolve_resume(options: RunOptions) -> tuple[RunOptions, list[str]]:

@@ -128,7 +128,8 @@ def _first_minibatch(
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise RunError(f"{option} {spec}: minibatch 0 failed: {type(exc).__name__}: {first}") from exc
-    check_inputs_match(names, inputs, job.inputs, job.batch_size, spec)
+    aliases = getattr(package, "TENSOR_NAMES", {})  # input0.. -> the model's argument names
+    check_inputs_match([aliases.get(n, n) for n in names], inputs, job.inputs, job.batch_size, spec)
     if not isinstance(targets, torch.Tensor) or targets.shape[:1] != (job.batch_size,):
         got = tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__
         raise RunError(f"{option} {spec}: targets of minibatch 0 are {got}, not {job.batch_size} rows")
