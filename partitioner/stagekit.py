@@ -355,7 +355,7 @@ def criterion(kind: str) -> nn.Module:
 
 
 _INPUT_SEED = 1234  # the same generator seed as partitioner.models: seed 0 gives the profiled data
-MASK_RATE = 0.15  # masked-lm: the share of positions hidden and scored, as BERT's pre-training
+MASK_RATE = 0.15  # masked-lm: the share of positions hidden and scored (runtime.text.MASK_RATE)
 
 
 def _draw(spec: Mapping[str, Any], batch_size: int, generator: torch.Generator) -> torch.Tensor:
@@ -376,18 +376,6 @@ def _next_tokens(tokens: torch.Tensor) -> torch.Tensor:
     targets = torch.full_like(tokens, -100)
     targets[:, :-1] = tokens[:, 1:]
     return targets
-
-
-def _masked(
-    tokens: torch.Tensor, mask_token: int, rate: float, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(masked tokens, targets): ``rate`` of the positions (at least one per row) hidden behind
-    ``mask_token`` and scored against the token they hid; every other position ignored (-100)."""
-    noise = torch.rand(tokens.shape, generator=generator)
-    chosen = noise < rate
-    flat = chosen.reshape(len(tokens), -1)
-    flat[torch.arange(len(tokens)), noise.reshape(len(tokens), -1).argmin(1)] = True
-    return tokens.masked_fill(chosen, mask_token), torch.where(chosen, tokens, torch.full_like(tokens, -100))
 
 
 def _shifted_right(labels: torch.Tensor, start: int) -> torch.Tensor:
@@ -418,9 +406,11 @@ def synthetic_example(
     if kind == "next_token":
         return values, _next_tokens(values[0])
     if kind == "masked":
+        from runtime.text import mask_tokens  # (the runtime masks text windows with it too)
+
         where = int(target.get("input", 0))
         rate = float(target.get("rate", MASK_RATE))
-        values[where], targets = _masked(values[where], int(target["mask_token"]), rate, generator)
+        values[where], targets = mask_tokens(values[where], int(target["mask_token"]), generator, rate)
         return values, targets
     if kind == "shifted":
         where = int(target["decoder"])
