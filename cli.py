@@ -687,7 +687,7 @@ def partition(
     from partitioner.errors import PlanError
     from partitioner.graph import load_profile
     from partitioner.optimizer import evaluate, solve
-    from partitioner.optimizer.options import check_devices, default_microbatches
+    from partitioner.optimizer.options import check_devices, check_microbatches, default_microbatches
     from partitioner.optimizer.simulate import gantt, simulate, write_chrome_trace
     from partitioner.optimizer.units import parse_int_list
     from partitioner.plan import plan_to_json
@@ -716,6 +716,7 @@ def partition(
         micro = 2 * cluster.gpus  # a multiple of the GPUs, as Megatron's order needs
     if schedule == "zbv" and microbatches is None:
         micro = 2 * cluster.gpus  # zbv's warm-up fills from 2 x GPUs - 1 microbatches on
+    check_microbatches(profile, schedule, micro)
     auto_table = None
     if (cuts is None) != (replicas is None):
         raise PlanError("--cuts and --replicas go together: give both, or neither")

@@ -116,10 +116,10 @@ def stage_factors(profile: Profile, plan: Plan, measured_s: Mapping[int, float])
     unknown = sorted(set(measured_s) - {s.index for s in plan.stages})
     if unknown:
         raise PipeplanError(f"the run measured stage {unknown[0]}, which the plan does not have")
-    missing = [s.index for s in plan.stages if s.index not in measured_s]
-    if missing:
+    unmeasured = [s.index for s in plan.stages if s.index not in measured_s]
+    if unmeasured:
         raise PipeplanError(
-            f"the run measured no time for stage {missing[0]} of the plan's {len(plan.stages)}, whose "
+            f"the run measured no time for stage {unmeasured[0]} of the plan's {len(plan.stages)}, whose "
             "layers would keep their profiled times; calibrate from a run of this package"
         )
     return factors

@@ -155,17 +155,7 @@ def _inconsistent_plan(tmp: Path) -> list[str]:
 
 
 def _other_models_metrics(tmp: Path) -> list[str]:
-    ours = write_package(tmp / "ours", "chain", replicas=(1, 1))
-    nodes = [_node("x", "input", []), _node("n0", "call_module", ["x"]), _node("n1", "call_module", ["n0"])]
-    profile = {"schema": "pipeplan.profile/1", "model": "test:chain", "batch_size": 8, "nodes": nodes}
-    (tmp / "profile.json").write_text(json.dumps(profile))
-    plan = json.loads((ours / "plan.json").read_text())
-    plan["profile"] = str(tmp / "profile.json")
-    (ours / "plan.json").write_text(json.dumps(plan))
-    times = [{"stage": k, "compute_s_per_minibatch": 0.01} for k in range(2)]
-    metrics = {"schema": "pipeplan.metrics/1", "model": "gpt2", "batch_size": 8, "stages": times}
-    (tmp / "metrics.json").write_text(json.dumps(metrics))
-    return ["calibrate", str(ours), "--metrics", str(tmp / "metrics.json")]
+    return _metrics(tmp, [0.01, 0.01], model="gpt2")
 
 
 def _plan_field(tmp: Path, key: str, value: object) -> list[str]:
@@ -177,7 +167,8 @@ def _plan_field(tmp: Path, key: str, value: object) -> list[str]:
 
 
 def _metrics(tmp: Path, times: list[object], **fields: object) -> list[str]:
-    """calibrate a package of the profile ``_profile`` writes with metrics.json stage ``times``."""
+    """calibrate a 2-stage package (planned from a profile of model test:chain) with metrics.json
+    stage ``times`` and other ``fields``."""
     ours = write_package(tmp / "ours", "chain", replicas=(1, 1))
     nodes = [_node("x", "input", []), _node("n0", "call_module", ["x"]), _node("n1", "call_module", ["n0"])]
     profile = {"schema": "pipeplan.profile/1", "model": "test:chain", "batch_size": 8, "nodes": nodes}

@@ -15,7 +15,14 @@ from partitioner.optimizer.cost import RECOMPUTE_MODES
 from partitioner.optimizer.memory import OPTIMIZER_STATE
 from partitioner.plan import SCHEDULES
 
-__all__ = ["MAX_LAYERS", "SOLVERS", "SolveOptions", "check_devices", "default_microbatches"]
+__all__ = [
+    "MAX_LAYERS",
+    "SOLVERS",
+    "SolveOptions",
+    "check_devices",
+    "check_microbatches",
+    "default_microbatches",
+]
 
 SOLVERS = ("dp", "ilp")
 MAX_LAYERS = 20_000
@@ -37,6 +44,22 @@ def check_devices(profile: Profile, devices: int) -> None:
         raise PlanError(
             f"{devices:,} devices: a plan of {len(profile.layers):,} layers and {per} uses at most "
             f"{most:,} (a replica of one layer per sample); use fewer --gpus or a larger --batch-size"
+        )
+
+
+def check_microbatches(profile: Profile, schedule: str, microbatches: int) -> None:
+    """Refuse a plan a run would refuse: a synchronous schedule's microbatches must split the batch.
+    (The searches themselves price any count: a cost model answers what-ifs too.)
+
+    Raises:
+        PlanError: naming the counts that do split it.
+    """
+    batch = profile.batch_size
+    if batch and schedule not in ("pipedream", "auto") and microbatches >= 1 and batch % microbatches:
+        counts = ", ".join(str(d) for d in range(1, batch + 1) if batch % d == 0)
+        raise PlanError(
+            f"a batch of {batch} does not split into {microbatches} equal microbatches, which a run "
+            f"refuses; pick --microbatches among {counts}, or another --batch-size"
         )
 
 
@@ -92,13 +115,6 @@ class SolveOptions:
             raise PlanError(f"unknown optimizer {self.optimizer!r}; use sgd, momentum, adam or adamw")
         if self.microbatches < 1:
             raise PlanError(f"--microbatches must be >= 1, got {self.microbatches}")
-        batch = profile.batch_size
-        if batch and self.schedule != "pipedream" and batch % self.microbatches:
-            counts = ", ".join(str(d) for d in range(1, batch + 1) if batch % d == 0)
-            raise PlanError(
-                f"a batch of {batch} does not split into {self.microbatches} equal microbatches, which a "
-                f"run refuses; pick --microbatches among {counts}, or another --batch-size"
-            )
         if self.solver not in SOLVERS:
             raise PlanError(f"unknown solver {self.solver!r}; use dp or ilp")
         if self.recompute not in RECOMPUTE_MODES:
