@@ -272,6 +272,13 @@ def _chain_profile(work: Path, layers: int) -> list[str]:
     ]
 
 
+def _scale(layers: int, expect: str, needle: str) -> Row:
+    """``partition --gpus 4`` of a chain of ``layers`` layers, within a minute and 1 GiB resident."""
+    name = f"scale: partition a {layers:,}-layer profile"
+    setup = lambda work: Command(_chain_profile(work, layers))  # noqa: E731
+    return Row(name, "scale", expect, needle, setup, deadline_s=60, max_rss_mib=1024)
+
+
 def _user_loss(work: Path) -> Command:
     source = Path(__file__).resolve().parent.parent / "tests" / "partitioner" / "loss_output_model.py"
     subprocess.run(
@@ -391,24 +398,8 @@ def rows() -> list[Row]:
             "time per minibatch",
             lambda w: Command([PIPEPLAN, "run", str(_package(w)), "--steps", "400"], during=_listeners),
         ),
-        Row(
-            "scale: partition a 100,000-layer profile",
-            "scale",
-            "error",
-            "layers",
-            lambda w: Command(_chain_profile(w, 100_000)),
-            deadline_s=60,
-            max_rss_mib=1024,
-        ),
-        Row(
-            "scale: partition a 20,000-layer profile",
-            "scale",
-            "work",
-            "wrote",
-            lambda w: Command(_chain_profile(w, 20_000)),
-            deadline_s=60,
-            max_rss_mib=1024,
-        ),
+        _scale(100_000, "error", "layers"),  # refused at once: within a minute and 1 GiB all the same
+        _scale(20_000, "work", "wrote"),
         Row(
             "model: a model file's loss_fn reads output.logits (verify, run)",
             "model",

@@ -76,7 +76,14 @@ def test_each_head_learns_a_task_it_cannot_copy(head: str) -> None:
     assert last < 0.9 * first, f"{head}: loss {first:.3f} -> {last:.3f}"
 
 
-@pytest.mark.parametrize("spec", ["hf:bert", "hf:bart", "tiny-cnn"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        pytest.param("hf:bert", marks=pytest.mark.slow),
+        pytest.param("hf:bart", marks=pytest.mark.slow),
+        "tiny-cnn",
+    ],
+)
 def test_a_package_draws_the_data_the_profile_measured(spec: str, tmp_path: Path) -> None:
     from partitioner.codegen import write_package
     from partitioner.verify import load_package

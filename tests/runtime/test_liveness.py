@@ -87,9 +87,9 @@ def test_a_failed_start_up_wait_names_the_ranks_behind() -> None:
     ranks = [CheckIn(r, 4, store) for r in range(4)]
     for r, steps in enumerate((3, 1, 3)):  # rank 3 never checked in; rank 1 stopped after step 1
         ranks[r].done(steps)
-    with pytest.raises(PeerLost, match=r"waiting for rank\(s\) \[1, 3\], failed, another rank") as info:
-        with ranks[0].waiting("agreeing on the step to start from"):
-            raise RuntimeError("Timed out waiting 10000ms for send operation to complete")
+    wanted = r"waiting for rank\(s\) \[1, 3\], failed, another rank"
+    with pytest.raises(PeerLost, match=wanted) as info, ranks[0].waiting("agreeing on the start step"):
+        raise RuntimeError("Timed out waiting 10000ms for send operation to complete")
     assert "Timed out waiting" in str(info.value)
     with ranks[2].waiting("nothing fails"):
         pass

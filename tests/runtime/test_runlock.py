@@ -34,9 +34,9 @@ def test_a_second_job_is_refused_naming_the_first(tmp_path: Path) -> None:
     proc = _hold(run_dir)
     try:
         assert str(holder(run_dir)).startswith(f"pid {proc.pid} on ")
-        with pytest.raises(RunError, match=rf"being trained by another `pipeplan run` \(pid {proc.pid} on"):
-            with run_lock(run_dir):
-                pass
+        refused = rf"being trained by another `pipeplan run` \(pid {proc.pid} on"
+        with pytest.raises(RunError, match=refused), run_lock(run_dir):
+            pass
     finally:
         proc.kill()
         proc.wait()
