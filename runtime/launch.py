@@ -363,7 +363,7 @@ def _launch_locked(
         )
         watcher.start()
     local = range(options.node_rank * per_node, (options.node_rank + 1) * per_node)
-    watchdog = Watchdog(store, config.run_id, local if store is not None else (), options.timeout)
+    watchdog = Watchdog(store, config.run_id, local, options.timeout)
     try:
         with _agent_log(logs / "launcher.log"), watchdog:
             results = elastic_launch(config, run_rank)(options)

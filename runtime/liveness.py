@@ -83,11 +83,11 @@ class Watchdog:
     """
 
     def __init__(self, store: Any, run_id: str, ranks: Iterable[int], timeout_s: float) -> None:
-        self.store, self.ranks, self.timeout_s = (
-            prefixed(store, f"pipeplan-beat/{run_id}"),
-            tuple(ranks),
-            timeout_s,
-        )
+        """``store`` None (another node's launcher that cannot reach node 0's yet): watch nothing; the
+        rendezvous then says what is wrong."""
+        self.store: Any = prefixed(store, f"pipeplan-beat/{run_id}") if store is not None else None
+        self.ranks = tuple(ranks) if store is not None else ()
+        self.timeout_s = timeout_s
         self.stalled: dict[int, float] = {}
         self._stop = threading.Event()
         self._seen: dict[int, tuple[str, float]] = {}
