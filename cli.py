@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 import click
 from rich.console import Console
 
+from runtime.schedule import SCHEDULES, get_schedule
+
 __all__ = ["main"]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -407,7 +409,7 @@ def _cpu_hosts(cluster: Any, profile: Any, host_cores: int | None) -> Any:
 def _plan_table(plan: Any, profile: Any) -> Any:
     from rich.table import Table
 
-    from partitioner.optimizer.build import gib
+    from partitioner.optimizer.pricing.price import gib
 
     names = {n.id: n.name for n in profile.nodes}
     slowest = max((s.compute_s / s.replicas + s.comm_s for s in plan.stages), default=1.0) or 1.0
@@ -466,14 +468,14 @@ def _explain(
 ) -> Any:
     from rich.table import Table
 
-    from partitioner.optimizer.baselines import baselines
+    from partitioner.optimizer.planner import alternatives
 
     table = Table(title=f"alternatives (--recompute {recompute})", title_justify="left")
     for col in ("plan", "stages", "replicas", "recomputing stages", "ms/minibatch", "vs chosen"):
         table.add_column(
             col, justify="left" if col in ("plan", "replicas", "recomputing stages") else "right"
         )
-    rows = [("chosen", plan), *baselines(profile, cluster, schedule, micro, optimizer, recompute).items()]
+    rows = [("chosen", plan), *alternatives(profile, cluster, schedule, micro, optimizer, recompute).items()]
     for name, alt in rows:
         if alt is None:
             table.add_row(name, "-", "does not fit", "-", "-", "-")
@@ -508,17 +510,20 @@ def _virtual_stages(schedule: str, virtual: int | None, explain: bool) -> int:
     """--virtual-stages: 2 by default under interleaved, refused elsewhere (and --explain, whose
     baselines are not laid out in virtual stages)."""
     from partitioner.errors import PlanError
+    from partitioner.optimizer.pricing.schedules import model
 
-    if schedule == "zbv" and explain:
-        raise PlanError("--explain does not support --schedule zbv yet; drop one of them")
-    if schedule != "interleaved":
+    laid_out = schedule != "auto" and model(schedule).laid_out
+    asks = laid_out and model(schedule).virtual_stages is None  # (as many as asked: interleaved)
+    if laid_out and explain and not asks:
+        raise PlanError(f"--explain does not support --schedule {schedule} yet; drop one of them")
+    if not asks:
         if virtual is not None:
             raise PlanError(f"--virtual-stages needs --schedule interleaved, not {schedule}")
         return 1
     if virtual is not None and virtual < 1:
         raise PlanError(f"--virtual-stages must be >= 1, got {virtual}")
     if explain:
-        raise PlanError("--explain does not support --schedule interleaved yet; drop one of them")
+        raise PlanError(f"--explain does not support --schedule {schedule} yet; drop one of them")
     return 2 if virtual is None else virtual
 
 
@@ -575,7 +580,7 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
 )
 @click.option(
     "--schedule",
-    type=click.Choice(["pipedream", "1f1b", "gpipe", "zb1p", "interleaved", "zbv", "auto"]),
+    type=click.Choice([*SCHEDULES, "auto"]),
     default="pipedream",
     show_default=True,
     help="pipedream: asynchronous 1F1B with weight stashing (slowest stage sets the pace); 1f1b, gpipe: "
@@ -688,7 +693,8 @@ def partition(
     from partitioner.graph import load_profile
     from partitioner.optimizer import evaluate, solve
     from partitioner.optimizer.options import check_devices, check_microbatches, default_microbatches
-    from partitioner.optimizer.simulate import gantt, simulate, write_chrome_trace
+    from partitioner.optimizer.pricing.schedules import model as schedule_model
+    from partitioner.optimizer.pricing.simulate import gantt, simulate, write_chrome_trace
     from partitioner.optimizer.units import parse_int_list
     from partitioner.plan import plan_to_json
     from partitioner.update import with_update_time
@@ -700,7 +706,7 @@ def partition(
             raise PlanError(f"--batch-size must be >= 1, got {batch_size}")
         profile = replace(profile, batch_size=batch_size)
     _check_package_options(profile, weights, init)
-    if profile.precision == "fp16" and schedule == "pipedream":
+    if profile.precision == "fp16" and schedule != "auto" and get_schedule(schedule).stashes:
         raise PlanError(
             f"{path} was measured at fp16, whose loss scaling needs a synchronous schedule: partition with "
             "--schedule 1f1b or gpipe, or profile with --precision bf16 for pipedream"
@@ -709,13 +715,13 @@ def partition(
     recompute = recompute or ("auto" if schedule == "auto" else "none")  # auto searches recomputation too
     cluster = _cpu_hosts(_cluster(gpus, topology, bandwidth, memory), profile, host_cores)
     check_devices(profile, cluster.gpus)
-    default = 1 if schedule == "pipedream" else default_microbatches(profile.batch_size)
-    micro = microbatches if microbatches is not None else default
     v = _virtual_stages(schedule, virtual, explain)
-    if schedule == "interleaved" and microbatches is None and v > 1:
-        micro = 2 * cluster.gpus  # a multiple of the GPUs, as Megatron's order needs
-    if schedule == "zbv" and microbatches is None:
-        micro = 2 * cluster.gpus  # zbv's warm-up fills from 2 x GPUs - 1 microbatches on
+    if microbatches is not None:
+        micro = microbatches
+    else:  # (auto tries several counts; 4 is where it starts)
+        micro = 4 if schedule == "auto" else schedule_model(schedule).default_microbatches(cluster.gpus, v)
+        if schedule not in ("pipedream", "auto"):  # the largest count up to it that splits the batch
+            micro = default_microbatches(profile.batch_size, micro)
     check_microbatches(profile, schedule, micro)
     auto_table = None
     if (cuts is None) != (replicas is None):
@@ -763,7 +769,7 @@ def partition(
             soft_wrap=True,
         )
     first = [e.end_s for e in sim.events if e.stage == 0 and e.kind == "B"]
-    until = first[min(2, len(first) - 1)] if plan.schedule == "pipedream" and first else None
+    until = first[min(2, len(first) - 1)] if get_schedule(plan.schedule).stashes and first else None
     console.print("\n".join(gantt(sim, width=60, until_s=until)), highlight=False, markup=False)
     if auto_table is not None:
         console.print(auto_table)
@@ -791,7 +797,7 @@ def _auto(
     from partitioner.optimizer.auto import AUTO_SCHEDULES, solve_auto
     from partitioner.optimizer.options import SolveOptions
 
-    names = [s for s in AUTO_SCHEDULES if not (s == "pipedream" and profile.precision == "fp16")]
+    names = [s for s in AUTO_SCHEDULES if not (get_schedule(s).stashes and profile.precision == "fp16")]
     opts = SolveOptions("auto", micro or 4, optimizer, straight, solver, comm, recompute)
     return solve_auto(profile, cluster, opts, names, counts=(micro,) if micro else None)
 
@@ -801,10 +807,15 @@ def _auto_table(choice: Any, gpus: int, asked: int | None) -> Any:
     from rich.table import Table
     from rich.text import Text
 
+    from partitioner.optimizer.pricing.schedules import model
+
     notes = []
     plans, chosen = choice.plans, choice.plan.schedule
-    if "interleaved" in plans and plans["interleaved"] is None and gpus >= 2:
-        notes.append(f"interleaved needs microbatches a multiple of the {gpus} GPUs and {2 * gpus}+ layers")
+    asked_virtual = [
+        name for name, plan in plans.items() if plan is None and model(name).virtual_stages is None
+    ]
+    for name in asked_virtual if gpus >= 2 else ():  # (interleaved: v stages on each GPU, as asked)
+        notes.append(f"{name} needs microbatches a multiple of the {gpus} GPUs and {2 * gpus}+ layers")
     if asked is None and len(choice.counts) == 1:
         notes.append("microbatches not searched: the profile has no fixed per-call times")
     elif asked is None:
@@ -827,10 +838,12 @@ def _auto_table(choice: Any, gpus: int, asked: int | None) -> Any:
 
 def _stages_cell(plan: Any) -> str:
     """``3: 2+1+1`` (stages: replicas each); interleaved: ``8 on 4 GPUs (v=2)``; zbv: ``8 on 4 GPUs (V)``."""
-    if plan.schedule == "interleaved":
-        return f"{len(plan.stages)} on {plan.cluster.gpus} GPUs (v={plan.virtual_stages})"
-    if plan.schedule == "zbv":
-        return f"{len(plan.stages)} on {plan.cluster.gpus} GPUs (V)"
+    from partitioner.optimizer.pricing.schedules import model
+
+    sched = model(plan.schedule)
+    if sched.laid_out:
+        shape = f"v={plan.virtual_stages}" if sched.virtual_stages is None else "V"
+        return f"{len(plan.stages)} on {plan.cluster.gpus} GPUs ({shape})"
     return f"{len(plan.stages)}: " + "+".join(str(s.replicas) for s in plan.stages)
 
 
@@ -838,7 +851,7 @@ def _microbatch_note(profile: Any, plan: Any) -> str | None:
     """Say when layer times measured at one batch size are divided into microbatches of another (not
     when the profile measured fixed per-call times: the cost model then charges each microbatch its own)."""
     measured = profile.extra.get("measured_batch_size", profile.batch_size)
-    if plan.schedule == "pipedream" or not profile.batch_size or profile.tracer == "pipedream":
+    if get_schedule(plan.schedule).stashes or not profile.batch_size or profile.tracer == "pipedream":
         return None
     if any(n.forward_fixed_ms or n.backward_fixed_ms for n in profile.nodes):
         return None
@@ -986,7 +999,7 @@ def calibrate(package: str | None, metrics_path: str | None, output: str | None,
     path = Path(output) if output else Path(plan.profile).with_name("calibrated.json")
     save_profile(result, path)
     console = _console()
-    forwards = 1 if plan.schedule == "pipedream" else plan.microbatches
+    forwards = 1 if get_schedule(plan.schedule).stashes else plan.microbatches
     console.print(_calibration_table(at_microbatches(profile, forwards), plan, measured))
     console.print(f"wrote {path}; next: pipeplan partition --profile {path} ...", soft_wrap=True)
 
@@ -1027,7 +1040,7 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 @click.option("--epochs", type=click.IntRange(min=1), help="Passes over the data (default 1) if no --steps.")
 @click.option("--batch-size", type=click.IntRange(min=1), help="Samples per minibatch [plan.json].")
 @click.option("--microbatches", type=click.IntRange(min=1), help="Microbatches per minibatch [plan.json].")
-@click.option("--schedule", type=click.Choice(["pipedream", "1f1b", "gpipe", "zb1p", "interleaved", "zbv"]),
+@click.option("--schedule", type=click.Choice(SCHEDULES),
               help="[plan.json] zb1p: zero bubble H1, each backward split in B (input gradients, "
               "sent at once) and W (weight gradients, run later in the bubbles); exact as 1f1b. "
               "interleaved: Megatron's virtual stages, for a package partitioned with --schedule "
@@ -1115,8 +1128,8 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
               "Each run writes its options to PACKAGE/run/run.toml.")  # fmt: skip
 @click.option("--measure-memory", is_flag=True,
               help="On a CPU, also measure each rank's peak tensor memory over its first ranks+1 minibatches "
-              "with torch.profiler (opt-in: with torch 2.13 it kills a rank of some runs after it stops; "
-              "GPUs always report torch.cuda.max_memory_allocated).")  # fmt: skip
+              "by counting the storages its operators make (opt-in: a Python call per operator in those "
+              "steps; GPUs always report torch.cuda.max_memory_allocated).")  # fmt: skip
 @click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True, callback=_finite,
               help="Seconds a rank waits on its peers before the job is stopped.")  # fmt: skip
 @click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True, help="Machines.")
@@ -1322,7 +1335,7 @@ def _memory_table(memory: dict[str, Any]) -> Any:
     """Per stage: the peak memory its ranks measured next to the plan's prediction."""
     from rich.table import Table
 
-    from partitioner.optimizer.build import gib
+    from partitioner.optimizer.pricing.price import gib
 
     table = Table(title=f"peak memory per device ({memory['method']}, first {memory['window_minibatches']} "
                   "minibatches)")  # fmt: skip

@@ -6,10 +6,11 @@ The model is bench_runtime's MLP (Linear+ReLU layers of one width, a 10-class he
 stages of equal layers for interleaved (stage k on rank k mod 2) and into 2 for 1F1B. Measured
 bubble, per step: 1 - (compute seconds of both ranks) / (2 x the step's wall time, the slower
 rank's), median over the steps after warm-up (pipeplan's runs only: torch's schedules report no
-compute time). Predicted bubble: the planner's closed forms (partitioner/optimizer/cost.py) fed with
+compute time). Predicted bubble: the planner's closed forms
+(partitioner/optimizer/pricing/schedules.py) fed with
 each stage's forward and backward per microbatch timed in this process after each round (median
 over the rounds), one thread, no communication: interleaved
-:func:`partitioner.optimizer.cost.interleaved_time`, 1F1B ``sum t_k + (M-1) max t_k``. Runs
+:func:`partitioner.optimizer.pricing.schedules.interleaved_time`, 1F1B ``sum t_k + (M-1) max t_k``. Runs
 alternate between the runtimes and repeat: this machine is shared.
 
 Run:  .venv/bin/python -m benchmarks.bench_interleaved
@@ -35,7 +36,7 @@ import torch
 from benchmarks.bench_runtime import _elastic
 from benchmarks.bench_runtime import write_package as write_two_stages
 from benchmarks.bench_schedules import run_ours
-from partitioner.optimizer.cost import interleaved_time
+from partitioner.optimizer.pricing.schedules import interleaved_time
 from runtime.package import import_package
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -29,7 +29,7 @@ from partitioner.atomic import write_text_atomic
 from partitioner.errors import InfeasibleError
 from partitioner.graph import Node, Profile, read_graph_txt
 from partitioner.optimizer import solve
-from partitioner.optimizer.baselines import parameter_balanced, time_balanced, uniform
+from partitioner.optimizer.search.candidates import parameter_balanced, time_balanced, uniform
 from partitioner.plan import Cluster, Level
 
 RESULTS = Path(__file__).parent / "results"

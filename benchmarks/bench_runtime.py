@@ -7,7 +7,7 @@ launch). Runs alternate between the two and repeat, and the median step time (af
 the slower rank per step) is kept, because this machine is shared.
 
 The prediction is this script's own, not the partitioner's, and it models what the partitioner's
-cost model models for 1f1b (partitioner/optimizer/cost.py), plus the optimizer step and the data:
+cost model models for 1f1b (partitioner/optimizer/pricing/schedules.py), plus the optimizer step and the data:
 
     predicted = sum_k t_k + (M - 1) max_k t_k          fill and drain, then the slowest stage paces
               + rtt(activation down, gradient up)       per cut: the first microbatch's activation and

@@ -6,10 +6,12 @@ throughput ratio against torch.distributed.pipelining's Schedule1F1B and Schedul
 The package is bench_runtime's MLP (Linear+ReLU layers, cut in two). Measured bubble, per step: 1 -
 (compute seconds of both ranks) / (2 x the step's wall time, the slower rank's), median over the steps
 after warm-up; compute is what the runtime's recorder times (F, B, W and the optimizer step). The
-predicted bubble is the planner's closed form (partitioner/optimizer/cost.py) fed with each stage's
+predicted bubble is the planner's closed form (partitioner/optimizer/pricing/schedules.py) fed with
+each stage's
 forward and backward per microbatch measured by bench_runtime's probe (both ranks computing at once,
 as in the pipeline), no communication: 1f1b and gpipe ``1 - sum(M t_k) / (p (sum t_k + (M-1) max t_k))``,
-zb1p :func:`partitioner.optimizer.cost.zero_bubble_time` with W = half the backward. Runs alternate
+zb1p :func:`partitioner.optimizer.pricing.schedules.zero_bubble_time` with W = half the backward.
+Runs alternate
 between the runtimes and repeat, because this machine is shared.
 
 Run:  .venv/bin/python -m benchmarks.bench_schedules   (writes benchmarks/results/bench_schedules.{json,md})
@@ -30,7 +32,7 @@ from typing import Any
 import torch
 
 from benchmarks.bench_runtime import _elastic, probe, write_package
-from partitioner.optimizer.cost import zero_bubble_time
+from partitioner.optimizer.pricing.schedules import zero_bubble_time
 from runtime.launch import launch
 from runtime.options import RunOptions
 from runtime.package import import_package

@@ -29,7 +29,7 @@ from bench_optimizer import (  # run as a script: benchmarks/ is on the path
 from partitioner.atomic import write_text_atomic
 from partitioner.graph import Profile
 from partitioner.optimizer import solve
-from partitioner.optimizer.baselines import data_parallel, parameter_balanced, time_balanced, uniform
+from partitioner.optimizer.search.candidates import data_parallel, parameter_balanced, time_balanced, uniform
 from partitioner.plan import Cluster
 
 BASELINES = {"data_parallel": data_parallel, "parameters": parameter_balanced, "uniform": uniform,

@@ -8,9 +8,10 @@ stages of equal layers for zbv (rank 0: stages 0 and 3, rank 1: stages 1 and 2) 
 and 1f1b. Measured bubble, per step: 1 - (compute seconds of both ranks) / (2 x the step's wall
 time, the slower rank's), median over the steps after warm-up (pipeplan's runs only: torch's
 schedules report no compute time). Predicted bubble: what the planner predicts, the event simulation
-of the runtime's own lists (``partitioner.optimizer.simulate.play_hosted`` on
-``runtime.schedule_zbv.build_zbv``; zb1p and 1f1b: the closed forms of
-``partitioner.optimizer.cost``), fed with each stage's forward and backward per microbatch timed in
+of the runtime's own lists (``partitioner.optimizer.pricing.simulate.play`` on
+``runtime.schedule``'s zbv lists; zb1p and 1f1b: the closed forms of
+``partitioner.optimizer.pricing.schedules``), fed with each stage's forward and backward per
+microbatch timed in
 this process after each round (median over rounds), one thread, no communication, the backward
 split into B and W by ``W_SHARE`` as the planner does. Runs alternate and repeat: this machine is
 shared.
@@ -36,10 +37,11 @@ from benchmarks.bench_interleaved import _INIT, Bench, arguments, paired, play_r
 from benchmarks.bench_runtime import _elastic
 from benchmarks.bench_runtime import write_package as write_two_stages
 from benchmarks.bench_schedules import run_ours
-from partitioner.optimizer.cost import W_SHARE, zero_bubble_time
-from partitioner.optimizer.simulate import play_hosted
+from partitioner.optimizer.pricing.schedules import zero_bubble_time
+from partitioner.optimizer.pricing.simulate import play
+from partitioner.optimizer.pricing.stage import W_SHARE
 from runtime.package import import_package
-from runtime.schedule_zbv import build_zbv, zbv_placement, zbv_stages
+from runtime.schedule import build, layout_of
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RANKS = 2
@@ -58,7 +60,7 @@ BENCH = Bench(
 def write_zbv(folder: Path, width: int, layers: int, batch: int, micro: int) -> Path:
     """The 4-stage package laid out as ``pipeplan partition --schedule zbv`` lays it: a V."""
     stages = 2 * RANKS
-    homes = zbv_placement(RANKS)
+    homes = [r for (r,) in layout_of("zbv", RANKS, 2)]
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "__init__.py").write_text(_INIT.format(width=width, layers=layers, stages=stages))
     conf = {
@@ -91,7 +93,7 @@ def _torch_rank(package: str, steps: int, micro: int, batch: int) -> list[float]
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")
     pkg = import_package(package)
-    ids = zbv_stages(rank, RANKS)
+    ids = (rank, 2 * RANKS - 1 - rank)  # the V: down, then back up
     modules = [pkg.stage(k) for k in ids]
     stages: list[Any] = [
         PipelineStage(mod, k, 2 * RANKS, torch.device("cpu")) for mod, k in zip(modules, ids, strict=True)
@@ -137,7 +139,8 @@ def predicted(f: list[float], b: list[float], m: int) -> dict[str, float]:
     zb1p and 1f1b on the 2-stage split by their closed forms."""
     work = sum(m * (fk + bk) for fk, bk in zip(f, b, strict=True))
     split_b, split_w = [t * (1 - W_SHARE) for t in b], [t * W_SHARE for t in b]
-    events = play_hosted(build_zbv(RANKS, m), f, split_b, [0.0] * len(f), split_w)
+    v = layout_of("zbv", RANKS, 2)
+    events, _ = play(build("zbv", v, m), v, f, split_b, [0.0] * len(f), split_w)
     zbv = max(e.end_s for e in events)
     halves = [slice(k * 2, (k + 1) * 2) for k in range(RANKS)]
     f2, b2 = [sum(f[h]) for h in halves], [sum(b[h]) for h in halves]

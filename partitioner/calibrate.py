@@ -22,8 +22,10 @@ from typing import Any
 
 from partitioner.errors import PipeplanError
 from partitioner.graph import Node, Profile, at_microbatches
+from partitioner.optimizer.pricing.schedules import model
 from partitioner.plan import Plan
 from runtime.formats import METRICS_FIELDS
+from runtime.schedule import REGISTRY
 from runtime.schema import SchemaError, check
 
 __all__ = ["RunTimes", "calibrate", "device_seconds", "load_run_times", "stage_factors"]
@@ -71,7 +73,8 @@ def load_run_times(path: str | os.PathLike[str]) -> RunTimes:
         raise PipeplanError(
             f"{exc}; calibrate from the metrics.json a finished `pipeplan run` wrote"
         ) from None
-    if doc.get("schedule") in ("interleaved", "zbv"):
+    kind = REGISTRY.get(str(doc.get("schedule")))
+    if kind is not None and kind.placement is not None:  # several stages on each rank
         raise PipeplanError(
             f"{source} is an {doc['schedule']} run, whose ranks each time several stages together; calibrate "
             "from a 1f1b run of the same model"
@@ -136,7 +139,7 @@ def calibrate(
     count); each layer's fixed time per call is scaled with the rest, so the calibrated profile still
     prices other microbatch counts.
     """
-    priced = at_microbatches(profile, 1 if plan.schedule == "pipedream" else plan.microbatches)
+    priced = at_microbatches(profile, model(plan.schedule).microbatches(plan.microbatches))
     scale = (profile.batch_size / batch_size) if profile.batch_size and batch_size else 1.0
     factors = {k: f * scale for k, f in stage_factors(priced, plan, measured_s).items()}
     factor_of = {n: factors[s.index] for s in plan.stages if s.index in factors for n in s.nodes}

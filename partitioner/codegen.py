@@ -35,7 +35,7 @@ from partitioner.package_text import init_text, source_text, stage_text
 from partitioner.plan import Plan, Tie, mp_conf, plan_to_json
 from partitioner.split import CONSTANT_MAX_ELEMENTS, StageGraph, split_graph, tensor_kinds
 from runtime.runlock import holder
-from runtime.schedule_zbv import zbv_placement
+from runtime.schedule import SCHEDULES, get_schedule
 
 __all__ = [
     "EXACT_INIT_MAX_BYTES",
@@ -188,14 +188,11 @@ def with_ranks(plan: Plan) -> Plan:
         if len(s.ranks) != s.replicas:
             raise PlanError(f"stage {s.index} has {s.replicas} replicas but ranks {list(s.ranks)}")
     ranks = sorted(r for s in plan.stages for r in s.ranks)
-    if plan.virtual_stages > 1 and plan.schedule == "zbv":  # zbv: rank r holds stages r, 2 gpus - 1 - r
-        if [s.ranks for s in plan.stages] != [(r,) for r in zbv_placement(plan.gpus)]:
-            raise PlanError(
-                f"zbv stages must lie on ranks as a V {list(zbv_placement(plan.gpus))}, got {ranks}"
-            )
-    elif plan.virtual_stages > 1:  # interleaved: stage s alone on rank s mod gpus
-        if [s.ranks for s in plan.stages] != [(k % plan.gpus,) for k in range(len(plan.stages))]:
-            raise PlanError(f"interleaved stages must lie on ranks s mod {plan.gpus}, got {ranks}")
+    placement = get_schedule(plan.schedule).placement if plan.schedule in SCHEDULES else None
+    if plan.virtual_stages > 1 and placement is not None:  # several stages per rank, laid out so
+        want = placement(plan.gpus, plan.virtual_stages)
+        if tuple(s.ranks for s in plan.stages) != want:
+            raise PlanError(f"{plan.schedule} stages must lie on ranks {[r for (r,) in want]}, got {ranks}")
     elif ranks != list(range(len(ranks))):
         raise PlanError(f"stage ranks must use 0..{len(ranks) - 1} once each, got {ranks}")
     return plan

@@ -22,17 +22,25 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from partitioner.errors import ModelSpecError
 
-__all__ = ["DataSpec", "hf_bundle_parts"]
+__all__ = ["DataSpec", "hf_bundle_parts", "next_token_targets"]
 
 _DEFAULT_TOKENS = 32
 _DEFAULT_FRAMES = 32
 
 DataSpec = tuple[list[dict[str, Any]], dict[str, Any]]
 """(one spec per input, the target spec): what :func:`partitioner.stagekit.synthetic_example` reads."""
+
+
+def next_token_targets(tokens: Tensor) -> Tensor:
+    """Targets of a causal LM: each position predicts the next token; the last one is ignored (-100)."""
+    targets = torch.full_like(tokens, -100)
+    targets[:, :-1] = tokens[:, 1:]
+    return targets
 
 
 def hf_bundle_parts(

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from partitioner.errors import ModelSpecError
+from partitioner.hf_inputs import hf_bundle_parts, next_token_targets
 from partitioner.zoo import ZOO, ZooEntry
 
 __all__ = [
@@ -162,8 +163,6 @@ def load_model(spec: str, batch_size: int = 1, input_shape: tuple[int, ...] | No
     if spec in ZOO:
         return _zoo_bundle(spec, ZOO[spec], batch_size, input_shape)
     if spec.startswith("hf:"):
-        from partitioner.hf_inputs import hf_bundle_parts
-
         factory, names, data = hf_bundle_parts(spec, input_shape)
         return _data_bundle(spec, factory, batch_size, data, names)
     if spec.startswith("torchvision:"):
@@ -254,13 +253,6 @@ def _data_bundle(
 
     bundle = _bundle(spec, factory, batch_size, make_inputs, make_targets, default_loss, input_names=names)
     return replace(bundle, data=data)
-
-
-def next_token_targets(tokens: Tensor) -> Tensor:
-    """Targets of a causal LM: each position predicts the next token; the last one is ignored (-100)."""
-    targets = torch.full_like(tokens, -100)
-    targets[:, :-1] = tokens[:, 1:]
-    return targets
 
 
 def _torchvision_entry(name: str) -> ZooEntry:

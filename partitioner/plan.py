@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from partitioner.atomic import write_text_atomic
 from partitioner.errors import PlanError
@@ -22,12 +22,10 @@ from runtime.schema import SchemaError, check
 __all__ = [
     "OPTIMIZERS",
     "PLAN_SCHEMA",
-    "SCHEDULES",
     "Cluster",
     "Level",
     "Plan",
     "Prediction",
-    "Schedule",
     "SolverInfo",
     "Stage",
     "Tie",
@@ -39,8 +37,6 @@ __all__ = [
 ]
 
 PLAN_SCHEMA = "pipeplan.plan/1"
-Schedule = Literal["pipedream", "1f1b", "gpipe", "zb1p", "interleaved", "zbv"]
-SCHEDULES: tuple[str, ...] = ("pipedream", "1f1b", "gpipe", "zb1p", "interleaved", "zbv")
 OPTIMIZERS: tuple[str, ...] = ("sgd", "momentum", "adam", "adamw")
 
 

@@ -16,8 +16,7 @@ from typing import Any
 from runtime.errors import RunError
 from runtime.formats import MP_CONF_FIELDS, PLAN_FIELDS
 from runtime.precision import check_precision
-from runtime.schedule import SCHEDULES, ScheduleError, check_interleaved
-from runtime.schedule_zbv import check_zbv, zbv_placement
+from runtime.schedule import REGISTRY, Layout, ScheduleError, get_schedule
 from runtime.schema import Obj, SchemaError, check
 
 __all__ = ["JobConfig", "RankConfig", "load_job", "newest_package", "replica_microbatches"]
@@ -112,7 +111,7 @@ class RankConfig:
         job: the job it belongs to.
         rank: global rank.
         stage: the stage it runs.
-        replica: its index among the stage's replicas (its work: :func:`runtime.schedule.replica_of`).
+        replica: its index among the stage's replicas (its work: ``Schedule.replica_of``).
     """
 
     job: JobConfig
@@ -177,8 +176,8 @@ def _stage_ranks(conf: Any, source: Path) -> tuple[tuple[tuple[int, ...], ...], 
             f"criterion on the last stage (e.g. [0, 1, 1] or [0, 0, 1, 1, 1]), got {list(modules)}"
         )
     ranks = sorted(r for rs in mapping.values() for r in rs)
-    laid_out = _cyclic(mapping) or _v_shaped(mapping)
-    if (ranks != list(range(len(ranks))) and not laid_out) or any(not rs for rs in mapping.values()):
+    layout = tuple(mapping[k] for k in range(len(mapping)))
+    if (ranks != list(range(len(ranks))) and not _laid_out_by(layout)) or any(not rs for rs in layout):
         raise RunError(
             f"{source}: ranks must be 0..N-1 each used once (or, for interleaved, stage s on rank s mod N "
             f"alone; for zbv, stages s and 2N-1-s on rank s), got {ranks}"
@@ -186,19 +185,11 @@ def _stage_ranks(conf: Any, source: Path) -> tuple[tuple[tuple[int, ...], ...], 
     return tuple(mapping[k] for k in range(len(mapping))), modules
 
 
-def _cyclic(mapping: dict[int, tuple[int, ...]]) -> bool:
-    """Whether stages lie on ranks as ``interleaved`` lays them: ``p * v`` stages, one rank each,
-    stage ``s`` on rank ``s mod p``."""
-    p = len({r for rs in mapping.values() for r in rs})
-    return len(mapping) % p == 0 and all(rs == (k % p,) for k, rs in mapping.items())
-
-
-def _v_shaped(mapping: dict[int, tuple[int, ...]]) -> bool:
-    """Whether stages lie on ranks as ``zbv`` lays them: ``2p`` stages, one rank each, rank ``r``
-    holding stages ``r`` and ``2p - 1 - r``."""
-    p = len({r for rs in mapping.values() for r in rs})
-    return len(mapping) == 2 * p and all(rs == (home,) for rs, home in zip(
-        (mapping[k] for k in range(len(mapping))), zbv_placement(p), strict=True))  # fmt: skip
+def _laid_out_by(layout: Layout) -> list[str]:
+    """The schedules that lay several stages on each rank exactly as ``layout`` does."""
+    p = len({r for rs in layout for r in rs})
+    v = len(layout) // p
+    return [name for name, kind in REGISTRY.items() if kind.placement and kind.placement(p, v) == layout]
 
 
 def load_job(
@@ -299,7 +290,7 @@ def replica_microbatches(
     instead (the gradient is still the minibatch mean), if that divides the batch.
     """
     widest = max(len(r) for r in stage_ranks)
-    if planned >= widest or schedule == "pipedream":
+    if planned >= widest or not get_schedule(schedule).flushes:
         return planned
     for candidate in (math.lcm(planned, *(len(r) for r in stage_ranks)), widest):
         if batch_size % candidate == 0:
@@ -308,8 +299,10 @@ def replica_microbatches(
 
 
 def _checked(job: JobConfig) -> JobConfig:
-    if job.schedule not in SCHEDULES:
-        raise RunError(f"unknown schedule {job.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    try:
+        kind = get_schedule(job.schedule)
+    except ScheduleError as exc:
+        raise RunError(str(exc)) from exc
     if job.batch_size < 1:
         raise RunError(f"{job.package}: plan.json gives no batch size; pass --batch-size")
     if job.microbatches < 1 or job.microbatches > job.batch_size:
@@ -320,12 +313,12 @@ def _checked(job: JobConfig) -> JobConfig:
             "pick --microbatches that divides --batch-size"
         )
     check_precision(job.precision, job.schedule)
-    _check_interleaved(job)
+    _check_layout(job)
     for tie in job.ties:
         if any(not 0 <= s < job.stages for s, _ in tie):
             raise RunError(f"{job.package}/plan.json: tie {tie} names a stage that does not exist")
         widths = {len(job.stage_ranks[s]) for s, _ in tie}
-        if job.schedule == "pipedream" and len(widths) > 1:
+        if kind.stashes and len(widths) > 1:
             raise RunError(
                 f"tied weights on stages {sorted({s for s, _ in tie})} with {sorted(widths)} replicas would "
                 "step at different rates under pipedream; use --schedule 1f1b, or partition with --straight"
@@ -333,55 +326,35 @@ def _checked(job: JobConfig) -> JobConfig:
     return job
 
 
-def _check_interleaved(job: JobConfig) -> None:
-    """A package with several stages per rank runs only under ``interleaved`` or ``zbv``, as it was
-    laid out for (:func:`_check_zbv`), which need one rank per stage (no replicas: every rank
-    already holds a slice of every part of the pipeline) and microbatches their order can play
-    (:func:`runtime.schedule.check_interleaved`)."""
-    v_only = _v_shaped(_mapping(job)) and not _cyclic(_mapping(job))  # (one rank: both layouts)
-    if job.schedule == "zbv" or (job.virtual_stages > 1 and v_only):
-        _check_zbv(job)
+def _check_layout(job: JobConfig) -> None:
+    """A schedule that lays several stages on each rank (``interleaved``, ``zbv``) runs a package laid
+    out as it lays them, one rank per stage (every rank already holds a slice of every part of the
+    pipeline), on microbatches its order can play; a package laid out so runs only under such a
+    schedule, whose order it was planned for."""
+    kind, layout = get_schedule(job.schedule), job.stage_ranks
+    fits = _laid_out_by(layout)
+    if kind.placement is None:
+        if job.virtual_stages > 1:
+            raise RunError(
+                f"{job.package} puts {job.virtual_stages} stages on each rank, which only --schedule "
+                f"{' or '.join(fits)} runs, not {job.schedule}"
+            )
         return
-    if job.virtual_stages > 1 and job.schedule != "interleaved":
+    if any(len(r) > 1 for r in layout):
         raise RunError(
-            f"{job.package} puts {job.virtual_stages} stages on each rank, which only --schedule "
-            f"interleaved runs, not {job.schedule}"
+            f"--schedule {job.schedule} runs without replicas (every rank already hosts a slice of every "
+            f"part of the pipeline); partition with --schedule {job.schedule}, or pick 1f1b for replicated "
+            "stages"
         )
-    if job.schedule != "interleaved":
-        return
-    if any(len(r) > 1 for r in job.stage_ranks):
+    if job.schedule not in fits:
+        others = " or ".join(fits)
+        laid = f", laid out as only --schedule {others} runs them" if job.virtual_stages > 1 else ""
         raise RunError(
-            "--schedule interleaved runs without replicas (every rank already hosts a slice of every part "
-            "of the pipeline); partition with --schedule interleaved, or pick 1f1b for replicated stages"
-        )
-    if job.virtual_stages > 1 and job.world_size < 2:
-        raise RunError("--schedule interleaved with several stages per rank needs at least 2 ranks")
-    try:
-        check_interleaved(job.world_size, job.virtual_stages, job.microbatches)
-    except ScheduleError as exc:
-        raise RunError(str(exc)) from exc
-
-
-def _mapping(job: JobConfig) -> dict[int, tuple[int, ...]]:
-    return dict(enumerate(job.stage_ranks))
-
-
-def _check_zbv(job: JobConfig) -> None:
-    """``zbv`` runs a package laid out as its V (``2p`` stages, rank ``r`` holding stages ``r`` and
-    ``2p - 1 - r``), and such a package runs only under zbv: other schedules would play it in
-    another order, which the layout was not planned for."""
-    if job.schedule != "zbv":
-        raise RunError(
-            f"{job.package} lays its stages out as a V (zbv's two stages per rank), which only "
-            f"--schedule zbv runs, not {job.schedule}"
-        )
-    if not _v_shaped(_mapping(job)):
-        raise RunError(
-            f"--schedule zbv needs a package partitioned with --schedule zbv (2 stages per GPU laid out "
-            f"as a V); {job.package} has {job.stages} stages on ranks {[list(r) for r in job.stage_ranks]}"
+            f"--schedule {job.schedule} needs a package partitioned with --schedule {job.schedule}; "
+            f"{job.package} has {job.stages} stages on ranks {[list(r) for r in layout]}{laid}"
         )
     try:
-        check_zbv(job.world_size, job.microbatches)
+        kind.check(job.world_size, job.virtual_stages, job.microbatches)
     except ScheduleError as exc:
         raise RunError(str(exc)) from exc
 

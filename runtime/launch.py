@@ -138,26 +138,16 @@ def torchrun_commands(options: RunOptions) -> list[str]:
 
 
 def schedule_preview(options: RunOptions) -> list[str]:
-    """One minibatch of every stage's action list in text form (``0F0 0F1 0B0 ...``), for --dry-run."""
-    from runtime.schedule import build, build_interleaved, format_actions
-    from runtime.schedule_zbv import build_zbv
+    """One minibatch of every rank's action list in text form (``0F0 0F1 0B0 ...``), for --dry-run."""
+    from runtime.schedule import build, format_actions
 
     job = job_of(options)
-    if job.schedule in ("interleaved", "zbv"):
-        lists = (
-            build_zbv(job.world_size, job.microbatches)
-            if job.schedule == "zbv"
-            else build_interleaved(job.world_size, job.virtual_stages, job.microbatches)
-        )
-        return [
-            f"rank {r} (stages {','.join(str(k) for k in job.hosted_stages(r))}): {format_actions(actions)}"
-            for r, actions in enumerate(lists)
-        ]
-    stages = build(job.schedule, job.stages, job.microbatches)
-    return [
-        f"stage {k} (ranks {','.join(map(str, job.stage_ranks[k]))}): {format_actions(actions)}"
-        for k, actions in enumerate(stages)
-    ]
+    lines = []
+    for r, actions in enumerate(build(job.schedule, job.stage_ranks, job.microbatches)):
+        stages = job.hosted_stages(r)
+        what = f"stages {','.join(map(str, stages))}" if len(stages) > 1 else f"stage {stages[0]}"
+        lines.append(f"rank {r} ({what}): {format_actions(actions)}")
+    return lines
 
 
 def _raise_if_full(out: Path, options: RunOptions) -> None:

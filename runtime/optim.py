@@ -25,6 +25,7 @@ from torch import nn
 from runtime.comm import Comm
 from runtime.config import RankConfig
 from runtime.errors import RunError
+from runtime.schedule import get_schedule
 
 __all__ = [
     "LR_SCHEDULES",
@@ -106,7 +107,7 @@ class OptimSettings:
 
     def check_schedule(self, schedule: str) -> None:
         """Global clipping needs every stage's gradient of the same minibatch at the same moment."""
-        if self.clip_grad_norm is not None and schedule == "pipedream":
+        if self.clip_grad_norm is not None and not get_schedule(schedule).flushes:
             raise RunError(
                 "--clip-grad-norm needs a synchronous schedule: under pipedream the stages step at "
                 "different times on gradients of different minibatches; use --schedule 1f1b or gpipe"

@@ -29,6 +29,7 @@ import contextlib
 from typing import TYPE_CHECKING, Any
 
 from runtime.errors import RunError
+from runtime.schedule import REGISTRY
 
 if TYPE_CHECKING:
     import torch
@@ -51,7 +52,7 @@ def check_precision(precision: str, schedule: str | None = None) -> None:
     """Raise a RunError naming a bad ``--precision``, or fp16 under pipedream and what to use instead."""
     if precision not in PRECISIONS:
         raise RunError(f"unknown --precision {precision!r}; choose {', '.join(PRECISIONS)}")
-    if precision == "fp16" and schedule == "pipedream":
+    if precision == "fp16" and schedule in REGISTRY and not REGISTRY[schedule].flushes:
         raise RunError(
             "--precision fp16 needs a synchronous schedule: its loss scaling skips an overflowing step on "
             "every stage at once, but pipedream's stages step at different times on different minibatches; "

@@ -1,54 +1,58 @@
-"""Pipeline schedules as data: per-stage action lists that one generic executor plays back.
+"""Pipeline schedules as data: one list of actions per rank, built lazily, checked by one validator.
 
-A schedule never runs code; it lists, for every stage, the order of its forwards (``F``), backwards
-(``B``) and optimizer steps (``S``); zero-bubble schedules split the backward into ``B`` (gradients
-of the stage's inputs, which the previous stage waits for) and ``W`` (gradients of its weights,
-which nobody waits for, so it fills the bubbles). Microbatches are numbered globally across minibatches
-(``unit = step * microbatches + j``), so an asynchronous schedule that never flushes is a plain list
-too. Being data, a schedule is checked by :func:`validate` and dry-run by :func:`simulate` without
-torch, and printed in the text form of ``torch.distributed.pipelining`` (``0F3 0B3``).
-``interleaved`` (Megatron's virtual stages) is listed per rank rather than per stage, since a rank
-hosts several stages: :func:`build_interleaved`, :func:`validate_ranks`, :func:`simulate_ranks`;
-so is ``zbv`` (:mod:`runtime.schedule_zbv`, two stages per rank laid out as a V).
+A schedule never runs code; it lists, for every rank, the order of its stages' forwards (``F``),
+backwards (``B``) and optimizer steps (``S``); zero-bubble schedules split the backward into ``B``
+(gradients of the stage's inputs, which the previous stage waits for) and ``W`` (gradients of its
+weights, which nobody waits for, so it fills the bubbles). Microbatches are numbered globally across
+minibatches (``unit = step * microbatches + j``), so an asynchronous schedule that never flushes is a
+plain list too. A :data:`Layout` says which ranks run each stage: a stage's replicas, or several
+stages on one rank (``interleaved``'s virtual stages, ``zbv``'s V).
+
+Every schedule is one :class:`Schedule` in :data:`REGISTRY` (as torch.distributed.pipelining's
+``get_schedule_class``): its per-rank builder, which yields a rank's actions one minibatch at a
+time (a run of a million steps never holds them all), and what the runtime and the planner need to
+know of it. Being data, a schedule is checked by :func:`validate` and dry-run by :func:`simulate`
+without torch, and printed in the text form of ``torch.distributed.pipelining`` (``0F3 0B3``).
 
 Example:
-    >>> [format_actions(a) for a in build("gpipe", stages=2, microbatches=2)]
+    >>> [format_actions(a) for a in build("gpipe", pipeline([1, 1]), microbatches=2)]
     ['0F0 0F1 0B0 0B1 0S0', '1F0 1F1 1B0 1B1 1S0']
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 __all__ = [
+    "REGISTRY",
     "SCHEDULES",
     "Action",
+    "Layout",
+    "Schedule",
     "ScheduleError",
+    "actions",
     "build",
-    "build_interleaved",
-    "build_job",
-    "check_interleaved",
     "format_actions",
-    "interleaved_rank",
-    "interleaved_stage",
+    "get_schedule",
+    "layout_of",
     "parse_actions",
-    "rank_actions",
-    "replica_of",
+    "pipeline",
     "round_of",
     "simulate",
-    "simulate_job",
-    "simulate_ranks",
     "stash_depth",
     "validate",
-    "validate_job",
-    "validate_ranks",
     "warmup",
 ]
 
-SCHEDULES: tuple[str, ...] = ("pipedream", "1f1b", "gpipe", "zb1p", "interleaved", "zbv")
 _ACTION = re.compile(r"^(\d+)([FBWS])(\d+)$")
+
+Layout = tuple[tuple[int, ...], ...]
+"""The ranks of every stage, in pipeline order: ``((0, 1), (2,))`` is a stage on two replicas and
+one on one; ``((0,), (1,), (0,), (1,))`` two ranks of two stages each (interleaved)."""
 
 
 class ScheduleError(ValueError):
@@ -93,17 +97,55 @@ def parse_actions(text: str) -> tuple[Action, ...]:
     return tuple(Action.parse(tok) for tok in text.split())
 
 
-def _one_f_one_b(stage: int, units: Sequence[int], warm: int) -> list[Action]:
-    """1F1B order over ``units``: ``warm`` warm-up forwards, then F/B pairs, then backwards."""
-    warm = min(warm, len(units))
-    out = [Action(stage, "F", u) for u in units[:warm]]
-    for i in range(len(units) - warm):
-        out += [Action(stage, "F", units[warm + i]), Action(stage, "B", units[i])]
-    out += [Action(stage, "B", u) for u in units[len(units) - warm :]]
-    return out
+def pipeline(replicas: Sequence[int]) -> Layout:
+    """Stages on consecutive ranks, ``replicas[k]`` of them for stage ``k``."""
+    out, rank = [], 0
+    for r in replicas:
+        out.append(tuple(range(rank, rank + r)))
+        rank += r
+    return tuple(out)
 
 
-def _zero_bubble(stage: int, stages: int, units: Sequence[int]) -> list[Action]:
+def _world(layout: Layout) -> int:
+    return len({r for ranks in layout for r in ranks})
+
+
+def _hosted(layout: Layout, rank: int) -> list[tuple[int, int]]:
+    """(stage, replica index) of every stage ``rank`` runs."""
+    return [(k, ranks.index(rank)) for k, ranks in enumerate(layout) if rank in ranks]
+
+
+# ----------------------------------------------------------------------------- orders
+
+
+def _one_f_one_b(stage: int, units: Iterable[int], warm: int) -> Iterator[Action]:
+    """1F1B order over ``units``: ``warm`` warm-up forwards, then F/B pairs, then backwards
+    (streamed: it holds only the units in flight)."""
+    pending: deque[int] = deque()
+    it = iter(units)
+    for u in islice(it, warm):
+        yield Action(stage, "F", u)
+        pending.append(u)
+    for u in it:
+        yield Action(stage, "F", u)
+        pending.append(u)
+        yield Action(stage, "B", pending.popleft())
+    while pending:
+        yield Action(stage, "B", pending.popleft())
+
+
+def _gpipe(stage: int, stages: int, units: Sequence[int]) -> Iterator[Action]:
+    """All forwards, then all backwards."""
+    yield from (Action(stage, "F", u) for u in units)
+    yield from (Action(stage, "B", u) for u in units)
+
+
+def _1f1b(stage: int, stages: int, units: Sequence[int]) -> Iterator[Action]:
+    """1F1B with ``stages - stage - 1`` warm-up forwards: a stage holds at most that many + 1."""
+    return _one_f_one_b(stage, units, stages - stage - 1)
+
+
+def _zero_bubble(stage: int, stages: int, units: Sequence[int]) -> Iterator[Action]:
     """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024) over ``units``.
 
     The forwards and input backwards (B) come in 1F1B's order, with 1F1B's warm-up of
@@ -125,32 +167,14 @@ def _zero_bubble(stage: int, stages: int, units: Sequence[int]) -> list[Action]:
         pending.append(u)
         if len(pending) > stage:
             out.append(Action(stage, "W", pending.pop(0)))
-    return out + [Action(stage, "W", u) for u in pending]
+    return iter(out + [Action(stage, "W", u) for u in pending])
 
 
 def warmup(replicas: Sequence[int], stage: int) -> int:
     """PipeDream's warm-up minibatches of a replica of ``stage``: (ranks from this stage to the end,
     less one) // this stage's replicas. A replica keeps ``warmup + 1`` minibatches (and weight
-    versions) in flight: ``partitioner.optimizer.cost.in_flight`` prices exactly this."""
+    versions) in flight: the planner's pipedream model prices exactly this."""
     return (sum(replicas[stage:]) - 1) // replicas[stage]
-
-
-def _pipedream(
-    stage: int, replicas: Sequence[int], replica: int, m: int, steps: Sequence[int]
-) -> list[Action]:
-    """One replica's pipedream list: its own minibatches (every ``r``-th of the segment, PipeDream's
-    round-robin) in 1F1B order over whole minibatches, and a step per round of ``r`` minibatches
-    after its backward of that round, so replicas all-reduce gradients of one weight version."""
-    r = replicas[stage]
-    own = list(steps[replica::r])
-    units = [s * m + j for s in own for j in range(m)]
-    out: list[Action] = []
-    for action in _one_f_one_b(stage, units, warmup(replicas, stage) * m):
-        out.append(action)
-        if action.kind == "B" and (action.index + 1) % m == 0:
-            out.append(Action(stage, "S", round_of(action.index // m, steps[0], r)))
-    # A last round without a minibatch for this replica: it still joins the round's all-reduce.
-    return out + [Action(stage, "S", s) for s in steps[len(own) * r :: r]]
 
 
 def round_of(step: int, first_step: int, replicas: int) -> int:
@@ -159,84 +183,7 @@ def round_of(step: int, first_step: int, replicas: int) -> int:
     return first_step + (step - first_step) // replicas * replicas
 
 
-def _synchronous(name: str, stage: int, stages: int, m: int, steps: Sequence[int]) -> list[Action]:
-    out: list[Action] = []
-    for s in steps:
-        units = [s * m + j for j in range(m)]
-        if name == "1f1b":
-            out += _one_f_one_b(stage, units, stages - stage - 1)
-        elif name == "zb1p":
-            out += _zero_bubble(stage, stages, units)
-        else:
-            out += [Action(stage, "F", u) for u in units] + [Action(stage, "B", u) for u in units]
-        out.append(Action(stage, "S", s))
-    return out
-
-
-def build_job(
-    name: str, replicas: Sequence[int], microbatches: int, steps: int = 1, first_step: int = 0
-) -> tuple[tuple[tuple[Action, ...], ...], ...]:
-    """Every rank's action list, as ``job[stage][replica]``, for ``steps`` minibatches from
-    ``first_step``.
-
-    ``pipedream`` is PipeDream's: whole minibatches go round-robin to a stage's replicas (minibatch
-    ``first_step + i`` to replica ``i % r``), each replica runs 1F1B over its own minibatches with
-    :func:`warmup` minibatches ahead and steps after each of its backwards; ``S t`` is the stage's
-    round of minibatches ``t .. t + r - 1`` (see :func:`round_of`; their forwards all saw the same
-    weight version), joined by every replica. ``1f1b`` and ``gpipe`` flush every minibatch and
-    hand its microbatches round-robin to the replicas; ``S s`` is minibatch ``s``'s step. ``zb1p`` is
-    1f1b with each backward split into B and W (see :func:`_zero_bubble`), flushed the same way.
-    """
-    if name not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    if name in ("interleaved", "zbv"):
-        raise ScheduleError(f"{name} is listed per rank, not per stage: use build_{name}")
-    if not replicas or min(replicas) < 1 or microbatches < 1 or steps < 0:
-        raise ScheduleError(f"need replicas >= 1 and microbatches >= 1, got {list(replicas)}, {microbatches}")
-    ids = range(first_step, first_step + steps)
-    if name == "pipedream":
-        return tuple(
-            tuple(tuple(_pipedream(k, replicas, i, microbatches, ids)) for i in range(r))
-            for k, r in enumerate(replicas)
-        )
-    job = []
-    for k, r in enumerate(replicas):
-        whole = _synchronous(name, k, len(replicas), microbatches, ids)
-        job.append(tuple(rank_actions(whole, i, r, microbatches) for i in range(r)))
-    return tuple(job)
-
-
-def build(
-    name: str, stages: int, microbatches: int, steps: int = 1, first_step: int = 0
-) -> tuple[tuple[Action, ...], ...]:
-    """Per-stage action lists of schedule ``name`` for a pipeline without replicas (see :func:`build_job`).
-
-    ``pipedream`` pipelines across minibatches without a flush and steps each stage's optimizer after
-    the backward of a minibatch's last microbatch (weights are stashed by the executor); ``1f1b`` and
-    ``gpipe`` flush every minibatch, so their gradients are exact; so does ``zb1p`` (zero bubble H1).
-    """
-    job = build_job(name, [1] * stages, microbatches, steps, first_step)
-    return tuple(ranks[0] for ranks in job)
-
-
-def replica_of(name: str, unit: int, microbatches: int, replicas: int, first_step: int = 0) -> int:
-    """Which replica of a stage runs ``unit``: pipedream hands whole minibatches round-robin from the
-    segment's first step; the synchronous schedules hand out the microbatches of each minibatch."""
-    if name == "pipedream":
-        return (unit // microbatches - first_step) % replicas
-    return (unit % microbatches) % replicas
-
-
-def rank_actions(
-    actions: Sequence[Action], replica: int, replicas: int, microbatches: int
-) -> tuple[Action, ...]:
-    """The actions one replica of a synchronous stage plays: its own F/B units and every step."""
-    return tuple(
-        a for a in actions if a.kind == "S" or replica_of("1f1b", a.index, microbatches, replicas) == replica
-    )
-
-
-def stash_depth(actions: Sequence[Action]) -> int:
+def stash_depth(actions: Iterable[Action]) -> int:
     """The most weight versions one rank holds at once: distinct versions (steps taken before the
     forward) among the units it has forwarded and not yet backwarded."""
     version, held, peak = 0, dict[int, int](), 0
@@ -251,9 +198,253 @@ def stash_depth(actions: Sequence[Action]) -> int:
     return peak
 
 
-def validate(schedule: Sequence[Sequence[Action]], microbatches: int, steps: Sequence[int]) -> None:
-    """:func:`validate_job` for per-stage lists without replicas (as :func:`build` makes)."""
-    validate_job(tuple((actions,) for actions in schedule), "1f1b", microbatches, steps)
+# ----------------------------------------------------------------------------- builders
+# One per schedule: (layout, rank, microbatches, steps) -> that rank's actions, one minibatch at a time.
+
+
+def _pipedream(layout: Layout, rank: int, m: int, steps: range) -> Iterator[Action]:
+    """PipeDream's: whole minibatches go round-robin to a stage's replicas (minibatch ``steps[i]`` to
+    replica ``i % r``); each replica runs 1F1B over its own minibatches with :func:`warmup`
+    minibatches ahead and steps after each backward that ends one of its minibatches; ``S t`` is the
+    stage's round of minibatches ``t .. t + r - 1`` (:func:`round_of`; their forwards all saw the same
+    weight version), joined by every replica, also for a last round without a minibatch of its own."""
+    ((stage, replica),) = _hosted(layout, rank)
+    replicas = [len(ranks) for ranks in layout]
+    r = replicas[stage]
+    own = steps[replica::r]
+    units = (s * m + j for s in own for j in range(m))
+    for action in _one_f_one_b(stage, units, warmup(replicas, stage) * m):
+        yield action
+        if action.kind == "B" and (action.index + 1) % m == 0:
+            yield Action(stage, "S", round_of(action.index // m, steps[0], r))
+    yield from (Action(stage, "S", s) for s in steps[len(own) * r :: r])
+
+
+def _flushed(order: Callable[[int, int, Sequence[int]], Iterator[Action]]) -> Callable[..., Iterator[Action]]:
+    """A synchronous schedule's builder from its per-stage ``order`` of one minibatch: every minibatch
+    flushed and stepped; a stage's replicas take its microbatches round-robin and all join the step."""
+
+    def build(layout: Layout, rank: int, m: int, steps: range) -> Iterator[Action]:
+        ((stage, replica),) = _hosted(layout, rank)
+        r = len(layout[stage])
+        for s in steps:
+            units = [s * m + j for j in range(m)]
+            yield from (a for a in order(stage, len(layout), units) if (a.index % m) % r == replica)
+            yield Action(stage, "S", s)
+
+    return build
+
+
+def _interleaved_pass(rank: int, ranks: int, virtual: int, k: int, backward: bool) -> tuple[int, int]:
+    """(stage, microbatch within the minibatch) of a rank's ``k``-th forward (or backward): groups
+    of ``ranks`` microbatches go through chunk 0, then chunk 1, ... (backwards from the last chunk)."""
+    group, within = divmod(k, ranks * virtual)
+    chunk = within // ranks
+    chunk = virtual - 1 - chunk if backward else chunk
+    return chunk * ranks + rank, group * ranks + within % ranks
+
+
+def _interleaved_step(rank: int, ranks: int, virtual: int, m: int, step: int) -> Iterator[Action]:
+    """One minibatch of Megatron's interleaved 1F1B on ``rank``, then a step of each chunk.
+
+    Warm-up: ``(virtual - 1) * ranks`` forwards for the chunks before the last, and two per rank
+    downstream (Megatron's count: one for the activation on its way down, one for the gradient on
+    its way back), at most all of them; then one forward and one backward in turn; then the
+    remaining backwards. One chunk per rank is 1F1B."""
+    if virtual == 1:
+        yield from _one_f_one_b(rank, range(step * m, step * m + m), ranks - rank - 1)
+        yield Action(rank, "S", step)
+        return
+    total = m * virtual
+    warm = min((virtual - 1) * ranks + 2 * (ranks - rank - 1), total)
+
+    def act(kind: str, k: int) -> Action:
+        stage, j = _interleaved_pass(rank, ranks, virtual, k, kind == "B")
+        return Action(stage, kind, step * m + j)
+
+    yield from (act("F", k) for k in range(warm))
+    for k in range(total - warm):
+        yield act("F", warm + k)
+        yield act("B", k)
+    yield from (act("B", k) for k in range(total - warm, total))
+    yield from (Action(c * ranks + rank, "S", step) for c in range(virtual))
+
+
+def _interleaved(layout: Layout, rank: int, m: int, steps: range) -> Iterator[Action]:
+    """Megatron's virtual stages: rank ``r`` hosts stages ``r, r + ranks, ...`` and plays their
+    forwards and backwards in one list, flushed every minibatch. With equal stages of unit F and B it
+    takes ``2 * (virtual * microbatches + ranks - 1)`` slots per minibatch: a bubble of
+    ``(ranks - 1) / (virtual * microbatches)`` against 1F1B's ``(ranks - 1) / microbatches``."""
+    ranks = _world(layout)
+    for s in steps:
+        yield from _interleaved_step(rank, ranks, len(layout) // ranks, m, s)
+
+
+def _zbv_phases(rank: int, ranks: int, n: int) -> list[tuple[int, str]]:
+    """(chunk, kind) of every action of ``rank`` for ``n >= 2 ranks - 1`` microbatches, in order:
+    warm-up down (``2(p - r) - 1`` chunk-0 forwards), across (``r`` pairs chunk 1 F, chunk 0 F),
+    back (``p - r`` triples chunk 1 F, B, W); ``n - p`` steady rounds (chunk 0 F while any is left,
+    B, W; chunk 1 F, B, W); cool-down (``r`` pairs chunk 0 B, chunk 1 B, ``p - r`` pairs chunk 0 B,
+    W), then every W still owed, chunk 1's first."""
+    p, r = ranks, rank
+    order = (
+        [(0, "F")] * (2 * (p - r) - 1) + [(1, "F"), (0, "F")] * r + [(1, "F"), (1, "B"), (1, "W")] * (p - r)
+    )
+    down_left = n - (2 * p - r - 1)  # chunk-0 forwards the steady rounds still owe
+    for k in range(n - p):
+        order += ([(0, "F")] if k < down_left else []) + [(0, "B"), (0, "W"), (1, "F"), (1, "B"), (1, "W")]
+    order += [(0, "B"), (1, "B")] * r + [(0, "B"), (0, "W")] * (p - r)
+    done_w = {c: sum(1 for cc, kind in order if (cc, kind) == (c, "W")) for c in (0, 1)}
+    return order + [(1, "W")] * (n - done_w[1]) + [(0, "W")] * (n - done_w[0])
+
+
+def _zbv(layout: Layout, rank: int, m: int, steps: range) -> Iterator[Action]:
+    """ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, section 6): ``p`` ranks play
+    ``2p`` stages laid out as a V, rank ``r`` hosting stage ``r`` (chunk 0, on the way down) and
+    ``2p - 1 - r`` (chunk 1, back up); the turn of the V is a hand-off inside rank ``p - 1``. Every
+    backward is split into B and W, the Ws filling what would be bubbles, and each rank holds about
+    1F1B's first stage's activations. The order (:func:`_zbv_phases`) is built for at least
+    ``2p - 1`` microbatches; with fewer the missing units' actions are left out. A step of each chunk
+    ends the minibatch (chunk 0's first). With unit-time F, B and W, a minibatch takes
+    ``max(6m + p - 1, 4m + 4p - 2)`` slots: ``p - 1`` of bubble per rank once ``m >= 2p - 1``."""
+    ranks = _world(layout)
+    stages = (rank, 2 * ranks - 1 - rank)
+    for step in steps:
+        seen: dict[tuple[int, str], int] = {}
+        for chunk, kind in _zbv_phases(rank, ranks, max(m, 2 * ranks - 1)):
+            j = seen.get((chunk, kind), 0)
+            seen[(chunk, kind)] = j + 1
+            if j < m:
+                yield Action(stages[chunk], kind, step * m + j)
+        yield from (Action(s, "S", step) for s in stages)
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+def _cycle(ranks: int, virtual: int) -> Layout:
+    """Megatron's layout: chunk ``c`` of rank ``r`` is stage ``c * ranks + r``."""
+    return tuple((s % ranks,) for s in range(ranks * virtual))
+
+
+def _v(ranks: int, virtual: int) -> Layout:
+    """zbv's V: stages ``r`` and ``2 ranks - 1 - r`` on rank ``r`` (``virtual`` is always 2)."""
+    return tuple((s if s < ranks else 2 * ranks - 1 - s,) for s in range(2 * ranks))
+
+
+def _check_nothing(ranks: int, virtual: int, microbatches: int) -> None:
+    if ranks < 1 or microbatches < 1:
+        raise ScheduleError(f"need ranks >= 1 and microbatches >= 1, got {ranks}, {microbatches}")
+
+
+def _check_interleaved(ranks: int, virtual: int, microbatches: int) -> None:
+    """Megatron's forwards go round in groups of ``ranks`` microbatches per chunk, so with more than
+    one chunk per rank the microbatches must be a multiple of the ranks."""
+    if ranks < 1 or virtual < 1 or microbatches < 1:
+        raise ScheduleError(
+            "interleaved needs ranks, virtual stages and microbatches >= 1, "
+            f"got {ranks}, {virtual}, {microbatches}"
+        )
+    if virtual > 1 and ranks < 2:
+        raise ScheduleError(
+            "--schedule interleaved with several stages per GPU needs at least 2 GPUs (at least 2 ranks "
+            "to pass each microbatch between)"
+        )
+    if virtual > 1 and microbatches % ranks:
+        raise ScheduleError(
+            f"interleaved with {virtual} virtual stages needs microbatches a multiple of the {ranks} ranks "
+            f"(Megatron's order), got {microbatches}; use --microbatches {ranks * -(-microbatches // ranks)}"
+        )
+
+
+def _check_zbv(ranks: int, virtual: int, microbatches: int) -> None:
+    if ranks < 1 or microbatches < 1:
+        raise ScheduleError(f"zbv needs ranks >= 1 and microbatches >= 1, got {ranks}, {microbatches}")
+
+
+# ----------------------------------------------------------------------------- the registry
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One schedule: how a rank's actions are built, and what it asks of the runtime.
+
+    Attributes:
+        name: what plan.json and ``--schedule`` call it.
+        rank_actions: (layout, rank, microbatches, steps) -> the rank's actions, lazily.
+        flushes: every minibatch drains the pipeline and steps once (exact gradients); without it
+            (pipedream) replicas run whole minibatches and a weight version per forward is stashed.
+        split_backward: every backward is a B and a W (zero bubble).
+        placement: (ranks, virtual stages) -> the layout of a schedule that lays several stages on
+            each rank, one device each; None: stages on ranks of their own, replicas allowed.
+        check: (ranks, virtual stages, microbatches) -> refuses what its order cannot play.
+    """
+
+    name: str
+    rank_actions: Callable[[Layout, int, int, range], Iterator[Action]]
+    flushes: bool = True
+    split_backward: bool = False
+    placement: Callable[[int, int], Layout] | None = None
+    check: Callable[[int, int, int], None] = _check_nothing
+
+    @property
+    def stashes(self) -> bool:
+        """A weight version kept per forward in flight (pipedream's weight stashing)."""
+        return not self.flushes
+
+    def replica_of(self, unit: int, microbatches: int, replicas: int, first_step: int = 0) -> int:
+        """Which replica of a stage runs ``unit``: pipedream hands whole minibatches round-robin from
+        the segment's first step; the flushed schedules hand out each minibatch's microbatches."""
+        if self.flushes:
+            return (unit % microbatches) % replicas
+        return (unit // microbatches - first_step) % replicas
+
+
+REGISTRY: dict[str, Schedule] = {
+    "pipedream": Schedule("pipedream", _pipedream, flushes=False),
+    "1f1b": Schedule("1f1b", _flushed(_1f1b)),
+    "gpipe": Schedule("gpipe", _flushed(_gpipe)),
+    "zb1p": Schedule("zb1p", _flushed(_zero_bubble), split_backward=True),
+    "interleaved": Schedule("interleaved", _interleaved, placement=_cycle, check=_check_interleaved),
+    "zbv": Schedule("zbv", _zbv, split_backward=True, placement=_v, check=_check_zbv),
+}
+SCHEDULES: tuple[str, ...] = tuple(REGISTRY)
+
+
+def get_schedule(name: str) -> Schedule:
+    """The registry's entry for ``name``.
+
+    Raises:
+        ScheduleError: an unknown name (the message lists the known ones).
+    """
+    if name not in REGISTRY:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    return REGISTRY[name]
+
+
+def layout_of(name: str, ranks: int, virtual: int = 1) -> Layout:
+    """The layout of ``ranks`` ranks without replicas: the schedule's placement of ``virtual``
+    stages per rank, or one stage per rank."""
+    placed = get_schedule(name).placement
+    return placed(ranks, virtual) if placed is not None else pipeline([1] * ranks)
+
+
+def actions(name: str, layout: Layout, rank: int, microbatches: int, steps: range) -> Iterator[Action]:
+    """``rank``'s actions for minibatches ``steps``, built one minibatch at a time as they are read."""
+    if microbatches < 1 or not any(rank in ranks for ranks in layout):
+        raise ScheduleError(f"rank {rank} has no stage in {[list(r) for r in layout]}, or microbatches < 1")
+    return get_schedule(name).rank_actions(layout, rank, microbatches, steps)
+
+
+def build(
+    name: str, layout: Layout, microbatches: int, steps: int = 1, first_step: int = 0
+) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's whole list for ``steps`` minibatches from ``first_step``."""
+    ids = range(first_step, first_step + steps)
+    return tuple(tuple(actions(name, layout, r, microbatches, ids)) for r in range(_world(layout)))
+
+
+# ----------------------------------------------------------------------------- checks
 
 
 def _check_stage(
@@ -263,10 +454,8 @@ def _check_stage(
     the step that covers it; every replica joins the same steps. A split backward: every unit's W
     (or none at all) on the B's replica, after its B and before that step."""
     where: dict[tuple[str, int], tuple[int, int]] = {}
-    for i, actions in enumerate(ranks):
-        for pos, a in enumerate(actions):
-            if a.stage != k:
-                raise ScheduleError(f"stage {k} lists {a}, an action of stage {a.stage}")
+    for i, acts in enumerate(ranks):
+        for pos, a in enumerate(acts):
             key = (a.kind, a.index) if a.kind != "S" else ("S", a.index * len(ranks) + i)
             if key in where:
                 raise ScheduleError(f"stage {k} lists {a} twice")
@@ -277,9 +466,9 @@ def _check_stage(
         if have != units:
             raise ScheduleError(f"stage {k}: {kind} actions cover {sorted(have)}, expected {sorted(units)}")
     want = sorted(set(covering.values()))
-    for i, actions in enumerate(ranks):
-        if sorted(a.index for a in actions if a.kind == "S") != want:
-            raise ScheduleError(f"stage {k} replica {i} steps {[str(a) for a in actions if a.kind == 'S']}")
+    for i, acts in enumerate(ranks):
+        if sorted(a.index for a in acts if a.kind == "S") != want:
+            raise ScheduleError(f"stage {k} replica {i} steps {[str(a) for a in acts if a.kind == 'S']}")
     for u in units:
         (i, f), (j, b) = where[("F", u)], where[("B", u)]
         if i != j or b < f:
@@ -293,216 +482,82 @@ def _check_stage(
             raise ScheduleError(f"stage {k} steps {k}S{covering[u]} before {k}{'W' if split else 'B'}{u}")
 
 
-def validate_job(
-    job: Sequence[Sequence[Sequence[Action]]], name: str, microbatches: int, steps: Sequence[int]
-) -> None:
-    """Check completeness, local order and deadlock-freedom of every rank's list (``job[stage][replica]``).
-
-    Raises:
-        ScheduleError: naming the first stage and action that is wrong.
-    """
-    units = {s * microbatches + j for s in steps for j in range(microbatches)}
-    for k, ranks in enumerate(job):
-        r = len(ranks) if name == "pipedream" else 1
-        first = min(steps, default=0)
-        _check_stage(k, ranks, units, {u: round_of(u // microbatches, first, r) for u in units})
-    simulate_job(job)
-
-
-def simulate(schedule: Sequence[Sequence[Action]]) -> int:
-    """:func:`simulate_job` for per-stage lists without replicas."""
-    return simulate_job(tuple((actions,) for actions in schedule))
-
-
-def _join_steps(job: Sequence[Sequence[Sequence[Action]]], pos: list[list[int]]) -> None:
-    """Advance past every step that all replicas of its stage have reached (a collective)."""
-    for k, ranks in enumerate(job):
-        while all(p < len(acts) and acts[p].kind == "S" for p, acts in zip(pos[k], ranks, strict=True)):
-            heads = {acts[p].index for p, acts in zip(pos[k], ranks, strict=True)}
-            if len(heads) > 1:
-                raise ScheduleError(f"stage {k}: replicas join different steps {sorted(heads)}")
-            pos[k] = [p + 1 for p in pos[k]]
-
-
-def simulate_job(job: Sequence[Sequence[Sequence[Action]]]) -> int:
-    """Dry-run every rank with unit-time forwards, backwards and weight backwards and free steps;
-    returns the slots.
-
-    A forward needs the previous stage's forward of the same unit (on whichever replica ran it) from
-    an earlier slot, a backward the next stage's backward (or, on the last stage, its own forward), a
-    W only its own B (earlier in its list); a step waits until every replica of its stage reaches
-    it. With equal stage times and no replicas,
-    GPipe and 1F1B take ``2 * (microbatches + stages - 1)`` slots per minibatch, and zb1p (three
-    unit passes per unit) ``2 * (microbatches + stages - 1) + 1 + max(microbatches - stages, 0)``:
-    ``3 microbatches + stages - 1`` once there are as many microbatches as stages.
-
-    Raises:
-        ScheduleError: if the ranks deadlock.
-    """
-    last = len(job) - 1
-    done: set[tuple[int, str, int]] = set()
-    pos = [[0] * len(ranks) for ranks in job]
-    slot = 0
-    left = sum(len(acts) for ranks in job for acts in ranks)
-    while left:
-        _join_steps(job, pos)
-        finished: list[tuple[int, str, int]] = []
-        for k, ranks in enumerate(job):
-            for i, acts in enumerate(ranks):
-                if pos[k][i] == len(acts) or acts[pos[k][i]].kind == "S":
-                    continue
-                a = acts[pos[k][i]]
-                need = (k - 1, "F", a.index) if a.kind == "F" else (k + 1, "B", a.index)
-                local = (a.kind == "F" and k == 0) or (a.kind == "B" and k == last) or a.kind == "W"
-                if local or need in done:
-                    finished.append((k, a.kind, a.index))
-                    pos[k][i] += 1
-        left_now = sum(len(acts) - p for ranks, ps in zip(job, pos, strict=True)
-                       for acts, p in zip(ranks, ps, strict=True))  # fmt: skip
-        if not finished and left_now == left:
-            stuck = [str(acts[p]) for ranks, ps in zip(job, pos, strict=True)
-                     for acts, p in zip(ranks, ps, strict=True) if p < len(acts)]  # fmt: skip
-            raise ScheduleError(f"schedule deadlocks at slot {slot}: waiting on {' '.join(stuck)}")
-        done.update(finished)
-        slot += 1 if finished else 0
-        left = left_now
-    return slot
-
-
-def interleaved_stage(rank: int, chunk: int, ranks: int) -> int:
-    """The pipeline stage of ``chunk`` on ``rank`` under ``interleaved``: Megatron's layout, where
-    chunk ``c`` of rank ``r`` is stage ``c * ranks + r``, so a unit leaves every rank ``virtual`` times."""
-    return chunk * ranks + rank
-
-
-def check_interleaved(ranks: int, virtual: int, microbatches: int) -> None:
-    """Refuse what Megatron's interleaved order cannot play: its forwards go round in groups of
-    ``ranks`` microbatches per chunk, so with more than one chunk per rank the microbatches must be a
-    multiple of the ranks (one chunk per rank is plain 1F1B, any count)."""
-    if ranks < 1 or virtual < 1 or microbatches < 1:
-        raise ScheduleError(
-            "interleaved needs ranks, virtual stages and microbatches >= 1, "
-            f"got {ranks}, {virtual}, {microbatches}"
-        )
-    if virtual > 1 and microbatches % ranks:
-        raise ScheduleError(
-            f"interleaved with {virtual} virtual stages needs microbatches a multiple of the {ranks} ranks "
-            f"(Megatron's order), got {microbatches}; use --microbatches {ranks * -(-microbatches // ranks)}"
-        )
-
-
-def _interleaved_pass(rank: int, ranks: int, virtual: int, k: int, backward: bool) -> tuple[int, int]:
-    """(stage, microbatch within the minibatch) of a rank's ``k``-th forward (or backward): groups
-    of ``ranks`` microbatches go through chunk 0, then chunk 1, ... (backwards from the last chunk)."""
-    group, within = divmod(k, ranks * virtual)
-    chunk = within // ranks
-    chunk = virtual - 1 - chunk if backward else chunk
-    return interleaved_stage(rank, chunk, ranks), group * ranks + within % ranks
-
-
-def _interleaved(rank: int, ranks: int, virtual: int, m: int, step: int) -> list[Action]:
-    """One minibatch of Megatron's interleaved 1F1B on ``rank``, then a step of each chunk.
-
-    Warm-up: ``(virtual - 1) * ranks`` forwards for the chunks before the last, and two per rank
-    downstream (Megatron's count: one for the activation on its way down, one for the gradient on
-    its way back), at most all of them; then one forward and one backward in turn; then the
-    remaining backwards."""
-    total = m * virtual
-    warm = min((virtual - 1) * ranks + 2 * (ranks - rank - 1), total)
-
-    def act(kind: str, k: int) -> Action:
-        stage, j = _interleaved_pass(rank, ranks, virtual, k, kind == "B")
-        return Action(stage, kind, step * m + j)
-
-    out = [act("F", k) for k in range(warm)]
-    for k in range(total - warm):
-        out += [act("F", warm + k), act("B", k)]
-    out += [act("B", k) for k in range(total - warm, total)]
-    return out + [Action(interleaved_stage(rank, c, ranks), "S", step) for c in range(virtual)]
-
-
-def interleaved_rank(rank: int, ranks: int, virtual: int, microbatches: int) -> tuple[Action, ...]:
-    """One minibatch (step 0) of ``rank``'s interleaved list alone (what :func:`build_interleaved`
-    gives that rank), for a cost model that needs one rank's order without building every rank's."""
-    check_interleaved(ranks, virtual, microbatches)
-    if virtual == 1:
-        warm = ranks - rank - 1
-        return (*_one_f_one_b(rank, range(microbatches), warm), Action(rank, "S", 0))
-    return tuple(_interleaved(rank, ranks, virtual, microbatches, 0))
-
-
-def build_interleaved(
-    ranks: int, virtual: int, microbatches: int, steps: int = 1, first_step: int = 0
-) -> tuple[tuple[Action, ...], ...]:
-    """Every rank's list of ``interleaved`` (Megatron's virtual stages): rank ``r`` hosts stages
-    ``r, r + ranks, ...`` (see :func:`interleaved_stage`) and plays their forwards and backwards in
-    one list, flushed every minibatch. With equal stages of unit F and B it takes
-    ``2 * (virtual * microbatches + ranks - 1)`` slots per minibatch: a bubble of
-    ``(ranks - 1) / (virtual * microbatches)`` against 1F1B's ``(ranks - 1) / microbatches``.
-    One chunk per rank is 1f1b's lists.
-
-    Example:
-        >>> format_actions(build_interleaved(2, 2, 2)[1])
-        '1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1 1S0 3S0'
-    """
-    check_interleaved(ranks, virtual, microbatches)
-    if virtual == 1:
-        return tuple(acts for (acts,) in build_job("1f1b", [1] * ranks, microbatches, steps, first_step))
-    ids = range(first_step, first_step + steps)
-    return tuple(
-        tuple(a for s in ids for a in _interleaved(r, ranks, virtual, microbatches, s)) for r in range(ranks)
-    )
-
-
-def validate_ranks(
+def validate(
     lists: Sequence[Sequence[Action]],
     microbatches: int,
     steps: Sequence[int],
-    placement: Sequence[int] | None = None,
+    layout: Layout | None = None,
+    name: str = "1f1b",
 ) -> None:
-    """Check per-rank lists that host several stages each: every rank lists only the stages it
-    hosts (``placement[stage]``, the rank of each stage; by default ``interleaved``'s, stage ``s`` on
-    rank ``s mod p``; ``zbv`` passes its V); each stage, taken alone, is complete and in order (as
-    :func:`validate_job` checks it); and the ranks together do not deadlock (:func:`simulate_ranks`).
+    """Check every rank's list (``lists[rank]``): each lists only the stages ``layout`` gives it (by
+    default stage ``k`` alone on rank ``k``); each stage, over its replicas, covers every unit once,
+    in order, before the step that covers it (a flush per minibatch, or under ``name``'s rounds of
+    whole minibatches); and the ranks together do not deadlock (:func:`simulate`).
 
     Raises:
         ScheduleError: naming the first rank, stage or action that is wrong.
     """
-    p = len(lists)
-    stages = 1 + max((a.stage for acts in lists for a in acts), default=-1)
-    home = list(placement) if placement is not None else [k % p for k in range(stages)]
-    if len(home) < stages:
-        raise ScheduleError(f"the lists name {stages} stages but the placement only {len(home)}")
-    units = {s * microbatches + j for s in steps for j in range(microbatches)}
+    layout = layout if layout is not None else pipeline([1] * len(lists))
+    stages = max([len(layout) - 1, *(a.stage for acts in lists for a in acts)]) + 1
+    if stages > len(layout) or _world(layout) != len(lists):
+        raise ScheduleError(f"{len(lists)} lists of {stages} stages do not match the layout {layout}")
     for r, acts in enumerate(lists):
-        wrong = [a for a in acts if home[a.stage] != r]
+        wrong = [a for a in acts if r not in layout[a.stage]]
         if wrong:
-            raise ScheduleError(f"rank {r} lists {wrong[0]}, an action of rank {home[wrong[0].stage]}")
-    for k in range(stages):
-        own = tuple(a for a in lists[home[k]] if a.stage == k)
-        _check_stage(k, (own,), units, {u: u // microbatches for u in units})
-    simulate_ranks(lists)
+            raise ScheduleError(f"rank {r} lists {wrong[0]}, an action of rank {layout[wrong[0].stage][0]}")
+    units = {s * microbatches + j for s in steps for j in range(microbatches)}
+    flushes, first = get_schedule(name).flushes, min(steps, default=0)
+    for k, ranks in enumerate(layout):
+        r = 1 if flushes else len(ranks)
+        covering = {u: round_of(u // microbatches, first, r) for u in units}
+        own = [tuple(a for a in lists[rank] if a.stage == k) for rank in ranks]
+        _check_stage(k, own, units, covering)
+    simulate(lists, layout)
 
 
-def simulate_ranks(lists: Sequence[Sequence[Action]]) -> int:
-    """Dry-run ranks that each play one list of actions of any stages, one unit-time action per slot
-    (steps are free and local: no replicas); returns the slots.
+def _join_steps(lists: Sequence[Sequence[Action]], layout: Layout, pos: list[int]) -> bool:
+    """Advance past every step that all ranks of its stage have reached (a collective); whether any."""
+    moved = False
+    for r, acts in enumerate(lists):
+        if pos[r] < len(acts) and acts[pos[r]].kind == "S":
+            a = acts[pos[r]]
+            peers = layout[a.stage]
+            heads = [lists[q][pos[q]] if pos[q] < len(lists[q]) else None for q in peers]
+            if all(h is not None and h.kind == "S" and h.stage == a.stage for h in heads):
+                if len({h.index for h in heads if h is not None}) > 1:
+                    raise ScheduleError(f"stage {a.stage}: replicas join different steps "
+                                        f"{sorted({h.index for h in heads if h is not None})}")  # fmt: skip
+                for q in peers:
+                    pos[q] += 1
+                moved = True
+    return moved
 
-    As :func:`simulate_job`: a forward needs the previous stage's forward of its unit from an earlier
-    slot, a backward the next stage's (the last stage: its own forward), a W nothing.
+
+def simulate(lists: Sequence[Sequence[Action]], layout: Layout | None = None) -> int:
+    """Dry-run every rank with unit-time forwards, backwards and weight backwards and free steps;
+    returns the slots.
+
+    A forward needs the previous stage's forward of the same unit (on whichever rank ran it) from an
+    earlier slot, a backward the next stage's backward (or, on the last stage, its own forward), a W
+    only its own B (earlier in its list); a step waits until every rank of its stage reaches it. With
+    equal stage times and no replicas, GPipe and 1F1B take ``2 * (microbatches + stages - 1)`` slots
+    per minibatch, and zb1p (three unit passes per unit) ``3 microbatches + stages - 1`` once there
+    are as many microbatches as stages.
 
     Raises:
         ScheduleError: if the ranks deadlock.
     """
-    last = max((a.stage for acts in lists for a in acts), default=0)
+    layout = layout if layout is not None else pipeline([1] * len(lists))
+    last = len(layout) - 1
     done: set[tuple[int, str, int]] = set()
     pos, slot = [0] * len(lists), 0
     while any(p < len(acts) for p, acts in zip(pos, lists, strict=True)):
+        joined = False
+        while _join_steps(lists, layout, pos):
+            joined = True
         finished = []
         for r, acts in enumerate(lists):
-            while pos[r] < len(acts) and acts[pos[r]].kind == "S":
-                pos[r] += 1
-            if pos[r] == len(acts):
+            if pos[r] == len(acts) or acts[pos[r]].kind == "S":
                 continue
             a = acts[pos[r]]
             need = (a.stage - 1, "F", a.index) if a.kind == "F" else (a.stage + 1, "B", a.index)
@@ -510,7 +565,8 @@ def simulate_ranks(lists: Sequence[Sequence[Action]]) -> int:
             if local or need in done:
                 finished.append((a.stage, a.kind, a.index))
                 pos[r] += 1
-        if not finished and any(p < len(acts) for p, acts in zip(pos, lists, strict=True)):
+        left = any(p < len(acts) for p, acts in zip(pos, lists, strict=True))
+        if not finished and not joined and left:
             stuck = [str(acts[p]) for p, acts in zip(pos, lists, strict=True) if p < len(acts)]
             raise ScheduleError(f"schedule deadlocks at slot {slot}: waiting on {' '.join(stuck)}")
         done.update(finished)

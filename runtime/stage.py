@@ -2,7 +2,7 @@
 
 ``F`` receives the stage's inputs (or reads data on the first stage), runs the stage, sends each
 output to the replica of every consumer stage that handles that microbatch
-(:func:`runtime.schedule.replica_of`), and on the last stage
+(``Schedule.replica_of``), and on the last stage
 computes the loss scaled by the microbatch's share of the minibatch (so gradients are the minibatch
 mean, as in plain training). ``B`` receives output gradients (summed over consumers), runs autograd
 and sends input gradients back. Under a zero-bubble schedule (a list with ``W`` actions), ``B``
@@ -37,9 +37,8 @@ weights of its forward while the optimizer updates the live parameters in place.
 
 from __future__ import annotations
 
-import bisect
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,45 +49,29 @@ from torch import nn
 from runtime.comm import Comm, Posted, TensorMeta
 from runtime.config import RankConfig
 from runtime.data import Batches
+from runtime.lookahead import Lookahead, steps_before_backward
 from runtime.loss_scale import LossScaler
 from runtime.metrics import Recorder
 from runtime.optim import Clip, clip_grads
 from runtime.package import Wiring
 from runtime.precision import autocast
 from runtime.recompute import run_forward
-from runtime.schedule import Action, replica_of
+from runtime.schedule import Action, Schedule, get_schedule
 from runtime.split_backward import WeightWork, backward_input, backward_weight
 
-__all__ = ["STASH_LOG_MAX", "Groups", "StageRuntime", "Unit"]
+__all__ = ["LOOKAHEAD", "STASH_LOG_MAX", "Groups", "StageRuntime", "Unit"]
 
 STASH_LOG_MAX = 1000
 """Backwards per rank whose (unit, forward version, version at backward) go into metrics.json."""
+
+LOOKAHEAD = 4096
+"""Actions ahead of the one playing that are searched for the next one that receives (its receives
+are posted early); one further away is posted when it comes that close."""
 
 
 def _functional(module: nn.Module, params: dict[str, torch.Tensor], *args: torch.Tensor) -> Any:
     """Run ``module`` on ``params`` instead of its own parameters (buffers stay the module's)."""
     return torch.func.functional_call(module, params, args)
-
-
-def _no_step_between(actions: Sequence[Action]) -> frozenset[int]:
-    """Units whose forward and backward both lie in ``actions`` with no optimizer step between them.
-
-    Their backward sees the weights their forward saw, so they run on the live parameters: stashing a
-    copy of every weight costs a stage's whole parameter memory in copies per minibatch (PipeDream's
-    last stage never needs one)."""
-    forward_at: dict[int, int] = {}
-    steps: list[int] = []
-    safe = set()
-    for i, action in enumerate(actions):
-        if action.kind == "F":
-            forward_at[action.index] = i
-        elif action.kind == "S":
-            steps.append(i)
-        elif action.kind == "B" and action.index in forward_at:
-            start = forward_at[action.index]
-            if not steps or steps[-1] < start:
-                safe.add(action.index)
-    return frozenset(safe)
 
 
 @dataclass(frozen=True)
@@ -195,8 +178,6 @@ class StageRuntime:
     out_meta: dict[str, TensorMeta] = field(default_factory=dict)
     _batch_cache: dict[str, tuple[int, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
     _inbox: dict[tuple[str, int], Posted] = field(default_factory=dict)
-    _unstashed: frozenset[int] = frozenset()
-    _split: frozenset[int] = frozenset()
     pending: dict[int, WeightWork] = field(default_factory=dict)
     ends_minibatch: bool = True
     chunks: tuple[StageRuntime, ...] = ()
@@ -204,6 +185,11 @@ class StageRuntime:
     skipping: bool = False
 
     # ------------------------------------------------------------------ routing
+    @functools.cached_property
+    def schedule(self) -> Schedule:
+        """The job's schedule (:data:`runtime.schedule.REGISTRY`)."""
+        return get_schedule(self.cfg.job.schedule)
+
     @functools.cached_property
     def producers(self) -> dict[int, tuple[str, ...]]:
         """Earlier stages this stage reads from, with the tensor names read from each."""
@@ -231,7 +217,7 @@ class StageRuntime:
 
     def _peer(self, stage: int, unit: int) -> int:
         ranks, job = self.cfg.job.stage_ranks[stage], self.cfg.job
-        return ranks[replica_of(job.schedule, unit, job.microbatches, len(ranks), self.first_step)]
+        return ranks[self.schedule.replica_of(unit, job.microbatches, len(ranks), self.first_step)]
 
     def _micro(self, kind: str, unit: int) -> tuple[torch.Tensor, ...]:
         """Microbatch ``unit`` of the minibatch's inputs or targets (split along dim 0)."""
@@ -285,36 +271,44 @@ class StageRuntime:
 
     # ------------------------------------------------------------------ actions
     def play(
-        self, actions: Sequence[Action], first_step: int = 0, hosted: Sequence[StageRuntime] = ()
+        self, actions: Iterable[Action], first_step: int = 0, hosted: Sequence[StageRuntime] = ()
     ) -> None:
-        """Run ``actions`` (a segment starting at minibatch ``first_step``) in order, then wait for
-        this rank's outstanding sends. ``hosted``: every stage this rank runs (``interleaved``: its
-        chunks, sharing this runtime's ``comm``); each action goes to the runtime of its stage."""
+        """Run ``actions`` (a segment starting at minibatch ``first_step``, read as it plays) in
+        order, then wait for this rank's outstanding sends. ``hosted``: every stage this rank runs
+        (``interleaved``: its chunks, sharing this runtime's ``comm``); each action goes to the
+        runtime of its stage."""
         owners = {rt.cfg.stage: rt for rt in hosted} or {self.cfg.stage: self}
         for rt in owners.values():
             rt.first_step = first_step
-            own = [a for a in actions if a.stage == rt.cfg.stage]
-            rt._split = frozenset(a.index for a in own if a.kind == "W")
-            rt._unstashed = _no_step_between(own) if rt.stash else frozenset()
-        receiving = [i for i, a in enumerate(actions) if owners[a.stage]._receives(a)]
-        posted = 0
-        for i, action in enumerate(actions):
-            if self.comm.prefetch:
-                # This action's receives and the next receiving action's are in flight while it runs.
-                through = min(bisect.bisect_right(receiving, i), len(receiving) - 1)
-                while posted <= through:
-                    ahead = actions[receiving[posted]]
-                    owner = owners[ahead.stage]
-                    owner._inbox[(ahead.kind, ahead.index)] = self.comm.post(*owner._incoming(ahead))
-                    posted += 1
-            else:
-                # An action's sends ride with the next action's receives when it has any.
-                following = actions[i + 1] if i + 1 < len(actions) else None
+        stream, scanned, i = Lookahead(actions), (0, -1), 0
+        while (action := stream[i]) is not None:
+            if self.comm.prefetch:  # this action's receives and the next receiving action's in flight
+                scanned = self._prefetch(stream, owners, i, *scanned)
+            else:  # an action's sends ride with the next action's receives when it has any
+                following = stream[i + 1]
                 self.comm.hold = following is not None and owners[following.stage]._receives(following)
             owner = owners[action.stage]
-            run = {"F": owner.forward, "B": owner.backward, "W": owner.weights, "S": owner.step}
-            run[action.kind](action.index)
+            if action.kind == "F":
+                owner.forward(action.index, owner.stash and steps_before_backward(stream, i))
+            else:
+                {"B": owner.backward, "W": owner.weights, "S": owner.step}[action.kind](action.index)
+            stream.forget(i + 1)
+            i += 1
         self.comm.drain()
+
+    def _prefetch(
+        self, stream: Lookahead, owners: dict[int, StageRuntime], i: int, scanned: int, last: int
+    ) -> tuple[int, int]:
+        """Post the receives of every action up to the first receiving one after ``i`` (searched at
+        most :data:`LOOKAHEAD` actions ahead). ``scanned``: the actions before it are posted;
+        ``last``: the last one posted. Returns both, moved on."""
+        while last <= i and scanned <= i + LOOKAHEAD and (ahead := stream[scanned]) is not None:
+            owner = owners[ahead.stage]
+            if owner._receives(ahead):
+                owner._inbox[(ahead.kind, ahead.index)] = self.comm.post(*owner._incoming(ahead))
+                last = scanned
+            scanned += 1
+        return scanned, last
 
     def _receives(self, action: Action) -> bool:
         return bool(self.producers if action.kind == "F" else self.consumers if action.kind == "B" else False)
@@ -331,8 +325,9 @@ class StageRuntime:
             return messages, [self._tag(me, k, True) for k in self.consumers]
         return [], []
 
-    def forward(self, unit: int) -> None:
-        """Inputs (data or received), the stage, outputs sent on; keeps what the backward needs."""
+    def forward(self, unit: int, stashed: bool = False) -> None:
+        """Inputs (data or received), the stage, outputs sent on; keeps what the backward needs.
+        ``stashed``: run on a snapshot of this weight version (a step comes before the backward)."""
         me, named = self.cfg.stage, dict[str, torch.Tensor]()
         if self.cfg.is_first:
             named.update(zip(self.wiring.stage_inputs[me], self._micro("inputs", unit), strict=True))
@@ -342,7 +337,6 @@ class StageRuntime:
             for name, t in zip(names, tensors, strict=True):
                 named[name] = t.requires_grad_(t.is_floating_point())
         with self.recorder.span(f"F{unit}", "compute"):
-            stashed = self.stash and unit not in self._unstashed
             outs = self._run(named, self._version_params() if stashed else None)
             loss = self._loss(unit, outs) if self.cfg.is_last else None
         self.comm.send(
@@ -380,7 +374,7 @@ class StageRuntime:
             if state.outputs[name].requires_grad:
                 roots.append(state.outputs[name])
                 grads.append(g)
-        if unit in self._split:
+        if self.schedule.split_backward:
             self._input_grads(unit, state, roots, grads)
             return
         with self.recorder.span(f"B{unit}", "compute"):

@@ -34,13 +34,9 @@ from typing import Any
 from runtime.config import JobConfig, load_job
 from runtime.errors import RunError
 from runtime.package import Wiring, import_package, read_wiring
-from runtime.schedule import Action, build, build_interleaved
-from runtime.schedule_zbv import build_zbv
+from runtime.schedule import Action, build, get_schedule
 
 __all__ = ["TorchPlan", "export_torch_plan", "torch_plan"]
-
-_SPLIT = ("zb1p", "zbv")
-"""Schedules whose B is the input-gradient half of a split backward (torch's ``I``)."""
 
 
 @dataclass(frozen=True)
@@ -89,22 +85,18 @@ def _torch_action(action: Action, schedule: str, microbatches: int) -> str | Non
     its minibatch; None for an optimizer step."""
     if action.kind == "S":
         return None
-    kind = "I" if action.kind == "B" and schedule in _SPLIT else action.kind
+    kind = "I" if action.kind == "B" and get_schedule(schedule).split_backward else action.kind
     return f"{action.stage}{kind}{action.index % microbatches}"
 
 
 def _rank_lists(job: JobConfig) -> list[Sequence[Action]]:
     """Every rank's actions for one minibatch."""
-    if job.schedule == "zbv":
-        return list(build_zbv(job.world_size, job.microbatches))
-    if job.schedule == "interleaved":
-        return list(build_interleaved(job.world_size, job.virtual_stages, job.microbatches))
-    return list(build(job.schedule, job.stages, job.microbatches))
+    return list(build(job.schedule, job.stage_ranks, job.microbatches))
 
 
 def _check(job: JobConfig, wiring: Wiring) -> None:
     """Refuse what torch's pipelining cannot run, naming it."""
-    if job.schedule == "pipedream":
+    if get_schedule(job.schedule).stashes:
         raise RunError(
             "torch's pipelining has no asynchronous schedule: pipedream keeps several weight versions in "
             "flight; partition with --schedule 1f1b (or gpipe, zb1p, interleaved, zbv)"

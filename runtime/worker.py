@@ -39,7 +39,6 @@ from runtime.optim import Clip, OptimSettings, counted_params, make_optimizer, m
 from runtime.options import RunOptions, from_argv
 from runtime.package import build_stage, import_package, read_wiring
 from runtime.rank_checkpoints import RankCheckpoints
-from runtime.schedule_zbv import build_zbv
 from runtime.stage import Groups, StageRuntime
 from runtime.step_log import StepLog, open_step_log
 
@@ -174,7 +173,7 @@ class _Clock:
 def _warn_idle_replicas(job: JobConfig) -> None:
     """Synchronous schedules split a minibatch's microbatches over a stage's replicas (pipedream
     hands out whole minibatches, so every replica gets work)."""
-    if job.schedule == "pipedream":
+    if not schedule.get_schedule(job.schedule).flushes:
         return
     for k, ranks in enumerate(job.stage_ranks):
         if len(ranks) > job.microbatches:
@@ -258,7 +257,7 @@ def _build(
         comm=shared.comm if shared else Comm(dist.group.WORLD, device, prefetch=device.type == "cpu"),  # type: ignore[arg-type]
         groups=shared.groups if shared else groups or _groups(cfg, timeout),
         batches=batches,
-        stash=cfg.job.schedule == "pipedream",
+        stash=schedule.get_schedule(cfg.job.schedule).stashes,
         recorder=shared.recorder
         if shared
         else Recorder(cfg.rank, cfg.stage, trace=options.trace is not None),
@@ -320,19 +319,9 @@ def _train(
     saves = {first + count for first, count in _segments(start, total, options.checkpoint_every)}
     evals = eval_steps(start, total, options.eval_every) if evaluator is not None else ()
     for first, count in segments(start, total, sorted(saves | set(evals))):
-        if job.schedule in ("interleaved", "zbv"):
-            lists = (
-                build_zbv(job.world_size, job.microbatches, count, first)
-                if job.schedule == "zbv"
-                else schedule.build_interleaved(
-                    job.world_size, job.virtual_stages, job.microbatches, count, first
-                )
-            )
-            rt.play(lists[cfg.rank], first, hosted)
-        else:
-            replicas = [len(r) for r in job.stage_ranks]
-            actions = schedule.build_job(job.schedule, replicas, job.microbatches, count, first)
-            rt.play(actions[cfg.stage][cfg.replica], first)
+        steps = range(first, first + count)  # built as they are played: start-up and memory do not grow
+        acts = schedule.actions(job.schedule, job.stage_ranks, cfg.rank, job.microbatches, steps)
+        rt.play(acts, first, hosted)
         if saves_to is not None and first + count in saves:
             began = time.perf_counter()
             saves_to.save(first + count)

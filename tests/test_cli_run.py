@@ -45,7 +45,7 @@ def test_dry_run_prints_one_torchrun_line_per_node(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     lines = [line for line in result.output.strip().splitlines() if not line.startswith("#")]
     assert len(lines) == 2 and all(line.startswith("torchrun --nnodes 2") for line in lines)
-    assert "# stage 1 (ranks 1): 1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3 1S0" in result.output
+    assert "# rank 1 (stage 1): 1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3 1S0" in result.output  # one list per rank
 
 
 def test_missing_package_exits_2_with_one_line(tmp_path: Path) -> None:

@@ -1,9 +1,10 @@
 """``--schedule auto``: the fastest predicted plan over schedules x microbatch counts x virtual stages
 (x recomputation, with ``recompute="auto"``).
 
-Each schedule has its own exact search (:func:`partitioner.optimizer.solve_with`) of cuts,
+Each schedule has its own search (:func:`partitioner.optimizer.planner.solve_with`) of cuts,
 replicas and recomputation under the memory limit; ``auto`` runs it for every schedule at every
-microbatch count it considers (interleaved also at every virtual stage count) and keeps the plan
+microbatch count it considers (at every virtual stage count its model lists: interleaved's 2, 3
+and 4) and keeps the plan
 with the least predicted time per minibatch, so it is never predicted slower than the best fixed
 schedule it considers.
 
@@ -20,36 +21,23 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile
 from partitioner.optimizer.options import SolveOptions
-from partitioner.plan import SCHEDULES, Cluster, Plan
+from partitioner.optimizer.planner import solve_with
+from partitioner.optimizer.pricing.schedules import MODELS, model
+from partitioner.plan import Cluster, Plan
 
-__all__ = [
-    "AUTO_SCHEDULES",
-    "AUTO_VIRTUAL_STAGES",
-    "LAID_OUT",
-    "AutoChoice",
-    "fastest_interleaved",
-    "microbatch_counts",
-    "solve_auto",
-]
+__all__ = ["AUTO_SCHEDULES", "AutoChoice", "microbatch_counts", "solve_auto"]
 
-#: what ``auto`` tries by default: every priced schedule.
-AUTO_SCHEDULES: tuple[str, ...] = SCHEDULES
-
-#: schedules with a fixed number of stages per GPU (interleaved's virtual stages, zbv's V of two):
-#: a model with too few layers, or microbatches their order cannot play, has no plan of theirs, which
-#: ``auto`` shows as None rather than an error.
-LAID_OUT = ("interleaved", "zbv")
-
-#: the virtual stages per GPU ``auto`` tries for ``interleaved``, keeping the fastest. A count
-#: applies where the microbatches are a multiple of the GPUs and the model has at least GPUs x the
-#: count layers; where none applies, interleaved's time is None.
-AUTO_VIRTUAL_STAGES: tuple[int, ...] = (2, 3, 4)
+#: what ``auto`` tries by default: every priced schedule. One that lays several stages on each GPU
+#: has no plan on a model with too few layers, or microbatches its order cannot play: ``auto``
+#: shows it as None rather than an error. Each is tried at every virtual stage count its model
+#: lists (``ScheduleModel.auto_virtual``), the fastest kept.
+AUTO_SCHEDULES: tuple[str, ...] = tuple(MODELS)
 
 #: the most microbatches ``auto`` tries, per GPU: past a few per stage the bubble is small and
 #: every further microbatch only adds fixed costs.
@@ -128,56 +116,29 @@ def _time(plan: Plan) -> float:
 def _best_schedule(
     profile: Profile, cluster: Cluster, opts: SolveOptions, counts: Sequence[int]
 ) -> Plan | None:
-    """``opts.schedule``'s fastest plan over ``counts`` (None: interleaved applies at none).
+    """``opts.schedule``'s fastest plan over ``counts`` and its model's virtual stage counts (None: a
+    laid-out schedule applies at none: a PlanError on microbatches or layers).
 
     Raises:
-        InfeasibleError: nothing fits at any count (the first count's message).
+        InfeasibleError: nothing fits at any count (the first one's message).
     """
-    from partitioner.optimizer import solve_with
-
+    sched = model(opts.schedule)
     best: Plan | None = None
     error: InfeasibleError | None = None
-    for m in (1,) if opts.schedule == "pipedream" else counts:
+    for m in (1,) if sched.asynchronous else counts:
         at = replace(opts, microbatches=m, virtual_stages=1).checked(profile)
-
-        def one(virtual: int, at: SolveOptions = at) -> Plan:
-            return solve_with(profile, cluster, replace(at, virtual_stages=virtual).checked(profile))
-
-        try:
-            plan = fastest_interleaved(one) if opts.schedule == "interleaved" else one(1)
-        except InfeasibleError as exc:
-            error = error or exc
-            continue
-        except PlanError:
-            if opts.schedule not in LAID_OUT:
-                raise
-            continue
-        if plan is not None and (best is None or _time(plan) < _time(best)):
-            best = plan
-    if best is None and error is not None:
-        raise error
-    return best
-
-
-def fastest_interleaved(solve_at: Callable[[int], Plan]) -> Plan | None:
-    """The fastest of ``solve_at(v)`` over :data:`AUTO_VIRTUAL_STAGES`; None where no count applies
-    (a PlanError: microbatches or layers).
-
-    Raises:
-        InfeasibleError: some count applies but none fits memory (the first one's message).
-    """
-    best: Plan | None = None
-    error: InfeasibleError | None = None
-    for virtual in AUTO_VIRTUAL_STAGES:
-        try:
-            plan = solve_at(virtual)
-        except InfeasibleError as exc:
-            error = error or exc
-            continue
-        except PlanError:
-            continue
-        if best is None or _time(plan) < _time(best):
-            best = plan
+        for virtual in sched.auto_virtual:
+            try:
+                plan = solve_with(profile, cluster, replace(at, virtual_stages=virtual).checked(profile))
+            except InfeasibleError as exc:
+                error = error or exc
+                continue
+            except PlanError:
+                if not sched.laid_out:
+                    raise
+                continue
+            if best is None or _time(plan) < _time(best):
+                best = plan
     if best is None and error is not None:
         raise error
     return best

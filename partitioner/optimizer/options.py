@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from partitioner.errors import PlanError
 from partitioner.graph import Profile
-from partitioner.optimizer.cost import RECOMPUTE_MODES
-from partitioner.optimizer.memory import OPTIMIZER_STATE
-from partitioner.plan import SCHEDULES
+from partitioner.optimizer.pricing.memory import OPTIMIZER_STATE
+from partitioner.optimizer.pricing.price import RECOMPUTE_MODES
+from partitioner.optimizer.pricing.schedules import MODELS, model
 
 __all__ = [
     "MAX_LAYERS",
@@ -76,16 +76,16 @@ class SolveOptions:
     """The plan's schedule and training settings, and how to search.
 
     Attributes:
-        schedule: one of ``partitioner.plan.SCHEDULES``.
+        schedule: a key of ``pricing.schedules.MODELS``.
         microbatches: per minibatch, for the synchronous schedules (pipedream runs whole minibatches).
         optimizer: sgd, momentum, adam or adamw (its state counts in memory).
         straight: one device per stage (no replication).
         solver: ``dp`` (exact searches) or ``ilp`` (pulp, small profiles).
         activation_comm: charge 2·activation/(B·r) per cut; PipeDream's optimizer charges none by
             default (only with a compression ratio).
-        recompute: ``none``, ``all`` or ``auto`` (``cost.RECOMPUTE_MODES``).
-        virtual_stages: stages per device under ``interleaved`` (Megatron's virtual stages); 1
-            elsewhere.
+        recompute: ``none``, ``all`` or ``auto`` (``price.RECOMPUTE_MODES``).
+        virtual_stages: stages per device where the schedule lets the user choose them
+            (``interleaved``: Megatron's virtual stages); 1 elsewhere.
     """
 
     schedule: str = "pipedream"
@@ -99,8 +99,8 @@ class SolveOptions:
 
     @property
     def m(self) -> int:
-        """Microbatches the cost model prices: 1 under pipedream, which runs whole minibatches."""
-        return 1 if self.schedule == "pipedream" else self.microbatches
+        """Microbatches the cost model prices: 1 for a schedule of whole minibatches (pipedream)."""
+        return model(self.schedule).microbatches(self.microbatches)
 
     def checked(self, profile: Profile) -> SolveOptions:
         """These options, once every value is known good for ``profile``.
@@ -109,8 +109,7 @@ class SolveOptions:
             PlanError: an unknown schedule, optimizer, solver or recompute mode, fewer than one
                 microbatch, or a profile without layers.
         """
-        if self.schedule not in SCHEDULES:
-            raise PlanError(f"unknown schedule {self.schedule!r}; use one of {', '.join(SCHEDULES)}")
+        model(self.schedule)  # (an unknown one: a PlanError naming the known ones)
         if self.optimizer not in OPTIMIZER_STATE:
             raise PlanError(f"unknown optimizer {self.optimizer!r}; use sgd, momentum, adam or adamw")
         if self.microbatches < 1:
@@ -127,6 +126,9 @@ class SolveOptions:
                 "(its time and memory grow with the square of the layers): profile with --leaf-module "
                 "CLASS so each repeated block is one layer, or merge layers of the graph"
             )
-        if self.virtual_stages < 1 or (self.virtual_stages > 1 and self.schedule != "interleaved"):
-            raise PlanError(f"--virtual-stages {self.virtual_stages} needs --schedule interleaved (and >= 1)")
+        chosen = [name for name, m in MODELS.items() if m.virtual_stages is None]
+        if self.virtual_stages < 1 or (self.virtual_stages > 1 and self.schedule not in chosen):
+            raise PlanError(
+                f"--virtual-stages {self.virtual_stages} needs --schedule {' or '.join(chosen)} (and >= 1)"
+            )
         return self

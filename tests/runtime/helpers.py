@@ -14,7 +14,7 @@ from runtime.data import SyntheticBatches
 from runtime.launch import launch
 from runtime.options import RunOptions
 from runtime.package import import_package
-from runtime.schedule import build_job
+from runtime.schedule import build, pipeline
 
 __all__ = ["pipedream_reference", "plain_training", "run", "stage_state"]
 
@@ -86,9 +86,10 @@ def plain_training(
 def _forward_versions(replicas: Sequence[int], microbatches: int, steps: int) -> list[dict[int, int]]:
     """Per stage, the weight version (its steps taken) each unit's forward saw under pipedream."""
     out = []
-    for ranks in build_job("pipedream", replicas, microbatches, steps):
+    lists = build("pipedream", pipeline(replicas), microbatches, steps)
+    for ranks in pipeline(replicas):
         seen = {}
-        for actions in ranks:
+        for actions in (lists[r] for r in ranks):
             taken = 0
             for a in actions:
                 if a.kind == "S":

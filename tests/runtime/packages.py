@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from partitioner.plan import Cluster, Plan, Prediction, SolverInfo, Stage, Tie, mp_conf, plan_to_json
-from runtime.schedule_zbv import zbv_placement
+from runtime.schedule import layout_of
 
 __all__ = ["write_package"]
 
@@ -317,8 +317,8 @@ def write_package(
         first += r
     if virtual > 1:
         first = stages // virtual
-        homes = zbv_placement(first) if v_shape else tuple(k % first for k in range(stages))
-        plan_stages = [Stage(k, (f"n{k}",), 1, (homes[k],)) for k in range(stages)]
+        homes = layout_of("zbv" if v_shape else "interleaved", first, virtual)
+        plan_stages = [Stage(k, (f"n{k}",), 1, homes[k]) for k in range(stages)]
     ties = (Tie("stages.0.fc.weight", ((0, "fc.weight"), (stages - 1, "w"))),) if kind == "tied" else ()
     plan = Plan(
         gpus=first,

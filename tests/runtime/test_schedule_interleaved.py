@@ -8,15 +8,28 @@ import pytest
 
 from runtime.schedule import (
     Action,
+    Layout,
     ScheduleError,
     build,
-    build_interleaved,
     format_actions,
-    interleaved_stage,
+    get_schedule,
+    layout_of,
     parse_actions,
-    simulate_ranks,
-    validate_ranks,
+    pipeline,
+    simulate,
+    validate,
 )
+
+
+def build_interleaved(
+    ranks: int, virtual: int, micro: int, steps: int = 1, first_step: int = 0
+) -> tuple[tuple[Action, ...], ...]:
+    return build("interleaved", cycle(ranks, virtual), micro, steps, first_step)
+
+
+def cycle(ranks: int, virtual: int) -> Layout:
+    return layout_of("interleaved", ranks, virtual)
+
 
 RANGE = [(p, m, v) for p in range(1, 5) for m in range(1, 9) for v in range(1, 4) if v == 1 or m % p == 0]
 
@@ -25,7 +38,7 @@ RANGE = [(p, m, v) for p in range(1, 5) for m in range(1, 9) for v in range(1, 4
 def test_every_supported_interleaved_is_valid(ranks: int, micro: int, virtual: int) -> None:
     for steps in (1, 2):
         lists = build_interleaved(ranks, virtual, micro, steps, first_step=3)
-        validate_ranks(lists, micro, range(3, 3 + steps))
+        validate(lists, micro, range(3, 3 + steps), cycle(ranks, virtual), "interleaved")
         hosted = {a.stage for acts in lists for a in acts}
         assert hosted == set(range(ranks * virtual))
 
@@ -35,7 +48,7 @@ def test_interleaved_bubble_is_p_minus_1_over_v_m(ranks: int, micro: int, virtua
     """Equal stages, unit F and B per chunk: the ideal is 2 v m slots per rank, the bubble
     (p - 1) / (v m) of it, so 2 (v m + p - 1) slots per minibatch."""
     for steps in (1, 2):
-        slots = simulate_ranks(build_interleaved(ranks, virtual, micro, steps))
+        slots = simulate(build_interleaved(ranks, virtual, micro, steps), cycle(ranks, virtual))
         ideal = 2 * virtual * micro
         assert slots == steps * 2 * (virtual * micro + ranks - 1)
         assert slots / steps / ideal - 1 == pytest.approx((ranks - 1) / (virtual * micro))
@@ -53,7 +66,7 @@ def test_interleaved_holds_megatrons_warm_up_plus_one(ranks: int, micro: int, vi
 
 
 def test_one_chunk_is_1f1b() -> None:
-    assert build_interleaved(3, 1, 5, steps=2) == tuple(build("1f1b", 3, 5, steps=2))
+    assert build_interleaved(3, 1, 5, steps=2) == build("1f1b", pipeline([1, 1, 1]), 5, steps=2)
 
 
 def test_interleaved_text_form_and_layout() -> None:
@@ -62,12 +75,14 @@ def test_interleaved_text_form_and_layout() -> None:
         "0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1 0S0 2S0",
         "1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1 1S0 3S0",
     ]
-    assert [interleaved_stage(r, c, 4) for c in range(2) for r in range(4)] == list(range(8))
+    assert cycle(4, 2) == tuple((s % 4,) for s in range(8))
 
 
 def test_unsupported_microbatches_are_refused() -> None:
     with pytest.raises(ScheduleError, match=r"multiple of the 4 ranks.*--microbatches 8"):
-        build_interleaved(4, 2, 6)
+        get_schedule("interleaved").check(4, 2, 6)
+    with pytest.raises(ScheduleError, match="at least 2 ranks"):
+        get_schedule("interleaved").check(1, 2, 2)
 
 
 @pytest.mark.parametrize(
@@ -82,10 +97,10 @@ def test_unsupported_microbatches_are_refused() -> None:
 )
 def test_validate_ranks_refuses_broken_lists(lists: list[str], error: str) -> None:
     with pytest.raises(ScheduleError, match=error):
-        validate_ranks([parse_actions(t) for t in lists], 1, [0])
+        validate([parse_actions(t) for t in lists], 1, [0], cycle(2, 2), "interleaved")
 
 
 def test_a_valid_hand_written_list_passes() -> None:
     rank0, rank1 = parse_actions("0F0 2F0 2B0 0B0 0S0 2S0"), parse_actions("1F0 3F0 3B0 1B0 1S0 3S0")
-    validate_ranks([rank0, rank1], 1, [0])
+    validate([rank0, rank1], 1, [0], cycle(2, 2), "interleaved")
     assert Action(3, "S", 0) in rank1

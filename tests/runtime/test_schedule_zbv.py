@@ -7,16 +7,29 @@ from __future__ import annotations
 import pytest
 
 from runtime.schedule import (
+    Action,
+    Layout,
     ScheduleError,
-    build_job,
+    actions,
+    build,
     format_actions,
+    get_schedule,
+    layout_of,
     parse_actions,
-    simulate_ranks,
-    validate_ranks,
+    simulate,
+    validate,
 )
-from runtime.schedule_zbv import build_zbv, check_zbv, zbv_placement, zbv_rank, zbv_rank_of, zbv_stages
 
 RANGE = [(p, m) for p in range(1, 5) for m in range(1, 13)]
+
+
+def v(ranks: int) -> Layout:
+    """zbv's V: stages r and 2 ranks - 1 - r on rank r."""
+    return layout_of("zbv", ranks, 2)
+
+
+def build_zbv(ranks: int, micro: int, steps: int = 1, first_step: int = 0) -> tuple[tuple[Action, ...], ...]:
+    return build("zbv", v(ranks), micro, steps, first_step)
 
 
 def zbv_slots(ranks: int, micro: int) -> int:
@@ -28,18 +41,16 @@ def zbv_slots(ranks: int, micro: int) -> int:
 def test_every_zbv_is_valid_on_the_v(ranks: int, micro: int) -> None:
     for steps in (1, 2):
         lists = build_zbv(ranks, micro, steps, first_step=3)
-        validate_ranks(lists, micro, range(3, 3 + steps), zbv_placement(ranks))
-        assert [{a.stage for a in acts} for acts in lists] == [
-            set(zbv_stages(r, ranks)) for r in range(ranks)
-        ]
+        validate(lists, micro, range(3, 3 + steps), v(ranks), "zbv")
+        assert [{a.stage for a in acts} for acts in lists] == [{r, 2 * ranks - 1 - r} for r in range(ranks)]
 
 
 @pytest.mark.parametrize(("ranks", "micro"), RANGE)
 def test_zbv_takes_the_closed_form(ranks: int, micro: int) -> None:
-    one = simulate_ranks(build_zbv(ranks, micro))
+    one = simulate(build_zbv(ranks, micro), v(ranks))
     assert one == zbv_slots(ranks, micro)
     # Steps are local: the next minibatch's first forwards may start under the last Ws of this one.
-    assert 2 * 6 * micro <= simulate_ranks(build_zbv(ranks, micro, 2)) <= 2 * one
+    assert 2 * 6 * micro <= simulate(build_zbv(ranks, micro, 2), v(ranks)) <= 2 * one
     if micro >= 2 * ranks - 1:  # the bubble: p - 1 slots of one chunk pass, against 6m of work
         assert zbv_slots(ranks, micro) - 6 * micro == ranks - 1
 
@@ -47,8 +58,8 @@ def test_zbv_takes_the_closed_form(ranks: int, micro: int) -> None:
 @pytest.mark.parametrize(("ranks", "micro"), RANGE)
 def test_zbv_splits_every_backward_and_holds_about_1f1b_first_stage(ranks: int, micro: int) -> None:
     for r in range(ranks):
-        acts = zbv_rank(r, ranks, micro)
-        for stage in zbv_stages(r, ranks):
+        acts = list(actions("zbv", v(ranks), r, micro, range(1)))
+        for stage in (r, 2 * ranks - 1 - r):
             own = [a for a in acts if a.stage == stage]
             assert [a.index for a in own if a.kind == "W"] == [a.index for a in own if a.kind == "B"]
             assert own[-1].kind == "S"
@@ -63,9 +74,7 @@ def test_zbv_splits_every_backward_and_holds_about_1f1b_first_stage(ranks: int, 
 
 
 def test_zbv_layout() -> None:
-    assert zbv_placement(4) == (0, 1, 2, 3, 3, 2, 1, 0)
-    assert [zbv_rank_of(s, 4) for s in range(8)] == list(zbv_placement(4))
-    assert zbv_stages(3, 4) == (3, 4)  # the turn of the V: a loopback on the last rank
+    assert v(4) == tuple((r,) for r in (0, 1, 2, 3, 3, 2, 1, 0))  # stages 3 and 4 on rank 3: a loopback
 
 
 def test_zbv_text_form() -> None:
@@ -77,21 +86,19 @@ def test_zbv_text_form() -> None:
     assert parse_actions(got[1]) == build_zbv(2, 3)[1]
 
 
-def test_zbv_is_listed_per_rank_and_refuses_nonsense() -> None:
-    with pytest.raises(ScheduleError, match="use build_zbv"):
-        build_job("zbv", [1, 1], 4)
+def test_zbv_refuses_nonsense() -> None:
     with pytest.raises(ScheduleError, match="zbv needs ranks >= 1 and microbatches >= 1"):
-        check_zbv(2, 0)
+        get_schedule("zbv").check(2, 2, 0)
 
 
 def test_dropped_ws_or_a_broken_v_are_refused() -> None:
     lists = [list(acts) for acts in build_zbv(2, 4)]
     no_w = [[a for a in acts if not (a.kind == "W" and a.index == 1)] for acts in lists]
     with pytest.raises(ScheduleError, match="W actions cover"):
-        validate_ranks(no_w, 4, [0], zbv_placement(2))
+        validate(no_w, 4, [0], v(2), "zbv")
     with pytest.raises(ScheduleError, match="an action of rank"):
-        validate_ranks(lists, 4, [0])  # interleaved's placement: stage 3 is not on rank 1
+        validate(lists, 4, [0], layout_of("interleaved", 2, 2))  # stage 3 is not on rank 1 there
     swapped = [lists[0], [*lists[1]]]
     swapped[1][0], swapped[1][1] = swapped[1][1], swapped[1][0]  # 2F0 before 1F0 on one rank
     with pytest.raises(ScheduleError, match="deadlock"):
-        validate_ranks(swapped, 4, [0], zbv_placement(2))
+        validate(swapped, 4, [0], v(2), "zbv")

@@ -9,12 +9,11 @@ from runtime.schedule import (
     Action,
     ScheduleError,
     build,
-    build_job,
     format_actions,
     parse_actions,
+    pipeline,
     simulate,
     validate,
-    validate_job,
 )
 
 RANGE = [(p, m) for p in range(1, 7) for m in range(1, 13)]
@@ -28,14 +27,22 @@ def zb_slots(stages: int, micro: int) -> int:
 @pytest.mark.parametrize(("stages", "micro"), RANGE)
 def test_every_small_zb1p_is_valid_and_takes_the_closed_form(stages: int, micro: int) -> None:
     for steps in (1, 2):
-        validate(build("zb1p", stages, micro, steps, first_step=3), micro, range(3, 3 + steps))
-        assert simulate(build("zb1p", stages, micro, steps)) == steps * zb_slots(stages, micro)
+        validate(
+            build("zb1p", pipeline([1] * stages), micro, steps, first_step=3), micro, range(3, 3 + steps)
+        )
+        assert simulate(build("zb1p", pipeline([1] * stages), micro, steps)) == steps * zb_slots(
+            stages, micro
+        )
 
 
 @pytest.mark.parametrize(("stages", "micro"), RANGE)
 def test_zb1p_keeps_1f1b_forwards_and_at_most_p_graphs(stages: int, micro: int) -> None:
     for k, (zb, one) in enumerate(
-        zip(build("zb1p", stages, micro), build("1f1b", stages, micro), strict=True)
+        zip(
+            build("zb1p", pipeline([1] * stages), micro),
+            build("1f1b", pipeline([1] * stages), micro),
+            strict=True,
+        )
     ):
         assert [a for a in zb if a.kind != "W"] == list(one)  # F, B and S exactly in 1F1B's order
         fwd = graphs = most_f = most_g = 0
@@ -48,15 +55,15 @@ def test_zb1p_keeps_1f1b_forwards_and_at_most_p_graphs(stages: int, micro: int) 
 
 
 def test_zb1p_text_form() -> None:
-    got = [format_actions(a) for a in build("zb1p", 2, 3)]
+    got = [format_actions(a) for a in build("zb1p", pipeline([1] * 2), 3)]
     assert got == ["0F0 0F1 0B0 0W0 0F2 0B1 0W1 0B2 0W2 0S0", "1F0 1B0 1F1 1B1 1W0 1F2 1B2 1W1 1W2 1S0"]
-    assert parse_actions(got[1]) == build("zb1p", 2, 3)[1]
+    assert parse_actions(got[1]) == build("zb1p", pipeline([1] * 2), 3)[1]
 
 
 def test_zb1p_replicas_keep_b_and_w_of_a_unit_together() -> None:
-    job = build_job("zb1p", [2, 1], 4)
-    validate_job(job, "zb1p", 4, [0])
-    for acts in job[0]:
+    lists = build("zb1p", pipeline([2, 1]), 4)
+    validate(lists, 4, [0], pipeline([2, 1]), "zb1p")
+    for acts in lists[:2]:
         units = {a.index for a in acts if a.kind == "B"}
         assert units == {a.index for a in acts if a.kind == "W"}
 
@@ -77,9 +84,9 @@ def test_validate_refuses_broken_split_backwards(lists: list[str], error: str) -
 
 
 def test_w_on_another_replica_is_refused() -> None:
-    job = [[parse_actions("0F0 0B0 0S0"), parse_actions("0F1 0B1 0W0 0W1 0S0")]]
+    lists = [parse_actions("0F0 0B0 0S0"), parse_actions("0F1 0B1 0W0 0W1 0S0")]
     with pytest.raises(ScheduleError, match="0W0 before 0B0 or on another replica"):
-        validate_job(job, "zb1p", 2, [0])
+        validate(lists, 2, [0], pipeline([2]), "zb1p")
 
 
 def test_w_parses_and_round_trips() -> None:

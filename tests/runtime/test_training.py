@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from partitioner.optimizer.cost import in_flight
+from partitioner.optimizer.pricing.schedules import in_flight
 from tests.runtime.helpers import assert_stages_equal, pipedream_reference, plain_training, run, stage_state
 from tests.runtime.packages import write_package
 

@@ -71,7 +71,7 @@ def test_zbv_and_its_layout_go_together(tmp_path: Path) -> None:
         tmp_path / "v", "chain", (1,) * 4, microbatches=4, batch_size=8, virtual=2, v_shape=True
     )
     cyclic = write_package(tmp_path / "c", "chain", (1,) * 4, microbatches=4, batch_size=8, virtual=2)
-    with pytest.raises(RunError, match="only --schedule zbv runs"):
+    with pytest.raises(RunError, match="as only --schedule zbv runs them"):
         load_job(v, schedule="interleaved")
     with pytest.raises(RunError, match="partitioned with --schedule zbv"):
         load_job(cyclic, schedule="zbv")

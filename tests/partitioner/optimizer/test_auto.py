@@ -10,8 +10,9 @@ import pytest
 from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile, load_profile
 from partitioner.optimizer import solve
-from partitioner.optimizer.auto import AUTO_SCHEDULES, AUTO_VIRTUAL_STAGES, microbatch_counts, solve_auto
+from partitioner.optimizer.auto import AUTO_SCHEDULES, microbatch_counts, solve_auto
 from partitioner.optimizer.options import SolveOptions
+from partitioner.optimizer.pricing.schedules import MODELS as SCHEDULE_MODELS
 from partitioner.plan import Cluster, Plan
 from tests.data import PIPEDREAM_PROFILES
 from tests.partitioner.optimizer.conftest import make_profile
@@ -34,7 +35,7 @@ def _fixed(profile: Profile, cluster: Cluster, schedule: str) -> Plan | None:
     if schedule != "interleaved":
         return solve(profile, cluster, schedule, 1 if schedule == "pipedream" else 4)
     found = []
-    for v in AUTO_VIRTUAL_STAGES:
+    for v in SCHEDULE_MODELS["interleaved"].auto_virtual:
         with contextlib.suppress(PlanError):
             found.append(solve(profile, cluster, schedule, 4, virtual_stages=v))
     return min(found, key=lambda p: p.predicted.time_per_minibatch_s, default=None)

@@ -8,7 +8,7 @@ import sys
 
 def test_optimizer_imports_no_torch() -> None:
     code = (
-        "import partitioner.optimizer, partitioner.optimizer.simulate, sys; "
+        "import partitioner.optimizer, partitioner.optimizer.pricing.simulate, sys; "
         "bad = [m for m in ('torch', 'pulp', 'rich', 'click') if m in sys.modules]; "
         "assert not bad, bad"
     )

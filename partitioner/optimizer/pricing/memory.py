@@ -1,0 +1,255 @@
+"""The memory model: the peak bytes one device of a stage holds, written once.
+
+Every memory check goes through this module: the searches' vectorised filters (dp.py, sync.py,
+ilp.py) through :class:`MemoryLimit`, a plan's price (``cost.price_stage``) and the simulation
+through :func:`peak_bytes`, so they agree by construction. At its peak a device holds (each term
+measured against ``pipeplan run`` by ``benchmarks/bench_memory.py``):
+
+- its weights, their gradients and the optimizer's state: P (2 + s), s from ``OPTIMIZER_STATE``;
+  P counts a copy of every tied weight the stage uses but another stage owns (:func:`copy_bytes`);
+- under pipedream with h > 1 minibatches in flight, h weight snapshots: ``runtime.stage`` runs each
+  version's forwards on a snapshot of it, beside the live weights the optimizer updates in place;
+- when a replica runs more than one microbatch per step, the gradient it is accumulating: autograd
+  computes a layer's new gradient beside the sum it adds it to (the stage's largest layer at most;
+  zb1p's and zbv's W computes the whole stage's weight gradients before adding them: P);
+- h items' saved activations, each ``1/share`` of a minibatch; with recomputation h items' inputs
+  plus the one item's activations its backward rebuilds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from partitioner.errors import PlanError
+from partitioner.graph import Profile
+from partitioner.optimizer.pricing.stage import FloatArray, IntArray
+from runtime.schedule import REGISTRY
+
+__all__ = [
+    "OPTIMIZER_STATE",
+    "MemoryLimit",
+    "Shared",
+    "copy_bytes",
+    "peak_bytes",
+    "shared_weights",
+    "transient_bytes",
+    "weight_bytes",
+]
+
+Bytes = FloatArray | float
+
+#: optimizer state per parameter byte: sgd keeps none, momentum one buffer, adam and adamw two moments
+#: (adamw differs only in how weight decay is applied).
+OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
+
+
+def _state(optimizer: str) -> int:
+    if optimizer not in OPTIMIZER_STATE:
+        raise PlanError(f"unknown optimizer {optimizer!r}; use sgd, momentum, adam or adamw")
+    return OPTIMIZER_STATE[optimizer]
+
+
+def weight_bytes(params: Bytes, held: Bytes, schedule: str, optimizer: str) -> Bytes:
+    """Weights, gradients, optimizer state and (pipedream, ``held`` > 1) one snapshot per item."""
+    snapshots = np.where(np.asarray(held) > 1, held, 0) if REGISTRY[schedule].stashes else 0
+    return params * (2 + _state(optimizer) + snapshots)
+
+
+def transient_bytes(params: Bytes, largest: Bytes, schedule: str) -> Bytes:
+    """The gradient being accumulated, for a replica that runs more than one microbatch per step."""
+    return params if REGISTRY[schedule].split_backward else np.minimum(params, largest)
+
+
+def peak_bytes(
+    params: float,
+    saved: float,
+    held: int,
+    share: int,
+    schedule: str,
+    optimizer: str,
+    transient: float = 0.0,
+    inputs: float = 0.0,
+    recompute: bool = False,
+) -> int:
+    """Peak bytes of one device holding ``held`` items, each ``1/share`` of a minibatch.
+
+    ``transient``: :func:`transient_bytes` where the replica accumulates, else 0; ``inputs``: the
+    bytes of the stage's forward inputs per minibatch (what a recomputing stage keeps per item)."""
+    held_bytes = (held * inputs + saved) if recompute else held * saved
+    return round(float(weight_bytes(params, held, schedule, optimizer)) + transient + held_bytes / share)
+
+
+@dataclass(frozen=True)
+class Shared:
+    """A weight several layers use: ``owner`` (its first user) carries its bytes in the profile."""
+
+    owner: str
+    users: tuple[str, ...]
+    nbytes: float
+
+
+def shared_weights(profile: Profile) -> tuple[Shared, ...]:
+    """Weights used by more than one layer, under any of their names (``profile.tied``: gpt2's head
+    uses ``lm_head.weight``, the embedding's ``wte.weight``). A weight's bytes are its first user's
+    ``param_bytes`` (the profile records bytes per layer, not per weight): exact for an embedding
+    tied to a head, an upper bound where the owner has other weights too."""
+    canonical = {name: group[0] for group in profile.tied for name in group}
+    first: dict[str, str] = {}
+    users: dict[str, list[str]] = {}
+    sizes = {n.id: float(n.param_bytes) for n in profile.nodes}
+    for node in profile.nodes:
+        for name in dict.fromkeys(canonical.get(n, n) for n in node.param_names):
+            if name in first and node.id != first[name] and node.id not in users[name]:
+                users[name].append(node.id)
+            first.setdefault(name, node.id)
+            users.setdefault(name, [])
+    return tuple(Shared(first[n], tuple(u), sizes[first[n]]) for n, u in users.items() if u)
+
+
+def copy_bytes(shared: Sequence[Shared], stages: Sequence[Sequence[str]]) -> list[tuple[float, float]]:
+    """Per stage, (bytes of the tied copies it holds, the largest of them): a stage that uses a
+    shared weight whose owner is on another stage holds its own copy (``runtime`` ties them)."""
+    out = []
+    for nodes in stages:
+        members = set(nodes)
+        copies = [s.nbytes for s in shared if s.owner not in members and members.intersection(s.users)]
+        out.append((float(sum(copies)), max(copies, default=0.0)))
+    return out
+
+
+def _bits(masks: Sequence[int], layer_ids: Sequence[str], ids: Sequence[str]) -> npt.NDArray[np.bool_]:
+    """Per state, whether it holds any of the layers ``ids``."""
+    where = {lid: i for i, lid in enumerate(layer_ids)}
+    want = sum(1 << where[i] for i in ids if i in where)
+    return np.array([bool(m & want) for m in masks], dtype=bool)
+
+
+@dataclass(frozen=True)
+class MemoryLimit:
+    """A per-device limit as the searches check it, vectorised over candidate stages.
+
+    The searches price a stage from its parameter and saved bytes, so two terms of :func:`peak_bytes`
+    may be bounds: the accumulated gradient by ``largest`` (the profile's largest layer) where a
+    search does not pass the stage's own (the exact synchronous search does, :meth:`extras`; the
+    bottleneck candidates do not), and a synchronous stage holds all M microbatches' activations
+    (gpipe's count, at least 1f1b's and zb1p's). Every plan is then priced by :func:`peak_bytes`.
+
+    Attributes:
+        limit: bytes per device.
+        optimizer: sgd, momentum, adam or adamw.
+        schedule: the schedule (``runtime.schedule.REGISTRY``): whether it stashes weights and
+            splits its backward.
+        devices: devices in the cluster (pipedream's in-flight count is the devices from a stage on).
+        microbatches: M of the synchronous schedules.
+        largest: the largest layer's parameter bytes (tied copies counted): the bound of the
+            accumulated gradient where a search does not pass a stage's own (:meth:`extras`).
+        shared: the weights several layers use (:func:`shared_weights`).
+        layers: (layer id, parameter bytes) of the layers with any, largest first.
+    """
+
+    limit: float
+    optimizer: str
+    schedule: str
+    devices: int
+    microbatches: int = 1
+    largest: float = 0.0
+    shared: tuple[Shared, ...] = ()
+    layers: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whole minibatches in flight per replica (pipedream): their count is the devices from the
+        stage on, not the microbatches of one minibatch."""
+        return not REGISTRY[self.schedule].flushes
+
+    @staticmethod
+    def of(
+        limit: float, profile: Profile, optimizer: str, schedule: str, devices: int, m: int
+    ) -> MemoryLimit:
+        """The limit for ``profile``: its shared weights and largest layer."""
+        shared = shared_weights(profile)
+        layers = sorted(((n.id, float(n.param_bytes)) for n in profile.nodes if n.param_bytes > 0),
+                        key=lambda x: -x[1])  # fmt: skip
+        largest = max([b for _, b in layers] + [s.nbytes for s in shared], default=0.0)
+        return MemoryLimit(limit, optimizer, schedule, devices, m, largest, shared, tuple(layers))
+
+    def extras(
+        self, masks: Sequence[int], layer_ids: Sequence[str], ks: IntArray, js: IntArray
+    ) -> tuple[FloatArray, FloatArray]:
+        """(tied copies' bytes, largest layer's parameter bytes, a copy counted) of the stages
+        (ks, js]: what makes :meth:`fits` and :meth:`replicas` exact rather than bounded."""
+        copies, largest = self.copies(masks, layer_ids, ks, js)
+        return copies, np.maximum(largest, self._largest_layer(masks, layer_ids, ks, js))
+
+    def copies(
+        self, masks: Sequence[int], layer_ids: Sequence[str], ks: IntArray, js: IntArray
+    ) -> tuple[FloatArray, FloatArray]:
+        """(Tied copies' bytes, the largest copy) of the stages (ks, js] of the states ``masks``
+        (:func:`copy_bytes`)."""
+        total, largest = np.zeros(len(ks)), np.zeros(len(ks))
+        for s in self.shared:
+            owner = _bits(masks, layer_ids, (s.owner,))
+            uses = np.zeros(len(ks), dtype=bool)
+            for user in s.users:
+                bits = _bits(masks, layer_ids, (user,))
+                uses |= bits[js] & ~bits[ks]
+            copy = np.where(uses & ~(owner[js] & ~owner[ks]), s.nbytes, 0.0)
+            total += copy
+            largest = np.maximum(largest, copy)
+        return total, largest
+
+    def _largest_layer(
+        self, masks: Sequence[int], layer_ids: Sequence[str], ks: IntArray, js: IntArray
+    ) -> FloatArray:
+        """Per stage, its largest layer's parameter bytes: layers largest first, each settling the
+        stages that hold it and no larger one (few rounds touch many stages)."""
+        out = np.zeros(len(ks))
+        todo = np.arange(len(ks))
+        for lid, nbytes in self.layers:
+            if todo.size == 0:
+                break
+            bits = _bits(masks, layer_ids, (lid,))
+            hit = bits[js[todo]] & ~bits[ks[todo]]
+            out[todo[hit]] = nbytes
+            todo = todo[~hit]
+        return out
+
+    def items(self, params: FloatArray, saved: FloatArray) -> FloatArray:
+        """pipedream: the most minibatches one device can hold in flight (< 1: none)."""
+        free = self.limit - params * (2 + _state(self.optimizer))
+        many = np.floor(free / np.maximum(params + saved, 1e-9))  # h > 1: P (2 + s + h) + h S <= limit
+        return np.asarray(np.where(many >= 2, many, np.where(free >= saved, 1.0, 0.0)), dtype=np.float64)
+
+    def replicas(
+        self, params: FloatArray, saved: FloatArray, largest: FloatArray | None = None
+    ) -> FloatArray:
+        """Synchronous: the fewest replicas that hold all M microbatches' activations (inf: none);
+        below M replicas a replica accumulates and holds the transient gradient too (``largest``:
+        the stages' largest layers, else the profile's)."""
+        base = self.limit - params * (2 + _state(self.optimizer))
+        alone = _ceil_div(saved, base)
+        bound = self.largest if largest is None else largest
+        with_grad = _ceil_div(saved, base - transient_bytes(params, bound, self.schedule))
+        m = float(self.microbatches)
+        return np.asarray(np.where(with_grad < m, with_grad, np.maximum(alone, m)), dtype=np.float64)
+
+    def fits(
+        self, params: FloatArray, saved: FloatArray, replicas: FloatArray, largest: FloatArray | None = None
+    ) -> npt.NDArray[np.bool_]:
+        """Synchronous: whether stages fit on ``replicas`` each (shapes broadcast; ``largest`` as in
+        :meth:`replicas`)."""
+        transient = transient_bytes(params, self.largest if largest is None else largest, self.schedule)
+        grad = np.where(replicas < self.microbatches, transient, 0.0)
+        need = params * (2 + _state(self.optimizer)) + grad + saved / replicas
+        return np.asarray(need <= self.limit)
+
+
+def _ceil_div(saved: FloatArray, room: FloatArray) -> FloatArray:
+    """ceil(saved / room) where room > 0, inf elsewhere."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(room > 0, np.ceil(saved / np.maximum(room, 1e-9) - 1e-9), np.inf)
+    return np.asarray(out, dtype=np.float64)

@@ -1,0 +1,347 @@
+"""Turn a list of stages (node sets + replicas + ranks) into a costed ``Plan``.
+
+Shared by the solvers, ``evaluate`` and the baselines, so that every plan is priced by one model:
+each stage's load (:func:`stage_loads`), its time under the schedule's model
+(:func:`~partitioner.optimizer.pricing.schedules.plan_times`) and its peak memory
+(:func:`stage_memory`, the memory model's :func:`~partitioner.optimizer.pricing.memory.peak_bytes`
+of what the schedule holds in flight), with or without recomputation.
+
+Activation recomputation (``price_stage(..., recompute=True)``): a stage that recomputes keeps only
+its inputs per item in flight and runs its forward again in backward, so its compute grows by its
+forward time; while one item's backward runs, that item's activations exist again, so one item's
+saved activations stay in its peak.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from partitioner.errors import InfeasibleError, PlanError
+from partitioner.graph import Profile
+from partitioner.optimizer.pricing.memory import copy_bytes, peak_bytes, shared_weights, transient_bytes
+from partitioner.optimizer.pricing.schedules import model, plan_times
+from partitioner.optimizer.pricing.stage import (
+    StageLoad,
+    StagePrice,
+    StageTimes,
+    allreduce_time,
+    host_bound,
+    stage_time,
+)
+from partitioner.plan import Cluster, Plan, Prediction, SolverInfo, Stage
+
+__all__ = [
+    "RECOMPUTE_MODES",
+    "StageSpec",
+    "assemble",
+    "data_parallel_time",
+    "gib",
+    "global_lower_bound",
+    "held_memory",
+    "hosts_bound",
+    "layer_compute_s",
+    "price_stage",
+    "stage_bandwidth",
+    "stage_loads",
+    "stage_memory",
+]
+
+#: ``none``: every stage keeps its activations; ``all``: every stage recomputes; ``auto``: a stage
+#: recomputes only where it does not fit the memory limit otherwise.
+RECOMPUTE_MODES = ("none", "all", "auto")
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """A stage before costing: which layers, how many replicas, on which ranks."""
+
+    nodes: tuple[str, ...]
+    replicas: int
+    ranks: tuple[int, ...]
+
+
+def gib(nbytes: float) -> str:
+    """Bytes as a short human string: two decimals in GiB, or in MiB / KiB for amounts that would
+    read 0.00 GiB (a limit of 1 KiB must not be told that "0.00 GiB" would fit)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size / 10:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def stage_loads(profile: Profile, groups: Sequence[Sequence[str]]) -> list[StageLoad]:
+    """Per-stage compute, parameters, saved activations, tied copies and cut traffic; inputs are free.
+
+    A stage receives everything crossing the cut before it and sends everything crossing the cut
+    after it (tensors skipping a stage are relayed through it, as in PipeDream's runtime).
+    """
+    where = {nid: i for i, group in enumerate(groups) for nid in group}
+    nodes = {n.id: n for n in profile.nodes}
+    last_reader: dict[str, int] = {}
+    for node in profile.nodes:
+        for src in node.inputs:
+            if node.id in where:
+                last_reader[src] = max(last_reader.get(src, -1), where[node.id])
+    crossing = [0.0] * (len(groups) + 1)  # crossing[c]: bytes over the cut before stage c
+    taken = [0.0] * len(groups)  # taken[c]: bytes stage c's forward takes, the model's inputs too
+    for src, reader in last_reader.items():
+        node = nodes[src]
+        if src not in where:
+            continue
+        first = 0 if node.op == "input" else where[src] + 1
+        for cut in range(first, reader + 1):
+            taken[cut] += node.output_bytes
+            crossing[cut] += node.output_bytes if node.op != "input" else 0.0
+    loads = []
+    copies = copy_bytes(shared_weights(profile), groups)
+    for i, group in enumerate(groups):
+        members = [nodes[n] for n in group if nodes[n].op != "input"]
+        largest = max([float(n.param_bytes) for n in members] + [copies[i][1]])
+        loads.append(
+            StageLoad(
+                compute_s=math.fsum(n.compute_ms for n in members) / 1000.0,
+                param_bytes=float(sum(n.param_bytes for n in members)),
+                saved_bytes=float(sum(n.saved_bytes for n in members)),
+                in_bytes=crossing[i],
+                out_bytes=crossing[i + 1],
+                forward_s=math.fsum(n.forward_ms for n in members) / 1000.0,
+                input_bytes=taken[i],
+                copy_bytes=copies[i][0],
+                largest_param_bytes=largest,
+            )
+        )
+    return loads
+
+
+def stage_bandwidth(cluster: Cluster, ranks: Sequence[int], neighbours: Sequence[int]) -> float:
+    """Bandwidth of the smallest hierarchy level holding a stage's ranks and its neighbours' ranks."""
+    span = 1
+    bandwidth = cluster.levels[0].bandwidth
+    everything = list(ranks) + list(neighbours)
+    for level in cluster.levels:
+        if len({r // span for r in everything}) <= 1:
+            return bandwidth
+        bandwidth = level.bandwidth
+        span *= level.devices
+    return bandwidth
+
+
+def layer_compute_s(profile: Profile) -> float:
+    """Forward+backward seconds of every node but the inputs (free: PipeDream zeroes them)."""
+    return math.fsum(n.compute_ms for n in profile.nodes if n.op != "input") / 1000.0
+
+
+def data_parallel_time(profile: Profile, cluster: Cluster, schedule: str = "pipedream") -> float:
+    """Data parallelism on every device: PipeDream's comparator (each level replicates the whole
+    model), or for synchronous schedules the compute split M ways plus one all-reduce over the
+    slowest level."""
+    time = layer_compute_s(profile)
+    params = float(sum(n.param_bytes for n in profile.nodes if n.op != "input"))
+    if not model(schedule).asynchronous:
+        gpus, bw = cluster.gpus, min(level.bandwidth for level in cluster.levels)
+        return time / gpus + allreduce_time(params, gpus, bw)
+    inner = 1
+    for level in cluster.levels:
+        time = float(stage_time(time, params, level.devices, level.bandwidth, inner))
+        inner = level.devices
+    return time
+
+
+def hosts_bound(cluster: Cluster, stages: Sequence[Stage]) -> float:
+    """:func:`~partitioner.optimizer.pricing.schedules.host_bound` of a plan's stages: a replica computes its
+    share of the minibatches, ``compute_s / replicas`` per minibatch."""
+    rank_s = [0.0] * cluster.gpus
+    for stage in stages:
+        for rank in stage.ranks:
+            rank_s[rank] += stage.compute_s / stage.replicas
+    return host_bound(rank_s, cluster.levels[0].devices, cluster.cores, cluster.threads)
+
+
+def global_lower_bound(profile: Profile, cluster: Cluster) -> float:
+    """No plan beats perfect scaling of the compute, nor the fastest possible stage of one layer."""
+    gpus = cluster.gpus
+    bw = max(level.bandwidth for level in cluster.levels)
+    r = np.arange(1, gpus + 1, dtype=np.float64)
+    single = 0.0
+    for node in profile.nodes:
+        if node.op == "input":
+            continue
+        c, p = node.compute_ms / 1000.0, float(node.param_bytes)
+        single = max(single, float(np.min(stage_time(c, p, r, bw))))
+    return max(layer_compute_s(profile) / gpus, single)
+
+
+def _times(
+    cluster: Cluster, specs: Sequence[StageSpec], schedule: str, m: int, comm: bool,
+    loads: Sequence[StageLoad], virtual: int = 1,
+) -> StageTimes:  # fmt: skip
+    if not comm:  # PipeDream's optimizer by default (no --activation_compression_ratio) charges none
+        loads = [replace(ld, in_bytes=0.0, out_bytes=0.0) for ld in loads]
+    bws = []
+    for i, spec in enumerate(specs):
+        near = [r for j in (i - 1, i + 1) if 0 <= j < len(specs) for r in specs[j].ranks]
+        bws.append(stage_bandwidth(cluster, spec.ranks, near))
+    return plan_times(loads, [s.replicas for s in specs], bws, schedule, m, virtual)
+
+
+def held_memory(
+    load: StageLoad, schedule: str, held: int, share: int, optimizer: str, recompute: bool, accumulates: bool
+) -> int:
+    """Peak bytes of one device of a stage holding ``held`` items, each ``1/share`` of a minibatch,
+    accumulating gradients or not: :func:`~partitioner.optimizer.pricing.memory.peak_bytes` of the
+    stage's bytes. Shared by the cost model and the simulation (which counts ``held`` itself)."""
+    params = load.param_bytes + load.copy_bytes
+    transient = float(transient_bytes(params, load.largest_param_bytes, schedule)) if accumulates else 0.0
+    return peak_bytes(
+        params, load.saved_bytes, held, share, schedule, optimizer, transient, load.input_bytes, recompute
+    )
+
+
+def stage_memory(
+    load: StageLoad, schedule: str, position: int, replicas: Sequence[int], microbatches: int, optimizer: str,
+    recompute: bool = False, virtual: int = 1,
+) -> int:  # fmt: skip
+    """Peak bytes on one device of a stage: what its schedule holds in flight (``ScheduleModel``).
+
+    A schedule of whole minibatches (pipedream) keeps one weight version per minibatch in flight
+    (weight stashing) and each replica runs whole minibatches; a flushing schedule splits each
+    microbatch over the replicas, and a replica with more than one microbatch per step accumulates
+    gradients.
+    """
+    sched = model(schedule)
+    held = sched.held(position, replicas, microbatches, virtual)
+    whole = sched.asynchronous
+    share = 1 if whole else microbatches * replicas[position]
+    accumulates = not whole and microbatches > replicas[position]
+    return held_memory(load, schedule, held, share, optimizer, recompute, accumulates)
+
+
+def price_stage(
+    load: StageLoad, schedule: str, position: int, replicas: Sequence[int], microbatches: int, optimizer: str,
+    recompute: bool, virtual: int = 1,
+) -> StagePrice:  # fmt: skip
+    """A stage's compute time and peak memory, with or without activation recomputation: the one
+    place every memory check and time of a recomputing stage comes from."""
+    compute = load.compute_s + (load.forward_time if recompute else 0.0)
+    memory = stage_memory(load, schedule, position, replicas, microbatches, optimizer, recompute, virtual)
+    return StagePrice(compute, memory)
+
+
+def _priced(
+    loads: Sequence[StageLoad], specs: Sequence[StageSpec], schedule: str, m: int, optimizer: str,
+    recompute: str, limit: int | None, virtual: int = 1,
+) -> list[tuple[bool, StagePrice]]:  # fmt: skip
+    """Each stage's recompute choice and price: ``auto`` recomputes exactly the stages that do not
+    fit ``limit`` without it and need less with it (each stage's memory depends on its own choice
+    only; a stage whose inputs outweigh its activations gains nothing from recomputing)."""
+    if recompute not in RECOMPUTE_MODES:
+        raise PlanError(f"unknown recompute mode {recompute!r}; use {', '.join(RECOMPUTE_MODES)}")
+    reps = [s.replicas for s in specs]
+    out = []
+    for i, ld in enumerate(loads):
+        keep = price_stage(ld, schedule, i, reps, m, optimizer, False, virtual)
+        redo = price_stage(ld, schedule, i, reps, m, optimizer, True, virtual)
+        needed = limit is not None and keep.memory_bytes > limit and redo.memory_bytes < keep.memory_bytes
+        again = recompute == "all" or (recompute == "auto" and needed)
+        out.append((again, redo if again else keep))
+    return out
+
+
+def assemble(
+    profile: Profile,
+    cluster: Cluster,
+    specs: Sequence[StageSpec],
+    schedule: str,
+    microbatches: int,
+    optimizer: str,
+    solver: SolverInfo,
+    time_override: float | None = None,
+    extra: dict[str, object] | None = None,
+    activation_comm: bool = True,
+    recompute: str = "none",
+    virtual: int = 1,
+) -> Plan:
+    """Cost the stages and build the Plan; ``time_override`` keeps a solver's own objective value.
+    ``virtual`` > 1 (``interleaved``): ``specs`` are ``gpus * virtual`` one-device stages on ranks
+    ``s mod gpus``; a device's memory is its stages' sum.
+
+    ``recompute`` (``none``, ``all`` or ``auto``) decides which stages recompute their forward in
+    backward, priced by :func:`~partitioner.optimizer.pricing.schedules.price_stage`.
+
+    Raises:
+        InfeasibleError: a stage needs more memory than the cluster's devices have.
+        PlanError: the stages use more devices than the cluster has.
+    """
+    used = len({r for s in specs for r in s.ranks})
+    if used > cluster.gpus:
+        raise PlanError(f"the plan uses {used} GPUs but the cluster has {cluster.gpus}")
+    limit = cluster.memory_bytes
+    loads = stage_loads(profile, [s.nodes for s in specs])
+    priced = _priced(loads, specs, schedule, microbatches, optimizer, recompute, limit, virtual)
+    loads = [replace(ld, compute_s=price.compute_s) for ld, (_, price) in zip(loads, priced, strict=True)]
+    times = _times(cluster, specs, schedule, microbatches, activation_comm, loads, virtual)
+    memory = [price.memory_bytes for _, price in priced]
+    _check_device_memory(specs, memory, limit)
+    time = times.time_per_minibatch_s if time_override is None else time_override
+    stages = tuple(
+        Stage(i, spec.nodes, spec.replicas, spec.ranks, ld.compute_s, times.comm_s[i], memory[i], again)
+        for i, (spec, ld, (again, _)) in enumerate(zip(specs, loads, priced, strict=True))
+    )
+    single = layer_compute_s(profile)
+    everyone = Stage(0, (), cluster.gpus, tuple(range(cluster.gpus)), single)
+    dp = max(data_parallel_time(profile, cluster, schedule), hosts_bound(cluster, [everyone]))
+    host = hosts_bound(cluster, stages)
+    pipeline, time = time, max(time, host)
+    batch = profile.batch_size
+    prediction = Prediction(
+        time_per_minibatch_s=time,
+        throughput_samples_per_s=batch / time if batch and time > 0 else None,
+        bubble_fraction=times.bubble_fraction,
+        speedup_vs_data_parallel=dp / time if time > 0 else None,
+        speedup_vs_single=single / time if time > 0 else None,
+        pipeline_s=pipeline,
+        host_bound_s=host,
+    )
+    return Plan(
+        gpus=used,
+        cluster=cluster,
+        schedule=schedule,
+        microbatches=microbatches,
+        stages=stages,
+        predicted=prediction,
+        solver=solver,
+        batch_size=profile.batch_size,
+        optimizer=optimizer,
+        model=profile.model,
+        extra={**(extra or {}), "activation_comm": activation_comm, "recompute": recompute},
+        virtual_stages=virtual,
+    )
+
+
+def _check_device_memory(specs: Sequence[StageSpec], memory: Sequence[int], limit: int | None) -> None:
+    """Every device holds its stages (several, where a schedule lays them so) within ``limit``."""
+    if limit is None:
+        return
+    per_rank: dict[int, list[int]] = {}
+    for spec, nbytes in zip(specs, memory, strict=True):
+        for r in spec.ranks:
+            per_rank.setdefault(r, []).append(nbytes)
+    if all(len(held) == 1 for held in per_rank.values()):
+        if max(memory) > limit:
+            worst = max(range(len(memory)), key=memory.__getitem__)
+            raise InfeasibleError(
+                f"stage {worst} needs {gib(memory[worst])} per GPU but only {gib(limit)} is available; "
+                f"raise --memory to at least {gib(max(memory))} or use more GPUs"
+            )
+        return
+    worst = max(per_rank, key=lambda r: sum(per_rank[r]))
+    if sum(per_rank[worst]) > limit:
+        raise InfeasibleError(
+            f"GPU {worst} needs {gib(sum(per_rank[worst]))} for its stages but only {gib(limit)} is "
+            f"available; raise --memory to at least {gib(sum(per_rank[worst]))}, use fewer --virtual-stages "
+            "or more GPUs"
+        )

@@ -1,0 +1,382 @@
+"""One :class:`ScheduleModel` per schedule: how the planner prices it. The registry (:data:`MODELS`)
+is the only place that tells schedules apart by name; everything else asks it.
+
+A model holds its time per minibatch (a closed form over its stages' :class:`~.stage.StageLoad`),
+the items a stage holds in flight (counted from the runtime's own lists unless a closed form is
+given), whether the event simulation of those lists prices its plans, and how it lays stages on
+GPUs. Its twin :class:`runtime.schedule.Schedule` (:attr:`ScheduleModel.runtime`) builds the lists
+and says whether the schedule flushes, stashes weights or splits its backward.
+
+- ``pipedream`` (PipeDream's objective): the slowest stage's time, :func:`~.stage.stage_time`.
+- ``1f1b``, ``gpipe``: M microbatches flow through, so a minibatch takes the sum of one
+  microbatch's stage times, plus (M-1) slowest stages, plus the largest gradient all-reduce.
+- ``zb1p`` (zero bubble H1): each backward split into B (on the critical path) and W (deferred into
+  the bubbles), :func:`zero_bubble_time` and :data:`~.stage.W_SHARE`.
+- ``interleaved`` (Megatron's virtual stages) and ``zbv`` (ZB-V): lower bounds in closed form
+  (:func:`interleaved_time`, :func:`zbv_time`) rank candidate cuts; the simulation prices the plan.
+
+Adding a schedule is one entry here and its builder in ``runtime.schedule`` (docs/optimizer-pricing.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from partitioner.errors import PlanError
+from partitioner.optimizer.pricing.stage import (
+    W_SHARE,
+    StageLoad,
+    StageTimes,
+    activation_time,
+    allreduce_time,
+    microbatch_compute,
+    microbatch_link,
+    stage_time,
+)
+from runtime.schedule import REGISTRY, Schedule, actions, layout_of
+
+__all__ = [
+    "MODELS",
+    "ScheduleModel",
+    "in_flight",
+    "interleaved_time",
+    "model",
+    "plan_times",
+    "zbv_time",
+    "zero_bubble_time",
+]
+
+Times = Callable[[Sequence[StageLoad], Sequence[int], Sequence[float], int, int], StageTimes]
+"""(loads, replicas, bandwidths, microbatches, virtual stages) -> a plan's times."""
+
+
+@dataclass(frozen=True)
+class ScheduleModel:
+    """How the planner prices one schedule.
+
+    Attributes:
+        name: the schedule (a key of ``runtime.schedule.REGISTRY`` too).
+        times: its time per minibatch and per-stage times (:data:`Times`).
+        in_flight: (position, replicas, microbatches, virtual) -> items (minibatches or
+            microbatches) a device of that stage holds at once; None: counted from the runtime's
+            own list of one minibatch (:func:`played_in_flight`).
+        simulated: plans are priced by the event simulation of the runtime's lists (``times`` only
+            ranks candidates: a lower bound on unequal stages).
+        sync_sum: ``times`` is the synchronous sum the exact search minimises (its optimum is then
+            this schedule's).
+        holds_all: every stage holds all M microbatches (the exact search's memory model is exact).
+        virtual_stages: stages per GPU of a schedule that lays several on each (``zbv``'s V: 2);
+            None: as many as asked (``interleaved``); 1 elsewhere.
+        auto_virtual: the virtual stage counts ``--schedule auto`` tries.
+        seed_schedule: a laid-out schedule's first candidate cuts are this schedule's exact
+            straight plan over one device per stage.
+    """
+
+    name: str
+    times: Times
+    in_flight: Callable[[int, Sequence[int], int, int], int] | None = None
+    simulated: bool = False
+    sync_sum: bool = False
+    holds_all: bool = False
+    virtual_stages: int | None = 1
+    auto_virtual: tuple[int, ...] = (1,)
+    seed_schedule: str = ""
+
+    @property
+    def runtime(self) -> Schedule:
+        """The runtime's entry: builder, flush, weight stashing, split backward, placement."""
+        return REGISTRY[self.name]
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whole minibatches, no flush (pipedream): priced per minibatch, one microbatch each."""
+        return not self.runtime.flushes
+
+    @property
+    def laid_out(self) -> bool:
+        """Several one-device stages on each GPU in a fixed pattern (no replicas)."""
+        return self.runtime.placement is not None
+
+    def microbatches(self, m: int) -> int:
+        """The microbatches its cost model prices: 1 for a schedule of whole minibatches."""
+        return 1 if self.asynchronous else m
+
+    def virtual(self, asked: int) -> int:
+        """Stages per GPU, given the count asked for."""
+        return asked if self.virtual_stages is None else self.virtual_stages
+
+    def default_microbatches(self, gpus: int, virtual: int) -> int:
+        """Microbatches when none are asked: 1 (whole minibatches), 2 per GPU where several stages
+        share a GPU (Megatron's order wants a multiple of the GPUs; zbv fills from 2 x GPUs - 1 on),
+        else 4."""
+        if self.asynchronous:
+            return 1
+        return 2 * gpus if self.laid_out and self.virtual(virtual) > 1 else 4
+
+    def held(self, position: int, replicas: Sequence[int], microbatches: int, virtual: int) -> int:
+        """Items a device of stage ``position`` holds at once (:attr:`in_flight`)."""
+        if self.in_flight is not None:
+            return self.in_flight(position, replicas, microbatches, virtual)
+        return played_in_flight(self.name, position, len(replicas), microbatches, self.virtual(virtual))
+
+
+def _pipedream_in_flight(position: int, replicas: Sequence[int], microbatches: int, virtual: int) -> int:
+    """PipeDream's NOAM: ceil(devices from this stage to the end / this stage's replicas), which is
+    ``runtime.schedule.warmup + 1``: the minibatches (and weight versions) one replica holds."""
+    return math.ceil(sum(replicas[position:]) / replicas[position])
+
+
+@functools.lru_cache(maxsize=1024)
+def _rank_peaks(name: str, stages: int, virtual: int, microbatches: int, rank: int) -> dict[int, int]:
+    """Per stage of ``rank``, the most units whose graph it holds at once over one minibatch of the
+    runtime's list: from a unit's F to its W (split backward) or B."""
+    layout = layout_of(name, stages // virtual, virtual)
+    release = "W" if REGISTRY[name].split_backward else "B"
+    live: dict[int, int] = {}
+    peak: dict[int, int] = {}
+    for a in actions(name, layout, rank, microbatches, range(1)):
+        if a.kind in ("F", release):
+            live[a.stage] = live.get(a.stage, 0) + (1 if a.kind == "F" else -1)
+            peak[a.stage] = max(peak.get(a.stage, 0), live[a.stage])
+    return peak
+
+
+def played_in_flight(name: str, position: int, stages: int, microbatches: int, virtual: int = 1) -> int:
+    """Units stage ``position`` holds at once at most, played from its rank's own list (a replicated
+    stage as one: its replicas share each minibatch's microbatches). Under ``interleaved`` or
+    ``zbv`` a device's memory sums its chunks' peaks, which need not coincide: an upper bound by
+    about one unit of one chunk (rank 0 of p = 4, v = 2, M = 8: 8 + 4 = 12 units against 11)."""
+    layout = layout_of(name, stages // virtual, virtual)
+    return _rank_peaks(name, stages, virtual, microbatches, layout[position][0])[position]
+
+
+def _pipedream_times(
+    loads: Sequence[StageLoad], replicas: Sequence[int], bandwidths: Sequence[float], m: int, virtual: int
+) -> StageTimes:
+    """The slowest stage (:func:`~.stage.stage_time`) sets the pace."""
+    compute, comm, total = [], [], []
+    for load, r, bw in zip(loads, replicas, bandwidths, strict=True):
+        cut = max(load.in_bytes, load.out_bytes)
+        compute.append(load.compute_s / r)
+        comm.append(activation_time(cut, r, bw) + allreduce_time(load.param_bytes, r, bw) / r)
+        total.append(float(stage_time(load.compute_s, load.param_bytes, r, bw, act=cut)))
+    slowest = max(total)
+    bubble = 1.0 - sum(total) / (len(total) * slowest) if slowest > 0 else 0.0
+    return StageTimes(tuple(compute), tuple(comm), tuple(total), slowest, bubble)
+
+
+def _microbatch_parts(
+    loads: Sequence[StageLoad], replicas: Sequence[int], bandwidths: Sequence[float], m: int
+) -> tuple[list[float], list[float], list[float], list[float], list[float], list[float], float]:
+    """The synchronous schedules' terms: per stage, one microbatch's forward and backward on a
+    replica, its cut traffic (out and back), their sum, compute and communication per minibatch
+    on a replica; and the largest gradient all-reduce."""
+    fwd, bwd, link, micro, compute, comm = [], [], [], [], [], []
+    sync = 0.0
+    for load, r, bw in zip(loads, replicas, bandwidths, strict=True):
+        each = microbatch_compute(load.compute_s, r, m)
+        act = microbatch_link(load.out_bytes, r, m, bw)
+        fwd.append(each * load.forward_share)
+        bwd.append(each * (1.0 - load.forward_share))
+        link.append(act)
+        micro.append(each + act)
+        compute.append(load.compute_s / r)
+        sync = max(sync, allreduce_time(load.param_bytes, r, bw))
+        comm.append(act * m + allreduce_time(load.param_bytes, r, bw))
+    return fwd, bwd, link, micro, compute, comm, sync
+
+
+def _sync_times(
+    loads: Sequence[StageLoad], replicas: Sequence[int], bandwidths: Sequence[float], m: int, virtual: int
+) -> StageTimes:
+    """Sum of one microbatch's stage times + (M-1) slowest + the largest all-reduce."""
+    _, _, _, micro, compute, comm, sync = _microbatch_parts(loads, replicas, bandwidths, m)
+    time = sum(micro) + (m - 1) * max(micro) + sync
+    busy = sum(c / m for c in compute) * m
+    bubble = 1.0 - busy / (len(loads) * time) if time > 0 else 0.0
+    return StageTimes(tuple(compute), tuple(comm), tuple(micro), time, bubble)
+
+
+def zero_bubble_time(
+    forward: Sequence[float], backward: Sequence[float], link: Sequence[float], microbatches: int
+) -> float:
+    """ZB-H1's time for one minibatch (no all-reduce) from one microbatch's per-stage times.
+
+    ``backward`` is split by :data:`~.stage.W_SHARE` into B and W; ``link`` is a stage's activation
+    traffic per microbatch (out and back), a latency that overlaps compute. Two bounds, the larger
+    wins. The critical path: one microbatch's forwards, input backwards and links through every
+    stage, M - 1 more of the slowest stage's F + B, and stage 0's last W. The busiest stage s: M
+    microbatches of its F + B + W, plus, for every other stage, what it adds to the fill and drain
+    (F + B + link - W: its deferred Ws overlap the drain). With equal stages and F = B = W = t this
+    is ``3Mt + (p-1)t`` for M >= p: a bubble of (p - 1)(T_F + T_B - T_W), the paper's, a third of
+    1F1B's 3(p - 1)t. It is exact against the event simulation of the runtime's lists on equal
+    stages; on 600 random chains of unequal stages and links, median ratio 1.00, 99% within 10%,
+    all within 16% (tests/partitioner/optimizer/pricing/test_zero_bubble.py).
+    """
+    b = [t * (1.0 - W_SHARE) for t in backward]
+    w = [t * W_SHARE for t in backward]
+    e = [f + bi + a for f, bi, a in zip(forward, b, link, strict=True)]
+    busy = [f + t for f, t in zip(forward, backward, strict=True)]
+    s = max(range(len(busy)), key=busy.__getitem__)
+    path = sum(e) + (microbatches - 1) * max(f + bi for f, bi in zip(forward, b, strict=True)) + w[0]
+    stage = microbatches * busy[s] + sum(e[k] - w[k] for k in range(len(e)) if k != s)
+    return max(path, stage)
+
+
+def _zero_bubble_times(
+    loads: Sequence[StageLoad], replicas: Sequence[int], bandwidths: Sequence[float], m: int, virtual: int
+) -> StageTimes:
+    """:func:`zero_bubble_time` + the largest all-reduce; per-stage times as ``_sync_times``'."""
+    fwd, bwd, link, micro, compute, comm, sync = _microbatch_parts(loads, replicas, bandwidths, m)
+    time = zero_bubble_time(fwd, bwd, link, m) + sync
+    bubble = 1.0 - sum(compute) / (len(loads) * time) if time > 0 else 0.0
+    return StageTimes(tuple(compute), tuple(comm), tuple(micro), time, bubble)
+
+
+def interleaved_time(
+    forward: Sequence[float], backward: Sequence[float], link: Sequence[float], microbatches: int, ranks: int
+) -> float:
+    """Interleaved 1F1B's time for one minibatch (no all-reduce) from one microbatch's per-stage
+    times, stage ``s`` on rank ``s mod ranks``; ``link``: a stage's activation traffic per
+    microbatch (out and back). A lower bound, the largest of three:
+
+    - rank ``r`` works ``M`` times its chunks' F + B (``W_r``), and cannot start before microbatch
+      0's forwards through stages ``0 .. r-1`` have reached it, nor finish before the last backward
+      has gone back through them: ``M W_r + sum_{s<r}(F_s + B_s + link_s)``;
+    - the same for one stage ``k`` alone: ``M (F_k + B_k) + sum_{s<k}(F_s + B_s + link_s)``;
+    - one microbatch's trip through every stage.
+
+    With equal stages of time t (F + B) it is ``(v M + p - 1) t``: the bubble ``(p - 1) / (v M)``
+    of Megatron's paper, exact against the event simulation of the runtime's lists. On unequal
+    stages a slow stage also stalls the ranks after it within each round of ``p`` microbatches,
+    which no term here charges: on 600 random chains the simulation is 1.00-1.3x this, median 1.03
+    (tests/partitioner/optimizer/pricing/test_interleaved_cost.py).
+    """
+    e = [f + b + a for f, b, a in zip(forward, backward, link, strict=True)]
+    fill = [0.0]
+    for t in e:
+        fill.append(fill[-1] + t)
+    work = [0.0] * ranks
+    for s, (f, b) in enumerate(zip(forward, backward, strict=True)):
+        work[s % ranks] += f + b
+    by_rank = max(microbatches * w + fill[r] for r, w in enumerate(work))
+    by_stage = max(
+        microbatches * (f + b) + fill[k] for k, (f, b) in enumerate(zip(forward, backward, strict=True))
+    )
+    return max(by_rank, by_stage, fill[-1])
+
+
+def _interleaved_times(
+    loads: Sequence[StageLoad], replicas: Sequence[int], bandwidths: Sequence[float], m: int, virtual: int
+) -> StageTimes:
+    """:func:`interleaved_time` (no all-reduce: no replicas); per-stage times as ``_sync_times``';
+    the bubble is the ranks' idle share."""
+    if any(r != 1 for r in replicas) or len(loads) % virtual:
+        raise PlanError(f"interleaved needs one device per stage and {virtual} stages per rank")
+    fwd, bwd, link, micro, compute, comm, _ = _microbatch_parts(loads, replicas, bandwidths, m)
+    ranks = len(loads) // virtual
+    time = interleaved_time(fwd, bwd, link, m, ranks)
+    bubble = 1.0 - sum(compute) / (ranks * time) if time > 0 else 0.0
+    return StageTimes(tuple(compute), tuple(comm), tuple(micro), time, bubble)
+
+
+def zbv_time(
+    forward: Sequence[float], backward: Sequence[float], link: Sequence[float], microbatches: int
+) -> float:
+    """A lower bound on zbv's time for one minibatch (no all-reduce) from one microbatch's per-stage
+    times on ``2p`` stages, rank ``r`` hosting stages ``r`` and ``2p - 1 - r``; ``link``: a stage's
+    activation traffic per microbatch, out and back (half each way, as the simulation sends it; none
+    after stage ``p - 1``: the turn of the V is inside one rank). The larger of:
+
+    - rank ``r`` works ``M`` times its two stages' F + B + W and cannot start before microbatch 0's
+      forwards through stages ``0 .. r - 1`` have reached it;
+    - one microbatch's trip: its forwards and input backwards (B) through every stage, then stage
+      0's W.
+
+    With equal stages of F = B = W = t it is ``6Mt + (p - 1)t``, the unit-time slots of the
+    runtime's zbv lists once ``M >= 2p - 1``; on unequal stages the simulation prices what this
+    bound misses.
+    """
+    stages = len(forward)
+    if stages % 2:
+        raise PlanError(f"zbv needs an even number of stages (2 per GPU), got {stages}")
+    p = stages // 2
+    hop = [0.0 if k == p - 1 else a / 2 for k, a in enumerate(link)]  # one way: half the traffic
+    fill = [0.0]
+    for f, a in zip(forward, hop, strict=True):
+        fill.append(fill[-1] + f + a)
+    by_rank = max(
+        microbatches * sum(forward[k] + backward[k] for k in (r, stages - 1 - r)) + fill[r] for r in range(p)
+    )
+    b = [t * (1.0 - W_SHARE) for t in backward]
+    trip = (
+        fill[stages - 1]
+        + forward[-1]
+        + sum(bi + a for bi, a in zip(b, hop, strict=True))
+        + backward[0] * W_SHARE
+    )
+    return max(by_rank, trip)
+
+
+def _zbv_times(
+    loads: Sequence[StageLoad], replicas: Sequence[int], bandwidths: Sequence[float], m: int, virtual: int
+) -> StageTimes:
+    """:func:`zbv_time` (no all-reduce: no replicas); per-stage times as the other schedules'; the
+    bubble is the GPUs' idle share."""
+    if any(r != 1 for r in replicas) or len(loads) % 2:
+        raise PlanError("zbv needs one device per stage and 2 stages per GPU")
+    fwd, bwd, link, micro, compute, comm, _ = _microbatch_parts(loads, replicas, bandwidths, m)
+    time = zbv_time(fwd, bwd, link, m)
+    bubble = 1.0 - sum(compute) / (len(loads) // 2 * time) if time > 0 else 0.0
+    return StageTimes(tuple(compute), tuple(comm), tuple(micro), time, bubble)
+
+
+MODELS: dict[str, ScheduleModel] = {
+    "pipedream": ScheduleModel("pipedream", _pipedream_times, _pipedream_in_flight),
+    "1f1b": ScheduleModel("1f1b", _sync_times, sync_sum=True),
+    "gpipe": ScheduleModel("gpipe", _sync_times, sync_sum=True, holds_all=True),
+    "zb1p": ScheduleModel("zb1p", _zero_bubble_times),
+    "interleaved": ScheduleModel(
+        "interleaved",
+        _interleaved_times,
+        simulated=True,
+        virtual_stages=None,
+        auto_virtual=(2, 3, 4),
+        seed_schedule="1f1b",
+    ),
+    "zbv": ScheduleModel("zbv", _zbv_times, simulated=True, virtual_stages=2, seed_schedule="1f1b"),
+}
+
+
+def model(name: str) -> ScheduleModel:
+    """The registry's model of ``name``.
+
+    Raises:
+        PlanError: an unknown schedule (the message lists the known ones).
+    """
+    if name not in MODELS:
+        raise PlanError(f"unknown schedule {name!r}; use one of {', '.join(MODELS)}")
+    return MODELS[name]
+
+
+def in_flight(
+    schedule: str, position: int, replicas: Sequence[int], microbatches: int, virtual: int = 1
+) -> int:
+    """Minibatches (pipedream) or microbatches a device of stage ``position`` holds at once."""
+    return model(schedule).held(position, replicas, microbatches, virtual)
+
+
+def plan_times(
+    loads: Sequence[StageLoad],
+    replicas: Sequence[int],
+    bandwidths: Sequence[float],
+    schedule: str,
+    microbatches: int,
+    virtual: int = 1,
+) -> StageTimes:
+    """Time per minibatch of a plan; ``bandwidths[i]`` is what stage i's replicas and cuts use;
+    ``virtual``: stages per rank (interleaved)."""
+    return model(schedule).times(loads, replicas, bandwidths, microbatches, virtual)

@@ -1,0 +1,378 @@
+"""Event simulation of a plan under its schedule: timeline, bubble, and peak memory per stage.
+
+A schedule is data: each stage gets an ordered list of actions (``F`` or ``B`` of one item, an item
+being a minibatch for pipedream and a microbatch for 1f1b/gpipe); one generic executor plays every
+list, starting each action when the stage is free and its input (the previous stage's forward, or
+the next stage's backward) has arrived. The cost model's closed forms are checked against this.
+
+pipedream is played rank by rank from the runtime's own lists (``runtime.schedule.build``): a
+replica runs whole minibatches at the stage's full compute time, and its stage's replicas all-reduce
+once per round (PipeDream's data parallelism), so what the simulation holds in flight is what the
+runtime stashes. The synchronous schedules (1f1b, gpipe, zb1p) are played per stage from the
+runtime's own lists too (``runtime.schedule.build``), a replicated stage being one server r times as
+fast, as their cost model prices them. zb1p's split backward takes ``1 - W_SHARE`` of a stage's
+backward for B and ``W_SHARE`` for W (:data:`partitioner.optimizer.pricing.schedules.W_SHARE`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from partitioner.atomic import write_text_atomic
+from partitioner.errors import PlanError
+from partitioner.graph import Profile, at_microbatches
+from partitioner.optimizer.pricing.price import StageSpec, assemble, held_memory, hosts_bound, stage_loads
+from partitioner.optimizer.pricing.schedules import model
+from partitioner.optimizer.pricing.stage import (
+    W_SHARE,
+    StageLoad,
+    activation_time,
+    allreduce_time,
+    microbatch_compute,
+    microbatch_link,
+    stage_time,
+)
+from partitioner.plan import Plan
+from runtime.schedule import Action, Layout, build, pipeline
+
+__all__ = ["Event", "Simulation", "gantt", "play", "played", "simulate", "write_chrome_trace"]
+
+
+@dataclass(frozen=True)
+class Event:
+    """One action on one stage: ``kind`` is F, B, W (weight gradients of a split backward) or S
+    (gradient sync + optimizer step)."""
+
+    stage: int
+    kind: str
+    item: int
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """What the simulation found.
+
+    Attributes:
+        events: every action, in start order.
+        time_per_minibatch_s: steady-state time per minibatch.
+        bubble_fraction: idle share of the stages' time over the simulated span.
+        peak_memory_bytes: per stage, the most bytes one device held.
+        in_flight: per stage, the most items whose activations were held at once.
+        minibatches: how many minibatches were simulated.
+        steady: whether they reach the steady state (a very large pipedream plan is simulated over
+            a shorter horizon, bounded by :data:`MAX_ACTIONS`; its time and bubble are then those of
+            the pipeline filling up).
+    """
+
+    events: tuple[Event, ...]
+    time_per_minibatch_s: float
+    bubble_fraction: float
+    peak_memory_bytes: tuple[int, ...]
+    in_flight: tuple[int, ...]
+    minibatches: int = 1
+    steady: bool = True
+
+
+MAX_ACTIONS = 100_000
+"""Forwards and backwards a default pipedream simulation plays at most (about a second of Python)."""
+
+
+def play(
+    lists: Sequence[Sequence[Action]],
+    layout: Layout,
+    fwd: Sequence[float],
+    bwd: Sequence[float],
+    link: Sequence[float],
+    wgt: Sequence[float] | None = None,
+    step: Sequence[float] | None = None,
+) -> tuple[list[Event], list[int]]:
+    """Run every rank's list (``lists[rank]``, its stages given by ``layout``) in order.
+
+    An action waits for its rank and for its input: the previous stage's forward (``link`` of that
+    stage later), or the next stage's backward (the last stage: its own forward). A W (time ``wgt``;
+    a list with Ws passes ``bwd`` as the B part alone) waits only for its rank: its B came earlier.
+    A step waits for every rank of its stage and takes ``step`` of the stage (None: steps are free
+    and leave no event). Returns the events and, per stage, the most units one rank held between
+    their forward and their backward (their W, if the backward is split).
+
+    Event-driven: a rank runs its list until an action waits for a message (it is parked on that
+    message) or for a step (parked until its stage's ranks arrive), so each action is handled once
+    and the simulation is linear in the actions.
+    """
+    player = _Player(lists, layout, fwd, bwd, link, wgt, step)
+    ready = list(range(len(lists)))
+    while ready:
+        ready.extend(player.advance(ready.pop()))
+    if any(p < len(acts) for p, acts in zip(player.pos, lists, strict=True)):
+        raise PlanError("schedule deadlocks: an action waits for one that never runs")
+    return player.events, player.held
+
+
+class _Player:
+    """The state of :func:`play`: when each action ended, what each rank waits for."""
+
+    def __init__(
+        self, lists: Sequence[Sequence[Action]], layout: Layout, fwd: Sequence[float], bwd: Sequence[float],
+        link: Sequence[float], wgt: Sequence[float] | None, step: Sequence[float] | None,
+    ) -> None:  # fmt: skip
+        self.lists, self.layout, self.step = lists, layout, step
+        self.took = {"F": fwd, "B": bwd, "W": wgt or bwd}
+        self.link, self.release = link, "B" if wgt is None else "W"
+        self.done: dict[tuple[str, int, int], float] = {}
+        self.free, self.pos = [0.0] * len(lists), [0] * len(lists)
+        self.live: dict[tuple[int, int], int] = {}
+        self.held = [0] * len(layout)
+        self.parked: dict[tuple[str, int, int], list[int]] = {}
+        self.arrived: dict[tuple[int, int], list[int]] = {}
+        self.events: list[Event] = []
+
+    def advance(self, r: int) -> list[int]:
+        """Run rank ``r`` as far as it can; the ranks its actions woke up."""
+        woken: list[int] = []
+        acts = self.lists[r]
+        while self.pos[r] < len(acts):
+            a = acts[self.pos[r]]
+            if a.kind == "S":
+                if self.step is not None:
+                    return woken + self._arrive(r, a)
+                self.pos[r] += 1
+                continue
+            need, delay = self._input(a)
+            if need is not None and need not in self.done:
+                self.parked.setdefault(need, []).append(r)
+                return woken
+            ready = self.done[need] + delay if need is not None else 0.0
+            self._run(r, a, max(self.free[r], ready))
+            woken += self.parked.pop((a.kind, a.stage, a.index), [])
+        return woken
+
+    def _input(self, a: Action) -> tuple[tuple[str, int, int] | None, float]:
+        """What ``a`` waits for (None: nothing) and the link delay after it."""
+        k, last = a.stage, len(self.layout) - 1
+        if a.kind == "W" or (a.kind == "F" and k == 0):
+            return None, 0.0
+        if a.kind == "F":
+            return ("F", k - 1, a.index), self.link[k - 1]
+        return (("B", k + 1, a.index), self.link[k]) if k < last else (("F", k, a.index), 0.0)
+
+    def _run(self, r: int, a: Action, start: float) -> None:
+        end = start + self.took[a.kind][a.stage]
+        self.done[(a.kind, a.stage, a.index)] = self.free[r] = end
+        self.events.append(Event(a.stage, a.kind, a.index, start, end))
+        if a.kind in ("F", self.release):
+            key = (r, a.stage)
+            self.live[key] = self.live.get(key, 0) + (1 if a.kind == "F" else -1)
+            self.held[a.stage] = max(self.held[a.stage], self.live[key])
+        self.pos[r] += 1
+
+    def _arrive(self, r: int, a: Action) -> list[int]:
+        """Rank ``r`` reaches step ``a``; once every rank of its stage has, they all take it."""
+        assert self.step is not None
+        ranks = self.arrived.setdefault((a.stage, a.index), [])
+        ranks.append(r)
+        if len(ranks) < len(self.layout[a.stage]):
+            return []
+        start = max(self.free[q] for q in ranks)
+        self.events.append(Event(a.stage, "S", a.index, start, start + self.step[a.stage]))
+        for q in ranks:
+            self.free[q] = start + self.step[a.stage]
+            self.pos[q] += 1
+        return list(self.arrived.pop((a.stage, a.index)))
+
+
+def _flushed(plan: Plan, profile: Profile | None) -> Simulation:
+    """One minibatch of a flushing schedule from the runtime's own lists: on the plan's ranks where
+    the schedule lays several stages on each, else one rank per stage (a replicated stage as one
+    server r times as fast), the largest all-reduce after the flush."""
+    sched = model(plan.schedule)
+    p = len(plan.stages)
+    layout = tuple(s.ranks for s in plan.stages) if sched.laid_out else pipeline([1] * p)
+    loads = _loads(plan, profile)
+    fwd, bwd, link = _durations(plan, profile, loads)
+    for k in range(p - 1):
+        if layout[k] == layout[k + 1]:  # a hand-off inside one rank
+            link[k] = 0.0
+    wgt = None
+    if sched.runtime.split_backward:
+        bwd, wgt = [t * (1.0 - W_SHARE) for t in bwd], [t * W_SHARE for t in bwd]
+    events, held = play(build(plan.schedule, layout, plan.microbatches), layout, fwd, bwd, link, wgt)
+    end = max(e.end_s for e in events)
+    per_minibatch = end
+    if not sched.laid_out:  # replicated stages all-reduce once the pipeline has drained
+        bw = min(lv.bandwidth for lv in plan.cluster.levels)
+        step = max(
+            allreduce_time(ld.param_bytes, s.replicas, bw) for s, ld in zip(plan.stages, loads, strict=True)
+        )
+        events += [Event(i, "S", 0, end, end + step) for i in range(p)]
+        per_minibatch = end + step
+    ranks = len({r for ranks in layout for r in ranks})
+    return _simulation(plan, profile, loads, events, held, ranks, per_minibatch)
+
+
+def _simulation(
+    plan: Plan, profile: Profile | None, loads: Sequence[StageLoad], events: list[Event], held: Sequence[int],
+    ranks: int, per_minibatch: float, minibatches: int = 1, steady: bool = True,
+) -> Simulation:  # fmt: skip
+    """What ``ranks`` ranks' ``events`` add up to: the bubble is their idle share (steps not counted)."""
+    span = max(e.end_s for e in events)
+    busy = sum(e.end_s - e.start_s for e in events if e.kind != "S")
+    bubble = 1.0 - busy / (ranks * span) if span > 0 else 0.0
+    ordered = tuple(sorted(events, key=lambda e: e.start_s))
+    memory = _memory(plan, profile, loads, held)
+    return Simulation(ordered, per_minibatch, bubble, memory, tuple(held), minibatches, steady)
+
+
+def _unflushed(plan: Plan, profile: Profile | None, minibatches: int | None) -> Simulation:
+    """Every rank of a plan of whole minibatches (pipedream) from the runtime's lists: a replica's
+    minibatch takes the stage's whole compute, its round's all-reduce PipeDream's 4(r-1)P/(rB)."""
+    replicas = [s.replicas for s in plan.stages]
+    p, bw = len(replicas), min(lv.bandwidth for lv in plan.cluster.levels)
+    loads = _loads(plan, profile)
+    alone = replace(plan, stages=tuple(replace(s, replicas=1) for s in plan.stages))
+    fwd, bwd, _ = _durations(alone, profile, loads)
+    step = [allreduce_time(ld.param_bytes, r, bw) for ld, r in zip(loads, replicas, strict=True)]
+    link = [activation_time(ld.out_bytes, 1, bw) / 2 for ld in loads]
+    steady_items = 4 * (p + sum(replicas))  # the pipeline fills within about one minibatch per rank
+    items = minibatches or min(steady_items, max(8, MAX_ACTIONS // (2 * p)))
+    layout = pipeline(replicas)
+    events, held = play(build(plan.schedule, layout, 1, items), layout, fwd, bwd, link, step=step)
+    ends = sorted(e.end_s for e in events if e.stage == p - 1 and e.kind == "B")
+    lo, hi = len(ends) // 4, 3 * len(ends) // 4
+    per_minibatch = (ends[hi] - ends[lo]) / max(hi - lo, 1)
+    return _simulation(
+        plan, profile, loads, events, held, sum(replicas), per_minibatch, items, items >= steady_items
+    )
+
+
+def simulate(plan: Plan, profile: Profile | None = None, minibatches: int | None = None) -> Simulation:
+    """Simulate ``minibatches`` minibatches (pipedream) or one minibatch of M microbatches (the
+    flushing schedules).
+
+    Each device runs its actions on its own; where the devices are CPU processes sharing a host's
+    cores, the time per minibatch is at least the cost model's host bound (``Prediction.host_bound_s``).
+    """
+    sched = model(plan.schedule)
+    if profile is not None:
+        profile = at_microbatches(profile, sched.microbatches(plan.microbatches))
+    sim = _unflushed(plan, profile, minibatches) if sched.asynchronous else _flushed(plan, profile)
+    host = hosts_bound(plan.cluster, plan.stages)
+    return replace(sim, time_per_minibatch_s=max(sim.time_per_minibatch_s, host))
+
+
+def _loads(plan: Plan, profile: Profile | None) -> list[StageLoad]:
+    """The cost model's loads of the plan's stages (``price.stage_loads``; none without a profile)."""
+    if profile is None:
+        return [StageLoad(s.compute_s, 0.0, 0.0, 0.0, 0.0) for s in plan.stages]
+    known = {n.id for n in profile.nodes}
+    return stage_loads(profile, [[n for n in s.nodes if n in known] for s in plan.stages])
+
+
+def _durations(
+    plan: Plan, profile: Profile | None, loads: Sequence[StageLoad]
+) -> tuple[list[float], list[float], list[float]]:
+    """Forward and backward time of one item per stage, and the link delay after each stage (half
+    the traffic of its cut: one way)."""
+    m = model(plan.schedule).microbatches(plan.microbatches)
+    nodes = {n.id: n for n in profile.nodes} if profile else {}
+    fwd, bwd, link = [], [], []
+    bw = min(lv.bandwidth for lv in plan.cluster.levels)
+    for stage, load in zip(plan.stages, loads, strict=True):
+        total = stage.compute_s
+        known = [nodes[n] for n in stage.nodes if n in nodes]
+        forward = sum(n.forward_ms for n in known)  # a recomputing stage runs it twice
+        f_share = forward / max(sum(n.compute_ms for n in known) + forward * stage.recompute, 1e-12)
+        f_share = f_share if known else 1.0 / 3.0
+        if model(plan.schedule).asynchronous:
+            total = float(stage_time(total, load.param_bytes, stage.replicas, bw))
+        else:
+            total = microbatch_compute(total, stage.replicas, m)
+        fwd.append(total * f_share)
+        bwd.append(total * (1 - f_share))
+        link.append(microbatch_link(load.out_bytes, stage.replicas, m, bw) / 2)
+    return fwd, bwd, link
+
+
+def _memory(
+    plan: Plan, profile: Profile | None, loads: Sequence[StageLoad], held: Sequence[int]
+) -> tuple[int, ...]:
+    """Each stage's peak with the items the simulation held, priced as the cost model does."""
+    if profile is None:
+        return tuple(s.memory_bytes for s in plan.stages)
+    out = []
+    for stage, load, h in zip(plan.stages, loads, held, strict=True):
+        sync = not model(plan.schedule).asynchronous
+        share = plan.microbatches * stage.replicas if sync else 1
+        accumulates = sync and plan.microbatches > stage.replicas
+        out.append(held_memory(load, plan.schedule, h, share, plan.optimizer, stage.recompute, accumulates))
+    return tuple(out)
+
+
+def played(profile: Profile, plan: Plan, activation_comm: bool = True, recompute: str = "none") -> Plan:
+    """``plan`` priced by the event simulation of the runtime's own lists, where its schedule's closed
+    form only bounds it from below on unequal stages (``ScheduleModel.simulated``: a slow stage
+    stalls the ranks after it in every round): what the plan predicts is then what the simulation
+    plays."""
+    sim = simulate(plan, profile)
+    span = max((e.end_s for e in sim.events), default=0.0)  # (one minibatch from 0; no host bound)
+    specs = [StageSpec(s.nodes, s.replicas, s.ranks) for s in plan.stages]
+    again = assemble(
+        profile, plan.cluster, specs, plan.schedule, plan.microbatches, plan.optimizer, plan.solver,
+        time_override=span, extra=dict(plan.extra), activation_comm=activation_comm,
+        recompute=recompute, virtual=plan.virtual_stages,
+    )  # fmt: skip
+    predicted = replace(again.predicted, bubble_fraction=sim.bubble_fraction)
+    return replace(again, predicted=predicted, extra={**again.extra, "priced_by": "simulation"})
+
+
+def write_chrome_trace(sim: Simulation, path: str | os.PathLike[str]) -> Path:
+    """Chrome trace JSON (opens in Perfetto / chrome://tracing): one row per stage."""
+    names = {"F": "forward", "B": "backward", "W": "weight backward", "S": "sync+step"}
+    trace = [
+        {"name": f"{e.kind}{e.item}", "cat": names[e.kind], "ph": "X", "pid": 0, "tid": e.stage,
+         "ts": e.start_s * 1e6, "dur": (e.end_s - e.start_s) * 1e6}
+        for e in sim.events
+    ]  # fmt: skip
+    trace += [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": f"stage {i}"}}
+        for i in range(len(sim.in_flight))
+    ]
+    return write_text_atomic(path, json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}) + "\n")
+
+
+def gantt(sim: Simulation, width: int = 72, until_s: float | None = None, rows: int = 24) -> list[str]:
+    """A text Gantt: one row per stage; forwards are digits (item mod 10), backwards letters (W of a
+    split backward in capitals), '.' idle.
+
+    A pipeline of more than ``rows`` stages shows its first and last stages and says how many it left out.
+    """
+    span = until_s or max(e.end_s for e in sim.events)
+    stages = len(sim.in_flight)
+    shown = (
+        list(range(stages)) if stages <= rows else [*range(rows * 2 // 3), *range(stages - rows // 3, stages)]
+    )
+    by_stage: dict[int, list[Event]] = {i: [] for i in shown}
+    for e in sim.events:
+        if e.stage in by_stage and e.start_s < span:
+            by_stage[e.stage].append(e)
+    lines: list[str] = []
+    for i in shown:
+        if lines and i != shown[shown.index(i) - 1] + 1:
+            lines.append(f"... {i - shown[shown.index(i) - 1] - 1} stages not shown")
+        cells = ["."] * width
+        for e in by_stage[i]:
+            a = int(e.start_s / span * width)
+            b = max(a + 1, int(min(e.end_s, span) / span * width))
+            mark = (
+                str(e.item % 10) if e.kind == "F" else ("s" if e.kind == "S" else chr(ord("a") + e.item % 26))
+            )
+            mark = mark.upper() if e.kind == "W" else mark
+            for c in range(a, min(b, width)):
+                cells[c] = mark
+        lines.append(f"stage {i:>2} |{''.join(cells)}|")
+    return lines

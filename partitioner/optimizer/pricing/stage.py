@@ -1,0 +1,178 @@
+"""What one stage costs, written once: every search, the plan's price and the simulation call these.
+
+Each function takes numbers or numpy arrays (elementwise, broadcasting), so a search prices millions
+of candidate stages in one call and a plan prices its few stages one at a time with the very same
+arithmetic (``tests/partitioner/optimizer/pricing/test_stage.py`` holds the two forms equal).
+
+- A pipedream stage (PipeDream's published objective, optimizer_graph_hierarchical.py) of compute C
+  and parameters P on r replicas over bandwidth B takes (C + 4(r-1)P/(rB)/inner)/r, where ``inner``
+  is the devices in one unit of the level (1 on the innermost); a cut costs 2·activation/(B·r) on
+  each side of it, with that side's r; the stage's time is the larger: :func:`stage_time`.
+- A synchronous schedule's microbatch on a stage takes its compute share C/(r·M) plus its cut
+  traffic out and back, 2·out/(B·r) per minibatch, a microbatch's share of it: :func:`microbatch_time`.
+- A replicated stage's gradients are all-reduced once per step: :func:`allreduce_time`.
+
+A search may invert these (the fewest replicas that bring a stage under a time), which is its own
+algebra; it never prices a stage another way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "W_SHARE",
+    "FloatArray",
+    "IntArray",
+    "StageLoad",
+    "StagePrice",
+    "StageTimes",
+    "activation_time",
+    "allreduce_time",
+    "host_bound",
+    "microbatch_compute",
+    "microbatch_link",
+    "microbatch_time",
+    "stage_time",
+]
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+Real = TypeVar("Real", float, FloatArray)  # a number, or numbers elementwise
+
+#: the share of a layer's backward time that is its weight gradient (W), the rest being its input
+#: gradient (B). The profile measures one fused backward, so this is an assumption: the zero-bubble
+#: paper's T_B = T_W for transformer layers, where both are one matrix product of the same size per
+#: linear layer (dX = dY W^T, dW = X^T dY). Convolutions are about the same; element-wise layers have
+#: no W and are overcharged by it, which a measured split would fix.
+W_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class StageLoad:
+    """What one stage carries, for one minibatch of the profile's batch size.
+
+    Attributes:
+        compute_s: forward+backward seconds of its layers on one device.
+        param_bytes: parameter bytes of its layers.
+        saved_bytes: activation bytes its layers keep for backward.
+        in_bytes: activation bytes it receives from earlier stages (0 for the first stage).
+        out_bytes: activation bytes it sends to later stages (0 for the last stage).
+        forward_s: forward seconds of its layers on one device (what recomputation repeats); None: a
+            third of ``compute_s`` (backward twice forward).
+        input_bytes: bytes of every tensor its forward takes (the model's inputs on the first
+            stage, relayed tensors included): what a recomputing stage keeps per item in flight.
+            Unlike ``in_bytes`` it is never zeroed for cut pricing.
+        copy_bytes: bytes of the tied weights it holds a copy of (``memory.copy_bytes``): memory only,
+            their gradients' sync is not priced.
+        largest_param_bytes: the largest of its layers' parameter bytes (a tied copy counted): the
+            gradient a replica that accumulates holds beside the sum.
+    """
+
+    compute_s: float
+    param_bytes: float
+    saved_bytes: float
+    in_bytes: float
+    out_bytes: float
+    forward_s: float | None = None
+    input_bytes: float = 0.0
+    copy_bytes: float = 0.0
+    largest_param_bytes: float = 0.0
+
+    @property
+    def forward_time(self) -> float:
+        """Forward seconds: ``forward_s``, or a third of ``compute_s`` where not measured."""
+        return self.compute_s / 3.0 if self.forward_s is None else self.forward_s
+
+    @property
+    def forward_share(self) -> float:
+        """The forward's part of ``compute_s``."""
+        if self.compute_s <= 0:
+            return 1.0 / 3.0
+        return self.forward_time / self.compute_s
+
+
+@dataclass(frozen=True)
+class StagePrice:
+    """A stage's cost on one device: compute seconds per minibatch (recomputation included, before
+    dividing by replicas) and peak memory bytes."""
+
+    compute_s: float
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Per-stage times of a plan and the resulting time per minibatch."""
+
+    compute_s: tuple[float, ...]
+    comm_s: tuple[float, ...]
+    stage_s: tuple[float, ...]
+    time_per_minibatch_s: float
+    bubble_fraction: float
+
+
+def activation_time(nbytes: Real, replicas: Real | int, bandwidth: float) -> Real:
+    """PipeDream's charge for activations crossing a cut: forward send plus backward gradient."""
+    return 2.0 * nbytes / (bandwidth * replicas)
+
+
+def allreduce_time(param_bytes: Real, replicas: Real | int, bandwidth: float) -> Real:
+    """Gradient synchronisation of a replicated stage, with PipeDream's 4(r-1)P/(rB) volume."""
+    return 4.0 * (replicas - 1) * param_bytes / (bandwidth * replicas)
+
+
+def stage_time(
+    compute: FloatArray | float,
+    params: FloatArray | float,
+    replicas: FloatArray | int,
+    bandwidth: float,
+    inner: int = 1,
+    act: FloatArray | float = 0.0,
+) -> FloatArray:
+    """A pipedream stage's time on ``replicas``: max((C + 4(r-1)P/(rB)/inner)/r, 2·act/(B·r)), with
+    ``act`` the larger of the traffic into and out of the stage (0: compute and sync only)."""
+    r = np.asarray(replicas, dtype=np.float64)
+    sync = 4.0 * (r - 1.0) * np.asarray(params) / (bandwidth * r) / inner
+    busy = (np.asarray(compute) + sync) / r
+    return np.asarray(np.maximum(busy, activation_time(np.asarray(act), r, bandwidth)), dtype=np.float64)
+
+
+def microbatch_compute(compute: Real, replicas: Real | int, microbatches: int) -> Real:
+    """A microbatch's compute on one replica of a synchronous stage: C/(r·M)."""
+    return compute / (replicas * microbatches)
+
+
+def microbatch_link(out_bytes: Real, replicas: Real | int, microbatches: int, bandwidth: float) -> Real:
+    """A microbatch's cut traffic after a synchronous stage, out and back: its share of the
+    minibatch's :func:`activation_time`."""
+    return activation_time(out_bytes, replicas, bandwidth) / microbatches
+
+
+def microbatch_time(
+    compute: Real, out_bytes: Real, replicas: Real | int, microbatches: int, bandwidth: float
+) -> Real:
+    """A microbatch's time on a synchronous stage: its compute share and its cut traffic."""
+    return microbatch_compute(compute, replicas, microbatches) + microbatch_link(
+        out_bytes, replicas, microbatches, bandwidth
+    )
+
+
+def host_bound(rank_compute_s: Sequence[float], per_host: int, cores: int | None, threads: int) -> float:
+    """Seconds per minibatch the busiest host needs where devices are CPU processes (0 for GPUs).
+
+    Ranks ``h*per_host .. (h+1)*per_host - 1`` share host ``h``'s cores, and a process computes on
+    ``threads`` of them, so at most ``cores / threads`` ranks (at least one, at most ``per_host``) run at
+    once: the host's compute seconds per minibatch, over that, bound the time per minibatch from below
+    however well the stages balance. ``rank_compute_s[r]`` is rank r's compute per minibatch.
+    """
+    if cores is None or not rank_compute_s:
+        return 0.0
+    at_once = max(1.0, min(float(per_host), cores / threads))
+    hosts = range(0, len(rank_compute_s), per_host)
+    return max(sum(rank_compute_s[h : h + per_host]) for h in hosts) / at_once

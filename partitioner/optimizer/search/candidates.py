@@ -1,0 +1,106 @@
+"""Plans other tools would choose, priced by our cost model for comparison.
+
+- data parallel: one stage, every GPU a replica (PipeDream's comparator);
+- straight: our DP with one device per stage (GPipe-style pipelines);
+- parameter balancing: DeepSpeed's ``partition_method="parameters"``: one device per stage, the
+  topological order cut so the stages' parameter counts are as even as possible;
+- uniform: DeepSpeed's ``"uniform"``: the same number of layers in every stage;
+- time balancing: torchgpipe's ``balance_by_time``: one device per stage, the topological order
+  cut so the stages' forward+backward times are as even as possible (communication ignored).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from partitioner.graph import Profile
+from partitioner.optimizer.pricing.price import StageSpec, assemble
+from partitioner.plan import Cluster, Plan, SolverInfo
+
+__all__ = ["balanced_cuts", "data_parallel", "parameter_balanced", "time_balanced", "uniform"]
+
+
+def _inputs(profile: Profile) -> list[str]:
+    return [n.id for n in profile.nodes if n.op == "input"]
+
+
+def _chain_plan(
+    profile: Profile,
+    cluster: Cluster,
+    bounds: Sequence[int],
+    name: str,
+    schedule: str,
+    m: int,
+    optimizer: str,
+) -> Plan:
+    layers = [n.id for n in profile.layers]
+    last = len(bounds) - 2
+    outputs = tuple(n.id for n in profile.nodes if n.op == "output")  # the loss: the last stage's
+    specs = []
+    for i in range(len(bounds) - 1):
+        nodes = tuple(layers[bounds[i] : bounds[i + 1]]) + (outputs if i == last else ())
+        specs.append(StageSpec(tuple(_inputs(profile)) + nodes if i == 0 else nodes, 1, (i,)))
+    return assemble(profile, cluster, specs, schedule, m, optimizer, SolverInfo(name, 0.0, False))
+
+
+def balanced_cuts(weights: Sequence[float], parts: int) -> list[int]:
+    """Stage bounds over a sequence minimising the heaviest part (binary search on the bound)."""
+    w = np.asarray(weights, dtype=np.float64)
+    parts = max(1, min(parts, len(w)))
+    lo, hi = float(w.max(initial=0.0)), float(w.sum())
+
+    def greedy(limit: float) -> list[int] | None:
+        bounds, acc = [0], 0.0
+        for i, x in enumerate(w):
+            if acc + x > limit and i > bounds[-1]:
+                bounds.append(i)
+                acc = 0.0
+            acc += x
+        bounds.append(len(w))
+        return bounds if len(bounds) - 1 <= parts else None
+
+    for _ in range(100):
+        mid = 0.5 * (lo + hi)
+        if greedy(mid) is not None:
+            hi = mid
+        else:
+            lo = mid
+    bounds = greedy(hi) or [0, len(w)]
+    while len(bounds) - 1 < parts:  # use every device: split the largest stage that can be split
+        sizes = [(bounds[i + 1] - bounds[i], i) for i in range(len(bounds) - 1)]
+        size, i = max(sizes)
+        if size < 2:
+            break
+        bounds.insert(i + 1, bounds[i] + size // 2)
+    return bounds
+
+
+def parameter_balanced(profile: Profile, cluster: Cluster, schedule: str, m: int, optimizer: str) -> Plan:
+    """DeepSpeed's parameter balancing: one GPU per stage, parameters split evenly."""
+    weights = [float(n.param_bytes) for n in profile.layers]
+    bounds = balanced_cuts(weights, cluster.gpus)
+    return _chain_plan(profile, cluster, bounds, "parameters", schedule, m, optimizer)
+
+
+def time_balanced(profile: Profile, cluster: Cluster, schedule: str, m: int, optimizer: str) -> Plan:
+    """torchgpipe's balance_by_time: one GPU per stage, measured compute split evenly."""
+    weights = [n.compute_ms for n in profile.layers]
+    bounds = balanced_cuts(weights, cluster.gpus)
+    return _chain_plan(profile, cluster, bounds, "time", schedule, m, optimizer)
+
+
+def uniform(profile: Profile, cluster: Cluster, schedule: str, m: int, optimizer: str) -> Plan:
+    """DeepSpeed's uniform method: the same number of layers per stage, one GPU each."""
+    n = len(profile.layers)
+    parts = min(cluster.gpus, n)
+    bounds = [round(i * n / parts) for i in range(parts + 1)]
+    return _chain_plan(profile, cluster, bounds, "uniform", schedule, m, optimizer)
+
+
+def data_parallel(profile: Profile, cluster: Cluster, schedule: str, m: int, optimizer: str) -> Plan:
+    """One stage replicated on every GPU."""
+    nodes = tuple(n.id for n in profile.nodes)
+    spec = StageSpec(nodes, cluster.gpus, tuple(range(cluster.gpus)))
+    return assemble(profile, cluster, [spec], schedule, m, optimizer, SolverInfo("data-parallel", 0.0, False))

@@ -1,0 +1,121 @@
+"""The synchronous time, minimised: the search for a flushing schedule on stages of its own
+(``1f1b``, ``gpipe``, ``zb1p``; each plan priced by its ``ScheduleModel``).
+
+The exact optimum of the synchronous sum on one level by branch and bound (``sync``), proven where
+its states are every downset and the schedule's time is that sum (``ScheduleModel.sync_sum``).
+Where it cannot run or prove its plan (hierarchies, more pairs than it prices, a plan over the
+memory limit, states short of every downset), the best of it (on prefixes of the layer order thinned
+to what it can price, if need be) and of bubble-aware candidates (on at most
+:data:`SYNC_CANDIDATE_STATES` states), each priced by the schedule's model: bottleneck-optimal
+plans with a floor on replicas per stage (fewer, wider stages: smaller bubble), straight
+bottleneck plans on 1, 2, 4, .. devices, and the data-parallel, uniform, parameter- and
+time-balanced baselines.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from functools import partial
+
+from partitioner.errors import InfeasibleError
+from partitioner.graph import Profile
+from partitioner.optimizer.options import SolveOptions
+from partitioner.optimizer.pricing.memory import MemoryLimit
+from partitioner.optimizer.pricing.price import assemble, layer_compute_s
+from partitioner.optimizer.pricing.schedules import model
+from partitioner.optimizer.search.bottleneck import slowest_stage
+from partitioner.optimizer.search.candidates import data_parallel, parameter_balanced, time_balanced, uniform
+from partitioner.optimizer.search.plans import stage_specs, thin_states
+from partitioner.optimizer.search.states import StateSet
+from partitioner.optimizer.search.sync import MAX_CHOICES, MAX_STEPS, solve_synchronous
+from partitioner.plan import Cluster, Plan, SolverInfo
+
+__all__ = ["SYNC_CANDIDATE_STATES", "solve_flushed"]
+
+SYNC_CANDIDATE_STATES = 1000  # 1f1b/gpipe candidates each run a bottleneck search: thin beyond this
+
+
+def solve_flushed(
+    profile: Profile, cluster: Cluster, states: StateSet, opts: SolveOptions
+) -> tuple[Plan, float, bool]:
+    """The fastest plan found: (plan, lower bound, proven optimal over every downset)."""
+    m, straight, comm = opts.m, opts.straight, opts.activation_comm
+    gpus = cluster.gpus
+    powers = sorted({1, *(2**i for i in range(int(math.log2(gpus)) + 1)), gpus})
+    info = SolverInfo("dp", 0.0, False)
+    exact = _exact(profile, cluster, states, opts)
+    if exact is not None and exact[2]:
+        return exact
+    if len(states) > SYNC_CANDIDATE_STATES:  # candidates and the exact search on fewer cuts
+        most = int(math.sqrt(2 * MAX_CHOICES / (1 if straight else gpus)))
+        states = thin_states(profile, min(most, SYNC_CANDIDATE_STATES), comm)
+        if exact is None:
+            exact = _exact(profile, cluster, states, opts)
+
+    def bottleneck(where: Cluster, floor: int, line: bool) -> Plan:
+        _, segments, _ = slowest_stage(profile, where, states, replace(opts, straight=line), floor)
+        specs = stage_specs(profile, states, segments)
+        return assemble(profile, cluster, specs, opts.schedule, m, opts.optimizer, info, activation_comm=comm)
+
+    floors = [] if straight else [1] if len(cluster.levels) > 1 else powers  # hierarchies ignore floors
+    makers = [partial(bottleneck, cluster, floor, False) for floor in floors]
+    for units in powers:
+        flat = Cluster.flat(units, cluster.levels[0].bandwidth, cluster.memory_bytes)
+        makers.append(partial(bottleneck, flat, 1, True))
+    baselines = [uniform, parameter_balanced, time_balanced] + ([] if straight else [data_parallel])
+    makers += [partial(make, profile, cluster, opts.schedule, m, opts.optimizer) for make in baselines]
+    best: Plan | None = None
+    for make in makers:
+        try:
+            plan = make()
+        except InfeasibleError:
+            continue
+        if best is None or plan.predicted.time_per_minibatch_s < best.predicted.time_per_minibatch_s:
+            best = plan
+    bound = layer_compute_s(profile) / cluster.gpus
+    if exact is not None and (
+        best is None or exact[0].predicted.time_per_minibatch_s <= best.predicted.time_per_minibatch_s
+    ):
+        return exact[0], max(exact[1], bound), False
+    if best is None:
+        raise InfeasibleError("no plan fits in memory")
+    return best, max(exact[1] if exact else 0.0, bound), False
+
+
+def _exact(
+    profile: Profile, cluster: Cluster, states: StateSet, opts: SolveOptions
+) -> tuple[Plan, float, bool] | None:
+    """The branch-and-bound optimum on one level (``sync``), when it is small enough to run;
+    (plan, lower bound valid for every plan, proven optimal over all downsets). With a memory
+    limit the optimum without one is tried first; if it does not fit, the search keeps only
+    stages that fit with all M microbatches held (exact for a schedule that holds them all,
+    cautious for one that holds fewer). On a hierarchy it searches as if every link were the
+    slowest: a good candidate, no proof."""
+    sched, m = model(opts.schedule), opts.m
+    cap = 1 if opts.straight else cluster.gpus
+    steps = MAX_STEPS if states.exact else 60  # no proof to finish on a subset of the cuts
+    bandwidth = min(level.bandwidth for level in cluster.levels)  # hierarchies: a candidate only
+    memory = None
+    if cluster.memory_bytes is not None:
+        memory = MemoryLimit.of(
+            cluster.memory_bytes + 0.5, profile, opts.optimizer, opts.schedule, cluster.gpus, m
+        )
+    info = SolverInfo("dp", 0.0, False)
+    for held in (None, memory) if memory is not None else (None,):  # unlimited first: often fits
+        found = solve_synchronous(states, cluster.gpus, bandwidth, m, cap, steps, held)
+        if found is None:
+            return None
+        value, segments, lower = found
+        try:
+            plan = assemble(profile, cluster, stage_specs(profile, states, segments), opts.schedule, m,
+                            opts.optimizer, info, activation_comm=opts.activation_comm)  # fmt: skip
+        except InfeasibleError:
+            continue
+        if len(cluster.levels) > 1:  # searched at the slowest bandwidth: neither optimal nor a bound
+            return plan, 0.0, False
+        # it minimises the synchronous sum, holding all M microbatches under a limit: its optimum
+        # and bound are the schedule's only where that is the schedule's time and memory model
+        sound = states.exact and (held is None or sched.holds_all) and sched.sync_sum
+        return plan, lower if sound else 0.0, sound and lower >= value * (1 - 1e-9)
+    return None

@@ -1,0 +1,268 @@
+"""Exact search for the synchronous schedules (1f1b, gpipe) on one level, by branch and bound.
+
+Their minibatch takes T = sum(u) + (M-1)·max(u) + max(A) (``cost._sync_times``): u is a stage's
+microbatch time (compute and cut traffic over r·M), A its gradient all-reduce. Neither max is
+additive, so no single DP minimises T. But for caps (tau, alpha), h(tau, alpha) = the least sum(u)
+over plans whose every stage has u <= tau and A <= alpha is a DP over the downset states (fewest
+microbatch time per state and device count). A plan p found at the caps, with its own maxima
+(u_p, A_p), is then the best of every plan whose maxima lie in [u_p, tau] x [A_p, alpha]: each of
+those is feasible at the caps, so its sum is at least h. The search keeps boxes of maxima not yet
+covered, each with the bound h(corner above it) + (M-1)·tau_low + alpha_low, probes wide boxes in
+their middle (a bisection), and stops when no box can beat the best plan: the result is then
+optimal over the states.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from partitioner.optimizer.pricing.memory import MemoryLimit
+from partitioner.optimizer.pricing.stage import FloatArray, IntArray, allreduce_time, microbatch_time
+from partitioner.optimizer.search.dp import Segment
+from partitioner.optimizer.search.reach import fewest_units, fewest_units_after
+from partitioner.optimizer.search.states import StateSet
+
+__all__ = ["MAX_CHOICES", "MAX_STEPS", "solve_synchronous"]
+
+MAX_CHOICES = 2_000_000  # (stage, replicas) choices the DP prices per evaluation
+MAX_STEPS = 400  # box splits and DP evaluations before returning the best plan and its bound
+WIDE = 1.02  # a box whose tau range spans more than 2% may be probed at its geometric middle
+
+
+@dataclass(frozen=True)
+class _Choices:
+    """Every stage (k, j], sorted by the later state j (CSR), with its times on 1..cap replicas,
+    and a quick test whether any plan meets caps.
+
+    u falls as 1/r and A rises with r, so a stage meets (tau, alpha) with r replicas exactly for
+    r in [ceil(X / (M·tau)), A's limit]; the fewest devices per state then follow one size layer
+    at a time (no stage joins two states of one size). Bounds are rounded outwards: the test may
+    pass caps no plan meets (the DP then finds none), never the reverse.
+    """
+
+    k: IntArray
+    j: IntArray
+    offsets: IntArray  # stages of state j are [offsets[j], offsets[j + 1])
+    layers: IntArray  # ``StateSet.size_layers``
+    x: FloatArray  # compute + 2·act_out/B: u = x / (r·M) up to rounding, what solving for r needs
+    p: FloatArray  # parameter bytes: A = 4(r-1)p / (r·B)
+    r_mem: FloatArray  # fewest replicas that fit the memory limit (inf: none)
+    u: FloatArray  # [pair, r - 1] microbatch time (``stage.microbatch_time``)
+    a: FloatArray  # [pair, r - 1] all-reduce: 4(r-1)P / (r·B)
+    compute: FloatArray  # per state
+    m: int
+    cap: int
+    bandwidth: float
+
+    @staticmethod
+    def of(
+        states: StateSet, cap: int, bandwidth: float, m: int, memory: MemoryLimit | None = None
+    ) -> _Choices:
+        n = len(states)
+        k, j = states.all_pairs()
+        r = np.arange(1, cap + 1, dtype=np.float64)[None, :]
+        out = np.where(j < n - 1, states.act_bytes[j], 0.0)
+        compute = states.compute_s[j] - states.compute_s[k]
+        x = compute + 2.0 * out / bandwidth  # (only to solve for replicas: u is about x / (r·M))
+        params = states.param_bytes[j] - states.param_bytes[k]
+        u = microbatch_time(compute[:, None], out[:, None], r, m, bandwidth)
+        a = allreduce_time(params[:, None], r, bandwidth)
+        r_mem = np.ones(len(k))
+        if memory is not None:  # all M microbatches' activations, split over the replicas
+            copies, largest = memory.extras(states.masks, states.layer_ids, k, j)
+            saved = states.saved_bytes[j] - states.saved_bytes[k]
+            fits = memory.fits((params + copies)[:, None], saved[:, None], r, largest[:, None])
+            u = np.where(fits, u, np.inf)
+            r_mem = np.maximum(memory.replicas(params + copies, saved, largest), 1.0)
+        offsets = np.concatenate([[0], np.cumsum(np.bincount(j, minlength=n))]).astype(np.int64)
+        u, a = np.asarray(u, dtype=np.float64), np.asarray(a, dtype=np.float64)
+        layers = states.size_layers()
+        return _Choices(k, j, offsets, layers, x, params, r_mem, u, a, states.compute_s, m, cap, bandwidth)
+
+    def need(self, tau: float, alpha: float) -> FloatArray:
+        """Per stage, the fewest replicas that may meet the caps (rounded down; inf: none can)."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            lo = np.maximum(np.ceil(self.x / (self.m * tau) * (1 - 1e-9)), self.r_mem)
+            room = 1.0 - alpha * self.bandwidth / (4.0 * self.p) * (1 + 1e-9)  # r <= 1 / room when room > 0
+            hi = np.where(room > 0, np.floor(1.0 / room * (1 + 1e-9)), np.inf)
+        return np.asarray(np.where(lo <= np.minimum(hi, self.cap), lo, np.inf), dtype=np.float64)
+
+    def before(self, need: FloatArray, units: int) -> FloatArray:
+        """Per state, the fewest devices a plan meeting the caps spends up to it (the last entry
+        over ``units``: surely no plan meets them)."""
+        return fewest_units(self.k, self.offsets, self.layers, need, units)
+
+
+@dataclass(frozen=True)
+class _Found:
+    """A plan from one DP evaluation: its sum, maxima and stages."""
+
+    total: float  # sum of u
+    u_max: float
+    a_max: float
+    stages: list[Segment]
+
+
+def _least_sum(
+    ch: _Choices, n: int, units: int, tau: float, alpha: float, need: FloatArray, before: FloatArray
+) -> _Found | None:  # fmt: skip
+    """h(tau, alpha) and a plan attaining it (None when no plan meets the caps).
+
+    f[j, g] = least sum of u covering state j on at most g devices. Column g reads f[k, g - r]
+    for r = 1..g, which is row k of the finished columns read backwards: one [pair, r] pass.
+    Only stages whose fewest replicas (``need``) fit between the devices any plan meeting the caps
+    spends before them (``before``) and after them (the same DP backwards; both at least
+    C / (M·tau): every u <= tau) take part.
+    """
+    c = ch.compute / (ch.m * tau) if tau > 0 else np.zeros_like(ch.compute)
+    before = np.maximum(before, np.ceil(c * (1 - 1e-9)))
+    after = fewest_units_after(ch.k, ch.j, ch.layers, need, units)
+    after = np.maximum(after, np.ceil((c[-1] - c) * (1 - 1e-9)))
+    rows = np.flatnonzero(before[ch.k] + need + after[ch.j] <= units)
+    if not len(rows):
+        return None
+    k, j = ch.k[rows], ch.j[rows]
+    u = np.where((ch.u[rows] <= tau) & (ch.a[rows] <= alpha), ch.u[rows], np.inf)
+    starts = np.flatnonzero(np.diff(j, prepend=-1))  # pairs are grouped by j
+    ends = j[starts]
+    cap = u.shape[1]
+    f = np.full((n, units + 1), np.inf)
+    f[0, :] = 0.0
+    seen = np.full((len(k), units + 1), np.inf)  # seen[p, c] = f[k_p, c] once column c is done
+    seen[k == 0, :] = 0.0
+    for g in range(1, units + 1):
+        f[:, g] = f[:, g - 1]
+        reach = min(g, cap)
+        val = (seen[:, g - 1 :: -1][:, :reach] + u[:, :reach]).min(axis=1)
+        f[ends, g] = np.minimum(f[ends, g], np.minimum.reduceat(val, starts))
+        seen[:, g] = f[k, g]
+    if not math.isfinite(f[n - 1, units]):
+        return None
+    stages = _trace(f, k, j, u, n - 1, units)
+    us = [float(ch.u[rows[p], r - 1]) for p, r in stages]
+    alls = [float(ch.a[rows[p], r - 1]) for p, r in stages]
+    segments = [Segment(int(k[p]), int(j[p]), r) for p, r in stages]
+    return _Found(math.fsum(us), max(us), max(alls), segments)
+
+
+def _trace(f: FloatArray, k: IntArray, j: IntArray, u: FloatArray, end: int, g: int) -> list[tuple[int, int]]:
+    """The (pair, replicas) behind f[end, g], first stage first: at each state the first that attains it."""
+    chosen: list[tuple[int, int]] = []
+    while end > 0:
+        while g > 1 and f[end, g - 1] <= f[end, g]:
+            g -= 1  # the value was reached on fewer devices
+        mine = np.flatnonzero(j == end)
+        reach = min(g, u.shape[1])
+        val = f[k[mine]][:, g - 1 :: -1][:, :reach] + u[mine, :reach]
+        hit = np.argwhere(val <= f[end, g])
+        if not len(hit):
+            raise RuntimeError("synchronous DP and its trace disagree (a pipeplan bug)")
+        p, r = int(mine[hit[0, 0]]), int(hit[0, 1]) + 1
+        chosen.append((p, r))
+        end, g = int(k[p]), g - r
+    return chosen[::-1]
+
+
+@dataclass(order=True)
+class _Box:
+    """Plans whose max u lies in [tau_lo, tau_hi] and max A in [alpha_lo, alpha_hi], all of whose
+    sums are at least ``floor``: none costs less than ``bound``."""
+
+    bound: float
+    tau_lo: float
+    tau_hi: float
+    alpha_lo: float
+    alpha_hi: float
+    floor: float
+
+
+def solve_synchronous(
+    states: StateSet, units: int, bandwidth: float, m: int, cap: int, steps: int = MAX_STEPS,
+    memory: MemoryLimit | None = None,
+) -> tuple[float, list[Segment], float] | None:  # fmt: skip
+    """The plan minimising the synchronous time per minibatch over the states, by branch and bound.
+
+    Returns (time, stages, certified lower bound: equal to the time when the search finished
+    within ``steps`` box splits and evaluations), or None when the problem has more than
+    ``MAX_CHOICES`` choices or no plan fits the devices.
+    """
+    if states.pair_count() * cap > MAX_CHOICES:
+        return None
+    ch = _Choices.of(states, cap, bandwidth, m, memory)
+    n = len(states)
+    if not np.isfinite(ch.u).any():
+        return None  # no stage fits the memory limit on any replica count
+    tau_hi = float(ch.u[np.isfinite(ch.u)].max())
+    tau_lo = _least_bottleneck(ch, units, tau_hi)
+    a_hi = float(ch.a.max(initial=0.0))
+    need = ch.need(tau_hi, a_hi)
+    top = _least_sum(ch, n, units, tau_hi, a_hi, need, ch.before(need, units))  # the least sum of all
+    if top is None:
+        return None
+    best = (top.total + (m - 1) * top.u_max + top.a_max, top.stages)
+    heap = [_Box(top.total + (m - 1) * tau_lo, tau_lo, tau_hi, 0.0, a_hi, top.total)]
+    for _ in range(steps):
+        if not heap or heap[0].bound >= best[0] * (1 - 1e-12):
+            return best[0], best[1], best[0]
+        box = heapq.heappop(heap)
+        tau, alpha, upper = _probe(box, m, best[0])
+        if upper is not None:  # plans above the probe are not feasible there: no better floor
+            heapq.heappush(heap, upper)
+        need = ch.need(tau, alpha)
+        before = ch.before(need, units)
+        if not before[-1] <= units:
+            continue  # nothing at or below the probe
+        found = _least_sum(ch, n, units, tau, alpha, need, before)
+        if found is None:
+            continue
+        t = found.total + (m - 1) * found.u_max + found.a_max
+        if t < best[0]:
+            best = (t, found.stages)
+        for t_lo, t_hi, a_lo, a_hi in _uncovered(box, tau, alpha, found):
+            bound = found.total + (m - 1) * t_lo + a_lo
+            heapq.heappush(heap, _Box(bound, t_lo, t_hi, a_lo, a_hi, found.total))
+    return best[0], best[1], min(best[0], heap[0].bound if heap else best[0])
+
+
+def _least_bottleneck(ch: _Choices, units: int, hi: float) -> float:
+    """A lower bound on every plan's max u, within 1e-6 of the least (bisection on ``before``)."""
+    lo = 0.0
+    while hi - lo > 1e-6 * hi:
+        mid = 0.5 * (lo + hi)
+        if ch.before(ch.need(mid, math.inf), units)[-1] <= units:
+            hi = mid
+        else:
+            lo = mid
+    return max(lo, 1e-12 * hi)
+
+
+def _probe(box: _Box, m: int, best: float) -> tuple[float, float, _Box | None]:
+    """Where to evaluate a box: its upper corner, or the middle of whichever range would raise the
+    bound of the part above it more (tau geometrically, alpha arithmetically), as in a bisection;
+    that part above is returned as its own box."""
+    gain_tau = (m - 1) * (math.sqrt(box.tau_lo * box.tau_hi) - box.tau_lo)
+    gain_alpha = 0.5 * (box.alpha_hi - box.alpha_lo)
+    if box.tau_hi > box.tau_lo * WIDE and m > 1 and gain_tau >= gain_alpha:
+        mid = math.sqrt(box.tau_lo * box.tau_hi)
+        bound = box.floor + (m - 1) * mid + box.alpha_lo
+        return mid, box.alpha_hi, _Box(bound, mid, box.tau_hi, box.alpha_lo, box.alpha_hi, box.floor)
+    if gain_alpha > 0.01 * best:
+        mid = box.alpha_lo + gain_alpha
+        bound = box.floor + (m - 1) * box.tau_lo + mid
+        return box.tau_hi, mid, _Box(bound, box.tau_lo, box.tau_hi, mid, box.alpha_hi, box.floor)
+    return box.tau_hi, box.alpha_hi, None
+
+
+def _uncovered(box: _Box, tau: float, alpha: float, found: _Found) -> list[tuple[float, float, float, float]]:
+    """[tau_lo, tau] x [alpha_lo, alpha] minus [u_max, tau] x [a_max, alpha], which the plan found
+    at (tau, alpha) settles (every plan in it is feasible there, so sums at least as much)."""
+    rest = []
+    if found.u_max > box.tau_lo:  # smaller max u
+        rest.append((box.tau_lo, found.u_max * (1 - 1e-12), box.alpha_lo, alpha))
+    if found.a_max > box.alpha_lo:  # the same u range, smaller max A
+        rest.append((max(found.u_max, box.tau_lo), tau, box.alpha_lo, found.a_max * (1 - 1e-12)))
+    return rest

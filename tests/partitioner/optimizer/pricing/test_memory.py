@@ -1,0 +1,146 @@
+"""The one memory model: the searches' vectorised checks against the exact price of a stage."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from partitioner.graph import Profile
+from partitioner.optimizer import evaluate, solve
+from partitioner.optimizer.pricing.memory import (
+    MemoryLimit,
+    copy_bytes,
+    peak_bytes,
+    shared_weights,
+    transient_bytes,
+)
+from partitioner.optimizer.pricing.price import stage_loads
+from partitioner.optimizer.pricing.simulate import simulate
+from partitioner.optimizer.search.states import build_states
+from partitioner.plan import Cluster
+from tests.partitioner.optimizer.conftest import make_profile
+
+OPTIMIZERS = ("sgd", "momentum", "adam")
+
+
+def _tied(n: int = 5, embed: int = 3_000_000) -> Profile:
+    """A chain whose first layer (an embedding) and last layer (a head) use one weight."""
+    profile = make_profile([(2, 4, 100_000, embed)] + [(4, 8, 100_000, 500_000)] * (n - 2) + [(3, 6, 0, 0)],
+                           [(i, i + 1) for i in range(n - 1)])  # fmt: skip
+    nodes = list(profile.nodes)
+    nodes[1] = replace(nodes[1], param_names=("wte.weight",))
+    nodes[-1] = replace(nodes[-1], param_names=("head.weight",))  # one tensor, two names (as gpt2's)
+    return replace(profile, nodes=tuple(nodes), tied=(("wte.weight", "head.weight"),))
+
+
+@settings(max_examples=200, deadline=None)
+@given(p=st.integers(0, 10**6), s=st.integers(0, 10**6), limit=st.integers(1, 2 * 10**7),
+       opt=st.sampled_from(OPTIMIZERS))  # fmt: skip
+def test_items_is_the_most_minibatches_that_price_within_the_limit(
+    p: int, s: int, limit: int, opt: str
+) -> None:
+    """pipedream: ``items`` (the searches' check) admits h exactly when ``peak_bytes`` of h fits."""
+    items = float(
+        MemoryLimit(limit, opt, "pipedream", 8).items(np.array([p], float), np.array([s], float))[0]
+    )
+    for h in range(1, 12):
+        assert (h <= items) == (peak_bytes(p, s, h, 1, "pipedream", opt) <= limit), h
+
+
+@settings(max_examples=200, deadline=None)
+@given(p=st.integers(0, 10**6), s=st.integers(0, 10**7), largest=st.integers(0, 10**6),
+       limit=st.integers(1, 2 * 10**7), m=st.integers(1, 6), schedule=st.sampled_from(["gpipe", "zb1p"]),
+       opt=st.sampled_from(OPTIMIZERS))  # fmt: skip
+def test_synchronous_checks_match_the_price_of_all_m_microbatches(
+    p: int, s: int, largest: int, limit: int, m: int, schedule: str, opt: str
+) -> None:
+    """Synchronous: ``fits`` on r replicas equals the price of a replica holding all M microbatches
+    (accumulating when r < M), and ``replicas`` is the fewest r that fits."""
+    lim = MemoryLimit(limit, opt, schedule, 8, m, float(largest))
+    params, saved = np.array([float(p)]), np.array([float(s)])
+    fewest = float(lim.replicas(params, saved)[0])
+    for r in range(1, 12):
+        grad = float(transient_bytes(float(p), float(largest), schedule)) if m > r else 0.0
+        exact = peak_bytes(p * 1000, s * 1000, m, m * r, schedule, opt, grad * 1000) / 1000  # (rounding)
+        if abs(exact - limit) < 0.01:
+            continue  # on the boundary: rounding decides
+        fits = bool(lim.fits(params, saved, np.array([float(r)]))[0])
+        assert fits == (exact <= limit), r
+        assert not (fits and r < fewest), f"r={r} fits but replicas() says {fewest}"
+        assert not (r == fewest and not fits), f"replicas() says {fewest}, which does not fit"
+
+
+def test_a_tied_weight_is_copied_to_the_stage_that_uses_it_without_owning_it() -> None:
+    profile = _tied()
+    (tie,) = shared_weights(profile)
+    assert (tie.owner, tie.users, tie.nbytes) == ("l0", ("l4",), 3_000_000.0)
+    same_name = replace(
+        profile, nodes=(*profile.nodes[:-1], replace(profile.nodes[-1], param_names=("wte.weight",)))
+    )
+    assert shared_weights(replace(same_name, tied=())) == (tie,)  # one name used twice
+    assert shared_weights(replace(profile, tied=())) == ()  # two names, nothing says they are one
+    assert copy_bytes([tie], [["x", "l0", "l1"], ["l2", "l3", "l4"]]) == [(0.0, 0.0), (3e6, 3e6)]
+    assert copy_bytes([tie], [["x", "l0", "l1", "l2", "l3", "l4"]]) == [(0.0, 0.0)]
+    # the searches' vectorised copies agree with the per-stage ones on every pair of states
+    states = build_states(profile)
+    ks, js = states.all_pairs()
+    lim = MemoryLimit.of(1e12, profile, "sgd", "pipedream", 2, 1)
+    fast = lim.copies(states.masks, states.layer_ids, ks, js)[0]
+    slow = [copy_bytes([tie], [states.members(int(k), int(j))])[0][0] for k, j in zip(ks, js, strict=True)]
+    assert fast.tolist() == slow
+
+
+def test_a_plan_prices_the_copy() -> None:
+    profile = _tied()
+    plan = evaluate(profile, Cluster.flat(2), ["l1"], [1, 1], "1f1b", 1)
+    last = stage_loads(profile, [plan.stages[1].nodes])[0]
+    assert last.copy_bytes == 3e6 and last.largest_param_bytes == 3e6
+    # weights + gradients of its own 1 MB and the 3 MB copy, and 1 microbatch's activations
+    assert plan.stages[1].memory_bytes == 2 * (1_000_000 + 3_000_000) + 200_000
+
+
+def _every_plan(profile: Profile, schedule: str, m: int) -> list[tuple[float, int]]:
+    """(time, peak bytes) of every plan of a chain on 3 devices: 1 stage on 1-3 replicas, 2 stages
+    on (1, 1), (1, 2), (2, 1), 3 stages on one each."""
+    layers = [n.id for n in profile.nodes if n.op != "input"]
+    plans: list[tuple[list[str], list[int]]] = [([], [r]) for r in (1, 2, 3)]
+    for a in range(len(layers) - 1):
+        plans += [([layers[a]], reps) for reps in ([1, 1], [1, 2], [2, 1])]
+        plans += [([layers[a], layers[b]], [1, 1, 1]) for b in range(a + 1, len(layers) - 1)]
+    out = []
+    for cuts, reps in plans:
+        plan = evaluate(profile, Cluster.flat(3), cuts, reps, schedule, m)
+        out.append((plan.predicted.time_per_minibatch_s, max(s.memory_bytes for s in plan.stages)))
+    return out
+
+
+@pytest.mark.parametrize(("schedule", "m"), [("pipedream", 1), ("1f1b", 3), ("gpipe", 3)])
+def test_under_a_limit_the_search_finds_the_best_plan_that_fits(schedule: str, m: int) -> None:
+    """On a chain whose embedding and head share a weight, every limit between the smallest plan's
+    and the largest: the search returns a plan that fits, as fast as the fastest plan that fits
+    (brute force over every plan, each priced with its tied copy, snapshots and accumulation)."""
+    from partitioner.errors import InfeasibleError
+
+    profile = _tied()
+    every = _every_plan(profile, schedule, m)
+    for limit in sorted({peak for _, peak in every}):
+        best = min(t for t, peak in every if peak <= limit)
+        try:
+            plan = solve(profile, Cluster.flat(3, memory_bytes=limit), schedule, m)
+        except InfeasibleError:
+            pytest.fail(f"{schedule} at {limit} B: no plan found, but one of {best} s fits")
+        assert max(s.memory_bytes for s in plan.stages) <= limit
+        assert plan.predicted.time_per_minibatch_s <= best * (1 + 1e-9), limit
+
+
+@pytest.mark.parametrize(("schedule", "m"), [("pipedream", 1), ("1f1b", 4), ("gpipe", 4), ("zb1p", 4)])
+def test_the_simulation_prices_memory_as_the_plan(schedule: str, m: int) -> None:
+    """The event simulation's peaks (its own in-flight counts) equal the plan's, tied copies,
+    snapshots and accumulated gradients included."""
+    profile = _tied()
+    plan = evaluate(profile, Cluster.flat(3), ["l1", "l3"], [1, 1, 1], schedule, m)
+    assert simulate(plan, profile).peak_memory_bytes == tuple(s.memory_bytes for s in plan.stages)

@@ -1,0 +1,55 @@
+"""DP and ILP agree on small cases."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from partitioner.optimizer import solve
+from partitioner.plan import Cluster
+from tests.partitioner.optimizer.conftest import make_profile
+from tests.partitioner.optimizer.search.test_dp import dags
+
+
+@settings(max_examples=12, deadline=None)
+@given(dag=dags, gpus=st.integers(1, 4))
+def test_dp_equals_ilp(dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]], gpus: int) -> None:
+    costs, raw = dag
+    profile = make_profile(costs, [(a, b) for a, b in raw if a < b])
+    cluster = Cluster.flat(gpus, bandwidth=1e5)
+    dp = solve(profile, cluster).predicted.time_per_minibatch_s
+    ilp = solve(profile, cluster, solver="ilp")
+    assert ilp.solver.name == "ilp"
+    assert ilp.predicted.time_per_minibatch_s == pytest.approx(dp, rel=1e-6)
+
+
+def test_ilp_on_a_real_profile() -> None:
+    from partitioner.graph import read_graph_txt
+    from tests.data import PIPEDREAM_PROFILES
+
+    path = PIPEDREAM_PROFILES / "alexnet" / "graph.txt"
+    profile = read_graph_txt(path, 256)
+    for gpus in (2, 4):
+        dp = solve(profile, Cluster.flat(gpus)).predicted.time_per_minibatch_s
+        ilp = solve(profile, Cluster.flat(gpus), solver="ilp").predicted.time_per_minibatch_s
+        assert ilp == pytest.approx(dp, rel=1e-6)
+
+
+@settings(max_examples=12, deadline=None)
+@given(dag=dags, gpus=st.integers(1, 4), schedule=st.sampled_from(["1f1b", "gpipe"]),
+       microbatches=st.sampled_from([1, 3, 8]))  # fmt: skip
+def test_dp_equals_ilp_for_synchronous_schedules(
+    dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]],
+    gpus: int,
+    schedule: str,
+    microbatches: int,
+) -> None:
+    """The branch and bound and the MILP (sum + (M-1)·t + a, t and a as epigraph variables) agree."""
+    costs, raw = dag
+    profile = make_profile(costs, [(a, b) for a, b in raw if a < b])
+    cluster = Cluster.flat(gpus, bandwidth=1e5)
+    dp = solve(profile, cluster, schedule, microbatches).predicted.time_per_minibatch_s
+    ilp = solve(profile, cluster, schedule, microbatches, solver="ilp")
+    assert ilp.solver.name == "ilp"
+    assert ilp.predicted.time_per_minibatch_s == pytest.approx(dp, rel=1e-6)

@@ -1,0 +1,98 @@
+"""The synchronous schedules' branch and bound against brute force on random small DAGs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from partitioner.optimizer import solve
+from partitioner.plan import Cluster
+from tests.partitioner.optimizer.conftest import make_profile
+from tests.partitioner.optimizer.search.test_dp import brute_force, dags
+
+
+@settings(max_examples=60, deadline=None)
+@given(dag=dags, gpus=st.integers(1, 4), schedule=st.sampled_from(["1f1b", "gpipe"]),
+       microbatches=st.sampled_from([1, 2, 4, 8]), straight=st.booleans(), comm=st.booleans())  # fmt: skip
+def test_synchronous_plans_are_optimal(
+    dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]],
+    gpus: int,
+    schedule: str,
+    microbatches: int,
+    straight: bool,
+    comm: bool,
+) -> None:
+    """1f1b and gpipe: sum + (M-1) slowest + all-reduce, minimised exactly, and proven so."""
+    costs, raw = dag
+    profile = make_profile(costs, [(a, b) for a, b in raw if a < b])
+    cluster = Cluster.flat(gpus, 1e5)
+    plan = solve(profile, cluster, schedule, microbatches, straight=straight, activation_comm=comm)
+    # optimal at the microbatch count it uses (raised towards one every replica count divides, if needed)
+    expected = brute_force(profile, cluster, straight, comm, schedule, plan.microbatches)
+    assert plan.predicted.time_per_minibatch_s == pytest.approx(expected, rel=1e-9)
+    assert plan.solver.optimal
+    assert plan.solver.lower_bound_s == pytest.approx(expected, rel=1e-9)
+    if straight:
+        assert all(s.replicas == 1 for s in plan.stages)
+
+
+def test_synchronous_trades_the_slowest_stage_against_the_sum() -> None:
+    """A plan with an uneven stage can beat the bottleneck-optimal one when M is small.
+
+    Four equal layers (10 ms each) on 2 devices, one microbatch: two stages run one after the
+    other (40 ms, no overlap), one stage on both devices takes half (its all-reduce is free here).
+    """
+    profile = make_profile([(5, 5, 0, 0)] * 4, [(i, i + 1) for i in range(3)])
+    plan = solve(profile, Cluster.flat(2, 1e12), "gpipe", 1)
+    assert [s.replicas for s in plan.stages] == [2]  # data parallel: 20 ms instead of 40
+    assert plan.predicted.time_per_minibatch_s == pytest.approx(0.020)
+    assert plan.solver.optimal
+
+
+@settings(max_examples=40, deadline=None)
+@given(dag=dags, gpus=st.integers(1, 4), microbatches=st.sampled_from([1, 2, 4]),
+       limit=st.integers(8_000, 40_000))  # fmt: skip
+def test_gpipe_under_a_memory_limit_is_optimal(
+    dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]],
+    gpus: int,
+    microbatches: int,
+    limit: int,
+) -> None:
+    """gpipe holds all M microbatches on every stage: the search's memory filter is its exact model,
+    so the plan is the best that fits (or nothing fits, for both)."""
+    from partitioner.errors import InfeasibleError
+
+    costs, raw = dag
+    profile = make_profile(costs, [(a, b) for a, b in raw if a < b])
+    cluster = Cluster.flat(gpus, 1e5, limit)
+    try:
+        plan = solve(profile, cluster, "gpipe", microbatches, "adam")
+    except InfeasibleError:
+        asked = brute_force(profile, cluster, schedule="gpipe", microbatches=microbatches, optimizer="adam")
+        assert asked == math.inf
+        return
+    # compared at the microbatch count the plan uses (raised where its replicas need it)
+    m = plan.microbatches
+    expected = brute_force(profile, cluster, schedule="gpipe", microbatches=m, optimizer="adam")
+    assert plan.predicted.time_per_minibatch_s == pytest.approx(expected, rel=1e-9)
+    assert max(s.memory_bytes for s in plan.stages) <= limit
+
+
+def test_synchronous_plans_use_a_microbatch_count_every_replica_can_use() -> None:
+    """Microbatches go round-robin to a stage's replicas and the cost model prices r replicas at 1/r of
+    the stage: a 3-1 plan asked for 2 or 4 microbatches is re-solved at lcm(asked, 3), which the batch
+    (12) allows; where it does not (batch 8), the plan keeps the asked count."""
+    from partitioner.optimizer import solve
+    from partitioner.plan import Cluster
+    from tests.partitioner.optimizer.conftest import make_profile
+
+    heavy = [(30, 60, 10, 0), (1, 1, 10, 10**9)]
+    for asked, expected in ((2, 6), (4, 12)):
+        plan = solve(make_profile(heavy, [(0, 1)], batch_size=12), Cluster.flat(4, 1e9), "1f1b", asked)
+        assert plan.microbatches == expected and plan.extra["microbatches_asked"] == asked
+        assert all(plan.microbatches % s.replicas == 0 for s in plan.stages)
+    kept = solve(make_profile(heavy, [(0, 1)], batch_size=8), Cluster.flat(4, 1e9), "1f1b", 2)
+    assert kept.microbatches == 2 and "microbatches_asked" not in kept.extra
