@@ -720,9 +720,7 @@ def partition(
         micro = microbatches
     else:  # (auto tries several counts; 4 is where it starts)
         micro = 4 if schedule == "auto" else schedule_model(schedule).default_microbatches(cluster.gpus, v)
-        if schedule not in ("pipedream", "auto"):  # the largest count up to it that splits the batch
-            micro = default_microbatches(profile.batch_size, micro)
-    check_microbatches(profile, schedule, micro)
+        micro = default_microbatches(profile.batch_size, micro)  # the largest up to it that splits the batch
     auto_table = None
     if (cuts is None) != (replicas is None):
         raise PlanError("--cuts and --replicas go together: give both, or neither")
@@ -747,6 +745,7 @@ def partition(
             profile, cluster, schedule, micro, optimizer, straight, solver, not no_comm, recompute, v
         )
     _check_replicas(plan)
+    check_microbatches(profile, plan.schedule, plan.microbatches)  # (after the schedule's own checks)
     plan = replace(plan, profile=str(path), precision=profile.precision)
     name = profile.model if profile.tracer == "pipedream" else _model_name(profile.model)
     out_dir = Path(output) / re.sub(r"[^A-Za-z0-9_.-]+", "_", name or "model") / f"gpus={cluster.gpus}"

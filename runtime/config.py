@@ -240,9 +240,12 @@ def load_job(
 
 
 def _check_schedule_fits(job: JobConfig, planned: str) -> None:
-    """``interleaved`` on a package with one stage per rank would play plain 1f1b: refuse it unless the
-    plan itself is an interleaved one (then it was asked for)."""
-    if job.schedule == "interleaved" and job.virtual_stages == 1 and planned != "interleaved":
+    """A schedule that lays several stages on each rank (interleaved), on a package with one stage per
+    rank, would play plain 1f1b: refuse it unless the plan itself lays stages out (then it was asked
+    for)."""
+    kind, plan_kind = REGISTRY.get(job.schedule), REGISTRY.get(planned)
+    lays_out = kind is not None and kind.placement is not None  # several stages on each rank
+    if lays_out and job.virtual_stages == 1 and (plan_kind is None or plan_kind.placement is None):
         raise RunError(
             f"{job.package} was planned for {planned} with one stage per rank, which --schedule "
             "interleaved would play as 1f1b; partition with --schedule interleaved (several stages per "

@@ -55,7 +55,8 @@ def check_microbatches(profile: Profile, schedule: str, microbatches: int) -> No
         PlanError: naming the counts that do split it.
     """
     batch = profile.batch_size
-    if batch and schedule not in ("pipedream", "auto") and microbatches >= 1 and batch % microbatches:
+    synchronous = schedule in MODELS and not MODELS[schedule].asynchronous  # (auto: its own counts)
+    if batch and synchronous and microbatches >= 1 and batch % microbatches:
         counts = ", ".join(str(d) for d in range(1, batch + 1) if batch % d == 0)
         raise PlanError(
             f"a batch of {batch} does not split into {microbatches} equal microbatches, which a run "
