@@ -25,7 +25,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def _console(stderr: bool = False) -> Console:
     """One Console per stream; commands print tables on stdout and progress/errors on stderr."""
-    return Console(stderr=stderr, highlight=False)
+    return Console(stderr=stderr, highlight=False, emoji=False)  # (":llama:" is no emoji in a spec)
 
 
 def user_errors(func: F) -> F:
@@ -809,6 +809,7 @@ def partition(
     from partitioner.errors import PlanError
     from partitioner.graph import load_profile
     from partitioner.optimizer import evaluate, solve
+    from partitioner.optimizer.options import check_devices, check_microbatches, default_microbatches
     from partitioner.optimizer.pricing.schedules import model as schedule_model
     from partitioner.optimizer.pricing.simulate import gantt, simulate, write_chrome_trace
     from partitioner.optimizer.units import parse_int_list
@@ -830,6 +831,7 @@ def partition(
     profile = with_update_time(profile, optimizer)
     recompute = recompute or ("auto" if schedule == "auto" else "none")  # auto searches recomputation too
     cluster = _cpu_hosts(_cluster(gpus, topology, bandwidth, memory, cluster_spec), profile, host_cores)
+    check_devices(profile, cluster.gpus)
     cluster = _estimated_memory(profile, cluster)
     if cluster.memory_bytes is not None:
         from partitioner.optimizer.pricing.price import check_layers_fit
@@ -840,6 +842,7 @@ def partition(
         micro = microbatches
     else:  # (auto tries several counts; 4 is where it starts)
         micro = 4 if schedule == "auto" else schedule_model(schedule).default_microbatches(cluster.gpus, v)
+        micro = default_microbatches(profile.batch_size, micro)  # the largest up to it that splits the batch
     auto_table = None
     if (cuts is None) != (replicas is None):
         raise PlanError("--cuts and --replicas go together: give both, or neither")
@@ -864,6 +867,7 @@ def partition(
             profile, cluster, schedule, micro, optimizer, straight, solver, not no_comm, recompute, v
         )
     _check_replicas(plan)
+    check_microbatches(profile, plan.schedule, plan.microbatches)  # (after the schedule's own checks)
     plan = replace(plan, profile=str(path), precision=profile.precision)
     name = profile.model if profile.tracer == "pipedream" else _model_name(profile.model)
     out_dir = Path(output) / re.sub(r"[^A-Za-z0-9_.-]+", "_", name or "model") / f"gpus={cluster.gpus}"
@@ -1257,7 +1261,7 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
               help="On a CPU, also measure each rank's peak tensor memory over its first ranks+1 minibatches "
               "by counting the storages its operators make (opt-in: a Python call per operator in those "
               "steps; GPUs always report torch.cuda.max_memory_allocated).")  # fmt: skip
-@click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
+@click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True, callback=_finite,
               help="Seconds a rank waits on its peers before the job is stopped.")  # fmt: skip
 @click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True, help="Machines.")
 @click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True,
@@ -1347,6 +1351,13 @@ def _check_optim(options: Any) -> None:
 
 def _run_and_report(options: Any) -> None:
     """Launch with a progress bar fed by the loss-reporting rank, then print measured vs predicted."""
+    from runtime.launch import holding_run_folder
+
+    with holding_run_folder(options):  # one job per package folder, from the first check to the end
+        _report_run(options)
+
+
+def _report_run(options: Any) -> None:
     from pathlib import Path
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

@@ -25,7 +25,9 @@ from partitioner.errors import PipeplanError
 from partitioner.graph import Node, Profile, at_microbatches
 from partitioner.optimizer.pricing.schedules import model
 from partitioner.plan import Plan
+from runtime.formats import METRICS_FIELDS
 from runtime.schedule import REGISTRY
+from runtime.schema import SchemaError, check
 
 __all__ = ["RunTimes", "calibrate", "calibrated_device", "device_seconds", "load_run_times", "stage_factors"]
 
@@ -66,6 +68,12 @@ def load_run_times(path: str | os.PathLike[str]) -> RunTimes:
         raise PipeplanError(f"cannot read {source}: {exc}") from exc
     if not isinstance(doc, dict) or doc.get("schema") != "pipeplan.metrics/1" or not doc.get("stages"):
         raise PipeplanError(f"{source} is not a pipeplan metrics.json with per-stage times")
+    try:
+        check(doc, METRICS_FIELDS, str(source))
+    except SchemaError as exc:
+        raise PipeplanError(
+            f"{exc}; calibrate from the metrics.json a finished `pipeplan run` wrote"
+        ) from None
     kind = REGISTRY.get(str(doc.get("schedule")))
     if kind is not None and kind.placement is not None:  # several stages on each rank
         raise PipeplanError(
@@ -112,6 +120,12 @@ def stage_factors(profile: Profile, plan: Plan, measured_s: Mapping[int, float])
     unknown = sorted(set(measured_s) - {s.index for s in plan.stages})
     if unknown:
         raise PipeplanError(f"the run measured stage {unknown[0]}, which the plan does not have")
+    unmeasured = [s.index for s in plan.stages if s.index not in measured_s]
+    if unmeasured:
+        raise PipeplanError(
+            f"the run measured no time for stage {unmeasured[0]} of the plan's {len(plan.stages)}, whose "
+            "layers would keep their profiled times; calibrate from a run of this package"
+        )
     return factors
 
 

@@ -33,12 +33,14 @@ from partitioner.errors import PackageError, PipeplanError, PlanError
 from partitioner.graph import Profile
 from partitioner.package_text import init_text, source_text, stage_text
 from partitioner.plan import Plan, Tie, mp_conf, plan_to_json
-from partitioner.split import StageGraph, split_graph, tensor_kinds
+from partitioner.split import CONSTANT_MAX_ELEMENTS, StageGraph, split_graph, tensor_kinds
+from runtime.runlock import holder
 from runtime.schedule import SCHEDULES, get_schedule
 
 __all__ = [
     "EXACT_INIT_MAX_BYTES",
     "assignment_of",
+    "lifted_constants",
     "pipedream_names",
     "ties_of",
     "with_ranks",
@@ -130,10 +132,16 @@ def write_package_from_trace(
         init = "exact" if size <= EXACT_INIT_MAX_BYTES else "seeded"
     inputs = tuple(bundle.inputs)
     reshaped = bool(dict(profile.tracer_options).get("input_shape"))
-    kinds, loss_node = tensor_kinds(gm, inputs)
+    kinds, _ = tensor_kinds(gm, inputs)
     drop = _foreign_calls(gm, bundle.module)
     stages = split_graph(
-        gm, assignment_of(profile, plan), len(plan.stages), kinds, loss_node, tracer == "export", drop
+        gm,
+        assignment_of(profile, plan),
+        len(plan.stages),
+        kinds,
+        tracer == "export",
+        drop,
+        lifted_constants(gm, bundle.module),
     )
     _check_tensors(stages, bundle.module)
     weights_path = str(Path(weights).resolve()) if weights else None
@@ -251,6 +259,43 @@ def _foreign_calls(gm: fx.GraphModule, model: nn.Module) -> frozenset[str]:
     return frozenset(n.name for n in foreign)
 
 
+def lifted_constants(gm: fx.GraphModule, model: nn.Module) -> dict[str, torch.Tensor]:
+    """Tensors the graph reads that the model does not have at all: torch.export lifts a
+    ``torch.tensor(...)`` or a Python list used as an index inside ``forward`` into such attributes.
+    Each stage that reads one writes it into its own code (:func:`partitioner.split.constant_node`).
+    A plain tensor attribute of the model (set in ``__init__``, perhaps from the RNG) is no constant:
+    ``_check_tensors`` asks for a buffer.
+
+    Raises:
+        PackageError: a constant too large to write into code (make it a buffer in ``__init__``).
+    """
+    state = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    state |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    found: dict[str, torch.Tensor] = {}
+    for node in gm.graph.nodes:
+        target = str(node.target)
+        if node.op != "get_attr" or target in state or _attribute(model, target) is not None:
+            continue
+        value = _attribute(gm, target)
+        if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
+            continue
+        if value.numel() > CONSTANT_MAX_ELEMENTS:
+            raise PackageError(
+                f"the model makes a constant tensor of {value.numel()} elements in forward ({target}); "
+                f"stages write constants of up to {CONSTANT_MAX_ELEMENTS} into their code: create it once "
+                "in __init__ with register_buffer(..., persistent=False)"
+            )
+        found[target] = value
+    return found
+
+
+def _attribute(root: nn.Module, path: str) -> Any:
+    value: Any = root
+    for part in path.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
 def _check_tensors(stages: Sequence[StageGraph], model: nn.Module) -> None:
     """Every tensor a stage reads directly must be a parameter or buffer, which stages can rebuild."""
     state = {n for n, _ in model.named_parameters(remove_duplicate=False)}
@@ -327,9 +372,9 @@ def _extra(
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     with torch.no_grad():
         classes = int(stagekit.loss_input(fx.Interpreter(gm).run(*bundle.inputs)).shape[-1])  # output classes
-    targets = _target_spec(bundle, classes)
+    inputs, targets = _data_specs(bundle, placeholders, classes)
     return {
-        "inputs": _input_specs(bundle, placeholders, targets, classes),
+        "inputs": inputs,
         "targets": targets,
         "example_functions": _example_functions(bundle, reshaped),
         "loss": loss,
@@ -372,6 +417,37 @@ def _tensor_spec(name: str, t: torch.Tensor, vocabulary: int | None) -> dict[str
     else:
         spec["high"] = vocabulary or (int(t.max()) + 1 if t.numel() else 2)
     return spec
+
+
+def _data_specs(bundle: Any, names: Sequence[str], classes: int) -> tuple[list[Any], dict[str, Any]]:
+    """The (inputs, targets) specs the package draws synthetic data from: a built-in or ``hf:``
+    model's own (the profile drew its inputs from them), else read off the example tensors."""
+    if getattr(bundle, "data", None) is None:
+        targets = _target_spec(bundle, classes)
+        return _input_specs(bundle, names, targets, classes), targets
+    specs, target = bundle.data
+    inputs = [
+        _positions_checked({**spec, "name": name, "shape": list(t.shape)}, bundle.module)
+        for spec, name, t in zip(specs, names, bundle.inputs, strict=True)
+    ]
+    return inputs, {**target, "shape": list(bundle.targets.shape)}
+
+
+def _positions_checked(spec: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """Keep an input's ``max_length`` (the positions a run's ``--seq-len`` may not exceed) only when
+    the model has a learned position table of that size (gpt2's ``wpe``, bert's ``position_embeddings``,
+    with the offset some add): rotary and ALiBi models run longer sequences, and are not refused."""
+    limit = spec.get("max_length")
+    if limit is None:
+        return spec
+    tables = [
+        m.num_embeddings
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Embedding) and ("pos" in name.rsplit(".", 1)[-1] or name.endswith("wpe"))
+    ]
+    if any(limit <= rows <= limit + 2 for rows in tables):
+        return spec
+    return {k: v for k, v in spec.items() if k != "max_length"}
 
 
 def _input_specs(bundle: Any, names: Sequence[str], targets: Mapping[str, Any], classes: int) -> list[Any]:
@@ -447,7 +523,14 @@ def _keep_runs(out_dir: Path, tmp: Path) -> None:
 
 
 def _write_folder(out_dir: Path, files: Mapping[str, str], keep_existing: bool = False) -> None:
-    """Write all files into a temporary sibling folder, then swap it in (a reader never sees half)."""
+    """Write all files into a temporary sibling folder, then swap it in (a reader never sees half).
+    A package a ``pipeplan run`` is training is left alone (its run folder is locked)."""
+    training = holder(out_dir / "run")
+    if training:
+        raise PipeplanError(
+            f"{out_dir} is being trained by `pipeplan run` ({training}); wait for it to end, or "
+            "partition into another folder with -o"
+        )
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))

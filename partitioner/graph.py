@@ -7,6 +7,7 @@ V100 profiles drive the optimizer exactly as profiles measured by pipeplan do.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -20,7 +21,9 @@ import networkx as nx
 
 from partitioner.atomic import write_text_atomic
 from partitioner.errors import ProfileFormatError
+from runtime.formats import PROFILE_FIELDS
 from runtime.precision import PRECISIONS
+from runtime.schema import SchemaError, check
 
 __all__ = [
     "PROFILE_SCHEMA",
@@ -140,10 +143,12 @@ class Profile:
 
     def node(self, node_id: str) -> Node:
         """The node with this id; KeyError names it when absent."""
-        for node in self.nodes:
-            if node.id == node_id:
-                return node
-        raise KeyError(node_id)
+        return self._by_id[node_id]
+
+    @functools.cached_property
+    def _by_id(self) -> dict[str, Node]:
+        """Nodes by id, built once (a 100,000-layer profile is looked up node by node)."""
+        return {node.id: node for node in self.nodes}
 
     def to_networkx(self) -> nx.DiGraph:
         """The layer DAG with nodes as attributes, for graph algorithms (reachability, downsets)."""
@@ -255,6 +260,10 @@ def profile_from_json(doc: Mapping[str, Any], source: str = "profile") -> Profil
             f"{source} is not a pipeplan profile (schema {found!r}, expected {PROFILE_SCHEMA!r}); "
             "write one with `pipeplan profile MODEL`"
         )
+    try:
+        check(doc, PROFILE_FIELDS, source)
+    except SchemaError as exc:
+        raise ProfileFormatError(f"{exc}; write profiles with `pipeplan profile`") from None
     try:
         nodes = tuple(_node_from_json(n) for n in doc["nodes"])
         profile = Profile(
@@ -443,9 +452,12 @@ def parse_graph_txt(text: str, source: str = "graph.txt") -> Profile:
 def _number(key: str, text: str) -> float:
     """One graph.txt metric value; ValueError names the metric."""
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
         raise ValueError(f"{key}={text.strip()!r} is not a number") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{key}={text.strip()!r} is not a finite number")
+    return value
 
 
 def _parse_metrics(text: str) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import logging
 import re
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -73,6 +73,9 @@ class ModelBundle:
             otherwise they are positional.
         buffers: for a module built without its weights (``load_model(..., lazy=True)``: every
             tensor of ``module`` on the meta device), the real values of its buffers by qualified name.
+        data: for built-in and ``hf:`` models, the (input specs, target spec) the inputs and targets
+            are drawn from (:func:`partitioner.stagekit.synthetic_example`); a package records them
+            and draws its synthetic data the same way, so it trains on what the profile measured.
     """
 
     spec: str
@@ -86,6 +89,7 @@ class ModelBundle:
     target_maker: Callable[[int], Tensor] = field(repr=False)
     input_names: tuple[str, ...] = ()
     buffers: Mapping[str, Tensor] = field(default_factory=dict, repr=False)
+    data: tuple[list[dict[str, Any]], dict[str, Any]] | None = None
 
     def call(self, module: nn.Module, inputs: tuple[Tensor, ...]) -> Any:
         """Run ``module`` on ``inputs`` as this model is called: by keyword or by position."""
@@ -168,10 +172,8 @@ def load_model(
     if spec in ZOO:
         return _zoo_bundle(spec, ZOO[spec], batch_size, input_shape, lazy)
     if spec.startswith("hf:"):
-        factory, names, make_inputs, make_targets = hf_bundle_parts(spec, input_shape)
-        return _bundle(
-            spec, factory, batch_size, make_inputs, make_targets, default_loss, input_names=names, lazy=lazy
-        )
+        factory, names, data = hf_bundle_parts(spec, input_shape)
+        return _data_bundle(spec, factory, batch_size, data, names, lazy)
     if spec.startswith("torchvision:"):
         return _zoo_bundle(spec, _torchvision_entry(spec.partition(":")[2]), batch_size, input_shape, lazy)
     if ":" in spec:
@@ -234,18 +236,40 @@ def _zoo_bundle(
     shape = tuple(input_shape) if input_shape else entry.input_shape
     if entry.tokens and len(shape) != 1:
         raise ModelSpecError(f"{spec} takes token ids: --input-shape is the sequence length, got {shape}")
+    if entry.tokens:
+        inputs = [{"name": "tokens", "shape": [1, *shape], "dtype": "int64", "high": entry.classes}]
+        target = {"name": "target", "shape": [1, *shape], "dtype": "int64", "kind": "next_token",
+                  "high": entry.classes}  # fmt: skip
+    else:
+        inputs = [{"name": "x", "shape": [1, *shape], "dtype": "float32"}]
+        target = {"name": "target", "shape": [1], "dtype": "int64", "kind": "classes", "high": entry.classes}
+    return _data_bundle(spec, entry.factory, batch_size, (inputs, target), lazy=lazy)
+
+
+def _data_bundle(
+    spec: str,
+    factory: Callable[[], Any],
+    batch_size: int,
+    data: tuple[list[dict[str, Any]], dict[str, Any]],
+    names: tuple[str, ...] = (),
+    lazy: bool = False,
+) -> ModelBundle:
+    """A bundle whose inputs and targets are drawn from specs, as a generated package draws them
+    (``lazy``: the module without its weights, as :func:`load_model`)."""
+    from partitioner.stagekit import synthetic_example
+
+    inputs, target = data
 
     def make_inputs(b: int) -> tuple[Tensor, ...]:
-        if entry.tokens:
-            return (torch.randint(0, entry.classes, (b, *shape), generator=_generator()),)
-        return (torch.randn((b, *shape), generator=_generator()),)
+        return tuple(synthetic_example(inputs, target, b)[0])
 
     def make_targets(b: int) -> Tensor:
-        if entry.tokens:
-            return next_token_targets(make_inputs(b)[0])
-        return torch.randint(0, entry.classes, (b,), generator=_generator())
+        return synthetic_example(inputs, target, b)[1]
 
-    return _bundle(spec, entry.factory, batch_size, make_inputs, make_targets, default_loss, lazy=lazy)
+    bundle = _bundle(
+        spec, factory, batch_size, make_inputs, make_targets, default_loss, input_names=names, lazy=lazy
+    )
+    return replace(bundle, data=data)
 
 
 def _torchvision_entry(name: str) -> ZooEntry:

@@ -264,7 +264,9 @@ def init_text(
         "def example_inputs(batch_size: int, seed: int = 0) -> dict[str, torch.Tensor]:\n"
         '    """The model\'s inputs as input0, input1..: the same for a seed, other data for another\n'
         '    (the runtime\'s synthetic minibatches use one seed per step)."""\n'
-        "    made = _stagekit.make_inputs(_source.INPUTS, batch_size, seed, _source.EXAMPLES[0])\n"
+        "    made = _stagekit.make_inputs(\n"
+        "        _source.INPUTS, batch_size, seed, _source.EXAMPLES[0], _source.TARGETS\n"
+        "    )\n"
         '    return {f"input{i}": tensor for i, tensor in enumerate(made.values())}\n\n\n'
         "def example_targets(batch_size: int, seed: int = 0) -> torch.Tensor:\n"
         '    """Example targets matching example_inputs(batch_size, seed)."""\n'

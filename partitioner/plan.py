@@ -16,6 +16,8 @@ from typing import Any
 
 from partitioner.atomic import write_text_atomic
 from partitioner.errors import PlanError
+from runtime.formats import PLAN_FIELDS
+from runtime.schema import SchemaError, check
 
 __all__ = [
     "OPTIMIZERS",
@@ -230,6 +232,10 @@ def plan_from_json(doc: Mapping[str, Any], source: str = "plan") -> Plan:
     """Parse a plan.json document; PlanError says what is wrong with it."""
     if not isinstance(doc, Mapping) or doc.get("schema") != PLAN_SCHEMA:
         raise PlanError(f"{source} is not a pipeplan plan (expected schema {PLAN_SCHEMA!r})")
+    try:
+        check(doc, PLAN_FIELDS, source)
+    except SchemaError as exc:
+        raise PlanError(f"{exc}; regenerate it with `pipeplan partition`") from None
     try:
         cluster = doc["cluster"]
         return Plan(

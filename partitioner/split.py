@@ -21,8 +21,9 @@ import torch
 from torch import fx
 
 from partitioner.errors import PlanError
+from partitioner.model_output import OutputStructure, output_structure, rebuild
 
-__all__ = ["StageGraph", "split_graph", "tensor_kinds"]
+__all__ = ["CONSTANT_MAX_ELEMENTS", "StageGraph", "constant_node", "split_graph", "tensor_kinds"]
 
 
 @dataclass(frozen=True)
@@ -154,21 +155,39 @@ def _symbol(value: object) -> str | None:
     return str(value) if isinstance(value, torch.SymInt) else None
 
 
-def _local_sizes(members: Sequence[fx.Node], needs: set[fx.Node]) -> dict[fx.Node, tuple[fx.Node, int]]:
-    """``sym_size`` nodes of a stage that read a tensor it does not otherwise need, each mapped to a
-    tensor the stage receives anyway with the same symbolic size (the dynamic batch) and its dimension.
+def _size_reads(members: Sequence[fx.Node]) -> list[fx.Node]:
+    """``sym_size`` nodes of a stage that read a tensor the stage does not compute."""
+    inside = set(members)
+    return [
+        n
+        for n in members
+        if "sym_size" in str(n.target)
+        and n.args
+        and isinstance(n.args[0], fx.Node)
+        and n.args[0] not in inside
+    ]
 
-    Without this, a later stage would receive the model's input just to read its batch size again.
+
+def _local_sizes(
+    members: Sequence[fx.Node], stage_of: Mapping[fx.Node, int]
+) -> dict[fx.Node, tuple[fx.Node, int]]:
+    """``sym_size`` nodes of a stage that read a tensor it does not otherwise need, each mapped to a
+    tensor the stage receives for its own computation with the same symbolic size, and its dimension.
+
+    Candidates are only tensors some non-size node of the stage reads: a tensor the stage would
+    receive just for another size read (which may itself be re-sourced) is never one. Without this,
+    a later stage would receive the model's input just to read its batch size again.
     """
+    reads = _size_reads(members)
+    core = _external(members, stage_of, set(reads))
     found: dict[fx.Node, tuple[fx.Node, int]] = {}
-    for node in members:
-        src = node.args[0] if node.args else None
-        if "sym_size" not in str(node.target) or not isinstance(src, fx.Node) or src in members:
-            continue
+    for node in reads:
         symbol = _symbol(node.meta.get("val"))
-        for candidate in sorted(needs - {src}, key=lambda n: n.name):
+        if node.args[0] in core or symbol is None:
+            continue
+        for candidate in sorted(core, key=lambda n: n.name):
             shape = getattr(candidate.meta.get("val"), "shape", ())
-            dims = [d for d, size in enumerate(shape) if symbol and _symbol(size) == symbol]
+            dims = [d for d, size in enumerate(shape) if _symbol(size) == symbol]
             if dims:
                 found[node] = (candidate, dims[0])
                 break
@@ -323,13 +342,18 @@ def split_graph(
     assignment: Mapping[str, int],
     num_stages: int,
     kinds: Mapping[str, bool],
-    loss_node: str,
     use_module_paths: bool = False,
     drop: frozenset[str] = frozenset(),
+    constants: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[StageGraph, ...]:
     """Cut ``gm`` into ``num_stages`` graphs; ``assignment`` maps traced node names to stages.
 
     ``drop`` names unused nodes to leave out (torch.export's input-guard check, which no stage needs).
+    ``constants`` are tensors the graph reads that are no parameter or buffer of the model (torch.export
+    lifts ``torch.tensor(...)`` made inside ``forward`` into such attributes): a stage that reads one
+    makes it in its own code instead (see :func:`constant_node`). The last stage returns the
+    model's output as the model returns it (:mod:`partitioner.model_output`): every tensor of it is
+    computed there or sent there.
     """
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     by_name = {n.name: n for n in gm.graph.nodes}
@@ -341,11 +365,10 @@ def split_graph(
         )
     stage_of = _assign(gm, assignment, kinds, drop)
     members = [_members(s, stage_of, kinds, order) for s in range(num_stages)]
-    needs = [_external(m, stage_of) for m in members]
-    resized = [_local_sizes(members[s], needs[s]) if s else {} for s in range(num_stages)]
+    resized = [_local_sizes(members[s], stage_of) if s else {} for s in range(num_stages)]
     needs = [_external(m, stage_of, set(resized[s])) for s, m in enumerate(members)]
-    if stage_of.get(by_name[loss_node]) != num_stages - 1:
-        needs[-1].add(by_name[loss_node])
+    structure = output_structure(gm)
+    needs[-1] |= {n for n in structure.nodes if n.op == "placeholder" or stage_of.get(n) != num_stages - 1}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     names = _names(gm, use_module_paths)
     ins: list[list[fx.Node]] = [placeholders] + [
@@ -358,7 +381,7 @@ def split_graph(
             n for n in (placeholders if s == 0 else []) + members[s] if n in later and stage_of.get(n, 0) == s
         ]
         if s == num_stages - 1:
-            mine = [by_name[loss_node]]
+            mine = list(structure.nodes)
         outs.append(sorted(set(mine), key=order.__getitem__))
     for s in range(1, num_stages):
         for node in ins[s]:
@@ -366,7 +389,33 @@ def split_graph(
             if node not in outs[producer]:
                 raise PlanError(f"stage {s} reads {node.name}, which stage {producer} does not produce")
     return tuple(
-        _stage_graph(gm, s, members[s], ins[s], outs[s], names, resized[s]) for s in range(num_stages)
+        _stage_graph(
+            gm,
+            s,
+            members[s],
+            ins[s],
+            outs[s],
+            names,
+            resized[s],
+            constants or {},
+            structure if s == num_stages - 1 else None,
+        )
+        for s in range(num_stages)
+    )
+
+
+CONSTANT_MAX_ELEMENTS = 4096
+"""Largest lifted constant a stage writes into its code; larger ones are refused (see codegen)."""
+
+
+def constant_node(graph: fx.Graph, value: torch.Tensor) -> fx.Node:
+    """A node making ``value`` (``torch.tensor([...], dtype=...)``), so the stage's code holds the
+    constant itself: no parameter, no buffer, nothing in a checkpoint. Its device is the stage's
+    (``_devices_from_inputs`` replaces the traced one)."""
+    return graph.call_function(
+        torch.tensor,
+        (value.detach().cpu().tolist(),),
+        {"dtype": value.dtype, "device": torch.device("cpu")},
     )
 
 
@@ -378,7 +427,10 @@ def _stage_graph(
     outs: list[fx.Node],
     names: Mapping[fx.Node, str],
     resized: Mapping[fx.Node, tuple[fx.Node, int]],
+    constants: Mapping[str, torch.Tensor],
+    structure: OutputStructure | None = None,
 ) -> StageGraph:
+    """One stage's graph; the last one (``structure`` given) returns the model's output structure."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in ins:
@@ -387,7 +439,9 @@ def _stage_graph(
     inside = set(members)
     for node in gm.graph.nodes:
         if node.op == "get_attr" and any(u in inside for u in node.users):
-            env[node] = graph.get_attr(str(node.target))
+            target = str(node.target)
+            made = constant_node(graph, constants[target]) if target in constants else None
+            env[node] = made if made is not None else graph.get_attr(target)
         elif node in inside:
             args = (resized[node][0], resized[node][1]) if node in resized else node.args
             new = graph.create_node(
@@ -401,7 +455,12 @@ def _stage_graph(
             new.meta = dict(node.meta)
             env[node] = new
     results = [env[n] for n in outs]
-    graph.output(results[0] if len(results) == 1 else tuple(results))
+    rebuilt = structure is not None and not structure.is_tensor
+    if structure is not None and rebuilt:
+        graph.output(rebuild(graph, structure, env.__getitem__))
+        outs = [next(n for n in gm.graph.nodes if n.op == "output")]  # the structure, named "output"
+    else:
+        graph.output(results[0] if len(results) == 1 else tuple(results))
     _devices_from_inputs(graph)
     _dropout_follows_mode(graph)
     _without_dtype_asserts(graph)
@@ -412,7 +471,7 @@ def _stage_graph(
     graph.lint()
     graph.owning_module = None
     for node in graph.nodes:
-        if node.op in ("placeholder",) or node in (env[n] for n in outs):
+        if node.op == "placeholder" or (not rebuilt and node in (env[n] for n in outs)):
             expected = names[next(k for k, v in env.items() if v is node)]
             if node.name != expected:
                 raise PlanError(f"internal: stage {index} names {expected} as {node.name}")

@@ -45,6 +45,7 @@ __all__ = [
     "make_inputs",
     "make_targets",
     "populate",
+    "synthetic_example",
 ]
 
 
@@ -354,17 +355,69 @@ def criterion(kind: str) -> nn.Module:
 
 
 _INPUT_SEED = 1234  # the same generator seed as partitioner.models: seed 0 gives the profiled data
+MASK_RATE = 0.15  # masked-lm: the share of positions hidden and scored (runtime.text.MASK_RATE)
 
 
 def _draw(spec: Mapping[str, Any], batch_size: int, generator: torch.Generator) -> torch.Tensor:
-    """One tensor like the recorded one: the same constant (masks), integers below ``high``, or normal."""
+    """One tensor like the recorded one: the same constant (masks), integers in ``[low, high)``, or
+    normal."""
     shape = (batch_size, *spec["shape"][1:])
     dtype = getattr(torch, spec["dtype"])
     if spec.get("fill") is not None:
         return torch.full(shape, spec["fill"], dtype=dtype)
     if spec.get("high") is not None:
-        return torch.randint(0, int(spec["high"]), shape, generator=generator).to(dtype)
+        low = int(spec.get("low", 0))
+        return torch.randint(low, int(spec["high"]), shape, generator=generator).to(dtype)
     return torch.randn(shape, generator=generator, dtype=dtype)
+
+
+def _next_tokens(tokens: torch.Tensor) -> torch.Tensor:
+    """Each position's target is the next token; the last position is ignored (-100)."""
+    targets = torch.full_like(tokens, -100)
+    targets[:, :-1] = tokens[:, 1:]
+    return targets
+
+
+def _shifted_right(labels: torch.Tensor, start: int) -> torch.Tensor:
+    """An encoder-decoder's decoder inputs: the labels one position later, ``start`` first (as
+    transformers' ``shift_tokens_right``), so the decoder predicts each label from the ones before it."""
+    shifted = torch.roll(labels, 1, dims=1)
+    shifted[:, 0] = start
+    return shifted
+
+
+def synthetic_example(
+    specs: Sequence[Mapping[str, Any]], target: Mapping[str, Any], batch_size: int, seed: int = 0
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Inputs and targets of one synthetic minibatch, a task for the model's head (``target["kind"]``):
+
+    - ``next_token``: the first input's next tokens (a causal model cannot see them);
+    - ``masked``: a share of input ``target["input"]``'s tokens hidden behind ``target["mask_token"]``,
+      scored against what they hid;
+    - ``shifted``: labels drawn on their own, input ``target["decoder"]`` is them shifted right;
+    - ``classes``/``normal``: drawn after the inputs, from the same generator: independent of them.
+
+    One generator seeded from ``seed`` draws everything in that order, so a seed always gives the same
+    minibatch (seed 0: the data the profile measured) and no target is a copy of an input.
+    """
+    generator = torch.Generator().manual_seed(_INPUT_SEED + seed)
+    values = [_draw(spec, batch_size, generator) for spec in specs]
+    kind = target.get("kind")
+    if kind == "next_token":
+        return values, _next_tokens(values[0])
+    if kind == "masked":
+        from runtime.text import mask_tokens  # (the runtime masks text windows with it too)
+
+        where = int(target.get("input", 0))
+        rate = float(target.get("rate", MASK_RATE))
+        values[where], targets = mask_tokens(values[where], int(target["mask_token"]), generator, rate)
+        return values, targets
+    if kind == "shifted":
+        where = int(target["decoder"])
+        labels = _draw({**target, "shape": specs[where]["shape"]}, batch_size, generator)
+        values[where] = _shifted_right(labels, int(target.get("start", 0))).to(values[where].dtype)
+        return values, labels
+    return values, _draw(target, batch_size, generator)
 
 
 def _user_call(function: str, batch_size: int, seed: int) -> Any:
@@ -385,18 +438,22 @@ def _positional(made: Any, specs: Sequence[Mapping[str, Any]]) -> list[torch.Ten
 
 
 def make_inputs(
-    specs: Sequence[Mapping[str, Any]], batch_size: int, seed: int = 0, function: str | None = None
+    specs: Sequence[Mapping[str, Any]],
+    batch_size: int,
+    seed: int = 0,
+    function: str | None = None,
+    target: Mapping[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Example inputs by the model's argument names; the same for a seed, other data for another seed.
 
     With ``function`` (``file.py:example_inputs``) the model file makes them, so masks stay masks and
-    token ids stay in its vocabulary; otherwise they are drawn like the recorded names, shapes, dtypes.
+    token ids stay in its vocabulary; otherwise they are drawn like the recorded names, shapes, dtypes,
+    and shaped by the ``target`` task (masked tokens, decoder inputs: :func:`synthetic_example`).
     """
     if function:
         values = _positional(_user_call(function, batch_size, seed), specs)
     else:
-        generator = torch.Generator().manual_seed(_INPUT_SEED + seed)
-        values = [_draw(spec, batch_size, generator) for spec in specs]
+        values = synthetic_example(specs, target or {}, batch_size, seed)[0]
     return {spec["name"]: value for spec, value in zip(specs, values, strict=True)}
 
 
@@ -407,17 +464,16 @@ def make_targets(
     seed: int = 0,
     functions: tuple[str | None, str | None] = (None, None),
 ) -> torch.Tensor:
-    """Example targets for ``make_inputs(inputs, batch_size, seed)``: the model file's
-    ``example_targets``, the next tokens of the first input, or classes over the output's range.
+    """Example targets for ``make_inputs(inputs, batch_size, seed, target=spec)``: the model file's
+    ``example_targets``, or the task's targets (:func:`synthetic_example`).
 
     ``functions`` are the model file's (example_inputs, example_targets), where it defines them.
     """
     make_in, make_out = functions
     if make_out:
         return _user_call(make_out, batch_size, seed)  # type: ignore[no-any-return]
-    if spec.get("kind") == "next_token":
-        tokens = next(iter(make_inputs(inputs, batch_size, seed, make_in).values()))
-        targets = torch.full_like(tokens, -100)
-        targets[:, :-1] = tokens[:, 1:]
-        return targets
-    return _draw(spec, batch_size, torch.Generator().manual_seed(_INPUT_SEED + seed))
+    if make_in and spec.get("kind") == "next_token":
+        return _next_tokens(next(iter(make_inputs(inputs, batch_size, seed, make_in).values())))
+    if make_in:
+        return _draw(spec, batch_size, torch.Generator().manual_seed(_INPUT_SEED + seed))
+    return synthetic_example(inputs, spec, batch_size, seed)[1]

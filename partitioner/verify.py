@@ -194,13 +194,15 @@ def verify_package(
     torch.manual_seed(seed)
     if plan.extra.get("keyword_inputs"):  # called by the model's own argument names (Hugging Face)
         names = [str(spec["name"]) for spec in plan.extra["inputs"]]
-        ref_out = loss_input(reference(**dict(zip(names, inputs.values(), strict=True))))
+        ref_output = reference(**dict(zip(names, inputs.values(), strict=True)))
     else:
-        ref_out = loss_input(reference(*inputs.values()))
-    ref_loss = criterion(ref_out, targets)
+        ref_output = reference(*inputs.values())
+    ref_loss = criterion(ref_output, targets)  # the loss reads the output as the model returns it
     ref_loss.backward()
+    ref_out = loss_input(ref_output)
     torch.manual_seed(seed)
-    out, loss, sent, received = _run_chain(entries, inputs, targets)
+    output, loss, sent, received = _run_chain(entries, inputs, targets)
+    out = loss_input(output)
     _backward_chain(loss, sent, received)
     grads = _stage_grads(stages, plan)
     ref_grads = {n: p.grad for n, p in reference.named_parameters(remove_duplicate=False)}
@@ -251,10 +253,10 @@ def _run_chain(
     entries: Sequence[tuple[nn.Module, list[str], list[str]]],
     inputs: Mapping[str, torch.Tensor],
     targets: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, list[Tensors], list[Tensors]]:
+) -> tuple[Any, torch.Tensor, list[Tensors], list[Tensors]]:
     """Run the stages in order, as the runtime does: tensors routed by name, and every stage reading
-    its inputs as fresh autograd leaves (what it receives on its rank); (loss input, loss, what each
-    stage returned, what each stage read)."""
+    its inputs as fresh autograd leaves (what it receives on its rank); (the last stage's output as
+    the criterion reads it, loss, what each stage returned, what each stage read)."""
     env: Tensors = dict(inputs)
     sent: list[Tensors] = []
     received: list[Tensors] = []
@@ -287,7 +289,7 @@ def _backward_chain(loss: torch.Tensor, sent: list[Tensors], received: list[Tens
         outputs, grads = [], []
         for name, tensor in sent[k].items():
             parts = [g for r in received[k + 1 :] if name in r and (g := r[name].grad) is not None]
-            if tensor.requires_grad and parts:
+            if parts and tensor.requires_grad:
                 outputs.append(tensor)
                 grads.append(torch.stack(parts).sum(0))
         if outputs:

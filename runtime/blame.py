@@ -50,13 +50,27 @@ def _log(failure: Any, fallback: Path | None) -> str:
 
 
 def blame(
-    failures: Mapping[int, Any], stage_of: Mapping[int, int], timeout_s: float, log: Path | None = None
+    failures: Mapping[int, Any],
+    stage_of: Mapping[int, int],
+    timeout_s: float,
+    log: Path | None = None,
+    silent: Mapping[int, float] | None = None,
 ) -> JobFailed:
     """The one-line :class:`JobFailed` for a ChildFailedError's ``failures`` (global rank -> failure);
-    ``log`` is the launcher's log file, named when a rank left no stderr of its own."""
+    ``log`` is the launcher's log file, named when a rank left no stderr of its own; ``silent``: the
+    ranks the launcher's watchdog ended, silent that many seconds (:mod:`runtime.liveness`)."""
 
     def where(rank: int) -> str:
         return f"rank {rank} (stage {stage_of[rank]})" if rank in stage_of else f"rank {rank}"
+
+    if silent:
+        rank = min(silent)
+        return JobFailed(
+            f"{where(rank)} stopped responding: no sign of life for {silent[rank]:.0f} s (--timeout "
+            f"{timeout_s:g}; stopped, frozen, or stuck where Python cannot run), so the job was ended"
+            f"{_log(failures[rank], log) if rank in failures else ''}",
+            rank,
+        )
 
     texts = {rank: failure_text(f) for rank, f in failures.items()}
     lost = {rank for rank, text in texts.items() if "PeerLost" in text}

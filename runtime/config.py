@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from runtime.errors import RunError
+from runtime.formats import MP_CONF_FIELDS, PLAN_FIELDS
 from runtime.precision import check_precision
 from runtime.schedule import REGISTRY, Layout, ScheduleError, get_schedule
+from runtime.schema import Obj, SchemaError, check
 
 __all__ = ["JobConfig", "RankConfig", "load_job", "newest_package", "replica_microbatches"]
 
@@ -147,6 +149,16 @@ def _read_json(path: Path) -> Any:
         raise RunError(f"cannot read {path}: {exc}") from exc
 
 
+def _checked_json(path: Path, fields: Obj) -> Any:
+    """A package file, read and checked against its schema (:mod:`runtime.formats`)."""
+    doc = _read_json(path)
+    try:
+        check(doc, fields, str(path))
+    except SchemaError as exc:
+        raise RunError(f"{exc}; regenerate the package with `pipeplan partition`") from None
+    return doc
+
+
 def _stage_ranks(conf: Any, source: Path) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
     """(ranks of every stage, stage of every module) from PipeDream's mp_conf, checked."""
     try:
@@ -195,8 +207,9 @@ def load_job(
     folder = Path(package)
     if not folder.is_dir():
         raise RunError(f"package {folder} does not exist; run `pipeplan partition` first or pass its folder")
-    ranks, modules = _stage_ranks(_read_json(folder / "mp_conf.json"), folder / "mp_conf.json")
-    plan = _read_json(folder / "plan.json") if (folder / "plan.json").exists() else {}
+    conf = _checked_json(folder / "mp_conf.json", MP_CONF_FIELDS)
+    ranks, modules = _stage_ranks(conf, folder / "mp_conf.json")
+    plan = _checked_json(folder / "plan.json", PLAN_FIELDS) if (folder / "plan.json").exists() else {}
     _check_plan_matches(plan, ranks, folder)
     inputs = tuple(plan.get("extra", {}).get("inputs", ()))
     default_batch = plan.get("batch_size") or (inputs[0]["shape"][0] if inputs else None)
@@ -222,7 +235,22 @@ def load_job(
         precision=precision or planned,
         plan_precision=planned,
     )
-    return _checked(job)
+    _check_schedule_fits(_checked(job), str(plan.get("schedule") or name))
+    return job
+
+
+def _check_schedule_fits(job: JobConfig, planned: str) -> None:
+    """A schedule that lays several stages on each rank (interleaved), on a package with one stage per
+    rank, would play plain 1f1b: refuse it unless the plan itself lays stages out (then it was asked
+    for)."""
+    kind, plan_kind = REGISTRY.get(job.schedule), REGISTRY.get(planned)
+    lays_out = kind is not None and kind.placement is not None  # several stages on each rank
+    if lays_out and job.virtual_stages == 1 and (plan_kind is None or plan_kind.placement is None):
+        raise RunError(
+            f"{job.package} was planned for {planned} with one stage per rank, which --schedule "
+            "interleaved would play as 1f1b; partition with --schedule interleaved (several stages per "
+            f"rank), or run it with --schedule {planned}"
+        )
 
 
 def _per_stage(plan: Any, key: str, folder: Path) -> tuple[bool, ...]:

@@ -18,8 +18,9 @@ exactly the minibatches before ``N`` (each computed on its stashed, possibly old
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -178,9 +179,23 @@ class Evaluator:
         output = outs[rt.wiring.loss_input]
         rows = target.shape[0]
         loss = float(rt.criterion(output, target))
-        hits = class_hits(output, target) if isinstance(output, torch.Tensor) else None
+        prediction = _prediction(output)
+        hits = class_hits(prediction, target) if prediction is not None else None
         correct, counted = hits if hits is not None else (0, 0)
         return torch.tensor([loss * rows, rows, correct, counted], dtype=torch.float64, device=target.device)
+
+
+def _prediction(output: Any) -> torch.Tensor | None:
+    """The tensor of a model output that accuracy reads: itself, ``.logits``, ``["logits"]`` or the
+    first element (the last stage returns the model's output as the model returns it)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(output, (tuple, list)) and output:
+        return _prediction(output[0])
+    return None
 
 
 def _split(tensors: Sequence[torch.Tensor], microbatches: int, index: int) -> tuple[torch.Tensor, ...]:

@@ -48,6 +48,7 @@ from runtime.config import load_job
 from runtime.errors import RunError
 from runtime.fqns import TensorSpec, model_names
 from runtime.package import import_package
+from runtime.preflight import check_writable, disk_full
 
 __all__ = ["MAX_SHARD_BYTES", "Exported", "Merged", "choose_step", "export_checkpoint", "match_names"]
 
@@ -176,6 +177,17 @@ def choose_step(root: Path, step: int | None = None) -> tuple[int, tuple[str, ..
     raise RunError(f"no complete step in {root}: {'; '.join(skipped)}")
 
 
+def check_output(path: Path) -> None:
+    """Fail before any checkpoint is read when ``path`` cannot be written (a read-only or full disk).
+
+    Raises:
+        RunError: naming the file and why.
+    """
+    if path.is_dir():
+        raise RunError(f"-o {path} is a folder; give a file name such as {path / 'model.pt'}")
+    check_writable(path.parent, f"-o {path}")
+
+
 def _meta_model(pkg: ModuleType, seed: int) -> nn.Module:
     """The package's full model with every tensor on the meta device (no memory)."""
     with torch.device("meta"):
@@ -210,9 +222,11 @@ def _replace(path: Path, write: Any) -> Path:
         write(tmp)
         os.chmod(tmp, 0o666 & ~_umask())  # (safetensors creates its files private)
         os.replace(tmp, path)
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:  # (torch.save on a full disk: RuntimeError "unexpected pos")
         tmp.unlink(missing_ok=True)
-        raise RunError(f"cannot write {path}: {exc.strerror or exc}") from exc
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = disk_full(path.parent) or (exc.strerror if isinstance(exc, OSError) else None) or first
+        raise RunError(f"cannot write {path}: {reason}; choose another -o") from exc
     return path
 
 
@@ -331,6 +345,7 @@ def export_checkpoint(
             not fit the package's model.
     """
     job = load_job(package)
+    check_output(Path(output))
     root = Path(checkpoint_dir) if checkpoint_dir is not None else job.package / "run" / "checkpoints"
     chosen, skipped = choose_step(root, step)
     folder = checkpoint.step_dir(root, chosen)

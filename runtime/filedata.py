@@ -45,6 +45,9 @@ class DataSettings:
         sample_shape: one input sample's shape from plan.json (batch dimension dropped); None: unknown.
         input_dtype: the first input's dtype from plan.json.
         classes: the package's output classes (its vocabulary for a language model); None: unknown.
+        mask_token: for a masked-lm package (plan.json's targets of kind ``masked``), the token that
+            hides the positions it is scored on; ``text:`` windows are then masked as its synthetic
+            data are (:func:`runtime.text.mask_tokens`), not given the next tokens it could copy.
     """
 
     seq_len: int | None = None
@@ -53,6 +56,7 @@ class DataSettings:
     sample_shape: tuple[int, ...] | None = None
     input_dtype: str = "float32"
     classes: int | None = None
+    mask_token: int | None = None
 
     @staticmethod
     def of(options: RunOptions, job: JobConfig) -> DataSettings:
@@ -65,14 +69,20 @@ class DataSettings:
             sample_shape=tuple(int(s) for s in shape[1:]) if shape else None,
             input_dtype=str(first.get("dtype", "float32")),
             classes=output_classes(job),
+            mask_token=_mask_token(job),
         )
+
+
+def _mask_token(job: JobConfig) -> int | None:
+    targets = job.targets or {}
+    return int(targets["mask_token"]) if targets.get("kind") == "masked" and "mask_token" in targets else None
 
 
 def output_classes(job: JobConfig) -> int | None:
     """The width of the model's output as plan.json records it: the classes of class targets, or the
     vocabulary of next-token targets (the first input's id range); None when not recorded."""
     targets = job.targets or {}
-    if targets.get("kind") == "classes" and targets.get("high") is not None:
+    if targets.get("kind") in ("classes", "masked", "shifted") and targets.get("high") is not None:
         return int(targets["high"])
     if targets.get("kind") == "next_token" and job.inputs and job.inputs[0].get("high") is not None:
         return int(job.inputs[0]["high"])
@@ -124,7 +134,7 @@ def _dataset(kind: str, path: str, settings: DataSettings, batch_size: int) -> D
                 f"{settings.classes} outputs; profile a model with {len(images.classes)} classes"
             )
         return images
-    from runtime.text import BYTE_VOCAB, TokenWindows, load_tokens
+    from runtime.text import BYTE_VOCAB, MaskedWindows, TokenWindows, load_tokens
 
     if settings.seq_len is None:
         raise RunError(f"--data text:{path} needs --seq-len N")
@@ -145,7 +155,7 @@ def _dataset(kind: str, path: str, settings: DataSettings, batch_size: int) -> D
             f"{settings.seq_len}, fewer than one minibatch of {batch_size}; use a longer text or a "
             "smaller --seq-len or --batch-size"
         )
-    return windows
+    return windows if settings.mask_token is None else MaskedWindows(windows, settings.mask_token)
 
 
 def file_loader(

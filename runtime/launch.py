@@ -19,8 +19,9 @@ import socket
 import threading
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,13 +29,23 @@ from runtime import checkpoint
 from runtime.blame import blame
 from runtime.data import check_data_options
 from runtime.errors import Interrupted, RunError
+from runtime.liveness import Watchdog
 from runtime.options import RunOptions, to_argv
-from runtime.preflight import preflight
+from runtime.preflight import disk_full, preflight
 from runtime.resume import resume_lines
 from runtime.run_config import write_config
+from runtime.runlock import run_lock
 from runtime.worker import job_of, run_dir, run_rank
 
-__all__ = ["check_launch", "free_port", "launch", "resolve_resume", "schedule_preview", "torchrun_commands"]
+__all__ = [
+    "check_launch",
+    "free_port",
+    "holding_run_folder",
+    "launch",
+    "resolve_resume",
+    "schedule_preview",
+    "torchrun_commands",
+]
 
 
 class Progress(Protocol):
@@ -72,8 +83,21 @@ def check_launch(options: RunOptions) -> int:
         raise RunError("a multi-node job needs --master-addr and --master-port (the same on every node)")
     if job.virtual_stages > 1 and world > 1 and options.backend == "nccl":
         raise RunError(f"--schedule {job.schedule} runs on gloo only for now (NCCL ignores message tags)")
+    local, gpus = world // options.nnodes, _cuda_count()
+    if options.backend == "nccl" and gpus < local:
+        raise RunError(
+            f"--backend nccl runs each of this node's {local} ranks on a CUDA GPU, and torch here sees "
+            f"{gpus}; use --backend gloo (or auto), or a machine with the GPUs"
+        )
     preflight(options, job, run_dir(options))
     return world // options.nnodes
+
+
+def _cuda_count() -> int:
+    """CUDA devices torch sees on this node."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def resolve_resume(options: RunOptions) -> tuple[RunOptions, list[str]]:
@@ -124,6 +148,18 @@ def schedule_preview(options: RunOptions) -> list[str]:
         what = f"stages {','.join(map(str, stages))}" if len(stages) > 1 else f"stage {stages[0]}"
         lines.append(f"rank {r} ({what}): {format_actions(actions)}")
     return lines
+
+
+def _raise_if_full(out: Path, options: RunOptions) -> None:
+    """A full disk under the run folder or the checkpoints is the cause of a failure: say so, once."""
+    folders = [out, *([Path(options.checkpoint_dir)] if options.checkpoint_dir else [])]
+    for folder in folders:
+        full = disk_full(folder)
+        if full:
+            raise RunError(
+                f"training stopped: {full}; free space (or give --checkpoint-dir elsewhere), then "
+                "`pipeplan run --resume` continues from the last complete checkpoint"
+            )
 
 
 def _first_line(exc: BaseException) -> str:
@@ -187,11 +223,19 @@ def _config(options: RunOptions, per_node: int, logs: Path) -> Any:
     )
 
 
+class _QuietFileHandler(logging.FileHandler):
+    """A log file that drops what it cannot write (a full disk) instead of printing a traceback per
+    record; the job's own error says what happened."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        return None
+
+
 @contextmanager
 def _agent_log(path: Path) -> Iterator[None]:
     """Send the elastic agent's own log (worker start/stop, its tracebacks) to ``path``, not stderr."""
     loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
-    handler = logging.FileHandler(path, encoding="utf-8")
+    handler = _QuietFileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     saved = [(logger, logger.propagate, logger.level, logger.handlers[:]) for logger in loggers]
     for logger in loggers:
@@ -206,6 +250,12 @@ def _agent_log(path: Path) -> Iterator[None]:
             logger.handlers, logger.propagate, logger.level = handlers, propagate, level
 
 
+def holding_run_folder(options: RunOptions) -> AbstractContextManager[None]:
+    """The run folder's lock (:mod:`runtime.runlock`), to hold across :func:`check_launch` and
+    :func:`launch` (which takes it too: one job per package folder at a time)."""
+    return run_lock(run_dir(options), options.node_rank)
+
+
 def launch(
     options: RunOptions, on_progress: Progress | None = None, checked: int | None = None
 ) -> dict[str, Any] | None:
@@ -218,20 +268,77 @@ def launch(
         RunError: bad package or options, or no rendezvous with the master within the timeout.
         JobFailed: a rank raised or died.
     """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
-
     per_node = checked if checked is not None else check_launch(options)
     options, notes = resolve_resume(options)
     for note in notes:
         log.info("%s", note)
     write_config(run_dir(options), replace(options, resume_step=None))
-    if options.nnodes == 1 and not options.master_port:
-        options = replace(options, master_port=free_port())
-    options = replace(options, launcher_pid=os.getpid())
+    with _rendezvous_store(options) as (port, store):
+        options = replace(options, master_port=port, launcher_pid=os.getpid())
+        return _launch(options, per_node, on_progress, store)
+
+
+@contextmanager
+def _rendezvous_store(options: RunOptions) -> Iterator[tuple[int, Any]]:
+    """On node 0, the rendezvous store's server, listening on ``master_addr`` only (127.0.0.1 for a
+    local run) rather than every interface, as torch's static rendezvous would bind it; the rendezvous
+    then shares this server (``multi_tenant``). Yields the port (a free one when none was given) and
+    the store (on other nodes a client of node 0's, or None when it does not answer yet).
+
+    Raises:
+        RunError: the address or port cannot be listened on.
+    """
+    import torch.distributed as dist
+
+    if options.node_rank != 0:
+        try:
+            client = dist.TCPStore(  # type: ignore[attr-defined]
+                options.master_addr, options.master_port, is_master=False,
+                timeout=timedelta(seconds=options.timeout),
+            )  # fmt: skip
+        except (RuntimeError, ValueError):
+            client = None  # the rendezvous below says what is wrong
+        yield options.master_port, client
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            options.master_addr, options.master_port, type=socket.SOCK_STREAM
+        )[0]
+        listener = socket.socket(family, kind, proto)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(1024)
+    except OSError as exc:
+        where = f"{options.master_addr}:{options.master_port}"
+        raise RunError(f"cannot listen on {where} for the rendezvous: {exc.strerror or exc}") from exc
+    port = int(listener.getsockname()[1])
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        options.master_addr, port, is_master=True, multi_tenant=True, master_listen_fd=listener.detach(),
+        timeout=timedelta(seconds=options.timeout), wait_for_workers=False,
+    )  # fmt: skip
+    try:
+        yield port, store
+    finally:
+        del store
+
+
+def _launch(
+    options: RunOptions, per_node: int, on_progress: Progress | None, store: Any
+) -> dict[str, Any] | None:
+    """:func:`launch` once the rendezvous store listens: the run folder locked, a :class:`Watchdog`
+    over this node's ranks, a full disk named as the cause of whatever it broke."""
+    with run_lock(run_dir(options), options.node_rank):
+        return _launch_locked(options, per_node, on_progress, store)
+
+
+def _launch_locked(
+    options: RunOptions, per_node: int, on_progress: Progress | None, store: Any
+) -> dict[str, Any] | None:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
     out = run_dir(options)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "progress.jsonl").unlink(missing_ok=True)
     # nodes sharing the package folder (one machine, or a network file system) keep their own logs
     logs = out / "logs" if options.nnodes == 1 else out / "logs" / f"node{options.node_rank}"
@@ -245,13 +352,20 @@ def launch(
             target=_watch, args=(out / "progress.jsonl", on_progress, stop), daemon=True
         )
         watcher.start()
+    local = range(options.node_rank * per_node, (options.node_rank + 1) * per_node)
+    watchdog = Watchdog(store, config.run_id, local, options.timeout)
     try:
-        with _agent_log(logs / "launcher.log"):
+        with _agent_log(logs / "launcher.log"), watchdog:
             results = elastic_launch(config, run_rank)(options)
     except ChildFailedError as exc:
+        _raise_if_full(out, options)
         job = job_of(options)
         stage_of = {r: k for k, ranks in enumerate(job.stage_ranks) for r in ranks}
-        raise blame(exc.failures, stage_of, options.timeout, logs / "launcher.log") from exc
+        failures = exc.failures
+        raise blame(failures, stage_of, options.timeout, logs / "launcher.log", watchdog.stalled) from exc
+    except (OSError, ValueError) as exc:  # the agent could not write or read its own files (a rank's
+        _raise_if_full(out, options)  # error file, left empty on a full disk)
+        raise RunError(f"the launcher failed: {_first_line(exc)}; its log: {logs / 'launcher.log'}") from exc
     except SignalException as exc:
         raise Interrupted(int(exc.sigval)) from exc
     except (TimeoutError, RuntimeError) as exc:

@@ -8,6 +8,8 @@ minibatch drawn and every output folder written to, in the launcher, in seconds.
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -24,7 +26,14 @@ from runtime.filedata import DataSettings
 from runtime.options import RunOptions
 from runtime.package import import_package, read_wiring
 
-__all__ = ["check_first_stage", "check_inputs_match", "check_writable", "preflight"]
+__all__ = [
+    "SPARE_BYTES",
+    "check_first_stage",
+    "check_inputs_match",
+    "check_writable",
+    "disk_full",
+    "preflight",
+]
 
 
 def preflight(options: RunOptions, job: JobConfig, run_dir: Path) -> None:
@@ -44,16 +53,36 @@ def preflight(options: RunOptions, job: JobConfig, run_dir: Path) -> None:
     _check_package_and_data(options, job)
 
 
+SPARE_BYTES = 1 << 20
+"""Free bytes below which a disk counts as full (logs, metrics and a small checkpoint need more)."""
+
+
 def check_writable(folder: Path, what: str) -> None:
-    """Create ``folder`` if needed and write a file into it."""
+    """Create ``folder`` if needed and write data into it: an empty file still fits on a full disk."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
+        with tempfile.TemporaryFile(dir=folder) as probe:
+            probe.write(bytes(64 << 10))
+            probe.flush()
+            os.fsync(probe.fileno())
     except OSError as exc:
         raise RunError(
             f"{what}: cannot write to {folder}: {exc.strerror or exc}; choose another folder"
         ) from exc
+    full = disk_full(folder)
+    if full:
+        raise RunError(f"{what}: {full}; free space or choose another folder")
+
+
+def disk_full(folder: Path) -> str | None:
+    """``the disk holding FOLDER is full (N KiB free)`` when under :data:`SPARE_BYTES` are free."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return None
+    if free >= SPARE_BYTES:
+        return None
+    return f"the disk holding {folder} is full ({free // 1024} KiB free)"
 
 
 def _check_package_and_data(options: RunOptions, job: JobConfig) -> None:
@@ -99,7 +128,8 @@ def _first_minibatch(
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise RunError(f"{option} {spec}: minibatch 0 failed: {type(exc).__name__}: {first}") from exc
-    check_inputs_match(names, inputs, job.inputs, job.batch_size, spec)
+    aliases = getattr(package, "TENSOR_NAMES", {})  # input0.. -> the model's argument names
+    check_inputs_match([aliases.get(n, n) for n in names], inputs, job.inputs, job.batch_size, spec)
     if not isinstance(targets, torch.Tensor) or targets.shape[:1] != (job.batch_size,):
         got = tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__
         raise RunError(f"{option} {spec}: targets of minibatch 0 are {got}, not {job.batch_size} rows")
@@ -135,6 +165,12 @@ def check_inputs_match(
             raise RunError(f"--data {data}: input {name} has shape {shape}, the package expects {expected}")
         if want.get("dtype", dtype) != dtype:
             raise RunError(f"--data {data}: input {name} is {dtype}, the package expects {want['dtype']}")
+        limit = want.get("max_length")
+        if limit and len(shape) > 1 and shape[1] > limit:
+            raise RunError(
+                f"--data {data}: input {name} holds {shape[1]} positions, the model has {limit}; "
+                f"give --seq-len {limit} or less"
+            )
 
 
 def check_first_stage(package: ModuleType, inputs: Sequence[torch.Tensor], data: str) -> None:

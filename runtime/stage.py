@@ -248,7 +248,7 @@ class StageRuntime:
                 named[name] = torch.zeros(meta.shape, dtype=meta.dtype, device=self.comm.device)
         with torch.no_grad():
             outs = self._run(named, None)
-        self.out_meta = {n: TensorMeta.of(t) for n, t in outs.items()}
+        self.out_meta = {n: TensorMeta.of(t) for n, t in outs.items() if isinstance(t, torch.Tensor)}
         if self.cfg.replica == 0:
             for k, names in self.consumers.items():
                 for peer in self.cfg.job.stage_ranks[k]:

@@ -15,7 +15,14 @@ from torch.utils.data import Dataset
 
 from runtime.errors import RunError
 
-__all__ = ["BYTE_VOCAB", "TokenWindows", "load_tokens"]
+__all__ = [
+    "BYTE_VOCAB",
+    "MASK_RATE",
+    "MaskedWindows",
+    "TokenWindows",
+    "load_tokens",
+    "mask_tokens",
+]
 
 BYTE_VOCAB = 256
 """Token ids of the default byte tokenizer: 0..255."""
@@ -81,3 +88,42 @@ class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         start = index * self.seq_len
         window = self.tokens[start : start + self.seq_len + 1].long()
         return window[:-1], window[1:]
+
+
+MASK_RATE = 0.15
+"""The share of a window's positions a masked-lm package hides and scores (BERT's pre-training)."""
+
+
+def mask_tokens(
+    tokens: torch.Tensor, mask_token: int, generator: torch.Generator, rate: float = MASK_RATE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(masked tokens, targets): ``rate`` of the positions of each row (at least one) hidden behind
+    ``mask_token`` and scored against the token they hid; every other position ignored (-100).
+
+    Example:
+        >>> masked, targets = mask_tokens(torch.arange(1, 9)[None], 0, torch.Generator().manual_seed(0))
+        >>> bool(((masked == 0) == (targets != -100)).all())
+        True
+    """
+    rows = tokens.reshape(len(tokens), -1)
+    noise = torch.rand(rows.shape, generator=generator)
+    chosen = noise < rate
+    chosen[torch.arange(len(rows)), noise.argmin(1)] = True
+    chosen = chosen.reshape(tokens.shape)
+    return tokens.masked_fill(chosen, mask_token), torch.where(chosen, tokens, torch.full_like(tokens, -100))
+
+
+class MaskedWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """A masked-lm task on text windows: sample ``i``'s window masked by a generator seeded with ``i``
+    (the same on every rank), scored on what the mask hid."""
+
+    def __init__(self, windows: TokenWindows, mask_token: int) -> None:
+        self.windows, self.mask_token = windows, mask_token
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = self.windows[index][0]
+        masked, targets = mask_tokens(tokens[None], self.mask_token, torch.Generator().manual_seed(index))
+        return masked[0], targets[0]

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from runtime import schedule
+from runtime.checkin import CheckIn
 from runtime.comm import Comm
 from runtime.config import JobConfig, RankConfig, load_job
 from runtime.data import Batches, make_batches
@@ -30,6 +31,7 @@ from runtime.errors import PeerLost, RunError
 from runtime.evaluate import EvalResult, Evaluator, eval_steps, segments
 from runtime.filedata import DataSettings
 from runtime.lifeline import die_with, wake_siblings
+from runtime.liveness import start_heartbeat
 from runtime.loss_scale import LossScaler
 from runtime.memory import PeakMemory, memory_report
 from runtime.metrics import RankMetrics, Recorder, summarize, write_json_atomic, write_trace
@@ -183,12 +185,20 @@ def _warn_idle_replicas(job: JobConfig) -> None:
 
 
 def _build_hosted(
-    options: RunOptions, configs: tuple[RankConfig, ...], device: torch.device, clock: _Clock
+    options: RunOptions,
+    configs: tuple[RankConfig, ...],
+    device: torch.device,
+    clock: _Clock,
+    checkin: CheckIn,
 ) -> tuple[StageRuntime, ...]:
     """This rank's runtimes: one, or under ``interleaved`` one per chunk, sharing the first one's
     channels, groups, recorder and data. Only the last takes ``clock``: a rank's minibatch ends
-    with its last chunk's step."""
-    first = _build(options, configs[0], device, clock if len(configs) == 1 else None)
+    with its last chunk's step. The groups come first: their creation waits on every rank, the
+    building after it does not (start-up steps 2 and 3 of :class:`CheckIn`)."""
+    with checkin.waiting("creating the replica and tie groups"):
+        groups = _groups(configs[0], timedelta(seconds=options.timeout))
+    checkin.done(2)
+    first = _build(options, configs[0], device, clock if len(configs) == 1 else None, groups=groups)
     rest = tuple(
         _build(options, cfg, device, clock if i == len(configs) - 2 else None, first)
         for i, cfg in enumerate(configs[1:])
@@ -216,6 +226,7 @@ def _build(
     device: torch.device,
     clock: _Clock | None,
     shared: StageRuntime | None = None,
+    groups: Groups | None = None,
 ) -> StageRuntime:
     if cfg.rank == 0 and shared is None:
         _warn_idle_replicas(cfg.job)
@@ -244,7 +255,7 @@ def _build(
         scheduler=make_scheduler(settings, optimizer, _total_steps(options, batches)),
         clip=_clip(settings, cfg, module),
         comm=shared.comm if shared else Comm(dist.group.WORLD, device, prefetch=device.type == "cpu"),  # type: ignore[arg-type]
-        groups=shared.groups if shared else _groups(cfg, timeout),
+        groups=shared.groups if shared else groups or _groups(cfg, timeout),
         batches=batches,
         stash=schedule.get_schedule(cfg.job.schedule).stashes,
         recorder=shared.recorder
@@ -282,13 +293,20 @@ def _evaluator(options: RunOptions, hosted: tuple[StageRuntime, ...]) -> Evaluat
 
 
 def _train(
-    options: RunOptions, hosted: tuple[StageRuntime, ...], total: int, saves_to: RankCheckpoints | None
+    options: RunOptions,
+    hosted: tuple[StageRuntime, ...],
+    total: int,
+    saves_to: RankCheckpoints | None,
+    checkin: CheckIn,
 ) -> None:
     rt = hosted[0]
     job, cfg = rt.cfg.job, rt.cfg
-    start, set_rng = saves_to.resume() if saves_to is not None else (0, lambda: None)
+    with checkin.waiting("agreeing on the step to start from"):
+        start, set_rng = saves_to.resume() if saves_to is not None else (0, lambda: None)
+    checkin.done(4)
     for each in hosted:
         each.setup()
+    checkin.done(5)
     set_rng()
     clock = hosted[-1].on_step if isinstance(hosted[-1].on_step, _Clock) else None
     step_log = open_step_log(options, hosted, run_dir(options), total)
@@ -351,6 +369,7 @@ def run_rank(options: RunOptions) -> dict[str, Any] | None:
     if world != job.world_size:
         raise RunError(f"{job.package} runs on {job.world_size} ranks but the job has {world}")
     die_with(options.launcher_pid or os.getppid())
+    start_heartbeat(rank, options.timeout)
     backend = resolve_backend(options.backend)
     if backend == "nccl" and job.virtual_stages > 1 and world > 1:  # one rank: every message is loopback
         raise RunError(
@@ -364,11 +383,15 @@ def run_rank(options: RunOptions) -> dict[str, Any] | None:
         keep_freed_memory()
     share_cores()
     torch.manual_seed(options.seed)
-    dist.init_process_group(backend, timeout=timedelta(seconds=options.timeout))
+    checkin = CheckIn.from_env(rank, world, options.timeout)
+    checkin.done(0)
     # On error the group is left open: closing it would let peers fail first with "connection closed"
     # before this rank's error is on record; the process exit closes it a moment later.
     try:
-        return _run_joined(options, job.hosted(rank), device)
+        with checkin.waiting("joining the process group"):
+            dist.init_process_group(backend, timeout=timedelta(seconds=options.timeout))
+        checkin.done(1)
+        return _run_joined(options, job.hosted(rank), device, checkin)
     except PeerLost:
         # Let the rank that really failed exit first: the agent reports the first failure it sees.
         # Then resume a stopped sibling, which the agent's SIGTERM could not end otherwise; woken, it
@@ -379,15 +402,17 @@ def run_rank(options: RunOptions) -> dict[str, Any] | None:
 
 
 def _run_joined(
-    options: RunOptions, configs: tuple[RankConfig, ...], device: torch.device
+    options: RunOptions, configs: tuple[RankConfig, ...], device: torch.device, checkin: CheckIn
 ) -> dict[str, Any] | None:
     cfg = configs[-1]
     progress = run_dir(options) / "progress.jsonl" if cfg.is_last and cfg.replica == 0 else None
     clock = _Clock(progress)
-    hosted = _build_hosted(options, configs, device, clock)
+    hosted = _build_hosted(options, configs, device, clock, checkin)
+    checkin.done(3)
     total = _total_steps(options, hosted[0].batches)
-    saves_to = RankCheckpoints.open(options, hosted, total, clock.saved)
-    _train(options, hosted, total, saves_to)
+    with checkin.waiting("creating the checkpoint group"):
+        saves_to = RankCheckpoints.open(options, hosted, total, clock.saved)
+    _train(options, hosted, total, saves_to, checkin)
     if saves_to is not None:
         saves_to.close()
     result = _finish(options, hosted, clock)

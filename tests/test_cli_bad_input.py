@@ -30,8 +30,11 @@ def _node(node_id: str, op: str, inputs: list[str], **fields: object) -> dict[st
     return doc
 
 
-def _profile(tmp: Path, batch_size: object = 8, **changes: dict[str, object]) -> list[str]:
-    """A valid three-layer profile.json with ``changes`` applied to the nodes they name."""
+def _profile(
+    tmp: Path, batch_size: object = 8, top: dict[str, object] | None = None, **changes: dict[str, object]
+) -> list[str]:
+    """A valid three-layer profile.json with ``changes`` applied to the nodes they name (``top``: to
+    the document's own fields)."""
     nodes = [
         _node("x", "input", [], forward_ms=0.0, backward_ms=0.0),
         _node("fc1", "call_module", ["x"]),
@@ -47,6 +50,7 @@ def _profile(tmp: Path, batch_size: object = 8, **changes: dict[str, object]) ->
                 node[key] = value
     doc = {"schema": "pipeplan.profile/1", "model": "tiny", "tracer": "pipedream", "batch_size": batch_size}
     doc["nodes"] = nodes
+    doc.update(top or {})
     path = tmp / "profile.json"
     path.write_text(json.dumps(doc))
     return ["partition", "--profile", str(path), "--gpus", "2", "-o", str(tmp / "models")]
@@ -151,6 +155,20 @@ def _inconsistent_plan(tmp: Path) -> list[str]:
 
 
 def _other_models_metrics(tmp: Path) -> list[str]:
+    return _metrics(tmp, [0.01, 0.01], model="gpt2")
+
+
+def _plan_field(tmp: Path, key: str, value: object) -> list[str]:
+    pkg = _package(tmp)
+    plan = json.loads((pkg / "plan.json").read_text())
+    plan[key] = value
+    (pkg / "plan.json").write_text(json.dumps(plan))
+    return ["run", str(pkg), "--steps", "1"]
+
+
+def _metrics(tmp: Path, times: list[object], **fields: object) -> list[str]:
+    """calibrate a 2-stage package (planned from a profile of model test:chain) with metrics.json
+    stage ``times`` and other ``fields``."""
     ours = write_package(tmp / "ours", "chain", replicas=(1, 1))
     nodes = [_node("x", "input", []), _node("n0", "call_module", ["x"]), _node("n1", "call_module", ["n0"])]
     profile = {"schema": "pipeplan.profile/1", "model": "test:chain", "batch_size": 8, "nodes": nodes}
@@ -158,8 +176,8 @@ def _other_models_metrics(tmp: Path) -> list[str]:
     plan = json.loads((ours / "plan.json").read_text())
     plan["profile"] = str(tmp / "profile.json")
     (ours / "plan.json").write_text(json.dumps(plan))
-    times = [{"stage": k, "compute_s_per_minibatch": 0.01} for k in range(2)]
-    metrics = {"schema": "pipeplan.metrics/1", "model": "gpt2", "batch_size": 8, "stages": times}
+    stages = [{"stage": k, "compute_s_per_minibatch": t} for k, t in enumerate(times)]
+    metrics = {"schema": "pipeplan.metrics/1", "batch_size": 8, "stages": stages, **fields}
     (tmp / "metrics.json").write_text(json.dumps(metrics))
     return ["calibrate", str(ours), "--metrics", str(tmp / "metrics.json")]
 
@@ -287,7 +305,49 @@ ROWS: dict[str, tuple[Row, str]] = {
     "run: --steps and --epochs": (lambda t: _run(t, "--epochs", "2"), "--epochs"),
     # -- calibrate
     "calibrate with another model's metrics": (_other_models_metrics, "metrics"),
+    # -- issue 21: silently accepted, tracebacks and unclear messages
+    "--microbatches 3 at batch 8": (
+        lambda t: [*_profile(t), "--schedule", "1f1b", "--microbatches", "3"],
+        "microbatches",
+    ),
+    "--microbatches 16 at batch 8": (
+        lambda t: [*_profile(t), "--schedule", "1f1b", "--microbatches", "16"],
+        "microbatches",
+    ),
+    "--gpus 1000000000": (lambda t: [*_profile(t)[:-4], "--gpus", "1000000000"], "devices"),
+    "profile node without inputs": (lambda t: _profile(t, fc2={"inputs": _DROP}), "inputs is missing"),
+    "profile inputs a string": (lambda t: _profile(t, fc2={"inputs": "fc1"}), "inputs"),
+    "profile tied garbage": (lambda t: _profile(t, top={"tied": "fc1.weight"}), "tied"),
+    "profile tied groups of numbers": (lambda t: _profile(t, top={"tied": [[1, 2]]}), "tied"),
+    "profile param_names a string": (lambda t: _profile(t, fc1={"param_names": "weight"}), "param_names"),
+    "profile nodes a dict": (lambda t: _profile(t, top={"nodes": {"x": {}}}), "nodes"),
+    "profile infinite output_bytes": (
+        lambda t: _profile(t, fc1={"output_bytes": float("inf")}),
+        "output_bytes",
+    ),
+    "graph.txt infinite activation": (
+        lambda t: _graph_txt(t, "activation_size=44302336.000", "activation_size=inf"),
+        "activation_size",
+    ),
+    "run: --timeout nan": (lambda t: _run(t, "--timeout", "nan"), "--timeout"),
+    "run: --schedule interleaved on a 1f1b package": (
+        lambda t: _run(t, "--schedule", "interleaved"),
+        "interleaved",
+    ),
+    "run: plan.json with 0 microbatches": (lambda t: _plan_field(t, "microbatches", 0), "microbatches"),
+    "run: plan.json schedule unknown": (lambda t: _plan_field(t, "schedule", "fast"), "schedule"),
+    "run: plan.json stages a dict": (lambda t: _plan_field(t, "stages", {"0": 1}), "stages"),
+    "calibrate: NaN stage time": (lambda t: _metrics(t, [float("nan"), 0.1]), "compute_s_per_minibatch"),
+    "calibrate: negative stage time": (lambda t: _metrics(t, [-1.0, 0.1]), "compute_s_per_minibatch"),
+    "calibrate: zero stage time": (lambda t: _metrics(t, [0.0, 0.1]), "compute_s_per_minibatch"),
+    "calibrate: stage time null": (lambda t: _metrics(t, [None, 0.1]), "compute_s_per_minibatch"),
+    "calibrate: a stage not measured": (lambda t: _metrics(t, [0.1]), "no time for stage 1"),
+    "calibrate: stage time a string": (lambda t: _metrics(t, ["fast", 0.1]), "compute_s_per_minibatch"),
+    "calibrate: batch size a list": (lambda t: _metrics(t, [0.1, 0.1], batch_size=[8]), "batch_size"),
+    "profile hf:llama:nosuchtask": (lambda t: ["profile", "hf:llama:nosuchtask"], "no task 'nosuchtask'"),
 }
+if not __import__("torch").cuda.is_available():
+    ROWS["run: --backend nccl without a GPU"] = (lambda t: _run(t, "--backend", "nccl"), "nccl")
 
 
 @pytest.mark.parametrize("name", list(ROWS))

@@ -15,9 +15,61 @@ from partitioner.optimizer.pricing.memory import OPTIMIZER_STATE
 from partitioner.optimizer.pricing.price import RECOMPUTE_MODES
 from partitioner.optimizer.pricing.schedules import MODELS, model
 
-__all__ = ["SOLVERS", "SolveOptions"]
+__all__ = [
+    "MAX_LAYERS",
+    "SOLVERS",
+    "SolveOptions",
+    "check_devices",
+    "check_microbatches",
+    "default_microbatches",
+]
 
 SOLVERS = ("dp", "ilp")
+MAX_LAYERS = 20_000
+"""Most layers a profile may have: 20,000 plan in about 10 s and 0.2 GB on a busy 2-core machine,
+where 100,000 took 212 s and 3.5 GB (``benchmarks/bench_battery.py`` times the refusal)."""
+
+
+def check_devices(profile: Profile, devices: int) -> None:
+    """Refuse a cluster no plan of ``profile`` can use, before a search sizes arrays by it: every
+    device runs a replica of a stage, a stage holds a layer at least and a replica a sample at least.
+
+    Raises:
+        PlanError: more devices than layers x samples per minibatch (x 1024 without a batch size).
+    """
+    samples = profile.batch_size or 1024
+    most = max(1, len(profile.layers)) * samples
+    if devices > most:
+        per = f"a minibatch of {profile.batch_size} samples" if profile.batch_size else "1024 samples"
+        raise PlanError(
+            f"{devices:,} devices: a plan of {len(profile.layers):,} layers and {per} uses at most "
+            f"{most:,} (a replica of one layer per sample); use fewer --gpus or a larger --batch-size"
+        )
+
+
+def check_microbatches(profile: Profile, schedule: str, microbatches: int) -> None:
+    """Refuse a plan a run would refuse: a synchronous schedule's microbatches must split the batch.
+    (The searches themselves price any count: a cost model answers what-ifs too.)
+
+    Raises:
+        PlanError: naming the counts that do split it.
+    """
+    batch = profile.batch_size
+    synchronous = schedule in MODELS and not MODELS[schedule].asynchronous  # (auto: its own counts)
+    if batch and synchronous and microbatches >= 1 and batch % microbatches:
+        counts = ", ".join(str(d) for d in range(1, batch + 1) if batch % d == 0)
+        raise PlanError(
+            f"a batch of {batch} does not split into {microbatches} equal microbatches, which a run "
+            f"refuses; pick --microbatches among {counts}, or another --batch-size"
+        )
+
+
+def default_microbatches(batch_size: int | None, wanted: int = 4) -> int:
+    """The microbatch count a synchronous plan gets when none is asked for: ``wanted``, or the largest
+    count below it that splits the batch (a batch of 2 runs as 2 microbatches, not 4 it cannot)."""
+    if not batch_size:
+        return wanted
+    return max(d for d in range(1, min(wanted, batch_size) + 1) if batch_size % d == 0)
 
 
 @dataclass(frozen=True)
@@ -69,6 +121,12 @@ class SolveOptions:
             raise PlanError(f"unknown recompute mode {self.recompute!r}; use {', '.join(RECOMPUTE_MODES)}")
         if not profile.layers:
             raise PlanError("the profile has no layers to partition")
+        if len(profile.layers) > MAX_LAYERS:
+            raise PlanError(
+                f"the profile has {len(profile.layers):,} layers; the planner takes up to {MAX_LAYERS:,} "
+                "(its time and memory grow with the square of the layers): profile with --leaf-module "
+                "CLASS so each repeated block is one layer, or merge layers of the graph"
+            )
         chosen = [name for name, m in MODELS.items() if m.virtual_stages is None]
         if self.virtual_stages < 1 or (self.virtual_stages > 1 and self.schedule not in chosen):
             raise PlanError(

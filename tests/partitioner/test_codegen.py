@@ -342,3 +342,15 @@ def test_traced_dropout_follows_the_stage_modules_mode(tmp_path: Path) -> None:
     original = load_model("tests/partitioner/codegen_models.py:dropouts", 4, (8,)).build(0).eval()
     torch.testing.assert_close(chain(), original(x))
     torch.testing.assert_close(chain(), chain())
+
+
+def test_constants_export_lifts_out_of_forward_are_written_into_the_stage_code(tmp_path: Path) -> None:
+    """``torch.tensor(...)`` and a list index inside forward become graph attributes under torch.export;
+    each stage that reads one makes it in its own code (no buffer the model could not rebuild)."""
+    profile = profile_for(f"{Path(__file__).with_name('lifted_model.py')}:make")
+    assert profile.tracer == "export"
+    for cuts in ([2], [3], [2, 4]):
+        write_package(profile, plan_for(profile, cuts), tmp_path / "pkg")
+        code = "".join(p.read_text() for p in (tmp_path / "pkg").glob("stage*.py"))
+        assert "torch.tensor([0.5, -0.5, 0.25, 0.0]" in code and "lifted_tensor" not in code
+        assert verify_package(tmp_path / "pkg").ok

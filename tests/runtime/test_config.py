@@ -38,7 +38,7 @@ def test_job_and_rank_views(tmp_path: Path) -> None:
         ),
         ({"module_to_stage_map": [0, 1], "stage_to_rank_map": {"0": [0], "1": [1]}}, "plus the criterion"),
         ({"module_to_stage_map": [0, 1, 0, 1], "stage_to_rank_map": {"0": [0], "1": [1]}}, "stage order"),
-        ({"stage_to_rank_map": {"0": [0]}}, "mp_conf format"),
+        ({"stage_to_rank_map": {"0": [0]}}, "module_to_stage_map is missing"),
     ],
 )
 def test_bad_mp_conf_is_one_clear_line(tmp_path: Path, conf: dict, match: str) -> None:

@@ -100,6 +100,23 @@ def test_a_rank_that_hangs_ends_the_job_after_the_timeout(tmp_path: Path) -> Non
     assert time.monotonic() - start < 20
 
 
+@pytest.mark.slow
+def test_a_rank_stopped_during_start_up_is_named_within_the_timeout(tmp_path: Path) -> None:
+    """SIGSTOP while rank 1 imports its stage: the launcher sees it fall silent and ends the job
+    within --timeout (plus the watch's second), blaming rank 1, not rank 0 whose wait would time out."""
+    pkg = write_package(tmp_path / "pkg", "chain", replicas=(1, 1), microbatches=2, batch_size=4)
+    stamp = tmp_path / "stopped"
+    path = pkg / "stage1.py"
+    path.write_text(
+        "import os, signal, time\n"
+        f"if os.environ.get('RANK') == '1':\n    open({str(stamp)!r}, 'w').write(str(time.time()))\n"
+        "    os.kill(os.getpid(), signal.SIGSTOP)\n" + path.read_text()
+    )
+    with pytest.raises(JobFailed, match=r"rank 1 \(stage 1\) stopped responding: no sign of life for"):
+        run(pkg, steps=3, timeout=4)
+    assert time.time() - float(stamp.read_text()) < 4 + 10
+
+
 def test_a_data_spec_naming_nothing_is_a_run_error(tmp_path: Path) -> None:
     pkg = write_package(tmp_path / "pkg")
     with pytest.raises(RunError, match="does not exist"):

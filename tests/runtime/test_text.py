@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from runtime.errors import RunError
-from runtime.text import TokenWindows, load_tokens
+from runtime.text import MaskedWindows, TokenWindows, load_tokens
 
 
 def test_windows_read_consecutive_tokens_and_predict_the_next() -> None:
@@ -60,3 +60,19 @@ def test_a_folder_that_is_no_tokenizer_is_one_error(tmp_path: Path) -> None:
         load_tokens(tmp_path / "t.txt", str(tmp_path / "empty"))
     with pytest.raises(RunError, match="no such folder"):
         load_tokens(tmp_path / "t.txt", str(tmp_path / "nope"))
+
+
+def test_masked_lm_windows_hide_what_they_score() -> None:
+    """A masked-lm package reads text as its synthetic data: a mask over the scored tokens, never the
+    next tokens (its bidirectional attention would copy them from the input)."""
+    plain = TokenWindows(torch.arange(1, 4001) % 97 + 1, seq_len=40)
+    windows = MaskedWindows(plain, mask_token=0)
+    shares = []
+    for i in range(len(windows)):
+        masked, targets = windows[i]
+        scored = targets != -100
+        assert bool(scored.any()) and bool((masked[scored] == 0).all()) and bool((masked[~scored] != 0).all())
+        assert torch.equal(targets[scored], plain[i][0][scored])
+        shares.append(float(scored.float().mean()))
+    assert torch.equal(windows[3][1], windows[3][1]) and not torch.equal(windows[3][1], windows[4][1])
+    assert 0.05 < sum(shares) / len(shares) < 0.3  # about MASK_RATE (15%) of the positions

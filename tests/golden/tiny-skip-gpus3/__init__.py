@@ -80,7 +80,9 @@ def criterion() -> torch.nn.Module:
 def example_inputs(batch_size: int, seed: int = 0) -> dict[str, torch.Tensor]:
     """The model's inputs as input0, input1..: the same for a seed, other data for another
     (the runtime's synthetic minibatches use one seed per step)."""
-    made = _stagekit.make_inputs(_source.INPUTS, batch_size, seed, _source.EXAMPLES[0])
+    made = _stagekit.make_inputs(
+        _source.INPUTS, batch_size, seed, _source.EXAMPLES[0], _source.TARGETS
+    )
     return {f"input{i}": tensor for i, tensor in enumerate(made.values())}
 
 

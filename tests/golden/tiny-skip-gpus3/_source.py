@@ -22,7 +22,7 @@ WEIGHTS: str | None = None
 INIT = "exact"  # exact: as the factory under torch.manual_seed; seeded: per module
 LOSS = "cross_entropy"
 INPUTS: list[dict[str, Any]] = [{"name": "x", "shape": [2, 16], "dtype": "float32"}]
-TARGETS: dict[str, Any] = {"name": "target", "shape": [2], "dtype": "int64", "high": 10, "kind": "classes"}
+TARGETS: dict[str, Any] = {"name": "target", "shape": [2], "dtype": "int64", "kind": "classes", "high": 10}
 # the model file's own (example_inputs, example_targets), called for synthetic data where given
 EXAMPLES: tuple[str | None, str | None] = (None, None)
 
