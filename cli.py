@@ -648,7 +648,8 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
     "--weights",
     type=click.Path(path_type=str, dir_okay=False),
     default=None,
-    help="A torch.save(model.state_dict()) file the generated stages load their tensors from.",
+    help="Weights the stages start from: a torch.save(state_dict) file, a .safetensors file or a "
+    "save_pretrained folder (each rank reads only its stage's tensors).",
 )
 @click.option(
     "--init",
@@ -656,8 +657,8 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
     default="auto",
     show_default=True,
     help="Stage initialisation without --weights: exact (as the whole model under the seed; each rank "
-    "builds it on the CPU once), seeded (per-module seeds; a rank builds only its stage), auto (exact "
-    "up to 2 GiB of parameters).",
+    "draws the model's random numbers once, holding only its stage), seeded (per-module seeds; a rank "
+    "draws only its stage), auto (exact up to 2 GiB of parameters).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print only plan.json on stdout.")
 @click.option("-o", "--output", default="models", show_default=True, help="Output root: OUT/<model>/gpus=N/.")
@@ -1076,6 +1077,9 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
               help="Forwards under autocast to bf16 or fp16 (float32 weights and optimizer state); fp16 "
               "adds dynamic loss scaling and needs a synchronous schedule  [plan.json's]")  # fmt: skip
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights and data seed.")
+@click.option("--weights", type=click.Path(exists=True, path_type=str), default=None,
+              help="Start from these weights (a save_pretrained folder, .safetensors or state_dict file); "
+              "each rank reads only its stage's tensors  [default: the package's]")  # fmt: skip
 @click.option("--shuffle", is_flag=True, help="Shuffle a user dataset every epoch.")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False),
               help="Where step-N/stageK.pt go  [default: PACKAGE/run/checkpoints]")  # fmt: skip

@@ -49,7 +49,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-EXACT_INIT_MAX_BYTES = 2 * 2**30  # larger models initialise per module, so no rank builds all of it
+EXACT_INIT_MAX_BYTES = 2 * 2**30  # larger models initialise per module: no rank draws all of their weights
 
 
 def write_package(
@@ -63,10 +63,12 @@ def write_package(
         profile: the profile the plan was made from (model spec and tracer options).
         plan: the stages; their nodes are profile node ids.
         out_dir: the package folder (``models/<model>/gpus=N``).
-        weights: a ``torch.save(model.state_dict())`` file the stages load their tensors from.
+        weights: a ``torch.save(model.state_dict())`` file, a ``.safetensors`` file or a
+            ``save_pretrained`` folder the stages read their tensors from (each only its own).
         init: ``exact`` (stages start as ``torch.manual_seed(seed); factory()`` would; each rank
-            builds the whole model on the CPU once), ``seeded`` (per-module seeds; a rank builds
-            only its stage) or ``auto`` (exact up to 2 GiB of parameters, else seeded).
+            runs the factory's random draws once, holding only its stage), ``seeded`` (per-module
+            seeds; a rank draws only its stage) or ``auto`` (exact up to 2 GiB of parameters,
+            else seeded).
 
     Raises:
         PackageError: the weights file lacks tensors, or the loss cannot be expressed by the package.
@@ -303,15 +305,20 @@ def _absolute(where: str) -> str:
 
 
 def _check_weights(weights: str, model: nn.Module) -> None:
+    """Every parameter must be in the weights (a tied one under any of its names)."""
+    from runtime.weights import missing
+
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
     try:
-        state = torch.load(weights, map_location="cpu", mmap=True, weights_only=True)
+        gaps = missing(weights, aliases.values())
     except Exception as exc:
         raise PackageError(f"cannot read weights {weights}: {type(exc).__name__}: {exc}") from exc
-    state = state.get("state_dict", state) if isinstance(state, dict) else state
-    missing = [n for n, _ in model.named_parameters() if n not in state]
-    if missing:
+    if gaps:
         raise PackageError(
-            f"weights {weights} lack {len(missing)} parameters, e.g. {missing[0]}; save model.state_dict()"
+            f"weights {weights} lack {len(gaps)} parameters, e.g. {gaps[0]}; save model.state_dict() "
+            "(or save_pretrained)"
         )
 
 

@@ -212,7 +212,7 @@ def _build(
         _warn_idle_replicas(cfg.job)
     pkg = import_package(cfg.job.package)
     wiring = read_wiring(pkg, cfg.job.stages, cfg.job.module_stages)
-    module = build_stage(pkg, wiring, cfg.stage, cfg.job.module_stages, options.seed, device)
+    module = build_stage(pkg, wiring, cfg.stage, cfg.job.module_stages, options.seed, device, options.weights)
     module.train()
     criterion = pkg.criterion().to(device) if cfg.is_last else None
     timeout = timedelta(seconds=options.timeout)
