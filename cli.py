@@ -871,9 +871,10 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
     """Check a generated package against the original model: outputs, loss and every gradient.
 
     \b
-    Builds full_model(seed) and every stage(k, seed), runs one minibatch through both in this
-    process and compares them (float32, |a-b| <= 1e-5 + 1e-4*|b|); without --batch-size it checks
-    the microbatch size each rank will run too. Exit code 0: they match;
+    Stage by stage, as a rank builds it, against the same layers of the original model (its
+    weights made one at a time), so the check holds one stage, never the model: outputs, loss,
+    initial tensors and every gradient (float32, |a-b| <= 1e-5 + 1e-4*|b|); without --batch-size it
+    checks the microbatch size each rank will run too. Exit code 0: they match;
     1: they differ; 2: the folder is not a valid package. PACKAGE defaults to the newest under ./models.
     """
     from pathlib import Path
@@ -881,9 +882,11 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
     import torch
 
     from partitioner.verify import newest_package, run_batch_sizes, verify_package
+    from runtime.heap import map_large_blocks
 
     folder = Path(package) if package is not None else newest_package(Path(models_dir))
     torch.set_num_threads(min(torch.get_num_threads(), 4))
+    map_large_blocks()  # weights are made and dropped one by one: give their memory back each time
     sizes = (batch_size,) if batch_size else run_batch_sizes(folder)
     reports = [verify_package(folder, seed=seed, batch_size=b) for b in sizes]
     for split in reports[:-1]:

@@ -336,5 +336,6 @@ def build_deferred(factory: Callable[[], Any], seed: int = 0) -> Deferred:
         torch.manual_seed(seed)
         with recorder:
             made = factory()
+    recorder.buffer = torch.UntypedStorage(0)  # type: ignore[no-untyped-call]  # the scratch is done
     module = made[0] if isinstance(made, tuple) else made
     return Deferred(module, recorder)
