@@ -334,8 +334,8 @@ def _extra(
     reshaped: bool,
 ) -> dict[str, Any]:
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    with torch.no_grad():
-        classes = int(stagekit.loss_input(fx.Interpreter(gm).run(*bundle.inputs)).shape[-1])  # output classes
+    logits = stagekit.loss_input(_output(gm, bundle.inputs))  # from an empty batch: shapes only
+    classes = int(logits.shape[-1]) if logits.dim() > 1 else len(bundle.inputs[0])  # output classes
     targets = _target_spec(bundle, classes)
     return {
         "inputs": _input_specs(bundle, placeholders, targets, classes),
@@ -350,6 +350,18 @@ def _extra(
         "stage_outputs": [[names[n] for n in s.out_names] for s in stages],
         "tensor_names": {pipedream: name for name, pipedream in names.items()},
     }
+
+
+def _output(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> Any:
+    """The model's output for ``inputs`` (its shape is what is read): from a dry run, else a real one."""
+    from partitioner.dry_run import NeedsValues, dry_run
+
+    try:
+        return dry_run(gm, inputs)[0]
+    except NeedsValues as exc:
+        log.info("%s; running the model for real", exc)
+        with torch.no_grad():
+            return fx.Interpreter(gm).run(*inputs)
 
 
 def _static(gm: fx.GraphModule) -> bool:
