@@ -295,7 +295,7 @@ class Original:
                 raise ValueError(
                     f"{name} is {tuple(hit.shape)} in {self.weights}, {tuple(like.shape)} in the model"
                 )
-            values[name] = hit.to(like.dtype, copy=True)
+            values[name] = hit.to(like.dtype)  # a private mapping of the file: pages are read when touched
         return values
 
     def materialise(self, names: Iterable[str], device: str | torch.device = "cpu") -> None:

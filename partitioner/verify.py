@@ -220,7 +220,7 @@ def verify_package(
         del params, grads
     ref_output, ref_loss = reference.output, reference.loss
     assert ref_output is not None and ref_loss is not None
-    out, ref_out = loss_input(output).detach(), loss_input(ref_output).detach()
+    out, ref_out = loss_input(output).detach(), ref_output
     code_names = dict(getattr(package, "TENSOR_NAMES", {}))  # PipeDream's name -> the stage code's
     checks = tuple(
         StageCheck(
@@ -364,7 +364,7 @@ class _Reference:
     ) -> None:
         self.streamed, self.criterion, self.targets, self.seed = streamed, criterion, targets, seed
         self.rtol, self.atol = rtol, atol
-        self.output: Any = None
+        self.output: torch.Tensor | None = None
         self.loss: torch.Tensor | None = None
         self.errors: dict[int, float] = {}
         self.mismatched: set[int] = set()
@@ -401,8 +401,8 @@ class _Reference:
         finally:
             for handle in handles:
                 handle.remove()
-        if self.output is None:
-            self.output, self.loss = _detached_output(output), loss.detach()
+        if self.output is None:  # what the loss reads, without the graph behind it
+            self.output, self.loss = loss_input(output).detach(), loss.detach()
         for name in params.keys() - reached:  # parameters the original's loss does not reach
             self._arrived(k, name, grads.get(name), None)
 
@@ -439,12 +439,6 @@ class _Reference:
         if sorted(self.tied_seen[tie]) == sorted(self.holders[tie]):
             for holder in self.holders[tie]:
                 self._compare(holder, self.tied_chain.get(tie), self.tied_reference.get(tie))
-
-
-def _detached_output(output: Any) -> Any:
-    if isinstance(output, torch.Tensor):
-        return output.detach()
-    return output
 
 
 def _init_pairs(stage: nn.Module, original: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

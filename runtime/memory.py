@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-__all__ = ["PeakMemory", "live_tensor_bytes", "memory_report"]
+__all__ = ["PeakMemory", "live_tensor_bytes", "memory_report", "stage_bytes"]
 
 
 def live_tensor_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -46,6 +46,15 @@ def live_tensor_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> in
     for t in tensors:
         storage = t.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def stage_bytes(module: nn.Module) -> int:
+    """Bytes of a stage's parameters and buffers, each storage once."""
+    seen: dict[int, int] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.device.type != "meta":
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(seen.values())
 
 

@@ -81,7 +81,12 @@ def checkpoint_names(path: str) -> set[str]:
 
 
 def read_tensors(path: str, names: Iterable[str]) -> dict[str, torch.Tensor]:
-    """The tensors called ``names`` (those present; the caller decides what a missing one means)."""
+    """The tensors called ``names`` (those present; the caller decides what a missing one means).
+
+    They map the file privately (torch's and safetensors' memory-mapped loading): a page is read
+    from disk when first touched and copied when first written, so a tensor costs its own size once,
+    and the file is never changed.
+    """
     wanted = list(dict.fromkeys(names))
     kind, files = _layout(path)
     if kind == "pt":
