@@ -1085,10 +1085,37 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
               "each rank reads only its stage's tensors  [default: the package's]")  # fmt: skip
 @click.option("--shuffle", is_flag=True, help="Shuffle a user dataset every epoch.")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False),
-              help="Where step-N/stageK.pt go  [default: PACKAGE/run/checkpoints]")  # fmt: skip
+              help="Where step-N/ checkpoints go (torch.distributed.checkpoint, keyed by the model's "
+              "parameter names: they resume on any plan of the model)  "
+              "[default: PACKAGE/run/checkpoints]")  # fmt: skip
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, help="Steps between checkpoints.")
-@click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint.")
+@click.option("--checkpoint-async", is_flag=True,
+              help="Write checkpoints in the background: training goes on once each rank has copied "
+              "its tensors.")  # fmt: skip
+@click.option("--keep-checkpoints", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Keep only the newest N checkpoints (0: all), plus pinned ones (--pin-every, or a "
+              "file named 'pinned' in a step folder).")  # fmt: skip
+@click.option("--pin-every", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Never delete checkpoints of steps that are multiples of this (0: none).")  # fmt: skip
+@click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint (of any plan of "
+              "the model; another seed, schedule, data, optimizer setting or learning-rate horizon is "
+              "refused unless --accept-changes).")  # fmt: skip
+@click.option(
+    "--accept-changes",
+    is_flag=True,
+    help="With --resume: continue with settings other than the checkpoint's (each is named).",
+)
 @click.option("--trace", type=click.Path(dir_okay=False), help="One Chrome trace of all ranks (Perfetto).")
+@click.option("--tensorboard", type=click.Path(file_okay=False),
+              help="Also write TensorBoard event files into this folder, one run per rank (needs "
+              "`pip install 'pipeplan[tensorboard]'`). Every rank always logs one JSON line per step "
+              "to PACKAGE/run/steps/rankR.jsonl.")  # fmt: skip
+@click.option("--peak-tflops", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="One device's peak dense TFLOP/s at the run's precision, for the model FLOP "
+              "utilisation (MFU)  [default: the spec sheet's for known GPUs; none on CPUs]")  # fmt: skip
+@click.option("--config", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="A run.toml of options (keys as these options: steps = 100); flags given here win. "
+              "Each run writes its options to PACKAGE/run/run.toml.")  # fmt: skip
 @click.option("--measure-memory", is_flag=True,
               help="On a CPU, also measure each rank's peak tensor memory over its first ranks+1 minibatches "
               "with torch.profiler (opt-in: with torch 2.13 it kills a rank of some runs after it stops; "
@@ -1117,6 +1144,7 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
     from runtime.optim import parse_betas
     from runtime.options import RunOptions
 
+    package = _with_config(click.get_current_context(), package, opts)
     if opts["steps"] and opts["epochs"]:
         raise click.UsageError("give --steps or --epochs, not both")
     folder = Path(package) if package is not None else newest_package("models")
@@ -1136,6 +1164,24 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
             click.echo(f"# {line}")
         return
     _run_and_report(options)
+
+
+def _with_config(ctx: click.Context, package: str | None, opts: dict[str, Any]) -> str | None:
+    """Fill the options not given on the command line from ``--config``'s run.toml, through click's own
+    conversions and checks; returns the package (the command line's, else the file's)."""
+    from click.core import ParameterSource
+
+    from runtime.run_config import read_config
+
+    path = opts.pop("config")
+    if path is None:
+        return package
+    options = [p for p in ctx.command.params if p.name and p.name not in ("package", "dry_run", "config")]
+    values = read_config(path, [p.name for p in options if p.name] + ["package"])
+    for param in options:
+        if param.name in values and ctx.get_parameter_source(param.name) is ParameterSource.DEFAULT:
+            opts[param.name] = param.process_value(ctx, values[param.name])
+    return package if package is not None else values.get("package")
 
 
 def _check_optim(options: Any) -> None:
@@ -1292,51 +1338,67 @@ def _memory_table(memory: dict[str, Any]) -> Any:
 @main.command()
 @click.argument("package", required=False, type=click.Path(file_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
-              help="The state_dict file to write (torch.save of the model's state_dict()).")  # fmt: skip
+              help="model.safetensors (safetensors; sharded with an index above --max-shard-size), or "
+              "model.pt (torch.save of the model's state_dict()).")  # fmt: skip
 @click.option("--step", type=click.IntRange(min=0), default=None,
               help="The checkpoint step to export  [default: the newest complete one]")  # fmt: skip
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False),
-              help="Where the run wrote step-N/  [default: PACKAGE/run/checkpoints]")  # fmt: skip
+              help="Where the run wrote step-N/ (a run of any plan of the model)  "
+              "[default: PACKAGE/run/checkpoints]")  # fmt: skip
 @click.option("--hf-dir", type=click.Path(file_okay=False),
-              help="hf: models: the save_pretrained folder  [default: beside -o, named after it: "
-              "model.pt -> model-hf/]")  # fmt: skip
+              help="hf: models: the from_pretrained folder (config and safetensors)  [default: beside "
+              "-o, named after it: model.pt -> model-hf/]")  # fmt: skip
+@click.option("--max-shard-size", default="5GB", show_default=True,
+              help="The largest safetensors file; above it the weights are sharded with an index "
+              "(Hugging Face's layout). Memory holds one shard at a time.")  # fmt: skip
 @click.option("--seed", type=int, default=None,
-              help="Seed of tensors no stage holds (never trained)  [default: the run's]")  # fmt: skip
+              help="Seed of tensors no stage holds (never trained; state_dict files only)  "
+              "[default: the run's]")  # fmt: skip
 @user_errors
 def export(
     package: str | None, output: str, step: int | None, checkpoint_dir: str | None, hf_dir: str | None,
-    seed: int | None,
+    max_shard_size: str, seed: int | None,
 ) -> None:  # fmt: skip
-    """Merge a run's stage checkpoints into one state_dict of the original model.
+    """Write a run's checkpoint as the original model's weights.
 
     \b
-    The file loads into the model the package was made from, with every original name (tied
-    weights under each of theirs):
-      pipeplan export -o model.pt
-      model.load_state_dict(torch.load("model.pt"), strict=True)
-    An hf: model is also written with save_pretrained (from_pretrained reads it back).
-    PACKAGE defaults to the newest under ./models, --step to the newest complete checkpoint.
+    The files load into the model the package was made from:
+      pipeplan export -o model.safetensors   (safetensors.torch.load_file)
+      pipeplan export -o model.pt            (model.load_state_dict(
+                                              torch.load(...), strict=True))
+
+    An hf: model also gets a from_pretrained folder (config and safetensors
+    shards). PACKAGE (any plan of the model) defaults to the newest under
+    ./models, --step to the newest complete checkpoint.
     """
     from pathlib import Path
 
+    from partitioner.optimizer.units import parse_bytes
     from runtime.config import newest_package
     from runtime.export import export_checkpoint
 
     folder = Path(package) if package is not None else newest_package("models")
-    done = export_checkpoint(folder, output, step, checkpoint_dir, hf_dir, seed)
+    most = int(parse_bytes(max_shard_size))
+    done = export_checkpoint(folder, output, step, checkpoint_dir, hf_dir, seed, most)
     console, merged = _console(), done.merged
     for line in done.skipped:
         _console(stderr=True).print(f"skipped {line}", soft_wrap=True, markup=False)
+    shards = f" ({len(done.files)} shards)" if done.path.name.endswith(".index.json") else ""
     console.print(
-        f"wrote {done.path}: step {done.step} of {folder}, {len(merged.loaded)} tensors from the stage "
-        f"checkpoints" + (f", {len(merged.tied)} tied names filled in" if merged.tied else ""),
+        f"wrote {done.path}{shards}: step {done.step} of {folder}, {len(merged.loaded)} tensors from the "
+        f"checkpoint" + (f", {len(merged.tied)} tied names filled in" if merged.tied else ""),
         soft_wrap=True,
         markup=False,
     )
     if merged.untrained:
+        kept = (
+            "left out (from_pretrained initialises them)"
+            if done.path.suffix in (".safetensors", ".json")
+            else f"kept at full_model(seed={done.seed})'s values, untrained"
+        )
         console.print(
             f"[yellow]note:[/yellow] no stage holds {len(merged.untrained)} tensors (e.g. "
-            f"{merged.untrained[0]}): they keep full_model(seed={done.seed})'s values, untrained",
+            f"{merged.untrained[0]}): {kept}",
             soft_wrap=True,
         )
     if merged.tie_max_diff > 0:
@@ -1346,7 +1408,76 @@ def export(
             soft_wrap=True,
         )
     if done.hf_dir is not None:
-        console.print(f"wrote {done.hf_dir} (save_pretrained; from_pretrained reads it)", soft_wrap=True)
+        console.print(
+            f"wrote {done.hf_dir} (config and safetensors; from_pretrained reads it)", soft_wrap=True
+        )
+
+
+@main.command("export-plan")
+@click.argument("package", required=False, type=click.Path(file_okay=False))
+@click.option("-o", "--output", type=click.Path(file_okay=False), default=None,
+              help="The folder to write  [default: PACKAGE/torch]")  # fmt: skip
+@click.option("--schedule", type=click.Choice(["1f1b", "gpipe", "zb1p", "interleaved", "zbv"]), default=None,
+              help="[plan.json]")  # fmt: skip
+@user_errors
+def export_plan(package: str | None, output: str | None, schedule: str | None) -> None:
+    """Write a straight plan in the forms torch.distributed.pipelining and torchtitan read.
+
+    \b
+    schedule.csv     each rank's actions for one minibatch, as
+                     _PipelineScheduleRuntime._load_csv reads them
+    stages.json      each stage's rank, module FQNs, inputs and outputs
+    torchtitan.toml  the [parallelism] settings that use them
+
+    Each stage's module is the package's stage(k). Torch cannot run replicated
+    stages, pipedream's asynchrony, or a tensor that skips a stage: such plans
+    are refused.
+    """
+    from pathlib import Path
+
+    from runtime.config import newest_package
+    from runtime.torch_plan import export_torch_plan
+
+    folder = Path(package) if package is not None else newest_package("models")
+    out = Path(output) if output is not None else folder / "torch"
+    plan = export_torch_plan(folder, out, schedule)
+    _console().print(
+        f"wrote {out}/schedule.csv, stages.json, torchtitan.toml: {len(plan.stages)} stages, "
+        f"{plan.schedule}, {plan.microbatches} microbatches per minibatch of {plan.batch_size}",
+        soft_wrap=True,
+        markup=False,
+    )
+
+
+@main.command("convert-checkpoint")
+@click.argument("checkpoint_dir", type=click.Path(file_okay=False, exists=True))
+@click.option("--package", "package", required=True, type=click.Path(file_okay=False, exists=True),
+              help="The package whose run wrote the checkpoints.")  # fmt: skip
+@click.option(
+    "--step", type=click.IntRange(min=0), default=None, help="Only this step  [default: every old one]"
+)
+@user_errors
+def convert_checkpoint(checkpoint_dir: str, package: str, step: int | None) -> None:
+    """Rewrite per-stage checkpoints of an earlier pipeplan (step-N/stageK.pt) in today's format.
+
+    Today's checkpoints are torch.distributed.checkpoint folders keyed by the
+    model's parameter names: they resume on any plan of the model (pipeplan run
+    PKG --resume) and export like any other. The old files move to step-N.v1/.
+
+    \b
+      pipeplan convert-checkpoint models/vgg16/gpus=2/run/checkpoints \\
+          --package models/vgg16/gpus=2
+    """
+    from pathlib import Path
+
+    from runtime.checkpoint_v1 import convert
+
+    done = convert(Path(checkpoint_dir), Path(package), step)
+    _console().print(
+        f"converted {', '.join(f'step-{s}' for s in done)} of {checkpoint_dir} (old files in step-N.v1/)",
+        soft_wrap=True,
+        markup=False,
+    )
 
 
 def _cores() -> int:

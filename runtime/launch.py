@@ -30,6 +30,8 @@ from runtime.data import check_data_options
 from runtime.errors import Interrupted, RunError
 from runtime.options import RunOptions, to_argv
 from runtime.preflight import preflight
+from runtime.resume import resume_lines
+from runtime.run_config import write_config
 from runtime.worker import job_of, run_dir, run_rank
 
 __all__ = ["check_launch", "free_port", "launch", "resolve_resume", "schedule_preview", "torchrun_commands"]
@@ -76,21 +78,27 @@ def check_launch(options: RunOptions) -> int:
 
 def resolve_resume(options: RunOptions) -> tuple[RunOptions, list[str]]:
     """With ``--resume``: the options with the step to continue after, and one line per thing the user
-    should hear (the step, or that there is none; steps skipped as torn or unreadable)."""
+    should hear (the step, or that there is none; steps skipped as torn or unreadable; another plan;
+    accepted changes).
+
+    Raises:
+        RunError: a checkpoint of another model or format, or a resume that would change the run
+            without ``--accept-changes`` (:mod:`runtime.resume`).
+    """
     if not options.resume or not options.checkpoint_dir or options.resume_step is not None:
         return options, []
     job = job_of(options)
     root = Path(options.checkpoint_dir)
-    point = checkpoint.resume_point(root, job.package, job.stages, job.world_size)
+    point = checkpoint.resume_point(root)
     notes = [f"skipped {root}/{line}" for line in point.skipped]
     if point.removed:
-        notes.append(f"removed {point.removed} temp file(s) of an interrupted checkpoint write in {root}")
-    notes.append(
-        f"resuming after step {point.step} from {root}/step-{point.step}"
-        if point.step is not None
-        else f"no usable checkpoint in {root}: starting from step 0"
-    )
-    return replace(options, resume_step=point.step or 0), notes
+        notes.append(f"removed {point.removed} leftover(s) of an interrupted checkpoint write in {root}")
+    if point.step is None:
+        notes.append(f"no usable checkpoint in {root}: starting from step 0")
+        return replace(options, resume_step=0), notes
+    notes += resume_lines(options, job, point.step)
+    notes.append(f"resuming after step {point.step} from {checkpoint.step_dir(root, point.step)}")
+    return replace(options, resume_step=point.step), notes
 
 
 def torchrun_commands(options: RunOptions) -> list[str]:
@@ -228,6 +236,7 @@ def launch(
     options, notes = resolve_resume(options)
     for note in notes:
         log.info("%s", note)
+    write_config(run_dir(options), replace(options, resume_step=None))
     if options.nnodes == 1 and not options.master_port:
         options = replace(options, master_port=free_port())
     options = replace(options, launcher_pid=os.getpid())

@@ -31,7 +31,7 @@ __all__ = [
     "OPTIMIZERS",
     "Clip",
     "OptimSettings",
-    "check_resume",
+    "apply_settings",
     "clip_grads",
     "counted_params",
     "lr_factor",
@@ -166,27 +166,26 @@ def make_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def check_resume(recorded: Mapping[str, Any] | None, settings: OptimSettings, step: int) -> None:
-    """A checkpoint's optimizer state carries its rates, betas and decay, and would silently override
-    different ones; refuse to resume with settings other than those it was trained with (clipping,
-    which leaves no state, may change)."""
-    if recorded is None:
-        return
-    mine = settings.record()
-    changed = [
-        f"--{k.replace('_', '-')} {recorded[k]} -> {mine[k]}"
-        for k in mine
-        if k != "clip_grad_norm" and k in recorded and _norm(recorded[k]) != _norm(mine[k])
-    ]
-    if changed:
-        raise RunError(
-            f"the checkpoint of step {step} was trained with other optimizer settings "
-            f"({', '.join(changed)}); resume with the same settings or start a new --checkpoint-dir"
-        )
-
-
-def _norm(value: Any) -> Any:
-    return tuple(value) if isinstance(value, list | tuple) else value
+def apply_settings(
+    settings: OptimSettings,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+) -> None:
+    """Put ``settings`` into an optimizer and schedule loaded from a checkpoint of other settings
+    (a resume whose changes were accepted): a checkpoint's groups carry their rates, betas and decay,
+    which would otherwise silently win. The rate of the next step is the new schedule's at its step."""
+    for group in optimizer.param_groups:
+        group["initial_lr"] = settings.lr
+        group["weight_decay"] = settings.weight_decay
+        if settings.optimizer == "sgd":
+            group.update(momentum=settings.momentum, nesterov=settings.nesterov)
+        else:
+            group["betas"] = settings.betas
+    if scheduler is not None:
+        scheduler.base_lrs = [settings.lr] * len(optimizer.param_groups)
+        factors = getattr(scheduler, "lr_lambdas", None) or [lambda _: 1.0] * len(scheduler.base_lrs)
+        for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, factors, strict=True):
+            group["lr"] = base * factor(scheduler.last_epoch)
 
 
 @dataclass(frozen=True)

@@ -49,10 +49,19 @@ class RunOptions:
         weights: initial weights instead of the package's: a state_dict file, a ``.safetensors``
             file or a ``save_pretrained`` folder; each rank reads only its stage's tensors.
         shuffle: shuffle a user dataset each epoch.
-        checkpoint_dir: where ``step-N/stageK.pt`` go; None: no checkpoints.
+        checkpoint_dir: where the ``step-N/`` checkpoints go (:mod:`runtime.checkpoint`); None: none.
         checkpoint_every: checkpoint every this many steps (0: only at the end).
+        checkpoint_async: write checkpoints in the background (``dcp.async_save``): training goes on
+            once each rank has copied its tensors.
+        keep_checkpoints: keep only the newest this many steps (0: all), plus pinned ones.
+        pin_every: never delete steps that are multiples of this (0: none).
         resume: continue from the newest complete checkpoint in ``checkpoint_dir``.
+        accept_changes: with ``resume``, continue even where the run's settings differ from the
+            checkpoint's (each change is named); without it such a resume is refused.
         trace: path of a merged Chrome trace to write; None: no trace.
+        tensorboard: a folder for TensorBoard event files (one run per rank); None: none.
+        peak_tflops: one device's peak dense TFLOP/s at the run's precision, for the model FLOP
+            utilisation (MFU); None: known GPUs' spec-sheet figure, no MFU elsewhere.
         measure_memory: on a CPU, measure each rank's peak tensor memory with torch.profiler
             (:mod:`runtime.memory`; opt-in: with torch 2.13 it kills a rank of some runs).
         timeout: seconds any rank waits for another before the job fails.
@@ -98,8 +107,14 @@ class RunOptions:
     shuffle: bool = False
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
+    checkpoint_async: bool = False
+    keep_checkpoints: int = 0
+    pin_every: int = 0
     resume: bool = False
+    accept_changes: bool = False
     trace: str | None = None
+    tensorboard: str | None = None
+    peak_tflops: float | None = None
     measure_memory: bool = False
     timeout: float = 60.0
     run_dir: str | None = None

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime import checkpoint, schedule
+from runtime import schedule
 from runtime.comm import Comm
 from runtime.config import JobConfig, RankConfig, load_job
 from runtime.data import Batches, make_batches
@@ -34,11 +34,13 @@ from runtime.lifeline import die_with, wake_siblings
 from runtime.loss_scale import LossScaler
 from runtime.memory import PeakMemory, memory_report, stage_bytes
 from runtime.metrics import RankMetrics, Recorder, summarize, write_json_atomic, write_trace
-from runtime.optim import Clip, OptimSettings, check_resume, counted_params, make_optimizer, make_scheduler
+from runtime.optim import Clip, OptimSettings, counted_params, make_optimizer, make_scheduler
 from runtime.options import RunOptions, from_argv
 from runtime.package import build_stage, import_package, read_wiring
+from runtime.rank_checkpoints import RankCheckpoints
 from runtime.schedule_zbv import build_zbv
 from runtime.stage import Groups, StageRuntime
+from runtime.step_log import StepLog, open_step_log
 
 __all__ = [
     "PEER_LOST_GRACE_S",
@@ -118,12 +120,14 @@ class _Clock:
     progress: Path | None
     last: float = 0.0
     memory: PeakMemory | None = None
+    log: StepLog | None = None
     built: list[tuple[int, int | None]] = field(default_factory=list)  # (stage bytes, RSS peak growth)
 
     def __post_init__(self) -> None:
         self.times: list[float] = []
         self.losses: list[float] = []
         self.evals: list[EvalResult] = []
+        self.checkpoints: list[tuple[int, float]] = []
         self.start()
 
     def start(self) -> None:
@@ -137,6 +141,8 @@ class _Clock:
         if self.memory is not None:
             self.memory.stepped(len(steps))
         self.times += [(now - self.last) / len(steps)] * len(steps)
+        if self.log is not None:
+            self.log.record(steps, now - self.last, losses)
         self.last = now
         for step, loss in zip(steps, losses or (), strict=False):
             if not math.isfinite(loss):
@@ -154,6 +160,10 @@ class _Clock:
             self.evals.append(result)
             last = self.losses[-1] if self.losses else float("nan")
             self._write({"step": result.step, "loss": last, "eval": result.record()})
+
+    def saved(self, step: int, seconds: float) -> None:
+        """Rank 0: the checkpoint of ``step`` is complete on disk, ``seconds`` after it began."""
+        self.checkpoints.append((step, seconds))
 
     def _write(self, line: dict[str, Any]) -> None:
         if self.progress is not None:
@@ -259,66 +269,6 @@ def _scaler(cfg: RankConfig) -> LossScaler | None:
     return LossScaler(dist.group.WORLD) if cfg.job.precision == "fp16" else None  # type: ignore[arg-type]
 
 
-def _start_step(options: RunOptions, hosted: tuple[StageRuntime, ...]) -> tuple[int, dict[str, Any] | None]:
-    """0, or the step to resume after (rank 0 decides for everyone; the launcher usually chose it
-    already) with this rank's models and optimizers loaded; also the generator states to restore."""
-    rt = hosted[0]
-    found: list[int | None] = [options.resume_step or None]
-    root = Path(options.checkpoint_dir) if options.checkpoint_dir else None
-    if options.resume and options.resume_step is None and root is not None and rt.cfg.rank == 0:
-        job = rt.cfg.job
-        found = [checkpoint.resume_point(root, job.package, job.stages, job.world_size).step]
-    dist.broadcast_object_list(found, src=0)
-    step = found[0]
-    if step is None or root is None:
-        return 0, None
-    saved = [_load_stage(options, each, root, step) for each in hosted]
-    return saved[0], checkpoint.load_rank(root, step, rt.cfg.rank)["rng"]
-
-
-def _load_stage(options: RunOptions, rt: StageRuntime, root: Path, step: int) -> int:
-    """One stage's model, optimizer, learning-rate schedule and loss scale at ``step``; the step
-    its file records."""
-    state = checkpoint.load_stage(root, step, rt.cfg.stage, rt.comm.device)
-    check_resume(state.get("optim"), OptimSettings.of(options), step)
-    rt.module.load_state_dict(state["model"])
-    rt.optimizer.load_state_dict(state["optimizer"])
-    if rt.scheduler is not None and state.get("scheduler") is not None:
-        rt.scheduler.load_state_dict(state["scheduler"])
-    if rt.scaler is not None and state.get("scaler") is not None:
-        rt.scaler.load_state_dict(state["scaler"])
-    return int(state["step"])
-
-
-def _save(options: RunOptions, hosted: tuple[StageRuntime, ...], step: int) -> None:
-    """Every rank's generator states, each stage's weights, optimizer and schedule (first replica),
-    then rank 0 marks the step complete once all are on disk."""
-    assert options.checkpoint_dir is not None
-    root, cfg = Path(options.checkpoint_dir), hosted[0].cfg
-    for rt in hosted:
-        _save_stage(options, rt, root, step)
-    checkpoint.save_rank(root, step, cfg.rank)
-    dist.barrier()
-    if cfg.rank == 0:
-        checkpoint.save_meta(root, step, cfg.job.package, cfg.job.world_size, options.seed)
-
-
-def _save_stage(options: RunOptions, rt: StageRuntime, root: Path, step: int) -> None:
-    """One stage's weights, optimizer and schedule (its first replica writes them)."""
-    cfg = rt.cfg
-    if cfg.replica == 0:
-        state = {
-            "model": rt.module.state_dict(),
-            "optimizer": rt.optimizer.state_dict(),
-            "scheduler": rt.scheduler.state_dict() if rt.scheduler is not None else None,
-            "optim": OptimSettings.of(options).record(),
-            "scaler": rt.scaler.state_dict() if rt.scaler is not None else None,
-            "precision": cfg.job.precision,
-            "step": step,
-        }
-        checkpoint.save_stage(root, step, cfg.stage, state)
-
-
 def _segments(start: int, total: int, every: int) -> list[tuple[int, int]]:
     """(first step, steps) runs between checkpoints; a pipeline drains at each boundary."""
     return segments(start, total, range(start, total, every) if every > 0 else ())
@@ -339,16 +289,19 @@ def _evaluator(options: RunOptions, hosted: tuple[StageRuntime, ...]) -> Evaluat
     return Evaluator(rt, data, data.steps_per_epoch, hosted if len(hosted) > 1 else ())
 
 
-def _train(options: RunOptions, hosted: tuple[StageRuntime, ...], total: int) -> None:
+def _train(
+    options: RunOptions, hosted: tuple[StageRuntime, ...], total: int, saves_to: RankCheckpoints | None
+) -> None:
     rt = hosted[0]
     job, cfg = rt.cfg.job, rt.cfg
-    start, rng = _start_step(options, hosted)
+    start, set_rng = saves_to.resume() if saves_to is not None else (0, lambda: None)
     for each in hosted:
         each.setup()
-    if rng is not None:
-        checkpoint.set_rng_state(rng)
+    set_rng()
     clock = hosted[-1].on_step if isinstance(hosted[-1].on_step, _Clock) else None
+    step_log = open_step_log(options, hosted, run_dir(options), total)
     if clock is not None:
+        clock.log = step_log
         clock.memory = PeakMemory(rt.comm.device, job.world_size + 1, cpu=options.measure_memory)
         clock.memory.start(rt.module, rt.optimizer)
         clock.start()
@@ -369,13 +322,17 @@ def _train(options: RunOptions, hosted: tuple[StageRuntime, ...], total: int) ->
             replicas = [len(r) for r in job.stage_ranks]
             actions = schedule.build_job(job.schedule, replicas, job.microbatches, count, first)
             rt.play(actions[cfg.stage][cfg.replica], first)
-        if options.checkpoint_dir and first + count in saves:
-            _save(options, hosted, first + count)
+        if saves_to is not None and first + count in saves:
+            began = time.perf_counter()
+            saves_to.save(first + count)
+            if clock is not None:
+                clock.evaluated(None, time.perf_counter() - began)
         if evaluator is not None and first + count in evals:
             began = time.perf_counter()
             result = evaluator(first + count)
             if clock is not None:
                 clock.evaluated(result, time.perf_counter() - began)
+    step_log.close()
 
 
 def share_cores() -> None:
@@ -446,7 +403,11 @@ def _run_joined(
     progress = run_dir(options) / "progress.jsonl" if cfg.is_last and cfg.replica == 0 else None
     clock = _Clock(progress)
     hosted = _build_hosted(options, configs, device, clock)
-    _train(options, hosted, _total_steps(options, hosted[0].batches))
+    total = _total_steps(options, hosted[0].batches)
+    saves_to = RankCheckpoints.open(options, hosted, total, clock.saved)
+    _train(options, hosted, total, saves_to)
+    if saves_to is not None:
+        saves_to.close()
     result = _finish(options, hosted, clock)
     dist.destroy_process_group()
     return result
@@ -492,6 +453,9 @@ def _finish(options: RunOptions, hosted: tuple[StageRuntime, ...], clock: _Clock
     warmup = 1 if len(clock.times) >= 3 else 0
     doc = summarize([g[0] for g in gathered], rt.cfg.job.batch_size, rt.cfg.job.predicted_time_s, warmup)
     doc.update(schedule=rt.cfg.job.schedule, microbatches=rt.cfg.job.microbatches, world_size=len(gathered))
+    if clock.log is not None:
+        doc.update(clock.log.summary(doc["time_per_minibatch_s"]))
+    doc["checkpoints"] = [{"step": step, "seconds": seconds} for step, seconds in clock.checkpoints]
     doc.update(device=rt.comm.device.type, precision=rt.cfg.job.precision)
     doc["model"] = rt.cfg.job.model
     doc["stash_log"] = {g[0].rank: g[2] for g in gathered}

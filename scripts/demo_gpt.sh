@@ -46,7 +46,7 @@ pipeplan run "$PKG" --steps 400 --data text:corpus/stdlib-train.txt --seq-len 64
     --optimizer adamw --lr 0.003 --weight-decay 0.01 --lr-schedule cosine --warmup-steps 20 \
     --checkpoint-every 100
 
-step "5. export: the stage checkpoints merged into one state_dict of byte-gpt, loaded back strictly" \
+step "5. export: the step-400 checkpoint as one state_dict of byte-gpt, loaded back strictly" \
      "pipeplan export $PKG -o byte-gpt.pt"
 pipeplan export "$PKG" -o byte-gpt.pt
 "$BIN/python" - "$PKG" <<'PY'

@@ -141,9 +141,9 @@ def test_two_nodes_on_one_machine_train_like_torchrun(tmp_path: Path) -> None:
     assert [node.returncode for node in nodes] == [0, 0], outputs
     assert "time per minibatch" in outputs[0]
     assert sorted(p.name for p in (tmp_path / "ckpt" / "step-3").iterdir()) == [
+        ".metadata",  # every rank of both nodes wrote its own file of one DCP checkpoint
+        *(f"__{r}_0.distcp" for r in range(4)),
         "meta.json",
-        *(f"rank{r}.pt" for r in range(4)),
-        *(f"stage{k}.pt" for k in range(4)),
     ]
     logs = pkg / "run" / "logs"  # the nodes share the folder: each keeps its own logs
     assert all((logs / f"node{r}" / "launcher.log").exists() for r in (0, 1))

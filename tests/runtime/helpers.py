@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from runtime.checkpoint_read import read_stage
 from runtime.data import SyntheticBatches
 from runtime.launch import launch
 from runtime.options import RunOptions
@@ -29,7 +30,8 @@ def run(package: Path, **kwargs: Any) -> dict[str, Any]:
 
 
 def stage_state(ckpt: Path, step: int, stage: int) -> dict[str, torch.Tensor]:
-    return torch.load(ckpt / f"step-{step}" / f"stage{stage}.pt", weights_only=True)["model"]  # type: ignore[no-any-return]
+    """Stage ``stage``'s weights at ``step`` under its own names (read from the DCP checkpoint)."""
+    return read_stage(ckpt, step, stage)
 
 
 def assert_one_step_is_the_plain_gradient(package: Path, ckpt: Path, stages: int, tol: float) -> None:

@@ -79,6 +79,10 @@ _STAGE_FN = """def stage(k, seed=0, device="cpu"):
     return full_model(seed).stages[k].to(device)
 
 
+def fqn_prefix(k):
+    return f"stages.{k}."
+
+
 """
 
 _LINEAR = """

@@ -4,6 +4,7 @@ save_pretrained and from_pretrained; missing, incomplete and absent steps are re
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from types import ModuleType
@@ -17,6 +18,7 @@ from cli import main
 from partitioner.stagekit import factory_from_spec
 from runtime.package import import_package, read_wiring
 from tests.runtime.helpers import run, stage_state
+from tests.runtime.tied_lm import write_model
 
 codegen = pytest.importorskip("partitioner.codegen")
 profiler = pytest.importorskip("partitioner.profiler")
@@ -62,48 +64,11 @@ def _stage_chain(pkg: ModuleType, ckpt: Path, step: int, inputs: dict[str, torch
     return env[wiring.loss_input]
 
 
-# A small language model with what export must map back: a token embedding tied to the LM head (on
-# different stages), a persistent buffer, one that state_dict leaves out, and a module the forward
-# never calls (no stage holds it). No dropout: stages and model compare exactly.
-_MODEL = """
-import torch
-from torch import nn
-
-
-class TiedLM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(50, 16)
-        self.body = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
-        self.head = nn.Linear(16, 50, bias=False)
-        self.head.weight = self.embed.weight
-        self.register_buffer("gain", torch.full((16,), 0.5))
-        self.register_buffer("scratch", torch.zeros(16), persistent=False)
-        self.unused = nn.Linear(2, 2)
-
-    def forward(self, idx):
-        return self.head(self.body(self.embed(idx) * self.gain + self.scratch))
-
-
-def factory():
-    return TiedLM()
-
-
-def example_inputs(batch_size):
-    return torch.randint(0, 50, (batch_size, 8))
-
-
-def example_targets(batch_size):
-    return torch.randint(0, 50, (batch_size, 8))
-"""
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The tied model trained 3 steps on 2 gloo ranks, a checkpoint after every step."""
     root = tmp_path_factory.mktemp("export")
-    (root / "tied_lm.py").write_text(_MODEL)
-    pkg = _package(root / "pkg", f"{root / 'tied_lm.py'}:factory", batch=4)
+    pkg = _package(root / "pkg", write_model(root), batch=4)
     ckpt = root / "ckpt"
     run(pkg, steps=3, lr=0.05, checkpoint_dir=str(ckpt), checkpoint_every=1)
     return pkg, ckpt
@@ -150,15 +115,20 @@ def test_export_takes_an_older_step_and_refuses_missing_incomplete_and_absent_on
 
     torn = tmp_path / "torn"
     shutil.copytree(ckpt, torn)
-    (torn / "step-3" / "stage1.pt").unlink()  # a run killed while writing step 3
+    (torn / "step-3" / "__1_0.distcp").unlink()  # a file lost after the step was written
     result = _export(str(package), "--checkpoint-dir", str(torn), "-o", str(out))
     assert result.exit_code == 0, result.output
-    assert "skipped step-3: incomplete, no stage1.pt" in result.output and "step 2" in result.output
+    assert "skipped step-3: incomplete, no __1_0.distcp" in result.output and "step 2" in result.output
 
     refusals = {
         "no checkpoints in": ["--checkpoint-dir", str(tmp_path / "none")],
         "has no step-7; it has step-3, step-2, step-1": ["--checkpoint-dir", str(ckpt), "--step", "7"],
-        "step-3 cannot be exported: incomplete, no stage1.pt": ["--checkpoint-dir", str(torn), "--step", "3"],
+        "step-3 cannot be exported: incomplete, no __1_0.distcp": [
+            "--checkpoint-dir",
+            str(torn),
+            "--step",
+            "3",
+        ],
     }
     for words, args in refusals.items():
         result = _export(str(package), *args, "-o", str(tmp_path / "x.pt"))
@@ -176,10 +146,22 @@ def test_hf_export_round_trips_through_save_pretrained(tmp_path: Path) -> None:
     package = _package(tmp_path / "pkg", "hf:gpt2", batch=4, shape=(16,))
     ckpt = tmp_path / "ckpt"
     run(package, steps=2, lr=0.05, checkpoint_dir=str(ckpt))
-    result = _export(str(package), "--checkpoint-dir", str(ckpt), "-o", str(tmp_path / "model.pt"))
+    result = _export(
+        str(package),
+        "--checkpoint-dir",
+        str(ckpt),
+        "-o",
+        str(tmp_path / "model.pt"),
+        "--max-shard-size",
+        "200KB",
+    )
     assert result.exit_code == 0, result.output
     hf_dir = tmp_path / "model-hf"
     assert f"wrote {hf_dir}" in result.output
+    index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and all((hf_dir / s).is_file() for s in shards), shards
+    assert "lm_head.weight" not in index["weight_map"]  # tied to transformer.wte.weight, as save_pretrained
 
     model = factory("hf:gpt2")().eval()
     model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True), strict=True)
@@ -194,3 +176,40 @@ def test_hf_export_round_trips_through_save_pretrained(tmp_path: Path) -> None:
         want = _stage_chain(pkg, ckpt, 2, inputs)
         torch.testing.assert_close(model(**keyword).logits, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(loaded(**keyword).logits, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_safetensors_shards_one_at_a_time_hold_what_the_state_dict_holds(
+    trained: tuple[Path, Path], tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    package, ckpt = trained
+    assert (
+        _export(str(package), "--checkpoint-dir", str(ckpt), "-o", str(tmp_path / "model.pt")).exit_code == 0
+    )
+    result = _export(
+        str(package),
+        "--checkpoint-dir",
+        str(ckpt),
+        "-o",
+        str(tmp_path / "model.safetensors"),
+        "--max-shard-size",
+        "4KB",
+    )
+    assert result.exit_code == 0, result.output
+    index_path = tmp_path / "model.safetensors.index.json"
+    assert (
+        f"wrote {index_path} (" in result.output
+        and "left out (from_pretrained initialises them)" in result.output
+    )
+    index = json.loads(index_path.read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert files == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
+    loaded = {k: v for f in files for k, v in load_file(tmp_path / f).items()}
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in loaded.values())
+    state = torch.load(tmp_path / "model.pt", weights_only=True)
+    # each tensor once (the tie under its first name), nothing no stage held, nothing left unsaved
+    assert set(loaded) == set(state) - {"head.weight", "unused.weight", "unused.bias"}
+    for name, tensor in loaded.items():
+        torch.testing.assert_close(tensor, state[name], rtol=0, atol=0, msg=name)

@@ -10,8 +10,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from runtime.checkpoint import resume_point
+from runtime import checkpoint
+from runtime.checkpoint import resume_point, saved_tensors
+from runtime.checkpoint_read import Tensors
 from runtime.data import DatasetBatches, make_batches
+from runtime.errors import JobFailed
 from runtime.package import import_package
 from tests.runtime.helpers import run, stage_state
 from tests.runtime.packages import IN_DIM, OUT_DIM, write_package
@@ -30,24 +33,88 @@ def _with_dropout(pkg: Path) -> Path:
     return pkg
 
 
-@pytest.mark.parametrize("schedule", ["pipedream", "1f1b"])
-def test_resume_with_dropout_reproduces_an_uninterrupted_run(tmp_path: Path, schedule: str) -> None:
+_ADAMW = {"optimizer": "adamw", "lr": 0.05, "weight_decay": 0.1, "lr_schedule": "cosine", "warmup_steps": 2}
+# (schedule, replicas, package layout): interleaved lays 4 stages on 2 ranks, zbv as a V
+_LAYOUTS = [
+    ("pipedream", (1, 1, 1), {}),
+    ("1f1b", (1, 1, 1), {}),
+    ("gpipe", (1, 1, 1), {}),
+    ("zb1p", (1, 1, 1), {}),
+    ("interleaved", (1, 1, 1, 1), {"virtual": 2}),
+    ("zbv", (1, 1, 1, 1), {"virtual": 2, "v_shape": True}),
+]
+
+
+def _assert_same_checkpoint(a: Path, b: Path, step: int, stages: int) -> None:
+    for k in range(stages):
+        want, got = stage_state(a, step, k), stage_state(b, step, k)
+        assert want.keys() == got.keys()
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=f"stage{k}.{name}")
+    saved = saved_tensors(a, step, prefix="optimizer.state.")
+    assert saved == saved_tensors(b, step, prefix="optimizer.state.") and saved
+    want, got = Tensors.open(a / f"step-{step}"), Tensors.open(b / f"step-{step}")
+    assert want.specs == got.specs
+
+
+@pytest.mark.parametrize(("schedule", "replicas", "layout"), _LAYOUTS, ids=[s for s, _, _ in _LAYOUTS])
+def test_resume_is_bit_exact_with_adamw_cosine_warmup_clipping_and_dropout(
+    tmp_path: Path, schedule: str, replicas: tuple[int, ...], layout: dict[str, Any]
+) -> None:
+    pkg = write_package(tmp_path / "pkg", "chain", replicas, schedule, microbatches=2, batch_size=4, **layout)
+    _with_dropout(pkg)
+    clip = {} if schedule == "pipedream" else {"clip_grad_norm": 0.5}  # pipedream's stages step apart
+    common = {"schedule": schedule, "checkpoint_every": 2, **_ADAMW, **clip}
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    first = run(pkg, steps=4, checkpoint_dir=str(whole), **common)
+    run(pkg, steps=4, checkpoint_dir=str(parts), **common)
+    shutil.rmtree(parts / "step-4")  # as if the run had stopped after step 2
+    # A newer step whose rank file a crash truncated: resume falls back to step 2.
+    shutil.copytree(whole / "step-4", parts / "step-4")
+    data = parts / "step-4" / "__1_0.distcp"
+    data.write_bytes(data.read_bytes()[:100])
+    assert resume_point(parts).step == 2
+    second = run(pkg, steps=4, checkpoint_dir=str(parts), resume=True, **common)
+    _assert_same_checkpoint(whole, parts, 4, len(replicas))
+    assert second["losses"] == first["losses"][2:]
+
+
+_KILL = """
+
+_ARMED = {armed!r}
+_AFTER = {after!r}
+
+
+def _die_mid_checkpoint(module, state, prefix, local_metadata):
+    \"\"\"A test's fault: SIGKILL this rank while it collects a checkpoint after the one of _AFTER.\"\"\"
+    import os, signal
+    if os.path.exists(_ARMED) and os.path.isdir(_AFTER) and next(module.parameters()).device.type != "meta":
+        os.unlink(_ARMED)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+_init = Stage1.__init__
+Stage1.__init__ = lambda self: (_init(self), self._register_state_dict_hook(_die_mid_checkpoint))[0]
+"""
+
+
+def test_a_rank_killed_while_a_checkpoint_is_written_leaves_the_previous_one_to_resume_bit_exactly(
+    tmp_path: Path,
+) -> None:
     pkg = write_package(tmp_path / "pkg", "chain", replicas=(1, 1, 1), microbatches=2, batch_size=4)
     _with_dropout(pkg)
-    common = {"schedule": schedule, "lr": 0.1, "momentum": 0.9, "checkpoint_every": 2}
-    whole, parts = tmp_path / "whole", tmp_path / "parts"
-    run(pkg, steps=4, checkpoint_dir=str(whole), **common)
-    run(pkg, steps=2, checkpoint_dir=str(parts), **common)
-    # A newer step whose stage file a crash truncated: resume falls back to step 2.
-    shutil.copytree(whole / "step-4", parts / "step-4")
-    (parts / "step-4" / "stage1.pt").write_bytes((parts / "step-4" / "stage1.pt").read_bytes()[:100])
-    assert resume_point(parts, pkg, 3, 3).step == 2
-    run(pkg, steps=4, checkpoint_dir=str(parts), resume=True, **common)
-    for k in range(3):
-        want, got = stage_state(whole, 4, k), stage_state(parts, 4, k)
-        for name in want:
-            torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
-    assert torch.load(parts / "step-4" / "stage0.pt", weights_only=True)["optimizer"]["state"]
+    whole, parts, armed = tmp_path / "whole", tmp_path / "parts", tmp_path / "armed"
+    stage1 = pkg / "stage1.py"
+    stage1.write_text(stage1.read_text() + _KILL.format(armed=str(armed), after=str(parts / "step-2")))
+    common = {"schedule": "1f1b", "checkpoint_every": 2, **_ADAMW}
+    first = run(pkg, steps=6, checkpoint_dir=str(whole), **common)
+    armed.touch()
+    with pytest.raises(JobFailed, match=r"rank 1 \(stage 1\) failed: the process died \(signal 9\)"):
+        run(pkg, steps=6, checkpoint_dir=str(parts), **common)
+    assert not armed.exists() and checkpoint.steps_in(parts) == [2]
+    second = run(pkg, steps=6, checkpoint_dir=str(parts), resume=True, **common)
+    _assert_same_checkpoint(whole, parts, 6, 3)
+    assert second["losses"] == first["losses"][2:]
 
 
 def _dataset_file(tmp_path: Path) -> Path:
