@@ -1,9 +1,7 @@
 """Llama-3-8B- and 70B-shaped models (fewer, narrower blocks) through profile -> partition -> verify ->
 run, with every process holding one stage's weights at most: each rank's stage build and the whole
-verify are measured, and a run starts from a sharded safetensors checkpoint read stage by stage.
-
-Export to safetensors and ``from_pretrained`` of the result are the exporter's part of this chain;
-they join it there.
+verify are measured; the trained weights are exported as sharded safetensors, load with
+``from_pretrained``, and a run starts from that folder, each rank reading its stage's tensors.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from cli import main
 from runtime.data import SyntheticBatches
 from runtime.package import import_package, read_wiring
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
 _LLAMA = {
@@ -87,20 +85,6 @@ def _verify_growth(package: Path) -> tuple[int, str]:
     return int(result.stdout.split("GROWN")[1].split()[0]), result.stdout
 
 
-def _sharded(folder: Path, state: dict[str, torch.Tensor]) -> Path:
-    """``state`` as save_pretrained shards it: two safetensors files and their index."""
-    from safetensors.torch import save_file
-
-    folder.mkdir()
-    names = sorted(state)
-    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
-    for file, inside in shards.items():
-        save_file({n: state[n].contiguous() for n in inside}, str(folder / file))
-    index = {"metadata": {}, "weight_map": {n: f for f, inside in shards.items() for n in inside}}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    return folder
-
-
 def _check_ranks(metrics: dict[str, Any], largest: int, model: int) -> None:
     """Each rank's stage build raised its peak by its stage, one scratch tensor for the random draws
     of an exact init (at most the model's largest) and some slack: less than the model's weights."""
@@ -130,22 +114,26 @@ def test_profile_partition_verify_run_one_stage_per_process(tmp_path: Path, shap
     # a stage's weights and gradients, a layer or two being read: a whole-model check holds 4 models
     assert grown < 2 * model, f"verify grew {grown / 2**20:.0f} MiB for a {model / 2**20:.0f} MiB model"
 
-    _cli("run", str(package), "--steps", "2", "--timeout", "120")
+    _cli("run", str(package), "--steps", "2", "--timeout", "120", "--checkpoint-every", "2")
     metrics = json.loads((package / "run" / "metrics.json").read_text())
     assert metrics["steps"] == 2 and len(metrics["ranks"]) == 3
     _check_ranks(metrics, largest, model)
 
-    package_module = import_package(package)
-    start = package_module.full_model(7)  # other weights than the package's own seed 0 gives
-    weights = _sharded(tmp_path / "weights", {n: t.detach() for n, t in start.state_dict().items()})
-    _cli("run", str(package), "--steps", "1", "--weights", str(weights), "--timeout", "120")
+    # the trained weights as save_pretrained shards them, then a run that starts from them
+    _cli("export", str(package), "-o", str(tmp_path / "model.safetensors"), "--max-shard-size", "40MB")
+    hf_dir = tmp_path / "model-hf"
+    shards = set(json.loads((hf_dir / "model.safetensors.index.json").read_text())["weight_map"].values())
+    assert len(shards) > 1, shards
+    trained = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    _cli("run", str(package), "--steps", "1", "--weights", str(hf_dir), "--timeout", "120")
     metrics = json.loads((package / "run" / "metrics.json").read_text())
     _check_ranks(metrics, largest, model)
+    package_module = import_package(package)
     plan = json.loads((package / "plan.json").read_text())
     names = read_wiring(package_module, 3).stage_inputs[0]
     data = SyntheticBatches(package_module, names, 4, seed=0)
     keywords = [spec["name"] for spec in plan["extra"]["inputs"]]
     with torch.no_grad():
-        output = start(**dict(zip(keywords, data.inputs(0), strict=True)))
+        output = trained(**dict(zip(keywords, data.inputs(0), strict=True)))
         expected = package_module.criterion()(output, data.targets(0))
     assert metrics["losses"][0] == pytest.approx(float(expected), rel=1e-5)
