@@ -84,7 +84,10 @@ def write_package(
     options = dict(profile.tracer_options) or {"spec": profile.model, "batch_size": profile.batch_size or 1}
     shape = tuple(options["input_shape"]) if options.get("input_shape") else None
     batch = _trace_batch(options, plan)
-    bundle = load_model(str(options.get("spec", profile.model)), batch, shape)
+    # fx traces structure and shapes only: its model is built on meta, without drawing its weights
+    # (seconds for a large model). torch.export's graph can depend on buffer values: a real build.
+    device = "meta" if profile.tracer == "fx" else "cpu"
+    bundle = load_model(str(options.get("spec", profile.model)), batch, shape, device)
     traced = trace_model(bundle, tuple(options.get("leaf_modules", ())), shape)
     if traced.tracer != profile.tracer:
         raise PackageError(

@@ -140,13 +140,17 @@ def model_name(spec: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name) or "model"
 
 
-def load_model(spec: str, batch_size: int = 1, input_shape: tuple[int, ...] | None = None) -> ModelBundle:
+def load_model(
+    spec: str, batch_size: int = 1, input_shape: tuple[int, ...] | None = None, device: str = "cpu"
+) -> ModelBundle:
     """Resolve a spec into a bundle of module, example inputs, targets and loss.
 
     Args:
         spec: a zoo name, ``torchvision:NAME``, ``pkg.mod:factory`` or ``file.py:factory``.
         batch_size: samples in the example inputs and targets.
         input_shape: shape of one sample of the (single) input, overriding the model's default.
+        device: where the module is built; ``meta`` for callers that need its structure and shapes,
+            not its values (no time spent drawing weights). User factories are always built on CPU.
 
     Raises:
         ModelSpecError: unknown name, missing file or factory, a factory that raised, bad shapes.
@@ -156,14 +160,23 @@ def load_model(spec: str, batch_size: int = 1, input_shape: tuple[int, ...] | No
     if input_shape is not None and (not input_shape or any(d <= 0 for d in input_shape)):
         raise ModelSpecError(f"input shape must be positive integers such as 3,224,224, got {input_shape}")
     if spec in ZOO:
-        return _zoo_bundle(spec, ZOO[spec], batch_size, input_shape)
+        return _zoo_bundle(spec, ZOO[spec], batch_size, input_shape, device)
     if spec.startswith("hf:"):
         from partitioner.hf_inputs import hf_bundle_parts
 
         factory, names, make_inputs, make_targets = hf_bundle_parts(spec, input_shape)
-        return _bundle(spec, factory, batch_size, make_inputs, make_targets, default_loss, input_names=names)
+        return _bundle(
+            spec,
+            factory,
+            batch_size,
+            make_inputs,
+            make_targets,
+            default_loss,
+            input_names=names,
+            device=device,
+        )
     if spec.startswith("torchvision:"):
-        return _zoo_bundle(spec, _torchvision_entry(spec.partition(":")[2]), batch_size, input_shape)
+        return _zoo_bundle(spec, _torchvision_entry(spec.partition(":")[2]), batch_size, input_shape, device)
     if ":" in spec:
         return _user_bundle(spec, batch_size, input_shape)
     close = difflib.get_close_matches(spec, ZOO, n=3)
@@ -215,7 +228,7 @@ def _generator() -> torch.Generator:
 
 
 def _zoo_bundle(
-    spec: str, entry: ZooEntry, batch_size: int, input_shape: tuple[int, ...] | None
+    spec: str, entry: ZooEntry, batch_size: int, input_shape: tuple[int, ...] | None, device: str = "cpu"
 ) -> ModelBundle:
     shape = tuple(input_shape) if input_shape else entry.input_shape
     if entry.tokens and len(shape) != 1:
@@ -231,7 +244,7 @@ def _zoo_bundle(
             return next_token_targets(make_inputs(b)[0])
         return torch.randint(0, entry.classes, (b,), generator=_generator())
 
-    return _bundle(spec, entry.factory, batch_size, make_inputs, make_targets, default_loss)
+    return _bundle(spec, entry.factory, batch_size, make_inputs, make_targets, default_loss, device=device)
 
 
 def next_token_targets(tokens: Tensor) -> Tensor:
@@ -268,11 +281,12 @@ def _bundle(
     loss_fn: Callable[[Any, Tensor], Tensor],
     module: nn.Module | None = None,
     input_names: tuple[str, ...] = (),
+    device: str = "cpu",
 ) -> ModelBundle:
     return ModelBundle(
         input_names=input_names,
         spec=spec,
-        module=(module if module is not None else _build(factory, 0, "cpu")).train(),
+        module=(module if module is not None else _build(factory, 0, device)).train(),
         inputs=make_inputs(batch_size),
         targets=make_targets(batch_size),
         loss_fn=loss_fn,
