@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -35,25 +36,29 @@ TARGET_S = 3.0
 _CLI = "import sys; sys.argv[0] = 'pipeplan'; from cli import main; main()"
 
 
-def _pipeplan(checkout: Path, *args: str) -> float:
-    """Wall seconds of one ``pipeplan ARGS`` from ``checkout``'s code; fails loudly on a non-zero exit."""
+def _pipeplan(checkout: Path, *args: str) -> tuple[float, float]:
+    """(wall, CPU) seconds of one ``pipeplan ARGS`` from ``checkout``'s code; fails loudly on a non-zero
+    exit. CPU time (user + system) is what the command itself used: less moved by other jobs' load."""
     env = {**os.environ, "PYTHONPATH": str(checkout)}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     done = subprocess.run(
         [sys.executable, "-c", _CLI, *args], cwd=checkout, env=env, capture_output=True, text=True
     )
     wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     if done.returncode:
         raise SystemExit(f"error: pipeplan {' '.join(args)} in {checkout} failed:\n{done.stderr[-2000:]}")
-    return wall
+    return wall, cpu
 
 
 def _round(checkout: Path, profile: Path, out: Path) -> dict[str, float]:
     load = os.getloadavg()[0]
-    wall = _pipeplan(checkout, "partition", "--profile", str(profile), "--gpus", "4", "-o", str(out))
+    wall, cpu = _pipeplan(checkout, "partition", "--profile", str(profile), "--gpus", "4", "-o", str(out))
     if not any(out.glob("*/gpus=4/stage0.py")):
         raise SystemExit(f"error: no package under {out}: the command did not write stage code")
-    return {"wall_s": round(wall, 3), "loadavg_1min": round(load, 2)}
+    return {"wall_s": round(wall, 3), "cpu_s": round(cpu, 3), "loadavg_1min": round(load, 2)}
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -63,14 +68,15 @@ def markdown(doc: dict[str, Any]) -> str:
         f"torch {doc['torch']}, {doc['cpus']} CPUs ({doc['machine']}), {doc['rounds']} paired rounds. "
         "Shared machine: the 1-minute load average is recorded per round (json).",
         "",
-        "| code | median wall s | min | max | load (median) |",
-        "|---|---|---|---|---|",
+        "| code | median wall s | min | max | median CPU s | load (median) |",
+        "|---|---|---|---|---|---|",
     ]
     for side, rows in doc["sides"].items():
-        walls = [r["wall_s"] for r in rows]
+        walls, cpu = [r["wall_s"] for r in rows], statistics.median(r["cpu_s"] for r in rows)
         load = statistics.median(r["loadavg_1min"] for r in rows)
         lines.append(
-            f"| {side} | {statistics.median(walls):.2f} | {min(walls):.2f} | {max(walls):.2f} | {load:.2f} |"
+            f"| {side} | {statistics.median(walls):.2f} | {min(walls):.2f} | {max(walls):.2f} | {cpu:.2f} "
+            f"| {load:.2f} |"
         )
     lines += ["", f"Target: under {TARGET_S:g} s wall (this branch's median).", ""]
     return "\n".join(lines)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -50,8 +49,9 @@ CONFIG = {
 def _peak(*args: str) -> tuple[float, int]:
     """(wall s, the largest peak resident bytes of any process) of one command in a fresh child.
 
-    ``ru_maxrss`` of RUSAGE_CHILDREN is the largest of every waited-for descendant, so the child
-    reports it for its own subprocesses (launcher, ranks) and the parent for the child.
+    ``ru_maxrss`` of RUSAGE_CHILDREN is the largest of every waited-for descendant, so a fresh child
+    that only waits for the command reports the command's own (its launcher, its ranks); this
+    process's own figure would carry the earlier commands'.
     """
     code = (
         "import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:]); "
@@ -62,10 +62,7 @@ def _peak(*args: str) -> tuple[float, int]:
     wall = time.perf_counter() - started
     if done.returncode:
         raise SystemExit(f"error: {' '.join(args)} failed:\n{done.stdout[-1500:]}{done.stderr[-1500:]}")
-    peak_kib = max(
-        int(done.stdout.split("PEAK")[1].split()[0]), resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    )
-    return wall, peak_kib * 1024
+    return wall, int(done.stdout.split("PEAK")[1].split()[0]) * 1024
 
 
 def _model_bytes(config: Path) -> int:
@@ -83,17 +80,26 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=4)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument(
+        "--workdir",
+        type=Path,
+        help="keep the files here (default: a temporary folder); commands whose rows.jsonl line is "
+        "already there are not run again (the profile step takes minutes)",
+    )
+    parser.add_argument(
         "--out", default="bench_stage_memory", help="result file stem under benchmarks/results"
     )
     args = parser.parse_args()
     pipeplan = [sys.executable, "-c", "import sys; sys.argv[0] = 'pipeplan'; from cli import main; main()"]
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "llama1b" / "config.json"
-        config.parent.mkdir()
+    with tempfile.TemporaryDirectory() as temporary:
+        tmp = args.workdir or Path(temporary)
+        done = tmp / "rows.jsonl"
+        before = [json.loads(line) for line in done.read_text().splitlines()] if done.is_file() else []
+        config = tmp / "llama1b" / "config.json"
+        config.parent.mkdir(parents=True, exist_ok=True)
         config.write_text(json.dumps({**CONFIG, "num_hidden_layers": args.layers}))
         model = _model_bytes(config)
-        profile, models = Path(tmp) / "profile.json", Path(tmp) / "models"
+        profile, models = tmp / "profile.json", tmp / "models"
         steps: list[tuple[str, list[str]]] = [
             ("imports only", [sys.executable, "-c", "import torch, transformers, cli"]),
             ("profile", [*pipeplan, "profile", f"hf:{config}", "--batch-size", "1", "--input-shape", "128",
@@ -104,6 +110,9 @@ def main() -> None:
             ("run --steps 2", [*pipeplan, "run", "PACKAGE", "--steps", "2", "--timeout", "600"]),
         ]  # fmt: skip
         for name, command in steps:
+            if any(row["command"] == name for row in before):
+                rows.append(next(row for row in before if row["command"] == name))
+                continue
             package = next(models.glob(f"*/gpus={args.gpus}"), None)
             command = [str(package) if part == "PACKAGE" else part for part in command]
             load = os.getloadavg()[0]
@@ -111,6 +120,8 @@ def main() -> None:
             rows.append({"command": name, "wall_s": round(wall, 1), "peak_rss_bytes": peak,
                          "loadavg_1min": round(load, 2)})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
+            with done.open("a") as f:
+                f.write(json.dumps(rows[-1]) + "\n")
         metrics = json.loads((package / "run" / "metrics.json").read_text()) if package else {"ranks": []}
     ranks = [{k: r.get(k) for k in ("rank", "stage_bytes", "build_growth_bytes")} for r in metrics["ranks"]]
     doc = {"config": {**CONFIG, "num_hidden_layers": args.layers}, "model_bytes": model, "gpus": args.gpus,
