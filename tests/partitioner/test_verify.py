@@ -178,21 +178,18 @@ def test_verify_holds_a_stage_not_the_model(tmp_path: Path) -> None:
     write_package(profile, plan_for(profile, list(range(4, 25, 3))), tmp_path / "pkg", init="seeded")
     code = textwrap.dedent(
         f"""
-        import resource, torch
+        import torch
         from pathlib import Path
         from partitioner.verify import load_package, verify_package
-        from runtime.heap import map_large_blocks
-
-        def rss_kib():
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * resource.getpagesize() // 1024
+        from runtime.heap import map_large_blocks, peak_resident_bytes, reset_peak, resident_bytes
 
         torch.set_num_threads(1)
         map_large_blocks()
         load_package(Path({str(tmp_path / "pkg")!r}))  # imports, so only what verify holds is counted
-        before = rss_kib()
+        reset_peak()
+        before = resident_bytes()
         report = verify_package(Path({str(tmp_path / "pkg")!r}))
-        print(int(report.ok), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+        print(int(report.ok), (peak_resident_bytes() - before) // 1024)
         """
     )
     hop = f"import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-c', {code!r}]))"

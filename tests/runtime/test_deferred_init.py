@@ -115,19 +115,17 @@ def test_one_layer_costs_one_layer_of_memory() -> None:
     layers, width = 32, 2048
     code = textwrap.dedent(
         f"""
-        import resource, torch
+        import torch
         from torch import nn
         from runtime.deferred_init import build_deferred
-
-        def rss_kib():
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * resource.getpagesize() // 1024
+        from runtime.heap import peak_resident_bytes, reset_peak, resident_bytes
 
         torch.set_num_threads(1)
-        before = rss_kib()
+        reset_peak()
+        before = resident_bytes()
         built = build_deferred(lambda: nn.Sequential(*(nn.Linear({width}, {width}) for _ in range({layers}))))
         layer = built.materialise([built.module[7].weight])[0]
-        print(layer.numel(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+        print(layer.numel(), (peak_resident_bytes() - before) // 1024)
         """
     )
     hop = f"import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-c', {code!r}]))"
