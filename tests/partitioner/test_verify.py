@@ -168,6 +168,7 @@ def test_stage_writing_its_input_in_place(tmp_path: Path) -> None:
     assert "clone" not in (folder / "stage0.py").read_text()
 
 
+@pytest.mark.slow
 def test_verify_holds_a_stage_not_the_model(tmp_path: Path) -> None:
     """24 layers of 16 MiB in 8 stages: verify's memory grows by a stage's weights and gradients, the
     original's gradient of one layer as it arrives and one layer being read: less than half the

@@ -109,6 +109,7 @@ def test_a_deferred_tensor_refuses_work_outside_the_build() -> None:
         built.module.weight.sum()
 
 
+@pytest.mark.slow
 def test_one_layer_costs_one_layer_of_memory() -> None:
     """32 layers of 16 MiB: building the model deferred and materialising one layer stays far below
     the model's 512 MiB (one scratch tensor for the random draws, one layer kept)."""
