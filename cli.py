@@ -1118,7 +1118,7 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
               "Each run writes its options to PACKAGE/run/run.toml.")  # fmt: skip
 @click.option("--measure-memory", is_flag=True,
               help="On a CPU, also measure each rank's peak tensor memory over its first ranks+1 minibatches "
-              "with torch.profiler (opt-in: with torch 2.13 it kills a rank of some runs after it stops; "
+              "by counting the storages its operators make (opt-in: a Python call per operator in those steps; "
               "GPUs always report torch.cuda.max_memory_allocated).")  # fmt: skip
 @click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
               help="Seconds a rank waits on its peers before the job is stopped.")  # fmt: skip

@@ -8,7 +8,8 @@ profiled compute is done, ``--cuts/--replicas 1,1``: the same stages with and wi
 
 Measured memory is metrics.json's ``memory`` (``runtime/memory.py``): on this CPU, the stage's
 parameters, buffers, gradients and optimizer state at the start plus the highest running sum of the
-tensor bytes torch.profiler saw allocated minus freed over the first ``ranks + 1`` minibatches;
+bytes of the tensor storages its operators made and torch had not yet freed, over the first
+``ranks + 1`` minibatches;
 no non-tensor memory. Predicted is plan.json's ``memory_bytes`` (``cost.price_stage``).
 
 Recomputation's cost: per (model, schedule), the time per minibatch with it over without (measured:
@@ -224,7 +225,7 @@ def _markdown(doc: dict[str, Any]) -> list[str]:
         f"`pipeplan run --steps {doc['setup']['steps']}`; whole benchmark {doc['wall_s']:.0f} s. "
         "Each model's 2-stage plan is cut where half its profiled compute is done, the same stages with "
         "and without `--recompute all`. Measured: the stage's tensors at the start plus the peak of "
-        "tensor bytes allocated minus freed (torch.profiler, CPU), over the first minibatches.",
+        "bytes of live tensor storages operators made (CPU), over the first minibatches.",
         "",
         "Predicted: `partitioner/optimizer/memory.py` (weights, gradients and optimizer state with tied "
         "copies, pipedream's weight snapshots, the gradient a replica accumulates, activations in "

@@ -5,46 +5,54 @@ in live tensors; untested here, written as torch documents it).
 
 CPU: torch has no allocator statistics for the CPU, and the process's resident size mixes tensors
 with the interpreter, libraries, communication buffers and heap the C library keeps after a free, so
-its growth says little about tensors. Instead the window runs under ``torch.profiler`` with
-``profile_memory=True``, which reports every CPU tensor allocation and free with its size. The peak
-is the stage's tensors alive when the window opens (parameters, buffers, gradients and optimizer
-state, counted once per storage) plus the highest running sum of the bytes allocated minus freed in
-the window: weights and gradients, optimizer state, stashed weight versions, activations autograd
-keeps, received and sent tensors, recomputed activations and temporaries of every operator. It does
-not count memory that is not a tensor (Python objects, gloo's buffers, allocator slack), nor other
-tensors made before the window (torch logs a warning in the rank's log when one is freed in it). The
-same allocations give the same number: byte for byte from one run to the next.
+its growth says little about tensors. Instead the window runs under a ``TorchDispatchMode`` that sees
+every operator's outputs (factory functions included) and keeps a weak reference to each new storage:
+the running sum of live storages rises when an operator makes one and falls when the last tensor on
+it dies. The stage's own tensors alive when the window opens (parameters, buffers, gradients and
+optimizer state, counted once per storage) start the sum and leave it when freed. The peak is the
+highest sum seen after any operator: weights and gradients, optimizer state, stashed weight
+versions, activations autograd keeps, received and sent tensors, recomputed activations. It does not
+count an operator's internal scratch buffers, memory that is not a tensor (Python objects, gloo's
+buffers, allocator slack), nor other tensors made before the window. The same operators give the
+same number: byte for byte from one run to the next. (torch.profiler's memory events measured this
+before; on torch 2.13 a rank that ran it died of heap corruption after it stopped, about one run in
+two of a 2-rank package, so it is not used.)
 
 The window is the first ``ranks + 1`` minibatches (or all of a shorter run): a synchronous schedule
 flushes after every minibatch (the second already holds the optimizer state the first step made) and
-pipedream's pipeline is full once every rank has had a minibatch, so a longer run peaks in it too;
-measuring every step would grow the profiler's event buffer without bound. The profiler costs those
-steps some CPU time (about 5-10% on resnet18 here); later steps run without it.
+pipedream's pipeline is full once every rank has had a minibatch, so a longer run peaks in it too.
+Every operator in the window pays a Python call; later steps run without it.
 """
 
 from __future__ import annotations
 
-import gc
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 __all__ = ["PeakMemory", "live_tensor_bytes", "memory_report", "stage_bytes"]
 
 
-def live_tensor_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the stage's parameters, buffers, gradients and optimizer state, each storage once."""
+def _stage_tensors(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The stage's parameters, buffers, gradients and optimizer state."""
     tensors = [*module.parameters(), *module.buffers()]
     tensors += [p.grad for p in module.parameters() if p.grad is not None]
     tensors += [
         t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)
     ]
+    return tensors
+
+
+def live_tensor_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the stage's parameters, buffers, gradients and optimizer state, each storage once."""
     seen: dict[int, int] = {}
-    for t in tensors:
+    for t in _stage_tensors(module, optimizer):
         storage = t.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
@@ -59,6 +67,46 @@ def stage_bytes(module: nn.Module) -> int:
     return sum(seen.values())
 
 
+class _LiveStorages(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's mode is untyped
+    """The running sum of the bytes of live tensor storages this mode has seen, and its highest value.
+
+    A storage joins when an operator outputs it (or through :meth:`add`) and leaves when torch frees it
+    (a weak reference's callback); views and in-place results share a storage already counted.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.level = 0
+        self.peak = 0
+        self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+
+    def add(self, tensors: Iterable[object]) -> None:
+        """Count the storages of ``tensors`` not counted yet; raise the peak if the sum is higher."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.is_meta:
+                self._add(t.untyped_storage())
+        self.peak = max(self.peak, self.level)
+
+    def _add(self, storage: torch.UntypedStorage) -> None:
+        key, nbytes = storage._cdata, storage.nbytes()
+        if key in self._refs or nbytes == 0:
+            return
+        self.level += nbytes
+        self._refs[key] = weakref.ref(storage, self._freed(key, nbytes))
+
+    def _freed(self, key: int, nbytes: int) -> Callable[[object], None]:
+        def freed(_: object) -> None:
+            if self._refs.pop(key, None) is not None:
+                self.level -= nbytes
+
+        return freed
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.add(tree_leaves(out))
+        return out
+
+
 @dataclass
 class PeakMemory:
     """Measures one rank's peak over its first ``window`` minibatches: :meth:`start`, then
@@ -67,10 +115,8 @@ class PeakMemory:
     Attributes:
         device: the rank's device.
         window: minibatches measured.
-        cpu: measure on a CPU (torch.profiler; ``pipeplan run --measure-memory``). On torch 2.13 a
-            rank that ran the profiler dies of a segmentation fault or an abort after it stops, in a
-            later backward or while collecting garbage (a 2-rank vgg16 package: 3 runs of 3; keeping
-            the profiler object alive does not help), so it is opt-in there.
+        cpu: measure on a CPU (``pipeplan run --measure-memory``): opt-in, as every operator in the
+            window pays a Python call.
         peak_bytes: the peak, None until measured.
         method: how it was measured (recorded in metrics.json).
     """
@@ -81,8 +127,7 @@ class PeakMemory:
     peak_bytes: int | None = None
     method: str = ""
     _seen: int = 0
-    _base: int = 0
-    _profiler: profile | None = field(default=None, repr=False)
+    _counter: _LiveStorages | None = field(default=None, repr=False)
 
     def start(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Open the window now, the stage's own tensors already in place."""
@@ -92,10 +137,10 @@ class PeakMemory:
             return
         if not self.cpu:
             return
-        self._base = live_tensor_bytes(module, optimizer)
-        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._profiler.start()
-        self.method = "torch.profiler CPU tensor allocations + stage tensors at start"
+        self._counter = _LiveStorages()
+        self._counter.add(_stage_tensors(module, optimizer))
+        self._counter.__enter__()  # type: ignore[no-untyped-call]
+        self.method = "live CPU tensor storages: stage tensors at start + every operator's outputs"
 
     @property
     def measured_minibatches(self) -> int:
@@ -115,26 +160,10 @@ class PeakMemory:
         if self.device.type == "cuda":
             self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
             return
-        assert self._profiler is not None
-        self._profiler.stop()
-        self.peak_bytes = self._base + _highest_sum(self._profiler)
-        self._profiler = None
-        # The profiler leaves Python objects that crash the garbage collector when it next scans them
-        # (torch 2.13: a rank died of SIGSEGV in a checkpoint write's first collection after the
-        # window, 2 runs of 3); frozen, the collector never scans what exists now (4 runs of 4 lived).
-        gc.freeze()
-
-
-def _highest_sum(prof: profile) -> int:
-    """The highest running sum of the window's allocations (+) and frees (-), in time order."""
-    results: Any = prof.profiler.kineto_results if prof.profiler is not None else None
-    events = results.events() if results is not None else []
-    changes = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-    level = peak = 0
-    for _, nbytes in changes:
-        level += nbytes
-        peak = max(peak, level)
-    return peak
+        assert self._counter is not None
+        self._counter.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        self.peak_bytes = self._counter.peak
+        self._counter = None
 
 
 def memory_report(

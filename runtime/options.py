@@ -62,8 +62,8 @@ class RunOptions:
         tensorboard: a folder for TensorBoard event files (one run per rank); None: none.
         peak_tflops: one device's peak dense TFLOP/s at the run's precision, for the model FLOP
             utilisation (MFU); None: known GPUs' spec-sheet figure, no MFU elsewhere.
-        measure_memory: on a CPU, measure each rank's peak tensor memory with torch.profiler
-            (:mod:`runtime.memory`; opt-in: with torch 2.13 it kills a rank of some runs).
+        measure_memory: on a CPU, measure each rank's peak tensor memory by counting the storages
+            its operators make (:mod:`runtime.memory`; opt-in: a Python call per operator).
         timeout: seconds any rank waits for another before the job fails.
         run_dir: where metrics.json and progress go (default: ``<package>/run``).
         nnodes: machines in the job.
