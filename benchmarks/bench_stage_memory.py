@@ -2,8 +2,9 @@
 on a Llama-shaped model of about a billion parameters (fp32: 4.4 GB of weights).
 
 For each command (``profile``, ``partition``, ``verify``, ``run --steps 2``) it runs the whole command
-as a user would and records the largest peak resident size (``ru_maxrss``) of any one process it ran:
-the command itself, its launcher or one rank. A process that held the whole model would be above the
+as a user would and records the largest peak resident size (``ru_maxrss``) of any one process it
+waited for (the command itself, its launcher; the ranks of ``run`` are not among them and report their
+own peak in metrics.json, shown per rank). A process that held the whole model would be above the
 model's weight bytes; a rank that holds its stage is near its stage's bytes plus what torch itself
 takes (about 0.4 GB of libraries on CPU, measured here as ``python -c "import torch, transformers"``).
 
@@ -123,7 +124,10 @@ def main() -> None:
             with done.open("a") as f:
                 f.write(json.dumps(rows[-1]) + "\n")
         metrics = json.loads((package / "run" / "metrics.json").read_text()) if package else {"ranks": []}
-    ranks = [{k: r.get(k) for k in ("rank", "stage_bytes", "build_growth_bytes")} for r in metrics["ranks"]]
+    ranks = [
+        {k: r.get(k) for k in ("rank", "stage_bytes", "build_growth_bytes", "resident_peak_bytes")}
+        for r in metrics["ranks"]
+    ]
     doc = {"config": {**CONFIG, "num_hidden_layers": args.layers}, "model_bytes": model, "gpus": args.gpus,
            "commands": rows, "ranks": ranks}  # fmt: skip
     write_text_atomic(RESULTS / f"{args.out}.json", json.dumps(doc, indent=1) + "\n")
@@ -137,8 +141,8 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{doc['config']['num_hidden_layers']}-block model, "
         f"{doc['model_bytes'] / gb:.2f} GB of fp32 weights, {doc['gpus']} stages",
         "",
-        "Largest peak resident size of any one process the command ran (the command, its launcher "
-        "or a rank); load is the 1-minute load average before it.",
+        "Largest peak resident size of any one process the command waited for (the command or its "
+        "launcher); load is the 1-minute load average before it.",
         "",
         "| command | peak RSS GB | / model | wall s | load |",
         "|---|---|---|---|---|",
@@ -149,11 +153,19 @@ def markdown(doc: dict[str, Any]) -> str:
             f"| {r['command']} | {peak / gb:.2f} | {peak / doc['model_bytes']:.2f} "
             f"| {r['wall_s']} | {r['loadavg_1min']} |"
         )
-    lines += ["", "| rank | stage GB | build raised its peak by GB |", "|---|---|---|"]
+    lines += [
+        "",
+        "The run row is the command and its launcher: ranks are not its waited-for children, so each",
+        "rank reports its own peak resident size (metrics.json) below.",
+        "",
+        "| rank | stage GB | build raised its peak by GB | rank's peak RSS GB |",
+        "|---|---|---|---|",
+    ]
     for r in doc["ranks"]:
-        grown = r["build_growth_bytes"]
+        grown, peak = r["build_growth_bytes"], r["resident_peak_bytes"]
         lines.append(
-            f"| {r['rank']} | {r['stage_bytes'] / gb:.2f} | {'-' if grown is None else f'{grown / gb:.2f}'} |"
+            f"| {r['rank']} | {r['stage_bytes'] / gb:.2f} | {'-' if grown is None else f'{grown / gb:.2f}'} "
+            f"| {'-' if peak is None else f'{peak / gb:.2f}'} |"
         )
     lines += ["", "The profile step is the profiler's: it holds the model whole.", ""]
     return "\n".join(lines)

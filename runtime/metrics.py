@@ -94,6 +94,9 @@ class RankMetrics:
         build_growth_bytes: how far building its stage raised the process's resident size at its
             highest (the stage's tensors and what building them needed for a while); None where the
             system cannot tell (Linux can).
+        resident_peak_bytes: the process's highest resident size (RSS) from its stage build to the
+            end of training: imports, its stage, activations and optimizer state, as the system
+            counts them.
     """
 
     rank: int
@@ -117,6 +120,7 @@ class RankMetrics:
     hosted: tuple[int, ...] = ()
     stage_bytes: int = 0
     build_growth_bytes: int | None = None
+    resident_peak_bytes: int | None = None
 
     @property
     def idle_s(self) -> float:

@@ -441,6 +441,7 @@ def _finish(options: RunOptions, hosted: tuple[StageRuntime, ...], clock: _Clock
         hosted=tuple(each.cfg.stage for each in hosted) if len(hosted) > 1 else (),
         stage_bytes=sum(size for size, _ in clock.built),
         build_growth_bytes=max((g for _, g in clock.built if g is not None), default=None),
+        resident_peak_bytes=peak_resident_bytes(),
     )
     gathered: list[Any] = [None] * rt.cfg.job.world_size
     dist.gather_object(
