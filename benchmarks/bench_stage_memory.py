@@ -167,7 +167,15 @@ def markdown(doc: dict[str, Any]) -> str:
             f"| {r['rank']} | {r['stage_bytes'] / gb:.2f} | {'-' if grown is None else f'{grown / gb:.2f}'} "
             f"| {'-' if peak is None else f'{peak / gb:.2f}'} |"
         )
-    lines += ["", "The profile step is the profiler's: it holds the model whole.", ""]
+    lines += [
+        "",
+        "A rank's build raises its peak by its stage. Training adds the stage's gradients and, under the",
+        "plan's default pipedream schedule, the weight versions it stashes for microbatches in flight",
+        "(up to stages - rank of them): the first rank's peak is its stage several times over, a",
+        "property of that schedule (1f1b/gpipe keep one version).",
+        "The profile step is the profiler's: it holds the model whole.",
+        "",
+    ]
     return "\n".join(lines)
 
 
