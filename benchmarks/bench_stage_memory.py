@@ -171,8 +171,7 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         "A rank's build raises its peak by its stage. Training adds the stage's gradients and, under the",
         "plan's default pipedream schedule, the weight versions it stashes for microbatches in flight",
-        "(up to stages - rank of them): the first rank's peak is its stage several times over, a",
-        "property of that schedule (1f1b/gpipe keep one version).",
+        "(up to stages - rank of them); this measurement does not separate the two (a 1f1b run would).",
         "The profile step is the profiler's: it holds the model whole.",
         "",
     ]
