@@ -769,7 +769,8 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
     "--weights",
     type=click.Path(path_type=str, dir_okay=False),
     default=None,
-    help="A torch.save(model.state_dict()) file the generated stages load their tensors from.",
+    help="Weights the stages start from: a torch.save(state_dict) file, a .safetensors file or a "
+    "save_pretrained folder (each rank reads only its stage's tensors).",
 )
 @click.option(
     "--init",
@@ -777,8 +778,8 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
     default="auto",
     show_default=True,
     help="Stage initialisation without --weights: exact (as the whole model under the seed; each rank "
-    "builds it on the CPU once), seeded (per-module seeds; a rank builds only its stage), auto (exact "
-    "up to 2 GiB of parameters).",
+    "draws the model's random numbers once, holding only its stage), seeded (per-module seeds; a rank "
+    "draws only its stage), auto (exact up to 2 GiB of parameters).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print only plan.json on stdout.")
 @click.option("-o", "--output", default="models", show_default=True, help="Output root: OUT/<model>/gpus=N/.")
@@ -1008,9 +1009,10 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
     """Check a generated package against the original model: outputs, loss and every gradient.
 
     \b
-    Builds full_model(seed) and every stage(k, seed), runs one minibatch through both in this
-    process and compares them (float32, |a-b| <= 1e-5 + 1e-4*|b|); without --batch-size it checks
-    the microbatch size each rank will run too. Exit code 0: they match;
+    Stage by stage, as a rank builds it, against the same layers of the original model (its
+    weights made one at a time), so the check holds one stage, never the model: outputs, loss,
+    initial tensors and every gradient (float32, |a-b| <= 1e-5 + 1e-4*|b|); without --batch-size it
+    checks the microbatch size each rank will run too. Exit code 0: they match;
     1: they differ; 2: the folder is not a valid package. PACKAGE defaults to the newest under ./models.
     """
     from pathlib import Path
@@ -1018,9 +1020,11 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
     import torch
 
     from partitioner.verify import newest_package, run_batch_sizes, verify_package
+    from runtime.heap import map_large_blocks
 
     folder = Path(package) if package is not None else newest_package(Path(models_dir))
     torch.set_num_threads(min(torch.get_num_threads(), 4))
+    map_large_blocks()  # weights are made and dropped one by one: give their memory back each time
     sizes = (batch_size,) if batch_size else run_batch_sizes(folder)
     reports = [verify_package(folder, seed=seed, batch_size=b) for b in sizes]
     for split in reports[:-1]:
@@ -1224,6 +1228,9 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
               help="Forwards under autocast to bf16 or fp16 (float32 weights and optimizer state); fp16 "
               "adds dynamic loss scaling and needs a synchronous schedule  [plan.json's]")  # fmt: skip
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights and data seed.")
+@click.option("--weights", type=click.Path(exists=True, path_type=str), default=None,
+              help="Start from these weights (a save_pretrained folder, .safetensors or state_dict file); "
+              "each rank reads only its stage's tensors  [default: the package's]")  # fmt: skip
 @click.option("--shuffle", is_flag=True, help="Shuffle a user dataset every epoch.")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False),
               help="Where step-N/ checkpoints go (torch.distributed.checkpoint, keyed by the model's "

@@ -51,7 +51,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-EXACT_INIT_MAX_BYTES = 2 * 2**30  # larger models initialise per module, so no rank builds all of it
+EXACT_INIT_MAX_BYTES = 2 * 2**30  # larger models initialise per module: no rank draws all of their weights
 
 
 def write_package(
@@ -65,10 +65,12 @@ def write_package(
         profile: the profile the plan was made from (model spec and tracer options).
         plan: the stages; their nodes are profile node ids.
         out_dir: the package folder (``models/<model>/gpus=N``).
-        weights: a ``torch.save(model.state_dict())`` file the stages load their tensors from.
+        weights: a ``torch.save(model.state_dict())`` file, a ``.safetensors`` file or a
+            ``save_pretrained`` folder the stages read their tensors from (each only its own).
         init: ``exact`` (stages start as ``torch.manual_seed(seed); factory()`` would; each rank
-            builds the whole model on the CPU once), ``seeded`` (per-module seeds; a rank builds
-            only its stage) or ``auto`` (exact up to 2 GiB of parameters, else seeded).
+            runs the factory's random draws once, holding only its stage), ``seeded`` (per-module
+            seeds; a rank draws only its stage) or ``auto`` (exact up to 2 GiB of parameters,
+            else seeded).
 
     Raises:
         PackageError: the weights file lacks tensors, or the loss cannot be expressed by the package.
@@ -84,7 +86,10 @@ def write_package(
     options = dict(profile.tracer_options) or {"spec": profile.model, "batch_size": profile.batch_size or 1}
     shape = tuple(options["input_shape"]) if options.get("input_shape") else None
     batch = _trace_batch(options, plan)
-    bundle = load_model(str(options.get("spec", profile.model)), batch, shape)
+    # fx traces structure and shapes only: its model is built on meta, without drawing its weights
+    # (seconds for a large model). torch.export's graph can depend on buffer values: a real build.
+    device = "meta" if profile.tracer == "fx" else "cpu"
+    bundle = load_model(str(options.get("spec", profile.model)), batch, shape, device=device)
     dynamic = not options.get("static_shapes")  # a graph traced with static shapes is traced so again
     traced = trace_model(bundle, tuple(options.get("leaf_modules", ())), shape, dynamic=dynamic)
     if traced.tracer != profile.tracer:
@@ -346,15 +351,20 @@ def _absolute(where: str) -> str:
 
 
 def _check_weights(weights: str, model: nn.Module) -> None:
+    """Every parameter must be in the weights (a tied one under any of its names)."""
+    from runtime.weights import missing
+
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
     try:
-        state = torch.load(weights, map_location="cpu", mmap=True, weights_only=True)
+        gaps = missing(weights, aliases.values())
     except Exception as exc:
         raise PackageError(f"cannot read weights {weights}: {type(exc).__name__}: {exc}") from exc
-    state = state.get("state_dict", state) if isinstance(state, dict) else state
-    missing = [n for n, _ in model.named_parameters() if n not in state]
-    if missing:
+    if gaps:
         raise PackageError(
-            f"weights {weights} lack {len(missing)} parameters, e.g. {missing[0]}; save model.state_dict()"
+            f"weights {weights} lack {len(gaps)} parameters, e.g. {gaps[0]}; save model.state_dict() "
+            "(or save_pretrained)"
         )
 
 
@@ -370,8 +380,8 @@ def _extra(
     reshaped: bool,
 ) -> dict[str, Any]:
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    with torch.no_grad():
-        classes = int(stagekit.loss_input(fx.Interpreter(gm).run(*bundle.inputs)).shape[-1])  # output classes
+    logits = stagekit.loss_input(_output(gm, bundle.inputs))  # from an empty batch: shapes only
+    classes = int(logits.shape[-1]) if logits.dim() > 1 else len(bundle.inputs[0])  # output classes
     inputs, targets = _data_specs(bundle, placeholders, classes)
     return {
         "inputs": inputs,
@@ -386,6 +396,18 @@ def _extra(
         "stage_outputs": [[names[n] for n in s.out_names] for s in stages],
         "tensor_names": {pipedream: name for name, pipedream in names.items()},
     }
+
+
+def _output(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> Any:
+    """The model's output for ``inputs`` (its shape is what is read): from a dry run, else a real one."""
+    from partitioner.dry_run import NeedsValues, dry_run
+
+    try:
+        return dry_run(gm, inputs)[0]
+    except NeedsValues as exc:
+        log.info("%s; running the model for real", exc)
+        with torch.no_grad():
+            return fx.Interpreter(gm).run(*inputs)
 
 
 def _static(gm: fx.GraphModule) -> bool:

@@ -150,7 +150,11 @@ def model_name(spec: str) -> str:
 
 
 def load_model(
-    spec: str, batch_size: int = 1, input_shape: tuple[int, ...] | None = None, lazy: bool = False
+    spec: str,
+    batch_size: int = 1,
+    input_shape: tuple[int, ...] | None = None,
+    lazy: bool = False,
+    device: str = "cpu",
 ) -> ModelBundle:
     """Resolve a spec into a bundle of module, example inputs, targets and loss.
 
@@ -161,6 +165,8 @@ def load_model(
         lazy: build the module without its weights (:func:`runtime.lazy.weightless`): every tensor
             on the meta device, the buffers' real values in ``bundle.buffers``. Costs what the
             buffers cost, whatever the model's size.
+        device: where the module is built; ``meta`` for callers that need its structure and shapes,
+            not its values (no time spent drawing weights). User factories are always built on CPU.
 
     Raises:
         ModelSpecError: unknown name, missing file or factory, a factory that raised, bad shapes.
@@ -170,12 +176,13 @@ def load_model(
     if input_shape is not None and (not input_shape or any(d <= 0 for d in input_shape)):
         raise ModelSpecError(f"input shape must be positive integers such as 3,224,224, got {input_shape}")
     if spec in ZOO:
-        return _zoo_bundle(spec, ZOO[spec], batch_size, input_shape, lazy)
+        return _zoo_bundle(spec, ZOO[spec], batch_size, input_shape, lazy, device)
     if spec.startswith("hf:"):
         factory, names, data = hf_bundle_parts(spec, input_shape)
-        return _data_bundle(spec, factory, batch_size, data, names, lazy)
+        return _data_bundle(spec, factory, batch_size, data, names, lazy, device)
     if spec.startswith("torchvision:"):
-        return _zoo_bundle(spec, _torchvision_entry(spec.partition(":")[2]), batch_size, input_shape, lazy)
+        entry = _torchvision_entry(spec.partition(":")[2])
+        return _zoo_bundle(spec, entry, batch_size, input_shape, lazy, device)
     if ":" in spec:
         return _user_bundle(spec, batch_size, input_shape, lazy)
     close = difflib.get_close_matches(spec, ZOO, n=3)
@@ -231,7 +238,12 @@ def _generator() -> torch.Generator:
 
 
 def _zoo_bundle(
-    spec: str, entry: ZooEntry, batch_size: int, input_shape: tuple[int, ...] | None, lazy: bool = False
+    spec: str,
+    entry: ZooEntry,
+    batch_size: int,
+    input_shape: tuple[int, ...] | None,
+    lazy: bool = False,
+    device: str = "cpu",
 ) -> ModelBundle:
     shape = tuple(input_shape) if input_shape else entry.input_shape
     if entry.tokens and len(shape) != 1:
@@ -243,7 +255,7 @@ def _zoo_bundle(
     else:
         inputs = [{"name": "x", "shape": [1, *shape], "dtype": "float32"}]
         target = {"name": "target", "shape": [1], "dtype": "int64", "kind": "classes", "high": entry.classes}
-    return _data_bundle(spec, entry.factory, batch_size, (inputs, target), lazy=lazy)
+    return _data_bundle(spec, entry.factory, batch_size, (inputs, target), lazy=lazy, device=device)
 
 
 def _data_bundle(
@@ -253,6 +265,7 @@ def _data_bundle(
     data: tuple[list[dict[str, Any]], dict[str, Any]],
     names: tuple[str, ...] = (),
     lazy: bool = False,
+    device: str = "cpu",
 ) -> ModelBundle:
     """A bundle whose inputs and targets are drawn from specs, as a generated package draws them
     (``lazy``: the module without its weights, as :func:`load_model`)."""
@@ -267,8 +280,9 @@ def _data_bundle(
         return synthetic_example(inputs, target, b)[1]
 
     bundle = _bundle(
-        spec, factory, batch_size, make_inputs, make_targets, default_loss, input_names=names, lazy=lazy
-    )
+        spec, factory, batch_size, make_inputs, make_targets, default_loss, input_names=names, lazy=lazy,
+        device=device,
+    )  # fmt: skip
     return replace(bundle, data=data)
 
 
@@ -301,9 +315,10 @@ def _bundle(
     input_names: tuple[str, ...] = (),
     lazy: bool = False,
     buffers: Mapping[str, Tensor] | None = None,
+    device: str = "cpu",
 ) -> ModelBundle:
     if module is None:
-        module = _build(factory, 0, "cpu", lazy)
+        module = _build(factory, 0, device, lazy)
         buffers = split_buffers(module) if lazy else None
     return ModelBundle(
         input_names=input_names,

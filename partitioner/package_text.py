@@ -113,9 +113,11 @@ def stage_text(profile: Profile, plan: Plan, stage: StageGraph, num_stages: int)
         f"TENSORS = {_tuple(stage.tensors)}\n\n\n"
         f"class Stage{k}(torch.nn.Module):\n"
         f'    """{textwrap.indent(doc, "    ").lstrip()}{chr(10) + "    " if chr(10) in doc else ""}"""\n\n'
-        '    def __init__(self, seed: int = 0, device: str | torch.device = "cpu") -> None:\n'
+        "    def __init__(\n"
+        '        self, seed: int = 0, device: str | torch.device = "cpu", weights: str | None = None\n'
+        "    ) -> None:\n"
         "        super().__init__()\n"
-        "        _source.populate(self, MODULES, TENSORS, seed, device)\n\n"
+        "        _source.populate(self, MODULES, TENSORS, seed, device, weights)\n\n"
         f"{forward}\n"
     )
 
@@ -173,9 +175,11 @@ def source_text(
         "    tensors: tuple[str, ...],\n"
         "    seed: int,\n"
         "    device: Any,\n"
+        "    weights: str | None = None,\n"
         ") -> None:\n"
-        '    """Give a stage its submodules and tensors, initialised as in full_model(seed)."""\n'
-        "    _stagekit.populate(stage, factory(), modules, tensors, seed, device, WEIGHTS, INIT)\n"
+        '    """Give a stage its submodules and tensors, initialised as in full_model(seed), or read from\n'
+        '    ``weights`` (a state_dict file or a safetensors file or folder) instead of WEIGHTS."""\n'
+        "    _stagekit.populate(stage, factory(), modules, tensors, seed, device, weights or WEIGHTS, INIT)\n"
     )
 
 
@@ -196,8 +200,8 @@ def _absolute(where: str) -> str:
 
 
 _INIT_TEXT = {
-    "exact": "built exactly as torch.manual_seed(seed); factory() builds them (each rank builds the whole "
-    "model on the CPU once, then keeps only its stage)",
+    "exact": "built exactly as torch.manual_seed(seed); factory() builds them (a rank records the "
+    "factory's build without its large tensors, then replays only its stage's: see _stagekit.py)",
     "seeded": "initialised per module under a seed derived from (seed, module path), so stage(k, seed) "
     "materialises only stage k: see _stagekit.py",
 }
@@ -243,9 +247,11 @@ def init_text(
         "def arch() -> str:\n"
         '    """The model spec the stages were generated from."""\n'
         "    return _source.SPEC\n\n\n"
-        'def stage(k: int, seed: int = 0, device: str | torch.device = "cpu") -> torch.nn.Module:\n'
-        '    """Build only stage k, its parameters exactly as in full_model(seed)."""\n'
-        "    return STAGES[k](seed, device)  # type: ignore[no-any-return]\n\n\n"
+        "def stage(\n"
+        '    k: int, seed: int = 0, device: str | torch.device = "cpu", weights: str | None = None\n'
+        ") -> torch.nn.Module:\n"
+        '    """Build only stage k, its parameters exactly as in full_model(seed, weights=weights)."""\n'
+        "    return STAGES[k](seed, device, weights)  # type: ignore[no-any-return]\n\n\n"
         "def model(\n"
         "    criterion: torch.nn.Module, seed: int = 0\n"
         ") -> list[tuple[torch.nn.Module, list[str], list[str]]]:\n"
@@ -254,10 +260,12 @@ def init_text(
         f"{entries}"
         f'        (criterion, {_names(stages[-1].out_names, names)}, ["loss"]),\n'
         "    ]\n\n\n"
-        'def full_model(seed: int = 0, device: str | torch.device = "cpu") -> torch.nn.Module:\n'
+        "def full_model(\n"
+        '    seed: int = 0, device: str | torch.device = "cpu", weights: str | None = None\n'
+        ") -> torch.nn.Module:\n"
         '    """The original, unsplit model with the same initial parameters as the stages."""\n'
-        "    factory = _source.factory()\n"
-        "    return _stagekit.full_model(factory, seed, device, _source.WEIGHTS, _source.INIT)\n\n\n"
+        "    factory, weights = _source.factory(), weights or _source.WEIGHTS\n"
+        "    return _stagekit.full_model(factory, seed, device, weights, _source.INIT)\n\n\n"
         "def criterion() -> torch.nn.Module:\n"
         '    """The loss: forward(output, target) -> mean loss over the samples."""\n'
         "    return _stagekit.criterion(_source.LOSS)\n\n\n"

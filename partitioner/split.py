@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import builtins
 import keyword
+import logging
 import operator
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -24,6 +25,8 @@ from partitioner.errors import PlanError
 from partitioner.model_output import OutputStructure, output_structure, rebuild
 
 __all__ = ["CONSTANT_MAX_ELEMENTS", "StageGraph", "constant_node", "split_graph", "tensor_kinds"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,11 +51,32 @@ class StageGraph:
 
 
 def tensor_kinds(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> tuple[dict[str, bool], str]:
-    """Run the graph once: which nodes produce tensors, and which node produces the loss's input.
+    """Run the graph once without computing (:func:`partitioner.dry_run.dry_run`; for real where it
+    needs values): which nodes produce tensors, and which node produces the loss's input.
 
     Returns:
         (node name -> produces a tensor, name of the node whose tensor the loss reads).
     """
+    from partitioner.dry_run import NeedsValues, dry_run
+    from partitioner.stagekit import loss_input
+
+    try:
+        output, values = dry_run(gm, inputs)
+    except NeedsValues as exc:
+        log.info("%s; running the model for real", exc)
+        return _tensor_kinds_for_real(gm, inputs)
+    kinds = {name: isinstance(value, torch.Tensor) for name, value in values.items()}
+    ids = {id(value): name for name, value in values.items() if isinstance(value, torch.Tensor)}
+    target = loss_input(output)
+    if id(target) not in ids:
+        raise PlanError("the model's output tensor is not produced by any traced node")
+    return kinds, ids[id(target)]
+
+
+def _tensor_kinds_for_real(
+    gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]
+) -> tuple[dict[str, bool], str]:
+    """:func:`tensor_kinds` by running the graph on ``inputs``, for graphs that need values."""
     from partitioner.stagekit import loss_input
 
     kinds: dict[str, bool] = {}

@@ -1,24 +1,28 @@
-"""Build one pipeline stage's parameters, identical to the full model's, without building the full model.
+"""Build one pipeline stage's tensors, identical to the full model's, without building the full model.
 
 This file is copied verbatim into every generated package (as ``_stagekit.py``), so it imports only
-torch and the standard library: a cluster node needs torch, pipeplan's runtime and the user's model
+torch, the standard library and pipeplan's ``runtime``: a cluster node needs those and the user's model
 code, never ``partitioner`` (a built-in model's source travels in the package as ``_model.py``).
 
-The initialisation scheme ("seeded per module"):
+A stage's initial tensors come from one of three sources (:class:`Original`); a rank materialises
+its own stage's tensors and no others:
 
-1. The architecture is built with its parameters on the meta device (no memory, no init compute).
-   Buffers stay real: they are small and often computed in ``__init__`` (masks, rotary tables).
-   Parameters of modules that cannot re-initialise themselves (no ``reset_parameters()``, not a
-   Hugging Face module) also stay real with the value their constructor gives them in this build
-   (under ``torch.manual_seed(seed)``: deterministic for a seed, built for every stage; keep them small).
-2. Each module that owns parameters is materialised on its own and re-initialised by its
-   ``reset_parameters()`` (and the Hugging Face root's ``_init_weights``) under a seed derived from
-   ``(seed, module path)``, on the CPU generator, then moved to the device.
+- ``exact``: as ``torch.manual_seed(seed); factory()`` makes them. The factory runs once with its
+  large tensors deferred (:mod:`runtime.deferred_init`: no storage, what is done to them recorded,
+  the random generator advanced as a real build advances it); the stage's tensors are then replayed.
+  Memory: the stage, the model's small tensors and one scratch tensor; time: the model's random
+  draws once, then the stage's.
+- ``seeded`` (per module): the architecture is built with its parameters on the meta device (buffers,
+  and the parameters of modules that cannot re-initialise themselves, stay real with their
+  constructor's values under ``torch.manual_seed(seed)``: keep those small); each module owning
+  parameters is materialised alone and re-initialised by its ``reset_parameters()`` (and the Hugging
+  Face root's ``_init_weights``) under a seed derived from ``(seed, module path)``. A tensor then
+  depends only on (seed, its module's path), so no rank draws the rest of the model.
+- a checkpoint (``weights``): a ``torch.save(model.state_dict())`` file (memory-mapped), a
+  ``.safetensors`` file or a ``save_pretrained`` folder (sharded, ``model.safetensors.index.json``):
+  only the stage's tensors are read (:mod:`runtime.weights`).
 
-So a tensor's initial value depends only on (seed, path of its owning module), never on which other
-modules were built: ``full_model(seed)`` and every ``stage(k, seed)`` agree exactly, and a stage costs
-only its own memory. With a checkpoint (``weights``) the tensors are read from it instead, memory-mapped,
-so again only the stage's tensors are touched.
+``full_model(seed)`` and every ``stage(k, seed)`` agree exactly, whatever the source.
 """
 
 from __future__ import annotations
@@ -35,7 +39,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from runtime.deferred_init import Deferred, build_deferred
+from runtime.weights import read_tensors
+
 __all__ = [
+    "Original",
     "build_meta",
     "criterion",
     "derive_seed",
@@ -149,7 +157,8 @@ def _tensor_slots(root: nn.Module) -> dict[str, tuple[nn.Module, str]]:
     for path, module in root.named_modules(remove_duplicate=False):
         prefix = f"{path}." if path else ""
         for name in list(module._parameters) + list(module._buffers):
-            slots.setdefault(prefix + name, (module, name))
+            if _store(module, name)[name] is not None:
+                slots.setdefault(prefix + name, (module, name))
     return slots
 
 
@@ -165,66 +174,143 @@ def _canonical_names(root: nn.Module) -> dict[str, str]:
     return canonical
 
 
-def _materialise_module(module: nn.Module, path: str, seed: int, root: nn.Module) -> None:
-    """Give the module's own meta tensors CPU storage and re-initialise them under (seed, path)."""
-    fresh = False
+def _store(module: nn.Module, attr: str) -> dict[str, Any]:
+    """The dict that holds a module's parameter or buffer ``attr`` (assigning there keeps ties exact)."""
+    return module._parameters if attr in module._parameters else module._buffers
+
+
+def _initialised(module: nn.Module, path: str, seed: int, root: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's own tensors re-initialised under (seed, path) on the CPU; the module keeps its meta
+    tensors (they are put back), so asking again costs the init again but holds nothing."""
     stores: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+    kept = [dict(store) for store in stores]
     for store in stores:
         for name, tensor in store.items():
             if tensor is not None and tensor.device.type == "meta":
                 real = torch.zeros(tensor.shape, dtype=tensor.dtype)
                 is_param = isinstance(tensor, nn.Parameter)
                 store[name] = nn.Parameter(real, tensor.requires_grad) if is_param else real
-                fresh = True
-    if not fresh:
-        return
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(derive_seed(seed, path))
-        reset = getattr(module, "reset_parameters", None)
-        if callable(reset):
-            reset()
-        if _is_hf(root) and type(module).__module__.startswith(("transformers.", "torch.nn.")):
-            root._init_weights(module)  # type: ignore[operator]
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(derive_seed(seed, path))
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+            if _is_hf(root) and type(module).__module__.startswith(("transformers.", "torch.nn.")):
+                root._init_weights(module)  # type: ignore[operator]
+        return {name: t.detach() for store in stores for name, t in store.items() if t is not None}
+    finally:
+        for store, old in zip(stores, kept, strict=True):
+            store.clear()
+            store.update(old)
 
 
-def _load_weights(weights: str, names: Iterable[str]) -> dict[str, torch.Tensor]:
-    """The named tensors of a full-model state_dict checkpoint, memory-mapped (only these are read)."""
-    state = torch.load(weights, map_location="cpu", mmap=True, weights_only=True)
-    state = state.get("state_dict", state) if isinstance(state, dict) else state
-    missing = [n for n in names if n not in state]
-    if missing:
-        raise KeyError(f"checkpoint {weights} lacks {missing[:3]}")
-    return {n: state[n] for n in names}
+class Original:
+    """The unsplit model built without its tensors, and any of its tensors' initial values by name.
 
+    Example:
+        >>> original = Original(factory, seed=0, init="exact")  # doctest: +SKIP
+        >>> original.materialise(original.stage_names(["features.3"], []), "cuda")  # doctest: +SKIP
 
-def _materialise(
-    root: nn.Module, names: Iterable[str], seed: int, device: str | torch.device, weights: str | None
-) -> None:
-    """Make the named tensors of ``root`` real (initialised, on ``device``), ties re-linked."""
-    slots = _tensor_slots(root)
-    canonical = _canonical_names(root)
-    position = {name: i for i, name in enumerate(canonical)}
-    wanted = sorted({canonical[n] for n in names}, key=position.__getitem__)
-    loaded = _load_weights(weights, wanted) if weights else {}
-    owners = {name.rpartition(".")[0] for name in wanted}
-    for path, module in root.named_modules():
-        if path in owners and not loaded:
-            _materialise_module(module, path, seed, root)
-    for name in wanted:
-        module, attr = slots[name]
-        store = _store(module, attr)
-        tensor = (loaded[name].clone() if name in loaded else store[attr]).to(device)
-        is_param = attr in module._parameters
-        store[attr] = nn.Parameter(tensor, store[attr].requires_grad) if is_param else tensor
-    for name in names:
-        module, attr = slots[name]
-        source_module, source_attr = slots[canonical[name]]
-        _store(module, attr)[attr] = _store(source_module, source_attr)[source_attr]
+    Attributes:
+        root: the model: tensors not yet materialised are on the meta device (seeded, checkpoint) or
+            deferred (exact); small ones hold their values.
+    """
 
+    def __init__(
+        self,
+        factory: Callable[[], nn.Module],
+        seed: int = 0,
+        weights: str | None = None,
+        init: str = "seeded",
+    ) -> None:
+        folder = getattr(factory, "pretrained", None)  # an hf: checkpoint folder: read as weights
+        if folder and not weights:
+            factory, weights = factory.from_config, folder  # type: ignore[attr-defined]
+        self.seed, self.weights = seed, weights
+        self.deferred: Deferred | None = None
+        if init == "exact" and not weights:
+            self.deferred = build_deferred(lambda: _unwrap(factory()), seed)
+            self.root = self.deferred.module
+        else:
+            self.root = build_meta(factory, seed)
+        self.slots = _tensor_slots(self.root)
+        self.canonical = _canonical_names(self.root)
+        self.parameters = {n for n, _ in self.root.named_parameters(remove_duplicate=False)}
 
-def _store(module: nn.Module, attr: str) -> dict[str, Any]:
-    """The dict that holds a module's parameter or buffer ``attr`` (assigning there keeps ties exact)."""
-    return module._parameters if attr in module._parameters else module._buffers
+    def stage_names(self, modules: Iterable[str], tensors: Iterable[str]) -> list[str]:
+        """Every tensor name of the submodules ``modules`` plus the single ``tensors`` (aliases kept)."""
+        modules = list(modules)
+        names = [
+            f"{m}.{n}"
+            for m in modules
+            for n, _ in [
+                *self.root.get_submodule(m).named_parameters(remove_duplicate=False),
+                *self.root.get_submodule(m).named_buffers(remove_duplicate=False),
+            ]
+        ]
+        inside = tuple(f"{m}." for m in modules)
+        return names + [t for t in tensors if not t.startswith(inside)]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` in ``root`` as it is now (meta, deferred or real)."""
+        module, attr = self.slots[name]
+        return _store(module, attr)[attr]  # type: ignore[no-any-return]
+
+    def values(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Initial values on the CPU of the named tensors, by canonical name; ``root`` is unchanged."""
+        order = {name: i for i, name in enumerate(self.canonical)}
+        wanted = sorted({self.canonical[n] for n in names}, key=order.__getitem__)
+        if self.weights:
+            return self._read(wanted)
+        if self.deferred is not None:
+            replayed = self.deferred.materialise([self.tensor(n) for n in wanted])
+            return dict(zip(wanted, replayed, strict=True))
+        found = {n: self.tensor(n) for n in wanted if self.tensor(n).device.type != "meta"}
+        owners: dict[str, list[str]] = {}
+        for name in wanted:
+            if name not in found:
+                owners.setdefault(name.rpartition(".")[0], []).append(name)
+        for path, inside in owners.items():
+            made = _initialised(self.root.get_submodule(path), path, self.seed, self.root)
+            found.update({name: made[name.rpartition(".")[2]] for name in inside})
+        return {name: found[name] for name in wanted}
+
+    def _read(self, wanted: Sequence[str]) -> dict[str, torch.Tensor]:
+        """From the checkpoint, under any name of each tensor; buffers it lacks keep their built value."""
+        assert self.weights is not None
+        aliases: dict[str, list[str]] = {}
+        for name, canonical in self.canonical.items():
+            aliases.setdefault(canonical, []).append(name)
+        found = read_tensors(self.weights, [a for n in wanted for a in aliases[n]])
+        values: dict[str, torch.Tensor] = {}
+        for name in wanted:
+            like = self.tensor(name)
+            hit = next((found[a] for a in aliases[name] if a in found), None)
+            if hit is None and name not in self.parameters and like.device.type != "meta":
+                values[name] = like  # a buffer the checkpoint does not keep (non-persistent)
+                continue
+            if hit is None:
+                raise KeyError(f"the weights {self.weights} lack {name}; save the model's state_dict()")
+            if hit.shape != like.shape:
+                raise ValueError(
+                    f"{name} is {tuple(hit.shape)} in {self.weights}, {tuple(like.shape)} in the model"
+                )
+            values[name] = hit.to(like.dtype)  # a private mapping of the file: pages are read when touched
+        return values
+
+    def materialise(self, names: Iterable[str], device: str | torch.device = "cpu") -> None:
+        """Give ``root`` the named tensors' initial values on ``device``; tied names stay one tensor."""
+        names = list(names)
+        for name, value in self.values(names).items():
+            module, attr = self.slots[name]
+            store, old = _store(module, attr), self.tensor(name)
+            tensor = value.to(device)
+            store[attr] = nn.Parameter(tensor, old.requires_grad) if attr in module._parameters else tensor
+        for name in names:
+            module, attr = self.slots[name]
+            source_module, source_attr = self.slots[self.canonical[name]]
+            _store(module, attr)[attr] = _store(source_module, source_attr)[source_attr]
 
 
 def full_model(
@@ -237,11 +323,9 @@ def full_model(
     """The whole model, every tensor initialised exactly as the stages initialise theirs."""
     if init == "exact" and not weights:
         return exact_model(factory, seed).to(device)
-    root = build_meta(factory, seed)
-    names = [n for n, _ in root.named_parameters(remove_duplicate=False)]
-    names += [n for n, _ in root.named_buffers(remove_duplicate=False)]
-    _materialise(root, names, seed, device, weights)
-    return root
+    original = Original(factory, seed, weights, init)
+    original.materialise(list(original.slots), device)
+    return original.root
 
 
 def _attach(target: nn.Module, path: str, value: nn.Module | torch.Tensor) -> None:
@@ -275,30 +359,17 @@ def populate(
     """Fill an empty stage module with the original model's ``modules`` and single ``tensors``.
 
     Attribute paths inside the stage are the original module paths (``features.3``,
-    ``transformer.h.0.attn``), so state_dict keys match the full model's. ``init="exact"`` builds the
-    whole model as ``torch.manual_seed(seed); factory()`` does and keeps the stage's part (CPU memory
-    for the whole model, briefly); ``"seeded"`` and checkpoints touch only the stage's tensors.
+    ``transformer.h.0.attn``), so state_dict keys match the full model's. Only the stage's tensors are
+    materialised (see the module docstring); on the meta device (or under ``torch.device("meta")``)
+    none are: the stage is wiring only.
     """
     modules, tensors = list(modules), list(tensors)
-    wiring_only = torch.device(device).type == "meta" or torch.empty(()).device.type == "meta"
-    exact = init == "exact" and not weights
-    if exact or wiring_only:
-        root = exact_model(factory, seed) if exact else build_meta(factory, seed)
-        _attach_all(stage, root, modules, tensors)
-        if not wiring_only:
-            stage.to(device)
+    if torch.device(device).type == "meta" or torch.empty(()).device.type == "meta":
+        _attach_all(stage, build_meta(factory, seed), modules, tensors)
         return
-    root = build_meta(factory, seed)
-    names = [
-        f"{m}.{n}" for m in modules for n, _ in root.get_submodule(m).named_parameters(remove_duplicate=False)
-    ]
-    names += [
-        f"{m}.{n}" for m in modules for n, _ in root.get_submodule(m).named_buffers(remove_duplicate=False)
-    ]
-    inside = tuple(f"{m}." for m in modules)
-    loose = [t for t in tensors if not t.startswith(inside)]
-    _materialise(root, names + loose, seed, device, weights)
-    _attach_all(stage, root, modules, loose)
+    original = Original(factory, seed, weights, init)
+    original.materialise(original.stage_names(modules, tensors), device)
+    _attach_all(stage, original.root, modules, tensors)
 
 
 def _attach_all(stage: nn.Module, root: nn.Module, modules: Sequence[str], tensors: Sequence[str]) -> None:

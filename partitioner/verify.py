@@ -1,10 +1,21 @@
 """Check a generated package against its own unsplit model before spending cluster time on it.
 
-One process, one minibatch: build ``full_model(seed)`` and every ``stage(k, seed)``, check the initial
-parameters are equal, push the batch through the original model and through the stage chain (wired by
-the names ``model(criterion)`` declares), and compare the output, the loss and every parameter gradient.
+One minibatch, one stage at a time, so the check needs the memory of a stage and never of the model
+(a 70B model is verified where it could never be built):
+
+1. the chain forward: each ``stage(k, seed)`` is built, run on what the earlier stages returned (as
+   fresh autograd leaves, as a rank receives them) and dropped; only the tensors between stages stay;
+2. for each stage from the last: it is built again, its tensors compared with the same tensors of the
+   original model (``_stagekit.Original``, made one at a time), its forward run again from the kept
+   inputs (the same random state: dropout agrees) and its backward from the gradients the later
+   stages sent; then the original model's own ``forward`` runs once more with this stage's parameters
+   as its leaves and every other weight made when read and dropped after (:mod:`partitioner.streamed`),
+   and each parameter's gradient is compared with the stage's as it arrives.
+
 Tied parameters split across stages are compared as the sum of their copies' gradients, which is what
-the runtime's all-reduce of tied gradients produces.
+the runtime's all-reduce of tied gradients produces. The original's output and loss are compared with
+the chain's. Memory: a stage's weights and gradients, the tensors between stages and one forward's
+activations.
 
 Tolerance: float32, ``|a - b| <= atol + rtol * |b|`` elementwise with rtol=1e-4, atol=1e-5 (the chain
 runs the same kernels in the same order, so fx-traced packages usually match bit for bit; aten graphs
@@ -22,7 +33,7 @@ import hashlib
 import importlib.util
 import json
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -33,6 +44,8 @@ from torch import nn
 
 from partitioner.errors import PackageError, PipeplanError
 from partitioner.plan import Plan, load_plan, mp_conf
+from partitioner.stagekit import loss_input
+from partitioner.streamed import Streamed
 
 __all__ = ["ATOL", "RTOL", "StageCheck", "VerifyReport", "load_package", "newest_package", "verify_package"]
 
@@ -176,67 +189,62 @@ def run_batch_sizes(folder: Path) -> tuple[int, ...]:
 def verify_package(
     folder: Path, seed: int = 0, batch_size: int | None = None, rtol: float = RTOL, atol: float = ATOL
 ) -> VerifyReport:
-    """Compare the package's stage chain with its full model on one minibatch (see the module docstring)."""
+    """Compare the package's stages with its original model on one minibatch (see the module docstring)."""
     package, plan, _ = load_package(folder)
     static = plan.extra.get("static_batch_size")
     if static and batch_size and batch_size != static:
         raise PackageError(f"{folder} was exported with static shapes for batch {static}, not {batch_size}")
     batch = batch_size or static or plan.batch_size or 2
+    original = _original(package, folder, seed)
+    criterion = package.criterion()
+    with torch.device("meta"):
+        entries = package.model(criterion)
+    chain = _Chain(package, [(list(e[1]), list(e[2])) for e in entries[:-1]], seed, criterion)
     inputs = package.example_inputs(batch)
     targets = package.example_targets(batch)
-    criterion = package.criterion()
-    reference = package.full_model(seed).train()
-    entries = package.model(criterion, seed)
-    stages: list[nn.Module] = [e[0].train() for e in entries[:-1]]
-    init_errors = [_max_error(_pairs(reference, stage)) for stage in stages]
-    from partitioner.stagekit import loss_input
-
-    torch.manual_seed(seed)
-    if plan.extra.get("keyword_inputs"):  # called by the model's own argument names (Hugging Face)
-        names = [str(spec["name"]) for spec in plan.extra["inputs"]]
-        ref_output = reference(**dict(zip(names, inputs.values(), strict=True)))
-    else:
-        ref_output = reference(*inputs.values())
-    ref_loss = criterion(ref_output, targets)  # the loss reads the output as the model returns it
-    ref_loss.backward()
-    ref_out = loss_input(ref_output)
-    torch.manual_seed(seed)
-    output, loss, sent, received = _run_chain(entries, inputs, targets)
-    out = loss_input(output)
-    _backward_chain(loss, sent, received)
-    grads = _stage_grads(stages, plan)
-    ref_grads = {n: p.grad for n, p in reference.named_parameters(remove_duplicate=False)}
-    checks = []
+    output, loss = chain.forward(inputs, targets)
+    reference = _Reference(Streamed(original), plan, criterion, targets, seed, rtol, atol)
+    call = _caller(plan, inputs)
+    results: dict[int, tuple[int, int, float]] = {}
+    for k in reversed(range(len(chain.wiring))):
+        module = package.stage(k, seed).train()
+        init_error = _max_error(_init_pairs(module, original))
+        params = dict(module.named_parameters())
+        results[k] = (sum(p.numel() for p in params.values()), len(params), init_error)
+        chain.backward(k, module)
+        grads = {name: p.grad for name, p in params.items()}
+        for p in params.values():
+            p.grad = None
+        del module
+        reference.check(k, params, grads, call)
+        del params, grads
+    ref_output, ref_loss = reference.output, reference.loss
+    assert ref_output is not None and ref_loss is not None
+    out, ref_out = loss_input(output).detach(), ref_output
     code_names = dict(getattr(package, "TENSOR_NAMES", {}))  # PipeDream's name -> the stage code's
-    for k, stage in enumerate(stages):
-        pairs = [(grads[k][n], ref_grads[n]) for n in grads[k]]
-        grad_error = _max_error(pairs)
-        ok = init_errors[k] == 0.0 and all(_close(a, b, rtol, atol) for a, b in pairs)
-        params = list(stage.parameters())
-        checks.append(
-            StageCheck(
-                k,
-                sum(p.numel() for p in params),
-                len(params),
-                tuple(code_names.get(n, n) for n in entries[k][1]),
-                tuple(code_names.get(n, n) for n in entries[k][2]),
-                init_errors[k],
-                grad_error,
-                ok,
-            )
+    checks = tuple(
+        StageCheck(
+            k,
+            results[k][0],
+            results[k][1],
+            tuple(code_names.get(n, n) for n in chain.wiring[k][0]),
+            tuple(code_names.get(n, n) for n in chain.wiring[k][1]),
+            results[k][2],
+            reference.errors.get(k, 0.0),
+            results[k][2] == 0.0 and k not in reference.mismatched,
         )
-    loss_ok = _close(loss.detach(), ref_loss.detach(), rtol, atol) and _close(
-        out.detach(), ref_out.detach(), rtol, atol
+        for k in range(len(chain.wiring))
     )
+    loss_ok = _close(loss, ref_loss, rtol, atol) and _close(out, ref_out, rtol, atol)
     return VerifyReport(
         package=Path(folder),
         model=package.arch(),
         batch_size=batch,
         seed=seed,
-        stages=tuple(checks),
-        loss=float(ref_loss.detach()),
-        loss_error=float((loss - ref_loss).detach().abs()),
-        output_error=_max_error([(out.detach(), ref_out.detach())]),
+        stages=checks,
+        loss=float(ref_loss),
+        loss_error=float((loss - ref_loss).abs()),
+        output_error=_max_error([(out, ref_out)]),
         rtol=rtol,
         atol=atol,
         ok=loss_ok and all(c.ok for c in checks),
@@ -246,97 +254,239 @@ def verify_package(
     )
 
 
-Tensors = dict[str, torch.Tensor]
+Tensors = dict[str, Any]
 
 
-def _run_chain(
-    entries: Sequence[tuple[nn.Module, list[str], list[str]]],
-    inputs: Mapping[str, torch.Tensor],
-    targets: torch.Tensor,
-) -> tuple[Any, torch.Tensor, list[Tensors], list[Tensors]]:
-    """Run the stages in order, as the runtime does: tensors routed by name, and every stage reading
-    its inputs as fresh autograd leaves (what it receives on its rank); (the last stage's output as
-    the criterion reads it, loss, what each stage returned, what each stage read)."""
-    env: Tensors = dict(inputs)
-    sent: list[Tensors] = []
-    received: list[Tensors] = []
-    for module, in_names, out_names in entries[:-1]:
-        missing = [n for n in in_names if n not in env]
+def _original(package: ModuleType, folder: Path, seed: int) -> Any:
+    """The package's original model, without its tensors (its own ``_stagekit.Original``)."""
+    kit, source = getattr(package, "_stagekit", None), getattr(package, "_source", None)
+    if kit is None or source is None or not hasattr(kit, "Original"):
+        raise PackageError(f"{folder} predates stage-by-stage verification; re-run `pipeplan partition`")
+    return kit.Original(source.factory(), seed, source.WEIGHTS, source.INIT)
+
+
+def _caller(plan: Plan, inputs: Mapping[str, torch.Tensor]) -> Callable[[nn.Module], Any]:
+    """How the original model is called: by its inputs' names (Hugging Face) or by position."""
+    if plan.extra.get("keyword_inputs"):
+        names = [str(spec["name"]) for spec in plan.extra["inputs"]]
+        by_name = dict(zip(names, inputs.values(), strict=True))
+        return lambda model: model(**by_name)
+    return lambda model: model(*inputs.values())
+
+
+def _leaf(t: Any) -> Any:
+    """What a rank receives: the tensor detached, needing a gradient where its sender's did."""
+    return t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+
+
+class _Chain:
+    """The stages run one at a time: a forward keeping what crosses stages, then backward stage by
+    stage (each recomputing its forward from its kept inputs, under the random state of the first)."""
+
+    def __init__(
+        self, package: ModuleType, wiring: list[tuple[list[str], list[str]]], seed: int, criterion: nn.Module
+    ) -> None:
+        self.package, self.wiring, self.seed, self.criterion = package, wiring, seed, criterion
+        self.env: Tensors = {}
+        self.states: list[torch.Tensor] = []
+        self.grads: Tensors = {}
+        self.targets: torch.Tensor | None = None
+
+    def _run(self, k: int, module: nn.Module) -> tuple[dict[str, torch.Tensor], tuple[Any, ...]]:
+        ins, outs = self.wiring[k]
+        missing = [n for n in ins if n not in self.env]
         if missing:
-            raise PackageError(f"{type(module).__name__} reads {missing}, which no earlier stage returns")
-        leaves = {n: env[n].detach().requires_grad_(env[n].requires_grad) for n in in_names}
+            raise PackageError(f"stage {k} reads {missing}, which no earlier stage returns")
+        leaves = {n: _leaf(self.env[n]) for n in ins}
         try:
             result = module(*leaves.values())
         except Exception as exc:
-            raise PackageError(f"{type(module).__name__} failed on its received inputs: {exc}") from exc
-        results = (result,) if len(out_names) == 1 else tuple(result)
-        if len(results) != len(out_names):
+            raise PackageError(f"stage {k} failed on its received inputs: {exc}") from exc
+        results = (result,) if len(outs) == 1 else tuple(result)
+        if len(results) != len(outs):
+            raise PackageError(f"stage {k} returns {len(results)} tensors, declares {len(outs)}")
+        return leaves, results
+
+    def forward(self, inputs: Mapping[str, torch.Tensor], targets: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """(the last stage's output, the loss), every stage built and dropped in turn."""
+        self.env, self.targets = dict(inputs), targets
+        torch.manual_seed(self.seed)
+        for k in range(len(self.wiring)):
+            self.states.append(torch.get_rng_state())
+            module = self.package.stage(k, self.seed).train()
+            _, results = self._run(k, module)
+            self.env.update({n: _detached(r) for n, r in zip(self.wiring[k][1], results, strict=True)})
+            del module, results
+        output = self.env[self.wiring[-1][1][0]]
+        with torch.no_grad():
+            return output, self.criterion(output, targets).detach()
+
+    def backward(self, k: int, module: nn.Module) -> None:
+        """Stage ``k``'s backward; its parameters' ``.grad`` are set, its inputs' gradients kept."""
+        torch.set_rng_state(self.states[k])
+        leaves, results = self._run(k, module)
+        if k == len(self.wiring) - 1:
+            self.criterion(results[0], self.targets).backward()
+        else:
+            pairs = [
+                (r, self.grads[n])
+                for n, r in zip(self.wiring[k][1], results, strict=True)
+                if n in self.grads and isinstance(r, torch.Tensor) and r.requires_grad
+            ]
+            if pairs:
+                torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
+        for name, leaf in leaves.items():
+            grad = getattr(leaf, "grad", None)
+            if grad is not None:
+                self.grads[name] = self.grads[name] + grad if name in self.grads else grad
+
+
+def _detached(value: Any) -> Any:
+    """A stage's result kept between stages: tensors detached, still marked as needing a gradient."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(value.requires_grad)
+    return value
+
+
+class _Reference:
+    """The original model's forward and backward, once per stage with that stage's parameters as
+    its leaves; compares each parameter's gradient with the stage's as it arrives, then drops it."""
+
+    def __init__(
+        self,
+        streamed: Streamed,
+        plan: Plan,
+        criterion: nn.Module,
+        targets: torch.Tensor,
+        seed: int,
+        rtol: float,
+        atol: float,
+    ) -> None:
+        self.streamed, self.criterion, self.targets, self.seed = streamed, criterion, targets, seed
+        self.rtol, self.atol = rtol, atol
+        self.output: torch.Tensor | None = None
+        self.loss: torch.Tensor | None = None
+        self.errors: dict[int, float] = {}
+        self.mismatched: set[int] = set()
+        canonical = streamed.original.canonical
+        self.holders: dict[str, list[int]] = {}  # a tied weight's canonical name -> the stages holding it
+        for tie in plan.ties:
+            for stage, name in tie.members:
+                self.holders.setdefault(canonical.get(name, name), []).append(stage)
+        self.tied_chain: dict[str, torch.Tensor | None] = {}
+        self.tied_reference: dict[str, torch.Tensor | None] = {}
+        self.tied_seen: dict[str, list[int]] = {}
+
+    def check(
+        self, k: int, params: Mapping[str, nn.Parameter], grads: Mapping[str, torch.Tensor | None], call: Any
+    ) -> None:
+        """One pass of the original model for stage ``k``; ``grads`` are the stage's own."""
+        reached: set[str] = set()
+        handles = [
+            param.register_post_accumulate_grad_hook(self._hook(k, name, grads.get(name), reached))  # type: ignore[no-untyped-call]
+            for name, param in params.items()
+        ]
+        torch.manual_seed(self.seed)
+        try:
+            with self.streamed.resident(params), self.streamed.running():
+                output = call(self.streamed.model)
+            loss = self.criterion(output, self.targets)
+            if loss.requires_grad:  # else no parameter of this stage needs a gradient
+                loss.backward()
+        except Exception as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise PackageError(
-                f"{type(module).__name__} returns {len(results)} tensors, declares {len(out_names)}"
-            )
-        env.update(zip(out_names, results, strict=True))
-        sent.append(dict(zip(out_names, results, strict=True)))
-        received.append(leaves)
-    criterion, loss_in, _ = entries[-1]
-    return env[loss_in[0]], criterion(env[loss_in[0]], targets), sent, received
+                f"the original model failed on the minibatch: {type(exc).__name__}: {first}"
+            ) from exc
+        finally:
+            for handle in handles:
+                handle.remove()
+        if self.output is None:  # what the loss reads, without the graph behind it
+            self.output, self.loss = loss_input(output).detach(), loss.detach()
+        for name in params.keys() - reached:  # parameters the original's loss does not reach
+            self._arrived(k, name, grads.get(name), None)
+
+    def _hook(
+        self, k: int, name: str, mine: torch.Tensor | None, reached: set[str]
+    ) -> Callable[[torch.Tensor], None]:
+        def compare(param: torch.Tensor) -> None:
+            reached.add(name)
+            self._arrived(k, name, mine, param.grad)
+            param.grad = None
+
+        return compare
+
+    def _arrived(self, k: int, name: str, mine: torch.Tensor | None, theirs: torch.Tensor | None) -> None:
+        tie = self.streamed.original.canonical.get(name, name)
+        if tie in self.holders:
+            self._tied(k, tie, mine, theirs)
+        else:
+            self._compare(k, mine, theirs)
+
+    def _compare(self, k: int, mine: torch.Tensor | None, theirs: torch.Tensor | None) -> None:
+        self.errors[k] = max(self.errors.get(k, 0.0), _max_error([(mine, theirs)]))
+        if not _close(mine, theirs, self.rtol, self.atol):
+            self.mismatched.add(k)
+
+    def _tied(self, k: int, tie: str, mine: torch.Tensor | None, theirs: torch.Tensor | None) -> None:
+        """A tied weight: the sum of its holders' gradients against the original's, once all are in."""
+        if mine is not None:
+            before = self.tied_chain.get(tie)
+            self.tied_chain[tie] = mine.detach().clone() if before is None else before + mine
+        if theirs is not None:
+            self.tied_reference[tie] = theirs.detach().clone()
+        self.tied_seen.setdefault(tie, []).append(k)
+        if sorted(self.tied_seen[tie]) == sorted(self.holders[tie]):
+            for holder in self.holders[tie]:
+                self._compare(holder, self.tied_chain.get(tie), self.tied_reference.get(tie))
 
 
-def _backward_chain(loss: torch.Tensor, sent: list[Tensors], received: list[Tensors]) -> None:
-    """Backward stage by stage from the last: a stage's output gradient is the sum of the gradients of
-    every later stage's leaf of that tensor, as the runtime sends them back."""
-    loss.backward()  # type: ignore[no-untyped-call]
-    for k in reversed(range(len(sent))):
-        outputs, grads = [], []
-        for name, tensor in sent[k].items():
-            parts = [g for r in received[k + 1 :] if name in r and (g := r[name].grad) is not None]
-            if parts and tensor.requires_grad:
-                outputs.append(tensor)
-                grads.append(torch.stack(parts).sum(0))
-        if outputs:
-            torch.autograd.backward(outputs, grads)
-
-
-def _stage_grads(stages: Sequence[nn.Module], plan: Plan) -> list[dict[str, torch.Tensor | None]]:
-    """Each stage's gradients by name; tied copies are summed, as the runtime's all-reduce does."""
-    grads = [{n: p.grad for n, p in stage.named_parameters()} for stage in stages]
-    for tie in plan.ties:
-        parts = [grads[k].get(name) for k, name in tie.members]
-        present = [g for g in parts if g is not None]
-        total = torch.stack(present).sum(0) if present else None
-        for k, name in tie.members:
-            if name in grads[k]:
-                grads[k][name] = total
-    return grads
-
-
-def _pairs(reference: nn.Module, stage: nn.Module) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    ref: dict[str, torch.Tensor] = dict(reference.named_parameters(remove_duplicate=False))
-    ref.update(reference.named_buffers(remove_duplicate=False))
+def _init_pairs(stage: nn.Module, original: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each of the stage's tensors and the original model's, made one at a time."""
     for name, tensor in [*stage.named_parameters(), *stage.named_buffers()]:
-        if name not in ref:
-            raise PackageError(
-                f"a stage holds {name!r}, which the full model does not have; re-run partition"
-            )
-        yield tensor.detach(), ref[name].detach()
+        if name not in original.slots:
+            raise PackageError(f"a stage holds {name!r}, which the full model lacks; re-run partition")
+        canonical = original.canonical[name]
+        yield tensor.detach(), original.values([name])[canonical]
 
 
-def _as_tensor(t: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor:
+_CHUNK = 1 << 20  # elements compared at a time: the temporaries of a comparison stay small
+
+
+def _flat(t: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor:
+    """A tensor as a flat float view for comparing; a missing gradient is zeros shaped like the other."""
     if t is not None:
-        return t.detach().float()
-    return torch.zeros(like.shape) if like is not None else torch.zeros(())
+        return t.detach().reshape(-1)
+    return torch.zeros(like.numel() if like is not None else 1)
+
+
+def _shapes_differ(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is not None and b is not None and a.shape != b.shape
 
 
 def _max_error(pairs: Any) -> float:
+    """The largest |a - b| over pairs (inf where shapes differ), a chunk at a time."""
     worst = 0.0
     for a, b in pairs:
-        x, y = _as_tensor(a, b), _as_tensor(b, a)
-        if x.shape != y.shape:
+        if _shapes_differ(a, b):
             return float("inf")
-        if x.numel():
-            worst = max(worst, float((x - y).abs().max()))
+        if a is not None and b is not None and torch.equal(a, b):
+            continue
+        x, y = _flat(a, b), _flat(b, a)
+        for start in range(0, x.numel(), _CHUNK):
+            part = (x[start : start + _CHUNK].float() - y[start : start + _CHUNK].float()).abs()
+            worst = max(worst, float(part.max()))
     return worst
 
 
 def _close(a: torch.Tensor | None, b: torch.Tensor | None, rtol: float, atol: float) -> bool:
-    x, y = _as_tensor(a, b), _as_tensor(b, a)
-    return x.shape == y.shape and bool(torch.allclose(x, y, rtol=rtol, atol=atol))
+    """``|a - b| <= atol + rtol * |b|`` everywhere, a chunk at a time."""
+    if _shapes_differ(a, b):
+        return False
+    if a is not None and b is not None and torch.equal(a, b):
+        return True
+    x, y = _flat(a, b), _flat(b, a)
+    return all(
+        torch.allclose(x[i : i + _CHUNK].float(), y[i : i + _CHUNK].float(), rtol=rtol, atol=atol)
+        for i in range(0, x.numel(), _CHUNK)
+    )

@@ -159,21 +159,33 @@ def load_config(spec: HfSpec) -> Any:
 
 
 def factory(spec: str) -> Callable[[], nn.Module]:
-    """A zero-argument factory for ``spec``: random weights from a config, or a folder's weights."""
+    """A zero-argument factory for ``spec``: random weights from a config, or a folder's weights.
+
+    For a folder holding safetensors weights the factory also carries ``pretrained`` (the folder) and
+    ``from_config`` (the same model with random weights), so a pipeline stage can be built from the
+    config and read only its own tensors from the folder instead of loading the whole model.
+    """
     parsed = parse_spec(spec)
+
+    def from_config() -> nn.Module:
+        import transformers
+
+        auto = getattr(transformers, TASKS[parsed.task])
+        return auto.from_config(load_config(parsed))  # type: ignore[no-any-return]
 
     def build() -> nn.Module:
         import transformers
 
+        if not (os.path.isdir(parsed.source) and _has_weights(parsed.source)):
+            return from_config()
         auto = getattr(transformers, TASKS[parsed.task])
         config = load_config(parsed)
-        if os.path.isdir(parsed.source) and _has_weights(parsed.source):
-            model = auto.from_pretrained(parsed.source, config=config, local_files_only=True)
-        else:
-            model = auto.from_config(config)
-        return model  # type: ignore[no-any-return]
+        return auto.from_pretrained(parsed.source, config=config, local_files_only=True)  # type: ignore[no-any-return]
 
     build.__qualname__ = f"hf_factory[{spec}]"
+    if os.path.isdir(parsed.source) and any(n.endswith(".safetensors") for n in os.listdir(parsed.source)):
+        build.pretrained = os.path.abspath(parsed.source)  # type: ignore[attr-defined]
+        build.from_config = from_config  # type: ignore[attr-defined]
     return build
 
 

@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["PeakMemory", "live_tensor_bytes", "memory_report"]
+__all__ = ["PeakMemory", "live_tensor_bytes", "memory_report", "stage_bytes"]
 
 
 def _stage_tensors(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -55,6 +55,15 @@ def live_tensor_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> in
     for t in _stage_tensors(module, optimizer):
         storage = t.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def stage_bytes(module: nn.Module) -> int:
+    """Bytes of a stage's parameters and buffers, each storage once."""
+    seen: dict[int, int] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.device.type != "meta":
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(seen.values())
 
 

@@ -90,6 +90,13 @@ class RankMetrics:
         peak_memory_bytes: the rank's measured peak memory (``runtime.memory``; None: not measured).
         hosted: every stage the rank ran when it ran several (``interleaved``: ``stage`` is the first
             and the times are the rank's, all its stages together); empty otherwise.
+        stage_bytes: bytes of the parameters and buffers the rank holds (all its stages).
+        build_growth_bytes: how far building its stage raised the process's resident size at its
+            highest (the stage's tensors and what building them needed for a while); None where the
+            system cannot tell (Linux can).
+        resident_peak_bytes: the process's highest resident size (RSS) from its stage build to the
+            end of training: imports, its stage, activations and optimizer state, as the system
+            counts them.
     """
 
     rank: int
@@ -111,6 +118,9 @@ class RankMetrics:
     skipped_steps: tuple[int, ...] = ()
     peak_memory_bytes: int | None = None
     hosted: tuple[int, ...] = ()
+    stage_bytes: int = 0
+    build_growth_bytes: int | None = None
+    resident_peak_bytes: int | None = None
 
     @property
     def idle_s(self) -> float:

@@ -46,6 +46,8 @@ class RunOptions:
         clip_grad_norm: clip the whole model's gradient norm to this (synchronous schedules).
         precision: fp32, bf16 or fp16 (autocast; fp16 with dynamic loss scaling); None: plan.json's.
         seed: seeds weights, synthetic data and shuffling.
+        weights: initial weights instead of the package's: a state_dict file, a ``.safetensors``
+            file or a ``save_pretrained`` folder; each rank reads only its stage's tensors.
         shuffle: shuffle a user dataset each epoch.
         checkpoint_dir: where the ``step-N/`` checkpoints go (:mod:`runtime.checkpoint`); None: none.
         checkpoint_every: checkpoint every this many steps (0: only at the end).
@@ -101,6 +103,7 @@ class RunOptions:
     clip_grad_norm: float | None = None
     precision: str | None = None
     seed: int = 0
+    weights: str | None = None
     shuffle: bool = False
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0

@@ -25,7 +25,7 @@ from torch import nn
 
 from runtime.errors import RunError
 
-__all__ = ["ModuleChain", "Wiring", "build_stage", "import_package", "read_wiring"]
+__all__ = ["ModuleChain", "Wiring", "build_stage", "import_package", "read_wiring", "reads_weights"]
 
 Names = tuple[str, ...]
 
@@ -196,13 +196,19 @@ def build_stage(
     module_stages: Sequence[int] = (),
     seed: int = 0,
     device: str | torch.device = "cpu",
+    weights: str | None = None,
 ) -> nn.Module:
     """This rank's stage module: ``stage(k, seed)`` where the package has it and the stage is one
-    module; otherwise the stage's entries of ``model(criterion)`` (built under ``seed``, the whole
-    model, as PipeDream's runtime does), chained."""
+    module (only the stage's tensors are made, or read from ``weights``); otherwise the stage's
+    entries of ``model(criterion)`` (built under ``seed``, the whole model, as PipeDream's runtime
+    does), chained."""
     single = not wiring.stage_modules or len(wiring.stage_modules[stage]) == 1
     if single and callable(getattr(package, "stage", None)):
-        return package.stage(stage, seed=seed, device=str(device)).to(device)  # type: ignore[no-any-return]
+        extra = {"weights": weights} if weights else {}
+        built = package.stage(stage, seed=seed, device=str(device), **extra)
+        return built.to(device)  # type: ignore[no-any-return]
+    if weights:
+        raise RunError("--weights needs a package written by `pipeplan partition` (its stage(k) builds one)")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         entries = package.model(package.criterion())
@@ -213,3 +219,11 @@ def build_stage(
         return mine[0].to(device)  # type: ignore[no-any-return]
     wires = wiring.stage_modules[stage]
     return ModuleChain(mine, wires, wiring.stage_inputs[stage], wiring.stage_outputs[stage]).to(device)
+
+
+def reads_weights(package: ModuleType) -> bool:
+    """Whether the package's ``stage(k, ...)`` takes ``weights`` (packages written before it did not)."""
+    import inspect
+
+    stage = getattr(package, "stage", None)
+    return callable(stage) and "weights" in inspect.signature(stage).parameters

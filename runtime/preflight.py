@@ -24,12 +24,14 @@ from runtime.data import make_batches
 from runtime.errors import RunError
 from runtime.filedata import DataSettings
 from runtime.options import RunOptions
-from runtime.package import import_package, read_wiring
+from runtime.package import import_package, read_wiring, reads_weights
+from runtime.weights import missing
 
 __all__ = [
     "SPARE_BYTES",
     "check_first_stage",
     "check_inputs_match",
+    "check_weights",
     "check_writable",
     "disk_full",
     "preflight",
@@ -93,6 +95,8 @@ def _check_package_and_data(options: RunOptions, job: JobConfig) -> None:
         package = import_package(job.package)
         wiring = read_wiring(package, job.stages, job.module_stages)
         names = wiring.stage_inputs[0]
+        if options.weights:
+            check_weights(package, options.weights, job)
         inputs = _first_minibatch(options.data, options, job, package, names)
         if list(job.module_stages).count(0) <= 1:  # one module on stage 0 (PipeDream's may chain several)
             check_first_stage(package, inputs, options.data)
@@ -108,6 +112,33 @@ def _check_package_and_data(options: RunOptions, job: JobConfig) -> None:
         for name in set(sys.modules) - before:
             if name.startswith("pipeplan_pkg_"):
                 del sys.modules[name]
+
+
+def check_weights(package: ModuleType, weights: str, job: JobConfig) -> None:
+    """``--weights`` must hold every parameter of every stage (a tied one under any of its names),
+    and the package must be one whose stages read them; only the names are read here."""
+    if not reads_weights(package):
+        raise RunError(
+            f"{job.package} was written before packages took --weights; regenerate it: pipeplan partition"
+        )
+    with torch.device("meta"):
+        entries = package.model(package.criterion())
+    partners = {member: [name for _, name in tie] for tie in job.ties for member in tie}
+    owners = list(job.module_stages) or list(range(job.stages))
+    tensors = [
+        partners.get((stage, name), [name])
+        for (module, _, _), stage in zip(entries[:-1], owners, strict=False)
+        for name, _ in module.named_parameters()
+    ]
+    try:
+        gaps = missing(weights, tensors)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise RunError(f"--weights {weights}: {exc}") from exc
+    if gaps:
+        raise RunError(
+            f"--weights {weights} lacks {len(gaps)} of the model's parameters, e.g. {gaps[0]}; give this "
+            "model's weights (save_pretrained, or torch.save(model.state_dict()))"
+        )
 
 
 def _first_minibatch(

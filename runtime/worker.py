@@ -14,7 +14,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -30,10 +30,11 @@ from runtime.data import Batches, make_batches
 from runtime.errors import PeerLost, RunError
 from runtime.evaluate import EvalResult, Evaluator, eval_steps, segments
 from runtime.filedata import DataSettings
+from runtime.heap import peak_resident_bytes, reset_peak, resident_bytes
 from runtime.lifeline import die_with, wake_siblings
 from runtime.liveness import start_heartbeat
 from runtime.loss_scale import LossScaler
-from runtime.memory import PeakMemory, memory_report
+from runtime.memory import PeakMemory, memory_report, stage_bytes
 from runtime.metrics import RankMetrics, Recorder, summarize, write_json_atomic, write_trace
 from runtime.optim import Clip, OptimSettings, counted_params, make_optimizer, make_scheduler
 from runtime.options import RunOptions, from_argv
@@ -121,6 +122,7 @@ class _Clock:
     last: float = 0.0
     memory: PeakMemory | None = None
     log: StepLog | None = None
+    built: list[tuple[int, int | None]] = field(default_factory=list)  # (stage bytes, RSS peak growth)
 
     def __post_init__(self) -> None:
         self.times: list[float] = []
@@ -198,9 +200,10 @@ def _build_hosted(
     with checkin.waiting("creating the replica and tie groups"):
         groups = _groups(configs[0], timedelta(seconds=options.timeout))
     checkin.done(2)
-    first = _build(options, configs[0], device, clock if len(configs) == 1 else None, groups=groups)
+    only = clock if len(configs) == 1 else None
+    first = _build(options, configs[0], device, only, groups=groups, built=clock.built)
     rest = tuple(
-        _build(options, cfg, device, clock if i == len(configs) - 2 else None, first)
+        _build(options, cfg, device, clock if i == len(configs) - 2 else None, first, built=clock.built)
         for i, cfg in enumerate(configs[1:])
     )
     hosted = (first, *rest)
@@ -227,12 +230,17 @@ def _build(
     clock: _Clock | None,
     shared: StageRuntime | None = None,
     groups: Groups | None = None,
+    built: list[tuple[int, int | None]] | None = None,
 ) -> StageRuntime:
     if cfg.rank == 0 and shared is None:
         _warn_idle_replicas(cfg.job)
     pkg = import_package(cfg.job.package)
     wiring = read_wiring(pkg, cfg.job.stages, cfg.job.module_stages)
-    module = build_stage(pkg, wiring, cfg.stage, cfg.job.module_stages, options.seed, device)
+    before = resident_bytes() if reset_peak() else None
+    module = build_stage(pkg, wiring, cfg.stage, cfg.job.module_stages, options.seed, device, options.weights)
+    if built is not None:  # what building the stage cost the process, next to what the stage holds
+        grown = peak_resident_bytes() - before if before is not None else None
+        built.append((stage_bytes(module), grown))
     module.train()
     criterion = pkg.criterion().to(device) if cfg.is_last else None
     timeout = timedelta(seconds=options.timeout)
@@ -446,6 +454,9 @@ def _finish(options: RunOptions, hosted: tuple[StageRuntime, ...], clock: _Clock
         skipped_steps=tuple(rt.skipped_steps),
         peak_memory_bytes=memory.peak_bytes,
         hosted=tuple(each.cfg.stage for each in hosted) if len(hosted) > 1 else (),
+        stage_bytes=sum(size for size, _ in clock.built),
+        build_growth_bytes=max((g for _, g in clock.built if g is not None), default=None),
+        resident_peak_bytes=peak_resident_bytes(),
     )
     gathered: list[Any] = [None] * rt.cfg.job.world_size
     dist.gather_object(

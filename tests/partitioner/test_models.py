@@ -57,6 +57,15 @@ def test_build_is_reproducible_and_meta_allocates_nothing() -> None:
     assert all(p.device.type == "meta" for p in bundle.build(device="meta").parameters())
 
 
+def test_a_bundle_built_on_meta_has_shapes_and_real_inputs() -> None:
+    """Code generation needs the structure, not the weights: nothing drawn, inputs as on CPU."""
+    meta, cpu = load_model("tiny-cnn", batch_size=2, device="meta"), load_model("tiny-cnn", batch_size=2)
+    assert all(p.is_meta for p in meta.module.parameters())
+    shapes = {n: p.shape for n, p in cpu.module.named_parameters()}
+    assert {n: p.shape for n, p in meta.module.named_parameters()} == shapes
+    torch.testing.assert_close(meta.inputs, cpu.inputs, rtol=0, atol=0)
+
+
 def test_inputs_targets_and_loss_of_an_image_model() -> None:
     bundle = load_model("tiny-cnn", batch_size=3, input_shape=(3, 8, 8))
     assert bundle.inputs[0].shape == (3, 3, 8, 8)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
+import sys
+import textwrap
 from dataclasses import replace
 from pathlib import Path
 
@@ -163,3 +166,36 @@ def test_stage_writing_its_input_in_place(tmp_path: Path) -> None:
     for k, name in ((1, "l1"), (2, "add")):
         assert f"{name}_copy = {name}.clone()" in (folder / f"stage{k}.py").read_text()
     assert "clone" not in (folder / "stage0.py").read_text()
+
+
+@pytest.mark.slow
+def test_verify_holds_a_stage_not_the_model(tmp_path: Path) -> None:
+    """24 layers of 16 MiB in 8 stages: verify's memory grows by a stage's weights and gradients, the
+    original's gradient of one layer as it arrives and one layer being read: less than half the
+    384 MiB model (a whole-model check holds four copies of it)."""
+    spec = f"{Path(__file__).with_name('wide_model.py')}:wide"
+    profile = profile_for(spec, 2)
+    assert [n.op for n in profile.nodes[:2]] == ["input", "call_module"]
+    write_package(profile, plan_for(profile, list(range(4, 25, 3))), tmp_path / "pkg", init="seeded")
+    code = textwrap.dedent(
+        f"""
+        import torch
+        from pathlib import Path
+        from partitioner.verify import load_package, verify_package
+        from runtime.heap import map_large_blocks, peak_resident_bytes, reset_peak, resident_bytes
+
+        torch.set_num_threads(1)
+        map_large_blocks()
+        load_package(Path({str(tmp_path / "pkg")!r}))  # imports, so only what verify holds is counted
+        reset_peak()
+        before = resident_bytes()
+        report = verify_package(Path({str(tmp_path / "pkg")!r}))
+        print(int(report.ok), (peak_resident_bytes() - before) // 1024)
+        """
+    )
+    hop = f"import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-c', {code!r}]))"
+    result = subprocess.run([sys.executable, "-c", hop], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    ok, grown_kib = map(int, result.stdout.split())
+    assert ok
+    assert grown_kib < 192 * 1024, f"verify grew by {grown_kib / 1024:.0f} MiB for a 384 MiB model"

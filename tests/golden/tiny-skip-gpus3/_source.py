@@ -38,6 +38,8 @@ def populate(
     tensors: tuple[str, ...],
     seed: int,
     device: Any,
+    weights: str | None = None,
 ) -> None:
-    """Give a stage its submodules and tensors, initialised as in full_model(seed)."""
-    _stagekit.populate(stage, factory(), modules, tensors, seed, device, WEIGHTS, INIT)
+    """Give a stage its submodules and tensors, initialised as in full_model(seed), or read from
+    ``weights`` (a state_dict file or a safetensors file or folder) instead of WEIGHTS."""
+    _stagekit.populate(stage, factory(), modules, tensors, seed, device, weights or WEIGHTS, INIT)

@@ -27,9 +27,11 @@ TENSORS = ()
 class Stage0(torch.nn.Module):
     """Stage 0: reads x; returns act."""
 
-    def __init__(self, seed: int = 0, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, seed: int = 0, device: str | torch.device = "cpu", weights: str | None = None
+    ) -> None:
         super().__init__()
-        _source.populate(self, MODULES, TENSORS, seed, device)
+        _source.populate(self, MODULES, TENSORS, seed, device, weights)
 
     def forward(self, x):
         l1 = self.l1(x);  x = None

@@ -27,9 +27,11 @@ TENSORS = ()
 class Stage1(torch.nn.Module):
     """Stage 1: reads act; returns l3."""
 
-    def __init__(self, seed: int = 0, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, seed: int = 0, device: str | torch.device = "cpu", weights: str | None = None
+    ) -> None:
         super().__init__()
-        _source.populate(self, MODULES, TENSORS, seed, device)
+        _source.populate(self, MODULES, TENSORS, seed, device, weights)
 
     def forward(self, act):
         l2 = self.l2(act);  act = None

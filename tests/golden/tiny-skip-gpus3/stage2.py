@@ -27,9 +27,11 @@ TENSORS = ()
 class Stage2(torch.nn.Module):
     """Stage 2: reads act, l3; returns head."""
 
-    def __init__(self, seed: int = 0, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, seed: int = 0, device: str | torch.device = "cpu", weights: str | None = None
+    ) -> None:
         super().__init__()
-        _source.populate(self, MODULES, TENSORS, seed, device)
+        _source.populate(self, MODULES, TENSORS, seed, device, weights)
 
     def forward(self, act, l3):
         l4 = self.l4(l3);  l3 = None
