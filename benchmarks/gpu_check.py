@@ -8,10 +8,14 @@ beforehand (its ``--cpu`` mode runs in the test suite on tiny models) so that no
    latency (what a device description for planning without the device is built from);
 3. ``profile``: ``pipeplan profile`` of each model on the device, whole command timed; fidelity (sum of
    layer times over the whole step) and the profiler's own wall time;
-4. ``run``: ``pipeplan partition --gpus 1`` and ``pipeplan run`` on one rank (nccl on a GPU), measured
+4. ``estimate``: ``pipeplan profile --device-model`` (the preset of this GPU; ``cpu`` in CPU mode) of
+   each profiled model, compared layer by layer with the measured profile
+   (``partitioner.compare.compare``: median estimated/measured, spread, worst layers, sums against the
+   measured step), the evidence to correct a preset's efficiency factors with;
+5. ``run``: ``pipeplan partition --gpus 1`` and ``pipeplan run`` on one rank (nccl on a GPU), measured
    against predicted time and memory, fp32 and bf16; the same model trained plainly in one process, for
    the executor's efficiency (plain / pipelined time; 1.0 is the physical limit);
-5. ``tests``: the tests marked ``cuda``.
+6. ``tests``: the tests marked ``cuda``.
 
 Every step runs on its own, with a time limit; a failed step is recorded with its error and the rest go
 on. The report (``gpu_<device>_<date>.{json,md}``, or ``cpu_check.{json,md}`` in CPU mode) is rewritten
@@ -249,6 +253,43 @@ def step_profile(ctx: Context) -> dict[str, Any]:
     return results
 
 
+def _preset(ctx: Context) -> str | None:
+    """The device model that describes this device: ``cpu`` in CPU mode, a GPU preset by name."""
+    if ctx.cpu:
+        return "cpu"
+    import torch
+
+    name = torch.cuda.get_device_name().lower()
+    known = (("h200", "h200"), ("h100", "h100"), ("a100", "a100-80gb"))
+    return next((preset for key, preset in known if key in name), None)
+
+
+def step_estimate(ctx: Context) -> dict[str, Any]:
+    """Each measured profile against the device model's estimate of the same model and batch."""
+    from partitioner.compare import compare
+    from partitioner.graph import load_profile
+
+    preset = _preset(ctx)
+    if preset is None:
+        return {"skipped": "no device model describes this device"}
+    results: dict[str, Any] = {"device_model": preset}
+    for case in ctx.models:
+        measured = ctx.work / "profiles" / f"{case.name}.json"
+        if not measured.exists():
+            results[case.name] = {"skipped": "no measured profile (the profile step did not run or failed)"}
+            continue
+        out = ctx.work / "estimates" / f"{case.name}.json"
+        args = ["profile", case.spec, "--batch-size", str(case.batch_size), "--device-model", preset,
+                "-o", str(out), *case.options]  # fmt: skip
+        if case.input_shape:
+            args += ["--input-shape", case.input_shape]
+        ran = pipeplan(ctx, *args, log=f"estimate-{case.name}")
+        if ran["rc"] == 0 and out.exists():
+            ran["compare"] = compare(load_profile(measured), load_profile(out))
+        results[case.name] = ran
+    return results
+
+
 def _plain_step_ms(ctx: Context, case: ModelCase, precision: str, microbatches: int) -> dict[str, Any]:
     """The model trained plainly in this process (SGD, gradient accumulation over ``microbatches``)."""
     import torch
@@ -376,6 +417,7 @@ STEPS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "env": step_env,
     "ceilings": step_ceilings,
     "profile": step_profile,
+    "estimate": step_estimate,
     "run": step_run,
     "tests": step_tests,
 }
@@ -411,6 +453,7 @@ def markdown(report: dict[str, Any]) -> str:
             fb = (r.get("forward_ms") or 0) + (r.get("backward_ms") or 0)
             lines.append(f"| {name} | {r['rc']} | {r['wall_s']} | {r.get('layers', '-')} | "
                          f"{fb:.2f} | {r.get('step_ms', '-')} | {r.get('fidelity', '-')} |")  # fmt: skip
+    lines += _estimate_lines(report["steps"].get("estimate", {}))
     rows = report["steps"].get("run", {}).get("rows", [])
     if rows:
         lines += ["", "## One-rank runs", "",
@@ -428,6 +471,27 @@ def markdown(report: dict[str, Any]) -> str:
     if errors:
         lines += ["", "## Failed steps", ""] + [f"- {k}: {v}" for k, v in errors.items()]
     return "\n".join(lines) + "\n"
+
+
+def _estimate_lines(estimate: dict[str, Any]) -> list[str]:
+    """The estimate step's table: estimated over measured per layer (median, 10th-90th percentile) and
+    summed, against the layers' sum and the whole measured step."""
+    done = {k: v["compare"] for k, v in estimate.items() if isinstance(v, dict) and "compare" in v}
+    if not done:
+        return []
+    lines = ["", f"## Device model `{estimate.get('device_model')}` against the measured profiles", "",
+             "| model | layers | fwd median | bwd median | layer p10-p90 | sum est/meas | est/step |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, c in done.items():
+        total = c["total"]
+
+        def r(x: float | None) -> str:
+            return "-" if x is None else f"{x:.2f}"
+
+        cells = [name, str(c["layers"]), r(c["forward"]["median"]), r(c["backward"]["median"]),
+                 f"{r(total['p10'])}-{r(total['p90'])}", r(c["sum_ratio"]), r(c["step_ratio"])]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

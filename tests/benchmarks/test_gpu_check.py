@@ -20,6 +20,11 @@ def test_cpu_mode_writes_a_complete_report(tmp_path: Path) -> None:
     profiles = steps["profile"]
     assert [p["rc"] for p in profiles.values()] == [0] * len(gpu_check.CPU_MODELS)
     assert all(p["layers"] > 0 and p["fidelity"] > 0 for p in profiles.values())
+    estimates = steps["estimate"]
+    assert estimates["device_model"] == "cpu"
+    for name in profiles:
+        compared = estimates[name]["compare"]  # the cpu device model against this CPU's measurement
+        assert compared["layers"] > 0 and compared["total"]["median"] > 0 and compared["sum_ratio"] > 0
     rows = steps["run"]["rows"]
     expected = sum(len(v.precisions) for v in gpu_check.VARIANTS) * len(gpu_check.CPU_MODELS)
     assert len(rows) == expected
@@ -28,6 +33,7 @@ def test_cpu_mode_writes_a_complete_report(tmp_path: Path) -> None:
     assert {r["microbatches"] for r in rows if r["variant"].startswith("zbv")} == {4}
     page = (tmp_path / "cpu_check.md").read_text()
     assert "## Profiles" in page and "## One-rank runs" in page and "Failed steps" not in page
+    assert "## Device model `cpu` against the measured profiles" in page
 
 
 def test_a_failed_step_is_reported_and_the_rest_go_on() -> None:
