@@ -44,6 +44,7 @@ from partitioner.profiler.measure import (
     StepCost,
     getattr_path,
     measure_loss,
+    measure_loss_memory,
     measure_step,
 )
 from partitioner.profiler.trace import Group, Traced, trace_model
@@ -418,6 +419,10 @@ def _layers_and_loss(
     loss_ms = measure_loss(
         profiler.result, bundle.targets, bundle.loss_fn, o.repeats, clock=o.clock, precision=o.precision
     )
+    saved, working = measure_loss_memory(profiler.result, bundle.targets, bundle.loss_fn, o.precision)
+    for group in profiler.groups:
+        if group.op == "output":  # the loss: the node the last stage runs it on carries its bytes
+            costs[group.id] = replace(costs[group.id], saved_bytes=saved, working_bytes=working)
     return costs, loss_ms, _profiler_notes(profiler)
 
 
@@ -560,6 +565,7 @@ def _nodes(
                 output_bytes=cost.output_bytes,
                 saved_bytes=cost.saved_bytes,
                 cast_bytes=cost.cast_bytes,
+                working_bytes=cost.working_bytes,
                 param_bytes=sum(p.numel() * p.element_size() for p in fresh),
                 param_names=tuple(names),
                 description=description,

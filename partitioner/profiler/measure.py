@@ -33,7 +33,15 @@ from partitioner.profiler.fingerprint import fingerprint
 from partitioner.profiler.trace import Group
 from runtime.precision import autocast
 
-__all__ = ["LayerCost", "LayerProfiler", "StepCost", "Stopwatch", "measure_loss", "measure_step"]
+__all__ = [
+    "LayerCost",
+    "LayerProfiler",
+    "StepCost",
+    "Stopwatch",
+    "measure_loss",
+    "measure_loss_memory",
+    "measure_step",
+]
 
 Progress = Callable[[int, int, str], None]
 
@@ -50,6 +58,8 @@ class LayerCost:
             their low-precision copies, counted in ``cast_bytes``).
         cast_bytes: bytes of the low-precision copies of parameters that autocast makes in the
             forward and autograd keeps for backward (0 in fp32): once per forward, whatever the batch.
+        working_bytes: bytes the backward makes and holds at once beyond ``saved_bytes``, at their
+            highest (measured for the loss only: :func:`measure_loss_memory`).
     """
 
     forward_ms: float
@@ -57,6 +67,7 @@ class LayerCost:
     output_bytes: int
     saved_bytes: int
     cast_bytes: int = 0
+    working_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -448,3 +459,68 @@ def measure_loss(
                 with stopwatch.time(backward if run >= warmup else []):
                     loss.backward()  # type: ignore[no-untyped-call]
     return _median(forward), _median(backward)
+
+
+def measure_loss_memory(
+    output: Any, targets: Tensor, loss_fn: Callable[[Any, Tensor], Tensor], precision: str = "fp32"
+) -> tuple[int, int]:
+    """(saved, working) bytes of the loss on a captured model output, per minibatch.
+
+    ``saved``: what the loss's forward keeps for its backward (a cross-entropy's log-softmax, as
+    large as the logits), targets excluded. ``working``: how far its backward raises the bytes held
+    above that, at the highest (the gradients it makes, the one of the model output it passes on
+    included, less the saved tensors it frees on the way). A stage holds ``saved`` per item in
+    flight and ``working`` once: the layers' own bytes never count these, and on a large vocabulary
+    they outweigh all the layers' activations together. Counted from live storages on a CPU (as
+    ``pipeplan run --measure-memory`` counts them), from the caching allocator's peak on CUDA
+    (written as torch documents it, untested on CUDA)."""
+    leaf_out = tree_map(_grad_leaf, output)
+    logits = [t for t in _tensors(leaf_out) if t.requires_grad]
+    if not logits:
+        return 0, 0
+    skip = {_storage_key(t)[0] for t in _tensors(targets)}
+    kept: dict[int, Tensor] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        key = _storage_key(t)[0]
+        if key not in skip and not isinstance(t, nn.Parameter):
+            kept[key] = t
+        return t
+
+    with torch.enable_grad():
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with hooks, autocast(precision, logits[0].device):
+            loss = loss_fn(leaf_out, targets)
+        saved = sum(t.untyped_storage().nbytes() for t in kept.values())
+        if loss.grad_fn is None:
+            return 0, 0
+        working = _backward_rise(loss, logits, kept)
+    return saved, working
+
+
+def _grad_leaf(v: Any) -> Any:
+    """A floating tensor as a fresh leaf that takes a gradient; anything else as it is."""
+    return v.detach().requires_grad_() if isinstance(v, Tensor) and v.is_floating_point() else v
+
+
+def _backward_rise(loss: Tensor, logits: list[Tensor], saved: dict[int, Tensor]) -> int:
+    """How far the loss's backward raises the bytes held, at the highest: the tensors it makes (its
+    gradients of ``logits`` too, taken as ``autograd.grad`` returns them, as the stage's backward
+    passes them on) less the ``saved`` tensors it frees as it goes."""
+    from runtime.memory import _LiveStorages  # the counter behind ``run --measure-memory``
+
+    device = logits[0].device
+    if device.type == "cuda":
+        saved.clear()
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        torch.autograd.grad(loss, logits, allow_unused=True)
+        return max(0, int(torch.cuda.max_memory_allocated(device)) - base)
+    counter = _LiveStorages()
+    counter.add(saved.values())
+    start = counter.level
+    saved.clear()  # autograd's references alone keep them now, so the counter sees them freed
+    with counter:
+        torch.autograd.grad(loss, logits, allow_unused=True)
+    return max(0, int(counter.peak) - start)

@@ -138,6 +138,7 @@ def stage_loads(profile: Profile, groups: Sequence[Sequence[str]]) -> list[Stage
                 copy_bytes=copies[i][0],
                 largest_param_bytes=largest,
                 master=master,
+                working_bytes=float(max((n.working_bytes for n in members), default=0)),
             )
         )
     return loads
@@ -222,6 +223,7 @@ def held_memory(
     stage's bytes. Shared by the cost model and the simulation (which counts ``held`` itself)."""
     params = load.param_bytes + load.copy_bytes
     transient = float(transient_bytes(params, load.largest_param_bytes, schedule)) if accumulates else 0.0
+    transient += load.working_bytes / share  # one item's backward at a time
     return peak_bytes(
         params, load.saved_bytes, held, share, schedule, optimizer, transient, load.input_bytes, recompute,
         load.master,

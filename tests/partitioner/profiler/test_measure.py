@@ -188,3 +188,20 @@ def test_bf16_profile_measures_low_precision_outputs_and_weight_copies() -> None
     assert bf16["fc2"].param_bytes == fp32["fc2"].param_bytes == (32 * 32 + 32) * 4  # float32 weights
     assert bf16["fc2"].cast_bytes == 32 * 32 * 2 and fp32["fc2"].cast_bytes == 0  # the bf16 copy kept
     assert bf16["fc1"].cast_bytes == 0  # its input needs no gradient: the copy is not kept
+
+
+def test_the_loss_records_its_saved_log_softmax_and_its_backward_working_bytes() -> None:
+    """A cross-entropy keeps its log-softmax (as large as the logits) for the backward, which then
+    holds logits-sized gradients beside it: the bytes a large vocabulary's last stage peaks with."""
+    from partitioner.profiler.measure import measure_loss_memory
+
+    logits = torch.randn(4, 16, 5000)
+    targets = torch.randint(0, 5000, (4, 16))
+
+    def loss_fn(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out.flatten(0, 1), t.flatten())
+
+    saved, working = measure_loss_memory(logits, targets, loss_fn)
+    assert saved >= logits.nbytes  # the log-softmax
+    assert working >= logits.nbytes  # at least the gradient of the logits it passes on
+    assert measure_loss_memory(logits.long(), targets, lambda o, t: o.sum().float()) == (0, 0)
