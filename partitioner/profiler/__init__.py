@@ -270,6 +270,7 @@ def _estimated(
     ):
         costs = estimator.profile(*(t.to("meta") for t in bundle.inputs))
         loss_ms = estimate_loss(estimator.result, bundle.targets, bundle.loss_fn, model, precision)
+        _record_loss_memory(costs, estimator.groups, estimator.result, bundle, precision)
     assumptions = [*model.assumptions]
     moe = moe_assumption(bundle.module)
     if moe:
@@ -419,11 +420,19 @@ def _layers_and_loss(
     loss_ms = measure_loss(
         profiler.result, bundle.targets, bundle.loss_fn, o.repeats, clock=o.clock, precision=o.precision
     )
-    saved, working = measure_loss_memory(profiler.result, bundle.targets, bundle.loss_fn, o.precision)
-    for group in profiler.groups:
-        if group.op == "output":  # the loss: the node the last stage runs it on carries its bytes
-            costs[group.id] = replace(costs[group.id], saved_bytes=saved, working_bytes=working)
+    _record_loss_memory(costs, profiler.groups, profiler.result, bundle, o.precision)
     return costs, loss_ms, _profiler_notes(profiler)
+
+
+def _record_loss_memory(
+    costs: dict[str, LayerCost], groups: Sequence[Group], output: Any, bundle: ModelBundle, precision: str
+) -> None:
+    """The loss's saved and working bytes (:func:`measure_loss_memory`) on the output node, the one
+    the last stage runs the loss on."""
+    saved, working = measure_loss_memory(output, bundle.targets, bundle.loss_fn, precision)
+    for group in groups:
+        if group.op == "output":
+            costs[group.id] = replace(costs[group.id], saved_bytes=saved, working_bytes=working)
 
 
 def _profiler_notes(profiler: LayerProfiler) -> dict[str, Any]:
