@@ -19,7 +19,7 @@ measured against ``pipeplan run`` by ``benchmarks/bench_memory.py``):
 - h items' saved activations, each ``1/share`` of a minibatch; with recomputation h items' inputs
   plus the one item's activations its backward rebuilds;
 - one item's backward working bytes (``Node.working_bytes``: the loss's gradients of the logits,
-  on the last stage), ``1/share`` of a minibatch's, passed in ``transient``.
+  on the last stage), one microbatch's as the runtime runs them, passed in ``transient``.
 """
 
 from __future__ import annotations
@@ -285,7 +285,7 @@ class MemoryLimit:
         :meth:`replicas`)."""
         transient = transient_bytes(params, self.largest if largest is None else largest, self.schedule)
         grad = np.where(replicas < self.microbatches, transient, 0.0)
-        working = self.working / (self.microbatches * np.maximum(replicas, 1.0))
+        working = self.working / np.maximum(replicas, float(self.microbatches))  # price.backward_item
         need = params * self.per_byte + grad + working + saved / replicas
         return np.asarray(need <= self.limit)
 

@@ -207,6 +207,11 @@ def test_the_loss_working_bytes_are_held_once_on_its_stage_only(schedule: str, m
     rise = [b.memory_bytes - a.memory_bytes for a, b in zip(before.stages, plan.stages, strict=True)]
     assert rise[:-1] == [0, 0] and rise[-1] == pytest.approx(working / m, abs=1)
     assert simulate(plan, profile).peak_memory_bytes == tuple(s.memory_bytes for s in plan.stages)
+    if m > 1:  # 2 replicas of one stage take the m microbatches round-robin: each is 1/m
+        one = evaluate(profile, Cluster.flat(2), [], [2], schedule, m).stages[0].memory_bytes
+        assert one - evaluate(base, Cluster.flat(2), [], [2], schedule, m).stages[0].memory_bytes == (
+            pytest.approx(working / m, abs=1)
+        )
     # the searches charge the bound to every stage (MemoryLimit.working): a plan they find fits
     limit = max(s.memory_bytes for s in plan.stages) + working
     found = solve(profile, Cluster.flat(3, memory_bytes=limit), schedule, m)
