@@ -23,7 +23,10 @@ All candidates use 2 ranks: this machine has 2 cores, and 4 ranks would share th
 plan describes. Targets (issue 11): measured / predicted within 25%, rank correlation >= 0.8. The
 1-minute load average is recorded before every command: other jobs share this CPU.
 
-Run:  .venv/bin/python benchmarks/bench_fidelity.py   (writes benchmarks/results/bench_fidelity.{json,md})
+Every run also counts its peak memory (``--measure-memory``) against the plan's prediction per stage.
+
+Run:  .venv/bin/python benchmarks/bench_fidelity.py   (writes benchmarks/results/bench_fidelity.{json,md};
+``--models hf:llama --rank-model hf:llama --results NAME`` runs a subset into NAME.{json,md})
 """
 
 from __future__ import annotations
@@ -193,12 +196,14 @@ def plan_and_run(
     out = f"plans/{index:02d}"
     cli(*args, "-o", out)
     package = next((cli.folder / out).glob("*/gpus=2"))
-    load = cli("run", str(package.relative_to(cli.folder)), "--steps", str(steps), "--timeout", "300")
+    where = str(package.relative_to(cli.folder))
+    load = cli("run", where, "--steps", str(steps), "--timeout", "300", "--measure-memory")
     plan = json.loads((package / "plan.json").read_text())
     metrics = json.loads((package / "run" / "metrics.json").read_text())
     measured, predicted = metrics["time_per_minibatch_s"], plan["predicted"]["time_per_minibatch_s"]
     by_stage = {s["stage"]: s["compute_s_per_minibatch"] for s in metrics["stages"]}
     cpu, ranks = cpu_per_stage(metrics), metrics["ranks"]
+    peaks = {m["stage"]: m["measured_peak_bytes"] for m in metrics.get("memory", {}).get("stages", [])}
     return {
         "model": model.spec,
         "plan": cand.label,
@@ -213,6 +218,8 @@ def plan_and_run(
                 "predicted_comm_s": s["comm_s"],
                 "measured_compute_s": by_stage.get(s["index"]),
                 "measured_compute_cpu_s": cpu.get(s["index"]),
+                "predicted_memory_bytes": s["memory_bytes"],
+                "measured_memory_bytes": peaks.get(s["index"]),
             }
             for s in plan["stages"]
         ],
@@ -237,10 +244,11 @@ def main() -> None:
     parser.add_argument("--rank-model", default="vgg16", help="The model whose candidates are ranked.")
     parser.add_argument("--keep", default=None, help="Work in this folder (kept) instead of a temporary one.")
     parser.add_argument("--from-json", default=None, help="Only write the report again from a result file.")
+    parser.add_argument("--results", default="bench_fidelity", help="Result files' name (a subset's own).")
     args = parser.parse_args()
     if args.from_json:
         old = json.loads(Path(args.from_json).read_text())
-        args = argparse.Namespace(**{**old["setup"], "from_json": args.from_json})
+        args = argparse.Namespace(**{"results": args.results, **old["setup"], "from_json": args.from_json})
         load = old["machine"]["load_average_before_after"]
         report(args, old["profiles"], old["runs"], (tuple(load[0]), tuple(load[1])), old["wall_s"])
         return
@@ -321,9 +329,9 @@ def report(
         "runs": runs,
     }  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "bench_fidelity.json").write_text(json.dumps(doc, indent=1) + "\n")
-    md = [*_header(doc), *_runs_table(doc["runs"]), *_summary(doc)]
-    (RESULTS / "bench_fidelity.md").write_text("\n".join(md) + "\n")
+    (RESULTS / f"{args.results}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    md = [*_header(doc), *_runs_table(doc["runs"]), *_memory_table(doc["runs"]), *_summary(doc)]
+    (RESULTS / f"{args.results}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
 
@@ -377,6 +385,31 @@ def _runs_table(runs: list[dict[str, Any]]) -> list[str]:
             f"| {r['full_core_over_predicted']:.2f} | {r['load_1min']:.2f} |"
             for r in runs
         ),
+        "",
+    ]
+
+
+def _memory_table(runs: list[dict[str, Any]]) -> list[str]:
+    """Per stage, the plan's predicted peak memory per device against what ``run --measure-memory``
+    counted (live tensor storages: byte for byte the same from run to run, whatever the load)."""
+
+    def mib(value: float | None) -> str:
+        return "-" if value is None else f"{value / 2**20:.1f}"
+
+    rows = [
+        f"| {r['model']} | {r['plan']} | {k} | {mib(s.get('predicted_memory_bytes'))} "
+        f"| {mib(s.get('measured_memory_bytes'))} | "
+        + (f"{s['measured_memory_bytes'] / s['predicted_memory_bytes']:.2f} |"
+           if s.get("measured_memory_bytes") and s.get("predicted_memory_bytes") else "- |")
+        for r in runs
+        for k, s in enumerate(r["stages"])
+    ]  # fmt: skip
+    return [
+        "Peak memory per device, MiB: plan.json's prediction against `run --measure-memory`.",
+        "",
+        "| model | plan | stage | predicted MiB | measured MiB | measured/predicted |",
+        "|---|---|---:|---:|---:|---:|",
+        *rows,
         "",
     ]
 

@@ -81,6 +81,10 @@ class Node:
             launches, Python dispatch), fitted from a second measurement at a smaller batch (0: not
             measured). A minibatch run as M microbatches pays it M times: :func:`at_microbatches`.
         backward_fixed_ms: the same for ``backward_ms``.
+        working_bytes: bytes its backward makes and holds at once beyond ``saved_bytes``, at their
+            highest, per minibatch: the loss's gradient of the model's output and its own
+            intermediate gradient (a cross-entropy's two logits-sized tensors). One item's backward
+            runs at a time, so a device holds it once, not per item in flight (0: not measured).
     """
 
     id: str
@@ -99,6 +103,7 @@ class Node:
     cast_bytes: int = 0
     forward_fixed_ms: float = 0.0
     backward_fixed_ms: float = 0.0
+    working_bytes: int = 0
 
     @property
     def compute_ms(self) -> float:
@@ -198,7 +203,8 @@ def scale_batch(profile: Profile, batch_size: int) -> Profile:
     k = batch_size / profile.batch_size
     nodes = tuple(
         replace(n, forward_ms=n.forward_ms * k, backward_ms=n.backward_ms * k,
-                output_bytes=round(n.output_bytes * k), saved_bytes=round(n.saved_bytes * k))
+                output_bytes=round(n.output_bytes * k), saved_bytes=round(n.saved_bytes * k),
+                working_bytes=round(n.working_bytes * k))
         for n in profile.nodes
     )  # fmt: skip
     inputs = tuple(
@@ -304,6 +310,7 @@ def _node_from_json(doc: Mapping[str, Any]) -> Node:
         output_bytes=int(doc.get("output_bytes", 0)),
         saved_bytes=int(doc.get("saved_bytes", 0)),
         cast_bytes=int(doc.get("cast_bytes", 0)),
+        working_bytes=int(doc.get("working_bytes", 0)),
         forward_fixed_ms=float(doc.get("forward_fixed_ms", 0.0)),
         backward_fixed_ms=float(doc.get("backward_fixed_ms", 0.0)),
         param_bytes=int(doc.get("param_bytes", 0)),
@@ -334,7 +341,7 @@ def checked(profile: Profile, source: str = "profile") -> Profile:
         if node.id in seen:
             raise ProfileFormatError(f"{source}: node id {node.id!r} appears twice; ids must be unique")
         fields = ("forward_ms", "backward_ms", "output_bytes", "saved_bytes", "cast_bytes", "param_bytes",
-                  "forward_fixed_ms", "backward_fixed_ms")  # fmt: skip
+                  "forward_fixed_ms", "backward_fixed_ms", "working_bytes")  # fmt: skip
         for field_name in fields:
             value = getattr(node, field_name)
             if not _non_negative(value):

@@ -74,8 +74,10 @@ class _LiveStorages(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
     (a weak reference's callback); views and in-place results share a storage already counted.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, devices: tuple[str, ...] = ("cpu",)) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
+        self.devices = devices
+        """device types counted: a rank's CPU; the profiler's estimate counts the meta device too."""
         self.level = 0
         self.peak = 0
         self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
@@ -83,7 +85,7 @@ class _LiveStorages(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
     def add(self, tensors: Iterable[object]) -> None:
         """Count the storages of ``tensors`` not counted yet; raise the peak if the sum is higher."""
         for t in tensors:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.is_meta:
+            if isinstance(t, torch.Tensor) and t.device.type in self.devices:
                 self._add(t.untyped_storage())
         self.peak = max(self.peak, self.level)
 

@@ -344,7 +344,11 @@ class StageRuntime:
             [self._tag(me, k, False) for k in self.consumers],
         )
         inputs = {n: t for n, t in named.items() if t.requires_grad}
-        self.units[unit] = Unit(inputs, outs, loss, self.version, stashed)
+        # Only what a later stage reads: the backward starts from those and the loss. The loss's own
+        # input (the last stage's logits) stays alive only as long as its graph needs it.
+        sent = {n for names in self.consumers.values() for n in names}
+        kept = {n: t for n, t in outs.items() if n in sent}
+        self.units[unit] = Unit(inputs, kept, loss, self.version, stashed)
         held = len({u.version for u in self.units.values()})
         self.versions_in_flight_max = max(self.versions_in_flight_max, held)
 

@@ -35,6 +35,28 @@ def test_stopwatch_times_device_work_with_events() -> None:
     assert large[0] > 10 * small[0], "events bracket the device work, not the launch"
 
 
+def test_back_to_back_calls_hide_the_launches_a_step_overlaps() -> None:
+    """Many tiny kernels timed one synchronised call at a time count an idle GPU waiting for each
+    launch; back to back between two events (what the profiler times on CUDA) the host queues
+    ahead, so a call costs no more, and the layers of a real model add up to about its step."""
+    cuda = torch.device("cuda")
+    x = torch.randn(64, device=cuda)
+    one: list[float] = []
+    batched: list[float] = []
+    watch = Stopwatch(cuda)
+    for _ in range(3):
+        with watch.time(one):
+            for _ in range(50):
+                x = x + 1
+        with watch.time(batched, calls=8):
+            for _ in range(8 * 50):
+                x = x + 1
+    assert watch.calls > 1
+    assert min(batched) <= 1.1 * min(one)
+    profile = profile_model("resnet18", batch_size=32, input_shape=(3, 64, 64), device="cuda", repeats=3)
+    assert profile.fidelity is not None and profile.fidelity < 1.25, profile.fidelity
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_profile_on_cuda(precision: str) -> None:
     profile = profile_model("tiny-gpt", batch_size=8, device="cuda", repeats=2, precision=precision)

@@ -44,6 +44,7 @@ from partitioner.profiler.measure import (
     StepCost,
     getattr_path,
     measure_loss,
+    measure_loss_memory,
     measure_step,
 )
 from partitioner.profiler.trace import Group, Traced, trace_model
@@ -269,6 +270,7 @@ def _estimated(
     ):
         costs = estimator.profile(*(t.to("meta") for t in bundle.inputs))
         loss_ms = estimate_loss(estimator.result, bundle.targets, bundle.loss_fn, model, precision)
+        _record_loss_memory(costs, estimator.groups, estimator.result, bundle, precision)
     assumptions = [*model.assumptions]
     moe = moe_assumption(bundle.module)
     if moe:
@@ -418,7 +420,19 @@ def _layers_and_loss(
     loss_ms = measure_loss(
         profiler.result, bundle.targets, bundle.loss_fn, o.repeats, clock=o.clock, precision=o.precision
     )
+    _record_loss_memory(costs, profiler.groups, profiler.result, bundle, o.precision)
     return costs, loss_ms, _profiler_notes(profiler)
+
+
+def _record_loss_memory(
+    costs: dict[str, LayerCost], groups: Sequence[Group], output: Any, bundle: ModelBundle, precision: str
+) -> None:
+    """The loss's saved and working bytes (:func:`measure_loss_memory`) on the output node, the one
+    the last stage runs the loss on."""
+    saved, working = measure_loss_memory(output, bundle.targets, bundle.loss_fn, precision)
+    for group in groups:
+        if group.op == "output":
+            costs[group.id] = replace(costs[group.id], saved_bytes=saved, working_bytes=working)
 
 
 def _profiler_notes(profiler: LayerProfiler) -> dict[str, Any]:
@@ -560,6 +574,7 @@ def _nodes(
                 output_bytes=cost.output_bytes,
                 saved_bytes=cost.saved_bytes,
                 cast_bytes=cost.cast_bytes,
+                working_bytes=cost.working_bytes,
                 param_bytes=sum(p.numel() * p.element_size() for p in fresh),
                 param_names=tuple(names),
                 description=description,

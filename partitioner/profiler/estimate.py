@@ -226,7 +226,7 @@ class LayerEstimator(LayerProfiler):
         leaves, env, aliases = self._fresh_inputs(external)
         sink = _Sink(self.model, self.estimate_precision)  # the attention's backward finds it here
         with _Attention(sink), _Counter(sink):
-            outs, keys, casts = self._forward(members, env, [], record_saved=True)
+            outs, keys, casts = self._forward(members, env, record_saved=True)
         saved, cast = self._saved_bytes(keys, aliases, exported, outs, casts)
         forward, sink.work = sink.work, Work()
         differentiable = [t for m in exported for t in _tensors(outs[m.name]) if t.grad_fn is not None]

@@ -33,7 +33,15 @@ from partitioner.profiler.fingerprint import fingerprint
 from partitioner.profiler.trace import Group
 from runtime.precision import autocast
 
-__all__ = ["LayerCost", "LayerProfiler", "StepCost", "Stopwatch", "measure_loss", "measure_step"]
+__all__ = [
+    "LayerCost",
+    "LayerProfiler",
+    "StepCost",
+    "Stopwatch",
+    "measure_loss",
+    "measure_loss_memory",
+    "measure_step",
+]
 
 Progress = Callable[[int, int, str], None]
 
@@ -50,6 +58,8 @@ class LayerCost:
             their low-precision copies, counted in ``cast_bytes``).
         cast_bytes: bytes of the low-precision copies of parameters that autocast makes in the
             forward and autograd keeps for backward (0 in fp32): once per forward, whatever the batch.
+        working_bytes: bytes the backward makes and holds at once beyond ``saved_bytes``, at their
+            highest (measured for the loss only: :func:`measure_loss_memory`).
     """
 
     forward_ms: float
@@ -57,6 +67,7 @@ class LayerCost:
     output_bytes: int
     saved_bytes: int
     cast_bytes: int = 0
+    working_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -67,20 +78,37 @@ class StepCost:
     samples_ms: tuple[float, ...]
 
 
+#: calls a CUDA layer measurement makes back to back between two events (:class:`Stopwatch`).
+BACK_TO_BACK = 4
+#: a layer whose warm-up took longer (ms) is timed one call at a time: its launches are a
+#: negligible share of it, and each call in a batch holds its own inputs and saved activations.
+BACK_TO_BACK_BELOW_MS = 5.0
+
+
 class Stopwatch:
     """Milliseconds of device work: CUDA events after a synchronisation on GPUs, perf_counter on CPU.
 
     ``clock="cpu"`` counts the process's CPU time instead (all threads): on a CPU shared with other jobs
     it stays close to what an idle machine would show, where wall time also counts the waiting.
+
+    On CUDA a layer measured one call at a time, synchronised, starts on an idle GPU that waits for
+    every kernel launch, which a real step overlaps with the kernels before it: on an H100 the sum of
+    layer times was 1.23x (vgg16) to 2.35x (resnet50) the whole step. So the profiler times ``calls``
+    back-to-back calls between two events with no synchronisation in between (:meth:`time` with
+    ``calls``): the host queues ahead as in a step, and the per-call time is the elapsed time over
+    ``calls``. Untested on CUDA until a GPU run measures it (``benchmarks/gpu_check.py``).
     """
 
-    def __init__(self, device: torch.device, clock: str = "wall") -> None:
+    def __init__(self, device: torch.device, clock: str = "wall", calls: int | None = None) -> None:
         self.cuda = device.type == "cuda"
         self.clock = time.process_time if clock == "cpu" else time.perf_counter
+        self.calls = max(1, calls) if calls is not None else (BACK_TO_BACK if self.cuda else 1)
+        """calls a layer measurement makes back to back (1 on a CPU, which runs each synchronously)."""
 
     @contextmanager
-    def time(self, into: list[float]) -> Iterator[None]:
-        """Append the elapsed milliseconds of the ``with`` body to ``into``."""
+    def time(self, into: list[float], calls: int = 1) -> Iterator[None]:
+        """Append the elapsed milliseconds of the ``with`` body over ``calls``: the body makes that
+        many calls back to back, with no synchronisation between them."""
         if self.cuda:
             start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
@@ -89,11 +117,11 @@ class Stopwatch:
             yield
             end.record()
             end.synchronize()
-            into.append(start.elapsed_time(end))
+            into.append(start.elapsed_time(end) / max(1, calls))
         else:
             t0 = self.clock()
             yield
-            into.append((self.clock() - t0) * 1e3)
+            into.append((self.clock() - t0) * 1e3 / max(1, calls))
 
 
 def _storage_key(t: Tensor) -> tuple[int, int]:
@@ -126,6 +154,7 @@ class LayerProfiler(fx.Interpreter):
         precision: str = "fp32",
         reuse: bool = True,
         device: torch.device | None = None,
+        calls: int | None = None,
     ) -> None:
         super().__init__(gm, garbage_collect_values=False)
         self.precision = precision
@@ -141,7 +170,7 @@ class LayerProfiler(fx.Interpreter):
         self.grad_nodes = self._nodes_needing_grad(gm)
         device = device or next((p.device for p in gm.parameters()), torch.device("cpu"))
         self.device = device
-        self.stopwatch = Stopwatch(device, clock)
+        self.stopwatch = Stopwatch(device, clock, calls)
         self.param_storages = {_storage_key(t)[0] for t in [*gm.parameters(), *gm.buffers()]}
         self.seen_saved: set[int] = set()
         self.costs: dict[str, LayerCost] = {}
@@ -218,27 +247,34 @@ class LayerProfiler(fx.Interpreter):
         saved = cast = 0
         forward: list[float] = []
         backward: list[float] = []
+        warm: list[float] = []
         for run in range(self.warmup + self.repeats):
             if run > self.warmup and sum(forward) + sum(backward) >= self.budget_ms:
                 break  # a slow layer's median needs fewer samples: its relative noise is small
-            leaves, env, aliases = self._fresh_inputs(external)
-            outs, saved_keys, casts = self._forward(
-                members, env, forward if run >= self.warmup else [], run == 0
-            )
-            differentiable = [t for m in exported for t in _tensors(outs[m.name]) if t.grad_fn is not None]
+            timed = run >= self.warmup
+            calls = self._calls(warm) if timed else 1
+            batch = [self._fresh_inputs(external) for _ in range(calls)]
+            with self.stopwatch.time(forward if timed else warm, calls):
+                done = [self._forward(members, env, run == 0) for _, env, _ in batch]
             if run == 0:
-                saved, cast = self._saved_bytes(saved_keys, aliases, exported, outs, casts)
-            if differentiable and (leaves or params):
-                times = backward if run >= self.warmup else []
-                with torch.enable_grad(), self.stopwatch.time(times):
-                    torch.autograd.grad(
-                        differentiable,
-                        [*leaves, *params],
-                        [torch.ones_like(t) for t in differentiable],
-                        allow_unused=True,
-                    )
+                outs, saved_keys, casts = done[0]
+                saved, cast = self._saved_bytes(saved_keys, batch[0][2], exported, outs, casts)
+            work = []
+            for (leaves, _, _), (outs, _, _) in zip(batch, done, strict=True):
+                roots = [t for m in exported for t in _tensors(outs[m.name]) if t.grad_fn is not None]
+                if roots and (leaves or params):
+                    work.append((roots, [*leaves, *params], [torch.ones_like(t) for t in roots]))
+            if work:
+                with torch.enable_grad(), self.stopwatch.time(backward if timed else warm, len(work)):
+                    for roots, wrt, seeds in work:
+                        torch.autograd.grad(roots, wrt, seeds, allow_unused=True)
         out_bytes = sum(t.nbytes for m in exported for t in _tensors(self.env[m]))
         return LayerCost(_median(forward), _median(backward), out_bytes, saved, cast)
+
+    def _calls(self, warm: list[float]) -> int:
+        """Back-to-back calls per timing: the stopwatch's, or one for a layer whose warm-up took
+        over ``BACK_TO_BACK_BELOW_MS`` (its launches are lost in it)."""
+        return 1 if sum(warm) > BACK_TO_BACK_BELOW_MS else self.stopwatch.calls
 
     def _note_non_tensor_edges(self, group: Group) -> None:
         members = [self.by_name[m] for m in group.members]
@@ -290,7 +326,7 @@ class LayerProfiler(fx.Interpreter):
         return leaves, env, aliases
 
     def _forward(
-        self, members: list[fx.Node], env: dict[fx.Node, Any], times: list[float], record_saved: bool
+        self, members: list[fx.Node], env: dict[fx.Node, Any], record_saved: bool
     ) -> tuple[dict[str, Any], list[tuple[int, int]], set[int]]:
         saved: list[tuple[int, int]] = []
         casts: set[int] = set()
@@ -304,8 +340,8 @@ class LayerProfiler(fx.Interpreter):
         captured, self.env = self.env, env
         try:
             # Its own autocast region, as a rank's forward is: the weight casts are made (and timed)
-            # in each run, not cached from an earlier one.
-            with torch.enable_grad(), autocast(self.precision, self.device), self.stopwatch.time(times):
+            # in each run, not cached from an earlier one. The caller times it.
+            with torch.enable_grad(), autocast(self.precision, self.device):
                 if record_saved:
                     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                         outs = {m.name: self._run_member(m) for m in members}
@@ -448,3 +484,69 @@ def measure_loss(
                 with stopwatch.time(backward if run >= warmup else []):
                     loss.backward()  # type: ignore[no-untyped-call]
     return _median(forward), _median(backward)
+
+
+def measure_loss_memory(
+    output: Any, targets: Tensor, loss_fn: Callable[[Any, Tensor], Tensor], precision: str = "fp32"
+) -> tuple[int, int]:
+    """(saved, working) bytes of the loss on a captured model output, per minibatch.
+
+    ``saved``: what the loss's forward keeps for its backward (a cross-entropy's log-softmax, as
+    large as the logits), targets excluded. ``working``: how far its backward raises the bytes held
+    above that, at the highest (the gradients it makes, the one of the model output it passes on
+    included, less the saved tensors it frees on the way). A stage holds ``saved`` per item in
+    flight and ``working`` once: the layers' own bytes never count these, and on a large vocabulary
+    they outweigh all the layers' activations together. Counted from live storages on a CPU (as
+    ``pipeplan run --measure-memory`` counts them) and on the meta device (an estimate's), from
+    the caching allocator's peak on CUDA (written as torch documents it, untested on CUDA)."""
+    leaf_out = tree_map(_grad_leaf, output)
+    logits = [t for t in _tensors(leaf_out) if t.requires_grad]
+    if not logits:
+        return 0, 0
+    targets = tree_map(lambda t: t.to(logits[0].device) if isinstance(t, Tensor) else t, targets)
+    skip = {_storage_key(t)[0] for t in _tensors(targets)}
+    kept: dict[int, Tensor] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        key = _storage_key(t)[0]
+        if key not in skip and not isinstance(t, nn.Parameter):
+            kept[key] = t
+        return t
+
+    with torch.enable_grad():
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with hooks, autocast(precision, logits[0].device):
+            loss = loss_fn(leaf_out, targets)
+        saved = sum(t.untyped_storage().nbytes() for t in kept.values())
+        if loss.grad_fn is None:
+            return 0, 0
+        working = _backward_rise(loss, logits, kept)
+    return saved, working
+
+
+def _grad_leaf(v: Any) -> Any:
+    """A floating tensor as a fresh leaf that takes a gradient; anything else as it is."""
+    return v.detach().requires_grad_() if isinstance(v, Tensor) and v.is_floating_point() else v
+
+
+def _backward_rise(loss: Tensor, logits: list[Tensor], saved: dict[int, Tensor]) -> int:
+    """How far the loss's backward raises the bytes held, at the highest: the tensors it makes (its
+    gradients of ``logits`` too, taken as ``autograd.grad`` returns them, as the stage's backward
+    passes them on) less the ``saved`` tensors it frees as it goes."""
+    from runtime.memory import _LiveStorages  # the counter behind ``run --measure-memory``
+
+    device = logits[0].device
+    if device.type == "cuda":
+        saved.clear()
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        torch.autograd.grad(loss, logits, allow_unused=True)
+        return max(0, int(torch.cuda.max_memory_allocated(device)) - base)
+    counter = _LiveStorages(devices=("cpu", "meta"))  # meta: the estimate's shapes
+    counter.add(saved.values())
+    start = counter.level
+    saved.clear()  # autograd's references alone keep them now, so the counter sees them freed
+    with counter:
+        torch.autograd.grad(loss, logits, allow_unused=True)
+    return max(0, int(counter.peak) - start)

@@ -17,7 +17,9 @@ measured against ``pipeplan run`` by ``benchmarks/bench_memory.py``):
   computes a layer's new gradient beside the sum it adds it to (the stage's largest layer at most;
   zb1p's and zbv's W computes the whole stage's weight gradients before adding them: P);
 - h items' saved activations, each ``1/share`` of a minibatch; with recomputation h items' inputs
-  plus the one item's activations its backward rebuilds.
+  plus the one item's activations its backward rebuilds;
+- one item's backward working bytes (``Node.working_bytes``: the loss's gradients of the logits,
+  on the last stage), one microbatch's as the runtime runs them, passed in ``transient``.
 """
 
 from __future__ import annotations
@@ -174,6 +176,9 @@ class MemoryLimit:
         shared: the weights several layers use (:func:`shared_weights`).
         layers: (layer id, parameter bytes) of the layers with any, largest first.
         master: :func:`master_ratio` of the profile's weight dtype.
+        working: the largest ``Node.working_bytes`` of the profile, per minibatch: a bound on one
+            item's backward working bytes, charged to every stage (only the loss's stage has
+            them; a plan's price charges each stage its own).
     """
 
     limit: float
@@ -185,6 +190,7 @@ class MemoryLimit:
     shared: tuple[Shared, ...] = ()
     layers: tuple[tuple[str, float], ...] = ()
     master: float = 0.0
+    working: float = 0.0
 
     @property
     def per_byte(self) -> float:
@@ -207,7 +213,10 @@ class MemoryLimit:
                         key=lambda x: -x[1])  # fmt: skip
         largest = max([b for _, b in layers] + [s.nbytes for s in shared], default=0.0)
         master = master_ratio(profile.dtype)
-        return MemoryLimit(limit, optimizer, schedule, devices, m, largest, shared, tuple(layers), master)
+        working = float(max((n.working_bytes for n in profile.nodes), default=0))
+        return MemoryLimit(
+            limit, optimizer, schedule, devices, m, largest, shared, tuple(layers), master, working
+        )
 
     def extras(
         self, masks: Sequence[int], layer_ids: Sequence[str], ks: IntArray, js: IntArray
@@ -252,7 +261,7 @@ class MemoryLimit:
 
     def items(self, params: FloatArray, saved: FloatArray) -> FloatArray:
         """pipedream: the most minibatches one device can hold in flight (< 1: none)."""
-        free = self.limit - params * self.per_byte
+        free = self.limit - params * self.per_byte - self.working
         many = np.floor(free / np.maximum(params + saved, 1e-9))  # h > 1: P (f + h) + h S <= limit
         return np.asarray(np.where(many >= 2, many, np.where(free >= saved, 1.0, 0.0)), dtype=np.float64)
 
@@ -262,7 +271,7 @@ class MemoryLimit:
         """Synchronous: the fewest replicas that hold all M microbatches' activations (inf: none);
         below M replicas a replica accumulates and holds the transient gradient too (``largest``:
         the stages' largest layers, else the profile's)."""
-        base = self.limit - params * self.per_byte
+        base = self.limit - params * self.per_byte - self.working / self.microbatches
         alone = _ceil_div(saved, base)
         bound = self.largest if largest is None else largest
         with_grad = _ceil_div(saved, base - transient_bytes(params, bound, self.schedule))
@@ -276,7 +285,8 @@ class MemoryLimit:
         :meth:`replicas`)."""
         transient = transient_bytes(params, self.largest if largest is None else largest, self.schedule)
         grad = np.where(replicas < self.microbatches, transient, 0.0)
-        need = params * self.per_byte + grad + saved / replicas
+        working = self.working / np.maximum(replicas, float(self.microbatches))  # price.backward_item
+        need = params * self.per_byte + grad + working + saved / replicas
         return np.asarray(need <= self.limit)
 
 

@@ -45,6 +45,7 @@ __all__ = [
     "RECOMPUTE_MODES",
     "StageSpec",
     "assemble",
+    "backward_item",
     "data_parallel_time",
     "gib",
     "global_lower_bound",
@@ -138,6 +139,7 @@ def stage_loads(profile: Profile, groups: Sequence[Sequence[str]]) -> list[Stage
                 copy_bytes=copies[i][0],
                 largest_param_bytes=largest,
                 master=master,
+                working_bytes=float(max((n.working_bytes for n in members), default=0)),
             )
         )
     return loads
@@ -215,13 +217,17 @@ def _times(
 
 
 def held_memory(
-    load: StageLoad, schedule: str, held: int, share: int, optimizer: str, recompute: bool, accumulates: bool
-) -> int:
+    load: StageLoad, schedule: str, held: int, share: int, optimizer: str, recompute: bool, accumulates: bool,
+    item: int = 1,
+) -> int:  # fmt: skip
     """Peak bytes of one device of a stage holding ``held`` items, each ``1/share`` of a minibatch,
     accumulating gradients or not: :func:`~partitioner.optimizer.pricing.memory.peak_bytes` of the
-    stage's bytes. Shared by the cost model and the simulation (which counts ``held`` itself)."""
+    stage's bytes. Shared by the cost model and the simulation (which counts ``held`` itself).
+    ``item``: the microbatches a minibatch runs as (:func:`backward_item`): one of them is what a
+    backward works on at a time, its working bytes ``1/item`` of a minibatch's."""
     params = load.param_bytes + load.copy_bytes
     transient = float(transient_bytes(params, load.largest_param_bytes, schedule)) if accumulates else 0.0
+    transient += load.working_bytes / item  # one item's backward at a time
     return peak_bytes(
         params, load.saved_bytes, held, share, schedule, optimizer, transient, load.input_bytes, recompute,
         load.master,
@@ -244,7 +250,15 @@ def stage_memory(
     whole = sched.asynchronous
     share = 1 if whole else microbatches * replicas[position]
     accumulates = not whole and microbatches > replicas[position]
-    return held_memory(load, schedule, held, share, optimizer, recompute, accumulates)
+    item = backward_item(whole, microbatches, replicas[position])
+    return held_memory(load, schedule, held, share, optimizer, recompute, accumulates, item)
+
+
+def backward_item(whole: bool, microbatches: int, replicas: int) -> int:
+    """Microbatches per minibatch as the runtime runs them: a synchronous schedule hands its
+    microbatches to a stage's replicas round-robin, at least one each (``runtime.config.
+    replica_microbatches``); pipedream runs whole minibatches."""
+    return 1 if whole else max(microbatches, replicas)
 
 
 def price_stage(

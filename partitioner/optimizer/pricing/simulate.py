@@ -25,7 +25,14 @@ from pathlib import Path
 from partitioner.atomic import write_text_atomic
 from partitioner.errors import PlanError
 from partitioner.graph import Profile, at_microbatches
-from partitioner.optimizer.pricing.price import StageSpec, assemble, held_memory, hosts_bound, stage_loads
+from partitioner.optimizer.pricing.price import (
+    StageSpec,
+    assemble,
+    backward_item,
+    held_memory,
+    hosts_bound,
+    stage_loads,
+)
 from partitioner.optimizer.pricing.schedules import model
 from partitioner.optimizer.pricing.stage import (
     W_SHARE,
@@ -309,7 +316,10 @@ def _memory(
         sync = not model(plan.schedule).asynchronous
         share = plan.microbatches * stage.replicas if sync else 1
         accumulates = sync and plan.microbatches > stage.replicas
-        out.append(held_memory(load, plan.schedule, h, share, plan.optimizer, stage.recompute, accumulates))
+        item = backward_item(not sync, plan.microbatches, stage.replicas)
+        out.append(
+            held_memory(load, plan.schedule, h, share, plan.optimizer, stage.recompute, accumulates, item)
+        )
     return tuple(out)
 
 

@@ -74,6 +74,8 @@ class StageLoad:
             their gradients' sync is not priced.
         largest_param_bytes: the largest of its layers' parameter bytes (a tied copy counted): the
             gradient a replica that accumulates holds beside the sum.
+        working_bytes: the largest of its layers' ``working_bytes`` (the loss's, on the last
+            stage): what one item's backward makes beyond the saved bytes, held once per device.
     """
 
     compute_s: float
@@ -86,6 +88,7 @@ class StageLoad:
     copy_bytes: float = 0.0
     largest_param_bytes: float = 0.0
     master: float = 0.0
+    working_bytes: float = 0.0
 
     @property
     def forward_time(self) -> float:

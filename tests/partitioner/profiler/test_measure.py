@@ -188,3 +188,51 @@ def test_bf16_profile_measures_low_precision_outputs_and_weight_copies() -> None
     assert bf16["fc2"].param_bytes == fp32["fc2"].param_bytes == (32 * 32 + 32) * 4  # float32 weights
     assert bf16["fc2"].cast_bytes == 32 * 32 * 2 and fp32["fc2"].cast_bytes == 0  # the bf16 copy kept
     assert bf16["fc1"].cast_bytes == 0  # its input needs no gradient: the copy is not kept
+
+
+def test_the_loss_records_its_saved_log_softmax_and_its_backward_working_bytes() -> None:
+    """A cross-entropy keeps its log-softmax (as large as the logits) for the backward, which then
+    holds logits-sized gradients beside it: the bytes a large vocabulary's last stage peaks with."""
+    from partitioner.profiler.measure import measure_loss_memory
+
+    logits = torch.randn(4, 16, 5000)
+    targets = torch.randint(0, 5000, (4, 16))
+
+    def loss_fn(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out.flatten(0, 1), t.flatten())
+
+    saved, working = measure_loss_memory(logits, targets, loss_fn)
+    assert saved >= logits.nbytes  # the log-softmax
+    assert working >= logits.nbytes  # at least the gradient of the logits it passes on
+    assert measure_loss_memory(logits.long(), targets, lambda o, t: o.sum().float()) == (0, 0)
+
+
+def test_back_to_back_calls_are_timed_together_and_reported_per_call() -> None:
+    """The stopwatch's batched form (what a CUDA layer is timed with: several calls between two
+    events, no synchronisation between them) gives the time of one call."""
+    import time as clock
+
+    times: list[float] = []
+    with Stopwatch(torch.device("cpu")).time(times, calls=3):
+        for _ in range(3):
+            clock.sleep(0.02)
+    assert len(times) == 1 and 19.0 <= times[0] < 60.0  # 20 ms each; a sleep is never shorter
+    assert Stopwatch(torch.device("cpu")).calls == 1  # a CPU runs each call synchronously
+
+
+def test_a_layer_timed_back_to_back_runs_each_call_once_and_keeps_its_bytes() -> None:
+    """Timing ``calls`` back-to-back calls runs the layer that many times per timed repeat (one
+    warm-up alone) and records the same output and saved bytes as one call at a time."""
+    bundle = load_model("tiny-mlp", batch_size=4)
+    traced = trace_model(bundle)
+    seen = [0]
+    fc1 = traced.graph_module.get_submodule("fc1")
+    fc1.register_forward_hook(lambda *_: seen.__setitem__(0, seen[0] + 1))
+    costs = {}
+    for calls in (1, 3):
+        seen[0] = 0
+        profiler = LayerProfiler(traced.graph_module, traced.groups, repeats=2, calls=calls, budget_ms=1e9)
+        costs[calls] = profiler.profile(*bundle.inputs)["fc1"]
+        assert seen[0] == 1 + 1 + 2 * calls  # the capture run, one warm-up, then calls per repeat
+    assert costs[1].output_bytes == costs[3].output_bytes == 4 * 32 * 4
+    assert costs[1].saved_bytes == costs[3].saved_bytes == 4 * 16 * 4

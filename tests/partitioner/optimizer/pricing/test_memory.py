@@ -190,3 +190,29 @@ def test_a_layer_no_device_can_hold_is_named_with_its_bytes() -> None:
         PlanError, match=r"layer layer0 needs 22\.89 MiB for its 2\.86 MiB of bfloat16 weights .* master copy"
     ):
         check_layers_fit(profile, 23e6, "adam")
+
+
+@pytest.mark.parametrize(("schedule", "m"), [("pipedream", 1), ("1f1b", 4), ("gpipe", 4), ("zb1p", 4)])
+def test_the_loss_working_bytes_are_held_once_on_its_stage_only(schedule: str, m: int) -> None:
+    """The loss's backward working bytes (a cross-entropy's logits-sized gradients) are charged once
+    per device, one item's share, to the stage that runs the loss; the simulation, the plan and the
+    search's limit agree."""
+    base = _tied()
+    last = base.nodes[-1].id
+    working = 40_000_000
+    nodes = tuple(replace(n, working_bytes=working) if n.id == last else n for n in base.nodes)
+    profile = replace(base, nodes=nodes)
+    before = evaluate(base, Cluster.flat(3), ["l1", "l3"], [1, 1, 1], schedule, m)
+    plan = evaluate(profile, Cluster.flat(3), ["l1", "l3"], [1, 1, 1], schedule, m)
+    rise = [b.memory_bytes - a.memory_bytes for a, b in zip(before.stages, plan.stages, strict=True)]
+    assert rise[:-1] == [0, 0] and rise[-1] == pytest.approx(working / m, abs=1)
+    assert simulate(plan, profile).peak_memory_bytes == tuple(s.memory_bytes for s in plan.stages)
+    if m > 1:  # 2 replicas of one stage take the m microbatches round-robin: each is 1/m
+        one = evaluate(profile, Cluster.flat(2), [], [2], schedule, m).stages[0].memory_bytes
+        assert one - evaluate(base, Cluster.flat(2), [], [2], schedule, m).stages[0].memory_bytes == (
+            pytest.approx(working / m, abs=1)
+        )
+    # the searches charge the bound to every stage (MemoryLimit.working): a plan they find fits
+    limit = max(s.memory_bytes for s in plan.stages) + working
+    found = solve(profile, Cluster.flat(3, memory_bytes=limit), schedule, m)
+    assert max(s.memory_bytes for s in found.stages) <= limit
