@@ -28,6 +28,41 @@ def _console(stderr: bool = False) -> Console:
     return Console(stderr=stderr, highlight=False, emoji=False)  # (":llama:" is no emoji in a spec)
 
 
+def _table(title: str, columns: Sequence[str], left: Sequence[str] = ()) -> Any:
+    """A table that reads in an 80-column terminal or a log: a rule under the header, no side borders,
+    two spaces between columns, numbers never cut or wrapped (units go in the header's second line,
+    ``"compute\nms"``; tests/test_cli_tables.py renders every table at 80 columns)."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(
+        title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True
+    )
+    for column in columns:
+        table.add_column(column, justify="left" if column in left else "right", no_wrap=column not in left)
+    return table
+
+
+def _layer_range(first: str, last: str, count: int) -> str:
+    """``features.0..30 (31)``: the first and last layer's names, their shared dotted prefix once."""
+    if first == last:
+        return f"{first} ({count})"
+    a, b = first.split("."), last.split(".")
+    pairs = enumerate(zip(a[:-1], b[:-1], strict=False))
+    shared = next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)) - 1)
+    return f"{first}..{'.'.join(b[shared:])} ({count})"
+
+
+def _num(value: float) -> str:
+    """A time or size in at most 6 characters that keeps 4 significant digits (``1410``, ``12.34``)."""
+    return f"{value:.2f}" if abs(value) < 100 else f"{value:.1f}" if abs(value) < 1000 else f"{value:.0f}"
+
+
+def _tail(name: str, width: int) -> str:
+    """A layer's name in a table cell: the end is what tells layers apart (``…layers.5.mlp.down_proj``)."""
+    return name if len(name) <= width else "\N{HORIZONTAL ELLIPSIS}" + name[1 - width :]
+
+
 def user_errors(func: F) -> F:
     """Turn the library's typed errors into one red line and exit code 2 (a traceback with --debug)."""
 
@@ -142,24 +177,21 @@ def _check_output(path: Any) -> None:
 
 
 def _profile_table(profile: Any, top: int) -> Any:
-    from rich.table import Table
-
     total = profile.total_compute_ms or 1.0
-    table = Table(title=f"{profile.model}: top {top} layers by forward+backward time", title_justify="left")
-    for column in ("layer", "type", "fwd ms", "bwd ms", "share", "output MB", "saved MB", "params M"):
-        table.add_column(column, justify="left" if column in ("layer", "type") else "right")
+    columns = ("layer", "type", "fwd\nms", "bwd\nms", "share", "output\nMB", "saved\nMB", "params\nM")
+    table = _table(f"{profile.model}: top {top} layers by forward+backward time", columns, ("layer", "type"))
     mb = 1 / 2**20
     for node in sorted(profile.nodes, key=lambda n: -n.compute_ms)[:top]:
         params = node.param_bytes / (4 if profile.dtype == "float32" else 2) / 1e6
         table.add_row(
-            node.name if node.op != "output" else "(loss)",
-            node.target,
-            f"{node.forward_ms:.2f}",
-            f"{node.backward_ms:.2f}",
+            _tail(node.name, 21) if node.op != "output" else "(loss)",
+            _tail(node.target.rsplit(".", 1)[-1], 11),
+            _num(node.forward_ms),
+            _num(node.backward_ms),
             f"{100 * node.compute_ms / total:.1f}%",
-            f"{node.output_bytes * mb:.2f}",
-            f"{node.saved_bytes * mb:.2f}",
-            f"{params:.2f}",
+            _num(node.output_bytes * mb),
+            _num(node.saved_bytes * mb),
+            _num(params),
         )
     return table
 
@@ -498,30 +530,37 @@ def _cpu_hosts(cluster: Any, profile: Any, host_cores: int | None) -> Any:
 
 
 def _plan_table(plan: Any, profile: Any) -> Any:
-    from rich.table import Table
+    """The stage table; where a stage's layer range is too long for 80 columns, the ranges follow the
+    table one per line and the table counts the layers."""
+    from rich.console import Group
+    from rich.text import Text
 
     from partitioner.optimizer.pricing.price import gib
 
     names = {n.id: n.name for n in profile.nodes}
     slowest = max((s.compute_s / s.replicas + s.comm_s for s in plan.stages), default=1.0) or 1.0
-    table = Table(title=f"{plan.model}: {len(plan.stages)} stages on {plan.gpus} GPUs ({plan.schedule})",
-                  title_justify="left")  # fmt: skip
-    cols = ("stage", "layers", "replicas", "ranks", "compute", "comm", "memory", "recompute", "util")
-    for col in cols:
-        table.add_column(col, justify="left" if col in ("layers", "ranks") else "right")
+    cols = ("stage", "layers", "ranks", "compute\nms", "comm\nms", "memory", "re-\ncompute", "util")
+    title = f"{plan.model}: {len(plan.stages)} stages on {plan.gpus} GPUs ({plan.schedule})"
+    table = _table(title, cols, ("layers", "ranks"))
     rows = 24  # as the Gantt: a pipeline of more stages shows its first and last, and how many it left out
     stages = plan.stages if len(plan.stages) <= rows else [*plan.stages[:16], *plan.stages[-8:]]
+    spans = {}
+    for s in stages:
+        layers = [n for n in s.nodes if profile.node(n).op != "input"] or list(s.nodes)
+        spans[s.index] = (_layer_range(names[layers[0]], names[layers[-1]], len(layers)), len(layers))
+    inline = max(len(span) for span, _ in spans.values()) <= 22
     for s in stages:
         if s.index == len(plan.stages) - 8 and len(plan.stages) > rows:
             table.add_row("...", f"{len(plan.stages) - rows} stages not shown", *[""] * (len(cols) - 2))
-        layers = [n for n in s.nodes if profile.node(n).op != "input"] or list(s.nodes)
-        ranks = ",".join(map(str, s.ranks)) if len(s.ranks) <= 6 else f"{s.ranks[0]}..{s.ranks[-1]}"
+        span, count = spans[s.index]
+        ranks = ",".join(map(str, s.ranks)) if len(s.ranks) <= 3 else f"{s.ranks[0]}..{s.ranks[-1]}"
         busy = s.compute_s / s.replicas + s.comm_s
-        table.add_row(str(s.index), f"{names[layers[0]]} .. {names[layers[-1]]} ({len(layers)})",
-                      str(s.replicas), ranks, f"{s.compute_s * 1e3:.2f} ms", f"{s.comm_s * 1e3:.2f} ms",
-                      gib(s.memory_bytes), "yes" if s.recompute else "no",
+        table.add_row(str(s.index), span if inline else str(count), ranks, _num(s.compute_s * 1e3),
+                      _num(s.comm_s * 1e3), gib(s.memory_bytes), "yes" if s.recompute else "no",
                       f"{100 * busy / slowest:.0f}%")  # fmt: skip
-    return table
+    if inline:
+        return table
+    return Group(table, *(Text(f"stage {i}: {span}") for i, (span, _) in spans.items()))
 
 
 def _plan_summary(plan: Any, sim: Any) -> str:
@@ -557,30 +596,27 @@ def _plan_summary(plan: Any, sim: Any) -> str:
 def _explain(
     profile: Any, cluster: Any, plan: Any, schedule: str, micro: int, optimizer: str, recompute: str
 ) -> Any:
-    from rich.table import Table
-
     from partitioner.optimizer.planner import alternatives
 
-    table = Table(title=f"alternatives (--recompute {recompute})", title_justify="left")
-    for col in ("plan", "stages", "replicas", "recomputing stages", "ms/minibatch", "vs chosen"):
-        table.add_column(
-            col, justify="left" if col in ("plan", "replicas", "recomputing stages") else "right"
-        )
+    cols = ("plan", "stages", "replicas", "recomputing\nstages", "ms per\nminibatch", "vs\nchosen")
+    table = _table(
+        f"alternatives (--recompute {recompute})", cols, ("plan", "replicas", "recomputing\nstages")
+    )
     rows = [("chosen", plan), *alternatives(profile, cluster, schedule, micro, optimizer, recompute).items()]
     for name, alt in rows:
         if alt is None:
             table.add_row(name, "-", "does not fit", "-", "-", "-")
             continue
         t = alt.predicted.time_per_minibatch_s
-        reps = _short(",".join(str(s.replicas) for s in alt.stages))
-        again = _short(",".join(str(s.index) for s in alt.stages if s.recompute) or "none")
+        reps = _short(",".join(str(s.replicas) for s in alt.stages), 16)
+        again = _short(",".join(str(s.index) for s in alt.stages if s.recompute) or "none", 12)
         table.add_row(name, str(len(alt.stages)), reps, again,
                       f"{t * 1e3:.3f}", f"{t / plan.predicted.time_per_minibatch_s:.2f}x")  # fmt: skip
     return table
 
 
-def _short(text: str) -> str:
-    return text if len(text) < 40 else text[:37] + "..."
+def _short(text: str, width: int = 39) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _check_package_options(profile: Any, weights: str | None, init: str) -> None:
@@ -926,7 +962,6 @@ def _auto(
 
 def _auto_table(choice: Any, gpus: int, asked: int | None) -> Any:
     from rich.console import Group
-    from rich.table import Table
     from rich.text import Text
 
     from partitioner.optimizer.pricing.schedules import model
@@ -942,11 +977,8 @@ def _auto_table(choice: Any, gpus: int, asked: int | None) -> Any:
         notes.append("microbatches not searched: the profile has no fixed per-call times")
     elif asked is None:
         notes.append(f"microbatches searched: {', '.join(map(str, choice.counts))}")
-    table = Table(title="--schedule auto: each schedule's best plan", title_justify="left")
-    for col in ("schedule", "micro", "stages: replicas", "ms/minibatch", "vs best"):
-        table.add_column(
-            col, justify="left" if col in ("schedule", "stages: replicas") else "right", no_wrap=True
-        )
+    cols = ("schedule", "micro-\nbatches", "stages: replicas", "ms per\nminibatch", "vs best")
+    table = _table("--schedule auto: each schedule's best plan", cols, ("schedule", "stages: replicas"))
     best = choice.times[chosen] or 1.0
     for name, plan in plans.items():
         label = name + (" (chosen)" if name == chosen else "")
@@ -1045,15 +1077,12 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
 
 
 def _verify_table(report: Any) -> Any:
-    from rich.table import Table
-
-    table = Table(title=f"pipeplan verify {report.package}")
-    for column in ("stage", "params", "reads", "returns", "init max |diff|", "grad max |diff|", "ok"):
-        right = "diff" in column or column == "params"
-        table.add_column(column, justify="right" if right else "left", overflow="fold")
+    cols = ("stage", "params", "reads", "returns", "init max\n|diff|", "grad max\n|diff|", "ok")
+    table = _table(f"pipeplan verify {report.package}", cols, ("stage", "reads", "returns", "ok"))
     for s in report.stages:
         table.add_row(
-            str(s.index), f"{s.params:,}", "\n".join(s.in_names), "\n".join(s.out_names),
+            str(s.index), f"{s.params / 1e6:,.2f}M", "\n".join(_tail(n, 16) for n in s.in_names),
+            "\n".join(_tail(n, 16) for n in s.out_names),
             f"{s.init_error:.2e}", f"{s.grad_error:.2e}", "[green]yes[/green]" if s.ok else "[red]NO[/red]",
         )  # fmt: skip
     return table
@@ -1140,14 +1169,10 @@ def calibrate(package: str | None, metrics_path: str | None, output: str | None,
 
 
 def _calibration_table(profile: Any, plan: Any, measured_s: Any) -> Any:
-    from rich.table import Table
-
     from partitioner.calibrate import stage_factors
 
     factors = stage_factors(profile, plan, measured_s)
-    table = Table(title=f"{profile.model}: compute per minibatch", title_justify="left")
-    for column in ("stage", "profiled", "measured", "factor"):
-        table.add_column(column, justify="right")
+    table = _table(f"{profile.model}: compute per minibatch", ("stage", "profiled", "measured", "factor"))
     for stage in plan.stages:
         profiled = sum(profile.node(n).compute_ms for n in stage.nodes)
         measured = measured_s.get(stage.index)
@@ -1414,26 +1439,19 @@ def _eval_text(evaluation: dict[str, Any]) -> str:
 
 
 def _print_run_table(metrics: dict[str, Any], path: object) -> None:
-    from rich.table import Table
-
     def ms(value: float | None) -> str:
         return f"{value * 1e3:.2f} ms" if value is not None else "-"
 
     ratio = metrics.get("ratio_measured_over_predicted")
-    table = Table(
-        title=f"{metrics['schedule']}, {metrics['microbatches']} microbatches, {metrics['world_size']} ranks"
-    )
-    for col in ("", "measured", "predicted (plan.json)", "measured/predicted"):
-        table.add_column(col, justify="right")
+    title = f"{metrics['schedule']}, {metrics['microbatches']} microbatches, {metrics['world_size']} ranks"
+    table = _table(title, ("", "measured", "predicted\n(plan.json)", "measured/\npredicted"), ("",))
     table.add_row(
         "time per minibatch",
         ms(metrics["time_per_minibatch_s"]),
         ms(metrics["predicted_time_per_minibatch_s"]),
         f"{ratio:.2f}" if ratio is not None else "-",
     )
-    ranks = Table(title="per rank (seconds over all steps)")
-    for col in ("rank", "stage", "compute", "comm", "idle"):
-        ranks.add_column(col, justify="right")
+    ranks = _table("per rank (seconds over all steps)", ("rank", "stage", "compute", "comm", "idle"))
     for r in metrics["ranks"]:
         ranks.add_row(
             str(r["rank"]),
@@ -1471,14 +1489,10 @@ def _print_run_table(metrics: dict[str, Any], path: object) -> None:
 
 def _memory_table(memory: dict[str, Any]) -> Any:
     """Per stage: the peak memory its ranks measured next to the plan's prediction."""
-    from rich.table import Table
-
     from partitioner.optimizer.pricing.price import gib
 
-    table = Table(title=f"peak memory per device ({memory['method']}, first {memory['window_minibatches']} "
-                  "minibatches)")  # fmt: skip
-    for col in ("stage", "measured", "predicted (plan.json)", "measured/predicted"):
-        table.add_column(col, justify="right")
+    title = f"peak memory per device ({memory['method']}, first {memory['window_minibatches']} minibatches)"
+    table = _table(title, ("stage", "measured", "predicted\n(plan.json)", "measured/\npredicted"))
     for s in memory["stages"]:
         got, want, ratio = s["measured_peak_bytes"], s["predicted_bytes"], s["ratio_measured_over_predicted"]
         table.add_row(str(s["stage"]), gib(got) if got is not None else "-", gib(want) if want else "-",

@@ -6,7 +6,6 @@
 set -euo pipefail
 BIN=$(cd "${1:-.venv/bin}" && pwd)
 pipeplan() { "$BIN/pipeplan" "$@"; }
-[ -t 1 ] || export COLUMNS=${COLUMNS:-120}  # rich tables stay readable when piped or logged
 # Two ranks share this machine's cores in step 4: measure each layer with the threads one rank will get.
 threads=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))
 

@@ -7,7 +7,6 @@
 set -euo pipefail
 BIN=$(cd "${1:-.venv/bin}" && pwd)
 pipeplan() { "$BIN/pipeplan" "$@"; }
-[ -t 1 ] || export COLUMNS=${COLUMNS:-120}  # rich tables stay readable when piped or logged
 threads=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))  # two ranks share this machine's cores
 PKG=models/byte-gpt/gpus=2
 
