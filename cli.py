@@ -28,6 +28,66 @@ def _console(stderr: bool = False) -> Console:
     return Console(stderr=stderr, highlight=False, emoji=False)  # (":llama:" is no emoji in a spec)
 
 
+def _progress(transient: bool) -> Any:
+    """rich's progress bar on a terminal; elsewhere (a log, a pipe, CI) a line per phase with the
+    elapsed time, since rich draws nothing there until the end."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = _console(stderr=True)
+    if not console.is_terminal:
+        return _PhaseLog(console)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    return Progress(*columns, console=console, transient=transient)
+
+
+class _PhaseLog:
+    """The part of rich's Progress the commands use, as plain lines: one when the phase (the
+    description's first word: tracing, measuring, step) changes, at most one per ``every`` seconds
+    within a phase, and the last state at the end, each after the seconds since the start."""
+
+    def __init__(self, console: Console, every: float = 10.0) -> None:
+        import time
+
+        self.console, self.every, self.clock = console, every, time.monotonic
+        self.start = self.last = self.clock()
+        self.task: dict[str, Any] = {}
+        self.shown: tuple[Any, ...] | None = None
+        self.phase = ""
+
+    def __enter__(self) -> _PhaseLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def add_task(self, description: str, total: float | None = None) -> int:
+        self.task = {"description": description, "completed": 0, "total": total}
+        self._show()
+        return 0
+
+    def update(self, task: int, **fields: Any) -> None:
+        self.task.update({k: v for k, v in fields.items() if v is not None})
+        self._show()
+
+    def stop(self) -> None:
+        self._show(final=True)
+
+    def _show(self, final: bool = False) -> None:
+        now, text, done, total = (
+            self.clock(),
+            self.task["description"],
+            self.task["completed"],
+            self.task["total"],
+        )
+        phase = text.split(" ", 1)[0]
+        due = phase != self.phase or now - self.last >= self.every or final
+        if not due or self.shown == (text, done, total):
+            return
+        self.phase, self.last, self.shown = phase, now, (text, done, total)
+        count = f" ({done:g}/{total:g})" if total else ""
+        self.console.print(f"{now - self.start:7.1f} s  {text}{count}", markup=False, highlight=False)
+
+
 def _table(title: str, columns: Sequence[str], left: Sequence[str] = ()) -> Any:
     """A table that reads in an 80-column terminal or a log: a rule under the header, no side borders,
     two spaces between columns, numbers never cut or wrapped (units go in the header's second line,
@@ -383,8 +443,6 @@ def profile(
     import json
     from pathlib import Path
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from partitioner.errors import PipeplanError
     from partitioner.graph import profile_to_json, save_profile
     from partitioner.models import model_name
@@ -398,8 +456,7 @@ def profile(
     shape = _parse_shape(input_shape)
     path = Path(output) if output else Path("profiles") / model_name(model) / "profile.json"
     _check_output(path)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=_console(stderr=True), transient=True) as bar:
+    with _progress(transient=True) as bar:
         task = bar.add_task(f"tracing {model}", total=None)
 
         def progress(done: int, total: int, name: str) -> None:
@@ -1392,8 +1449,6 @@ def _run_and_report(options: Any) -> None:
 def _report_run(options: Any) -> None:
     from pathlib import Path
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from runtime.data import SYNTHETIC_STEPS
     from runtime.errors import Interrupted, JobFailed
     from runtime.launch import check_launch, launch, resolve_resume
@@ -1405,8 +1460,7 @@ def _report_run(options: Any) -> None:
     total = options.steps or (
         (options.epochs or 1) * SYNTHETIC_STEPS if options.data == "synthetic" else None
     )
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=_console(stderr=True), transient=False) as bar:
+    with _progress(transient=False) as bar:
         task = bar.add_task(f"training {Path(options.package).name}", total=total)
 
         held_out = ""
