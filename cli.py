@@ -113,6 +113,10 @@ def _layer_range(first: str, last: str, count: int) -> str:
     return f"{first}..{'.'.join(b[shared:])} ({count})"
 
 
+def _plural(count: int, one: str, many: str | None = None) -> str:
+    return f"{count} {one if count == 1 else many or one + 's'}"
+
+
 def _num(value: float) -> str:
     """A time or size in at most 6 characters that keeps 4 significant digits (``1410``, ``12.34``)."""
     return f"{value:.2f}" if abs(value) < 100 else f"{value:.1f}" if abs(value) < 1000 else f"{value:.0f}"
@@ -587,37 +591,53 @@ def _cpu_hosts(cluster: Any, profile: Any, host_cores: int | None) -> Any:
 
 
 def _plan_table(plan: Any, profile: Any) -> Any:
-    """The stage table; where a stage's layer range is too long for 80 columns, the ranges follow the
-    table one per line and the table counts the layers."""
+    """The stage table; where the stages' layer ranges would make it wider than 80 columns, the ranges
+    follow the table one per line and the table counts the layers."""
     from rich.console import Group
+    from rich.measure import Measurement
     from rich.text import Text
 
     from partitioner.optimizer.pricing.price import gib
 
     names = {n.id: n.name for n in profile.nodes}
     slowest = max((s.compute_s / s.replicas + s.comm_s for s in plan.stages), default=1.0) or 1.0
-    cols = ("stage", "layers", "ranks", "compute\nms", "comm\nms", "memory", "re-\ncompute", "util")
+    again = any(s.recompute for s in plan.stages)  # (a column only where some stage recomputes)
+    cols = (
+        "stage",
+        "layers",
+        "ranks",
+        "compute\nms",
+        "comm\nms",
+        "memory",
+        *(("re-\ncompute",) if again else ()),
+        "util",
+    )
     title = f"{plan.model}: {len(plan.stages)} stages on {plan.gpus} GPUs ({plan.schedule})"
-    table = _table(title, cols, ("layers", "ranks"))
     rows = 24  # as the Gantt: a pipeline of more stages shows its first and last, and how many it left out
     stages = plan.stages if len(plan.stages) <= rows else [*plan.stages[:16], *plan.stages[-8:]]
     spans = {}
     for s in stages:
         layers = [n for n in s.nodes if profile.node(n).op != "input"] or list(s.nodes)
         spans[s.index] = (_layer_range(names[layers[0]], names[layers[-1]], len(layers)), len(layers))
-    inline = max(len(span) for span, _ in spans.values()) <= 22
-    for s in stages:
-        if s.index == len(plan.stages) - 8 and len(plan.stages) > rows:
-            table.add_row("...", f"{len(plan.stages) - rows} stages not shown", *[""] * (len(cols) - 2))
-        span, count = spans[s.index]
-        ranks = ",".join(map(str, s.ranks)) if len(s.ranks) <= 3 else f"{s.ranks[0]}..{s.ranks[-1]}"
-        busy = s.compute_s / s.replicas + s.comm_s
-        table.add_row(str(s.index), span if inline else str(count), ranks, _num(s.compute_s * 1e3),
-                      _num(s.comm_s * 1e3), gib(s.memory_bytes), "yes" if s.recompute else "no",
-                      f"{100 * busy / slowest:.0f}%")  # fmt: skip
-    if inline:
+
+    def fill(inline: bool) -> Any:
+        table = _table(title, cols, ("layers", "ranks"))
+        for s in stages:
+            if s.index == len(plan.stages) - 8 and len(plan.stages) > rows:
+                table.add_row("...", f"{len(plan.stages) - rows} not shown", *[""] * (len(cols) - 2))
+            span, count = spans[s.index]
+            ranks = ",".join(map(str, s.ranks)) if len(s.ranks) <= 3 else f"{s.ranks[0]}..{s.ranks[-1]}"
+            busy = s.compute_s / s.replicas + s.comm_s
+            table.add_row(str(s.index), span if inline else str(count), ranks, _num(s.compute_s * 1e3),
+                          _num(s.comm_s * 1e3), gib(s.memory_bytes),
+                          *(("yes" if s.recompute else "no",) if again else ()),
+                          f"{100 * busy / slowest:.0f}%")  # fmt: skip
         return table
-    return Group(table, *(Text(f"stage {i}: {span}") for i, (span, _) in spans.items()))
+
+    table, console = fill(inline=True), _console()
+    if Measurement.get(console, console.options.update_width(10_000), table).maximum <= 80:
+        return table
+    return Group(fill(inline=False), *(Text(f"stage {i}: {span}") for i, (span, _) in spans.items()))
 
 
 def _plan_summary(plan: Any, sim: Any) -> str:
@@ -1497,7 +1517,10 @@ def _print_run_table(metrics: dict[str, Any], path: object) -> None:
         return f"{value * 1e3:.2f} ms" if value is not None else "-"
 
     ratio = metrics.get("ratio_measured_over_predicted")
-    title = f"{metrics['schedule']}, {metrics['microbatches']} microbatches, {metrics['world_size']} ranks"
+    micro, ranks_n = metrics["microbatches"], metrics["world_size"]
+    title = (
+        f"{metrics['schedule']}, {_plural(micro, 'microbatch', 'microbatches')}, {_plural(ranks_n, 'rank')}"
+    )
     table = _table(title, ("", "measured", "predicted\n(plan.json)", "measured/\npredicted"), ("",))
     table.add_row(
         "time per minibatch",

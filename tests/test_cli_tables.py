@@ -30,15 +30,18 @@ def _names(blocks: int) -> list[str]:
     return ["model.embed_tokens"] + [f"model.layers.{b}.{p}" for b in range(blocks) for p in parts]
 
 
-@pytest.fixture(scope="module")
-def profile() -> Profile:
-    names = _names(6)
+def _profile(names: list[str], model: str) -> Profile:
     costs = [(300 + 37 * i, 700 + 53 * i, 2**27, 2**29 + i) for i in range(len(names))]
     toy = make_profile(costs, [(i, i + 1) for i in range(len(names) - 1)], batch_size=64)
     renamed = {f"l{i}": name for i, name in enumerate(names)}
     nodes = tuple(replace(n, name=renamed.get(n.id, n.name), target="torch.nn.modules.linear.Linear")
                   for n in toy.nodes)  # fmt: skip
-    return replace(toy, nodes=nodes, model="llama-shaped")
+    return replace(toy, nodes=nodes, model=model)
+
+
+@pytest.fixture(scope="module")
+def profile() -> Profile:
+    return _profile(_names(6), "llama-shaped")
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +68,19 @@ def test_profile_table(profile: Profile) -> None:
 def test_plan_and_alternatives(profile: Profile, plan: Any) -> None:
     assert len(plan.stages) > 1 and max(s.replicas for s in plan.stages) > 3
     _reads_at_80(cli._plan_table(plan, profile))
+    assert any(
+        line.startswith("stage 0: model.embed_tokens..")
+        for line in _render(cli._plan_table(plan, profile), 80)
+    )
     _reads_at_80(cli._explain(profile, plan.cluster, plan, plan.schedule, 4, "sgd", "none"))
+
+
+def test_short_layer_ranges_stay_in_the_stage_table() -> None:
+    profile = _profile([f"features.{i}" for i in range(31)] + [f"classifier.{i}" for i in range(7)], "vgg16")
+    table = cli._plan_table(solve(profile, Cluster.flat(4)), profile)
+    _reads_at_80(table)
+    assert "features.0.." in "\n".join(_render(table, 80))
+    assert not any(line.startswith("stage 0:") for line in _render(table, 80))
 
 
 def test_schedule_auto_table(profile: Profile) -> None:
