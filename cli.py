@@ -1339,6 +1339,8 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
               "parameter names: they resume on any plan of the model)  "
               "[default: PACKAGE/run/checkpoints]")  # fmt: skip
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, help="Steps between checkpoints.")
+@click.option("--no-checkpoint", is_flag=True,
+              help="Save no checkpoint (by default the last step's, for `pipeplan export`).")  # fmt: skip
 @click.option("--checkpoint-async", is_flag=True,
               help="Write checkpoints in the background: training goes on once each rank has copied "
               "its tensors.")  # fmt: skip
@@ -1398,7 +1400,12 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
     if opts["steps"] and opts["epochs"]:
         raise click.UsageError("give --steps or --epochs, not both")
     folder = Path(package) if package is not None else newest_package("models")
-    if (opts["checkpoint_every"] or opts["resume"]) and opts["checkpoint_dir"] is None:
+    if opts.pop("no_checkpoint"):
+        keys = ("checkpoint_dir", "checkpoint_every", "checkpoint_async", "resume")
+        given = [f"--{k.replace('_', '-')}" for k in keys if opts[k]]
+        if given:
+            raise click.UsageError(f"--no-checkpoint contradicts {', '.join(given)}; drop one of them")
+    elif opts["checkpoint_dir"] is None:
         opts["checkpoint_dir"] = folder / "run" / "checkpoints"
     for key in ("checkpoint_dir", "trace"):
         opts[key] = str(opts[key]) if opts[key] is not None else None
@@ -1503,7 +1510,8 @@ def _report_run(options: Any) -> None:
             )
             sys.exit(1 if isinstance(exc, JobFailed) else 128 + exc.signum)
     if metrics is not None:
-        _print_run_table(metrics, Path(options.run_dir or Path(options.package) / "run") / "metrics.json")
+        path = Path(options.run_dir or Path(options.package) / "run") / "metrics.json"
+        _print_run_table(metrics, path, options.checkpoint_dir)
 
 
 def _eval_text(evaluation: dict[str, Any]) -> str:
@@ -1512,7 +1520,7 @@ def _eval_text(evaluation: dict[str, Any]) -> str:
     return f" eval {evaluation['loss']:.4f}" + (f" acc {accuracy:.1%}" if accuracy is not None else "")
 
 
-def _print_run_table(metrics: dict[str, Any], path: object) -> None:
+def _print_run_table(metrics: dict[str, Any], path: object, checkpoints: object = None) -> None:
     def ms(value: float | None) -> str:
         return f"{value * 1e3:.2f} ms" if value is not None else "-"
 
@@ -1548,6 +1556,8 @@ def _print_run_table(metrics: dict[str, Any], path: object) -> None:
         steps = ", ".join(f"step {e['step']}{_eval_text(e)}" for e in evals)
         console.print(f"held-out: {steps}", soft_wrap=True)
     console.print(f"metrics: {path}")
+    if checkpoints is not None:
+        console.print(f"checkpoints: {checkpoints} (`pipeplan export -o model.safetensors` reads the newest)")
     if ratio is None or 0.8 <= ratio <= 1.25:
         return
     share = _cpu_share(metrics)
