@@ -440,9 +440,15 @@ def profile(
 
     \b
     MODEL is a built-in name (vgg16, resnet50, gpt2, tiny-mlp, ...), torchvision:NAME,
-    package.module:factory, or path/to/file.py:factory (the factory returns a module, or
-    (module, example_inputs); the file may define example_inputs(batch_size),
-    example_targets(batch_size) and loss_fn(output, target)).
+    hf:FAMILY[:TASK] or hf:PATH (Hugging Face; nothing downloaded), package.module:factory, or
+    path/to/file.py:factory (the factory returns a module, or (module, example_inputs); the file
+    may define example_inputs(batch_size), example_targets(batch_size) and loss_fn(output, target)).
+
+    \b
+    Examples:
+      pipeplan profile vgg16 --batch-size 8 --input-shape 3,64,64
+      pipeplan profile hf:llama --input-shape 128
+      pipeplan profile my_model.py:build -o profiles/mine/profile.json
     """
     import json
     from pathlib import Path
@@ -1123,6 +1129,11 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
     initial tensors and every gradient (float32, |a-b| <= 1e-5 + 1e-4*|b|); without --batch-size it
     checks the microbatch size each rank will run too. Exit code 0: they match;
     1: they differ; 2: the folder is not a valid package. PACKAGE defaults to the newest under ./models.
+
+    \b
+    Examples:
+      pipeplan verify
+      pipeplan verify models/vgg16/gpus=4 --batch-size 2
     """
     from pathlib import Path
 
@@ -1688,6 +1699,10 @@ def export_plan(package: str | None, output: str | None, schedule: str | None) -
     Each stage's module is the package's stage(k). Torch cannot run replicated
     stages, pipedream's asynchrony, or a tensor that skips a stage: such plans
     are refused.
+
+    \b
+    Example:
+      pipeplan partition --gpus 4 --straight --schedule 1f1b && pipeplan export-plan
     """
     from pathlib import Path
 

@@ -20,3 +20,16 @@ def test_relative_links_resolve(page: Path) -> None:
     links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text())
     missing = [link for link in links if "://" not in link and not (page.parent / link).exists()]
     assert missing == []
+
+
+def test_every_command_shows_an_example_in_its_help() -> None:
+    from click.testing import CliRunner
+
+    from cli import main
+
+    missing = [
+        name
+        for name in main.commands
+        if "pipeplan " + name not in CliRunner().invoke(main, [name, "--help"]).output
+    ]
+    assert missing == []
