@@ -618,7 +618,7 @@ def _plan_table(plan: Any, profile: Any) -> Any:
         *(("re-\ncompute",) if again else ()),
         "util",
     )
-    title = f"{plan.model}: {len(plan.stages)} stages on {plan.gpus} GPUs ({plan.schedule})"
+    title = f"{plan.model}: {len(plan.stages)} stages on {_devices(plan.gpus, profile)} ({plan.schedule})"
     rows = 24  # as the Gantt: a pipeline of more stages shows its first and last, and how many it left out
     stages = plan.stages if len(plan.stages) <= rows else [*plan.stages[:16], *plan.stages[-8:]]
     spans = {}
@@ -646,7 +646,12 @@ def _plan_table(plan: Any, profile: Any) -> Any:
     return Group(fill(inline=False), *(Text(f"stage {i}: {span}") for i, (span, _) in spans.items()))
 
 
-def _plan_summary(plan: Any, sim: Any) -> str:
+def _devices(count: int, profile: Any) -> str:
+    """``4 GPUs``, or ``4 CPU ranks`` for a profile measured on a CPU (the plan then runs on CPU ranks)."""
+    return _plural(count, "CPU rank") if profile.device == "cpu" else _plural(count, "GPU")
+
+
+def _plan_summary(plan: Any, sim: Any, profile: Any) -> str:
     p, info = plan.predicted, plan.solver
     rate = (
         f"{p.throughput_samples_per_s:.1f} samples/s" if p.throughput_samples_per_s else "batch size unknown"
@@ -668,7 +673,7 @@ def _plan_summary(plan: Any, sim: Any) -> str:
     return (
         f"predicted {p.time_per_minibatch_s * 1e3:.3f} ms/minibatch{hosts}, {rate}; speedup "
         f"{p.speedup_vs_data_parallel or 0:.2f}x over data parallel, "
-        f"{p.speedup_vs_single or 0:.2f}x over one GPU; "
+        f"{p.speedup_vs_single or 0:.2f}x over {'one CPU rank' if profile.device == 'cpu' else 'one GPU'}; "
         f"bubble {100 * p.bubble_fraction:.1f}% (simulated {100 * sim.bubble_fraction:.1f}%"
         + ("" if sim.steady else f" over the first {sim.minibatches} minibatches, still filling")
         + ")\n"
@@ -1000,7 +1005,7 @@ def partition(
         return
     console = _console()
     console.print(_plan_table(plan, profile))
-    console.print(_plan_summary(plan, sim))
+    console.print(_plan_summary(plan, sim, profile))
     charged = profile.extra.get("update_charged")
     if charged:
         whole = sum(n.param_bytes for n in profile.nodes) * charged["s_per_byte"] * 1e3
