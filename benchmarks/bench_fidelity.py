@@ -193,7 +193,15 @@ def plan_and_run(
     out = f"plans/{index:02d}"
     cli(*args, "-o", out)
     package = next((cli.folder / out).glob("*/gpus=2"))
-    load = cli("run", str(package.relative_to(cli.folder)), "--steps", str(steps), "--timeout", "300")
+    load = cli(
+        "run",
+        str(package.relative_to(cli.folder)),
+        "--steps",
+        str(steps),
+        "--timeout",
+        "300",
+        "--no-checkpoint",
+    )
     plan = json.loads((package / "plan.json").read_text())
     metrics = json.loads((package / "run" / "metrics.json").read_text())
     measured, predicted = metrics["time_per_minibatch_s"], plan["predicted"]["time_per_minibatch_s"]
