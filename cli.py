@@ -43,12 +43,16 @@ def _progress(transient: bool) -> Any:
 class _PhaseLog:
     """The part of rich's Progress the commands use, as plain lines: one when the phase (the
     description's first word: tracing, measuring, step) changes, at most one per ``every`` seconds
-    within a phase, and the last state at the end, each after the seconds since the start."""
+    within a phase, and the last state at the end, each after the seconds since the start. Nothing
+    in the first ``delay`` seconds, nor after an error: a command that fails at once prints only its
+    ``error:`` line."""
 
-    def __init__(self, console: Console, every: float = 10.0) -> None:
+    PATTERN = r"^ *\d+\.\d s  "  # (the start of each line, for tools that read the output)
+
+    def __init__(self, console: Console, every: float = 10.0, delay: float = 2.0) -> None:
         import time
 
-        self.console, self.every, self.clock = console, every, time.monotonic
+        self.console, self.every, self.delay, self.clock = console, every, delay, time.monotonic
         self.start = self.last = self.clock()
         self.task: dict[str, Any] = {}
         self.shown: tuple[Any, ...] | None = None
@@ -57,8 +61,9 @@ class _PhaseLog:
     def __enter__(self) -> _PhaseLog:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def __exit__(self, kind: object, *exc: object) -> None:
+        if kind is None:
+            self.stop()
 
     def add_task(self, description: str, total: float | None = None) -> int:
         self.task = {"description": description, "completed": 0, "total": total}
@@ -81,7 +86,7 @@ class _PhaseLog:
         )
         phase = text.split(" ", 1)[0]
         due = phase != self.phase or now - self.last >= self.every or final
-        if not due or self.shown == (text, done, total):
+        if not due or self.shown == (text, done, total) or now - self.start < self.delay:
             return
         self.phase, self.last, self.shown = phase, now, (text, done, total)
         count = f" ({done:g}/{total:g})" if total else ""

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import io
 import itertools
+import re
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
@@ -15,7 +17,7 @@ import cli
 
 def test_a_line_per_phase_and_throttled_within_one() -> None:
     out = io.StringIO()
-    log = cli._PhaseLog(Console(file=out, width=80), every=10.0)
+    log = cli._PhaseLog(Console(file=out, width=80), every=10.0, delay=0.0)
     ticks = itertools.count(0.0, 3.0)  # each call of the clock: 3 s later
     log.clock = lambda: next(ticks)
     log.start = log.last = 0.0
@@ -31,10 +33,23 @@ def test_a_line_per_phase_and_throttled_within_one() -> None:
     assert [line.split(" s  ", 1)[0].strip() for line in lines] == ["0.0", "3.0", "15.0", "27.0"]
 
 
-def test_profile_piped_prints_its_phases(tmp_path: Path) -> None:
+def test_nothing_in_the_first_seconds_nor_after_an_error() -> None:
+    out = io.StringIO()
+    log = cli._PhaseLog(Console(file=out, width=80), every=10.0, delay=2.0)
+    ticks = itertools.count(0.0, 1.5)
+    log.clock = lambda: next(ticks)
+    log.start = log.last = 0.0
+    with pytest.raises(ValueError), log:
+        log.add_task("tracing vgg16")  # at 0.0 s: too early
+        log.update(0, description="measuring layer1")  # 1.5 s: too early
+        log.update(0, description="measuring layer2")  # 3.0 s: shown
+        raise ValueError("the forward raised")  # no last state after the error
+    assert [line.split(" s  ", 1)[1] for line in out.getvalue().splitlines()] == ["measuring layer2"]
+
+
+def test_profile_piped_prints_only_phase_lines_on_stderr(tmp_path: Path) -> None:
     args = ["profile", "tiny-mlp", "-o", str(tmp_path / "p.json")]
     result = CliRunner().invoke(cli.main, args, env={"TERM": "xterm-256color"})
     assert result.exit_code == 0, result.output
-    phases = [line.split(" s  ", 1)[1].split()[0] for line in result.stderr.splitlines() if " s  " in line]
-    assert phases[:2] == ["tracing", "measuring"]
+    assert all(re.match(cli._PhaseLog.PATTERN, line) for line in result.stderr.splitlines())
     assert "\x1b" not in result.stdout + result.stderr
