@@ -107,12 +107,14 @@ def write_interleaved(folder: Path, width: int, layers: int, batch: int, micro: 
     plan = {
         "schema": "pipeplan.plan/1",
         "gpus": RANKS,
+        "cluster": {"levels": [{"devices": RANKS, "bandwidth": 1e9}]},
         "schedule": "interleaved",
         "virtual_stages": VIRTUAL,
         "microbatches": micro,
         "batch_size": batch,
-        "stages": [{"index": k, "replicas": 1, "ranks": [k % RANKS]} for k in range(stages)],
-        "predicted": {"time_per_minibatch_s": None},
+        "stages": [{"index": k, "nodes": [], "replicas": 1, "ranks": [k % RANKS]} for k in range(stages)],
+        "predicted": {"time_per_minibatch_s": 0.0},
+        "solver": {"name": "written by hand (no prediction)"},
         "extra": {"inputs": [{"name": "x", "shape": [batch, width], "dtype": "float32"}]},
     }
     (folder / "plan.json").write_text(json.dumps(plan, indent=1))

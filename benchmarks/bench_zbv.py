@@ -71,12 +71,14 @@ def write_zbv(folder: Path, width: int, layers: int, batch: int, micro: int) -> 
     plan = {
         "schema": "pipeplan.plan/1",
         "gpus": RANKS,
+        "cluster": {"levels": [{"devices": RANKS, "bandwidth": 1e9}]},
         "schedule": "zbv",
         "virtual_stages": 2,
         "microbatches": micro,
         "batch_size": batch,
-        "stages": [{"index": k, "replicas": 1, "ranks": [homes[k]]} for k in range(stages)],
-        "predicted": {"time_per_minibatch_s": None},
+        "stages": [{"index": k, "nodes": [], "replicas": 1, "ranks": [homes[k]]} for k in range(stages)],
+        "predicted": {"time_per_minibatch_s": 0.0},
+        "solver": {"name": "written by hand (no prediction)"},
         "extra": {"inputs": [{"name": "x", "shape": [batch, width], "dtype": "float32"}]},
     }
     (folder / "plan.json").write_text(json.dumps(plan, indent=1))

@@ -174,7 +174,7 @@ def calibrated_device(
     device = estimated_device(profile)
     if device is None:
         return None
-    priced = at_microbatches(profile, 1 if plan.schedule == "pipedream" else plan.microbatches)
+    priced = at_microbatches(profile, model(plan.schedule).microbatches(plan.microbatches))
     scale = (profile.batch_size / batch_size) if profile.batch_size and batch_size else 1.0
     factors = sorted(f * scale for f in stage_factors(priced, plan, measured_s).values())
     if not factors:

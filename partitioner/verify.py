@@ -385,6 +385,7 @@ class _Reference:
         handles = [
             param.register_post_accumulate_grad_hook(self._hook(k, name, grads.get(name), reached))  # type: ignore[no-untyped-call]
             for name, param in params.items()
+            if param.requires_grad  # a frozen weight (whisper's positions) gets no gradient to compare
         ]
         torch.manual_seed(self.seed)
         try:
