@@ -1,4 +1,5 @@
-# Everything a fresh machine needs: `make demo` runs the workflow, `make test` runs the checks.
+# Everything a fresh machine needs: `make demo` runs the workflow, `make test` runs the checks
+# (`make test-fast` skips the slow multi-process tests).
 # TORCH pins the CPU build that this kind of machine keeps on disk; a GPU user overrides it:
 #   make demo TORCH="torch --index-url https://download.pytorch.org/whl/cu124"
 PYTHON ?= python3
@@ -7,7 +8,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo demo-gpt test lint typecheck unit bench gpu-check clean
+.PHONY: demo demo-gpt test test-fast lint typecheck unit bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,10 +29,16 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy partitioner runtime cli.py
 
+# --durations=15 lists the slowest tests after the run, so a slow new test shows in review.
 unit: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=15
 
 test: lint typecheck unit
+
+# The lane to run while working: lint, then every test not marked slow (multi-process and whole-model
+# tests are); `make test` stays the full gate.
+test-fast: lint
+	$(BIN)/python -m pytest -m "not slow" --durations=15
 
 # The benchmarks write benchmarks/results/*.{json,md}; they take minutes each (see the README).
 bench: $(STAMP)

@@ -28,6 +28,110 @@ def _console(stderr: bool = False) -> Console:
     return Console(stderr=stderr, highlight=False, emoji=False)  # (":llama:" is no emoji in a spec)
 
 
+def _progress(transient: bool) -> Any:
+    """rich's progress bar on a terminal; elsewhere (a log, a pipe, CI) a line per phase with the
+    elapsed time, since rich draws nothing there until the end."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = _console(stderr=True)
+    if not console.is_terminal:
+        return _PhaseLog(console)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    return Progress(*columns, console=console, transient=transient)
+
+
+class _PhaseLog:
+    """The part of rich's Progress the commands use, as plain lines: one when the phase (the
+    description's first word: tracing, measuring, step) changes, at most one per ``every`` seconds
+    within a phase, and the last state at the end, each after the seconds since the start. Nothing
+    in the first ``delay`` seconds, nor after an error: a command that fails at once prints only its
+    ``error:`` line."""
+
+    PATTERN = r"^ *\d+\.\d s  "  # (the start of each line, for tools that read the output)
+
+    def __init__(self, console: Console, every: float = 10.0, delay: float = 2.0) -> None:
+        import time
+
+        self.console, self.every, self.delay, self.clock = console, every, delay, time.monotonic
+        self.start = self.last = self.clock()
+        self.task: dict[str, Any] = {}
+        self.shown: tuple[Any, ...] | None = None
+        self.phase = ""
+
+    def __enter__(self) -> _PhaseLog:
+        return self
+
+    def __exit__(self, kind: object, *exc: object) -> None:
+        if kind is None:
+            self.stop()
+
+    def add_task(self, description: str, total: float | None = None) -> int:
+        self.task = {"description": description, "completed": 0, "total": total}
+        self._show()
+        return 0
+
+    def update(self, task: int, **fields: Any) -> None:
+        self.task.update({k: v for k, v in fields.items() if v is not None})
+        self._show()
+
+    def stop(self) -> None:
+        self._show(final=True)
+
+    def _show(self, final: bool = False) -> None:
+        now, text, done, total = (
+            self.clock(),
+            self.task["description"],
+            self.task["completed"],
+            self.task["total"],
+        )
+        phase = text.split(" ", 1)[0]
+        due = phase != self.phase or now - self.last >= self.every or final
+        if not due or self.shown == (text, done, total) or now - self.start < self.delay:
+            return
+        self.phase, self.last, self.shown = phase, now, (text, done, total)
+        count = f" ({done:g}/{total:g})" if total else ""
+        self.console.print(f"{now - self.start:7.1f} s  {text}{count}", markup=False, highlight=False)
+
+
+def _table(title: str, columns: Sequence[str], left: Sequence[str] = ()) -> Any:
+    """A table that reads in an 80-column terminal or a log: a rule under the header, no side borders,
+    two spaces between columns, numbers never cut or wrapped (units go in the header's second line,
+    ``"compute\nms"``; tests/test_cli_tables.py renders every table at 80 columns)."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(
+        title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True
+    )
+    for column in columns:
+        table.add_column(column, justify="left" if column in left else "right", no_wrap=column not in left)
+    return table
+
+
+def _layer_range(first: str, last: str, count: int) -> str:
+    """``features.0..30 (31)``: the first and last layer's names, their shared dotted prefix once."""
+    if first == last:
+        return f"{first} ({count})"
+    a, b = first.split("."), last.split(".")
+    pairs = enumerate(zip(a[:-1], b[:-1], strict=False))
+    shared = next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)) - 1)
+    return f"{first}..{'.'.join(b[shared:])} ({count})"
+
+
+def _plural(count: int, one: str, many: str | None = None) -> str:
+    return f"{count} {one if count == 1 else many or one + 's'}"
+
+
+def _num(value: float) -> str:
+    """A time or size in at most 6 characters that keeps 4 significant digits (``1410``, ``12.34``)."""
+    return f"{value:.2f}" if abs(value) < 100 else f"{value:.1f}" if abs(value) < 1000 else f"{value:.0f}"
+
+
+def _tail(name: str, width: int) -> str:
+    """A layer's name in a table cell: the end is what tells layers apart (``…layers.5.mlp.down_proj``)."""
+    return name if len(name) <= width else "\N{HORIZONTAL ELLIPSIS}" + name[1 - width :]
+
+
 def user_errors(func: F) -> F:
     """Turn the library's typed errors into one red line and exit code 2 (a traceback with --debug)."""
 
@@ -142,24 +246,21 @@ def _check_output(path: Any) -> None:
 
 
 def _profile_table(profile: Any, top: int) -> Any:
-    from rich.table import Table
-
     total = profile.total_compute_ms or 1.0
-    table = Table(title=f"{profile.model}: top {top} layers by forward+backward time", title_justify="left")
-    for column in ("layer", "type", "fwd ms", "bwd ms", "share", "output MB", "saved MB", "params M"):
-        table.add_column(column, justify="left" if column in ("layer", "type") else "right")
+    columns = ("layer", "type", "fwd\nms", "bwd\nms", "share", "output\nMB", "saved\nMB", "params\nM")
+    table = _table(f"{profile.model}: top {top} layers by forward+backward time", columns, ("layer", "type"))
     mb = 1 / 2**20
     for node in sorted(profile.nodes, key=lambda n: -n.compute_ms)[:top]:
         params = node.param_bytes / (4 if profile.dtype == "float32" else 2) / 1e6
         table.add_row(
-            node.name if node.op != "output" else "(loss)",
-            node.target,
-            f"{node.forward_ms:.2f}",
-            f"{node.backward_ms:.2f}",
+            _tail(node.name, 21) if node.op != "output" else "(loss)",
+            _tail(node.target.rsplit(".", 1)[-1], 11),
+            _num(node.forward_ms),
+            _num(node.backward_ms),
             f"{100 * node.compute_ms / total:.1f}%",
-            f"{node.output_bytes * mb:.2f}",
-            f"{node.saved_bytes * mb:.2f}",
-            f"{params:.2f}",
+            _num(node.output_bytes * mb),
+            _num(node.saved_bytes * mb),
+            _num(params),
         )
     return table
 
@@ -344,14 +445,18 @@ def profile(
 
     \b
     MODEL is a built-in name (vgg16, resnet50, gpt2, tiny-mlp, ...), torchvision:NAME,
-    package.module:factory, or path/to/file.py:factory (the factory returns a module, or
-    (module, example_inputs); the file may define example_inputs(batch_size),
-    example_targets(batch_size) and loss_fn(output, target)).
+    hf:FAMILY[:TASK] or hf:PATH (Hugging Face; nothing downloaded), package.module:factory, or
+    path/to/file.py:factory (the factory returns a module, or (module, example_inputs); the file
+    may define example_inputs(batch_size), example_targets(batch_size) and loss_fn(output, target)).
+
+    \b
+    Examples:
+      pipeplan profile vgg16 --batch-size 8 --input-shape 3,64,64
+      pipeplan profile hf:llama --input-shape 128
+      pipeplan profile my_model.py:build -o profiles/mine/profile.json
     """
     import json
     from pathlib import Path
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from partitioner.errors import PipeplanError
     from partitioner.graph import profile_to_json, save_profile
@@ -366,8 +471,7 @@ def profile(
     shape = _parse_shape(input_shape)
     path = Path(output) if output else Path("profiles") / model_name(model) / "profile.json"
     _check_output(path)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=_console(stderr=True), transient=True) as bar:
+    with _progress(transient=True) as bar:
         task = bar.add_task(f"tracing {model}", total=None)
 
         def progress(done: int, total: int, name: str) -> None:
@@ -498,33 +602,61 @@ def _cpu_hosts(cluster: Any, profile: Any, host_cores: int | None) -> Any:
 
 
 def _plan_table(plan: Any, profile: Any) -> Any:
-    from rich.table import Table
+    """The stage table; where the stages' layer ranges would make it wider than 80 columns, the ranges
+    follow the table one per line and the table counts the layers."""
+    from rich.console import Group
+    from rich.measure import Measurement
+    from rich.text import Text
 
     from partitioner.optimizer.pricing.price import gib
 
     names = {n.id: n.name for n in profile.nodes}
     slowest = max((s.compute_s / s.replicas + s.comm_s for s in plan.stages), default=1.0) or 1.0
-    table = Table(title=f"{plan.model}: {len(plan.stages)} stages on {plan.gpus} GPUs ({plan.schedule})",
-                  title_justify="left")  # fmt: skip
-    cols = ("stage", "layers", "replicas", "ranks", "compute", "comm", "memory", "recompute", "util")
-    for col in cols:
-        table.add_column(col, justify="left" if col in ("layers", "ranks") else "right")
+    again = any(s.recompute for s in plan.stages)  # (a column only where some stage recomputes)
+    cols = (
+        "stage",
+        "layers",
+        "ranks",
+        "compute\nms",
+        "comm\nms",
+        "memory",
+        *(("re-\ncompute",) if again else ()),
+        "util",
+    )
+    title = f"{plan.model}: {len(plan.stages)} stages on {_devices(plan.gpus, profile)} ({plan.schedule})"
     rows = 24  # as the Gantt: a pipeline of more stages shows its first and last, and how many it left out
     stages = plan.stages if len(plan.stages) <= rows else [*plan.stages[:16], *plan.stages[-8:]]
+    spans = {}
     for s in stages:
-        if s.index == len(plan.stages) - 8 and len(plan.stages) > rows:
-            table.add_row("...", f"{len(plan.stages) - rows} stages not shown", *[""] * (len(cols) - 2))
         layers = [n for n in s.nodes if profile.node(n).op != "input"] or list(s.nodes)
-        ranks = ",".join(map(str, s.ranks)) if len(s.ranks) <= 6 else f"{s.ranks[0]}..{s.ranks[-1]}"
-        busy = s.compute_s / s.replicas + s.comm_s
-        table.add_row(str(s.index), f"{names[layers[0]]} .. {names[layers[-1]]} ({len(layers)})",
-                      str(s.replicas), ranks, f"{s.compute_s * 1e3:.2f} ms", f"{s.comm_s * 1e3:.2f} ms",
-                      gib(s.memory_bytes), "yes" if s.recompute else "no",
-                      f"{100 * busy / slowest:.0f}%")  # fmt: skip
-    return table
+        spans[s.index] = (_layer_range(names[layers[0]], names[layers[-1]], len(layers)), len(layers))
+
+    def fill(inline: bool) -> Any:
+        table = _table(title, cols, ("layers", "ranks"))
+        for s in stages:
+            if s.index == len(plan.stages) - 8 and len(plan.stages) > rows:
+                table.add_row("...", f"{len(plan.stages) - rows} not shown", *[""] * (len(cols) - 2))
+            span, count = spans[s.index]
+            ranks = ",".join(map(str, s.ranks)) if len(s.ranks) <= 3 else f"{s.ranks[0]}..{s.ranks[-1]}"
+            busy = s.compute_s / s.replicas + s.comm_s
+            table.add_row(str(s.index), span if inline else str(count), ranks, _num(s.compute_s * 1e3),
+                          _num(s.comm_s * 1e3), gib(s.memory_bytes),
+                          *(("yes" if s.recompute else "no",) if again else ()),
+                          f"{100 * busy / slowest:.0f}%")  # fmt: skip
+        return table
+
+    table, console = fill(inline=True), _console()
+    if Measurement.get(console, console.options.update_width(10_000), table).maximum <= 80:
+        return table
+    return Group(fill(inline=False), *(Text(f"stage {i}: {span}") for i, (span, _) in spans.items()))
 
 
-def _plan_summary(plan: Any, sim: Any) -> str:
+def _devices(count: int, profile: Any) -> str:
+    """``4 GPUs``, or ``4 CPU ranks`` for a profile measured on a CPU (the plan then runs on CPU ranks)."""
+    return _plural(count, "CPU rank") if profile.device == "cpu" else _plural(count, "GPU")
+
+
+def _plan_summary(plan: Any, sim: Any, profile: Any) -> str:
     p, info = plan.predicted, plan.solver
     rate = (
         f"{p.throughput_samples_per_s:.1f} samples/s" if p.throughput_samples_per_s else "batch size unknown"
@@ -546,7 +678,7 @@ def _plan_summary(plan: Any, sim: Any) -> str:
     return (
         f"predicted {p.time_per_minibatch_s * 1e3:.3f} ms/minibatch{hosts}, {rate}; speedup "
         f"{p.speedup_vs_data_parallel or 0:.2f}x over data parallel, "
-        f"{p.speedup_vs_single or 0:.2f}x over one GPU; "
+        f"{p.speedup_vs_single or 0:.2f}x over {'one CPU rank' if profile.device == 'cpu' else 'one GPU'}; "
         f"bubble {100 * p.bubble_fraction:.1f}% (simulated {100 * sim.bubble_fraction:.1f}%"
         + ("" if sim.steady else f" over the first {sim.minibatches} minibatches, still filling")
         + ")\n"
@@ -557,30 +689,27 @@ def _plan_summary(plan: Any, sim: Any) -> str:
 def _explain(
     profile: Any, cluster: Any, plan: Any, schedule: str, micro: int, optimizer: str, recompute: str
 ) -> Any:
-    from rich.table import Table
-
     from partitioner.optimizer.planner import alternatives
 
-    table = Table(title=f"alternatives (--recompute {recompute})", title_justify="left")
-    for col in ("plan", "stages", "replicas", "recomputing stages", "ms/minibatch", "vs chosen"):
-        table.add_column(
-            col, justify="left" if col in ("plan", "replicas", "recomputing stages") else "right"
-        )
+    cols = ("plan", "stages", "replicas", "recomputing\nstages", "ms per\nminibatch", "vs\nchosen")
+    table = _table(
+        f"alternatives (--recompute {recompute})", cols, ("plan", "replicas", "recomputing\nstages")
+    )
     rows = [("chosen", plan), *alternatives(profile, cluster, schedule, micro, optimizer, recompute).items()]
     for name, alt in rows:
         if alt is None:
             table.add_row(name, "-", "does not fit", "-", "-", "-")
             continue
         t = alt.predicted.time_per_minibatch_s
-        reps = _short(",".join(str(s.replicas) for s in alt.stages))
-        again = _short(",".join(str(s.index) for s in alt.stages if s.recompute) or "none")
+        reps = _short(",".join(str(s.replicas) for s in alt.stages), 16)
+        again = _short(",".join(str(s.index) for s in alt.stages if s.recompute) or "none", 12)
         table.add_row(name, str(len(alt.stages)), reps, again,
                       f"{t * 1e3:.3f}", f"{t / plan.predicted.time_per_minibatch_s:.2f}x")  # fmt: skip
     return table
 
 
-def _short(text: str) -> str:
-    return text if len(text) < 40 else text[:37] + "..."
+def _short(text: str, width: int = 39) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _check_package_options(profile: Any, weights: str | None, init: str) -> None:
@@ -881,7 +1010,7 @@ def partition(
         return
     console = _console()
     console.print(_plan_table(plan, profile))
-    console.print(_plan_summary(plan, sim))
+    console.print(_plan_summary(plan, sim, profile))
     charged = profile.extra.get("update_charged")
     if charged:
         whole = sum(n.param_bytes for n in profile.nodes) * charged["s_per_byte"] * 1e3
@@ -926,7 +1055,6 @@ def _auto(
 
 def _auto_table(choice: Any, gpus: int, asked: int | None) -> Any:
     from rich.console import Group
-    from rich.table import Table
     from rich.text import Text
 
     from partitioner.optimizer.pricing.schedules import model
@@ -942,11 +1070,8 @@ def _auto_table(choice: Any, gpus: int, asked: int | None) -> Any:
         notes.append("microbatches not searched: the profile has no fixed per-call times")
     elif asked is None:
         notes.append(f"microbatches searched: {', '.join(map(str, choice.counts))}")
-    table = Table(title="--schedule auto: each schedule's best plan", title_justify="left")
-    for col in ("schedule", "micro", "stages: replicas", "ms/minibatch", "vs best"):
-        table.add_column(
-            col, justify="left" if col in ("schedule", "stages: replicas") else "right", no_wrap=True
-        )
+    cols = ("schedule", "micro-\nbatches", "stages: replicas", "ms per\nminibatch", "vs best")
+    table = _table("--schedule auto: each schedule's best plan", cols, ("schedule", "stages: replicas"))
     best = choice.times[chosen] or 1.0
     for name, plan in plans.items():
         label = name + (" (chosen)" if name == chosen else "")
@@ -1014,6 +1139,11 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
     initial tensors and every gradient (float32, |a-b| <= 1e-5 + 1e-4*|b|); without --batch-size it
     checks the microbatch size each rank will run too. Exit code 0: they match;
     1: they differ; 2: the folder is not a valid package. PACKAGE defaults to the newest under ./models.
+
+    \b
+    Examples:
+      pipeplan verify
+      pipeplan verify models/vgg16/gpus=4 --batch-size 2
     """
     from pathlib import Path
 
@@ -1045,15 +1175,12 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
 
 
 def _verify_table(report: Any) -> Any:
-    from rich.table import Table
-
-    table = Table(title=f"pipeplan verify {report.package}")
-    for column in ("stage", "params", "reads", "returns", "init max |diff|", "grad max |diff|", "ok"):
-        right = "diff" in column or column == "params"
-        table.add_column(column, justify="right" if right else "left", overflow="fold")
+    cols = ("stage", "params", "reads", "returns", "init max\n|diff|", "grad max\n|diff|", "ok")
+    table = _table(f"pipeplan verify {report.package}", cols, ("stage", "reads", "returns", "ok"))
     for s in report.stages:
         table.add_row(
-            str(s.index), f"{s.params:,}", "\n".join(s.in_names), "\n".join(s.out_names),
+            str(s.index), f"{s.params / 1e6:,.2f}M", "\n".join(_tail(n, 16) for n in s.in_names),
+            "\n".join(_tail(n, 16) for n in s.out_names),
             f"{s.init_error:.2e}", f"{s.grad_error:.2e}", "[green]yes[/green]" if s.ok else "[red]NO[/red]",
         )  # fmt: skip
     return table
@@ -1140,14 +1267,10 @@ def calibrate(package: str | None, metrics_path: str | None, output: str | None,
 
 
 def _calibration_table(profile: Any, plan: Any, measured_s: Any) -> Any:
-    from rich.table import Table
-
     from partitioner.calibrate import stage_factors
 
     factors = stage_factors(profile, plan, measured_s)
-    table = Table(title=f"{profile.model}: compute per minibatch", title_justify="left")
-    for column in ("stage", "profiled", "measured", "factor"):
-        table.add_column(column, justify="right")
+    table = _table(f"{profile.model}: compute per minibatch", ("stage", "profiled", "measured", "factor"))
     for stage in plan.stages:
         profiled = sum(profile.node(n).compute_ms for n in stage.nodes)
         measured = measured_s.get(stage.index)
@@ -1237,6 +1360,8 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
               "parameter names: they resume on any plan of the model)  "
               "[default: PACKAGE/run/checkpoints]")  # fmt: skip
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, help="Steps between checkpoints.")
+@click.option("--no-checkpoint", is_flag=True,
+              help="Save no checkpoint (by default the last step's, for `pipeplan export`).")  # fmt: skip
 @click.option("--checkpoint-async", is_flag=True,
               help="Write checkpoints in the background: training goes on once each rank has copied "
               "its tensors.")  # fmt: skip
@@ -1296,7 +1421,12 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
     if opts["steps"] and opts["epochs"]:
         raise click.UsageError("give --steps or --epochs, not both")
     folder = Path(package) if package is not None else newest_package("models")
-    if (opts["checkpoint_every"] or opts["resume"]) and opts["checkpoint_dir"] is None:
+    if opts.pop("no_checkpoint"):
+        keys = ("checkpoint_dir", "checkpoint_every", "checkpoint_async", "resume")
+        given = [f"--{k.replace('_', '-')}" for k in keys if opts[k]]
+        if given:
+            raise click.UsageError(f"--no-checkpoint contradicts {', '.join(given)}; drop one of them")
+    elif opts["checkpoint_dir"] is None:
         opts["checkpoint_dir"] = folder / "run" / "checkpoints"
     for key in ("checkpoint_dir", "trace"):
         opts[key] = str(opts[key]) if opts[key] is not None else None
@@ -1367,8 +1497,6 @@ def _run_and_report(options: Any) -> None:
 def _report_run(options: Any) -> None:
     from pathlib import Path
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from runtime.data import SYNTHETIC_STEPS
     from runtime.errors import Interrupted, JobFailed
     from runtime.launch import check_launch, launch, resolve_resume
@@ -1380,8 +1508,7 @@ def _report_run(options: Any) -> None:
     total = options.steps or (
         (options.epochs or 1) * SYNTHETIC_STEPS if options.data == "synthetic" else None
     )
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=_console(stderr=True), transient=False) as bar:
+    with _progress(transient=False) as bar:
         task = bar.add_task(f"training {Path(options.package).name}", total=total)
 
         held_out = ""
@@ -1404,7 +1531,8 @@ def _report_run(options: Any) -> None:
             )
             sys.exit(1 if isinstance(exc, JobFailed) else 128 + exc.signum)
     if metrics is not None:
-        _print_run_table(metrics, Path(options.run_dir or Path(options.package) / "run") / "metrics.json")
+        path = Path(options.run_dir or Path(options.package) / "run") / "metrics.json"
+        _print_run_table(metrics, path, options.checkpoint_dir)
 
 
 def _eval_text(evaluation: dict[str, Any]) -> str:
@@ -1413,27 +1541,23 @@ def _eval_text(evaluation: dict[str, Any]) -> str:
     return f" eval {evaluation['loss']:.4f}" + (f" acc {accuracy:.1%}" if accuracy is not None else "")
 
 
-def _print_run_table(metrics: dict[str, Any], path: object) -> None:
-    from rich.table import Table
-
+def _print_run_table(metrics: dict[str, Any], path: object, checkpoints: object = None) -> None:
     def ms(value: float | None) -> str:
         return f"{value * 1e3:.2f} ms" if value is not None else "-"
 
     ratio = metrics.get("ratio_measured_over_predicted")
-    table = Table(
-        title=f"{metrics['schedule']}, {metrics['microbatches']} microbatches, {metrics['world_size']} ranks"
+    micro, ranks_n = metrics["microbatches"], metrics["world_size"]
+    title = (
+        f"{metrics['schedule']}, {_plural(micro, 'microbatch', 'microbatches')}, {_plural(ranks_n, 'rank')}"
     )
-    for col in ("", "measured", "predicted (plan.json)", "measured/predicted"):
-        table.add_column(col, justify="right")
+    table = _table(title, ("", "measured", "predicted\n(plan.json)", "measured/\npredicted"), ("",))
     table.add_row(
         "time per minibatch",
         ms(metrics["time_per_minibatch_s"]),
         ms(metrics["predicted_time_per_minibatch_s"]),
         f"{ratio:.2f}" if ratio is not None else "-",
     )
-    ranks = Table(title="per rank (seconds over all steps)")
-    for col in ("rank", "stage", "compute", "comm", "idle"):
-        ranks.add_column(col, justify="right")
+    ranks = _table("per rank (seconds over all steps)", ("rank", "stage", "compute", "comm", "idle"))
     for r in metrics["ranks"]:
         ranks.add_row(
             str(r["rank"]),
@@ -1453,6 +1577,8 @@ def _print_run_table(metrics: dict[str, Any], path: object) -> None:
         steps = ", ".join(f"step {e['step']}{_eval_text(e)}" for e in evals)
         console.print(f"held-out: {steps}", soft_wrap=True)
     console.print(f"metrics: {path}")
+    if checkpoints is not None:
+        console.print(f"checkpoints: {checkpoints} (`pipeplan export -o model.safetensors` reads the newest)")
     if ratio is None or 0.8 <= ratio <= 1.25:
         return
     share = _cpu_share(metrics)
@@ -1471,14 +1597,10 @@ def _print_run_table(metrics: dict[str, Any], path: object) -> None:
 
 def _memory_table(memory: dict[str, Any]) -> Any:
     """Per stage: the peak memory its ranks measured next to the plan's prediction."""
-    from rich.table import Table
-
     from partitioner.optimizer.pricing.price import gib
 
-    table = Table(title=f"peak memory per device ({memory['method']}, first {memory['window_minibatches']} "
-                  "minibatches)")  # fmt: skip
-    for col in ("stage", "measured", "predicted (plan.json)", "measured/predicted"):
-        table.add_column(col, justify="right")
+    title = f"peak memory per device ({memory['method']}, first {memory['window_minibatches']} minibatches)"
+    table = _table(title, ("stage", "measured", "predicted\n(plan.json)", "measured/\npredicted"))
     for s in memory["stages"]:
         got, want, ratio = s["measured_peak_bytes"], s["predicted_bytes"], s["ratio_measured_over_predicted"]
         table.add_row(str(s["stage"]), gib(got) if got is not None else "-", gib(want) if want else "-",
@@ -1587,6 +1709,10 @@ def export_plan(package: str | None, output: str | None, schedule: str | None) -
     Each stage's module is the package's stage(k). Torch cannot run replicated
     stages, pipedream's asynchrony, or a tensor that skips a stage: such plans
     are refused.
+
+    \b
+    Example:
+      pipeplan partition --gpus 4 --straight --schedule 1f1b && pipeplan export-plan
     """
     from pathlib import Path
 

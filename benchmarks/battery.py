@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -152,7 +153,11 @@ def _classify(
     row: Row, code: int | None, text: str, left: list[int], problem: str | None, work: Path, ended: float
 ) -> str:
     lines = [
-        line for line in text.splitlines() if line.strip() and not line.startswith(("step ", "training "))
+        line
+        for line in text.splitlines()
+        if line.strip()
+        and not line.startswith(("step ", "training "))
+        and not re.match(r"^ *\d+\.\d s  ", line)
     ]
     if code is None:
         return "hang"

@@ -197,7 +197,7 @@ def plan_and_run(
     cli(*args, "-o", out)
     package = next((cli.folder / out).glob("*/gpus=2"))
     where = str(package.relative_to(cli.folder))
-    load = cli("run", where, "--steps", str(steps), "--timeout", "300", "--measure-memory")
+    load = cli("run", where, "--steps", str(steps), "--timeout", "300", "--measure-memory", "--no-checkpoint")
     plan = json.loads((package / "plan.json").read_text())
     metrics = json.loads((package / "run" / "metrics.json").read_text())
     measured, predicted = metrics["time_per_minibatch_s"], plan["predicted"]["time_per_minibatch_s"]

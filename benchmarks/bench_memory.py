@@ -98,6 +98,7 @@ def plan_and_run(
         str(steps),
         "--timeout",
         "300",
+        "--no-checkpoint",
         "--measure-memory",
     )
     plan = json.loads((package / "plan.json").read_text())

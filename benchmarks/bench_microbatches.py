@@ -89,7 +89,15 @@ def bench_model(cli: Cli, model: Model, steps: int, repeats: int) -> dict[str, A
             next((cli.folder / f"flat/{name}-m{m}").glob("*/gpus=2/plan.json")).read_text()
         )
         proportional = flat_plan["predicted"]["time_per_minibatch_s"]
-        cli("run", str(package.relative_to(cli.folder)), "--steps", str(steps), "--timeout", "600")
+        cli(
+            "run",
+            str(package.relative_to(cli.folder)),
+            "--steps",
+            str(steps),
+            "--timeout",
+            "600",
+            "--no-checkpoint",
+        )
         metrics = json.loads((package / "run" / "metrics.json").read_text())
         rows.append({
             "microbatches": plan["microbatches"],

@@ -99,7 +99,15 @@ def partition(cli: Cli, path: Path, out: str, cut: str | None) -> dict[str, Any]
 
 def train(cli: Cli, package: Path, steps: int) -> dict[str, Any]:
     """``pipeplan run``: the metrics a precision is compared by."""
-    load = cli("run", str(package.relative_to(cli.folder)), "--steps", str(steps), "--timeout", "600")
+    load = cli(
+        "run",
+        str(package.relative_to(cli.folder)),
+        "--steps",
+        str(steps),
+        "--timeout",
+        "600",
+        "--no-checkpoint",
+    )
     metrics = json.loads((package / "run" / "metrics.json").read_text())
     ranks = sorted(metrics["ranks"], key=lambda r: r["rank"])
     return {

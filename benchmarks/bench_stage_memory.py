@@ -108,7 +108,8 @@ def main() -> None:
             ("partition", [*pipeplan, "partition", "--profile", str(profile), "--gpus", str(args.gpus),
                            "--straight", "-o", str(models)]),
             ("verify", [*pipeplan, "verify", "PACKAGE"]),
-            ("run --steps 2", [*pipeplan, "run", "PACKAGE", "--steps", "2", "--timeout", "600"]),
+            ("run --steps 2", [*pipeplan, "run", "PACKAGE", "--steps", "2", "--timeout", "600",
+                               "--no-checkpoint"]),
         ]  # fmt: skip
         for name, command in steps:
             if any(row["command"] == name for row in before):

@@ -344,7 +344,7 @@ def _run_row(
     tag = f"{case.name}-{variant.name.split(',')[0].replace(' ', '')}-{precision}"
     trace = ctx.work / f"trace-{tag}.json"
     ran = pipeplan(ctx, "run", str(package), "--steps", "6" if ctx.cpu else "20", "--precision", precision,
-                   "--lr", "0.0001", "--trace", str(trace), log=f"run-{tag}")  # fmt: skip
+                   "--lr", "0.0001", "--trace", str(trace), "--no-checkpoint", log=f"run-{tag}")  # fmt: skip
     row: dict[str, Any] = {"model": case.name, "variant": variant.name, "precision": precision, **ran}
     metrics_path = package / "run" / "metrics.json"
     if ran["rc"] == 0 and metrics_path.exists():

@@ -6,11 +6,10 @@
 set -euo pipefail
 BIN=$(cd "${1:-.venv/bin}" && pwd)
 pipeplan() { "$BIN/pipeplan" "$@"; }
-[ -t 1 ] || export COLUMNS=${COLUMNS:-120}  # rich tables stay readable when piped or logged
 # Two ranks share this machine's cores in step 4: measure each layer with the threads one rank will get.
 threads=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))
 
-step() { printf '\n\033[1m== %s\033[0m\n  $ %s\n' "$1" "$2"; }
+step() { if [ -t 1 ]; then printf '\n\033[1m== %s\033[0m\n  $ %s\n' "$1" "$2"; else printf '\n== %s\n  $ %s\n' "$1" "$2"; fi; }
 
 step "1. profile: trace vgg16 with torch.fx, time every layer (small images so a CPU is quick)" \
      "pipeplan profile vgg16 --batch-size 8 --input-shape 3,64,64 --threads $threads"

@@ -7,11 +7,10 @@
 set -euo pipefail
 BIN=$(cd "${1:-.venv/bin}" && pwd)
 pipeplan() { "$BIN/pipeplan" "$@"; }
-[ -t 1 ] || export COLUMNS=${COLUMNS:-120}  # rich tables stay readable when piped or logged
 threads=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))  # two ranks share this machine's cores
 PKG=models/byte-gpt/gpus=2
 
-step() { printf '\n\033[1m== %s\033[0m\n  $ %s\n' "$1" "$2"; }
+step() { if [ -t 1 ]; then printf '\n\033[1m== %s\033[0m\n  $ %s\n' "$1" "$2"; else printf '\n== %s\n  $ %s\n' "$1" "$2"; fi; }
 
 step "1. text: the standard library's email, http, logging and urllib sources to train on, json held out" \
      "python -c '...' -> corpus/stdlib-train.txt, corpus/stdlib-heldout.txt"

@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-from cli import main
+from cli import _PhaseLog, main
 from tests.data import PIPEDREAM_PROFILES
 from tests.runtime.generated import generate
 from tests.runtime.packages import write_package
 
 Row = Callable[[Path], list[str]]
+
+PROGRESS = _PhaseLog.PATTERN  # progress lines a command printed before its error
 
 
 def _node(node_id: str, op: str, inputs: list[str], **fields: object) -> dict[str, object]:
@@ -360,7 +363,7 @@ def test_bad_input_is_one_error_line_and_exit_2(name: str, tmp_path: Path) -> No
         result = CliRunner().invoke(main, args)
     finally:
         os.chdir(cwd)
-    lines = [line for line in result.output.splitlines() if line.strip()]
+    lines = [line for line in result.output.splitlines() if line.strip() and not re.match(PROGRESS, line)]
     assert result.exit_code == 2, f"{name}: exit {result.exit_code}\n{result.output}{result.exception!r}"
     assert len(lines) == 1 and lines[0].startswith("error: "), f"{name}:\n{result.output}"
     assert needle.lower() in lines[0].lower(), f"{name}: {lines[0]!r} does not mention {needle!r}"

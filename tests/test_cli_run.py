@@ -192,3 +192,28 @@ def test_an_image_folder_trains_a_cnn(tmp_path: Path) -> None:
     assert metrics["steps"] == 3 * (10 // 4)
     (final,) = metrics["eval"]
     assert final["step"] == 6 and final["samples"] == 8 and 0 <= final["accuracy"] <= 1
+
+
+@pytest.mark.slow
+def test_a_default_run_saves_its_last_step_for_export(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's workflow without a checkpoint option: run saves the last step, export reads it;
+    --no-checkpoint saves none and refuses the checkpoint options it would contradict."""
+    monkeypatch.chdir(tmp_path)
+    for args in (
+        ["profile", "tiny-mlp"],
+        ["partition", "--gpus", "2"],
+        ["run", "--steps", "3", "--timeout", "30"],
+    ):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0, result.output
+    checkpoints = tmp_path / "models" / "tiny-mlp" / "gpus=2" / "run" / "checkpoints"
+    assert [p.name for p in checkpoints.iterdir()] == ["step-3"]
+    assert f"checkpoints: {Path('models/tiny-mlp/gpus=2/run/checkpoints')}" in result.output
+    result = CliRunner().invoke(main, ["export", "-o", "m.safetensors"])
+    assert result.exit_code == 0 and (tmp_path / "m.safetensors").is_file(), result.output
+    result = CliRunner().invoke(main, ["run", "--steps", "4", "--no-checkpoint", "--timeout", "30"])
+    assert result.exit_code == 0 and [p.name for p in checkpoints.iterdir()] == ["step-3"], result.output
+    result = CliRunner().invoke(main, ["run", "--no-checkpoint", "--resume"])
+    assert result.exit_code == 2 and "--no-checkpoint contradicts --resume" in result.output

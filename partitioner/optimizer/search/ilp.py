@@ -36,6 +36,11 @@ MAX_ILP_VARIABLES = 200_000
 
 
 def _backend() -> pulp.LpSolver:
+    """HiGHS where highspy is installed (``.[highs]``, ``.[dev]``), else a CBC on the PATH (COIN_CMD:
+    ``pip install pulp[cbc]``), PuLP 3's current solvers; else the CBC binary PuLP still bundles,
+    which it deprecates for 4.0 (its warning is kept out of the user's output: it asks nothing of them)."""
+    import warnings
+
     import pulp
 
     try:
@@ -43,6 +48,12 @@ def _backend() -> pulp.LpSolver:
 
         return pulp.HiGHS(msg=False)
     except ImportError:
+        pass
+    coin = pulp.COIN_CMD(msg=False)
+    if coin.available():
+        return coin
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
         return pulp.PULP_CBC_CMD(msg=False)
 
 

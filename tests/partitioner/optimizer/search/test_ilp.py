@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+import warnings
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from partitioner.optimizer import solve
+from partitioner.optimizer.search.ilp import _backend
 from partitioner.plan import Cluster
 from tests.partitioner.optimizer.conftest import make_profile
 from tests.partitioner.optimizer.search.test_dp import dags
@@ -53,3 +57,20 @@ def test_dp_equals_ilp_for_synchronous_schedules(
     ilp = solve(profile, cluster, schedule, microbatches, solver="ilp")
     assert ilp.solver.name == "ilp"
     assert ilp.predicted.time_per_minibatch_s == pytest.approx(dp, rel=1e-6)
+
+
+@pytest.mark.parametrize("highs", [True, False])
+def test_the_ilp_warns_nothing(highs: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PuLP 3 deprecates its bundled CBC: with highspy the ILP uses HiGHS; without it, whatever CBC it
+    falls back to, the solve prints no DeprecationWarning into the user's output."""
+    if not highs:
+        monkeypatch.setitem(sys.modules, "highspy", None)  # (import highspy now raises ImportError)
+    profile = make_profile([(0, 1, 1, 1), (1, 2, 2, 1), (1, 1, 1, 1)], [(0, 1), (1, 2)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        backend = _backend()
+        plan = solve(profile, Cluster.flat(2), solver="ilp")
+    assert (backend.name == "HiGHS") == highs
+    assert backend.available()
+    assert plan.solver.name == "ilp"
+    assert [str(w.message) for w in caught] == []

@@ -1,0 +1,144 @@
+"""Every table the CLI prints reads at 80 columns: rendered 80 wide it is the same text as rendered 400
+wide (so rich cut no number and wrapped no row), and output that is not a terminal has no escape codes."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from rich.console import Console
+
+import cli
+from partitioner.graph import Profile, save_profile
+from partitioner.optimizer import solve
+from partitioner.optimizer.auto import solve_auto
+from partitioner.optimizer.options import SolveOptions
+from partitioner.plan import Cluster
+from tests.partitioner.optimizer.conftest import make_profile
+
+GPUS = 16
+
+
+def _names(blocks: int) -> list[str]:
+    """Hugging Face llama's module names, the longest a table meets in practice."""
+    parts = ("input_layernorm", "self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")
+    return ["model.embed_tokens"] + [f"model.layers.{b}.{p}" for b in range(blocks) for p in parts]
+
+
+def _profile(names: list[str], model: str) -> Profile:
+    costs = [(300 + 37 * i, 700 + 53 * i, 2**27, 2**29 + i) for i in range(len(names))]
+    toy = make_profile(costs, [(i, i + 1) for i in range(len(names) - 1)], batch_size=64)
+    renamed = {f"l{i}": name for i, name in enumerate(names)}
+    nodes = tuple(replace(n, name=renamed.get(n.id, n.name), target="torch.nn.modules.linear.Linear")
+                  for n in toy.nodes)  # fmt: skip
+    return replace(toy, nodes=nodes, model=model)
+
+
+@pytest.fixture(scope="module")
+def profile() -> Profile:
+    return _profile(_names(6), "llama-shaped")
+
+
+@pytest.fixture(scope="module")
+def plan(profile: Profile) -> Any:
+    return solve(profile, Cluster.flat(GPUS))
+
+
+def _render(renderable: Any, width: int) -> list[str]:
+    console = Console(file=io.StringIO(), width=width, color_system=None, highlight=False)
+    console.print(renderable)
+    return [line.rstrip() for line in console.file.getvalue().splitlines()]  # type: ignore[attr-defined]
+
+
+def _reads_at_80(renderable: Any) -> None:
+    narrow, wide = _render(renderable, 80), _render(renderable, 400)
+    assert narrow == wide, "\n".join(narrow)
+    assert max(map(len, narrow)) <= 80
+
+
+def test_profile_table(profile: Profile) -> None:
+    _reads_at_80(cli._profile_table(profile, 10))
+
+
+def test_plan_and_alternatives(profile: Profile, plan: Any) -> None:
+    assert len(plan.stages) > 1 and max(s.replicas for s in plan.stages) > 3
+    _reads_at_80(cli._plan_table(plan, profile))
+    assert any(
+        line.startswith("stage 0: model.embed_tokens..")
+        for line in _render(cli._plan_table(plan, profile), 80)
+    )
+    _reads_at_80(cli._explain(profile, plan.cluster, plan, plan.schedule, 4, "sgd", "none"))
+
+
+def test_short_layer_ranges_stay_in_the_stage_table() -> None:
+    profile = _profile([f"features.{i}" for i in range(31)] + [f"classifier.{i}" for i in range(7)], "vgg16")
+    table = cli._plan_table(solve(profile, Cluster.flat(4)), profile)
+    _reads_at_80(table)
+    assert "features.0.." in "\n".join(_render(table, 80))
+    assert not any(line.startswith("stage 0:") for line in _render(table, 80))
+
+
+def test_schedule_auto_table(profile: Profile) -> None:
+    choice = solve_auto(
+        profile, Cluster.flat(GPUS), SolveOptions("auto", 4, "sgd", False, "dp", True, "auto")
+    )
+    _reads_at_80(cli._auto_table(choice, GPUS, None))
+
+
+def test_calibration_table(profile: Profile, plan: Any) -> None:
+    measured = {s.index: 1234.5678 * (s.index + 1) for s in plan.stages}
+    _reads_at_80(cli._calibration_table(profile, plan, measured))
+
+
+def test_verify_table() -> None:
+    stage = SimpleNamespace(index=12, params=1_234_567_890, in_names=("model_layers_11_mlp_down", "mask"),
+                            out_names=("model_layers_23_mlp_down",), init_error=0.0, grad_error=1.5e-7,
+                            ok=True)  # fmt: skip
+    _reads_at_80(
+        cli._verify_table(SimpleNamespace(package=Path("models/llama-shaped/gpus=16"), stages=[stage]))
+    )
+
+
+def test_run_tables(monkeypatch: pytest.MonkeyPatch) -> None:
+    ranks = [{"rank": r, "stage": r // 2, "compute_s": 1234.567, "comm_s": 89.123, "idle_s": 456.789}
+             for r in range(16)]  # fmt: skip
+    memory = {"method": "cuda.max_memory_allocated", "window_minibatches": 3,
+              "stages": [{"stage": 7, "measured_peak_bytes": 75 * 2**30, "predicted_bytes": 70 * 2**30,
+                          "ratio_measured_over_predicted": 1.07}]}  # fmt: skip
+    metrics = {"schedule": "interleaved", "microbatches": 32, "world_size": 16,
+               "ratio_measured_over_predicted": 1.01, "time_per_minibatch_s": 12.345678,
+               "predicted_time_per_minibatch_s": 12.2, "ranks": ranks, "memory": memory, "losses": [],
+               "eval": []}  # fmt: skip
+    printed: list[Any] = []
+    monkeypatch.setattr(
+        cli, "_console", lambda stderr=False: SimpleNamespace(print=lambda r, **_: printed.append(r))
+    )
+    cli._print_run_table(metrics, "models/x/run/metrics.json")
+    tables = [r for r in printed if not isinstance(r, str)]
+    assert len(tables) == 3
+    for table in tables:
+        _reads_at_80(table)
+
+
+def test_partition_output_has_no_escape_codes(profile: Profile, tmp_path: Path) -> None:
+    save_profile(profile, tmp_path / "p.json")
+    args = [
+        "partition",
+        "--profile",
+        str(tmp_path / "p.json"),
+        "--gpus",
+        str(GPUS),
+        "-o",
+        str(tmp_path / "m"),
+    ]
+    result = CliRunner().invoke(
+        cli.main, [*args, "--explain"], env={"COLUMNS": "80", "TERM": "xterm-256color"}
+    )
+    assert result.exit_code == 0, result.output
+    assert "\x1b" not in result.stdout + result.stderr
+    assert "wrote" in result.stdout

@@ -1,0 +1,35 @@
+"""The README stays a first screen and every relative link in it and in docs/ leads to a file."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_the_readme_is_short() -> None:
+    assert len((ROOT / "README.md").read_text().splitlines()) < 200
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_relative_links_resolve(page: Path) -> None:
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text())
+    missing = [link for link in links if "://" not in link and not (page.parent / link).exists()]
+    assert missing == []
+
+
+def test_every_command_shows_an_example_in_its_help() -> None:
+    from click.testing import CliRunner
+
+    from cli import main
+
+    missing = [
+        name
+        for name in main.commands
+        if "pipeplan " + name not in CliRunner().invoke(main, [name, "--help"]).output
+    ]
+    assert missing == []
