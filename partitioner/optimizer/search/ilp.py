@@ -11,7 +11,11 @@ imports, CBC otherwise. This is the only module that imports pulp, and only when
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -55,6 +59,20 @@ def _backend() -> pulp.LpSolver:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         return pulp.PULP_CBC_CMD(msg=False)
+
+
+@contextlib.contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """File descriptor 1 sent to /dev/null for the block: a solver's C++ code writes to it directly."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def solve_ilp(
@@ -112,7 +130,8 @@ def solve_ilp(
         into = pulp.lpSum(v for (_, j, _), v in x.items() if j == s)
         model += (out if s == 0 else into if s == last else out - into) == (1 if s in (0, last) else 0)
     model += pulp.lpSum(r * v for (_, _, r), v in x.items()) <= m
-    status = model.solve(_backend())
+    with _quiet_stdout():  # HiGHS prints a banner when it is created, msg=False or not
+        status = model.solve(_backend())
     if pulp.LpStatus[status] != "Optimal":
         raise InfeasibleError(f"the ILP found no plan ({pulp.LpStatus[status]}); check --memory")
     chosen = sorted(((k, j, r) for (k, j, r), v in x.items() if (v.value() or 0) > 0.5), key=lambda s: s[1])

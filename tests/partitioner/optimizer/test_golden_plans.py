@@ -1,7 +1,8 @@
 """Every plan bit-identical to the golden file (tests/golden/plans.json, see ``golden.py``).
 
 The suite checks the quick cases (``golden.QUICK``, seconds); ``python -m
-tests.partitioner.optimizer.golden`` checks all of them (minutes)."""
+tests.partitioner.optimizer.golden`` checks all of them (minutes). The ILP cases are HiGHS's answers
+(``.[dev]`` installs highspy): another solver may break a tie between plans of equal time otherwise."""
 
 from __future__ import annotations
 
