@@ -138,7 +138,15 @@ def model_name(spec: str) -> str:
         body = spec[3:]
         source, _, task = body.rpartition(":") if body.count(":") else (body, "", "")
         path = Path(source)
-        stem = path.parent.name if path.suffix == ".json" else path.name
+        # folder/config.json is named by its folder (save_pretrained's layout); llama3-70b.json by its
+        # own name, so two configs in one folder do not share a profile
+        stem = (
+            path.parent.name
+            if path.name == "config.json"
+            else path.stem
+            if path.suffix == ".json"
+            else path.name
+        )
         name = f"hf-{stem or 'model'}" + (f"-{task}" if task else "")
     elif ":" in spec:
         where, _, factory = spec.rpartition(":")

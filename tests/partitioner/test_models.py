@@ -110,6 +110,9 @@ def test_file_factory_with_example_inputs_targets_and_loss(tmp_path: Path) -> No
     assert bundle.inputs[0].shape == (5, 4) and bundle.targets.shape == (5, 3)
     assert bundle.loss_fn.__name__ == "loss_fn"
     assert model_name(f"{path}:make") == "mymodel-make"
+    assert model_name("hf:configs/llama3-70b.json") == "hf-llama3-70b"
+    assert model_name("hf:checkpoints/tiny/config.json") == "hf-tiny"
+    assert model_name("hf:llama") == "hf-llama"
 
 
 def test_factory_returning_module_and_integer_inputs(tmp_path: Path) -> None:
