@@ -301,13 +301,13 @@ class Saver:
         is still stepping its optimizer would otherwise count in another rank's checkpoint time)."""
         self.wait()
         try:
+            partial = self.root / f"step-{step}.partial"
+            if self.rank == 0:  # before the barrier: DCP's mkdir on another rank must not race a delete
+                shutil.rmtree(partial, ignore_errors=True)
+                partial.mkdir(parents=True, exist_ok=True)
             if self.group is not None:
                 dist.barrier(group=self.group)
             began = time.perf_counter()
-            partial = self.root / f"step-{step}.partial"
-            if self.rank == 0:  # before DCP's planning collective: no rank writes into it before this
-                shutil.rmtree(partial, ignore_errors=True)
-                partial.mkdir(parents=True, exist_ok=True)
             if self.background:
                 writer = FileSystemWriter(str(partial))
                 started = dcp_async_save(state, storage_writer=writer, process_group=self.group)

@@ -129,3 +129,24 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path, pkg: Path) -> 
         "written for another model",
     ):
         resolve_resume(options)
+
+
+def test_rank_0_prepares_the_step_folder_before_other_ranks_are_let_into_dcp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another rank's DCP creates the folder as soon as the barrier lets it go; a delete by rank 0
+    after that raced its mkdir ("File exists")."""
+    seen: list[bool] = []
+
+    class Stop(Exception):
+        pass
+
+    def barrier(group: object) -> None:
+        seen.append((tmp_path / "ck" / "step-2.partial").is_dir())
+        raise Stop
+
+    monkeypatch.setattr(checkpoint.dist, "barrier", barrier)
+    saver = checkpoint.Saver(tmp_path / "ck", 0, group=object())  # type: ignore[arg-type]
+    with pytest.raises(Stop):
+        saver.save(2, {})
+    assert seen == [True]
