@@ -1204,13 +1204,17 @@ def _newest_run(models_dir: str) -> Any:
 @main.command()
 @click.argument("package", required=False, type=click.Path(file_okay=False, path_type=str))
 @click.option("--metrics", "metrics_path", type=click.Path(dir_okay=False, path_type=str), default=None,
-              help="The run's metrics.json  [default: PACKAGE/run/metrics.json]")  # fmt: skip
+              help="The run's metrics.json  [default: the run folder's]")  # fmt: skip
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=str), default=None,
+              help="The run to calibrate from  [default: the newest, PACKAGE/run]")  # fmt: skip
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=str), default=None,
               help="The calibrated profile  [default: calibrated.json beside the profile]")  # fmt: skip
 @click.option("--models-dir", default="models", show_default=True, type=click.Path(path_type=str),
               help="Where to look for the newest trained package when PACKAGE is not given.")  # fmt: skip
 @user_errors
-def calibrate(package: str | None, metrics_path: str | None, output: str | None, models_dir: str) -> None:
+def calibrate(
+    package: str | None, metrics_path: str | None, run_dir: str | None, output: str | None, models_dir: str
+) -> None:
     """Scale a profile's layer times to what a run measured per stage -> a calibrated profile.
 
     \b
@@ -1229,13 +1233,14 @@ def calibrate(package: str | None, metrics_path: str | None, output: str | None,
     from partitioner.graph import at_microbatches, load_profile, save_profile
     from partitioner.plan import load_plan
     from partitioner.update import with_update_time
+    from runtime.runs import run_folder
 
     folder = Path(package) if package is not None else _newest_run(models_dir)
     plan = load_plan(folder / "plan.json")
     if not plan.profile:
         raise PipeplanError(f"{folder}/plan.json does not name the profile it was planned from")
     profile = with_update_time(load_profile(plan.profile), plan.optimizer)  # as partition priced it
-    run = load_run_times(metrics_path or folder / "run" / "metrics.json")
+    run = load_run_times(metrics_path or run_folder(folder, run_dir) / "metrics.json")
     if run.model and plan.model and run.model != plan.model:
         raise PipeplanError(
             f"{run.source} measured {run.model}, but {folder} is a package of {plan.model}; "
@@ -1358,7 +1363,10 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False),
               help="Where step-N/ checkpoints go (torch.distributed.checkpoint, keyed by the model's "
               "parameter names: they resume on any plan of the model)  "
-              "[default: PACKAGE/run/checkpoints]")  # fmt: skip
+              "[default: the run folder's checkpoints/]")  # fmt: skip
+@click.option("--run-dir", type=click.Path(file_okay=False),
+              help="The run's folder (metrics, logs, checkpoints)  [default: a new PACKAGE/runs/<time>/, "
+              "PACKAGE/run links to the newest; with --resume the newest]")  # fmt: skip
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, help="Steps between checkpoints.")
 @click.option("--no-checkpoint", is_flag=True,
               help="Save no checkpoint (by default the last step's, for `pipeplan export`).")  # fmt: skip
@@ -1421,27 +1429,28 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
     if opts["steps"] and opts["epochs"]:
         raise click.UsageError("give --steps or --epochs, not both")
     folder = Path(package) if package is not None else newest_package("models")
-    if opts.pop("no_checkpoint"):
+    checkpoints = not opts.pop("no_checkpoint")
+    if not checkpoints:
         keys = ("checkpoint_dir", "checkpoint_every", "checkpoint_async", "resume")
         given = [f"--{k.replace('_', '-')}" for k in keys if opts[k]]
         if given:
             raise click.UsageError(f"--no-checkpoint contradicts {', '.join(given)}; drop one of them")
-    elif opts["checkpoint_dir"] is None:
-        opts["checkpoint_dir"] = folder / "run" / "checkpoints"
-    for key in ("checkpoint_dir", "trace"):
+    for key in ("checkpoint_dir", "trace", "run_dir"):
         opts[key] = str(opts[key]) if opts[key] is not None else None
     opts["betas"] = parse_betas(opts["betas"])
     options = RunOptions(package=str(folder), **opts)
     _check_optim(options)
     if dry_run:
         from runtime.launch import schedule_preview, torchrun_commands
+        from runtime.runs import begin
 
+        options = begin(options, checkpoints, create=False)
         for line in torchrun_commands(options):
             click.echo(line)
         for line in schedule_preview(options):
             click.echo(f"# {line}")
         return
-    _run_and_report(options)
+    _run_and_report(options, checkpoints)
 
 
 def _with_config(ctx: click.Context, package: str | None, opts: dict[str, Any]) -> str | None:
@@ -1486,12 +1495,17 @@ def _check_optim(options: Any) -> None:
         )
 
 
-def _run_and_report(options: Any) -> None:
+def _run_and_report(options: Any, checkpoints: bool) -> None:
     """Launch with a progress bar fed by the loss-reporting rank, then print measured vs predicted."""
     from runtime.launch import holding_run_folder
+    from runtime.runs import begin, discard_if_empty
 
     with holding_run_folder(options):  # one job per package folder, from the first check to the end
-        _report_run(options)
+        options = begin(options, checkpoints)
+        try:
+            _report_run(options)
+        finally:
+            discard_if_empty(options)
 
 
 def _report_run(options: Any) -> None:
@@ -1531,7 +1545,7 @@ def _report_run(options: Any) -> None:
             )
             sys.exit(1 if isinstance(exc, JobFailed) else 128 + exc.signum)
     if metrics is not None:
-        path = Path(options.run_dir or Path(options.package) / "run") / "metrics.json"
+        path = Path(options.run_dir) / "metrics.json"
         _print_run_table(metrics, path, options.checkpoint_dir)
 
 
@@ -1621,7 +1635,9 @@ def _memory_table(memory: dict[str, Any]) -> Any:
               help="The checkpoint step to export  [default: the newest complete one]")  # fmt: skip
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False),
               help="Where the run wrote step-N/ (a run of any plan of the model)  "
-              "[default: PACKAGE/run/checkpoints]")  # fmt: skip
+              "[default: the run folder's checkpoints/]")  # fmt: skip
+@click.option("--run-dir", type=click.Path(file_okay=False),
+              help="The run whose checkpoints to export  [default: the newest, PACKAGE/run]")  # fmt: skip
 @click.option("--hf-dir", type=click.Path(file_okay=False),
               help="hf: models: the from_pretrained folder (config and safetensors)  [default: beside "
               "-o, named after it: model.pt -> model-hf/]")  # fmt: skip
@@ -1633,8 +1649,8 @@ def _memory_table(memory: dict[str, Any]) -> Any:
               "[default: the run's]")  # fmt: skip
 @user_errors
 def export(
-    package: str | None, output: str, step: int | None, checkpoint_dir: str | None, hf_dir: str | None,
-    max_shard_size: str, seed: int | None,
+    package: str | None, output: str, step: int | None, checkpoint_dir: str | None, run_dir: str | None,
+    hf_dir: str | None, max_shard_size: str, seed: int | None,
 ) -> None:  # fmt: skip
     """Write a run's checkpoint as the original model's weights.
 
@@ -1656,6 +1672,8 @@ def export(
 
     folder = Path(package) if package is not None else newest_package("models")
     most = int(parse_bytes(max_shard_size))
+    if checkpoint_dir is None and run_dir is not None:
+        checkpoint_dir = str(Path(run_dir) / "checkpoints")
     done = export_checkpoint(folder, output, step, checkpoint_dir, hf_dir, seed, most)
     console, merged = _console(), done.merged
     for line in done.skipped:

@@ -530,16 +530,17 @@ def _json(doc: Mapping[str, Any]) -> str:
 
 
 def _keep_runs(out_dir: Path, tmp: Path) -> None:
-    """A package being replaced may hold a training run (metrics, checkpoints of its stages): move it
-    into the new package as ``run.<time of the old plan>`` rather than deleting it. It belongs to the
-    old stages, so it does not stay ``run/``, where ``pipeplan run --resume`` would look."""
+    """A package being replaced may hold training runs (metrics, checkpoints of its stages): move them
+    into the new package as ``runs.<time of the old plan>`` (``run.<time>`` for an older package's
+    ``run/``) rather than deleting them. They belong to the old stages, so they do not stay where
+    ``pipeplan run --resume`` and ``calibrate`` look."""
     for old_run in sorted(out_dir.glob("run*")) if out_dir.is_dir() else ():
-        if not old_run.is_dir() or (tmp / old_run.name).exists():
-            continue
+        if old_run.is_symlink() or not old_run.is_dir() or (tmp / old_run.name).exists():
+            continue  # the ``run`` link to the newest of ``runs/`` is dropped with the old folder
         name = old_run.name
-        if name == "run":
+        if name in ("run", "runs"):
             stamp = (out_dir / "plan.json").stat().st_mtime if (out_dir / "plan.json").exists() else 0.0
-            name = "run." + time.strftime("%Y%m%d-%H%M%S", time.localtime(stamp))
+            name += "." + time.strftime("%Y%m%d-%H%M%S", time.localtime(stamp))
         log.warning("the replaced package's %s is kept as %s", old_run, out_dir / name)
         old_run.rename(tmp / name)
 
@@ -557,7 +558,7 @@ def _write_folder(out_dir: Path, files: Mapping[str, str], keep_existing: bool =
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
         if keep_existing and out_dir.is_dir():
-            shutil.copytree(out_dir, tmp, dirs_exist_ok=True)
+            shutil.copytree(out_dir, tmp, symlinks=True, dirs_exist_ok=True)
         for name, text in files.items():
             (tmp / name).write_text(text, encoding="utf-8")
         _keep_runs(out_dir, tmp)

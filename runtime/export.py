@@ -49,6 +49,7 @@ from runtime.errors import RunError
 from runtime.fqns import TensorSpec, model_names
 from runtime.package import import_package
 from runtime.preflight import check_writable, disk_full
+from runtime.runs import run_folder
 
 __all__ = ["MAX_SHARD_BYTES", "Exported", "Merged", "choose_step", "export_checkpoint", "match_names"]
 
@@ -334,7 +335,7 @@ def export_checkpoint(
         package: a package of the model (any plan of it: the checkpoint's names are the model's).
         output: ``*.safetensors``, or a state_dict file (``*.pt``).
         step: the checkpoint step; None: the newest complete one.
-        checkpoint_dir: where the run wrote ``step-N/``; None: ``PACKAGE/run/checkpoints``.
+        checkpoint_dir: where the run wrote ``step-N/``; None: the newest run's ``checkpoints/``.
         hf_dir: for an ``hf:`` model, the ``from_pretrained`` folder; None: beside ``output``, named
             after it (``model.pt`` -> ``model-hf/``).
         seed: the seed of tensors no stage holds (state_dict files); None: the run's, else 0.
@@ -346,7 +347,7 @@ def export_checkpoint(
     """
     job = load_job(package)
     check_output(Path(output))
-    root = Path(checkpoint_dir) if checkpoint_dir is not None else job.package / "run" / "checkpoints"
+    root = Path(checkpoint_dir) if checkpoint_dir is not None else run_folder(package, None) / "checkpoints"
     chosen, skipped = choose_step(root, step)
     folder = checkpoint.step_dir(root, chosen)
     meta = (

@@ -34,7 +34,7 @@ from runtime.options import RunOptions, to_argv
 from runtime.preflight import disk_full, preflight
 from runtime.resume import resume_lines
 from runtime.run_config import write_config
-from runtime.runlock import run_lock
+from runtime.runs import begin, package_lock, publish
 from runtime.worker import job_of, run_dir, run_rank
 
 __all__ = [
@@ -251,9 +251,10 @@ def _agent_log(path: Path) -> Iterator[None]:
 
 
 def holding_run_folder(options: RunOptions) -> AbstractContextManager[None]:
-    """The run folder's lock (:mod:`runtime.runlock`), to hold across :func:`check_launch` and
-    :func:`launch` (which takes it too: one job per package folder at a time)."""
-    return run_lock(run_dir(options), options.node_rank)
+    """The package's run lock (:func:`runtime.runs.package_lock`), to hold across
+    :func:`runtime.runs.begin`, :func:`check_launch` and :func:`launch` (which takes it too: one job
+    per package folder at a time)."""
+    return package_lock(options)
 
 
 def launch(
@@ -268,11 +269,15 @@ def launch(
         RunError: bad package or options, or no rendezvous with the master within the timeout.
         JobFailed: a rank raised or died.
     """
+    if options.run_dir is None:  # a library caller: a run folder of its own, as `pipeplan run` makes
+        with package_lock(options):
+            options = begin(options, checkpoints=False)
     per_node = checked if checked is not None else check_launch(options)
     options, notes = resolve_resume(options)
     for note in notes:
         log.info("%s", note)
     write_config(run_dir(options), replace(options, resume_step=None))
+    publish(options)
     with _rendezvous_store(options) as (port, store):
         options = replace(options, master_port=port, launcher_pid=os.getpid())
         return _launch(options, per_node, on_progress, store)
@@ -327,7 +332,7 @@ def _launch(
 ) -> dict[str, Any] | None:
     """:func:`launch` once the rendezvous store listens: the run folder locked, a :class:`Watchdog`
     over this node's ranks, a full disk named as the cause of whatever it broke."""
-    with run_lock(run_dir(options), options.node_rank):
+    with package_lock(options):
         return _launch_locked(options, per_node, on_progress, store)
 
 

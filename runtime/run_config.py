@@ -84,11 +84,20 @@ def _value(value: Any) -> str:
 def to_toml(options: RunOptions) -> str:
     """Every option of ``options`` (None ones left out: they are the defaults) as TOML."""
     lines = ["# pipeplan run --config run.toml repeats this run; flags on the command line win."]
+    # a repeat is a new run: its folder, and the checkpoints inside it, are its own
+    own = {"run_dir"} | ({"checkpoint_dir"} if _inside_run(options) else set())
     for f in fields(options):
         value = getattr(options, f.name)
-        if f.name not in _INTERNAL and value is not None:
+        if f.name not in _INTERNAL and f.name not in own and value is not None:
             lines.append(f"{f.name.replace('_', '-')} = {_value(value)}")
     return "\n".join(lines) + "\n"
+
+
+def _inside_run(options: RunOptions) -> bool:
+    """Whether the checkpoints go into the run's own folder (the default)."""
+    if options.run_dir is None or options.checkpoint_dir is None:
+        return False
+    return Path(options.checkpoint_dir).resolve() == (Path(options.run_dir) / "checkpoints").resolve()
 
 
 def write_config(folder: Path, options: RunOptions) -> Path:

@@ -199,7 +199,8 @@ def test_a_default_run_saves_its_last_step_for_export(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The README's workflow without a checkpoint option: run saves the last step, export reads it;
-    --no-checkpoint saves none and refuses the checkpoint options it would contradict."""
+    --no-checkpoint saves none and refuses the checkpoint options it would contradict. Each run keeps
+    its own folder: export and calibrate read the newest, or the one --run-dir names."""
     monkeypatch.chdir(tmp_path)
     for args in (
         ["profile", "tiny-mlp"],
@@ -208,12 +209,26 @@ def test_a_default_run_saves_its_last_step_for_export(
     ):
         result = CliRunner().invoke(main, args)
         assert result.exit_code == 0, result.output
-    checkpoints = tmp_path / "models" / "tiny-mlp" / "gpus=2" / "run" / "checkpoints"
-    assert [p.name for p in checkpoints.iterdir()] == ["step-3"]
-    assert f"checkpoints: {Path('models/tiny-mlp/gpus=2/run/checkpoints')}" in result.output
+    package = Path("models/tiny-mlp/gpus=2")
+    (first,) = (package / "runs").iterdir()
+    assert [p.name for p in (first / "checkpoints").iterdir()] == ["step-3"]
+    assert f"checkpoints: {first / 'checkpoints'}" in result.output
     result = CliRunner().invoke(main, ["export", "-o", "m.safetensors"])
     assert result.exit_code == 0 and (tmp_path / "m.safetensors").is_file(), result.output
     result = CliRunner().invoke(main, ["run", "--steps", "4", "--no-checkpoint", "--timeout", "30"])
-    assert result.exit_code == 0 and [p.name for p in checkpoints.iterdir()] == ["step-3"], result.output
+    assert result.exit_code == 0 and [p.name for p in (first / "checkpoints").iterdir()] == ["step-3"]
+    (second,) = set((package / "runs").iterdir()) - {first}
+    assert json.loads((first / "metrics.json").read_text())["steps"] == 3  # the first run's, kept
+    assert json.loads((package / "run" / "metrics.json").read_text())["steps"] == 4  # run/: the newest
+    assert (package / "run").resolve() == second.resolve()
+    result = CliRunner().invoke(main, ["export", "-o", "n.safetensors"])  # the newest run saved none
+    assert result.exit_code == 2 and str(second / "checkpoints") in result.output, result.output
+    result = CliRunner().invoke(main, ["export", "-o", "n.safetensors", "--run-dir", str(first)])
+    assert result.exit_code == 0 and (tmp_path / "n.safetensors").is_file(), result.output
+    for run_dir in ([], ["--run-dir", str(first)]):
+        result = CliRunner().invoke(main, ["calibrate", str(package), *run_dir, "-o", "c.json"])
+        assert result.exit_code == 0, result.output
+        source = json.loads((tmp_path / "c.json").read_text())["extra"]["calibrated"]["metrics"]
+        assert Path(source).resolve().parent == (first if run_dir else second).resolve()
     result = CliRunner().invoke(main, ["run", "--no-checkpoint", "--resume"])
     assert result.exit_code == 2 and "--no-checkpoint contradicts --resume" in result.output
