@@ -1513,7 +1513,9 @@ def _report_run(options: Any) -> None:
 
     from runtime.data import SYNTHETIC_STEPS
     from runtime.errors import Interrupted, JobFailed
+    from runtime.header import run_header
     from runtime.launch import check_launch, launch, resolve_resume
+    from runtime.worker import job_of
 
     per_node = check_launch(options)
     options, notes = resolve_resume(options)
@@ -1522,6 +1524,7 @@ def _report_run(options: Any) -> None:
     total = options.steps or (
         (options.epochs or 1) * SYNTHETIC_STEPS if options.data == "synthetic" else None
     )
+    _console().print(_header(run_header(options, job_of(options), per_node, total)))
     with _progress(transient=False) as bar:
         task = bar.add_task(f"training {Path(options.package).name}", total=total)
 
@@ -1547,6 +1550,19 @@ def _report_run(options: Any) -> None:
     if metrics is not None:
         path = Path(options.run_dir) / "metrics.json"
         _print_run_table(metrics, path, options.checkpoint_dir)
+
+
+def _header(rows: Sequence[tuple[str, str]]) -> Any:
+    """The run's header (:mod:`runtime.header`): label and text, the text wrapped beside the labels."""
+    from rich.table import Table
+    from rich.text import Text
+
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(no_wrap=True)
+    grid.add_column(overflow="fold")
+    for label, text in rows:
+        grid.add_row(Text(label), Text(text))
+    return grid
 
 
 def _eval_text(evaluation: dict[str, Any]) -> str:

@@ -142,3 +142,23 @@ def test_partition_output_has_no_escape_codes(profile: Profile, tmp_path: Path) 
     assert result.exit_code == 0, result.output
     assert "\x1b" not in result.stdout + result.stderr
     assert "wrote" in result.stdout
+
+
+def test_run_header_names_the_package_ranks_schedule_and_files_at_80_columns(tmp_path: Path) -> None:
+    from runtime.header import run_header
+    from runtime.options import RunOptions
+    from runtime.runs import begin
+    from runtime.worker import job_of
+    from tests.runtime.packages import write_package
+
+    folder = tmp_path / "a-rather-long-folder-name" / "models" / "chain" / "gpus=3"
+    pkg = write_package(folder, replicas=(1, 2))
+    options = begin(RunOptions(package=str(pkg), checkpoint_every=5), checkpoints=True, create=False)
+    lines = _render(cli._header(run_header(options, job_of(options), 3, 20)), 80)
+    assert max(map(len, lines)) <= 80, "\n".join(lines)
+    labels = [line.split(" ", 1)[0] for line in lines if not line.startswith(" ")]
+    assert labels == ["package", "ranks", "schedule", "steps", "writes", "checkpoints"], "\n".join(lines)
+    text = "\n".join(lines)
+    assert "3 ranks on this machine (CPUs, gloo); replicas per stage 1 2" in text
+    assert "1f1b, 4 microbatches of 2 samples (minibatch 8), fp32" in text
+    assert "20 steps on synthetic data" in text and "every 5 steps and the last step" in text
