@@ -657,6 +657,9 @@ def _devices(count: int, profile: Any) -> str:
 
 
 def _plan_summary(plan: Any, sim: Any, profile: Any) -> str:
+    from partitioner.optimizer.comparison import data_parallel_fits
+    from partitioner.optimizer.pricing.price import gib
+
     p, info = plan.predicted, plan.solver
     rate = (
         f"{p.throughput_samples_per_s:.1f} samples/s" if p.throughput_samples_per_s else "batch size unknown"
@@ -669,16 +672,24 @@ def _plan_summary(plan: Any, sim: Any, profile: Any) -> str:
     exact = "optimal" if info.optimal else "not proven optimal"
     c = plan.cluster
     hosts = (
-        f" (CPU ranks, {c.levels[0].devices} per host of {c.cores} cores, {c.threads} thread(s) each: "
-        f"the busiest host needs {p.host_bound_s * 1e3:.3f} ms for their compute; the pipeline alone "
+        f" (bound by the host, not the pipeline: CPU ranks, {c.levels[0].devices} per host of {c.cores} "
+        f"cores, {c.threads} thread(s) each; the busiest host needs {p.host_bound_s * 1e3:.3f} ms for "
+        "their compute; the pipeline alone "
         f"{(p.pipeline_s or 0) * 1e3:.3f} ms)"
         if p.host_bound_s and p.host_bound_s >= (p.pipeline_s or 0)
         else ""
     )
+    single = (
+        f"{p.speedup_vs_single or 0:.2f}x over {'one CPU rank' if profile.device == 'cpu' else 'one GPU'}"
+    )
+    speedup = (
+        f"speedup {p.speedup_vs_data_parallel or 0:.2f}x over data parallel, {single}"
+        if data_parallel_fits(profile, plan)
+        else f"speedup {single}; data parallel does not fit in {gib(c.memory_bytes or 0)} per device (the "
+        "memory limit rules it out)"
+    )
     return (
-        f"predicted {p.time_per_minibatch_s * 1e3:.3f} ms/minibatch{hosts}, {rate}; speedup "
-        f"{p.speedup_vs_data_parallel or 0:.2f}x over data parallel, "
-        f"{p.speedup_vs_single or 0:.2f}x over {'one CPU rank' if profile.device == 'cpu' else 'one GPU'}; "
+        f"predicted {p.time_per_minibatch_s * 1e3:.3f} ms/minibatch{hosts}, {rate}; {speedup}; "
         f"bubble {100 * p.bubble_fraction:.1f}% (simulated {100 * sim.bubble_fraction:.1f}%"
         + ("" if sim.steady else f" over the first {sim.minibatches} minibatches, still filling")
         + ")\n"
@@ -936,6 +947,7 @@ def partition(
     from dataclasses import replace
     from pathlib import Path
 
+    from partitioner.codegen import kept_runs
     from partitioner.errors import PlanError
     from partitioner.graph import load_profile
     from partitioner.optimizer import evaluate, solve
@@ -1001,7 +1013,9 @@ def partition(
     plan = replace(plan, profile=str(path), precision=profile.precision)
     name = profile.model if profile.tracer == "pipedream" else _model_name(profile.model)
     out_dir = Path(output) / re.sub(r"[^A-Za-z0-9_.-]+", "_", name or "model") / f"gpus={cluster.gpus}"
+    kept = kept_runs(out_dir)
     plan = _write_plan(profile, plan, out_dir, weights, init)
+    kept = kept_runs(out_dir) - kept
     sim = simulate(plan, profile)
     if trace_path:
         write_chrome_trace(sim, trace_path)
@@ -1017,7 +1031,6 @@ def partition(
         console.print(
             f"stage compute includes the {optimizer} update of its weights (the profile measured "
             f"{whole:.2f} ms for the whole model; --optimizer to plan for another)",
-            soft_wrap=True,
         )
     first = [e.end_s for e in sim.events if e.stage == 0 and e.kind == "B"]
     until = first[min(2, len(first) - 1)] if get_schedule(plan.schedule).stashes and first else None
@@ -1031,12 +1044,12 @@ def partition(
         console.print(
             f"[yellow]note:[/yellow] {plan.microbatches} microbatches instead of {asked}: the synchronous "
             "schedules give a stage's replicas microbatches round-robin: each replica count divides it",
-            soft_wrap=True,
         )
     note = _microbatch_note(profile, plan)
     if note:
-        console.print(f"[yellow]note:[/yellow] {note}", soft_wrap=True)
-    console.print(f"wrote {out_dir}/plan.json and mp_conf.json")
+        console.print(f"[yellow]note:[/yellow] {note}")
+    moved = f"; the replaced plan's runs are kept in {', '.join(sorted(kept))}/" if kept else ""
+    console.print(f"wrote {out_dir}/plan.json and mp_conf.json{moved}", soft_wrap=True)
 
 
 def _auto(
@@ -1057,6 +1070,7 @@ def _auto_table(choice: Any, gpus: int, asked: int | None) -> Any:
     from rich.console import Group
     from rich.text import Text
 
+    from partitioner.optimizer.comparison import auto_tie
     from partitioner.optimizer.pricing.schedules import model
 
     notes = []
@@ -1080,6 +1094,8 @@ def _auto_table(choice: Any, gpus: int, asked: int | None) -> Any:
             continue
         t = choice.times[name]
         table.add_row(label, str(plan.microbatches), _stages_cell(plan), f"{t * 1e3:.3f}", f"{t / best:.2f}x")
+    tie = auto_tie(choice)
+    notes += [tie] if tie else []
     return Group(table, *(Text(note) for note in notes))
 
 
@@ -1163,13 +1179,12 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
     report = next((r for r in reports if not r.ok), reports[-1])
     _console().print(_verify_table(report))
     for tie in report.ties:
-        _console().print(f"tied: {tie} (gradients compared as their sum)", soft_wrap=True)
+        _console().print(f"tied: {tie} (gradients compared as their sum)")
     verdict = "[green]match[/green]" if report.ok else "[red]MISMATCH[/red]"
     _console().print(
         f"{verdict}: {report.model}, {len(report.stages)} stages, batch {report.batch_size}, "
         f"seed {report.seed}; loss {report.loss:.6g} (|diff| {report.loss_error:.2e}), "
         f"output max |diff| {report.output_error:.2e}; tolerance rtol={report.rtol:g} atol={report.atol:g}",
-        soft_wrap=True,
     )
     sys.exit(0 if report.ok else 1)
 
@@ -1621,7 +1636,6 @@ def _print_run_table(metrics: dict[str, Any], path: object, checkpoints: object 
     console.print(
         f"[yellow]note:[/yellow] measured/predicted {ratio:.2f}{shared}: `pipeplan calibrate` feeds the "
         "measured stage times back into the profile, so the next `pipeplan partition` plans with them",
-        soft_wrap=True,
     )
 
 

@@ -541,8 +541,15 @@ def _keep_runs(out_dir: Path, tmp: Path) -> None:
         if name in ("run", "runs"):
             stamp = (out_dir / "plan.json").stat().st_mtime if (out_dir / "plan.json").exists() else 0.0
             name += "." + time.strftime("%Y%m%d-%H%M%S", time.localtime(stamp))
-        log.warning("the replaced package's %s is kept as %s", old_run, out_dir / name)
+        log.info("the replaced package's %s is kept as %s", old_run, out_dir / name)
         old_run.rename(tmp / name)
+
+
+def kept_runs(out_dir: Path) -> set[str]:
+    """The names of the runs of replaced plans a package folder keeps (``runs.<time>``,
+    ``run.<time>``): what :func:`_keep_runs` moved, for the command to say so in its last line."""
+    found = out_dir.glob("run*.*") if out_dir.is_dir() else ()
+    return {p.name for p in found if p.is_dir() and not p.is_symlink()}
 
 
 def _write_folder(out_dir: Path, files: Mapping[str, str], keep_existing: bool = False) -> None:

@@ -162,3 +162,17 @@ def test_run_header_names_the_package_ranks_schedule_and_files_at_80_columns(tmp
     assert "3 ranks on this machine (CPUs, gloo); replicas per stage 1 2" in text
     assert "1f1b, 4 microbatches of 2 samples (minibatch 8), fp32" in text
     assert "20 steps on synthetic data" in text and "every 5 steps and the last step" in text
+
+
+def test_partitions_prose_lines_wrap_at_80_columns_when_piped(tmp_path: Path) -> None:
+    """The summary, notes and the auto table's sentences wrap at 80 columns (only the last line, a
+    path to copy, may run longer); no escape codes."""
+    profile = _profile([f"block.{i}.linear" for i in range(12)], "toy")
+    save_profile(profile, tmp_path / "toy.json")
+    args = ["partition", "--profile", str(tmp_path / "toy.json"), "--gpus", "4", "--schedule", "auto"]
+    result = CliRunner().invoke(cli.main, [*args, "--memory", "8GiB", "-o", str(tmp_path / "m")])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[-1].startswith("wrote ") and "\x1b" not in result.output
+    assert max(map(len, lines[:-1])) <= 80, result.output
+    assert "data parallel does not fit in 8.00 GiB per device" in " ".join(lines)

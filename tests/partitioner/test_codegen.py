@@ -235,6 +235,23 @@ def test_replacing_a_package_keeps_its_run(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "pkg" / "mp_conf.json").read_text())["module_to_stage_map"] == [0, 1, 1]
 
 
+def test_replacing_a_package_keeps_its_runs_folder_and_drops_the_link(tmp_path: Path) -> None:
+    """A package of the folder-per-run layout: runs/ moves to runs.<time>, the run link goes (it would
+    point into the old plan's runs), and the kept name is what partition reports."""
+    from partitioner.codegen import kept_runs
+
+    profile = profile_for("tiny-mlp")
+    write_package(profile, plan_for(profile, [2]), tmp_path / "pkg")
+    (tmp_path / "pkg" / "runs" / "20260101-000000").mkdir(parents=True)
+    (tmp_path / "pkg" / "runs" / "20260101-000000" / "metrics.json").write_text("{}")
+    (tmp_path / "pkg" / "run").symlink_to("runs/20260101-000000")
+    write_package(profile, plan_for(profile, [4]), tmp_path / "pkg")
+    (kept,) = kept_runs(tmp_path / "pkg")
+    assert kept.startswith("runs.2") and not (tmp_path / "pkg" / "run").exists()
+    assert sorted(p.name for p in (tmp_path / "pkg").glob("run*")) == [kept]
+    assert (tmp_path / "pkg" / kept / "20260101-000000" / "metrics.json").read_text() == "{}"
+
+
 def test_weights_checkpoint(tmp_path: Path) -> None:
     """--weights: stages load their tensors from a full-model state_dict instead of initialising them."""
     trained = load_model("tiny-mlp").build(seed=42)
