@@ -15,15 +15,16 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
-
-import networkx as nx
+from typing import TYPE_CHECKING, Any
 
 from partitioner.atomic import write_text_atomic
 from partitioner.errors import ProfileFormatError
 from runtime.formats import PROFILE_FIELDS
 from runtime.precision import PRECISIONS
 from runtime.schema import SchemaError, check
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 __all__ = [
     "PROFILE_SCHEMA",
@@ -156,7 +157,10 @@ class Profile:
         return {node.id: node for node in self.nodes}
 
     def to_networkx(self) -> nx.DiGraph:
-        """The layer DAG with nodes as attributes, for graph algorithms (reachability, downsets)."""
+        """The layer DAG with nodes as attributes, for graph algorithms (reachability, downsets).
+        (networkx is imported here, not with the module: planning a profile.json never needs it.)"""
+        import networkx as nx
+
         graph = nx.DiGraph()
         for node in self.nodes:
             graph.add_node(node.id, node=node)
@@ -371,6 +375,8 @@ def _check_inputs(profile: Profile, node: Node, earlier: set[str], source: str) 
             raise ProfileFormatError(
                 f"{source}: node {node.id!r} reads {src!r}, which is not a node of the profile"
             )
+        import networkx as nx
+
         if not nx.is_directed_acyclic_graph(profile.to_networkx()):
             cycle = " -> ".join(a for a, _ in nx.find_cycle(profile.to_networkx()))
             raise ProfileFormatError(f"{source} has a cycle ({cycle}): a layer graph must be acyclic")
@@ -484,6 +490,8 @@ def _parse_metrics(text: str) -> dict[str, Any]:
 def _graph_nodes(
     raw: Mapping[str, Mapping[str, Any]], edges: Iterable[tuple[str, str]], source: str
 ) -> tuple[Node, ...]:
+    import networkx as nx
+
     graph = nx.DiGraph()
     order = {node_id: i for i, node_id in enumerate(raw)}
     graph.add_nodes_from(raw)

@@ -22,6 +22,7 @@ import logging
 import re
 import sys
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
@@ -33,6 +34,7 @@ from torch import Tensor, nn
 
 from partitioner.errors import ModelSpecError
 from partitioner.hf_inputs import hf_bundle_parts, next_token_targets
+from partitioner.meta_init import SkipMetaInit
 from partitioner.zoo import ZOO, ZooEntry
 from runtime.lazy import split_buffers, weightless
 
@@ -214,7 +216,8 @@ def _seeded_call(
     ``lazy``: the module's parameters on the meta device, its buffers real (``runtime.lazy``)."""
     name = getattr(factory, "__qualname__", repr(factory))
     place = weightless() if lazy else torch.device(device)
-    with torch.random.fork_rng(devices=[]), place:
+    meta = lazy or torch.device(device).type == "meta"
+    with torch.random.fork_rng(devices=[]), place, SkipMetaInit() if meta else nullcontext():
         torch.manual_seed(seed)
         try:
             made = factory()
