@@ -1314,125 +1314,92 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 
 @main.command()
 @click.argument("package", required=False, type=click.Path(file_okay=False))
-@click.option("--steps", type=click.IntRange(min=1), help="Minibatches to train (in total, with --resume).")
-@click.option("--epochs", type=click.IntRange(min=1), help="Passes over the data (default 1) if no --steps.")
-@click.option("--batch-size", type=click.IntRange(min=1), help="Samples per minibatch [plan.json].")
-@click.option("--microbatches", type=click.IntRange(min=1), help="Microbatches per minibatch [plan.json].")
-@click.option("--schedule", type=click.Choice(SCHEDULES),
-              help="[plan.json] zb1p: zero bubble H1, each backward split in B (input gradients, "
-              "sent at once) and W (weight gradients, run later in the bubbles); exact as 1f1b. "
-              "interleaved: Megatron's virtual stages, for a package partitioned with --schedule "
-              "interleaved (several stages per rank); gloo only. zbv: zero bubble V, for a package "
-              "partitioned with --schedule zbv (2 stages per rank as a V); gloo only.")  # fmt: skip
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1),
+    help="Minibatches in all, resumed ones included  [default: one epoch; synthetic: 8]",
+)
+@click.option(
+    "--epochs", type=click.IntRange(min=1), help="Passes over the data without --steps  [default: 1]"
+)
+@click.option(
+    "--batch-size", type=click.IntRange(min=1), help="Samples per minibatch  [default: plan.json's]"
+)
+@click.option("--microbatches", type=click.IntRange(min=1), help="Per minibatch  [default: plan.json's]")
+@click.option("--schedule", type=click.Choice(SCHEDULES), help="[default: plan.json's]")
 @click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default="auto", show_default=True,
-              help="auto: nccl when the ranks have GPUs, gloo on CPU.")  # fmt: skip
+              help="auto: nccl on GPUs, gloo on CPUs.")  # fmt: skip
 @click.option("--data", default="synthetic", show_default=True,
-              help="synthetic (the package's example_inputs), module:fn or file.py:fn (a Dataset or "
-              "DataLoader of (input, target)), imagefolder:DIR (DIR/<class>/<image>; sorted class names "
-              "are the targets; images resized to the package's input shape; needs Pillow) or text:FILE "
-              "(next-token windows of --seq-len tokens: bytes, or --tokenizer's ids).")  # fmt: skip
-@click.option("--seq-len", type=click.IntRange(min=1), default=None,
-              help="Tokens per window of text:FILE data "
-              "(input tokens[i:i+N], target tokens[i+1:i+N+1]).")  # fmt: skip
+              help="Or module:fn, file.py:fn, imagefolder:DIR, text:FILE.")  # fmt: skip
+@click.option("--seq-len", type=click.IntRange(min=1), default=None, help="Tokens per window of text: data.")
 @click.option("--tokenizer", type=click.Path(path_type=str), default=None,
-              help="A local Hugging Face tokenizer folder for text:FILE data (needs transformers) "
-              "[default: bytes, vocabulary 256]. Its ids must fit the model's vocabulary.")  # fmt: skip
+              help="A local tokenizer folder for text: data  [default: bytes]")  # fmt: skip
 @click.option("--data-workers", type=click.IntRange(min=0), default=1, show_default=True,
-              help="DataLoader worker processes of each rank that reads imagefolder:/text: data "
-              "(0: the rank reads itself).")  # fmt: skip
-@click.option("--eval-data", default=None, metavar="SPEC",
-              help="Held-out data, any --data form: evaluated forward-only (no dropout) every "
-              "--eval-every steps and at the end; mean loss and class accuracy go to the progress "
-              "line and metrics.json. Weights: those after the step (pipedream drains its pipeline "
-              "there).")  # fmt: skip
+              help="DataLoader workers per reading rank.")  # fmt: skip
+@click.option("--eval-data", default=None, metavar="SPEC", help="Held-out data (any --data form).")
 @click.option("--eval-every", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Steps between evaluations of --eval-data (0: only at the end).")  # fmt: skip
-@click.option("--optimizer", metavar="[sgd|adam|adamw]", default="sgd", show_default=True,
-              help="adamw: Adam with decoupled weight decay.")  # fmt: skip
+              help="Steps between evaluations (0: at the end).")  # fmt: skip
+@click.option("--optimizer", metavar="[sgd|adam|adamw]", default="sgd", show_default=True)
 @click.option(
     "--lr", type=float, default=0.01, show_default=True, callback=_finite, help="Peak learning rate."
 )
 @click.option(
     "--momentum", type=float, default=0.0, show_default=True, callback=_finite, help="SGD momentum."
 )
-@click.option("--nesterov", is_flag=True, help="SGD with Nesterov momentum (needs --momentum).")
+@click.option("--nesterov", is_flag=True, help="SGD with Nesterov momentum.")
 @click.option("--weight-decay", type=float, default=0.0, show_default=True,
-              help="On every parameter: L2 penalty (sgd, adam), decoupled (adamw).")  # fmt: skip
+              help="L2 (sgd, adam), decoupled (adamw).")  # fmt: skip
 @click.option("--betas", metavar="B1,B2", default="0.9,0.999", show_default=True, help="Adam(W)'s betas.")
 @click.option("--lr-schedule", metavar="[constant|linear|cosine]", default="constant", show_default=True,
-              help="After the warm-up; linear and cosine reach 0 at the last step.")  # fmt: skip
-@click.option("--warmup-steps", type=int, default=0, show_default=True,
-              help="Minibatches of linear warm-up from 0 to --lr. The schedule counts minibatches "
-              "(a pipedream replica's step covers its round's).")  # fmt: skip
-@click.option("--clip-grad-norm", type=float, default=None,
-              help="Clip the whole model's gradient norm (all stages, tied weights once) to this "
-              "(1f1b, gpipe, zb1p).")  # fmt: skip
+              help="After the warm-up.")  # fmt: skip
+@click.option("--warmup-steps", type=int, default=0, show_default=True, help="Linear warm-up from 0.")
+@click.option("--clip-grad-norm", type=float, default=None, help="Clip the whole model's gradient norm.")
 @click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]),
-              help="Forwards under autocast to bf16 or fp16 (float32 weights and optimizer state); fp16 "
-              "adds dynamic loss scaling and needs a synchronous schedule  [plan.json's]")  # fmt: skip
+              help="Autocast  [default: plan.json's]")  # fmt: skip
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights and data seed.")
 @click.option("--weights", type=click.Path(exists=True, path_type=str), default=None,
-              help="Start from these weights (a save_pretrained folder, .safetensors or state_dict file); "
-              "each rank reads only its stage's tensors  [default: the package's]")  # fmt: skip
+              help="Initial weights  [default: the package's]")  # fmt: skip
 @click.option("--shuffle", is_flag=True, help="Shuffle a user dataset every epoch.")
-@click.option("--checkpoint-dir", type=click.Path(file_okay=False),
-              help="Where step-N/ checkpoints go (torch.distributed.checkpoint, keyed by the model's "
-              "parameter names: they resume on any plan of the model)  "
-              "[default: the run folder's checkpoints/]")  # fmt: skip
 @click.option("--run-dir", type=click.Path(file_okay=False),
-              help="The run's folder (metrics, logs, checkpoints)  [default: a new PACKAGE/runs/<time>/, "
-              "PACKAGE/run links to the newest; with --resume the newest]")  # fmt: skip
-@click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, help="Steps between checkpoints.")
-@click.option("--no-checkpoint", is_flag=True,
-              help="Save no checkpoint (by default the last step's, for `pipeplan export`).")  # fmt: skip
-@click.option("--checkpoint-async", is_flag=True,
-              help="Write checkpoints in the background: training goes on once each rank has copied "
-              "its tensors.")  # fmt: skip
+              help="[default: a new PACKAGE/runs/<time>/]")  # fmt: skip
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False), help="[default: RUN-DIR/checkpoints]")
+@click.option("--checkpoint-every", type=click.IntRange(min=0), default=0,
+              help="Steps between checkpoints  [default: the last]")  # fmt: skip
+@click.option("--no-checkpoint", is_flag=True, help="Save none (export reads one).")
+@click.option("--checkpoint-async", is_flag=True, help="Write checkpoints in the background.")
 @click.option("--keep-checkpoints", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Keep only the newest N checkpoints (0: all), plus pinned ones (--pin-every, or a "
-              "file named 'pinned' in a step folder).")  # fmt: skip
+              help="Keep the newest N (0: all) and pinned.")  # fmt: skip
 @click.option("--pin-every", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Never delete checkpoints of steps that are multiples of this (0: none).")  # fmt: skip
-@click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint (of any plan of "
-              "the model; another seed, schedule, data, optimizer setting or learning-rate horizon is "
-              "refused unless --accept-changes).")  # fmt: skip
-@click.option(
-    "--accept-changes",
-    is_flag=True,
-    help="With --resume: continue with settings other than the checkpoint's (each is named).",
-)
-@click.option("--trace", type=click.Path(dir_okay=False), help="One Chrome trace of all ranks (Perfetto).")
-@click.option("--tensorboard", type=click.Path(file_okay=False),
-              help="Also write TensorBoard event files into this folder, one run per rank (needs "
-              "`pip install 'pipeplan[tensorboard]'`). Every rank always logs one JSON line per step "
-              "to PACKAGE/run/steps/rankR.jsonl.")  # fmt: skip
+              help="Keep steps that are multiples of N.")  # fmt: skip
+@click.option("--resume", is_flag=True, help="Continue the newest run's checkpoint.")
+@click.option("--accept-changes", is_flag=True, help="With --resume: allow changed settings.")
+@click.option("--trace", type=click.Path(dir_okay=False), help="A Chrome trace of all ranks.")
+@click.option("--tensorboard", type=click.Path(file_okay=False), help="Also write TensorBoard events here.")
 @click.option("--peak-tflops", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="One device's peak dense TFLOP/s at the run's precision, for the model FLOP "
-              "utilisation (MFU)  [default: the spec sheet's for known GPUs; none on CPUs]")  # fmt: skip
+              help="A device's peak, for MFU  [default: known GPUs']")  # fmt: skip
 @click.option("--config", type=click.Path(dir_okay=False, exists=True), default=None,
-              help="A run.toml of options (keys as these options: steps = 100); flags given here win. "
-              "Each run writes its options to PACKAGE/run/run.toml.")  # fmt: skip
-@click.option("--measure-memory", is_flag=True,
-              help="On a CPU, also measure each rank's peak tensor memory over its first ranks+1 minibatches "
-              "by counting the storages its operators make (opt-in: a Python call per operator in those "
-              "steps; GPUs always report torch.cuda.max_memory_allocated).")  # fmt: skip
+              help="A run.toml of options; flags win.")  # fmt: skip
+@click.option("--measure-memory", is_flag=True, help="On a CPU, count peak tensor memory.")
 @click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True, callback=_finite,
-              help="Seconds a rank waits on its peers before the job is stopped.")  # fmt: skip
+              help="Seconds a rank waits on its peers.")  # fmt: skip
 @click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True, help="Machines.")
 @click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True,
-              help="This machine's index (run the same command on every node).")  # fmt: skip
-@click.option("--master-addr", default="127.0.0.1", show_default=True, help="Node 0's address (rendezvous).")
+              help="This machine's index.")  # fmt: skip
+@click.option("--master-addr", default="127.0.0.1", show_default=True, help="Node 0's address.")
 @click.option("--master-port", type=click.IntRange(min=0, max=65535), default=0, help="0: a free port.")
-@click.option("--dry-run", is_flag=True, help="Print each node's torchrun command instead of running.")
+@click.option("--dry-run", is_flag=True, help="Print the torchrun commands instead.")
 @user_errors
 def run(package: str | None, dry_run: bool, **opts: Any) -> None:
     """Train a generated PACKAGE on its ranks (default: the newest under ./models).
 
+    Each option is described in docs/run.md.
+
     \b
     Examples:
       pipeplan run --steps 20
-      pipeplan run models/vgg16/gpus=4 --schedule 1f1b --microbatches 8 --trace trace.json
-      pipeplan run PKG --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500
+      pipeplan run models/vgg16/gpus=4 --schedule 1f1b --trace trace.json
+      pipeplan run PKG --resume --steps 100 --checkpoint-every 20
+      pipeplan run --nnodes 2 --node-rank 0 --master-addr h0 --master-port 29500
     """
     from pathlib import Path
 

@@ -33,3 +33,16 @@ def test_every_command_shows_an_example_in_its_help() -> None:
         if "pipeplan " + name not in CliRunner().invoke(main, [name, "--help"]).output
     ]
     assert missing == []
+
+
+def test_run_help_reads_at_80_columns_and_docs_run_covers_every_option() -> None:
+    """`run --help` is one screen of one-line options; the details live in docs/run.md."""
+    from click.testing import CliRunner
+
+    from cli import main
+
+    lines = CliRunner().invoke(main, ["run", "--help"], terminal_width=80).output.splitlines()
+    assert max(map(len, lines)) <= 80 and len(lines) <= 80, "\n".join(lines)
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "run.md").read_text()
+    options = [o for p in main.commands["run"].params for o in p.opts if o.startswith("--")]
+    assert [o for o in options if o not in doc] == []
