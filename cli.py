@@ -1079,7 +1079,8 @@ def _auto_table(choice: Any, gpus: int, asked: int | None) -> Any:
         name for name, plan in plans.items() if plan is None and model(name).virtual_stages is None
     ]
     for name in asked_virtual if gpus >= 2 else ():  # (interleaved: v stages on each GPU, as asked)
-        notes.append(f"{name} needs microbatches a multiple of the {gpus} GPUs and {2 * gpus}+ layers")
+        devices = "ranks" if choice.plan.cluster.cores else "GPUs"
+        notes.append(f"{name} needs microbatches a multiple of the {gpus} {devices} and {2 * gpus}+ layers")
     if asked is None and len(choice.counts) == 1:
         notes.append("microbatches not searched: the profile has no fixed per-call times")
     elif asked is None:
@@ -1100,13 +1101,15 @@ def _auto_table(choice: Any, gpus: int, asked: int | None) -> Any:
 
 
 def _stages_cell(plan: Any) -> str:
-    """``3: 2+1+1`` (stages: replicas each); interleaved: ``8 on 4 GPUs (v=2)``; zbv: ``8 on 4 GPUs (V)``."""
+    """``3: 2+1+1`` (stages: replicas each); interleaved: ``8 on 4 GPUs (v=2)``; zbv: ``8 on 4 GPUs (V)``
+    (``ranks`` for CPU processes)."""
     from partitioner.optimizer.pricing.schedules import model
 
     sched = model(plan.schedule)
     if sched.laid_out:
         shape = f"v={plan.virtual_stages}" if sched.virtual_stages is None else "V"
-        return f"{len(plan.stages)} on {plan.cluster.gpus} GPUs ({shape})"
+        devices = "ranks" if plan.cluster.cores else "GPUs"  # (a cluster of CPU processes has cores)
+        return f"{len(plan.stages)} on {plan.cluster.gpus} {devices} ({shape})"
     return f"{len(plan.stages)}: " + "+".join(str(s.replicas) for s in plan.stages)
 
 

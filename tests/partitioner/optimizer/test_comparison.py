@@ -45,6 +45,7 @@ def test_schedules_that_tie_are_said_to_tie_and_why_the_chosen_one_won() -> None
     assert f"{choice.plan.schedule} is chosen as the first of them in the order tried" in tie
     lines = _render(cli._auto_table(choice, 4, 4), 80)
     assert max(map(len, lines)) <= 80 and any("predict" in line for line in lines)
+    assert any("8 on 4 ranks (v=2)" in line for line in lines)  # CPU processes are not GPUs
     spread = solve_auto(profile, Cluster.flat(4), SolveOptions(microbatches=4))
     assert len({t for t in spread.times.values() if t}) > 1 and auto_tie(spread) is None
 
