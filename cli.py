@@ -1184,10 +1184,13 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
     for tie in report.ties:
         _console().print(f"tied: {tie} (gradients compared as their sum)")
     verdict = "[green]match[/green]" if report.ok else "[red]MISMATCH[/red]"
+    _console().print(  # the numbers, then the verdict as the last line (what a script reads)
+        f"loss {report.loss:.6g} (|diff| {report.loss_error:.2e}), output max |diff| "
+        f"{report.output_error:.2e}; tolerance rtol={report.rtol:g} atol={report.atol:g}"
+    )
     _console().print(
-        f"{verdict}: {report.model}, {len(report.stages)} stages, batch {report.batch_size}, "
-        f"seed {report.seed}; loss {report.loss:.6g} (|diff| {report.loss_error:.2e}), "
-        f"output max |diff| {report.output_error:.2e}; tolerance rtol={report.rtol:g} atol={report.atol:g}",
+        f"{verdict}: {report.model}, {_plural(len(report.stages), 'stage')}, batch {report.batch_size}, "
+        f"seed {report.seed}"
     )
     sys.exit(0 if report.ok else 1)
 
