@@ -46,6 +46,7 @@ from partitioner.errors import PackageError, PipeplanError
 from partitioner.plan import Plan, load_plan, mp_conf
 from partitioner.stagekit import loss_input
 from partitioner.streamed import Streamed
+from runtime.newest import newest
 
 __all__ = ["ATOL", "RTOL", "StageCheck", "VerifyReport", "load_package", "newest_package", "verify_package"]
 
@@ -99,12 +100,10 @@ class VerifyReport:
 
 def newest_package(root: Path = Path("models")) -> Path:
     """The most recently written package under ``root``: what ``pipeplan verify`` checks by default."""
-    found = [p.parent for p in Path(root).glob("**/mp_conf.json") if (p.parent / "__init__.py").exists()]
-    if not found:
-        raise PackageError(
-            f"no package under {root}/; write one with `pipeplan partition` or name its folder"
-        )
-    return max(found, key=lambda p: (p / "mp_conf.json").stat().st_mtime)
+    missing = PackageError(
+        f"no package under {root}/; write one with `pipeplan partition` or name its folder"
+    )
+    return newest(root, "**/mp_conf.json", missing, lambda p: (p.parent / "__init__.py").exists()).parent
 
 
 def load_package(folder: Path) -> tuple[ModuleType, Plan, dict[str, Any]]:
