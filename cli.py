@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import click
+from click.core import ParameterSource
 from rich.console import Console
 
 from runtime.schedule import SCHEDULES, get_schedule
@@ -204,123 +205,6 @@ def main(debug: bool, verbose: int) -> None:
 # (owned by the profiler: partitioner/profiler, partitioner/models.py)
 
 
-def _parse_shape(text: str | None) -> tuple[int, ...] | None:
-    """``3,224,224`` -> (3, 224, 224); a PipeplanError names the bad value."""
-    from partitioner.errors import PipeplanError
-
-    if text is None:
-        return None
-    try:
-        shape = tuple(int(part) for part in text.replace("x", ",").split(","))
-    except ValueError:
-        shape = ()
-    if not shape or any(d <= 0 for d in shape):
-        raise PipeplanError(
-            f"bad --input-shape {text!r}: give one sample's shape as positive integers, e.g. 3,224,224 or 128"
-        )
-    return shape
-
-
-def _check_output(path: Any) -> None:
-    """Fail before a long measurement, not after: the folder must be writable and no foreign file replaced."""
-    import tempfile
-
-    from partitioner.errors import PipeplanError, ProfileFormatError
-    from partitioner.graph import load_profile
-
-    if path.is_dir():
-        raise PipeplanError(f"output {path} is a folder; give a file name such as {path / 'profile.json'}")
-    if path.exists():
-        try:
-            load_profile(path)
-        except ProfileFormatError as exc:
-            raise PipeplanError(f"refusing to overwrite {path}: {exc}") from exc
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path.parent):
-            pass
-    except OSError as exc:
-        raise PipeplanError(
-            f"cannot write {path}: {exc.strerror or exc}; choose another -o/--output"
-        ) from exc
-
-
-def _profile_table(profile: Any, top: int) -> Any:
-    total = profile.total_compute_ms or 1.0
-    columns = ("layer", "type", "fwd\nms", "bwd\nms", "share", "output\nMB", "saved\nMB", "params\nM")
-    table = _table(f"{profile.model}: top {top} layers by forward+backward time", columns, ("layer", "type"))
-    mb = 1 / 2**20
-    for node in sorted(profile.nodes, key=lambda n: -n.compute_ms)[:top]:
-        params = node.param_bytes / (4 if profile.dtype == "float32" else 2) / 1e6
-        table.add_row(
-            _tail(node.name, 21) if node.op != "output" else "(loss)",
-            _tail(node.target.rsplit(".", 1)[-1], 11),
-            _num(node.forward_ms),
-            _num(node.backward_ms),
-            f"{100 * node.compute_ms / total:.1f}%",
-            _num(node.output_bytes * mb),
-            _num(node.saved_bytes * mb),
-            _num(params),
-        )
-    return table
-
-
-def _profile_totals(profile: Any, path: Any) -> str:
-    from partitioner.update import UPDATE_KEY, update_ms
-
-    mb = 1 / 2**20
-    fwd = sum(n.forward_ms for n in profile.nodes)
-    bwd = sum(n.backward_ms for n in profile.nodes)
-    fidelity = f"{profile.fidelity:.2f}" if profile.fidelity else "n/a"
-    elem = 4 if profile.dtype == "float32" else 2
-    params = profile.total_param_bytes
-    activations = sum(n.output_bytes for n in profile.nodes) * mb
-    saved = sum(n.saved_bytes for n in profile.nodes) * mb
-    updates = ", ".join(
-        f"{name} {update_ms(profile, name):.1f} ms" for name in profile.extra.get(UPDATE_KEY, {})
-    )
-    cast = sum(n.cast_bytes for n in profile.nodes) * mb
-    copies = f" + {cast:.1f} MB of {profile.precision} weight copies per forward" if cast else ""
-    measured = profile.extra.get("layers_measured") or {}
-    distinct = f", {measured['distinct']} distinct" if measured.get("reused") else ""
-    how = {"layer": "measured layer by layer", "none": f"estimated for {profile.device}"}
-    step = (
-        f"whole step {profile.step_ms:.1f} ms; fidelity {fidelity}"
-        if profile.step_ms
-        else f"whole step not timed ({how.get(profile.extra.get('materialized'), 'not measured')})"
-    )
-    return (
-        f"{len(profile.layers)} layers{distinct} ({profile.tracer}), {params / elem / 1e6:.2f}M params "
-        f"({params * mb:.1f} MB), activations {activations:.1f} MB, saved for backward {saved:.1f} MB"
-        f"{copies}\n"
-        f"forward {fwd:.1f} ms + backward {bwd:.1f} ms = {fwd + bwd:.1f} ms; {step} "
-        f"(batch {profile.batch_size}, {profile.device}, {profile.dtype}"
-        + (f" weights, {profile.precision} autocast" if profile.precision != "fp32" else "")
-        + ")\n"
-        + (f"optimizer update of all weights: {updates}\n" if updates else "")
-        + f"wrote {path}"
-    )
-
-
-def _check_estimate_options(device_model: str) -> None:
-    """--device-model estimates without running: options that only shape a measurement are refused."""
-    from click.core import ParameterSource
-
-    from partitioner.devices import load_device_model
-    from partitioner.errors import PipeplanError
-
-    if device_model != "cpu":
-        load_device_model(device_model)  # before a progress bar: an unknown name is one line
-    ctx = click.get_current_context()
-    measuring = ["device", "repeats", "fixed_cost", "materialize"]
-    if device_model != "cpu":
-        measuring += ["threads", "clock"]  # the cpu model measures this machine at --threads, --clock
-    given = [p for p in measuring if ctx.get_parameter_source(p) == ParameterSource.COMMANDLINE]
-    if given:
-        flag = "--" + given[0].replace("_", "-")
-        raise PipeplanError(f"{flag} shapes a measurement; --device-model estimates without one: drop {flag}")
-
-
 @main.command()
 @click.argument("model")
 @click.option(
@@ -456,59 +340,33 @@ def profile(
       pipeplan profile my_model.py:build -o profiles/mine/profile.json
     """
     import json
-    from pathlib import Path
 
-    from partitioner.errors import PipeplanError
+    from cli_render.profile import print_profile
+    from cli_render.progress import progress as progress_bar
     from partitioner.graph import profile_to_json, save_profile
-    from partitioner.models import model_name
-    from partitioner.profiler import check_precision_options, profile_model
+    from partitioner.profiler import profile_model
+    from partitioner.profiler.request import prepare
 
-    if batch_size <= 0:
-        raise PipeplanError(f"--batch-size must be positive, got {batch_size}")
-    if device_model is not None:
-        _check_estimate_options(device_model)
-    check_precision_options(precision, dtype)
-    shape = _parse_shape(input_shape)
-    path = Path(output) if output else Path("profiles") / model_name(model) / "profile.json"
-    _check_output(path)
-    with _progress(transient=True) as bar:
+    ctx = click.get_current_context()
+    given = [name for name in ctx.params if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE]
+    shape, path = prepare(model, output, batch_size, input_shape, dtype, precision, device_model, given)
+    with progress_bar(transient=True) as bar:
         task = bar.add_task(f"tracing {model}", total=None)
 
         def progress(done: int, total: int, name: str) -> None:
             bar.update(task, completed=done, total=total, description=f"measuring {name}")
 
         result = profile_model(
-            model,
-            batch_size,
-            shape,
-            device,
-            dtype,
-            leaf_modules,
-            repeats,
-            progress,
-            clock,
-            threads,
-            microbatch_size,
-            precision,
-            fixed_cost,
-            materialize=materialize,
-            reuse=reuse,
+            model, batch_size, shape, device, dtype, leaf_modules, repeats, progress, clock, threads,
+            microbatch_size, precision, fixed_cost, materialize=materialize, reuse=reuse,
             device_model=device_model,
-        )
+        )  # fmt: skip
         bar.update(task, description="whole-step timing")
     save_profile(result, path)
     if as_json:
         click.echo(json.dumps(profile_to_json(result), indent=1))
         return
-    console = _console()
-    console.print(_profile_table(result, top))
-    console.print(_profile_totals(result, path))
-    load, cpus = max(result.extra.get("loadavg_1min", [0.0])), result.extra.get("cpus") or 1
-    if result.device == "cpu" and clock == "wall" and load > cpus:
-        console.print(
-            f"[yellow]note:[/yellow] the machine was busy (load {load:.1f} on {cpus} CPUs): wall-clock times "
-            "include waiting for other jobs; --clock cpu measures CPU time instead"
-        )
+    print_profile(result, path, top, clock)
 
 
 # ----------------------------------------------------------------------------- partition

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from rich.console import Console
 
 import cli
+from cli_render.profile import profile_table
 from partitioner.graph import Profile, save_profile
 from partitioner.optimizer import solve
 from partitioner.optimizer.auto import solve_auto
@@ -62,7 +63,7 @@ def _reads_at_80(renderable: Any) -> None:
 
 
 def test_profile_table(profile: Profile) -> None:
-    _reads_at_80(cli._profile_table(profile, 10))
+    _reads_at_80(profile_table(profile, 10))
 
 
 def test_plan_and_alternatives(profile: Profile, plan: Any) -> None:
