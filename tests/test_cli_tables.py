@@ -14,11 +14,13 @@ from click.testing import CliRunner
 from rich.console import Console
 
 import cli
+from cli_render import plan as plan_render
 from cli_render.profile import profile_table
 from partitioner.graph import Profile, save_profile
 from partitioner.optimizer import solve
 from partitioner.optimizer.auto import solve_auto
 from partitioner.optimizer.options import SolveOptions
+from partitioner.optimizer.planner import alternatives
 from partitioner.plan import Cluster
 from tests.partitioner.optimizer.conftest import make_profile
 
@@ -68,17 +70,18 @@ def test_profile_table(profile: Profile) -> None:
 
 def test_plan_and_alternatives(profile: Profile, plan: Any) -> None:
     assert len(plan.stages) > 1 and max(s.replicas for s in plan.stages) > 3
-    _reads_at_80(cli._plan_table(plan, profile))
+    _reads_at_80(plan_render.plan_table(plan, profile))
     assert any(
         line.startswith("stage 0: model.embed_tokens..")
-        for line in _render(cli._plan_table(plan, profile), 80)
+        for line in _render(plan_render.plan_table(plan, profile), 80)
     )
-    _reads_at_80(cli._explain(profile, plan.cluster, plan, plan.schedule, 4, "sgd", "none"))
+    others = alternatives(profile, plan.cluster, plan.schedule, 4, "sgd")
+    _reads_at_80(plan_render.explain_table(plan, others, "none"))
 
 
 def test_short_layer_ranges_stay_in_the_stage_table() -> None:
     profile = _profile([f"features.{i}" for i in range(31)] + [f"classifier.{i}" for i in range(7)], "vgg16")
-    table = cli._plan_table(solve(profile, Cluster.flat(4)), profile)
+    table = plan_render.plan_table(solve(profile, Cluster.flat(4)), profile)
     _reads_at_80(table)
     assert "features.0.." in "\n".join(_render(table, 80))
     assert not any(line.startswith("stage 0:") for line in _render(table, 80))
@@ -88,7 +91,7 @@ def test_schedule_auto_table(profile: Profile) -> None:
     choice = solve_auto(
         profile, Cluster.flat(GPUS), SolveOptions("auto", 4, "sgd", False, "dp", True, "auto")
     )
-    _reads_at_80(cli._auto_table(choice, GPUS, None))
+    _reads_at_80(plan_render.auto_table(choice, GPUS, None))
 
 
 def test_calibration_table(profile: Profile, plan: Any) -> None:
