@@ -558,6 +558,7 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
 
     import torch
 
+    from cli_render.verify import print_verify
     from partitioner.verify import newest_package, run_batch_sizes, verify_package
     from runtime.heap import map_large_blocks
 
@@ -566,33 +567,7 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
     map_large_blocks()  # weights are made and dropped one by one: give their memory back each time
     sizes = (batch_size,) if batch_size else run_batch_sizes(folder)
     reports = [verify_package(folder, seed=seed, batch_size=b) for b in sizes]
-    for split in reports[:-1]:
-        verdict = "[green]match[/green]" if split.ok else "[red]MISMATCH[/red]"
-        _console().print(f"{verdict} at the microbatch size {split.batch_size} (what each rank runs)")
-    report = next((r for r in reports if not r.ok), reports[-1])
-    _console().print(_verify_table(report))
-    for tie in report.ties:
-        _console().print(f"tied: {tie} (gradients compared as their sum)", soft_wrap=True)
-    verdict = "[green]match[/green]" if report.ok else "[red]MISMATCH[/red]"
-    _console().print(
-        f"{verdict}: {report.model}, {len(report.stages)} stages, batch {report.batch_size}, "
-        f"seed {report.seed}; loss {report.loss:.6g} (|diff| {report.loss_error:.2e}), "
-        f"output max |diff| {report.output_error:.2e}; tolerance rtol={report.rtol:g} atol={report.atol:g}",
-        soft_wrap=True,
-    )
-    sys.exit(0 if report.ok else 1)
-
-
-def _verify_table(report: Any) -> Any:
-    cols = ("stage", "params", "reads", "returns", "init max\n|diff|", "grad max\n|diff|", "ok")
-    table = _table(f"pipeplan verify {report.package}", cols, ("stage", "reads", "returns", "ok"))
-    for s in report.stages:
-        table.add_row(
-            str(s.index), f"{s.params / 1e6:,.2f}M", "\n".join(_tail(n, 16) for n in s.in_names),
-            "\n".join(_tail(n, 16) for n in s.out_names),
-            f"{s.init_error:.2e}", f"{s.grad_error:.2e}", "[green]yes[/green]" if s.ok else "[red]NO[/red]",
-        )  # fmt: skip
-    return table
+    sys.exit(0 if print_verify(reports).ok else 1)
 
 
 # ----------------------------------------------------------------------------- calibrate

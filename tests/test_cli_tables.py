@@ -16,6 +16,7 @@ from rich.console import Console
 import cli
 from cli_render import plan as plan_render
 from cli_render.profile import profile_table
+from cli_render.verify import verify_table
 from partitioner.graph import Profile, save_profile
 from partitioner.optimizer import solve
 from partitioner.optimizer.auto import solve_auto
@@ -103,9 +104,7 @@ def test_verify_table() -> None:
     stage = SimpleNamespace(index=12, params=1_234_567_890, in_names=("model_layers_11_mlp_down", "mask"),
                             out_names=("model_layers_23_mlp_down",), init_error=0.0, grad_error=1.5e-7,
                             ok=True)  # fmt: skip
-    _reads_at_80(
-        cli._verify_table(SimpleNamespace(package=Path("models/llama-shaped/gpus=16"), stages=[stage]))
-    )
+    _reads_at_80(verify_table(SimpleNamespace(package=Path("models/llama-shaped/gpus=16"), stages=[stage])))
 
 
 def test_run_tables(monkeypatch: pytest.MonkeyPatch) -> None:
