@@ -17,7 +17,7 @@ import click
 from click.core import ParameterSource
 from rich.console import Console
 
-from runtime.schedule import SCHEDULES, get_schedule
+from runtime.schedule import SCHEDULES
 
 __all__ = ["main"]
 
@@ -574,17 +574,6 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
 # (partitioner/calibrate.py: measured stage times fed back into the profile)
 
 
-def _newest_run(models_dir: str) -> Any:
-    from pathlib import Path
-
-    from partitioner.errors import PipeplanError
-
-    found = sorted(Path(models_dir).glob("**/run/metrics.json"), key=lambda p: p.stat().st_mtime)
-    if not found:
-        raise PipeplanError(f"no package under {models_dir}/ has a run/metrics.json; train one: pipeplan run")
-    return found[-1].parent.parent
-
-
 @main.command()
 @click.argument("package", required=False, type=click.Path(file_okay=False, path_type=str))
 @click.option("--metrics", "metrics_path", type=click.Path(dir_okay=False, path_type=str), default=None,
@@ -606,61 +595,11 @@ def calibrate(package: str | None, metrics_path: str | None, output: str | None,
     """
     from pathlib import Path
 
-    from partitioner.calibrate import calibrate as calibrated
-    from partitioner.calibrate import calibrated_device, device_seconds, load_run_times
-    from partitioner.devices import save_device_model
-    from partitioner.errors import PipeplanError
-    from partitioner.graph import at_microbatches, load_profile, save_profile
-    from partitioner.plan import load_plan
-    from partitioner.update import with_update_time
+    from cli_render.calibrate import print_calibration
+    from partitioner.calibrate import calibrate_package, newest_run
 
-    folder = Path(package) if package is not None else _newest_run(models_dir)
-    plan = load_plan(folder / "plan.json")
-    if not plan.profile:
-        raise PipeplanError(f"{folder}/plan.json does not name the profile it was planned from")
-    profile = with_update_time(load_profile(plan.profile), plan.optimizer)  # as partition priced it
-    run = load_run_times(metrics_path or folder / "run" / "metrics.json")
-    if run.model and plan.model and run.model != plan.model:
-        raise PipeplanError(
-            f"{run.source} measured {run.model}, but {folder} is a package of {plan.model}; "
-            "give the metrics of a run of this package (PACKAGE/run/metrics.json)"
-        )
-    if run.precision != profile.precision:
-        raise PipeplanError(
-            f"{run.source} trained at {run.precision}, but {plan.profile} was measured at "
-            f"{profile.precision}: calibrate from a run with --precision {profile.precision}, or profile "
-            f"with --precision {run.precision}"
-        )
-    measured = device_seconds(plan, run)
-    result = calibrated(profile, plan, measured, run.batch_size, run.source)
-    path = Path(output) if output else Path(plan.profile).with_name("calibrated.json")
-    save_profile(result, path)
-    console = _console()
-    forwards = 1 if get_schedule(plan.schedule).stashes else plan.microbatches
-    console.print(_calibration_table(at_microbatches(profile, forwards), plan, measured))
-    console.print(f"wrote {path}; next: pipeplan partition --profile {path} ...", soft_wrap=True)
-    device = calibrated_device(profile, plan, measured, run.batch_size, run.source)
-    if device is not None:
-        where = save_device_model(device, path.with_name(f"{device.name}-calibrated.json"))
-        console.print(
-            f"the profile was estimated for {device.name}: its efficiencies corrected to matmul "
-            f"{device.matmul_efficiency:.3f}, memory {device.memory_efficiency:.3f}, launch "
-            f"{device.launch_s * 1e6:.1f} us; wrote {where} (pipeplan profile MODEL --device-model {where})",
-            soft_wrap=True,
-        )
-
-
-def _calibration_table(profile: Any, plan: Any, measured_s: Any) -> Any:
-    from partitioner.calibrate import stage_factors
-
-    factors = stage_factors(profile, plan, measured_s)
-    table = _table(f"{profile.model}: compute per minibatch", ("stage", "profiled", "measured", "factor"))
-    for stage in plan.stages:
-        profiled = sum(profile.node(n).compute_ms for n in stage.nodes)
-        measured = measured_s.get(stage.index)
-        table.add_row(str(stage.index), f"{profiled:.2f} ms", f"{measured * 1e3:.2f} ms" if measured else "-",
-                      f"{factors[stage.index]:.2f}x" if stage.index in factors else "-")  # fmt: skip
-    return table
+    folder = Path(package) if package is not None else newest_run(models_dir)
+    print_calibration(calibrate_package(folder, metrics_path, output))
 
 
 # ----------------------------------------------------------------------------- run

@@ -15,6 +15,7 @@ from rich.console import Console
 
 import cli
 from cli_render import plan as plan_render
+from cli_render.calibrate import calibration_table
 from cli_render.profile import profile_table
 from cli_render.verify import verify_table
 from partitioner.graph import Profile, save_profile
@@ -97,7 +98,7 @@ def test_schedule_auto_table(profile: Profile) -> None:
 
 def test_calibration_table(profile: Profile, plan: Any) -> None:
     measured = {s.index: 1234.5678 * (s.index + 1) for s in plan.stages}
-    _reads_at_80(cli._calibration_table(profile, plan, measured))
+    _reads_at_80(calibration_table(profile, plan, measured))
 
 
 def test_verify_table() -> None:
