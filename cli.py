@@ -736,9 +736,12 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
     """
     from pathlib import Path
 
+    from cli_render.run import train
     from runtime.config import newest_package
+    from runtime.launch import holding_run_folder
     from runtime.optim import parse_betas
     from runtime.options import RunOptions
+    from runtime.run_checks import check_run
 
     package = _with_config(click.get_current_context(), package, opts)
     if opts["steps"] and opts["epochs"]:
@@ -755,7 +758,8 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
         opts[key] = str(opts[key]) if opts[key] is not None else None
     opts["betas"] = parse_betas(opts["betas"])
     options = RunOptions(package=str(folder), **opts)
-    _check_optim(options)
+    for line in check_run(options):
+        _console(stderr=True).print(f"[yellow]note:[/yellow] {line}", soft_wrap=True)
     if dry_run:
         from runtime.launch import schedule_preview, torchrun_commands
 
@@ -764,13 +768,13 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
         for line in schedule_preview(options):
             click.echo(f"# {line}")
         return
-    _run_and_report(options)
+    with holding_run_folder(options):  # one job per package folder, from the first check to the end
+        train(options)
 
 
 def _with_config(ctx: click.Context, package: str | None, opts: dict[str, Any]) -> str | None:
     """Fill the options not given on the command line from ``--config``'s run.toml, through click's own
     conversions and checks; returns the package (the command line's, else the file's)."""
-    from click.core import ParameterSource
 
     from runtime.run_config import read_config
 
@@ -783,152 +787,6 @@ def _with_config(ctx: click.Context, package: str | None, opts: dict[str, Any]) 
         if param.name in values and ctx.get_parameter_source(param.name) is ParameterSource.DEFAULT:
             opts[param.name] = param.process_value(ctx, values[param.name])
     return package if package is not None else values.get("package")
-
-
-def _check_optim(options: Any) -> None:
-    """Bad optimizer and precision settings fail here, before any rank starts; a warm-up longer than the
-    run, or a precision other than the plan's, is legal but worth a note."""
-    from runtime.optim import OptimSettings
-    from runtime.worker import job_of
-
-    settings = OptimSettings.of(options)
-    job = job_of(options)
-    settings.check_schedule(job.schedule)
-    if job.precision != job.plan_precision:
-        _console(stderr=True).print(
-            f"[yellow]note:[/yellow] training at {job.precision}, but the plan was made for "
-            f"{job.plan_precision}: its predicted time and memory are {job.plan_precision}'s (profile and "
-            f"partition with --precision {job.precision} for a plan of this run)",
-            soft_wrap=True,
-        )
-    if options.steps is not None and settings.warmup_steps >= options.steps:
-        _console(stderr=True).print(
-            f"[yellow]note:[/yellow] --warmup-steps {settings.warmup_steps} is not below --steps "
-            f"{options.steps}: the learning rate stays below --lr for the whole run",
-            soft_wrap=True,
-        )
-
-
-def _run_and_report(options: Any) -> None:
-    """Launch with a progress bar fed by the loss-reporting rank, then print measured vs predicted."""
-    from runtime.launch import holding_run_folder
-
-    with holding_run_folder(options):  # one job per package folder, from the first check to the end
-        _report_run(options)
-
-
-def _report_run(options: Any) -> None:
-    from pathlib import Path
-
-    from runtime.data import SYNTHETIC_STEPS
-    from runtime.errors import Interrupted, JobFailed
-    from runtime.launch import check_launch, launch, resolve_resume
-
-    per_node = check_launch(options)
-    options, notes = resolve_resume(options)
-    for note in notes:
-        _console(stderr=True).print(note, soft_wrap=True, markup=False)
-    total = options.steps or (
-        (options.epochs or 1) * SYNTHETIC_STEPS if options.data == "synthetic" else None
-    )
-    with _progress(transient=False) as bar:
-        task = bar.add_task(f"training {Path(options.package).name}", total=total)
-
-        held_out = ""
-
-        def on_progress(step: int, loss: float, evaluation: dict[str, Any] | None = None) -> None:
-            nonlocal held_out
-            if evaluation is not None:
-                held_out = _eval_text(evaluation)
-            bar.update(task, completed=step, description=f"step {step} loss {loss:.4f}{held_out}")
-
-        try:
-            metrics = launch(options, on_progress, per_node)
-        except (JobFailed, Interrupted) as exc:
-            bar.stop()
-            from rich.markup import escape
-
-            failed = isinstance(exc, JobFailed)
-            _console(stderr=True).print(
-                f"[red]error:[/red] {'training failed: ' if failed else ''}{escape(str(exc))}", soft_wrap=True
-            )
-            sys.exit(1 if isinstance(exc, JobFailed) else 128 + exc.signum)
-    if metrics is not None:
-        path = Path(options.run_dir or Path(options.package) / "run") / "metrics.json"
-        _print_run_table(metrics, path, options.checkpoint_dir)
-
-
-def _eval_text(evaluation: dict[str, Any]) -> str:
-    """`` eval 1.2345 (acc 67.8%)`` for the progress line."""
-    accuracy = evaluation.get("accuracy")
-    return f" eval {evaluation['loss']:.4f}" + (f" acc {accuracy:.1%}" if accuracy is not None else "")
-
-
-def _print_run_table(metrics: dict[str, Any], path: object, checkpoints: object = None) -> None:
-    def ms(value: float | None) -> str:
-        return f"{value * 1e3:.2f} ms" if value is not None else "-"
-
-    ratio = metrics.get("ratio_measured_over_predicted")
-    micro, ranks_n = metrics["microbatches"], metrics["world_size"]
-    title = (
-        f"{metrics['schedule']}, {_plural(micro, 'microbatch', 'microbatches')}, {_plural(ranks_n, 'rank')}"
-    )
-    table = _table(title, ("", "measured", "predicted\n(plan.json)", "measured/\npredicted"), ("",))
-    table.add_row(
-        "time per minibatch",
-        ms(metrics["time_per_minibatch_s"]),
-        ms(metrics["predicted_time_per_minibatch_s"]),
-        f"{ratio:.2f}" if ratio is not None else "-",
-    )
-    ranks = _table("per rank (seconds over all steps)", ("rank", "stage", "compute", "comm", "idle"))
-    for r in metrics["ranks"]:
-        ranks.add_row(
-            str(r["rank"]),
-            ",".join(map(str, r.get("hosted") or ())) or str(r["stage"]),
-            *(f"{r[k]:.3f}" for k in ("compute_s", "comm_s", "idle_s")),
-        )
-    console = _console()
-    console.print(table)
-    console.print(ranks)
-    if (metrics.get("memory") or {}).get("method"):
-        console.print(_memory_table(metrics["memory"]))
-    losses = metrics["losses"]
-    if losses:
-        console.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
-    evals = metrics.get("eval") or []
-    if evals:
-        steps = ", ".join(f"step {e['step']}{_eval_text(e)}" for e in evals)
-        console.print(f"held-out: {steps}", soft_wrap=True)
-    console.print(f"metrics: {path}")
-    if checkpoints is not None:
-        console.print(f"checkpoints: {checkpoints} (`pipeplan export -o model.safetensors` reads the newest)")
-    if ratio is None or 0.8 <= ratio <= 1.25:
-        return
-    share = _cpu_share(metrics)
-    shared = (
-        f"; the ranks had {share:.0%} of a core while computing ({_cores()} cores for "
-        f"{len(metrics['ranks'])} ranks here, other jobs included)"
-        if share is not None and share < 0.85
-        else ""
-    )
-    console.print(
-        f"[yellow]note:[/yellow] measured/predicted {ratio:.2f}{shared}: `pipeplan calibrate` feeds the "
-        "measured stage times back into the profile, so the next `pipeplan partition` plans with them",
-        soft_wrap=True,
-    )
-
-
-def _memory_table(memory: dict[str, Any]) -> Any:
-    """Per stage: the peak memory its ranks measured next to the plan's prediction."""
-    from partitioner.optimizer.pricing.price import gib
-
-    title = f"peak memory per device ({memory['method']}, first {memory['window_minibatches']} minibatches)"
-    table = _table(title, ("stage", "measured", "predicted\n(plan.json)", "measured/\npredicted"))
-    for s in memory["stages"]:
-        got, want, ratio = s["measured_peak_bytes"], s["predicted_bytes"], s["ratio_measured_over_predicted"]
-        table.add_row(str(s["stage"]), gib(got) if got is not None else "-", gib(want) if want else "-",
-                      f"{ratio:.2f}" if ratio is not None else "-")  # fmt: skip
-    return table
 
 
 # ----------------------------------------------------------------------------- export

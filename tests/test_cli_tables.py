@@ -15,6 +15,7 @@ from rich.console import Console
 
 import cli
 from cli_render import plan as plan_render
+from cli_render import run as run_render
 from cli_render.calibrate import calibration_table
 from cli_render.profile import profile_table
 from cli_render.verify import verify_table
@@ -120,9 +121,9 @@ def test_run_tables(monkeypatch: pytest.MonkeyPatch) -> None:
                "eval": []}  # fmt: skip
     printed: list[Any] = []
     monkeypatch.setattr(
-        cli, "_console", lambda stderr=False: SimpleNamespace(print=lambda r, **_: printed.append(r))
+        run_render, "console", lambda stderr=False: SimpleNamespace(print=lambda r, **_: printed.append(r))
     )
-    cli._print_run_table(metrics, "models/x/run/metrics.json")
+    run_render.print_run_table(metrics, "models/x/run/metrics.json")
     tables = [r for r in printed if not isinstance(r, str)]
     assert len(tables) == 3
     for table in tables:
