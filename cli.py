@@ -1,185 +1,28 @@
 """The ``pipeplan`` command: profile -> partition -> verify -> run.
 
-Commands stay thin: parse options, call the library, render with rich. This is the only module that
-uses rich, and it imports torch and the heavy library modules lazily, inside the commands, so
-``pipeplan --help`` stays fast.
+Each command is parse -> call -> render: click declares and parses the options, one call into the
+library (partitioner/, runtime/) does the work and returns a value, and cli_render/ prints it with
+rich. The library and the renderers are imported lazily, inside the commands (only the error
+handling, light, at the top), so ``pipeplan --help`` stays fast.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 from click.core import ParameterSource
-from rich.console import Console
 
+from cli_render.errors import OneLineErrors, user_errors
 from runtime.schedule import SCHEDULES
 
 __all__ = ["main"]
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _console(stderr: bool = False) -> Console:
-    """One Console per stream; commands print tables on stdout and progress/errors on stderr."""
-    return Console(stderr=stderr, highlight=False, emoji=False)  # (":llama:" is no emoji in a spec)
-
-
-def _progress(transient: bool) -> Any:
-    """rich's progress bar on a terminal; elsewhere (a log, a pipe, CI) a line per phase with the
-    elapsed time, since rich draws nothing there until the end."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    console = _console(stderr=True)
-    if not console.is_terminal:
-        return _PhaseLog(console)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    return Progress(*columns, console=console, transient=transient)
-
-
-class _PhaseLog:
-    """The part of rich's Progress the commands use, as plain lines: one when the phase (the
-    description's first word: tracing, measuring, step) changes, at most one per ``every`` seconds
-    within a phase, and the last state at the end, each after the seconds since the start. Nothing
-    in the first ``delay`` seconds, nor after an error: a command that fails at once prints only its
-    ``error:`` line."""
-
-    PATTERN = r"^ *\d+\.\d s  "  # (the start of each line, for tools that read the output)
-
-    def __init__(self, console: Console, every: float = 10.0, delay: float = 2.0) -> None:
-        import time
-
-        self.console, self.every, self.delay, self.clock = console, every, delay, time.monotonic
-        self.start = self.last = self.clock()
-        self.task: dict[str, Any] = {}
-        self.shown: tuple[Any, ...] | None = None
-        self.phase = ""
-
-    def __enter__(self) -> _PhaseLog:
-        return self
-
-    def __exit__(self, kind: object, *exc: object) -> None:
-        if kind is None:
-            self.stop()
-
-    def add_task(self, description: str, total: float | None = None) -> int:
-        self.task = {"description": description, "completed": 0, "total": total}
-        self._show()
-        return 0
-
-    def update(self, task: int, **fields: Any) -> None:
-        self.task.update({k: v for k, v in fields.items() if v is not None})
-        self._show()
-
-    def stop(self) -> None:
-        self._show(final=True)
-
-    def _show(self, final: bool = False) -> None:
-        now, text, done, total = (
-            self.clock(),
-            self.task["description"],
-            self.task["completed"],
-            self.task["total"],
-        )
-        phase = text.split(" ", 1)[0]
-        due = phase != self.phase or now - self.last >= self.every or final
-        if not due or self.shown == (text, done, total) or now - self.start < self.delay:
-            return
-        self.phase, self.last, self.shown = phase, now, (text, done, total)
-        count = f" ({done:g}/{total:g})" if total else ""
-        self.console.print(f"{now - self.start:7.1f} s  {text}{count}", markup=False, highlight=False)
-
-
-def _table(title: str, columns: Sequence[str], left: Sequence[str] = ()) -> Any:
-    """A table that reads in an 80-column terminal or a log: a rule under the header, no side borders,
-    two spaces between columns, numbers never cut or wrapped (units go in the header's second line,
-    ``"compute\nms"``; tests/test_cli_tables.py renders every table at 80 columns)."""
-    from rich import box
-    from rich.table import Table
-
-    table = Table(
-        title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True
-    )
-    for column in columns:
-        table.add_column(column, justify="left" if column in left else "right", no_wrap=column not in left)
-    return table
-
-
-def _layer_range(first: str, last: str, count: int) -> str:
-    """``features.0..30 (31)``: the first and last layer's names, their shared dotted prefix once."""
-    if first == last:
-        return f"{first} ({count})"
-    a, b = first.split("."), last.split(".")
-    pairs = enumerate(zip(a[:-1], b[:-1], strict=False))
-    shared = next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)) - 1)
-    return f"{first}..{'.'.join(b[shared:])} ({count})"
-
-
-def _plural(count: int, one: str, many: str | None = None) -> str:
-    return f"{count} {one if count == 1 else many or one + 's'}"
-
-
-def _num(value: float) -> str:
-    """A time or size in at most 6 characters that keeps 4 significant digits (``1410``, ``12.34``)."""
-    return f"{value:.2f}" if abs(value) < 100 else f"{value:.1f}" if abs(value) < 1000 else f"{value:.0f}"
-
-
-def _tail(name: str, width: int) -> str:
-    """A layer's name in a table cell: the end is what tells layers apart (``…layers.5.mlp.down_proj``)."""
-    return name if len(name) <= width else "\N{HORIZONTAL ELLIPSIS}" + name[1 - width :]
-
-
-def user_errors(func: F) -> F:
-    """Turn the library's typed errors into one red line and exit code 2 (a traceback with --debug)."""
-
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from partitioner.errors import PipeplanError
-        from runtime.errors import RunError
-
-        try:
-            return func(*args, **kwargs)
-        except (PipeplanError, RunError) as exc:
-            if click.get_current_context().find_root().params.get("debug"):
-                raise
-            from rich.markup import escape
-
-            _console(stderr=True).print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
-            sys.exit(2)
-
-    return wrapper  # type: ignore[return-value]
-
-
-class _OneLineErrors(click.Group):
-    """click's own usage errors (bad option, value out of range) as one ``error:`` line, exit 2, like
-    the library's; Ctrl-C as one line and exit 130. click would print a three-line usage block."""
-
-    def main(  # type: ignore[override]
-        self, args: Sequence[str] | None = None, prog_name: str | None = None, standalone_mode: bool = True,
-        **extra: Any,
-    ) -> Any:  # fmt: skip
-        if not standalone_mode:
-            return super().main(args, prog_name, standalone_mode=False, **extra)
-        try:
-            result = super().main(args, prog_name, standalone_mode=False, **extra)
-        except click.ClickException as exc:
-            ctx = getattr(exc, "ctx", None)
-            hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
-            message = exc.format_message().rstrip(".")
-            click.echo(f"error: {message[:1].lower()}{message[1:]}{hint}", err=True)
-            sys.exit(exc.exit_code)
-        except click.Abort:
-            click.echo("error: interrupted", err=True)
-            sys.exit(130)
-        sys.exit(result if isinstance(result, int) else 0)
-
 
 @click.group(
-    cls=_OneLineErrors,
+    cls=OneLineErrors,
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
@@ -202,7 +45,6 @@ def main(debug: bool, verbose: int) -> None:
 
 
 # ----------------------------------------------------------------------------- profile
-# (owned by the profiler: partitioner/profiler, partitioner/models.py)
 
 
 @main.command()
@@ -370,7 +212,6 @@ def profile(
 
 
 # ----------------------------------------------------------------------------- partition
-# (owned by the optimizer: partitioner/optimizer, partitioner/codegen.py)
 
 
 @main.command()
@@ -528,7 +369,6 @@ def partition(
 
 
 # ----------------------------------------------------------------------------- verify
-# (owned by code generation: partitioner/codegen.py, partitioner/verify.py)
 
 
 @main.command()
@@ -571,7 +411,6 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
 
 
 # ----------------------------------------------------------------------------- calibrate
-# (partitioner/calibrate.py: measured stage times fed back into the profile)
 
 
 @main.command()
@@ -603,7 +442,6 @@ def calibrate(package: str | None, metrics_path: str | None, output: str | None,
 
 
 # ----------------------------------------------------------------------------- run
-# (owned by the runtime: runtime/)
 
 
 def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
@@ -736,6 +574,7 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
     """
     from pathlib import Path
 
+    from cli_render.common import note
     from cli_render.run import train
     from runtime.config import newest_package
     from runtime.launch import holding_run_folder
@@ -759,7 +598,7 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
     opts["betas"] = parse_betas(opts["betas"])
     options = RunOptions(package=str(folder), **opts)
     for line in check_run(options):
-        _console(stderr=True).print(f"[yellow]note:[/yellow] {line}", soft_wrap=True)
+        note(line)
     if dry_run:
         from runtime.launch import schedule_preview, torchrun_commands
 
@@ -790,7 +629,6 @@ def _with_config(ctx: click.Context, package: str | None, opts: dict[str, Any]) 
 
 
 # ----------------------------------------------------------------------------- export
-# (runtime/export.py: a run's stage checkpoints merged into the original model's state_dict)
 
 
 @main.command()
@@ -831,44 +669,14 @@ def export(
     """
     from pathlib import Path
 
+    from cli_render.export import print_export
     from partitioner.optimizer.units import parse_bytes
     from runtime.config import newest_package
     from runtime.export import export_checkpoint
 
     folder = Path(package) if package is not None else newest_package("models")
     most = int(parse_bytes(max_shard_size))
-    done = export_checkpoint(folder, output, step, checkpoint_dir, hf_dir, seed, most)
-    console, merged = _console(), done.merged
-    for line in done.skipped:
-        _console(stderr=True).print(f"skipped {line}", soft_wrap=True, markup=False)
-    shards = f" ({len(done.files)} shards)" if done.path.name.endswith(".index.json") else ""
-    console.print(
-        f"wrote {done.path}{shards}: step {done.step} of {folder}, {len(merged.loaded)} tensors from the "
-        f"checkpoint" + (f", {len(merged.tied)} tied names filled in" if merged.tied else ""),
-        soft_wrap=True,
-        markup=False,
-    )
-    if merged.untrained:
-        kept = (
-            "left out (from_pretrained initialises them)"
-            if done.path.suffix in (".safetensors", ".json")
-            else f"kept at full_model(seed={done.seed})'s values, untrained"
-        )
-        console.print(
-            f"[yellow]note:[/yellow] no stage holds {len(merged.untrained)} tensors (e.g. "
-            f"{merged.untrained[0]}): {kept}",
-            soft_wrap=True,
-        )
-    if merged.tie_max_diff > 0:
-        console.print(
-            f"[yellow]note:[/yellow] the stages' copies of a tied weight differ by up to "
-            f"{merged.tie_max_diff:.3g}; the first stage's copy was kept",
-            soft_wrap=True,
-        )
-    if done.hf_dir is not None:
-        console.print(
-            f"wrote {done.hf_dir} (config and safetensors; from_pretrained reads it)", soft_wrap=True
-        )
+    print_export(export_checkpoint(folder, output, step, checkpoint_dir, hf_dir, seed, most), folder)
 
 
 @main.command("export-plan")
@@ -897,13 +705,14 @@ def export_plan(package: str | None, output: str | None, schedule: str | None) -
     """
     from pathlib import Path
 
+    from cli_render.common import console
     from runtime.config import newest_package
     from runtime.torch_plan import export_torch_plan
 
     folder = Path(package) if package is not None else newest_package("models")
     out = Path(output) if output is not None else folder / "torch"
     plan = export_torch_plan(folder, out, schedule)
-    _console().print(
+    console().print(
         f"wrote {out}/schedule.csv, stages.json, torchtitan.toml: {len(plan.stages)} stages, "
         f"{plan.schedule}, {plan.microbatches} microbatches per minibatch of {plan.batch_size}",
         soft_wrap=True,
@@ -932,31 +741,15 @@ def convert_checkpoint(checkpoint_dir: str, package: str, step: int | None) -> N
     """
     from pathlib import Path
 
+    from cli_render.common import console
     from runtime.checkpoint_v1 import convert
 
     done = convert(Path(checkpoint_dir), Path(package), step)
-    _console().print(
+    console().print(
         f"converted {', '.join(f'step-{s}' for s in done)} of {checkpoint_dir} (old files in step-N.v1/)",
         soft_wrap=True,
         markup=False,
     )
-
-
-def _cores() -> int:
-    import os
-
-    return os.cpu_count() or 1
-
-
-def _cpu_share(metrics: dict[str, Any]) -> float | None:
-    """The share of a core the CPU ranks had while computing (their compute CPU time over wall time);
-    None on GPUs or when the run recorded no CPU time."""
-    ranks = metrics.get("ranks", [])
-    wall = sum(float(r.get("compute_s", 0.0)) for r in ranks)
-    cpu = sum(float(r.get("compute_cpu_s", 0.0)) for r in ranks)
-    if metrics.get("device", "cpu") != "cpu" or wall <= 0 or cpu <= 0:
-        return None
-    return min(1.0, cpu / wall)
 
 
 if __name__ == "__main__":
