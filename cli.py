@@ -596,7 +596,7 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
     for key in ("checkpoint_dir", "trace"):
         opts[key] = str(opts[key]) if opts[key] is not None else None
     opts["betas"] = parse_betas(opts["betas"])
-    options = RunOptions(package=str(folder), **opts)
+    options = RunOptions.of(str(folder), **opts)
     for line in check_run(options):
         note(line)
     if dry_run:

@@ -4,7 +4,6 @@ warm-up as long as the run)."""
 
 from __future__ import annotations
 
-from runtime.optim import OptimSettings
 from runtime.options import RunOptions
 from runtime.worker import job_of
 
@@ -13,7 +12,7 @@ __all__ = ["check_run"]
 
 def check_run(options: RunOptions) -> list[str]:
     """Raise RunError for settings no rank could train with; return the notes (each one line)."""
-    settings = OptimSettings.of(options)
+    settings = options.optim
     job = job_of(options)
     settings.check_schedule(job.schedule)
     notes = []
