@@ -29,10 +29,7 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +43,9 @@ from partitioner.errors import PackageError, PipeplanError
 from partitioner.plan import Plan, load_plan, mp_conf
 from partitioner.stagekit import loss_input
 from partitioner.streamed import Streamed
+from runtime.errors import RunError
 from runtime.newest import newest
+from runtime.package import import_package
 
 __all__ = ["ATOL", "RTOL", "StageCheck", "VerifyReport", "load_package", "newest_package", "verify_package"]
 
@@ -135,22 +134,11 @@ def load_package(folder: Path) -> tuple[ModuleType, Plan, dict[str, Any]]:
 
 
 def _import(folder: Path) -> ModuleType:
-    path = folder.resolve()
-    name = "pipeplan_verify_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
-    for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
-        del sys.modules[key]  # a package re-written in place must be re-imported
-    spec = importlib.util.spec_from_file_location(
-        name, path / "__init__.py", submodule_search_locations=[str(path)]
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
+    """The package, imported afresh (it may have been re-written in place) by the runtime's importer."""
     try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[name]
-        raise PackageError(f"importing {path} failed: {type(exc).__name__}: {exc}") from exc
-    return module
+        return import_package(folder, fresh=True)
+    except RunError as exc:
+        raise PackageError(str(exc)) from exc
 
 
 def _check_consistent(folder: Path, package: ModuleType, plan: Plan, conf: Mapping[str, Any]) -> None:
