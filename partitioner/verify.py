@@ -41,11 +41,11 @@ from torch import nn
 
 from partitioner.errors import PackageError, PipeplanError
 from partitioner.plan import Plan, load_plan, mp_conf
-from partitioner.stagekit import loss_input
 from partitioner.streamed import Streamed
 from runtime.errors import RunError
 from runtime.newest import newest
 from runtime.package import import_package
+from runtime.stagekit import loss_input
 
 __all__ = ["ATOL", "RTOL", "StageCheck", "VerifyReport", "load_package", "newest_package", "verify_package"]
 
