@@ -17,12 +17,11 @@ import json
 import math
 import sys
 from collections.abc import Iterable
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from runtime.errors import RunError
-from runtime.options import RunOptions
+from runtime.options import RunOptions, flat_fields
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -86,8 +85,7 @@ def to_toml(options: RunOptions) -> str:
     lines = ["# pipeplan run --config run.toml repeats this run; flags on the command line win."]
     # a repeat is a new run: its folder, and the checkpoints inside it, are its own
     own = {"run_dir"} | ({"checkpoint_dir"} if _inside_run(options) else set())
-    for f in fields(options):
-        value = getattr(options, f.name)
+    for f, value in flat_fields(options):
         if f.name not in _INTERNAL and f.name not in own and value is not None:
             lines.append(f"{f.name.replace('_', '-')} = {_value(value)}")
     return "\n".join(lines) + "\n"
