@@ -27,7 +27,8 @@ def print_verify(reports: Sequence[Any]) -> Any:
     )
     console().print(
         f"{verdict}: {report.model}, {plural(len(report.stages), 'stage')}, batch {report.batch_size}, "
-        f"seed {report.seed}"
+        f"seed {report.seed}",
+        soft_wrap=True,  # one line even with a long model name: scripts read the verdict there
     )
     return report
 
