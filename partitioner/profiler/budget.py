@@ -19,7 +19,14 @@ from torch import nn
 from partitioner.errors import PipeplanError
 from partitioner.graph import Profile
 
-__all__ = ["MATERIALIZE", "WHOLE_SHARE", "choose_materialize", "free_bytes", "unbuildable"]
+__all__ = [
+    "MATERIALIZE",
+    "WHOLE_SHARE",
+    "choose_materialize",
+    "free_bytes",
+    "too_big_to_build",
+    "unbuildable",
+]
 
 MATERIALIZE = ("auto", "whole", "layer")
 """The values of ``pipeplan profile --materialize``."""
