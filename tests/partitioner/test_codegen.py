@@ -356,6 +356,21 @@ def test_constants_export_lifts_out_of_forward_are_written_into_the_stage_code(t
         assert verify_package(tmp_path / "pkg").ok
 
 
+def test_a_model_traced_only_for_real_and_too_big_to_build_is_one_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lifted-constants model cannot be built weightless (its forward makes CPU tensors); built
+    whole it would need more than half the free memory here: a PackageError, nothing written."""
+    from partitioner.profiler import budget
+
+    profile = profile_for(f"{Path(__file__).with_name('lifted_model.py')}:make")
+    nodes = tuple(replace(n, param_bytes=2**30) if i == 1 else n for i, n in enumerate(profile.nodes))
+    monkeypatch.setattr(budget, "free_bytes", lambda device: float(2**30))
+    with pytest.raises(PackageError, match=r"cannot be traced without its weights.*more than half"):
+        write_package(replace(profile, nodes=nodes), plan_for(profile, [2]), tmp_path / "pkg")
+    assert not (tmp_path / "pkg").exists()
+
+
 def test_an_exported_model_is_written_without_building_its_weights(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
