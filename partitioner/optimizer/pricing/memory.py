@@ -17,7 +17,9 @@ measured against ``pipeplan run`` by ``benchmarks/bench_memory.py``):
   computes a layer's new gradient beside the sum it adds it to (the stage's largest layer at most;
   zb1p's and zbv's W computes the whole stage's weight gradients before adding them: P);
 - h items' saved activations, each ``1/share`` of a minibatch; with recomputation h items' inputs
-  plus the one item's activations its backward rebuilds;
+  and the loss's saved bytes (the runtime computes the loss outside the stage's recomputed forward,
+  so autograd keeps them per item as without recomputation), plus the one item's activations its
+  backward rebuilds;
 - one item's backward working bytes (``Node.working_bytes``: the loss's gradients of the logits,
   on the last stage), one microbatch's as the runtime runs them, passed in ``transient``.
 """
@@ -99,13 +101,15 @@ def peak_bytes(
     inputs: float = 0.0,
     recompute: bool = False,
     master: float = 0.0,
+    kept: float = 0.0,
 ) -> int:
     """Peak bytes of one device holding ``held`` items, each ``1/share`` of a minibatch.
 
     ``transient``: :func:`transient_bytes` where the replica accumulates, else 0; ``inputs``: the
     bytes of the stage's forward inputs per minibatch (what a recomputing stage keeps per item);
-    ``master``: :func:`master_ratio` of the weights' dtype."""
-    held_bytes = (held * inputs + saved) if recompute else held * saved
+    ``master``: :func:`master_ratio` of the weights' dtype; ``kept``: the part of ``saved`` a
+    recomputing stage keeps per item all the same (the loss's, ``StageLoad.kept_bytes``)."""
+    held_bytes = (held * (inputs + kept) + saved - kept) if recompute else held * saved
     weights = float(weight_bytes(params, held, schedule, optimizer, master))
     return round(weights + transient + held_bytes / share)
 

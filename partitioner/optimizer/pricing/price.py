@@ -140,6 +140,7 @@ def stage_loads(profile: Profile, groups: Sequence[Sequence[str]]) -> list[Stage
                 largest_param_bytes=largest,
                 master=master,
                 working_bytes=float(max((n.working_bytes for n in members), default=0)),
+                kept_bytes=float(sum(n.saved_bytes for n in members if n.op == "output")),
             )
         )
     return loads
@@ -230,7 +231,7 @@ def held_memory(
     transient += load.working_bytes / item  # one item's backward at a time
     return peak_bytes(
         params, load.saved_bytes, held, share, schedule, optimizer, transient, load.input_bytes, recompute,
-        load.master,
+        load.master, load.kept_bytes,
     )  # fmt: skip
 
 

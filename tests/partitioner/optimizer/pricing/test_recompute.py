@@ -133,3 +133,21 @@ def test_simulation_holds_what_the_cost_model_prices(schedule: str, mode: str) -
 
 def _cuts(plan: Plan) -> list[str]:
     return [[n for n in s.nodes if n != "x"][-1] for s in plan.stages[:-1]]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "pipedream"])
+def test_a_recomputing_last_stage_keeps_the_loss_of_every_item_in_flight(schedule: str) -> None:
+    """The runtime runs the loss outside the recomputed forward (``runtime.stage``), so a recomputing
+    last stage keeps the loss's saved bytes (the output node's) for every item in flight, beside its
+    inputs; the plan, the simulation and the search on the recomputing profile agree."""
+    loss = 8_000_000
+    nodes = tuple(replace(n, op="output") if n.id == "l2" else n for n in THREE.nodes)
+    profile = replace(THREE, nodes=tuple(replace(n, saved_bytes=loss) if n.id == "l2" else n for n in nodes))
+    m = 1 if schedule == "pipedream" else 4
+    without = evaluate(THREE, Cluster.flat(3), ["l0", "l1"], [1, 1, 1], schedule, m, recompute="all")
+    plan = evaluate(profile, Cluster.flat(3), ["l0", "l1"], [1, 1, 1], schedule, m, recompute="all")
+    held = simulate(plan, profile).in_flight[-1]  # gpipe: all 4; 1f1b and pipedream: 1
+    assert held == (4 if schedule == "gpipe" else 1)
+    assert plan.stages[-1].memory_bytes - without.stages[-1].memory_bytes == held * loss // m
+    assert simulate(plan, profile).peak_memory_bytes == tuple(s.memory_bytes for s in plan.stages)
+    assert [n.saved_bytes for n in recomputing(profile).nodes if n.op == "output"] == [loss]
