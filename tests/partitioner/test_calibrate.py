@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from partitioner.calibrate import RunTimes, calibrate, device_seconds, load_run_times, stage_factors
+from partitioner.calibrate import (
+    RunTimes,
+    calibrate,
+    check_run,
+    device_seconds,
+    load_run_times,
+    stage_factors,
+)
 from partitioner.errors import PipeplanError
 from partitioner.graph import Profile
 from partitioner.optimizer import evaluate
@@ -115,3 +122,13 @@ def test_an_estimated_profile_gets_its_device_model_corrected() -> None:
     assert device.memory_efficiency == pytest.approx(PRESETS["h100"].memory_efficiency / 2)
     assert device.launch_s == pytest.approx(2 * PRESETS["h100"].launch_s)
     assert "run/metrics.json" in device.sources["matmul_efficiency"]
+
+
+def test_a_run_of_another_model_or_precision_is_refused() -> None:
+    profile, plan = _plan()
+    plan = replace(plan, model="vgg16", profile="profiles/vgg16/profile.json")
+    check_run(Path("pkg"), plan, profile, RunTimes({0: 0.1}, 8, "m.json", model="vgg16"))
+    with pytest.raises(PipeplanError, match="measured gpt2, but pkg is a package of vgg16"):
+        check_run(Path("pkg"), plan, profile, RunTimes({0: 0.1}, 8, "m.json", model="gpt2"))
+    with pytest.raises(PipeplanError, match=r"trained at bf16, but .* was measured at fp32"):
+        check_run(Path("pkg"), plan, profile, RunTimes({0: 0.1}, 8, "m.json", precision="bf16"))
