@@ -140,6 +140,7 @@ def stage_loads(profile: Profile, groups: Sequence[Sequence[str]]) -> list[Stage
                 largest_param_bytes=largest,
                 master=master,
                 working_bytes=float(max((n.working_bytes for n in members), default=0)),
+                kept_bytes=float(sum(n.saved_bytes for n in members if n.op == "output")),
             )
         )
     return loads
@@ -230,7 +231,7 @@ def held_memory(
     transient += load.working_bytes / item  # one item's backward at a time
     return peak_bytes(
         params, load.saved_bytes, held, share, schedule, optimizer, transient, load.input_bytes, recompute,
-        load.master,
+        load.master, load.kept_bytes,
     )  # fmt: skip
 
 
@@ -241,17 +242,17 @@ def stage_memory(
     """Peak bytes on one device of a stage: what its schedule holds in flight (``ScheduleModel``).
 
     A schedule of whole minibatches (pipedream) keeps one weight version per minibatch in flight
-    (weight stashing) and each replica runs whole minibatches; a flushing schedule splits each
-    microbatch over the replicas, and a replica with more than one microbatch per step accumulates
-    gradients.
+    (weight stashing) and each replica runs whole minibatches; a flushing schedule hands whole
+    microbatches to the replicas round-robin (each replica holds its share of the stage's items,
+    each 1/M of a minibatch: :func:`backward_item`), and a replica with more than one microbatch per
+    step accumulates gradients.
     """
     sched = model(schedule)
     held = sched.held(position, replicas, microbatches, virtual)
     whole = sched.asynchronous
-    share = 1 if whole else microbatches * replicas[position]
-    accumulates = not whole and microbatches > replicas[position]
     item = backward_item(whole, microbatches, replicas[position])
-    return held_memory(load, schedule, held, share, optimizer, recompute, accumulates, item)
+    accumulates = not whole and microbatches > replicas[position]
+    return held_memory(load, schedule, held, item, optimizer, recompute, accumulates, item)
 
 
 def backward_item(whole: bool, microbatches: int, replicas: int) -> int:

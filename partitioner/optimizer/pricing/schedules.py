@@ -45,6 +45,7 @@ __all__ = [
     "interleaved_time",
     "model",
     "plan_times",
+    "replica_held",
     "zbv_time",
     "zero_bubble_time",
 ]
@@ -117,10 +118,21 @@ class ScheduleModel:
         return 2 * gpus if self.laid_out and self.virtual(virtual) > 1 else 4
 
     def held(self, position: int, replicas: Sequence[int], microbatches: int, virtual: int) -> int:
-        """Items a device of stage ``position`` holds at once (:attr:`in_flight`)."""
+        """Items a device of stage ``position`` holds at once (:attr:`in_flight`); a replica of a
+        flushing schedule its share of the stage's (:func:`replica_held`)."""
         if self.in_flight is not None:
             return self.in_flight(position, replicas, microbatches, virtual)
-        return played_in_flight(self.name, position, len(replicas), microbatches, self.virtual(virtual))
+        stage = played_in_flight(self.name, position, len(replicas), microbatches, self.virtual(virtual))
+        return replica_held(stage, replicas[position])
+
+
+def replica_held(stage_items: int, replicas: int) -> int:
+    """Items the busiest replica of a flushing stage holds when the stage as one holds
+    ``stage_items``: the runtime hands a minibatch's microbatches to the replicas round-robin (unit j
+    to replica j mod r, ``Schedule.replica_of``) and a stage's live items are always consecutive
+    microbatches (forwards and releases each run in order), so a replica holds ceil(items / r) of
+    them at most, and the busiest that many (each a whole microbatch, 1/M of a minibatch)."""
+    return -(-stage_items // replicas)
 
 
 def _pipedream_in_flight(position: int, replicas: Sequence[int], microbatches: int, virtual: int) -> int:

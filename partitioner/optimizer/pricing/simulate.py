@@ -33,7 +33,7 @@ from partitioner.optimizer.pricing.price import (
     hosts_bound,
     stage_loads,
 )
-from partitioner.optimizer.pricing.schedules import model
+from partitioner.optimizer.pricing.schedules import model, replica_held
 from partitioner.optimizer.pricing.stage import (
     W_SHARE,
     StageLoad,
@@ -70,7 +70,7 @@ class Simulation:
         time_per_minibatch_s: steady-state time per minibatch.
         bubble_fraction: idle share of the stages' time over the simulated span.
         peak_memory_bytes: per stage, the most bytes one device held.
-        in_flight: per stage, the most items whose activations were held at once.
+        in_flight: per stage, the most items whose activations one device held at once.
         minibatches: how many minibatches were simulated.
         steady: whether they reach the steady state (a very large pipedream plan is simulated over
             a shorter horizon, bounded by :data:`MAX_ACTIONS`; its time and bubble are then those of
@@ -219,6 +219,7 @@ def _flushed(plan: Plan, profile: Profile | None) -> Simulation:
         events += [Event(i, "S", 0, end, end + step) for i in range(p)]
         per_minibatch = end + step
     ranks = len({r for ranks in layout for r in ranks})
+    held = [replica_held(h, s.replicas) for h, s in zip(held, plan.stages, strict=True)]  # one device's
     return _simulation(plan, profile, loads, events, held, ranks, per_minibatch)
 
 
@@ -314,11 +315,10 @@ def _memory(
     out = []
     for stage, load, h in zip(plan.stages, loads, held, strict=True):
         sync = not model(plan.schedule).asynchronous
-        share = plan.microbatches * stage.replicas if sync else 1
         accumulates = sync and plan.microbatches > stage.replicas
         item = backward_item(not sync, plan.microbatches, stage.replicas)
         out.append(
-            held_memory(load, plan.schedule, h, share, plan.optimizer, stage.recompute, accumulates, item)
+            held_memory(load, plan.schedule, h, item, plan.optimizer, stage.recompute, accumulates, item)
         )
     return tuple(out)
 

@@ -76,6 +76,9 @@ class StageLoad:
             gradient a replica that accumulates holds beside the sum.
         working_bytes: the largest of its layers' ``working_bytes`` (the loss's, on the last
             stage): what one item's backward makes beyond the saved bytes, held once per device.
+        kept_bytes: the part of ``saved_bytes`` a recomputing stage keeps per item all the same: the
+            loss's (the output node's; ``runtime.stage`` runs the loss outside the recomputed
+            forward, so a cross-entropy's log-softmax is saved for every microbatch in flight).
     """
 
     compute_s: float
@@ -89,6 +92,7 @@ class StageLoad:
     largest_param_bytes: float = 0.0
     master: float = 0.0
     working_bytes: float = 0.0
+    kept_bytes: float = 0.0
 
     @property
     def forward_time(self) -> float:
