@@ -534,19 +534,22 @@ def _cluster(
     bandwidth: str | None,
     memory: str | None,
     preset: str | None = None,
+    latency: str | None = None,
+    device: str = "cpu",
 ) -> Any:
     from dataclasses import replace
 
+    from partitioner.clusters import default_latency, levels_of
     from partitioner.errors import PlanError
-    from partitioner.optimizer.units import parse_bandwidth, parse_bytes, parse_int_list
-    from partitioner.plan import Cluster, Level
+    from partitioner.optimizer.units import parse_bytes, parse_int_list
+    from partitioner.plan import Cluster
 
     if preset is not None:
         from partitioner.clusters import load_cluster
 
-        if gpus is not None or topology is not None or bandwidth is not None:
+        if gpus is not None or topology is not None or bandwidth is not None or latency is not None:
             raise PlanError(
-                "--cluster gives the devices and their bandwidths: drop --gpus, --topology, --bandwidth"
+                "--cluster gives the devices and their links: drop --gpus, --topology, --bandwidth, --latency"
             )
         cluster = load_cluster(preset)
         return replace(cluster, memory_bytes=parse_bytes(memory)) if memory else cluster
@@ -555,11 +558,8 @@ def _cluster(
     if gpus is not None and gpus < 1:
         raise PlanError(f"--gpus must be >= 1, got {gpus}")
     devices = [gpus] if gpus is not None else parse_int_list(str(topology), "--topology")
-    rates = [parse_bandwidth(b) for b in bandwidth.split(",")] if bandwidth else [1e9] * len(devices)
-    if len(rates) != len(devices):
-        raise PlanError(f"--bandwidth has {len(rates)} values but the topology has {len(devices)} levels")
     limit = parse_bytes(memory) if memory else None
-    return Cluster(tuple(Level(d, r) for d, r in zip(devices, rates, strict=True)), limit)
+    return Cluster(levels_of(devices, bandwidth, latency, default_latency(device)), limit)
 
 
 def _estimated_memory(profile: Any, cluster: Any) -> Any:
@@ -814,6 +814,13 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
     "--topology", default=None, help="Devices per level, innermost first (4,4 = 4 servers of 4 GPUs)."
 )
 @click.option("--bandwidth", default=None, help="Bytes/s per level: 1e9, 10GB/s, 100Gbit/s  [default: 1e9]")
+@click.option(
+    "--latency",
+    default=None,
+    help="Seconds every message costs besides its bytes, per level: 5us, 1.7ms, 0  [default: 1.7ms "
+    "for a CPU profile (local gloo ranks, measured), 5.7us for GPUs (NCCL's PCIe estimate)]. "
+    "See docs/devices.md.",
+)
 @click.option("--memory", default=None, help="Memory per device, e.g. 16GiB  [default: unlimited]")
 @click.option(
     "--host-cores",
@@ -915,7 +922,7 @@ def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init
 @user_errors
 def partition(
     profile_path: str | None, gpus: int | None, cluster_spec: str | None, topology: str | None,
-    bandwidth: str | None,
+    bandwidth: str | None, latency: str | None,
     memory: str | None, host_cores: int | None, schedule: str, microbatches: int | None, virtual: int | None,
     optimizer: str, straight: bool, recompute: str | None, solver: str, cuts: str | None,
     replicas: str | None, explain: bool,
@@ -960,7 +967,8 @@ def partition(
         )
     profile = with_update_time(profile, optimizer)
     recompute = recompute or ("auto" if schedule == "auto" else "none")  # auto searches recomputation too
-    cluster = _cpu_hosts(_cluster(gpus, topology, bandwidth, memory, cluster_spec), profile, host_cores)
+    cluster = _cluster(gpus, topology, bandwidth, memory, cluster_spec, latency, profile.device)
+    cluster = _cpu_hosts(cluster, profile, host_cores)
     check_devices(profile, cluster.gpus)
     cluster = _estimated_memory(profile, cluster)
     if cluster.memory_bytes is not None:

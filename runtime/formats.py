@@ -45,7 +45,7 @@ _STAGE = Obj(
     {"index": Int(0), "nodes": List(Str()), "replicas": Int(1), "ranks": List(Int(0))},
     {"compute_s": Num(), "comm_s": Num(), "memory_bytes": Num(), "recompute": Bool()},
 )
-_LEVEL = Obj({"devices": Int(1), "bandwidth": Num(0.0, strict=True)})
+_LEVEL = Obj({"devices": Int(1), "bandwidth": Num(0.0, strict=True)}, {"latency": Num(0.0)})
 
 PLAN_FIELDS = Obj(
     {
