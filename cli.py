@@ -132,6 +132,24 @@ def _tail(name: str, width: int) -> str:
     return name if len(name) <= width else "\N{HORIZONTAL ELLIPSIS}" + name[1 - width :]
 
 
+def _node_options(func: F) -> F:
+    """The options that place a job's ranks on machines, shared by `run` and `probe`."""
+    options = [
+        click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
+                     callback=_finite, help="Seconds a rank waits on its peers before the job is stopped."),
+        click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True, help="Machines."),
+        click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="This machine's index (run the same command on every node)."),
+        click.option("--master-addr", default="127.0.0.1", show_default=True,
+                     help="Node 0's address (rendezvous)."),
+        click.option("--master-port", type=click.IntRange(min=0, max=65535), default=0,
+                     help="0: a free port."),
+    ]  # fmt: skip
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
 def user_errors(func: F) -> F:
     """Turn the library's typed errors into one red line and exit code 2 (a traceback with --debug)."""
 
@@ -1401,13 +1419,7 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
               help="On a CPU, also measure each rank's peak tensor memory over its first ranks+1 minibatches "
               "by counting the storages its operators make (opt-in: a Python call per operator in those "
               "steps; GPUs always report torch.cuda.max_memory_allocated).")  # fmt: skip
-@click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True, callback=_finite,
-              help="Seconds a rank waits on its peers before the job is stopped.")  # fmt: skip
-@click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True, help="Machines.")
-@click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True,
-              help="This machine's index (run the same command on every node).")  # fmt: skip
-@click.option("--master-addr", default="127.0.0.1", show_default=True, help="Node 0's address (rendezvous).")
-@click.option("--master-port", type=click.IntRange(min=0, max=65535), default=0, help="0: a free port.")
+@_node_options
 @click.option("--dry-run", is_flag=True, help="Print each node's torchrun command instead of running.")
 @user_errors
 def run(package: str | None, dry_run: bool, **opts: Any) -> None:
@@ -1450,6 +1462,62 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
             click.echo(f"# {line}")
         return
     _run_and_report(options)
+
+
+@main.command()
+@click.option("--gpus", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Ranks on this machine (GPUs, or CPU processes), as `run` would start.")  # fmt: skip
+@click.option("-o", "--output", default="cluster.json", show_default=True, type=click.Path(dir_okay=False),
+              help="The cluster file to write, for `partition --cluster FILE`.")  # fmt: skip
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cpu", "cuda"]),
+    default="auto",
+    show_default=True,
+    help="cpu: gloo between CPU processes; cuda: NCCL between GPUs; auto: cuda if there is one.",
+)
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=5,
+    show_default=True,
+    help="Repetitions of every figure (the spread is over them).",
+)
+@click.option(
+    "--messages",
+    type=click.IntRange(min=1),
+    default=20,
+    show_default=True,
+    help="Round trips (or all-reduces) per round.",
+)
+@_node_options
+@user_errors
+def probe(gpus: int, output: str, device: str, **opts: Any) -> None:
+    """Measure the links between the ranks a run would use (latency, bandwidth, all-reduce) and write
+    a cluster file that `partition --cluster FILE` reads.
+
+    \b
+    Examples:
+      pipeplan probe --gpus 4 -o cluster.json
+      pipeplan probe --gpus 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500
+    """
+    from pathlib import Path
+
+    from runtime.probe import ProbeOptions, probe_device, run_probe
+
+    options = ProbeOptions(gpus=gpus, device=probe_device(device), **opts)
+    _console(stderr=True).print(f"probing {options.gpus * options.nnodes} ranks ({options.device}) ...")
+    outcome = run_probe(options, Path(output), " ".join(["pipeplan", *sys.argv[1:]]))
+    if outcome is None:
+        return  # another node: node 0 writes the file
+    table = _table(
+        f"links, {outcome.ranks} ranks on {outcome.backend} -> {output}", outcome.columns, ["level"]
+    )
+    for row in outcome.rows:
+        table.add_row(*row)
+    _console().print(table)
+    for line in outcome.notes:
+        _console().print(line)
 
 
 def _with_config(ctx: click.Context, package: str | None, opts: dict[str, Any]) -> str | None:

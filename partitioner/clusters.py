@@ -159,7 +159,7 @@ def cluster_from_json(doc: Any, source: str = "cluster") -> Cluster:
     if not isinstance(doc, Mapping) or doc.get("schema") != CLUSTER_SCHEMA:
         raise PlanError(f"{source} is not a pipeplan cluster file (schema {CLUSTER_SCHEMA!r})")
     unknown = sorted(
-        set(doc) - {"schema", "name", "description", "levels", "memory", "device_model", "sources"}
+        set(doc) - {"schema", "name", "description", "levels", "memory", "device_model", "sources", "probe"}
     )
     if unknown:
         raise PlanError(f"{source}: unknown field {unknown[0]!r}")
