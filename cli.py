@@ -1235,8 +1235,15 @@ def _newest_run(models_dir: str) -> Any:
               help="The calibrated profile  [default: calibrated.json beside the profile]")  # fmt: skip
 @click.option("--models-dir", default="models", show_default=True, type=click.Path(path_type=str),
               help="Where to look for the newest trained package when PACKAGE is not given.")  # fmt: skip
+@click.option(
+    "--accept-load",
+    is_flag=True,
+    help="Calibrate from a run measured while other work loaded the machine (refused otherwise).",
+)
 @user_errors
-def calibrate(package: str | None, metrics_path: str | None, output: str | None, models_dir: str) -> None:
+def calibrate(
+    package: str | None, metrics_path: str | None, output: str | None, models_dir: str, accept_load: bool
+) -> None:
     """Scale a profile's layer times to what a run measured per stage -> a calibrated profile.
 
     \b
@@ -1249,7 +1256,7 @@ def calibrate(package: str | None, metrics_path: str | None, output: str | None,
     from pathlib import Path
 
     from partitioner.calibrate import calibrate as calibrated
-    from partitioner.calibrate import calibrated_device, device_seconds, load_run_times
+    from partitioner.calibrate import calibrated_device, device_seconds, load_run_times, load_verdict
     from partitioner.devices import save_device_model
     from partitioner.errors import PipeplanError
     from partitioner.graph import at_microbatches, load_profile, save_profile
@@ -1273,6 +1280,11 @@ def calibrate(package: str | None, metrics_path: str | None, output: str | None,
             f"{profile.precision}: calibrate from a run with --precision {profile.precision}, or profile "
             f"with --precision {run.precision}"
         )
+    refusal, notes = load_verdict(plan, run)
+    if refusal is not None and not accept_load:
+        raise PipeplanError(refusal)
+    for note in notes:
+        _console(stderr=True).print(f"[yellow]note:[/yellow] {note}", soft_wrap=True)
     measured = device_seconds(plan, run)
     result = calibrated(profile, plan, measured, run.batch_size, run.source)
     path = Path(output) if output else Path(plan.profile).with_name("calibrated.json")

@@ -29,7 +29,20 @@ from runtime.formats import METRICS_FIELDS
 from runtime.schedule import REGISTRY
 from runtime.schema import SchemaError, check
 
-__all__ = ["RunTimes", "calibrate", "calibrated_device", "device_seconds", "load_run_times", "stage_factors"]
+__all__ = [
+    "OTHER_LOAD_PER_CORE",
+    "RunTimes",
+    "calibrate",
+    "calibrated_device",
+    "device_seconds",
+    "load_run_times",
+    "load_verdict",
+    "stage_factors",
+]
+
+#: load per core beyond the run's own ranks above which a run's times are not its own: other work
+#: took turns on its cores, and a calibration from it predicts a machine that is not there
+OTHER_LOAD_PER_CORE = 0.5
 
 
 @dataclass(frozen=True)
@@ -43,6 +56,8 @@ class RunTimes:
         model: the model spec of the package that ran (empty in files written before it was recorded).
         cpu_share: per stage, the share of a core its CPU ranks had while computing (where recorded).
         precision: what the run computed in (fp32 in files written before it was recorded).
+        load: the machine's 1-minute load average as the run ended (None: not recorded).
+        cpus: the cores the run could use (None: not recorded).
     """
 
     stage_s: Mapping[int, float]
@@ -51,6 +66,8 @@ class RunTimes:
     model: str = ""
     cpu_share: Mapping[int, float] = field(default_factory=dict)
     precision: str = "fp32"
+    load: float | None = None
+    cpus: int | None = None
 
 
 def load_run_times(path: str | os.PathLike[str]) -> RunTimes:
@@ -87,7 +104,45 @@ def load_run_times(path: str | os.PathLike[str]) -> RunTimes:
     share = {stage: float(value) for stage, value in shares if value}
     model, precision = str(doc.get("model") or ""), str(doc.get("precision") or "fp32")
     batch_size = int(batch) if batch else None
-    return RunTimes(stage_s, batch_size, str(source), model, cpu_share=share, precision=precision)
+    machine = doc.get("machine") or {}
+    load, cpus = machine.get("loadavg_1min"), machine.get("cpus")
+    return RunTimes(
+        stage_s, batch_size, str(source), model, cpu_share=share, precision=precision,
+        load=float(load) if load is not None else None, cpus=int(cpus) if cpus else None,
+    )  # fmt: skip
+
+
+def load_verdict(plan: Plan, run: RunTimes) -> tuple[str | None, list[str]]:
+    """Whether the run's times are fit to calibrate from: (why not, or None; notes to show).
+
+    The load average counts the run's own ranks (at most ``threads`` busy threads each, on the
+    host that wrote the metrics); what is left over, per core, is other work that took turns on the
+    ranks' cores. Above :data:`OTHER_LOAD_PER_CORE` the times are the contention's, not the plan's:
+    refused. A stage whose ranks had under half a core while computing is named either way.
+    """
+    notes = [
+        f"stage {k}: its ranks had {share:.0%} of a core while computing"
+        for k, share in sorted(run.cpu_share.items())
+        if share < 0.5
+    ]
+    if run.load is None or run.cpus is None:
+        notes.append(
+            f"{run.source} does not record the machine's load: cannot tell whether the run was quiet"
+        )
+        return None, notes
+    own = min(plan.cluster.levels[0].devices, plan.gpus) * plan.cluster.threads
+    others = max(0.0, run.load - own)
+    notes.insert(
+        0, f"the run ended at load {run.load:.2f} on {run.cpus} cores ({own} of it the run's own ranks)"
+    )
+    if others / run.cpus > OTHER_LOAD_PER_CORE:
+        return (
+            f"{run.source} was measured while other work loaded the machine (load {run.load:.1f} on "
+            f"{run.cpus} cores, {others:.1f} beyond the run's {own} ranks): its times include waiting for "
+            "a core. Run again on a quiet machine, or calibrate anyway with --accept-load",
+            notes,
+        )
+    return None, notes
 
 
 def device_seconds(plan: Plan, run: RunTimes) -> dict[int, float]:

@@ -94,6 +94,7 @@ METRICS_FIELDS = Obj(
         "batch_size": Opt(Int(1)),
         "samples_per_s": Opt(Num()),
         "time_per_minibatch_s": Opt(Num()),
+        "machine": Obj({"loadavg_1min": Num(), "cpus": Int(1)}),
         "model": Str(),
         "precision": Opt(Str(PRECISIONS)),
         "schedule": Str(),
