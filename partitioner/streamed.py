@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from runtime.deferred_init import is_deferred
+from runtime.deferred_init import as_meta, is_deferred
 
 __all__ = ["Streamed"]
 
@@ -55,8 +55,10 @@ class _Materialise(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if getattr(func, "__name__", "") == "__get__":  # an attribute read (.shape, .data, .T): no values
-            result = func(*args, **kwargs)
             part = self.pending.get(id(args[0])) if args else None
+            if part is not None and is_deferred(args[0]):  # a view of a deferred weight: taken on meta
+                args = (as_meta(args[0]), *args[1:])
+            result = func(*args, **kwargs)
             if part is not None and isinstance(result, Tensor) and result.device.type == "meta":
                 self.views.append(result)
                 self.pending[id(result)] = _Part(

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["LARGE", "Deferred", "build_deferred", "is_deferred"]
+__all__ = ["LARGE", "Deferred", "as_meta", "build_deferred", "is_deferred"]
 
 LARGE = 4096
 """Elements from which a tensor made while building is deferred (smaller ones are built real)."""
@@ -84,8 +84,9 @@ def _key(t: Tensor) -> int:
     return int(t.untyped_storage()._cdata)
 
 
-def _as_meta(t: Tensor) -> Tensor:
-    """A plain meta tensor viewing the same (meta) storage as a deferred one."""
+def as_meta(t: Tensor) -> Tensor:
+    """A plain meta tensor viewing the same (meta) storage as a deferred one: its views (``.T``) and
+    shapes can be taken, which the deferred tensor refuses."""
     return torch.empty(0, dtype=t.dtype, device=_META).set_(
         t.untyped_storage(), t.storage_offset(), t.shape, t.stride()
     )
@@ -247,7 +248,7 @@ def _writes(argument: Any) -> bool:
 
 def _meta_of(v: Any) -> Any:
     if isinstance(v, _Lazy):
-        return _as_meta(v)
+        return as_meta(v)
     if isinstance(v, Tensor):
         return v.to(_META)
     return v

@@ -37,14 +37,17 @@ _LLAMA = {
     "mlp_bias": False,
     "use_cache": False,
 }
-# Llama-3-8B: 32 heads over 8 KV heads, MLP 3.5x. Narrower and fewer here; wide enough that a block
-# outweighs what a process needs besides its weights. verify grew 268-270 MiB on this 141 MiB model
-# (1.9x; a stage's weights and gradients are under 100 MiB of it), and 2.2x on a 110 MiB 70B-shaped
-# copy: below this size the 2x bound measures heap, not weights, so that copy is not run here
-# (benchmarks/bench_stage_memory.py measures a 1.1B model).
+# Llama-3-8B: 32 heads over 8 KV heads, MLP 3.5x; Llama-3-70B: 64 heads over 8 KV heads, MLP 3.5x.
+# Narrower and fewer here; wide enough that a block outweighs what a process needs besides its weights.
+# verify grew 268-270 MiB on the 141 MiB 8B-shaped model (1.9x; a stage's weights and gradients are
+# under 100 MiB of it), and 2.2x on a 110 MiB 70B-shaped copy: below about 140 MiB the 2x bound
+# measures heap, not weights, so the 70B-shaped copy here is 3 wider blocks (194 MiB).
+# benchmarks/bench_stage_memory.py measures a 1.1B model.
 SHAPES = {
     "llama3-8b": {"hidden_size": 768, "intermediate_size": 2688, "num_hidden_layers": 4,
                   "num_attention_heads": 12, "num_key_value_heads": 3, "head_dim": 64},
+    "llama3-70b": {"hidden_size": 1024, "intermediate_size": 3584, "num_hidden_layers": 3,
+                   "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 64},
 }  # fmt: skip
 SLACK = 32 * 2**20  # what building a stage may cost beyond its tensors: allocator rounding, Python objects
 

@@ -29,7 +29,13 @@ from partitioner.optimizer.pricing.recompute import recomputing, repriced
 from partitioner.optimizer.pricing.schedules import model
 from partitioner.optimizer.pricing.simulate import played
 from partitioner.optimizer.search.bottleneck import solve_slowest
-from partitioner.optimizer.search.candidates import data_parallel, parameter_balanced, time_balanced, uniform
+from partitioner.optimizer.search.candidates import (
+    best_width,
+    data_parallel,
+    parameter_balanced,
+    time_balanced,
+    uniform,
+)
 from partitioner.optimizer.search.flushed import solve_flushed
 from partitioner.optimizer.search.ilp import solve_ilp
 from partitioner.optimizer.search.laid_out import check_layout, layout_specs, solve_laid_out
@@ -280,17 +286,33 @@ def alternatives(
     profile: Profile, cluster: Cluster, schedule: str, m: int, optimizer: str, recompute: str = "none"
 ) -> dict[str, Plan | None]:
     """The plans other tools would pick, each under the same ``recompute`` mode (None where it does
-    not fit in memory): data parallelism, DeepSpeed's parameter and uniform partitioning,
-    torchgpipe's time balancing, and the best plan without replication."""
+    not fit in memory): data parallelism; DeepSpeed's parameter and uniform partitioning and
+    torchgpipe's time balancing, each with the data-parallel width its users would pick (the fastest
+    that fits, one GPU per stage included); and the best plan without replication."""
     profile = at_microbatches(profile, model(schedule).microbatches(m))
     free = replace(cluster, memory_bytes=None)
-    makers = {"data parallel": data_parallel, "parameter balanced": parameter_balanced,
-              "time balanced": time_balanced, "uniform layers": uniform}  # fmt: skip
+    args = (profile, cluster if recompute == "none" else free, schedule, m, optimizer)
+
+    def fixed(plan: Plan) -> Plan:  # fixed stages: priced with the recompute mode where it applies
+        return plan if recompute == "none" else repriced(profile, cluster, plan, recompute, True)
+
     out: dict[str, Plan | None] = {}
+    try:
+        out["data parallel"] = fixed(data_parallel(*args))
+    except InfeasibleError:
+        out["data parallel"] = None
+    makers: dict[str, Callable[..., Plan]] = {
+        "parameter balanced": parameter_balanced,
+        "time balanced": time_balanced,
+        "uniform layers": uniform,
+    }
     for name, make in makers.items():
-        try:  # fixed stages: priced with the recompute mode where it applies
-            fixed = make(profile, cluster if recompute == "none" else free, schedule, m, optimizer)
-            out[name] = fixed if recompute == "none" else repriced(profile, cluster, fixed, recompute, True)
+
+        def at(width: int, make: Callable[..., Plan] = make) -> Plan:
+            return fixed(make(*args, width=width))
+
+        try:
+            out[name] = best_width(at, cluster.gpus)
         except InfeasibleError:
             out[name] = None
     try:

@@ -199,3 +199,14 @@ def test_verify_holds_a_stage_not_the_model(tmp_path: Path) -> None:
     ok, grown_kib = map(int, result.stdout.split())
     assert ok
     assert grown_kib < 192 * 1024, f"verify grew by {grown_kib / 1024:.0f} MiB for a 384 MiB model"
+
+
+@pytest.mark.parametrize("init", ["seeded", "exact"])
+def test_weights_read_through_an_attribute_view(tmp_path: Path, init: str) -> None:
+    """``x @ self.weight.T`` on the original model, built without its weights (deferred under the
+    exact init): the view is taken on the weight's shape and its values are made when the product
+    reads them."""
+    spec = f"{Path(__file__).with_name('transposed_model.py')}:transposed"
+    profile = profile_for(spec, 2)
+    write_package(profile, plan_for(profile, [3]), tmp_path / "pkg", init=init)
+    _assert_match(tmp_path / "pkg", 2)

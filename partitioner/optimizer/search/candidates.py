@@ -7,19 +7,25 @@
 - uniform: DeepSpeed's ``"uniform"``: the same number of layers in every stage;
 - time balancing: torchgpipe's ``balance_by_time``: one device per stage, the topological order
   cut so the stages' forward+backward times are as even as possible (communication ignored).
+
+Users of those tools combine them with data parallelism (DeepSpeed's pipeline times its data-parallel
+width is the world size), so each balancing method also takes a ``width``: every stage that many
+replicas, ``gpus // width`` stages; :func:`best_width` picks the hybrid a user would run, the fastest
+width that divides the GPUs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from partitioner.errors import InfeasibleError
 from partitioner.graph import Profile
 from partitioner.optimizer.pricing.price import StageSpec, assemble
 from partitioner.plan import Cluster, Plan, SolverInfo
 
-__all__ = ["balanced_cuts", "data_parallel", "parameter_balanced", "time_balanced", "uniform"]
+__all__ = ["balanced_cuts", "best_width", "data_parallel", "parameter_balanced", "time_balanced", "uniform"]
 
 
 def _inputs(profile: Profile) -> list[str]:
@@ -34,14 +40,17 @@ def _chain_plan(
     schedule: str,
     m: int,
     optimizer: str,
+    width: int = 1,
 ) -> Plan:
+    """Stages between ``bounds``, each on ``width`` consecutive ranks (replicas)."""
     layers = [n.id for n in profile.layers]
     last = len(bounds) - 2
     outputs = tuple(n.id for n in profile.nodes if n.op == "output")  # the loss: the last stage's
     specs = []
     for i in range(len(bounds) - 1):
         nodes = tuple(layers[bounds[i] : bounds[i + 1]]) + (outputs if i == last else ())
-        specs.append(StageSpec(tuple(_inputs(profile)) + nodes if i == 0 else nodes, 1, (i,)))
+        ranks = tuple(range(i * width, (i + 1) * width))
+        specs.append(StageSpec(tuple(_inputs(profile)) + nodes if i == 0 else nodes, width, ranks))
     return assemble(profile, cluster, specs, schedule, m, optimizer, SolverInfo(name, 0.0, False))
 
 
@@ -77,26 +86,54 @@ def balanced_cuts(weights: Sequence[float], parts: int) -> list[int]:
     return bounds
 
 
-def parameter_balanced(profile: Profile, cluster: Cluster, schedule: str, m: int, optimizer: str) -> Plan:
-    """DeepSpeed's parameter balancing: one GPU per stage, parameters split evenly."""
+def parameter_balanced(
+    profile: Profile, cluster: Cluster, schedule: str, m: int, optimizer: str, width: int = 1
+) -> Plan:
+    """DeepSpeed's parameter balancing: ``gpus // width`` stages of ``width`` GPUs, parameters split
+    evenly."""
     weights = [float(n.param_bytes) for n in profile.layers]
-    bounds = balanced_cuts(weights, cluster.gpus)
-    return _chain_plan(profile, cluster, bounds, "parameters", schedule, m, optimizer)
+    bounds = balanced_cuts(weights, cluster.gpus // width)
+    return _chain_plan(profile, cluster, bounds, "parameters", schedule, m, optimizer, width)
 
 
-def time_balanced(profile: Profile, cluster: Cluster, schedule: str, m: int, optimizer: str) -> Plan:
-    """torchgpipe's balance_by_time: one GPU per stage, measured compute split evenly."""
+def time_balanced(
+    profile: Profile, cluster: Cluster, schedule: str, m: int, optimizer: str, width: int = 1
+) -> Plan:
+    """torchgpipe's balance_by_time: ``gpus // width`` stages of ``width`` GPUs, measured compute
+    split evenly."""
     weights = [n.compute_ms for n in profile.layers]
-    bounds = balanced_cuts(weights, cluster.gpus)
-    return _chain_plan(profile, cluster, bounds, "time", schedule, m, optimizer)
+    bounds = balanced_cuts(weights, cluster.gpus // width)
+    return _chain_plan(profile, cluster, bounds, "time", schedule, m, optimizer, width)
 
 
-def uniform(profile: Profile, cluster: Cluster, schedule: str, m: int, optimizer: str) -> Plan:
-    """DeepSpeed's uniform method: the same number of layers per stage, one GPU each."""
+def uniform(
+    profile: Profile, cluster: Cluster, schedule: str, m: int, optimizer: str, width: int = 1
+) -> Plan:
+    """DeepSpeed's uniform method: the same number of layers per stage, ``width`` GPUs each."""
     n = len(profile.layers)
-    parts = min(cluster.gpus, n)
+    parts = min(cluster.gpus // width, n)
     bounds = [round(i * n / parts) for i in range(parts + 1)]
-    return _chain_plan(profile, cluster, bounds, "uniform", schedule, m, optimizer)
+    return _chain_plan(profile, cluster, bounds, "uniform", schedule, m, optimizer, width)
+
+
+def best_width(at: Callable[[int], Plan], gpus: int) -> Plan:
+    """The fastest plan ``at(width)`` gives that fits, over the data-parallel widths dividing ``gpus``
+    (1 included): the hybrid a user of a balancing method would run.
+
+    Raises:
+        InfeasibleError: no width fits in memory.
+    """
+    best: Plan | None = None
+    for width in (w for w in range(1, gpus + 1) if gpus % w == 0):
+        try:
+            plan = at(width)
+        except InfeasibleError:
+            continue
+        if best is None or plan.predicted.time_per_minibatch_s < best.predicted.time_per_minibatch_s:
+            best = plan
+    if best is None:
+        raise InfeasibleError("no data-parallel width fits in memory")
+    return best
 
 
 def data_parallel(profile: Profile, cluster: Cluster, schedule: str, m: int, optimizer: str) -> Plan:

@@ -8,8 +8,9 @@ memory limit, states short of every downset), the best of it (on prefixes of the
 to what it can price, if need be) and of bubble-aware candidates (on at most
 :data:`SYNC_CANDIDATE_STATES` states), each priced by the schedule's model: bottleneck-optimal
 plans with a floor on replicas per stage (fewer, wider stages: smaller bubble), straight
-bottleneck plans on 1, 2, 4, .. devices, and the data-parallel, uniform, parameter- and
-time-balanced baselines.
+bottleneck plans on 1, 2, 4, .. devices, the exact search's straight optimum (the search with
+replicas can stop short of it), and the data-parallel, uniform, parameter- and time-balanced
+baselines, the last three also with each data-parallel width that divides the GPUs.
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ def solve_flushed(
         specs = stage_specs(profile, states, segments)
         return assemble(profile, cluster, specs, opts.schedule, m, opts.optimizer, info, activation_comm=comm)
 
+    if not straight:  # a straight pipeline is a plan too, which the search with replicas may stop short of
+        line = _exact(profile, cluster, states, replace(opts, straight=True))
+        if line is not None and (exact is None or _faster(line[0], exact[0])):
+            exact = (line[0], exact[1] if exact is not None else 0.0, False)  # its bound: straight plans only
     floors = [] if straight else [1] if len(cluster.levels) > 1 else powers  # hierarchies ignore floors
     makers = [partial(bottleneck, cluster, floor, False) for floor in floors]
     for units in powers:
@@ -65,13 +70,16 @@ def solve_flushed(
         makers.append(partial(bottleneck, flat, 1, True))
     baselines = [uniform, parameter_balanced, time_balanced] + ([] if straight else [data_parallel])
     makers += [partial(make, profile, cluster, opts.schedule, m, opts.optimizer) for make in baselines]
+    widths = [] if straight else [w for w in range(2, gpus) if gpus % w == 0]  # with data parallelism
+    makers += [partial(make, profile, cluster, opts.schedule, m, opts.optimizer, width=w)
+               for make in (uniform, parameter_balanced, time_balanced) for w in widths]  # fmt: skip
     best: Plan | None = None
     for make in makers:
         try:
             plan = make()
         except InfeasibleError:
             continue
-        if best is None or plan.predicted.time_per_minibatch_s < best.predicted.time_per_minibatch_s:
+        if best is None or _faster(plan, best):
             best = plan
     bound = layer_compute_s(profile) / cluster.gpus
     if exact is not None and (
@@ -81,6 +89,10 @@ def solve_flushed(
     if best is None:
         raise InfeasibleError("no plan fits in memory")
     return best, max(exact[1] if exact else 0.0, bound), False
+
+
+def _faster(a: Plan, b: Plan) -> bool:
+    return a.predicted.time_per_minibatch_s < b.predicted.time_per_minibatch_s
 
 
 def _exact(
