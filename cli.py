@@ -1481,27 +1481,12 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
               help="Ranks on this machine (GPUs, or CPU processes), as `run` would start.")  # fmt: skip
 @click.option("-o", "--output", default="cluster.json", show_default=True, type=click.Path(dir_okay=False),
               help="The cluster file to write, for `partition --cluster FILE`.")  # fmt: skip
-@click.option(
-    "--device",
-    type=click.Choice(["auto", "cpu", "cuda"]),
-    default="auto",
-    show_default=True,
-    help="cpu: gloo between CPU processes; cuda: NCCL between GPUs; auto: cuda if there is one.",
-)
-@click.option(
-    "--rounds",
-    type=click.IntRange(min=1),
-    default=5,
-    show_default=True,
-    help="Repetitions of every figure (the spread is over them).",
-)
-@click.option(
-    "--messages",
-    type=click.IntRange(min=1),
-    default=20,
-    show_default=True,
-    help="Round trips (or all-reduces) per round.",
-)
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="cpu: gloo (CPU processes), cuda: NCCL (GPUs), auto: cuda if there is one.")  # fmt: skip
+@click.option("--rounds", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Repetitions of every figure (the spread is over them).")  # fmt: skip
+@click.option("--messages", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Round trips (or all-reduces) per round.")  # fmt: skip
 @_node_options
 @user_errors
 def probe(gpus: int, output: str, device: str, **opts: Any) -> None:
