@@ -27,7 +27,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 typecheck: $(STAMP)
-	$(BIN)/mypy partitioner runtime cli.py
+	$(BIN)/mypy partitioner runtime cli.py cli_render
 
 # --durations=15 lists the slowest tests after the run, so a slow new test shows in review.
 unit: $(STAMP)

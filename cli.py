@@ -1,202 +1,28 @@
 """The ``pipeplan`` command: profile -> partition -> verify -> run.
 
-Commands stay thin: parse options, call the library, render with rich. This is the only module that
-uses rich, and it imports torch and the heavy library modules lazily, inside the commands, so
-``pipeplan --help`` stays fast.
+Each command is parse -> call -> render: click declares and parses the options, one call into the
+library (partitioner/, runtime/) does the work and returns a value, and cli_render/ prints it with
+rich. The library and the renderers are imported lazily, inside the commands (only the error
+handling, light, at the top), so ``pipeplan --help`` stays fast.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import click
-from rich.console import Console
+from click.core import ParameterSource
 
-from runtime.schedule import SCHEDULES, get_schedule
+from cli_render.errors import F, OneLineErrors, user_errors
+from runtime.schedule import SCHEDULES
 
 __all__ = ["main"]
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _console(stderr: bool = False) -> Console:
-    """One Console per stream; commands print tables on stdout and progress/errors on stderr."""
-    return Console(stderr=stderr, highlight=False, emoji=False)  # (":llama:" is no emoji in a spec)
-
-
-def _progress(transient: bool) -> Any:
-    """rich's progress bar on a terminal; elsewhere (a log, a pipe, CI) a line per phase with the
-    elapsed time, since rich draws nothing there until the end."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    console = _console(stderr=True)
-    if not console.is_terminal:
-        return _PhaseLog(console)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    return Progress(*columns, console=console, transient=transient)
-
-
-class _PhaseLog:
-    """The part of rich's Progress the commands use, as plain lines: one when the phase (the
-    description's first word: tracing, measuring, step) changes, at most one per ``every`` seconds
-    within a phase, and the last state at the end, each after the seconds since the start. Nothing
-    in the first ``delay`` seconds, nor after an error: a command that fails at once prints only its
-    ``error:`` line."""
-
-    PATTERN = r"^ *\d+\.\d s  "  # (the start of each line, for tools that read the output)
-
-    def __init__(self, console: Console, every: float = 10.0, delay: float = 2.0) -> None:
-        import time
-
-        self.console, self.every, self.delay, self.clock = console, every, delay, time.monotonic
-        self.start = self.last = self.clock()
-        self.task: dict[str, Any] = {}
-        self.shown: tuple[Any, ...] | None = None
-        self.phase = ""
-
-    def __enter__(self) -> _PhaseLog:
-        return self
-
-    def __exit__(self, kind: object, *exc: object) -> None:
-        if kind is None:
-            self.stop()
-
-    def add_task(self, description: str, total: float | None = None) -> int:
-        self.task = {"description": description, "completed": 0, "total": total}
-        self._show()
-        return 0
-
-    def update(self, task: int, **fields: Any) -> None:
-        self.task.update({k: v for k, v in fields.items() if v is not None})
-        self._show()
-
-    def stop(self) -> None:
-        self._show(final=True)
-
-    def _show(self, final: bool = False) -> None:
-        now, text, done, total = (
-            self.clock(),
-            self.task["description"],
-            self.task["completed"],
-            self.task["total"],
-        )
-        phase = text.split(" ", 1)[0]
-        due = phase != self.phase or now - self.last >= self.every or final
-        if not due or self.shown == (text, done, total) or now - self.start < self.delay:
-            return
-        self.phase, self.last, self.shown = phase, now, (text, done, total)
-        count = f" ({done:g}/{total:g})" if total else ""
-        self.console.print(f"{now - self.start:7.1f} s  {text}{count}", markup=False, highlight=False)
-
-
-def _table(title: str, columns: Sequence[str], left: Sequence[str] = ()) -> Any:
-    """A table that reads in an 80-column terminal or a log: a rule under the header, no side borders,
-    two spaces between columns, numbers never cut or wrapped (units go in the header's second line,
-    ``"compute\nms"``; tests/test_cli_tables.py renders every table at 80 columns)."""
-    from rich import box
-    from rich.table import Table
-
-    table = Table(
-        title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True
-    )
-    for column in columns:
-        table.add_column(column, justify="left" if column in left else "right", no_wrap=column not in left)
-    return table
-
-
-def _layer_range(first: str, last: str, count: int) -> str:
-    """``features.0..30 (31)``: the first and last layer's names, their shared dotted prefix once."""
-    if first == last:
-        return f"{first} ({count})"
-    a, b = first.split("."), last.split(".")
-    pairs = enumerate(zip(a[:-1], b[:-1], strict=False))
-    shared = next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)) - 1)
-    return f"{first}..{'.'.join(b[shared:])} ({count})"
-
-
-def _plural(count: int, one: str, many: str | None = None) -> str:
-    return f"{count} {one if count == 1 else many or one + 's'}"
-
-
-def _num(value: float) -> str:
-    """A time or size in at most 6 characters that keeps 4 significant digits (``1410``, ``12.34``)."""
-    return f"{value:.2f}" if abs(value) < 100 else f"{value:.1f}" if abs(value) < 1000 else f"{value:.0f}"
-
-
-def _tail(name: str, width: int) -> str:
-    """A layer's name in a table cell: the end is what tells layers apart (``…layers.5.mlp.down_proj``)."""
-    return name if len(name) <= width else "\N{HORIZONTAL ELLIPSIS}" + name[1 - width :]
-
-
-def _node_options(func: F) -> F:
-    """The options that place a job's ranks on machines, shared by `run` and `probe`."""
-    options = [
-        click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
-                     callback=_finite, help="Seconds a rank waits on its peers before the job is stopped."),
-        click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True, help="Machines."),
-        click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True,
-                     help="This machine's index (run the same command on every node)."),
-        click.option("--master-addr", default="127.0.0.1", show_default=True,
-                     help="Node 0's address (rendezvous)."),
-        click.option("--master-port", type=click.IntRange(min=0, max=65535), default=0,
-                     help="0: a free port."),
-    ]  # fmt: skip
-    for option in reversed(options):
-        func = option(func)
-    return func
-
-
-def user_errors(func: F) -> F:
-    """Turn the library's typed errors into one red line and exit code 2 (a traceback with --debug)."""
-
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from partitioner.errors import PipeplanError
-        from runtime.errors import RunError
-
-        try:
-            return func(*args, **kwargs)
-        except (PipeplanError, RunError) as exc:
-            if click.get_current_context().find_root().params.get("debug"):
-                raise
-            from rich.markup import escape
-
-            _console(stderr=True).print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
-            sys.exit(2)
-
-    return wrapper  # type: ignore[return-value]
-
-
-class _OneLineErrors(click.Group):
-    """click's own usage errors (bad option, value out of range) as one ``error:`` line, exit 2, like
-    the library's; Ctrl-C as one line and exit 130. click would print a three-line usage block."""
-
-    def main(  # type: ignore[override]
-        self, args: Sequence[str] | None = None, prog_name: str | None = None, standalone_mode: bool = True,
-        **extra: Any,
-    ) -> Any:  # fmt: skip
-        if not standalone_mode:
-            return super().main(args, prog_name, standalone_mode=False, **extra)
-        try:
-            result = super().main(args, prog_name, standalone_mode=False, **extra)
-        except click.ClickException as exc:
-            ctx = getattr(exc, "ctx", None)
-            hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
-            message = exc.format_message().rstrip(".")
-            click.echo(f"error: {message[:1].lower()}{message[1:]}{hint}", err=True)
-            sys.exit(exc.exit_code)
-        except click.Abort:
-            click.echo("error: interrupted", err=True)
-            sys.exit(130)
-        sys.exit(result if isinstance(result, int) else 0)
-
 
 @click.group(
-    cls=_OneLineErrors,
+    cls=OneLineErrors,
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
@@ -219,124 +45,6 @@ def main(debug: bool, verbose: int) -> None:
 
 
 # ----------------------------------------------------------------------------- profile
-# (owned by the profiler: partitioner/profiler, partitioner/models.py)
-
-
-def _parse_shape(text: str | None) -> tuple[int, ...] | None:
-    """``3,224,224`` -> (3, 224, 224); a PipeplanError names the bad value."""
-    from partitioner.errors import PipeplanError
-
-    if text is None:
-        return None
-    try:
-        shape = tuple(int(part) for part in text.replace("x", ",").split(","))
-    except ValueError:
-        shape = ()
-    if not shape or any(d <= 0 for d in shape):
-        raise PipeplanError(
-            f"bad --input-shape {text!r}: give one sample's shape as positive integers, e.g. 3,224,224 or 128"
-        )
-    return shape
-
-
-def _check_output(path: Any) -> None:
-    """Fail before a long measurement, not after: the folder must be writable and no foreign file replaced."""
-    import tempfile
-
-    from partitioner.errors import PipeplanError, ProfileFormatError
-    from partitioner.graph import load_profile
-
-    if path.is_dir():
-        raise PipeplanError(f"output {path} is a folder; give a file name such as {path / 'profile.json'}")
-    if path.exists():
-        try:
-            load_profile(path)
-        except ProfileFormatError as exc:
-            raise PipeplanError(f"refusing to overwrite {path}: {exc}") from exc
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path.parent):
-            pass
-    except OSError as exc:
-        raise PipeplanError(
-            f"cannot write {path}: {exc.strerror or exc}; choose another -o/--output"
-        ) from exc
-
-
-def _profile_table(profile: Any, top: int) -> Any:
-    total = profile.total_compute_ms or 1.0
-    columns = ("layer", "type", "fwd\nms", "bwd\nms", "share", "output\nMB", "saved\nMB", "params\nM")
-    table = _table(f"{profile.model}: top {top} layers by forward+backward time", columns, ("layer", "type"))
-    mb = 1 / 2**20
-    for node in sorted(profile.nodes, key=lambda n: -n.compute_ms)[:top]:
-        params = node.param_bytes / (4 if profile.dtype == "float32" else 2) / 1e6
-        table.add_row(
-            _tail(node.name, 21) if node.op != "output" else "(loss)",
-            _tail(node.target.rsplit(".", 1)[-1], 11),
-            _num(node.forward_ms),
-            _num(node.backward_ms),
-            f"{100 * node.compute_ms / total:.1f}%",
-            _num(node.output_bytes * mb),
-            _num(node.saved_bytes * mb),
-            _num(params),
-        )
-    return table
-
-
-def _profile_totals(profile: Any, path: Any) -> str:
-    from partitioner.update import UPDATE_KEY, update_ms
-
-    mb = 1 / 2**20
-    fwd = sum(n.forward_ms for n in profile.nodes)
-    bwd = sum(n.backward_ms for n in profile.nodes)
-    fidelity = f"{profile.fidelity:.2f}" if profile.fidelity else "n/a"
-    elem = 4 if profile.dtype == "float32" else 2
-    params = profile.total_param_bytes
-    activations = sum(n.output_bytes for n in profile.nodes) * mb
-    saved = sum(n.saved_bytes for n in profile.nodes) * mb
-    updates = ", ".join(
-        f"{name} {update_ms(profile, name):.1f} ms" for name in profile.extra.get(UPDATE_KEY, {})
-    )
-    cast = sum(n.cast_bytes for n in profile.nodes) * mb
-    copies = f" + {cast:.1f} MB of {profile.precision} weight copies per forward" if cast else ""
-    measured = profile.extra.get("layers_measured") or {}
-    distinct = f", {measured['distinct']} distinct" if measured.get("reused") else ""
-    how = {"layer": "measured layer by layer", "none": f"estimated for {profile.device}"}
-    step = (
-        f"whole step {profile.step_ms:.1f} ms; fidelity {fidelity}"
-        if profile.step_ms
-        else f"whole step not timed ({how.get(profile.extra.get('materialized'), 'not measured')})"
-    )
-    return (
-        f"{len(profile.layers)} layers{distinct} ({profile.tracer}), {params / elem / 1e6:.2f}M params "
-        f"({params * mb:.1f} MB), activations {activations:.1f} MB, saved for backward {saved:.1f} MB"
-        f"{copies}\n"
-        f"forward {fwd:.1f} ms + backward {bwd:.1f} ms = {fwd + bwd:.1f} ms; {step} "
-        f"(batch {profile.batch_size}, {profile.device}, {profile.dtype}"
-        + (f" weights, {profile.precision} autocast" if profile.precision != "fp32" else "")
-        + ")\n"
-        + (f"optimizer update of all weights: {updates}\n" if updates else "")
-        + f"wrote {path}"
-    )
-
-
-def _check_estimate_options(device_model: str) -> None:
-    """--device-model estimates without running: options that only shape a measurement are refused."""
-    from click.core import ParameterSource
-
-    from partitioner.devices import load_device_model
-    from partitioner.errors import PipeplanError
-
-    if device_model != "cpu":
-        load_device_model(device_model)  # before a progress bar: an unknown name is one line
-    ctx = click.get_current_context()
-    measuring = ["device", "repeats", "fixed_cost", "materialize"]
-    if device_model != "cpu":
-        measuring += ["threads", "clock"]  # the cpu model measures this machine at --threads, --clock
-    given = [p for p in measuring if ctx.get_parameter_source(p) == ParameterSource.COMMANDLINE]
-    if given:
-        flag = "--" + given[0].replace("_", "-")
-        raise PipeplanError(f"{flag} shapes a measurement; --device-model estimates without one: drop {flag}")
 
 
 @main.command()
@@ -474,341 +182,36 @@ def profile(
       pipeplan profile my_model.py:build -o profiles/mine/profile.json
     """
     import json
-    from pathlib import Path
 
-    from partitioner.errors import PipeplanError
+    from cli_render.profile import print_profile
+    from cli_render.progress import progress as progress_bar
     from partitioner.graph import profile_to_json, save_profile
-    from partitioner.models import model_name
-    from partitioner.profiler import check_precision_options, profile_model
+    from partitioner.profiler import profile_model
+    from partitioner.profiler.request import prepare
 
-    if batch_size <= 0:
-        raise PipeplanError(f"--batch-size must be positive, got {batch_size}")
-    if device_model is not None:
-        _check_estimate_options(device_model)
-    check_precision_options(precision, dtype)
-    shape = _parse_shape(input_shape)
-    path = Path(output) if output else Path("profiles") / model_name(model) / "profile.json"
-    _check_output(path)
-    with _progress(transient=True) as bar:
+    ctx = click.get_current_context()
+    given = [name for name in ctx.params if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE]
+    shape, path = prepare(model, output, batch_size, input_shape, dtype, precision, device_model, given)
+    with progress_bar(transient=True) as bar:
         task = bar.add_task(f"tracing {model}", total=None)
 
         def progress(done: int, total: int, name: str) -> None:
             bar.update(task, completed=done, total=total, description=f"measuring {name}")
 
         result = profile_model(
-            model,
-            batch_size,
-            shape,
-            device,
-            dtype,
-            leaf_modules,
-            repeats,
-            progress,
-            clock,
-            threads,
-            microbatch_size,
-            precision,
-            fixed_cost,
-            materialize=materialize,
-            reuse=reuse,
+            model, batch_size, shape, device, dtype, leaf_modules, repeats, progress, clock, threads,
+            microbatch_size, precision, fixed_cost, materialize=materialize, reuse=reuse,
             device_model=device_model,
-        )
+        )  # fmt: skip
         bar.update(task, description="whole-step timing")
     save_profile(result, path)
     if as_json:
         click.echo(json.dumps(profile_to_json(result), indent=1))
         return
-    console = _console()
-    console.print(_profile_table(result, top))
-    console.print(_profile_totals(result, path))
-    load, cpus = max(result.extra.get("loadavg_1min", [0.0])), result.extra.get("cpus") or 1
-    if result.device == "cpu" and clock == "wall" and load > cpus:
-        console.print(
-            f"[yellow]note:[/yellow] the machine was busy (load {load:.1f} on {cpus} CPUs): wall-clock times "
-            "include waiting for other jobs; --clock cpu measures CPU time instead"
-        )
+    print_profile(result, path, top, clock)
 
 
 # ----------------------------------------------------------------------------- partition
-# (owned by the optimizer: partitioner/optimizer, partitioner/codegen.py)
-
-
-def _newest_profile() -> Any:
-    from pathlib import Path
-
-    from partitioner.errors import ProfileFormatError
-
-    found = sorted(Path("profiles").glob("*/profile.json"), key=lambda p: p.stat().st_mtime)
-    if not found:
-        raise ProfileFormatError(
-            "no profiles/*/profile.json here; run `pipeplan profile MODEL` or give --profile"
-        )
-    return found[-1]
-
-
-def _cluster(
-    gpus: int | None,
-    topology: str | None,
-    bandwidth: str | None,
-    memory: str | None,
-    preset: str | None = None,
-    latency: str | None = None,
-    device: str = "cpu",
-) -> Any:
-    from dataclasses import replace
-
-    from partitioner.clusters import default_latency, levels_of
-    from partitioner.errors import PlanError
-    from partitioner.optimizer.units import parse_bytes, parse_int_list
-    from partitioner.plan import Cluster
-
-    if preset is not None:
-        from partitioner.clusters import load_cluster
-
-        if gpus is not None or topology is not None or bandwidth is not None or latency is not None:
-            raise PlanError(
-                "--cluster gives the devices and their links: drop --gpus, --topology, --bandwidth, --latency"
-            )
-        cluster = load_cluster(preset)
-        return replace(cluster, memory_bytes=parse_bytes(memory)) if memory else cluster
-    if (gpus is None) == (topology is None):
-        raise PlanError("give exactly one of --gpus N, --topology N1,N2,.. or --cluster NAME[:NODES]")
-    if gpus is not None and gpus < 1:
-        raise PlanError(f"--gpus must be >= 1, got {gpus}")
-    devices = [gpus] if gpus is not None else parse_int_list(str(topology), "--topology")
-    limit = parse_bytes(memory) if memory else None
-    return Cluster(levels_of(devices, bandwidth, latency, default_latency(device)), limit)
-
-
-def _estimated_memory(profile: Any, cluster: Any) -> Any:
-    """A profile estimated for a device model plans with that device's memory unless told otherwise."""
-    from dataclasses import replace
-
-    from partitioner.devices import estimated_device
-
-    device = estimated_device(profile)
-    if device is None or cluster.memory_bytes is not None:
-        return cluster
-    _console(stderr=True).print(
-        f"[yellow]note:[/yellow] --memory {device.memory_bytes / 2**30:.0f}GiB, the memory of the "
-        f"{device.name} the profile was estimated for (give --memory to plan for another)",
-        soft_wrap=True,
-    )
-    return replace(cluster, memory_bytes=device.memory_bytes)
-
-
-def _cpu_hosts(cluster: Any, profile: Any, host_cores: int | None) -> Any:
-    """CPU ranks time-slice their host's cores: a CPU profile's cluster gets this machine's cores (or
-    --host-cores) and the threads the profile measured with, so the prediction counts the sharing."""
-    import os
-    from dataclasses import replace
-
-    from partitioner.errors import PlanError
-
-    if profile.device != "cpu":
-        if host_cores is not None:
-            raise PlanError(
-                f"--host-cores is for profiles measured on a CPU; this one was measured on "
-                f"{profile.device}, whose devices compute on their own: leave --host-cores out"
-            )
-        return cluster
-    if host_cores is not None and host_cores < 0:
-        raise PlanError(f"--host-cores must be >= 0 (0: every rank has cores of its own), got {host_cores}")
-    cores = len(os.sched_getaffinity(0)) if host_cores is None else host_cores
-    threads = int(profile.extra.get("threads") or 1)
-    return replace(cluster, cores=cores or None, threads=max(1, threads))
-
-
-def _plan_table(plan: Any, profile: Any) -> Any:
-    """The stage table; where the stages' layer ranges would make it wider than 80 columns, the ranges
-    follow the table one per line and the table counts the layers."""
-    from rich.console import Group
-    from rich.measure import Measurement
-    from rich.text import Text
-
-    from partitioner.optimizer.pricing.price import gib
-
-    names = {n.id: n.name for n in profile.nodes}
-    slowest = max((s.compute_s / s.replicas + s.comm_s for s in plan.stages), default=1.0) or 1.0
-    again = any(s.recompute for s in plan.stages)  # (a column only where some stage recomputes)
-    cols = (
-        "stage",
-        "layers",
-        "ranks",
-        "compute\nms",
-        "comm\nms",
-        "memory",
-        *(("re-\ncompute",) if again else ()),
-        "util",
-    )
-    title = f"{plan.model}: {len(plan.stages)} stages on {_devices(plan.gpus, profile)} ({plan.schedule})"
-    rows = 24  # as the Gantt: a pipeline of more stages shows its first and last, and how many it left out
-    stages = plan.stages if len(plan.stages) <= rows else [*plan.stages[:16], *plan.stages[-8:]]
-    spans = {}
-    for s in stages:
-        layers = [n for n in s.nodes if profile.node(n).op != "input"] or list(s.nodes)
-        spans[s.index] = (_layer_range(names[layers[0]], names[layers[-1]], len(layers)), len(layers))
-
-    def fill(inline: bool) -> Any:
-        table = _table(title, cols, ("layers", "ranks"))
-        for s in stages:
-            if s.index == len(plan.stages) - 8 and len(plan.stages) > rows:
-                table.add_row("...", f"{len(plan.stages) - rows} not shown", *[""] * (len(cols) - 2))
-            span, count = spans[s.index]
-            ranks = ",".join(map(str, s.ranks)) if len(s.ranks) <= 3 else f"{s.ranks[0]}..{s.ranks[-1]}"
-            busy = s.compute_s / s.replicas + s.comm_s
-            table.add_row(str(s.index), span if inline else str(count), ranks, _num(s.compute_s * 1e3),
-                          _num(s.comm_s * 1e3), gib(s.memory_bytes),
-                          *(("yes" if s.recompute else "no",) if again else ()),
-                          f"{100 * busy / slowest:.0f}%")  # fmt: skip
-        return table
-
-    table, console = fill(inline=True), _console()
-    if Measurement.get(console, console.options.update_width(10_000), table).maximum <= 80:
-        return table
-    return Group(fill(inline=False), *(Text(f"stage {i}: {span}") for i, (span, _) in spans.items()))
-
-
-def _devices(count: int, profile: Any) -> str:
-    """``4 GPUs``, or ``4 CPU ranks`` for a profile measured on a CPU (the plan then runs on CPU ranks)."""
-    return _plural(count, "CPU rank") if profile.device == "cpu" else _plural(count, "GPU")
-
-
-def _plan_summary(plan: Any, sim: Any, profile: Any) -> str:
-    p, info = plan.predicted, plan.solver
-    rate = (
-        f"{p.throughput_samples_per_s:.1f} samples/s" if p.throughput_samples_per_s else "batch size unknown"
-    )
-    gap = (
-        f"gap {100 * plan.gap:.2f}% to lower bound {info.lower_bound_s * 1e3:.3f} ms"
-        if plan.gap is not None
-        else ""
-    )
-    exact = "optimal" if info.optimal else "not proven optimal"
-    c = plan.cluster
-    hosts = (
-        f" (CPU ranks, {c.levels[0].devices} per host of {c.cores} cores, {c.threads} thread(s) each: "
-        f"the busiest host needs {p.host_bound_s * 1e3:.3f} ms for their compute; the pipeline alone "
-        f"{(p.pipeline_s or 0) * 1e3:.3f} ms)"
-        if p.host_bound_s and p.host_bound_s >= (p.pipeline_s or 0)
-        else ""
-    )
-    return (
-        f"predicted {p.time_per_minibatch_s * 1e3:.3f} ms/minibatch{hosts}, {rate}; speedup "
-        f"{p.speedup_vs_data_parallel or 0:.2f}x over data parallel, "
-        f"{p.speedup_vs_single or 0:.2f}x over {'one CPU rank' if profile.device == 'cpu' else 'one GPU'}; "
-        f"bubble {100 * p.bubble_fraction:.1f}% (simulated {100 * sim.bubble_fraction:.1f}%"
-        + ("" if sim.steady else f" over the first {sim.minibatches} minibatches, still filling")
-        + ")\n"
-        f"solver {info.name}: {info.solve_time_s:.3f} s, {exact}; {gap}"
-    )
-
-
-def _explain(
-    profile: Any, cluster: Any, plan: Any, schedule: str, micro: int, optimizer: str, recompute: str
-) -> Any:
-    from partitioner.optimizer.planner import alternatives
-
-    cols = ("plan", "stages", "replicas", "recomputing\nstages", "ms per\nminibatch", "vs\nchosen")
-    table = _table(
-        f"alternatives (--recompute {recompute})", cols, ("plan", "replicas", "recomputing\nstages")
-    )
-    rows = [("chosen", plan), *alternatives(profile, cluster, schedule, micro, optimizer, recompute).items()]
-    for name, alt in rows:
-        if alt is None:
-            table.add_row(name, "-", "does not fit", "-", "-", "-")
-            continue
-        t = alt.predicted.time_per_minibatch_s
-        reps = _short(",".join(str(s.replicas) for s in alt.stages), 16)
-        again = _short(",".join(str(s.index) for s in alt.stages if s.recompute) or "none", 12)
-        table.add_row(name, str(len(alt.stages)), reps, again,
-                      f"{t * 1e3:.3f}", f"{t / plan.predicted.time_per_minibatch_s:.2f}x")  # fmt: skip
-    return table
-
-
-def _short(text: str, width: int = 39) -> str:
-    return text if len(text) <= width else text[: width - 3] + "..."
-
-
-def _check_package_options(profile: Any, weights: str | None, init: str) -> None:
-    """Refuse --weights/--init that cannot apply before solving, not after."""
-    from pathlib import Path
-
-    from partitioner.errors import PlanError
-
-    if profile.tracer == "pipedream" and (weights is not None or init != "auto"):
-        raise PlanError(
-            "--weights and --init need a traced model; a PipeDream graph.txt profile yields only the plan"
-        )
-    if weights is not None and not Path(weights).is_file():
-        raise PlanError(f"--weights {weights}: no such file; give a torch.save(model.state_dict()) file")
-
-
-def _virtual_stages(schedule: str, virtual: int | None, explain: bool) -> int:
-    """--virtual-stages: 2 by default under interleaved, refused elsewhere (and --explain, whose
-    baselines are not laid out in virtual stages)."""
-    from partitioner.errors import PlanError
-    from partitioner.optimizer.pricing.schedules import model
-
-    laid_out = schedule != "auto" and model(schedule).laid_out
-    asks = laid_out and model(schedule).virtual_stages is None  # (as many as asked: interleaved)
-    if laid_out and explain and not asks:
-        raise PlanError(f"--explain does not support --schedule {schedule} yet; drop one of them")
-    if not asks:
-        if virtual is not None:
-            raise PlanError(f"--virtual-stages needs --schedule interleaved, not {schedule}")
-        return 1
-    if virtual is not None and virtual < 1:
-        raise PlanError(f"--virtual-stages must be >= 1, got {virtual}")
-    if explain:
-        raise PlanError(f"--explain does not support --schedule {schedule} yet; drop one of them")
-    return 2 if virtual is None else virtual
-
-
-def _check_replicas(plan: Any) -> None:
-    """Refuse a plan whose replicas cannot all get a sample: the cost model divides a minibatch's time
-    by the replicas as if samples were endlessly divisible (100000 GPUs at batch 8: "97742x"). The
-    search caps replicas at the samples, so such a plan leaves GPUs idle: refused too."""
-    from partitioner.errors import PlanError
-
-    widest = max(plan.stages, key=lambda s: s.replicas)
-    if plan.batch_size and widest.replicas > plan.batch_size:
-        raise PlanError(
-            f"the plan gives stage {widest.index} {widest.replicas} replicas but a minibatch has only "
-            f"{plan.batch_size} samples; use fewer --gpus, --straight, or profile a larger --batch-size"
-        )
-    if plan.batch_size and widest.replicas == plan.batch_size and plan.gpus < plan.cluster.gpus:
-        raise PlanError(  # the search caps replicas at the samples: GPUs beyond would sit idle
-            f"a minibatch of {plan.batch_size} samples gives work to {plan.gpus} of the "
-            f"{plan.cluster.gpus} GPUs; use --gpus {plan.gpus}, or profile a larger --batch-size"
-        )
-
-
-def _write_plan(profile: Any, plan: Any, out_dir: Any, weights: str | None, init: str) -> Any:
-    import json
-    from pathlib import Path
-
-    from partitioner.atomic import write_text_atomic
-    from partitioner.errors import PlanError
-    from partitioner.plan import mp_conf, save_plan
-    from partitioner.profiler.budget import unbuildable
-
-    too_big = unbuildable(profile)
-    if profile.tracer != "pipedream" and too_big is None:
-        from partitioner.codegen import write_package
-
-        return write_package(profile, plan, out_dir, Path(weights) if weights else None, init)
-    if too_big and (weights or init != "auto"):
-        raise PlanError(f"--weights and --init shape the stage code, which is not written: {too_big}")
-    if too_big:
-        _console(stderr=True).print(
-            f"[yellow]note:[/yellow] stage code not written, only plan.json and mp_conf.json: {too_big}",
-            soft_wrap=True,
-        )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_plan(plan, out_dir / "plan.json")
-    write_text_atomic(out_dir / "mp_conf.json", json.dumps(mp_conf(plan.stages), indent=1) + "\n")
-    return plan
 
 
 @main.command()
@@ -957,195 +360,22 @@ def partition(
       pipeplan partition --gpus 4 --schedule interleaved --virtual-stages 2 --microbatches 8
     """
     import json
-    import re
-    from dataclasses import replace
-    from pathlib import Path
 
-    from partitioner.errors import PlanError
-    from partitioner.graph import load_profile
-    from partitioner.optimizer import evaluate, solve
-    from partitioner.optimizer.options import check_devices, check_microbatches, default_microbatches
-    from partitioner.optimizer.pricing.schedules import model as schedule_model
-    from partitioner.optimizer.pricing.simulate import gantt, simulate, write_chrome_trace
-    from partitioner.optimizer.units import parse_int_list
+    from cli_render.common import note
+    from cli_render.plan import print_partition
+    from partitioner.partition import PartitionRequest
+    from partitioner.partition import partition as write_plan
     from partitioner.plan import plan_to_json
-    from partitioner.update import with_update_time
 
-    path = Path(profile_path) if profile_path else _newest_profile()
-    profile = load_profile(path)
-    if batch_size is not None:
-        if batch_size < 1:
-            raise PlanError(f"--batch-size must be >= 1, got {batch_size}")
-        profile = replace(profile, batch_size=batch_size)
-    _check_package_options(profile, weights, init)
-    if profile.precision == "fp16" and schedule != "auto" and get_schedule(schedule).stashes:
-        raise PlanError(
-            f"{path} was measured at fp16, whose loss scaling needs a synchronous schedule: partition with "
-            "--schedule 1f1b or gpipe, or profile with --precision bf16 for pipedream"
-        )
-    profile = with_update_time(profile, optimizer)
-    recompute = recompute or ("auto" if schedule == "auto" else "none")  # auto searches recomputation too
-    cluster = _cluster(gpus, topology, bandwidth, memory, cluster_spec, latency, profile.device)
-    cluster = _cpu_hosts(cluster, profile, host_cores)
-    check_devices(profile, cluster.gpus)
-    cluster = _estimated_memory(profile, cluster)
-    if cluster.memory_bytes is not None:
-        from partitioner.optimizer.pricing.price import check_layers_fit
-
-        check_layers_fit(profile, cluster.memory_bytes, optimizer)
-    v = _virtual_stages(schedule, virtual, explain)
-    if microbatches is not None:
-        micro = microbatches
-    else:  # (auto tries several counts; 4 is where it starts)
-        micro = 4 if schedule == "auto" else schedule_model(schedule).default_microbatches(cluster.gpus, v)
-        micro = default_microbatches(profile.batch_size, micro)  # the largest up to it that splits the batch
-    auto_table = None
-    if (cuts is None) != (replicas is None):
-        raise PlanError("--cuts and --replicas go together: give both, or neither")
-    if len(profile.layers) < 1:
-        raise PlanError("the profile has no layers")
-    if cuts is not None and schedule == "auto":
-        raise PlanError(
-            "--cuts fixes the plan, so there is nothing for --schedule auto to choose: name a schedule"
-        )
-    if cuts is not None and replicas is not None:
-        layers = [c.strip() for c in cuts.split(",") if c.strip()]
-        counts = parse_int_list(replicas, "--replicas")
-        plan = evaluate(
-            profile, cluster, layers, counts, schedule, micro, optimizer, not no_comm, recompute, v
-        )
-    elif schedule == "auto":
-        choice = _auto(profile, cluster, microbatches, optimizer, straight, solver, not no_comm, recompute)
-        auto_table = _auto_table(choice, cluster.gpus, microbatches)
-        plan, schedule, micro = choice.plan, choice.plan.schedule, choice.plan.microbatches
-    else:
-        plan = solve(
-            profile, cluster, schedule, micro, optimizer, straight, solver, not no_comm, recompute, v
-        )
-    _check_replicas(plan)
-    check_microbatches(profile, plan.schedule, plan.microbatches)  # (after the schedule's own checks)
-    plan = replace(plan, profile=str(path), precision=profile.precision)
-    name = profile.model if profile.tracer == "pipedream" else _model_name(profile.model)
-    out_dir = Path(output) / re.sub(r"[^A-Za-z0-9_.-]+", "_", name or "model") / f"gpus={cluster.gpus}"
-    plan = _write_plan(profile, plan, out_dir, weights, init)
-    sim = simulate(plan, profile)
-    if trace_path:
-        write_chrome_trace(sim, trace_path)
+    params = click.get_current_context().params
+    done = write_plan(PartitionRequest(**{k: v for k, v in params.items() if k != "as_json"}), note)
     if as_json:
-        click.echo(json.dumps(plan_to_json(plan), indent=1))
+        click.echo(json.dumps(plan_to_json(done.plan), indent=1))
         return
-    console = _console()
-    console.print(_plan_table(plan, profile))
-    console.print(_plan_summary(plan, sim, profile))
-    charged = profile.extra.get("update_charged")
-    if charged:
-        whole = sum(n.param_bytes for n in profile.nodes) * charged["s_per_byte"] * 1e3
-        console.print(
-            f"stage compute includes the {optimizer} update of its weights (the profile measured "
-            f"{whole:.2f} ms for the whole model; --optimizer to plan for another)",
-            soft_wrap=True,
-        )
-    first = [e.end_s for e in sim.events if e.stage == 0 and e.kind == "B"]
-    until = first[min(2, len(first) - 1)] if get_schedule(plan.schedule).stashes and first else None
-    console.print("\n".join(gantt(sim, width=60, until_s=until)), highlight=False, markup=False)
-    if auto_table is not None:
-        console.print(auto_table)
-    if explain:
-        console.print(_explain(profile, cluster, plan, schedule, micro, optimizer, recompute))
-    asked = plan.extra.get("microbatches_asked")
-    if asked:
-        console.print(
-            f"[yellow]note:[/yellow] {plan.microbatches} microbatches instead of {asked}: the synchronous "
-            "schedules give a stage's replicas microbatches round-robin: each replica count divides it",
-            soft_wrap=True,
-        )
-    note = _microbatch_note(profile, plan)
-    if note:
-        console.print(f"[yellow]note:[/yellow] {note}", soft_wrap=True)
-    console.print(f"wrote {out_dir}/plan.json and mp_conf.json")
-
-
-def _auto(
-    profile: Any, cluster: Any, micro: int | None, optimizer: str, straight: bool, solver: str, comm: bool,
-    recompute: str,
-) -> Any:  # fmt: skip
-    """--schedule auto: every schedule's best plan (pipedream left out of an fp16 profile's), over the
-    microbatch counts auto searches, or at ``micro`` when the user gave one."""
-    from partitioner.optimizer.auto import AUTO_SCHEDULES, solve_auto
-    from partitioner.optimizer.options import SolveOptions
-
-    names = [s for s in AUTO_SCHEDULES if not (get_schedule(s).stashes and profile.precision == "fp16")]
-    opts = SolveOptions("auto", micro or 4, optimizer, straight, solver, comm, recompute)
-    return solve_auto(profile, cluster, opts, names, counts=(micro,) if micro else None)
-
-
-def _auto_table(choice: Any, gpus: int, asked: int | None) -> Any:
-    from rich.console import Group
-    from rich.text import Text
-
-    from partitioner.optimizer.pricing.schedules import model
-
-    notes = []
-    plans, chosen = choice.plans, choice.plan.schedule
-    asked_virtual = [
-        name for name, plan in plans.items() if plan is None and model(name).virtual_stages is None
-    ]
-    for name in asked_virtual if gpus >= 2 else ():  # (interleaved: v stages on each GPU, as asked)
-        notes.append(f"{name} needs microbatches a multiple of the {gpus} GPUs and {2 * gpus}+ layers")
-    if asked is None and len(choice.counts) == 1:
-        notes.append("microbatches not searched: the profile has no fixed per-call times")
-    elif asked is None:
-        notes.append(f"microbatches searched: {', '.join(map(str, choice.counts))}")
-    cols = ("schedule", "micro-\nbatches", "stages: replicas", "ms per\nminibatch", "vs best")
-    table = _table("--schedule auto: each schedule's best plan", cols, ("schedule", "stages: replicas"))
-    best = choice.times[chosen] or 1.0
-    for name, plan in plans.items():
-        label = name + (" (chosen)" if name == chosen else "")
-        if plan is None:
-            table.add_row(label, "-", "-", "no plan", "-")
-            continue
-        t = choice.times[name]
-        table.add_row(label, str(plan.microbatches), _stages_cell(plan), f"{t * 1e3:.3f}", f"{t / best:.2f}x")
-    return Group(table, *(Text(note) for note in notes))
-
-
-def _stages_cell(plan: Any) -> str:
-    """``3: 2+1+1`` (stages: replicas each); interleaved: ``8 on 4 GPUs (v=2)``; zbv: ``8 on 4 GPUs (V)``."""
-    from partitioner.optimizer.pricing.schedules import model
-
-    sched = model(plan.schedule)
-    if sched.laid_out:
-        shape = f"v={plan.virtual_stages}" if sched.virtual_stages is None else "V"
-        return f"{len(plan.stages)} on {plan.cluster.gpus} GPUs ({shape})"
-    return f"{len(plan.stages)}: " + "+".join(str(s.replicas) for s in plan.stages)
-
-
-def _microbatch_note(profile: Any, plan: Any) -> str | None:
-    """Say when layer times measured at one batch size are divided into microbatches of another (not
-    when the profile measured fixed per-call times: the cost model then charges each microbatch its own)."""
-    measured = profile.extra.get("measured_batch_size", profile.batch_size)
-    if get_schedule(plan.schedule).stashes or not profile.batch_size or profile.tracer == "pipedream":
-        return None
-    if any(n.forward_fixed_ms or n.backward_fixed_ms for n in profile.nodes):
-        return None
-    micro = profile.batch_size / plan.microbatches
-    if measured == micro:
-        return None
-    return (
-        f"layer times measured at {measured} samples are scaled to microbatches of {micro:g}; small "
-        f"batches cost more per sample, so for this plan profile with --batch-size {profile.batch_size} "
-        f"--microbatch-size {max(1, int(micro))}"
-    )
-
-
-def _model_name(spec: str) -> str:
-    from partitioner.models import model_name
-
-    return model_name(spec)
+    print_partition(done, optimizer, microbatches)
 
 
 # ----------------------------------------------------------------------------- verify
-# (owned by code generation: partitioner/codegen.py, partitioner/verify.py)
 
 
 @main.command()
@@ -1175,6 +405,7 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
 
     import torch
 
+    from cli_render.verify import print_verify
     from partitioner.verify import newest_package, run_batch_sizes, verify_package
     from runtime.heap import map_large_blocks
 
@@ -1183,48 +414,10 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
     map_large_blocks()  # weights are made and dropped one by one: give their memory back each time
     sizes = (batch_size,) if batch_size else run_batch_sizes(folder)
     reports = [verify_package(folder, seed=seed, batch_size=b) for b in sizes]
-    for split in reports[:-1]:
-        verdict = "[green]match[/green]" if split.ok else "[red]MISMATCH[/red]"
-        _console().print(f"{verdict} at the microbatch size {split.batch_size} (what each rank runs)")
-    report = next((r for r in reports if not r.ok), reports[-1])
-    _console().print(_verify_table(report))
-    for tie in report.ties:
-        _console().print(f"tied: {tie} (gradients compared as their sum)", soft_wrap=True)
-    verdict = "[green]match[/green]" if report.ok else "[red]MISMATCH[/red]"
-    _console().print(
-        f"{verdict}: {report.model}, {len(report.stages)} stages, batch {report.batch_size}, "
-        f"seed {report.seed}; loss {report.loss:.6g} (|diff| {report.loss_error:.2e}), "
-        f"output max |diff| {report.output_error:.2e}; tolerance rtol={report.rtol:g} atol={report.atol:g}",
-        soft_wrap=True,
-    )
-    sys.exit(0 if report.ok else 1)
-
-
-def _verify_table(report: Any) -> Any:
-    cols = ("stage", "params", "reads", "returns", "init max\n|diff|", "grad max\n|diff|", "ok")
-    table = _table(f"pipeplan verify {report.package}", cols, ("stage", "reads", "returns", "ok"))
-    for s in report.stages:
-        table.add_row(
-            str(s.index), f"{s.params / 1e6:,.2f}M", "\n".join(_tail(n, 16) for n in s.in_names),
-            "\n".join(_tail(n, 16) for n in s.out_names),
-            f"{s.init_error:.2e}", f"{s.grad_error:.2e}", "[green]yes[/green]" if s.ok else "[red]NO[/red]",
-        )  # fmt: skip
-    return table
+    sys.exit(0 if print_verify(reports).ok else 1)
 
 
 # ----------------------------------------------------------------------------- calibrate
-# (partitioner/calibrate.py: measured stage times fed back into the profile)
-
-
-def _newest_run(models_dir: str) -> Any:
-    from pathlib import Path
-
-    from partitioner.errors import PipeplanError
-
-    found = sorted(Path(models_dir).glob("**/run/metrics.json"), key=lambda p: p.stat().st_mtime)
-    if not found:
-        raise PipeplanError(f"no package under {models_dir}/ has a run/metrics.json; train one: pipeplan run")
-    return found[-1].parent.parent
 
 
 @main.command()
@@ -1255,70 +448,14 @@ def calibrate(
     """
     from pathlib import Path
 
-    from partitioner.calibrate import calibrate as calibrated
-    from partitioner.calibrate import calibrated_device, device_seconds, load_run_times, load_verdict
-    from partitioner.devices import save_device_model
-    from partitioner.errors import PipeplanError
-    from partitioner.graph import at_microbatches, load_profile, save_profile
-    from partitioner.plan import load_plan
-    from partitioner.update import with_update_time
+    from cli_render.calibrate import print_calibration
+    from partitioner.calibrate import calibrate_package, newest_run
 
-    folder = Path(package) if package is not None else _newest_run(models_dir)
-    plan = load_plan(folder / "plan.json")
-    if not plan.profile:
-        raise PipeplanError(f"{folder}/plan.json does not name the profile it was planned from")
-    profile = with_update_time(load_profile(plan.profile), plan.optimizer)  # as partition priced it
-    run = load_run_times(metrics_path or folder / "run" / "metrics.json")
-    if run.model and plan.model and run.model != plan.model:
-        raise PipeplanError(
-            f"{run.source} measured {run.model}, but {folder} is a package of {plan.model}; "
-            "give the metrics of a run of this package (PACKAGE/run/metrics.json)"
-        )
-    if run.precision != profile.precision:
-        raise PipeplanError(
-            f"{run.source} trained at {run.precision}, but {plan.profile} was measured at "
-            f"{profile.precision}: calibrate from a run with --precision {profile.precision}, or profile "
-            f"with --precision {run.precision}"
-        )
-    refusal, notes = load_verdict(plan, run)
-    if refusal is not None and not accept_load:
-        raise PipeplanError(refusal)
-    for note in notes:
-        _console(stderr=True).print(f"[yellow]note:[/yellow] {note}", soft_wrap=True)
-    measured = device_seconds(plan, run)
-    result = calibrated(profile, plan, measured, run.batch_size, run.source)
-    path = Path(output) if output else Path(plan.profile).with_name("calibrated.json")
-    save_profile(result, path)
-    console = _console()
-    forwards = 1 if get_schedule(plan.schedule).stashes else plan.microbatches
-    console.print(_calibration_table(at_microbatches(profile, forwards), plan, measured))
-    console.print(f"wrote {path}; next: pipeplan partition --profile {path} ...", soft_wrap=True)
-    device = calibrated_device(profile, plan, measured, run.batch_size, run.source)
-    if device is not None:
-        where = save_device_model(device, path.with_name(f"{device.name}-calibrated.json"))
-        console.print(
-            f"the profile was estimated for {device.name}: its efficiencies corrected to matmul "
-            f"{device.matmul_efficiency:.3f}, memory {device.memory_efficiency:.3f}, launch "
-            f"{device.launch_s * 1e6:.1f} us; wrote {where} (pipeplan profile MODEL --device-model {where})",
-            soft_wrap=True,
-        )
-
-
-def _calibration_table(profile: Any, plan: Any, measured_s: Any) -> Any:
-    from partitioner.calibrate import stage_factors
-
-    factors = stage_factors(profile, plan, measured_s)
-    table = _table(f"{profile.model}: compute per minibatch", ("stage", "profiled", "measured", "factor"))
-    for stage in plan.stages:
-        profiled = sum(profile.node(n).compute_ms for n in stage.nodes)
-        measured = measured_s.get(stage.index)
-        table.add_row(str(stage.index), f"{profiled:.2f} ms", f"{measured * 1e3:.2f} ms" if measured else "-",
-                      f"{factors[stage.index]:.2f}x" if stage.index in factors else "-")  # fmt: skip
-    return table
+    folder = Path(package) if package is not None else newest_run(models_dir)
+    print_calibration(calibrate_package(folder, metrics_path, output, accept_load))
 
 
 # ----------------------------------------------------------------------------- run
-# (owned by the runtime: runtime/)
 
 
 def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
@@ -1328,6 +465,24 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
     if not math.isfinite(value) or value < 0:
         raise click.BadParameter(f"{value} is not a finite number >= 0", ctx, param)
     return value
+
+
+def _node_options(func: F) -> F:
+    """The options that place a job's ranks on machines, shared by `run` and `probe`."""
+    options = [
+        click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
+                     callback=_finite, help="Seconds a rank waits on its peers before the job is stopped."),
+        click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True, help="Machines."),
+        click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="This machine's index (run the same command on every node)."),
+        click.option("--master-addr", default="127.0.0.1", show_default=True,
+                     help="Node 0's address (rendezvous)."),
+        click.option("--master-port", type=click.IntRange(min=0, max=65535), default=0,
+                     help="0: a free port."),
+    ]  # fmt: skip
+    for option in reversed(options):
+        func = option(func)
+    return func
 
 
 @main.command()
@@ -1445,9 +600,13 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
     """
     from pathlib import Path
 
+    from cli_render.common import note
+    from cli_render.run import train
     from runtime.config import newest_package
+    from runtime.launch import holding_run_folder
     from runtime.optim import parse_betas
     from runtime.options import RunOptions
+    from runtime.run_checks import check_run
 
     package = _with_config(click.get_current_context(), package, opts)
     if opts["steps"] and opts["epochs"]:
@@ -1463,8 +622,9 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
     for key in ("checkpoint_dir", "trace"):
         opts[key] = str(opts[key]) if opts[key] is not None else None
     opts["betas"] = parse_betas(opts["betas"])
-    options = RunOptions(package=str(folder), **opts)
-    _check_optim(options)
+    options = RunOptions.of(str(folder), **opts)
+    for line in check_run(options):
+        note(line)
     if dry_run:
         from runtime.launch import schedule_preview, torchrun_commands
 
@@ -1473,7 +633,8 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
         for line in schedule_preview(options):
             click.echo(f"# {line}")
         return
-    _run_and_report(options)
+    with holding_run_folder(options):  # one job per package folder, from the first check to the end
+        train(options)
 
 
 @main.command()
@@ -1500,27 +661,18 @@ def probe(gpus: int, output: str, device: str, **opts: Any) -> None:
     """
     from pathlib import Path
 
+    from cli_render.probe import print_probe
     from runtime.probe import ProbeOptions, probe_device, run_probe
 
     options = ProbeOptions(gpus=gpus, device=probe_device(device), **opts)
-    _console(stderr=True).print(f"probing {options.gpus * options.nnodes} ranks ({options.device}) ...")
-    outcome = run_probe(options, Path(output), " ".join(["pipeplan", *sys.argv[1:]]))
-    if outcome is None:
-        return  # another node: node 0 writes the file
-    table = _table(
-        f"links, {outcome.ranks} ranks on {outcome.backend} -> {output}", outcome.columns, ["level"]
+    print_probe(
+        options, lambda: run_probe(options, Path(output), " ".join(["pipeplan", *sys.argv[1:]])), output
     )
-    for row in outcome.rows:
-        table.add_row(*row)
-    _console().print(table)
-    for line in outcome.notes:
-        _console().print(line)
 
 
 def _with_config(ctx: click.Context, package: str | None, opts: dict[str, Any]) -> str | None:
     """Fill the options not given on the command line from ``--config``'s run.toml, through click's own
     conversions and checks; returns the package (the command line's, else the file's)."""
-    from click.core import ParameterSource
 
     from runtime.run_config import read_config
 
@@ -1535,154 +687,7 @@ def _with_config(ctx: click.Context, package: str | None, opts: dict[str, Any]) 
     return package if package is not None else values.get("package")
 
 
-def _check_optim(options: Any) -> None:
-    """Bad optimizer and precision settings fail here, before any rank starts; a warm-up longer than the
-    run, or a precision other than the plan's, is legal but worth a note."""
-    from runtime.optim import OptimSettings
-    from runtime.worker import job_of
-
-    settings = OptimSettings.of(options)
-    job = job_of(options)
-    settings.check_schedule(job.schedule)
-    if job.precision != job.plan_precision:
-        _console(stderr=True).print(
-            f"[yellow]note:[/yellow] training at {job.precision}, but the plan was made for "
-            f"{job.plan_precision}: its predicted time and memory are {job.plan_precision}'s (profile and "
-            f"partition with --precision {job.precision} for a plan of this run)",
-            soft_wrap=True,
-        )
-    if options.steps is not None and settings.warmup_steps >= options.steps:
-        _console(stderr=True).print(
-            f"[yellow]note:[/yellow] --warmup-steps {settings.warmup_steps} is not below --steps "
-            f"{options.steps}: the learning rate stays below --lr for the whole run",
-            soft_wrap=True,
-        )
-
-
-def _run_and_report(options: Any) -> None:
-    """Launch with a progress bar fed by the loss-reporting rank, then print measured vs predicted."""
-    from runtime.launch import holding_run_folder
-
-    with holding_run_folder(options):  # one job per package folder, from the first check to the end
-        _report_run(options)
-
-
-def _report_run(options: Any) -> None:
-    from pathlib import Path
-
-    from runtime.data import SYNTHETIC_STEPS
-    from runtime.errors import Interrupted, JobFailed
-    from runtime.launch import check_launch, launch, resolve_resume
-
-    per_node = check_launch(options)
-    options, notes = resolve_resume(options)
-    for note in notes:
-        _console(stderr=True).print(note, soft_wrap=True, markup=False)
-    total = options.steps or (
-        (options.epochs or 1) * SYNTHETIC_STEPS if options.data == "synthetic" else None
-    )
-    with _progress(transient=False) as bar:
-        task = bar.add_task(f"training {Path(options.package).name}", total=total)
-
-        held_out = ""
-
-        def on_progress(step: int, loss: float, evaluation: dict[str, Any] | None = None) -> None:
-            nonlocal held_out
-            if evaluation is not None:
-                held_out = _eval_text(evaluation)
-            bar.update(task, completed=step, description=f"step {step} loss {loss:.4f}{held_out}")
-
-        try:
-            metrics = launch(options, on_progress, per_node)
-        except (JobFailed, Interrupted) as exc:
-            bar.stop()
-            from rich.markup import escape
-
-            failed = isinstance(exc, JobFailed)
-            _console(stderr=True).print(
-                f"[red]error:[/red] {'training failed: ' if failed else ''}{escape(str(exc))}", soft_wrap=True
-            )
-            sys.exit(1 if isinstance(exc, JobFailed) else 128 + exc.signum)
-    if metrics is not None:
-        path = Path(options.run_dir or Path(options.package) / "run") / "metrics.json"
-        _print_run_table(metrics, path, options.checkpoint_dir)
-
-
-def _eval_text(evaluation: dict[str, Any]) -> str:
-    """`` eval 1.2345 (acc 67.8%)`` for the progress line."""
-    accuracy = evaluation.get("accuracy")
-    return f" eval {evaluation['loss']:.4f}" + (f" acc {accuracy:.1%}" if accuracy is not None else "")
-
-
-def _print_run_table(metrics: dict[str, Any], path: object, checkpoints: object = None) -> None:
-    def ms(value: float | None) -> str:
-        return f"{value * 1e3:.2f} ms" if value is not None else "-"
-
-    ratio = metrics.get("ratio_measured_over_predicted")
-    micro, ranks_n = metrics["microbatches"], metrics["world_size"]
-    title = (
-        f"{metrics['schedule']}, {_plural(micro, 'microbatch', 'microbatches')}, {_plural(ranks_n, 'rank')}"
-    )
-    table = _table(title, ("", "measured", "predicted\n(plan.json)", "measured/\npredicted"), ("",))
-    table.add_row(
-        "time per minibatch",
-        ms(metrics["time_per_minibatch_s"]),
-        ms(metrics["predicted_time_per_minibatch_s"]),
-        f"{ratio:.2f}" if ratio is not None else "-",
-    )
-    ranks = _table("per rank (seconds over all steps)", ("rank", "stage", "compute", "comm", "idle"))
-    for r in metrics["ranks"]:
-        ranks.add_row(
-            str(r["rank"]),
-            ",".join(map(str, r.get("hosted") or ())) or str(r["stage"]),
-            *(f"{r[k]:.3f}" for k in ("compute_s", "comm_s", "idle_s")),
-        )
-    console = _console()
-    console.print(table)
-    console.print(ranks)
-    if (metrics.get("memory") or {}).get("method"):
-        console.print(_memory_table(metrics["memory"]))
-    losses = metrics["losses"]
-    if losses:
-        console.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
-    evals = metrics.get("eval") or []
-    if evals:
-        steps = ", ".join(f"step {e['step']}{_eval_text(e)}" for e in evals)
-        console.print(f"held-out: {steps}", soft_wrap=True)
-    console.print(f"metrics: {path}")
-    if checkpoints is not None:
-        console.print(f"checkpoints: {checkpoints} (`pipeplan export -o model.safetensors` reads the newest)")
-    if ratio is None or 0.8 <= ratio <= 1.25:
-        return
-    share = _cpu_share(metrics)
-    shared = (
-        f"; the ranks had {share:.0%} of a core while computing ({_cores()} cores for "
-        f"{len(metrics['ranks'])} ranks here, other jobs included)"
-        if share is not None and share < 0.85
-        else ""
-    )
-    console.print(
-        f"[yellow]note:[/yellow] measured/predicted {ratio:.2f}{shared}: `pipeplan calibrate` feeds the "
-        "measured stage times back into the profile, so the next `pipeplan partition` plans with them",
-        soft_wrap=True,
-    )
-
-
-def _memory_table(memory: dict[str, Any]) -> Any:
-    """Per stage: the peak memory its ranks measured next to the plan's prediction."""
-    from partitioner.optimizer.pricing.price import gib
-
-    title = f"peak memory per device ({memory['method']}, first {memory['window_minibatches']} minibatches)"
-    table = _table(title, ("stage", "measured", "predicted\n(plan.json)", "measured/\npredicted"))
-    for s in memory["stages"]:
-        got, want, ratio = s["measured_peak_bytes"], s["predicted_bytes"], s["ratio_measured_over_predicted"]
-        table.add_row(str(s["stage"]), gib(got) if got is not None else "-", gib(want) if want else "-",
-                      f"{ratio:.2f}" if ratio is not None else "-")  # fmt: skip
-    return table
-
-
 # ----------------------------------------------------------------------------- export
-# (runtime/export.py: a run's stage checkpoints merged into the original model's state_dict)
 
 
 @main.command()
@@ -1723,44 +728,14 @@ def export(
     """
     from pathlib import Path
 
+    from cli_render.export import print_export
     from partitioner.optimizer.units import parse_bytes
     from runtime.config import newest_package
     from runtime.export import export_checkpoint
 
     folder = Path(package) if package is not None else newest_package("models")
     most = int(parse_bytes(max_shard_size))
-    done = export_checkpoint(folder, output, step, checkpoint_dir, hf_dir, seed, most)
-    console, merged = _console(), done.merged
-    for line in done.skipped:
-        _console(stderr=True).print(f"skipped {line}", soft_wrap=True, markup=False)
-    shards = f" ({len(done.files)} shards)" if done.path.name.endswith(".index.json") else ""
-    console.print(
-        f"wrote {done.path}{shards}: step {done.step} of {folder}, {len(merged.loaded)} tensors from the "
-        f"checkpoint" + (f", {len(merged.tied)} tied names filled in" if merged.tied else ""),
-        soft_wrap=True,
-        markup=False,
-    )
-    if merged.untrained:
-        kept = (
-            "left out (from_pretrained initialises them)"
-            if done.path.suffix in (".safetensors", ".json")
-            else f"kept at full_model(seed={done.seed})'s values, untrained"
-        )
-        console.print(
-            f"[yellow]note:[/yellow] no stage holds {len(merged.untrained)} tensors (e.g. "
-            f"{merged.untrained[0]}): {kept}",
-            soft_wrap=True,
-        )
-    if merged.tie_max_diff > 0:
-        console.print(
-            f"[yellow]note:[/yellow] the stages' copies of a tied weight differ by up to "
-            f"{merged.tie_max_diff:.3g}; the first stage's copy was kept",
-            soft_wrap=True,
-        )
-    if done.hf_dir is not None:
-        console.print(
-            f"wrote {done.hf_dir} (config and safetensors; from_pretrained reads it)", soft_wrap=True
-        )
+    print_export(export_checkpoint(folder, output, step, checkpoint_dir, hf_dir, seed, most), folder)
 
 
 @main.command("export-plan")
@@ -1789,13 +764,14 @@ def export_plan(package: str | None, output: str | None, schedule: str | None) -
     """
     from pathlib import Path
 
+    from cli_render.common import console
     from runtime.config import newest_package
     from runtime.torch_plan import export_torch_plan
 
     folder = Path(package) if package is not None else newest_package("models")
     out = Path(output) if output is not None else folder / "torch"
     plan = export_torch_plan(folder, out, schedule)
-    _console().print(
+    console().print(
         f"wrote {out}/schedule.csv, stages.json, torchtitan.toml: {len(plan.stages)} stages, "
         f"{plan.schedule}, {plan.microbatches} microbatches per minibatch of {plan.batch_size}",
         soft_wrap=True,
@@ -1824,31 +800,15 @@ def convert_checkpoint(checkpoint_dir: str, package: str, step: int | None) -> N
     """
     from pathlib import Path
 
+    from cli_render.common import console
     from runtime.checkpoint_v1 import convert
 
     done = convert(Path(checkpoint_dir), Path(package), step)
-    _console().print(
+    console().print(
         f"converted {', '.join(f'step-{s}' for s in done)} of {checkpoint_dir} (old files in step-N.v1/)",
         soft_wrap=True,
         markup=False,
     )
-
-
-def _cores() -> int:
-    import os
-
-    return os.cpu_count() or 1
-
-
-def _cpu_share(metrics: dict[str, Any]) -> float | None:
-    """The share of a core the CPU ranks had while computing (their compute CPU time over wall time);
-    None on GPUs or when the run recorded no CPU time."""
-    ranks = metrics.get("ranks", [])
-    wall = sum(float(r.get("compute_s", 0.0)) for r in ranks)
-    cpu = sum(float(r.get("compute_cpu_s", 0.0)) for r in ranks)
-    if metrics.get("device", "cpu") != "cpu" or wall <= 0 or cpu <= 0:
-        return None
-    return min(1.0, cpu / wall)
 
 
 if __name__ == "__main__":

@@ -20,23 +20,29 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from partitioner.devices import DeviceModel, estimated_device
+from partitioner.devices import DeviceModel, estimated_device, save_device_model
 from partitioner.errors import PipeplanError
-from partitioner.graph import Node, Profile, at_microbatches
+from partitioner.graph import Node, Profile, at_microbatches, load_profile, save_profile
 from partitioner.optimizer.pricing.schedules import model
-from partitioner.plan import Plan
+from partitioner.plan import Plan, load_plan
+from partitioner.update import with_update_time
 from runtime.formats import METRICS_FIELDS
+from runtime.newest import newest
 from runtime.schedule import REGISTRY
 from runtime.schema import SchemaError, check
 
 __all__ = [
     "OTHER_LOAD_PER_CORE",
+    "Calibration",
     "RunTimes",
     "calibrate",
+    "calibrate_package",
     "calibrated_device",
+    "check_run",
     "device_seconds",
     "load_run_times",
     "load_verdict",
+    "newest_run",
     "stage_factors",
 ]
 
@@ -237,3 +243,68 @@ def calibrated_device(
     middle = len(factors) // 2
     median = factors[middle] if len(factors) % 2 else (factors[middle - 1] + factors[middle]) / 2
     return device.scaled(median, f"calibrated from {source or 'a run'}")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What ``pipeplan calibrate`` wrote and shows: the profile as the plan priced it (with the update
+    time), the plan, each stage's measured seconds, the calibrated profile's path and, for a profile
+    estimated for a device model, the corrected device model's path; notes on the run's load."""
+
+    profile: Profile
+    plan: Plan
+    measured_s: dict[int, float]
+    path: Path
+    device: DeviceModel | None = None
+    device_path: Path | None = None
+    notes: tuple[str, ...] = ()
+
+
+def calibrate_package(
+    folder: Path,
+    metrics: str | os.PathLike[str] | None = None,
+    output: str | os.PathLike[str] | None = None,
+    accept_load: bool = False,
+) -> Calibration:
+    """A package's run (``metrics``, default ``folder/run/metrics.json``) -> its calibrated profile,
+    written to ``output`` (default: calibrated.json beside the profile), and a device model where the
+    profile was estimated for one. A run measured under other work's load is refused
+    (:func:`load_verdict`) unless ``accept_load``."""
+    plan = load_plan(folder / "plan.json")
+    if not plan.profile:
+        raise PipeplanError(f"{folder}/plan.json does not name the profile it was planned from")
+    profile = with_update_time(load_profile(plan.profile), plan.optimizer)  # as partition priced it
+    run = load_run_times(metrics or folder / "run" / "metrics.json")
+    check_run(folder, plan, profile, run)
+    refusal, notes = load_verdict(plan, run)
+    if refusal is not None and not accept_load:
+        raise PipeplanError(refusal)
+    measured = device_seconds(plan, run)
+    result = calibrate(profile, plan, measured, run.batch_size, run.source)
+    path = Path(output) if output else Path(plan.profile).with_name("calibrated.json")
+    save_profile(result, path)
+    device = calibrated_device(profile, plan, measured, run.batch_size, run.source)
+    where = save_device_model(device, path.with_name(f"{device.name}-calibrated.json")) if device else None
+    return Calibration(profile, plan, measured, path, device, where, tuple(notes))
+
+
+def check_run(folder: Path, plan: Plan, profile: Profile, run: RunTimes) -> None:
+    """Refuse a run of another model, or at another precision than the profile's: its stage times
+    would calibrate the profile to something it does not describe."""
+    if run.model and plan.model and run.model != plan.model:
+        raise PipeplanError(
+            f"{run.source} measured {run.model}, but {folder} is a package of {plan.model}; "
+            "give the metrics of a run of this package (PACKAGE/run/metrics.json)"
+        )
+    if run.precision != profile.precision:
+        raise PipeplanError(
+            f"{run.source} trained at {run.precision}, but {plan.profile} was measured at "
+            f"{profile.precision}: calibrate from a run with --precision {profile.precision}, or profile "
+            f"with --precision {run.precision}"
+        )
+
+
+def newest_run(models_dir: str | os.PathLike[str]) -> Path:
+    """The package whose run finished last under ``models_dir`` (what calibrate reads by default)."""
+    missing = PipeplanError(f"no package under {models_dir}/ has a run/metrics.json; train one: pipeplan run")
+    return newest(models_dir, "**/run/metrics.json", missing).parent.parent

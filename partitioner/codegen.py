@@ -5,7 +5,7 @@ Each stage's ``forward`` is torch.fx's own code generation for that stage's cut 
 is written here. Stage modules hold the original submodules under their original paths, so
 ``features.3.weight`` is called the same in a stage, in the full model and in a checkpoint.
 
-Parameters are built by ``_stagekit.py`` (a verbatim copy of :mod:`partitioner.stagekit`): seeded per
+Parameters are built by ``_stagekit.py`` (a verbatim copy of :mod:`runtime.stagekit`): seeded per
 module by default, or memory-mapped from ``--weights model.pt``; see that module's docstring.
 
 Example:
@@ -28,12 +28,12 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from partitioner import stagekit
 from partitioner.errors import PackageError, PipeplanError, PlanError
 from partitioner.graph import Profile
 from partitioner.package_text import init_text, source_text, stage_text
 from partitioner.plan import Plan, Tie, mp_conf, plan_to_json
 from partitioner.split import CONSTANT_MAX_ELEMENTS, StageGraph, split_graph, tensor_kinds
+from runtime import stagekit
 from runtime.runlock import holder
 from runtime.schedule import SCHEDULES, get_schedule
 

@@ -3,7 +3,7 @@
 Inputs are what a user passes a Hugging Face model by keyword: ``input_ids`` and an all-ones
 ``attention_mask`` for text, ``decoder_input_ids`` for encoder-decoders, ``pixel_values`` for images,
 ``input_features`` (log-mel frames) for speech. They are described as data (:data:`DataSpec`, the
-``inputs``/``targets`` of plan.json) and drawn by :func:`partitioner.stagekit.synthetic_example`, the
+``inputs``/``targets`` of plan.json) and drawn by :func:`runtime.stagekit.synthetic_example`, the
 function a generated package draws its synthetic minibatches with: the profile measures the inputs a
 package trains on. Each head gets a task its model cannot solve by copying an input:
 
@@ -33,7 +33,7 @@ _DEFAULT_TOKENS = 32
 _DEFAULT_FRAMES = 32
 
 DataSpec = tuple[list[dict[str, Any]], dict[str, Any]]
-"""(one spec per input, the target spec): what :func:`partitioner.stagekit.synthetic_example` reads."""
+"""(one spec per input, the target spec): what :func:`runtime.stagekit.synthetic_example` reads."""
 
 
 def next_token_targets(tokens: Tensor) -> Tensor:

@@ -74,7 +74,7 @@ class ModelBundle:
         buffers: for a module built without its weights (``load_model(..., lazy=True)``: every
             tensor of ``module`` on the meta device), the real values of its buffers by qualified name.
         data: for built-in and ``hf:`` models, the (input specs, target spec) the inputs and targets
-            are drawn from (:func:`partitioner.stagekit.synthetic_example`); a package records them
+            are drawn from (:func:`runtime.stagekit.synthetic_example`); a package records them
             and draws its synthetic data the same way, so it trains on what the profile measured.
     """
 
@@ -277,7 +277,7 @@ def _data_bundle(
 ) -> ModelBundle:
     """A bundle whose inputs and targets are drawn from specs, as a generated package draws them
     (``lazy``: the module without its weights, as :func:`load_model`)."""
-    from partitioner.stagekit import synthetic_example
+    from runtime.stagekit import synthetic_example
 
     inputs, target = data
 

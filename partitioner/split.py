@@ -58,7 +58,7 @@ def tensor_kinds(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> tuple[
         (node name -> produces a tensor, name of the node whose tensor the loss reads).
     """
     from partitioner.dry_run import NeedsValues, dry_run
-    from partitioner.stagekit import loss_input
+    from runtime.stagekit import loss_input
 
     try:
         output, values = dry_run(gm, inputs)
@@ -77,7 +77,7 @@ def _tensor_kinds_for_real(
     gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]
 ) -> tuple[dict[str, bool], str]:
     """:func:`tensor_kinds` by running the graph on ``inputs``, for graphs that need values."""
-    from partitioner.stagekit import loss_input
+    from runtime.stagekit import loss_input
 
     kinds: dict[str, bool] = {}
     ids: dict[int, str] = {}

@@ -29,10 +29,7 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,8 +41,11 @@ from torch import nn
 
 from partitioner.errors import PackageError, PipeplanError
 from partitioner.plan import Plan, load_plan, mp_conf
-from partitioner.stagekit import loss_input
 from partitioner.streamed import Streamed
+from runtime.errors import RunError
+from runtime.newest import newest
+from runtime.package import import_package
+from runtime.stagekit import loss_input
 
 __all__ = ["ATOL", "RTOL", "StageCheck", "VerifyReport", "load_package", "newest_package", "verify_package"]
 
@@ -99,12 +99,10 @@ class VerifyReport:
 
 def newest_package(root: Path = Path("models")) -> Path:
     """The most recently written package under ``root``: what ``pipeplan verify`` checks by default."""
-    found = [p.parent for p in Path(root).glob("**/mp_conf.json") if (p.parent / "__init__.py").exists()]
-    if not found:
-        raise PackageError(
-            f"no package under {root}/; write one with `pipeplan partition` or name its folder"
-        )
-    return max(found, key=lambda p: (p / "mp_conf.json").stat().st_mtime)
+    missing = PackageError(
+        f"no package under {root}/; write one with `pipeplan partition` or name its folder"
+    )
+    return newest(root, "**/mp_conf.json", missing, lambda p: (p.parent / "__init__.py").exists()).parent
 
 
 def load_package(folder: Path) -> tuple[ModuleType, Plan, dict[str, Any]]:
@@ -136,22 +134,11 @@ def load_package(folder: Path) -> tuple[ModuleType, Plan, dict[str, Any]]:
 
 
 def _import(folder: Path) -> ModuleType:
-    path = folder.resolve()
-    name = "pipeplan_verify_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
-    for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
-        del sys.modules[key]  # a package re-written in place must be re-imported
-    spec = importlib.util.spec_from_file_location(
-        name, path / "__init__.py", submodule_search_locations=[str(path)]
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
+    """The package, imported afresh (it may have been re-written in place) by the runtime's importer."""
     try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[name]
-        raise PackageError(f"importing {path} failed: {type(exc).__name__}: {exc}") from exc
-    return module
+        return import_package(folder, fresh=True)
+    except RunError as exc:
+        raise PackageError(str(exc)) from exc
 
 
 def _check_consistent(folder: Path, package: ModuleType, plan: Plan, conf: Mapping[str, Any]) -> None:

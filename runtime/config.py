@@ -15,6 +15,7 @@ from typing import Any
 
 from runtime.errors import RunError
 from runtime.formats import MP_CONF_FIELDS, PLAN_FIELDS
+from runtime.newest import newest
 from runtime.precision import check_precision
 from runtime.schedule import REGISTRY, Layout, ScheduleError, get_schedule
 from runtime.schema import Obj, SchemaError, check
@@ -364,11 +365,5 @@ def _check_layout(job: JobConfig) -> None:
 
 def newest_package(root: str | Path = "models") -> Path:
     """The most recently written package (a folder with mp_conf.json) under ``root``."""
-    found = (
-        sorted(Path(root).glob("**/mp_conf.json"), key=lambda p: p.stat().st_mtime)
-        if Path(root).is_dir()
-        else []
-    )
-    if not found:
-        raise RunError(f"no package under ./{root}; run `pipeplan partition` first or pass a package folder")
-    return found[-1].parent
+    missing = RunError(f"no package under ./{root}; run `pipeplan partition` first or pass a package folder")
+    return newest(root, "**/mp_conf.json", missing).parent

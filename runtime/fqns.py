@@ -3,7 +3,7 @@
 A checkpoint keyed by these names (fully qualified names, FQNs: ``features.3.weight``) does not depend
 on the plan that wrote it: another cut, other replica counts, another schedule or number of GPUs
 hold the same tensors under the same names, only spread over other stages. pipeplan's generated
-stages keep the original module paths (``partitioner.stagekit.populate``), so a stage's own
+stages keep the original module paths (``runtime.stagekit.populate``), so a stage's own
 ``state_dict`` names already are the original ones. A package written by hand may say where its
 stages sit in its model with ``fqn_prefix(k)`` (a string put before stage ``k``'s names); one whose
 stages reuse names without it (PipeDream's, whose stages are numbered module lists) is keyed per

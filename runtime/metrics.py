@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RankMetrics", "Recorder", "summarize", "write_json_atomic", "write_trace"]
+__all__ = ["RankMetrics", "Recorder", "cpu_share", "summarize", "write_json_atomic", "write_trace"]
 
 
 @dataclass
@@ -204,3 +204,14 @@ def write_trace(path: Path, events_per_rank: Sequence[Sequence[dict[str, Any]]])
             {"name": "thread_name", "ph": "M", "pid": rank, "tid": stage, "args": {"name": f"stage {stage}"}}
         )
     return write_json_atomic(path, {"traceEvents": events, "displayTimeUnit": "ms"})
+
+
+def cpu_share(metrics: dict[str, Any]) -> float | None:
+    """The share of a core the CPU ranks had while computing (their compute CPU time over wall time);
+    None on GPUs or when the run recorded no CPU time."""
+    ranks = metrics.get("ranks", [])
+    wall = sum(float(r.get("compute_s", 0.0)) for r in ranks)
+    cpu = sum(float(r.get("compute_cpu_s", 0.0)) for r in ranks)
+    if metrics.get("device", "cpu") != "cpu" or wall <= 0 or cpu <= 0:
+        return None
+    return min(1.0, cpu / wall)

@@ -77,11 +77,6 @@ class OptimSettings:
     def __post_init__(self) -> None:
         self.check()
 
-    @classmethod
-    def of(cls, options: Any) -> OptimSettings:
-        """The settings among a :class:`runtime.options.RunOptions`' fields."""
-        return cls(**{name: getattr(options, name) for name in cls.__dataclass_fields__})
-
     def check(self) -> None:
         """Raise a RunError naming the first bad value and what to use instead."""
         if self.optimizer not in OPTIMIZERS:

@@ -8,11 +8,13 @@ another node (parsed back from :func:`to_argv`'s arguments).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["RunOptions", "from_argv", "to_argv"]
+from runtime.optim import OptimSettings
+
+__all__ = ["RunOptions", "flat_fields", "from_argv", "to_argv"]
 
 
 @dataclass(frozen=True)
@@ -34,16 +36,8 @@ class RunOptions:
         data_workers: DataLoader worker processes per reading rank for ``imagefolder:``/``text:`` data.
         eval_data: held-out data (any ``data`` form) evaluated forward-only; None: no evaluation.
         eval_every: evaluate every this many steps (0: only at the end), with ``eval_data``.
-        optimizer: sgd, adam or adamw (see :class:`runtime.optim.OptimSettings` for this and the
-            optimizer settings below).
-        lr: peak learning rate.
-        momentum: SGD momentum.
-        nesterov: SGD with Nesterov momentum.
-        weight_decay: L2 penalty (sgd, adam) or decoupled weight decay (adamw).
-        betas: Adam(W)'s moment decay rates.
-        lr_schedule: constant, linear or cosine, over minibatches.
-        warmup_steps: minibatches of linear warm-up.
-        clip_grad_norm: clip the whole model's gradient norm to this (synchronous schedules).
+        optim: the optimizer, its learning-rate schedule and clipping (:class:`runtime.optim.OptimSettings`,
+            checked when made; :meth:`RunOptions.of` takes its fields flat, as the command line does).
         precision: fp32, bf16 or fp16 (autocast; fp16 with dynamic loss scaling); None: plan.json's.
         seed: seeds weights, synthetic data and shuffling.
         weights: initial weights instead of the package's: a state_dict file, a ``.safetensors``
@@ -92,15 +86,7 @@ class RunOptions:
     data_workers: int = 1
     eval_data: str | None = None
     eval_every: int = 0
-    optimizer: str = "sgd"
-    lr: float = 0.01
-    momentum: float = 0.0
-    nesterov: bool = False
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    clip_grad_norm: float | None = None
+    optim: OptimSettings = field(default_factory=OptimSettings)
     precision: str | None = None
     seed: int = 0
     weights: str | None = None
@@ -126,15 +112,32 @@ class RunOptions:
     launcher_pid: int = 0
     resume_step: int | None = None
 
+    @classmethod
+    def of(cls, package: str, **flat: Any) -> RunOptions:
+        """RunOptions from flat keyword arguments, as the command line and run.toml name them: the
+        optimizer's (``lr=0.1``) go into :attr:`optim`."""
+        names = OptimSettings.__dataclass_fields__
+        optim = OptimSettings(**{k: flat.pop(k) for k in list(flat) if k in names})
+        return cls(package, **flat, optim=optim)
+
 
 _LAUNCH_ONLY = {"nnodes", "node_rank", "master_addr", "master_port", "start_method", "launcher_pid"}
+
+
+def flat_fields(options: RunOptions) -> Iterator[tuple[Any, Any]]:
+    """(field, value) of every option, the optimizer's settings among them as if they were the run's
+    own: the flat view the command line, the torchrun arguments and run.toml share."""
+    for f in fields(options):
+        if f.name == "optim":
+            yield from ((g, getattr(options.optim, g.name)) for g in fields(options.optim))
+        else:
+            yield f, getattr(options, f.name)
 
 
 def to_argv(options: RunOptions) -> list[str]:
     """Arguments of ``python -m runtime.worker`` that rebuild ``options`` (launch-only fields left out)."""
     argv = [options.package]
-    for f in fields(options):
-        value = getattr(options, f.name)
+    for f, value in flat_fields(options):
         if f.name == "package" or f.name in _LAUNCH_ONLY or value is None or value == f.default:
             continue
         flag = "--" + f.name.replace("_", "-")
@@ -151,7 +154,8 @@ def from_argv(argv: Sequence[str]) -> RunOptions:
     """Parse :func:`to_argv`'s arguments."""
     parser = argparse.ArgumentParser(prog="python -m runtime.worker")
     parser.add_argument("package")
-    for f in fields(RunOptions):
+    every = [f for f in fields(RunOptions) if f.name != "optim"] + list(fields(OptimSettings))
+    for f in every:
         if f.name == "package" or f.name in _LAUNCH_ONLY:
             continue
         flag = "--" + f.name.replace("_", "-")
@@ -161,4 +165,5 @@ def from_argv(argv: Sequence[str]) -> RunOptions:
             kinds: dict[str, Callable[[str], Any]] = {"int": int, "float": float, "tuple[float,": _floats}
             kind = kinds.get(str(f.type).split(" ")[0], str)
             parser.add_argument(flag, type=kind, default=f.default)
-    return RunOptions(**vars(parser.parse_args(list(argv))))
+    flat = vars(parser.parse_args(list(argv)))
+    return RunOptions.of(flat.pop("package"), **flat)

@@ -74,13 +74,18 @@ class Wiring:
         return {k: tuple(v) for k, v in sorted(found.items())}
 
 
-def import_package(folder: str | Path) -> ModuleType:
-    """Import the package in ``folder`` under a private name (its stage modules import relatively)."""
+def import_package(folder: str | Path, fresh: bool = False) -> ModuleType:
+    """Import the package in ``folder`` under a private name (its stage modules import relatively):
+    the one importer of a package folder (ranks, verify, export). Imported once per process, or
+    again with ``fresh`` (a package re-written in place, as ``verify`` may see)."""
     path = Path(folder).resolve()
     init = path / "__init__.py"
     if not init.exists():
         raise RunError(f"{path} has no __init__.py; it is not a package written by `pipeplan partition`")
     name = "pipeplan_pkg_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    if fresh:
+        for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+            del sys.modules[key]
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(path)])

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from runtime import checkpoint, resume, train_state
 from runtime.comm import peer_errors
 from runtime.fqns import ModelNames, model_names
-from runtime.optim import OptimSettings, apply_settings
+from runtime.optim import apply_settings
 from runtime.options import RunOptions
 from runtime.package import import_package
 from runtime.stage import StageRuntime
@@ -120,7 +120,7 @@ class RankCheckpoints:
             if each.scheduler is not None and rt.scheduler is not None:
                 each.scheduler.load_state_dict(rt.scheduler.state_dict())
         if self.options.accept_changes:
-            settings = OptimSettings.of(self.options)
+            settings = self.options.optim
             for each in self.hosted:
                 apply_settings(settings, each.optimizer, each.scheduler)
         seed = self.options.seed

@@ -27,7 +27,6 @@ from runtime.data import make_batches
 from runtime.errors import RunError
 from runtime.filedata import DataSettings
 from runtime.fqns import ModelNames, TensorSpec, model_names
-from runtime.optim import OptimSettings
 from runtime.options import RunOptions
 from runtime.package import import_package, read_wiring
 
@@ -50,7 +49,7 @@ def record(options: RunOptions, job: JobConfig, total_steps: int, names: ModelNa
         "batch_size": job.batch_size,
         "precision": job.precision,
         **{k: getattr(options, k) for k in _DATA},
-        "optim": OptimSettings.of(options).record(),
+        "optim": options.optim.record(),
         "total_steps": total_steps,
     }
 

@@ -17,12 +17,11 @@ import json
 import math
 import sys
 from collections.abc import Iterable
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from runtime.errors import RunError
-from runtime.options import RunOptions
+from runtime.options import RunOptions, flat_fields
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -84,8 +83,7 @@ def _value(value: Any) -> str:
 def to_toml(options: RunOptions) -> str:
     """Every option of ``options`` (None ones left out: they are the defaults) as TOML."""
     lines = ["# pipeplan run --config run.toml repeats this run; flags on the command line win."]
-    for f in fields(options):
-        value = getattr(options, f.name)
+    for f, value in flat_fields(options):
         if f.name not in _INTERNAL and value is not None:
             lines.append(f"{f.name.replace('_', '-')} = {_value(value)}")
     return "\n".join(lines) + "\n"

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from runtime.comm import peer_errors
 from runtime.errors import RunError
 from runtime.flops import minibatch_flops, peak_flops, token_count
-from runtime.optim import OptimSettings, lr_factor
+from runtime.optim import lr_factor
 from runtime.options import RunOptions
 from runtime.package import import_package
 from runtime.stage import StageRuntime
@@ -186,7 +186,7 @@ def _model_rates(rt: StageRuntime) -> tuple[int | None, int | None]:
 def open_step_log(options: RunOptions, hosted: tuple[StageRuntime, ...], folder: Path, total: int) -> StepLog:
     """This rank's step log under ``folder`` (every rank calls it together: rank 0 counts the FLOPs)."""
     rt = hosted[-1]
-    job, settings = rt.cfg.job, OptimSettings.of(options)
+    job, settings = rt.cfg.job, options.optim
     flops, tokens = _model_rates(hosted[0])
 
     def lr(step: int) -> float:

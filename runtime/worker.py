@@ -252,7 +252,7 @@ def _build(
             options.data, pkg, names, cfg.job.batch_size, options.seed, options.shuffle, reading
         )
     )
-    settings = OptimSettings.of(options)
+    settings = options.optim
     optimizer = make_optimizer(settings, module.parameters())
     return StageRuntime(
         cfg=cfg,

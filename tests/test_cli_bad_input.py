@@ -16,14 +16,15 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cli import _PhaseLog, main
+from cli import main
+from cli_render.progress import PhaseLog
 from tests.data import PIPEDREAM_PROFILES
 from tests.runtime.generated import generate
 from tests.runtime.packages import write_package
 
 Row = Callable[[Path], list[str]]
 
-PROGRESS = _PhaseLog.PATTERN  # progress lines a command printed before its error
+PROGRESS = PhaseLog.PATTERN  # progress lines a command printed before its error
 
 
 def _node(node_id: str, op: str, inputs: list[str], **fields: object) -> dict[str, object]:

@@ -14,12 +14,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from cli import _PhaseLog, main
+from cli import main
+from cli_render.progress import PhaseLog
 from partitioner.graph import load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 
-PROGRESS = _PhaseLog.PATTERN  # progress lines a command printed before its error
+PROGRESS = PhaseLog.PATTERN  # progress lines a command printed before its error
 
 
 @pytest.fixture

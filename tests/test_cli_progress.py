@@ -13,11 +13,12 @@ from click.testing import CliRunner
 from rich.console import Console
 
 import cli
+from cli_render.progress import PhaseLog
 
 
 def test_a_line_per_phase_and_throttled_within_one() -> None:
     out = io.StringIO()
-    log = cli._PhaseLog(Console(file=out, width=80), every=10.0, delay=0.0)
+    log = PhaseLog(Console(file=out, width=80), every=10.0, delay=0.0)
     ticks = itertools.count(0.0, 3.0)  # each call of the clock: 3 s later
     log.clock = lambda: next(ticks)
     log.start = log.last = 0.0
@@ -35,7 +36,7 @@ def test_a_line_per_phase_and_throttled_within_one() -> None:
 
 def test_nothing_in_the_first_seconds_nor_after_an_error() -> None:
     out = io.StringIO()
-    log = cli._PhaseLog(Console(file=out, width=80), every=10.0, delay=2.0)
+    log = PhaseLog(Console(file=out, width=80), every=10.0, delay=2.0)
     ticks = itertools.count(0.0, 1.5)
     log.clock = lambda: next(ticks)
     log.start = log.last = 0.0
@@ -51,5 +52,5 @@ def test_profile_piped_prints_only_phase_lines_on_stderr(tmp_path: Path) -> None
     args = ["profile", "tiny-mlp", "-o", str(tmp_path / "p.json")]
     result = CliRunner().invoke(cli.main, args, env={"TERM": "xterm-256color"})
     assert result.exit_code == 0, result.output
-    assert all(re.match(cli._PhaseLog.PATTERN, line) for line in result.stderr.splitlines())
+    assert all(re.match(PhaseLog.PATTERN, line) for line in result.stderr.splitlines())
     assert "\x1b" not in result.stdout + result.stderr

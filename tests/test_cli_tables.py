@@ -14,10 +14,16 @@ from click.testing import CliRunner
 from rich.console import Console
 
 import cli
+from cli_render import plan as plan_render
+from cli_render import run as run_render
+from cli_render.calibrate import calibration_table
+from cli_render.profile import profile_table
+from cli_render.verify import verify_table
 from partitioner.graph import Profile, save_profile
 from partitioner.optimizer import solve
 from partitioner.optimizer.auto import solve_auto
 from partitioner.optimizer.options import SolveOptions
+from partitioner.optimizer.planner import alternatives
 from partitioner.plan import Cluster
 from tests.partitioner.optimizer.conftest import make_profile
 
@@ -62,22 +68,23 @@ def _reads_at_80(renderable: Any) -> None:
 
 
 def test_profile_table(profile: Profile) -> None:
-    _reads_at_80(cli._profile_table(profile, 10))
+    _reads_at_80(profile_table(profile, 10))
 
 
 def test_plan_and_alternatives(profile: Profile, plan: Any) -> None:
     assert len(plan.stages) > 1 and max(s.replicas for s in plan.stages) > 3
-    _reads_at_80(cli._plan_table(plan, profile))
+    _reads_at_80(plan_render.plan_table(plan, profile))
     assert any(
         line.startswith("stage 0: model.embed_tokens..")
-        for line in _render(cli._plan_table(plan, profile), 80)
+        for line in _render(plan_render.plan_table(plan, profile), 80)
     )
-    _reads_at_80(cli._explain(profile, plan.cluster, plan, plan.schedule, 4, "sgd", "none"))
+    others = alternatives(profile, plan.cluster, plan.schedule, 4, "sgd")
+    _reads_at_80(plan_render.explain_table(plan, others, "none"))
 
 
 def test_short_layer_ranges_stay_in_the_stage_table() -> None:
     profile = _profile([f"features.{i}" for i in range(31)] + [f"classifier.{i}" for i in range(7)], "vgg16")
-    table = cli._plan_table(solve(profile, Cluster.flat(4)), profile)
+    table = plan_render.plan_table(solve(profile, Cluster.flat(4)), profile)
     _reads_at_80(table)
     assert "features.0.." in "\n".join(_render(table, 80))
     assert not any(line.startswith("stage 0:") for line in _render(table, 80))
@@ -87,21 +94,19 @@ def test_schedule_auto_table(profile: Profile) -> None:
     choice = solve_auto(
         profile, Cluster.flat(GPUS), SolveOptions("auto", 4, "sgd", False, "dp", True, "auto")
     )
-    _reads_at_80(cli._auto_table(choice, GPUS, None))
+    _reads_at_80(plan_render.auto_table(choice, GPUS, None))
 
 
 def test_calibration_table(profile: Profile, plan: Any) -> None:
     measured = {s.index: 1234.5678 * (s.index + 1) for s in plan.stages}
-    _reads_at_80(cli._calibration_table(profile, plan, measured))
+    _reads_at_80(calibration_table(profile, plan, measured))
 
 
 def test_verify_table() -> None:
     stage = SimpleNamespace(index=12, params=1_234_567_890, in_names=("model_layers_11_mlp_down", "mask"),
                             out_names=("model_layers_23_mlp_down",), init_error=0.0, grad_error=1.5e-7,
                             ok=True)  # fmt: skip
-    _reads_at_80(
-        cli._verify_table(SimpleNamespace(package=Path("models/llama-shaped/gpus=16"), stages=[stage]))
-    )
+    _reads_at_80(verify_table(SimpleNamespace(package=Path("models/llama-shaped/gpus=16"), stages=[stage])))
 
 
 def test_run_tables(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -116,9 +121,9 @@ def test_run_tables(monkeypatch: pytest.MonkeyPatch) -> None:
                "eval": []}  # fmt: skip
     printed: list[Any] = []
     monkeypatch.setattr(
-        cli, "_console", lambda stderr=False: SimpleNamespace(print=lambda r, **_: printed.append(r))
+        run_render, "console", lambda stderr=False: SimpleNamespace(print=lambda r, **_: printed.append(r))
     )
-    cli._print_run_table(metrics, "models/x/run/metrics.json")
+    run_render.print_run_table(metrics, "models/x/run/metrics.json")
     tables = [r for r in printed if not isinstance(r, str)]
     assert len(tables) == 3
     for table in tables:

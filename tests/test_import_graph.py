@@ -12,7 +12,7 @@ from pathlib import Path
 import networkx as nx
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("partitioner", "runtime")
+PACKAGES = ("partitioner", "runtime", "cli_render")
 
 
 def _module(path: Path) -> str:

@@ -11,6 +11,7 @@ import pytest
 from partitioner.calibrate import (
     RunTimes,
     calibrate,
+    check_run,
     device_seconds,
     load_run_times,
     load_verdict,
@@ -140,3 +141,13 @@ def test_a_run_under_other_work_is_refused_and_named() -> None:
     unknown = replace(quiet, load=None, cpus=None)
     assert load_verdict(plan, unknown)[0] is None
     assert any("does not record the machine's load" in n for n in load_verdict(plan, unknown)[1])
+
+
+def test_a_run_of_another_model_or_precision_is_refused() -> None:
+    profile, plan = _plan()
+    plan = replace(plan, model="vgg16", profile="profiles/vgg16/profile.json")
+    check_run(Path("pkg"), plan, profile, RunTimes({0: 0.1}, 8, "m.json", model="vgg16"))
+    with pytest.raises(PipeplanError, match="measured gpt2, but pkg is a package of vgg16"):
+        check_run(Path("pkg"), plan, profile, RunTimes({0: 0.1}, 8, "m.json", model="gpt2"))
+    with pytest.raises(PipeplanError, match=r"trained at bf16, but .* was measured at fp32"):
+        check_run(Path("pkg"), plan, profile, RunTimes({0: 0.1}, 8, "m.json", precision="bf16"))

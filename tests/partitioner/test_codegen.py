@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from partitioner import stagekit
 from partitioner.codegen import with_ranks, write_package
 from partitioner.errors import PackageError, PlanError
 from partitioner.graph import Profile
 from partitioner.models import load_model
 from partitioner.plan import Stage
-from partitioner.stagekit import loss_input
 from partitioner.verify import load_package, verify_package
 from partitioner.zoo import tiny
+from runtime import stagekit
+from runtime.stagekit import loss_input
 from tests.partitioner.codegen_support import plan_for, profile_for
 
 GOLDEN = Path(__file__).parents[1] / "golden" / "tiny-skip-gpus3"

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from partitioner.models import load_model
-from partitioner.stagekit import MASK_RATE, synthetic_example
+from runtime.stagekit import MASK_RATE, synthetic_example
 
 pytest.importorskip("transformers")
 torch.set_num_threads(1)

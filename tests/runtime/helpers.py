@@ -24,7 +24,7 @@ def run(package: Path, **kwargs: Any) -> dict[str, Any]:
     kwargs.setdefault("timeout", 30)
     kwargs.setdefault("backend", "gloo")
     kwargs.setdefault("start_method", "forkserver")
-    result = launch(RunOptions(str(package), **kwargs))
+    result = launch(RunOptions.of(str(package), **kwargs))
     assert result is not None
     return result
 

@@ -69,8 +69,8 @@ def test_newest_package(tmp_path: Path) -> None:
 
 def test_options_survive_the_torchrun_command_line(tmp_path: Path) -> None:
     pkg = write_package(tmp_path / "pkg", replicas=(1, 1, 1, 1))
-    opts = RunOptions(str(pkg), steps=7, schedule="gpipe", lr=0.5, shuffle=True, trace="t.json", nnodes=2)
-    assert from_argv(to_argv(opts)) == RunOptions(
+    opts = RunOptions.of(str(pkg), steps=7, schedule="gpipe", lr=0.5, shuffle=True, trace="t.json", nnodes=2)
+    assert from_argv(to_argv(opts)) == RunOptions.of(
         str(pkg), steps=7, schedule="gpipe", lr=0.5, shuffle=True, trace="t.json"
     )
     data = RunOptions(str(pkg), data="text:a.txt", seq_len=64, tokenizer="tok", data_workers=0)

@@ -15,8 +15,8 @@ import torch
 from click.testing import CliRunner
 
 from cli import main
-from partitioner.stagekit import factory_from_spec
 from runtime.package import import_package, read_wiring
+from runtime.stagekit import factory_from_spec
 from tests.runtime.helpers import run, stage_state
 from tests.runtime.tied_lm import write_model
 

@@ -93,9 +93,9 @@ def test_a_rank_that_hangs_ends_the_job_after_the_timeout(tmp_path: Path) -> Non
     pkg = write_package(tmp_path / "pkg", "chain", replicas=(1, 1), microbatches=2, batch_size=4)
     _sabotage(pkg, 1, "import time; time.sleep(3600)")
     start = time.monotonic()
-    with pytest.raises(
-        JobFailed, match=r"rank 1 \(stage 1\) stopped responding: rank 0 \(stage 0\) waited 3 s"
-    ):
+    # rank 0's wait names it; on a loaded machine the launcher's watch of its heartbeat may be first
+    blamed = r"rank 1 \(stage 1\) stopped responding: (rank 0 \(stage 0\) waited 3 s|no sign of life for 3 s)"
+    with pytest.raises(JobFailed, match=blamed):
         run(pkg, steps=5, timeout=3)
     assert time.monotonic() - start < 20
 

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from runtime.metrics import RankMetrics, Recorder, summarize
+from runtime.metrics import RankMetrics, Recorder, cpu_share, summarize
 
 
 def test_recorder_splits_compute_by_step() -> None:
@@ -46,3 +46,10 @@ def test_a_step_over_a_round_of_minibatches_shares_its_compute() -> None:
     recorder.seconds["compute"] = 1.0
     recorder.mark_step(1)
     assert recorder.step_compute_s() == pytest.approx((0.3, 0.3, 0.3, 0.1))
+
+
+def test_cpu_share_is_compute_cpu_time_over_wall_time_on_cpus_only() -> None:
+    ranks = [{"compute_s": 2.0, "compute_cpu_s": 1.0}, {"compute_s": 2.0, "compute_cpu_s": 2.0}]
+    assert cpu_share({"device": "cpu", "ranks": ranks}) == 0.75
+    assert cpu_share({"device": "cuda", "ranks": ranks}) is None
+    assert cpu_share({"device": "cpu", "ranks": [{"compute_s": 1.0}]}) is None

@@ -99,7 +99,9 @@ def test_accepted_changes_replace_what_a_checkpoint_loaded() -> None:
 
 
 def test_settings_survive_the_torchrun_command_line() -> None:
-    options = RunOptions("pkg", steps=5, nesterov=True, momentum=0.9, clip_grad_norm=0.5, **ADAMW)
+    sgd = {**ADAMW, "optimizer": "sgd", "nesterov": True, "momentum": 0.9}  # (nesterov: sgd only)
+    options = RunOptions.of("pkg", steps=5, clip_grad_norm=0.5, **sgd)
+    assert options.optim == OptimSettings(clip_grad_norm=0.5, **sgd)
     assert from_argv(to_argv(options)) == options
 
 

@@ -1,0 +1,40 @@
+"""``pipeplan calibrate``'s output: each stage's profiled and measured compute, and what was written."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cli_render.common import console, new_table
+from partitioner.calibrate import Calibration, stage_factors
+from partitioner.graph import at_microbatches
+from runtime.schedule import get_schedule
+
+__all__ = ["calibration_table", "print_calibration"]
+
+
+def print_calibration(done: Calibration) -> None:
+    plan, path, device, out = done.plan, done.path, done.device, console()
+    for note in done.notes:
+        console(stderr=True).print(f"[yellow]note:[/yellow] {note}", soft_wrap=True)
+    forwards = 1 if get_schedule(plan.schedule).stashes else plan.microbatches
+    out.print(calibration_table(at_microbatches(done.profile, forwards), plan, done.measured_s))
+    out.print(f"wrote {path}; next: pipeplan partition --profile {path} ...", soft_wrap=True)
+    if device is not None:
+        out.print(
+            f"the profile was estimated for {device.name}: its efficiencies corrected to matmul "
+            f"{device.matmul_efficiency:.3f}, memory {device.memory_efficiency:.3f}, launch "
+            f"{device.launch_s * 1e6:.1f} us; wrote {done.device_path} (pipeplan profile MODEL "
+            f"--device-model {done.device_path})",
+            soft_wrap=True,
+        )
+
+
+def calibration_table(profile: Any, plan: Any, measured_s: Any) -> Any:
+    factors = stage_factors(profile, plan, measured_s)
+    table = new_table(f"{profile.model}: compute per minibatch", ("stage", "profiled", "measured", "factor"))
+    for stage in plan.stages:
+        profiled = sum(profile.node(n).compute_ms for n in stage.nodes)
+        measured = measured_s.get(stage.index)
+        table.add_row(str(stage.index), f"{profiled:.2f} ms", f"{measured * 1e3:.2f} ms" if measured else "-",
+                      f"{factors[stage.index]:.2f}x" if stage.index in factors else "-")  # fmt: skip
+    return table

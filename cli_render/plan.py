@@ -1,0 +1,192 @@
+"""``pipeplan partition``'s output: the stage table, the prediction, the Gantt chart, ``auto``'s
+comparison, ``--explain``'s baselines and the notes on microbatches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cli_render.common import console, layer_range, new_table, num, plural, short
+from partitioner.partition import Partitioned, microbatch_note
+from runtime.schedule import get_schedule
+
+__all__ = ["auto_table", "explain_table", "plan_summary", "plan_table", "print_partition"]
+
+
+def print_partition(done: Partitioned, optimizer: str, asked: int | None) -> None:
+    """Everything ``partition`` prints after writing ``done`` (``asked``: --microbatches, if given)."""
+    from partitioner.optimizer.pricing.simulate import gantt
+
+    plan, profile, sim, out = done.plan, done.profile, done.simulation, console()
+    out.print(plan_table(plan, profile))
+    out.print(plan_summary(plan, sim, profile))
+    charged = profile.extra.get("update_charged")
+    if charged:
+        whole = sum(n.param_bytes for n in profile.nodes) * charged["s_per_byte"] * 1e3
+        out.print(
+            f"stage compute includes the {optimizer} update of its weights (the profile measured "
+            f"{whole:.2f} ms for the whole model; --optimizer to plan for another)",
+            soft_wrap=True,
+        )
+    first = [e.end_s for e in sim.events if e.stage == 0 and e.kind == "B"]
+    until = first[min(2, len(first) - 1)] if get_schedule(plan.schedule).stashes and first else None
+    out.print("\n".join(gantt(sim, width=60, until_s=until)), highlight=False, markup=False)
+    if done.choice is not None:
+        out.print(auto_table(done.choice, done.cluster.gpus, asked))
+    if done.alternatives is not None:
+        out.print(explain_table(plan, done.alternatives, done.recompute))
+    rounded = plan.extra.get("microbatches_asked")
+    if rounded:
+        out.print(
+            f"[yellow]note:[/yellow] {plan.microbatches} microbatches instead of {rounded}: the synchronous "
+            "schedules give a stage's replicas microbatches round-robin: each replica count divides it",
+            soft_wrap=True,
+        )
+    note = microbatch_note(profile, plan)
+    if note:
+        out.print(f"[yellow]note:[/yellow] {note}", soft_wrap=True)
+    out.print(f"wrote {done.out_dir}/plan.json and mp_conf.json")
+
+
+def plan_table(plan: Any, profile: Any) -> Any:
+    """The stage table; where the stages' layer ranges would make it wider than 80 columns, the ranges
+    follow the table one per line and the table counts the layers."""
+    from rich.console import Group
+    from rich.measure import Measurement
+    from rich.text import Text
+
+    from partitioner.optimizer.pricing.price import gib
+
+    names = {n.id: n.name for n in profile.nodes}
+    slowest = max((s.compute_s / s.replicas + s.comm_s for s in plan.stages), default=1.0) or 1.0
+    again = any(s.recompute for s in plan.stages)  # (a column only where some stage recomputes)
+    cols = (
+        "stage",
+        "layers",
+        "ranks",
+        "compute\nms",
+        "comm\nms",
+        "memory",
+        *(("re-\ncompute",) if again else ()),
+        "util",
+    )
+    title = f"{plan.model}: {len(plan.stages)} stages on {devices(plan.gpus, profile)} ({plan.schedule})"
+    rows = 24  # as the Gantt: a pipeline of more stages shows its first and last, and how many it left out
+    stages = plan.stages if len(plan.stages) <= rows else [*plan.stages[:16], *plan.stages[-8:]]
+    spans = {}
+    for s in stages:
+        layers = [n for n in s.nodes if profile.node(n).op != "input"] or list(s.nodes)
+        spans[s.index] = (layer_range(names[layers[0]], names[layers[-1]], len(layers)), len(layers))
+
+    def fill(inline: bool) -> Any:
+        table = new_table(title, cols, ("layers", "ranks"))
+        for s in stages:
+            if s.index == len(plan.stages) - 8 and len(plan.stages) > rows:
+                table.add_row("...", f"{len(plan.stages) - rows} not shown", *[""] * (len(cols) - 2))
+            span, count = spans[s.index]
+            ranks = ",".join(map(str, s.ranks)) if len(s.ranks) <= 3 else f"{s.ranks[0]}..{s.ranks[-1]}"
+            busy = s.compute_s / s.replicas + s.comm_s
+            table.add_row(str(s.index), span if inline else str(count), ranks, num(s.compute_s * 1e3),
+                          num(s.comm_s * 1e3), gib(s.memory_bytes),
+                          *(("yes" if s.recompute else "no",) if again else ()),
+                          f"{100 * busy / slowest:.0f}%")  # fmt: skip
+        return table
+
+    table, out = fill(inline=True), console()
+    if Measurement.get(out, out.options.update_width(10_000), table).maximum <= 80:
+        return table
+    return Group(fill(inline=False), *(Text(f"stage {i}: {span}") for i, (span, _) in spans.items()))
+
+
+def devices(count: int, profile: Any) -> str:
+    """``4 GPUs``, or ``4 CPU ranks`` for a profile measured on a CPU (the plan then runs on CPU ranks)."""
+    return plural(count, "CPU rank") if profile.device == "cpu" else plural(count, "GPU")
+
+
+def plan_summary(plan: Any, sim: Any, profile: Any) -> str:
+    p, info = plan.predicted, plan.solver
+    rate = (
+        f"{p.throughput_samples_per_s:.1f} samples/s" if p.throughput_samples_per_s else "batch size unknown"
+    )
+    gap = (
+        f"gap {100 * plan.gap:.2f}% to lower bound {info.lower_bound_s * 1e3:.3f} ms"
+        if plan.gap is not None
+        else ""
+    )
+    exact = "optimal" if info.optimal else "not proven optimal"
+    c = plan.cluster
+    hosts = (
+        f" (CPU ranks, {c.levels[0].devices} per host of {c.cores} cores, {c.threads} thread(s) each: "
+        f"the busiest host needs {p.host_bound_s * 1e3:.3f} ms for their compute; the pipeline alone "
+        f"{(p.pipeline_s or 0) * 1e3:.3f} ms)"
+        if p.host_bound_s and p.host_bound_s >= (p.pipeline_s or 0)
+        else ""
+    )
+    return (
+        f"predicted {p.time_per_minibatch_s * 1e3:.3f} ms/minibatch{hosts}, {rate}; speedup "
+        f"{p.speedup_vs_data_parallel or 0:.2f}x over data parallel, "
+        f"{p.speedup_vs_single or 0:.2f}x over {'one CPU rank' if profile.device == 'cpu' else 'one GPU'}; "
+        f"bubble {100 * p.bubble_fraction:.1f}% (simulated {100 * sim.bubble_fraction:.1f}%"
+        + ("" if sim.steady else f" over the first {sim.minibatches} minibatches, still filling")
+        + ")\n"
+        f"solver {info.name}: {info.solve_time_s:.3f} s, {exact}; {gap}"
+    )
+
+
+def auto_table(choice: Any, gpus: int, asked: int | None) -> Any:
+    from rich.console import Group
+    from rich.text import Text
+
+    from partitioner.optimizer.pricing.schedules import model
+
+    notes = []
+    plans, chosen = choice.plans, choice.plan.schedule
+    asked_virtual = [
+        name for name, plan in plans.items() if plan is None and model(name).virtual_stages is None
+    ]
+    for name in asked_virtual if gpus >= 2 else ():  # (interleaved: v stages on each GPU, as asked)
+        notes.append(f"{name} needs microbatches a multiple of the {gpus} GPUs and {2 * gpus}+ layers")
+    if asked is None and len(choice.counts) == 1:
+        notes.append("microbatches not searched: the profile has no fixed per-call times")
+    elif asked is None:
+        notes.append(f"microbatches searched: {', '.join(map(str, choice.counts))}")
+    cols = ("schedule", "micro-\nbatches", "stages: replicas", "ms per\nminibatch", "vs best")
+    table = new_table("--schedule auto: each schedule's best plan", cols, ("schedule", "stages: replicas"))
+    best = choice.times[chosen] or 1.0
+    for name, plan in plans.items():
+        label = name + (" (chosen)" if name == chosen else "")
+        if plan is None:
+            table.add_row(label, "-", "-", "no plan", "-")
+            continue
+        t = choice.times[name]
+        table.add_row(label, str(plan.microbatches), stages_cell(plan), f"{t * 1e3:.3f}", f"{t / best:.2f}x")
+    return Group(table, *(Text(note) for note in notes))
+
+
+def stages_cell(plan: Any) -> str:
+    """``3: 2+1+1`` (stages: replicas each); interleaved: ``8 on 4 GPUs (v=2)``; zbv: ``8 on 4 GPUs (V)``."""
+    from partitioner.optimizer.pricing.schedules import model
+
+    sched = model(plan.schedule)
+    if sched.laid_out:
+        shape = f"v={plan.virtual_stages}" if sched.virtual_stages is None else "V"
+        return f"{len(plan.stages)} on {plan.cluster.gpus} GPUs ({shape})"
+    return f"{len(plan.stages)}: " + "+".join(str(s.replicas) for s in plan.stages)
+
+
+def explain_table(plan: Any, others: dict[str, Any], recompute: str) -> Any:
+    """--explain: the chosen plan next to the baselines other tools would pick."""
+    cols = ("plan", "stages", "replicas", "recomputing\nstages", "ms per\nminibatch", "vs\nchosen")
+    table = new_table(
+        f"alternatives (--recompute {recompute})", cols, ("plan", "replicas", "recomputing\nstages")
+    )
+    rows = [("chosen", plan), *others.items()]
+    for name, alt in rows:
+        if alt is None:
+            table.add_row(name, "-", "does not fit", "-", "-", "-")
+            continue
+        t = alt.predicted.time_per_minibatch_s
+        reps = short(",".join(str(s.replicas) for s in alt.stages), 16)
+        again = short(",".join(str(s.index) for s in alt.stages if s.recompute) or "none", 12)
+        table.add_row(name, str(len(alt.stages)), reps, again,
+                      f"{t * 1e3:.3f}", f"{t / plan.predicted.time_per_minibatch_s:.2f}x")  # fmt: skip
+    return table

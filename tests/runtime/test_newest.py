@@ -1,0 +1,26 @@
+"""The one newest-file finder behind every command's default PACKAGE/--profile."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from runtime.newest import newest
+
+
+def test_newest_is_by_modification_time_and_keeps_only_what_matches(tmp_path: Path) -> None:
+    for name, age in (("a", 30), ("b", 10), ("c", 20)):
+        path = tmp_path / name / "plan.json"
+        path.parent.mkdir()
+        path.write_text("{}")
+        os.utime(path, (1e9 - age, 1e9 - age))
+    assert newest(tmp_path, "*/plan.json", LookupError("none")) == tmp_path / "b" / "plan.json"
+    not_b = newest(tmp_path, "*/plan.json", LookupError("none"), lambda p: p.parent.name != "b")
+    assert not_b == tmp_path / "c" / "plan.json"
+
+
+def test_nothing_found_raises_the_callers_error(tmp_path: Path) -> None:
+    with pytest.raises(LookupError, match="run `pipeplan partition`"):
+        newest(tmp_path / "absent", "**/mp_conf.json", LookupError("run `pipeplan partition`"))
