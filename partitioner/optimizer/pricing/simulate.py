@@ -212,9 +212,9 @@ def _flushed(plan: Plan, profile: Profile | None) -> Simulation:
     end = max(e.end_s for e in events)
     per_minibatch = end
     if not sched.laid_out:  # replicated stages all-reduce once the pipeline has drained
-        bw = min(lv.bandwidth for lv in plan.cluster.levels)
+        wire = plan.cluster.slowest
         step = max(
-            allreduce_time(ld.param_bytes, s.replicas, bw) for s, ld in zip(plan.stages, loads, strict=True)
+            allreduce_time(ld.param_bytes, s.replicas, wire) for s, ld in zip(plan.stages, loads, strict=True)
         )
         events += [Event(i, "S", 0, end, end + step) for i in range(p)]
         per_minibatch = end + step
@@ -240,12 +240,12 @@ def _unflushed(plan: Plan, profile: Profile | None, minibatches: int | None) -> 
     """Every rank of a plan of whole minibatches (pipedream) from the runtime's lists: a replica's
     minibatch takes the stage's whole compute, its round's all-reduce PipeDream's 4(r-1)P/(rB)."""
     replicas = [s.replicas for s in plan.stages]
-    p, bw = len(replicas), min(lv.bandwidth for lv in plan.cluster.levels)
+    p, wire = len(replicas), plan.cluster.slowest
     loads = _loads(plan, profile)
     alone = replace(plan, stages=tuple(replace(s, replicas=1) for s in plan.stages))
     fwd, bwd, _ = _durations(alone, profile, loads)
-    step = [allreduce_time(ld.param_bytes, r, bw) for ld, r in zip(loads, replicas, strict=True)]
-    link = [activation_time(ld.out_bytes, 1, bw) / 2 for ld in loads]
+    step = [allreduce_time(ld.param_bytes, r, wire) for ld, r in zip(loads, replicas, strict=True)]
+    link = [activation_time(ld.out_bytes, 1, wire) / 2 for ld in loads]
     steady_items = 4 * (p + sum(replicas))  # the pipeline fills within about one minibatch per rank
     items = minibatches or min(steady_items, max(8, MAX_ACTIONS // (2 * p)))
     layout = pipeline(replicas)
@@ -289,7 +289,7 @@ def _durations(
     m = model(plan.schedule).microbatches(plan.microbatches)
     nodes = {n.id: n for n in profile.nodes} if profile else {}
     fwd, bwd, link = [], [], []
-    bw = min(lv.bandwidth for lv in plan.cluster.levels)
+    wire = plan.cluster.slowest
     for stage, load in zip(plan.stages, loads, strict=True):
         total = stage.compute_s
         known = [nodes[n] for n in stage.nodes if n in nodes]
@@ -297,12 +297,12 @@ def _durations(
         f_share = forward / max(sum(n.compute_ms for n in known) + forward * stage.recompute, 1e-12)
         f_share = f_share if known else 1.0 / 3.0
         if model(plan.schedule).asynchronous:
-            total = float(stage_time(total, load.param_bytes, stage.replicas, bw))
+            total = float(stage_time(total, load.param_bytes, stage.replicas, wire))
         else:
             total = microbatch_compute(total, stage.replicas, m)
         fwd.append(total * f_share)
         bwd.append(total * (1 - f_share))
-        link.append(microbatch_link(load.out_bytes, stage.replicas, m, bw) / 2)
+        link.append(microbatch_link(load.out_bytes, stage.replicas, m, wire) / 2)
     return fwd, bwd, link
 
 
