@@ -15,7 +15,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from cli_render.errors import OneLineErrors, user_errors
+from cli_render.errors import F, OneLineErrors, user_errors
 from runtime.schedule import SCHEDULES
 
 __all__ = ["main"]
@@ -235,6 +235,13 @@ def profile(
     "--topology", default=None, help="Devices per level, innermost first (4,4 = 4 servers of 4 GPUs)."
 )
 @click.option("--bandwidth", default=None, help="Bytes/s per level: 1e9, 10GB/s, 100Gbit/s  [default: 1e9]")
+@click.option(
+    "--latency",
+    default=None,
+    help="Seconds every message costs besides its bytes, per level: 5us, 1.7ms, 0  [default: 1.7ms "
+    "for a CPU profile (local gloo ranks, measured), 5.7us for GPUs (NCCL's PCIe estimate)]. "
+    "See docs/devices.md.",
+)
 @click.option("--memory", default=None, help="Memory per device, e.g. 16GiB  [default: unlimited]")
 @click.option(
     "--host-cores",
@@ -336,7 +343,7 @@ def profile(
 @user_errors
 def partition(
     profile_path: str | None, gpus: int | None, cluster_spec: str | None, topology: str | None,
-    bandwidth: str | None,
+    bandwidth: str | None, latency: str | None,
     memory: str | None, host_cores: int | None, schedule: str, microbatches: int | None, virtual: int | None,
     optimizer: str, straight: bool, recompute: str | None, solver: str, cuts: str | None,
     replicas: str | None, explain: bool,
@@ -423,9 +430,19 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
               help="The calibrated profile  [default: calibrated.json beside the profile]")  # fmt: skip
 @click.option("--models-dir", default="models", show_default=True, type=click.Path(path_type=str),
               help="Where to look for the newest trained package when PACKAGE is not given.")  # fmt: skip
+@click.option(
+    "--accept-load",
+    is_flag=True,
+    help="Calibrate from a run measured while other work loaded the machine (refused otherwise).",
+)
 @user_errors
 def calibrate(
-    package: str | None, metrics_path: str | None, run_dir: str | None, output: str | None, models_dir: str
+    package: str | None,
+    metrics_path: str | None,
+    run_dir: str | None,
+    output: str | None,
+    models_dir: str,
+    accept_load: bool,
 ) -> None:
     """Scale a profile's layer times to what a run measured per stage -> a calibrated profile.
 
@@ -444,7 +461,7 @@ def calibrate(
     folder = Path(package) if package is not None else newest_run(models_dir)
     if metrics_path is None and run_dir is not None:
         metrics_path = str(Path(run_dir) / "metrics.json")
-    print_calibration(calibrate_package(folder, metrics_path, output))
+    print_calibration(calibrate_package(folder, metrics_path, output, accept_load))
 
 
 # ----------------------------------------------------------------------------- run
@@ -457,6 +474,24 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
     if not math.isfinite(value) or value < 0:
         raise click.BadParameter(f"{value} is not a finite number >= 0", ctx, param)
     return value
+
+
+def _node_options(func: F) -> F:
+    """The options that place a job's ranks on machines, shared by `run` and `probe`."""
+    options = [
+        click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
+                     callback=_finite, help="Seconds a rank waits on its peers before the job is stopped."),
+        click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True, help="Machines."),
+        click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="This machine's index (run the same command on every node)."),
+        click.option("--master-addr", default="127.0.0.1", show_default=True,
+                     help="Node 0's address (rendezvous)."),
+        click.option("--master-port", type=click.IntRange(min=0, max=65535), default=0,
+                     help="0: a free port."),
+    ]  # fmt: skip
+    for option in reversed(options):
+        func = option(func)
+    return func
 
 
 @main.command()
@@ -527,13 +562,7 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 @click.option("--config", type=click.Path(dir_okay=False, exists=True), default=None,
               help="A run.toml of options; flags win.")  # fmt: skip
 @click.option("--measure-memory", is_flag=True, help="On a CPU, count peak tensor memory.")
-@click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True, callback=_finite,
-              help="Seconds a rank waits on its peers.")  # fmt: skip
-@click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True, help="Machines.")
-@click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True,
-              help="This machine's index.")  # fmt: skip
-@click.option("--master-addr", default="127.0.0.1", show_default=True, help="Node 0's address.")
-@click.option("--master-port", type=click.IntRange(min=0, max=65535), default=0, help="0: a free port.")
+@_node_options
 @click.option("--dry-run", is_flag=True, help="Print the torchrun commands instead.")
 @user_errors
 def run(package: str | None, dry_run: bool, **opts: Any) -> None:
@@ -592,6 +621,39 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
             train(options)
         finally:
             discard_if_empty(options)
+
+
+@main.command()
+@click.option("--gpus", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Ranks on this machine (GPUs, or CPU processes), as `run` would start.")  # fmt: skip
+@click.option("-o", "--output", default="cluster.json", show_default=True, type=click.Path(dir_okay=False),
+              help="The cluster file to write, for `partition --cluster FILE`.")  # fmt: skip
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="cpu: gloo (CPU processes), cuda: NCCL (GPUs), auto: cuda if there is one.")  # fmt: skip
+@click.option("--rounds", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Repetitions of every figure (the spread is over them).")  # fmt: skip
+@click.option("--messages", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Round trips (or all-reduces) per round.")  # fmt: skip
+@_node_options
+@user_errors
+def probe(gpus: int, output: str, device: str, **opts: Any) -> None:
+    """Measure the links between the ranks a run would use (latency, bandwidth, all-reduce) and write
+    a cluster file that `partition --cluster FILE` reads.
+
+    \b
+    Examples:
+      pipeplan probe --gpus 4 -o cluster.json
+      pipeplan probe --gpus 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500
+    """
+    from pathlib import Path
+
+    from cli_render.probe import print_probe
+    from runtime.probe import ProbeOptions, probe_device, run_probe
+
+    options = ProbeOptions(gpus=gpus, device=probe_device(device), **opts)
+    print_probe(
+        options, lambda: run_probe(options, Path(output), " ".join(["pipeplan", *sys.argv[1:]])), output
+    )
 
 
 def _with_config(ctx: click.Context, package: str | None, opts: dict[str, Any]) -> str | None:

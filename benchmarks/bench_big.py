@@ -15,6 +15,13 @@ average before it (this machine is shared: wall times include waiting for other 
   --batch-size 1 --input-shape 512 --dtype bfloat16`` under an 8 GiB address-space limit (what
   ``prlimit --as=8589934592`` sets), then ``pipeplan partition --topology 8 --bandwidth 450GB/s
   --memory 80GiB --optimizer adamw``.
+- ``package``: ``partition`` writing the stage code of Hugging Face models it never builds:
+  a Llama config of 1.1B parameters (Llama-3.2-1B's block, 16 layers, a 32k vocabulary: what
+  bench_stage_memory.py runs) and the Llama-3-8B-shaped config, each estimated for the h100 preset
+  (a profile in seconds, traced as the measured ones are: torch.export, static shapes) and then
+  partitioned onto 4 and 8 GPUs under an 8 GiB address-space limit: peak RSS, wall time, and
+  whether the stage code was written (the export graph is traced on fake tensors of a model built
+  without its weights, so peak memory should not follow the model).
 - ``70b``: a Llama-3-70B-shaped config (benchmarks/configs/llama3-70b.json) estimated for the h100
   preset at 4096 tokens (64 sequences a minibatch, estimated at 1 and scaled), then partitioned on
   8 nodes of 8 (``--topology 8,8 --bandwidth 450GB/s,50GB/s --memory 80GiB --optimizer adamw
@@ -23,8 +30,8 @@ average before it (this machine is shared: wall times include waiting for other 
   MFU = samples/s x tokens x (6 N + 12 L d T) / (GPUs x peak), N the parameters outside the
   embeddings, L layers, d the hidden size, T the tokens (PaLM's count, appendix B).
 
-Run:  .venv/bin/python benchmarks/bench_big.py [--sections blocks,memory,8b,70b] [--rounds 2]
-(writes benchmarks/results/bench_big.{json,md})
+Run:  .venv/bin/python benchmarks/bench_big.py [--sections blocks,memory,8b,package,70b] [--rounds 2]
+(writes benchmarks/results/bench_big.{json,md}; sections not run keep their earlier results there)
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ from partitioner.atomic import write_text_atomic
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 CONFIGS = HERE / "configs"
-SECTIONS = ("blocks", "memory", "8b", "70b")
+SECTIONS = ("blocks", "memory", "8b", "package", "70b")
 GIB = 2**30
 
 
@@ -158,6 +165,37 @@ def eight_b(folder: Path) -> dict[str, Any]:
     return {"profile": profile, "partition": plan, "plan": _plan(folder / "models")}
 
 
+def package(folder: Path) -> list[dict[str, Any]]:
+    """Estimated profiles of a 1.1B and an 8B Llama, then ``partition`` under 8 GiB: its rows."""
+    one_b = llama(folder, "llama1b", 2048, 16)
+    doc = json.loads((folder / "llama1b.json").read_text())
+    doc.update(num_attention_heads=32, intermediate_size=8192, head_dim=64, tie_word_embeddings=False)
+    (folder / "llama1b.json").write_text(json.dumps(doc, indent=1))
+    rows = []
+    for name, spec, tokens, gpus, limits in (
+        ("1.1B", one_b, "128", "4", (None, 8 * GIB)),
+        ("8B", f"hf:{CONFIGS / 'llama3-8b.json'}", "512", "8", (8 * GIB,)),
+    ):
+        out = f"package-{name}.json"
+        profile = run(
+            folder, "profile", spec, "--device-model", "h100", "--batch-size", "1", "--input-shape", tokens,
+            "--dtype", "bfloat16", "-o", out,
+        )  # fmt: skip
+        for limit in limits:
+            models = f"package-{name}-{limit}"
+            result = run(
+                folder, "partition", "--profile", out, "--gpus", gpus, "--straight", "-o", models,
+                address_space=limit,
+            )  # fmt: skip
+            plan = _plan(folder / models)
+            rows.append({
+                "model": name, "profile_rc": profile["rc"],
+                "limit": f"{limit // GIB} GiB" if limit else "none", **result,
+                "stage_code": bool(plan and plan["stage_code"]), "stages": plan and plan["stages"],
+            })  # fmt: skip
+    return rows
+
+
 def seventy_b(folder: Path) -> dict[str, Any]:
     spec = f"hf:{CONFIGS / 'llama3-70b.json'}"
     profile = _profile_row(folder, "70b.json", run(
@@ -217,7 +255,9 @@ def _table(title: str, columns: dict[str, str], rows: list[dict[str, Any]]) -> l
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    lines = ["# bench_big: big models on this machine", "", f"{doc['machine']}; wall {doc['wall_s']} s.", ""]
+    kept = f" (sections kept from an earlier run: {', '.join(doc['kept'])})" if doc.get("kept") else ""
+    header = f"{doc['machine']}; wall {doc['wall_s']} s{kept}."
+    lines = ["# bench_big: big models on this machine", "", header, ""]
     timing = {"wall s": "wall_s", "cpu s": "cpu_s", "peak RSS GiB": "peak_rss_gib", "load": "loadavg_1min"}
     if "blocks" in doc:
         title = "Profile time against identical blocks (Llama, hidden 512, batch 1 x 128 tokens)"
@@ -229,6 +269,11 @@ def markdown(doc: dict[str, Any]) -> str:
         columns = {"blocks": "depth", "materialize": "materialized", "weights GiB": "weights_gib",
                    "largest layer GiB": "largest_layer_gib", **timing}  # fmt: skip
         lines += _table(title, columns, doc["memory"])
+    if "package" in doc:
+        title = "partition writes the stage code of models it never builds"
+        columns = {"model": "model", "address space": "limit", "rc": "rc", **timing, "stages": "stages",
+                   "stage code": "stage_code"}  # fmt: skip
+        lines += _table(title, columns, doc["package"])
     for key, title in (
         ("8b", "Llama-3-8B shape, measured here under an 8 GiB address space"),
         ("70b", "Llama-3-70B shape, estimated for H100s, planned on 8 x 8"),
@@ -270,9 +315,15 @@ def main(argv: list[str] | None = None) -> int:
             doc["memory"] = memory(folder)
         if "8b" in wanted:
             doc["8b"] = eight_b(folder)
+        if "package" in wanted:
+            doc["package"] = package(folder)
         if "70b" in wanted:
             doc["70b"] = seventy_b(folder)
     doc["wall_s"] = round(time.perf_counter() - started, 1)
+    previous_file = args.out / "bench_big.json"
+    previous = json.loads(previous_file.read_text()) if previous_file.is_file() else {}
+    kept = [s for s in SECTIONS if s in previous and s not in wanted]  # sections not run: as they were
+    doc.update({s: previous[s] for s in kept}, kept=kept)
     args.out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(args.out / "bench_big.json", json.dumps(doc, indent=1) + "\n")
     write_text_atomic(args.out / "bench_big.md", markdown(doc))

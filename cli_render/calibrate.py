@@ -14,6 +14,8 @@ __all__ = ["calibration_table", "print_calibration"]
 
 def print_calibration(done: Calibration) -> None:
     plan, path, device, out = done.plan, done.path, done.device, console()
+    for note in done.notes:
+        console(stderr=True).print(f"[yellow]note:[/yellow] {note}", soft_wrap=True)
     forwards = 1 if get_schedule(plan.schedule).stashes else plan.microbatches
     out.print(calibration_table(at_microbatches(done.profile, forwards), plan, done.measured_s))
     out.print(f"wrote {path}; next: pipeplan partition --profile {path} ...", soft_wrap=True)

@@ -32,6 +32,7 @@ from runtime.schedule import REGISTRY
 from runtime.schema import SchemaError, check
 
 __all__ = [
+    "OTHER_LOAD_PER_CORE",
     "Calibration",
     "RunTimes",
     "calibrate",
@@ -40,9 +41,14 @@ __all__ = [
     "check_run",
     "device_seconds",
     "load_run_times",
+    "load_verdict",
     "newest_run",
     "stage_factors",
 ]
+
+#: load per core beyond the run's own ranks above which a run's times are not its own: other work
+#: took turns on its cores, and a calibration from it predicts a machine that is not there
+OTHER_LOAD_PER_CORE = 0.5
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,8 @@ class RunTimes:
         model: the model spec of the package that ran (empty in files written before it was recorded).
         cpu_share: per stage, the share of a core its CPU ranks had while computing (where recorded).
         precision: what the run computed in (fp32 in files written before it was recorded).
+        load: the machine's 1-minute load average as the run ended (None: not recorded).
+        cpus: the cores the run could use (None: not recorded).
     """
 
     stage_s: Mapping[int, float]
@@ -64,6 +72,8 @@ class RunTimes:
     model: str = ""
     cpu_share: Mapping[int, float] = field(default_factory=dict)
     precision: str = "fp32"
+    load: float | None = None
+    cpus: int | None = None
 
 
 def load_run_times(path: str | os.PathLike[str]) -> RunTimes:
@@ -100,7 +110,45 @@ def load_run_times(path: str | os.PathLike[str]) -> RunTimes:
     share = {stage: float(value) for stage, value in shares if value}
     model, precision = str(doc.get("model") or ""), str(doc.get("precision") or "fp32")
     batch_size = int(batch) if batch else None
-    return RunTimes(stage_s, batch_size, str(source), model, cpu_share=share, precision=precision)
+    machine = doc.get("machine") or {}
+    load, cpus = machine.get("loadavg_1min"), machine.get("cpus")
+    return RunTimes(
+        stage_s, batch_size, str(source), model, cpu_share=share, precision=precision,
+        load=float(load) if load is not None else None, cpus=int(cpus) if cpus else None,
+    )  # fmt: skip
+
+
+def load_verdict(plan: Plan, run: RunTimes) -> tuple[str | None, list[str]]:
+    """Whether the run's times are fit to calibrate from: (why not, or None; notes to show).
+
+    The load average counts the run's own ranks (at most ``threads`` busy threads each, on the
+    host that wrote the metrics); what is left over, per core, is other work that took turns on the
+    ranks' cores. Above :data:`OTHER_LOAD_PER_CORE` the times are the contention's, not the plan's:
+    refused. A stage whose ranks had under half a core while computing is named either way.
+    """
+    notes = [
+        f"stage {k}: its ranks had {share:.0%} of a core while computing"
+        for k, share in sorted(run.cpu_share.items())
+        if share < 0.5
+    ]
+    if run.load is None or run.cpus is None:
+        notes.append(
+            f"{run.source} does not record the machine's load: cannot tell whether the run was quiet"
+        )
+        return None, notes
+    own = min(plan.cluster.levels[0].devices, plan.gpus) * plan.cluster.threads
+    others = max(0.0, run.load - own)
+    notes.insert(
+        0, f"the run ended at load {run.load:.2f} on {run.cpus} cores ({own} of it the run's own ranks)"
+    )
+    if others / run.cpus > OTHER_LOAD_PER_CORE:
+        return (
+            f"{run.source} was measured while other work loaded the machine (load {run.load:.1f} on "
+            f"{run.cpus} cores, {others:.1f} beyond the run's {own} ranks): its times include waiting for "
+            "a core. Run again on a quiet machine, or calibrate anyway with --accept-load",
+            notes,
+        )
+    return None, notes
 
 
 def device_seconds(plan: Plan, run: RunTimes) -> dict[int, float]:
@@ -201,7 +249,7 @@ def calibrated_device(
 class Calibration:
     """What ``pipeplan calibrate`` wrote and shows: the profile as the plan priced it (with the update
     time), the plan, each stage's measured seconds, the calibrated profile's path and, for a profile
-    estimated for a device model, the corrected device model's path."""
+    estimated for a device model, the corrected device model's path; notes on the run's load."""
 
     profile: Profile
     plan: Plan
@@ -209,27 +257,35 @@ class Calibration:
     path: Path
     device: DeviceModel | None = None
     device_path: Path | None = None
+    notes: tuple[str, ...] = ()
 
 
 def calibrate_package(
-    folder: Path, metrics: str | os.PathLike[str] | None = None, output: str | os.PathLike[str] | None = None
+    folder: Path,
+    metrics: str | os.PathLike[str] | None = None,
+    output: str | os.PathLike[str] | None = None,
+    accept_load: bool = False,
 ) -> Calibration:
     """A package's run (``metrics``, default ``folder/run/metrics.json``) -> its calibrated profile,
     written to ``output`` (default: calibrated.json beside the profile), and a device model where the
-    profile was estimated for one."""
+    profile was estimated for one. A run measured under other work's load is refused
+    (:func:`load_verdict`) unless ``accept_load``."""
     plan = load_plan(folder / "plan.json")
     if not plan.profile:
         raise PipeplanError(f"{folder}/plan.json does not name the profile it was planned from")
     profile = with_update_time(load_profile(plan.profile), plan.optimizer)  # as partition priced it
     run = load_run_times(metrics or folder / "run" / "metrics.json")
     check_run(folder, plan, profile, run)
+    refusal, notes = load_verdict(plan, run)
+    if refusal is not None and not accept_load:
+        raise PipeplanError(refusal)
     measured = device_seconds(plan, run)
     result = calibrate(profile, plan, measured, run.batch_size, run.source)
     path = Path(output) if output else Path(plan.profile).with_name("calibrated.json")
     save_profile(result, path)
     device = calibrated_device(profile, plan, measured, run.batch_size, run.source)
     where = save_device_model(device, path.with_name(f"{device.name}-calibrated.json")) if device else None
-    return Calibration(profile, plan, measured, path, device, where)
+    return Calibration(profile, plan, measured, path, device, where, tuple(notes))
 
 
 def check_run(folder: Path, plan: Plan, profile: Profile, run: RunTimes) -> None:

@@ -80,18 +80,8 @@ def write_package(
     if profile.tracer == "pipedream":
         write_plan_files(plan, Path(out_dir))
         return plan
-    from partitioner.models import load_model
-    from partitioner.profiler.trace import trace_model
-
     options = dict(profile.tracer_options) or {"spec": profile.model, "batch_size": profile.batch_size or 1}
-    shape = tuple(options["input_shape"]) if options.get("input_shape") else None
-    batch = _trace_batch(options, plan)
-    # fx traces structure and shapes only: its model is built on meta, without drawing its weights
-    # (seconds for a large model). torch.export's graph can depend on buffer values: a real build.
-    device = "meta" if profile.tracer == "fx" else "cpu"
-    bundle = load_model(str(options.get("spec", profile.model)), batch, shape, device=device)
-    dynamic = not options.get("static_shapes")  # a graph traced with static shapes is traced so again
-    traced = trace_model(bundle, tuple(options.get("leaf_modules", ())), shape, dynamic=dynamic)
+    bundle, traced = _retrace(profile, options, _trace_batch(options, plan))
     if traced.tracer != profile.tracer:
         raise PackageError(
             f"re-tracing {bundle.spec} used {traced.tracer}, the profile used {profile.tracer}"
@@ -99,6 +89,43 @@ def write_package(
     return write_package_from_trace(
         profile, plan, Path(out_dir), traced.graph_module, bundle, traced.tracer, weights, init
     )
+
+
+def _retrace(profile: Profile, options: Mapping[str, Any], batch: int) -> tuple[Any, Any]:
+    """(bundle, traced graph) of the profiled model, built without its weights where it can be.
+
+    fx traces structure and shapes only: its model is built on meta. torch.export's graph is traced
+    on fake CPU tensors of a model whose parameters were never allocated
+    (:func:`partitioner.profiler.fake.trace_weightless`: the graph a real model gives, node names
+    included), so writing the package of a model larger than this machine costs its buffers only. A
+    model whose graph depends on its tensors' values cannot be traced on fake tensors: it is built
+    whole in float32 and traced for real, as before, when that fits in half the free memory.
+    """
+    from partitioner.models import load_model
+    from partitioner.profiler.budget import too_big_to_build
+    from partitioner.profiler.fake import trace_weightless
+    from partitioner.profiler.trace import trace_model
+
+    spec = str(options["spec"])
+    shape = tuple(options["input_shape"]) if options.get("input_shape") else None
+    leaves = tuple(options.get("leaf_modules", ()))
+    dynamic = not options.get("static_shapes")  # a graph traced with static shapes is traced so again
+    if profile.tracer == "fx":
+        bundle = load_model(spec, batch, shape, device="meta")
+        return bundle, trace_model(bundle, leaves, shape, dynamic=dynamic)
+    try:
+        bundle = load_model(spec, batch, shape, lazy=True)
+        return bundle, trace_weightless(bundle, torch.device("cpu"), leaves, shape, dynamic=dynamic)
+    except Exception as exc:
+        too_big = too_big_to_build(profile)
+        if too_big:
+            raise PackageError(
+                f"{spec} cannot be traced without its weights ({type(exc).__name__}: {exc}), and "
+                f"{too_big}; write the package on a machine with more memory"
+            ) from exc
+        log.info("tracing %s without its weights failed (%s); building it whole", spec, exc)
+    bundle = load_model(spec, batch, shape)
+    return bundle, trace_model(bundle, leaves, shape, dynamic=dynamic)
 
 
 def _trace_batch(options: Mapping[str, Any], plan: Plan) -> int:

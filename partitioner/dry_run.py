@@ -11,7 +11,8 @@ batch in training mode).
 
 A graph that needs its batch size in a shape (``x.view(x.size(0), -1)``) or reads values cannot run
 on an empty batch; it then runs on meta tensors (no data either, but torch's meta kernels import
-torch._dynamo, seconds the first time), and :class:`NeedsValues` says when neither works.
+torch._dynamo, seconds the first time), then on fake tensors of the device it was traced on (a
+graph that moves a meta tensor to the CPU), and :class:`NeedsValues` says when none works.
 
 Example:
     >>> output, values = dry_run(traced.graph_module, bundle.inputs)  # doctest: +SKIP
@@ -127,4 +128,29 @@ def dry_run(gm: fx.GraphModule, inputs: Sequence[Any]) -> tuple[Any, dict[str, A
         with _swapped(gm, _on_meta, eval_mode=False):
             return _run(gm, meta)
     except Exception as exc:
+        log.info("the graph cannot run on meta tensors (%s); running it on fake tensors", exc)
+    try:
+        return _fake_run(gm, inputs)
+    except Exception as exc:
         raise NeedsValues(f"the traced graph cannot run without values: {exc}") from exc
+
+
+def _fake_run(gm: fx.GraphModule, inputs: Sequence[Any]) -> tuple[Any, dict[str, Any]]:
+    """The graph on fake tensors (torch's ``FakeTensorMode``: shape, dtype and device, no storage).
+
+    For a graph whose weights are on meta but that moves tensors to the device it was traced on
+    (torch.export writes ``.to(cpu)`` into a Hugging Face model's graph, which a meta tensor cannot
+    do): a meta tensor is faked on the CPU, any other on its own device.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        device = torch.device("cpu") if t.device.type == "meta" else t.device
+        with mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+
+    faked = [fake(t) if isinstance(t, torch.Tensor) else t for t in inputs]
+    with _swapped(gm, fake, eval_mode=False), mode:
+        return _run(gm, faked)

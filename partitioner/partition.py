@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from partitioner.atomic import write_text_atomic
-from partitioner.clusters import load_cluster
+from partitioner.clusters import default_latency, levels_of, load_cluster
 from partitioner.devices import estimated_device
 from partitioner.errors import PlanError, ProfileFormatError
 from partitioner.graph import Profile, load_profile
@@ -38,8 +38,8 @@ from partitioner.optimizer.planner import alternatives
 from partitioner.optimizer.pricing.price import check_layers_fit
 from partitioner.optimizer.pricing.schedules import model as schedule_model
 from partitioner.optimizer.pricing.simulate import Simulation, simulate, write_chrome_trace
-from partitioner.optimizer.units import parse_bandwidth, parse_bytes, parse_int_list
-from partitioner.plan import Cluster, Level, Plan, mp_conf, save_plan
+from partitioner.optimizer.units import parse_bytes, parse_int_list
+from partitioner.plan import Cluster, Plan, mp_conf, save_plan
 from partitioner.profiler.budget import unbuildable
 from partitioner.update import with_update_time
 from runtime.newest import newest
@@ -57,6 +57,7 @@ class PartitionRequest:
     cluster_spec: str | None = None
     topology: str | None = None
     bandwidth: str | None = None
+    latency: str | None = None
     memory: str | None = None
     host_cores: int | None = None
     schedule: str = "auto"
@@ -109,8 +110,8 @@ def partition(request: PartitionRequest, note: Callable[[str], None] = lambda _:
         )
     profile = with_update_time(profile, r.optimizer)
     recompute = r.recompute or ("auto" if r.schedule == "auto" else "none")  # auto searches it too
-    cluster = cpu_hosts(cluster_of(r.gpus, r.topology, r.bandwidth, r.memory, r.cluster_spec), profile,
-                        r.host_cores)  # fmt: skip
+    asked = cluster_of(r.gpus, r.topology, r.bandwidth, r.memory, r.cluster_spec, r.latency, profile.device)
+    cluster = cpu_hosts(asked, profile, r.host_cores)
     check_devices(profile, cluster.gpus)
     cluster = _estimated_memory(profile, cluster, note)
     if cluster.memory_bytes is not None:
@@ -177,13 +178,14 @@ def newest_profile() -> Path:
 
 def cluster_of(
     gpus: int | None, topology: str | None, bandwidth: str | None, memory: str | None,
-    preset: str | None = None,
+    preset: str | None = None, latency: str | None = None, device: str = "cpu",
 ) -> Cluster:  # fmt: skip
-    """The devices asked: ``--gpus N`` or ``--topology N1,N2`` with ``--bandwidth``, or a named preset."""
+    """The devices asked: ``--gpus N`` or ``--topology N1,N2`` with ``--bandwidth`` and ``--latency``
+    (default: ``clusters.default_latency`` of the profile's ``device``), or a named preset."""
     if preset is not None:
-        if gpus is not None or topology is not None or bandwidth is not None:
+        if gpus is not None or topology is not None or bandwidth is not None or latency is not None:
             raise PlanError(
-                "--cluster gives the devices and their bandwidths: drop --gpus, --topology, --bandwidth"
+                "--cluster gives the devices and their links: drop --gpus, --topology, --bandwidth, --latency"
             )
         cluster = load_cluster(preset)
         return replace(cluster, memory_bytes=parse_bytes(memory)) if memory else cluster
@@ -192,11 +194,8 @@ def cluster_of(
     if gpus is not None and gpus < 1:
         raise PlanError(f"--gpus must be >= 1, got {gpus}")
     devices = [gpus] if gpus is not None else parse_int_list(str(topology), "--topology")
-    rates = [parse_bandwidth(b) for b in bandwidth.split(",")] if bandwidth else [1e9] * len(devices)
-    if len(rates) != len(devices):
-        raise PlanError(f"--bandwidth has {len(rates)} values but the topology has {len(devices)} levels")
     limit = parse_bytes(memory) if memory else None
-    return Cluster(tuple(Level(d, r) for d, r in zip(devices, rates, strict=True)), limit)
+    return Cluster(levels_of(devices, bandwidth, latency, default_latency(device)), limit)
 
 
 def _estimated_memory(profile: Profile, cluster: Cluster, note: Callable[[str], None]) -> Cluster:

@@ -24,6 +24,7 @@ __all__ = [
     "PLAN_SCHEMA",
     "Cluster",
     "Level",
+    "Link",
     "Plan",
     "Prediction",
     "SolverInfo",
@@ -41,16 +42,39 @@ OPTIMIZERS: tuple[str, ...] = ("sgd", "momentum", "adam", "adamw")
 
 
 @dataclass(frozen=True)
+class Link:
+    """What a message between two units costs: ``latency + bytes / bandwidth`` (the alpha-beta model).
+
+    The cost model prices every message with one of these (``pricing/stage.py``), so a schedule that
+    sends more messages (more microbatches, virtual stages) pays for each of them.
+
+    Attributes:
+        bandwidth: bytes per second, one direction.
+        latency: seconds every message costs besides its bytes (0: bandwidth only).
+    """
+
+    bandwidth: float
+    latency: float = 0.0
+
+
+@dataclass(frozen=True)
 class Level:
     """One level of the device hierarchy.
 
     Attributes:
         devices: units of the level below in one unit of this level (GPUs per server, servers per rack).
         bandwidth: bytes per second between those units.
+        latency: seconds one message between those units costs besides its bytes.
     """
 
     devices: int
     bandwidth: float
+    latency: float = 0.0
+
+    @property
+    def link(self) -> Link:
+        """The link between this level's units."""
+        return Link(self.bandwidth, self.latency)
 
 
 @dataclass(frozen=True)
@@ -78,6 +102,8 @@ class Cluster:
                 raise PlanError(f"every level needs at least 1 device, got {level.devices}")
             if not level.bandwidth > 0:
                 raise PlanError(f"bandwidth must be > 0 bytes/s, got {level.bandwidth}")
+            if not level.latency >= 0:
+                raise PlanError(f"latency must be >= 0 s, got {level.latency}")
         if self.memory_bytes is not None and self.memory_bytes <= 0:
             raise PlanError(f"memory must be > 0 bytes, got {self.memory_bytes}")
         if self.cores is not None and self.cores < 1:
@@ -90,10 +116,17 @@ class Cluster:
         """Total devices."""
         return math.prod(level.devices for level in self.levels)
 
+    @property
+    def slowest(self) -> Link:
+        """The slowest link of any level (least bandwidth, most latency): what a search that sees
+        one level prices every message with."""
+        return Link(min(lv.bandwidth for lv in self.levels), max(lv.latency for lv in self.levels))
+
     @staticmethod
-    def flat(gpus: int, bandwidth: float = 1e9, memory_bytes: int | None = None) -> Cluster:
-        """One level of ``gpus`` devices."""
-        return Cluster((Level(gpus, bandwidth),), memory_bytes)
+    def flat(gpus: int, bandwidth: Link | float = 1e9, memory_bytes: int | None = None) -> Cluster:
+        """One level of ``gpus`` devices joined by a link (a bare number: its bandwidth, no latency)."""
+        link = bandwidth if isinstance(bandwidth, Link) else Link(bandwidth)
+        return Cluster((Level(gpus, link.bandwidth, link.latency),), memory_bytes)
 
 
 @dataclass(frozen=True)
@@ -225,6 +258,9 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
     doc["extra"] = dict(plan.extra)
     if plan.virtual_stages == 1:  # only interleaved plans say it (older readers never see the field)
         del doc["virtual_stages"]
+    for level in doc["cluster"]["levels"]:  # only links with a latency say it (as above)
+        if not level["latency"]:
+            del level["latency"]
     return doc
 
 
@@ -241,7 +277,10 @@ def plan_from_json(doc: Mapping[str, Any], source: str = "plan") -> Plan:
         return Plan(
             gpus=int(doc["gpus"]),
             cluster=Cluster(
-                tuple(Level(int(lv["devices"]), float(lv["bandwidth"])) for lv in cluster["levels"]),
+                tuple(
+                    Level(int(lv["devices"]), float(lv["bandwidth"]), float(lv.get("latency", 0.0)))
+                    for lv in cluster["levels"]
+                ),
                 cluster.get("memory_bytes"),
                 cluster.get("cores"),
                 int(cluster.get("threads", 1)),

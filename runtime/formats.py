@@ -45,7 +45,7 @@ _STAGE = Obj(
     {"index": Int(0), "nodes": List(Str()), "replicas": Int(1), "ranks": List(Int(0))},
     {"compute_s": Num(), "comm_s": Num(), "memory_bytes": Num(), "recompute": Bool()},
 )
-_LEVEL = Obj({"devices": Int(1), "bandwidth": Num(0.0, strict=True)})
+_LEVEL = Obj({"devices": Int(1), "bandwidth": Num(0.0, strict=True)}, {"latency": Num(0.0)})
 
 PLAN_FIELDS = Obj(
     {
@@ -94,6 +94,7 @@ METRICS_FIELDS = Obj(
         "batch_size": Opt(Int(1)),
         "samples_per_s": Opt(Num()),
         "time_per_minibatch_s": Opt(Num()),
+        "machine": Obj({"loadavg_1min": Num(), "cpus": Int(1)}),
         "model": Str(),
         "precision": Opt(Str(PRECISIONS)),
         "schedule": Str(),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import statistics
 import time
 from collections.abc import Iterator, Sequence
@@ -147,7 +148,15 @@ def summarize(
         "warmup_steps_excluded": warmup,
         "stages": _stage_times(ranks, warmup),
         "ranks": [{**asdict(r), "idle_s": r.idle_s} for r in ranks],
+        "machine": machine_load(),
     }
+
+
+def machine_load() -> dict[str, Any]:
+    """The 1-minute load average of the machine that writes the metrics (rank 0's) as the run ends,
+    and the cores this process may use: ``calibrate`` tells a quiet run from one that shared its
+    cores with other work (the run's own ranks count in the load too)."""
+    return {"loadavg_1min": os.getloadavg()[0], "cpus": len(os.sched_getaffinity(0))}
 
 
 def _stage_times(ranks: Sequence[RankMetrics], warmup: int) -> list[dict[str, Any]]:

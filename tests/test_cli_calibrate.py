@@ -53,6 +53,27 @@ def test_calibrate_then_partition(tmp_path: Path) -> None:
     assert load_plan(tmp_path / "again" / "toy" / "gpus=2" / "plan.json").profile == str(tmp_path / "c.json")
 
 
+def test_calibrate_refuses_a_loaded_run_unless_accepted(tmp_path: Path) -> None:
+    graph = tmp_path / "toy" / "graph.txt"
+    graph.parent.mkdir()
+    write_graph_txt(make_profile([(5, 10, 4000, 1000), (8, 16, 2000, 2000)], [(0, 1)]), graph)
+    out_dir = str(tmp_path / "m")
+    assert _invoke("partition", "--profile", str(graph), "--gpus", "2", "--cuts", "l0", "--replicas", "1,1",
+                   "-o", out_dir)[0] == 0  # fmt: skip
+    package = tmp_path / "m" / "toy" / "gpus=2"
+    (package / "run").mkdir()
+    stages = [{"stage": 0, "compute_s_per_minibatch": 0.05}, {"stage": 1, "compute_s_per_minibatch": 0.07}]
+    metrics = {"schema": "pipeplan.metrics/1", "batch_size": 8, "stages": stages,
+               "machine": {"loadavg_1min": 9.0, "cpus": 2}}  # fmt: skip
+    (package / "run" / "metrics.json").write_text(json.dumps(metrics))
+    target = str(tmp_path / "c.json")
+    code, out = _invoke("calibrate", str(package), "-o", target)
+    assert code == 2 and out.startswith("error:") and "--accept-load" in out
+    assert not Path(target).exists()  # nothing half-written
+    code, out = _invoke("calibrate", str(package), "-o", target, "--accept-load")
+    assert code == 0 and "load 9.00 on 2 cores" in out and Path(target).exists()
+
+
 def test_calibrate_without_a_run_is_one_line_exit_2(tmp_path: Path) -> None:
     code, out = _invoke("calibrate", "--models-dir", str(tmp_path))
     assert code == 2 and out.startswith("error:") and "pipeplan run" in out

@@ -51,6 +51,10 @@ def test_json_prints_only_the_plan(graph: Path, tmp_path: Path) -> None:
     assert code == 0
     doc = json.loads(out)
     assert doc["schema"] == "pipeplan.plan/1" and doc["cluster"]["levels"][1]["bandwidth"] == 12.5e9
+    assert [lv["latency"] for lv in doc["cluster"]["levels"]] == [5.7e-6] * 2  # a GPU profile's default
+    code, out, _ = _run("partition", "--profile", str(graph), "--topology", "2,2", "--latency", "2us,20ms",
+                        "--json", "-o", str(tmp_path))  # fmt: skip
+    assert code == 0 and [lv["latency"] for lv in json.loads(out)["cluster"]["levels"]] == [2e-6, 0.02]
 
 
 def test_cuts_and_replicas_are_evaluated(graph: Path, tmp_path: Path) -> None:
@@ -81,6 +85,9 @@ def test_synchronous_schedules(graph: Path, tmp_path: Path, schedule: str) -> No
         ["--topology", "2,2", "--bandwidth", "1e9"],
         ["--gpus", "4", "--bandwidth", "0"],
         ["--gpus", "4", "--bandwidth", "fast"],
+        ["--gpus", "4", "--latency", "soon"],
+        ["--topology", "2,2", "--latency", "1ms"],
+        ["--cluster", "dgx-h100", "--latency", "1ms"],
         ["--gpus", "4", "--memory", "1KiB"],
         ["--gpus", "4", "--cuts", "nosuchlayer", "--replicas", "1,1"],
         ["--gpus", "8", "--cuts", "l0,l1,l2,l3", "--replicas", "1,1,1,1,1"],
@@ -139,7 +146,7 @@ def test_cluster_presets_and_files_set_the_topology(graph: Path, tmp_path: Path)
     )
     _, same, _ = _run(
         "partition", "--profile", str(graph), "--topology", "8,2", "--bandwidth", "450GB/s,50GB/s",
-        "--memory", "80GiB", "-o", str(tmp_path), "--json",
+        "--latency", "3.4us,9.6us", "--memory", "80GiB", "-o", str(tmp_path), "--json",
     )  # fmt: skip
     assert json.loads(out)["cluster"] == json.loads(same)["cluster"]
     assert json.loads(out)["stages"] == json.loads(same)["stages"]

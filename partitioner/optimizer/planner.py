@@ -66,9 +66,9 @@ def solve(
     gpus``; ``zbv``: ``2 gpus`` stages laid out as a V (candidate cuts, not an exact search).
 
     The arguments are :class:`~partitioner.optimizer.options.SolveOptions`' fields. ``recompute``:
-    ``none``; ``all`` (every stage recomputes its forward in backward); ``auto`` (the plan without
-    recomputation if one fits; otherwise the plan searched with every stage recomputing, then each
-    stage that fits without recomputation keeps its activations).
+    ``none``; ``all`` (every stage recomputes its forward in backward); ``auto`` (under a memory limit,
+    the faster of the plan without recomputation, if one fits, and the plan searched with every stage
+    recomputing, then each stage that fits without recomputation keeping its activations).
 
     Raises:
         PlanError: bad schedule, optimizer, solver, recompute mode or microbatch count.
@@ -84,26 +84,37 @@ def solve_with(profile: Profile, cluster: Cluster, opts: SolveOptions) -> Plan:
     """:func:`solve` with its options as one value (checked by ``SolveOptions.checked``)."""
     if model(opts.schedule).laid_out:
         return _laid_out(profile, cluster, opts)
+    kept: Plan | None = None
     if opts.recompute != "all":
         final = opts.recompute == "none" or cluster.memory_bytes is None  # else recomputation comes next
         try:
             plan = _solve_kept(profile, cluster, opts, explain=final)
+            kept = replace(plan, extra={**plan.extra, "recompute": opts.recompute})
         except InfeasibleError:
-            if opts.recompute == "none" or cluster.memory_bytes is None:
+            if final:
                 raise
-        else:
-            return replace(plan, extra={**plan.extra, "recompute": opts.recompute})
+        if final and kept is not None:
+            return kept
     where = f"{gib(cluster.memory_bytes or 0)} per GPU on {cluster.gpus} GPUs"
     try:  # (the search's own estimate of what would fit ignores the inputs recomputing stages keep)
         searched = _solve_kept(recomputing(profile), cluster, opts)
     except InfeasibleError:
+        if kept is not None:
+            return kept
         raise InfeasibleError(
             f"no plan fits in {where} even with every stage recomputing; raise --memory or add GPUs"
         ) from None
     try:
-        return repriced(profile, cluster, searched, opts.recompute, opts.activation_comm)
+        again = repriced(profile, cluster, searched, opts.recompute, opts.activation_comm)
     except InfeasibleError as exc:
+        if kept is not None:
+            return kept
         raise InfeasibleError(f"no plan fits in {where} even with every stage recomputing: {exc}") from None
+    # auto: a plan that fits without recomputing can be slower than one that recomputes (a stage
+    # with more replicas may fit only when it does): the faster of the two
+    if kept is not None and kept.predicted.time_per_minibatch_s <= again.predicted.time_per_minibatch_s:
+        return kept
+    return again
 
 
 def _laid_out(profile: Profile, cluster: Cluster, opts: SolveOptions) -> Plan:

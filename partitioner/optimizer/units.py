@@ -1,4 +1,4 @@
-"""Parse the sizes and rates users type: ``10GB/s``, ``100Gbit/s``, ``1e9``, ``16GiB``."""
+"""Parse the sizes, rates and delays users type: ``10GB/s``, ``100Gbit/s``, ``1e9``, ``16GiB``, ``5us``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 
 from partitioner.errors import PlanError
 
-__all__ = ["parse_bandwidth", "parse_bytes", "parse_int_list"]
+__all__ = ["parse_bandwidth", "parse_bytes", "parse_int_list", "parse_latency"]
 
 _NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z/]*)\s*$")
 _PREFIX = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -46,6 +46,17 @@ def parse_bandwidth(text: str) -> float:
     if rate <= 0:
         raise PlanError(f"bandwidth must be > 0 bytes/s, got {text!r}")
     return rate
+
+
+_PER_SECOND = {"": 1.0, "s": 1.0, "ms": 1e3, "us": 1e6, "µs": 1e6, "ns": 1e9}  # 5us = 5 / 1e6 exactly
+
+
+def parse_latency(text: str) -> float:
+    """Seconds from ``5us``, ``1.7ms``, ``0`` or ``2e-3`` (a bare number is seconds)."""
+    match = re.match(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(s|ms|us|µs|ns)?\s*$", text)
+    if not match:
+        raise PlanError(f"bad latency {text!r}: use e.g. 5us, 1.7ms or 0 (a bare number is seconds)")
+    return float(match[1]) / _PER_SECOND[match[2] or ""]
 
 
 def parse_int_list(text: str, what: str) -> list[int]:

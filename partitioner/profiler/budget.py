@@ -19,7 +19,14 @@ from torch import nn
 from partitioner.errors import PipeplanError
 from partitioner.graph import Profile
 
-__all__ = ["MATERIALIZE", "WHOLE_SHARE", "choose_materialize", "free_bytes", "unbuildable"]
+__all__ = [
+    "MATERIALIZE",
+    "WHOLE_SHARE",
+    "choose_materialize",
+    "free_bytes",
+    "too_big_to_build",
+    "unbuildable",
+]
 
 MATERIALIZE = ("auto", "whole", "layer")
 """The values of ``pipeplan profile --materialize``."""
@@ -42,12 +49,22 @@ def choose_materialize(mode: str, module: nn.Module, device: torch.device) -> st
 def unbuildable(profile: Profile) -> str | None:
     """Why ``partition`` cannot write the stage code of ``profile``'s model here, or None.
 
-    Writing a package re-traces the model built whole, in float32, on this machine's CPU (the
-    generated stages are cut from that graph). A model whose float32 weights exceed half of the
-    memory free here would not build; its plan is still made and written.
+    Writing a package re-traces the model (the generated stages are cut from that graph). Built-in,
+    torchvision and ``hf:`` models traced by fx are built on the meta device, and every model traced
+    by torch.export is traced on fake tensors without its weights (:mod:`partitioner.codegen`): none
+    of them is built whole. A model file's factory traced by fx runs on this machine's CPU, in
+    float32: if those weights exceed half of the memory free here it would not build; its plan is
+    still made and written.
     """
-    if profile.tracer == "pipedream":
+    spec = str(dict(profile.tracer_options).get("spec", profile.model))
+    if profile.tracer != "fx" or spec.startswith(("hf:", "torchvision:")) or ":" not in spec:
         return None
+    return too_big_to_build(profile)
+
+
+def too_big_to_build(profile: Profile) -> str | None:
+    """Why ``profile``'s model cannot be built whole in float32 on this machine's CPU (its weights
+    exceed half of the memory free here), or None."""
     itemsize = {"float16": 2, "bfloat16": 2, "float64": 8}.get(profile.dtype, 4)
     need = profile.total_param_bytes * 4 / itemsize
     free = free_bytes(torch.device("cpu"))

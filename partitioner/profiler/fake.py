@@ -23,6 +23,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from partitioner.models import ModelBundle
 from partitioner.profiler.trace import Traced, trace_model
@@ -35,16 +36,25 @@ def trace_weightless(
     device: torch.device,
     leaf_modules: Sequence[str] = (),
     input_shape: tuple[int, ...] | None = None,
+    dynamic: bool = False,
 ) -> Traced:
     """:func:`~partitioner.profiler.trace.trace_model` of a bundle built with ``lazy=True``, as if its
-    tensors were real on ``device``, with static shapes (a deep model exports two to three times
-    faster). The traced graph module's tensors (and the bundle's module's) are on meta afterwards."""
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    tensors were real on ``device``. Static shapes by default (a deep model exports two to three times
+    faster); ``dynamic`` tries a dynamic batch first, as ``trace_model`` does, with a shape environment
+    in the fake mode for the symbolic sizes. The traced graph module's tensors (and the bundle's
+    module's) are on meta afterwards."""
+    mode = FakeTensorMode(allow_non_fake_inputs=False, shape_env=ShapeEnv() if dynamic else None)
     with mode:
         _swap(bundle.module, lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
-    fake_inputs = tuple(mode.from_tensor(t.to(device)) for t in bundle.inputs)
+    maker = bundle.input_maker
+
+    def fake_inputs(batch: int) -> tuple[Tensor, ...]:  # a dynamic export may ask for a batch of 2
+        return tuple(mode.from_tensor(t.to(device)) for t in maker(batch))
+
+    inputs = tuple(mode.from_tensor(t.to(device)) for t in bundle.inputs)
+    faked = replace(bundle, inputs=inputs, input_maker=fake_inputs)
     try:
-        traced = trace_model(replace(bundle, inputs=fake_inputs), leaf_modules, input_shape, dynamic=False)
+        traced = trace_model(faked, leaf_modules, input_shape, dynamic=dynamic)
     finally:
         _swap(bundle.module, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"))
     _swap(traced.graph_module, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"))

@@ -190,7 +190,7 @@ def _export(
     ``retrace(options, batch_size=...)`` re-exports it at the size a stage runs (same node names).
     """
     try:
-        with _quiet_torch_logs():
+        with _quiet_torch_logs(), _no_stack_traces():
             try:
                 if not dynamic:
                     raise TraceError("static shapes asked for")
@@ -274,6 +274,24 @@ def _quiet_torch_logs() -> Iterator[None]:
     finally:
         for lg, level in zip(loggers, levels, strict=True):
             lg.setLevel(level)
+
+
+@contextlib.contextmanager
+def _no_stack_traces() -> Iterator[None]:
+    """Tracing records no Python stack per graph node (torch.fx's ``do_not_emit_stack_traces``).
+
+    Capturing and symbolising a traceback for every node took a fifth of a static export of a
+    32-block Llama (benchmarks/bench_profile_phases.py), growing with the depth; nothing here reads
+    ``stack_trace`` (layers are grouped by ``nn_module_stack``, and the stage code carries no stack
+    comments). What is lost: the "Original traceback" torch adds to an error raised while a traced
+    graph runs.
+    """
+    previous = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = previous
 
 
 def _first_line(exc: BaseException) -> str:

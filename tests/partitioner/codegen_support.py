@@ -11,11 +11,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from partitioner.graph import Node, Profile
-from partitioner.models import load_model
+from partitioner.models import ModelBundle, load_model
 from partitioner.plan import Cluster, Plan, Prediction, SolverInfo, Stage
-from partitioner.profiler.trace import trace_model
+from partitioner.profiler.trace import Traced, trace_model
 
-__all__ = ["HF_GPT2", "plan_for", "profile_for"]
+__all__ = ["HF_GPT2", "plan_for", "profile_for", "profile_of"]
 
 HF_GPT2 = f"{Path(__file__).with_name('hf_gpt2_model.py')}:gpt2_4layer"
 
@@ -23,14 +23,18 @@ HF_GPT2 = f"{Path(__file__).with_name('hf_gpt2_model.py')}:gpt2_4layer"
 def profile_for(spec: str, batch_size: int = 2, input_shape: tuple[int, ...] | None = None) -> Profile:
     """An unmeasured profile of ``spec``: the traced layers and how to re-trace them."""
     bundle = load_model(spec, batch_size, input_shape)
-    traced = trace_model(bundle, (), input_shape)
+    return profile_of(bundle, trace_model(bundle, (), input_shape))
+
+
+def profile_of(bundle: ModelBundle, traced: Traced) -> Profile:
+    """:func:`profile_for` of a model already loaded and traced."""
     nodes = tuple(
         Node(id=g.id, name=g.name, op=g.op, target=g.target, members=g.members) for g in traced.groups
     )
     return Profile(
         nodes=nodes,
-        model=spec,
-        batch_size=batch_size,
+        model=bundle.spec,
+        batch_size=bundle.batch_size,
         tracer=traced.tracer,
         tracer_options=dict(traced.options),
     )

@@ -14,6 +14,7 @@ from partitioner.calibrate import (
     check_run,
     device_seconds,
     load_run_times,
+    load_verdict,
     stage_factors,
 )
 from partitioner.errors import PipeplanError
@@ -91,6 +92,8 @@ def test_load_run_times(tmp_path: Path) -> None:
         load_run_times(path)
     with pytest.raises(PipeplanError, match="pipeplan run"):
         load_run_times(tmp_path / "none.json")
+    path.write_text(json.dumps({**doc, "machine": {"loadavg_1min": 3.5, "cpus": 2}}))
+    assert (load_run_times(path).load, load_run_times(path).cpus) == (3.5, 2)
     path.write_text(json.dumps({**doc, "schedule": "interleaved"}))
     with pytest.raises(PipeplanError, match="interleaved run"):
         load_run_times(path)
@@ -122,6 +125,22 @@ def test_an_estimated_profile_gets_its_device_model_corrected() -> None:
     assert device.memory_efficiency == pytest.approx(PRESETS["h100"].memory_efficiency / 2)
     assert device.launch_s == pytest.approx(2 * PRESETS["h100"].launch_s)
     assert "run/metrics.json" in device.sources["matmul_efficiency"]
+
+
+def test_a_run_under_other_work_is_refused_and_named() -> None:
+    """2 ranks on 2 cores: load 2 is the run's own; load 4 is 1 per core of other work (refused,
+    saying what to do); a stage with a third of a core is named either way; no record: a note."""
+    _, plan = _plan()
+    quiet = RunTimes({0: 0.2, 1: 0.1}, 8, "m.json", load=2.2, cpus=2)
+    assert load_verdict(plan, quiet)[0] is None
+    busy = replace(quiet, load=4.0, cpu_share={0: 0.35, 1: 0.9})
+    refusal, notes = load_verdict(plan, busy)
+    assert refusal is not None and "load 4.0 on 2 cores" in refusal and "--accept-load" in refusal
+    assert "quiet machine" in refusal
+    assert any("stage 0" in n and "35%" in n for n in notes) and not any("stage 1" in n for n in notes)
+    unknown = replace(quiet, load=None, cpus=None)
+    assert load_verdict(plan, unknown)[0] is None
+    assert any("does not record the machine's load" in n for n in load_verdict(plan, unknown)[1])
 
 
 def test_a_run_of_another_model_or_precision_is_refused() -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from partitioner.codegen import with_ranks, write_package
+from partitioner.codegen import with_ranks, write_package, write_package_from_trace
 from partitioner.errors import PackageError, PlanError
 from partitioner.graph import Profile
 from partitioner.models import load_model
@@ -21,7 +21,7 @@ from partitioner.verify import load_package, verify_package
 from partitioner.zoo import tiny
 from runtime import stagekit
 from runtime.stagekit import loss_input
-from tests.partitioner.codegen_support import plan_for, profile_for
+from tests.partitioner.codegen_support import plan_for, profile_for, profile_of
 
 GOLDEN = Path(__file__).parents[1] / "golden" / "tiny-skip-gpus3"
 REGEN = os.environ.get("PIPEPLAN_REGEN_GOLDEN") == "1"
@@ -371,3 +371,48 @@ def test_constants_export_lifts_out_of_forward_are_written_into_the_stage_code(t
         code = "".join(p.read_text() for p in (tmp_path / "pkg").glob("stage*.py"))
         assert "torch.tensor([0.5, -0.5, 0.25, 0.0]" in code and "lifted_tensor" not in code
         assert verify_package(tmp_path / "pkg").ok
+
+
+def test_a_model_traced_only_for_real_and_too_big_to_build_is_one_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lifted-constants model cannot be built weightless (its forward makes CPU tensors); built
+    whole it would need more than half the free memory here: a PackageError, nothing written."""
+    from partitioner.profiler import budget
+
+    profile = profile_for(f"{Path(__file__).with_name('lifted_model.py')}:make")
+    nodes = tuple(replace(n, param_bytes=2**30) if i == 1 else n for i, n in enumerate(profile.nodes))
+    monkeypatch.setattr(budget, "free_bytes", lambda device: float(2**30))
+    with pytest.raises(PackageError, match=r"cannot be traced without its weights.*more than half"):
+        write_package(replace(profile, nodes=nodes), plan_for(profile, [2]), tmp_path / "pkg")
+    assert not (tmp_path / "pkg").exists()
+
+
+def test_an_exported_model_is_written_without_building_its_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch.export's graph is traced on fake tensors of a model built weightless: the package is the
+    one a real build and trace gives, byte for byte, and no weight was allocated on the way."""
+    from partitioner import models
+    from partitioner.profiler.trace import trace_model
+
+    bundle = load_model("hf:llama", 2, (8,))
+    traced = trace_model(bundle, (), (8,))
+    profile = profile_of(bundle, traced)
+    assert profile.tracer == "export" and not profile.tracer_options["static_shapes"]
+    plan = plan_for(profile, [len(profile.nodes) // 2])
+    write_package_from_trace(profile, plan, tmp_path / "real", traced.graph_module, bundle, "export")
+    builds: list[bool] = []
+    seeded_call = models._seeded_call
+
+    def recorded(*args: object, **kwargs: object) -> object:
+        builds.append(bool(kwargs.get("lazy", args[3] if len(args) > 3 else False)))
+        return seeded_call(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(models, "_seeded_call", recorded)
+    write_package(profile, plan, tmp_path / "weightless")
+    assert builds == [True]  # built once, weightless
+    files = sorted(p.name for p in (tmp_path / "real").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "weightless").iterdir())
+    for name in files:
+        assert (tmp_path / "real" / name).read_bytes() == (tmp_path / "weightless" / name).read_bytes(), name

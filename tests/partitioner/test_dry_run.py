@@ -63,6 +63,23 @@ def test_batch_sized_views_fall_back_to_meta_tensors() -> None:
     assert gm.bn.running_mean.device.type == "cpu"
 
 
+class MovesToTheCpu(ViewByBatch):
+    """A batch-sized view and a weight moved to the CPU, as torch.export writes ``.to(cpu)`` into a
+    Hugging Face model's graph: neither an empty batch nor meta tensors run it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn(self.conv(x))
+        return nn.functional.linear(h.view(h.size(0), -1), self.head.weight.to("cpu"))
+
+
+def test_a_graph_that_moves_meta_weights_to_the_cpu_runs_on_fake_tensors() -> None:
+    with torch.device("meta"):
+        gm = fx.symbolic_trace(MovesToTheCpu())
+    output, values = dry_run(gm, (torch.randn(2, 3, 8, 8),))
+    assert output.shape == (2, 5) and output.device.type == "cpu" and "to" in values
+    assert gm.head.weight.device.type == "meta"  # put back
+
+
 def test_a_graph_that_reads_values_says_so() -> None:
     gm = fx.symbolic_trace(ReadsValues())
     with pytest.raises(NeedsValues, match="without values"):

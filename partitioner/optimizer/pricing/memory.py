@@ -17,7 +17,9 @@ measured against ``pipeplan run`` by ``benchmarks/bench_memory.py``):
   computes a layer's new gradient beside the sum it adds it to (the stage's largest layer at most;
   zb1p's and zbv's W computes the whole stage's weight gradients before adding them: P);
 - h items' saved activations, each ``1/share`` of a minibatch; with recomputation h items' inputs
-  plus the one item's activations its backward rebuilds;
+  and the loss's saved bytes (the runtime computes the loss outside the stage's recomputed forward,
+  so autograd keeps them per item as without recomputation), plus the one item's activations its
+  backward rebuilds;
 - one item's backward working bytes (``Node.working_bytes``: the loss's gradients of the logits,
   on the last stage), one microbatch's as the runtime runs them, passed in ``transient``.
 """
@@ -43,6 +45,7 @@ __all__ = [
     "master_ratio",
     "peak_bytes",
     "persistent_factor",
+    "replica_share",
     "shared_weights",
     "transient_bytes",
     "weight_bytes",
@@ -98,13 +101,15 @@ def peak_bytes(
     inputs: float = 0.0,
     recompute: bool = False,
     master: float = 0.0,
+    kept: float = 0.0,
 ) -> int:
     """Peak bytes of one device holding ``held`` items, each ``1/share`` of a minibatch.
 
     ``transient``: :func:`transient_bytes` where the replica accumulates, else 0; ``inputs``: the
     bytes of the stage's forward inputs per minibatch (what a recomputing stage keeps per item);
-    ``master``: :func:`master_ratio` of the weights' dtype."""
-    held_bytes = (held * inputs + saved) if recompute else held * saved
+    ``master``: :func:`master_ratio` of the weights' dtype; ``kept``: the part of ``saved`` a
+    recomputing stage keeps per item all the same (the loss's, ``StageLoad.kept_bytes``)."""
+    held_bytes = (held * (inputs + kept) + saved - kept) if recompute else held * saved
     weights = float(weight_bytes(params, held, schedule, optimizer, master))
     return round(weights + transient + held_bytes / share)
 
@@ -161,8 +166,9 @@ class MemoryLimit:
     The searches price a stage from its parameter and saved bytes, so two terms of :func:`peak_bytes`
     may be bounds: the accumulated gradient by ``largest`` (the profile's largest layer) where a
     search does not pass the stage's own (the exact synchronous search does, :meth:`extras`; the
-    bottleneck candidates do not), and a synchronous stage holds all M microbatches' activations
-    (gpipe's count, at least 1f1b's and zb1p's). Every plan is then priced by :func:`peak_bytes`.
+    bottleneck candidates do not), and a replica of a synchronous stage holds all of its
+    microbatches' activations, ceil(M / r) whole microbatches (:func:`replica_share`: gpipe's count,
+    at least 1f1b's and zb1p's). Every plan is then priced by :func:`peak_bytes`.
 
     Attributes:
         limit: bytes per device.
@@ -268,14 +274,19 @@ class MemoryLimit:
     def replicas(
         self, params: FloatArray, saved: FloatArray, largest: FloatArray | None = None
     ) -> FloatArray:
-        """Synchronous: the fewest replicas that hold all M microbatches' activations (inf: none);
-        below M replicas a replica accumulates and holds the transient gradient too (``largest``:
-        the stages' largest layers, else the profile's)."""
+        """Synchronous: the fewest replicas whose replicas each hold all of their microbatches'
+        activations (:meth:`fits`; inf: none). Below M replicas a replica accumulates, holds the
+        transient gradient too (``largest``: the stages' largest layers, else the profile's) and
+        q = floor(room x M / saved) whole microbatches at most: r = ceil(M / q); from M replicas on
+        a replica holds one microbatch of 1/r of a minibatch."""
         base = self.limit - params * self.per_byte - self.working / self.microbatches
         alone = _ceil_div(saved, base)
         bound = self.largest if largest is None else largest
-        with_grad = _ceil_div(saved, base - transient_bytes(params, bound, self.schedule))
+        room = base - transient_bytes(params, bound, self.schedule)
         m = float(self.microbatches)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            most = np.where(saved > 0, np.floor(room * m / np.maximum(saved, 1e-9) + 1e-9), np.inf)
+            with_grad = np.where((room > 0) & (most >= 1), np.ceil(m / most - 1e-9), np.inf)
         return np.asarray(np.where(with_grad < m, with_grad, np.maximum(alone, m)), dtype=np.float64)
 
     def fits(
@@ -286,8 +297,18 @@ class MemoryLimit:
         transient = transient_bytes(params, self.largest if largest is None else largest, self.schedule)
         grad = np.where(replicas < self.microbatches, transient, 0.0)
         working = self.working / np.maximum(replicas, float(self.microbatches))  # price.backward_item
-        need = params * self.per_byte + grad + working + saved / replicas
+        need = params * self.per_byte + grad + working + saved * replica_share(self.microbatches, replicas)
         return np.asarray(need <= self.limit)
+
+
+def replica_share(microbatches: int, replicas: FloatArray | float) -> FloatArray:
+    """The share of a minibatch's activations one replica of a synchronous stage holds when it holds
+    all of its microbatches (gpipe): ceil(M' / r) microbatches of 1/M' each, M' = max(M, r) (the
+    runtime runs at least one microbatch per replica, ``price.backward_item``). 1/r where r divides
+    M; more where it does not (M = 4 on 3 replicas: one replica runs 2 of the 4, half)."""
+    r = np.asarray(replicas, dtype=np.float64)
+    m = np.maximum(float(microbatches), r)
+    return np.asarray(np.ceil(m / r - 1e-9) / m, dtype=np.float64)
 
 
 def _ceil_div(saved: FloatArray, room: FloatArray) -> FloatArray:

@@ -39,7 +39,7 @@ from partitioner.optimizer.pricing.stage import (
     host_bound,
     stage_time,
 )
-from partitioner.plan import Cluster, Plan, Prediction, SolverInfo, Stage
+from partitioner.plan import Cluster, Link, Plan, Prediction, SolverInfo, Stage
 
 __all__ = [
     "RECOMPUTE_MODES",
@@ -53,7 +53,7 @@ __all__ = [
     "hosts_bound",
     "layer_compute_s",
     "price_stage",
-    "stage_bandwidth",
+    "stage_link",
     "stage_loads",
     "stage_memory",
 ]
@@ -140,22 +140,23 @@ def stage_loads(profile: Profile, groups: Sequence[Sequence[str]]) -> list[Stage
                 largest_param_bytes=largest,
                 master=master,
                 working_bytes=float(max((n.working_bytes for n in members), default=0)),
+                kept_bytes=float(sum(n.saved_bytes for n in members if n.op == "output")),
             )
         )
     return loads
 
 
-def stage_bandwidth(cluster: Cluster, ranks: Sequence[int], neighbours: Sequence[int]) -> float:
-    """Bandwidth of the smallest hierarchy level holding a stage's ranks and its neighbours' ranks."""
+def stage_link(cluster: Cluster, ranks: Sequence[int], neighbours: Sequence[int]) -> Link:
+    """Link of the smallest hierarchy level holding a stage's ranks and its neighbours' ranks."""
     span = 1
-    bandwidth = cluster.levels[0].bandwidth
+    link = cluster.levels[0].link
     everything = list(ranks) + list(neighbours)
     for level in cluster.levels:
         if len({r // span for r in everything}) <= 1:
-            return bandwidth
-        bandwidth = level.bandwidth
+            return link
+        link = level.link
         span *= level.devices
-    return bandwidth
+    return link
 
 
 def layer_compute_s(profile: Profile) -> float:
@@ -170,11 +171,10 @@ def data_parallel_time(profile: Profile, cluster: Cluster, schedule: str = "pipe
     time = layer_compute_s(profile)
     params = float(sum(n.param_bytes for n in profile.nodes if n.op != "input"))
     if not model(schedule).asynchronous:
-        gpus, bw = cluster.gpus, min(level.bandwidth for level in cluster.levels)
-        return time / gpus + allreduce_time(params, gpus, bw)
+        return time / cluster.gpus + allreduce_time(params, cluster.gpus, cluster.slowest)
     inner = 1
     for level in cluster.levels:
-        time = float(stage_time(time, params, level.devices, level.bandwidth, inner))
+        time = float(stage_time(time, params, level.devices, level.link, inner))
         inner = level.devices
     return time
 
@@ -192,14 +192,14 @@ def hosts_bound(cluster: Cluster, stages: Sequence[Stage]) -> float:
 def global_lower_bound(profile: Profile, cluster: Cluster) -> float:
     """No plan beats perfect scaling of the compute, nor the fastest possible stage of one layer."""
     gpus = cluster.gpus
-    bw = max(level.bandwidth for level in cluster.levels)
+    fastest = Link(max(lv.bandwidth for lv in cluster.levels), min(lv.latency for lv in cluster.levels))
     r = np.arange(1, gpus + 1, dtype=np.float64)
     single = 0.0
     for node in profile.nodes:
         if node.op == "input":
             continue
         c, p = node.compute_ms / 1000.0, float(node.param_bytes)
-        single = max(single, float(np.min(stage_time(c, p, r, bw))))
+        single = max(single, float(np.min(stage_time(c, p, r, fastest))))
     return max(layer_compute_s(profile) / gpus, single)
 
 
@@ -209,11 +209,11 @@ def _times(
 ) -> StageTimes:  # fmt: skip
     if not comm:  # PipeDream's optimizer by default (no --activation_compression_ratio) charges none
         loads = [replace(ld, in_bytes=0.0, out_bytes=0.0) for ld in loads]
-    bws = []
+    links = []
     for i, spec in enumerate(specs):
         near = [r for j in (i - 1, i + 1) if 0 <= j < len(specs) for r in specs[j].ranks]
-        bws.append(stage_bandwidth(cluster, spec.ranks, near))
-    return plan_times(loads, [s.replicas for s in specs], bws, schedule, m, virtual)
+        links.append(stage_link(cluster, spec.ranks, near))
+    return plan_times(loads, [s.replicas for s in specs], links, schedule, m, virtual)
 
 
 def held_memory(
@@ -230,7 +230,7 @@ def held_memory(
     transient += load.working_bytes / item  # one item's backward at a time
     return peak_bytes(
         params, load.saved_bytes, held, share, schedule, optimizer, transient, load.input_bytes, recompute,
-        load.master,
+        load.master, load.kept_bytes,
     )  # fmt: skip
 
 
@@ -241,17 +241,17 @@ def stage_memory(
     """Peak bytes on one device of a stage: what its schedule holds in flight (``ScheduleModel``).
 
     A schedule of whole minibatches (pipedream) keeps one weight version per minibatch in flight
-    (weight stashing) and each replica runs whole minibatches; a flushing schedule splits each
-    microbatch over the replicas, and a replica with more than one microbatch per step accumulates
-    gradients.
+    (weight stashing) and each replica runs whole minibatches; a flushing schedule hands whole
+    microbatches to the replicas round-robin (each replica holds its share of the stage's items,
+    each 1/M of a minibatch: :func:`backward_item`), and a replica with more than one microbatch per
+    step accumulates gradients.
     """
     sched = model(schedule)
     held = sched.held(position, replicas, microbatches, virtual)
     whole = sched.asynchronous
-    share = 1 if whole else microbatches * replicas[position]
-    accumulates = not whole and microbatches > replicas[position]
     item = backward_item(whole, microbatches, replicas[position])
-    return held_memory(load, schedule, held, share, optimizer, recompute, accumulates, item)
+    accumulates = not whole and microbatches > replicas[position]
+    return held_memory(load, schedule, held, item, optimizer, recompute, accumulates, item)
 
 
 def backward_item(whole: bool, microbatches: int, replicas: int) -> int:

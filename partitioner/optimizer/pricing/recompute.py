@@ -24,9 +24,11 @@ __all__ = ["recomputing", "repriced"]
 
 def recomputing(profile: Profile) -> Profile:
     """The profile a search for recomputing stages runs on: backward + forward (fixed times too, as
-    the forward runs again per microbatch), nothing saved."""
+    the forward runs again per microbatch), nothing saved but the loss's (the output node's: the
+    runtime runs the loss outside the recomputed forward, ``StageLoad.kept_bytes``)."""
     nodes = tuple(
-        replace(n, backward_ms=n.backward_ms + n.forward_ms, saved_bytes=0,
+        replace(n, backward_ms=n.backward_ms + n.forward_ms,
+                saved_bytes=n.saved_bytes if n.op == "output" else 0,
                 backward_fixed_ms=n.backward_fixed_ms + n.forward_fixed_ms)
         for n in profile.nodes
     )  # fmt: skip

@@ -36,6 +36,7 @@ from partitioner.optimizer.pricing.stage import (
     microbatch_link,
     stage_time,
 )
+from partitioner.plan import Link
 from runtime.schedule import REGISTRY, Schedule, actions, layout_of
 
 __all__ = [
@@ -45,12 +46,13 @@ __all__ = [
     "interleaved_time",
     "model",
     "plan_times",
+    "replica_held",
     "zbv_time",
     "zero_bubble_time",
 ]
 
-Times = Callable[[Sequence[StageLoad], Sequence[int], Sequence[float], int, int], StageTimes]
-"""(loads, replicas, bandwidths, microbatches, virtual stages) -> a plan's times."""
+Times = Callable[[Sequence[StageLoad], Sequence[int], Sequence[Link], int, int], StageTimes]
+"""(loads, replicas, links, microbatches, virtual stages) -> a plan's times."""
 
 
 @dataclass(frozen=True)
@@ -117,10 +119,21 @@ class ScheduleModel:
         return 2 * gpus if self.laid_out and self.virtual(virtual) > 1 else 4
 
     def held(self, position: int, replicas: Sequence[int], microbatches: int, virtual: int) -> int:
-        """Items a device of stage ``position`` holds at once (:attr:`in_flight`)."""
+        """Items a device of stage ``position`` holds at once (:attr:`in_flight`); a replica of a
+        flushing schedule its share of the stage's (:func:`replica_held`)."""
         if self.in_flight is not None:
             return self.in_flight(position, replicas, microbatches, virtual)
-        return played_in_flight(self.name, position, len(replicas), microbatches, self.virtual(virtual))
+        stage = played_in_flight(self.name, position, len(replicas), microbatches, self.virtual(virtual))
+        return replica_held(stage, replicas[position])
+
+
+def replica_held(stage_items: int, replicas: int) -> int:
+    """Items the busiest replica of a flushing stage holds when the stage as one holds
+    ``stage_items``: the runtime hands a minibatch's microbatches to the replicas round-robin (unit j
+    to replica j mod r, ``Schedule.replica_of``) and a stage's live items are always consecutive
+    microbatches (forwards and releases each run in order), so a replica holds ceil(items / r) of
+    them at most, and the busiest that many (each a whole microbatch, 1/M of a minibatch)."""
+    return -(-stage_items // replicas)
 
 
 def _pipedream_in_flight(position: int, replicas: Sequence[int], microbatches: int, virtual: int) -> int:
@@ -154,46 +167,46 @@ def played_in_flight(name: str, position: int, stages: int, microbatches: int, v
 
 
 def _pipedream_times(
-    loads: Sequence[StageLoad], replicas: Sequence[int], bandwidths: Sequence[float], m: int, virtual: int
+    loads: Sequence[StageLoad], replicas: Sequence[int], links: Sequence[Link], m: int, virtual: int
 ) -> StageTimes:
     """The slowest stage (:func:`~.stage.stage_time`) sets the pace."""
     compute, comm, total = [], [], []
-    for load, r, bw in zip(loads, replicas, bandwidths, strict=True):
+    for load, r, wire in zip(loads, replicas, links, strict=True):
         cut = max(load.in_bytes, load.out_bytes)
         compute.append(load.compute_s / r)
-        comm.append(activation_time(cut, r, bw) + allreduce_time(load.param_bytes, r, bw) / r)
-        total.append(float(stage_time(load.compute_s, load.param_bytes, r, bw, act=cut)))
+        comm.append(activation_time(cut, r, wire) + allreduce_time(load.param_bytes, r, wire) / r)
+        total.append(float(stage_time(load.compute_s, load.param_bytes, r, wire, act=cut)))
     slowest = max(total)
     bubble = 1.0 - sum(total) / (len(total) * slowest) if slowest > 0 else 0.0
     return StageTimes(tuple(compute), tuple(comm), tuple(total), slowest, bubble)
 
 
 def _microbatch_parts(
-    loads: Sequence[StageLoad], replicas: Sequence[int], bandwidths: Sequence[float], m: int
+    loads: Sequence[StageLoad], replicas: Sequence[int], links: Sequence[Link], m: int
 ) -> tuple[list[float], list[float], list[float], list[float], list[float], list[float], float]:
     """The synchronous schedules' terms: per stage, one microbatch's forward and backward on a
     replica, its cut traffic (out and back), their sum, compute and communication per minibatch
     on a replica; and the largest gradient all-reduce."""
     fwd, bwd, link, micro, compute, comm = [], [], [], [], [], []
     sync = 0.0
-    for load, r, bw in zip(loads, replicas, bandwidths, strict=True):
+    for load, r, wire in zip(loads, replicas, links, strict=True):
         each = microbatch_compute(load.compute_s, r, m)
-        act = microbatch_link(load.out_bytes, r, m, bw)
+        act = microbatch_link(load.out_bytes, r, m, wire)
         fwd.append(each * load.forward_share)
         bwd.append(each * (1.0 - load.forward_share))
         link.append(act)
         micro.append(each + act)
         compute.append(load.compute_s / r)
-        sync = max(sync, allreduce_time(load.param_bytes, r, bw))
-        comm.append(act * m + allreduce_time(load.param_bytes, r, bw))
+        sync = max(sync, allreduce_time(load.param_bytes, r, wire))
+        comm.append(act * m + allreduce_time(load.param_bytes, r, wire))
     return fwd, bwd, link, micro, compute, comm, sync
 
 
 def _sync_times(
-    loads: Sequence[StageLoad], replicas: Sequence[int], bandwidths: Sequence[float], m: int, virtual: int
+    loads: Sequence[StageLoad], replicas: Sequence[int], links: Sequence[Link], m: int, virtual: int
 ) -> StageTimes:
     """Sum of one microbatch's stage times + (M-1) slowest + the largest all-reduce."""
-    _, _, _, micro, compute, comm, sync = _microbatch_parts(loads, replicas, bandwidths, m)
+    _, _, _, micro, compute, comm, sync = _microbatch_parts(loads, replicas, links, m)
     time = sum(micro) + (m - 1) * max(micro) + sync
     busy = sum(c / m for c in compute) * m
     bubble = 1.0 - busy / (len(loads) * time) if time > 0 else 0.0
@@ -227,10 +240,10 @@ def zero_bubble_time(
 
 
 def _zero_bubble_times(
-    loads: Sequence[StageLoad], replicas: Sequence[int], bandwidths: Sequence[float], m: int, virtual: int
+    loads: Sequence[StageLoad], replicas: Sequence[int], links: Sequence[Link], m: int, virtual: int
 ) -> StageTimes:
     """:func:`zero_bubble_time` + the largest all-reduce; per-stage times as ``_sync_times``'."""
-    fwd, bwd, link, micro, compute, comm, sync = _microbatch_parts(loads, replicas, bandwidths, m)
+    fwd, bwd, link, micro, compute, comm, sync = _microbatch_parts(loads, replicas, links, m)
     time = zero_bubble_time(fwd, bwd, link, m) + sync
     bubble = 1.0 - sum(compute) / (len(loads) * time) if time > 0 else 0.0
     return StageTimes(tuple(compute), tuple(comm), tuple(micro), time, bubble)
@@ -270,13 +283,13 @@ def interleaved_time(
 
 
 def _interleaved_times(
-    loads: Sequence[StageLoad], replicas: Sequence[int], bandwidths: Sequence[float], m: int, virtual: int
+    loads: Sequence[StageLoad], replicas: Sequence[int], links: Sequence[Link], m: int, virtual: int
 ) -> StageTimes:
     """:func:`interleaved_time` (no all-reduce: no replicas); per-stage times as ``_sync_times``';
     the bubble is the ranks' idle share."""
     if any(r != 1 for r in replicas) or len(loads) % virtual:
         raise PlanError(f"interleaved needs one device per stage and {virtual} stages per rank")
-    fwd, bwd, link, micro, compute, comm, _ = _microbatch_parts(loads, replicas, bandwidths, m)
+    fwd, bwd, link, micro, compute, comm, _ = _microbatch_parts(loads, replicas, links, m)
     ranks = len(loads) // virtual
     time = interleaved_time(fwd, bwd, link, m, ranks)
     bubble = 1.0 - sum(compute) / (ranks * time) if time > 0 else 0.0
@@ -322,13 +335,13 @@ def zbv_time(
 
 
 def _zbv_times(
-    loads: Sequence[StageLoad], replicas: Sequence[int], bandwidths: Sequence[float], m: int, virtual: int
+    loads: Sequence[StageLoad], replicas: Sequence[int], links: Sequence[Link], m: int, virtual: int
 ) -> StageTimes:
     """:func:`zbv_time` (no all-reduce: no replicas); per-stage times as the other schedules'; the
     bubble is the GPUs' idle share."""
     if any(r != 1 for r in replicas) or len(loads) % 2:
         raise PlanError("zbv needs one device per stage and 2 stages per GPU")
-    fwd, bwd, link, micro, compute, comm, _ = _microbatch_parts(loads, replicas, bandwidths, m)
+    fwd, bwd, link, micro, compute, comm, _ = _microbatch_parts(loads, replicas, links, m)
     time = zbv_time(fwd, bwd, link, m)
     bubble = 1.0 - sum(compute) / (len(loads) // 2 * time) if time > 0 else 0.0
     return StageTimes(tuple(compute), tuple(comm), tuple(micro), time, bubble)
@@ -372,11 +385,11 @@ def in_flight(
 def plan_times(
     loads: Sequence[StageLoad],
     replicas: Sequence[int],
-    bandwidths: Sequence[float],
+    links: Sequence[Link],
     schedule: str,
     microbatches: int,
     virtual: int = 1,
 ) -> StageTimes:
-    """Time per minibatch of a plan; ``bandwidths[i]`` is what stage i's replicas and cuts use;
+    """Time per minibatch of a plan; ``links[i]`` is what stage i's replicas and cuts use;
     ``virtual``: stages per rank (interleaved)."""
-    return model(schedule).times(loads, replicas, bandwidths, microbatches, virtual)
+    return model(schedule).times(loads, replicas, links, microbatches, virtual)

@@ -33,7 +33,7 @@ from partitioner.optimizer.pricing.price import (
     hosts_bound,
     stage_loads,
 )
-from partitioner.optimizer.pricing.schedules import model
+from partitioner.optimizer.pricing.schedules import model, replica_held
 from partitioner.optimizer.pricing.stage import (
     W_SHARE,
     StageLoad,
@@ -70,7 +70,7 @@ class Simulation:
         time_per_minibatch_s: steady-state time per minibatch.
         bubble_fraction: idle share of the stages' time over the simulated span.
         peak_memory_bytes: per stage, the most bytes one device held.
-        in_flight: per stage, the most items whose activations were held at once.
+        in_flight: per stage, the most items whose activations one device held at once.
         minibatches: how many minibatches were simulated.
         steady: whether they reach the steady state (a very large pipedream plan is simulated over
             a shorter horizon, bounded by :data:`MAX_ACTIONS`; its time and bubble are then those of
@@ -212,13 +212,14 @@ def _flushed(plan: Plan, profile: Profile | None) -> Simulation:
     end = max(e.end_s for e in events)
     per_minibatch = end
     if not sched.laid_out:  # replicated stages all-reduce once the pipeline has drained
-        bw = min(lv.bandwidth for lv in plan.cluster.levels)
+        wire = plan.cluster.slowest
         step = max(
-            allreduce_time(ld.param_bytes, s.replicas, bw) for s, ld in zip(plan.stages, loads, strict=True)
+            allreduce_time(ld.param_bytes, s.replicas, wire) for s, ld in zip(plan.stages, loads, strict=True)
         )
         events += [Event(i, "S", 0, end, end + step) for i in range(p)]
         per_minibatch = end + step
     ranks = len({r for ranks in layout for r in ranks})
+    held = [replica_held(h, s.replicas) for h, s in zip(held, plan.stages, strict=True)]  # one device's
     return _simulation(plan, profile, loads, events, held, ranks, per_minibatch)
 
 
@@ -239,12 +240,12 @@ def _unflushed(plan: Plan, profile: Profile | None, minibatches: int | None) -> 
     """Every rank of a plan of whole minibatches (pipedream) from the runtime's lists: a replica's
     minibatch takes the stage's whole compute, its round's all-reduce PipeDream's 4(r-1)P/(rB)."""
     replicas = [s.replicas for s in plan.stages]
-    p, bw = len(replicas), min(lv.bandwidth for lv in plan.cluster.levels)
+    p, wire = len(replicas), plan.cluster.slowest
     loads = _loads(plan, profile)
     alone = replace(plan, stages=tuple(replace(s, replicas=1) for s in plan.stages))
     fwd, bwd, _ = _durations(alone, profile, loads)
-    step = [allreduce_time(ld.param_bytes, r, bw) for ld, r in zip(loads, replicas, strict=True)]
-    link = [activation_time(ld.out_bytes, 1, bw) / 2 for ld in loads]
+    step = [allreduce_time(ld.param_bytes, r, wire) for ld, r in zip(loads, replicas, strict=True)]
+    link = [activation_time(ld.out_bytes, 1, wire) / 2 for ld in loads]
     steady_items = 4 * (p + sum(replicas))  # the pipeline fills within about one minibatch per rank
     items = minibatches or min(steady_items, max(8, MAX_ACTIONS // (2 * p)))
     layout = pipeline(replicas)
@@ -288,7 +289,7 @@ def _durations(
     m = model(plan.schedule).microbatches(plan.microbatches)
     nodes = {n.id: n for n in profile.nodes} if profile else {}
     fwd, bwd, link = [], [], []
-    bw = min(lv.bandwidth for lv in plan.cluster.levels)
+    wire = plan.cluster.slowest
     for stage, load in zip(plan.stages, loads, strict=True):
         total = stage.compute_s
         known = [nodes[n] for n in stage.nodes if n in nodes]
@@ -296,12 +297,12 @@ def _durations(
         f_share = forward / max(sum(n.compute_ms for n in known) + forward * stage.recompute, 1e-12)
         f_share = f_share if known else 1.0 / 3.0
         if model(plan.schedule).asynchronous:
-            total = float(stage_time(total, load.param_bytes, stage.replicas, bw))
+            total = float(stage_time(total, load.param_bytes, stage.replicas, wire))
         else:
             total = microbatch_compute(total, stage.replicas, m)
         fwd.append(total * f_share)
         bwd.append(total * (1 - f_share))
-        link.append(microbatch_link(load.out_bytes, stage.replicas, m, bw) / 2)
+        link.append(microbatch_link(load.out_bytes, stage.replicas, m, wire) / 2)
     return fwd, bwd, link
 
 
@@ -314,11 +315,10 @@ def _memory(
     out = []
     for stage, load, h in zip(plan.stages, loads, held, strict=True):
         sync = not model(plan.schedule).asynchronous
-        share = plan.microbatches * stage.replicas if sync else 1
         accumulates = sync and plan.microbatches > stage.replicas
         item = backward_item(not sync, plan.microbatches, stage.replicas)
         out.append(
-            held_memory(load, plan.schedule, h, share, plan.optimizer, stage.recompute, accumulates, item)
+            held_memory(load, plan.schedule, h, item, plan.optimizer, stage.recompute, accumulates, item)
         )
     return tuple(out)
 

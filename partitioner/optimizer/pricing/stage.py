@@ -4,13 +4,17 @@ Each function takes numbers or numpy arrays (elementwise, broadcasting), so a se
 of candidate stages in one call and a plan prices its few stages one at a time with the very same
 arithmetic (``tests/partitioner/optimizer/pricing/test_stage.py`` holds the two forms equal).
 
+Every message pays the link's latency a besides its bytes over the bandwidth B (``plan.Link``, the
+alpha-beta model; a = 0 is PipeDream's bandwidth-only model):
+
 - A pipedream stage (PipeDream's published objective, optimizer_graph_hierarchical.py) of compute C
-  and parameters P on r replicas over bandwidth B takes (C + 4(r-1)P/(rB)/inner)/r, where ``inner``
-  is the devices in one unit of the level (1 on the innermost); a cut costs 2·activation/(B·r) on
-  each side of it, with that side's r; the stage's time is the larger: :func:`stage_time`.
+  and parameters P on r replicas takes (C + (r-1)(4P/(rB·inner) + 2a))/r, where ``inner`` is the
+  devices in one unit of the level (1 on the innermost); a cut costs 2(activation/B + a)/r on each
+  side of it, with that side's r; the stage's time is the larger: :func:`stage_time`.
 - A synchronous schedule's microbatch on a stage takes its compute share C/(r·M) plus its cut
-  traffic out and back, 2·out/(B·r) per minibatch, a microbatch's share of it: :func:`microbatch_time`.
-- A replicated stage's gradients are all-reduced once per step: :func:`allreduce_time`.
+  traffic out and back, 2·out/(B·r·M) + 2a: :func:`microbatch_time`.
+- A replicated stage's gradients are all-reduced once per step, a ring of 2(r-1) messages:
+  :func:`allreduce_time`.
 
 A search may invert these (the fewest replicas that bring a stage under a time), which is its own
 algebra; it never prices a stage another way.
@@ -25,10 +29,13 @@ from typing import TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from partitioner.plan import Link
+
 __all__ = [
     "W_SHARE",
     "FloatArray",
     "IntArray",
+    "Link",
     "StageLoad",
     "StagePrice",
     "StageTimes",
@@ -76,6 +83,9 @@ class StageLoad:
             gradient a replica that accumulates holds beside the sum.
         working_bytes: the largest of its layers' ``working_bytes`` (the loss's, on the last
             stage): what one item's backward makes beyond the saved bytes, held once per device.
+        kept_bytes: the part of ``saved_bytes`` a recomputing stage keeps per item all the same: the
+            loss's (the output node's; ``runtime.stage`` runs the loss outside the recomputed
+            forward, so a cross-entropy's log-softmax is saved for every microbatch in flight).
     """
 
     compute_s: float
@@ -89,6 +99,7 @@ class StageLoad:
     largest_param_bytes: float = 0.0
     master: float = 0.0
     working_bytes: float = 0.0
+    kept_bytes: float = 0.0
 
     @property
     def forward_time(self) -> float:
@@ -123,30 +134,33 @@ class StageTimes:
     bubble_fraction: float
 
 
-def activation_time(nbytes: Real, replicas: Real | int, bandwidth: float) -> Real:
-    """PipeDream's charge for activations crossing a cut: forward send plus backward gradient."""
-    return 2.0 * nbytes / (bandwidth * replicas)
+def activation_time(nbytes: Real, replicas: Real | int, link: Link) -> Real:
+    """PipeDream's charge for activations crossing a cut: forward send plus backward gradient, each
+    one message of ``nbytes`` (none where nothing crosses); a replica carries every r-th minibatch."""
+    return 2.0 * nbytes / (link.bandwidth * replicas) + 2.0 * link.latency * (nbytes > 0) / replicas
 
 
-def allreduce_time(param_bytes: Real, replicas: Real | int, bandwidth: float) -> Real:
-    """Gradient synchronisation of a replicated stage, with PipeDream's 4(r-1)P/(rB) volume."""
-    return 4.0 * (replicas - 1) * param_bytes / (bandwidth * replicas)
+def allreduce_time(param_bytes: Real, replicas: Real | int, link: Link, inner: int = 1) -> Real:
+    """Gradient synchronisation of a replicated stage: PipeDream's 4(r-1)P/(rB) volume (over
+    ``inner``, the devices of one unit that share it) and a ring's 2(r-1) steps, each one message."""
+    steps = replicas - 1
+    return 4.0 * steps * param_bytes / (link.bandwidth * replicas) / inner + 2.0 * steps * link.latency
 
 
 def stage_time(
     compute: FloatArray | float,
     params: FloatArray | float,
     replicas: FloatArray | int,
-    bandwidth: float,
+    link: Link,
     inner: int = 1,
     act: FloatArray | float = 0.0,
 ) -> FloatArray:
-    """A pipedream stage's time on ``replicas``: max((C + 4(r-1)P/(rB)/inner)/r, 2·act/(B·r)), with
-    ``act`` the larger of the traffic into and out of the stage (0: compute and sync only)."""
+    """A pipedream stage's time on ``replicas``: max((C + sync)/r, cut traffic), with sync
+    :func:`allreduce_time` and ``act`` the larger of the traffic into and out of the stage (0:
+    compute and sync only)."""
     r = np.asarray(replicas, dtype=np.float64)
-    sync = 4.0 * (r - 1.0) * np.asarray(params) / (bandwidth * r) / inner
-    busy = (np.asarray(compute) + sync) / r
-    return np.asarray(np.maximum(busy, activation_time(np.asarray(act), r, bandwidth)), dtype=np.float64)
+    busy = (np.asarray(compute) + allreduce_time(np.asarray(params), r, link, inner)) / r
+    return np.asarray(np.maximum(busy, activation_time(np.asarray(act), r, link)), dtype=np.float64)
 
 
 def microbatch_compute(compute: Real, replicas: Real | int, microbatches: int) -> Real:
@@ -154,18 +168,19 @@ def microbatch_compute(compute: Real, replicas: Real | int, microbatches: int) -
     return compute / (replicas * microbatches)
 
 
-def microbatch_link(out_bytes: Real, replicas: Real | int, microbatches: int, bandwidth: float) -> Real:
-    """A microbatch's cut traffic after a synchronous stage, out and back: its share of the
-    minibatch's :func:`activation_time`."""
-    return activation_time(out_bytes, replicas, bandwidth) / microbatches
+def microbatch_link(out_bytes: Real, replicas: Real | int, microbatches: int, link: Link) -> Real:
+    """A microbatch's cut traffic after a synchronous stage, out and back: its share of the bytes,
+    and a message each way whatever its size (each microbatch sends its own)."""
+    share = 2.0 * out_bytes / (link.bandwidth * replicas) / microbatches
+    return share + 2.0 * link.latency * (out_bytes > 0)
 
 
 def microbatch_time(
-    compute: Real, out_bytes: Real, replicas: Real | int, microbatches: int, bandwidth: float
+    compute: Real, out_bytes: Real, replicas: Real | int, microbatches: int, link: Link
 ) -> Real:
     """A microbatch's time on a synchronous stage: its compute share and its cut traffic."""
     return microbatch_compute(compute, replicas, microbatches) + microbatch_link(
-        out_bytes, replicas, microbatches, bandwidth
+        out_bytes, replicas, microbatches, link
     )
 
 

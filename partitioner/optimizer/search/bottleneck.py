@@ -5,7 +5,7 @@ On one level the pair DP over downset states (``dp.solve_bottleneck``, memory-aw
 states fall short of every downset, the lattice search over all of them (``lattice``, exact, no
 memory model: its plan counts only if it fits); on a hierarchy PipeDream's recursion over the levels
 (``hierarchy``, no memory model), falling back to the memory-aware flat search at the slowest
-bandwidth when its plan does not fit.
+link when its plan does not fit.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def slowest_stage(
 ) -> tuple[float, list[Segment], float]:
     """The least slowest stage over ``states``, under the memory limit if any: (time, stages, bound)."""
     cap = replica_cap(profile, opts)
-    levels = [(lv.devices, lv.bandwidth) for lv in cluster.levels]
+    levels = [(lv.devices, lv.link) for lv in cluster.levels]
     if len(levels) > 1:
         return solve_hierarchy(states, levels, cap)
     memory = None
@@ -83,7 +83,7 @@ def solve_slowest(
         bound = global_lower_bound(profile, cluster)
         start = _on_lattice(states, lattice, segments)
         found, stages, low = solve_lattice(
-            lattice, cluster.gpus, cluster.levels[0].bandwidth, bound, value, cap, start
+            lattice, cluster.gpus, cluster.levels[0].link, bound, value, cap, start
         )
         searched = {"states": len(lattice.masks), "all_downsets": True, "search": "lattice"}
         try:  # (no memory model there: under a limit, its optimum is the answer if it fits)
@@ -96,7 +96,7 @@ def solve_slowest(
         if len(cluster.levels) == 1:
             raise
     # PipeDream's hierarchical recursion has no memory model: fall back to the memory-aware flat
-    # search over the slowest level's bandwidth, priced on the real hierarchy
+    # search over the slowest level's link, priced on the real hierarchy
     _, segments, _ = slowest_stage(profile, flat_like(cluster), states, opts)
     return priced(states, segments), lower, False
 

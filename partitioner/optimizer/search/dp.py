@@ -26,6 +26,7 @@ from partitioner.optimizer.pricing.memory import MemoryLimit
 from partitioner.optimizer.pricing.stage import FloatArray, IntArray, stage_time
 from partitioner.optimizer.search.reach import fewest_units, fewest_units_after, sweep_layers
 from partitioner.optimizer.search.states import StateSet, prefix_chain, thin_prefixes
+from partitioner.plan import Link
 
 __all__ = [
     "LevelProblem",
@@ -58,7 +59,7 @@ class LevelProblem:
     Attributes:
         states: the downset states.
         units: units available at this level (GPUs, or servers of GPUs).
-        bandwidth: bytes/s between units of this level.
+        link: bandwidth and latency between units of this level.
         inner: devices in one unit of the level below (1 on the innermost level); PipeDream divides
             the gradient sync by it.
         base: base[k, j]-style callable giving, for state j and predecessor states K, the time of
@@ -73,7 +74,7 @@ class LevelProblem:
 
     states: StateSet
     units: int
-    bandwidth: float
+    link: Link
     inner: int = 1
     base: Callable[[int | IntArray, IntArray], FloatArray] | None = None
     min_replicas: int = 1
@@ -105,7 +106,7 @@ class LevelProblem:
         _, _, base, dp, act = _Pairs.priced(
             self, np.array([k], dtype=np.int64), np.array([j], dtype=np.int64)
         )
-        return float(stage_time(base, dp, r, self.bandwidth, self.inner, act)[0])
+        return float(stage_time(base, dp, r, self.link, self.inner, act)[0])
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ class _Pairs:
     params: FloatArray
     saved: FloatArray
     layers: IntArray  # states of one size are layers[i]:layers[i + 1] (no pair inside a layer)
-    bandwidth: float
+    link: Link
     inner: int
 
     COLUMNS = ("ks", "base", "dp", "act", "params", "saved")  # the per-pair fields, in order
@@ -128,12 +129,13 @@ class _Pairs:
     @functools.cached_property
     def q(self) -> FloatArray:
         """4·ΔP/(B·inner): the gradient-sync volume, what solving for replicas needs."""
-        return _volume(self.dp, self.bandwidth, self.inner)
+        return _volume(self.dp, self.link, self.inner)
 
     @functools.cached_property
     def b(self) -> FloatArray:
-        """base + q: the linear term of the replica quadratic (kept: every probe needs it)."""
-        return np.asarray(self.base + self.q, dtype=np.float64)
+        """base + q - L: the linear term of the replica quadratic (kept: every probe needs it), L
+        the all-reduce's latency per step pair (:func:`_step_latency`)."""
+        return np.asarray(self.base + self.q - _step_latency(self.link), dtype=np.float64)
 
     @functools.cached_property
     def b2(self) -> FloatArray:
@@ -181,7 +183,7 @@ class _Pairs:
         offsets[1:] = np.cumsum(np.bincount(js, minlength=n))
         params, saved = prob.held_params(ks, js), s.saved_bytes[js] - s.saved_bytes[ks]
         pairs = _Pairs(
-            offsets, ks.astype(np.int64), base, dp, act, params, saved, layers, prob.bandwidth, prob.inner
+            offsets, ks.astype(np.int64), base, dp, act, params, saved, layers, prob.link, prob.inner
         )
         return pairs, js
 
@@ -196,7 +198,7 @@ class _Pairs:
         ks, base, dp, act, params, saved = (
             np.concatenate([getattr(p, f) for p in ps]) for f in _Pairs.COLUMNS
         )
-        return _Pairs(offsets, ks, base, dp, act, params, saved, ps[0].layers, ps[0].bandwidth, ps[0].inner)
+        return _Pairs(offsets, ks, base, dp, act, params, saved, ps[0].layers, ps[0].link, ps[0].inner)
 
     def subset(self, keep: npt.NDArray[np.bool_], js: IntArray | None = None) -> _Pairs:
         """The pairs where ``keep`` holds (same states, same CSR layout; ``js`` if known)."""
@@ -204,7 +206,7 @@ class _Pairs:
         js = self.js() if js is None else js
         offsets[1:] = np.cumsum(np.bincount(js[keep], minlength=len(self.offsets) - 1))
         ks, base, dp, act, params, saved = (getattr(self, f)[keep] for f in _Pairs.COLUMNS)
-        return _Pairs(offsets, ks, base, dp, act, params, saved, self.layers, self.bandwidth, self.inner)
+        return _Pairs(offsets, ks, base, dp, act, params, saved, self.layers, self.link, self.inner)
 
     def js(self) -> IntArray:
         """The later state of every pair."""
@@ -212,13 +214,19 @@ class _Pairs:
 
     def times_of(self, idx: IntArray, r: FloatArray) -> FloatArray:
         """Stage times of the pairs ``idx`` with r replicas each (cut traffic included)."""
-        return stage_time(self.base[idx], self.dp[idx], r, self.bandwidth, self.inner, self.act[idx])
+        return stage_time(self.base[idx], self.dp[idx], r, self.link, self.inner, self.act[idx])
 
 
-def _volume(dp: FloatArray, bandwidth: float, inner: int) -> FloatArray:
+def _step_latency(link: Link) -> float:
+    """L = 2·latency: what each replica beyond the first adds to a stage's all-reduce besides its
+    bytes (a ring's 2(r-1) messages, ``stage.allreduce_time``)."""
+    return 2.0 * link.latency
+
+
+def _volume(dp: FloatArray, link: Link, inner: int) -> FloatArray:
     """4·ΔP/(B·inner): a stage's gradient-sync volume, the coefficient solving for replicas needs
     (its time on r replicas is (C + volume·(r-1)/r)/r, :func:`~.stage.stage_time`)."""
-    return np.asarray(dp * (4.0 / (bandwidth * inner)), dtype=np.float64)
+    return np.asarray(dp * (4.0 / (link.bandwidth * inner)), dtype=np.float64)
 
 
 def _usable_blocks(prob: LevelProblem, upper: float, layers: IntArray) -> Iterator[tuple[_Pairs, IntArray]]:
@@ -234,7 +242,7 @@ def _usable_blocks(prob: LevelProblem, upper: float, layers: IntArray) -> Iterat
     for ks, js in prob.states.pair_blocks(PAIR_BLOCK, _first_fits(prob, (lo, width), upper)):
         first = int(js[0]) if len(js) else n
         ks, js, base, dp, act = _Pairs.priced(prob, ks, js)
-        q = _volume(dp, prob.bandwidth, prob.inner)
+        q = _volume(dp, prob.link, prob.inner)
         ok = _replicas_floor(prob, base, q, act, tau) + floor[ks] <= room[js]  # a cheap first cut
         part, js = _Pairs.block(prob, ks[ok], js[ok], base[ok], dp[ok], act[ok], layers)
         need = _replicas_needed(prob, part, tau)
@@ -255,27 +263,30 @@ def _replicas_floor(
     """A cheap lower bound on ``_replicas_needed``: r >= (C + q/2) / tau once r >= 2 (the sync
     term is at least half its volume), and r >= 2·act / (B·tau) for the cut traffic."""
     busy = np.where(base <= tau, base, base + 0.5 * q)
-    r = np.ceil(np.maximum(busy, 2.0 * act / prob.bandwidth) / tau * (1 - 1e-12) - 1e-9)
+    r = np.ceil(np.maximum(busy, 2.0 * act / prob.link.bandwidth) / tau * (1 - 1e-12) - 1e-9)
     return np.asarray(np.maximum(r, 1.0), dtype=np.float64)
 
 
 def _replicas_needed(prob: LevelProblem, pairs: _Pairs, tau: float) -> FloatArray:
     """Fewest replicas that bring each stage down to ``tau``; inf where none can.
 
-    With r replicas a stage takes (C + q(r-1)/r)/r: r = 1 works when C <= tau, and r >= 2 works
-    exactly when r is at least the upper root of tau·r² - (C+q)·r + q (the sync term makes small
-    replications slower, so the feasible set is {1} plus everything from that root on). Cut traffic
-    needs r >= 2·act/(B·tau).
+    With r replicas a stage takes (C + (r-1)(q/r + L))/r: r = 1 works when C <= tau, and r >= 2
+    works exactly when r is at least the upper root of (tau-L)·r² - (C+q-L)·r + q (the sync term
+    makes small replications slower, so the feasible set is {1} plus everything from that root
+    on; where tau <= L no r >= 2 does, as then C + q/2 >= L or C > tau). Cut traffic needs
+    r >= 2(act/B + latency)/tau.
     """
-    base, q = pairs.base, pairs.q
+    base, q, lat = pairs.base, pairs.q, _step_latency(prob.link)
+    lead = tau - lat
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        root = pairs.b2 - (4.0 * tau) * q  # the discriminant, then (in place) the upper root
+        root = pairs.b2 - (4.0 * lead) * q  # the discriminant, then (in place) the upper root
         flat = root <= 0  # no root: every r >= 2 meets tau
         np.sqrt(root, out=root, where=~flat)
         root += pairs.b
-        root *= 1.0 / (2.0 * tau)
-        root[flat] = 0.0
-        traffic = pairs.act * (2.0 / (prob.bandwidth * tau))
+        root *= 1.0 / (2.0 * lead) if lead > 0 else np.inf
+        root[flat] = 0.0 if lead > 0 else np.inf
+        message = np.where(pairs.act > 0, prob.link.latency, 0.0)
+        traffic = (pairs.act / prob.link.bandwidth + message) * (2.0 / tau)
     upper = np.ceil(root * (1 - 1e-12))
     comm = np.ceil(traffic * (1 - 1e-12))
     single = (base <= tau) & (comm <= 1) & (prob.min_replicas <= 1)
@@ -473,7 +484,7 @@ class _Candidates:
         r_lo = np.full(len(ks), float(max(1, prob.min_replicas)))
         if math.isfinite(upper) and upper > 0:  # busy >= base / r and cut traffic 2·act / (B·r)
             with np.errstate(invalid="ignore", over="ignore"):
-                need = np.maximum(pairs.base, 2.0 * pairs.act / prob.bandwidth) / upper
+                need = np.maximum(pairs.base, 2.0 * pairs.act / prob.link.bandwidth) / upper
             r_lo = np.maximum(r_lo, np.ceil(np.where(np.isnan(need), np.inf, need) - 1e-9))
             r_lo = np.maximum(r_lo, _replicas_needed(prob, pairs, upper * (1 + 1e-9)))  # inf: never
         r_hi = np.minimum(cap, lo[js] + width[js] - 1 - lo[ks])
@@ -570,7 +581,7 @@ def _first_fits(
     cap = prob.cap
     act = prob.states.act_bytes.copy()
     act[0] = 0.0  # the model's inputs are free
-    r = np.maximum(np.ceil(2.0 * act / prob.bandwidth / upper - 1e-9), 1)
+    r = np.maximum(np.ceil(2.0 * act / prob.link.bandwidth / upper - 1e-9), 1)
     far = np.iinfo(np.int64).max // 2
     need = np.where((width > 0) & (r <= cap), lo + np.minimum(r, cap).astype(np.int64), far)
     room = np.where(width > 0, lo + width - 1, -1)

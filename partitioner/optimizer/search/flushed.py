@@ -61,7 +61,7 @@ def solve_flushed(
     floors = [] if straight else [1] if len(cluster.levels) > 1 else powers  # hierarchies ignore floors
     makers = [partial(bottleneck, cluster, floor, False) for floor in floors]
     for units in powers:
-        flat = Cluster.flat(units, cluster.levels[0].bandwidth, cluster.memory_bytes)
+        flat = Cluster.flat(units, cluster.levels[0].link, cluster.memory_bytes)
         makers.append(partial(bottleneck, flat, 1, True))
     baselines = [uniform, parameter_balanced, time_balanced] + ([] if straight else [data_parallel])
     makers += [partial(make, profile, cluster, opts.schedule, m, opts.optimizer) for make in baselines]
@@ -104,7 +104,7 @@ def _exact(
     # past what the branch and bound can finish (densenet121, 1F1B on 4 GPUs: not proven, 4.6% slower)
     cap = min(replica_cap(profile, opts) or cluster.gpus, cluster.gpus)
     steps = MAX_STEPS if states.exact else 60  # no proof to finish on a subset of the cuts
-    bandwidth = min(level.bandwidth for level in cluster.levels)  # hierarchies: a candidate only
+    link = cluster.slowest  # hierarchies: a candidate only
     memory = None
     if cluster.memory_bytes is not None:
         memory = MemoryLimit.of(
@@ -112,7 +112,7 @@ def _exact(
         )
     info = SolverInfo("dp", 0.0, False)
     for held in (None, memory) if memory is not None else (None,):  # unlimited first: often fits
-        found = solve_synchronous(states, cluster.gpus, bandwidth, m, cap, steps, held)
+        found = solve_synchronous(states, cluster.gpus, link, m, cap, steps, held)
         if found is None:
             return None
         value, segments, lower = found
@@ -121,7 +121,7 @@ def _exact(
                             opts.optimizer, info, activation_comm=opts.activation_comm)  # fmt: skip
         except InfeasibleError:
             continue
-        if len(cluster.levels) > 1:  # searched at the slowest bandwidth: neither optimal nor a bound
+        if len(cluster.levels) > 1:  # searched at the slowest link: neither optimal nor a bound
             return plan, 0.0, False
         # it minimises the synchronous sum, holding all M microbatches under a limit: its optimum
         # and bound are the schedule's only where that is the schedule's time and memory model

@@ -18,6 +18,7 @@ import numpy.typing as npt
 from partitioner.optimizer.pricing.stage import FloatArray, IntArray, stage_time
 from partitioner.optimizer.search.dp import LevelProblem, Segment, cut_states, solve_bottleneck
 from partitioner.optimizer.search.states import StateSet, prefix_chain, thin_prefixes
+from partitioner.plan import Link
 
 __all__ = ["solve_hierarchy"]
 
@@ -373,9 +374,9 @@ def _limits(
         return np.full(len(before), ceiling * (1 + 1e-9))
     room = np.minimum(top.cap, top.units - before - after)
     best = np.full(len(params), -1.0)
-    volume = 4.0 * params / (top.bandwidth * top.inner)
+    volume = 4.0 * params / (top.link.bandwidth * top.inner)
     for r in range(1, max(int(room.max(initial=0)), 1) + 1):
-        value = r * ceiling * (1 + 1e-9) - (r - 1.0) / r * volume
+        value = r * ceiling * (1 + 1e-9) - (r - 1.0) * (volume / r + 2.0 * top.link.latency)
         np.maximum(best, value, out=best, where=room >= r)
     return best
 
@@ -391,7 +392,7 @@ def _segment_grids(
     act_out = np.where(j < n - 1, s.act_bytes[j], 0.0)
     keys = [(out, into) for out in (False, True) for into in (False, True)]
     acts = np.stack(np.broadcast_arrays(*(np.maximum(act_in * into, act_out * out) for out, into in keys)))
-    times = stage_time(prob.base_time(j, ks), dp, reps, prob.bandwidth, prob.inner, acts[:, None])
+    times = stage_time(prob.base_time(j, ks), dp, reps, prob.link, prob.inner, acts[:, None])
     return {key: times[i] for i, key in enumerate(keys)}
 
 
@@ -416,7 +417,7 @@ def _unfold(tables: _Tables, m: int, i: int, j: int, is_open: bool) -> list[Segm
 
 
 def solve_hierarchy(
-    states: StateSet, levels: list[tuple[int, float]], max_replicas: int | None = None
+    states: StateSet, levels: list[tuple[int, Link]], max_replicas: int | None = None
 ) -> tuple[float, list[Segment], float]:
     """PipeDream's recursion: each inner level's best segment time is the next level's compute time.
 
@@ -440,7 +441,7 @@ def _subsets(states: StateSet, most: int = 48) -> list[StateSet]:
 
 
 def _solve_levels(
-    states: StateSet, levels: list[tuple[int, float]], max_replicas: int | None, upper: float
+    states: StateSet, levels: list[tuple[int, Link]], max_replicas: int | None, upper: float
 ) -> tuple[float, list[Segment], float]:
     tables: list[_Tables] = []
     base: Callable[[int | IntArray, IntArray], FloatArray] | None = None
@@ -471,7 +472,7 @@ def _solve_levels(
 
 
 def _top_floor(
-    states: StateSet, top: tuple[int, float], max_replicas: int | None, inner: int, unit_devices: int
+    states: StateSet, top: tuple[int, Link], max_replicas: int | None, inner: int, unit_devices: int
 ) -> LevelProblem:
     """The last level as the level below it sees it (for the ceilings of its tables): a top
     segment's time, the table still being filled, is at least its compute over a top unit's

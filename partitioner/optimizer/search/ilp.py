@@ -29,7 +29,7 @@ from partitioner.optimizer.pricing.schedules import model as schedule_model
 from partitioner.optimizer.pricing.stage import allreduce_time, microbatch_time
 from partitioner.optimizer.search.dp import LevelProblem
 from partitioner.optimizer.search.states import StateSet, build_states
-from partitioner.plan import Cluster, Plan, SolverInfo
+from partitioner.plan import Cluster, Link, Plan, SolverInfo
 
 if TYPE_CHECKING:
     import pulp
@@ -104,7 +104,7 @@ def solve_ilp(
         states = replace(states, act_bytes=states.act_bytes * 0.0)
     m = cluster.gpus
     cap = 1 if straight else m
-    prob = LevelProblem(states, m, cluster.levels[0].bandwidth)
+    prob = LevelProblem(states, m, cluster.levels[0].link)
     pairs = [(k, j) for j in range(1, len(states)) for k in states.pred(j)]
     if len(pairs) * cap > MAX_ILP_VARIABLES:
         raise PlanError(f"the ILP would need {len(pairs) * cap} variables; use --solver dp for this profile")
@@ -119,7 +119,7 @@ def solve_ilp(
             model += t >= prob.stage_time(k, j, r) * v
     else:
         a = model.add_variable("a", lowBound=0)
-        micro = {key: _micro(states, key, microbatches, prob.bandwidth) for key in x}
+        micro = {key: _micro(states, key, microbatches, prob.link) for key in x}
         model += pulp.lpSum(micro[key][0] * v for key, v in x.items()) + (microbatches - 1) * t + a
         for key, v in x.items():
             model += t >= micro[key][0] * v
@@ -152,13 +152,13 @@ def solve_ilp(
                     activation_comm=activation_comm)  # fmt: skip
 
 
-def _micro(states: StateSet, key: tuple[int, int, int], m: int, bandwidth: float) -> tuple[float, float]:
+def _micro(states: StateSet, key: tuple[int, int, int], m: int, link: Link) -> tuple[float, float]:
     """(microbatch time, all-reduce time) of stage (k, j] on r replicas, as the synchronous model's."""
     k, j, r = key
     out = float(states.act_bytes[j]) if j < len(states) - 1 else 0.0
     compute = float(states.compute_s[j] - states.compute_s[k])
     params = float(states.param_bytes[j] - states.param_bytes[k])
-    return microbatch_time(compute, out, r, m, bandwidth), allreduce_time(params, r, bandwidth)
+    return microbatch_time(compute, out, r, m, link), allreduce_time(params, r, link)
 
 
 def _fits(

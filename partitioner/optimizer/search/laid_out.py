@@ -151,7 +151,7 @@ def solve_laid_out(
             errors.append(exc)
             return None
 
-    wide = Cluster.flat(parts, min(lv.bandwidth for lv in cluster.levels))
+    wide = Cluster.flat(parts, cluster.slowest)
 
     def sliced(bounds: list[int]) -> Plan | None:
         return price("time-balanced, refined", _groups(profile, bounds))

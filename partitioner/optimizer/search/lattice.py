@@ -28,6 +28,7 @@ from partitioner.optimizer.search.states import (
     _unpack,
     more_downsets_than,
 )
+from partitioner.plan import Link
 
 __all__ = ["Lattice", "enumerate_lattice", "solve_lattice"]
 
@@ -230,10 +231,17 @@ def _assemble(
                    *(np.concatenate([zero, *[p[i] for p in parts]]) for i in (1, 2, 3)))  # fmt: skip
 
 
-def _weights(lat: Lattice, reps: FloatArray, bandwidth: float) -> FloatArray:
-    """W[r, state] = compute + 4(r-1)/(rB) params: a stage fits r replicas at t iff dW <= r·t."""
-    a = 4.0 * (reps - 1.0) / (reps * bandwidth)
+def _weights(lat: Lattice, reps: FloatArray, link: Link) -> FloatArray:
+    """W[r, state] = compute + 4(r-1)/(rB) params: a stage fits r replicas at t iff
+    dW <= r·t - 2(r-1)·latency (:func:`_budget`)."""
+    a = 4.0 * (reps - 1.0) / (reps * link.bandwidth)
     return np.asarray(lat.compute_s[None, :] + a[:, None] * lat.param_bytes[None, :], dtype=np.float64)
+
+
+def _budget(reps: FloatArray, tau: float, link: Link) -> FloatArray:
+    """r·tau - 2(r-1)·latency: what a stage's dW may reach on r replicas at tau, the all-reduce's
+    2(r-1) messages' latency taken off (``stage.allreduce_time``)."""
+    return np.asarray(reps * tau - 2.0 * (reps - 1.0) * link.latency, dtype=np.float64)
 
 
 @dataclass(frozen=True)
@@ -295,7 +303,7 @@ def _probe(
     lat: Lattice,
     sweep: _Sweep,
     units: int,
-    bandwidth: float,
+    link: Link,
     tau: float,
     weights: FloatArray,
     band: bool = True,
@@ -310,7 +318,8 @@ def _probe(
     reps = np.arange(1, weights.shape[0] + 1, dtype=np.float64)
     grid = _Grid.of(units, len(reps))
     floors = _floors(lat, units, tau, weights) if band else np.ones(len(lat.starts), dtype=np.int64)
-    room = bandwidth * tau * reps / 2.0  # cut bytes r replicas can move within tau
+    room = link.bandwidth * (tau * reps / 2.0 - link.latency)  # cut bytes r replicas move within tau
+    budget = _budget(reps, tau * (1 + 1e-12), link)[:, None]
     n, last = len(lat.masks), len(lat.masks) - 1
     g = np.full(n, np.inf)
     g[0] = 0.0
@@ -323,8 +332,9 @@ def _probe(
         best = prev[cols[0], shift:]
         for col in cols[1:]:
             np.maximum(best[: len(col)], prev[col, shift:], out=best[: len(col)])
-        need = (weights[:, states] - reps[:, None] * tau * (1 + 1e-12)).T.astype(np.float32)  # [j, r]
-        fits = lat.act_bytes[states, None] <= room[None, :] * (1 + 1e-12)
+        need = (weights[:, states] - budget).T.astype(np.float32)  # [j, r]
+        act = lat.act_bytes[states, None]
+        fits = (act <= room[None, :] * (1 + 1e-12)) | (act == 0)  # nothing crossing: no message
         fits[states == last] = True
         ok = (best >= need[:, grid.r_of[c0:]]) & fits[:, grid.r_of[c0:]]
         first = ok.argmax(axis=1)  # pairs are ordered by u = r + v: the first one is the fewest
@@ -350,19 +360,19 @@ def _floors(lat: Lattice, units: int, tau: float, weights: FloatArray) -> IntArr
     return np.maximum.accumulate(floors)
 
 
-def _stage_times(lat: Lattice, ks: IntArray, j: int, r: int, bandwidth: float) -> FloatArray:
+def _stage_times(lat: Lattice, ks: IntArray, j: int, r: int, link: Link) -> FloatArray:
     act = np.where(ks > 0, lat.act_bytes[ks], 0.0)
     if j < len(lat.masks) - 1:
         act = np.maximum(act, lat.act_bytes[j])
     dc, dp = lat.compute_s[j] - lat.compute_s[ks], lat.param_bytes[j] - lat.param_bytes[ks]
-    return stage_time(dc, dp, r, bandwidth, act=act)
+    return stage_time(dc, dp, r, link, act=act)
 
 
 def _walk(
     lat: Lattice,
     g: FloatArray,
     units: int,
-    bandwidth: float,
+    link: Link,
     tau: float,
     cap: int,
 ) -> list[Segment]:
@@ -377,7 +387,7 @@ def _walk(
             ks = below[g[below] <= budget - r]
             if len(ks) == 0:
                 continue
-            fit = np.flatnonzero(_stage_times(lat, ks, j, r, bandwidth) <= tau * (1 + SLACK))
+            fit = np.flatnonzero(_stage_times(lat, ks, j, r, link) <= tau * (1 + SLACK))
             if len(fit):
                 found = (int(ks[fit[0]]), r)
                 break
@@ -389,16 +399,16 @@ def _walk(
     return stages[::-1]
 
 
-def _priced(lat: Lattice, stages: list[Segment], bandwidth: float) -> tuple[float, list[Segment]]:
+def _priced(lat: Lattice, stages: list[Segment], link: Link) -> tuple[float, list[Segment]]:
     """A plan with its exact time (the slowest stage, priced on the lattice's sums)."""
-    ends = [float(_stage_times(lat, np.array([s.start]), s.end, s.replicas, bandwidth)[0]) for s in stages]
+    ends = [float(_stage_times(lat, np.array([s.start]), s.end, s.replicas, link)[0]) for s in stages]
     return max(ends), stages
 
 
 def solve_lattice(
     lat: Lattice,
     units: int,
-    bandwidth: float,
+    link: Link,
     lower: float,
     upper: float,
     max_replicas: int | None = None,
@@ -416,17 +426,17 @@ def solve_lattice(
         (time, stages, certified lower bound).
     """
     cap = units if max_replicas is None else min(units, max_replicas)
-    weights = _weights(lat, np.arange(1, cap + 1, dtype=np.float64), bandwidth)
+    weights = _weights(lat, np.arange(1, cap + 1, dtype=np.float64), link)
     sweep = _Sweep.of(lat)
 
     def attained(tau: float) -> tuple[float, list[Segment]] | None:
         """The plan a feasible probe at tau rebuilds, with its exact time; None when infeasible."""
-        g = _probe(lat, sweep, units, bandwidth, tau, weights)
+        g = _probe(lat, sweep, units, link, tau, weights)
         if not g[-1] <= units:
             return None
-        return _priced(lat, _walk(lat, g, units, bandwidth, tau, cap), bandwidth)
+        return _priced(lat, _walk(lat, g, units, link, tau, cap), link)
 
-    found = _priced(lat, start, bandwidth) if start else attained(upper)
+    found = _priced(lat, start, link) if start else attained(upper)
     if found is None:
         raise InfeasibleError("no plan fits")
     hi, stages = found

@@ -83,9 +83,8 @@ def thin_states(profile: Profile, most: int, comm: bool) -> StateSet:
 
 
 def flat_like(cluster: Cluster) -> Cluster:
-    """One level of all the cluster's devices at its slowest bandwidth."""
-    slowest = min(level.bandwidth for level in cluster.levels)
-    return Cluster.flat(cluster.gpus, slowest, cluster.memory_bytes)
+    """One level of all the cluster's devices at its slowest link."""
+    return Cluster.flat(cluster.gpus, cluster.slowest, cluster.memory_bytes)
 
 
 def _flatten(

@@ -28,6 +28,7 @@ import numpy as np
 from partitioner.errors import InfeasibleError
 from partitioner.optimizer.pricing.stage import FloatArray, IntArray, stage_time
 from partitioner.optimizer.search.states import StateSet
+from partitioner.plan import Link
 
 __all__ = ["ReferencePlan", "count_plans", "solve_reference", "stage_times"]
 
@@ -41,18 +42,18 @@ class ReferencePlan:
 
 
 def stage_times(
-    states: StateSet, ks: IntArray, j: int, r: int, bandwidth: float, first_output: bool = True
+    states: StateSet, ks: IntArray, j: int, r: int, link: Link, first_output: bool = True
 ) -> FloatArray:
     """T(k, j, r) for every k in ``ks``: the stage (k, j] on r replicas, its cut traffic included."""
     c, p, act = states.compute_s, states.param_bytes, states.act_bytes
     out = np.full(len(ks), act[j])
     if not first_output:
         out[ks == 0] = 0.0
-    return stage_time(c[j] - c[ks], p[j] - p[ks], r, bandwidth, act=np.maximum(act[ks], out))
+    return stage_time(c[j] - c[ks], p[j] - p[ks], r, link, act=np.maximum(act[ks], out))
 
 
 def solve_reference(
-    states: StateSet, gpus: int, bandwidth: float, max_replicas: int | None = None, first_output: bool = True
+    states: StateSet, gpus: int, link: Link, max_replicas: int | None = None, first_output: bool = True
 ) -> ReferencePlan:
     """The recurrence above, filled state by state (each needs only smaller ones).
 
@@ -66,7 +67,7 @@ def solve_reference(
     for j in range(1, n):
         ks = states.pred(j)
         for r in range(1, cap + 1):
-            stage = stage_times(states, ks, j, r, bandwidth, first_output)
+            stage = stage_times(states, ks, j, r, link, first_output)
             t = np.maximum(best[ks, : gpus + 1 - r], stage[:, None])  # column u - r, for u = r..gpus
             i = np.argmin(t, axis=0)
             value = t[i, np.arange(t.shape[1])]
@@ -84,7 +85,7 @@ def solve_reference(
 
 
 def count_plans(
-    states: StateSet, gpus: int, bandwidth: float, time_s: float, max_replicas: int | None = None,
+    states: StateSet, gpus: int, link: Link, time_s: float, max_replicas: int | None = None,
     first_output: bool = True,
 ) -> float:  # fmt: skip
     """How many plans (cuts and replicas, idle devices not told apart) take at most ``time_s``:
@@ -96,6 +97,6 @@ def count_plans(
     for j in range(1, n):
         ks = states.pred(j)
         for r in range(1, cap + 1):
-            fast = ks[stage_times(states, ks, j, r, bandwidth, first_output) <= time_s]
+            fast = ks[stage_times(states, ks, j, r, link, first_output) <= time_s]
             count[j, r:] += count[fast][:, : gpus + 1 - r].sum(axis=0)
     return float(count[n - 1, gpus])

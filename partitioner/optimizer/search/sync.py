@@ -25,6 +25,7 @@ from partitioner.optimizer.pricing.stage import FloatArray, IntArray, allreduce_
 from partitioner.optimizer.search.dp import Segment
 from partitioner.optimizer.search.reach import fewest_units, fewest_units_after
 from partitioner.optimizer.search.states import StateSet
+from partitioner.plan import Link
 
 __all__ = ["MAX_CHOICES", "MAX_STEPS", "solve_synchronous"]
 
@@ -56,21 +57,19 @@ class _Choices:
     compute: FloatArray  # per state
     m: int
     cap: int
-    bandwidth: float
+    link: Link
 
     @staticmethod
-    def of(
-        states: StateSet, cap: int, bandwidth: float, m: int, memory: MemoryLimit | None = None
-    ) -> _Choices:
+    def of(states: StateSet, cap: int, link: Link, m: int, memory: MemoryLimit | None = None) -> _Choices:
         n = len(states)
         k, j = states.all_pairs()
         r = np.arange(1, cap + 1, dtype=np.float64)[None, :]
         out = np.where(j < n - 1, states.act_bytes[j], 0.0)
         compute = states.compute_s[j] - states.compute_s[k]
-        x = compute + 2.0 * out / bandwidth  # (only to solve for replicas: u is about x / (r·M))
+        x = compute + 2.0 * out / link.bandwidth  # (only to solve for replicas: u is about x / (r·M))
         params = states.param_bytes[j] - states.param_bytes[k]
-        u = microbatch_time(compute[:, None], out[:, None], r, m, bandwidth)
-        a = allreduce_time(params[:, None], r, bandwidth)
+        u = microbatch_time(compute[:, None], out[:, None], r, m, link)
+        a = allreduce_time(params[:, None], r, link)
         r_mem = np.ones(len(k))
         if memory is not None:  # all M microbatches' activations, split over the replicas
             copies, largest = memory.extras(states.masks, states.layer_ids, k, j)
@@ -81,13 +80,15 @@ class _Choices:
         offsets = np.concatenate([[0], np.cumsum(np.bincount(j, minlength=n))]).astype(np.int64)
         u, a = np.asarray(u, dtype=np.float64), np.asarray(a, dtype=np.float64)
         layers = states.size_layers()
-        return _Choices(k, j, offsets, layers, x, params, r_mem, u, a, states.compute_s, m, cap, bandwidth)
+        return _Choices(k, j, offsets, layers, x, params, r_mem, u, a, states.compute_s, m, cap, link)
 
     def need(self, tau: float, alpha: float) -> FloatArray:
         """Per stage, the fewest replicas that may meet the caps (rounded down; inf: none can)."""
         with np.errstate(divide="ignore", invalid="ignore"):
             lo = np.maximum(np.ceil(self.x / (self.m * tau) * (1 - 1e-9)), self.r_mem)
-            room = 1.0 - alpha * self.bandwidth / (4.0 * self.p) * (1 + 1e-9)  # r <= 1 / room when room > 0
+            room = 1.0 - alpha * self.link.bandwidth / (4.0 * self.p) * (
+                1 + 1e-9
+            )  # r <= 1 / room when room > 0
             hi = np.where(room > 0, np.floor(1.0 / room * (1 + 1e-9)), np.inf)
         return np.asarray(np.where(lo <= np.minimum(hi, self.cap), lo, np.inf), dtype=np.float64)
 
@@ -181,7 +182,7 @@ class _Box:
 
 
 def solve_synchronous(
-    states: StateSet, units: int, bandwidth: float, m: int, cap: int, steps: int = MAX_STEPS,
+    states: StateSet, units: int, link: Link, m: int, cap: int, steps: int = MAX_STEPS,
     memory: MemoryLimit | None = None,
 ) -> tuple[float, list[Segment], float] | None:  # fmt: skip
     """The plan minimising the synchronous time per minibatch over the states, by branch and bound.
@@ -192,7 +193,7 @@ def solve_synchronous(
     """
     if states.pair_count() * cap > MAX_CHOICES:
         return None
-    ch = _Choices.of(states, cap, bandwidth, m, memory)
+    ch = _Choices.of(states, cap, link, m, memory)
     n = len(states)
     if not np.isfinite(ch.u).any():
         return None  # no stage fits the memory limit on any replica count

@@ -103,8 +103,12 @@ def test_partition_writes_no_stage_code_for_a_model_it_cannot_build(monkeypatch:
 
     from partitioner.graph import Node
 
-    heavy = replace(profile, nodes=(Node("w", "w", "call_module", "Linear", param_bytes=2 * 2**30),))
+    weights = (Node("w", "w", "call_module", "Linear", param_bytes=2 * 2**30),)
+    heavy = replace(profile, nodes=weights, tracer_options={"spec": "big.py:build"})
     monkeypatch.setattr(budget, "free_bytes", lambda device: 7.9 * 2**30)
     assert "builds big whole in float32 (4.0 GiB of weights)" in str(budget.unbuildable(heavy))
+    # models built on meta (fx: built-in, torchvision, hf:) or traced without weights (export) build anywhere
+    assert budget.unbuildable(replace(heavy, tracer="export")) is None
+    assert budget.unbuildable(replace(heavy, tracer_options={"spec": "hf:big.json"})) is None
     monkeypatch.setattr(budget, "free_bytes", lambda device: 8.0 * 2**30)
     assert budget.unbuildable(heavy) is None

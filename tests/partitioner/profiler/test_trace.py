@@ -125,3 +125,12 @@ def test_hf_gpt2_falls_back_to_export_grouped_by_block() -> None:
                 # the dynamic batch size crosses layers; split reads it again from a local tensor
                 value = a.meta.get("val")
                 assert isinstance(value, (torch.Tensor, torch.SymInt)), f"{a.name} is not a tensor"
+
+
+def test_export_records_no_stack_traces_and_puts_the_setting_back() -> None:
+    """A Python stack per node is a quarter of a deep model's export, and nothing reads it."""
+    lifted = Path(__file__).parents[1] / "lifted_model.py"
+    traced = trace_model(load_model(f"{lifted}:make", 2))
+    assert traced.tracer == "export"
+    assert not any(n.meta.get("stack_trace") for n in traced.graph_module.graph.nodes)
+    assert torch.fx.config.do_not_emit_stack_traces is False

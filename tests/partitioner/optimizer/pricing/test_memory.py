@@ -19,9 +19,11 @@ from partitioner.optimizer.pricing.memory import (
     transient_bytes,
 )
 from partitioner.optimizer.pricing.price import stage_loads
+from partitioner.optimizer.pricing.schedules import in_flight
 from partitioner.optimizer.pricing.simulate import simulate
 from partitioner.optimizer.search.states import build_states
 from partitioner.plan import Cluster
+from runtime.schedule import REGISTRY, actions, pipeline
 from tests.partitioner.optimizer.conftest import make_profile
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
@@ -58,14 +60,17 @@ def test_items_is_the_most_minibatches_that_price_within_the_limit(
 def test_synchronous_checks_match_the_price_of_all_m_microbatches(
     p: int, s: int, largest: int, limit: int, m: int, schedule: str, opt: str
 ) -> None:
-    """Synchronous: ``fits`` on r replicas equals the price of a replica holding all M microbatches
-    (accumulating when r < M), and ``replicas`` is the fewest r that fits."""
+    """Synchronous: ``fits`` on r replicas equals the price of a replica holding all of its
+    microbatches, ceil(M / r) whole ones (accumulating when r < M), and ``replicas`` is the fewest r
+    that fits."""
     lim = MemoryLimit(limit, opt, schedule, 8, m, float(largest))
     params, saved = np.array([float(p)]), np.array([float(s)])
     fewest = float(lim.replicas(params, saved)[0])
     for r in range(1, 12):
         grad = float(transient_bytes(float(p), float(largest), schedule)) if m > r else 0.0
-        exact = peak_bytes(p * 1000, s * 1000, m, m * r, schedule, opt, grad * 1000) / 1000  # (rounding)
+        item = max(m, r)  # the runtime runs at least one microbatch per replica
+        held = -(-item // r)
+        exact = peak_bytes(p * 1000, s * 1000, held, item, schedule, opt, grad * 1000) / 1000  # (rounding)
         if abs(exact - limit) < 0.01:
             continue  # on the boundary: rounding decides
         fits = bool(lim.fits(params, saved, np.array([float(r)]))[0])
@@ -144,6 +149,51 @@ def test_the_simulation_prices_memory_as_the_plan(schedule: str, m: int) -> None
     profile = _tied()
     plan = evaluate(profile, Cluster.flat(3), ["l1", "l3"], [1, 1, 1], schedule, m)
     assert simulate(plan, profile).peak_memory_bytes == tuple(s.memory_bytes for s in plan.stages)
+
+
+def _replica_peaks(schedule: str, replicas: tuple[int, ...], m: int) -> list[int]:
+    """Per stage, the most microbatches one replica's own runtime list holds between F and its
+    release (W of a split backward, else B)."""
+    layout = pipeline(list(replicas))
+    release = "W" if REGISTRY[schedule].split_backward else "B"
+    peaks = [0] * len(replicas)
+    for stage, ranks in enumerate(layout):
+        for rank in ranks:
+            live = 0
+            for a in actions(schedule, layout, rank, m, range(1)):
+                live += (a.kind == "F") - (a.kind == release) if a.stage == stage else 0
+                peaks[stage] = max(peaks[stage], live)
+    return peaks
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb1p"])
+@pytest.mark.parametrize(
+    ("replicas", "m"), [((1, 2), 4), ((2, 1), 4), ((3,), 4), ((2,), 2), ((2, 2), 4), ((3, 1), 6)]
+)
+def test_a_replicated_stage_is_priced_as_its_replicas_run_it(
+    schedule: str, replicas: tuple[int, ...], m: int
+) -> None:
+    """A flushing stage's replicas take its microbatches round-robin, whole (1/M of a minibatch
+    each): the plan, the simulation and the runtime's own lists agree on the items the busiest
+    replica holds, the plan and the simulation on the bytes, and the search's limit bounds them."""
+    profile = _tied()
+    cuts = ["l2"] if len(replicas) == 2 else []
+    plan = evaluate(profile, Cluster.flat(sum(replicas)), cuts, list(replicas), schedule, m)
+    held = _replica_peaks(schedule, replicas, m)
+    assert [in_flight(schedule, k, replicas, m) for k in range(len(replicas))] == held
+    sim = simulate(plan, profile)
+    assert list(sim.in_flight) == held
+    assert sim.peak_memory_bytes == tuple(s.memory_bytes for s in plan.stages)
+    loads = stage_loads(profile, [s.nodes for s in plan.stages])
+    for stage, load, h in zip(plan.stages, loads, held, strict=True):
+        kept = peak_bytes(load.param_bytes + load.copy_bytes, load.saved_bytes, h, m, schedule, "sgd")
+        assert stage.memory_bytes >= kept  # whole microbatches: h x saved / M at least
+        lim = MemoryLimit.of(stage.memory_bytes - 1, profile, "sgd", schedule, sum(replicas), m)
+        params, saved = np.array([load.param_bytes + load.copy_bytes]), np.array([load.saved_bytes])
+        assert not lim.fits(params, saved, np.array([float(stage.replicas)]))[0]  # the search's bound
+    limit = max(s.memory_bytes for s in plan.stages)
+    found = solve(profile, Cluster.flat(sum(replicas), memory_bytes=limit), schedule, m)
+    assert max(s.memory_bytes for s in found.stages) <= limit
 
 
 def test_bfloat16_weights_are_priced_as_mixed_precision_trains_them() -> None:

@@ -30,13 +30,14 @@ def _heavy() -> Profile:
 def test_price_stage_by_hand() -> None:
     s0, s1 = stage_loads(THREE, [("x", "l0"), ("l1", "l2")])
     assert (s0.forward_s, s0.input_bytes, s1.forward_s, s1.input_bytes) == (0.010, 1000, 0.020, 4_000_000)
-    # 1f1b, M=4, replicas (2, 1). Stage 0 holds min(2, 4) = 2 microbatches of 1/(4*2) of a minibatch:
-    # kept 2P + P (a replica runs 2 of the 4 microbatches: l0's gradient beside the sum) + 2*4e6/8 = 4e6;
-    # recomputing, 3P + (2 inputs of 1000 + one item's 4e6) / 8, and +10 ms
+    # 1f1b, M=4, replicas (2, 1). Stage 0 holds min(2, 4) = 2 microbatches, one on each replica, a
+    # whole microbatch (1/4 of a minibatch) each: kept 2P + P (a replica runs 2 of the 4 microbatches:
+    # l0's gradient beside the sum) + 4e6/4 = 4e6; recomputing, 3P + (1 input of 1000 + the rebuilt
+    # item's 4e6) / 4, and +10 ms
     kept = price_stage(s0, "1f1b", 0, (2, 1), 4, "sgd", recompute=False)
     redo = price_stage(s0, "1f1b", 0, (2, 1), 4, "sgd", recompute=True)
     assert (kept.compute_s, kept.memory_bytes) == (pytest.approx(0.030), 4_000_000)
-    assert (redo.compute_s, redo.memory_bytes) == (pytest.approx(0.040), 3_000_000 + 500_250)
+    assert (redo.compute_s, redo.memory_bytes) == (pytest.approx(0.040), 3_000_000 + 1_000_250)
     # stage 1 holds 1 microbatch of 1/4: recomputing keeps its 4 MB input, more than its 1 MB saved;
     # it accumulates l2's 2 MB gradient
     redo1 = price_stage(s1, "1f1b", 1, (2, 1), 4, "sgd", recompute=True)
@@ -51,7 +52,7 @@ def test_plan_of_recomputing_stages_by_hand() -> None:
     plan = evaluate(THREE, Cluster.flat(3), ["l0"], [2, 1], "1f1b", 4, recompute="all")
     assert [s.recompute for s in plan.stages] == [True, True]
     assert [s.compute_s for s in plan.stages] == [pytest.approx(0.040), pytest.approx(0.080)]
-    assert [s.memory_bytes for s in plan.stages] == [3_500_250, 7_250_000]  # (with the accumulated gradient)
+    assert [s.memory_bytes for s in plan.stages] == [4_000_250, 7_250_000]  # (with the accumulated gradient)
     # per microbatch: 0.040/8 + cut 2*4e6/(1e9*2)/4 = 0.006 and 0.080/4 = 0.020; + 3 * 0.020 + 0.002
     assert plan.predicted.time_per_minibatch_s == pytest.approx(0.088)
     assert plan.extra["recompute"] == "all"
@@ -77,7 +78,10 @@ def test_auto_solve_recomputes_only_when_nothing_fits_otherwise(schedule: str) -
         plan = solve(profile, roomy, schedule, 4, recompute="auto")
         assert not any(s.recompute for s in plan.stages) and plan.extra["recompute"] == "auto"
     kept = max(s.memory_bytes for s in solve(profile, Cluster.flat(2), schedule, 4).stages)
-    tight = Cluster.flat(2, memory_bytes=kept // 2)
+    # 0.6 of it: no plan fits without recomputing; gpipe's 2 replicas recomputing hold 2 microbatches'
+    # inputs and one rebuilt microbatch of 1/4 (half of what they keep) and a little more
+    limit = kept * 6 // 10
+    tight = Cluster.flat(2, memory_bytes=limit)
     with pytest.raises(InfeasibleError):
         solve(profile, tight, schedule, 4, recompute="none")
     if schedule == "pipedream":  # one minibatch per replica here: recomputing cannot save anything
@@ -85,10 +89,10 @@ def test_auto_solve_recomputes_only_when_nothing_fits_otherwise(schedule: str) -
             solve(profile, tight, schedule, 4, recompute="auto")
         return
     plan = solve(profile, tight, schedule, 4, recompute="auto")
-    assert any(s.recompute for s in plan.stages) and all(s.memory_bytes <= kept // 2 for s in plan.stages)
+    assert any(s.recompute for s in plan.stages) and all(s.memory_bytes <= limit for s in plan.stages)
     without = evaluate(profile, Cluster.flat(2), _cuts(plan), [s.replicas for s in plan.stages], schedule, 4)
     for stage, alone in zip(plan.stages, without.stages, strict=True):  # exactly those over the limit
-        assert stage.recompute == (alone.memory_bytes > kept // 2)
+        assert stage.recompute == (alone.memory_bytes > limit)
 
 
 def test_all_prices_the_searched_plan_exactly() -> None:
@@ -129,3 +133,21 @@ def test_simulation_holds_what_the_cost_model_prices(schedule: str, mode: str) -
 
 def _cuts(plan: Plan) -> list[str]:
     return [[n for n in s.nodes if n != "x"][-1] for s in plan.stages[:-1]]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "pipedream"])
+def test_a_recomputing_last_stage_keeps_the_loss_of_every_item_in_flight(schedule: str) -> None:
+    """The runtime runs the loss outside the recomputed forward (``runtime.stage``), so a recomputing
+    last stage keeps the loss's saved bytes (the output node's) for every item in flight, beside its
+    inputs; the plan, the simulation and the search on the recomputing profile agree."""
+    loss = 8_000_000
+    nodes = tuple(replace(n, op="output") if n.id == "l2" else n for n in THREE.nodes)
+    profile = replace(THREE, nodes=tuple(replace(n, saved_bytes=loss) if n.id == "l2" else n for n in nodes))
+    m = 1 if schedule == "pipedream" else 4
+    without = evaluate(THREE, Cluster.flat(3), ["l0", "l1"], [1, 1, 1], schedule, m, recompute="all")
+    plan = evaluate(profile, Cluster.flat(3), ["l0", "l1"], [1, 1, 1], schedule, m, recompute="all")
+    held = simulate(plan, profile).in_flight[-1]  # gpipe: all 4; 1f1b and pipedream: 1
+    assert held == (4 if schedule == "gpipe" else 1)
+    assert plan.stages[-1].memory_bytes - without.stages[-1].memory_bytes == held * loss // m
+    assert simulate(plan, profile).peak_memory_bytes == tuple(s.memory_bytes for s in plan.stages)
+    assert [n.saved_bytes for n in recomputing(profile).nodes if n.op == "output"] == [loss]

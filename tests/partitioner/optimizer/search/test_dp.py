@@ -14,7 +14,7 @@ from partitioner.graph import Profile, read_graph_txt
 from partitioner.optimizer import solve
 from partitioner.optimizer.pricing.memory import MemoryLimit
 from partitioner.optimizer.pricing.price import StageSpec, assemble
-from partitioner.plan import Cluster, SolverInfo
+from partitioner.plan import Cluster, Link, SolverInfo
 from tests.data import PIPEDREAM_PROFILES
 from tests.partitioner.optimizer.conftest import make_profile
 
@@ -105,16 +105,19 @@ dags = st.integers(min_value=2, max_value=5).flatmap(
         st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), max_size=2 * n),
     )
 )  # fmt: skip
+LATENCIES = st.sampled_from([0.0, 1e-3, 2e-2])
+"""Link latencies (s) the searches are held to: none, and about a layer's and a stage's compute."""
 
 
 @settings(max_examples=60, deadline=None)
-@given(dag=dags, gpus=st.integers(1, 4), straight=st.booleans(), comm=st.booleans())
+@given(dag=dags, gpus=st.integers(1, 4), straight=st.booleans(), comm=st.booleans(), latency=LATENCIES)
 def test_dp_equals_brute_force(dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]], gpus: int,
-                               straight: bool, comm: bool) -> None:  # fmt: skip
+                               straight: bool, comm: bool, latency: float) -> None:  # fmt: skip
+    """The search's optimum is the plan cost model's (brute force), with or without a latency."""
     costs, raw = dag
     edges = [(a, b) for a, b in raw if a < b]
     profile = make_profile(costs, edges)
-    cluster = Cluster.flat(gpus, bandwidth=1e5)
+    cluster = Cluster.flat(gpus, Link(1e5, latency))
     plan = solve(profile, cluster, straight=straight, activation_comm=comm)
     expected = brute_force(profile, cluster, straight, comm)
     assert plan.predicted.time_per_minibatch_s == pytest.approx(expected, rel=1e-8)
@@ -281,8 +284,10 @@ def test_memory_limit_that_binds(costs: list[tuple[int, int, int, int]], gpus: i
     from partitioner.optimizer.search.states import build_states
 
     states = build_states(make_profile(costs, [(i, i + 1) for i in range(len(costs) - 1)]))
-    prob = LevelProblem(states, gpus, 1e5, memory=MemoryLimit(float(limit), "momentum", "pipedream", gpus))
-    free, _ = solve_direct(LevelProblem(states, gpus, 1e5))
+    prob = LevelProblem(
+        states, gpus, Link(1e5), memory=MemoryLimit(float(limit), "momentum", "pipedream", gpus)
+    )
+    free, _ = solve_direct(LevelProblem(states, gpus, Link(1e5)))
     plain, _, _ = solve_bisection(prob)
     fast, stages, _ = solve_bottleneck(prob)
     assert plain > free * 1.01 and fast == pytest.approx(plain, rel=1e-6)
@@ -311,7 +316,7 @@ def test_bottleneck_shortcuts_equal_plain_bisection(
     costs, raw = dag
     states = build_states(make_profile(costs, [(a, b) for a, b in raw if a < b]))
     memory = None if limit is None else MemoryLimit(float(limit), "momentum", "pipedream", gpus)
-    prob = LevelProblem(states, gpus, 1e5, memory=memory)
+    prob = LevelProblem(states, gpus, Link(1e5), memory=memory)
     try:
         plain, _, _ = solve_bisection(prob)
     except InfeasibleError:
@@ -324,9 +329,9 @@ def test_bottleneck_shortcuts_equal_plain_bisection(
 
 
 @settings(max_examples=40, deadline=None)
-@given(dag=dags, gpus=st.integers(1, 6), comm=st.booleans())
+@given(dag=dags, gpus=st.integers(1, 6), comm=st.booleans(), latency=LATENCIES)
 def test_direct_recurrence_equals_bisection(
-    dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]], gpus: int, comm: bool
+    dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]], gpus: int, comm: bool, latency: float
 ) -> None:
     """The two exact searches (used for few devices / with memory or many devices) agree."""
     from dataclasses import replace
@@ -338,7 +343,7 @@ def test_direct_recurrence_equals_bisection(
     states = build_states(make_profile(costs, [(a, b) for a, b in raw if a < b]))
     if not comm:
         states = replace(states, act_bytes=states.act_bytes * 0.0)
-    prob = LevelProblem(states, gpus, 1e5)
+    prob = LevelProblem(states, gpus, Link(1e5, latency))
     direct, _ = solve_direct(prob)
     bisect, stages, lower = solve_bisection(prob)
     assert bisect == pytest.approx(direct, rel=1e-8)
@@ -364,9 +369,13 @@ def test_hierarchy_with_memory_limit_fits_or_says_why() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(dag=dags, gpus=st.integers(1, 5), comm=st.booleans(), straight=st.booleans())
+@given(dag=dags, gpus=st.integers(1, 5), comm=st.booleans(), straight=st.booleans(), latency=LATENCIES)
 def test_lattice_search_equals_pair_dp(
-    dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]], gpus: int, comm: bool, straight: bool
+    dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]],
+    gpus: int,
+    comm: bool,
+    straight: bool,
+    latency: float,
 ) -> None:
     """The pair-free lattice search (used beyond 2,500 downsets) finds the pair DP's optimum."""
     from dataclasses import replace
@@ -383,9 +392,10 @@ def test_lattice_search_equals_pair_dp(
         states = replace(states, act_bytes=states.act_bytes * 0.0)
         lattice = replace(lattice, act_bytes=lattice.act_bytes * 0.0)
     cap = 1 if straight else None
-    direct, _ = solve_direct(LevelProblem(states, gpus, 1e5, max_replicas=cap))
+    link = Link(1e5, latency)
+    direct, _ = solve_direct(LevelProblem(states, gpus, link, max_replicas=cap))
     upper = float(states.compute_s[-1])
-    found, stages, lower = solve_lattice(lattice, gpus, 1e5, 0.0, upper, cap)
+    found, stages, lower = solve_lattice(lattice, gpus, link, 0.0, upper, cap)
     assert found == pytest.approx(direct, rel=1e-5)
     assert lower <= direct * (1 + 1e-9)
     assert sum(s.replicas for s in stages) <= gpus
@@ -435,7 +445,7 @@ def test_direct_bounds_keep_the_optimum(
     states = build_states(make_profile(costs, [(a, b) for a, b in raw if a < b]))
     if not comm:
         states = replace(states, act_bytes=states.act_bytes * 0.0)
-    prob = LevelProblem(states, gpus, 1e5, max_replicas=1 if straight else None)
+    prob = LevelProblem(states, gpus, Link(1e5), max_replicas=1 if straight else None)
     best, _ = solve_direct(prob)
     bounded, stages = solve_direct(prob, None, best * (1 + slack), best * (1 - slack))
     assert bounded == best

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from partitioner.graph import Profile
 from partitioner.optimizer import solve
-from partitioner.plan import Cluster, Level
+from partitioner.plan import Cluster, Level, Link
 from tests.partitioner.optimizer.conftest import make_profile
-from tests.partitioner.optimizer.search.test_dp import _downsets, dags
+from tests.partitioner.optimizer.search.test_dp import LATENCIES, _downsets, dags
 
 Down = frozenset[str]
 
@@ -93,9 +93,19 @@ def test_two_levels_equal_brute_force(
 
 
 @settings(max_examples=30, deadline=None)
-@given(dag=dags, n1=st.integers(1, 3), n2=st.integers(1, 3), slack=st.sampled_from([0.0, 1e-12, 0.2]))
+@given(
+    dag=dags,
+    n1=st.integers(1, 3),
+    n2=st.integers(1, 3),
+    slack=st.sampled_from([0.0, 1e-12, 0.2]),
+    latency=LATENCIES,
+)
 def test_table_ceiling_keeps_the_optimum(
-    dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]], n1: int, n2: int, slack: float
+    dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]],
+    n1: int,
+    n2: int,
+    slack: float,
+    latency: float,
 ) -> None:
     """Inner tables cut at a ceiling from an attained time (even the optimum itself) lose nothing."""
     from partitioner.optimizer.search.hierarchy import _solve_levels
@@ -103,7 +113,7 @@ def test_table_ceiling_keeps_the_optimum(
 
     costs, raw = dag
     states = build_states(make_profile(costs, [(a, b) for a, b in raw if a < b]))
-    levels = [(n1, 4e5), (n2, 1e5)]
+    levels = [(n1, Link(4e5, latency / 4)), (n2, Link(1e5, latency))]
     best, _, _ = _solve_levels(states, levels, None, math.inf)
     bounded, stages, _ = _solve_levels(states, levels, None, best * (1 + slack))
     assert bounded == best
@@ -116,12 +126,14 @@ def test_table_ceiling_keeps_the_optimum(
     units=st.lists(st.integers(1, 3), min_size=2, max_size=3),
     top_bw=st.sampled_from([1e3, 1e5, 1e7]),
     slack=st.sampled_from([0.0, 1e-12, 0.05]),
+    latency=LATENCIES,
 )
 def test_sync_aware_ceilings_keep_the_optimum(
     dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]],
     units: list[int],
     top_bw: float,
     slack: float,
+    latency: float,
 ) -> None:
     """Ceilings that charge a top stage its gradient sync (slow top links: sync dominates) lose nothing."""
     from partitioner.optimizer.search.hierarchy import _solve_levels
@@ -129,7 +141,7 @@ def test_sync_aware_ceilings_keep_the_optimum(
 
     costs, raw = dag
     states = build_states(make_profile(costs, [(a, b) for a, b in raw if a < b]))
-    levels = [(n, 4e5) for n in units[:-1]] + [(units[-1], top_bw)]
+    levels = [(n, Link(4e5)) for n in units[:-1]] + [(units[-1], Link(top_bw, latency))]
     best, _, _ = _solve_levels(states, levels, None, math.inf)
     bounded, _, _ = _solve_levels(states, levels, None, best * (1 + slack))
     assert bounded == best
@@ -161,9 +173,12 @@ def test_hierarchy_states_are_build_states_thinned(name: str) -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(dag=dags, units=st.integers(1, 4), bandwidth=st.sampled_from([1e3, 1e5, 1e7]))
+@given(dag=dags, units=st.integers(1, 4), bandwidth=st.sampled_from([1e3, 1e5, 1e7]), latency=LATENCIES)
 def test_segment_tables_equal_plain_recurrence(
-    dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]], units: int, bandwidth: float
+    dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]],
+    units: int,
+    bandwidth: float,
+    latency: float,
 ) -> None:
     """The pruned table fill (splits and rows that cannot beat a row's best are skipped) equals the
     plain recurrence over every start, split and replica count, entry for entry, whichever way the
@@ -177,7 +192,7 @@ def test_segment_tables_equal_plain_recurrence(
 
     costs, raw = dag
     states = build_states(make_profile(costs, [(a, b) for a, b in raw if a < b]))
-    prob = LevelProblem(states, units, bandwidth)
+    prob = LevelProblem(states, units, Link(bandwidth, latency))
     tables = _all_segments(prob)
     for search in ("window", "column"):
         other = _all_segments(prob, search=search)

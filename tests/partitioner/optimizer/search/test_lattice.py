@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from partitioner.graph import Profile
 from partitioner.optimizer.search.lattice import enumerate_lattice
 from partitioner.optimizer.search.states import downset_states
+from partitioner.plan import Link
 from tests.partitioner.optimizer.conftest import make_profile
 
 wide_dags = st.integers(min_value=1, max_value=9).flatmap(
@@ -116,6 +117,7 @@ def test_lattice_gives_up_beyond_its_caps() -> None:
     scale=st.floats(0.05, 1.5),
     bandwidth=st.sampled_from([1e3, 1e5, 1e7]),
     straight=st.booleans(),
+    latency=st.sampled_from([0.0, 1e-3, 2e-2]),
 )
 def test_banded_probe_equals_full_probe(
     dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]],
@@ -123,6 +125,7 @@ def test_banded_probe_equals_full_probe(
     scale: float,
     bandwidth: float,
     straight: bool,
+    latency: float,
 ) -> None:
     """Dropping (replicas, devices) pairs below the compute floor never changes a probe's answer."""
     from partitioner.optimizer.search.lattice import _probe, _Sweep, _weights
@@ -131,11 +134,12 @@ def test_banded_probe_equals_full_probe(
     lat = enumerate_lattice(make_profile(costs, [(a, b) for a, b in raw if a < b]), 10_000)
     assert lat is not None
     cap = 1 if straight else gpus
-    weights = _weights(lat, np.arange(1, cap + 1, dtype=np.float64), bandwidth)
+    link = Link(bandwidth, latency)
+    weights = _weights(lat, np.arange(1, cap + 1, dtype=np.float64), link)
     tau = scale * float(lat.compute_s[-1])
     sweep = _Sweep.of(lat)
-    full = _probe(lat, sweep, gpus, bandwidth, tau, weights, band=False)
-    banded = _probe(lat, sweep, gpus, bandwidth, tau, weights)
+    full = _probe(lat, sweep, gpus, link, tau, weights, band=False)
+    banded = _probe(lat, sweep, gpus, link, tau, weights)
     assert np.array_equal(full, banded)
 
 

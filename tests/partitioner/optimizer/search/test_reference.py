@@ -13,11 +13,11 @@ from partitioner.graph import Profile, read_graph_txt
 from partitioner.optimizer import solve
 from partitioner.optimizer.search.reference import count_plans, solve_reference, stage_times
 from partitioner.optimizer.search.states import StateSet, build_states, without_free_sinks
-from partitioner.plan import Cluster, Plan
+from partitioner.plan import Cluster, Link, Plan
 from tests.data import PIPEDREAM_PROFILES
 from tests.partitioner.optimizer.conftest import make_profile
 
-BANDWIDTH = 1e9  # Cluster.flat's default
+BANDWIDTH = Link(1e9)  # Cluster.flat's default
 #: the fast path searches these with ``lattice.py`` over every downset (GNMT-16: 16,886 downsets and
 #: 13.9M subset pairs, 12 s to list the pairs alone; Inception-v3: 221,565 downsets), where the
 #: reference's states x predecessors x devices² would take minutes.
@@ -103,10 +103,10 @@ def test_reference_on_a_chain_by_hand() -> None:
     a straight pipeline cuts after the first layer: max(40, 20, 20) = 40 ms."""
     profile = make_profile([(13, 27, 1000, 0), (3, 7, 1000, 0), (3, 7, 1000, 0)], [(0, 1), (1, 2)])
     states = build_states(profile)
-    ref = solve_reference(states, 2, 1e5)
+    ref = solve_reference(states, 2, Link(1e5))
     assert ref.time_s == pytest.approx(0.030) and ref.stages == ((0, 3, 2),)
-    assert count_plans(states, 2, 1e5, 0.030 * (1 + 1e-9)) == 1
-    straight = solve_reference(states, 2, 1e5, max_replicas=1)
+    assert count_plans(states, 2, Link(1e5), 0.030 * (1 + 1e-9)) == 1
+    straight = solve_reference(states, 2, Link(1e5), max_replicas=1)
     assert straight.time_s == pytest.approx(0.040) and straight.stages == ((0, 1, 1), (1, 3, 1))
 
 

@@ -9,14 +9,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from partitioner.optimizer import solve
-from partitioner.plan import Cluster
+from partitioner.plan import Cluster, Link
 from tests.partitioner.optimizer.conftest import make_profile
-from tests.partitioner.optimizer.search.test_dp import brute_force, dags
+from tests.partitioner.optimizer.search.test_dp import LATENCIES, brute_force, dags
 
 
 @settings(max_examples=60, deadline=None)
 @given(dag=dags, gpus=st.integers(1, 4), schedule=st.sampled_from(["1f1b", "gpipe"]),
-       microbatches=st.sampled_from([1, 2, 4, 8]), straight=st.booleans(), comm=st.booleans())  # fmt: skip
+       microbatches=st.sampled_from([1, 2, 4, 8]), straight=st.booleans(), comm=st.booleans(),
+       latency=LATENCIES)  # fmt: skip
 def test_synchronous_plans_are_optimal(
     dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]],
     gpus: int,
@@ -24,11 +25,12 @@ def test_synchronous_plans_are_optimal(
     microbatches: int,
     straight: bool,
     comm: bool,
+    latency: float,
 ) -> None:
     """1f1b and gpipe: sum + (M-1) slowest + all-reduce, minimised exactly, and proven so."""
     costs, raw = dag
     profile = make_profile(costs, [(a, b) for a, b in raw if a < b])
-    cluster = Cluster.flat(gpus, 1e5)
+    cluster = Cluster.flat(gpus, Link(1e5, latency))
     plan = solve(profile, cluster, schedule, microbatches, straight=straight, activation_comm=comm)
     # optimal at the microbatch count it uses (raised towards one every replica count divides, if needed)
     expected = brute_force(profile, cluster, straight, comm, schedule, plan.microbatches)

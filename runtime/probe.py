@@ -1,0 +1,350 @@
+"""``pipeplan probe``: measure a cluster's links on the ranks a run would use, and write a cluster file.
+
+The cost model prices a message as ``latency + bytes / bandwidth`` per level of the cluster
+(``partitioner.plan.Link``). This measures both the way nccl-tests and OSU's benchmarks do, with
+torch.distributed on the backend a run uses (gloo on CPUs, NCCL on GPUs), started by torch's elastic
+launcher like ``pipeplan run`` (local ranks, or every node running the same command):
+
+- per level, between two ranks that talk over it (ranks 0 and 1 within a host; rank 0 and the first
+  rank of host 1 across hosts): ping-pong round trips of a small message (the latency: half a round
+  trip) and of a large one (the bandwidth: the extra bytes over the extra time, so the latency is
+  not counted twice);
+- an all-reduce over every rank at a few sizes (recorded beside the links: the cost model prices one
+  from the links as a ring, ``4(r-1)P/(rB) + 2(r-1)·latency``).
+
+Each figure is measured in ``rounds`` rounds of ``messages`` round trips after a warm-up; the file
+keeps the median and the rounds' spread ((max - min) / median), which says how steady the link was.
+The other ranks wait at a barrier while a pair measures. Untested on CUDA: the NCCL path follows
+torch's documented calls (``init_process_group("nccl")``, ``torch.cuda.synchronize``).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from runtime.errors import RunError
+
+__all__ = [
+    "CLUSTER_SCHEMA",
+    "LinkFigure",
+    "ProbeOptions",
+    "ProbeOutcome",
+    "ProbeResult",
+    "probe",
+    "probe_device",
+    "run_probe",
+    "write_cluster_file",
+]
+
+CLUSTER_SCHEMA = "pipeplan.cluster/1"  # partitioner.clusters reads it
+SMALL_BYTES = 16
+LARGE_BYTES = 16 << 20
+ALLREDUCE_BYTES = (4096, 1 << 20, 16 << 20)
+
+
+@dataclass(frozen=True)
+class ProbeOptions:
+    """What to measure and where.
+
+    Attributes:
+        gpus: ranks on this node (GPUs, or CPU processes).
+        device: ``cpu`` (gloo) or ``cuda`` (NCCL).
+        rounds: repetitions of every figure (the spread is over them).
+        messages: round trips (or all-reduces) per round.
+        large_bytes: the bandwidth message's size.
+        nnodes, node_rank, master_addr, master_port, timeout: as ``pipeplan run``'s.
+    """
+
+    gpus: int
+    device: str = "cpu"
+    rounds: int = 5
+    messages: int = 20
+    large_bytes: int = LARGE_BYTES
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.gpus * self.nnodes < 2:
+            raise RunError("probe needs at least 2 ranks (--gpus 2, or 2 nodes) to measure a link")
+        if self.device not in ("cpu", "cuda"):
+            raise RunError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.rounds < 1 or self.messages < 1:
+            raise RunError("--rounds and --messages must be >= 1")
+        if self.large_bytes <= SMALL_BYTES:
+            raise RunError(f"the bandwidth message must be larger than {SMALL_BYTES} bytes")
+
+
+@dataclass(frozen=True)
+class LinkFigure:
+    """One level's link as measured: medians over the rounds, and each round's figure."""
+
+    level: int
+    devices: int
+    ranks: tuple[int, int]
+    latency_s: float
+    bandwidth: float
+    latency_rounds_s: tuple[float, ...]
+    bandwidth_rounds: tuple[float, ...]
+
+    @property
+    def latency_spread(self) -> float:
+        return _spread(self.latency_rounds_s)
+
+    @property
+    def bandwidth_spread(self) -> float:
+        return _spread(self.bandwidth_rounds)
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """Every level's link, the all-reduces (bytes, median seconds, spread) and the conditions."""
+
+    links: tuple[LinkFigure, ...]
+    allreduce: tuple[tuple[int, float, float], ...]
+    ranks: int
+    backend: str
+    load: tuple[float, float]
+    memory_bytes: int | None
+
+
+def _spread(values: Sequence[float]) -> float:
+    """(max - min) / median: 0 for a perfectly steady figure."""
+    middle = statistics.median(values)
+    return (max(values) - min(values)) / middle if middle > 0 else 0.0
+
+
+def probe(options: ProbeOptions) -> ProbeResult | None:
+    """Measure on this node's ranks; rank 0's node returns the result (None on the others).
+
+    Raises:
+        RunError: the ranks failed or found no rendezvous (the message names the rank and its error).
+    """
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from runtime.launch import free_port
+
+    port = options.master_port or (free_port() if options.nnodes == 1 else 29500)
+    load_before = os.getloadavg()[0]
+    multiprocessing.set_forkserver_preload(["torch.distributed", "runtime.probe"])  # one import, forks
+    with tempfile.TemporaryDirectory(prefix="pipeplan-probe-") as logs:
+        config = LaunchConfig(
+            min_nodes=options.nnodes, max_nodes=options.nnodes, nproc_per_node=options.gpus,
+            run_id="pipeplan-probe", rdzv_backend="static",
+            rdzv_endpoint=f"{options.master_addr}:{port}",
+            rdzv_configs={"rank": options.node_rank, "timeout": int(options.timeout)},
+            max_restarts=0, monitor_interval=0.1, start_method="forkserver",
+            logs_specs=DefaultLogsSpecs(log_dir=logs, redirects=Std.ALL),
+        )  # fmt: skip
+        try:
+            results = elastic_launch(config, _measure)(options)
+        except ChildFailedError as exc:
+            rank, failure = exc.get_first_failure()
+            raise RunError(f"probe rank {rank} failed: {_failure_line(failure)}") from exc
+        except (TimeoutError, RuntimeError) as exc:
+            where = f"{options.master_addr}:{port}"
+            raise RunError(f"probe: no rendezvous with master {where} within {options.timeout:g}s") from exc
+    if options.node_rank != 0:
+        return None
+    doc = results[0]
+    links = tuple(LinkFigure(**{**f, "ranks": tuple(f["ranks"])}) for f in doc["links"])
+    allreduce = tuple((int(b), float(t), float(s)) for b, t, s in doc["allreduce"])
+    load = (load_before, os.getloadavg()[0])
+    return ProbeResult(links, allreduce, doc["ranks"], doc["backend"], load, doc["memory_bytes"])
+
+
+def _failure_line(failure: Any) -> str:
+    message = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
+    lines = [line for line in str(message).splitlines() if line.strip()]
+    return lines[-1] if lines else f"exit code {failure.exitcode}"
+
+
+def _measure(options: ProbeOptions) -> dict[str, Any]:
+    """One rank: join the group, measure each level's pair and the all-reduces, leave."""
+    import torch
+    import torch.distributed as dist
+
+    cuda = options.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        levels = [(options.gpus, (0, 1))] if options.gpus > 1 else []  # within a host
+        levels += [(options.nnodes, (0, options.gpus))] if options.nnodes > 1 else []  # across hosts
+        links = []
+        for level, (devices, pair) in enumerate(levels):
+            small = _ping_pong(rank, pair, SMALL_BYTES, options, device, sync)
+            large = _ping_pong(rank, pair, options.large_bytes, options, device, sync)
+            extra = options.large_bytes - SMALL_BYTES
+            rates = [extra / max(b - a, 1e-12) for a, b in zip(small, large, strict=True)]
+            links.append({
+                "level": level, "devices": devices, "ranks": pair,
+                "latency_s": statistics.median(small), "bandwidth": statistics.median(rates),
+                "latency_rounds_s": tuple(small), "bandwidth_rounds": tuple(rates),
+            })  # fmt: skip
+        allreduce = [_allreduce(size, options, device, sync) for size in ALLREDUCE_BYTES]
+        memory = torch.cuda.get_device_properties(device).total_memory if cuda else None
+        return {"links": links, "allreduce": allreduce, "ranks": world, "backend": dist.get_backend(),
+                "memory_bytes": memory}  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+def _rounds(options: ProbeOptions, once: Callable[[], None], sync: Callable[[], None]) -> list[float]:
+    """Seconds per call of ``once`` in each of ``options.rounds`` rounds, after a warm-up round."""
+    samples = []
+    for r in range(options.rounds + 1):
+        sync()
+        start = time.perf_counter()
+        for _ in range(options.messages):
+            once()
+        sync()
+        if r:  # round 0 warms the transport up
+            samples.append((time.perf_counter() - start) / options.messages)
+    return samples
+
+
+def _ping_pong(
+    rank: int,
+    pair: tuple[int, int],
+    nbytes: int,
+    options: ProbeOptions,
+    device: Any,
+    sync: Callable[[], None],
+) -> list[float]:
+    """One-way seconds of an ``nbytes`` message between ``pair``, per round (half a round trip)."""
+    import torch
+    import torch.distributed as dist
+
+    buffer = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    first, second = pair
+
+    def once() -> None:
+        if rank == first:
+            dist.send(buffer, second)
+            dist.recv(buffer, second)
+        elif rank == second:
+            dist.recv(buffer, first)
+            dist.send(buffer, first)
+
+    samples = _rounds(options, once, sync) if rank in pair else []
+    dist.barrier()
+    return [t / 2 for t in samples] if rank in pair else [0.0] * options.rounds
+
+
+def _allreduce(
+    nbytes: int, options: ProbeOptions, device: Any, sync: Callable[[], None]
+) -> tuple[int, float, float]:
+    """(bytes, median seconds of one all-reduce over every rank, spread)."""
+    import torch
+    import torch.distributed as dist
+
+    buffer = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    samples = _rounds(options, lambda: dist.all_reduce(buffer), sync)
+    return nbytes, statistics.median(samples), _spread(samples)
+
+
+def write_cluster_file(result: ProbeResult, path: Path, command: str) -> dict[str, Any]:
+    """The cluster file ``partition --cluster FILE`` reads: the measured levels, and what was measured."""
+    levels = [{"devices": f.devices, "bandwidth": f.bandwidth, "latency": f.latency_s} for f in result.links]
+    doc: dict[str, Any] = {
+        "schema": CLUSTER_SCHEMA,
+        "name": "probed",
+        "description": f"{result.ranks} ranks on {result.backend}, measured by `{command}`",
+        "levels": levels,
+        "sources": f"`{command}`: ping-pong of {SMALL_BYTES} B (latency) and large messages (bandwidth) "
+        f"per level, medians of the rounds; load {result.load[0]:.2f} before, {result.load[1]:.2f} after",
+        "probe": {
+            "links": [
+                {**asdict(f), "latency_spread": f.latency_spread, "bandwidth_spread": f.bandwidth_spread}
+                for f in result.links
+            ],
+            "allreduce": [{"bytes": b, "seconds": t, "spread": s} for b, t, s in result.allreduce],
+            "load_before_after": list(result.load),
+        },
+    }
+    if result.memory_bytes is not None:
+        doc["memory"] = str(result.memory_bytes)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(path)
+    return doc
+
+
+@dataclass(frozen=True)
+class ProbeOutcome:
+    """What ``pipeplan probe`` shows: a table (columns, rows) and notes, for the file it wrote."""
+
+    ranks: int
+    backend: str
+    columns: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+    notes: tuple[str, ...]
+
+
+def probe_device(choice: str) -> str:
+    """``auto`` -> ``cuda`` where torch sees a GPU, else ``cpu``."""
+    if choice != "auto":
+        return choice
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_probe(options: ProbeOptions, path: Path, command: str) -> ProbeOutcome | None:
+    """Measure, write the cluster file (node 0), and say what was measured and how steady it was."""
+    result = probe(options)
+    if result is None:
+        return None
+    write_cluster_file(result, path, command)
+    columns = ("level", "devices", "latency\nus", "spread", "bandwidth\nGB/s", "spread")
+    rows = [
+        (str(f.level), str(f.devices), f"{f.latency_s * 1e6:.1f}", f"{f.latency_spread:.0%}",
+         f"{f.bandwidth / 1e9:.3f}", f"{f.bandwidth_spread:.0%}")
+        for f in result.links
+    ]  # fmt: skip
+    rows += [
+        (_size(b), str(result.ranks), f"{t * 1e6:.1f}", f"{s:.0%}", "", "")
+        for b, t, s in result.allreduce
+    ]  # fmt: skip
+    notes = [
+        f"medians of {options.rounds} rounds of {options.messages}; spread = (max - min) / median; "
+        f"load {result.load[0]:.2f} before, {result.load[1]:.2f} after ({os.cpu_count()} cores)"
+    ]
+    per_core = result.load[0] / (os.cpu_count() or 1)
+    if per_core > 1.5:
+        notes.append(
+            f"warning: the machine was loaded ({per_core:.1f} per core): a rank waited for a core between "
+            "messages, which a quiet machine does not; probe again when it is quiet"
+        )
+    steady = max((max(f.latency_spread, f.bandwidth_spread) for f in result.links), default=0.0)
+    if steady > 0.25:
+        notes.append(
+            f"warning: a figure varied by {steady:.0%} between rounds: the machine is busy or the link "
+            "shared; probe again when it is quiet, or with more --rounds"
+        )
+    return ProbeOutcome(result.ranks, result.backend, columns, tuple(rows), tuple(notes))
+
+
+def _size(nbytes: int) -> str:
+    """``all-reduce 16 MiB``: a row's name."""
+    return f"all-reduce {nbytes / 2**20:g} MiB" if nbytes >= 2**20 else f"all-reduce {nbytes / 2**10:g} KiB"

@@ -1,0 +1,70 @@
+"""`pipeplan probe`: two local gloo ranks measured, a cluster file `partition --cluster` reads, and a
+cluster file whose latency is large changes the plan."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from cli import main
+from partitioner.clusters import load_cluster
+from partitioner.graph import write_graph_txt
+from runtime.errors import RunError
+from runtime.probe import ProbeOptions
+from tests.partitioner.optimizer.conftest import make_profile
+
+
+def _run(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, list(args), catch_exceptions=False)
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.mark.slow
+def test_probe_two_local_ranks_writes_a_cluster_file(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.json"
+    code, out, err = _run("probe", "--gpus", "2", "--device", "cpu", "--rounds", "2", "--messages", "2",
+                          "-o", str(path))  # fmt: skip
+    assert code == 0, err
+    cluster = load_cluster(str(path))
+    (level,) = cluster.levels
+    assert level.devices == 2 and level.latency > 0 and level.bandwidth > 0
+    doc = json.loads(path.read_text())
+    link = doc["probe"]["links"][0]
+    assert len(link["latency_rounds_s"]) == 2 and link["latency_spread"] >= 0  # how steady it was
+    assert [row["bytes"] for row in doc["probe"]["allreduce"]] == [4096, 1 << 20, 16 << 20]
+    assert "latency" in out and "all-reduce 16 MiB" in out and "spread" in out
+
+
+def test_probe_refuses_what_it_cannot_measure() -> None:
+    with pytest.raises(RunError, match="at least 2 ranks"):
+        ProbeOptions(gpus=1)
+    with pytest.raises(RunError, match="--device must be cpu or cuda"):
+        ProbeOptions(gpus=2, device="tpu")
+    code, _, err = _run("probe", "--gpus", "1", "--device", "cpu")
+    assert code == 2 and err.startswith("error:") and "at least 2 ranks" in err
+
+
+def test_a_slow_link_in_a_cluster_file_changes_the_plan(tmp_path: Path) -> None:
+    """The same file with 20 ms per message instead of none: pipedream's replicated stages would
+    all-reduce in rings of 20 ms steps, so the plan replicates less (or cuts elsewhere)."""
+    costs = [(5, 10, 4000, 1000), (8, 16, 2000, 2000), (3, 6, 1000, 500), (9, 18, 500, 3000)]
+    graph = tmp_path / "toy" / "graph.txt"
+    graph.parent.mkdir()
+    write_graph_txt(make_profile(costs, [(0, 1), (1, 2), (2, 3)]), graph)
+    plans = {}
+    for latency in ("0", "20ms"):
+        path = tmp_path / f"cluster-{latency}.json"
+        level = {"devices": 4, "bandwidth": "10GB/s", "latency": latency}
+        path.write_text(json.dumps({"schema": "pipeplan.cluster/1", "levels": [level]}))
+        code, out, err = _run("partition", "--profile", str(graph), "--cluster", str(path), "--json",
+                              "-o", str(tmp_path / "m"))  # fmt: skip
+        assert code == 0, err
+        plans[latency] = json.loads(out)
+    shape = {k: [(s["nodes"], s["replicas"]) for s in p["stages"]] for k, p in plans.items()}
+    assert shape["0"] != shape["20ms"]
+    assert (
+        plans["20ms"]["predicted"]["time_per_minibatch_s"] > plans["0"]["predicted"]["time_per_minibatch_s"]
+    )
