@@ -226,7 +226,9 @@ def test_a_default_run_saves_its_last_step_for_export(
     result = CliRunner().invoke(main, ["export", "-o", "n.safetensors", "--run-dir", str(first)])
     assert result.exit_code == 0 and (tmp_path / "n.safetensors").is_file(), result.output
     for run_dir in ([], ["--run-dir", str(first)]):
-        result = CliRunner().invoke(main, ["calibrate", str(package), *run_dir, "-o", "c.json"])
+        result = CliRunner().invoke(
+            main, ["calibrate", str(package), *run_dir, "-o", "c.json", "--accept-load"]
+        )
         assert result.exit_code == 0, result.output
         source = json.loads((tmp_path / "c.json").read_text())["extra"]["calibrated"]["metrics"]
         assert Path(source).resolve().parent == (first if run_dir else second).resolve()
