@@ -148,24 +148,10 @@ def main(debug: bool, verbose: int) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print only the profile JSON on stdout.")
 @user_errors
 def profile(
-    model: str,
-    output: str | None,
-    batch_size: int,
-    input_shape: str | None,
-    device: str,
-    dtype: str,
-    leaf_modules: tuple[str, ...],
-    repeats: int,
-    clock: str,
-    threads: int | None,
-    microbatch_size: int | None,
-    fixed_cost: bool,
-    precision: str,
-    materialize: str,
-    reuse: bool,
-    device_model: str | None,
-    top: int,
-    as_json: bool,
+    model: str, output: str | None, batch_size: int, input_shape: str | None, device: str, dtype: str,
+    leaf_modules: tuple[str, ...], repeats: int, clock: str, threads: int | None,
+    microbatch_size: int | None, fixed_cost: bool, precision: str, materialize: str, reuse: bool,
+    device_model: str | None, top: int, as_json: bool,
 ) -> None:  # fmt: skip
     """Trace MODEL and measure every layer's time and memory -> profile.json.
 
