@@ -54,9 +54,6 @@ def test_synchronous_trades_the_slowest_stage_against_the_sum() -> None:
     assert plan.solver.optimal
 
 
-@pytest.mark.xfail(
-    strict=True, reason="known defect: see the next test; the draws are fixed (tests/conftest.py)"
-)
 @settings(max_examples=40, deadline=None, phases=(Phase.explicit, Phase.generate))  # no shrinking: minutes
 @given(dag=dags, gpus=st.integers(1, 4), microbatches=st.sampled_from([1, 2, 4]),
        limit=st.integers(8_000, 40_000))  # fmt: skip
@@ -67,7 +64,8 @@ def test_gpipe_under_a_memory_limit_is_optimal(
     limit: int,
 ) -> None:
     """gpipe holds all M microbatches on every stage: the search's memory filter is its exact model,
-    so the plan is the best that fits (or nothing fits, for both)."""
+    so the plan is the best that fits (or nothing fits, for both; where brute force still fits one,
+    the known defect of the next test, the run is marked xfail with the figure)."""
     from partitioner.errors import InfeasibleError
 
     costs, raw = dag
@@ -77,7 +75,8 @@ def test_gpipe_under_a_memory_limit_is_optimal(
         plan = solve(profile, cluster, "gpipe", microbatches, "adam")
     except InfeasibleError:
         asked = brute_force(profile, cluster, schedule="gpipe", microbatches=microbatches, optimizer="adam")
-        assert asked == math.inf
+        if asked < math.inf:  # the known defect of the next test: marked, not hidden
+            pytest.xfail(f"the search found nothing where brute force fits {asked * 1e3:.2f} ms")
         return
     # compared at the microbatch count the plan uses (raised where its replicas need it)
     m = plan.microbatches
