@@ -15,7 +15,7 @@ from typing import Any
 
 from runtime.errors import RunError
 from runtime.formats import MP_CONF_FIELDS, PLAN_FIELDS
-from runtime.newest import newest
+from runtime.newest import newest, package_folder
 from runtime.precision import check_precision
 from runtime.schedule import REGISTRY, Layout, ScheduleError, get_schedule
 from runtime.schema import Obj, SchemaError, check
@@ -205,9 +205,7 @@ def load_job(
     Raises:
         RunError: a missing package, a malformed file or impossible settings, in one line.
     """
-    folder = Path(package)
-    if not folder.is_dir():
-        raise RunError(f"package {folder} does not exist; run `pipeplan partition` first or pass its folder")
+    folder = package_folder(package)
     conf = _checked_json(folder / "mp_conf.json", MP_CONF_FIELDS)
     ranks, modules = _stage_ranks(conf, folder / "mp_conf.json")
     plan = _checked_json(folder / "plan.json", PLAN_FIELDS) if (folder / "plan.json").exists() else {}

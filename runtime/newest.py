@@ -1,5 +1,6 @@
-"""The one "newest" finder: what a command works on when the user names no file (the newest profile,
-package or trained run), chosen by modification time."""
+"""What a command works on: the newest profile, package or trained run when the user names no file
+(chosen by modification time), and a named package folder checked to exist before anything is
+written into it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["newest"]
+from runtime.errors import RunError
+
+__all__ = ["newest", "package_folder"]
 
 
 def newest(
@@ -23,3 +26,15 @@ def newest(
     if not found:
         raise missing
     return max(reversed(found), key=lambda path: path.stat().st_mtime)
+
+
+def package_folder(package: str | Path) -> Path:
+    """``package`` as a folder that exists (nothing is written into one that does not).
+
+    Raises:
+        RunError: no such folder.
+    """
+    folder = Path(package)
+    if not folder.is_dir():
+        raise RunError(f"package {folder} does not exist; run `pipeplan partition` first or pass its folder")
+    return folder

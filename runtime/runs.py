@@ -19,6 +19,7 @@ from contextlib import AbstractContextManager
 from dataclasses import replace
 from pathlib import Path
 
+from runtime.newest import package_folder
 from runtime.options import RunOptions
 from runtime.runlock import run_lock
 
@@ -51,7 +52,7 @@ def package_lock(options: RunOptions) -> AbstractContextManager[None]:
     """One job per package at a time (:mod:`runtime.runlock`), whichever run folder it writes: two
     jobs would still share the package's stages and ``run`` link, and ``pipeplan partition`` asks
     this lock before it replaces the package."""
-    return run_lock(Path(options.package) / LATEST, options.node_rank)
+    return run_lock(package_folder(options.package) / LATEST, options.node_rank)
 
 
 def begin(options: RunOptions, checkpoints: bool, create: bool = True) -> RunOptions:
