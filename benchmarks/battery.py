@@ -149,6 +149,10 @@ def _last_line(text: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
+# run's header before launch (runtime/header.py): a label, or a wrapped line of its text
+_HEADER = re.compile(r"^((package|ranks|schedule|steps|writes|checkpoints|trace) {2,}| {12,}\S)")
+
+
 def _classify(
     row: Row, code: int | None, text: str, left: list[int], problem: str | None, work: Path, ended: float
 ) -> str:
@@ -158,6 +162,7 @@ def _classify(
         if line.strip()
         and not line.startswith(("step ", "training "))
         and not re.match(r"^ *\d+\.\d s  ", line)
+        and not _HEADER.match(line)
     ]
     if code is None:
         return "hang"
