@@ -288,7 +288,7 @@ def profile(
     "--cuts", default=None, help="Fix the plan: last layer of every stage but the last, e.g. fc6,fc7."
 )
 @click.option("--replicas", default=None, help="With --cuts: replicas per stage, e.g. 3,1.")
-@click.option("--explain", is_flag=True, help="Also show data-parallel, straight and balanced baselines.")
+@click.option("--explain", is_flag=True, help="Also show the baselines other tools pick.")
 @click.option(
     "--trace",
     "trace_path",
