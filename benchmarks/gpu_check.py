@@ -15,7 +15,12 @@ beforehand (its ``--cpu`` mode runs in the test suite on tiny models) so that no
 5. ``run``: ``pipeplan partition --gpus 1`` and ``pipeplan run`` on one rank (nccl on a GPU), measured
    against predicted time and memory, fp32 and bf16; the same model trained plainly in one process, for
    the executor's efficiency (plain / pipelined time; 1.0 is the physical limit);
-6. ``tests``: the tests marked ``cuda``.
+6. ``big``: Llama-3-8B- and 70B-shaped configs measured layer by layer on the device (bfloat16, 4096
+   tokens, one layer real at a time, identical layers once) against the device model's estimate of the
+   same layers, and each profile partitioned as the README and docs/big-models.md plan them: the
+   predicted minibatch time and model FLOP utilisation from a measured profile beside the estimated
+   one's, the check of what a plan made from a laptop promises;
+7. ``tests``: the tests marked ``cuda``.
 
 Every step runs on its own, with a time limit; a failed step is recorded with its error and the rest go
 on. The report (``gpu_<device>_<date>.{json,md}``, or ``cpu_check.{json,md}`` in CPU mode) is rewritten
@@ -72,6 +77,31 @@ GPU_MODELS = (
     ),
 )
 CPU_MODELS = (ModelCase("tiny-gpt", "tiny-gpt", 8, None),)
+
+
+@dataclass(frozen=True)
+class BigCase:
+    """A language model too big to profile whole: its config, the profile's shape, the partition."""
+
+    name: str
+    config: str  # a file under benchmarks/configs
+    batch_size: int
+    tokens: int
+    partition: tuple[str, ...]
+
+
+GPU_BIG = (
+    BigCase("llama3-8b", "llama3-8b.json", 8, 4096,
+            ("--topology", "8", "--bandwidth", "450GB/s", "--memory", "80GiB", "--optimizer", "adamw",
+             "--schedule", "1f1b", "--microbatches", "8", "--recompute", "auto")),
+    BigCase("llama3-70b", "llama3-70b.json", 64, 4096,
+            ("--cluster", "dgx-h100:8", "--optimizer", "adamw", "--schedule", "1f1b", "--microbatches",
+             "64", "--recompute", "auto")),
+)  # fmt: skip
+CPU_BIG = (
+    BigCase("llama-h512", "llama-h512.json", 2, 32,
+            ("--gpus", "2", "--optimizer", "adamw", "--schedule", "1f1b", "--microbatches", "2")),
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -393,6 +423,64 @@ def step_run(ctx: Context) -> dict[str, Any]:
     return {"rows": rows}
 
 
+def _plan_row(
+    folder: Path, profile: Path, config: dict[str, Any], case: BigCase, peak: float | None
+) -> dict[str, Any] | None:
+    """plan.json's prediction and the model FLOP utilisation it implies (PaLM's count, as bench_big)."""
+    found = sorted(folder.glob("*/gpus=*/plan.json"))
+    if not found:
+        return None
+    plan = json.loads(found[-1].read_text())
+    hidden, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
+    embeddings = (1 if config.get("tie_word_embeddings") else 2) * vocab * hidden
+    params = sum(int(n.get("param_bytes", 0)) for n in json.loads(profile.read_text())["nodes"]) / 2  # bf16
+    per_token = 6 * (params - embeddings) + 12 * layers * hidden * case.tokens
+    rate = float(plan["predicted"]["throughput_samples_per_s"]) * case.tokens * per_token
+    stages = plan["stages"]
+    return {
+        "gpus": plan["gpus"], "stages": len(stages), "replicas": [s["replicas"] for s in stages],
+        "recomputing": sum(1 for s in stages if s.get("recompute")),
+        "max_memory_gib": round(max(s["memory_bytes"] for s in stages) / 2**30, 2),
+        "minibatch_ms": round(1e3 * float(plan["predicted"]["time_per_minibatch_s"]), 1),
+        "samples_per_s": round(float(plan["predicted"]["throughput_samples_per_s"]), 2),
+        "mfu": round(rate / plan["gpus"] / peak, 3) if peak else None,
+    }  # fmt: skip
+
+
+def step_big(ctx: Context) -> dict[str, Any]:
+    """Big language models measured layer by layer on the device against the device model's estimate,
+    each partitioned as a user would: what a plan from a laptop promises against one from the GPU."""
+    from partitioner.compare import compare
+    from partitioner.devices import load_device_model
+    from partitioner.graph import load_profile
+
+    preset = _preset(ctx)
+    if preset is None:
+        return {"skipped": "no device model describes this device"}
+    peak = None if ctx.cpu else float(load_device_model(preset).peak_flops["bfloat16"])  # cpu: measured
+    results: dict[str, Any] = {"device_model": preset}
+    for case in CPU_BIG if ctx.cpu else GPU_BIG:
+        config_path = ROOT / "benchmarks" / "configs" / case.config
+        common = ["profile", f"hf:{config_path}", "--batch-size", str(case.batch_size), "--microbatch-size",
+                  "1", "--input-shape", str(case.tokens), "--dtype", "bfloat16"]  # fmt: skip
+        row: dict[str, Any] = {}
+        for kind, extra in (("measured", ["--materialize", "layer", "--device", ctx.device]),
+                            ("estimated", ["--device-model", preset])):  # fmt: skip
+            out = ctx.work / "big" / f"{case.name}-{kind}.json"
+            ran = pipeplan(ctx, *common, *extra, "-o", str(out), log=f"big-{case.name}-{kind}")
+            models = ctx.work / "big" / f"models-{case.name}-{kind}"
+            if ran["rc"] == 0:
+                ran["partition"] = pipeplan(ctx, "partition", "--profile", str(out), *case.partition, "-o",
+                                            str(models), log=f"big-{case.name}-{kind}-partition")  # fmt: skip
+                ran["plan"] = _plan_row(models, out, json.loads(config_path.read_text()), case, peak)
+            row[kind] = ran
+        both = [ctx.work / "big" / f"{case.name}-{k}.json" for k in ("measured", "estimated")]
+        if all(p.exists() for p in both):
+            row["compare"] = compare(load_profile(both[0]), load_profile(both[1]))
+        results[case.name] = row
+    return results
+
+
 def step_tests(ctx: Context) -> dict[str, Any]:
     """The tests marked ``cuda`` (skipped without a GPU; this step is what runs them)."""
     if ctx.cpu:
@@ -419,6 +507,7 @@ STEPS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "profile": step_profile,
     "estimate": step_estimate,
     "run": step_run,
+    "big": step_big,
     "tests": step_tests,
 }
 
@@ -454,6 +543,7 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {name} | {r['rc']} | {r['wall_s']} | {r.get('layers', '-')} | "
                          f"{fb:.2f} | {r.get('step_ms', '-')} | {r.get('fidelity', '-')} |")  # fmt: skip
     lines += _estimate_lines(report["steps"].get("estimate", {}))
+    lines += _big_lines(report["steps"].get("big", {}))
     rows = report["steps"].get("run", {}).get("rows", [])
     if rows:
         lines += ["", "## One-rank runs", "",
@@ -491,6 +581,37 @@ def _estimate_lines(estimate: dict[str, Any]) -> list[str]:
         cells = [name, str(c["layers"]), r(c["forward"]["median"]), r(c["backward"]["median"]),
                  f"{r(total['p10'])}-{r(total['p90'])}", r(c["sum_ratio"]), r(c["step_ratio"])]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _big_lines(big: dict[str, Any]) -> list[str]:
+    """The big step's table: per model, the measured and the estimated profile and their plans."""
+    cases = {k: v for k, v in big.items() if isinstance(v, dict) and ("measured" in v or "estimated" in v)}
+    if not cases:
+        return []
+    lines = ["", f"## Big models: measured layer by layer against the `{big.get('device_model')}` estimate",
+             "", "| model | profile | command s | plan | minibatch ms | samples/s | MFU |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, row in cases.items():
+        for kind in ("measured", "estimated"):
+            r = row.get(kind, {})
+            plan = r.get("plan") or {}
+            shape = (f"{plan['stages']} stages on {plan['gpus']}, {plan['recomputing']} recomputing"
+                     if plan else f"rc {r.get('partition', {}).get('rc', r.get('rc'))}")  # fmt: skip
+            mfu = f"{100 * plan['mfu']:.1f}%" if plan.get("mfu") else "-"
+            cells = [
+                name,
+                f"{kind} (rc {r.get('rc')})",
+                str(r.get("wall_s", "-")),
+                shape,
+                str(plan.get("minibatch_ms", "-")),
+                str(plan.get("samples_per_s", "-")),
+                mfu,
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    compared = {k: v["compare"] for k, v in cases.items() if "compare" in v}
+    lines += _estimate_lines({"device_model": big.get("device_model"), **{k: {"compare": c}
+                              for k, c in compared.items()}})  # fmt: skip
     return lines
 
 

@@ -284,8 +284,11 @@ def _no_stack_traces() -> Iterator[None]:
     32-block Llama (benchmarks/bench_profile_phases.py), growing with the depth; nothing here reads
     ``stack_trace`` (layers are grouped by ``nn_module_stack``, and the stage code carries no stack
     comments). What is lost: the "Original traceback" torch adds to an error raised while a traced
-    graph runs.
+    graph runs. torch before 2.12 has no such setting: there tracing records the stacks, as it did.
     """
+    if not hasattr(torch.fx.config, "do_not_emit_stack_traces"):
+        yield
+        return
     previous = torch.fx.config.do_not_emit_stack_traces
     torch.fx.config.do_not_emit_stack_traces = True
     try:
