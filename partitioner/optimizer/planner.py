@@ -1,17 +1,6 @@
-"""The strategy, written once: which search a request runs, and what it falls back to.
-
-A request is a profile, a cluster and :class:`~partitioner.optimizer.options.SolveOptions`. Its
-schedule's model (``pricing.schedules``) picks the search: a schedule that lays several stages on each
-GPU gets candidate cuts priced by the simulation (``search.laid_out``); one of whole minibatches the
-least slowest stage (``search.bottleneck``); a flushing one the least synchronous time
-(``search.flushed``), or the MILP with ``solver="ilp"`` (``search.ilp``). Around that search:
-
-- recomputation: the plan without it first, if ``auto`` and nothing fits, the search on the
-  recomputing profile, re-priced stage by stage (``pricing.recompute``);
-- microbatches: a flushing schedule's count raised to what every replica can use;
-- nothing fits: the message names the smallest memory that would (a bisection on the limit).
-
-``evaluate`` prices a fixed plan instead; ``alternatives`` the plans other tools would pick.
+"""The strategy, written once: which search a request runs, and what it falls back to (the schedule's
+model picks it; recomputation, usable microbatches and the memory that would fit around it:
+docs/optimizer-search.md).
 """
 
 from __future__ import annotations

@@ -1,27 +1,7 @@
-"""The memory model: the peak bytes one device of a stage holds, written once.
-
-Every memory check goes through this module: the searches' vectorised filters (dp.py, sync.py,
-ilp.py) through :class:`MemoryLimit`, a plan's price (``cost.price_stage``) and the simulation
-through :func:`peak_bytes`, so they agree by construction. At its peak a device holds (each term
-measured against ``pipeplan run`` by ``benchmarks/bench_memory.py``):
-
-- its weights, their gradients and the optimizer's state: P (2 + s), s from ``OPTIMIZER_STATE``;
-  P counts a copy of every tied weight the stage uses but another stage owns (:func:`copy_bytes`).
-  Weights held in a 2-byte dtype (a profile of ``--dtype bfloat16``) train as mixed precision
-  does: bf16 weights and gradients, a float32 master copy of the weights and float32 optimizer
-  state (:func:`persistent_factor`): 16 bytes a parameter under Adam, the count of ZeRO
-  (Rajbhandari et al. 2020, section 3.1: 2 + 2 + 12 bytes);
-- under pipedream with h > 1 minibatches in flight, h weight snapshots: ``runtime.stage`` runs each
-  version's forwards on a snapshot of it, beside the live weights the optimizer updates in place;
-- when a replica runs more than one microbatch per step, the gradient it is accumulating: autograd
-  computes a layer's new gradient beside the sum it adds it to (the stage's largest layer at most;
-  zb1p's and zbv's W computes the whole stage's weight gradients before adding them: P);
-- h items' saved activations, each ``1/share`` of a minibatch; with recomputation h items' inputs
-  and the loss's saved bytes (the runtime computes the loss outside the stage's recomputed forward,
-  so autograd keeps them per item as without recomputation), plus the one item's activations its
-  backward rebuilds;
-- one item's backward working bytes (``Node.working_bytes``: the loss's gradients of the logits,
-  on the last stage), one microbatch's as the runtime runs them, passed in ``transient``.
+"""The memory model: the peak bytes one device of a stage holds, written once. Every check (the
+searches' vectorised :class:`MemoryLimit`, a plan's price and the simulation through
+:func:`peak_bytes`) goes through it, so they agree by construction; the terms, each measured by
+``benchmarks/bench_memory.py``: docs/optimizer-pricing.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,5 @@
-"""Turn a list of stages (node sets + replicas + ranks) into a costed ``Plan``.
-
-Shared by the solvers, ``evaluate`` and the baselines, so that every plan is priced by one model:
-each stage's load (:func:`stage_loads`), its time under the schedule's model
-(:func:`~partitioner.optimizer.pricing.schedules.plan_times`) and its peak memory
-(:func:`stage_memory`, the memory model's :func:`~partitioner.optimizer.pricing.memory.peak_bytes`
-of what the schedule holds in flight), with or without recomputation.
-
-Activation recomputation (``price_stage(..., recompute=True)``): a stage that recomputes keeps only
-its inputs per item in flight and runs its forward again in backward, so its compute grows by its
-forward time; while one item's backward runs, that item's activations exist again, so one item's
-saved activations stay in its peak.
+"""Turn a list of stages (node sets + replicas + ranks) into a costed ``Plan``: shared by the solvers,
+``evaluate`` and the baselines, so that every plan is priced by one model.
 """
 
 from __future__ import annotations

@@ -1,17 +1,5 @@
-"""Event simulation of a plan under its schedule: timeline, bubble, and peak memory per stage.
-
-A schedule is data: each stage gets an ordered list of actions (``F`` or ``B`` of one item, an item
-being a minibatch for pipedream and a microbatch for 1f1b/gpipe); one generic executor plays every
-list, starting each action when the stage is free and its input (the previous stage's forward, or
-the next stage's backward) has arrived. The cost model's closed forms are checked against this.
-
-pipedream is played rank by rank from the runtime's own lists (``runtime.schedule.build``): a
-replica runs whole minibatches at the stage's full compute time, and its stage's replicas all-reduce
-once per round (PipeDream's data parallelism), so what the simulation holds in flight is what the
-runtime stashes. The synchronous schedules (1f1b, gpipe, zb1p) are played per stage from the
-runtime's own lists too (``runtime.schedule.build``), a replicated stage being one server r times as
-fast, as their cost model prices them. zb1p's split backward takes ``1 - W_SHARE`` of a stage's
-backward for B and ``W_SHARE`` for W (:data:`partitioner.optimizer.pricing.schedules.W_SHARE`).
+"""Event simulation of a plan under its schedule (timeline, bubble, peak memory per stage), playing
+the runtime's own lists: the closed forms are checked against it (docs/optimizer-pricing.md).
 """
 
 from __future__ import annotations

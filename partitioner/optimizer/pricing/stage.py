@@ -1,23 +1,6 @@
-"""What one stage costs, written once: every search, the plan's price and the simulation call these.
-
-Each function takes numbers or numpy arrays (elementwise, broadcasting), so a search prices millions
-of candidate stages in one call and a plan prices its few stages one at a time with the very same
-arithmetic (``tests/partitioner/optimizer/pricing/test_stage.py`` holds the two forms equal).
-
-Every message pays the link's latency a besides its bytes over the bandwidth B (``plan.Link``, the
-alpha-beta model; a = 0 is PipeDream's bandwidth-only model):
-
-- A pipedream stage (PipeDream's published objective, optimizer_graph_hierarchical.py) of compute C
-  and parameters P on r replicas takes (C + (r-1)(4P/(rB·inner) + 2a))/r, where ``inner`` is the
-  devices in one unit of the level (1 on the innermost); a cut costs 2(activation/B + a)/r on each
-  side of it, with that side's r; the stage's time is the larger: :func:`stage_time`.
-- A synchronous schedule's microbatch on a stage takes its compute share C/(r·M) plus its cut
-  traffic out and back, 2·out/(B·r·M) + 2a: :func:`microbatch_time`.
-- A replicated stage's gradients are all-reduced once per step, a ring of 2(r-1) messages:
-  :func:`allreduce_time`.
-
-A search may invert these (the fewest replicas that bring a stage under a time), which is its own
-algebra; it never prices a stage another way.
+"""What one stage costs, written once: every search, the plan's price and the simulation call these,
+on numbers or numpy arrays alike (the terms: docs/optimizer-pricing.md). A search may invert them
+(the fewest replicas under a time), which is its own algebra; it never prices a stage another way.
 """
 
 from __future__ import annotations

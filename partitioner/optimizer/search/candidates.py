@@ -1,17 +1,6 @@
-"""Plans other tools would choose, priced by our cost model for comparison.
-
-- data parallel: one stage, every GPU a replica (PipeDream's comparator);
-- straight: our DP with one device per stage (GPipe-style pipelines);
-- parameter balancing: DeepSpeed's ``partition_method="parameters"``: one device per stage, the
-  topological order cut so the stages' parameter counts are as even as possible;
-- uniform: DeepSpeed's ``"uniform"``: the same number of layers in every stage;
-- time balancing: torchgpipe's ``balance_by_time``: one device per stage, the topological order
-  cut so the stages' forward+backward times are as even as possible (communication ignored).
-
-Users of those tools combine them with data parallelism (DeepSpeed's pipeline times its data-parallel
-width is the world size), so each balancing method also takes a ``width``: every stage that many
-replicas, ``gpus // width`` stages; :func:`best_width` picks the hybrid a user would run, the fastest
-width that divides the GPUs.
+"""Plans other tools would choose (data parallel, DeepSpeed's parameter and uniform partitioning,
+torchgpipe's time balancing, each with a data-parallel width), priced by our cost model for
+comparison (docs/optimizer-search.md).
 """
 
 from __future__ import annotations

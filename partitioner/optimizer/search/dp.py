@@ -1,13 +1,5 @@
-"""Exact stage + replication DP over downset states, vectorised with numpy, level by level.
-
-The final level minimises the slowest stage (PipeDream's objective). On up to ``DIRECT_MAX_UNITS``
-units without a memory limit, PipeDream's recurrence runs directly (``solve_direct``) on the few
-stages a plan as fast as a known one can use: the replicas a stage needs at a time t have a closed
-form, and the fewest devices any such plan spends before each state and after it (``fewest_units``
-both ways) leave, near the optimum, a few hundred of NASNet's millions of pairs. Otherwise a
-bisection on that time with the fewest-units DP per probe (``solve_bisection``, memory-aware),
-which ends on an attained value with a certified lower bound. Inner levels of a hierarchy (servers
-made of GPUs) are solved in ``hierarchy.py`` from these flat solvers.
+"""Exact stage + replication DP over downset states, vectorised with numpy, level by level: the
+slowest stage (PipeDream's objective), memory-aware. How it bounds and prunes: docs/optimizer-search.md.
 """
 
 from __future__ import annotations
@@ -24,8 +16,8 @@ import numpy.typing as npt
 from partitioner.errors import InfeasibleError
 from partitioner.optimizer.pricing.memory import MemoryLimit
 from partitioner.optimizer.pricing.stage import FloatArray, IntArray, stage_time
-from partitioner.optimizer.search.reach import fewest_units, fewest_units_after, sweep_layers
-from partitioner.optimizer.search.states import StateSet, prefix_chain, thin_prefixes
+from partitioner.optimizer.search.reach import compute_floors, fewest_units, fewest_units_after, sweep_layers
+from partitioner.optimizer.search.states import StateSet, csr_offsets, prefix_chain, runs, thin_prefixes
 from partitioner.plan import Link
 
 __all__ = [
@@ -179,8 +171,7 @@ class _Pairs:
     ) -> tuple[_Pairs, IntArray]:  # fmt: skip
         """Priced pairs of a run of states as a ``_Pairs`` (CSR over all states; js ascending)."""
         s, n = prob.states, len(prob.states)
-        offsets = np.zeros(n + 1, dtype=np.int64)
-        offsets[1:] = np.cumsum(np.bincount(js, minlength=n))
+        offsets = csr_offsets(js, n)
         params, saved = prob.held_params(ks, js), s.saved_bytes[js] - s.saved_bytes[ks]
         pairs = _Pairs(
             offsets, ks.astype(np.int64), base, dp, act, params, saved, layers, prob.link, prob.inner
@@ -192,8 +183,7 @@ class _Pairs:
         """Blocks of consecutive states as one set of pairs (n >= 1: one block at least)."""
         if len(parts) == 1:
             return parts[0][0]
-        offsets = np.zeros(n + 1, dtype=np.int64)
-        offsets[1:] = np.cumsum(np.bincount(np.concatenate([js for _, js in parts]), minlength=n))
+        offsets = csr_offsets(np.concatenate([js for _, js in parts]), n)
         ps = [p for p, _ in parts]
         ks, base, dp, act, params, saved = (
             np.concatenate([getattr(p, f) for p in ps]) for f in _Pairs.COLUMNS
@@ -202,9 +192,8 @@ class _Pairs:
 
     def subset(self, keep: npt.NDArray[np.bool_], js: IntArray | None = None) -> _Pairs:
         """The pairs where ``keep`` holds (same states, same CSR layout; ``js`` if known)."""
-        offsets = np.zeros_like(self.offsets)
         js = self.js() if js is None else js
-        offsets[1:] = np.cumsum(np.bincount(js[keep], minlength=len(self.offsets) - 1))
+        offsets = csr_offsets(js[keep], len(self.offsets) - 1)
         ks, base, dp, act, params, saved = (getattr(self, f)[keep] for f in _Pairs.COLUMNS)
         return _Pairs(offsets, ks, base, dp, act, params, saved, self.layers, self.link, self.inner)
 
@@ -421,12 +410,8 @@ def _windows(prob: LevelProblem, upper: float) -> tuple[IntArray, IntArray]:
     n, units = len(prob.states), prob.units
     if not (math.isfinite(upper) and upper > 0):
         return np.zeros(n, dtype=np.int64), np.full(n, units + 1, dtype=np.int64)
-    w = prob.states.compute_s / (prob.unit_devices * upper)
-    before = np.maximum(np.ceil(w - 1e-9), 0.0)  # 1e-9: a plan exactly at upper stays inside
-    after = np.maximum(np.ceil((w[-1] - w) - 1e-9), 0.0)
-    before[0] = 0.0
-    lo = before.astype(np.int64)
-    return lo, np.maximum(units - after.astype(np.int64) - lo + 1, 0)
+    lo, after = compute_floors(prob.states.compute_s, prob.unit_devices, upper)
+    return lo, np.maximum(units - after - lo + 1, 0)
 
 
 def _between(
@@ -495,10 +480,7 @@ class _Candidates:
         sub = pairs.subset(keep)
         r_lo_k = r_lo[keep].astype(np.int64)
         r_hi_k = r_hi[keep]
-        count = r_hi_k - r_lo_k + 1
-        pair = np.repeat(np.arange(len(sub.ks)), count)
-        first = np.cumsum(count) - count
-        reps = r_lo_k[pair] + (np.arange(len(pair)) - first[pair])
+        pair, reps = runs(r_lo_k, r_hi_k - r_lo_k + 1)
         k, j = sub.ks[pair], js[keep][pair]
         u_lo = np.maximum(lo[j], lo[k] + reps)
         u_hi = np.minimum(lo[j] + width[j], lo[k] + width[k] + reps) - 1

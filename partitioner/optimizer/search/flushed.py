@@ -1,15 +1,6 @@
-"""The synchronous time, minimised: the search for a flushing schedule on stages of its own
-(``1f1b``, ``gpipe``, ``zb1p``; each plan priced by its ``ScheduleModel``).
-
-The exact optimum of the synchronous sum on one level by branch and bound (``sync``), proven where
-its states are every downset and the schedule's time is that sum (``ScheduleModel.sync_sum``).
-Where it cannot run or prove its plan (hierarchies, more pairs than it prices, a plan over the
-memory limit, states short of every downset), the best of it (on prefixes of the layer order thinned
-to what it can price, if need be) and of bubble-aware candidates (on at most
-:data:`SYNC_CANDIDATE_STATES` states), each priced by the schedule's model: bottleneck-optimal
-plans with a floor on replicas per stage (fewer, wider stages: smaller bubble), straight
-bottleneck plans on 1, 2, 4, .. devices, and the data-parallel, uniform, parameter- and
-time-balanced baselines, the last three also with each data-parallel width that divides the GPUs.
+"""The synchronous time, minimised: the search for a flushing schedule (``1f1b``, ``gpipe``, ``zb1p``),
+exact where ``sync`` can prove its plan, else the best of it and bubble-aware candidates
+(docs/optimizer-search.md).
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ import numpy.typing as npt
 
 from partitioner.optimizer.pricing.stage import FloatArray, IntArray, stage_time
 from partitioner.optimizer.search.dp import LevelProblem, Segment, cut_states, solve_bottleneck
-from partitioner.optimizer.search.states import StateSet, prefix_chain, thin_prefixes
+from partitioner.optimizer.search.reach import compute_floors
+from partitioner.optimizer.search.states import StateSet, csr_offsets, prefix_chain, runs, thin_prefixes
 from partitioner.plan import Link
 
 __all__ = ["solve_hierarchy"]
@@ -110,8 +111,7 @@ class _LevelPairs:
     ) -> _LevelPairs:
         s, n = prob.states, len(prob.states)
         ks, js = s.all_pairs()
-        offsets = np.zeros(n + 1, dtype=np.int64)
-        offsets[1:] = np.cumsum(np.bincount(js, minlength=n))
+        offsets = csr_offsets(js, n)
         params = s.param_bytes[js] - s.param_bytes[ks]
         grid = _segment_grids(prob, js, ks, np.arange(1, prob.cap + 1, dtype=np.float64)[:, None])
         limit = {True: _limits(ceiling, top, before[ks], 0, params),
@@ -309,9 +309,8 @@ def _runs(start: IntArray, count: IntArray) -> Iterator[tuple[IntArray, IntArray
     cuts = np.unique(np.searchsorted(ends, np.arange(CHUNK, int(ends[-1]), CHUNK), side="right"))
     for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), len(count)], strict=True):
         if a < b:
-            c = count[a:b]
-            owner = np.repeat(np.arange(a, b), c)
-            yield owner, np.repeat(start[a:b] - (np.cumsum(c) - c), c) + np.arange(int(c.sum()))
+            owner, at = runs(start[a:b], count[a:b])
+            yield owner + a, at
 
 
 @dataclass(frozen=True)
@@ -335,8 +334,7 @@ class _SortedTable:
         sorted_values = np.sort(v)
         key = k * (len(v) + 1) + np.searchsorted(sorted_values, v, side="right")
         order = np.argsort(key, kind="stable")
-        starts = np.zeros(table.shape[1] + 1, dtype=np.int64)
-        starts[1:] = np.cumsum(np.bincount(k, minlength=table.shape[1]))
+        starts = csr_offsets(k, table.shape[1])
         return _SortedTable(i[order], v[order], key[order], sorted_values, starts)
 
     def upto(self, k: IntArray, rank: IntArray) -> tuple[IntArray, IntArray]:
@@ -354,10 +352,7 @@ def _top_windows(prob: LevelProblem, ceiling: float, top: LevelProblem | None) -
     n = len(prob.states)
     if top is None or not (math.isfinite(ceiling) and ceiling > 0):
         return np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-    w = prob.states.compute_s / (top.unit_devices * ceiling)
-    before = np.maximum(np.ceil(w - 1e-9), 0.0).astype(np.int64)
-    after = np.maximum(np.ceil(w[-1] - w - 1e-9), 0.0).astype(np.int64)
-    return before, after
+    return compute_floors(prob.states.compute_s, top.unit_devices, ceiling)
 
 
 def _limits(

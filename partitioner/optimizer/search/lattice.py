@@ -1,12 +1,5 @@
-"""Exact search over *all* downsets without enumerating stage pairs, for DAGs with many downsets.
-
-The pair DP needs every (earlier cut, later cut) pair: billions on Inception-v3. Here, for a candidate
-time t and r replicas, stage (k, j] fits iff W_r(k) >= W_r(j) - r·t with W_r = compute + 4(r-1)/(rB)
-params (linear in the additive sums) and k's cut traffic fits r. So the question "fewest devices for
-cut j" only needs, for every device count v, the largest W_r over the cuts below j that v devices
-reach; that maximum propagates through the downset lattice along its covering edges (j minus one
-maximal layer), one size layer at a time. A probe costs states x covers x (replicas, devices) pairs
-with replicas + devices <= units, and a bisection over t finds the optimum to a relative 1e-7.
+"""Exact search over *all* downsets without enumerating stage pairs (billions on Inception-v3), by
+bisection on the time with a max-propagation through the downset lattice (docs/optimizer-search.md).
 """
 
 from __future__ import annotations
@@ -26,7 +19,9 @@ from partitioner.optimizer.search.states import (
     _layers,
     _pack,
     _unpack,
+    csr_offsets,
     more_downsets_than,
+    runs,
 )
 from partitioner.plan import Link
 
@@ -103,18 +98,14 @@ class _Dag:
 def _csr(rows: WordArray) -> tuple[IntArray, IntArray]:
     """The set bits of each row as CSR lists (ascending)."""
     row, bit = _set_bits(rows)
-    ptr = np.zeros(len(rows) + 1, dtype=np.int64)
-    ptr[1:] = np.cumsum(np.bincount(row, minlength=len(rows)))
-    return ptr, bit
+    return csr_offsets(row, len(rows)), bit
 
 
 def _expand(csr: tuple[IntArray, IntArray], x: IntArray) -> tuple[IntArray, IntArray]:
     """(i, y) for every neighbour y of x[i] in the CSR lists."""
     ptr, flat = csr
-    count = ptr[x + 1] - ptr[x]
-    row = np.repeat(np.arange(len(x)), count)
-    first = np.cumsum(count) - count
-    return row, flat[ptr[x][row] + np.arange(len(row)) - first[row]]
+    row, at = runs(ptr[x], ptr[x + 1] - ptr[x])
+    return row, flat[at]
 
 
 def _inside(words: WordArray, rows: WordArray) -> npt.NDArray[np.bool_]:

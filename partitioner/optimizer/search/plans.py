@@ -1,10 +1,5 @@
-"""From a profile to what a search runs on, and from what it found back to stages on ranks.
-
-The exact searches work on downset states (``states``) and return segments (``dp.Segment``): a
-stage between two states on some replicas, possibly made of inner stages on a hierarchy. This
-module picks the states for a cluster (every downset where they are few enough, else prefixes of
-topological orders) and turns segments into ``StageSpec``s on global ranks, the model's inputs on
-the first stage and each free sink (a loss, an output) beside its producer.
+"""From a profile to what a search runs on (states), and from what it found (segments) back to
+stages on ranks.
 """
 
 from __future__ import annotations

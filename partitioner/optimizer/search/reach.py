@@ -1,9 +1,5 @@
-"""Fewest devices reaching each state (and, backwards, from each state to the end).
-
-A stage's earlier cut is a strict subset of its later one, so no stage joins two states of one size:
-the values of a whole size layer follow from the layers before it, one numpy pass each; or, when
-few devices matter, Bellman-Ford rounds over every stage at once. The DP's windows, the pair
-pruning and the synchronous search's feasibility test all rest on these.
+"""Fewest devices reaching each state (and, backwards, from each state to the end): what the DP's
+windows, the pair pruning and the synchronous search's feasibility test rest on.
 """
 
 from __future__ import annotations
@@ -14,7 +10,7 @@ import numpy as np
 
 from partitioner.optimizer.pricing.stage import FloatArray, IntArray
 
-__all__ = ["fewest_units", "fewest_units_after", "sweep_layers"]
+__all__ = ["compute_floors", "fewest_units", "fewest_units_after", "sweep_layers"]
 
 
 def fewest_units(
@@ -85,3 +81,12 @@ def fewest_units_after(
     starts = np.searchsorted(by_k[order], np.arange(n + 1))
     back = order[::-1]
     return fewest_units(n - 1 - js[back], len(ks) - starts[::-1], (n - layers)[::-1], need[back], most)[::-1]
+
+
+def compute_floors(compute: FloatArray, devices: int, upper: float) -> tuple[IntArray, IntArray]:
+    """Units a plan as fast as ``upper`` surely has before / after each state: a stage carries at
+    most its units x ``devices`` x upper of compute (1e-9: a plan exactly at upper stays inside)."""
+    w = compute / (devices * upper)
+    before = np.maximum(np.ceil(w - 1e-9), 0.0)
+    before[0] = 0.0
+    return before.astype(np.int64), np.maximum(np.ceil((w[-1] - w) - 1e-9), 0.0).astype(np.int64)

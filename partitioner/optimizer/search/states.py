@@ -1,10 +1,5 @@
-"""The DP's states: downsets of the layer DAG (node sets closed under predecessors).
-
-A pipeline cut is a downset: everything before the cut must run in earlier stages. PipeDream
-enumerates the downsets it can reach from the first layer; we enumerate *all* of them when there are
-few enough for the pair DP (a superset, so our optimum is never worse), and otherwise fall back,
-honestly flagged, to the prefixes of three topological orders (exact for chains, approximate for
-branches). Larger lattices (up to 400,000 downsets) are searched exactly by ``lattice.py`` instead.
+"""The DP's states: downsets of the layer DAG, as every pipeline cut is one (all of them when few,
+else prefixes of three topological orders, honestly flagged; docs/optimizer-search.md).
 """
 
 from __future__ import annotations
@@ -25,12 +20,14 @@ __all__ = [
     "StateSet",
     "build_states",
     "chain_states",
+    "csr_offsets",
     "downset_states",
     "downsets_at_least",
     "free_sinks",
     "more_downsets_than",
     "multi_order_states",
     "prefix_chain",
+    "runs",
     "thin_prefixes",
     "without_free_sinks",
 ]
@@ -137,6 +134,19 @@ class StateSet:
         """Layer ids in state j but not in state k, in topological order."""
         diff = self.masks[j] & ~self.masks[k]
         return tuple(lid for i, lid in enumerate(self.layer_ids) if diff >> i & 1)
+
+
+def csr_offsets(js: IntArray, n: int) -> IntArray:
+    """offsets[j] = how many of ``js`` are below j (n + 1 entries): items grouped by j, CSR."""
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum(np.bincount(js, minlength=n))
+    return offsets
+
+
+def runs(start: IntArray, count: IntArray) -> tuple[IntArray, IntArray]:
+    """(owner, element) for every element of the runs [start[i], start[i] + count[i])."""
+    owner = np.repeat(np.arange(len(count)), count)
+    return owner, np.repeat(start - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))
 
 
 def blocks(counts: IntArray, size: int) -> Iterator[tuple[int, int]]:
@@ -508,11 +518,8 @@ class PrefixPreds:
         """The pairs (k, j) for j in [lo, hi), grouped by j: one pass, however many orders."""
         count = self.upto[:, lo:hi].T.reshape(-1)  # runs (j, order), j-major
         first = np.cumsum([0] + [len(o) for o in self.own[:-1]])
-        starts = np.tile(first, hi - lo)
-        total = int(count.sum())
-        run = np.repeat(np.arange(len(count)), count)
-        at = np.repeat(starts - (np.cumsum(count) - count), count) + np.arange(total)
-        ks = np.concatenate(self.own)[at] if total else np.zeros(0, dtype=np.int64)
+        run, at = runs(np.tile(first, hi - lo), count)
+        ks = np.concatenate(self.own)[at] if len(at) else np.zeros(0, dtype=np.int64)
         return ks.astype(np.int64), (lo + run // len(self.own)).astype(np.int64)
 
     @staticmethod
