@@ -9,6 +9,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 
 from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile, at_microbatches
@@ -28,7 +29,7 @@ from partitioner.optimizer.search.candidates import (
 from partitioner.optimizer.search.flushed import solve_flushed
 from partitioner.optimizer.search.ilp import solve_ilp
 from partitioner.optimizer.search.laid_out import check_layout, layout_specs, solve_laid_out
-from partitioner.optimizer.search.plans import flat_like, inputs, states_for
+from partitioner.optimizer.search.plans import fastest, flat_like, inputs, states_for
 from partitioner.optimizer.search.states import StateSet, chain_states
 from partitioner.plan import Cluster, Plan, SolverInfo
 
@@ -296,29 +297,16 @@ def alternatives(
     def fixed(plan: Plan) -> Plan:  # fixed stages: priced with the recompute mode where it applies
         return plan if recompute == "none" else repriced(profile, cluster, plan, recompute, True)
 
-    out: dict[str, Plan | None] = {}
-    try:
-        out["data parallel"] = fixed(data_parallel(*args))
-    except InfeasibleError:
-        out["data parallel"] = None
-    makers: dict[str, Callable[..., Plan]] = {
-        "parameter balanced": parameter_balanced,
-        "time balanced": time_balanced,
-        "uniform layers": uniform,
-    }
-    for name, make in makers.items():
+    def widest(make: Callable[..., Plan]) -> Plan:  # the fastest data-parallel width
+        return best_width(lambda width: fixed(make(*args, width=width)), cluster.gpus)
 
-        def at(width: int, make: Callable[..., Plan] = make) -> Plan:
-            return fixed(make(*args, width=width))
-
-        try:
-            out[name] = best_width(at, cluster.gpus)
-        except InfeasibleError:
-            out[name] = None
-    try:
-        out["best straight"] = solve(
+    makers: dict[str, Callable[[], Plan]] = {
+        "data parallel": lambda: fixed(data_parallel(*args)),
+        "parameter balanced": partial(widest, parameter_balanced),
+        "time balanced": partial(widest, time_balanced),
+        "uniform layers": partial(widest, uniform),
+        "best straight": lambda: solve(
             profile, cluster, schedule, m, optimizer, straight=True, recompute=recompute
-        )
-    except InfeasibleError:
-        out["best straight"] = None
-    return out
+        ),
+    }
+    return {name: fastest([make]) for name, make in makers.items()}

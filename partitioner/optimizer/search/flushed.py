@@ -17,7 +17,7 @@ from partitioner.optimizer.pricing.price import assemble, layer_compute_s
 from partitioner.optimizer.pricing.schedules import model
 from partitioner.optimizer.search.bottleneck import replica_cap, slowest_stage
 from partitioner.optimizer.search.candidates import data_parallel, parameter_balanced, time_balanced, uniform
-from partitioner.optimizer.search.plans import stage_specs, thin_states
+from partitioner.optimizer.search.plans import fastest, stage_specs, thin_states
 from partitioner.optimizer.search.states import StateSet
 from partitioner.optimizer.search.sync import MAX_CHOICES, MAX_STEPS, solve_synchronous
 from partitioner.plan import Cluster, Plan, SolverInfo
@@ -59,14 +59,7 @@ def solve_flushed(
     widths = [] if straight else [w for w in range(2, gpus) if gpus % w == 0]  # with data parallelism
     makers += [partial(make, profile, cluster, opts.schedule, m, opts.optimizer, width=w)
                for make in (uniform, parameter_balanced, time_balanced) for w in widths]  # fmt: skip
-    best: Plan | None = None
-    for make in makers:
-        try:
-            plan = make()
-        except InfeasibleError:
-            continue
-        if best is None or _faster(plan, best):
-            best = plan
+    best = fastest(makers)
     bound = layer_compute_s(profile) / cluster.gpus
     if exact is not None and (
         best is None or exact[0].predicted.time_per_minibatch_s <= best.predicted.time_per_minibatch_s
@@ -77,19 +70,12 @@ def solve_flushed(
     return best, max(exact[1] if exact else 0.0, bound), False
 
 
-def _faster(a: Plan, b: Plan) -> bool:
-    return a.predicted.time_per_minibatch_s < b.predicted.time_per_minibatch_s
-
-
 def _exact(
     profile: Profile, cluster: Cluster, states: StateSet, opts: SolveOptions
 ) -> tuple[Plan, float, bool] | None:
-    """The branch-and-bound optimum on one level (``sync``), when it is small enough to run;
-    (plan, lower bound valid for every plan, proven optimal over all downsets). With a memory
-    limit the optimum without one is tried first; if it does not fit, the search keeps only
-    stages that fit with all M microbatches held (exact for a schedule that holds them all,
-    cautious for one that holds fewer). On a hierarchy it searches as if every link were the
-    slowest: a good candidate, no proof."""
+    """The branch-and-bound optimum on one level (``sync``), when it is small enough to run: (plan,
+    lower bound valid for every plan, proven optimal over all downsets).
+    """
     sched, m = model(opts.schedule), opts.m
     # never more replicas than GPUs: a larger cap (a minibatch's samples) only multiplies the choices
     # past what the branch and bound can finish (densenet121, 1F1B on 4 GPUs: not proven, 4.6% slower)
