@@ -228,14 +228,7 @@ def stage_memory(
     load: StageLoad, schedule: str, position: int, replicas: Sequence[int], microbatches: int, optimizer: str,
     recompute: bool = False, virtual: int = 1,
 ) -> int:  # fmt: skip
-    """Peak bytes on one device of a stage: what its schedule holds in flight (``ScheduleModel``).
-
-    A schedule of whole minibatches (pipedream) keeps one weight version per minibatch in flight
-    (weight stashing) and each replica runs whole minibatches; a flushing schedule hands whole
-    microbatches to the replicas round-robin (each replica holds its share of the stage's items,
-    each 1/M of a minibatch: :func:`backward_item`), and a replica with more than one microbatch per
-    step accumulates gradients.
-    """
+    """Peak bytes on one device of a stage: what its schedule holds in flight (``ScheduleModel``)."""
     sched = model(schedule)
     held = sched.held(position, replicas, microbatches, virtual)
     whole = sched.asynchronous

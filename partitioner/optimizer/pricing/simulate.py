@@ -87,18 +87,10 @@ def play(
     wgt: Sequence[float] | None = None,
     step: Sequence[float] | None = None,
 ) -> tuple[list[Event], list[int]]:
-    """Run every rank's list (``lists[rank]``, its stages given by ``layout``) in order.
-
-    An action waits for its rank and for its input: the previous stage's forward (``link`` of that
-    stage later), or the next stage's backward (the last stage: its own forward). A W (time ``wgt``;
-    a list with Ws passes ``bwd`` as the B part alone) waits only for its rank: its B came earlier.
-    A step waits for every rank of its stage and takes ``step`` of the stage (None: steps are free
-    and leave no event). Returns the events and, per stage, the most units one rank held between
-    their forward and their backward (their W, if the backward is split).
-
-    Event-driven: a rank runs its list until an action waits for a message (it is parked on that
-    message) or for a step (parked until its stage's ranks arrive), so each action is handled once
-    and the simulation is linear in the actions.
+    """Run every rank's list (``lists[rank]``, its stages given by ``layout``) in order, event-driven
+    (linear in the actions). Returns the events and, per stage, the most units one rank held between
+    their forward and their backward (the waiting rules: docs/optimizer-pricing.md). ``wgt``: a W's
+    time (``bwd`` is then the B part alone); ``step``: a stage's step (None: free, no event).
     """
     player = _Player(lists, layout, fwd, bwd, link, wgt, step)
     ready = list(range(len(lists)))

@@ -168,12 +168,8 @@ def microbatch_time(
 
 
 def host_bound(rank_compute_s: Sequence[float], per_host: int, cores: int | None, threads: int) -> float:
-    """Seconds per minibatch the busiest host needs where devices are CPU processes (0 for GPUs).
-
-    Ranks ``h*per_host .. (h+1)*per_host - 1`` share host ``h``'s cores, and a process computes on
-    ``threads`` of them, so at most ``cores / threads`` ranks (at least one, at most ``per_host``) run at
-    once: the host's compute seconds per minibatch, over that, bound the time per minibatch from below
-    however well the stages balance. ``rank_compute_s[r]`` is rank r's compute per minibatch.
+    """Seconds per minibatch the busiest host needs where devices are CPU processes (0 for GPUs): ranks
+    sharing a host's cores run at most ``cores / threads`` at once; ``rank_compute_s[r]``: rank r's.
     """
     if cores is None or not rank_compute_s:
         return 0.0

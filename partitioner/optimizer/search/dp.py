@@ -257,13 +257,8 @@ def _replicas_floor(
 
 
 def _replicas_needed(prob: LevelProblem, pairs: _Pairs, tau: float) -> FloatArray:
-    """Fewest replicas that bring each stage down to ``tau``; inf where none can.
-
-    With r replicas a stage takes (C + (r-1)(q/r + L))/r: r = 1 works when C <= tau, and r >= 2
-    works exactly when r is at least the upper root of (tau-L)·r² - (C+q-L)·r + q (the sync term
-    makes small replications slower, so the feasible set is {1} plus everything from that root
-    on; where tau <= L no r >= 2 does, as then C + q/2 >= L or C > tau). Cut traffic needs
-    r >= 2(act/B + latency)/tau.
+    """Fewest replicas that bring each stage down to ``tau``; inf where none can: the upper root of
+    the replica quadratic and the cut traffic's need, guarded near integers (docs/optimizer-search.md).
     """
     base, q, lat = pairs.base, pairs.q, _step_latency(prob.link)
     lead = tau - lat
@@ -372,19 +367,9 @@ BLOCK_ELEMENTS = 400_000
 def solve_direct(
     prob: LevelProblem, pairs: _Pairs | None = None, upper: float = math.inf, lower: float = 0.0
 ) -> tuple[float, list[Segment]]:
-    """PipeDream's recurrence, exactly: f[j, u] = min over (k, r) of max(f[k, u - r], T(k, j, r)).
-
-    ``f[k, u]`` is the best time of state k on at most u units. Column u only needs columns < u,
-    so the DP runs over unit counts, each step vectorised over every pair at once. Given the time
-    ``upper`` of some plan, only plans at least as fast matter, and in those every stage of r
-    replicas carries at most r · unit_devices · upper of compute: the cut at state j then has at
-    least ceil(w_j / upper) units before it and ceil((w_N - w_j) / upper) after it
-    (w = compute / unit_devices), tightened by the fewest-units DP both ways (``_between``), so
-    f[j, u] is only computed for u in that window, and a pair only with replica counts that can
-    meet ``upper`` and fit it. Given a lower bound on the
-    optimum, some optimal plan gives each stage the fewest replicas that meet the optimum, which
-    is no more than the fewest that meet ``lower``: that caps every pair's replicas. Exact
-    whenever ``lower`` <= optimum <= ``upper``; no memory model (the bisection has one).
+    """PipeDream's recurrence, exactly: f[j, u] = min over (k, r) of max(f[k, u - r], T(k, j, r)), over
+    unit counts, only in the windows a plan between ``lower`` and ``upper`` can use (exact whenever
+    lower <= optimum <= upper; no memory model; docs/optimizer-search.md).
 
     Raises:
         InfeasibleError: no plan at all (or none as fast as ``upper``).
@@ -418,13 +403,8 @@ def _between(
     prob: LevelProblem, pairs: _Pairs, upper: float, lo: IntArray, width: IntArray,
     need: FloatArray | None = None,
 ) -> tuple[_Pairs, IntArray, IntArray]:  # fmt: skip
-    """The pairs and unit windows a plan as fast as ``upper`` can use, from the fewest units any
-    such plan spends before each state and after it (``fewest_units`` both ways, each stage on
-    the fewest replicas that meet upper, or ``need`` if given) on top of the compute windows
-    ``lo``, ``width``.
-
-    Every stage (k, j] of such a plan has its replicas between the two, so with upper close to
-    the optimum few pairs survive: on NASNet at 16 GPUs, 73 of 562,119.
+    """The pairs and unit windows a plan as fast as ``upper`` can use (``fewest_units`` both ways, each
+    stage on the fewest replicas that meet upper, or ``need``): on NASNet at 16 GPUs, 73 of 562,119.
     """
     units = prob.units
     need = _replicas_needed(prob, pairs, upper * (1 + 1e-9)) if need is None else need
@@ -523,11 +503,8 @@ def _trace(prob: LevelProblem, cand: _Candidates, f: FloatArray) -> list[Segment
 
 
 def _chain_upper(prob: LevelProblem, most: int = 48) -> float:
-    """Time of the best plan cut only at prefixes of the layer order, thinned to ``most`` cuts.
-
-    Prefixes are states, so that plan is one the full search also considers: its time is an
-    attained upper bound for the windows, found on a few hundred pairs (prefix states get a closer
-    one from every order thinned, ``thin_prefixes``).
+    """Time of the best plan cut only at prefixes of the layer order, thinned to ``most`` cuts: an
+    attained upper bound for the windows, found on a few hundred pairs.
     """
     chain = prefix_chain(prob.states, most)
     if chain is None:
@@ -552,12 +529,8 @@ def _renumbered(
 def _first_fits(
     prob: LevelProblem, windows: tuple[IntArray, IntArray], upper: float
 ) -> tuple[IntArray, IntArray]:
-    """Per state, (need, room): a plan as fast as ``upper`` uses pair (k, j) only if need[k] <= room[j].
-
-    Its replicas r must carry k's cut traffic within upper, r >= 2·act_k / (B·upper) (at least
-    1), and fit between the compute floor before k and the most devices before j's end:
-    lo[k] + r <= lo[j] + width[j] - 1 (and r <= cap). Per state, so the pairs that fail it are
-    never listed: on NASNet at 16 GPUs, 72% of them.
+    """Per state, (need, room): a plan as fast as ``upper`` uses pair (k, j) only if need[k] <= room[j]
+    (cut traffic and compute floors; the pairs that fail are never listed: 72% on NASNet at 16 GPUs).
     """
     lo, width = windows
     cap = prob.cap
@@ -573,12 +546,8 @@ def _first_fits(
 def solve_bottleneck(prob: LevelProblem, lower: float = 0.0) -> tuple[float, list[Segment], float]:
     """Minimise the slowest stage at this level; returns (time, stages, certified lower bound).
 
-    Few units: the direct recurrence without the memory limit (exact, bound = the optimum),
-    bounded by a quick plan over prefixes (of the layer order, and of every order thinned, which
-    NASNet's optimum mixes). Under a memory limit that plan is the answer when it fits (no plan
-    that fits is faster), and otherwise its time is the lower end of a bisection on the time with
-    the memory-aware fewest-units DP, over the pairs a fitting plan on thinned prefixes leaves (as
-    with many units, where the direct recurrence's table would be too wide).
+    Few units: the direct recurrence without the memory limit, bounded by a quick plan over prefixes;
+    else (or when its plan does not fit) a bisection with the memory-aware fewest-units DP.
 
     Raises:
         InfeasibleError: no plan fits, even with unlimited time (memory too small).

@@ -26,12 +26,8 @@ __all__ = ["solve_hierarchy"]
 
 @dataclass(frozen=True)
 class _Tables:
-    """Best time of every segment (i, j] of one level on up to m units.
-
-    ``opened[m]`` (m < units): the segment's last stage pays for its output (it ends at an internal
-    cut of a longer segment); ``closed``: on all the level's units, the output is the next level's
-    to charge. Entries above the level's ceiling are inf (no plan as fast as the bound uses them).
-    How each best splits is not stored: ``_unfold`` recomputes it for the few segments a plan uses.
+    """Best time of every segment (i, j] of one level on up to m units: ``opened[m]`` (m < units) pays
+    for its output, ``closed`` (all units) leaves it to the next level; inf above the ceiling.
     """
 
     prob: LevelProblem
@@ -43,19 +39,9 @@ def _all_segments(
     prob: LevelProblem, ceiling: float = math.inf, top: LevelProblem | None = None, search: str = "auto",
     rows: npt.NDArray[np.bool_] | None = None,
 ) -> _Tables:  # fmt: skip
-    """Direct DP over all segments at once (PipeDream's non-final level), one unit count at a time.
-
-    A segment (i, j] on m units is one stage (i, j] or a segment (i, k] on m - r units followed
-    by stage (k, j] on r. Entries on m units only read tables on fewer units, so every (i, j) of
-    one unit count is filled together: a few balanced splits per entry first (a tight bound),
-    then every split that can still beat the entry's best so far (or its ceiling), listed
-    sparsely (``_Splits``). Rows whose compute alone (spread over the units) exceeds ``ceiling``
-    are skipped: the next level cannot use anything slower. ``top`` = the level above when it is
-    the last one and ``ceiling`` is its attained time: a top stage from i can then have at most
-    units - (units before i) replicas (before i: at least its compute over devices per unit x
-    ceiling), and on R replicas it pays the gradient sync of its parameters, both of which lower
-    the ceiling of row i (``_limits``). ``search``: how splits are listed (``_Splits``; tests
-    pin "window" or "column", both exact).
+    """Direct DP over all segments at once (PipeDream's non-final level), one unit count at a time,
+    skipping what the level above cannot use below ``ceiling`` (docs/optimizer-search.md); ``search``:
+    how splits are listed (``_Splits``; tests pin "window" or "column", both exact).
     """
     n, units = len(prob.states), prob.units
     cap = prob.cap
@@ -125,15 +111,9 @@ COLUMN_RATIO = 16  # splits per entry past which listing by column may pay: CNNs
 
 @dataclass(frozen=True)
 class _Splits:
-    """Finds the splits (i, k, j) of one level that can meet a bound, two ways, cheaper per end j.
-
-    By compute window: a segment on u units and a stage on r replicas both take at least their
-    compute over their devices, so k can meet an entry's bound b only if c_k lies in
-    [c_j - r·d·b, c_i + u·d·b] (d devices per unit), a range of the states sorted by compute.
-    By column: k such that the stage (k, j] and some entry (., k) of the first table both meet
-    the largest bound of end j (``_SortedTable``). The first is tight where compute dominates
-    (CNNs), the second where many states share their compute or communication dominates (GNMT).
-    Tables are flat: entry (i, j) at i·n + j.
+    """Finds the splits (i, k, j) of one level that can meet a bound, by compute window (tight where
+    compute dominates: CNNs) or by column (where communication does: GNMT), whichever lists fewer per
+    end j (docs/optimizer-search.md). Tables are flat: entry (i, j) at i·n + j.
     """
 
     n: int
@@ -270,12 +250,8 @@ class _Prior:
 
 @dataclass(frozen=True)
 class _Monotone:
-    """Rows that never decrease, flattened with a row offset so one searchsorted counts per row.
-
-    ``count(rows, b)`` is how many entries of each row are at most b, or a few more (the offset
-    costs float precision, so the query is rounded up; extra entries are only extra work). Row r
-    lives in [4·r·scale, 4·r·scale + 3·scale] (inf stored as 3·scale), queries are clipped to
-    [-scale/2, 2·scale]: a query never reaches a neighbouring row.
+    """Rows that never decrease, flattened with a row offset so one searchsorted counts, per row, the
+    entries at most b (or a few more: the offset costs float precision; docs/optimizer-search.md).
     """
 
     keys: FloatArray
@@ -358,12 +334,8 @@ def _top_windows(prob: LevelProblem, ceiling: float, top: LevelProblem | None) -
 def _limits(
     ceiling: float, top: LevelProblem | None, before: IntArray, after: int | IntArray, params: FloatArray
 ) -> FloatArray:
-    """Slowest entry worth keeping per segment start i (the segment (i, j] has ``params``).
-
-    A top stage from i has at most ``room`` replicas; on R of them it takes (T + sync_R) / R with
-    sync_R = 4(R-1)P/(R·B·inner), so its inner time T must be at most R·ceiling - sync_R for some
-    R <= room. The sync only grows with the parameters, so an open segment (i, j], which a top
-    stage can only extend, is bounded by its own parameters too.
+    """Slowest entry worth keeping per segment start i (the segment (i, j] has ``params``): what a top
+    stage on at most ``room`` replicas, paying its gradient sync, can still use.
     """
     if top is None or not (math.isfinite(ceiling) and ceiling > 0):
         return np.full(len(before), ceiling * (1 + 1e-9))
@@ -481,11 +453,8 @@ def _top_floor(
 
 
 def _top_cuts(top: LevelProblem | None, upper: float) -> npt.NDArray[np.bool_] | None:
-    """States a top-level plan as fast as ``upper`` can cut at (None: any, when upper is unknown).
-
-    Priced by ``_top_floor``, the fewest top units any such plan spends before a state and after
-    it must fit (``dp.cut_states``). Near the optimum few states pass (ResNet-101 on 4x4: 18 of
-    411 at the first bound), and only those rows of the table below are filled.
+    """States a top-level plan as fast as ``upper`` can cut at (None: any, when upper is unknown); only
+    those rows of the table below are filled (ResNet-101 on 4x4: 18 of 411 at the first bound).
     """
     if top is None or not (math.isfinite(upper) and upper > 0):
         return None

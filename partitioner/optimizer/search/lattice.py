@@ -134,12 +134,8 @@ def _next_free(dag: _Dag, free: WordArray, x: IntArray, grown: WordArray) -> Wor
 
 
 def enumerate_lattice(profile: Profile, cap: int, max_layer: int = 10_000) -> Lattice | None:
-    """Every downset, size layer by size layer, with covers and sums (vectorised per size layer).
-
-    None beyond ``cap`` downsets, or as soon as one size layer exceeds ``max_layer`` (a cheap sign
-    that the total explodes, as on NASNet; Inception-v3's widest layer has 7,010). A size layer's
-    states are numbered in order of discovery (parent, then added layer), and each state's sums
-    are its first parent's plus the added layer's.
+    """Every downset, size layer by size layer, with covers and sums (vectorised per size layer); None
+    beyond ``cap`` downsets or ``max_layer`` in one size layer (a cheap sign the total explodes).
     """
     if more_downsets_than(profile, cap):
         return None
@@ -237,11 +233,8 @@ def _budget(reps: FloatArray, tau: float, link: Link) -> FloatArray:
 
 @dataclass(frozen=True)
 class _Grid:
-    """The (replicas r, devices before v) pairs a probe tracks, by u = r + v <= units, then r.
-
-    Pairs with u > units can never be part of a plan, so they are not stored (about half of the
-    square). The pairs with u >= L are the columns ``start[L]:``, so a probe that knows every
-    state of a size layer (and every later one) needs at least L devices drops a column prefix.
+    """The (replicas r, devices before v) pairs a probe tracks, by u = r + v <= units, then r (so a
+    probe that needs at least L devices drops the column prefix before ``start[L]``).
     """
 
     r_of: IntArray  # per pair: r - 1
@@ -260,11 +253,8 @@ class _Grid:
 
 @dataclass(frozen=True)
 class _Sweep:
-    """Per size layer, the covers laid out for slice-only maxima.
-
-    A layer's states are visited in ``order`` (most covers first), so the states with more than
-    c covers are a prefix: ``cols[c][:]`` are their c-th covers, as positions in the previous
-    layer's visiting order. Built once per search and shared by every probe.
+    """Per size layer, the covers laid out so each probe's maxima are slices (states visited most
+    covers first); built once per search and shared by every probe.
     """
 
     order: tuple[IntArray, ...]
@@ -299,12 +289,8 @@ def _probe(
     weights: FloatArray,
     band: bool = True,
 ) -> FloatArray:
-    """g[state]: fewest devices covering each downset with every stage at most tau (inf if none).
-
-    ``best[j, (r, v)]`` is the largest W_r of a cut strictly below j that v devices reach and whose
-    traffic r replicas can receive; it is the max over j's lower covers of theirs (rows in the
-    sweep's visiting order, so each cover column is a slice; float32). With ``band``, pairs with
-    r + v below ``_floors`` are dropped: no state from that size layer on can use them.
+    """g[state]: fewest devices covering each downset with every stage at most tau (inf if none), by
+    propagating the largest W_r over lower covers (float32; ``band``: drop pairs below ``_floors``).
     """
     reps = np.arange(1, weights.shape[0] + 1, dtype=np.float64)
     grid = _Grid.of(units, len(reps))
@@ -338,11 +324,8 @@ def _probe(
 
 
 def _floors(lat: Lattice, units: int, tau: float, weights: FloatArray) -> IntArray:
-    """Per size layer: devices every plan at tau surely puts on each of its states and later ones.
-
-    A stage (k, j] on r replicas fits only if (C_j - C_k) + a_r (P_j - P_k) <= r·tau, so a downset
-    needs at least C_j / tau devices; the float32 probe is trusted to ``margin`` devices (its
-    rounding: a few float32 ulps of the largest W per stage, at most ``units`` stages).
+    """Per size layer: devices every plan at tau surely puts on each of its states and later ones
+    (C_j / tau, less the float32 probe's rounding margin).
     """
     margin = units * 1e-6 * float(weights[:, -1].max()) / tau + 1e-6
     lows = np.minimum.reduceat(lat.compute_s, lat.starts[:-1])
@@ -405,13 +388,8 @@ def solve_lattice(
     max_replicas: int | None = None,
     start: list[Segment] | None = None,
 ) -> tuple[float, list[Segment], float]:
-    """Optimum over all downsets, between a lower bound and an attained time ``upper``.
-
-    Gallop down from the start, bisection to 3e-3, then descent on attained values: rebuild the
-    plan, and probe just below its exact time; when that fails the plan is optimal (to the float32
-    probe's 1e-6 slack). ``start`` (a plan in this lattice's states, e.g. the one that attained
-    ``upper``) saves the first probe, and when the gallop cannot beat it, the next probe checks
-    whether it is already optimal (often so: one probe instead of a bisection).
+    """Optimum over all downsets, between a lower bound and an attained time ``upper`` (a gallop down,
+    a bisection, then descent on attained values; ``start``: a plan that attained ``upper``).
 
     Returns:
         (time, stages, certified lower bound).

@@ -16,13 +16,8 @@ __all__ = ["compute_floors", "fewest_units", "fewest_units_after", "sweep_layers
 def fewest_units(
     ks: IntArray, offsets: IntArray, layers: IntArray, need: FloatArray, most: int | None = None
 ) -> FloatArray:
-    """g[j] = min over stages (k, j] of g[k] + need: fewest devices reaching each state.
-
-    Stages are CSR by j (``ks[offsets[j]:offsets[j + 1]]``); a stage's earlier cut is a strict
-    subset of its later one, so no stage joins two states of one size (``layers``): g of a whole
-    size layer follows from the layers before it, one numpy pass each. Given ``most`` (values
-    above it may come out larger), when that is cheaper: rounds over every stage at once, as
-    many as the stages a plan on ``most`` devices can have (``_rounds``).
+    """g[j] = min over stages (k, j] of g[k] + need: fewest devices reaching each state (stages CSR by
+    j), one numpy pass per size layer, or Bellman-Ford rounds where ``most`` makes them cheaper.
     """
     g = np.full(len(offsets) - 1, np.inf)
     g[0] = 0.0

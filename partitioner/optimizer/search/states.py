@@ -317,13 +317,8 @@ def _subset_preds(masks: list[int], width: int) -> tuple[IntArray, ...]:
 
 
 def downsets_at_least(preds: list[int], succs: list[int], cap: int) -> int:
-    """A lower bound on the number of downsets (exceeds ``cap`` early), to skip a doomed listing.
-
-    Pairwise incomparable chains give at least the product of (length + 1) downsets: each picks
-    its own prefix. The chains are the DAG's series runs (each layer the only reader of the one
-    before, which is its only producer), longest first. Paths leave a run only at its tail and
-    enter one only at its head, so run a lies below run b iff b's head descends from a's tail.
-    NASNet's first cells alone pass 400,000 here in a millisecond; listing them took 0.05 s.
+    """A lower bound on the number of downsets (exceeds ``cap`` early), to skip a doomed listing: the
+    product of (length + 1) over pairwise incomparable series runs (docs/optimizer-search.md).
     """
     below: list[int] = []  # per layer: its ancestors as a bitmask
     for bits in preds:
@@ -461,15 +456,9 @@ def _prefix_sums(
 
 @dataclass(frozen=True)
 class PrefixPreds:
-    """The strict subsets of every prefix state, kept as runs along the orders, not listed.
-
-    Prefix p of order a lies inside prefix q of order b iff every layer of it comes before
-    position q in b: the running maximum of those positions is below q. That maximum grows with p,
-    so the prefixes of a inside a given state are a leading run, found by one binary search.
-    Each state is counted in one order only (its home: the first order it is a prefix of), so
-    the runs never list a state twice. NASNet's prefixes have millions of subset pairs and a plan
-    as fast as a known one uses about a tenth, so callers list pairs a block at a time between
-    the states they keep (``StateSet.pair_blocks``) instead of holding them all.
+    """The strict subsets of every prefix state, kept as runs along the orders (one binary search per
+    state and order), not listed: NASNet's prefixes have millions of subset pairs
+    (docs/optimizer-search.md).
     """
 
     own: tuple[IntArray, ...]  # per order: the states whose home it is, shortest prefix first

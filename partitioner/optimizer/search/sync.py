@@ -27,13 +27,8 @@ WIDE = 1.02  # a box whose tau range spans more than 2% may be probed at its geo
 
 @dataclass(frozen=True)
 class _Choices:
-    """Every stage (k, j], sorted by the later state j (CSR), with its times on 1..cap replicas,
-    and a quick test whether any plan meets caps.
-
-    u falls as 1/r and A rises with r, so a stage meets (tau, alpha) with r replicas exactly for
-    r in [ceil(X / (M·tau)), A's limit]; the fewest devices per state then follow one size layer
-    at a time (no stage joins two states of one size). Bounds are rounded outwards: the test may
-    pass caps no plan meets (the DP then finds none), never the reverse.
+    """Every stage (k, j], CSR by j, with its times on 1..cap replicas, and a quick test (rounded
+    outwards: never rejects a feasible cap) whether any plan meets caps (tau, alpha).
     """
 
     k: IntArray
@@ -102,13 +97,8 @@ class _Found:
 def _least_sum(
     ch: _Choices, n: int, units: int, tau: float, alpha: float, need: FloatArray, before: FloatArray
 ) -> _Found | None:  # fmt: skip
-    """h(tau, alpha) and a plan attaining it (None when no plan meets the caps).
-
-    f[j, g] = least sum of u covering state j on at most g devices. Column g reads f[k, g - r]
-    for r = 1..g, which is row k of the finished columns read backwards: one [pair, r] pass.
-    Only stages whose fewest replicas (``need``) fit between the devices any plan meeting the caps
-    spends before them (``before``) and after them (the same DP backwards; both at least
-    C / (M·tau): every u <= tau) take part.
+    """h(tau, alpha) and a plan attaining it (None when no plan meets the caps): f[j, g] = least sum
+    of u covering state j on at most g devices, over the stages that fit the device windows.
     """
     c = ch.compute / (ch.m * tau) if tau > 0 else np.zeros_like(ch.compute)
     before = np.maximum(before, np.ceil(c * (1 - 1e-9)))
