@@ -1,7 +1,6 @@
 """``--schedule auto``: the fastest predicted plan over schedules x microbatch counts x virtual stages
 (x recomputation), so never predicted slower than the best fixed one it considers (microbatch
-counts only where the profile measured fixed times per call: docs/optimizer-search.md).
-"""
+counts only where the profile measured fixed times per call: docs/optimizer-search.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Whether the plans a summary compares against could run at all: a speedup over a plan that does
-not fit in memory is no fact, and tied schedules need a word on why the chosen one won.
-"""
+not fit in memory is no fact, and tied schedules need a word on why the chosen one won."""
 
 from __future__ import annotations
 

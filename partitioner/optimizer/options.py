@@ -1,6 +1,5 @@
 """What a search is asked for, beside the profile and the cluster: one frozen value down the solver's
-chain instead of the same parameters at every call.
-"""
+chain instead of the same parameters at every call."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The strategy, written once: which search a request runs, and what it falls back to (the schedule's
 model picks it; recomputation, usable microbatches and the memory that would fit around it:
-docs/optimizer-search.md).
-"""
+docs/optimizer-search.md)."""
 
 from __future__ import annotations
 

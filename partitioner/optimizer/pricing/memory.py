@@ -1,8 +1,7 @@
 """The memory model: the peak bytes one device of a stage holds, written once. Every check (the
 searches' vectorised :class:`MemoryLimit`, a plan's price and the simulation through
 :func:`peak_bytes`) goes through it, so they agree by construction; the terms, each measured by
-``benchmarks/bench_memory.py``: docs/optimizer-pricing.md.
-"""
+``benchmarks/bench_memory.py``: docs/optimizer-pricing.md."""
 
 from __future__ import annotations
 
@@ -141,14 +140,9 @@ def _bits(masks: Sequence[int], layer_ids: Sequence[str], ids: Sequence[str]) ->
 
 @dataclass(frozen=True)
 class MemoryLimit:
-    """A per-device limit as the searches check it, vectorised over candidate stages.
-
-    The searches price a stage from its parameter and saved bytes, so two terms of :func:`peak_bytes`
-    may be bounds: the accumulated gradient by ``largest`` (the profile's largest layer) where a
-    search does not pass the stage's own (the exact synchronous search does, :meth:`extras`; the
-    bottleneck candidates do not), and a replica of a synchronous stage holds all of its
-    microbatches' activations, ceil(M / r) whole microbatches (:func:`replica_share`: gpipe's count,
-    at least 1f1b's and zb1p's). Every plan is then priced by :func:`peak_bytes`.
+    """A per-device limit as the searches check it, vectorised over candidate stages; two terms of
+    :func:`peak_bytes` may be bounds there (docs/optimizer-pricing.md), and every plan is then priced
+    by :func:`peak_bytes` itself.
 
     Attributes:
         limit: bytes per device.
@@ -255,10 +249,7 @@ class MemoryLimit:
         self, params: FloatArray, saved: FloatArray, largest: FloatArray | None = None
     ) -> FloatArray:
         """Synchronous: the fewest replicas whose replicas each hold all of their microbatches'
-        activations (:meth:`fits`; inf: none). Below M replicas a replica accumulates, holds the
-        transient gradient too (``largest``: the stages' largest layers, else the profile's) and
-        q = floor(room x M / saved) whole microbatches at most: r = ceil(M / q); from M replicas on
-        a replica holds one microbatch of 1/r of a minibatch."""
+        activations (:meth:`fits`; inf: none; ``largest``: the stages' largest layers, else the profile's)."""
         base = self.limit - params * self.per_byte - self.working / self.microbatches
         alone = _ceil_div(saved, base)
         bound = self.largest if largest is None else largest

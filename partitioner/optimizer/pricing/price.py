@@ -1,6 +1,5 @@
 """Turn a list of stages (node sets + replicas + ranks) into a costed ``Plan``: shared by the solvers,
-``evaluate`` and the baselines, so that every plan is priced by one model.
-"""
+``evaluate`` and the baselines, so that every plan is priced by one model."""
 
 from __future__ import annotations
 

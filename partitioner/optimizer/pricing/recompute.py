@@ -1,7 +1,6 @@
 """Searching plans whose stages recompute their forward in backward: the searches run on a
 recomputing profile (optimistic) and the plan is re-priced exactly, so none that does not fit is
-returned (docs/optimizer-pricing.md).
-"""
+returned (docs/optimizer-pricing.md)."""
 
 from __future__ import annotations
 

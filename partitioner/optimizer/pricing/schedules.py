@@ -128,11 +128,8 @@ class ScheduleModel:
 
 
 def replica_held(stage_items: int, replicas: int) -> int:
-    """Items the busiest replica of a flushing stage holds when the stage as one holds
-    ``stage_items``: the runtime hands a minibatch's microbatches to the replicas round-robin (unit j
-    to replica j mod r, ``Schedule.replica_of``) and a stage's live items are always consecutive
-    microbatches (forwards and releases each run in order), so a replica holds ceil(items / r) of
-    them at most, and the busiest that many (each a whole microbatch, 1/M of a minibatch)."""
+    """Items the busiest replica of a flushing stage holds when the stage as one holds ``stage_items``:
+    ceil(items / r), as the runtime hands microbatches round-robin (docs/optimizer-pricing.md)."""
     return -(-stage_items // replicas)
 
 
@@ -218,8 +215,7 @@ def zero_bubble_time(
 ) -> float:
     """ZB-H1's time for one minibatch (no all-reduce) from one microbatch's per-stage times: the larger
     of the critical path and the busiest stage, exact on equal stages (the bounds and their measured
-    error: docs/optimizer-pricing.md).
-    """
+    error: docs/optimizer-pricing.md)."""
     b = [t * (1.0 - W_SHARE) for t in backward]
     w = [t * W_SHARE for t in backward]
     e = [f + bi + a for f, bi, a in zip(forward, b, link, strict=True)]
@@ -234,9 +230,18 @@ def _zero_bubble_times(
     loads: Sequence[StageLoad], replicas: Sequence[int], links: Sequence[Link], m: int, virtual: int
 ) -> StageTimes:
     """:func:`zero_bubble_time` + the largest all-reduce; per-stage times as ``_sync_times``'."""
-    fwd, bwd, link, micro, compute, comm, sync = _microbatch_parts(loads, replicas, links, m)
-    time = zero_bubble_time(fwd, bwd, link, m) + sync
-    bubble = 1.0 - sum(compute) / (len(loads) * time) if time > 0 else 0.0
+    return _bounded(loads, replicas, links, m, len(loads), lambda f, b, a: zero_bubble_time(f, b, a, m), True)
+
+
+def _bounded(
+    loads: Sequence[StageLoad], replicas: Sequence[int], links: Sequence[Link], m: int, devices: int,
+    bound: Callable[[list[float], list[float], list[float]], float], sync: bool = False,
+) -> StageTimes:  # fmt: skip
+    """A closed form's times: ``bound`` of the forward, backward and link times of one microbatch
+    (+ the largest all-reduce with ``sync``); the bubble is the ``devices``' idle share."""
+    fwd, bwd, link, micro, compute, comm, allreduce = _microbatch_parts(loads, replicas, links, m)
+    time = bound(fwd, bwd, link) + allreduce if sync else bound(fwd, bwd, link)
+    bubble = 1.0 - sum(compute) / (devices * time) if time > 0 else 0.0
     return StageTimes(tuple(compute), tuple(comm), tuple(micro), time, bubble)
 
 
@@ -245,8 +250,7 @@ def interleaved_time(
 ) -> float:
     """Interleaved 1F1B's time for one minibatch (no all-reduce) from one microbatch's per-stage times,
     stage ``s`` on rank ``s mod ranks``: a lower bound, exact on equal stages (its three terms and
-    measured error: docs/optimizer-pricing.md).
-    """
+    measured error: docs/optimizer-pricing.md)."""
     e = [f + b + a for f, b, a in zip(forward, backward, link, strict=True)]
     fill = [0.0]
     for t in e:
@@ -268,19 +272,15 @@ def _interleaved_times(
     the bubble is the ranks' idle share."""
     if any(r != 1 for r in replicas) or len(loads) % virtual:
         raise PlanError(f"interleaved needs one device per stage and {virtual} stages per rank")
-    fwd, bwd, link, micro, compute, comm, _ = _microbatch_parts(loads, replicas, links, m)
     ranks = len(loads) // virtual
-    time = interleaved_time(fwd, bwd, link, m, ranks)
-    bubble = 1.0 - sum(compute) / (ranks * time) if time > 0 else 0.0
-    return StageTimes(tuple(compute), tuple(comm), tuple(micro), time, bubble)
+    return _bounded(loads, replicas, links, m, ranks, lambda f, b, a: interleaved_time(f, b, a, m, ranks))
 
 
 def zbv_time(
     forward: Sequence[float], backward: Sequence[float], link: Sequence[float], microbatches: int
 ) -> float:
     """A lower bound on zbv's time for one minibatch (no all-reduce) from one microbatch's per-stage
-    times on ``2p`` stages, rank ``r`` hosting ``r`` and ``2p - 1 - r`` (docs/optimizer-pricing.md).
-    """
+    times on ``2p`` stages, rank ``r`` hosting ``r`` and ``2p - 1 - r`` (docs/optimizer-pricing.md)."""
     stages = len(forward)
     if stages % 2:
         raise PlanError(f"zbv needs an even number of stages (2 per GPU), got {stages}")
@@ -309,10 +309,7 @@ def _zbv_times(
     bubble is the GPUs' idle share."""
     if any(r != 1 for r in replicas) or len(loads) % 2:
         raise PlanError("zbv needs one device per stage and 2 stages per GPU")
-    fwd, bwd, link, micro, compute, comm, _ = _microbatch_parts(loads, replicas, links, m)
-    time = zbv_time(fwd, bwd, link, m)
-    bubble = 1.0 - sum(compute) / (len(loads) // 2 * time) if time > 0 else 0.0
-    return StageTimes(tuple(compute), tuple(comm), tuple(micro), time, bubble)
+    return _bounded(loads, replicas, links, m, len(loads) // 2, lambda f, b, a: zbv_time(f, b, a, m))
 
 
 MODELS: dict[str, ScheduleModel] = {

@@ -1,6 +1,5 @@
 """Event simulation of a plan under its schedule (timeline, bubble, peak memory per stage), playing
-the runtime's own lists: the closed forms are checked against it (docs/optimizer-pricing.md).
-"""
+the runtime's own lists: the closed forms are checked against it (docs/optimizer-pricing.md)."""
 
 from __future__ import annotations
 
@@ -90,8 +89,7 @@ def play(
     """Run every rank's list (``lists[rank]``, its stages given by ``layout``) in order, event-driven
     (linear in the actions). Returns the events and, per stage, the most units one rank held between
     their forward and their backward (the waiting rules: docs/optimizer-pricing.md). ``wgt``: a W's
-    time (``bwd`` is then the B part alone); ``step``: a stage's step (None: free, no event).
-    """
+    time (``bwd`` is then the B part alone); ``step``: a stage's step (None: free, no event)."""
     player = _Player(lists, layout, fwd, bwd, link, wgt, step)
     ready = list(range(len(lists)))
     while ready:

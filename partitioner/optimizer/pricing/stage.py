@@ -1,7 +1,6 @@
 """What one stage costs, written once: every search, the plan's price and the simulation call these,
 on numbers or numpy arrays alike (the terms: docs/optimizer-pricing.md). A search may invert them
-(the fewest replicas under a time), which is its own algebra; it never prices a stage another way.
-"""
+(the fewest replicas under a time), which is its own algebra; it never prices a stage another way."""
 
 from __future__ import annotations
 
@@ -169,8 +168,7 @@ def microbatch_time(
 
 def host_bound(rank_compute_s: Sequence[float], per_host: int, cores: int | None, threads: int) -> float:
     """Seconds per minibatch the busiest host needs where devices are CPU processes (0 for GPUs): ranks
-    sharing a host's cores run at most ``cores / threads`` at once; ``rank_compute_s[r]``: rank r's.
-    """
+    sharing a host's cores run at most ``cores / threads`` at once; ``rank_compute_s[r]``: rank r's."""
     if cores is None or not rank_compute_s:
         return 0.0
     at_once = max(1.0, min(float(per_host), cores / threads))

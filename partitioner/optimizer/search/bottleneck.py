@@ -1,6 +1,5 @@
 """The slowest stage, minimised: the exact search for a schedule of whole minibatches
-(``ScheduleModel.asynchronous``): pair DP, lattice or hierarchy (docs/optimizer-search.md).
-"""
+(``ScheduleModel.asynchronous``): pair DP, lattice or hierarchy (docs/optimizer-search.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Plans other tools would choose (data parallel, DeepSpeed's parameter and uniform partitioning,
 torchgpipe's time balancing, each with a data-parallel width), priced by our cost model for
-comparison (docs/optimizer-search.md).
-"""
+comparison (docs/optimizer-search.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Exact stage + replication DP over downset states, vectorised with numpy, level by level: the
-slowest stage (PipeDream's objective), memory-aware. How it bounds and prunes: docs/optimizer-search.md.
-"""
+slowest stage (PipeDream's objective), memory-aware. How it bounds and prunes: docs/optimizer-search.md."""
 
 from __future__ import annotations
 
@@ -258,8 +257,7 @@ def _replicas_floor(
 
 def _replicas_needed(prob: LevelProblem, pairs: _Pairs, tau: float) -> FloatArray:
     """Fewest replicas that bring each stage down to ``tau``; inf where none can: the upper root of
-    the replica quadratic and the cut traffic's need, guarded near integers (docs/optimizer-search.md).
-    """
+    the replica quadratic and the cut traffic's need, guarded near integers (docs/optimizer-search.md)."""
     base, q, lat = pairs.base, pairs.q, _step_latency(prob.link)
     lead = tau - lat
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
@@ -361,7 +359,6 @@ def _plan_time(prob: LevelProblem, stages: list[Segment]) -> float:
 
 
 DIRECT_MAX_UNITS = 64
-BLOCK_ELEMENTS = 400_000
 
 
 def solve_direct(
@@ -404,8 +401,7 @@ def _between(
     need: FloatArray | None = None,
 ) -> tuple[_Pairs, IntArray, IntArray]:  # fmt: skip
     """The pairs and unit windows a plan as fast as ``upper`` can use (``fewest_units`` both ways, each
-    stage on the fewest replicas that meet upper, or ``need``): on NASNet at 16 GPUs, 73 of 562,119.
-    """
+    stage on the fewest replicas that meet upper, or ``need``): on NASNet at 16 GPUs, 73 of 562,119."""
     units = prob.units
     need = _replicas_needed(prob, pairs, upper * (1 + 1e-9)) if need is None else need
     before = np.maximum(fewest_units(pairs.ks, pairs.offsets, pairs.layers, need, units), lo)
@@ -504,8 +500,7 @@ def _trace(prob: LevelProblem, cand: _Candidates, f: FloatArray) -> list[Segment
 
 def _chain_upper(prob: LevelProblem, most: int = 48) -> float:
     """Time of the best plan cut only at prefixes of the layer order, thinned to ``most`` cuts: an
-    attained upper bound for the windows, found on a few hundred pairs.
-    """
+    attained upper bound for the windows, found on a few hundred pairs."""
     chain = prefix_chain(prob.states, most)
     if chain is None:
         return math.inf
@@ -530,8 +525,7 @@ def _first_fits(
     prob: LevelProblem, windows: tuple[IntArray, IntArray], upper: float
 ) -> tuple[IntArray, IntArray]:
     """Per state, (need, room): a plan as fast as ``upper`` uses pair (k, j) only if need[k] <= room[j]
-    (cut traffic and compute floors; the pairs that fail are never listed: 72% on NASNet at 16 GPUs).
-    """
+    (cut traffic and compute floors; the pairs that fail are never listed: 72% on NASNet at 16 GPUs)."""
     lo, width = windows
     cap = prob.cap
     act = prob.states.act_bytes.copy()
@@ -572,11 +566,7 @@ def solve_bottleneck(prob: LevelProblem, lower: float = 0.0) -> tuple[float, lis
 
 
 def _fitting_upper(prob: LevelProblem, lower: float, thin: StateSet | None) -> float:
-    """Time of the best memory-fitting plan cut only at thinned prefixes (inf if none fits).
-
-    The pairs a plan as fast can use are those ``_Pairs.of`` keeps for that time without the
-    limit: memory only ever asks for more replicas, never fewer.
-    """
+    """Time of the best memory-fitting plan cut only at thinned prefixes (inf if none fits)."""
     if prob.base is not None:  # (memory limits are flat: no segment times to renumber)
         return math.inf
     subsets = [] if thin is None else [thin]

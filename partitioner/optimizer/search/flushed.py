@@ -1,7 +1,6 @@
 """The synchronous time, minimised: the search for a flushing schedule (``1f1b``, ``gpipe``, ``zb1p``),
 exact where ``sync`` can prove its plan, else the best of it and bubble-aware candidates
-(docs/optimizer-search.md).
-"""
+(docs/optimizer-search.md)."""
 
 from __future__ import annotations
 
@@ -74,8 +73,7 @@ def _exact(
     profile: Profile, cluster: Cluster, states: StateSet, opts: SolveOptions
 ) -> tuple[Plan, float, bool] | None:
     """The branch-and-bound optimum on one level (``sync``), when it is small enough to run: (plan,
-    lower bound valid for every plan, proven optimal over all downsets).
-    """
+    lower bound valid for every plan, proven optimal over all downsets)."""
     sched, m = model(opts.schedule), opts.m
     # never more replicas than GPUs: a larger cap (a minibatch's samples) only multiplies the choices
     # past what the branch and bound can finish (densenet121, 1F1B on 4 GPUs: not proven, 4.6% slower)

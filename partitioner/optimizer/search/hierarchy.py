@@ -27,8 +27,7 @@ __all__ = ["solve_hierarchy"]
 @dataclass(frozen=True)
 class _Tables:
     """Best time of every segment (i, j] of one level on up to m units: ``opened[m]`` (m < units) pays
-    for its output, ``closed`` (all units) leaves it to the next level; inf above the ceiling.
-    """
+    for its output, ``closed`` (all units) leaves it to the next level; inf above the ceiling."""
 
     prob: LevelProblem
     opened: FloatArray  # [m, i, j]; m = 0 unused
@@ -41,8 +40,7 @@ def _all_segments(
 ) -> _Tables:  # fmt: skip
     """Direct DP over all segments at once (PipeDream's non-final level), one unit count at a time,
     skipping what the level above cannot use below ``ceiling`` (docs/optimizer-search.md); ``search``:
-    how splits are listed (``_Splits``; tests pin "window" or "column", both exact).
-    """
+    how splits are listed (``_Splits``; tests pin "window" or "column", both exact)."""
     n, units = len(prob.states), prob.units
     cap = prob.cap
     opened = np.full((units, n, n), np.inf)
@@ -113,8 +111,7 @@ COLUMN_RATIO = 16  # splits per entry past which listing by column may pay: CNNs
 class _Splits:
     """Finds the splits (i, k, j) of one level that can meet a bound, by compute window (tight where
     compute dominates: CNNs) or by column (where communication does: GNMT), whichever lists fewer per
-    end j (docs/optimizer-search.md). Tables are flat: entry (i, j) at i·n + j.
-    """
+    end j (docs/optimizer-search.md). Tables are flat: entry (i, j) at i·n + j."""
 
     n: int
     ks: IntArray  # per pair (k, j) of the level
@@ -185,11 +182,8 @@ class _Splits:
             _lower(best, bound, ii * n + jj, np.maximum(flat_first[ii * n + k], last[k * n + jj]))
 
     def _crowded(self, i: IntArray, b: FloatArray, lo: IntArray, units: int, slack: float) -> bool:
-        """Whether listing by column may pay: windows average over ``COLUMN_RATIO`` splits per entry.
-
-        The window's end is capped by compute (k's compute fits ``units`` units after i), measured
-        on every 16th entry: a wrong guess costs time, never the optimum (both listings are exact).
-        """
+        """Whether listing by column may pay: windows average over ``COLUMN_RATIO`` splits per entry
+        (measured on every 16th entry: a wrong guess costs time, never the optimum)."""
         if self.search == "column":
             return True
         hi = self._compute_cap(i[::16], b[::16], units, slack)
@@ -251,8 +245,7 @@ class _Prior:
 @dataclass(frozen=True)
 class _Monotone:
     """Rows that never decrease, flattened with a row offset so one searchsorted counts, per row, the
-    entries at most b (or a few more: the offset costs float precision; docs/optimizer-search.md).
-    """
+    entries at most b (or a few more: the offset costs float precision; docs/optimizer-search.md)."""
 
     keys: FloatArray
     scale: float
@@ -291,11 +284,8 @@ def _runs(start: IntArray, count: IntArray) -> Iterator[tuple[IntArray, IntArray
 
 @dataclass(frozen=True)
 class _SortedTable:
-    """The finite entries (i, k) of one table, sorted by k then by value, for joins on k.
-
-    ``key`` = k · (entries + 1) + the value's rank (count of values <= it), so one searchsorted
-    finds, for any k and threshold, how many entries of column k are at most the threshold.
-    """
+    """The finite entries (i, k) of one table, sorted by k then by value: one searchsorted counts, for
+    any k and threshold, the entries of column k at most the threshold."""
 
     rows: IntArray
     values: FloatArray
@@ -335,8 +325,7 @@ def _limits(
     ceiling: float, top: LevelProblem | None, before: IntArray, after: int | IntArray, params: FloatArray
 ) -> FloatArray:
     """Slowest entry worth keeping per segment start i (the segment (i, j] has ``params``): what a top
-    stage on at most ``room`` replicas, paying its gradient sync, can still use.
-    """
+    stage on at most ``room`` replicas, paying its gradient sync, can still use."""
     if top is None or not (math.isfinite(ceiling) and ceiling > 0):
         return np.full(len(before), ceiling * (1 + 1e-9))
     room = np.minimum(top.cap, top.units - before - after)
@@ -454,8 +443,7 @@ def _top_floor(
 
 def _top_cuts(top: LevelProblem | None, upper: float) -> npt.NDArray[np.bool_] | None:
     """States a top-level plan as fast as ``upper`` can cut at (None: any, when upper is unknown); only
-    those rows of the table below are filled (ResNet-101 on 4x4: 18 of 411 at the first bound).
-    """
+    those rows of the table below are filled (ResNet-101 on 4x4: 18 of 411 at the first bound)."""
     if top is None or not (math.isfinite(upper) and upper > 0):
         return None
     return cut_states(top, upper)

@@ -1,6 +1,5 @@
 """The same stage + replication problem as a MILP in pulp, to cross-check the DP on small cases
-(docs/optimizer-search.md). The only module that imports pulp, and only when a MILP is solved.
-"""
+(docs/optimizer-search.md). The only module that imports pulp, and only when a MILP is solved."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Plans for the schedules that lay several one-device stages on each GPU (``ScheduleModel.laid_out``):
 candidate cuts ranked by the closed form, the best priced by the simulation; not an exact search
-(docs/optimizer-search.md).
-"""
+(docs/optimizer-search.md)."""
 
 from __future__ import annotations
 

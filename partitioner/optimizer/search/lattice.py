@@ -1,6 +1,5 @@
 """Exact search over *all* downsets without enumerating stage pairs (billions on Inception-v3), by
-bisection on the time with a max-propagation through the downset lattice (docs/optimizer-search.md).
-"""
+bisection on the time with a max-propagation through the downset lattice (docs/optimizer-search.md)."""
 
 from __future__ import annotations
 
@@ -135,8 +134,7 @@ def _next_free(dag: _Dag, free: WordArray, x: IntArray, grown: WordArray) -> Wor
 
 def enumerate_lattice(profile: Profile, cap: int, max_layer: int = 10_000) -> Lattice | None:
     """Every downset, size layer by size layer, with covers and sums (vectorised per size layer); None
-    beyond ``cap`` downsets or ``max_layer`` in one size layer (a cheap sign the total explodes).
-    """
+    beyond ``cap`` downsets or ``max_layer`` in one size layer (a cheap sign the total explodes)."""
     if more_downsets_than(profile, cap):
         return None
     dag = _Dag.of(profile)
@@ -184,11 +182,8 @@ def _set_bits(rows: WordArray) -> tuple[IntArray, IntArray]:
 
 
 def _distinct(grown: WordArray, keys: npt.NDArray[np.uint64]) -> tuple[IntArray, IntArray]:
-    """Distinct rows by first occurrence, and each row's index among them (in that order).
-
-    ``keys`` are additive hashes of the rows (sums of random words per layer): equal rows have equal
-    keys; rows sharing a key are compared in full, and a collision falls back to sorting the rows.
-    """
+    """Distinct rows by first occurrence, and each row's index among them (in that order), by additive
+    hashes ``keys`` (a collision falls back to sorting the rows)."""
     _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
     inverse = inverse.ravel()
     if not (grown == grown[first[inverse]]).all():  # a hash collision (never seen): exact fallback
@@ -234,8 +229,7 @@ def _budget(reps: FloatArray, tau: float, link: Link) -> FloatArray:
 @dataclass(frozen=True)
 class _Grid:
     """The (replicas r, devices before v) pairs a probe tracks, by u = r + v <= units, then r (so a
-    probe that needs at least L devices drops the column prefix before ``start[L]``).
-    """
+    probe that needs at least L devices drops the column prefix before ``start[L]``)."""
 
     r_of: IntArray  # per pair: r - 1
     v_of: FloatArray  # per pair: v
@@ -254,8 +248,7 @@ class _Grid:
 @dataclass(frozen=True)
 class _Sweep:
     """Per size layer, the covers laid out so each probe's maxima are slices (states visited most
-    covers first); built once per search and shared by every probe.
-    """
+    covers first); built once per search and shared by every probe."""
 
     order: tuple[IntArray, ...]
     cols: tuple[tuple[IntArray, ...], ...]
@@ -290,8 +283,7 @@ def _probe(
     band: bool = True,
 ) -> FloatArray:
     """g[state]: fewest devices covering each downset with every stage at most tau (inf if none), by
-    propagating the largest W_r over lower covers (float32; ``band``: drop pairs below ``_floors``).
-    """
+    propagating the largest W_r over lower covers (float32; ``band``: drop pairs below ``_floors``)."""
     reps = np.arange(1, weights.shape[0] + 1, dtype=np.float64)
     grid = _Grid.of(units, len(reps))
     floors = _floors(lat, units, tau, weights) if band else np.ones(len(lat.starts), dtype=np.int64)
@@ -325,8 +317,7 @@ def _probe(
 
 def _floors(lat: Lattice, units: int, tau: float, weights: FloatArray) -> IntArray:
     """Per size layer: devices every plan at tau surely puts on each of its states and later ones
-    (C_j / tau, less the float32 probe's rounding margin).
-    """
+    (C_j / tau, less the float32 probe's rounding margin)."""
     margin = units * 1e-6 * float(weights[:, -1].max()) / tau + 1e-6
     lows = np.minimum.reduceat(lat.compute_s, lat.starts[:-1])
     floors = np.clip(np.ceil(lows / tau - margin), 1, units).astype(np.int64)

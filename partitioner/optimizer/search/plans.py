@@ -1,6 +1,5 @@
 """From a profile to what a search runs on (states), and from what it found (segments) back to
-stages on ranks.
-"""
+stages on ranks."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Fewest devices reaching each state (and, backwards, from each state to the end): what the DP's
-windows, the pair pruning and the synchronous search's feasibility test rest on.
-"""
+windows, the pair pruning and the synchronous search's feasibility test rest on."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ def fewest_units(
     ks: IntArray, offsets: IntArray, layers: IntArray, need: FloatArray, most: int | None = None
 ) -> FloatArray:
     """g[j] = min over stages (k, j] of g[k] + need: fewest devices reaching each state (stages CSR by
-    j), one numpy pass per size layer, or Bellman-Ford rounds where ``most`` makes them cheaper.
-    """
+    j), one numpy pass per size layer, or Bellman-Ford rounds where ``most`` makes them cheaper."""
     g = np.full(len(offsets) - 1, np.inf)
     g[0] = 0.0
     if most is not None and _rounds_pay(most, len(ks), len(layers)):
@@ -65,11 +63,8 @@ def sweep_layers(
 def fewest_units_after(
     ks: IntArray, js: IntArray, layers: IntArray, need: FloatArray, most: int | None = None
 ) -> FloatArray:
-    """h[k] = min over stages (k, j] of need + h[j]: fewest devices after each state to the end.
-
-    ``fewest_units`` run backwards, each state s numbered n - 1 - s: the pairs grouped by their
-    earlier state (a stable radix sort on 16-bit indices), from the last, are CSR by the later one.
-    """
+    """h[k] = min over stages (k, j] of need + h[j]: fewest devices after each state to the end
+    (``fewest_units`` run backwards, each state s numbered n - 1 - s)."""
     n = int(layers[-1])
     by_k = ks.astype(np.uint16) if n <= 1 << 16 else ks
     order = np.argsort(by_k, kind="stable")

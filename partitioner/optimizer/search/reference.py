@@ -1,6 +1,5 @@
 """PipeDream's objective on one level, solved by its plain recurrence (``compute_partitioning``): the
-yardstick the fast paths are tested against, nothing else (docs/optimizer-search.md).
-"""
+yardstick the fast paths are tested against, nothing else (docs/optimizer-search.md)."""
 
 from __future__ import annotations
 
@@ -38,7 +37,7 @@ def stage_times(
 def solve_reference(
     states: StateSet, gpus: int, link: Link, max_replicas: int | None = None, first_output: bool = True
 ) -> ReferencePlan:
-    """The recurrence above, filled state by state (each needs only smaller ones).
+    """PipeDream's recurrence (docs/optimizer-search.md), filled state by state.
 
     Raises:
         InfeasibleError: ``gpus`` < 1 (no plan at all).

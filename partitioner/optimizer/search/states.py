@@ -1,6 +1,5 @@
 """The DP's states: downsets of the layer DAG, as every pipeline cut is one (all of them when few,
-else prefixes of three topological orders, honestly flagged; docs/optimizer-search.md).
-"""
+else prefixes of three topological orders, honestly flagged; docs/optimizer-search.md)."""
 
 from __future__ import annotations
 
@@ -213,11 +212,8 @@ def _layers(profile: Profile) -> tuple[list[str], list[int], list[int]]:
 
 
 def _enumerate(preds: list[int], succs: list[int], cap: int) -> list[int] | None:
-    """Every downset, breadth first by size; None once there are more than ``cap``.
-
-    Each downset carries the bitmask of layers that may join it next, so growing it touches only
-    those (not every layer): the enumeration costs states x addable layers.
-    """
+    """Every downset, breadth first by size, each grown only by the layers that may join it; None
+    once there are more than ``cap``."""
     roots = sum(1 << i for i, p in enumerate(preds) if p == 0)
     layer = {0: roots}
     found = [0]
@@ -318,8 +314,7 @@ def _subset_preds(masks: list[int], width: int) -> tuple[IntArray, ...]:
 
 def downsets_at_least(preds: list[int], succs: list[int], cap: int) -> int:
     """A lower bound on the number of downsets (exceeds ``cap`` early), to skip a doomed listing: the
-    product of (length + 1) over pairwise incomparable series runs (docs/optimizer-search.md).
-    """
+    product of (length + 1) over pairwise incomparable series runs (docs/optimizer-search.md)."""
     below: list[int] = []  # per layer: its ancestors as a bitmask
     for bits in preds:
         mask = 0
@@ -428,11 +423,8 @@ def _prefix_sums(
     profile: Profile, ids: list[str], succs: list[int], orders: list[list[int]], prefixes: list[list[int]],
     ordered: list[int],
 ) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray]:  # fmt: skip
-    """``_sums`` and ``_boundary`` of prefix states, from running sums along each order.
-
-    A layer's output leaves a prefix of an order from the layer's own position until its last
-    reader's, so the bytes leaving every prefix are one cumulative sum of +out / -out marks.
-    """
+    """``_sums`` and ``_boundary`` of prefix states, from running sums along each order (the bytes
+    leaving every prefix are one cumulative sum of +out / -out marks)."""
     cols = _columns(profile, ids)
     out = np.zeros((len(ordered), 4))
     index = {m: i for i, m in enumerate(ordered)}
@@ -458,8 +450,7 @@ def _prefix_sums(
 class PrefixPreds:
     """The strict subsets of every prefix state, kept as runs along the orders (one binary search per
     state and order), not listed: NASNet's prefixes have millions of subset pairs
-    (docs/optimizer-search.md).
-    """
+    (docs/optimizer-search.md)."""
 
     own: tuple[IntArray, ...]  # per order: the states whose home it is, shortest prefix first
     upto: IntArray  # [order, j]: how many of own[order] are strict subsets of state j
@@ -473,11 +464,7 @@ class PrefixPreds:
         return np.asarray(self.upto.sum(axis=0), dtype=np.int64)
 
     def limited(self, need: IntArray, room: IntArray) -> PrefixPreds:
-        """The runs of pairs (k, j) with need[k] <= room[j] only.
-
-        States j sharing a room share one filtered copy of each order's list, so the result has
-        an order per (room value, order): few, as rooms are unit counts.
-        """
+        """The runs of pairs (k, j) with need[k] <= room[j] only (one filtered copy per room value)."""
         own: list[IntArray] = []
         rows: list[IntArray] = []
         for value in np.unique(room).tolist():

@@ -1,7 +1,6 @@
 """Exact search for the synchronous schedules (1f1b, gpipe) on one level, by branch and bound: their
 time sum(u) + (M-1)·max(u) + max(A) is not additive, so no single DP minimises it
-(docs/optimizer-search.md).
-"""
+(docs/optimizer-search.md)."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ WIDE = 1.02  # a box whose tau range spans more than 2% may be probed at its geo
 @dataclass(frozen=True)
 class _Choices:
     """Every stage (k, j], CSR by j, with its times on 1..cap replicas, and a quick test (rounded
-    outwards: never rejects a feasible cap) whether any plan meets caps (tau, alpha).
-    """
+    outwards: never rejects a feasible cap) whether any plan meets caps (tau, alpha)."""
 
     k: IntArray
     j: IntArray
@@ -98,8 +96,7 @@ def _least_sum(
     ch: _Choices, n: int, units: int, tau: float, alpha: float, need: FloatArray, before: FloatArray
 ) -> _Found | None:  # fmt: skip
     """h(tau, alpha) and a plan attaining it (None when no plan meets the caps): f[j, g] = least sum
-    of u covering state j on at most g devices, over the stages that fit the device windows.
-    """
+    of u covering state j on at most g devices, over the stages that fit the device windows."""
     c = ch.compute / (ch.m * tau) if tau > 0 else np.zeros_like(ch.compute)
     before = np.maximum(before, np.ceil(c * (1 - 1e-9)))
     after = fewest_units_after(ch.k, ch.j, ch.layers, need, units)
