@@ -12,7 +12,12 @@ from cli_render.common import console, new_table, plural
 from cli_render.progress import progress
 from runtime.metrics import cpu_share
 
-__all__ = ["eval_text", "header", "memory_table", "print_run_table", "train"]
+__all__ = ["COMM_NOTE", "eval_text", "header", "memory_table", "print_run_table", "stage_table", "train"]
+
+COMM_NOTE = (
+    "* measured comm is the time a rank was blocked in receives and all-reduces, waiting for its peer "
+    "included; the plan's is its messages' wire time: no ratio (the waiting shows in the bubble)"
+)
 
 
 def train(options: Any) -> None:
@@ -102,6 +107,9 @@ def print_run_table(metrics: dict[str, Any], path: object, checkpoints: object =
         )
     out = console()
     out.print(table)
+    if any("bubble_fraction" in s for s in metrics.get("stages") or ()):
+        out.print(stage_table(metrics))
+        out.print(COMM_NOTE)
     out.print(ranks)
     if (metrics.get("memory") or {}).get("method"):
         out.print(memory_table(metrics["memory"]))
@@ -129,6 +137,35 @@ def print_run_table(metrics: dict[str, Any], path: object, checkpoints: object =
         "measured stage times back into the profile, so the next `pipeplan partition` plans with them",
         soft_wrap=True,
     )
+
+
+def stage_table(metrics: dict[str, Any]) -> Any:
+    """Per stage, predicted (plan.json) against measured: compute and communication milliseconds per
+    minibatch, the bubble (the share of a device's time not computing) and the memory ratio
+    (:mod:`runtime.fidelity`; ``-``: not predicted or not measured)."""
+    from cli_render.common import num
+
+    def ms(value: float | None) -> str:
+        return num(value * 1e3) if value is not None else "-"
+
+    def share(value: float | None) -> str:
+        return f"{value:.2f}" if value is not None else "-"
+
+    hosted = {r["stage"]: r.get("hosted") or () for r in metrics.get("ranks") or ()}
+    memory = {m["stage"]: m for m in (metrics.get("memory") or {}).get("stages") or ()}
+    cols = ("stage", "compute ms\npred", "\nmeas", "\nratio", "comm ms\npred", "\nmeas*", "bubble\npred",
+            "\nmeas", "memory\nratio")  # fmt: skip
+    table = new_table("per stage, per minibatch: predicted (plan.json) and measured", cols)
+    for s in metrics["stages"]:
+        ratio = s.get("compute_measured_over_predicted")
+        mem = (memory.get(s["stage"]) or {}).get("ratio_measured_over_predicted")
+        table.add_row(
+            ",".join(map(str, hosted.get(s["stage"]) or ())) or str(s["stage"]),
+            ms(s.get("predicted_compute_s_per_minibatch")), ms(s["compute_s_per_minibatch"]),
+            share(ratio), ms(s.get("predicted_comm_s_per_minibatch")), ms(s.get("comm_s_per_minibatch")),
+            share(s.get("predicted_bubble_fraction")), share(s.get("bubble_fraction")), share(mem),
+        )  # fmt: skip
+    return table
 
 
 def memory_table(memory: dict[str, Any]) -> Any:

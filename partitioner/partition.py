@@ -37,7 +37,12 @@ from partitioner.optimizer.options import (
 from partitioner.optimizer.planner import alternatives
 from partitioner.optimizer.pricing.price import check_layers_fit
 from partitioner.optimizer.pricing.schedules import model as schedule_model
-from partitioner.optimizer.pricing.simulate import Simulation, simulate, write_chrome_trace
+from partitioner.optimizer.pricing.simulate import (
+    Simulation,
+    simulate,
+    with_stage_bubbles,
+    write_chrome_trace,
+)
 from partitioner.optimizer.units import parse_bytes, parse_int_list
 from partitioner.plan import Cluster, Plan, mp_conf, save_plan
 from partitioner.profiler.budget import unbuildable
@@ -124,8 +129,8 @@ def partition(request: PartitionRequest, note: Callable[[str], None] = lambda _:
     plan = replace(plan, profile=str(path), precision=profile.precision)
     name = profile.model if profile.tracer == "pipedream" else model_name(profile.model)
     out_dir = Path(r.output) / re.sub(r"[^A-Za-z0-9_.-]+", "_", name or "model") / f"gpus={cluster.gpus}"
-    plan = _write_plan(profile, plan, out_dir, r.weights, r.init, note)
     sim = simulate(plan, profile)
+    plan = _write_plan(profile, with_stage_bubbles(plan, sim), out_dir, r.weights, r.init, note)
     if r.trace_path:
         write_chrome_trace(sim, r.trace_path)
     others = alternatives(profile, cluster, schedule, micro, r.optimizer, recompute) if r.explain else None

@@ -143,6 +143,9 @@ class Stage:
         memory_bytes: predicted peak memory per device.
         recompute: whether the stage recomputes its forward in backward (activation checkpointing),
             keeping only its inputs per microbatch in flight; absent in older plan.json: False.
+        bubble_fraction: the share of its device's time the plan's simulation has it not computing
+            (``pricing.simulate.stage_bubbles``), which ``run`` measures against; None: not
+            predicted (plans written before it, or not yet simulated).
     """
 
     index: int
@@ -153,6 +156,7 @@ class Stage:
     comm_s: float = 0.0
     memory_bytes: int = 0
     recompute: bool = False
+    bubble_fraction: float | None = None
 
 
 @dataclass(frozen=True)
@@ -261,6 +265,9 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
     for level in doc["cluster"]["levels"]:  # only links with a latency say it (as above)
         if not level["latency"]:
             del level["latency"]
+    for stage in doc["stages"]:  # only simulated plans say it (as above)
+        if stage["bubble_fraction"] is None:
+            del stage["bubble_fraction"]
     return doc
 
 
@@ -316,6 +323,7 @@ def _stage_from_json(doc: Mapping[str, Any]) -> Stage:
         comm_s=float(doc.get("comm_s", 0.0)),
         memory_bytes=int(doc.get("memory_bytes", 0)),
         recompute=_flag(doc.get("recompute", False), "recompute"),
+        bubble_fraction=None if doc.get("bubble_fraction") is None else float(doc["bubble_fraction"]),
     )
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.errors import RunError
+from runtime.fidelity import StagePrediction
 from runtime.formats import MP_CONF_FIELDS, PLAN_FIELDS
 from runtime.newest import newest, package_folder
 from runtime.precision import check_precision
@@ -46,6 +47,9 @@ class JobConfig:
         recompute: per stage, whether it recomputes its forward in backward (plan.json's stages'
             ``recompute``; absent: none).
         predicted_memory_bytes: per stage, plan.json's predicted peak bytes per device (absent: ()).
+        predicted_stages: per stage, plan.json's predicted compute seconds (one device, replicas
+            summed), communication seconds (one replica) per minibatch and bubble share, each None
+            where the plan does not predict it (:mod:`runtime.fidelity` measures against them).
         precision: fp32, bf16 or fp16: what the stages compute in (:mod:`runtime.precision`).
         plan_precision: the precision plan.json was planned for (its profile's; fp32 when it does
             not say).
@@ -64,6 +68,7 @@ class JobConfig:
     targets: dict[str, Any] | None = None
     recompute: tuple[bool, ...] = ()
     predicted_memory_bytes: tuple[int, ...] = ()
+    predicted_stages: tuple[StagePrediction, ...] = ()
     precision: str = "fp32"
     plan_precision: str = "fp32"
 
@@ -231,6 +236,7 @@ def load_job(
         targets=plan.get("extra", {}).get("targets"),
         recompute=_per_stage(plan, "recompute", folder),
         predicted_memory_bytes=tuple(int(s.get("memory_bytes") or 0) for s in plan.get("stages") or ()),
+        predicted_stages=tuple(StagePrediction.of(s) for s in plan.get("stages") or ()),
         precision=precision or planned,
         plan_precision=planned,
     )

@@ -43,7 +43,13 @@ PROFILE_FIELDS = Obj(
 
 _STAGE = Obj(
     {"index": Int(0), "nodes": List(Str()), "replicas": Int(1), "ranks": List(Int(0))},
-    {"compute_s": Num(), "comm_s": Num(), "memory_bytes": Num(), "recompute": Bool()},
+    {
+        "compute_s": Num(),
+        "comm_s": Num(),
+        "memory_bytes": Num(),
+        "recompute": Bool(),
+        "bubble_fraction": Opt(Num(0.0)),
+    },
 )
 _LEVEL = Obj({"devices": Int(1), "bandwidth": Num(0.0, strict=True)}, {"latency": Num(0.0)})
 

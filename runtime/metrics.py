@@ -32,19 +32,24 @@ class Recorder:
     cpu_seconds: dict[str, float] = field(default_factory=lambda: {"compute": 0.0, "comm": 0.0})
     events: list[dict[str, Any]] = field(default_factory=list)
     step_marks: list[tuple[float, int]] = field(default_factory=list)
+    comm_marks: list[tuple[float, int]] = field(default_factory=list)
 
-    def mark_step(self, minibatches: int = 1) -> None:
+    def mark_step(self, minibatches: int = 1, comm_s: float | None = None) -> None:
         """An optimizer step covering ``minibatches`` minibatches ended (a pipedream replica steps
-        once per round of its stage's replicas): remember the compute seconds so far."""
+        once per round of its stage's replicas): remember the compute seconds so far and, given,
+        the seconds the rank's communication has been blocked so far (``Comm.seconds``)."""
         self.step_marks.append((self.seconds["compute"], minibatches))
+        if comm_s is not None:
+            self.comm_marks.append((comm_s, minibatches))
 
     def step_compute_s(self) -> tuple[float, ...]:
         """Compute seconds per minibatch (forward, backward and optimizer work between step marks,
         shared evenly by the minibatches a step covered)."""
-        out: list[float] = []
-        for (a, _), (b, n) in itertools.pairwise([(0.0, 1), *self.step_marks]):
-            out += [(b - a) / n] * n
-        return tuple(out)
+        return _per_minibatch(self.step_marks)
+
+    def step_comm_s(self) -> tuple[float, ...]:
+        """Blocked communication seconds per minibatch, as :meth:`step_compute_s` shares them."""
+        return _per_minibatch(self.comm_marks)
 
     @contextmanager
     def span(self, name: str, category: str) -> Iterator[None]:
@@ -62,6 +67,14 @@ class Recorder:
                     {"name": name, "cat": category, "ph": "X", "pid": self.rank, "tid": self.stage,
                      "ts": start * 1e6, "dur": (end - start) * 1e6}
                 )  # fmt: skip
+
+
+def _per_minibatch(marks: Sequence[tuple[float, int]]) -> tuple[float, ...]:
+    """Differences of a running total between step marks, each shared by the step's minibatches."""
+    out: list[float] = []
+    for (a, _), (b, n) in itertools.pairwise([(0.0, 1), *marks]):
+        out += [(b - a) / n] * n
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -82,6 +95,8 @@ class RankMetrics:
         threads: torch's intra-op threads in this rank.
         step_times_s: wall seconds of each step on this rank.
         step_compute_s: compute seconds of each step on this rank.
+        step_comm_s: seconds of each step this rank was blocked in communication (empty: not
+            recorded).
         losses: loss per step (last stage only, else empty).
         param_sq_sum: sum of squares of the stage's parameters at the end (replicas must agree exactly).
         versions_in_flight_max: the most weight versions this rank held at once (pipedream).
@@ -107,6 +122,7 @@ class RankMetrics:
     comm_s: float
     step_times_s: tuple[float, ...]
     step_compute_s: tuple[float, ...] = ()
+    step_comm_s: tuple[float, ...] = ()
     compute_cpu_s: float = 0.0
     cpu_s: float = 0.0
     sends_in_flight_max: int = 0

@@ -473,7 +473,7 @@ class StageRuntime:
             for _ in covered:  # the schedule counts minibatches (a pipedream round covers several)
                 self.scheduler.step()
         if self.ends_minibatch:
-            self.recorder.mark_step(len(covered))
+            self.recorder.mark_step(len(covered), self.comm.seconds)
         if self.stash and len(self.step_versions) < STASH_LOG_MAX:
             self.step_versions.append((step, tuple(sorted(set(self._step_units)))))
         self._step_units = []

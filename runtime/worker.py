@@ -29,6 +29,7 @@ from runtime.config import JobConfig, RankConfig, load_job
 from runtime.data import Batches, make_batches
 from runtime.errors import PeerLost, RunError
 from runtime.evaluate import EvalResult, Evaluator, eval_steps, segments
+from runtime.fidelity import stage_report
 from runtime.filedata import DataSettings
 from runtime.heap import peak_resident_bytes, reset_peak, resident_bytes
 from runtime.lifeline import die_with, wake_siblings
@@ -440,6 +441,7 @@ def _finish(options: RunOptions, hosted: tuple[StageRuntime, ...], clock: _Clock
         comm_s=rt.comm.seconds,
         step_times_s=tuple(clock.times),
         step_compute_s=rt.recorder.step_compute_s(),
+        step_comm_s=rt.recorder.step_comm_s(),
         compute_cpu_s=rt.recorder.cpu_seconds["compute"],
         cpu_s=time.process_time() - clock.cpu_start,
         sends_in_flight_max=rt.comm.peak_pending,
@@ -468,6 +470,7 @@ def _finish(options: RunOptions, hosted: tuple[StageRuntime, ...], clock: _Clock
         return None
     warmup = 1 if len(clock.times) >= 3 else 0
     doc = summarize([g[0] for g in gathered], rt.cfg.job.batch_size, rt.cfg.job.predicted_time_s, warmup)
+    doc["stages"] = stage_report(doc["stages"], [g[0] for g in gathered], rt.cfg.job.predicted_stages, warmup)
     doc.update(schedule=rt.cfg.job.schedule, microbatches=rt.cfg.job.microbatches, world_size=len(gathered))
     if clock.log is not None:
         doc.update(clock.log.summary(doc["time_per_minibatch_s"]))

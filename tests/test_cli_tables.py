@@ -115,17 +115,23 @@ def test_run_tables(monkeypatch: pytest.MonkeyPatch) -> None:
     memory = {"method": "cuda.max_memory_allocated", "window_minibatches": 3,
               "stages": [{"stage": 7, "measured_peak_bytes": 75 * 2**30, "predicted_bytes": 70 * 2**30,
                           "ratio_measured_over_predicted": 1.07}]}  # fmt: skip
+    ranks[14]["hosted"] = [7, 15, 23, 31]  # (the widest label a rank hosting several stages gets)
+    stages = [{"stage": k, "compute_s_per_minibatch": 1234.5678, "predicted_compute_s_per_minibatch": 999.99,
+               "compute_measured_over_predicted": 12.35, "comm_s_per_minibatch": 987.654,
+               "predicted_comm_s_per_minibatch": 0.000123, "bubble_fraction": 0.4567,
+               "predicted_bubble_fraction": None if k == 3 else 0.1234} for k in range(8)]  # fmt: skip
     metrics = {"schedule": "interleaved", "microbatches": 32, "world_size": 16,
                "ratio_measured_over_predicted": 1.01, "time_per_minibatch_s": 12.345678,
                "predicted_time_per_minibatch_s": 12.2, "ranks": ranks, "memory": memory, "losses": [],
-               "eval": []}  # fmt: skip
+               "eval": [], "stages": stages}  # fmt: skip
     printed: list[Any] = []
     monkeypatch.setattr(
         run_render, "console", lambda stderr=False: SimpleNamespace(print=lambda r, **_: printed.append(r))
     )
     run_render.print_run_table(metrics, "models/x/run/metrics.json")
     tables = [r for r in printed if not isinstance(r, str)]
-    assert len(tables) == 3
+    assert len(tables) == 4  # the total, per stage, per rank, memory
+    assert run_render.COMM_NOTE in printed  # (a note, not a ratio, for the comm that is not like for like)
     for table in tables:
         _reads_at_80(table)
 

@@ -33,7 +33,17 @@ from partitioner.optimizer.pricing.stage import (
 from partitioner.plan import Plan
 from runtime.schedule import Action, Layout, build, pipeline
 
-__all__ = ["Event", "Simulation", "gantt", "play", "played", "simulate", "write_chrome_trace"]
+__all__ = [
+    "Event",
+    "Simulation",
+    "gantt",
+    "play",
+    "played",
+    "simulate",
+    "stage_bubbles",
+    "with_stage_bubbles",
+    "write_chrome_trace",
+]
 
 
 @dataclass(frozen=True)
@@ -249,6 +259,39 @@ def simulate(plan: Plan, profile: Profile | None = None, minibatches: int | None
     sim = _unflushed(plan, profile, minibatches) if sched.asynchronous else _flushed(plan, profile)
     host = hosts_bound(plan.cluster, plan.stages)
     return replace(sim, time_per_minibatch_s=max(sim.time_per_minibatch_s, host))
+
+
+def stage_bubbles(plan: Plan, sim: Simulation) -> tuple[float, ...]:
+    """Per stage, the share of the simulated span its device spends not computing: waiting for an
+    input (the peer's compute and the link's delay) or in the flush's all-reduce, ``1 - busy / span``
+    with busy its F, B and W actions. Where a rank hosts several stages (``interleaved``, ``zbv``)
+    the figure is the rank's, all its stages' actions together, the same for each; a pipedream
+    stage's is the mean of its replicas'. The mean over the devices is :attr:`Simulation.
+    bubble_fraction`. ``run`` measures the same share on each rank (docs/fidelity.md)."""
+    span = max((e.end_s for e in sim.events), default=0.0)
+    busy = [0.0] * len(plan.stages)
+    for e in sim.events:
+        if e.kind != "S":
+            busy[e.stage] += e.end_s - e.start_s
+    sched = model(plan.schedule)
+    out = []
+    for s in plan.stages:
+        shared = (
+            [t.index for t in plan.stages if set(t.ranks) & set(s.ranks)] if sched.laid_out else [s.index]
+        )
+        devices = s.replicas if sched.asynchronous else 1  # (a flushing stage plays as one fast device)
+        out.append(
+            min(1.0, max(0.0, 1.0 - sum(busy[i] for i in shared) / (devices * span))) if span > 0 else 0.0
+        )
+    return tuple(out)
+
+
+def with_stage_bubbles(plan: Plan, sim: Simulation) -> Plan:
+    """``plan`` with each stage's simulated bubble (:func:`stage_bubbles`), as plan.json keeps it."""
+    bubbles = stage_bubbles(plan, sim)
+    return replace(
+        plan, stages=tuple(replace(s, bubble_fraction=b) for s, b in zip(plan.stages, bubbles, strict=True))
+    )
 
 
 def _loads(plan: Plan, profile: Profile | None) -> list[StageLoad]:

@@ -11,8 +11,14 @@ import pytest
 from partitioner.optimizer import evaluate
 from partitioner.optimizer.pricing.price import stage_loads
 from partitioner.optimizer.pricing.schedules import in_flight
-from partitioner.optimizer.pricing.simulate import gantt, simulate, write_chrome_trace
-from partitioner.plan import Cluster
+from partitioner.optimizer.pricing.simulate import (
+    gantt,
+    simulate,
+    stage_bubbles,
+    with_stage_bubbles,
+    write_chrome_trace,
+)
+from partitioner.plan import Cluster, plan_from_json, plan_to_json
 from tests.partitioner.optimizer.conftest import make_profile
 
 EVEN = make_profile([(10, 20, 0, 0)] * 4, [(0, 1), (1, 2), (2, 3)])
@@ -95,3 +101,45 @@ def test_an_output_read_two_stages_on_crosses_both_cuts() -> None:
         6000.0,
         0.0,
     ]
+
+
+@pytest.mark.parametrize("m", [1, 2, 8])
+def test_each_stage_of_an_even_pipeline_idles_its_share_of_fill_and_drain(m: int) -> None:
+    plan = evaluate(EVEN, Cluster.flat(4), ["l0", "l1", "l2"], [1, 1, 1, 1], "1f1b", m)
+    assert stage_bubbles(plan, simulate(plan, EVEN)) == pytest.approx([3 / (m + 3)] * 4)
+
+
+UNEVEN = make_profile([(10, 20, 0, 1e6), (30, 50, 0, 2e6), (5, 10, 0, 1e6), (20, 20, 0, 1e5)],
+                      [(0, 1), (1, 2), (2, 3)])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("schedule", "virtual"),
+    [("1f1b", 1), ("gpipe", 1), ("zb1p", 1), ("pipedream", 1), ("interleaved", 2), ("zbv", 2)],
+)
+def test_stage_bubbles_average_to_the_simulation_s_bubble(schedule: str, virtual: int) -> None:
+    """The per-stage figures plan.json keeps are the simulation's bubble split by device: their mean
+    over the devices is the plan's; a rank hosting several stages gives each the rank's figure."""
+    cuts = ["l0", "l1", "l2"] if virtual > 1 else ["l0", "l2"]
+    gpus = 2 if virtual > 1 else 3
+    v = virtual if schedule == "interleaved" else 1  # (zbv's two stages per rank are its own)
+    plan = evaluate(UNEVEN, Cluster.flat(gpus), cuts, [1] * (len(cuts) + 1), schedule, 4, virtual_stages=v)
+    sim = simulate(plan, UNEVEN, minibatches=12 if schedule == "pipedream" else None)
+    bubbles = stage_bubbles(plan, sim)
+    assert sum(bubbles) / len(bubbles) == pytest.approx(sim.bubble_fraction)
+    assert min(bubbles) > 0 and max(bubbles) < 1 and len(set(bubbles)) > 1
+    for a in plan.stages:  # the stages of one rank share its figure
+        for b in plan.stages:
+            if a.ranks == b.ranks:
+                assert bubbles[a.index] == bubbles[b.index]
+
+
+def test_stage_bubbles_travel_in_plan_json_and_old_plans_have_none() -> None:
+    plan = evaluate(UNEVEN, Cluster.flat(3), ["l0", "l2"], [1, 1, 1], "1f1b", 4)
+    sim = simulate(plan, UNEVEN)
+    doc = plan_to_json(with_stage_bubbles(plan, sim))
+    assert [s["bubble_fraction"] for s in doc["stages"]] == list(stage_bubbles(plan, sim))
+    assert plan_from_json(doc).stages == with_stage_bubbles(plan, sim).stages
+    old = plan_to_json(plan)  # a plan not simulated (or written before) says nothing of it
+    assert all("bubble_fraction" not in s for s in old["stages"])
+    assert all(s.bubble_fraction is None for s in plan_from_json(old).stages)
