@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -202,6 +203,7 @@ def plan_and_run(
     metrics = json.loads((package / "run" / "metrics.json").read_text())
     measured, predicted = metrics["time_per_minibatch_s"], plan["predicted"]["time_per_minibatch_s"]
     by_stage = {s["stage"]: s["compute_s_per_minibatch"] for s in metrics["stages"]}
+    per_stage = {s["stage"]: s for s in metrics["stages"]}  # (runtime.fidelity's figures)
     cpu, ranks = cpu_per_stage(metrics), metrics["ranks"]
     peaks = {m["stage"]: m["measured_peak_bytes"] for m in metrics.get("memory", {}).get("stages", [])}
     return {
@@ -220,6 +222,9 @@ def plan_and_run(
                 "measured_compute_cpu_s": cpu.get(s["index"]),
                 "predicted_memory_bytes": s["memory_bytes"],
                 "measured_memory_bytes": peaks.get(s["index"]),
+                "measured_comm_s": per_stage.get(s["index"], {}).get("comm_s_per_minibatch"),
+                "predicted_bubble": s.get("bubble_fraction"),
+                "measured_bubble": per_stage.get(s["index"], {}).get("bubble_fraction"),
             }
             for s in plan["stages"]
         ],
@@ -330,7 +335,8 @@ def report(
     }  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.results}.json").write_text(json.dumps(doc, indent=1) + "\n")
-    md = [*_header(doc), *_runs_table(doc["runs"]), *_memory_table(doc["runs"]), *_summary(doc)]
+    tables = (_runs_table(doc["runs"]), _worst_stage_table(doc["runs"]), _memory_table(doc["runs"]))
+    md = [*_header(doc), *(line for table in tables for line in table), *_summary(doc)]
     (RESULTS / f"{args.results}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
@@ -385,6 +391,61 @@ def _runs_table(runs: list[dict[str, Any]]) -> list[str]:
             f"| {r['full_core_over_predicted']:.2f} | {r['load_1min']:.2f} |"
             for r in runs
         ),
+        "",
+    ]
+
+
+def _worst_stage(stages: list[dict[str, Any]]) -> tuple[int, dict[str, Any]] | None:
+    """The stage whose measured compute is furthest from its prediction (by the ratio's logarithm:
+    2x and 0.5x are as far), None where no stage has both."""
+
+    def off(ks: tuple[int, dict[str, Any]]) -> float:
+        return abs(math.log(ks[1]["measured_compute_s"] / ks[1]["predicted_compute_s"]))
+
+    known = [(k, s) for k, s in enumerate(stages) if s.get("measured_compute_s") and s["predicted_compute_s"]]
+    return max(known, key=off, default=None)
+
+
+def _worst_stage_table(runs: list[dict[str, Any]]) -> list[str]:
+    """Per plan, its worst stage's predicted against measured compute, communication, bubble and
+    memory (``run``'s per-stage table), and the plan's largest bubble gap over all its stages."""
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{1e3 * value:.1f}"
+
+    def two(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    rows = []
+    for r in runs:
+        worst = _worst_stage(r["stages"])
+        if worst is None:
+            continue
+        k, s = worst
+        mem = (s["measured_memory_bytes"] / s["predicted_memory_bytes"]
+               if s.get("measured_memory_bytes") and s.get("predicted_memory_bytes") else None)  # fmt: skip
+        both = [t for t in r["stages"] if None not in (t.get("measured_bubble"), t.get("predicted_bubble"))]
+        gaps = [abs(t["measured_bubble"] - t["predicted_bubble"]) for t in both]
+        rows.append(
+            f"| {r['model']} | {r['plan']} | {k} "
+            f"| {ms(s['predicted_compute_s'])} : {ms(s['measured_compute_s'])} "
+            f"| {two(s['measured_compute_s'] / s['predicted_compute_s'])} "
+            f"| {ms(s['predicted_comm_s'])} : {ms(s.get('measured_comm_s'))} "
+            f"| {two(s.get('predicted_bubble'))} : {two(s.get('measured_bubble'))} | {two(mem)} "
+            f"| {two(max(gaps)) if gaps else '-'} | {r['load_1min']:.2f} |"
+        )
+    return [
+        "Worst stage per plan (the one whose measured compute is furthest from its prediction), "
+        "predicted : measured per minibatch (metrics.json's `stages`). Comm: the plan's is its "
+        "messages' wire time, the run's the time the rank was blocked, waiting for its peer included, "
+        "so they are not compared; the waiting shows in the bubble (the share of a device's time not "
+        "computing; predicted by the plan's simulation). Bubble gap: the largest |measured - predicted| "
+        "bubble over the plan's stages (target 0.05).",
+        "",
+        "| model | plan | stage | compute ms | measured/predicted | comm ms | bubble "
+        "| memory measured/predicted | bubble gap | load |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *rows,
         "",
     ]
 

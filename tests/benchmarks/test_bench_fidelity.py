@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from benchmarks.bench_fidelity import cut_layers, spearman
+from benchmarks.bench_fidelity import _worst_stage, _worst_stage_table, cut_layers, spearman
 
 
 def test_spearman_orders() -> None:
@@ -35,3 +35,20 @@ def test_cut_layers_by_cumulative_compute() -> None:
     assert cut_layers(profile, (0.25,)) == ["l2"]  # l0 + l1 is 20%: the big layer closes the stage
     assert cut_layers(profile, (0.25, 0.9)) == ["l2", "l3"]
     assert cut_layers(profile, (0.99,)) == ["l3"]  # never the last layer
+
+
+def test_the_worst_stage_is_the_furthest_from_its_prediction_either_way() -> None:
+    def stage(predicted: float, measured: float | None) -> dict[str, float | None]:
+        return {"predicted_compute_s": predicted, "measured_compute_s": measured, "predicted_comm_s": 0.0}
+
+    stages = [stage(0.1, 0.15), stage(0.1, 0.06), stage(0.1, None)]  # 1.5x, then 0.6x (1/1.67): the 2nd
+    assert _worst_stage(stages) == (1, stages[1])
+    assert _worst_stage([stage(0.1, None)]) is None
+    run = {
+        "model": "m",
+        "plan": "p",
+        "stages": stages,
+        "load_1min": 0.5,
+    }  # (a run recorded before the bubble)
+    (row,) = _worst_stage_table([run])[-2:-1]
+    assert row == "| m | p | 1 | 100.0 : 60.0 | 0.60 | 0.0 : - | - : - | - | - | 0.50 |"
