@@ -81,7 +81,8 @@ class PartitionRequest:
 @dataclass(frozen=True)
 class Partitioned:
     """A written plan and what its output shows: the profile it was priced on (with the update
-    time), the cluster, the simulation, ``auto``'s choice and ``--explain``'s baselines."""
+    time), the cluster, the simulation, ``auto``'s choice, ``--explain``'s baselines, and the runs of
+    the plan it replaced that the package folder now keeps (``runs.<time>``: newly moved, by name)."""
 
     plan: Plan
     profile: Profile
@@ -91,6 +92,7 @@ class Partitioned:
     recompute: str
     choice: AutoChoice | None = None
     alternatives: dict[str, Plan | None] | None = None
+    kept_runs: tuple[str, ...] = ()
 
 
 def partition(request: PartitionRequest, note: Callable[[str], None] = lambda _: None) -> Partitioned:
@@ -124,12 +126,14 @@ def partition(request: PartitionRequest, note: Callable[[str], None] = lambda _:
     plan = replace(plan, profile=str(path), precision=profile.precision)
     name = profile.model if profile.tracer == "pipedream" else model_name(profile.model)
     out_dir = Path(r.output) / re.sub(r"[^A-Za-z0-9_.-]+", "_", name or "model") / f"gpus={cluster.gpus}"
+    before = _kept_runs(out_dir)
     plan = _write_plan(profile, plan, out_dir, r.weights, r.init, note)
+    kept = tuple(sorted(_kept_runs(out_dir) - before))
     sim = simulate(plan, profile)
     if r.trace_path:
         write_chrome_trace(sim, r.trace_path)
     others = alternatives(profile, cluster, schedule, micro, r.optimizer, recompute) if r.explain else None
-    return Partitioned(plan, profile, cluster, sim, out_dir, recompute, choice, others)
+    return Partitioned(plan, profile, cluster, sim, out_dir, recompute, choice, others, kept)
 
 
 def _solve(
@@ -289,6 +293,16 @@ def _write_plan(
     save_plan(plan, out_dir / "plan.json")
     write_text_atomic(out_dir / "mp_conf.json", json.dumps(mp_conf(plan.stages), indent=1) + "\n")
     return plan
+
+
+def _kept_runs(out_dir: Path) -> set[str]:
+    """The runs of replaced plans ``out_dir`` keeps (:func:`partitioner.codegen.kept_runs`, imported
+    only where a package folder with runs exists: codegen brings torch)."""
+    if not any(out_dir.glob("run*")):
+        return set()
+    from partitioner.codegen import kept_runs
+
+    return kept_runs(out_dir)
 
 
 def microbatch_note(profile: Profile, plan: Plan) -> str | None:

@@ -38,5 +38,5 @@ pipeplan partition --profile profiles/vgg16/calibrated.json --gpus 2
 pipeplan run models/vgg16/gpus=2 --steps 8 --lr 0.001
 
 printf '\nWritten: profiles/vgg16/{profile,calibrated}.json, models/vgg16/gpus={2,4}/ (stage code, plan.json,\n'
-printf 'mp_conf.json), models/vgg16/gpus=2/run/metrics.json (the first run: run.<time>/). Next: %s/pipeplan --help\n' \
+printf 'mp_conf.json), models/vgg16/gpus=2/run/metrics.json (the first run: runs.<time>/). Next: %s/pipeplan --help\n' \
        "${1:-.venv/bin}"

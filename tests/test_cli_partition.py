@@ -289,3 +289,27 @@ def test_schedule_auto_recomputes_by_default_and_a_fixed_schedule_does_not(
                             "-o", str(tmp_path / schedule))  # fmt: skip
         assert code == 0, out
         assert load_plan(next((tmp_path / schedule).glob("*/gpus=4/plan.json"))).extra["recompute"] == want
+
+
+def test_partitioning_over_a_trained_package_says_where_its_runs_are_kept(tmp_path: Path) -> None:
+    """The replaced plan's runs move to runs.<time>/ in the new package, and the last line says so
+    (only when something was moved: a second partition over it keeps quiet about the old names)."""
+    from tests.partitioner.codegen_support import profile_for
+
+    save_profile(profile_for("tiny-mlp"), tmp_path / "p.json")
+    args = ("partition", "--profile", str(tmp_path / "p.json"), "--gpus", "2", "--straight")
+    args += ("-o", str(tmp_path))
+    code, out, _ = _run(*args)
+    package = tmp_path / "tiny-mlp" / "gpus=2"
+    assert code == 0 and "kept" not in out
+    (package / "runs" / "20260101-000000").mkdir(parents=True)
+    (package / "runs" / "20260101-000000" / "metrics.json").write_text("{}")
+    (package / "run").symlink_to("runs/20260101-000000")
+    code, out, _ = _run(*args)
+    (kept,) = [p.name for p in package.glob("runs.*")]
+    last = out.strip().splitlines()[-1]
+    assert code == 0 and last.startswith(f"wrote {package}/plan.json")
+    assert last.endswith(f"; the replaced plan's runs are kept in {kept}/"), last
+    assert (package / kept / "20260101-000000" / "metrics.json").read_text() == "{}"
+    code, out, _ = _run(*args)
+    assert code == 0 and "kept" not in out.strip().splitlines()[-1] and (package / kept).is_dir()
