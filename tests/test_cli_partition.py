@@ -313,3 +313,24 @@ def test_partitioning_over_a_trained_package_says_where_its_runs_are_kept(tmp_pa
     assert (package / kept / "20260101-000000" / "metrics.json").read_text() == "{}"
     code, out, _ = _run(*args)
     assert code == 0 and "kept" not in out.strip().splitlines()[-1] and (package / kept).is_dir()
+
+
+def test_partition_writing_an_fx_package_imports_no_sympy_or_dynamo(tmp_path: Path) -> None:
+    """What partition runs is small; its time is imports. sympy (torch.export's symbolic shapes, half a
+    CPU second) and torch._dynamo (torch's meta random fills) serve nothing an fx package needs."""
+    import subprocess
+    import sys
+
+    from tests.partitioner.codegen_support import profile_for
+
+    save_profile(profile_for("tiny-mlp"), tmp_path / "p.json")
+    code = (
+        "import sys\nfrom cli import main\n"
+        f"sys.argv = ['pipeplan', 'partition', '--profile', {str(tmp_path / 'p.json')!r}, '--gpus', '2',"
+        f" '-o', {str(tmp_path / 'm')!r}]\n"
+        "try:\n    main()\nfinally:\n"
+        "    print(sorted(m for m in ('sympy', 'torch._dynamo') if m in sys.modules), file=sys.stderr)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and (tmp_path / "m" / "tiny-mlp" / "gpus=2" / "stage0.py").is_file()
+    assert done.stderr.strip().splitlines()[-1] == "[]", done.stderr
