@@ -32,7 +32,7 @@ step "5. calibrate: the run's measured stage times against the profile's, fed ba
      "pipeplan calibrate models/vgg16/gpus=2"
 pipeplan calibrate models/vgg16/gpus=2
 
-step "6. plan again from the calibrated profile and train again: the prediction now matches the machine" \
+step "6. plan again from the calibrated profile and train again: measured/predicted shows how close it came" \
      "pipeplan partition --profile profiles/vgg16/calibrated.json --gpus 2 && pipeplan run ... --steps 8"
 pipeplan partition --profile profiles/vgg16/calibrated.json --gpus 2
 pipeplan run models/vgg16/gpus=2 --steps 8 --lr 0.001
