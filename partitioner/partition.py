@@ -296,8 +296,8 @@ def _write_plan(
 
 
 def _kept_runs(out_dir: Path) -> set[str]:
-    """The runs of replaced plans ``out_dir`` keeps (:func:`partitioner.codegen.kept_runs`, imported
-    only where a package folder with runs exists: codegen brings torch)."""
+    """The runs of replaced plans ``out_dir`` keeps (:func:`partitioner.codegen.kept_runs`; codegen
+    is imported only where the folder has runs: a graph.txt profile's plan never needs it)."""
     if not any(out_dir.glob("run*")):
         return set()
     from partitioner.codegen import kept_runs
