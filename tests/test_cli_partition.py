@@ -315,22 +315,35 @@ def test_partitioning_over_a_trained_package_says_where_its_runs_are_kept(tmp_pa
     assert code == 0 and "kept" not in out.strip().splitlines()[-1] and (package / kept).is_dir()
 
 
-def test_partition_writing_an_fx_package_imports_no_sympy_or_dynamo(tmp_path: Path) -> None:
-    """What partition runs is small; its time is imports. sympy (torch.export's symbolic shapes, half a
-    CPU second) and torch._dynamo (torch's meta random fills) serve nothing an fx package needs."""
+def _imported_by_partition(tmp_path: Path, profile: Path, *names: str) -> list[str]:
+    """Which of ``names`` a fresh ``pipeplan partition --profile PROFILE --gpus 2`` imported."""
+    import ast
     import subprocess
     import sys
 
+    code = (
+        "import sys\nfrom cli import main\n"
+        f"sys.argv = ['pipeplan', 'partition', '--profile', {str(profile)!r}, '--gpus', '2',"
+        f" '-o', {str(tmp_path / 'm')!r}]\n"
+        "try:\n    main()\nfinally:\n"
+        f"    print(sorted(m for m in {names!r} if m in sys.modules), file=sys.stderr)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return list(ast.literal_eval(done.stderr.strip().splitlines()[-1]))
+
+
+def test_partition_writing_an_fx_package_imports_no_sympy_or_dynamo(tmp_path: Path) -> None:
+    """What partition runs is small; its time is imports. sympy (torch.export's symbolic shapes, half a
+    CPU second) and torch._dynamo (torch's meta random fills) serve nothing an fx package needs."""
     from tests.partitioner.codegen_support import profile_for
 
     save_profile(profile_for("tiny-mlp"), tmp_path / "p.json")
-    code = (
-        "import sys\nfrom cli import main\n"
-        f"sys.argv = ['pipeplan', 'partition', '--profile', {str(tmp_path / 'p.json')!r}, '--gpus', '2',"
-        f" '-o', {str(tmp_path / 'm')!r}]\n"
-        "try:\n    main()\nfinally:\n"
-        "    print(sorted(m for m in ('sympy', 'torch._dynamo') if m in sys.modules), file=sys.stderr)\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and (tmp_path / "m" / "tiny-mlp" / "gpus=2" / "stage0.py").is_file()
-    assert done.stderr.strip().splitlines()[-1] == "[]", done.stderr
+    assert _imported_by_partition(tmp_path, tmp_path / "p.json", "sympy", "torch._dynamo") == []
+    assert (tmp_path / "m" / "tiny-mlp" / "gpus=2" / "stage0.py").is_file()
+
+
+def test_partition_of_a_graph_txt_profile_imports_no_torch(graph: Path, tmp_path: Path) -> None:
+    """A PipeDream profile has no model to write code for: its plan needs no torch (2 s of CPU)."""
+    assert _imported_by_partition(tmp_path, graph, "torch") == []
+    assert (tmp_path / "m" / "toy" / "gpus=2" / "plan.json").is_file()
