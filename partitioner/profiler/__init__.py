@@ -280,8 +280,10 @@ def _estimated(
         assumptions.append(moe)
     if precision != "fp32":
         assumptions.append(
-            f"{precision} autocast: matrix products priced in {precision}, other kernels and the bytes "
-            "saved for backward in the dtypes of a float32 run (an over-estimate of memory)"
+            f"{precision} autocast: CUDA autocast's casting rules applied on the meta device (matrix "
+            f"products, convolutions and attention in {precision}, softmax, norms and losses in float32; "
+            "partitioner/profiler/meta_autocast.py), so activations and saved bytes have the dtypes a "
+            "run under autocast gives them"
         )
     estimate = {
         "device_model": device_model_to_json(model),
