@@ -36,6 +36,7 @@ from partitioner.split import CONSTANT_MAX_ELEMENTS, StageGraph, split_graph, te
 from runtime import stagekit
 from runtime.runlock import holder
 from runtime.schedule import SCHEDULES, get_schedule
+from runtime.userfile import UserFileError
 
 __all__ = [
     "EXACT_INIT_MAX_BYTES",
@@ -544,7 +545,7 @@ def _example_functions(bundle: Any, reshaped: bool) -> list[str | None]:
         full = f"{_absolute(where)}:{name}"
         try:
             found.append(full if callable(stagekit.factory_from_spec(full)) else None)
-        except (ImportError, AttributeError, ValueError):
+        except (ImportError, AttributeError, ValueError, UserFileError):
             found.append(None)
     return found
 

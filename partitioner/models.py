@@ -15,12 +15,9 @@ Example:
 from __future__ import annotations
 
 import difflib
-import hashlib
 import importlib
-import importlib.util
 import logging
 import re
-import sys
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
@@ -37,6 +34,7 @@ from partitioner.hf_inputs import hf_bundle_parts, next_token_targets
 from partitioner.meta_init import SkipMetaInit
 from partitioner.zoo import ZOO, ZooEntry
 from runtime.lazy import split_buffers, weightless
+from runtime.userfile import UserFileError, import_file
 
 __all__ = [
     "SPEC_FORMS",
@@ -381,24 +379,10 @@ def _input_names(returned: Any, example_inputs: Any) -> tuple[str, ...]:
 
 def _import_source(where: str, spec: str) -> ModuleType:
     if where.endswith(".py") or "/" in where:
-        path = Path(where).expanduser().resolve()
-        if not path.is_file():
-            raise ModelSpecError(f"model file {where} does not exist (spec {spec!r})")
-        name = "pipeplan_user_" + path.stem + "_" + hashlib.sha1(str(path).encode()).hexdigest()[:8]
-        if name in sys.modules:
-            return sys.modules[name]
-        loader_spec = importlib.util.spec_from_file_location(name, path)
-        assert loader_spec is not None and loader_spec.loader is not None
-        module = importlib.util.module_from_spec(loader_spec)
-        sys.modules[name] = module
-        if str(path.parent) not in sys.path:  # the file may import modules beside it, as `python file.py` can
-            sys.path.append(str(path.parent))
         try:
-            loader_spec.loader.exec_module(module)
-        except Exception as exc:
-            del sys.modules[name]
-            raise ModelSpecError(f"importing {where} raised {type(exc).__name__}: {exc}") from exc
-        return module
+            return import_file(where, "model file")
+        except UserFileError as exc:
+            raise ModelSpecError(f"{exc} (spec {spec!r})") from exc
     try:
         return importlib.import_module(where)
     except Exception as exc:

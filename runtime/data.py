@@ -14,7 +14,6 @@ import importlib
 import importlib.util
 import inspect
 from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
@@ -24,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler
 from runtime.errors import RunError
 from runtime.filedata import DataSettings, check_file_spec, file_loader, file_spec, is_file_spec
 from runtime.options import RunOptions
+from runtime.userfile import check_file, file_attr
 
 __all__ = [
     "SYNTHETIC_STEPS",
@@ -203,14 +203,8 @@ def _load_factory(spec: str) -> Any:
         raise RunError(f"--data {spec!r}: expected {_FORMS}")
     try:
         if where.endswith(".py"):
-            file_spec = importlib.util.spec_from_file_location(Path(where).stem, where)
-            if file_spec is None or file_spec.loader is None or not Path(where).exists():
-                raise RunError(f"--data: {where} does not exist")
-            module = importlib.util.module_from_spec(file_spec)
-            file_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-        return getattr(module, attr)()
+            return file_attr(where, attr, "--data file")()
+        return getattr(importlib.import_module(where), attr)()
     except RunError:
         raise
     except Exception as exc:
@@ -225,8 +219,7 @@ def check_data_spec(spec: str) -> None:
     if not where or not attr:
         raise RunError(f"--data {spec!r}: expected {_FORMS}")
     if where.endswith(".py"):
-        if not Path(where).is_file():
-            raise RunError(f"--data: {where} does not exist")
+        check_file(where, "--data file")
         return
     try:
         found = importlib.util.find_spec(where)

@@ -30,9 +30,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
-import importlib.util
-import os
-import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -40,6 +37,7 @@ import torch
 from torch import nn
 
 from runtime.deferred_init import Deferred, build_deferred
+from runtime.userfile import file_attr
 from runtime.weights import read_tensors
 
 __all__ = [
@@ -77,19 +75,7 @@ def factory_from_spec(spec: str) -> Callable[[], nn.Module]:
         models = importlib.import_module("torchvision.models")
         return models.get_model_builder(name)  # type: ignore[no-any-return]
     if where.endswith(".py"):
-        module_name = "_pipeplan_model_" + hashlib.sha256(os.path.abspath(where).encode()).hexdigest()[:12]
-        module = sys.modules.get(module_name)
-        if module is None:
-            loader = importlib.util.spec_from_file_location(module_name, where)
-            if loader is None or loader.loader is None:
-                raise ImportError(f"cannot load model file {where}")
-            module = importlib.util.module_from_spec(loader)
-            sys.modules[module_name] = module
-            folder = os.path.dirname(os.path.abspath(where))
-            if folder not in sys.path:  # the model file may import modules beside it
-                sys.path.append(folder)
-            loader.loader.exec_module(module)
-        return getattr(module, name)  # type: ignore[no-any-return]
+        return file_attr(where, name, "model file")  # type: ignore[no-any-return]
     return getattr(importlib.import_module(where), name)  # type: ignore[no-any-return]
 
 

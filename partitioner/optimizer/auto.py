@@ -1,23 +1,6 @@
 """``--schedule auto``: the fastest predicted plan over schedules x microbatch counts x virtual stages
-(x recomputation, with ``recompute="auto"``).
-
-Each schedule has its own search (:func:`partitioner.optimizer.planner.solve_with`) of cuts,
-replicas and recomputation under the memory limit; ``auto`` runs it for every schedule at every
-microbatch count it considers (at every virtual stage count its model lists: interleaved's 2, 3
-and 4) and keeps the plan
-with the least predicted time per minibatch, so it is never predicted slower than the best fixed
-schedule it considers.
-
-Microbatch counts are searched only where the profile measured each layer's fixed time per call
-(``pipeplan profile`` does by default): then more microbatches shrink the bubble but pay every
-layer's fixed time once more each, and the counts trade one against the other. A profile without
-fixed times prices a microbatch as its share of the samples, so more would always look faster:
-there the count stays the one asked. Pure Python, no torch.
-
-Example:
-    >>> choice = solve_auto(profile, Cluster.flat(8), SolveOptions(microbatches=4))  # doctest: +SKIP
-    >>> choice.plan.schedule, choice.times
-"""
+(x recomputation), so never predicted slower than the best fixed one it considers (microbatch
+counts only where the profile measured fixed times per call: docs/optimizer-search.md)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Whether the plans a summary compares against could run at all.
-
-Why: "speedup 1.00x over data parallel" reads as a fact about two plans, but when data parallelism
-needs more memory per device than the cluster has, there is no such plan to be faster than; the
-summary must say that it does not fit (and that the memory limit ruled it out) instead of a ratio.
-Likewise four schedules at one time in ``--schedule auto``'s table need a word on why they tie and
-why the chosen one won.
-"""
+"""Whether the plans a summary compares against could run at all: a speedup over a plan that does
+not fit in memory is no fact, and tied schedules need a word on why the chosen one won."""
 
 from __future__ import annotations
 

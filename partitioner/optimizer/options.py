@@ -1,9 +1,5 @@
-"""What a search is asked for, beside the profile and the cluster.
-
-One frozen value travels down the solver's chain of functions (solve, the kept and recomputing
-searches, the pipedream and synchronous searches, the memory bisection) instead of the same seven
-parameters at every call, so adding an option touches the places that read it and no others.
-"""
+"""What a search is asked for, beside the profile and the cluster: one frozen value down the solver's
+chain instead of the same parameters at every call."""
 
 from __future__ import annotations
 

@@ -1,18 +1,6 @@
-"""The strategy, written once: which search a request runs, and what it falls back to.
-
-A request is a profile, a cluster and :class:`~partitioner.optimizer.options.SolveOptions`. Its
-schedule's model (``pricing.schedules``) picks the search: a schedule that lays several stages on each
-GPU gets candidate cuts priced by the simulation (``search.laid_out``); one of whole minibatches the
-least slowest stage (``search.bottleneck``); a flushing one the least synchronous time
-(``search.flushed``), or the MILP with ``solver="ilp"`` (``search.ilp``). Around that search:
-
-- recomputation: the plan without it first, if ``auto`` and nothing fits, the search on the
-  recomputing profile, re-priced stage by stage (``pricing.recompute``);
-- microbatches: a flushing schedule's count raised to what every replica can use;
-- nothing fits: the message names the smallest memory that would (a bisection on the limit).
-
-``evaluate`` prices a fixed plan instead; ``alternatives`` the plans other tools would pick.
-"""
+"""The strategy, written once: which search a request runs, and what it falls back to (the schedule's
+model picks it; recomputation, usable microbatches and the memory that would fit around it:
+docs/optimizer-search.md)."""
 
 from __future__ import annotations
 
@@ -20,6 +8,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 
 from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile, at_microbatches
@@ -39,7 +28,7 @@ from partitioner.optimizer.search.candidates import (
 from partitioner.optimizer.search.flushed import solve_flushed
 from partitioner.optimizer.search.ilp import solve_ilp
 from partitioner.optimizer.search.laid_out import check_layout, layout_specs, solve_laid_out
-from partitioner.optimizer.search.plans import flat_like, inputs, states_for
+from partitioner.optimizer.search.plans import fastest, flat_like, inputs, states_for
 from partitioner.optimizer.search.states import StateSet, chain_states
 from partitioner.plan import Cluster, Plan, SolverInfo
 
@@ -307,29 +296,16 @@ def alternatives(
     def fixed(plan: Plan) -> Plan:  # fixed stages: priced with the recompute mode where it applies
         return plan if recompute == "none" else repriced(profile, cluster, plan, recompute, True)
 
-    out: dict[str, Plan | None] = {}
-    try:
-        out["data parallel"] = fixed(data_parallel(*args))
-    except InfeasibleError:
-        out["data parallel"] = None
-    makers: dict[str, Callable[..., Plan]] = {
-        "parameter balanced": parameter_balanced,
-        "time balanced": time_balanced,
-        "uniform layers": uniform,
-    }
-    for name, make in makers.items():
+    def widest(make: Callable[..., Plan]) -> Plan:  # the fastest data-parallel width
+        return best_width(lambda width: fixed(make(*args, width=width)), cluster.gpus)
 
-        def at(width: int, make: Callable[..., Plan] = make) -> Plan:
-            return fixed(make(*args, width=width))
-
-        try:
-            out[name] = best_width(at, cluster.gpus)
-        except InfeasibleError:
-            out[name] = None
-    try:
-        out["best straight"] = solve(
+    makers: dict[str, Callable[[], Plan]] = {
+        "data parallel": lambda: fixed(data_parallel(*args)),
+        "parameter balanced": partial(widest, parameter_balanced),
+        "time balanced": partial(widest, time_balanced),
+        "uniform layers": partial(widest, uniform),
+        "best straight": lambda: solve(
             profile, cluster, schedule, m, optimizer, straight=True, recompute=recompute
-        )
-    except InfeasibleError:
-        out["best straight"] = None
-    return out
+        ),
+    }
+    return {name: fastest([make]) for name, make in makers.items()}

@@ -30,6 +30,7 @@ from torch import fx, nn
 
 from partitioner.errors import TraceError
 from partitioner.models import ModelBundle, load_model
+from partitioner.profiler.hf_masks import masks_as_eager
 from partitioner.profiler.inline import inline_wrapped_regions
 
 __all__ = ["Group", "Traced", "group_nodes", "has_symbolic_shapes", "retrace", "trace_model"]
@@ -190,7 +191,7 @@ def _export(
     ``retrace(options, batch_size=...)`` re-exports it at the size a stage runs (same node names).
     """
     try:
-        with _quiet_torch_logs(), _no_stack_traces():
+        with _quiet_torch_logs(), _no_stack_traces(), masks_as_eager(bundle.spec):
             try:
                 if not dynamic:
                     raise TraceError("static shapes asked for")

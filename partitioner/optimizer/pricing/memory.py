@@ -1,28 +1,7 @@
-"""The memory model: the peak bytes one device of a stage holds, written once.
-
-Every memory check goes through this module: the searches' vectorised filters (dp.py, sync.py,
-ilp.py) through :class:`MemoryLimit`, a plan's price (``cost.price_stage``) and the simulation
-through :func:`peak_bytes`, so they agree by construction. At its peak a device holds (each term
-measured against ``pipeplan run`` by ``benchmarks/bench_memory.py``):
-
-- its weights, their gradients and the optimizer's state: P (2 + s), s from ``OPTIMIZER_STATE``;
-  P counts a copy of every tied weight the stage uses but another stage owns (:func:`copy_bytes`).
-  Weights held in a 2-byte dtype (a profile of ``--dtype bfloat16``) train as mixed precision
-  does: bf16 weights and gradients, a float32 master copy of the weights and float32 optimizer
-  state (:func:`persistent_factor`): 16 bytes a parameter under Adam, the count of ZeRO
-  (Rajbhandari et al. 2020, section 3.1: 2 + 2 + 12 bytes);
-- under pipedream with h > 1 minibatches in flight, h weight snapshots: ``runtime.stage`` runs each
-  version's forwards on a snapshot of it, beside the live weights the optimizer updates in place;
-- when a replica runs more than one microbatch per step, the gradient it is accumulating: autograd
-  computes a layer's new gradient beside the sum it adds it to (the stage's largest layer at most;
-  zb1p's and zbv's W computes the whole stage's weight gradients before adding them: P);
-- h items' saved activations, each ``1/share`` of a minibatch; with recomputation h items' inputs
-  and the loss's saved bytes (the runtime computes the loss outside the stage's recomputed forward,
-  so autograd keeps them per item as without recomputation), plus the one item's activations its
-  backward rebuilds;
-- one item's backward working bytes (``Node.working_bytes``: the loss's gradients of the logits,
-  on the last stage), one microbatch's as the runtime runs them, passed in ``transient``.
-"""
+"""The memory model: the peak bytes one device of a stage holds, written once. Every check (the
+searches' vectorised :class:`MemoryLimit`, a plan's price and the simulation through
+:func:`peak_bytes`) goes through it, so they agree by construction; the terms, each measured by
+``benchmarks/bench_memory.py``: docs/optimizer-pricing.md."""
 
 from __future__ import annotations
 
@@ -161,14 +140,9 @@ def _bits(masks: Sequence[int], layer_ids: Sequence[str], ids: Sequence[str]) ->
 
 @dataclass(frozen=True)
 class MemoryLimit:
-    """A per-device limit as the searches check it, vectorised over candidate stages.
-
-    The searches price a stage from its parameter and saved bytes, so two terms of :func:`peak_bytes`
-    may be bounds: the accumulated gradient by ``largest`` (the profile's largest layer) where a
-    search does not pass the stage's own (the exact synchronous search does, :meth:`extras`; the
-    bottleneck candidates do not), and a replica of a synchronous stage holds all of its
-    microbatches' activations, ceil(M / r) whole microbatches (:func:`replica_share`: gpipe's count,
-    at least 1f1b's and zb1p's). Every plan is then priced by :func:`peak_bytes`.
+    """A per-device limit as the searches check it, vectorised over candidate stages; two terms of
+    :func:`peak_bytes` may be bounds there (docs/optimizer-pricing.md), and every plan is then priced
+    by :func:`peak_bytes` itself.
 
     Attributes:
         limit: bytes per device.
@@ -275,10 +249,7 @@ class MemoryLimit:
         self, params: FloatArray, saved: FloatArray, largest: FloatArray | None = None
     ) -> FloatArray:
         """Synchronous: the fewest replicas whose replicas each hold all of their microbatches'
-        activations (:meth:`fits`; inf: none). Below M replicas a replica accumulates, holds the
-        transient gradient too (``largest``: the stages' largest layers, else the profile's) and
-        q = floor(room x M / saved) whole microbatches at most: r = ceil(M / q); from M replicas on
-        a replica holds one microbatch of 1/r of a minibatch."""
+        activations (:meth:`fits`; inf: none; ``largest``: the stages' largest layers, else the profile's)."""
         base = self.limit - params * self.per_byte - self.working / self.microbatches
         alone = _ceil_div(saved, base)
         bound = self.largest if largest is None else largest

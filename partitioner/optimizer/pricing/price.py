@@ -1,16 +1,5 @@
-"""Turn a list of stages (node sets + replicas + ranks) into a costed ``Plan``.
-
-Shared by the solvers, ``evaluate`` and the baselines, so that every plan is priced by one model:
-each stage's load (:func:`stage_loads`), its time under the schedule's model
-(:func:`~partitioner.optimizer.pricing.schedules.plan_times`) and its peak memory
-(:func:`stage_memory`, the memory model's :func:`~partitioner.optimizer.pricing.memory.peak_bytes`
-of what the schedule holds in flight), with or without recomputation.
-
-Activation recomputation (``price_stage(..., recompute=True)``): a stage that recomputes keeps only
-its inputs per item in flight and runs its forward again in backward, so its compute grows by its
-forward time; while one item's backward runs, that item's activations exist again, so one item's
-saved activations stay in its peak.
-"""
+"""Turn a list of stages (node sets + replicas + ranks) into a costed ``Plan``: shared by the solvers,
+``evaluate`` and the baselines, so that every plan is priced by one model."""
 
 from __future__ import annotations
 
@@ -238,14 +227,7 @@ def stage_memory(
     load: StageLoad, schedule: str, position: int, replicas: Sequence[int], microbatches: int, optimizer: str,
     recompute: bool = False, virtual: int = 1,
 ) -> int:  # fmt: skip
-    """Peak bytes on one device of a stage: what its schedule holds in flight (``ScheduleModel``).
-
-    A schedule of whole minibatches (pipedream) keeps one weight version per minibatch in flight
-    (weight stashing) and each replica runs whole minibatches; a flushing schedule hands whole
-    microbatches to the replicas round-robin (each replica holds its share of the stage's items,
-    each 1/M of a minibatch: :func:`backward_item`), and a replica with more than one microbatch per
-    step accumulates gradients.
-    """
+    """Peak bytes on one device of a stage: what its schedule holds in flight (``ScheduleModel``)."""
     sched = model(schedule)
     held = sched.held(position, replicas, microbatches, virtual)
     whole = sched.asynchronous

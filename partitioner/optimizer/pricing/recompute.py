@@ -1,14 +1,6 @@
-"""Searching plans whose stages recompute their forward in backward (activation checkpointing).
-
-The searches (dp, lattice, sync, hierarchy, ilp) have their own, vectorised memory models. Rather than
-teach each of them recomputation, a recomputing search runs on :func:`recomputing`'s profile: every
-layer's backward also pays its forward (exact, as the cost model prices it) and keeps no activations
-(optimistic: a recomputing stage still keeps its inputs and, during one backward, one item's
-activations, which depend on where the cuts fall). :func:`repriced` then prices the found stages with
-:func:`~partitioner.optimizer.pricing.schedules.price_stage` and checks the memory limit exactly,
-so no plan that
-does not fit is ever returned; a search may only miss a plan that fits by a margin its optimism hid.
-"""
+"""Searching plans whose stages recompute their forward in backward: the searches run on a
+recomputing profile (optimistic) and the plan is re-priced exactly, so none that does not fit is
+returned (docs/optimizer-pricing.md)."""
 
 from __future__ import annotations
 

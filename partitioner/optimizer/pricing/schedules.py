@@ -128,11 +128,8 @@ class ScheduleModel:
 
 
 def replica_held(stage_items: int, replicas: int) -> int:
-    """Items the busiest replica of a flushing stage holds when the stage as one holds
-    ``stage_items``: the runtime hands a minibatch's microbatches to the replicas round-robin (unit j
-    to replica j mod r, ``Schedule.replica_of``) and a stage's live items are always consecutive
-    microbatches (forwards and releases each run in order), so a replica holds ceil(items / r) of
-    them at most, and the busiest that many (each a whole microbatch, 1/M of a minibatch)."""
+    """Items the busiest replica of a flushing stage holds when the stage as one holds ``stage_items``:
+    ceil(items / r), as the runtime hands microbatches round-robin (docs/optimizer-pricing.md)."""
     return -(-stage_items // replicas)
 
 
@@ -216,19 +213,9 @@ def _sync_times(
 def zero_bubble_time(
     forward: Sequence[float], backward: Sequence[float], link: Sequence[float], microbatches: int
 ) -> float:
-    """ZB-H1's time for one minibatch (no all-reduce) from one microbatch's per-stage times.
-
-    ``backward`` is split by :data:`~.stage.W_SHARE` into B and W; ``link`` is a stage's activation
-    traffic per microbatch (out and back), a latency that overlaps compute. Two bounds, the larger
-    wins. The critical path: one microbatch's forwards, input backwards and links through every
-    stage, M - 1 more of the slowest stage's F + B, and stage 0's last W. The busiest stage s: M
-    microbatches of its F + B + W, plus, for every other stage, what it adds to the fill and drain
-    (F + B + link - W: its deferred Ws overlap the drain). With equal stages and F = B = W = t this
-    is ``3Mt + (p-1)t`` for M >= p: a bubble of (p - 1)(T_F + T_B - T_W), the paper's, a third of
-    1F1B's 3(p - 1)t. It is exact against the event simulation of the runtime's lists on equal
-    stages; on 600 random chains of unequal stages and links, median ratio 1.00, 99% within 10%,
-    all within 16% (tests/partitioner/optimizer/pricing/test_zero_bubble.py).
-    """
+    """ZB-H1's time for one minibatch (no all-reduce) from one microbatch's per-stage times: the larger
+    of the critical path and the busiest stage, exact on equal stages (the bounds and their measured
+    error: docs/optimizer-pricing.md)."""
     b = [t * (1.0 - W_SHARE) for t in backward]
     w = [t * W_SHARE for t in backward]
     e = [f + bi + a for f, bi, a in zip(forward, b, link, strict=True)]
@@ -243,31 +230,27 @@ def _zero_bubble_times(
     loads: Sequence[StageLoad], replicas: Sequence[int], links: Sequence[Link], m: int, virtual: int
 ) -> StageTimes:
     """:func:`zero_bubble_time` + the largest all-reduce; per-stage times as ``_sync_times``'."""
-    fwd, bwd, link, micro, compute, comm, sync = _microbatch_parts(loads, replicas, links, m)
-    time = zero_bubble_time(fwd, bwd, link, m) + sync
-    bubble = 1.0 - sum(compute) / (len(loads) * time) if time > 0 else 0.0
+    return _bounded(loads, replicas, links, m, len(loads), lambda f, b, a: zero_bubble_time(f, b, a, m), True)
+
+
+def _bounded(
+    loads: Sequence[StageLoad], replicas: Sequence[int], links: Sequence[Link], m: int, devices: int,
+    bound: Callable[[list[float], list[float], list[float]], float], sync: bool = False,
+) -> StageTimes:  # fmt: skip
+    """A closed form's times: ``bound`` of the forward, backward and link times of one microbatch
+    (+ the largest all-reduce with ``sync``); the bubble is the ``devices``' idle share."""
+    fwd, bwd, link, micro, compute, comm, allreduce = _microbatch_parts(loads, replicas, links, m)
+    time = bound(fwd, bwd, link) + allreduce if sync else bound(fwd, bwd, link)
+    bubble = 1.0 - sum(compute) / (devices * time) if time > 0 else 0.0
     return StageTimes(tuple(compute), tuple(comm), tuple(micro), time, bubble)
 
 
 def interleaved_time(
     forward: Sequence[float], backward: Sequence[float], link: Sequence[float], microbatches: int, ranks: int
 ) -> float:
-    """Interleaved 1F1B's time for one minibatch (no all-reduce) from one microbatch's per-stage
-    times, stage ``s`` on rank ``s mod ranks``; ``link``: a stage's activation traffic per
-    microbatch (out and back). A lower bound, the largest of three:
-
-    - rank ``r`` works ``M`` times its chunks' F + B (``W_r``), and cannot start before microbatch
-      0's forwards through stages ``0 .. r-1`` have reached it, nor finish before the last backward
-      has gone back through them: ``M W_r + sum_{s<r}(F_s + B_s + link_s)``;
-    - the same for one stage ``k`` alone: ``M (F_k + B_k) + sum_{s<k}(F_s + B_s + link_s)``;
-    - one microbatch's trip through every stage.
-
-    With equal stages of time t (F + B) it is ``(v M + p - 1) t``: the bubble ``(p - 1) / (v M)``
-    of Megatron's paper, exact against the event simulation of the runtime's lists. On unequal
-    stages a slow stage also stalls the ranks after it within each round of ``p`` microbatches,
-    which no term here charges: on 600 random chains the simulation is 1.00-1.3x this, median 1.03
-    (tests/partitioner/optimizer/pricing/test_interleaved_cost.py).
-    """
+    """Interleaved 1F1B's time for one minibatch (no all-reduce) from one microbatch's per-stage times,
+    stage ``s`` on rank ``s mod ranks``: a lower bound, exact on equal stages (its three terms and
+    measured error: docs/optimizer-pricing.md)."""
     e = [f + b + a for f, b, a in zip(forward, backward, link, strict=True)]
     fill = [0.0]
     for t in e:
@@ -289,30 +272,15 @@ def _interleaved_times(
     the bubble is the ranks' idle share."""
     if any(r != 1 for r in replicas) or len(loads) % virtual:
         raise PlanError(f"interleaved needs one device per stage and {virtual} stages per rank")
-    fwd, bwd, link, micro, compute, comm, _ = _microbatch_parts(loads, replicas, links, m)
     ranks = len(loads) // virtual
-    time = interleaved_time(fwd, bwd, link, m, ranks)
-    bubble = 1.0 - sum(compute) / (ranks * time) if time > 0 else 0.0
-    return StageTimes(tuple(compute), tuple(comm), tuple(micro), time, bubble)
+    return _bounded(loads, replicas, links, m, ranks, lambda f, b, a: interleaved_time(f, b, a, m, ranks))
 
 
 def zbv_time(
     forward: Sequence[float], backward: Sequence[float], link: Sequence[float], microbatches: int
 ) -> float:
     """A lower bound on zbv's time for one minibatch (no all-reduce) from one microbatch's per-stage
-    times on ``2p`` stages, rank ``r`` hosting stages ``r`` and ``2p - 1 - r``; ``link``: a stage's
-    activation traffic per microbatch, out and back (half each way, as the simulation sends it; none
-    after stage ``p - 1``: the turn of the V is inside one rank). The larger of:
-
-    - rank ``r`` works ``M`` times its two stages' F + B + W and cannot start before microbatch 0's
-      forwards through stages ``0 .. r - 1`` have reached it;
-    - one microbatch's trip: its forwards and input backwards (B) through every stage, then stage
-      0's W.
-
-    With equal stages of F = B = W = t it is ``6Mt + (p - 1)t``, the unit-time slots of the
-    runtime's zbv lists once ``M >= 2p - 1``; on unequal stages the simulation prices what this
-    bound misses.
-    """
+    times on ``2p`` stages, rank ``r`` hosting ``r`` and ``2p - 1 - r`` (docs/optimizer-pricing.md)."""
     stages = len(forward)
     if stages % 2:
         raise PlanError(f"zbv needs an even number of stages (2 per GPU), got {stages}")
@@ -341,10 +309,7 @@ def _zbv_times(
     bubble is the GPUs' idle share."""
     if any(r != 1 for r in replicas) or len(loads) % 2:
         raise PlanError("zbv needs one device per stage and 2 stages per GPU")
-    fwd, bwd, link, micro, compute, comm, _ = _microbatch_parts(loads, replicas, links, m)
-    time = zbv_time(fwd, bwd, link, m)
-    bubble = 1.0 - sum(compute) / (len(loads) // 2 * time) if time > 0 else 0.0
-    return StageTimes(tuple(compute), tuple(comm), tuple(micro), time, bubble)
+    return _bounded(loads, replicas, links, m, len(loads) // 2, lambda f, b, a: zbv_time(f, b, a, m))
 
 
 MODELS: dict[str, ScheduleModel] = {

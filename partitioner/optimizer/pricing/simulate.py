@@ -1,18 +1,5 @@
-"""Event simulation of a plan under its schedule: timeline, bubble, and peak memory per stage.
-
-A schedule is data: each stage gets an ordered list of actions (``F`` or ``B`` of one item, an item
-being a minibatch for pipedream and a microbatch for 1f1b/gpipe); one generic executor plays every
-list, starting each action when the stage is free and its input (the previous stage's forward, or
-the next stage's backward) has arrived. The cost model's closed forms are checked against this.
-
-pipedream is played rank by rank from the runtime's own lists (``runtime.schedule.build``): a
-replica runs whole minibatches at the stage's full compute time, and its stage's replicas all-reduce
-once per round (PipeDream's data parallelism), so what the simulation holds in flight is what the
-runtime stashes. The synchronous schedules (1f1b, gpipe, zb1p) are played per stage from the
-runtime's own lists too (``runtime.schedule.build``), a replicated stage being one server r times as
-fast, as their cost model prices them. zb1p's split backward takes ``1 - W_SHARE`` of a stage's
-backward for B and ``W_SHARE`` for W (:data:`partitioner.optimizer.pricing.schedules.W_SHARE`).
-"""
+"""Event simulation of a plan under its schedule (timeline, bubble, peak memory per stage), playing
+the runtime's own lists: the closed forms are checked against it (docs/optimizer-pricing.md)."""
 
 from __future__ import annotations
 
@@ -99,19 +86,10 @@ def play(
     wgt: Sequence[float] | None = None,
     step: Sequence[float] | None = None,
 ) -> tuple[list[Event], list[int]]:
-    """Run every rank's list (``lists[rank]``, its stages given by ``layout``) in order.
-
-    An action waits for its rank and for its input: the previous stage's forward (``link`` of that
-    stage later), or the next stage's backward (the last stage: its own forward). A W (time ``wgt``;
-    a list with Ws passes ``bwd`` as the B part alone) waits only for its rank: its B came earlier.
-    A step waits for every rank of its stage and takes ``step`` of the stage (None: steps are free
-    and leave no event). Returns the events and, per stage, the most units one rank held between
-    their forward and their backward (their W, if the backward is split).
-
-    Event-driven: a rank runs its list until an action waits for a message (it is parked on that
-    message) or for a step (parked until its stage's ranks arrive), so each action is handled once
-    and the simulation is linear in the actions.
-    """
+    """Run every rank's list (``lists[rank]``, its stages given by ``layout``) in order, event-driven
+    (linear in the actions). Returns the events and, per stage, the most units one rank held between
+    their forward and their backward (the waiting rules: docs/optimizer-pricing.md). ``wgt``: a W's
+    time (``bwd`` is then the B part alone); ``step``: a stage's step (None: free, no event)."""
     player = _Player(lists, layout, fwd, bwd, link, wgt, step)
     ready = list(range(len(lists)))
     while ready:

@@ -1,24 +1,6 @@
-"""What one stage costs, written once: every search, the plan's price and the simulation call these.
-
-Each function takes numbers or numpy arrays (elementwise, broadcasting), so a search prices millions
-of candidate stages in one call and a plan prices its few stages one at a time with the very same
-arithmetic (``tests/partitioner/optimizer/pricing/test_stage.py`` holds the two forms equal).
-
-Every message pays the link's latency a besides its bytes over the bandwidth B (``plan.Link``, the
-alpha-beta model; a = 0 is PipeDream's bandwidth-only model):
-
-- A pipedream stage (PipeDream's published objective, optimizer_graph_hierarchical.py) of compute C
-  and parameters P on r replicas takes (C + (r-1)(4P/(rB·inner) + 2a))/r, where ``inner`` is the
-  devices in one unit of the level (1 on the innermost); a cut costs 2(activation/B + a)/r on each
-  side of it, with that side's r; the stage's time is the larger: :func:`stage_time`.
-- A synchronous schedule's microbatch on a stage takes its compute share C/(r·M) plus its cut
-  traffic out and back, 2·out/(B·r·M) + 2a: :func:`microbatch_time`.
-- A replicated stage's gradients are all-reduced once per step, a ring of 2(r-1) messages:
-  :func:`allreduce_time`.
-
-A search may invert these (the fewest replicas that bring a stage under a time), which is its own
-algebra; it never prices a stage another way.
-"""
+"""What one stage costs, written once: every search, the plan's price and the simulation call these,
+on numbers or numpy arrays alike (the terms: docs/optimizer-pricing.md). A search may invert them
+(the fewest replicas under a time), which is its own algebra; it never prices a stage another way."""
 
 from __future__ import annotations
 
@@ -185,13 +167,8 @@ def microbatch_time(
 
 
 def host_bound(rank_compute_s: Sequence[float], per_host: int, cores: int | None, threads: int) -> float:
-    """Seconds per minibatch the busiest host needs where devices are CPU processes (0 for GPUs).
-
-    Ranks ``h*per_host .. (h+1)*per_host - 1`` share host ``h``'s cores, and a process computes on
-    ``threads`` of them, so at most ``cores / threads`` ranks (at least one, at most ``per_host``) run at
-    once: the host's compute seconds per minibatch, over that, bound the time per minibatch from below
-    however well the stages balance. ``rank_compute_s[r]`` is rank r's compute per minibatch.
-    """
+    """Seconds per minibatch the busiest host needs where devices are CPU processes (0 for GPUs): ranks
+    sharing a host's cores run at most ``cores / threads`` at once; ``rank_compute_s[r]``: rank r's."""
     if cores is None or not rank_compute_s:
         return 0.0
     at_once = max(1.0, min(float(per_host), cores / threads))

@@ -1,12 +1,5 @@
-"""The slowest stage, minimised: the exact search for a schedule of whole minibatches (PipeDream's
-objective, ``ScheduleModel.asynchronous``).
-
-On one level the pair DP over downset states (``dp.solve_bottleneck``, memory-aware); where its
-states fall short of every downset, the lattice search over all of them (``lattice``, exact, no
-memory model: its plan counts only if it fits); on a hierarchy PipeDream's recursion over the levels
-(``hierarchy``, no memory model), falling back to the memory-aware flat search at the slowest
-link when its plan does not fit.
-"""
+"""The slowest stage, minimised: the exact search for a schedule of whole minibatches
+(``ScheduleModel.asynchronous``): pair DP, lattice or hierarchy (docs/optimizer-search.md)."""
 
 from __future__ import annotations
 

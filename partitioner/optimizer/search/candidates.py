@@ -1,35 +1,21 @@
-"""Plans other tools would choose, priced by our cost model for comparison.
-
-- data parallel: one stage, every GPU a replica (PipeDream's comparator);
-- straight: our DP with one device per stage (GPipe-style pipelines);
-- parameter balancing: DeepSpeed's ``partition_method="parameters"``: one device per stage, the
-  topological order cut so the stages' parameter counts are as even as possible;
-- uniform: DeepSpeed's ``"uniform"``: the same number of layers in every stage;
-- time balancing: torchgpipe's ``balance_by_time``: one device per stage, the topological order
-  cut so the stages' forward+backward times are as even as possible (communication ignored).
-
-Users of those tools combine them with data parallelism (DeepSpeed's pipeline times its data-parallel
-width is the world size), so each balancing method also takes a ``width``: every stage that many
-replicas, ``gpus // width`` stages; :func:`best_width` picks the hybrid a user would run, the fastest
-width that divides the GPUs.
-"""
+"""Plans other tools would choose (data parallel, DeepSpeed's parameter and uniform partitioning,
+torchgpipe's time balancing, each with a data-parallel width), priced by our cost model for
+comparison (docs/optimizer-search.md)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import numpy as np
 
 from partitioner.errors import InfeasibleError
 from partitioner.graph import Profile
 from partitioner.optimizer.pricing.price import StageSpec, assemble
+from partitioner.optimizer.search.plans import fastest, inputs
 from partitioner.plan import Cluster, Plan, SolverInfo
 
 __all__ = ["balanced_cuts", "best_width", "data_parallel", "parameter_balanced", "time_balanced", "uniform"]
-
-
-def _inputs(profile: Profile) -> list[str]:
-    return [n.id for n in profile.nodes if n.op == "input"]
 
 
 def _chain_plan(
@@ -50,7 +36,7 @@ def _chain_plan(
     for i in range(len(bounds) - 1):
         nodes = tuple(layers[bounds[i] : bounds[i + 1]]) + (outputs if i == last else ())
         ranks = tuple(range(i * width, (i + 1) * width))
-        specs.append(StageSpec(tuple(_inputs(profile)) + nodes if i == 0 else nodes, width, ranks))
+        specs.append(StageSpec(inputs(profile) + nodes if i == 0 else nodes, width, ranks))
     return assemble(profile, cluster, specs, schedule, m, optimizer, SolverInfo(name, 0.0, False))
 
 
@@ -91,8 +77,7 @@ def parameter_balanced(
 ) -> Plan:
     """DeepSpeed's parameter balancing: ``gpus // width`` stages of ``width`` GPUs, parameters split
     evenly."""
-    weights = [float(n.param_bytes) for n in profile.layers]
-    bounds = balanced_cuts(weights, cluster.gpus // width)
+    bounds = balanced_cuts([float(n.param_bytes) for n in profile.layers], cluster.gpus // width)
     return _chain_plan(profile, cluster, bounds, "parameters", schedule, m, optimizer, width)
 
 
@@ -101,8 +86,7 @@ def time_balanced(
 ) -> Plan:
     """torchgpipe's balance_by_time: ``gpus // width`` stages of ``width`` GPUs, measured compute
     split evenly."""
-    weights = [n.compute_ms for n in profile.layers]
-    bounds = balanced_cuts(weights, cluster.gpus // width)
+    bounds = balanced_cuts([n.compute_ms for n in profile.layers], cluster.gpus // width)
     return _chain_plan(profile, cluster, bounds, "time", schedule, m, optimizer, width)
 
 
@@ -123,14 +107,7 @@ def best_width(at: Callable[[int], Plan], gpus: int) -> Plan:
     Raises:
         InfeasibleError: no width fits in memory.
     """
-    best: Plan | None = None
-    for width in (w for w in range(1, gpus + 1) if gpus % w == 0):
-        try:
-            plan = at(width)
-        except InfeasibleError:
-            continue
-        if best is None or plan.predicted.time_per_minibatch_s < best.predicted.time_per_minibatch_s:
-            best = plan
+    best = fastest(partial(at, w) for w in range(1, gpus + 1) if gpus % w == 0)
     if best is None:
         raise InfeasibleError("no data-parallel width fits in memory")
     return best

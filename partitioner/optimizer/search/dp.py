@@ -1,14 +1,5 @@
-"""Exact stage + replication DP over downset states, vectorised with numpy, level by level.
-
-The final level minimises the slowest stage (PipeDream's objective). On up to ``DIRECT_MAX_UNITS``
-units without a memory limit, PipeDream's recurrence runs directly (``solve_direct``) on the few
-stages a plan as fast as a known one can use: the replicas a stage needs at a time t have a closed
-form, and the fewest devices any such plan spends before each state and after it (``fewest_units``
-both ways) leave, near the optimum, a few hundred of NASNet's millions of pairs. Otherwise a
-bisection on that time with the fewest-units DP per probe (``solve_bisection``, memory-aware),
-which ends on an attained value with a certified lower bound. Inner levels of a hierarchy (servers
-made of GPUs) are solved in ``hierarchy.py`` from these flat solvers.
-"""
+"""Exact stage + replication DP over downset states, vectorised with numpy, level by level: the
+slowest stage (PipeDream's objective), memory-aware. How it bounds and prunes: docs/optimizer-search.md."""
 
 from __future__ import annotations
 
@@ -24,8 +15,8 @@ import numpy.typing as npt
 from partitioner.errors import InfeasibleError
 from partitioner.optimizer.pricing.memory import MemoryLimit
 from partitioner.optimizer.pricing.stage import FloatArray, IntArray, stage_time
-from partitioner.optimizer.search.reach import fewest_units, fewest_units_after, sweep_layers
-from partitioner.optimizer.search.states import StateSet, prefix_chain, thin_prefixes
+from partitioner.optimizer.search.reach import compute_floors, fewest_units, fewest_units_after, sweep_layers
+from partitioner.optimizer.search.states import StateSet, csr_offsets, prefix_chain, runs, thin_prefixes
 from partitioner.plan import Link
 
 __all__ = [
@@ -179,8 +170,7 @@ class _Pairs:
     ) -> tuple[_Pairs, IntArray]:  # fmt: skip
         """Priced pairs of a run of states as a ``_Pairs`` (CSR over all states; js ascending)."""
         s, n = prob.states, len(prob.states)
-        offsets = np.zeros(n + 1, dtype=np.int64)
-        offsets[1:] = np.cumsum(np.bincount(js, minlength=n))
+        offsets = csr_offsets(js, n)
         params, saved = prob.held_params(ks, js), s.saved_bytes[js] - s.saved_bytes[ks]
         pairs = _Pairs(
             offsets, ks.astype(np.int64), base, dp, act, params, saved, layers, prob.link, prob.inner
@@ -192,8 +182,7 @@ class _Pairs:
         """Blocks of consecutive states as one set of pairs (n >= 1: one block at least)."""
         if len(parts) == 1:
             return parts[0][0]
-        offsets = np.zeros(n + 1, dtype=np.int64)
-        offsets[1:] = np.cumsum(np.bincount(np.concatenate([js for _, js in parts]), minlength=n))
+        offsets = csr_offsets(np.concatenate([js for _, js in parts]), n)
         ps = [p for p, _ in parts]
         ks, base, dp, act, params, saved = (
             np.concatenate([getattr(p, f) for p in ps]) for f in _Pairs.COLUMNS
@@ -202,9 +191,8 @@ class _Pairs:
 
     def subset(self, keep: npt.NDArray[np.bool_], js: IntArray | None = None) -> _Pairs:
         """The pairs where ``keep`` holds (same states, same CSR layout; ``js`` if known)."""
-        offsets = np.zeros_like(self.offsets)
         js = self.js() if js is None else js
-        offsets[1:] = np.cumsum(np.bincount(js[keep], minlength=len(self.offsets) - 1))
+        offsets = csr_offsets(js[keep], len(self.offsets) - 1)
         ks, base, dp, act, params, saved = (getattr(self, f)[keep] for f in _Pairs.COLUMNS)
         return _Pairs(offsets, ks, base, dp, act, params, saved, self.layers, self.link, self.inner)
 
@@ -268,14 +256,8 @@ def _replicas_floor(
 
 
 def _replicas_needed(prob: LevelProblem, pairs: _Pairs, tau: float) -> FloatArray:
-    """Fewest replicas that bring each stage down to ``tau``; inf where none can.
-
-    With r replicas a stage takes (C + (r-1)(q/r + L))/r: r = 1 works when C <= tau, and r >= 2
-    works exactly when r is at least the upper root of (tau-L)·r² - (C+q-L)·r + q (the sync term
-    makes small replications slower, so the feasible set is {1} plus everything from that root
-    on; where tau <= L no r >= 2 does, as then C + q/2 >= L or C > tau). Cut traffic needs
-    r >= 2(act/B + latency)/tau.
-    """
+    """Fewest replicas that bring each stage down to ``tau``; inf where none can: the upper root of
+    the replica quadratic and the cut traffic's need, guarded near integers (docs/optimizer-search.md)."""
     base, q, lat = pairs.base, pairs.q, _step_latency(prob.link)
     lead = tau - lat
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
@@ -377,25 +359,14 @@ def _plan_time(prob: LevelProblem, stages: list[Segment]) -> float:
 
 
 DIRECT_MAX_UNITS = 64
-BLOCK_ELEMENTS = 400_000
 
 
 def solve_direct(
     prob: LevelProblem, pairs: _Pairs | None = None, upper: float = math.inf, lower: float = 0.0
 ) -> tuple[float, list[Segment]]:
-    """PipeDream's recurrence, exactly: f[j, u] = min over (k, r) of max(f[k, u - r], T(k, j, r)).
-
-    ``f[k, u]`` is the best time of state k on at most u units. Column u only needs columns < u,
-    so the DP runs over unit counts, each step vectorised over every pair at once. Given the time
-    ``upper`` of some plan, only plans at least as fast matter, and in those every stage of r
-    replicas carries at most r · unit_devices · upper of compute: the cut at state j then has at
-    least ceil(w_j / upper) units before it and ceil((w_N - w_j) / upper) after it
-    (w = compute / unit_devices), tightened by the fewest-units DP both ways (``_between``), so
-    f[j, u] is only computed for u in that window, and a pair only with replica counts that can
-    meet ``upper`` and fit it. Given a lower bound on the
-    optimum, some optimal plan gives each stage the fewest replicas that meet the optimum, which
-    is no more than the fewest that meet ``lower``: that caps every pair's replicas. Exact
-    whenever ``lower`` <= optimum <= ``upper``; no memory model (the bisection has one).
+    """PipeDream's recurrence, exactly: f[j, u] = min over (k, r) of max(f[k, u - r], T(k, j, r)), over
+    unit counts, only in the windows a plan between ``lower`` and ``upper`` can use (exact whenever
+    lower <= optimum <= upper; no memory model; docs/optimizer-search.md).
 
     Raises:
         InfeasibleError: no plan at all (or none as fast as ``upper``).
@@ -421,26 +392,16 @@ def _windows(prob: LevelProblem, upper: float) -> tuple[IntArray, IntArray]:
     n, units = len(prob.states), prob.units
     if not (math.isfinite(upper) and upper > 0):
         return np.zeros(n, dtype=np.int64), np.full(n, units + 1, dtype=np.int64)
-    w = prob.states.compute_s / (prob.unit_devices * upper)
-    before = np.maximum(np.ceil(w - 1e-9), 0.0)  # 1e-9: a plan exactly at upper stays inside
-    after = np.maximum(np.ceil((w[-1] - w) - 1e-9), 0.0)
-    before[0] = 0.0
-    lo = before.astype(np.int64)
-    return lo, np.maximum(units - after.astype(np.int64) - lo + 1, 0)
+    lo, after = compute_floors(prob.states.compute_s, prob.unit_devices, upper)
+    return lo, np.maximum(units - after - lo + 1, 0)
 
 
 def _between(
     prob: LevelProblem, pairs: _Pairs, upper: float, lo: IntArray, width: IntArray,
     need: FloatArray | None = None,
 ) -> tuple[_Pairs, IntArray, IntArray]:  # fmt: skip
-    """The pairs and unit windows a plan as fast as ``upper`` can use, from the fewest units any
-    such plan spends before each state and after it (``fewest_units`` both ways, each stage on
-    the fewest replicas that meet upper, or ``need`` if given) on top of the compute windows
-    ``lo``, ``width``.
-
-    Every stage (k, j] of such a plan has its replicas between the two, so with upper close to
-    the optimum few pairs survive: on NASNet at 16 GPUs, 73 of 562,119.
-    """
+    """The pairs and unit windows a plan as fast as ``upper`` can use (``fewest_units`` both ways, each
+    stage on the fewest replicas that meet upper, or ``need``): on NASNet at 16 GPUs, 73 of 562,119."""
     units = prob.units
     need = _replicas_needed(prob, pairs, upper * (1 + 1e-9)) if need is None else need
     before = np.maximum(fewest_units(pairs.ks, pairs.offsets, pairs.layers, need, units), lo)
@@ -495,10 +456,7 @@ class _Candidates:
         sub = pairs.subset(keep)
         r_lo_k = r_lo[keep].astype(np.int64)
         r_hi_k = r_hi[keep]
-        count = r_hi_k - r_lo_k + 1
-        pair = np.repeat(np.arange(len(sub.ks)), count)
-        first = np.cumsum(count) - count
-        reps = r_lo_k[pair] + (np.arange(len(pair)) - first[pair])
+        pair, reps = runs(r_lo_k, r_hi_k - r_lo_k + 1)
         k, j = sub.ks[pair], js[keep][pair]
         u_lo = np.maximum(lo[j], lo[k] + reps)
         u_hi = np.minimum(lo[j] + width[j], lo[k] + width[k] + reps) - 1
@@ -541,12 +499,8 @@ def _trace(prob: LevelProblem, cand: _Candidates, f: FloatArray) -> list[Segment
 
 
 def _chain_upper(prob: LevelProblem, most: int = 48) -> float:
-    """Time of the best plan cut only at prefixes of the layer order, thinned to ``most`` cuts.
-
-    Prefixes are states, so that plan is one the full search also considers: its time is an
-    attained upper bound for the windows, found on a few hundred pairs (prefix states get a closer
-    one from every order thinned, ``thin_prefixes``).
-    """
+    """Time of the best plan cut only at prefixes of the layer order, thinned to ``most`` cuts: an
+    attained upper bound for the windows, found on a few hundred pairs."""
     chain = prefix_chain(prob.states, most)
     if chain is None:
         return math.inf
@@ -570,13 +524,8 @@ def _renumbered(
 def _first_fits(
     prob: LevelProblem, windows: tuple[IntArray, IntArray], upper: float
 ) -> tuple[IntArray, IntArray]:
-    """Per state, (need, room): a plan as fast as ``upper`` uses pair (k, j) only if need[k] <= room[j].
-
-    Its replicas r must carry k's cut traffic within upper, r >= 2·act_k / (B·upper) (at least
-    1), and fit between the compute floor before k and the most devices before j's end:
-    lo[k] + r <= lo[j] + width[j] - 1 (and r <= cap). Per state, so the pairs that fail it are
-    never listed: on NASNet at 16 GPUs, 72% of them.
-    """
+    """Per state, (need, room): a plan as fast as ``upper`` uses pair (k, j) only if need[k] <= room[j]
+    (cut traffic and compute floors; the pairs that fail are never listed: 72% on NASNet at 16 GPUs)."""
     lo, width = windows
     cap = prob.cap
     act = prob.states.act_bytes.copy()
@@ -591,12 +540,8 @@ def _first_fits(
 def solve_bottleneck(prob: LevelProblem, lower: float = 0.0) -> tuple[float, list[Segment], float]:
     """Minimise the slowest stage at this level; returns (time, stages, certified lower bound).
 
-    Few units: the direct recurrence without the memory limit (exact, bound = the optimum),
-    bounded by a quick plan over prefixes (of the layer order, and of every order thinned, which
-    NASNet's optimum mixes). Under a memory limit that plan is the answer when it fits (no plan
-    that fits is faster), and otherwise its time is the lower end of a bisection on the time with
-    the memory-aware fewest-units DP, over the pairs a fitting plan on thinned prefixes leaves (as
-    with many units, where the direct recurrence's table would be too wide).
+    Few units: the direct recurrence without the memory limit, bounded by a quick plan over prefixes;
+    else (or when its plan does not fit) a bisection with the memory-aware fewest-units DP.
 
     Raises:
         InfeasibleError: no plan fits, even with unlimited time (memory too small).
@@ -621,11 +566,7 @@ def solve_bottleneck(prob: LevelProblem, lower: float = 0.0) -> tuple[float, lis
 
 
 def _fitting_upper(prob: LevelProblem, lower: float, thin: StateSet | None) -> float:
-    """Time of the best memory-fitting plan cut only at thinned prefixes (inf if none fits).
-
-    The pairs a plan as fast can use are those ``_Pairs.of`` keeps for that time without the
-    limit: memory only ever asks for more replicas, never fewer.
-    """
+    """Time of the best memory-fitting plan cut only at thinned prefixes (inf if none fits)."""
     if prob.base is not None:  # (memory limits are flat: no segment times to renumber)
         return math.inf
     subsets = [] if thin is None else [thin]

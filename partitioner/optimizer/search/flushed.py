@@ -1,16 +1,6 @@
-"""The synchronous time, minimised: the search for a flushing schedule on stages of its own
-(``1f1b``, ``gpipe``, ``zb1p``; each plan priced by its ``ScheduleModel``).
-
-The exact optimum of the synchronous sum on one level by branch and bound (``sync``), proven where
-its states are every downset and the schedule's time is that sum (``ScheduleModel.sync_sum``).
-Where it cannot run or prove its plan (hierarchies, more pairs than it prices, a plan over the
-memory limit, states short of every downset), the best of it (on prefixes of the layer order thinned
-to what it can price, if need be) and of bubble-aware candidates (on at most
-:data:`SYNC_CANDIDATE_STATES` states), each priced by the schedule's model: bottleneck-optimal
-plans with a floor on replicas per stage (fewer, wider stages: smaller bubble), straight
-bottleneck plans on 1, 2, 4, .. devices, and the data-parallel, uniform, parameter- and
-time-balanced baselines, the last three also with each data-parallel width that divides the GPUs.
-"""
+"""The synchronous time, minimised: the search for a flushing schedule (``1f1b``, ``gpipe``, ``zb1p``),
+exact where ``sync`` can prove its plan, else the best of it and bubble-aware candidates
+(docs/optimizer-search.md)."""
 
 from __future__ import annotations
 
@@ -26,7 +16,7 @@ from partitioner.optimizer.pricing.price import assemble, layer_compute_s
 from partitioner.optimizer.pricing.schedules import model
 from partitioner.optimizer.search.bottleneck import replica_cap, slowest_stage
 from partitioner.optimizer.search.candidates import data_parallel, parameter_balanced, time_balanced, uniform
-from partitioner.optimizer.search.plans import stage_specs, thin_states
+from partitioner.optimizer.search.plans import fastest, stage_specs, thin_states
 from partitioner.optimizer.search.states import StateSet
 from partitioner.optimizer.search.sync import MAX_CHOICES, MAX_STEPS, solve_synchronous
 from partitioner.plan import Cluster, Plan, SolverInfo
@@ -68,14 +58,7 @@ def solve_flushed(
     widths = [] if straight else [w for w in range(2, gpus) if gpus % w == 0]  # with data parallelism
     makers += [partial(make, profile, cluster, opts.schedule, m, opts.optimizer, width=w)
                for make in (uniform, parameter_balanced, time_balanced) for w in widths]  # fmt: skip
-    best: Plan | None = None
-    for make in makers:
-        try:
-            plan = make()
-        except InfeasibleError:
-            continue
-        if best is None or _faster(plan, best):
-            best = plan
+    best = fastest(makers)
     bound = layer_compute_s(profile) / cluster.gpus
     if exact is not None and (
         best is None or exact[0].predicted.time_per_minibatch_s <= best.predicted.time_per_minibatch_s
@@ -86,19 +69,11 @@ def solve_flushed(
     return best, max(exact[1] if exact else 0.0, bound), False
 
 
-def _faster(a: Plan, b: Plan) -> bool:
-    return a.predicted.time_per_minibatch_s < b.predicted.time_per_minibatch_s
-
-
 def _exact(
     profile: Profile, cluster: Cluster, states: StateSet, opts: SolveOptions
 ) -> tuple[Plan, float, bool] | None:
-    """The branch-and-bound optimum on one level (``sync``), when it is small enough to run;
-    (plan, lower bound valid for every plan, proven optimal over all downsets). With a memory
-    limit the optimum without one is tried first; if it does not fit, the search keeps only
-    stages that fit with all M microbatches held (exact for a schedule that holds them all,
-    cautious for one that holds fewer). On a hierarchy it searches as if every link were the
-    slowest: a good candidate, no proof."""
+    """The branch-and-bound optimum on one level (``sync``), when it is small enough to run: (plan,
+    lower bound valid for every plan, proven optimal over all downsets)."""
     sched, m = model(opts.schedule), opts.m
     # never more replicas than GPUs: a larger cap (a minibatch's samples) only multiplies the choices
     # past what the branch and bound can finish (densenet121, 1F1B on 4 GPUs: not proven, 4.6% slower)

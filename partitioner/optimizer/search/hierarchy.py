@@ -17,7 +17,8 @@ import numpy.typing as npt
 
 from partitioner.optimizer.pricing.stage import FloatArray, IntArray, stage_time
 from partitioner.optimizer.search.dp import LevelProblem, Segment, cut_states, solve_bottleneck
-from partitioner.optimizer.search.states import StateSet, prefix_chain, thin_prefixes
+from partitioner.optimizer.search.reach import compute_floors
+from partitioner.optimizer.search.states import StateSet, csr_offsets, prefix_chain, runs, thin_prefixes
 from partitioner.plan import Link
 
 __all__ = ["solve_hierarchy"]
@@ -25,13 +26,8 @@ __all__ = ["solve_hierarchy"]
 
 @dataclass(frozen=True)
 class _Tables:
-    """Best time of every segment (i, j] of one level on up to m units.
-
-    ``opened[m]`` (m < units): the segment's last stage pays for its output (it ends at an internal
-    cut of a longer segment); ``closed``: on all the level's units, the output is the next level's
-    to charge. Entries above the level's ceiling are inf (no plan as fast as the bound uses them).
-    How each best splits is not stored: ``_unfold`` recomputes it for the few segments a plan uses.
-    """
+    """Best time of every segment (i, j] of one level on up to m units: ``opened[m]`` (m < units) pays
+    for its output, ``closed`` (all units) leaves it to the next level; inf above the ceiling."""
 
     prob: LevelProblem
     opened: FloatArray  # [m, i, j]; m = 0 unused
@@ -42,20 +38,9 @@ def _all_segments(
     prob: LevelProblem, ceiling: float = math.inf, top: LevelProblem | None = None, search: str = "auto",
     rows: npt.NDArray[np.bool_] | None = None,
 ) -> _Tables:  # fmt: skip
-    """Direct DP over all segments at once (PipeDream's non-final level), one unit count at a time.
-
-    A segment (i, j] on m units is one stage (i, j] or a segment (i, k] on m - r units followed
-    by stage (k, j] on r. Entries on m units only read tables on fewer units, so every (i, j) of
-    one unit count is filled together: a few balanced splits per entry first (a tight bound),
-    then every split that can still beat the entry's best so far (or its ceiling), listed
-    sparsely (``_Splits``). Rows whose compute alone (spread over the units) exceeds ``ceiling``
-    are skipped: the next level cannot use anything slower. ``top`` = the level above when it is
-    the last one and ``ceiling`` is its attained time: a top stage from i can then have at most
-    units - (units before i) replicas (before i: at least its compute over devices per unit x
-    ceiling), and on R replicas it pays the gradient sync of its parameters, both of which lower
-    the ceiling of row i (``_limits``). ``search``: how splits are listed (``_Splits``; tests
-    pin "window" or "column", both exact).
-    """
+    """Direct DP over all segments at once (PipeDream's non-final level), one unit count at a time,
+    skipping what the level above cannot use below ``ceiling`` (docs/optimizer-search.md); ``search``:
+    how splits are listed (``_Splits``; tests pin "window" or "column", both exact)."""
     n, units = len(prob.states), prob.units
     cap = prob.cap
     opened = np.full((units, n, n), np.inf)
@@ -110,8 +95,7 @@ class _LevelPairs:
     ) -> _LevelPairs:
         s, n = prob.states, len(prob.states)
         ks, js = s.all_pairs()
-        offsets = np.zeros(n + 1, dtype=np.int64)
-        offsets[1:] = np.cumsum(np.bincount(js, minlength=n))
+        offsets = csr_offsets(js, n)
         params = s.param_bytes[js] - s.param_bytes[ks]
         grid = _segment_grids(prob, js, ks, np.arange(1, prob.cap + 1, dtype=np.float64)[:, None])
         limit = {True: _limits(ceiling, top, before[ks], 0, params),
@@ -125,16 +109,9 @@ COLUMN_RATIO = 16  # splits per entry past which listing by column may pay: CNNs
 
 @dataclass(frozen=True)
 class _Splits:
-    """Finds the splits (i, k, j) of one level that can meet a bound, two ways, cheaper per end j.
-
-    By compute window: a segment on u units and a stage on r replicas both take at least their
-    compute over their devices, so k can meet an entry's bound b only if c_k lies in
-    [c_j - r·d·b, c_i + u·d·b] (d devices per unit), a range of the states sorted by compute.
-    By column: k such that the stage (k, j] and some entry (., k) of the first table both meet
-    the largest bound of end j (``_SortedTable``). The first is tight where compute dominates
-    (CNNs), the second where many states share their compute or communication dominates (GNMT).
-    Tables are flat: entry (i, j) at i·n + j.
-    """
+    """Finds the splits (i, k, j) of one level that can meet a bound, by compute window (tight where
+    compute dominates: CNNs) or by column (where communication does: GNMT), whichever lists fewer per
+    end j (docs/optimizer-search.md). Tables are flat: entry (i, j) at i·n + j."""
 
     n: int
     ks: IntArray  # per pair (k, j) of the level
@@ -205,11 +182,8 @@ class _Splits:
             _lower(best, bound, ii * n + jj, np.maximum(flat_first[ii * n + k], last[k * n + jj]))
 
     def _crowded(self, i: IntArray, b: FloatArray, lo: IntArray, units: int, slack: float) -> bool:
-        """Whether listing by column may pay: windows average over ``COLUMN_RATIO`` splits per entry.
-
-        The window's end is capped by compute (k's compute fits ``units`` units after i), measured
-        on every 16th entry: a wrong guess costs time, never the optimum (both listings are exact).
-        """
+        """Whether listing by column may pay: windows average over ``COLUMN_RATIO`` splits per entry
+        (measured on every 16th entry: a wrong guess costs time, never the optimum)."""
         if self.search == "column":
             return True
         hi = self._compute_cap(i[::16], b[::16], units, slack)
@@ -270,13 +244,8 @@ class _Prior:
 
 @dataclass(frozen=True)
 class _Monotone:
-    """Rows that never decrease, flattened with a row offset so one searchsorted counts per row.
-
-    ``count(rows, b)`` is how many entries of each row are at most b, or a few more (the offset
-    costs float precision, so the query is rounded up; extra entries are only extra work). Row r
-    lives in [4·r·scale, 4·r·scale + 3·scale] (inf stored as 3·scale), queries are clipped to
-    [-scale/2, 2·scale]: a query never reaches a neighbouring row.
-    """
+    """Rows that never decrease, flattened with a row offset so one searchsorted counts, per row, the
+    entries at most b (or a few more: the offset costs float precision; docs/optimizer-search.md)."""
 
     keys: FloatArray
     scale: float
@@ -309,18 +278,14 @@ def _runs(start: IntArray, count: IntArray) -> Iterator[tuple[IntArray, IntArray
     cuts = np.unique(np.searchsorted(ends, np.arange(CHUNK, int(ends[-1]), CHUNK), side="right"))
     for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), len(count)], strict=True):
         if a < b:
-            c = count[a:b]
-            owner = np.repeat(np.arange(a, b), c)
-            yield owner, np.repeat(start[a:b] - (np.cumsum(c) - c), c) + np.arange(int(c.sum()))
+            owner, at = runs(start[a:b], count[a:b])
+            yield owner + a, at
 
 
 @dataclass(frozen=True)
 class _SortedTable:
-    """The finite entries (i, k) of one table, sorted by k then by value, for joins on k.
-
-    ``key`` = k · (entries + 1) + the value's rank (count of values <= it), so one searchsorted
-    finds, for any k and threshold, how many entries of column k are at most the threshold.
-    """
+    """The finite entries (i, k) of one table, sorted by k then by value: one searchsorted counts, for
+    any k and threshold, the entries of column k at most the threshold."""
 
     rows: IntArray
     values: FloatArray
@@ -335,8 +300,7 @@ class _SortedTable:
         sorted_values = np.sort(v)
         key = k * (len(v) + 1) + np.searchsorted(sorted_values, v, side="right")
         order = np.argsort(key, kind="stable")
-        starts = np.zeros(table.shape[1] + 1, dtype=np.int64)
-        starts[1:] = np.cumsum(np.bincount(k, minlength=table.shape[1]))
+        starts = csr_offsets(k, table.shape[1])
         return _SortedTable(i[order], v[order], key[order], sorted_values, starts)
 
     def upto(self, k: IntArray, rank: IntArray) -> tuple[IntArray, IntArray]:
@@ -354,22 +318,14 @@ def _top_windows(prob: LevelProblem, ceiling: float, top: LevelProblem | None) -
     n = len(prob.states)
     if top is None or not (math.isfinite(ceiling) and ceiling > 0):
         return np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-    w = prob.states.compute_s / (top.unit_devices * ceiling)
-    before = np.maximum(np.ceil(w - 1e-9), 0.0).astype(np.int64)
-    after = np.maximum(np.ceil(w[-1] - w - 1e-9), 0.0).astype(np.int64)
-    return before, after
+    return compute_floors(prob.states.compute_s, top.unit_devices, ceiling)
 
 
 def _limits(
     ceiling: float, top: LevelProblem | None, before: IntArray, after: int | IntArray, params: FloatArray
 ) -> FloatArray:
-    """Slowest entry worth keeping per segment start i (the segment (i, j] has ``params``).
-
-    A top stage from i has at most ``room`` replicas; on R of them it takes (T + sync_R) / R with
-    sync_R = 4(R-1)P/(R·B·inner), so its inner time T must be at most R·ceiling - sync_R for some
-    R <= room. The sync only grows with the parameters, so an open segment (i, j], which a top
-    stage can only extend, is bounded by its own parameters too.
-    """
+    """Slowest entry worth keeping per segment start i (the segment (i, j] has ``params``): what a top
+    stage on at most ``room`` replicas, paying its gradient sync, can still use."""
     if top is None or not (math.isfinite(ceiling) and ceiling > 0):
         return np.full(len(before), ceiling * (1 + 1e-9))
     room = np.minimum(top.cap, top.units - before - after)
@@ -486,12 +442,8 @@ def _top_floor(
 
 
 def _top_cuts(top: LevelProblem | None, upper: float) -> npt.NDArray[np.bool_] | None:
-    """States a top-level plan as fast as ``upper`` can cut at (None: any, when upper is unknown).
-
-    Priced by ``_top_floor``, the fewest top units any such plan spends before a state and after
-    it must fit (``dp.cut_states``). Near the optimum few states pass (ResNet-101 on 4x4: 18 of
-    411 at the first bound), and only those rows of the table below are filled.
-    """
+    """States a top-level plan as fast as ``upper`` can cut at (None: any, when upper is unknown); only
+    those rows of the table below are filled (ResNet-101 on 4x4: 18 of 411 at the first bound)."""
     if top is None or not (math.isfinite(upper) and upper > 0):
         return None
     return cut_states(top, upper)

@@ -1,13 +1,5 @@
-"""The same stage + replication problem as a MILP in pulp, to cross-check the DP on small cases.
-
-Variables x[k, j, r] pick stage (k, j] of the downset states with r replicas; they form one path from
-the empty state to the full one (flow conservation) and use at most the cluster's devices. pipedream:
-the objective t bounds every chosen stage's time. 1f1b and gpipe: sum of the chosen stages'
-microbatch times + (M-1)·t + a, with t bounding each microbatch time and a each all-reduce (the
-two maxima of the synchronous model, linear as epigraph variables). HiGHS solves it when highspy
-imports, CBC otherwise. This is the only module that imports pulp, and only when a MILP is solved
-(importing the optimizer never loads it).
-"""
+"""The same stage + replication problem as a MILP in pulp, to cross-check the DP on small cases
+(docs/optimizer-search.md). The only module that imports pulp, and only when a MILP is solved."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""Plans for the schedules that lay several one-device stages on each GPU (``interleaved``'s virtual
-stages, stage ``s`` on GPU ``s mod gpus``; ``zbv``'s V), as ``ScheduleModel.laid_out`` says.
-
-Not an exact search: the cuts come from candidates ranked by the schedule's closed form (a lower
-bound on unequal stages); the :data:`SIMULATED` best that fit memory are priced by the event
-simulation of the runtime's lists (``pricing.simulate.played``), and the fastest wins, so a plan
-predicts what the simulation plays. The candidates are the exact straight plan of the model's
-``seed_schedule`` over ``gpus * v`` devices (balanced stages, which a laid-out schedule also wants:
-its time is driven by each GPU's sum of chunks and the slowest stage), when it uses all of them,
-and the contiguous splits of the layers' topological order: every one where they are few
-(:data:`EVERY_SPLIT_MAX`), else torchgpipe's time-balanced split hill-climbed one layer at a time
-under the closed form. An exact search over every downset would price the GPU sums inside the DP;
-it does not exist yet.
-"""
+"""Plans for the schedules that lay several one-device stages on each GPU (``ScheduleModel.laid_out``):
+candidate cuts ranked by the closed form, the best priced by the simulation; not an exact search
+(docs/optimizer-search.md)."""
 
 from __future__ import annotations
 

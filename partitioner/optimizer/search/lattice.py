@@ -1,13 +1,5 @@
-"""Exact search over *all* downsets without enumerating stage pairs, for DAGs with many downsets.
-
-The pair DP needs every (earlier cut, later cut) pair: billions on Inception-v3. Here, for a candidate
-time t and r replicas, stage (k, j] fits iff W_r(k) >= W_r(j) - r·t with W_r = compute + 4(r-1)/(rB)
-params (linear in the additive sums) and k's cut traffic fits r. So the question "fewest devices for
-cut j" only needs, for every device count v, the largest W_r over the cuts below j that v devices
-reach; that maximum propagates through the downset lattice along its covering edges (j minus one
-maximal layer), one size layer at a time. A probe costs states x covers x (replicas, devices) pairs
-with replicas + devices <= units, and a bisection over t finds the optimum to a relative 1e-7.
-"""
+"""Exact search over *all* downsets without enumerating stage pairs (billions on Inception-v3), by
+bisection on the time with a max-propagation through the downset lattice (docs/optimizer-search.md)."""
 
 from __future__ import annotations
 
@@ -26,7 +18,9 @@ from partitioner.optimizer.search.states import (
     _layers,
     _pack,
     _unpack,
+    csr_offsets,
     more_downsets_than,
+    runs,
 )
 from partitioner.plan import Link
 
@@ -103,18 +97,14 @@ class _Dag:
 def _csr(rows: WordArray) -> tuple[IntArray, IntArray]:
     """The set bits of each row as CSR lists (ascending)."""
     row, bit = _set_bits(rows)
-    ptr = np.zeros(len(rows) + 1, dtype=np.int64)
-    ptr[1:] = np.cumsum(np.bincount(row, minlength=len(rows)))
-    return ptr, bit
+    return csr_offsets(row, len(rows)), bit
 
 
 def _expand(csr: tuple[IntArray, IntArray], x: IntArray) -> tuple[IntArray, IntArray]:
     """(i, y) for every neighbour y of x[i] in the CSR lists."""
     ptr, flat = csr
-    count = ptr[x + 1] - ptr[x]
-    row = np.repeat(np.arange(len(x)), count)
-    first = np.cumsum(count) - count
-    return row, flat[ptr[x][row] + np.arange(len(row)) - first[row]]
+    row, at = runs(ptr[x], ptr[x + 1] - ptr[x])
+    return row, flat[at]
 
 
 def _inside(words: WordArray, rows: WordArray) -> npt.NDArray[np.bool_]:
@@ -143,13 +133,8 @@ def _next_free(dag: _Dag, free: WordArray, x: IntArray, grown: WordArray) -> Wor
 
 
 def enumerate_lattice(profile: Profile, cap: int, max_layer: int = 10_000) -> Lattice | None:
-    """Every downset, size layer by size layer, with covers and sums (vectorised per size layer).
-
-    None beyond ``cap`` downsets, or as soon as one size layer exceeds ``max_layer`` (a cheap sign
-    that the total explodes, as on NASNet; Inception-v3's widest layer has 7,010). A size layer's
-    states are numbered in order of discovery (parent, then added layer), and each state's sums
-    are its first parent's plus the added layer's.
-    """
+    """Every downset, size layer by size layer, with covers and sums (vectorised per size layer); None
+    beyond ``cap`` downsets or ``max_layer`` in one size layer (a cheap sign the total explodes)."""
     if more_downsets_than(profile, cap):
         return None
     dag = _Dag.of(profile)
@@ -197,11 +182,8 @@ def _set_bits(rows: WordArray) -> tuple[IntArray, IntArray]:
 
 
 def _distinct(grown: WordArray, keys: npt.NDArray[np.uint64]) -> tuple[IntArray, IntArray]:
-    """Distinct rows by first occurrence, and each row's index among them (in that order).
-
-    ``keys`` are additive hashes of the rows (sums of random words per layer): equal rows have equal
-    keys; rows sharing a key are compared in full, and a collision falls back to sorting the rows.
-    """
+    """Distinct rows by first occurrence, and each row's index among them (in that order), by additive
+    hashes ``keys`` (a collision falls back to sorting the rows)."""
     _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
     inverse = inverse.ravel()
     if not (grown == grown[first[inverse]]).all():  # a hash collision (never seen): exact fallback
@@ -246,12 +228,8 @@ def _budget(reps: FloatArray, tau: float, link: Link) -> FloatArray:
 
 @dataclass(frozen=True)
 class _Grid:
-    """The (replicas r, devices before v) pairs a probe tracks, by u = r + v <= units, then r.
-
-    Pairs with u > units can never be part of a plan, so they are not stored (about half of the
-    square). The pairs with u >= L are the columns ``start[L]:``, so a probe that knows every
-    state of a size layer (and every later one) needs at least L devices drops a column prefix.
-    """
+    """The (replicas r, devices before v) pairs a probe tracks, by u = r + v <= units, then r (so a
+    probe that needs at least L devices drops the column prefix before ``start[L]``)."""
 
     r_of: IntArray  # per pair: r - 1
     v_of: FloatArray  # per pair: v
@@ -269,12 +247,8 @@ class _Grid:
 
 @dataclass(frozen=True)
 class _Sweep:
-    """Per size layer, the covers laid out for slice-only maxima.
-
-    A layer's states are visited in ``order`` (most covers first), so the states with more than
-    c covers are a prefix: ``cols[c][:]`` are their c-th covers, as positions in the previous
-    layer's visiting order. Built once per search and shared by every probe.
-    """
+    """Per size layer, the covers laid out so each probe's maxima are slices (states visited most
+    covers first); built once per search and shared by every probe."""
 
     order: tuple[IntArray, ...]
     cols: tuple[tuple[IntArray, ...], ...]
@@ -308,13 +282,8 @@ def _probe(
     weights: FloatArray,
     band: bool = True,
 ) -> FloatArray:
-    """g[state]: fewest devices covering each downset with every stage at most tau (inf if none).
-
-    ``best[j, (r, v)]`` is the largest W_r of a cut strictly below j that v devices reach and whose
-    traffic r replicas can receive; it is the max over j's lower covers of theirs (rows in the
-    sweep's visiting order, so each cover column is a slice; float32). With ``band``, pairs with
-    r + v below ``_floors`` are dropped: no state from that size layer on can use them.
-    """
+    """g[state]: fewest devices covering each downset with every stage at most tau (inf if none), by
+    propagating the largest W_r over lower covers (float32; ``band``: drop pairs below ``_floors``)."""
     reps = np.arange(1, weights.shape[0] + 1, dtype=np.float64)
     grid = _Grid.of(units, len(reps))
     floors = _floors(lat, units, tau, weights) if band else np.ones(len(lat.starts), dtype=np.int64)
@@ -347,12 +316,8 @@ def _probe(
 
 
 def _floors(lat: Lattice, units: int, tau: float, weights: FloatArray) -> IntArray:
-    """Per size layer: devices every plan at tau surely puts on each of its states and later ones.
-
-    A stage (k, j] on r replicas fits only if (C_j - C_k) + a_r (P_j - P_k) <= r·tau, so a downset
-    needs at least C_j / tau devices; the float32 probe is trusted to ``margin`` devices (its
-    rounding: a few float32 ulps of the largest W per stage, at most ``units`` stages).
-    """
+    """Per size layer: devices every plan at tau surely puts on each of its states and later ones
+    (C_j / tau, less the float32 probe's rounding margin)."""
     margin = units * 1e-6 * float(weights[:, -1].max()) / tau + 1e-6
     lows = np.minimum.reduceat(lat.compute_s, lat.starts[:-1])
     floors = np.clip(np.ceil(lows / tau - margin), 1, units).astype(np.int64)
@@ -414,13 +379,8 @@ def solve_lattice(
     max_replicas: int | None = None,
     start: list[Segment] | None = None,
 ) -> tuple[float, list[Segment], float]:
-    """Optimum over all downsets, between a lower bound and an attained time ``upper``.
-
-    Gallop down from the start, bisection to 3e-3, then descent on attained values: rebuild the
-    plan, and probe just below its exact time; when that fails the plan is optimal (to the float32
-    probe's 1e-6 slack). ``start`` (a plan in this lattice's states, e.g. the one that attained
-    ``upper``) saves the first probe, and when the gallop cannot beat it, the next probe checks
-    whether it is already optimal (often so: one probe instead of a bisection).
+    """Optimum over all downsets, between a lower bound and an attained time ``upper`` (a gallop down,
+    a bisection, then descent on attained values; ``start``: a plan that attained ``upper``).
 
     Returns:
         (time, stages, certified lower bound).

@@ -1,17 +1,13 @@
-"""From a profile to what a search runs on, and from what it found back to stages on ranks.
-
-The exact searches work on downset states (``states``) and return segments (``dp.Segment``): a
-stage between two states on some replicas, possibly made of inner stages on a hierarchy. This
-module picks the states for a cluster (every downset where they are few enough, else prefixes of
-topological orders) and turns segments into ``StageSpec``s on global ranks, the model's inputs on
-the first stage and each free sink (a loss, an output) beside its producer.
-"""
+"""From a profile to what a search runs on (states), and from what it found (segments) back to
+stages on ranks."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
+from partitioner.errors import InfeasibleError
 from partitioner.graph import Profile
 from partitioner.optimizer.pricing.price import StageSpec
 from partitioner.optimizer.search.dp import Segment
@@ -26,11 +22,12 @@ from partitioner.optimizer.search.states import (
     thin_prefixes,
     without_free_sinks,
 )
-from partitioner.plan import Cluster
+from partitioner.plan import Cluster, Plan
 
 __all__ = [
     "HIERARCHY_MAX_STATES",
     "HIERARCHY_THIN_STATES",
+    "fastest",
     "flat_like",
     "hierarchy_states",
     "inputs",
@@ -131,3 +128,16 @@ def stage_specs(profile: Profile, states: StateSet | Lattice, segments: list[Seg
         members += list(inputs(profile)) if i == 0 else []
         out.append(StageSpec(tuple(sorted(members, key=order.__getitem__)), spec.replicas, spec.ranks))
     return out
+
+
+def fastest(makers: Iterable[Callable[[], Plan]]) -> Plan | None:
+    """The fastest plan of those the makers give (the first of equals; None: none fits)."""
+    best: Plan | None = None
+    for make in makers:
+        try:
+            plan = make()
+        except InfeasibleError:
+            continue
+        if best is None or plan.predicted.time_per_minibatch_s < best.predicted.time_per_minibatch_s:
+            best = plan
+    return best

@@ -1,10 +1,5 @@
-"""Fewest devices reaching each state (and, backwards, from each state to the end).
-
-A stage's earlier cut is a strict subset of its later one, so no stage joins two states of one size:
-the values of a whole size layer follow from the layers before it, one numpy pass each; or, when
-few devices matter, Bellman-Ford rounds over every stage at once. The DP's windows, the pair
-pruning and the synchronous search's feasibility test all rest on these.
-"""
+"""Fewest devices reaching each state (and, backwards, from each state to the end): what the DP's
+windows, the pair pruning and the synchronous search's feasibility test rest on."""
 
 from __future__ import annotations
 
@@ -14,20 +9,14 @@ import numpy as np
 
 from partitioner.optimizer.pricing.stage import FloatArray, IntArray
 
-__all__ = ["fewest_units", "fewest_units_after", "sweep_layers"]
+__all__ = ["compute_floors", "fewest_units", "fewest_units_after", "sweep_layers"]
 
 
 def fewest_units(
     ks: IntArray, offsets: IntArray, layers: IntArray, need: FloatArray, most: int | None = None
 ) -> FloatArray:
-    """g[j] = min over stages (k, j] of g[k] + need: fewest devices reaching each state.
-
-    Stages are CSR by j (``ks[offsets[j]:offsets[j + 1]]``); a stage's earlier cut is a strict
-    subset of its later one, so no stage joins two states of one size (``layers``): g of a whole
-    size layer follows from the layers before it, one numpy pass each. Given ``most`` (values
-    above it may come out larger), when that is cheaper: rounds over every stage at once, as
-    many as the stages a plan on ``most`` devices can have (``_rounds``).
-    """
+    """g[j] = min over stages (k, j] of g[k] + need: fewest devices reaching each state (stages CSR by
+    j), one numpy pass per size layer, or Bellman-Ford rounds where ``most`` makes them cheaper."""
     g = np.full(len(offsets) - 1, np.inf)
     g[0] = 0.0
     if most is not None and _rounds_pay(most, len(ks), len(layers)):
@@ -74,14 +63,20 @@ def sweep_layers(
 def fewest_units_after(
     ks: IntArray, js: IntArray, layers: IntArray, need: FloatArray, most: int | None = None
 ) -> FloatArray:
-    """h[k] = min over stages (k, j] of need + h[j]: fewest devices after each state to the end.
-
-    ``fewest_units`` run backwards, each state s numbered n - 1 - s: the pairs grouped by their
-    earlier state (a stable radix sort on 16-bit indices), from the last, are CSR by the later one.
-    """
+    """h[k] = min over stages (k, j] of need + h[j]: fewest devices after each state to the end
+    (``fewest_units`` run backwards, each state s numbered n - 1 - s)."""
     n = int(layers[-1])
     by_k = ks.astype(np.uint16) if n <= 1 << 16 else ks
     order = np.argsort(by_k, kind="stable")
     starts = np.searchsorted(by_k[order], np.arange(n + 1))
     back = order[::-1]
     return fewest_units(n - 1 - js[back], len(ks) - starts[::-1], (n - layers)[::-1], need[back], most)[::-1]
+
+
+def compute_floors(compute: FloatArray, devices: int, upper: float) -> tuple[IntArray, IntArray]:
+    """Units a plan as fast as ``upper`` surely has before / after each state: a stage carries at
+    most its units x ``devices`` x upper of compute (1e-9: a plan exactly at upper stays inside)."""
+    w = compute / (devices * upper)
+    before = np.maximum(np.ceil(w - 1e-9), 0.0)
+    before[0] = 0.0
+    return before.astype(np.int64), np.maximum(np.ceil((w[-1] - w) - 1e-9), 0.0).astype(np.int64)

@@ -1,23 +1,5 @@
-"""PipeDream's objective on one level, solved by its plain recurrence: the fast path's yardstick.
-
-The solvers in ``dp.py``, ``lattice.py`` and ``hierarchy.py`` stack bounds, windows and closed forms on
-top of one recurrence (PipeDream's ``compute_partitioning`` in optimizer_graph_hierarchical.py). This
-module is that recurrence and nothing else, priced by
-:func:`~partitioner.optimizer.pricing.stage.stage_time`,
-so a test can hold the fast path to it (tests/partitioner/optimizer/test_reference.py):
-
-    best[0, u] = 0
-    best[j, u] = min over states k before j, replicas r <= u of max(best[k, u - r], T(k, j, r))
-    T(k, j, r) = stage_time(C_j - C_k, P_j - P_k, r, act = max(act_k, act_j))
-
-``best[j, u]`` is the fastest pipeline over downset j on at most u devices (u - r devices may stay
-idle: ``best[0, x] = 0`` for every x); act_j is what crosses the cut at downset j (nothing at the
-empty one and the whole model). One flat level, no memory limit, pipedream schedule; costs
-states x predecessors x devices², which is why the fast path exists.
-
-``first_output=False`` prices as PipeDream's own optimizer does: the first stage's output never counts
-at the first stage's replica count (PipeDream charges that cut only as the second stage's input).
-"""
+"""PipeDream's objective on one level, solved by its plain recurrence (``compute_partitioning``): the
+yardstick the fast paths are tested against, nothing else (docs/optimizer-search.md)."""
 
 from __future__ import annotations
 
@@ -55,7 +37,7 @@ def stage_times(
 def solve_reference(
     states: StateSet, gpus: int, link: Link, max_replicas: int | None = None, first_output: bool = True
 ) -> ReferencePlan:
-    """The recurrence above, filled state by state (each needs only smaller ones).
+    """PipeDream's recurrence (docs/optimizer-search.md), filled state by state.
 
     Raises:
         InfeasibleError: ``gpus`` < 1 (no plan at all).

@@ -1,11 +1,5 @@
-"""The DP's states: downsets of the layer DAG (node sets closed under predecessors).
-
-A pipeline cut is a downset: everything before the cut must run in earlier stages. PipeDream
-enumerates the downsets it can reach from the first layer; we enumerate *all* of them when there are
-few enough for the pair DP (a superset, so our optimum is never worse), and otherwise fall back,
-honestly flagged, to the prefixes of three topological orders (exact for chains, approximate for
-branches). Larger lattices (up to 400,000 downsets) are searched exactly by ``lattice.py`` instead.
-"""
+"""The DP's states: downsets of the layer DAG, as every pipeline cut is one (all of them when few,
+else prefixes of three topological orders, honestly flagged; docs/optimizer-search.md)."""
 
 from __future__ import annotations
 
@@ -25,12 +19,14 @@ __all__ = [
     "StateSet",
     "build_states",
     "chain_states",
+    "csr_offsets",
     "downset_states",
     "downsets_at_least",
     "free_sinks",
     "more_downsets_than",
     "multi_order_states",
     "prefix_chain",
+    "runs",
     "thin_prefixes",
     "without_free_sinks",
 ]
@@ -139,6 +135,19 @@ class StateSet:
         return tuple(lid for i, lid in enumerate(self.layer_ids) if diff >> i & 1)
 
 
+def csr_offsets(js: IntArray, n: int) -> IntArray:
+    """offsets[j] = how many of ``js`` are below j (n + 1 entries): items grouped by j, CSR."""
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum(np.bincount(js, minlength=n))
+    return offsets
+
+
+def runs(start: IntArray, count: IntArray) -> tuple[IntArray, IntArray]:
+    """(owner, element) for every element of the runs [start[i], start[i] + count[i])."""
+    owner = np.repeat(np.arange(len(count)), count)
+    return owner, np.repeat(start - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))
+
+
 def blocks(counts: IntArray, size: int) -> Iterator[tuple[int, int]]:
     """Runs of states [lo, hi) with about ``size`` pairs each (at least one state per run)."""
     ends = np.cumsum(counts)
@@ -203,11 +212,8 @@ def _layers(profile: Profile) -> tuple[list[str], list[int], list[int]]:
 
 
 def _enumerate(preds: list[int], succs: list[int], cap: int) -> list[int] | None:
-    """Every downset, breadth first by size; None once there are more than ``cap``.
-
-    Each downset carries the bitmask of layers that may join it next, so growing it touches only
-    those (not every layer): the enumeration costs states x addable layers.
-    """
+    """Every downset, breadth first by size, each grown only by the layers that may join it; None
+    once there are more than ``cap``."""
     roots = sum(1 << i for i, p in enumerate(preds) if p == 0)
     layer = {0: roots}
     found = [0]
@@ -307,14 +313,8 @@ def _subset_preds(masks: list[int], width: int) -> tuple[IntArray, ...]:
 
 
 def downsets_at_least(preds: list[int], succs: list[int], cap: int) -> int:
-    """A lower bound on the number of downsets (exceeds ``cap`` early), to skip a doomed listing.
-
-    Pairwise incomparable chains give at least the product of (length + 1) downsets: each picks
-    its own prefix. The chains are the DAG's series runs (each layer the only reader of the one
-    before, which is its only producer), longest first. Paths leave a run only at its tail and
-    enter one only at its head, so run a lies below run b iff b's head descends from a's tail.
-    NASNet's first cells alone pass 400,000 here in a millisecond; listing them took 0.05 s.
-    """
+    """A lower bound on the number of downsets (exceeds ``cap`` early), to skip a doomed listing: the
+    product of (length + 1) over pairwise incomparable series runs (docs/optimizer-search.md)."""
     below: list[int] = []  # per layer: its ancestors as a bitmask
     for bits in preds:
         mask = 0
@@ -423,11 +423,8 @@ def _prefix_sums(
     profile: Profile, ids: list[str], succs: list[int], orders: list[list[int]], prefixes: list[list[int]],
     ordered: list[int],
 ) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray]:  # fmt: skip
-    """``_sums`` and ``_boundary`` of prefix states, from running sums along each order.
-
-    A layer's output leaves a prefix of an order from the layer's own position until its last
-    reader's, so the bytes leaving every prefix are one cumulative sum of +out / -out marks.
-    """
+    """``_sums`` and ``_boundary`` of prefix states, from running sums along each order (the bytes
+    leaving every prefix are one cumulative sum of +out / -out marks)."""
     cols = _columns(profile, ids)
     out = np.zeros((len(ordered), 4))
     index = {m: i for i, m in enumerate(ordered)}
@@ -451,16 +448,9 @@ def _prefix_sums(
 
 @dataclass(frozen=True)
 class PrefixPreds:
-    """The strict subsets of every prefix state, kept as runs along the orders, not listed.
-
-    Prefix p of order a lies inside prefix q of order b iff every layer of it comes before
-    position q in b: the running maximum of those positions is below q. That maximum grows with p,
-    so the prefixes of a inside a given state are a leading run, found by one binary search.
-    Each state is counted in one order only (its home: the first order it is a prefix of), so
-    the runs never list a state twice. NASNet's prefixes have millions of subset pairs and a plan
-    as fast as a known one uses about a tenth, so callers list pairs a block at a time between
-    the states they keep (``StateSet.pair_blocks``) instead of holding them all.
-    """
+    """The strict subsets of every prefix state, kept as runs along the orders (one binary search per
+    state and order), not listed: NASNet's prefixes have millions of subset pairs
+    (docs/optimizer-search.md)."""
 
     own: tuple[IntArray, ...]  # per order: the states whose home it is, shortest prefix first
     upto: IntArray  # [order, j]: how many of own[order] are strict subsets of state j
@@ -474,11 +464,7 @@ class PrefixPreds:
         return np.asarray(self.upto.sum(axis=0), dtype=np.int64)
 
     def limited(self, need: IntArray, room: IntArray) -> PrefixPreds:
-        """The runs of pairs (k, j) with need[k] <= room[j] only.
-
-        States j sharing a room share one filtered copy of each order's list, so the result has
-        an order per (room value, order): few, as rooms are unit counts.
-        """
+        """The runs of pairs (k, j) with need[k] <= room[j] only (one filtered copy per room value)."""
         own: list[IntArray] = []
         rows: list[IntArray] = []
         for value in np.unique(room).tolist():
@@ -508,11 +494,8 @@ class PrefixPreds:
         """The pairs (k, j) for j in [lo, hi), grouped by j: one pass, however many orders."""
         count = self.upto[:, lo:hi].T.reshape(-1)  # runs (j, order), j-major
         first = np.cumsum([0] + [len(o) for o in self.own[:-1]])
-        starts = np.tile(first, hi - lo)
-        total = int(count.sum())
-        run = np.repeat(np.arange(len(count)), count)
-        at = np.repeat(starts - (np.cumsum(count) - count), count) + np.arange(total)
-        ks = np.concatenate(self.own)[at] if total else np.zeros(0, dtype=np.int64)
+        run, at = runs(np.tile(first, hi - lo), count)
+        ks = np.concatenate(self.own)[at] if len(at) else np.zeros(0, dtype=np.int64)
         return ks.astype(np.int64), (lo + run // len(self.own)).astype(np.int64)
 
     @staticmethod

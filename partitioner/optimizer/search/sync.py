@@ -1,16 +1,6 @@
-"""Exact search for the synchronous schedules (1f1b, gpipe) on one level, by branch and bound.
-
-Their minibatch takes T = sum(u) + (M-1)·max(u) + max(A) (``cost._sync_times``): u is a stage's
-microbatch time (compute and cut traffic over r·M), A its gradient all-reduce. Neither max is
-additive, so no single DP minimises T. But for caps (tau, alpha), h(tau, alpha) = the least sum(u)
-over plans whose every stage has u <= tau and A <= alpha is a DP over the downset states (fewest
-microbatch time per state and device count). A plan p found at the caps, with its own maxima
-(u_p, A_p), is then the best of every plan whose maxima lie in [u_p, tau] x [A_p, alpha]: each of
-those is feasible at the caps, so its sum is at least h. The search keeps boxes of maxima not yet
-covered, each with the bound h(corner above it) + (M-1)·tau_low + alpha_low, probes wide boxes in
-their middle (a bisection), and stops when no box can beat the best plan: the result is then
-optimal over the states.
-"""
+"""Exact search for the synchronous schedules (1f1b, gpipe) on one level, by branch and bound: their
+time sum(u) + (M-1)·max(u) + max(A) is not additive, so no single DP minimises it
+(docs/optimizer-search.md)."""
 
 from __future__ import annotations
 
@@ -24,7 +14,7 @@ from partitioner.optimizer.pricing.memory import MemoryLimit
 from partitioner.optimizer.pricing.stage import FloatArray, IntArray, allreduce_time, microbatch_time
 from partitioner.optimizer.search.dp import Segment
 from partitioner.optimizer.search.reach import fewest_units, fewest_units_after
-from partitioner.optimizer.search.states import StateSet
+from partitioner.optimizer.search.states import StateSet, csr_offsets
 from partitioner.plan import Link
 
 __all__ = ["MAX_CHOICES", "MAX_STEPS", "solve_synchronous"]
@@ -36,14 +26,8 @@ WIDE = 1.02  # a box whose tau range spans more than 2% may be probed at its geo
 
 @dataclass(frozen=True)
 class _Choices:
-    """Every stage (k, j], sorted by the later state j (CSR), with its times on 1..cap replicas,
-    and a quick test whether any plan meets caps.
-
-    u falls as 1/r and A rises with r, so a stage meets (tau, alpha) with r replicas exactly for
-    r in [ceil(X / (M·tau)), A's limit]; the fewest devices per state then follow one size layer
-    at a time (no stage joins two states of one size). Bounds are rounded outwards: the test may
-    pass caps no plan meets (the DP then finds none), never the reverse.
-    """
+    """Every stage (k, j], CSR by j, with its times on 1..cap replicas, and a quick test (rounded
+    outwards: never rejects a feasible cap) whether any plan meets caps (tau, alpha)."""
 
     k: IntArray
     j: IntArray
@@ -77,7 +61,7 @@ class _Choices:
             fits = memory.fits((params + copies)[:, None], saved[:, None], r, largest[:, None])
             u = np.where(fits, u, np.inf)
             r_mem = np.maximum(memory.replicas(params + copies, saved, largest), 1.0)
-        offsets = np.concatenate([[0], np.cumsum(np.bincount(j, minlength=n))]).astype(np.int64)
+        offsets = csr_offsets(j, n)
         u, a = np.asarray(u, dtype=np.float64), np.asarray(a, dtype=np.float64)
         layers = states.size_layers()
         return _Choices(k, j, offsets, layers, x, params, r_mem, u, a, states.compute_s, m, cap, link)
@@ -111,14 +95,8 @@ class _Found:
 def _least_sum(
     ch: _Choices, n: int, units: int, tau: float, alpha: float, need: FloatArray, before: FloatArray
 ) -> _Found | None:  # fmt: skip
-    """h(tau, alpha) and a plan attaining it (None when no plan meets the caps).
-
-    f[j, g] = least sum of u covering state j on at most g devices. Column g reads f[k, g - r]
-    for r = 1..g, which is row k of the finished columns read backwards: one [pair, r] pass.
-    Only stages whose fewest replicas (``need``) fit between the devices any plan meeting the caps
-    spends before them (``before``) and after them (the same DP backwards; both at least
-    C / (M·tau): every u <= tau) take part.
-    """
+    """h(tau, alpha) and a plan attaining it (None when no plan meets the caps): f[j, g] = least sum
+    of u covering state j on at most g devices, over the stages that fit the device windows."""
     c = ch.compute / (ch.m * tau) if tau > 0 else np.zeros_like(ch.compute)
     before = np.maximum(before, np.ceil(c * (1 - 1e-9)))
     after = fewest_units_after(ch.k, ch.j, ch.layers, need, units)
