@@ -128,7 +128,8 @@ def main(debug: bool, verbose: int) -> None:
     show_default=True,
     help="whole: build the model on the device and time the whole step too; layer: build it without "
     "weights and make one layer real at a time (memory of one layer, no whole-step time); auto: whole "
-    "while the weights take at most an eighth of the free memory.",
+    "while the weights take at most an eighth of the free memory, and layer for a model that repeats a "
+    "block 8 times or more unless fixed per-call times are measured (--batch-size 2 or more).",
 )
 @click.option(
     "--device-model",
