@@ -128,7 +128,8 @@ def main(debug: bool, verbose: int) -> None:
     show_default=True,
     help="whole: build the model on the device and time the whole step too; layer: build it without "
     "weights and make one layer real at a time (memory of one layer, no whole-step time); auto: whole "
-    "while the weights take at most an eighth of the free memory.",
+    "while the weights take at most an eighth of the free memory, and layer for a model that repeats a "
+    "block 8 times or more unless fixed per-call times are measured (--batch-size 2 or more).",
 )
 @click.option(
     "--device-model",
@@ -391,15 +392,15 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
 
     import torch
 
-    from cli_render.verify import print_verify
-    from partitioner.verify import newest_package, run_batch_sizes, verify_package
+    from cli_render.verify import print_verify, verify_with_progress
+    from partitioner.verify import newest_package, run_batch_sizes
     from runtime.heap import map_large_blocks
 
     folder = Path(package) if package is not None else newest_package(Path(models_dir))
     torch.set_num_threads(min(torch.get_num_threads(), 4))
     map_large_blocks()  # weights are made and dropped one by one: give their memory back each time
     sizes = (batch_size,) if batch_size else run_batch_sizes(folder)
-    reports = [verify_package(folder, seed=seed, batch_size=b) for b in sizes]
+    reports = verify_with_progress(folder, sizes, seed)
     sys.exit(0 if print_verify(reports).ok else 1)
 
 

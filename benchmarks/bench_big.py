@@ -6,8 +6,9 @@ records its wall time, its peak resident memory (the child's ``ru_maxrss``) and 
 average before it (this machine is shared: wall times include waiting for other jobs).
 
 - ``blocks``: Llama configs identical but for their depth (2, 8, 32 decoder layers), profiled at
-  batch 1 x 128 tokens, layer by layer and whole: with identical layers measured once, the time
-  should not grow with the depth (target: 32 blocks within 1.5x of 2). Rounds alternate the order.
+  batch 1 x 128 tokens, ``--materialize`` auto (the default), layer and whole: with identical
+  layers measured once, the default's time should not grow with the depth (target: 32 blocks
+  within 1.5x of 2). Rounds alternate the order.
 - ``memory``: Llama configs of growing size (hidden 1024: 2 to 32 layers, 0.1B to 0.5B parameters)
   profiled layer by layer and whole: layer by layer, peak memory should follow the largest layer,
   not the model.
@@ -122,8 +123,9 @@ def blocks(folder: Path, rounds: int) -> list[dict[str, Any]]:
     for r in range(rounds):
         for depth in (2, 8, 32) if r % 2 == 0 else (32, 8, 2):
             spec = llama(folder, f"blocks{depth}", 512, depth)
-            for mode in ("layer", "whole"):
-                rows.append({"round": r + 1, "depth": depth, **_small(folder, spec, f"blocks{depth}", mode)})
+            for mode in ("auto", "layer", "whole"):
+                row = _small(folder, spec, f"blocks{depth}", mode)
+                rows.append({"round": r + 1, "depth": depth, "mode": mode, **row})
     return rows
 
 
@@ -254,6 +256,25 @@ def _table(title: str, columns: dict[str, str], rows: list[dict[str, Any]]) -> l
     return [*out, ""]
 
 
+def _depth_ratios(rows: list[dict[str, Any]]) -> list[str]:
+    """Per ``--materialize`` mode, 32 blocks against 2: the ratio of their summed CPU and wall seconds
+    over the rounds (CPU seconds are the fair figure on a shared machine)."""
+    lines = []
+    for mode in dict.fromkeys(r.get("mode", r.get("materialized")) for r in rows):
+
+        def total(depth: int, key: str, mode: Any = mode) -> float:
+            return sum(
+                r[key] for r in rows if r.get("mode", r.get("materialized")) == mode and r["depth"] == depth
+            )
+
+        if total(2, "cpu_s") and total(2, "wall_s"):
+            cpu, wall = total(32, "cpu_s") / total(2, "cpu_s"), total(32, "wall_s") / total(2, "wall_s")
+            lines.append(
+                f"- {mode}: 32 blocks took {cpu:.2f}x the CPU time of 2 blocks ({wall:.2f}x the wall time)"
+            )
+    return lines
+
+
 def markdown(doc: dict[str, Any]) -> str:
     kept = f" (sections kept from an earlier run: {', '.join(doc['kept'])})" if doc.get("kept") else ""
     header = f"{doc['machine']}; wall {doc['wall_s']} s{kept}."
@@ -261,9 +282,11 @@ def markdown(doc: dict[str, Any]) -> str:
     timing = {"wall s": "wall_s", "cpu s": "cpu_s", "peak RSS GiB": "peak_rss_gib", "load": "loadavg_1min"}
     if "blocks" in doc:
         title = "Profile time against identical blocks (Llama, hidden 512, batch 1 x 128 tokens)"
-        columns = {"round": "round", "blocks": "depth", "materialize": "materialized", **timing,
-                   "layers": "layers", "distinct": "distinct"}  # fmt: skip
+        columns = {"round": "round", "blocks": "depth", "--materialize": "mode",
+                   "materialized": "materialized",
+                   **timing, "layers": "layers", "distinct": "distinct"}  # fmt: skip
         lines += _table(title, columns, doc["blocks"])
+        lines += [*_depth_ratios(doc["blocks"]), ""]
     if "memory" in doc:
         title = "Profile peak memory against model size (Llama, hidden 1024, batch 1 x 128 tokens)"
         columns = {"blocks": "depth", "materialize": "materialized", "weights GiB": "weights_gib",

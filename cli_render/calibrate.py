@@ -18,7 +18,7 @@ def print_calibration(done: Calibration) -> None:
         console(stderr=True).print(f"[yellow]note:[/yellow] {note}", soft_wrap=True)
     forwards = 1 if get_schedule(plan.schedule).stashes else plan.microbatches
     out.print(calibration_table(at_microbatches(done.profile, forwards), plan, done.measured_s))
-    out.print(f"wrote {path}; next: pipeplan partition --profile {path} ...", soft_wrap=True)
+    out.print(f"wrote {path}; next: pipeplan partition --profile {path} {_devices(plan)}", soft_wrap=True)
     if device is not None:
         out.print(
             f"the profile was estimated for {device.name}: its efficiencies corrected to matmul "
@@ -27,6 +27,14 @@ def print_calibration(done: Calibration) -> None:
             f"--device-model {done.device_path})",
             soft_wrap=True,
         )
+
+
+def _devices(plan: Any) -> str:
+    """The partition option for the plan's devices, so that the next command runs as printed (for a
+    cluster of several levels, ``...``: the links the user gave, theirs to repeat)."""
+    levels = plan.cluster.levels
+    counts = ",".join(str(level.devices) for level in levels)
+    return f"--gpus {plan.cluster.gpus}" if len(levels) == 1 else f"--topology {counts} ..."
 
 
 def calibration_table(profile: Any, plan: Any, measured_s: Any) -> Any:

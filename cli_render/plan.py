@@ -42,7 +42,9 @@ def print_partition(done: Partitioned, optimizer: str, asked: int | None) -> Non
     note = microbatch_note(profile, plan)
     if note:
         out.print(f"[yellow]note:[/yellow] {note}")
-    out.print(f"wrote {done.out_dir}/plan.json and mp_conf.json", soft_wrap=True)
+    kept = ", ".join(f"{name}/" for name in done.kept_runs)
+    kept = f"; the replaced plan's runs are kept in {kept}" if kept else ""
+    out.print(f"wrote {done.out_dir}/plan.json and mp_conf.json{kept}", soft_wrap=True)
 
 
 def plan_table(plan: Any, profile: Any) -> Any:

@@ -62,7 +62,10 @@ def profile_totals(profile: Any, path: Any) -> str:
     copies = f" + {cast:.1f} MB of {profile.precision} weight copies per forward" if cast else ""
     measured = profile.extra.get("layers_measured") or {}
     distinct = f", {measured['distinct']} distinct" if measured.get("reused") else ""
-    how = {"layer": "measured layer by layer", "none": f"estimated for {profile.device}"}
+    how = {
+        "layer": "measured layer by layer: --materialize whole times it",
+        "none": f"estimated for {profile.device}",
+    }
     step = (
         f"whole step {profile.step_ms:.1f} ms; fidelity {fidelity}"
         if profile.step_ms

@@ -135,7 +135,6 @@ def print_run_table(metrics: dict[str, Any], path: object, checkpoints: object =
     out.print(
         f"[yellow]note:[/yellow] measured/predicted {ratio:.2f}{shared}: `pipeplan calibrate` feeds the "
         "measured stage times back into the profile, so the next `pipeplan partition` plans with them",
-        soft_wrap=True,
     )
 
 

@@ -32,7 +32,7 @@ from partitioner.errors import PackageError, PipeplanError, PlanError
 from partitioner.graph import Profile
 from partitioner.package_text import init_text, source_text, stage_text
 from partitioner.plan import Plan, Tie, mp_conf, plan_to_json
-from partitioner.split import CONSTANT_MAX_ELEMENTS, StageGraph, split_graph, tensor_kinds
+from partitioner.split import CONSTANT_MAX_ELEMENTS, StageGraph, kinds_and_output, split_graph
 from runtime import stagekit
 from runtime.runlock import holder
 from runtime.schedule import SCHEDULES, get_schedule
@@ -165,7 +165,7 @@ def write_package_from_trace(
         init = "exact" if size <= EXACT_INIT_MAX_BYTES else "seeded"
     inputs = tuple(bundle.inputs)
     reshaped = bool(dict(profile.tracer_options).get("input_shape"))
-    kinds, _ = tensor_kinds(gm, inputs)
+    kinds, _, output = kinds_and_output(gm, inputs)  # one run of the graph, without computing
     drop = _foreign_calls(gm, bundle.module)
     stages = split_graph(
         gm,
@@ -182,7 +182,7 @@ def write_package_from_trace(
         _check_weights(weights_path, bundle.module)
     loss = _loss_kind(bundle, gm, inputs)
     names = pipedream_names([n.name for n in gm.graph.nodes if n.op == "placeholder"], stages)
-    extra = _extra(gm, bundle, stages, names, loss, weights_path, tracer, init, reshaped)
+    extra = _extra(gm, bundle, stages, names, loss, weights_path, tracer, init, reshaped, output)
     final = replace(
         plan,
         model=plan.model or profile.model,
@@ -406,9 +406,11 @@ def _extra(
     tracer: str,
     init: str,
     reshaped: bool,
+    output: Any,
 ) -> dict[str, Any]:
+    """plan.json's ``extra`` of a package; ``output``: the graph's (from an empty batch: shapes only)."""
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    logits = stagekit.loss_input(_output(gm, bundle.inputs))  # from an empty batch: shapes only
+    logits = stagekit.loss_input(output)
     classes = int(logits.shape[-1]) if logits.dim() > 1 else len(bundle.inputs[0])  # output classes
     inputs, targets = _data_specs(bundle, placeholders, classes)
     return {
@@ -424,18 +426,6 @@ def _extra(
         "stage_outputs": [[names[n] for n in s.out_names] for s in stages],
         "tensor_names": {pipedream: name for name, pipedream in names.items()},
     }
-
-
-def _output(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> Any:
-    """The model's output for ``inputs`` (its shape is what is read): from a dry run, else a real one."""
-    from partitioner.dry_run import NeedsValues, dry_run
-
-    try:
-        return dry_run(gm, inputs)[0]
-    except NeedsValues as exc:
-        log.info("%s; running the model for real", exc)
-        with torch.no_grad():
-            return fx.Interpreter(gm).run(*inputs)
 
 
 def _static(gm: fx.GraphModule) -> bool:

@@ -269,6 +269,13 @@ def load_device_model(spec: str) -> DeviceModel:
     """
     if spec in PRESETS:
         return PRESETS[spec]
+    if spec == "cpu":
+        raise PipeplanError(
+            "device model 'cpu' is not a preset: it is this machine's CPU, measured when asked for "
+            "(`pipeplan profile --device-model cpu` measures it; in Python, "
+            "partitioner.profiler.cpu_model.cpu_model()); load_device_model takes a preset "
+            f"({', '.join(PRESETS)}) or a device model JSON file"
+        )
     close = difflib.get_close_matches(spec, [*PRESETS, "cpu"], n=2)
     hint = f" (did you mean {' or '.join(close)}?)" if close else ""
     presets = f"{hint}: use a preset ({', '.join([*PRESETS, 'cpu'])}) or a device model JSON file"

@@ -25,7 +25,6 @@ from partitioner.clusters import default_latency, levels_of, load_cluster
 from partitioner.devices import estimated_device
 from partitioner.errors import PlanError, ProfileFormatError
 from partitioner.graph import Profile, load_profile
-from partitioner.models import model_name
 from partitioner.optimizer import evaluate, solve
 from partitioner.optimizer.auto import AUTO_SCHEDULES, AutoChoice, solve_auto
 from partitioner.optimizer.options import (
@@ -45,7 +44,6 @@ from partitioner.optimizer.pricing.simulate import (
 )
 from partitioner.optimizer.units import parse_bytes, parse_int_list
 from partitioner.plan import Cluster, Plan, mp_conf, save_plan
-from partitioner.profiler.budget import unbuildable
 from partitioner.update import with_update_time
 from runtime.newest import newest
 from runtime.schedule import get_schedule
@@ -86,7 +84,8 @@ class PartitionRequest:
 @dataclass(frozen=True)
 class Partitioned:
     """A written plan and what its output shows: the profile it was priced on (with the update
-    time), the cluster, the simulation, ``auto``'s choice and ``--explain``'s baselines."""
+    time), the cluster, the simulation, ``auto``'s choice, ``--explain``'s baselines, and the runs of
+    the plan it replaced that the package folder now keeps (``runs.<time>``: newly moved, by name)."""
 
     plan: Plan
     profile: Profile
@@ -96,6 +95,7 @@ class Partitioned:
     recompute: str
     choice: AutoChoice | None = None
     alternatives: dict[str, Plan | None] | None = None
+    kept_runs: tuple[str, ...] = ()
 
 
 def partition(request: PartitionRequest, note: Callable[[str], None] = lambda _: None) -> Partitioned:
@@ -127,14 +127,16 @@ def partition(request: PartitionRequest, note: Callable[[str], None] = lambda _:
     check_replicas(plan)
     check_microbatches(profile, plan.schedule, plan.microbatches)  # (after the schedule's own checks)
     plan = replace(plan, profile=str(path), precision=profile.precision)
-    name = profile.model if profile.tracer == "pipedream" else model_name(profile.model)
+    name = profile.model if profile.tracer == "pipedream" else _model_name(profile.model)
     out_dir = Path(r.output) / re.sub(r"[^A-Za-z0-9_.-]+", "_", name or "model") / f"gpus={cluster.gpus}"
+    before = _kept_runs(out_dir)
     sim = simulate(plan, profile)
     plan = _write_plan(profile, with_stage_bubbles(plan, sim), out_dir, r.weights, r.init, note)
+    kept = tuple(sorted(_kept_runs(out_dir) - before))
     if r.trace_path:
         write_chrome_trace(sim, r.trace_path)
     others = alternatives(profile, cluster, schedule, micro, r.optimizer, recompute) if r.explain else None
-    return Partitioned(plan, profile, cluster, sim, out_dir, recompute, choice, others)
+    return Partitioned(plan, profile, cluster, sim, out_dir, recompute, choice, others, kept)
 
 
 def _solve(
@@ -281,7 +283,12 @@ def _write_plan(
     profile: Profile, plan: Plan, out_dir: Path, weights: str | None, init: str, note: Callable[[str], None]
 ) -> Plan:
     """The package (stage code, plan.json, mp_conf.json); only the plan where no code can be written."""
-    too_big = unbuildable(profile)
+    if profile.tracer == "pipedream":  # (no model: only the plan; torch is not even imported)
+        too_big = None
+    else:
+        from partitioner.profiler.budget import unbuildable
+
+        too_big = unbuildable(profile)
     if profile.tracer != "pipedream" and too_big is None:
         from partitioner.codegen import write_package  # (torch: only where code is written)
 
@@ -294,6 +301,23 @@ def _write_plan(
     save_plan(plan, out_dir / "plan.json")
     write_text_atomic(out_dir / "mp_conf.json", json.dumps(mp_conf(plan.stages), indent=1) + "\n")
     return plan
+
+
+def _model_name(spec: str) -> str:
+    """:func:`partitioner.models.model_name` (models brings torch: imported for traced profiles only)."""
+    from partitioner.models import model_name
+
+    return model_name(spec)
+
+
+def _kept_runs(out_dir: Path) -> set[str]:
+    """The runs of replaced plans ``out_dir`` keeps (:func:`partitioner.codegen.kept_runs`; codegen
+    is imported only where the folder has runs: a graph.txt profile's plan never needs it)."""
+    if not any(out_dir.glob("run*")):
+        return set()
+    from partitioner.codegen import kept_runs
+
+    return kept_runs(out_dir)
 
 
 def microbatch_note(profile: Profile, plan: Plan) -> str | None:

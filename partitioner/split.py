@@ -17,6 +17,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import fx
@@ -24,7 +25,14 @@ from torch import fx
 from partitioner.errors import PlanError
 from partitioner.model_output import OutputStructure, output_structure, rebuild
 
-__all__ = ["CONSTANT_MAX_ELEMENTS", "StageGraph", "constant_node", "split_graph", "tensor_kinds"]
+__all__ = [
+    "CONSTANT_MAX_ELEMENTS",
+    "StageGraph",
+    "constant_node",
+    "kinds_and_output",
+    "split_graph",
+    "tensor_kinds",
+]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +65,15 @@ def tensor_kinds(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> tuple[
     Returns:
         (node name -> produces a tensor, name of the node whose tensor the loss reads).
     """
+    kinds, loss_node, _ = kinds_and_output(gm, inputs)
+    return kinds, loss_node
+
+
+def kinds_and_output(
+    gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]
+) -> tuple[dict[str, bool], str, Any]:
+    """:func:`tensor_kinds` and the graph's output from the same run (from a dry run its tensors are
+    empty: their shapes are what can be read), so code generation runs the graph once."""
     from partitioner.dry_run import NeedsValues, dry_run
     from runtime.stagekit import loss_input
 
@@ -64,19 +81,27 @@ def tensor_kinds(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> tuple[
         output, values = dry_run(gm, inputs)
     except NeedsValues as exc:
         log.info("%s; running the model for real", exc)
-        return _tensor_kinds_for_real(gm, inputs)
+        return _kinds_and_output_for_real(gm, inputs)
     kinds = {name: isinstance(value, torch.Tensor) for name, value in values.items()}
     ids = {id(value): name for name, value in values.items() if isinstance(value, torch.Tensor)}
     target = loss_input(output)
     if id(target) not in ids:
         raise PlanError("the model's output tensor is not produced by any traced node")
-    return kinds, ids[id(target)]
+    return kinds, ids[id(target)], output
 
 
 def _tensor_kinds_for_real(
     gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]
 ) -> tuple[dict[str, bool], str]:
     """:func:`tensor_kinds` by running the graph on ``inputs``, for graphs that need values."""
+    kinds, loss_node, _ = _kinds_and_output_for_real(gm, inputs)
+    return kinds, loss_node
+
+
+def _kinds_and_output_for_real(
+    gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]
+) -> tuple[dict[str, bool], str, Any]:
+    """:func:`kinds_and_output` by running the graph on ``inputs``, for graphs that need values."""
     from runtime.stagekit import loss_input
 
     kinds: dict[str, bool] = {}
@@ -97,7 +122,7 @@ def _tensor_kinds_for_real(
     target = loss_input(output)
     if id(target) not in ids:
         raise PlanError("the model's output tensor is not produced by any traced node")
-    return kinds, ids[id(target)]
+    return kinds, ids[id(target)], output
 
 
 def _compute_nodes(gm: fx.GraphModule, drop: frozenset[str] = frozenset()) -> list[fx.Node]:

@@ -174,9 +174,16 @@ def run_batch_sizes(folder: Path) -> tuple[int, ...]:
 
 
 def verify_package(
-    folder: Path, seed: int = 0, batch_size: int | None = None, rtol: float = RTOL, atol: float = ATOL
+    folder: Path,
+    seed: int = 0,
+    batch_size: int | None = None,
+    rtol: float = RTOL,
+    atol: float = ATOL,
+    progress: Callable[[str, int, int], None] = lambda *_: None,
 ) -> VerifyReport:
-    """Compare the package's stages with its original model on one minibatch (see the module docstring)."""
+    """Compare the package's stages with its original model on one minibatch (see the module
+    docstring). ``progress(what, stages done, stages)`` is called as each phase starts: a large
+    model's check takes minutes."""
     package, plan, _ = load_package(folder)
     static = plan.extra.get("static_batch_size")
     if static and batch_size and batch_size != static:
@@ -189,11 +196,13 @@ def verify_package(
     chain = _Chain(package, [(list(e[1]), list(e[2])) for e in entries[:-1]], seed, criterion)
     inputs = package.example_inputs(batch)
     targets = package.example_targets(batch)
+    progress(f"forward through the stages at batch {batch}", 0, len(chain.wiring))
     output, loss = chain.forward(inputs, targets)
     reference = _Reference(Streamed(original), plan, criterion, targets, seed, rtol, atol)
     call = _caller(plan, inputs)
     results: dict[int, tuple[int, int, float]] = {}
     for k in reversed(range(len(chain.wiring))):
+        progress(f"checking stage {k}'s gradients at batch {batch}", len(results), len(chain.wiring))
         module = package.stage(k, seed).train()
         init_error = _max_error(_init_pairs(module, original))
         params = dict(module.named_parameters())

@@ -45,6 +45,7 @@ def test_calibrate_then_partition(tmp_path: Path) -> None:
     code, out = _invoke("calibrate", "--models-dir", str(tmp_path / "m"), "-o", str(tmp_path / "c.json"))
     assert code == 0, out
     assert "3.00x" in out and "1.50x" in out
+    assert f"next: pipeplan partition --profile {tmp_path / 'c.json'} --gpus 2\n" in out  # runs as printed
     assert load_profile(tmp_path / "c.json").extra["calibrated"]["plan_stages"] == 2
     again = ("-o", str(tmp_path / "again"), "--json")
     code, out = _invoke("partition", "--profile", str(tmp_path / "c.json"), *fixed, *again)

@@ -289,3 +289,61 @@ def test_schedule_auto_recomputes_by_default_and_a_fixed_schedule_does_not(
                             "-o", str(tmp_path / schedule))  # fmt: skip
         assert code == 0, out
         assert load_plan(next((tmp_path / schedule).glob("*/gpus=4/plan.json"))).extra["recompute"] == want
+
+
+def test_partitioning_over_a_trained_package_says_where_its_runs_are_kept(tmp_path: Path) -> None:
+    """The replaced plan's runs move to runs.<time>/ in the new package, and the last line says so
+    (only when something was moved: a second partition over it keeps quiet about the old names)."""
+    from tests.partitioner.codegen_support import profile_for
+
+    save_profile(profile_for("tiny-mlp"), tmp_path / "p.json")
+    args = ("partition", "--profile", str(tmp_path / "p.json"), "--gpus", "2", "--straight")
+    args += ("-o", str(tmp_path))
+    code, out, _ = _run(*args)
+    package = tmp_path / "tiny-mlp" / "gpus=2"
+    assert code == 0 and "kept" not in out
+    (package / "runs" / "20260101-000000").mkdir(parents=True)
+    (package / "runs" / "20260101-000000" / "metrics.json").write_text("{}")
+    (package / "run").symlink_to("runs/20260101-000000")
+    code, out, _ = _run(*args)
+    (kept,) = [p.name for p in package.glob("runs.*")]
+    last = out.strip().splitlines()[-1]
+    assert code == 0 and last.startswith(f"wrote {package}/plan.json")
+    assert last.endswith(f"; the replaced plan's runs are kept in {kept}/"), last
+    assert (package / kept / "20260101-000000" / "metrics.json").read_text() == "{}"
+    code, out, _ = _run(*args)
+    assert code == 0 and "kept" not in out.strip().splitlines()[-1] and (package / kept).is_dir()
+
+
+def _imported_by_partition(tmp_path: Path, profile: Path, *names: str) -> list[str]:
+    """Which of ``names`` a fresh ``pipeplan partition --profile PROFILE --gpus 2`` imported."""
+    import ast
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom cli import main\n"
+        f"sys.argv = ['pipeplan', 'partition', '--profile', {str(profile)!r}, '--gpus', '2',"
+        f" '-o', {str(tmp_path / 'm')!r}]\n"
+        "try:\n    main()\nfinally:\n"
+        f"    print(sorted(m for m in {names!r} if m in sys.modules), file=sys.stderr)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return list(ast.literal_eval(done.stderr.strip().splitlines()[-1]))
+
+
+def test_partition_writing_an_fx_package_imports_no_sympy_or_dynamo(tmp_path: Path) -> None:
+    """What partition runs is small; its time is imports. sympy (torch.export's symbolic shapes, half a
+    CPU second) and torch._dynamo (torch's meta random fills) serve nothing an fx package needs."""
+    from tests.partitioner.codegen_support import profile_for
+
+    save_profile(profile_for("tiny-mlp"), tmp_path / "p.json")
+    assert _imported_by_partition(tmp_path, tmp_path / "p.json", "sympy", "torch._dynamo") == []
+    assert (tmp_path / "m" / "tiny-mlp" / "gpus=2" / "stage0.py").is_file()
+
+
+def test_partition_of_a_graph_txt_profile_imports_no_torch(graph: Path, tmp_path: Path) -> None:
+    """A PipeDream profile has no model to write code for: its plan needs no torch (2 s of CPU)."""
+    assert _imported_by_partition(tmp_path, graph, "torch") == []
+    assert (tmp_path / "m" / "toy" / "gpus=2" / "plan.json").is_file()

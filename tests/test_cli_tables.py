@@ -176,6 +176,21 @@ def test_run_header_names_the_package_ranks_schedule_and_files_at_80_columns(tmp
     assert "20 steps on synthetic data" in text and "every 5 steps and the last step" in text
 
 
+def test_runs_note_on_a_far_prediction_wraps_at_80_columns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The note after a run whose time is far from the plan's reads in an 80-column log."""
+    ranks = [{"rank": r, "stage": r, "compute_s": 10.0, "comm_s": 1.0, "idle_s": 0.1} for r in range(2)]
+    metrics = {"schedule": "pipedream", "microbatches": 1, "world_size": 2, "time_per_minibatch_s": 3.9,
+               "ratio_measured_over_predicted": 6.2, "predicted_time_per_minibatch_s": 0.63, "ranks": ranks,
+               "losses": [6.9, 7.0], "eval": []}  # fmt: skip
+    out = io.StringIO()
+    monkeypatch.setattr(
+        run_render, "console", lambda stderr=False: Console(file=out, width=80, color_system=None)
+    )
+    run_render.print_run_table(metrics, "models/x/run/metrics.json")
+    lines = out.getvalue().splitlines()
+    assert "measured/predicted 6.20" in out.getvalue() and max(map(len, lines)) <= 80, out.getvalue()
+
+
 def test_partitions_prose_lines_wrap_at_80_columns_when_piped(tmp_path: Path) -> None:
     """The summary, notes and the auto table's sentences wrap at 80 columns (only the last line, a
     path to copy, may run longer); no escape codes."""

@@ -36,7 +36,7 @@ from partitioner.profiler.estimate import (
     on_meta,
 )
 from partitioner.profiler.fake import trace_weightless
-from partitioner.profiler.fixed import measure_fixed
+from partitioner.profiler.fixed import measure_fixed, small_batch
 from partitioner.profiler.layerwise import LayerwiseProfiler, Weights
 from partitioner.profiler.measure import (
     LayerCost,
@@ -221,7 +221,10 @@ def _profile(
         raise PipeplanError("--clock cpu measures CPU time: it only applies to --device cpu")
     lazy = None
     if materialize != "whole":
-        lazy, materialize = _lazy_or_whole(spec, batch_size, input_shape, where, param_dtype, materialize)
+        fixed = fixed_cost and small_batch(batch_size) is not None
+        lazy, materialize = _lazy_or_whole(
+            spec, batch_size, input_shape, where, param_dtype, materialize, fixed
+        )
     options = _Options(repeats, progress, clock, precision, fixed_cost, reuse)
     with _failures(f"running the traced {spec}", "mark the module that fails with --leaf-module CLASS"):
         if lazy is not None and materialize == "layer":
@@ -277,8 +280,10 @@ def _estimated(
         assumptions.append(moe)
     if precision != "fp32":
         assumptions.append(
-            f"{precision} autocast: matrix products priced in {precision}, other kernels and the bytes "
-            "saved for backward in the dtypes of a float32 run (an over-estimate of memory)"
+            f"{precision} autocast: CUDA autocast's casting rules applied on the meta device (matrix "
+            f"products, convolutions and attention in {precision}, softmax, norms and losses in float32; "
+            "partitioner/profiler/meta_autocast.py), so activations and saved bytes have the dtypes a "
+            "run under autocast gives them"
         )
     estimate = {
         "device_model": device_model_to_json(model),
@@ -493,10 +498,11 @@ def _lazy_or_whole(
     where: torch.device,
     dtype: torch.dtype,
     materialize: str,
+    fixed_cost: bool,
 ) -> tuple[ModelBundle | None, str]:
     """The model built without its weights and ``whole`` or ``layer`` (``auto`` decided from its
-    size); under ``auto``, a model that cannot be built so (its file runs it on the meta device,
-    and it reads a value) is profiled whole."""
+    size and its repeated blocks, :func:`choose_materialize`); under ``auto``, a model that cannot
+    be built so (its file runs it on the meta device, and it reads a value) is profiled whole."""
     try:
         lazy = _lazy_bundle(load_model(spec, batch_size, input_shape, lazy=True), where, dtype)
     except PipeplanError as exc:
@@ -506,7 +512,7 @@ def _lazy_or_whole(
             ) from exc
         log.info("cannot build %s without its weights (%s): profiling it whole", spec, exc)
         return None, "whole"
-    return lazy, choose_materialize(materialize, lazy.module, where)
+    return lazy, choose_materialize(materialize, lazy.module, where, fixed_cost)
 
 
 def _lazy_bundle(bundle: ModelBundle, device: torch.device, dtype: torch.dtype) -> ModelBundle:

@@ -39,6 +39,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from partitioner.devices import DeviceModel
 from partitioner.profiler.measure import LayerCost, LayerProfiler, _tensors
+from partitioner.profiler.meta_autocast import autocast_on
 from partitioner.profiler.trace import Group
 from partitioner.profiler.update import _OPTIMIZERS, _sample
 
@@ -80,7 +81,6 @@ class _Sink:
     """Where kernels are counted now (the forward's or the backward's :class:`Work`)."""
 
     model: DeviceModel
-    precision: str
     work: Work = field(default_factory=Work)
 
 
@@ -90,10 +90,11 @@ def _nbytes(t: Tensor) -> int:
 
 
 def _compute_dtype(sink: _Sink, name: str, tensors: Sequence[Tensor]) -> str:
+    """The dtype a kernel computes in: its inputs' (under ``--precision`` autocast the layers ran
+    in :class:`~partitioner.profiler.meta_autocast.MetaAutocast`, so a matrix product's inputs are
+    already low-precision); a float32 matrix product in the device's float32 matmul type (TF32)."""
     floats = [t.dtype for t in tensors if t.is_floating_point()]
     dtype = str(floats[0]).removeprefix("torch.") if floats else "float32"
-    if sink.precision != "fp32":  # autocast computes matrix products in the low-precision type
-        return {"bf16": "bfloat16", "fp16": "float16"}[sink.precision]
     if dtype == "float32":
         return sink.model.float32_conv if name in _CONVOLUTIONS else sink.model.float32_matmul
     return dtype
@@ -203,9 +204,11 @@ class LayerEstimator(LayerProfiler):
         reuse: bool = True,
         progress: Callable[[int, int, str], None] | None = None,
     ) -> None:
-        super().__init__(gm, groups, repeats=1, warmup=1, progress=progress, reuse=reuse)
+        meta = torch.device("meta")
+        super().__init__(
+            gm, groups, repeats=1, progress=progress, reuse=reuse, precision=precision, device=meta
+        )
         self.model = model
-        self.estimate_precision = precision
         self.kernels: dict[str, tuple[int, int]] = {}
         """group id -> kernels of its forward and backward: its fixed time per call, in launches."""
         self.work: dict[str, tuple[Work, Work]] = {}
@@ -224,7 +227,7 @@ class LayerEstimator(LayerProfiler):
         exported = [m for m in members if any(self.member_of[u.name] != group.id for u in m.users)]
         params = self._params_of(members)
         leaves, env, aliases = self._fresh_inputs(external)
-        sink = _Sink(self.model, self.estimate_precision)  # the attention's backward finds it here
+        sink = _Sink(self.model)  # the attention's backward finds it here
         with _Attention(sink), _Counter(sink):
             outs, keys, casts = self._forward(members, env, record_saved=True)
         saved, cast = self._saved_bytes(keys, aliases, exported, outs, casts)
@@ -253,9 +256,9 @@ def estimate_loss(
         lambda v: v.detach().requires_grad_() if isinstance(v, Tensor) and v.is_floating_point() else v,
         output,
     )
-    sink = _Sink(model, precision)
+    sink = _Sink(model)
     with torch.enable_grad():
-        with _Counter(sink):
+        with _Counter(sink), autocast_on(precision, torch.device("meta")):
             loss = loss_fn(leaf, targets.to("meta"))
         forward, sink.work = sink.work, Work()
         if loss.grad_fn is not None:
@@ -273,7 +276,7 @@ def estimate_update(module: nn.Module, model: DeviceModel) -> dict[str, float]:
     nbytes = sum(p.numel() * p.element_size() for p in sample)
     rates: dict[str, float] = {}
     for name, make in _OPTIMIZERS.items() if nbytes else ():
-        optimizer, sink = make(sample), _Sink(model, "fp32")
+        optimizer, sink = make(sample), _Sink(model)
         optimizer.step()
         with _Counter(sink):
             optimizer.step()

@@ -22,8 +22,6 @@ from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from partitioner.models import ModelBundle
 from partitioner.profiler.trace import Traced, trace_model
@@ -43,6 +41,10 @@ def trace_weightless(
     faster); ``dynamic`` tries a dynamic batch first, as ``trace_model`` does, with a shape environment
     in the fake mode for the symbolic sizes. The traced graph module's tensors (and the bundle's
     module's) are on meta afterwards."""
+    # (imported here: they bring sympy, half a CPU second that an fx package's partition never uses)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
     mode = FakeTensorMode(allow_non_fake_inputs=False, shape_env=ShapeEnv() if dynamic else None)
     with mode:
         _swap(bundle.module, lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))

@@ -30,6 +30,7 @@ from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from partitioner.profiler.fingerprint import fingerprint
+from partitioner.profiler.meta_autocast import autocast_on
 from partitioner.profiler.trace import Group
 from runtime.precision import autocast
 
@@ -190,7 +191,7 @@ class LayerProfiler(fx.Interpreter):
         return self.costs
 
     def run_node(self, n: fx.Node) -> Any:
-        with autocast(self.precision, self.device):  # one region per node: layers measure outside it
+        with autocast_on(self.precision, self.device):  # one region per node: layers measure outside it
             result = super().run_node(n)
         group = self.last_of.get(n.name)
         if group is not None:
@@ -341,7 +342,7 @@ class LayerProfiler(fx.Interpreter):
         try:
             # Its own autocast region, as a rank's forward is: the weight casts are made (and timed)
             # in each run, not cached from an earlier one. The caller times it.
-            with torch.enable_grad(), autocast(self.precision, self.device):
+            with torch.enable_grad(), autocast_on(self.precision, self.device):
                 if record_saved:
                     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                         outs = {m.name: self._run_member(m) for m in members}
@@ -515,7 +516,7 @@ def measure_loss_memory(
 
     with torch.enable_grad():
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        with hooks, autocast(precision, logits[0].device):
+        with hooks, autocast_on(precision, logits[0].device):
             loss = loss_fn(leaf_out, targets)
         saved = sum(t.untyped_storage().nbytes() for t in kept.values())
         if loss.grad_fn is None:

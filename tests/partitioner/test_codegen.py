@@ -222,6 +222,18 @@ def test_replicated_plan_writes_rank_map(tmp_path: Path) -> None:
     assert [s.ranks for s in final.stages] == [(0, 1, 2), (3,)]
 
 
+def test_writing_a_package_runs_the_graph_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensor kinds and the output's shape come from one dry run (each is a pass over every node)."""
+    import partitioner.dry_run
+
+    runs: list[int] = []
+    real = partitioner.dry_run.dry_run
+    monkeypatch.setattr(partitioner.dry_run, "dry_run", lambda gm, inputs: runs.append(1) or real(gm, inputs))
+    profile = profile_for("tiny-cnn")
+    plan = write_package(profile, plan_for(profile, [2]), tmp_path / "pkg")
+    assert runs == [1] and plan.extra["targets"]
+
+
 def test_replacing_a_package_keeps_its_run(tmp_path: Path) -> None:
     """Partitioning again must not delete the previous run's metrics and checkpoints."""
     profile = profile_for("tiny-mlp")

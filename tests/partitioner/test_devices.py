@@ -67,6 +67,14 @@ def test_an_unknown_device_model_lists_the_presets() -> None:
     assert "did you mean h100" in message and all(name in message for name in (*PRESETS, "cpu"))
 
 
+def test_the_cpu_model_is_not_loaded_as_a_preset_and_the_message_says_where_it_comes_from() -> None:
+    with pytest.raises(PipeplanError) as info:
+        load_device_model("cpu")
+    message = str(info.value)
+    assert "'cpu' is not a preset" in message and "cpu_model()" in message and "did you mean" not in message
+    assert all(name in message for name in PRESETS)
+
+
 def test_scaling_slows_every_term_by_the_factor() -> None:
     h100 = PRESETS["h100"]
     slow = h100.scaled(2.0, "calibrated from run.json")

@@ -126,6 +126,18 @@ def test_plan_for_another_model(good: Path, tmp_path: Path) -> None:
         verify_package(folder)
 
 
+def test_progress_names_each_phase_as_it_starts(good: Path) -> None:
+    """verify says what it is doing (the CLI shows it: a large model's check takes minutes)."""
+    seen: list[tuple[str, int, int]] = []
+    assert verify_package(good, progress=lambda *step: seen.append(step)).ok
+    assert [(what.split(" ")[0], done, total) for what, done, total in seen] == [
+        ("forward", 0, 2),
+        ("checking", 0, 2),
+        ("checking", 1, 2),
+    ]
+    assert seen[1][0].startswith("checking stage 1's gradients")
+
+
 def test_newest_package(good: Path, tmp_path: Path) -> None:
     with pytest.raises(PackageError, match="no package"):
         newest_package(tmp_path)

@@ -18,10 +18,14 @@ class Block(nn.Module):
 
 
 class Blocks(nn.Module):
-    def __init__(self, depth: int, width: int = 32, vocab: int = 50) -> None:
+    def __init__(self, depth: int, width: int = 32, vocab: int = 50, wide: int | None = None) -> None:
+        """``wide``: the index of one block whose hidden layer is twice as wide (it differs)."""
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.blocks = nn.Sequential(*[Block(width) for _ in range(depth)])
+        if wide is not None:
+            self.blocks[wide].up = nn.Linear(width, 8 * width)
+            self.blocks[wide].down = nn.Linear(8 * width, width)
         self.head = nn.Linear(width, vocab)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -30,6 +34,14 @@ class Blocks(nn.Module):
 
 def four() -> nn.Module:
     return Blocks(4)
+
+
+def eight() -> nn.Module:
+    return Blocks(8)
+
+
+def four_one_wide() -> nn.Module:
+    return Blocks(4, wide=2)
 
 
 def example_inputs(batch_size: int) -> torch.Tensor:

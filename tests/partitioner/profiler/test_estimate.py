@@ -69,6 +69,37 @@ def test_attention_is_priced_as_one_fused_kernel(tmp_path: Path) -> None:
     assert sdpa.backward_ms == pytest.approx(2.5 * flops / 1e12 * 1e3)
 
 
+def test_a_bf16_estimate_computes_and_saves_as_autocast_does(tmp_path: Path) -> None:
+    """Under --precision bf16 the linear layers compute in bf16 (4x the float32 rate here) and hand
+    on, and save, bf16 activations: half the bytes; a float32 estimate is priced as before."""
+    device = _device(tmp_path, peak_flops={"float32": 1e12, "bfloat16": 4e12})
+    fp32 = {n.name: n for n in profile_model(MLP, 8, device_model=device).nodes}
+    bf16 = {n.name: n for n in profile_model(MLP, 8, device_model=device, precision="bf16").nodes}
+    a = 2 * 8 * 64 * 32
+    assert fp32["fc_a"].forward_ms == pytest.approx(a / 1e12 * 1e3)  # unchanged
+    assert bf16["fc_a"].forward_ms == pytest.approx(a / 4e12 * 1e3)  # the casts are free on this device
+    for name in ("fc_a", "act"):  # fc_a saves its input as cast to bf16, the ReLU its output
+        assert (bf16[name].output_bytes * 2, bf16[name].saved_bytes * 2) == (
+            fp32[name].output_bytes, fp32[name].saved_bytes,
+        ) and fp32[name].saved_bytes > 0  # fmt: skip
+    # fc_b keeps its weight as cast to bf16 for its input's gradient (fc_a's input needs none)
+    assert (bf16["fc_b"].cast_bytes, fp32["fc_b"].cast_bytes) == (2 * 32 * 10, 0)
+    assert sum(n.forward_ms + n.backward_ms for n in bf16.values()) < sum(
+        n.forward_ms + n.backward_ms for n in fp32.values()
+    )
+
+
+@pytest.mark.parametrize("spec", [MLP, "tiny-cnn"])
+def test_a_bf16_estimate_has_the_bytes_autocast_gives_on_this_cpu(spec: str) -> None:
+    """Outputs, saved activations and weight casts as a measurement under CPU autocast counts them
+    (linear layers, convolutions, ReLU and pooling follow the same rules on CUDA and CPU)."""
+    measured = profile_model(spec, 4, device="cpu", repeats=1, fixed_cost=False, precision="bf16")
+    estimated = profile_model(spec, 4, device_model="h100", precision="bf16")
+    assert [(n.id, n.output_bytes, n.saved_bytes, n.cast_bytes) for n in estimated.nodes] == [
+        (n.id, n.output_bytes, n.saved_bytes, n.cast_bytes) for n in measured.nodes
+    ]
+
+
 def test_an_estimate_has_the_structure_of_a_measurement() -> None:
     """The same graph, weights, outputs and saved bytes as the profile measured on this CPU."""
     measured = profile_model("tiny-cnn", 2, device="cpu", repeats=1, fixed_cost=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from torch import fx, nn
 
@@ -13,6 +14,7 @@ from partitioner.profiler.fingerprint import fingerprint
 torch.set_num_threads(1)
 
 MODEL = f"{Path(__file__).with_name('blocks_model.py')}:four"
+ONE_WIDE = MODEL.replace(":four", ":four_one_wide")
 
 
 def _print(module: nn.Module, x: torch.Tensor, grad: bool = False) -> str:
@@ -53,3 +55,22 @@ def test_identical_blocks_are_measured_once_and_share_the_measurement() -> None:
     assert [(n.id, n.saved_bytes, n.output_bytes) for n in every.nodes] == [
         (n.id, n.saved_bytes, n.output_bytes) for n in profile.nodes
     ]
+
+
+@pytest.mark.parametrize("materialize", ["whole", "layer"])
+def test_a_block_that_differs_is_measured_and_the_others_share_one_measurement(materialize: str) -> None:
+    """Blocks 0, 1 and 3 are twins; block 2's wider hidden layer is measured on its own (its norm
+    and residual add, the same shapes as the others', are twins), whole or layer by layer."""
+    profile = profile_model(ONE_WIDE, 2, device="cpu", repeats=1, fixed_cost=False, materialize=materialize)
+    reused = profile.extra["layers_measured"]["reused"]
+    assert {"blocks_2_up", "relu_2", "blocks_2_down"}.isdisjoint(reused)
+    assert {f"blocks_{i}_{op}" for i in (1, 3) for op in ("norm", "up", "down")} | {"blocks_2_norm"} <= set(
+        reused
+    )
+    nodes = {n.id: n for n in profile.nodes}
+    assert nodes["blocks_2_up"].param_bytes == 2 * nodes["blocks_0_up"].param_bytes
+    for twin, source in reused.items():
+        assert (nodes[twin].forward_ms, nodes[twin].backward_ms) == (
+            nodes[source].forward_ms,
+            nodes[source].backward_ms,
+        )

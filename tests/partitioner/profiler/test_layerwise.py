@@ -96,6 +96,24 @@ def test_auto_chooses_from_the_weights_against_the_free_memory(monkeypatch: pyte
     assert budget.free_bytes(cpu) > 0
 
 
+def test_auto_profiles_many_identical_blocks_layer_by_layer_unless_fixed_costs_are_measured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whole mode's tracing and step grow with the depth; a fixed time per call needs whole mode."""
+    monkeypatch.setattr(budget, "free_bytes", lambda device: 2.0**40)  # the weights fit: size decides nothing
+    cpu, eight = torch.device("cpu"), load_model(BLOCKS.replace(":four", ":eight"), 2, lazy=True).module
+    four = load_model(BLOCKS, 2, lazy=True).module
+    assert (budget.repeated_blocks(eight), budget.repeated_blocks(four)) == (8, 4)
+    assert budget.choose_materialize("auto", eight, cpu) == "layer"
+    assert budget.choose_materialize("auto", eight, cpu, fixed_cost=True) == "whole"
+    assert budget.choose_materialize("auto", four, cpu) == "whole"
+    assert budget.choose_materialize("whole", eight, cpu) == "whole"
+    spec = BLOCKS.replace(":four", ":eight")
+    options = {"device": "cpu", "repeats": 1}
+    assert profile_model(spec, 1, **options).extra["materialized"] == "layer"  # type: ignore[arg-type]
+    assert profile_model(spec, 2, **options).extra["materialized"] == "whole"  # type: ignore[arg-type]
+
+
 def test_partition_writes_no_stage_code_for_a_model_it_cannot_build(monkeypatch: pytest.MonkeyPatch) -> None:
     profile = Profile(nodes=(), model="big", dtype="bfloat16")
     assert budget.unbuildable(profile) is None  # no weights: builds anywhere
