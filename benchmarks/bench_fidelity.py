@@ -10,18 +10,22 @@ for 1f1b and gpipe, since small batches cost more per sample), ``pipeplan partit
 first step excluded), predicted is ``plan.json``'s.
 
 1. Fidelity: 3 models (vgg16 and resnet18 at 3x64x64 images, the Hugging Face ``hf:llama`` family at
-   128 tokens), each planned for ``pipedream`` and for ``1f1b`` with 2 microbatches: measured / predicted.
-2. Rank correlation: 9 candidate plans of vgg16 (the optimizer's plans for pipedream, 1f1b with 2 and
-   4 microbatches and gpipe, and fixed plans: a cut at 10%, 25% or 50% of the profiled compute, data
-   parallelism), Spearman's rank correlation of measured against predicted over all of them.
+   128 tokens), each planned for every schedule (pipedream; 1f1b, gpipe, zb1p, interleaved and zbv
+   with 2 microbatches): measured / predicted time, bubble per stage, memory per stage.
+2. Rank correlation: 12 candidate plans of vgg16 (the optimizer's plans for the six schedules and
+   1f1b with 4 microbatches, and fixed plans: a cut at 10%, 25% or 50% of the profiled compute, data
+   parallelism, 1f1b cut at 25%), Spearman's rank correlation of measured against predicted.
+3. Both again after ``pipeplan probe`` (the links, once) and one ``pipeplan calibrate`` per profile
+   (from the first plan run on it): what a user gets first, and after those two commands.
 
 Besides the wall-clock ratio, every run reports its ranks' compute CPU time against the plan's stage
 compute (the profile is CPU time): on a CPU that other jobs share, a rank that gets half a core takes
 twice the predicted wall time with a faithful cost model, and the CPU ratio separates the two.
 
 All candidates use 2 ranks: this machine has 2 cores, and 4 ranks would share them, a cluster that no
-plan describes. Targets (issue 11): measured / predicted within 25%, rank correlation >= 0.8. The
-1-minute load average is recorded before every command: other jobs share this CPU.
+plan describes. Targets: measured / predicted within 10%, each stage's bubble within 0.05 and memory
+within 10%, rank correlation >= 0.9. The 1-minute load average is recorded before every command:
+other jobs share this CPU, and a run measured above a load of 1.5 per core is reported, not scored.
 
 Every run also counts its peak memory (``--measure-memory``) against the plan's prediction per stage.
 
@@ -71,16 +75,28 @@ class Candidate:
 
 
 MODELS = (Model("vgg16", 8, "3,64,64"), Model("resnet18", 8, "3,64,64"), Model("hf:llama", 8, "128"))
-FIDELITY = (Candidate("pipedream (optimizer)", "pipedream", 1), Candidate("1f1b m=2 (optimizer)", "1f1b", 2))
+FIDELITY = (
+    Candidate("pipedream (optimizer)", "pipedream", 1),
+    Candidate("1f1b m=2 (optimizer)", "1f1b", 2),
+    Candidate("gpipe m=2 (optimizer)", "gpipe", 2),
+    Candidate("zb1p m=2 (optimizer)", "zb1p", 2),
+    Candidate("interleaved m=2 (optimizer)", "interleaved", 2),
+    Candidate("zbv m=2 (optimizer)", "zbv", 2),
+)
 CANDIDATES = (
     Candidate("pipedream cut at 10%", "pipedream", 1, (0.1,), (1, 1)),
     Candidate("pipedream cut at 25%", "pipedream", 1, (0.25,), (1, 1)),
     Candidate("pipedream cut at 50%", "pipedream", 1, (0.5,), (1, 1)),
     Candidate("pipedream data parallel", "pipedream", 1, (), (2,)),
     Candidate("1f1b m=2 cut at 25%", "1f1b", 2, (0.25,), (1, 1)),
-    Candidate("gpipe m=2 (optimizer)", "gpipe", 2),
     Candidate("1f1b m=4 (optimizer)", "1f1b", 4),
 )
+PASSES = ("as planned", "probe + calibrate")
+"""Each plan is made and run twice: from the profile as measured on the default 2-rank cluster (what a
+user gets first), then from the profile calibrated by one run of that profile (the first plan made
+from it) on the cluster ``pipeplan probe`` measured (what a user gets after the two commands)."""
+TIME_WITHIN, BUBBLE_WITHIN, MEMORY_WITHIN = 0.10, 0.05, 0.10
+LOAD_PER_CORE = 1.5  # runs measured above this 1-minute load per core are reported, not scored
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -161,6 +177,7 @@ def profile(cli: Cli, model: Model, repeats: int, micro: int) -> tuple[Path, dic
     doc = json.loads((cli.folder / path).read_text())
     return path, {
         "model": model.spec,
+        "path": str(path),
         "batch_size": model.batch_size,
         "measured_at": micro,
         "input_shape": model.input_shape,
@@ -180,9 +197,11 @@ def cpu_per_stage(metrics: dict[str, Any]) -> dict[int, float]:
     return out
 
 
-def partition_args(cli: Cli, path: Path, cand: Candidate) -> list[str]:
-    """``pipeplan partition`` arguments of a candidate (without the output folder)."""
-    args = ["partition", "--profile", str(path), "--gpus", "2", "--schedule", cand.schedule,
+def partition_args(cli: Cli, path: Path, cand: Candidate, cluster: str | None = None) -> list[str]:
+    """``pipeplan partition`` arguments of a candidate (without the output folder): 2 ranks, or the
+    probed ``cluster`` file (2 ranks too)."""
+    where = ["--cluster", cluster] if cluster else ["--gpus", "2"]
+    args = ["partition", "--profile", str(path), *where, "--schedule", cand.schedule,
             "--microbatches", str(cand.microbatches)]  # fmt: skip
     if cand.cuts is not None and cand.replicas is not None:
         cuts = cut_layers(json.loads((cli.folder / path).read_text()), cand.cuts)
@@ -209,6 +228,7 @@ def plan_and_run(
     return {
         "model": model.spec,
         "plan": cand.label,
+        "package": where,
         "schedule": cand.schedule,
         "microbatches": cand.microbatches,
         "cuts": [c for c in args[args.index("--cuts") + 1].split(",") if c] if "--cuts" in args else None,
@@ -265,24 +285,119 @@ def main() -> None:
         folder = Path(args.keep or tmp).resolve()
         folder.mkdir(parents=True, exist_ok=True)
         cli = Cli(folder)
+        cli("probe", "--gpus", "2", "-o", "cluster.json")
         for model in chosen:
+            cands = (*FIDELITY, *(CANDIDATES if model.spec == args.rank_model else ()))
             paths: dict[int, Path] = {}
-            extra = CANDIDATES if model.spec == args.rank_model else ()
-            seen: set[tuple[str, ...]] = set()
-            for cand in (*FIDELITY, *extra):
+            for cand in cands:
                 micro = model.batch_size // cand.microbatches
                 if micro not in paths:
                     paths[micro], summary = profile(cli, model, args.repeats, micro)
                     profiles.append(summary)
-                plan_args = partition_args(cli, paths[micro], cand)
-                if tuple(plan_args) in seen:  # two fractions that fall on one layer: one plan
-                    print(f"{model.spec:10s} {cand.label:28s} skipped: the same plan as an earlier one")
-                    continue
-                seen.add(tuple(plan_args))
-                runs.append(plan_and_run(cli, model, plan_args, cand, len(runs), args.steps))
-                ratio = runs[-1]["measured_over_predicted"]
-                print(f"{model.spec:10s} {cand.label:28s} measured/predicted {ratio:.2f}", flush=True)
+            done = run_pass(cli, model, cands, paths, None, PASSES[0], runs, args.steps)
+            calibrated = calibrate(cli, paths, done, profiles)
+            run_pass(cli, model, cands, calibrated, "cluster.json", PASSES[1], runs, args.steps)
     report(args, profiles, runs, (load_before, os.getloadavg()), time.perf_counter() - started)
+
+
+def run_pass(
+    cli: Cli,
+    model: Model,
+    cands: tuple[Candidate, ...],
+    paths: dict[int, Path],
+    cluster: str | None,
+    label: str,
+    runs: list[dict[str, Any]],
+    steps: int,
+) -> dict[int, str]:
+    """Plan and run every candidate from ``paths`` (profile per microbatch size; a size missing is
+    skipped); the package of the first run made from each profile."""
+    first: dict[int, str] = {}
+    seen: set[tuple[str, ...]] = set()
+    for cand in cands:
+        micro = model.batch_size // cand.microbatches
+        if micro not in paths:
+            continue
+        plan_args = partition_args(cli, paths[micro], cand, cluster)
+        if tuple(plan_args) in seen:  # two fractions that fall on one layer: one plan
+            print(f"{model.spec:10s} {cand.label:28s} skipped: the same plan as an earlier one")
+            continue
+        seen.add(tuple(plan_args))
+        runs.append({**plan_and_run(cli, model, plan_args, cand, len(runs), steps), "pass": label})
+        first.setdefault(micro, runs[-1]["package"])
+        ratio = runs[-1]["measured_over_predicted"]
+        print(f"{model.spec:10s} {label:16s} {cand.label:28s} measured/predicted {ratio:.2f}", flush=True)
+    return first
+
+
+def calibrate(
+    cli: Cli, paths: dict[int, Path], packages: dict[int, str], profiles: list[dict[str, Any]]
+) -> dict[int, Path]:
+    """One ``pipeplan calibrate`` per profile, from the first run made from it; a refusal (a loaded
+    machine) is recorded on the profile's summary and its plans get no second pass."""
+    out: dict[int, Path] = {}
+    for micro, path in paths.items():
+        target = path.with_name("calibrated.json")
+        summary = next(p for p in profiles if p["measured_at"] == micro and p.get("path") == str(path))
+        try:
+            cli("calibrate", packages[micro], "-o", str(target))
+            out[micro] = target
+            summary["calibrated_from"] = packages[micro]
+        except RuntimeError as exc:
+            summary["calibrate_refused"] = str(exc)
+    return out
+
+
+def _scored(run: dict[str, Any], cpus: int) -> bool:
+    return bool(run["load_1min"] / cpus <= LOAD_PER_CORE)
+
+
+def _bubble_gap(run: dict[str, Any]) -> float | None:
+    """The largest |measured - predicted| bubble over a run's stages (None: nothing to compare)."""
+    pairs = [(t.get("measured_bubble"), t.get("predicted_bubble")) for t in run["stages"]]
+    gaps = [abs(m - p) for m, p in pairs if m is not None and p is not None]
+    return max(gaps) if gaps else None
+
+
+def _scores(runs: list[dict[str, Any]], rank_model: str, cpus: int) -> dict[str, Any]:
+    """One pass against the targets: the optimizer's plans of every schedule (time, bubble), every
+    stage's memory, and the rank correlation over the rank model's plans; runs measured above
+    ``LOAD_PER_CORE`` count as not scored."""
+    scored = [r for r in runs if _scored(r, cpus)]
+    fidelity = [r for r in scored if r["plan"] in {c.label for c in FIDELITY}]
+    gaps = [g for g in map(_bubble_gap, fidelity) if g is not None]
+    memory = [s["measured_memory_bytes"] / s["predicted_memory_bytes"] for r in scored for s in r["stages"]
+              if s.get("measured_memory_bytes") and s.get("predicted_memory_bytes")]  # fmt: skip
+    ranked = [r for r in scored if r["model"] == rank_model]
+
+    def rho(key: str) -> float | None:
+        return (
+            spearman([r["predicted_s"] for r in ranked], [r[key] for r in ranked])
+            if len(ranked) > 1
+            else None
+        )
+
+    def share(values: list[float], within: float) -> str:
+        return f"{sum(1 for v in values if abs(v - 1.0) <= within)} of {len(values)}"
+
+    times = [r["measured_over_predicted"] for r in fidelity]
+    return {
+        "runs": len(runs),
+        "not_scored": len(runs) - len(scored),
+        "time_within_10_percent": share(times, TIME_WITHIN),
+        "time_within_25_percent": share(times, 0.25),
+        "time_within_10_percent_full_core": share(
+            [r["full_core_over_predicted"] for r in fidelity], TIME_WITHIN
+        ),
+        "median_measured_over_predicted": _median(fidelity, "measured_over_predicted"),
+        "worst_measured_over_predicted": max(times, key=lambda t: abs(math.log(t)), default=None),
+        "bubble_within_0_05": f"{sum(1 for g in gaps if g <= BUBBLE_WITHIN)} of {len(gaps)}",
+        "largest_bubble_gap": max(gaps, default=None),
+        "memory_within_10_percent": share(memory, MEMORY_WITHIN),
+        "rank_candidates": len(ranked),
+        "rank_correlation_spearman": rho("measured_s"),
+        "rank_correlation_spearman_full_core": rho("full_core_s"),
+    }
 
 
 def _median(runs: list[dict[str, Any]], key: str) -> float | None:
@@ -302,35 +417,22 @@ def report(
     for r in runs:  # an estimate, not a measurement: the wall time had each rank had its core
         r["full_core_s"] = r["measured_s"] * r["cpu_share"]
         r["full_core_over_predicted"] = r["full_core_s"] / r["predicted_s"]
-    ranked = [r for r in runs if r["model"] == args.rank_model]
-    predicted = [r["predicted_s"] for r in ranked]
-    fidelity = [r for r in runs if r["plan"] in {c.label for c in FIDELITY}]
-
-    def within(key: str) -> str:
-        return f"{sum(1 for r in fidelity if 0.75 <= r[key] <= 1.25)} of {len(fidelity)}"
-
-    def rho(key: str) -> float | None:
-        return spearman(predicted, [r[key] for r in ranked]) if len(ranked) > 1 else None
-
+    cpus = os.cpu_count() or 1
     doc = {
         "benchmark": "bench_fidelity",
         "setup": {**vars(args), "ranks": 2, "backend": "gloo",
-                  "profile": "--threads 1 --clock cpu --microbatch-size batch/microbatches"},
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                  "profile": "--threads 1 --clock cpu --microbatch-size batch/microbatches",
+                  "targets": {"time_within": TIME_WITHIN, "bubble_within": BUBBLE_WITHIN,
+                              "memory_within": MEMORY_WITHIN, "scored_up_to_load_per_core": LOAD_PER_CORE}},
+        "machine": {"cpu_count": cpus, "platform": platform.platform(), "torch": torch.__version__,
                     "load_average_before_after": load,
                     "note": "CPU shared with other jobs; load_1min recorded before every command"},
         "wall_s": round(wall_s, 1),
         "profiles": profiles,
-        "fidelity_within_25_percent": within("measured_over_predicted"),
-        "fidelity_within_25_percent_full_core": within("full_core_over_predicted"),
-        "fidelity_median_measured_over_predicted": _median(fidelity, "measured_over_predicted"),
-        "fidelity_median_compute_cpu_over_predicted": _median(fidelity, "compute_cpu_over_predicted"),
-        "fidelity_median_full_core_over_predicted": _median(fidelity, "full_core_over_predicted"),
         "median_cpu_share": _median(runs, "cpu_share"),
         "rank_model": args.rank_model,
-        "rank_correlation_spearman": rho("measured_s"),
-        "rank_correlation_spearman_full_core": rho("full_core_s"),
-        "rank_candidates": len(ranked),
+        "passes": {label: _scores([r for r in runs if r.get("pass", PASSES[0]) == label],
+                                  args.rank_model, cpus) for label in PASSES},
         "runs": runs,
     }  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -381,11 +483,12 @@ def _runs_table(runs: list[dict[str, Any]]) -> list[str]:
         "measured/predicted ~2). x share / predicted: measured x CPU share / predicted, an estimate of the "
         "ratio had each rank had its own core (it assumes other jobs slowed every part of a step alike).",
         "",
-        "| model | plan | stages pred:wall:cpu ms | bubble | predicted s | measured s "
+        "| model | pass | plan | stages pred:wall:cpu ms | bubble | predicted s | measured s "
         "| measured/predicted | CPU/predicted compute | CPU share | x share / predicted | load |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         *(
-            f"| {r['model']} | {r['plan']} | {stages(r)} | {r['bubble_fraction'] or 0:.2f} "
+            f"| {r['model']} | {r.get('pass', PASSES[0])} | {r['plan']} | {stages(r)} "
+            f"| {r['bubble_fraction'] or 0:.2f} "
             f"| {r['predicted_s']:.4f} | {r['measured_s']:.4f} | {r['measured_over_predicted']:.2f} "
             f"| {r['compute_cpu_over_predicted']:.2f} | {r['cpu_share']:.2f} "
             f"| {r['full_core_over_predicted']:.2f} | {r['load_1min']:.2f} |"
@@ -393,6 +496,11 @@ def _runs_table(runs: list[dict[str, Any]]) -> list[str]:
         ),
         "",
     ]
+
+
+def _label(run: dict[str, Any]) -> str:
+    """A run's plan, marked when it was made after probe and calibrate."""
+    return f"{run['plan']}, calibrated" if run.get("pass") == PASSES[1] else str(run["plan"])
 
 
 def _worst_stage(stages: list[dict[str, Any]]) -> tuple[int, dict[str, Any]] | None:
@@ -427,7 +535,7 @@ def _worst_stage_table(runs: list[dict[str, Any]]) -> list[str]:
         both = [t for t in r["stages"] if None not in (t.get("measured_bubble"), t.get("predicted_bubble"))]
         gaps = [abs(t["measured_bubble"] - t["predicted_bubble"]) for t in both]
         rows.append(
-            f"| {r['model']} | {r['plan']} | {k} "
+            f"| {r['model']} | {_label(r)} | {k} "
             f"| {ms(s['predicted_compute_s'])} : {ms(s['measured_compute_s'])} "
             f"| {two(s['measured_compute_s'] / s['predicted_compute_s'])} "
             f"| {ms(s['predicted_comm_s'])} : {ms(s.get('measured_comm_s'))} "
@@ -458,7 +566,7 @@ def _memory_table(runs: list[dict[str, Any]]) -> list[str]:
         return "-" if value is None else f"{value / 2**20:.1f}"
 
     rows = [
-        f"| {r['model']} | {r['plan']} | {k} | {mib(s.get('predicted_memory_bytes'))} "
+        f"| {r['model']} | {_label(r)} | {k} | {mib(s.get('predicted_memory_bytes'))} "
         f"| {mib(s.get('measured_memory_bytes'))} | "
         + (f"{s['measured_memory_bytes'] / s['predicted_memory_bytes']:.2f} |"
            if s.get("measured_memory_bytes") and s.get("predicted_memory_bytes") else "- |")
@@ -479,22 +587,29 @@ def _summary(doc: dict[str, Any]) -> list[str]:
     def num(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}"
 
-    return [
-        f"Fidelity (the optimizer's plans, {len({p['model'] for p in doc['profiles']})} models x 2 "
-        "schedules): "
-        f"{doc['fidelity_within_25_percent']} within 25% (target: all), median measured/predicted "
-        f"{num(doc['fidelity_median_measured_over_predicted'])}; their compute CPU time / predicted "
-        f"stage compute: median {num(doc['fidelity_median_compute_cpu_over_predicted'])}; median CPU "
-        f"share of all runs {num(doc['median_cpu_share'])}.",
+    models = len({p["model"] for p in doc["profiles"]})
+    lines = [
+        f"Targets: every schedule's optimizer plan within {TIME_WITHIN:.0%} of its measured time and its "
+        f"stages' bubble within {BUBBLE_WITHIN} of the measured one, every stage's memory within "
+        f"{MEMORY_WITHIN:.0%}, Spearman >= 0.9 over the rank model's plans; runs measured above a load "
+        f"of {LOAD_PER_CORE} per core are listed but not scored.",
         "",
-        f"Rank correlation (Spearman, measured vs predicted, {doc['rank_candidates']} plans of "
-        f"{doc['rank_model']}): **{num(doc['rank_correlation_spearman'])}** (target >= 0.8).",
-        "",
-        "Estimated for a core per rank (measured x CPU share): fidelity "
-        f"{doc['fidelity_within_25_percent_full_core']} within 25%, median "
-        f"{num(doc['fidelity_median_full_core_over_predicted'])}; rank correlation "
-        f"{num(doc['rank_correlation_spearman_full_core'])}.",
+        "| pass | runs (not scored) | time within 10% | within 25% | median / worst measured/predicted "
+        "| bubble within 0.05 (largest gap) | memory within 10% | Spearman (plans) | x share: within 10%, "
+        "Spearman |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+    for label, p in doc["passes"].items():
+        lines.append(
+            f"| {label} | {p['runs']} ({p['not_scored']}) | {p['time_within_10_percent']} "
+            f"| {p['time_within_25_percent']} | {num(p['median_measured_over_predicted'])} / "
+            f"{num(p['worst_measured_over_predicted'])} | {p['bubble_within_0_05']} "
+            f"({num(p['largest_bubble_gap'])}) | {p['memory_within_10_percent']} "
+            f"| {num(p['rank_correlation_spearman'])} ({p['rank_candidates']}) "
+            f"| {p['time_within_10_percent_full_core']}, {num(p['rank_correlation_spearman_full_core'])} |"
+        )
+    return [*lines, "", f"{models} models x {len(FIDELITY)} schedules; median CPU share of all runs "
+            f"{num(doc['median_cpu_share'])}."]  # fmt: skip
 
 
 if __name__ == "__main__":
