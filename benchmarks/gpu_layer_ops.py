@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -31,28 +30,10 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.gpu_check import timed_ms  # noqa: E402 (the repository root first, as a script)
+
 CONFIGS = ROOT / "benchmarks" / "configs"
-
-
-def _timed_ms(fn: Callable[[], Any], cuda: bool, repeats: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
 
 
 def _layer(config_file: Path, device: torch.device) -> tuple[Any, Any, Any]:
@@ -137,11 +118,11 @@ def measure(config_file: Path, tokens: int, device: torch.device, repeats: int) 
 
     row: dict[str, Any] = {"tokens": tokens, "hidden": config.hidden_size}
     for name, masked in (("causal", False), ("masked", True)):
-        f = _timed_ms(fwd(masked), cuda, repeats)
-        s = _timed_ms(step(masked), cuda, repeats)
+        f = timed_ms(fwd(masked), device.type, repeats, warmup=3)
+        s = timed_ms(step(masked), device.type, repeats, warmup=3)
         row[name] = {"forward_ms": round(f, 3), "backward_ms": round(s - f, 3), "step_ms": round(s, 3)}
         row[name]["kinds"] = _breakdown(step(masked), cuda)
-    row["linears_forward_ms"] = round(_timed_ms(linears, cuda, repeats), 3)
+    row["linears_forward_ms"] = round(timed_ms(linears, device.type, repeats, warmup=3), 3)
     params = sum(w.numel() for w in weights)
     row["linear_tflop"] = round(2 * params * tokens / 1e12, 3)
     row["linears_tflops"] = round(row["linear_tflop"] / row["linears_forward_ms"] * 1e3, 1)
