@@ -213,11 +213,10 @@ def seventy_b(folder: Path) -> dict[str, Any]:
     config = json.loads((CONFIGS / "llama3-70b.json").read_text())
     result = {"profile": profile, "partition": plan_run, "plan": plan}
     if plan:
-        doc = json.loads((folder / "70b.json").read_text())
-        params = sum(n["param_bytes"] for n in doc["nodes"]) / 2  # bfloat16
-        embeddings = 2 * config["vocab_size"] * config["hidden_size"]
-        tokens, layers, hidden = 4096, config["num_hidden_layers"], config["hidden_size"]
-        per_token = 6 * (params - embeddings) + 12 * layers * hidden * tokens
+        tokens = 4096
+        params, per_token = training_flops_per_token(
+            config, json.loads((folder / "70b.json").read_text()), tokens
+        )
         rate = plan["throughput_samples_per_s"] * tokens * per_token
         result.update(
             both_wall_s=round(profile["wall_s"] + plan_run["wall_s"], 1),
@@ -226,6 +225,17 @@ def seventy_b(folder: Path) -> dict[str, Any]:
             mfu=round(rate / plan["gpus"] / 989.4e12, 3),
         )  # fmt: skip
     return result
+
+
+def training_flops_per_token(
+    config: dict[str, Any], profile: dict[str, Any], tokens: int
+) -> tuple[float, float]:
+    """(parameters of a bfloat16 profile, training FLOPs per token at ``tokens`` a sequence): PaLM's
+    count (appendix B), 6 per parameter outside the embeddings plus 12 L d T for attention."""
+    params = sum(int(n.get("param_bytes", 0)) for n in profile["nodes"]) / 2
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    embeddings = (1 if config.get("tie_word_embeddings") else 2) * config["vocab_size"] * hidden
+    return params, 6 * (params - embeddings) + 12 * layers * hidden * tokens
 
 
 def _plan(root: Path) -> dict[str, Any] | None:

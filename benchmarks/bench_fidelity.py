@@ -236,8 +236,11 @@ def plan_and_run(
             {
                 "replicas": s["replicas"],
                 "layers": len(s["nodes"]),
-                "predicted_compute_s": s["compute_s"],
-                "predicted_comm_s": s["comm_s"],
+                # a rank hosting several stages reports under its first, predictions summed (run's own)
+                "predicted_compute_s": _run_side(
+                    per_stage, s, "predicted_compute_s_per_minibatch", "compute_s"
+                ),
+                "predicted_comm_s": _run_side(per_stage, s, "predicted_comm_s_per_minibatch", "comm_s"),
                 "measured_compute_s": by_stage.get(s["index"]),
                 "measured_compute_cpu_s": cpu.get(s["index"]),
                 "predicted_memory_bytes": s["memory_bytes"],
@@ -298,6 +301,13 @@ def main() -> None:
             calibrated = calibrate(cli, paths, done, profiles)
             run_pass(cli, model, cands, calibrated, "cluster.json", PASSES[1], runs, args.steps)
     report(args, profiles, runs, (load_before, os.getloadavg()), time.perf_counter() - started)
+
+
+def _run_side(per_stage: dict[int, dict[str, Any]], stage: dict[str, Any], key: str, plan_key: str) -> float:
+    """A stage's prediction as its run compares it (metrics.json's ``stages``, where a rank's hosted
+    stages are summed under its first), else plan.json's own."""
+    value = per_stage.get(stage["index"], {}).get(key)
+    return float(value if value is not None else stage[plan_key])
 
 
 def run_pass(

@@ -431,10 +431,9 @@ def _plan_row(
     if not found:
         return None
     plan = json.loads(found[-1].read_text())
-    hidden, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
-    embeddings = (1 if config.get("tie_word_embeddings") else 2) * vocab * hidden
-    params = sum(int(n.get("param_bytes", 0)) for n in json.loads(profile.read_text())["nodes"]) / 2  # bf16
-    per_token = 6 * (params - embeddings) + 12 * layers * hidden * case.tokens
+    from benchmarks.bench_big import training_flops_per_token
+
+    _, per_token = training_flops_per_token(config, json.loads(profile.read_text()), case.tokens)
     rate = float(plan["predicted"]["throughput_samples_per_s"]) * case.tokens * per_token
     stages = plan["stages"]
     return {
