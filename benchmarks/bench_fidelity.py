@@ -50,6 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from runtime.schedule import get_schedule
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -276,7 +278,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.from_json:
         old = json.loads(Path(args.from_json).read_text())
-        args = argparse.Namespace(**{"results": args.results, **old["setup"], "from_json": args.from_json})
+        args = argparse.Namespace(**{**old["setup"], "results": args.results, "from_json": args.from_json})
         load = old["machine"]["load_average_before_after"]
         report(args, old["profiles"], old["runs"], (tuple(load[0]), tuple(load[1])), old["wall_s"])
         return
@@ -369,6 +371,30 @@ def _bubble_gap(run: dict[str, Any]) -> float | None:
     return max(gaps) if gaps else None
 
 
+def device_memory(run: dict[str, Any]) -> list[float | None]:
+    """Per stage, the predicted peak of the device ``run --measure-memory`` reports it under: a rank
+    hosting several stages (interleaved, zbv) reports under its first, so there the sum of its
+    stages' predictions (the plan's model of that device) and None under the others."""
+    predicted = [s.get("predicted_memory_bytes") for s in run["stages"]]
+    placed = get_schedule(run["schedule"]).placement if "schedule" in run else None
+    if placed is None or None in predicted:
+        return predicted
+    ranks = int(run["package"].rsplit("gpus=", 1)[1])
+    layout = placed(ranks, len(predicted) // ranks)
+    out: list[float | None] = [None] * len(predicted)
+    for rank in range(ranks):
+        hosted = [k for k, on in enumerate(layout) if rank in on]
+        out[min(hosted)] = sum(predicted[k] for k in hosted)
+    return out
+
+
+def memory_ratios(run: dict[str, Any]) -> list[float | None]:
+    """Per stage, measured over predicted peak memory of its device (None where either is missing)."""
+    return [m / p if m and p else None
+            for m, p in zip((s.get("measured_memory_bytes") for s in run["stages"]), device_memory(run),
+                            strict=True)]  # fmt: skip
+
+
 def _scores(runs: list[dict[str, Any]], rank_model: str, cpus: int) -> dict[str, Any]:
     """One pass against the targets: the optimizer's plans of every schedule (time, bubble), every
     stage's memory, and the rank correlation over the rank model's plans; runs measured above
@@ -376,8 +402,7 @@ def _scores(runs: list[dict[str, Any]], rank_model: str, cpus: int) -> dict[str,
     scored = [r for r in runs if _scored(r, cpus)]
     fidelity = [r for r in scored if r["plan"] in {c.label for c in FIDELITY}]
     gaps = [g for g in map(_bubble_gap, fidelity) if g is not None]
-    memory = [s["measured_memory_bytes"] / s["predicted_memory_bytes"] for r in scored for s in r["stages"]
-              if s.get("measured_memory_bytes") and s.get("predicted_memory_bytes")]  # fmt: skip
+    memory = [m for r in scored for m in memory_ratios(r) if m is not None]
     ranked = [r for r in scored if r["model"] == rank_model]
 
     def rho(key: str) -> float | None:
@@ -540,8 +565,7 @@ def _worst_stage_table(runs: list[dict[str, Any]]) -> list[str]:
         if worst is None:
             continue
         k, s = worst
-        mem = (s["measured_memory_bytes"] / s["predicted_memory_bytes"]
-               if s.get("measured_memory_bytes") and s.get("predicted_memory_bytes") else None)  # fmt: skip
+        mem = memory_ratios(r)[k]
         both = [t for t in r["stages"] if None not in (t.get("measured_bubble"), t.get("predicted_bubble"))]
         gaps = [abs(t["measured_bubble"] - t["predicted_bubble"]) for t in both]
         rows.append(
@@ -576,15 +600,15 @@ def _memory_table(runs: list[dict[str, Any]]) -> list[str]:
         return "-" if value is None else f"{value / 2**20:.1f}"
 
     rows = [
-        f"| {r['model']} | {_label(r)} | {k} | {mib(s.get('predicted_memory_bytes'))} "
-        f"| {mib(s.get('measured_memory_bytes'))} | "
-        + (f"{s['measured_memory_bytes'] / s['predicted_memory_bytes']:.2f} |"
-           if s.get("measured_memory_bytes") and s.get("predicted_memory_bytes") else "- |")
+        f"| {r['model']} | {_label(r)} | {k} | {mib(device)} | {mib(s.get('measured_memory_bytes'))} | "
+        + ("-" if ratio is None else f"{ratio:.2f}") + " |"
         for r in runs
-        for k, s in enumerate(r["stages"])
+        for k, (s, device, ratio) in enumerate(
+            zip(r["stages"], device_memory(r), memory_ratios(r), strict=True))
     ]  # fmt: skip
     return [
-        "Peak memory per device, MiB: plan.json's prediction against `run --measure-memory`.",
+        "Peak memory per device, MiB: plan.json's prediction against `run --measure-memory`; a rank "
+        "hosting several stages (interleaved, zbv) under its first, its stages' predictions summed.",
         "",
         "| model | plan | stage | predicted MiB | measured MiB | measured/predicted |",
         "|---|---|---:|---:|---:|---:|",

@@ -6,7 +6,14 @@ import math
 
 import pytest
 
-from benchmarks.bench_fidelity import _worst_stage, _worst_stage_table, cut_layers, spearman
+from benchmarks.bench_fidelity import (
+    _worst_stage,
+    _worst_stage_table,
+    cut_layers,
+    device_memory,
+    memory_ratios,
+    spearman,
+)
 
 
 def test_spearman_orders() -> None:
@@ -52,3 +59,15 @@ def test_the_worst_stage_is_the_furthest_from_its_prediction_either_way() -> Non
     }  # (a run recorded before the bubble)
     (row,) = _worst_stage_table([run])[-2:-1]
     assert row == "| m | p | 1 | 100.0 : 60.0 | 0.60 | 0.0 : - | - : - | - | - | 0.50 |"
+
+
+def test_a_rank_hosting_several_stages_is_compared_with_their_sum() -> None:
+    """zbv on 2 ranks: rank 0 hosts stages 0 and 3 and reports under 0, rank 1 stages 1 and 2 under
+    1; a stage of its own (1f1b) is compared with its own prediction."""
+    stages = [{"predicted_memory_bytes": p, "measured_memory_bytes": m} for p, m in
+              [(100, 300), (50, 120), (70, None), (200, None)]]  # fmt: skip
+    run = {"schedule": "zbv", "package": "plans/04/vgg16/gpus=2", "stages": stages}
+    assert device_memory(run) == [300, 120, None, None]
+    assert memory_ratios(run) == [1.0, 1.0, None, None]
+    alone = {"schedule": "1f1b", "package": "plans/01/vgg16/gpus=2", "stages": stages[:2]}
+    assert memory_ratios(alone) == [3.0, 2.4]
