@@ -102,6 +102,12 @@ def devices(count: int, profile: Any) -> str:
     return plural(count, "CPU rank") if profile.device == "cpu" else plural(count, "GPU")
 
 
+def _simulated_bubble(sim: Any) -> str:
+    """The simulation's bubble beside a closed form's (a plan the simulation prices has only one)."""
+    filling = "" if sim.steady else f" over the first {sim.minibatches} minibatches, still filling"
+    return f" (simulated {100 * sim.bubble_fraction:.1f}%{filling})"
+
+
 def plan_summary(plan: Any, sim: Any, profile: Any) -> str:
     from partitioner.optimizer.comparison import data_parallel_fits
     from partitioner.optimizer.pricing.price import gib
@@ -110,12 +116,16 @@ def plan_summary(plan: Any, sim: Any, profile: Any) -> str:
     rate = (
         f"{p.throughput_samples_per_s:.1f} samples/s" if p.throughput_samples_per_s else "batch size unknown"
     )
+    simulated = plan.extra.get("priced_by") == "simulation"
     gap = (
         f"gap {100 * plan.gap:.2f}% to lower bound {info.lower_bound_s * 1e3:.3f} ms"
         if plan.gap is not None
         else ""
     )
     exact = "optimal" if info.optimal else "not proven optimal"
+    if simulated:  # the search's proof and bound are its closed form's; the price is the simulation's
+        exact = f"{'optimal' if info.optimal else 'searched'} under the schedule's closed form"
+        gap = "priced by simulating the runtime's lists"
     c = plan.cluster
     hosts = (
         f" (bound by the host, not the pipeline: CPU ranks, {c.levels[0].devices} per host of {c.cores} "
@@ -136,9 +146,7 @@ def plan_summary(plan: Any, sim: Any, profile: Any) -> str:
     )
     return (
         f"predicted {p.time_per_minibatch_s * 1e3:.3f} ms/minibatch{hosts}, {rate}; {speedup}; "
-        f"bubble {100 * p.bubble_fraction:.1f}% (simulated {100 * sim.bubble_fraction:.1f}%"
-        + ("" if sim.steady else f" over the first {sim.minibatches} minibatches, still filling")
-        + ")\n"
+        f"bubble {100 * p.bubble_fraction:.1f}%" + (_simulated_bubble(sim) if not simulated else "") + "\n"
         f"solver {info.name}: {info.solve_time_s:.3f} s, {exact}; {gap}"
     )
 

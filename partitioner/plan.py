@@ -243,9 +243,10 @@ class Plan:
 
     @property
     def gap(self) -> float | None:
-        """Relative distance of the pipeline's predicted time above the solver's lower bound, if known."""
+        """Relative distance of the pipeline's predicted time above the solver's lower bound, if known
+        (not for a plan priced by simulation: the bound is the search's closed form's)."""
         bound = self.solver.lower_bound_s
-        if not bound:
+        if not bound or self.extra.get("priced_by") == "simulation":
             return None
         time = self.predicted.pipeline_s or self.predicted.time_per_minibatch_s
         return max(0.0, time / bound - 1.0)  # (rounding: never below 0)

@@ -153,7 +153,14 @@ def _search(opts: SolveOptions) -> Search:
 
 
 def _solve_at(profile: Profile, cluster: Cluster, opts: SolveOptions, explain: bool = True) -> Plan:
+    """The search's plan at ``opts.m`` microbatches, priced by the simulation where the schedule's
+    closed form only ranks plans (``ScheduleModel.simulated``)."""
     profile = at_microbatches(profile, opts.m)
+    plan = _searched_at(profile, cluster, opts, explain)
+    return played(profile, plan, opts.activation_comm) if model(opts.schedule).simulated else plan
+
+
+def _searched_at(profile: Profile, cluster: Cluster, opts: SolveOptions, explain: bool) -> Plan:
     if opts.solver == "ilp":
         return solve_ilp(profile, cluster, opts.schedule, opts.m, opts.optimizer, opts.straight,
                          opts.activation_comm)  # fmt: skip

@@ -9,6 +9,7 @@ from dataclasses import replace
 from partitioner.graph import Profile, at_microbatches
 from partitioner.optimizer.pricing.price import StageSpec, assemble
 from partitioner.optimizer.pricing.schedules import model
+from partitioner.optimizer.pricing.simulate import played
 from partitioner.plan import Cluster, Plan
 
 __all__ = ["recomputing", "repriced"]
@@ -27,6 +28,11 @@ def recomputing(profile: Profile) -> Profile:
     return replace(profile, nodes=nodes)
 
 
+def _search_extra(plan: Plan) -> dict[str, object]:
+    """``plan.extra`` without what a simulation's pricing added (a re-priced plan is played again)."""
+    return {k: v for k, v in plan.extra.items() if k not in ("priced_by", "closed_form_s")}
+
+
 def repriced(profile: Profile, cluster: Cluster, plan: Plan, recompute: str, activation_comm: bool) -> Plan:
     """``plan``'s stages priced on the real profile with ``recompute`` (``all`` or ``auto``).
 
@@ -37,6 +43,8 @@ def repriced(profile: Profile, cluster: Cluster, plan: Plan, recompute: str, act
     profile = at_microbatches(profile, model(plan.schedule).microbatches(plan.microbatches))
     priced = assemble(
         profile, cluster, specs, plan.schedule, plan.microbatches, plan.optimizer, plan.solver,
-        extra=dict(plan.extra), activation_comm=activation_comm, recompute=recompute,
+        extra=_search_extra(plan), activation_comm=activation_comm, recompute=recompute,
     )  # fmt: skip
+    if model(plan.schedule).simulated:
+        priced = played(profile, priced, activation_comm, recompute)
     return replace(priced, extra={**priced.extra, "recompute": recompute})

@@ -65,8 +65,10 @@ class ScheduleModel:
         in_flight: (position, replicas, microbatches, virtual) -> items (minibatches or
             microbatches) a device of that stage holds at once; None: counted from the runtime's
             own list of one minibatch (:func:`played_in_flight`).
-        simulated: plans are priced by the event simulation of the runtime's lists (``times`` only
-            ranks candidates: a lower bound on unequal stages).
+        simulated: plans are priced by the event simulation of the runtime's lists; ``times`` ranks
+            candidates in the searches (exact on equal stages without link latency; a message's
+            latency is a delay the simulation overlaps where the lists let it, the closed forms
+            charge it per microbatch or not at all: docs/optimizer-pricing.md).
         sync_sum: ``times`` is the synchronous sum the exact search minimises (its optimum is then
             this schedule's).
         holds_all: every stage holds all M microbatches (the exact search's memory model is exact).
@@ -314,9 +316,9 @@ def _zbv_times(
 
 MODELS: dict[str, ScheduleModel] = {
     "pipedream": ScheduleModel("pipedream", _pipedream_times, _pipedream_in_flight),
-    "1f1b": ScheduleModel("1f1b", _sync_times, sync_sum=True),
-    "gpipe": ScheduleModel("gpipe", _sync_times, sync_sum=True, holds_all=True),
-    "zb1p": ScheduleModel("zb1p", _zero_bubble_times),
+    "1f1b": ScheduleModel("1f1b", _sync_times, simulated=True, sync_sum=True),
+    "gpipe": ScheduleModel("gpipe", _sync_times, simulated=True, sync_sum=True, holds_all=True),
+    "zb1p": ScheduleModel("zb1p", _zero_bubble_times, simulated=True),
     "interleaved": ScheduleModel(
         "interleaved",
         _interleaved_times,

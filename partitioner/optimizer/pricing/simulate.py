@@ -95,12 +95,18 @@ def play(
     link: Sequence[float],
     wgt: Sequence[float] | None = None,
     step: Sequence[float] | None = None,
+    latency: Sequence[float] | None = None,
 ) -> tuple[list[Event], list[int]]:
     """Run every rank's list (``lists[rank]``, its stages given by ``layout``) in order, event-driven
     (linear in the actions). Returns the events and, per stage, the most units one rank held between
     their forward and their backward (the waiting rules: docs/optimizer-pricing.md). ``wgt``: a W's
-    time (``bwd`` is then the B part alone); ``step``: a stage's step (None: free, no event)."""
-    player = _Player(lists, layout, fwd, bwd, link, wgt, step)
+    time (``bwd`` is then the B part alone); ``step``: a stage's step (None: free, no event).
+
+    ``link[k]``: a message's one-way time between stages k and k+1. None ``latency``: a pure delay.
+    Else ``latency[k]`` of it is a delay and the rest (its bytes) occupies the cut's wire in that
+    direction, messages one after another as they are sent: a link moves one message's bytes at a
+    time, and many messages in flight each wait out the latency alone."""
+    player = _Player(lists, layout, fwd, bwd, link, wgt, step, latency)
     ready = list(range(len(lists)))
     while ready:
         ready.extend(player.advance(ready.pop()))
@@ -115,10 +121,13 @@ class _Player:
     def __init__(
         self, lists: Sequence[Sequence[Action]], layout: Layout, fwd: Sequence[float], bwd: Sequence[float],
         link: Sequence[float], wgt: Sequence[float] | None, step: Sequence[float] | None,
+        latency: Sequence[float] | None = None,
     ) -> None:  # fmt: skip
         self.lists, self.layout, self.step = lists, layout, step
         self.took = {"F": fwd, "B": bwd, "W": wgt or bwd}
-        self.link, self.release = link, "B" if wgt is None else "W"
+        self.link, self.release, self.latency = link, "B" if wgt is None else "W", latency
+        self.wire_free: dict[tuple[int, int], float] = {}  # (from rank, to rank): when it is free
+        self.arrival: dict[tuple[str, int, int], float] = {}  # a sent message: when it arrives
         self.done: dict[tuple[str, int, int], float] = {}
         self.free, self.pos = [0.0] * len(lists), [0] * len(lists)
         self.live: dict[tuple[int, int], int] = {}
@@ -142,7 +151,7 @@ class _Player:
             if need is not None and need not in self.done:
                 self.parked.setdefault(need, []).append(r)
                 return woken
-            ready = self.done[need] + delay if need is not None else 0.0
+            ready = self.arrival.get(need, self.done[need] + delay) if need is not None else 0.0
             self._run(r, a, max(self.free[r], ready))
             woken += self.parked.pop((a.kind, a.stage, a.index), [])
         return woken
@@ -159,12 +168,26 @@ class _Player:
     def _run(self, r: int, a: Action, start: float) -> None:
         end = start + self.took[a.kind][a.stage]
         self.done[(a.kind, a.stage, a.index)] = self.free[r] = end
+        if self.latency is not None and a.kind in ("F", "B"):
+            cut = a.stage if a.kind == "F" else a.stage - 1
+            if 0 <= cut < len(self.layout) - 1:
+                self._send((a.kind, a.stage, a.index), cut, end)
         self.events.append(Event(a.stage, a.kind, a.index, start, end))
         if a.kind in ("F", self.release):
             key = (r, a.stage)
             self.live[key] = self.live.get(key, 0) + (1 if a.kind == "F" else -1)
             self.held[a.stage] = max(self.held[a.stage], self.live[key])
         self.pos[r] += 1
+
+    def _send(self, key: tuple[str, int, int], cut: int, sent: float) -> None:
+        """The message ``key`` produced at ``sent`` crosses ``cut``, after the earlier messages on
+        the wire between the two ranks in that direction (cuts between the same ranks share it)."""
+        assert self.latency is not None
+        ends = (cut, cut + 1) if key[0] == "F" else (cut + 1, cut)
+        wire = (self.layout[ends[0]][0], self.layout[ends[1]][0])
+        start = max(sent, self.wire_free.get(wire, 0.0))
+        self.wire_free[wire] = start + self.link[cut] - self.latency[cut]
+        self.arrival[key] = self.wire_free[wire] + self.latency[cut]
 
     def _arrive(self, r: int, a: Action) -> list[int]:
         """Rank ``r`` reaches step ``a``; once every rank of its stage has, they all take it."""
@@ -190,13 +213,15 @@ def _flushed(plan: Plan, profile: Profile | None) -> Simulation:
     layout = tuple(s.ranks for s in plan.stages) if sched.laid_out else pipeline([1] * p)
     loads = _loads(plan, profile)
     fwd, bwd, link = _durations(plan, profile, loads)
+    latency = [plan.cluster.slowest.latency * (ld.out_bytes > 0) for ld in loads]
     for k in range(p - 1):
         if layout[k] == layout[k + 1]:  # a hand-off inside one rank
-            link[k] = 0.0
+            link[k] = latency[k] = 0.0
     wgt = None
     if sched.runtime.split_backward:
         bwd, wgt = [t * (1.0 - W_SHARE) for t in bwd], [t * W_SHARE for t in bwd]
-    events, held = play(build(plan.schedule, layout, plan.microbatches), layout, fwd, bwd, link, wgt)
+    lists = build(plan.schedule, layout, plan.microbatches)
+    events, held = play(lists, layout, fwd, bwd, link, wgt, latency=latency)
     end = max(e.end_s for e in events)
     per_minibatch = end
     if not sched.laid_out:  # replicated stages all-reduce once the pipeline has drained
@@ -346,9 +371,9 @@ def _memory(
 
 def played(profile: Profile, plan: Plan, activation_comm: bool = True, recompute: str = "none") -> Plan:
     """``plan`` priced by the event simulation of the runtime's own lists, where its schedule's closed
-    form only bounds it from below on unequal stages (``ScheduleModel.simulated``: a slow stage
-    stalls the ranks after it in every round): what the plan predicts is then what the simulation
-    plays."""
+    form only ranks plans (``ScheduleModel.simulated``: a slow stage stalls the ranks after it in
+    every round; a message's latency overlaps what the lists let it): what the plan predicts is
+    then what the simulation plays; ``extra["closed_form_s"]`` keeps what the search priced."""
     sim = simulate(plan, profile)
     span = max((e.end_s for e in sim.events), default=0.0)  # (one minibatch from 0; no host bound)
     specs = [StageSpec(s.nodes, s.replicas, s.ranks) for s in plan.stages]
@@ -358,7 +383,10 @@ def played(profile: Profile, plan: Plan, activation_comm: bool = True, recompute
         recompute=recompute, virtual=plan.virtual_stages,
     )  # fmt: skip
     predicted = replace(again.predicted, bubble_fraction=sim.bubble_fraction)
-    return replace(again, predicted=predicted, extra={**again.extra, "priced_by": "simulation"})
+    closed = plan.extra.get("closed_form_s", plan.predicted.time_per_minibatch_s)  # what the search saw
+    return replace(
+        again, predicted=predicted, extra={**again.extra, "priced_by": "simulation", "closed_form_s": closed}
+    )
 
 
 def write_chrome_trace(sim: Simulation, path: str | os.PathLike[str]) -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from partitioner.graph import Node, Profile
+from partitioner.plan import Plan
 
 
 def make_profile(
@@ -35,3 +36,8 @@ def make_profile(
             )
         )
     return Profile(tuple(nodes), model="toy", batch_size=batch_size, tracer="pipedream")
+
+
+def searched_s(plan: Plan) -> float:
+    """The time the search minimised: the closed form's, where the plan is priced by simulation."""
+    return float(plan.extra.get("closed_form_s", plan.predicted.time_per_minibatch_s))

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from partitioner.optimizer import solve
 from partitioner.optimizer.search.ilp import _backend
 from partitioner.plan import Cluster
-from tests.partitioner.optimizer.conftest import make_profile
+from tests.partitioner.optimizer.conftest import make_profile, searched_s
 from tests.partitioner.optimizer.search.test_dp import dags
 
 
@@ -53,10 +53,10 @@ def test_dp_equals_ilp_for_synchronous_schedules(
     costs, raw = dag
     profile = make_profile(costs, [(a, b) for a, b in raw if a < b])
     cluster = Cluster.flat(gpus, bandwidth=1e5)
-    dp = solve(profile, cluster, schedule, microbatches).predicted.time_per_minibatch_s
+    dp = searched_s(solve(profile, cluster, schedule, microbatches))
     ilp = solve(profile, cluster, schedule, microbatches, solver="ilp")
     assert ilp.solver.name == "ilp"
-    assert ilp.predicted.time_per_minibatch_s == pytest.approx(dp, rel=1e-6)
+    assert searched_s(ilp) == pytest.approx(dp, rel=1e-6)  # (ties may simulate apart)
 
 
 @pytest.mark.parametrize("highs", [True, False])
