@@ -100,9 +100,10 @@ def median_ratio(ratios: Sequence[float]) -> float | None:
     return statistics.median(ratios) if ratios else None
 
 
-def torch_rank(package: str, schedule: str, steps: int, microbatches: int, seed: int = 0) -> list[float]:
+def torch_rank(package: str, schedule: str, steps: int, microbatches: int, seed: int = 0) -> dict[str, Any]:
     """One rank of torch.distributed.pipelining's counterpart of ``schedule`` on the stages the
-    package lays on this rank, for ``steps`` minibatches of ``microbatches``; each step's seconds
+    package lays on this rank, for ``steps`` minibatches of ``microbatches``: each step's seconds
+    and, as pipeplan's metrics report it, the sum of squares of the rank's parameters at the end
     (the module docstring says what is the same as pipeplan's rank). Run under torch's elastic
     launch."""
     import torch.distributed as dist
@@ -135,7 +136,8 @@ def torch_rank(package: str, schedule: str, steps: int, microbatches: int, seed:
         last = now
     dist.barrier()
     dist.destroy_process_group()
-    return times
+    squares = sum(p.detach().double().square().sum() for mod in modules for p in mod.parameters())
+    return {"step_times_s": times, "param_sq_sum": float(squares)}
 
 
 def elastic(fn: Callable[..., Any], *args: Any, start_method: str = "fork") -> dict[int, Any]:
@@ -158,11 +160,16 @@ def elastic(fn: Callable[..., Any], *args: Any, start_method: str = "fork") -> d
 
 def run_torch(package: Path, schedule: str, steps: int, micro: int, warmup: int) -> dict[str, Any]:
     """torch's counterpart of ``schedule`` on the package's 2 ranks: the median step (slower rank,
-    after ``warmup`` steps) and the steps themselves."""
+    after ``warmup`` steps), the steps themselves and each rank's parameters' sum of squares."""
     started = RunOptions(str(package)).start_method  # how ``pipeplan run`` starts its ranks
     per_rank = elastic(torch_rank, str(package), schedule, steps, micro, start_method=started)
-    steps_s = step_window([per_rank[k] for k in sorted(per_rank)], warmup)
-    return {"s_per_minibatch": statistics.median(steps_s), "steps_s": steps_s}
+    ranks = [per_rank[k] for k in sorted(per_rank)]
+    steps_s = step_window([r["step_times_s"] for r in ranks], warmup)
+    return {
+        "s_per_minibatch": statistics.median(steps_s),
+        "steps_s": steps_s,
+        "param_sq_sum": [r["param_sq_sum"] for r in ranks],
+    }
 
 
 def run_pipeplan(

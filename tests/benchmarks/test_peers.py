@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 
 from benchmarks.bench_runtime import write_package
-from benchmarks.peers import TORCH_SCHEDULES, median_ratio, paired, round_order, run_torch, step_window
+from benchmarks.peers import (
+    TORCH_SCHEDULES,
+    median_ratio,
+    paired,
+    round_order,
+    run_pipeplan,
+    run_torch,
+    step_window,
+)
 
 
 def test_each_pair_runs_back_to_back_and_the_order_alternates() -> None:
@@ -51,7 +59,13 @@ def test_every_single_stage_schedule_has_its_torch_counterpart() -> None:
 
 
 @pytest.mark.slow
-def test_torch_gpipe_trains_the_package_on_two_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("schedule", ["gpipe", "zb1p"])
+def test_torch_trains_the_same_weights_as_pipeplan(tmp_path: Path, schedule: str) -> None:
+    """The same stages, minibatches, loss scaling and optimizer: after 3 steps both runtimes hold the
+    same weights (sum of squares per rank), so the benchmarks time the same work."""
     package = write_package(tmp_path / "pkg", width=16, layers=2, batch=8, micro=2)
-    got = run_torch(package, "gpipe", steps=3, micro=2, warmup=1)
-    assert len(got["steps_s"]) == 2 and got["s_per_minibatch"] > 0
+    theirs = run_torch(package, schedule, steps=3, micro=2, warmup=1)
+    _, metrics = run_pipeplan(package, schedule, steps=3, micro=2, warmup=1)
+    assert len(theirs["steps_s"]) == 2 and theirs["s_per_minibatch"] > 0
+    ours = [r["param_sq_sum"] for r in sorted(metrics["ranks"], key=lambda r: r["rank"])]
+    assert theirs["param_sq_sum"] == pytest.approx(ours, rel=1e-5)
