@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.bench_runtime import write_package
+from benchmarks.bench_zbv import write_zbv
 from benchmarks.peers import (
     TORCH_SCHEDULES,
     median_ratio,
@@ -51,7 +51,7 @@ def test_paired_skips_rounds_where_either_failed() -> None:
     assert paired(rounds, "ours", "theirs") == [1.5]
 
 
-def test_every_single_stage_schedule_has_its_torch_counterpart() -> None:
+def test_each_schedule_compared_has_a_torch_counterpart() -> None:
     from torch.distributed.pipelining import schedules
 
     for ours in ("1f1b", "gpipe", "zb1p", "interleaved", "zbv"):
@@ -59,13 +59,14 @@ def test_every_single_stage_schedule_has_its_torch_counterpart() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gpipe", "zb1p"])
-def test_torch_trains_the_same_weights_as_pipeplan(tmp_path: Path, schedule: str) -> None:
+def test_torch_trains_the_same_weights_as_pipeplan(tmp_path: Path) -> None:
     """The same stages, minibatches, loss scaling and optimizer: after 3 steps both runtimes hold the
-    same weights (sum of squares per rank), so the benchmarks time the same work."""
-    package = write_package(tmp_path / "pkg", width=16, layers=2, batch=8, micro=2)
-    theirs = run_torch(package, schedule, steps=3, micro=2, warmup=1)
-    _, metrics = run_pipeplan(package, schedule, steps=3, micro=2, warmup=1)
+    same weights (sum of squares per rank), so the benchmarks time the same work. zbv: two stages per
+    rank, the first rank feeding the inputs and the targets. (Checked once on gpipe, zb1p and
+    interleaved too; one schedule here keeps the suite fast.)"""
+    package = write_zbv(tmp_path / "pkg", width=16, layers=4, batch=8, micro=2)
+    theirs = run_torch(package, "zbv", steps=3, micro=2, warmup=1)
+    _, metrics = run_pipeplan(package, "zbv", steps=3, micro=2, warmup=1)
     assert len(theirs["steps_s"]) == 2 and theirs["s_per_minibatch"] > 0
     ours = [r["param_sq_sum"] for r in sorted(metrics["ranks"], key=lambda r: r["rank"])]
     assert theirs["param_sq_sum"] == pytest.approx(ours, rel=1e-5)
