@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from benchmarks.bench_runtime import write_package as write_two_stages
-from benchmarks.peers import ALIKE, median_ratio, paired, round_order, run_pipeplan, run_torch
+from benchmarks.peers import median_ratio, paired, pairs_markdown, round_order, run_pipeplan, run_torch
 from partitioner.optimizer.pricing.schedules import interleaved_time
 from runtime.package import import_package
 
@@ -322,16 +322,7 @@ def _markdown(bench: Bench, doc: dict[str, Any]) -> str:
     f, b = doc["stage_forward_s_per_microbatch"], doc["stage_backward_s_per_microbatch"]
     lines += [
         "",
-        ALIKE,
-        "",
-        "| pipeplan | torch | torch / pipeplan per round | median |",
-        "|---|---|---|---|",
-        *(
-            f"| {ours.removeprefix('pipeplan ')} | {theirs.removeprefix('torch ')} | "
-            f"{', '.join(f'{x:.2f}' for x in doc['torch_over_pipeplan_per_round'][ours]) or '-'} | "
-            f"**{_fmt(doc['torch_over_pipeplan_median'][ours], '.2f')}** |"
-            for ours, theirs in bench.pairs
-        ),
+        *pairs_markdown(bench.pairs, doc["torch_over_pipeplan_per_round"], doc["torch_over_pipeplan_median"]),
         "",
         "Stage times per microbatch (one thread, alone): forward "
         + " / ".join(f"{t * 1e3:.1f}" for t in f)

@@ -36,10 +36,10 @@ import torch
 
 from benchmarks.bench_runtime import probe, write_package
 from benchmarks.peers import (
-    ALIKE,
     TORCH_SCHEDULES,
     median_ratio,
     paired,
+    pairs_markdown,
     round_order,
     run_pipeplan,
     run_torch,
@@ -162,16 +162,7 @@ def _markdown(doc: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        ALIKE,
-        "",
-        "| pipeplan | torch | torch / pipeplan per round | median |",
-        "|---|---|---|---|",
-        *(
-            f"| {ours} | {theirs.removeprefix('torch ')} | "
-            f"{', '.join(f'{x:.2f}' for x in doc['torch_over_pipeplan_per_round'][ours]) or '-'} | "
-            f"**{_fmt(doc['torch_over_pipeplan_median'][ours], '.2f')}** |"
-            for ours, theirs in PAIRS
-        ),
+        *pairs_markdown(PAIRS, doc["torch_over_pipeplan_per_round"], doc["torch_over_pipeplan_median"]),
     ]
     f, b = doc["stage_forward_s_per_microbatch"], doc["stage_backward_s_per_microbatch"]
     lines += [

@@ -100,6 +100,28 @@ def median_ratio(ratios: Sequence[float]) -> float | None:
     return statistics.median(ratios) if ratios else None
 
 
+def pairs_markdown(
+    pairs: Sequence[tuple[str, str]], per_round: dict[str, list[float]], medians: dict[str, float | None]
+) -> list[str]:
+    """A report's lines on its pairs: what they hold equal (:data:`ALIKE`), then per pair the
+    per-round ratios and their median (``per_round`` and ``medians`` keyed by pipeplan's run)."""
+
+    def short(name: str) -> str:
+        return name.removeprefix("pipeplan ").removeprefix("torch ")
+
+    return [
+        ALIKE,
+        "",
+        "| pipeplan | torch | torch / pipeplan per round | median |",
+        "|---|---|---|---|",
+        *(
+            f"| {short(ours)} | {short(theirs)} | {', '.join(f'{x:.2f}' for x in per_round[ours]) or '-'} | "
+            f"**{'-' if medians[ours] is None else format(medians[ours], '.2f')}** |"
+            for ours, theirs in pairs
+        ),
+    ]
+
+
 def torch_rank(package: str, schedule: str, steps: int, microbatches: int, seed: int = 0) -> dict[str, Any]:
     """One rank of torch.distributed.pipelining's counterpart of ``schedule`` on the stages the
     package lays on this rank, for ``steps`` minibatches of ``microbatches``: each step's seconds
