@@ -320,9 +320,12 @@ def _markdown(bench: Bench, doc: dict[str, Any]) -> str:
             f"| {_fmt(row['predicted_bubble'], '.2f')} |"
         )
     f, b = doc["stage_forward_s_per_microbatch"], doc["stage_backward_s_per_microbatch"]
+    loads = [r["load_1min"] for r in doc["rounds"]]
     lines += [
         "",
-        *pairs_markdown(bench.pairs, doc["torch_over_pipeplan_per_round"], doc["torch_over_pipeplan_median"]),
+        *pairs_markdown(
+            bench.pairs, doc["torch_over_pipeplan_per_round"], doc["torch_over_pipeplan_median"], loads
+        ),
         "",
         "Stage times per microbatch (one thread, alone): forward "
         + " / ".join(f"{t * 1e3:.1f}" for t in f)

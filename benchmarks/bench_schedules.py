@@ -160,9 +160,12 @@ def _markdown(doc: dict[str, Any]) -> str:
             f"{_fmt(row['speedup_vs_pipeplan_1f1b'], '.2f')} | {_fmt(row['measured_bubble'], '.2f')} | "
             f"{_fmt(row['predicted_bubble'], '.2f')} | {_fmt(row['compute_cpu_s_per_minibatch'], '.3f')} |"
         )
+    loads = [r["load_1min"] for r in doc["rounds"]]
     lines += [
         "",
-        *pairs_markdown(PAIRS, doc["torch_over_pipeplan_per_round"], doc["torch_over_pipeplan_median"]),
+        *pairs_markdown(
+            PAIRS, doc["torch_over_pipeplan_per_round"], doc["torch_over_pipeplan_median"], loads
+        ),
     ]
     f, b = doc["stage_forward_s_per_microbatch"], doc["stage_backward_s_per_microbatch"]
     lines += [

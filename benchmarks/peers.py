@@ -101,10 +101,14 @@ def median_ratio(ratios: Sequence[float]) -> float | None:
 
 
 def pairs_markdown(
-    pairs: Sequence[tuple[str, str]], per_round: dict[str, list[float]], medians: dict[str, float | None]
+    pairs: Sequence[tuple[str, str]],
+    per_round: dict[str, list[float]],
+    medians: dict[str, float | None],
+    loads: Sequence[float],
 ) -> list[str]:
     """A report's lines on its pairs: what they hold equal (:data:`ALIKE`), then per pair the
-    per-round ratios and their median (``per_round`` and ``medians`` keyed by pipeplan's run)."""
+    per-round ratios and their median (``per_round`` and ``medians`` keyed by pipeplan's run), and
+    the machine's 1-minute load as each round began."""
 
     def short(name: str) -> str:
         return name.removeprefix("pipeplan ").removeprefix("torch ")
@@ -119,6 +123,8 @@ def pairs_markdown(
             f"**{'-' if medians[ours] is None else format(medians[ours], '.2f')}** |"
             for ours, theirs in pairs
         ),
+        "",
+        "1-minute load as each round began: " + ", ".join(f"{x:.2f}" for x in loads) + ".",
     ]
 
 
