@@ -6,12 +6,14 @@ The model is bench_runtime's MLP (Linear+ReLU layers of one width, a 10-class he
 stages of equal layers for interleaved (stage k on rank k mod 2) and into 2 for 1F1B. Measured
 bubble, per step: 1 - (compute seconds of both ranks) / (2 x the step's wall time, the slower
 rank's), median over the steps after warm-up (pipeplan's runs only: torch's schedules report no
-compute time). Predicted bubble: the planner's closed forms
-(partitioner/optimizer/pricing/schedules.py) fed with
-each stage's forward and backward per microbatch timed in this process after each round (median
-over the rounds), one thread, no communication: interleaved
-:func:`partitioner.optimizer.pricing.schedules.interleaved_time`, 1F1B ``sum t_k + (M-1) max t_k``. Runs
-alternate between the runtimes and repeat: this machine is shared.
+compute time). Each pair (pipeplan's run and torch's counterpart) runs back to back in every round,
+the order reversed every other round, both sides set up, fed and timed alike
+(benchmarks/peers.py); a pair's headline is the median of its per-round ratios. Predicted bubble:
+the planner's closed forms (partitioner/optimizer/pricing/schedules.py) fed with each stage's
+forward and backward per microbatch timed in this process after each round (median over the
+rounds), one thread, no communication: interleaved
+:func:`partitioner.optimizer.pricing.schedules.interleaved_time`, 1F1B ``sum t_k + (M-1) max t_k``.
+Rounds repeat: this machine is shared.
 
 Run:  .venv/bin/python -m benchmarks.bench_interleaved
       (writes benchmarks/results/bench_interleaved.{json,md})
@@ -33,9 +35,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.bench_runtime import _elastic
 from benchmarks.bench_runtime import write_package as write_two_stages
-from benchmarks.bench_schedules import run_ours
+from benchmarks.peers import median_ratio, paired, pairs_markdown, round_order, run_pipeplan, run_torch
 from partitioner.optimizer.pricing.schedules import interleaved_time
 from runtime.package import import_package
 
@@ -146,65 +147,21 @@ def stage_times(package: Path, batch: int, m: int, repeats: int = 30) -> tuple[l
     return fwd, bwd
 
 
-def _torch_rank(package: str, interleaved: bool, steps: int, micro: int, batch: int) -> list[float]:
-    """One rank of torch.distributed.pipelining's ScheduleInterleaved1F1B (stages rank, rank + 2)
-    or Schedule1F1B (stage rank) on the package's stages."""
-    import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
-
-    torch.set_num_threads(1)
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo")
-    pkg = import_package(package)
-    total = RANKS * VIRTUAL if interleaved else RANKS
-    ids = list(range(rank, total, RANKS))
-    modules = [pkg.stage(k) for k in ids]
-    stages: list[Any] = [
-        PipelineStage(mod, k, total, torch.device("cpu")) for mod, k in zip(modules, ids, strict=True)
-    ]
-    loss_fn = pkg.criterion()
-    schedule: Any
-    if interleaved:
-        schedule = ScheduleInterleaved1F1B(list(stages), micro, loss_fn=lambda out, y: loss_fn(out, y))
-    else:
-        schedule = Schedule1F1B(stages[0], micro, loss_fn=lambda out, y: loss_fn(out, y))
-    optim = torch.optim.SGD([p for mod in modules for p in mod.parameters()], lr=0.01)
-    times = []
-    for step in range(steps):
-        torch.manual_seed(step)
-        x, y = pkg.example_inputs(batch)["x"], pkg.example_targets(batch)
-        start = time.perf_counter()
-        if rank == 0:
-            schedule.step(x)
-        else:
-            schedule.step(target=y, losses=[])
-        optim.step()
-        optim.zero_grad()
-        times.append(time.perf_counter() - start)
-    dist.barrier()
-    dist.destroy_process_group()
-    return times
-
-
-def run_theirs(
-    package: Path, interleaved: bool, steps: int, micro: int, batch: int, warmup: int
-) -> dict[str, float]:
-    per_rank = _elastic(_torch_rank, str(package), interleaved, steps, micro, batch)
-    walls = [max(a, b) for a, b in zip(per_rank[0], per_rank[1], strict=True)][warmup:]
-    return {"s_per_minibatch": statistics.median(walls)}
-
-
 @dataclass(frozen=True)
 class Bench:
-    """What tells bench_interleaved's and bench_zbv's reports apart: the file name, the pair compared
-    (``ours`` against ``theirs``), the runs, the title and the line saying how the stages lie."""
+    """What tells bench_interleaved's and bench_zbv's reports apart: the file name, the pairs
+    compared (pipeplan's run, torch's counterpart; the first is the headline), the runs without a
+    counterpart, the title and the line saying how the stages lie."""
 
     name: str
-    ours: str
-    theirs: str
-    runs: tuple[str, ...]
+    pairs: tuple[tuple[str, str], ...]
+    alone: tuple[str, ...]
     title: str
     layout: str
+
+    @property
+    def runs(self) -> tuple[str, ...]:
+        return (*(name for pair in self.pairs for name in pair), *self.alone)
 
 
 OneRun = Callable[[str, Path, Path, argparse.Namespace], dict[str, Any]]
@@ -213,22 +170,22 @@ OneRun = Callable[[str, Path, Path, argparse.Namespace], dict[str, Any]]
 RUNS = ("pipeplan interleaved", "torch ScheduleInterleaved1F1B", "pipeplan 1f1b", "torch Schedule1F1B")
 BENCH = Bench(
     "bench_interleaved",
-    RUNS[0],
-    RUNS[1],
-    RUNS,
+    ((RUNS[0], RUNS[1]), (RUNS[2], RUNS[3])),
+    (),
     f"interleaved 1F1B ({VIRTUAL} virtual stages per rank)",
     "Interleaved: 4 stages (stage k on rank k mod 2); 1F1B: the same layers in 2 stages.",
 )
 
 
 def _one(name: str, four: Path, two: Path, args: argparse.Namespace) -> dict[str, Any]:
-    m, b = args.microbatches, args.batch_size
+    m = args.microbatches
     if name == "pipeplan interleaved":
-        return run_ours(four, "interleaved", args.steps, m, args.warmup)
+        return run_pipeplan(four, "interleaved", args.steps, m, args.warmup)[0]
     if name == "pipeplan 1f1b":
-        return run_ours(two, "1f1b", args.steps, m, args.warmup)
-    package = four if "Interleaved" in name else two
-    return run_theirs(package, "Interleaved" in name, args.steps, m, b, args.warmup)
+        return run_pipeplan(two, "1f1b", args.steps, m, args.warmup)[0]
+    if "Interleaved" in name:
+        return run_torch(four, "interleaved", args.steps, m, args.warmup)
+    return run_torch(two, "1f1b", args.steps, m, args.warmup)
 
 
 def arguments(description: str, steps: int) -> argparse.Namespace:
@@ -245,15 +202,17 @@ def arguments(description: str, steps: int) -> argparse.Namespace:
 
 
 def play_rounds(
-    args: argparse.Namespace, four: Path, two: Path, runs: tuple[str, ...], one: OneRun
+    args: argparse.Namespace, four: Path, two: Path, bench: Bench, one: OneRun
 ) -> tuple[list[dict[str, Any]], list[float], list[float]]:
-    """``args.repeats`` rounds of every run, alternating their order (the machine's load drifts), each
-    round also timing the four stages alone; the rounds and the stages' median forward and backward."""
+    """``args.repeats`` rounds of every run, each pair back to back and the order reversed every other
+    round (the machine's load drifts), each round also timing the four stages alone; the rounds and
+    the stages' median forward and backward."""
     rounds: list[dict[str, Any]] = []
     b, m = args.batch_size, args.microbatches
     for r in range(args.repeats):
         got: dict[str, Any] = {"load_1min": os.getloadavg()[0]}
-        for name in runs if r % 2 == 0 else runs[::-1]:
+        order = round_order(bench.pairs, r)
+        for name in order + list(bench.alone) if r % 2 == 0 else list(bench.alone) + order:
             try:
                 got[name] = one(name, four, two, args)
             except Exception as exc:  # a schedule that cannot run this split: say why
@@ -274,7 +233,7 @@ def main() -> None:
         b, m = args.batch_size, args.microbatches
         four = write_interleaved(Path(tmp) / "four", args.width, args.layers, b, m)
         two = write_two_stages(Path(tmp) / "two", args.width, args.layers, b, m)
-        rounds, f, bw = play_rounds(args, four, two, RUNS, _one)
+        rounds, f, bw = play_rounds(args, four, two, BENCH, _one)
     report(BENCH, args, rounds, f, bw, predicted(f, bw, args.microbatches), (load_before, os.getloadavg()))
 
 
@@ -298,16 +257,6 @@ def _median(rounds: list[dict[str, Any]], name: str, key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def paired(rounds: list[dict[str, Any]], ours: str, theirs: str) -> list[float]:
-    """Per round, ``theirs``' time over ``ours`` (both ran back to back in that round, so the load
-    they shared was closer than across rounds); rounds where either failed are skipped."""
-    return [
-        r[theirs]["s_per_minibatch"] / r[ours]["s_per_minibatch"]
-        for r in rounds
-        if "s_per_minibatch" in r.get(ours, {}) and "s_per_minibatch" in r.get(theirs, {})
-    ]
-
-
 def report(
     bench: Bench,
     args: argparse.Namespace,
@@ -328,8 +277,7 @@ def report(
         }
         for name in bench.runs
     }
-    ours, theirs = rows[bench.ours]["s_per_minibatch"], rows[bench.theirs]["s_per_minibatch"]
-    short = bench.ours.removeprefix("pipeplan ")
+    pairs = {ours: paired(rounds, ours, theirs) for ours, theirs in bench.pairs}
     doc = {
         "config": vars(args),
         "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
@@ -337,9 +285,9 @@ def report(
         "stage_forward_s_per_microbatch": f,
         "stage_backward_s_per_microbatch": b,
         "predicted": pred,
-        f"throughput_ratio_{short}_vs_torch": theirs / ours if ours and theirs else None,
-        "throughput_ratio_per_round": paired(rounds, bench.ours, bench.theirs),
         "results": rows,
+        "torch_over_pipeplan_per_round": pairs,
+        "torch_over_pipeplan_median": {name: median_ratio(ratios) for name, ratios in pairs.items()},
         "rounds": rounds,
     }
     RESULTS.mkdir(exist_ok=True)
@@ -371,15 +319,14 @@ def _markdown(bench: Bench, doc: dict[str, Any]) -> str:
             f"| {name}{note} | {_fmt(row['s_per_minibatch'], '.4f')} | {_fmt(row['measured_bubble'], '.2f')} "
             f"| {_fmt(row['predicted_bubble'], '.2f')} |"
         )
-    rounds = doc["throughput_ratio_per_round"]
-    ratio = doc[f"throughput_ratio_{bench.ours.removeprefix('pipeplan ')}_vs_torch"]
     f, b = doc["stage_forward_s_per_microbatch"], doc["stage_backward_s_per_microbatch"]
+    loads = [r["load_1min"] for r in doc["rounds"]]
     lines += [
         "",
-        f"Throughput ratio, {bench.ours} / {bench.theirs}: {_fmt(ratio, '.2f')}x (medians); per round "
-        "(back to back): "
-        + ", ".join(f"{x:.2f}" for x in rounds)
-        + f" (median {_fmt(statistics.median(rounds) if rounds else None, '.2f')}).",
+        *pairs_markdown(
+            bench.pairs, doc["torch_over_pipeplan_per_round"], doc["torch_over_pipeplan_median"], loads
+        ),
+        "",
         "Stage times per microbatch (one thread, alone): forward "
         + " / ".join(f"{t * 1e3:.1f}" for t in f)
         + " ms, backward "

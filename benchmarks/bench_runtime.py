@@ -2,9 +2,11 @@
 predicted time per minibatch.
 
 Both runtimes train the SAME two stage modules (the stages of one package, built by ``pkg.stage(k)``)
-on the same microbatches, with 2 gloo ranks on this CPU, launched the same way (torch's elastic
-launch). Runs alternate between the two and repeat, and the median step time (after warm-up steps,
-the slower rank per step) is kept, because this machine is shared.
+on the same microbatches, with 2 gloo ranks on this CPU, their processes set up, fed and timed alike
+(benchmarks/peers.py: the same allocator setting and threads, data, loss scaling and step clock).
+Each round runs the two back to back, alternating which goes first; the headline is the median of
+the rounds' ratios (each round: the median step after warm-up steps, the slower rank per step),
+because this machine is shared.
 
 The prediction is this script's own, not the partitioner's, and it models what the partitioner's
 cost model models for 1f1b (partitioner/optimizer/pricing/schedules.py), plus the optimizer step and the data:
@@ -36,6 +38,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -44,9 +47,10 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.peers import ALIKE, elastic, median_ratio, round_order, run_pipeplan, run_torch
 from runtime.data import SyntheticBatches
-from runtime.launch import free_port, launch
-from runtime.options import RunOptions
 from runtime.package import import_package
 from runtime.worker import keep_freed_memory, share_cores
 
@@ -117,35 +121,19 @@ def set_prediction(folder: Path, batch: int, micro: int, width: int, predicted: 
     plan = {
         "schema": "pipeplan.plan/1",
         "gpus": 2,
+        "cluster": {"levels": [{"devices": 2, "bandwidth": 1e9}]},
         "schedule": "1f1b",
         "microbatches": micro,
         "batch_size": batch,
-        "stages": [{"index": k, "replicas": 1, "ranks": [k]} for k in range(2)],
-        "predicted": {"time_per_minibatch_s": predicted},
+        "stages": [{"index": k, "nodes": [], "replicas": 1, "ranks": [k]} for k in range(2)],
+        "predicted": {"time_per_minibatch_s": 0.0 if predicted is None else predicted},
+        "solver": {"name": "written by hand (this script's prediction)"},
         "extra": {"inputs": [{"name": "x", "shape": [batch, width], "dtype": "float32"}]},
     }
     (folder / "plan.json").write_text(json.dumps(plan, indent=1))
 
 
 # ----------------------------------------------------------------------------- the probe
-def _elastic(fn: Callable[..., Any], *args: Any) -> dict[int, Any]:
-    """Run ``fn(*args)`` on 2 local ranks with torch's elastic launch (fork), as the peers run."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=2,
-        rdzv_backend="static",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        rdzv_configs={"rank": 0},
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method="fork",
-    )
-    return elastic_launch(config, fn)(*args)  # type: ignore[no-any-return]
-
-
 def _median_ms(samples: list[float]) -> float:
     return statistics.median(samples) if samples else 0.0
 
@@ -247,7 +235,7 @@ def predict(probe: dict[int, dict[str, Any]], m: int, key: str = "corun") -> dic
 
 
 def probe(package: Path, batch: int, m: int, seconds: float) -> dict[int, dict[str, Any]]:
-    return _elastic(_probe_rank, str(package), batch, m, seconds)
+    return elastic(_probe_rank, str(package), batch, m, seconds)
 
 
 def _mean_probe(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
@@ -262,52 +250,6 @@ def _mean_probe(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]]) -> d
 
 
 # ----------------------------------------------------------------------------- the two runtimes
-def _pipelining_rank(package: str, steps: int, micro: int, batch: int) -> list[float]:
-    """One rank of torch.distributed.pipelining's Schedule1F1B on the package's stage."""
-    import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-    torch.set_num_threads(1)
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo")
-    pkg = import_package(package)
-    module = pkg.stage(rank)
-    stage = PipelineStage(module, rank, 2, torch.device("cpu"))
-    loss_fn = pkg.criterion()
-    schedule = Schedule1F1B(stage, micro, loss_fn=lambda out, y: loss_fn(out, y))
-    optim = torch.optim.SGD(module.parameters(), lr=0.01)
-    times = []
-    for step in range(steps):
-        torch.manual_seed(step)
-        x, y = pkg.example_inputs(batch)["x"], pkg.example_targets(batch)
-        start = time.perf_counter()
-        if rank == 0:
-            schedule.step(x)
-        else:
-            schedule.step(target=y, losses=[])
-        optim.step()
-        optim.zero_grad()
-        times.append(time.perf_counter() - start)
-    dist.barrier()
-    dist.destroy_process_group()
-    return times
-
-
-def run_pipelining(package: Path, steps: int, micro: int, batch: int) -> list[float]:
-    per_rank = _elastic(_pipelining_rank, str(package), steps, micro, batch)
-    return [max(a, b) for a, b in zip(per_rank[0], per_rank[1], strict=True)]
-
-
-def run_pipeplan(package: Path, steps: int, micro: int) -> tuple[list[float], dict[str, Any]]:
-    """pipeplan's ranks as ``pipeplan run`` starts them (threads: the runtime's own cores // ranks)."""
-    metrics = launch(
-        RunOptions(str(package), steps=steps, microbatches=micro, schedule="1f1b", backend="gloo")
-    )
-    assert metrics is not None
-    per_rank = [r["step_times_s"] for r in metrics["ranks"]]
-    return [max(ts) for ts in zip(*per_rank, strict=True)], metrics
-
-
 def _rank_summary(metrics: dict[str, Any]) -> list[dict[str, float]]:
     """Per rank, seconds per step of compute (wall and CPU), blocked receives and the rest."""
     out = []
@@ -348,13 +290,14 @@ def main() -> None:
             before = probe(package, b, m, args.probe_seconds)
             set_prediction(package, b, m, args.width, predict(before, m)["predicted_s"])
             got: dict[str, Any] = {"load_1min": os.getloadavg()[0]}
-            # Alternate which runtime goes first, so a burst of load from other jobs hits both alike.
-            for name in ("pipeplan", "torch") if r % 2 == 0 else ("torch", "pipeplan"):
+            # Back to back, alternating which goes first, so a burst of load from other jobs hits both
+            # alike; both set up, fed and timed alike (benchmarks/peers.py).
+            for name in round_order([("pipeplan", "torch")], r):
                 if name == "pipeplan":
-                    steps, metrics = run_pipeplan(package, args.steps, m)
-                    got["pipeplan"], got["pipeplan_ranks"] = steps[args.warmup :], _rank_summary(metrics)
+                    ours, metrics = run_pipeplan(package, "1f1b", args.steps, m, args.warmup)
+                    got["pipeplan"], got["pipeplan_ranks"] = ours["steps_s"], _rank_summary(metrics)
                 else:
-                    got["torch"] = run_pipelining(package, args.steps, m, b)[args.warmup :]
+                    got["torch"] = run_torch(package, "1f1b", args.steps, m, args.warmup)["steps_s"]
             # Probes on both sides of the runs: the load of other jobs drifts within seconds here.
             got["probe"] = _mean_probe(before, probe(package, b, m, args.probe_seconds))
             got["terms"] = predict(got["probe"], m)
@@ -399,7 +342,7 @@ def report(
         {k: _median_of([r["pipeplan_ranks"][i] for r in rounds], k) for k in rounds[0]["pipeplan_ranks"][i]}
         for i in range(2)
     ]
-    ratio, t_ours, t_theirs = statistics.median(ratios), statistics.median(ours), statistics.median(theirs)
+    ratio, t_ours, t_theirs = median_ratio(ratios), statistics.median(ours), statistics.median(theirs)
     doc = {
         "benchmark": "bench_runtime",
         "setup": {**vars(args), "ranks": 2, "backend": "gloo",
@@ -456,6 +399,8 @@ def _markdown(
         f"{len(rounds)} rounds: a probe of the prediction's terms, {args.steps} steps per runtime "
         f"({args.warmup} warm-up steps dropped), the runtimes back to back in alternating order; per round "
         "the median step (slower rank), then a second probe.",
+        "",
+        ALIKE,
         "",
         "| round | load 1 min | predicted s | pipeplan s | torch s | throughput ratio | measured/predicted |",
         "|---:|---:|---:|---:|---:|---:|---:|",

@@ -1,7 +1,11 @@
 """pipeplan's 1f1b, gpipe and zb1p (zero bubble H1) on the same 2-stage split and microbatches, on
 2 gloo ranks of this CPU: measured time per minibatch, measured vs predicted bubble, and the
-throughput ratio against torch.distributed.pipelining's Schedule1F1B and ScheduleInterleavedZeroBubble
-(one stage per rank) on the same stage modules.
+throughput ratio of each against its torch.distributed.pipelining counterpart on the same stage
+modules: Schedule1F1B, ScheduleGPipe and ScheduleInterleavedZeroBubble (one stage per rank).
+
+Each pair runs back to back in every round, the order reversed every other round, both sides set
+up, fed and timed alike (benchmarks/peers.py); a pair's headline is the median of its per-round
+ratios.
 
 The package is bench_runtime's MLP (Linear+ReLU layers, cut in two). Measured bubble, per step: 1 -
 (compute seconds of both ranks) / (2 x the step's wall time, the slower rank's), median over the steps
@@ -11,8 +15,8 @@ each stage's
 forward and backward per microbatch measured by bench_runtime's probe (both ranks computing at once,
 as in the pipeline), no communication: 1f1b and gpipe ``1 - sum(M t_k) / (p (sum t_k + (M-1) max t_k))``,
 zb1p :func:`partitioner.optimizer.pricing.schedules.zero_bubble_time` with W = half the backward.
-Runs alternate
-between the runtimes and repeat, because this machine is shared.
+Rounds repeat
+because this machine is shared.
 
 Run:  .venv/bin/python -m benchmarks.bench_schedules   (writes benchmarks/results/bench_schedules.{json,md})
 """
@@ -25,21 +29,27 @@ import os
 import platform
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.bench_runtime import _elastic, probe, write_package
+from benchmarks.bench_runtime import probe, write_package
+from benchmarks.peers import (
+    TORCH_SCHEDULES,
+    median_ratio,
+    paired,
+    pairs_markdown,
+    round_order,
+    run_pipeplan,
+    run_torch,
+)
 from partitioner.optimizer.pricing.schedules import zero_bubble_time
-from runtime.launch import launch
-from runtime.options import RunOptions
-from runtime.package import import_package
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OURS = ("1f1b", "gpipe", "zb1p")
-THEIRS = ("torch Schedule1F1B", "torch ScheduleInterleavedZeroBubble")
+THEIRS = tuple(f"torch {TORCH_SCHEDULES[name]}" for name in OURS)
+PAIRS = tuple(zip(OURS, THEIRS, strict=True))
 
 
 def predicted_bubble(schedule: str, f: list[float], b: list[float], m: int) -> float:
@@ -51,65 +61,6 @@ def predicted_bubble(schedule: str, f: list[float], b: list[float], m: int) -> f
         t = [fk + bk for fk, bk in zip(f, b, strict=True)]
         span = sum(t) + (m - 1) * max(t)
     return 1.0 - work / (len(f) * span)
-
-
-def run_ours(package: Path, schedule: str, steps: int, micro: int, warmup: int) -> dict[str, float]:
-    """One ``pipeplan run``-like job: median time per minibatch and median measured bubble."""
-    metrics = launch(
-        RunOptions(str(package), steps=steps, microbatches=micro, schedule=schedule, backend="gloo")
-    )
-    assert metrics is not None
-    ranks = metrics["ranks"]
-    walls = [max(ts) for ts in zip(*(r["step_times_s"] for r in ranks), strict=True)][warmup:]
-    busy = [sum(cs) for cs in zip(*(r["step_compute_s"] for r in ranks), strict=True)][warmup:]
-    bubbles = [1.0 - c / (len(ranks) * w) for c, w in zip(busy, walls, strict=True)]
-    cpu = sum(r.get("compute_cpu_s", 0.0) for r in ranks) / len(ranks[0]["step_times_s"])
-    return {
-        "s_per_minibatch": statistics.median(walls),
-        "bubble": statistics.median(bubbles),
-        "compute_cpu_s_per_minibatch": cpu,
-    }
-
-
-def _torch_rank(package: str, name: str, steps: int, micro: int, batch: int) -> list[float]:
-    """One rank of a torch.distributed.pipelining schedule on the package's stage."""
-    import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleavedZeroBubble
-
-    torch.set_num_threads(1)
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo")
-    pkg = import_package(package)
-    module = pkg.stage(rank)
-    stage = PipelineStage(module, rank, 2, torch.device("cpu"))
-    loss_fn = pkg.criterion()
-    schedule: Any
-    if name.endswith("Schedule1F1B"):
-        schedule = Schedule1F1B(stage, micro, loss_fn=lambda out, y: loss_fn(out, y))
-    else:
-        schedule = ScheduleInterleavedZeroBubble([stage], micro, loss_fn=lambda out, y: loss_fn(out, y))
-    optim = torch.optim.SGD(module.parameters(), lr=0.01)
-    times = []
-    for step in range(steps):
-        torch.manual_seed(step)
-        x, y = pkg.example_inputs(batch)["x"], pkg.example_targets(batch)
-        start = time.perf_counter()
-        if rank == 0:
-            schedule.step(x)
-        else:
-            schedule.step(target=y, losses=[])
-        optim.step()
-        optim.zero_grad()
-        times.append(time.perf_counter() - start)
-    dist.barrier()
-    dist.destroy_process_group()
-    return times
-
-
-def run_theirs(package: Path, name: str, steps: int, micro: int, batch: int, warmup: int) -> dict[str, float]:
-    per_rank = _elastic(_torch_rank, str(package), name, steps, micro, batch)
-    walls = [max(a, b) for a, b in zip(per_rank[0], per_rank[1], strict=True)][warmup:]
-    return {"s_per_minibatch": statistics.median(walls)}
 
 
 def main() -> None:
@@ -131,13 +82,13 @@ def main() -> None:
         package = write_package(Path(tmp) / "pkg", args.width, args.layers, b, m)
         for r in range(args.repeats):
             got: dict[str, Any] = {"load_1min": os.getloadavg()[0]}
-            names = [*OURS, *THEIRS]
-            for name in names if r % 2 == 0 else names[::-1]:
+            for name in round_order(PAIRS, r):
                 try:
                     if name in OURS:
-                        got[name] = run_ours(package, name, args.steps, m, args.warmup)
+                        got[name] = run_pipeplan(package, name, args.steps, m, args.warmup)[0]
                     else:
-                        got[name] = run_theirs(package, name, args.steps, m, b, args.warmup)
+                        schedule = OURS[THEIRS.index(name)]
+                        got[name] = run_torch(package, schedule, args.steps, m, args.warmup)
                 except Exception as exc:  # a torch schedule that cannot run this split: say why
                     got[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             got["probe"] = probe(package, b, m, args.probe_seconds)
@@ -167,6 +118,7 @@ def report(args: argparse.Namespace, rounds: list[dict[str, Any]], load: tuple[A
     for row in rows.values():
         t = row["s_per_minibatch"]
         row["speedup_vs_pipeplan_1f1b"] = base / t if base and t else None
+    pairs = {ours: paired(rounds, ours, theirs) for ours, theirs in PAIRS}
     doc = {
         "config": vars(args),
         "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
@@ -174,6 +126,8 @@ def report(args: argparse.Namespace, rounds: list[dict[str, Any]], load: tuple[A
         "stage_forward_s_per_microbatch": f,
         "stage_backward_s_per_microbatch": bw,
         "results": rows,
+        "torch_over_pipeplan_per_round": pairs,
+        "torch_over_pipeplan_median": {name: median_ratio(ratios) for name, ratios in pairs.items()},
         "rounds": rounds,
     }
     RESULTS.mkdir(exist_ok=True)
@@ -206,6 +160,13 @@ def _markdown(doc: dict[str, Any]) -> str:
             f"{_fmt(row['speedup_vs_pipeplan_1f1b'], '.2f')} | {_fmt(row['measured_bubble'], '.2f')} | "
             f"{_fmt(row['predicted_bubble'], '.2f')} | {_fmt(row['compute_cpu_s_per_minibatch'], '.3f')} |"
         )
+    loads = [r["load_1min"] for r in doc["rounds"]]
+    lines += [
+        "",
+        *pairs_markdown(
+            PAIRS, doc["torch_over_pipeplan_per_round"], doc["torch_over_pipeplan_median"], loads
+        ),
+    ]
     f, b = doc["stage_forward_s_per_microbatch"], doc["stage_backward_s_per_microbatch"]
     lines += [
         "",

@@ -13,8 +13,10 @@ of the runtime's own lists (``partitioner.optimizer.pricing.simulate.play`` on
 ``partitioner.optimizer.pricing.schedules``), fed with each stage's forward and backward per
 microbatch timed in
 this process after each round (median over rounds), one thread, no communication, the backward
-split into B and W by ``W_SHARE`` as the planner does. Runs alternate and repeat: this machine is
-shared.
+split into B and W by ``W_SHARE`` as the planner does. pipeplan's zbv and torch's run back to back
+in every round, the order reversed every other round, both sides set up, fed and timed alike
+(benchmarks/peers.py); the headline is the median of the per-round ratios (not a ratio of medians
+over different rounds). Rounds repeat: this machine is shared.
 
 Run:  .venv/bin/python -m benchmarks.bench_zbv
       (writes benchmarks/results/bench_zbv.{json,md})
@@ -25,22 +27,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.bench_interleaved import _INIT, Bench, arguments, paired, play_rounds, report
-from benchmarks.bench_runtime import _elastic
+from benchmarks.bench_interleaved import _INIT, Bench, arguments, play_rounds, report
 from benchmarks.bench_runtime import write_package as write_two_stages
-from benchmarks.bench_schedules import run_ours
+from benchmarks.peers import paired, run_pipeplan, run_torch
 from partitioner.optimizer.pricing.schedules import zero_bubble_time
 from partitioner.optimizer.pricing.simulate import play
 from partitioner.optimizer.pricing.stage import W_SHARE
-from runtime.package import import_package
 from runtime.schedule import build, layout_of
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -49,9 +47,8 @@ OURS, THEIRS = "pipeplan zbv", "torch ScheduleZBVZeroBubble"
 RUNS = (OURS, THEIRS, "pipeplan zb1p", "pipeplan 1f1b")
 BENCH = Bench(
     "bench_zbv",
-    OURS,
-    THEIRS,
-    RUNS,
+    ((OURS, THEIRS),),
+    RUNS[2:],
     "zero bubble V (2 stages per rank as a V)",
     "zbv: 4 stages (rank 0: stages 0 and 3, rank 1: 1 and 2); zb1p and 1f1b: the same layers in 2 stages.",
 )
@@ -85,54 +82,13 @@ def write_zbv(folder: Path, width: int, layers: int, batch: int, micro: int) -> 
     return folder
 
 
-def _torch_rank(package: str, steps: int, micro: int, batch: int) -> list[float]:
-    """One rank of torch.distributed.pipelining's ScheduleZBVZeroBubble on its two stages of the V
-    (rank 0 feeds the inputs and, holding the last stage, the targets too)."""
-    import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
-
-    torch.set_num_threads(1)
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo")
-    pkg = import_package(package)
-    ids = (rank, 2 * RANKS - 1 - rank)  # the V: down, then back up
-    modules = [pkg.stage(k) for k in ids]
-    stages: list[Any] = [
-        PipelineStage(mod, k, 2 * RANKS, torch.device("cpu")) for mod, k in zip(modules, ids, strict=True)
-    ]
-    loss_fn = pkg.criterion()
-    schedule = ScheduleZBVZeroBubble(stages, micro, loss_fn=lambda out, y: loss_fn(out, y))
-    optim = torch.optim.SGD([p for mod in modules for p in mod.parameters()], lr=0.01)
-    times = []
-    for step in range(steps):
-        torch.manual_seed(step)
-        x, y = pkg.example_inputs(batch)["x"], pkg.example_targets(batch)
-        start = time.perf_counter()
-        if rank == 0:
-            schedule.step(x, target=y, losses=[])
-        else:
-            schedule.step()
-        optim.step()
-        optim.zero_grad()
-        times.append(time.perf_counter() - start)
-    dist.barrier()
-    dist.destroy_process_group()
-    return times
-
-
-def run_theirs(package: Path, steps: int, micro: int, batch: int, warmup: int) -> dict[str, float]:
-    per_rank = _elastic(_torch_rank, str(package), steps, micro, batch)
-    walls = [max(a, b) for a, b in zip(per_rank[0], per_rank[1], strict=True)][warmup:]
-    return {"s_per_minibatch": statistics.median(walls)}
-
-
 def _one(name: str, four: Path, two: Path, args: argparse.Namespace) -> dict[str, Any]:
     m = args.microbatches
     if name == OURS:
-        return run_ours(four, "zbv", args.steps, m, args.warmup)
+        return run_pipeplan(four, "zbv", args.steps, m, args.warmup)[0]
     if name == THEIRS:
-        return run_theirs(four, args.steps, m, args.batch_size, args.warmup)
-    return run_ours(two, name.split()[-1], args.steps, m, args.warmup)
+        return run_torch(four, "zbv", args.steps, m, args.warmup)
+    return run_pipeplan(two, name.split()[-1], args.steps, m, args.warmup)[0]
 
 
 def predicted(f: list[float], b: list[float], m: int) -> dict[str, float]:
@@ -168,7 +124,7 @@ def main() -> None:
         b, m = args.batch_size, args.microbatches
         four = write_zbv(Path(tmp) / "four", args.width, args.layers, b, m)
         two = write_two_stages(Path(tmp) / "two", args.width, args.layers, b, m)
-        rounds, f, bw = play_rounds(args, four, two, RUNS, _one)
+        rounds, f, bw = play_rounds(args, four, two, BENCH, _one)
     report(BENCH, args, rounds, f, bw, predicted(f, bw, args.microbatches), (load_before, os.getloadavg()))
 
 
