@@ -621,6 +621,9 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
               help="Repetitions of every figure (the spread is over them).")  # fmt: skip
 @click.option("--messages", type=click.IntRange(min=1), default=20, show_default=True,
               help="Round trips (or all-reduces) per round.")  # fmt: skip
+@click.option("--idle", is_flag=True,
+              help="CPU ranks: measure them idle. By default each computes on its run's threads while "
+              "measured, as a pipeline's ranks do (GPUs: never loaded).")  # fmt: skip
 @_node_options
 @user_errors
 def probe(gpus: int, output: str, device: str, **opts: Any) -> None:
