@@ -14,7 +14,8 @@ does). Per round it records both probes' latency and bandwidth, each run's timed
 wire time, and the latency they give at the busy probe's bandwidth), the share of a core the ranks
 got, and the 1-minute load before each command.
 
-Run:  .venv/bin/python -m benchmarks.bench_probe_load   (writes benchmarks/results/bench_probe_load.{json,md})
+Run:  .venv/bin/python -m benchmarks.bench_probe_load   (writes benchmarks/results/bench_probe_load.{json,md};
+``--results NAME``: NAME.{json,md})
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--results", default="bench_probe_load", help="Writes results/NAME.{json,md}.")
     args = parser.parse_args()
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-probe-load-") as tmp:
@@ -116,8 +118,8 @@ def main() -> None:
         "rounds": rounds,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "bench_probe_load.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (RESULTS / "bench_probe_load.md").write_text(markdown(doc, args))
+    (RESULTS / f"{args.results}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (RESULTS / f"{args.results}.md").write_text(markdown(doc, args))
     print(markdown(doc, args))
 
 
@@ -128,7 +130,8 @@ def markdown(doc: dict[str, Any], args: argparse.Namespace) -> str:
     head += [f"{s}: wire us (timed/skipped)" for s in specs]
     head += [f"{s}: latency us" for s in specs]
     lines = ["# A CPU pipeline's message: probe idle, probe busy, and the run's own", "",
-             f"`python -m benchmarks.bench_probe_load --rounds {args.rounds} --steps {args.steps}` "
+             f"`python -m benchmarks.bench_probe_load --rounds {args.rounds} --steps {args.steps} "
+             f"--results {args.results}` "
              f"({doc['machine']['cpu_count']} cores). Latency: probe's median one-way 16 B time; a run's: "
              "the median of its timed messages' wire time less bytes / the busy probe's bandwidth.", "",
              "| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]  # fmt: skip
