@@ -422,6 +422,9 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
     is_flag=True,
     help="Calibrate from a run measured while other work loaded the machine (refused otherwise).",
 )
+@click.option("--trace", type=click.Path(dir_okay=False, path_type=str), help="The run's (run --trace).")
+@click.option("--cluster", type=click.Path(dir_okay=False, path_type=str),
+              help="A cluster file whose latency the trace's messages correct, in place.")  # fmt: skip
 @user_errors
 def calibrate(
     package: str | None,
@@ -430,6 +433,8 @@ def calibrate(
     output: str | None,
     models_dir: str,
     accept_load: bool,
+    trace: str | None,
+    cluster: str | None,
 ) -> None:
     """Scale a profile's layer times to what a run measured per stage -> a calibrated profile.
 
@@ -439,16 +444,19 @@ def calibrate(
       pipeplan run --steps 20
       pipeplan calibrate
       pipeplan partition --profile profiles/MODEL/calibrated.json --gpus N
+    A traced run's messages correct a probed cluster file's latency too:
+      pipeplan calibrate --trace trace.json --cluster cluster.json
     """
     from pathlib import Path
 
     from cli_render.calibrate import print_calibration
-    from partitioner.calibrate import calibrate_package, newest_run
+    from partitioner.calibrate import newest_run
+    from partitioner.link_calibration import calibrate_with_links
 
     folder = Path(package) if package is not None else newest_run(models_dir)
     if metrics_path is None and run_dir is not None:
         metrics_path = str(Path(run_dir) / "metrics.json")
-    print_calibration(calibrate_package(folder, metrics_path, output, accept_load))
+    print_calibration(*calibrate_with_links(folder, metrics_path, output, accept_load, trace, cluster))
 
 
 # ----------------------------------------------------------------------------- run
@@ -621,6 +629,8 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
               help="Repetitions of every figure (the spread is over them).")  # fmt: skip
 @click.option("--messages", type=click.IntRange(min=1), default=20, show_default=True,
               help="Round trips (or all-reduces) per round.")  # fmt: skip
+@click.option("--idle", is_flag=True, help="Measure CPU ranks idle, not computing on a run's threads "
+              "as by default (GPU ranks: never loaded).")  # fmt: skip
 @_node_options
 @user_errors
 def probe(gpus: int, output: str, device: str, **opts: Any) -> None:

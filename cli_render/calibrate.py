@@ -7,18 +7,24 @@ from typing import Any
 from cli_render.common import console, new_table
 from partitioner.calibrate import Calibration, stage_factors
 from partitioner.graph import at_microbatches
+from partitioner.link_calibration import LinkCalibration
 from runtime.schedule import get_schedule
 
-__all__ = ["calibration_table", "print_calibration"]
+__all__ = ["calibration_table", "print_calibration", "print_links"]
 
 
-def print_calibration(done: Calibration) -> None:
+def print_calibration(done: Calibration, links: LinkCalibration | None = None) -> None:
     plan, path, device, out = done.plan, done.path, done.device, console()
     for note in done.notes:
         console(stderr=True).print(f"[yellow]note:[/yellow] {note}", soft_wrap=True)
     forwards = 1 if get_schedule(plan.schedule).stashes else plan.microbatches
     out.print(calibration_table(at_microbatches(done.profile, forwards), plan, done.measured_s))
-    out.print(f"wrote {path}; next: pipeplan partition --profile {path} {_devices(plan)}", soft_wrap=True)
+    if links is not None:
+        print_links(links)
+    cluster = f" --cluster {links.cluster}" if links is not None else ""
+    out.print(
+        f"wrote {path}; next: pipeplan partition --profile {path} {_devices(plan)}{cluster}", soft_wrap=True
+    )
     if device is not None:
         out.print(
             f"the profile was estimated for {device.name}: its efficiencies corrected to matmul "
@@ -27,6 +33,18 @@ def print_calibration(done: Calibration) -> None:
             f"--device-model {done.device_path})",
             soft_wrap=True,
         )
+
+
+def print_links(done: LinkCalibration) -> None:
+    """The latency the run's messages gave, from how many, and the file it went to."""
+    timed, skipped = len(done.messages.seconds), done.messages.skipped
+    console().print(
+        f"links: {timed} messages timed (their receiver was waiting; {skipped} arrived while it computed "
+        f"and are not counted): median {done.wire_median_s * 1e6:.0f} us on the wire; level-0 latency "
+        f"{done.latency_before_s * 1e6:.0f} -> {done.latency_s * 1e6:.0f} us (bandwidth "
+        f"{done.bandwidth / 1e9:.3g} GB/s kept); wrote {done.cluster}",
+        soft_wrap=True,
+    )
 
 
 def _devices(plan: Any) -> str:

@@ -12,7 +12,10 @@ __all__ = ["print_probe"]
 
 def print_probe(options: ProbeOptions, measure: Callable[[], ProbeOutcome | None], output: str) -> None:
     """Say what is measured, measure, and show the table (node 0; the other nodes print nothing more)."""
-    console(stderr=True).print(f"probing {options.gpus * options.nnodes} ranks ({options.device}) ...")
+    cores = "cores busy" if options.busy else "idle"
+    console(stderr=True).print(
+        f"probing {options.gpus * options.nnodes} ranks ({options.device}, {cores}) ..."
+    )
     outcome = measure()
     if outcome is None:
         return  # another node: node 0 writes the file

@@ -158,9 +158,8 @@ def cluster_from_json(doc: Any, source: str = "cluster") -> Cluster:
     without a latency: 0, bandwidth only)."""
     if not isinstance(doc, Mapping) or doc.get("schema") != CLUSTER_SCHEMA:
         raise PlanError(f"{source} is not a pipeplan cluster file (schema {CLUSTER_SCHEMA!r})")
-    unknown = sorted(
-        set(doc) - {"schema", "name", "description", "levels", "memory", "device_model", "sources", "probe"}
-    )
+    known = {"schema", "name", "description", "levels", "memory", "device_model", "sources", "probe"}
+    unknown = sorted(set(doc) - known - {"calibrated"})  # calibrated: what `calibrate --cluster` changed
     if unknown:
         raise PlanError(f"{source}: unknown field {unknown[0]!r}")
     try:

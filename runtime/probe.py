@@ -14,8 +14,18 @@ launcher like ``pipeplan run`` (local ranks, or every node running the same comm
 
 Each figure is measured in ``rounds`` rounds of ``messages`` round trips after a warm-up; the file
 keeps the median and the rounds' spread ((max - min) / median), which says how steady the link was.
-The other ranks wait at a barrier while a pair measures. Untested on CUDA: the NCCL path follows
-torch's documented calls (``init_process_group("nccl")``, ``torch.cuda.synchronize``).
+The other ranks wait at a barrier while a pair measures.
+
+On CPU ranks every figure is measured, by default, with each rank's cores busy as a run keeps them: a
+thread of each rank multiplies matrices on the run's thread count (``share_cores``) the whole time,
+so a message waits for a core the way it does between a pipeline's computations (gloo's threads and
+the receiving thread must be scheduled beside the computing ones). What a message costs then depends
+on the machine's scheduler and on what else runs, and can differ from the idle figure in either
+direction (docs/fidelity.md has measurements). ``idle=True`` measures idle ranks. On CUDA ranks
+nothing is loaded: NCCL moves the bytes on its own stream, and a run's computing does not take a CPU
+core from it.
+Untested on CUDA: the NCCL path follows torch's documented calls (``init_process_group("nccl")``,
+``torch.cuda.synchronize``).
 """
 
 from __future__ import annotations
@@ -25,8 +35,10 @@ import multiprocessing
 import os
 import statistics
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +73,7 @@ class ProbeOptions:
         rounds: repetitions of every figure (the spread is over them).
         messages: round trips (or all-reduces) per round.
         large_bytes: the bandwidth message's size.
+        idle: measure CPU ranks idle instead of with their cores busy computing as a run's are.
         nnodes, node_rank, master_addr, master_port, timeout: as ``pipeplan run``'s.
     """
 
@@ -69,6 +82,7 @@ class ProbeOptions:
     rounds: int = 5
     messages: int = 20
     large_bytes: int = LARGE_BYTES
+    idle: bool = False
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -84,6 +98,11 @@ class ProbeOptions:
             raise RunError("--rounds and --messages must be >= 1")
         if self.large_bytes <= SMALL_BYTES:
             raise RunError(f"the bandwidth message must be larger than {SMALL_BYTES} bytes")
+
+    @property
+    def busy(self) -> bool:
+        """Whether the ranks compute while measured: CPU ranks, unless ``idle`` (CUDA ranks never)."""
+        return self.device == "cpu" and not self.idle
 
 
 @dataclass(frozen=True)
@@ -109,7 +128,12 @@ class LinkFigure:
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """Every level's link, the all-reduces (bytes, median seconds, spread) and the conditions."""
+    """Every level's link, the all-reduces (bytes, median seconds, spread) and the conditions.
+
+    ``cores`` is ``busy`` (each rank computed on ``threads`` threads while measured) or ``idle``;
+    ``core_share`` the least share of a core a rank's computing thread got while measured (None when
+    idle): well under 1, other processes held the cores too.
+    """
 
     links: tuple[LinkFigure, ...]
     allreduce: tuple[tuple[int, float, float], ...]
@@ -117,6 +141,9 @@ class ProbeResult:
     backend: str
     load: tuple[float, float]
     memory_bytes: int | None
+    cores: str = "idle"
+    threads: int = 1
+    core_share: float | None = None
 
 
 def _spread(values: Sequence[float]) -> float:
@@ -139,7 +166,8 @@ def probe(options: ProbeOptions) -> ProbeResult | None:
 
     port = options.master_port or (free_port() if options.nnodes == 1 else 29500)
     load_before = os.getloadavg()[0]
-    multiprocessing.set_forkserver_preload(["torch.distributed", "runtime.probe"])  # one import, forks
+    preload = ["torch.distributed", "runtime.probe", "runtime.worker"]
+    multiprocessing.set_forkserver_preload(preload)  # one import, forks
     with tempfile.TemporaryDirectory(prefix="pipeplan-probe-") as logs:
         config = LaunchConfig(
             min_nodes=options.nnodes, max_nodes=options.nnodes, nproc_per_node=options.gpus,
@@ -163,7 +191,12 @@ def probe(options: ProbeOptions) -> ProbeResult | None:
     links = tuple(LinkFigure(**{**f, "ranks": tuple(f["ranks"])}) for f in doc["links"])
     allreduce = tuple((int(b), float(t), float(s)) for b, t, s in doc["allreduce"])
     load = (load_before, os.getloadavg()[0])
-    return ProbeResult(links, allreduce, doc["ranks"], doc["backend"], load, doc["memory_bytes"])
+    shares = [r["core_share"] for r in results.values() if r["core_share"] is not None]
+    return ProbeResult(
+        links, allreduce, doc["ranks"], doc["backend"], load, doc["memory_bytes"],
+        cores="busy" if options.busy else "idle", threads=doc["threads"],
+        core_share=min(shares, default=None),
+    )  # fmt: skip
 
 
 def _failure_line(failure: Any) -> str:
@@ -177,35 +210,86 @@ def _measure(options: ProbeOptions) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
+    from runtime.worker import share_cores
+
     cuda = options.device == "cuda"
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    else:
-        torch.set_num_threads(1)
+    share_cores()  # the run's thread count: the computing thread's, when busy
+    threads = torch.get_num_threads()
     dist.init_process_group("nccl" if cuda else "gloo")
     try:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        sync = torch.cuda.synchronize if cuda else (lambda: None)
-        levels = [(options.gpus, (0, 1))] if options.gpus > 1 else []  # within a host
-        levels += [(options.nnodes, (0, options.gpus))] if options.nnodes > 1 else []  # across hosts
-        links = []
-        for level, (devices, pair) in enumerate(levels):
-            small = _ping_pong(rank, pair, SMALL_BYTES, options, device, sync)
-            large = _ping_pong(rank, pair, options.large_bytes, options, device, sync)
-            extra = options.large_bytes - SMALL_BYTES
-            rates = [extra / max(b - a, 1e-12) for a, b in zip(small, large, strict=True)]
-            links.append({
-                "level": level, "devices": devices, "ranks": pair,
-                "latency_s": statistics.median(small), "bandwidth": statistics.median(rates),
-                "latency_rounds_s": tuple(small), "bandwidth_rounds": tuple(rates),
-            })  # fmt: skip
-        allreduce = [_allreduce(size, options, device, sync) for size in ALLREDUCE_BYTES]
-        memory = torch.cuda.get_device_properties(device).total_memory if cuda else None
-        return {"links": links, "allreduce": allreduce, "ranks": world, "backend": dist.get_backend(),
-                "memory_bytes": memory}  # fmt: skip
+        with _cores_busy(threads, options.busy) as core_share:
+            doc = _measure_links(options)
+        return {**doc, "threads": threads, "core_share": core_share()}
     finally:
         dist.destroy_process_group()
+
+
+def _measure_links(options: ProbeOptions) -> dict[str, Any]:
+    """Every level's pair (latency, bandwidth) and the all-reduces, as this rank sees them."""
+    import torch
+    import torch.distributed as dist
+
+    cuda = options.device == "cuda"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    levels = [(options.gpus, (0, 1))] if options.gpus > 1 else []  # within a host
+    levels += [(options.nnodes, (0, options.gpus))] if options.nnodes > 1 else []  # across hosts
+    links = []
+    for level, (devices, pair) in enumerate(levels):
+        small = _ping_pong(rank, pair, SMALL_BYTES, options, device, sync)
+        large = _ping_pong(rank, pair, options.large_bytes, options, device, sync)
+        extra = options.large_bytes - SMALL_BYTES
+        rates = [extra / max(b - a, 1e-12) for a, b in zip(small, large, strict=True)]
+        links.append({
+            "level": level, "devices": devices, "ranks": pair,
+            "latency_s": statistics.median(small), "bandwidth": statistics.median(rates),
+            "latency_rounds_s": tuple(small), "bandwidth_rounds": tuple(rates),
+        })  # fmt: skip
+    allreduce = [_allreduce(size, options, device, sync) for size in ALLREDUCE_BYTES]
+    memory = torch.cuda.get_device_properties(device).total_memory if cuda else None
+    return {"links": links, "allreduce": allreduce, "ranks": world, "backend": dist.get_backend(),
+            "memory_bytes": memory}  # fmt: skip
+
+
+@contextmanager
+def _cores_busy(threads: int, busy: bool) -> Iterator[Callable[[], float | None]]:
+    """While the block runs, a thread multiplies matrices on ``threads`` threads, as a run's rank
+    computes between its messages (``busy``; else nothing). Yields a function that gives the share of
+    a core the computing thread got so far (its CPU time over the wall time; None when idle): near 1,
+    the cores were busy with this rank's work; well under 1, other processes held them too.
+
+    The thread sets its own thread count: OpenMP's is per calling thread, and a new thread would
+    otherwise start one per core and oversubscribe them. A product takes about a third of a
+    millisecond on one core, so the thread stops soon after the block ends.
+    """
+    if not busy:
+        yield lambda: None
+        return
+    import torch
+
+    stop = threading.Event()
+    computing = [0.0]
+    size = 64 * max(4, round(4 * threads ** (1 / 3)))  # 256 on one thread, more work per product on more
+
+    def compute() -> None:
+        torch.set_num_threads(threads)
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        start = time.thread_time()
+        while not stop.is_set():
+            torch.mm(a, b)
+            computing[0] = time.thread_time() - start
+
+    worker = threading.Thread(target=compute, name="probe-busy", daemon=True)
+    began = time.perf_counter()
+    worker.start()
+    try:
+        yield lambda: min(1.0, computing[0] / max(time.perf_counter() - began, 1e-9))
+    finally:
+        stop.set()
+        worker.join()
 
 
 def _rounds(options: ProbeOptions, once: Callable[[], None], sync: Callable[[], None]) -> list[float]:
@@ -271,8 +355,12 @@ def write_cluster_file(result: ProbeResult, path: Path, command: str) -> dict[st
         "description": f"{result.ranks} ranks on {result.backend}, measured by `{command}`",
         "levels": levels,
         "sources": f"`{command}`: ping-pong of {SMALL_BYTES} B (latency) and large messages (bandwidth) "
-        f"per level, medians of the rounds; load {result.load[0]:.2f} before, {result.load[1]:.2f} after",
+        f"per level, medians of the rounds, {_conditions(result)}; "
+        f"load {result.load[0]:.2f} before, {result.load[1]:.2f} after",
         "probe": {
+            "cores": result.cores,
+            "threads": result.threads,
+            "core_share": result.core_share,
             "links": [
                 {**asdict(f), "latency_spread": f.latency_spread, "bandwidth_spread": f.bandwidth_spread}
                 for f in result.links
@@ -327,9 +415,15 @@ def run_probe(options: ProbeOptions, path: Path, command: str) -> ProbeOutcome |
         for b, t, s in result.allreduce
     ]  # fmt: skip
     notes = [
-        f"medians of {options.rounds} rounds of {options.messages}; spread = (max - min) / median; "
+        f"medians of {options.rounds} rounds of {options.messages}, {_conditions(result)}; "
+        f"spread = (max - min) / median; "
         f"load {result.load[0]:.2f} before, {result.load[1]:.2f} after ({os.cpu_count()} cores)"
     ]
+    if result.core_share is not None and result.core_share < 0.5:
+        notes.append(
+            f"warning: a rank's computing thread got {result.core_share:.0%} of a core: other processes "
+            "held the cores too, and the figures measure them; probe again when the machine is quiet"
+        )
     per_core = result.load[0] / (os.cpu_count() or 1)
     if per_core > 1.5:
         notes.append(
@@ -343,6 +437,14 @@ def run_probe(options: ProbeOptions, path: Path, command: str) -> ProbeOutcome |
             "shared; probe again when it is quiet, or with more --rounds"
         )
     return ProbeOutcome(result.ranks, result.backend, columns, tuple(rows), tuple(notes))
+
+
+def _conditions(result: ProbeResult) -> str:
+    """How the ranks' cores were held while measured, in words."""
+    if result.cores == "idle":
+        return "ranks idle" if result.backend == "gloo" else "cores not loaded (NCCL on its own stream)"
+    share = f" ({result.core_share:.0%} of a core each)" if result.core_share is not None else ""
+    return f"each rank computing on {result.threads} thread(s) as a run's does{share}"
 
 
 def _size(nbytes: int) -> str:

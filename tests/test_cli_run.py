@@ -11,6 +11,7 @@ import torch
 from click.testing import CliRunner
 
 from cli import main
+from partitioner.link_calibration import waited_messages
 from tests.runtime.packages import write_package
 
 torch.set_num_threads(1)
@@ -36,6 +37,11 @@ def test_run_trains_and_writes_metrics_checkpoints_and_trace(tmp_path: Path) -> 
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["pid"] for e in events} == {0, 1}
     assert any(e["name"] == "B3" for e in events)
+    # what `calibrate --trace` reads: each receive is matched to its sender's span, on one clock
+    messages = waited_messages(events, [(0.0, 0.0), (0.0, 0.0)])
+    receives = sum(1 for e in events if e["name"].startswith("recv "))
+    assert messages.seconds and len(messages.seconds) + messages.skipped == receives
+    assert all(0 < t < 1 for t in messages.seconds)
 
 
 def test_dry_run_prints_one_torchrun_line_per_node(tmp_path: Path) -> None:

@@ -4,16 +4,19 @@ cluster file whose latency is large changes the plan."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
+import runtime.probe
 from cli import main
 from partitioner.clusters import load_cluster
 from partitioner.graph import write_graph_txt
 from runtime.errors import RunError
-from runtime.probe import ProbeOptions
+from runtime.probe import LinkFigure, ProbeOptions, ProbeResult, _cores_busy
 from tests.partitioner.optimizer.conftest import make_profile
 
 
@@ -36,6 +39,53 @@ def test_probe_two_local_ranks_writes_a_cluster_file(tmp_path: Path) -> None:
     assert len(link["latency_rounds_s"]) == 2 and link["latency_spread"] >= 0  # how steady it was
     assert [row["bytes"] for row in doc["probe"]["allreduce"]] == [4096, 1 << 20, 16 << 20]
     assert "latency" in out and "all-reduce 16 MiB" in out and "spread" in out
+    # CPU ranks are measured computing, as a run's are, and the file says so
+    assert doc["probe"]["cores"] == "busy" and doc["probe"]["threads"] >= 1
+    assert 0 < doc["probe"]["core_share"] <= 1
+    assert "computing on" in doc["sources"] and "computing on" in " ".join(out.split())
+
+
+def test_busy_cores_compute_beside_the_block_and_stop_after_it() -> None:
+    before = threading.active_count()
+    with _cores_busy(1, busy=True) as share:
+        time.sleep(0.2)
+        assert threading.active_count() == before + 1
+        got = share()
+    assert got is not None and 0 < got <= 1
+    assert threading.active_count() == before  # the computing thread is joined
+    with _cores_busy(1, busy=False) as share:
+        assert share() is None and threading.active_count() == before
+
+
+def test_idle_is_an_option_on_cpu_and_cuda_is_never_loaded() -> None:
+    assert ProbeOptions(gpus=2).busy
+    assert not ProbeOptions(gpus=2, idle=True).busy
+    assert not ProbeOptions(gpus=2, device="cuda").busy
+
+
+def _fake_result(options: ProbeOptions) -> ProbeResult:
+    link = LinkFigure(0, 2, (0, 1), 1e-4, 1e9, (1e-4, 1e-4), (1e9, 1e9))
+    busy = options.busy
+    return ProbeResult(
+        (link,), ((4096, 2e-4, 0.0),), 2, "gloo", (0.5, 0.5), None,
+        cores="busy" if busy else "idle", threads=1, core_share=0.9 if busy else None,
+    )  # fmt: skip
+
+
+def test_the_cluster_file_records_how_the_cores_were_held(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[ProbeOptions] = []
+    monkeypatch.setattr(runtime.probe, "probe", lambda o: seen.append(o) or _fake_result(o))
+    for flag, cores in (("--idle", "idle"), ("", "busy")):
+        path = tmp_path / f"{cores}.json"
+        code, out, err = _run("probe", "--device", "cpu", *([flag] if flag else []), "-o", str(path))
+        assert code == 0, err
+        doc = json.loads(path.read_text())
+        assert doc["probe"]["cores"] == cores and load_cluster(str(path)).levels[0].latency == 1e-4
+        said = "ranks idle" if cores == "idle" else "computing on 1 thread(s)"
+        assert said in doc["sources"] and said in " ".join(out.split())
+    assert [o.idle for o in seen] == [True, False]
 
 
 def test_probe_refuses_what_it_cannot_measure() -> None:

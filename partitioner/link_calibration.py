@@ -1,0 +1,222 @@
+"""Correct a cluster file's latency from the messages a traced run timed: trace + plan -> cluster file.
+
+``pipeplan probe`` measures a link between runs; a run's own messages cost what they cost beside its
+computing. A run's Chrome trace (``pipeplan run --trace``) holds, per rank, each forward and
+backward span (``F3``, ``B3``: the sender posts its message right after the span ends) and each
+blocked receive (``recv F3`` on the next stage, ``recv B3`` on the previous one). Where the receiver
+was already waiting when the sender posted, the receive ended when the message arrived: its wire
+time is the receive's end less the sender's span end. Where the receiver was still computing, the
+message may have arrived long before it looked, and its wire time is unknown: those are skipped,
+never guessed.
+
+The latency is the median over the timed messages of ``wire - bytes / bandwidth`` (each message's
+bytes: the cut it crossed, per microbatch, from the plan's profile), so the bandwidth the file
+already has is kept: one run sends one or two sizes per cut, too few to tell a latency from a
+bandwidth. A message's time also holds the Python between the span's end and the send's post (tens
+of microseconds) and the receiving thread's wake-up, both of which a run pays per message.
+
+What this refuses, rather than guess: runs across hosts (their clocks differ, so one rank's
+timestamps cannot be compared with another's), ranks hosting several stages (``interleaved``,
+``zbv``: the trace names a rank's spans under its first stage) and traces with fewer than
+:data:`FEWEST` timed messages. Pure Python, no torch: the inputs are JSON files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from partitioner.calibrate import Calibration, calibrate_package
+from partitioner.clusters import cluster_from_json
+from partitioner.errors import PipeplanError
+from partitioner.graph import load_profile
+from partitioner.optimizer.pricing.price import stage_loads
+from partitioner.plan import Plan, load_plan
+
+__all__ = [
+    "FEWEST",
+    "LinkCalibration",
+    "Messages",
+    "calibrate_with_links",
+    "measure_links",
+    "message_bytes",
+    "save_links",
+    "waited_messages",
+]
+
+#: the fewest timed messages a latency is taken from
+FEWEST = 5
+
+
+@dataclass(frozen=True)
+class Messages:
+    """A run's messages whose receiver was waiting when they were posted.
+
+    Attributes:
+        seconds: each one's wire time, post to arrival.
+        nbytes: each one's bytes.
+        skipped: messages whose receiver was still computing when they were posted (wire time unknown).
+    """
+
+    seconds: tuple[float, ...]
+    nbytes: tuple[float, ...]
+    skipped: int
+
+
+@dataclass(frozen=True)
+class LinkCalibration:
+    """A cluster file's level-0 latency before and after, from how many messages; ``doc``: the file."""
+
+    cluster: Path
+    latency_before_s: float
+    latency_s: float
+    bandwidth: float
+    messages: Messages
+    trace: str
+    doc: Mapping[str, Any]
+
+    @property
+    def wire_median_s(self) -> float:
+        return statistics.median(self.messages.seconds)
+
+
+def _span_end(event: Mapping[str, Any]) -> float:
+    return (float(event["ts"]) + float(event["dur"])) / 1e6
+
+
+def waited_messages(events: Iterable[Mapping[str, Any]], nbytes: Sequence[tuple[float, float]]) -> Messages:
+    """The wire time of every message in a trace whose receiver was waiting before it was posted.
+
+    ``events``: the trace's complete spans (``pid`` rank, ``tid`` stage, ``ts``/``dur`` in us on one
+    clock); ``nbytes[s]``: (bytes into stage ``s`` a forward, bytes into it a backward), per microbatch.
+    """
+    spans = [e for e in events if e.get("ph") == "X"]
+    sent = {(int(e["tid"]), str(e["name"])): _span_end(e) for e in spans if e.get("cat") == "compute"}
+    seconds, sizes, skipped = [], [], 0
+    for e in spans:
+        name = str(e["name"])
+        if not name.startswith("recv ") or name[5:6] not in ("F", "B"):
+            continue
+        kind, stage = name[5], int(e["tid"])
+        sender = stage - 1 if kind == "F" else stage + 1
+        posted = sent.get((sender, name[5:]))
+        if posted is None or not 0 <= stage < len(nbytes):
+            continue
+        if float(e["ts"]) / 1e6 > posted:
+            skipped += 1  # still computing when it was sent: it may have waited in the receive buffer
+            continue
+        seconds.append(_span_end(e) - posted)
+        sizes.append(nbytes[stage][0 if kind == "F" else 1])
+    return Messages(tuple(seconds), tuple(sizes), skipped)
+
+
+def message_bytes(plan: Plan) -> list[tuple[float, float]]:
+    """Per stage, the bytes of one microbatch's message into it: (forward, backward); the profile's
+    cut bytes scaled from its batch to the plan's microbatch."""
+    profile = load_profile(plan.profile)
+    loads = stage_loads(profile, [s.nodes for s in plan.stages])
+    profiled = profile.batch_size or plan.batch_size or 1  # unknown on both sides: the same batch
+    scale = (plan.batch_size or profiled) / profiled / plan.microbatches
+    ins = [ld.in_bytes * scale for ld in loads] + [0.0]
+    return [(ins[s], ins[s + 1]) for s in range(len(loads))]
+
+
+def measure_links(
+    folder: Path, trace: str | os.PathLike[str], cluster: str | os.PathLike[str]
+) -> LinkCalibration:
+    """``cluster``'s level-0 latency as the messages of a traced run of the package at ``folder`` found
+    it (nothing written: :func:`save_links` writes it).
+
+    Raises:
+        PipeplanError: a run this cannot read honestly (across hosts, several stages per rank, too few
+            timed messages) or files that are not a trace and a cluster file.
+    """
+    plan = load_plan(folder / "plan.json")
+    path = Path(cluster)
+    doc = _read_json(path, "cluster file")
+    levels = cluster_from_json(doc, str(path)).levels
+    if plan.virtual_stages > 1:
+        raise PipeplanError(
+            f"{folder} runs {plan.virtual_stages} stages per rank ({plan.schedule}): its trace names a "
+            "rank's spans under one stage, so its messages cannot be told apart; calibrate links from a "
+            "run of a plan with one stage per rank"
+        )
+    if plan.gpus > levels[0].devices:
+        raise PipeplanError(
+            f"{folder} spans {plan.gpus} devices, more than one host's {levels[0].devices}: hosts' clocks "
+            "differ, so a trace cannot time a message between them; calibrate links from a one-host run"
+        )
+    if not plan.profile:
+        raise PipeplanError(f"{folder}/plan.json does not name the profile it was planned from")
+    events = _read_json(Path(trace), "trace")
+    if not isinstance(events, Mapping) or not isinstance(events.get("traceEvents"), list):
+        raise PipeplanError(f"{trace} is not a Chrome trace of a run (pipeplan run --trace FILE)")
+    messages = waited_messages(events["traceEvents"], message_bytes(plan))
+    if len(messages.seconds) < FEWEST:
+        raise PipeplanError(
+            f"{trace} has {len(messages.seconds)} messages whose receiver was waiting for them (of "
+            f"{len(messages.seconds) + messages.skipped}); at least {FEWEST} are needed: trace a longer run"
+        )
+    bandwidth = levels[0].bandwidth
+    excess = [t - b / bandwidth for t, b in zip(messages.seconds, messages.nbytes, strict=True)]
+    return LinkCalibration(path, levels[0].latency, max(0.0, statistics.median(excess)), bandwidth, messages,
+                           str(trace), doc)  # fmt: skip
+
+
+def calibrate_with_links(
+    folder: Path,
+    metrics: str | None,
+    output: str | None,
+    accept_load: bool,
+    trace: str | None,
+    cluster: str | None,
+) -> tuple[Calibration, LinkCalibration | None]:
+    """``pipeplan calibrate``: the profile from the run's stage times and, given a trace and a cluster
+    file (both or neither), the file's latency from its messages. Everything is read and checked
+    before anything is written."""
+    if (trace is None) != (cluster is None):
+        raise PipeplanError("--trace and --cluster go together: the run's trace corrects the cluster file")
+    links = measure_links(folder, trace, cluster) if trace is not None and cluster is not None else None
+    done = calibrate_package(folder, metrics, output, accept_load)
+    if links is not None:
+        save_links(links)
+    return done, links
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise PipeplanError(f"cannot read the {what} {path}: {exc}") from None
+
+
+def save_links(done: LinkCalibration) -> None:
+    """The cluster file with level 0's latency replaced and a record of where it came from."""
+    levels = [dict(level) for level in done.doc["levels"]]
+    levels[0]["latency"] = done.latency_s
+    record = {
+        "trace": done.trace,
+        "level": 0,
+        "latency_before": done.latency_before_s,
+        "messages_timed": len(done.messages.seconds),
+        "messages_skipped": done.messages.skipped,
+        "wire_s_median": done.wire_median_s,
+        "wire_s_quartiles": _quartiles(done.messages.seconds),
+    }
+    new = {**done.doc, "levels": levels, "calibrated": record}
+    tmp = done.cluster.with_name(done.cluster.name + ".tmp")
+    tmp.write_text(json.dumps(new, indent=1) + "\n")
+    tmp.replace(done.cluster)
+
+
+def _quartiles(values: Sequence[float]) -> list[float]:
+    if len(values) < 2:
+        return [values[0], values[0]] if values else [math.nan, math.nan]
+    q = statistics.quantiles(values, n=4)
+    return [q[0], q[2]]

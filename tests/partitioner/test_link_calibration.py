@@ -1,0 +1,105 @@
+"""Link calibration from a traced run: which messages are timed, the latency they give, the refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from cli import main
+from partitioner.clusters import load_cluster
+from partitioner.errors import PipeplanError
+from partitioner.graph import write_graph_txt
+from partitioner.link_calibration import calibrate_with_links, measure_links, save_links, waited_messages
+from tests.partitioner.optimizer.conftest import make_profile
+
+MB = 1e6  # bytes a message carries in the plans below (a 4,000,000-byte cut over 4 microbatches)
+
+
+def _span(rank: int, name: str, start_us: float, end_us: float, cat: str = "compute") -> dict[str, Any]:
+    return {
+        "name": name,
+        "cat": cat,
+        "ph": "X",
+        "pid": rank,
+        "tid": rank,
+        "ts": start_us,
+        "dur": end_us - start_us,
+    }
+
+
+def _trace(wires_us: list[float], busy: int = 0) -> list[dict[str, Any]]:
+    """Two stages: stage 1 waits for each forward (its receive starts before the send), then `busy`
+    messages whose receiver was still computing; and one backward the other way, waited for."""
+    events, t = [], 0.0
+    for u, wire in enumerate(wires_us):
+        events += [_span(0, f"F{u}", t, t + 1000), _span(1, f"recv F{u}", t + 500, t + 1000 + wire, "comm")]
+        t += 10_000
+    for u in range(len(wires_us), len(wires_us) + busy):
+        events += [_span(0, f"F{u}", t, t + 1000), _span(1, f"recv F{u}", t + 3000, t + 3010, "comm")]
+        t += 10_000
+    events += [_span(1, "B0", t, t + 1000), _span(0, "recv B0", t + 100, t + 1000 + wires_us[0], "comm")]
+    return events
+
+
+def test_only_messages_whose_receiver_waited_are_timed() -> None:
+    got = waited_messages(_trace([200.0, 300.0, 250.0], busy=2), [(0.0, MB), (MB, 0.0)])
+    assert got.seconds == pytest.approx([200e-6, 300e-6, 250e-6, 200e-6])
+    assert got.nbytes == (MB, MB, MB, MB)  # forwards into stage 1, the backward into stage 0
+    assert got.skipped == 2  # arrived while stage 1 computed: their wire time is unknown
+
+
+def _package(tmp_path: Path, schedule: str = "1f1b", gpus: int = 2) -> Path:
+    costs = [(5, 10, 4_000_000, 1000), (8, 16, 2000, 2000), (5, 10, 2000, 1000), (8, 16, 2000, 2000)]
+    graph = tmp_path / "toy" / "graph.txt"
+    graph.parent.mkdir(exist_ok=True)
+    write_graph_txt(make_profile(costs, [(0, 1), (1, 2), (2, 3)]), graph)
+    out = tmp_path / f"m-{schedule}-{gpus}"
+    args = ["partition", "--profile", str(graph), "--gpus", str(gpus), "--schedule", schedule,
+            "--microbatches", "4", "-o", str(out)]  # fmt: skip
+    if schedule != "interleaved":  # (interleaved: the optimizer's 4 stages on 2 ranks)
+        args += ["--cuts", "l0", "--replicas", "1,1" if gpus == 2 else "2,2"]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.stderr
+    return next(out.rglob("plan.json")).parent
+
+
+def _cluster(tmp_path: Path, devices: int = 2) -> Path:
+    path = tmp_path / "cluster.json"
+    level = {"devices": devices, "bandwidth": 1e10, "latency": 1e-3}
+    path.write_text(
+        json.dumps({"schema": "pipeplan.cluster/1", "levels": [level], "probe": {"cores": "busy"}})
+    )
+    return path
+
+
+def test_the_latency_is_the_median_wire_time_less_the_bytes_on_the_wire(tmp_path: Path) -> None:
+    folder, cluster, trace = _package(tmp_path), _cluster(tmp_path), tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": _trace([200.0, 300.0, 250.0, 400.0, 220.0, 260.0])}))
+    done = measure_links(folder, trace, cluster)
+    assert json.loads(cluster.read_text())["levels"][0]["latency"] == 1e-3  # nothing written yet
+    # every message carries 1 MB at 10 GB/s (100 us); the 7 wire times' median is 250 us
+    assert done.latency_s == pytest.approx(150e-6) and done.latency_before_s == 1e-3
+    save_links(done)
+    assert load_cluster(str(cluster)).levels[0].latency == pytest.approx(150e-6)
+    doc = json.loads(cluster.read_text())
+    assert doc["calibrated"]["messages_timed"] == 7 and doc["calibrated"]["latency_before"] == 1e-3
+    assert doc["probe"] == {"cores": "busy"} and doc["levels"][0]["bandwidth"] == 1e10  # the rest is kept
+
+
+def test_what_a_trace_cannot_time_is_refused(tmp_path: Path) -> None:
+    cluster, trace = _cluster(tmp_path), tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": _trace([200.0, 300.0], busy=5)}))
+    with pytest.raises(PipeplanError, match=r"3 messages whose receiver was waiting .* at least 5"):
+        measure_links(_package(tmp_path), trace, cluster)
+    with pytest.raises(PipeplanError, match="more than one host's 2: hosts' clocks differ"):
+        measure_links(_package(tmp_path, gpus=4), trace, cluster)
+    with pytest.raises(PipeplanError, match="stages per rank"):
+        measure_links(_package(tmp_path, "interleaved"), trace, cluster)
+    with pytest.raises(PipeplanError, match="--trace and --cluster go together"):
+        calibrate_with_links(tmp_path, None, None, False, str(trace), None)
+    result = CliRunner().invoke(main, ["calibrate", str(tmp_path), "--cluster", str(cluster)])
+    assert result.exit_code == 2 and result.stderr.startswith("error:") and "go together" in result.stderr
