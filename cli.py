@@ -426,16 +426,7 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
 @click.option("--cluster", type=click.Path(dir_okay=False, path_type=str),
               help="A cluster file whose latency the trace's messages correct, in place.")  # fmt: skip
 @user_errors
-def calibrate(
-    package: str | None,
-    metrics_path: str | None,
-    run_dir: str | None,
-    output: str | None,
-    models_dir: str,
-    accept_load: bool,
-    trace: str | None,
-    cluster: str | None,
-) -> None:
+def calibrate(package: str | None, metrics_path: str | None, run_dir: str | None, **opts: Any) -> None:
     """Scale a profile's layer times to what a run measured per stage -> a calibrated profile.
 
     \b
@@ -453,10 +444,11 @@ def calibrate(
     from partitioner.calibrate import newest_run
     from partitioner.link_calibration import calibrate_with_links
 
-    folder = Path(package) if package is not None else newest_run(models_dir)
+    folder = Path(package) if package is not None else newest_run(opts["models_dir"])
     if metrics_path is None and run_dir is not None:
         metrics_path = str(Path(run_dir) / "metrics.json")
-    print_calibration(*calibrate_with_links(folder, metrics_path, output, accept_load, trace, cluster))
+    kept = (opts["output"], opts["accept_load"], opts["trace"], opts["cluster"])
+    print_calibration(*calibrate_with_links(folder, metrics_path, *kept))
 
 
 # ----------------------------------------------------------------------------- run
