@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from partitioner.atomic import write_text_atomic
 from partitioner.calibrate import Calibration, calibrate_package
 from partitioner.clusters import cluster_from_json
 from partitioner.errors import PipeplanError
@@ -210,9 +211,7 @@ def save_links(done: LinkCalibration) -> None:
         "wire_s_quartiles": _quartiles(done.messages.seconds),
     }
     new = {**done.doc, "levels": levels, "calibrated": record}
-    tmp = done.cluster.with_name(done.cluster.name + ".tmp")
-    tmp.write_text(json.dumps(new, indent=1) + "\n")
-    tmp.replace(done.cluster)
+    write_text_atomic(done.cluster, json.dumps(new, indent=1) + "\n")
 
 
 def _quartiles(values: Sequence[float]) -> list[float]:
