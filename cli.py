@@ -408,7 +408,7 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
 
 
 @main.command()
-@click.argument("package", required=False, type=click.Path(file_okay=False, path_type=str))
+@click.argument("packages", nargs=-1, type=click.Path(file_okay=False, path_type=str))
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=str), default=None,
               help="The run to calibrate from  [default: the newest, PACKAGE/run]")  # fmt: skip
 @click.option("--metrics", "metrics_path", type=click.Path(dir_okay=False, path_type=str), default=None,
@@ -426,8 +426,8 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
 @click.option("--cluster", type=click.Path(dir_okay=False, path_type=str),
               help="A cluster file whose latency the trace's messages correct, in place.")  # fmt: skip
 @user_errors
-def calibrate(package: str | None, metrics_path: str | None, run_dir: str | None, **opts: Any) -> None:
-    """Scale a profile's layer times to what a run measured per stage -> a calibrated profile.
+def calibrate(packages: tuple[str, ...], metrics_path: str | None, run_dir: str | None, **opts: Any) -> None:
+    """Scale a profile's layer times to what runs measured per stage -> a calibrated profile.
 
     \b
     The profiler times each layer alone; `pipeplan run` measures each stage as it really runs
@@ -435,6 +435,8 @@ def calibrate(package: str | None, metrics_path: str | None, run_dir: str | None
       pipeplan run --steps 20
       pipeplan calibrate
       pipeplan partition --profile profiles/MODEL/calibrated.json --gpus N
+    Several packages of one profile (PACKAGE...: each one's newest run) calibrate together, each
+    layer scaled by the median of its runs, so that one noisy run does not set the scale.
     A traced run's messages correct a probed cluster file's latency too:
       pipeplan calibrate --trace trace.json --cluster cluster.json
     """
@@ -444,11 +446,11 @@ def calibrate(package: str | None, metrics_path: str | None, run_dir: str | None
     from partitioner.calibrate import newest_run
     from partitioner.link_calibration import calibrate_with_links
 
-    folder = Path(package) if package is not None else newest_run(opts["models_dir"])
+    folders = [Path(p) for p in packages] or [newest_run(opts["models_dir"])]
     if metrics_path is None and run_dir is not None:
         metrics_path = str(Path(run_dir) / "metrics.json")
     kept = (opts["output"], opts["accept_load"], opts["trace"], opts["cluster"])
-    print_calibration(*calibrate_with_links(folder, metrics_path, *kept))
+    print_calibration(*calibrate_with_links(folders, metrics_path, *kept))
 
 
 # ----------------------------------------------------------------------------- run

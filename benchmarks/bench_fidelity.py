@@ -6,8 +6,9 @@ Everything goes through the real CLI in a temporary folder, as a user would run 
 one of this machine's cores; layers measured at the plan's microbatch size, as ``partition`` advises
 for 1f1b and gpipe, since small batches cost more per sample), ``pipeplan partition --profile ...
 --gpus 2`` (the optimizer's plan, or ``--cuts/--replicas`` for a fixed candidate), ``pipeplan run PKG
---steps N``; measured is ``run/metrics.json``'s median time per minibatch (slower rank per step, the
-first step excluded), predicted is ``plan.json``'s.
+--steps N`` (N: at least ``--steps``, and enough predicted minibatches for ``--seconds`` of steps, so a
+30 ms plan is not judged on 7 steps); measured is ``run/metrics.json``'s median time per minibatch
+(slower rank per step, the first step excluded), predicted is ``plan.json``'s.
 
 1. Fidelity: 3 models (vgg16 and resnet18 at 3x64x64 images, the Hugging Face ``hf:llama`` family at
    128 tokens), each planned for every schedule (pipedream; 1f1b, gpipe, zb1p, interleaved and zbv
@@ -16,7 +17,8 @@ first step excluded), predicted is ``plan.json``'s.
    1f1b with 4 microbatches, and fixed plans: a cut at 10%, 25% or 50% of the profiled compute, data
    parallelism, 1f1b cut at 25%), Spearman's rank correlation of measured against predicted.
 3. Both again after ``pipeplan probe`` (the links, once) and one ``pipeplan calibrate`` per profile
-   (from the first plan run on it): what a user gets first, and after those two commands.
+   (from every plan of the first pass run on it that calibrate can read, i.e. one stage per rank:
+   each layer takes the median of its runs): what a user gets first, and after those two commands.
 
 Besides the wall-clock ratio, every run reports its ranks' compute CPU time against the plan's stage
 compute (the profile is CPU time): on a CPU that other jobs share, a rank that gets half a core takes
@@ -212,15 +214,17 @@ def partition_args(cli: Cli, path: Path, cand: Candidate, cluster: str | None = 
 
 
 def plan_and_run(
-    cli: Cli, model: Model, args: list[str], cand: Candidate, index: int, steps: int
+    cli: Cli, model: Model, args: list[str], cand: Candidate, index: int, length: tuple[int, float]
 ) -> dict[str, Any]:
-    """Partition (the optimizer's or a fixed plan), run it, and pair plan.json with metrics.json."""
+    """Partition (the optimizer's or a fixed plan), run it for at least ``length`` (steps, predicted
+    seconds), and pair plan.json with metrics.json."""
     out = f"plans/{index:02d}"
     cli(*args, "-o", out)
     package = next((cli.folder / out).glob("*/gpus=2"))
     where = str(package.relative_to(cli.folder))
-    load = cli("run", where, "--steps", str(steps), "--timeout", "300", "--measure-memory", "--no-checkpoint")
     plan = json.loads((package / "plan.json").read_text())
+    steps = max(length[0], 1 + math.ceil(length[1] / plan["predicted"]["time_per_minibatch_s"]))
+    load = cli("run", where, "--steps", str(steps), "--timeout", "300", "--measure-memory", "--no-checkpoint")
     metrics = json.loads((package / "run" / "metrics.json").read_text())
     measured, predicted = metrics["time_per_minibatch_s"], plan["predicted"]["time_per_minibatch_s"]
     by_stage = {s["stage"]: s["compute_s_per_minibatch"] for s in metrics["stages"]}
@@ -260,6 +264,7 @@ def plan_and_run(
         "bubble_fraction": plan["predicted"].get("bubble_fraction"),
         "cpu_share": sum(r["compute_cpu_s"] for r in ranks) / sum(r["compute_s"] for r in ranks),
         "load_1min": load,
+        "steps": steps,
         "step_times_s_slowest_rank": [
             max(ts) for ts in zip(*(r["step_times_s"] for r in ranks), strict=False)
         ],
@@ -268,7 +273,12 @@ def plan_and_run(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8, help="Minibatches per run (the first is excluded).")
+    parser.add_argument(
+        "--steps", type=int, default=8, help="Fewest minibatches per run (the first excluded)."
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=3.0, help="Predicted seconds of steps per run, at least."
+    )
     parser.add_argument("--repeats", type=int, default=3, help="Profile repeats per layer.")
     parser.add_argument("--models", default=",".join(m.spec for m in MODELS), help="Subset, comma-separated.")
     parser.add_argument("--rank-model", default="vgg16", help="The model whose candidates are ranked.")
@@ -291,6 +301,7 @@ def main() -> None:
         folder.mkdir(parents=True, exist_ok=True)
         cli = Cli(folder)
         cli("probe", "--gpus", "2", "-o", "cluster.json")
+        probed = json.loads((folder / "cluster.json").read_text())["levels"][0]
         for model in chosen:
             cands = (*FIDELITY, *(CANDIDATES if model.spec == args.rank_model else ()))
             paths: dict[int, Path] = {}
@@ -299,9 +310,11 @@ def main() -> None:
                 if micro not in paths:
                     paths[micro], summary = profile(cli, model, args.repeats, micro)
                     profiles.append(summary)
-            done = run_pass(cli, model, cands, paths, None, PASSES[0], runs, args.steps)
+            length = (args.steps, args.seconds)
+            done = run_pass(cli, model, cands, paths, None, PASSES[0], runs, length)
             calibrated = calibrate(cli, paths, done, profiles)
-            run_pass(cli, model, cands, calibrated, "cluster.json", PASSES[1], runs, args.steps)
+            run_pass(cli, model, cands, calibrated, "cluster.json", PASSES[1], runs, length)
+    args.probed = {k: probed.get(k) for k in ("latency", "bandwidth")}
     report(args, profiles, runs, (load_before, os.getloadavg()), time.perf_counter() - started)
 
 
@@ -320,11 +333,11 @@ def run_pass(
     cluster: str | None,
     label: str,
     runs: list[dict[str, Any]],
-    steps: int,
-) -> dict[int, str]:
+    length: tuple[int, float],
+) -> dict[int, list[str]]:
     """Plan and run every candidate from ``paths`` (profile per microbatch size; a size missing is
-    skipped); the package of the first run made from each profile."""
-    first: dict[int, str] = {}
+    skipped); per profile, the packages of its runs that calibrate reads (one stage per rank)."""
+    readable: dict[int, list[str]] = {}
     seen: set[tuple[str, ...]] = set()
     for cand in cands:
         micro = model.batch_size // cand.microbatches
@@ -335,24 +348,26 @@ def run_pass(
             print(f"{model.spec:10s} {cand.label:28s} skipped: the same plan as an earlier one")
             continue
         seen.add(tuple(plan_args))
-        runs.append({**plan_and_run(cli, model, plan_args, cand, len(runs), steps), "pass": label})
-        first.setdefault(micro, runs[-1]["package"])
+        runs.append({**plan_and_run(cli, model, plan_args, cand, len(runs), length), "pass": label})
+        if get_schedule(cand.schedule).placement is None:
+            readable.setdefault(micro, []).append(runs[-1]["package"])
         ratio = runs[-1]["measured_over_predicted"]
         print(f"{model.spec:10s} {label:16s} {cand.label:28s} measured/predicted {ratio:.2f}", flush=True)
-    return first
+    return readable
 
 
 def calibrate(
-    cli: Cli, paths: dict[int, Path], packages: dict[int, str], profiles: list[dict[str, Any]]
+    cli: Cli, paths: dict[int, Path], packages: dict[int, list[str]], profiles: list[dict[str, Any]]
 ) -> dict[int, Path]:
-    """One ``pipeplan calibrate`` per profile, from the first run made from it; a refusal (a loaded
-    machine) is recorded on the profile's summary and its plans get no second pass."""
+    """One ``pipeplan calibrate`` per profile, from every run of it that calibrate reads (each layer
+    takes the median of its runs); a refusal (a loaded machine) is recorded on the profile's summary
+    and its plans get no second pass."""
     out: dict[int, Path] = {}
     for micro, path in paths.items():
         target = path.with_name("calibrated.json")
         summary = next(p for p in profiles if p["measured_at"] == micro and p.get("path") == str(path))
         try:
-            cli("calibrate", packages[micro], "-o", str(target))
+            cli("calibrate", *packages[micro], "-o", str(target))
             out[micro] = target
             summary["calibrated_from"] = packages[micro]
         except RuntimeError as exc:
@@ -488,8 +503,9 @@ def _header(doc: dict[str, Any]) -> list[str]:
         f"Profiles: `pipeplan profile MODEL --threads 1 --clock cpu --repeats {setup['repeats']} "
         "--microbatch-size B/M` (the microbatch size of the plans made from it, as `partition` "
         f"advises); "
-        f"runs: `pipeplan run PKG --steps {setup['steps']}` (median step of the slower rank, first "
-        f"step excluded). Whole benchmark {doc['wall_s']:.0f} s.",
+        f"runs: `pipeplan run PKG --steps N`, N at least {setup['steps']} and "
+        f"{setup.get('seconds', 0):g} s of predicted steps (median step of the slower rank, first step "
+        f"excluded). {_probed(setup.get('probed'))}Whole benchmark {doc['wall_s']:.0f} s.",
         "",
         "| model | batch | measured at | input | layers | profile s | profile fidelity | load |",
         "|---|---:|---:|---|---:|---:|---:|---:|",
@@ -500,6 +516,14 @@ def _header(doc: dict[str, Any]) -> list[str]:
         ),
         "",
     ]
+
+
+def _probed(probed: dict[str, float] | None) -> str:
+    """What ``pipeplan probe`` measured for the second pass's cluster file (older results: nothing)."""
+    if not probed:
+        return ""
+    latency, bandwidth = probed["latency"] * 1e3, probed["bandwidth"] / 1e9
+    return f"Probed link: latency {latency:.2f} ms, bandwidth {bandwidth:.2f} GB/s. "
 
 
 def _runs_table(runs: list[dict[str, Any]]) -> list[str]:

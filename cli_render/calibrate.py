@@ -14,11 +14,17 @@ __all__ = ["calibration_table", "print_calibration", "print_links"]
 
 
 def print_calibration(done: Calibration, links: LinkCalibration | None = None) -> None:
-    plan, path, device, out = done.plan, done.path, done.device, console()
+    path, device, out = done.path, done.device, console()
     for note in done.notes:
         console(stderr=True).print(f"[yellow]note:[/yellow] {note}", soft_wrap=True)
-    forwards = 1 if get_schedule(plan.schedule).stashes else plan.microbatches
-    out.print(calibration_table(at_microbatches(done.profile, forwards), plan, done.measured_s))
+    for run in done.runs:
+        plan = run.plan
+        forwards = 1 if get_schedule(plan.schedule).stashes else plan.microbatches
+        title = f" ({run.source})" if len(done.runs) > 1 else ""
+        out.print(calibration_table(at_microbatches(done.profile, forwards), plan, run.seconds, title))
+    if len(done.runs) > 1:
+        out.print(f"each layer scaled by the median of the {len(done.runs)} runs that measured it")
+    plan = done.runs[0].plan
     if links is not None:
         print_links(links)
     cluster = f" --cluster {links.cluster}" if links is not None else ""
@@ -55,9 +61,10 @@ def _devices(plan: Any) -> str:
     return f"--gpus {plan.cluster.gpus}" if len(levels) == 1 else f"--topology {counts} ..."
 
 
-def calibration_table(profile: Any, plan: Any, measured_s: Any) -> Any:
+def calibration_table(profile: Any, plan: Any, measured_s: Any, title: str = "") -> Any:
     factors = stage_factors(profile, plan, measured_s)
-    table = new_table(f"{profile.model}: compute per minibatch", ("stage", "profiled", "measured", "factor"))
+    heads = ("stage", "profiled", "measured", "factor")
+    table = new_table(f"{profile.model}: compute per minibatch{title}", heads)
     for stage in plan.stages:
         profiled = sum(profile.node(n).compute_ms for n in stage.nodes)
         measured = measured_s.get(stage.index)

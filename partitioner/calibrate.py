@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 from partitioner.devices import DeviceModel, estimated_device, save_device_model
 from partitioner.errors import PipeplanError
@@ -33,22 +33,30 @@ from runtime.schema import SchemaError, check
 
 __all__ = [
     "OTHER_LOAD_PER_CORE",
+    "RUNS_AGREE",
     "Calibration",
+    "Measured",
     "RunTimes",
     "calibrate",
     "calibrate_package",
+    "calibrate_runs",
     "calibrated_device",
     "check_run",
     "device_seconds",
+    "disagreement",
     "load_run_times",
     "load_verdict",
     "newest_run",
+    "node_factors",
     "stage_factors",
 ]
 
 #: load per core beyond the run's own ranks above which a run's times are not its own: other work
 #: took turns on its cores, and a calibration from it predicts a machine that is not there
 OTHER_LOAD_PER_CORE = 0.5
+
+#: how far (relative) a run's median stage factor may sit from the runs' median before it is named
+RUNS_AGREE = 0.15
 
 
 @dataclass(frozen=True)
@@ -190,21 +198,42 @@ def stage_factors(profile: Profile, plan: Plan, measured_s: Mapping[int, float])
     return factors
 
 
-def calibrate(
-    profile: Profile, plan: Plan, measured_s: Mapping[int, float], batch_size: int | None, source: str = ""
-) -> Profile:
-    """The profile with each measured stage's layer times scaled to what the run measured.
+@dataclass(frozen=True)
+class Measured:
+    """One run as calibration reads it: its plan, each stage's device seconds per minibatch (in the
+    sense of ``Stage.compute_s``), its minibatch size (None: the profile's) and where it came from."""
 
-    ``batch_size`` is the run's minibatch; times are rescaled linearly to the profile's batch size
-    when they differ. Layers of unmeasured stages keep their times. The factors compare the run with
-    the profile as the plan priced it (:func:`~partitioner.graph.at_microbatches` at its microbatch
-    count); each layer's fixed time per call is scaled with the rest, so the calibrated profile still
-    prices other microbatch counts.
-    """
+    plan: Plan
+    seconds: Mapping[int, float]
+    batch_size: int | None
+    source: str = ""
+
+
+def node_factors(profile: Profile, run: Measured) -> dict[str, float]:
+    """measured / profiled compute of each layer of a measured stage (the stage's factor, taken for
+    every layer in it), against the profile as the run's plan priced it
+    (:func:`~partitioner.graph.at_microbatches` at its microbatch count) and rescaled linearly to the
+    profile's batch size when the run's minibatch differs."""
+    plan = run.plan
     priced = at_microbatches(profile, model(plan.schedule).microbatches(plan.microbatches))
-    scale = (profile.batch_size / batch_size) if profile.batch_size and batch_size else 1.0
-    factors = {k: f * scale for k, f in stage_factors(priced, plan, measured_s).items()}
-    factor_of = {n: factors[s.index] for s in plan.stages if s.index in factors for n in s.nodes}
+    scale = (profile.batch_size / run.batch_size) if profile.batch_size and run.batch_size else 1.0
+    factors = stage_factors(priced, plan, run.seconds)
+    return {n: factors[s.index] * scale for s in plan.stages if s.index in factors for n in s.nodes}
+
+
+def calibrate_runs(profile: Profile, runs: Sequence[Measured]) -> Profile:
+    """The profile with each layer's times scaled by the median of its factors over the runs that
+    measured it (:func:`node_factors`); layers no run measured keep their times.
+
+    One run's stage times carry that run's noise into every plan made from the result; the median
+    of several runs (of different plans of the same profile, or the same plan run again) keeps a
+    single slow or fast run from setting the scale. Each layer's fixed time per call is scaled with
+    the rest, so the calibrated profile still prices other microbatch counts.
+    """
+    per_run = [node_factors(profile, run) for run in runs]
+    factor_of = {
+        n: statistics.median(f[n] for f in per_run if n in f) for n in {n for f in per_run for n in f}
+    }
 
     def scaled(n: Node) -> Node:
         f = factor_of[n.id]
@@ -217,43 +246,70 @@ def calibrate(
         )
 
     nodes = tuple(scaled(n) if n.id in factor_of else n for n in profile.nodes)
-    note: dict[str, Any] = {"metrics": source, "plan_stages": len(plan.stages), "factors": factors}
-    return replace(profile, nodes=nodes, extra={**dict(profile.extra), "calibrated": note})
+    notes = [
+        {"metrics": run.source, "plan_stages": len(run.plan.stages), "factors": _stage_factors(profile, run)}
+        for run in runs
+    ]
+    return replace(profile, nodes=nodes, extra={**dict(profile.extra), "calibrated": {"runs": notes}})
 
 
-def calibrated_device(
+def _stage_factors(profile: Profile, run: Measured) -> dict[int, float]:
+    """A run's factor per stage (the one :func:`node_factors` gave each of the stage's layers)."""
+    factors = node_factors(profile, run)
+    return {s.index: factors[s.nodes[0]] for s in run.plan.stages if s.nodes and s.nodes[0] in factors}
+
+
+def calibrate(
     profile: Profile, plan: Plan, measured_s: Mapping[int, float], batch_size: int | None, source: str = ""
-) -> DeviceModel | None:
+) -> Profile:
+    """The profile with each measured stage's layer times scaled to what one run measured
+    (:func:`calibrate_runs` of that run alone)."""
+    return calibrate_runs(profile, [Measured(plan, measured_s, batch_size, source)])
+
+
+def disagreement(profile: Profile, runs: Sequence[Measured]) -> str | None:
+    """A note when the runs' median stage factors differ by more than :data:`RUNS_AGREE` from
+    their median: the runs measured different machines (load, clock), not only different plans."""
+    factors = [(run.source, _stage_factors(profile, run).values()) for run in runs]
+    medians = [(source, statistics.median(f)) for source, f in factors if f]
+    if len(medians) < 2:
+        return None
+    middle = statistics.median(m for _, m in medians)
+    off = [(source, m) for source, m in medians if abs(m / middle - 1) > RUNS_AGREE]
+    if not off:
+        return None
+    named = ", ".join(f"{source} {m:.2f}x" for source, m in off)
+    return (
+        f"the runs disagree: their median factor is {middle:.2f}x but {named}; each layer takes the "
+        "median of its runs, so add runs measured on a quiet machine to outvote them"
+    )
+
+
+def calibrated_device(profile: Profile, runs: Sequence[Measured], source: str = "") -> DeviceModel | None:
     """For a profile estimated for a device model (``--device-model``), that model corrected by the
-    run: its efficiencies divided, and its launch time multiplied, by the median of the stages'
-    measured / estimated compute, so the next estimate with it predicts what this run measured.
-    None for a measured profile, or when no stage was measured.
+    runs: its efficiencies divided, and its launch time multiplied, by the median of the stages'
+    measured / estimated compute over all runs, so the next estimate with it predicts what they
+    measured. None for a measured profile, or when no stage was measured.
 
     One factor for the whole device: a run measures stages, not kernels, so it cannot tell a slow
     matrix product from a slow copy; the per-stage spread is in the calibrated profile itself.
     """
     device = estimated_device(profile)
-    if device is None:
+    factors = [f for run in runs for f in _stage_factors(profile, run).values()]
+    if device is None or not factors:
         return None
-    priced = at_microbatches(profile, model(plan.schedule).microbatches(plan.microbatches))
-    scale = (profile.batch_size / batch_size) if profile.batch_size and batch_size else 1.0
-    factors = sorted(f * scale for f in stage_factors(priced, plan, measured_s).values())
-    if not factors:
-        return None
-    middle = len(factors) // 2
-    median = factors[middle] if len(factors) % 2 else (factors[middle - 1] + factors[middle]) / 2
-    return device.scaled(median, f"calibrated from {source or 'a run'}")
+    return device.scaled(statistics.median(factors), f"calibrated from {source or 'a run'}")
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """What ``pipeplan calibrate`` wrote and shows: the profile as the plan priced it (with the update
-    time), the plan, each stage's measured seconds, the calibrated profile's path and, for a profile
-    estimated for a device model, the corrected device model's path; notes on the run's load."""
+    """What ``pipeplan calibrate`` wrote and shows: the profile as the plans priced it (with the update
+    time), each run (plan and measured seconds), the calibrated profile's path and, for a profile
+    estimated for a device model, the corrected device model's path; notes on the runs' load and
+    agreement."""
 
     profile: Profile
-    plan: Plan
-    measured_s: dict[int, float]
+    runs: tuple[Measured, ...]
     path: Path
     device: DeviceModel | None = None
     device_path: Path | None = None
@@ -261,31 +317,53 @@ class Calibration:
 
 
 def calibrate_package(
-    folder: Path,
+    folders: Sequence[Path],
     metrics: str | os.PathLike[str] | None = None,
     output: str | os.PathLike[str] | None = None,
     accept_load: bool = False,
 ) -> Calibration:
-    """A package's run (``metrics``, default ``folder/run/metrics.json``) -> its calibrated profile,
-    written to ``output`` (default: calibrated.json beside the profile), and a device model where the
-    profile was estimated for one. A run measured under other work's load is refused
-    (:func:`load_verdict`) unless ``accept_load``."""
+    """Packages' runs (``metrics``, default ``folder/run/metrics.json``; one package only when given)
+    -> their profile calibrated by all of them (:func:`calibrate_runs`), written to ``output``
+    (default: calibrated.json beside the profile), and a device model where the profile was
+    estimated for one. The packages must be plans of one profile under one optimizer. A run
+    measured under other work's load is refused (:func:`load_verdict`) unless ``accept_load``.
+    Everything is read and checked before anything is written."""
+    if metrics is not None and len(folders) != 1:
+        raise PipeplanError("--metrics and --run-dir name one run: give one package with them")
+    plans = [_plan_of(folder) for folder in folders]
+    first = plans[0]
+    for folder, plan in zip(folders[1:], plans[1:], strict=True):
+        if (plan.profile, plan.optimizer) != (first.profile, first.optimizer):
+            raise PipeplanError(
+                f"{folder} was planned from {plan.profile} ({plan.optimizer}), {folders[0]} from "
+                f"{first.profile} ({first.optimizer}): calibrate the runs of one profile and optimizer "
+                "together"
+            )
+    profile = with_update_time(load_profile(first.profile), first.optimizer)  # as partition priced it
+    runs: list[Measured] = []
+    notes: list[str] = []
+    for folder, plan in zip(folders, plans, strict=True):
+        run = load_run_times(metrics or folder / "run" / "metrics.json")
+        check_run(folder, plan, profile, run)
+        refusal, said = load_verdict(plan, run)
+        if refusal is not None and not accept_load:
+            raise PipeplanError(refusal)
+        notes += said
+        runs.append(Measured(plan, device_seconds(plan, run), run.batch_size, run.source))
+    spread = disagreement(profile, runs)
+    result = calibrate_runs(profile, runs)
+    path = Path(output) if output else Path(first.profile).with_name("calibrated.json")
+    save_profile(result, path)
+    device = calibrated_device(profile, runs, ", ".join(run.source for run in runs))
+    where = save_device_model(device, path.with_name(f"{device.name}-calibrated.json")) if device else None
+    return Calibration(profile, tuple(runs), path, device, where, (*notes, *([spread] if spread else [])))
+
+
+def _plan_of(folder: Path) -> Plan:
     plan = load_plan(folder / "plan.json")
     if not plan.profile:
         raise PipeplanError(f"{folder}/plan.json does not name the profile it was planned from")
-    profile = with_update_time(load_profile(plan.profile), plan.optimizer)  # as partition priced it
-    run = load_run_times(metrics or folder / "run" / "metrics.json")
-    check_run(folder, plan, profile, run)
-    refusal, notes = load_verdict(plan, run)
-    if refusal is not None and not accept_load:
-        raise PipeplanError(refusal)
-    measured = device_seconds(plan, run)
-    result = calibrate(profile, plan, measured, run.batch_size, run.source)
-    path = Path(output) if output else Path(plan.profile).with_name("calibrated.json")
-    save_profile(result, path)
-    device = calibrated_device(profile, plan, measured, run.batch_size, run.source)
-    where = save_device_model(device, path.with_name(f"{device.name}-calibrated.json")) if device else None
-    return Calibration(profile, plan, measured, path, device, where, tuple(notes))
+    return plan
 
 
 def check_run(folder: Path, plan: Plan, profile: Profile, run: RunTimes) -> None:

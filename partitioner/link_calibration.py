@@ -171,7 +171,7 @@ def measure_links(
 
 
 def calibrate_with_links(
-    folder: Path,
+    folders: Sequence[Path],
     metrics: str | None,
     output: str | None,
     accept_load: bool,
@@ -183,8 +183,10 @@ def calibrate_with_links(
     before anything is written."""
     if (trace is None) != (cluster is None):
         raise PipeplanError("--trace and --cluster go together: the run's trace corrects the cluster file")
-    links = measure_links(folder, trace, cluster) if trace is not None and cluster is not None else None
-    done = calibrate_package(folder, metrics, output, accept_load)
+    if trace is not None and len(folders) != 1:
+        raise PipeplanError("--trace is one run's: give the one package it traced")
+    links = measure_links(folders[0], trace, cluster) if trace is not None and cluster is not None else None
+    done = calibrate_package(folders, metrics, output, accept_load)
     if links is not None:
         save_links(links)
     return done, links

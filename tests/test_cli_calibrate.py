@@ -46,7 +46,7 @@ def test_calibrate_then_partition(tmp_path: Path) -> None:
     assert code == 0, out
     assert "3.00x" in out and "1.50x" in out
     assert f"next: pipeplan partition --profile {tmp_path / 'c.json'} --gpus 2\n" in out  # runs as printed
-    assert load_profile(tmp_path / "c.json").extra["calibrated"]["plan_stages"] == 2
+    assert load_profile(tmp_path / "c.json").extra["calibrated"]["runs"][0]["plan_stages"] == 2
     again = ("-o", str(tmp_path / "again"), "--json")
     code, out = _invoke("partition", "--profile", str(tmp_path / "c.json"), *fixed, *again)
     assert code == 0, out
@@ -78,3 +78,55 @@ def test_calibrate_refuses_a_loaded_run_unless_accepted(tmp_path: Path) -> None:
 def test_calibrate_without_a_run_is_one_line_exit_2(tmp_path: Path) -> None:
     code, out = _invoke("calibrate", "--models-dir", str(tmp_path))
     assert code == 2 and out.startswith("error:") and "pipeplan run" in out
+
+
+def _package_with_run(tmp_path: Path, graph: Path, name: str, cut: str, seconds: tuple[float, float]) -> Path:
+    args = (
+        "--gpus",
+        "2",
+        "--cuts",
+        cut,
+        "--replicas",
+        "1,1",
+        "--batch-size",
+        "8",
+        "-o",
+        str(tmp_path / name),
+    )
+    assert _invoke("partition", "--profile", str(graph), *args)[0] == 0
+    package = next((tmp_path / name).glob("*/gpus=2"))
+    (package / "run").mkdir()
+    stages = [{"stage": k, "compute_s_per_minibatch": s} for k, s in enumerate(seconds)]
+    metrics = {"schema": "pipeplan.metrics/1", "batch_size": 8, "stages": stages}
+    (package / "run" / "metrics.json").write_text(json.dumps(metrics))
+    return package
+
+
+def test_several_packages_calibrate_together(tmp_path: Path) -> None:
+    """Three runs of one profile, one of them 3x slow: each layer takes its runs' median; the slow
+    run is named; --metrics with several packages and packages of another profile are refused."""
+    costs = [(5, 10, 4000, 1000), (8, 16, 2000, 2000), (3, 6, 1000, 50), (9, 18, 500, 3000)]
+    graph = tmp_path / "toy" / "graph.txt"
+    graph.parent.mkdir()
+    write_graph_txt(make_profile(costs, [(0, 1), (1, 2), (2, 3)]), graph)
+    runs = [
+        _package_with_run(tmp_path, graph, f"m{i}", "l1", (0.039 * f, 0.036))
+        for i, f in enumerate((1, 3, 1.2))
+    ]
+    target = tmp_path / "c.json"
+    result = CliRunner().invoke(main, ["calibrate", *map(str, runs), "-o", str(target)])
+    assert result.exit_code == 0, result.output
+    assert "median of the 3 runs" in result.output and "runs disagree" in result.stderr
+    assert str(runs[1] / "run" / "metrics.json") in result.stderr
+    calibrated = load_profile(target)
+    assert calibrated.node("l0").forward_ms == pytest.approx(5 * 1.2)
+    assert len(calibrated.extra["calibrated"]["runs"]) == 3
+    code, out = _invoke("calibrate", *map(str, runs), "--metrics", str(runs[0] / "run" / "metrics.json"))
+    assert code == 2 and out.startswith("error:") and "one package" in out
+    graph2 = tmp_path / "toy2" / "graph.txt"
+    graph2.parent.mkdir()
+    write_graph_txt(make_profile(costs, [(0, 1), (1, 2), (2, 3)]), graph2)
+    stranger = _package_with_run(tmp_path, graph2, "x", "l1", (0.039, 0.036))
+    target.unlink()
+    code, out = _invoke("calibrate", str(runs[0]), str(stranger), "-o", str(target))
+    assert code == 2 and "one profile" in out and not target.exists()

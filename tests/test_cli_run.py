@@ -236,7 +236,7 @@ def test_a_default_run_saves_its_last_step_for_export(
             main, ["calibrate", str(package), *run_dir, "-o", "c.json", "--accept-load"]
         )
         assert result.exit_code == 0, result.output
-        source = json.loads((tmp_path / "c.json").read_text())["extra"]["calibrated"]["metrics"]
+        source = json.loads((tmp_path / "c.json").read_text())["extra"]["calibrated"]["runs"][0]["metrics"]
         assert Path(source).resolve().parent == (first if run_dir else second).resolve()
     result = CliRunner().invoke(main, ["run", "--no-checkpoint", "--resume"])
     assert result.exit_code == 2 and "--no-checkpoint contradicts --resume" in result.output

@@ -9,10 +9,13 @@ from pathlib import Path
 import pytest
 
 from partitioner.calibrate import (
+    Measured,
     RunTimes,
     calibrate,
+    calibrate_runs,
     check_run,
     device_seconds,
+    disagreement,
     load_run_times,
     load_verdict,
     stage_factors,
@@ -40,7 +43,7 @@ def test_same_plan_predicts_the_measured_stage_times() -> None:
     again = evaluate(fixed, Cluster.flat(2), ["l1"], [1, 1], "pipedream", 1, "sgd", True)
     assert [s.compute_s for s in again.stages] == pytest.approx([0.117, 0.054])
     assert fixed.node("l0").forward_ms == pytest.approx(15.0)  # the per-layer shape is kept
-    assert fixed.extra["calibrated"]["factors"] == pytest.approx({0: 3.0, 1: 1.5})
+    assert fixed.extra["calibrated"]["runs"][0]["factors"] == pytest.approx({0: 3.0, 1: 1.5})
 
 
 def test_a_calibrated_profile_keeps_pricing_other_microbatch_counts() -> None:
@@ -60,6 +63,34 @@ def test_a_calibrated_profile_keeps_pricing_other_microbatch_counts() -> None:
             [2.0 * s.compute_s for s in before.stages]
         )
     assert fixed.node("l0").forward_fixed_ms == pytest.approx(2.0)
+
+
+def test_several_runs_give_each_layer_the_median_of_the_runs_that_measured_it() -> None:
+    """Three runs of the plan cut after l1 (stage 0 at 1x, 3x, 1.2x; stage 1 at 1x, 1x, 1.1x) and one
+    of a plan cut after l0 (l0 at 1x, l1..l3 at 2x): every layer takes the median of its four runs
+    (l0: 1, 3, 1.2, 1 -> 1.1; l1: 1, 3, 1.2, 2 -> 1.6; l2, l3: 1, 1, 1.1, 2 -> 1.05); the one slow
+    run (3x) moves l0 by a tenth, not to its mean of 1.55."""
+    profile, plan = _plan()  # stage 0 = l0, l1 (39 ms); stage 1 = l2, l3 (36 ms)
+    other = evaluate(profile, Cluster.flat(2), ["l0"], [1, 1], "pipedream", 1, "sgd", True)
+    runs = [
+        Measured(plan, {0: 0.039, 1: 0.036}, None, "a"),
+        Measured(plan, {0: 0.117, 1: 0.036}, None, "b"),
+        Measured(plan, {0: 0.039 * 1.2, 1: 0.036 * 1.1}, None, "c"),
+        Measured(other, {0: other.stages[0].compute_s, 1: 2 * other.stages[1].compute_s}, None, "d"),
+    ]
+    fixed = calibrate_runs(profile, runs)
+    scale = {n.id: fixed.node(n.id).compute_ms / n.compute_ms for n in profile.layers}
+    assert scale == pytest.approx({"l0": 1.1, "l1": 1.6, "l2": 1.05, "l3": 1.05})
+    assert [r["metrics"] for r in fixed.extra["calibrated"]["runs"]] == ["a", "b", "c", "d"]
+    assert calibrate_runs(profile, runs[:1]) == calibrate(profile, plan, {0: 0.039, 1: 0.036}, None, "a")
+
+
+def test_runs_that_disagree_are_named() -> None:
+    profile, plan = _plan()
+    runs = [Measured(plan, {0: 0.039 * f, 1: 0.036 * f}, None, f"run{f}") for f in (1.0, 1.05, 1.6)]
+    note = disagreement(profile, runs)
+    assert note is not None and "run1.6 1.60x" in note and "run1.05" not in note and "1.05x" in note
+    assert disagreement(profile, runs[:2]) is None and disagreement(profile, runs[2:]) is None
 
 
 def test_run_batch_size_rescales_linearly() -> None:
@@ -111,16 +142,15 @@ def test_time_slicing_comes_out_where_the_plan_prices_the_hosts_cores() -> None:
 
 def test_an_estimated_profile_gets_its_device_model_corrected() -> None:
     """A run twice as slow as an h100 estimate: the device model's work becomes twice as slow."""
-    from partitioner.calibrate import calibrated_device
+    from partitioner.calibrate import Measured, calibrated_device
     from partitioner.devices import PRESETS, device_model_to_json
 
     profile, plan = _plan()
-    assert (
-        calibrated_device(profile, plan, {0: 0.117}, profile.batch_size) is None
-    )  # measured: nothing to correct
-    estimated = replace(profile, extra={"estimate": {"device_model": device_model_to_json(PRESETS["h100"])}})
     measured = {s.index: 2.0 * s.compute_s for s in plan.stages}
-    device = calibrated_device(estimated, plan, measured, profile.batch_size, "run/metrics.json")
+    run = Measured(plan, measured, profile.batch_size)
+    assert calibrated_device(profile, [run], "run/metrics.json") is None  # measured: nothing to correct
+    estimated = replace(profile, extra={"estimate": {"device_model": device_model_to_json(PRESETS["h100"])}})
+    device = calibrated_device(estimated, [run], "run/metrics.json")
     assert device is not None and device.name == "h100"
     assert device.memory_efficiency == pytest.approx(PRESETS["h100"].memory_efficiency / 2)
     assert device.launch_s == pytest.approx(2 * PRESETS["h100"].launch_s)

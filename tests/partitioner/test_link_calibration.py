@@ -100,6 +100,6 @@ def test_what_a_trace_cannot_time_is_refused(tmp_path: Path) -> None:
     with pytest.raises(PipeplanError, match="stages per rank"):
         measure_links(_package(tmp_path, "interleaved"), trace, cluster)
     with pytest.raises(PipeplanError, match="--trace and --cluster go together"):
-        calibrate_with_links(tmp_path, None, None, False, str(trace), None)
+        calibrate_with_links([tmp_path], None, None, False, str(trace), None)
     result = CliRunner().invoke(main, ["calibrate", str(tmp_path), "--cluster", str(cluster)])
     assert result.exit_code == 2 and result.stderr.startswith("error:") and "go together" in result.stderr
