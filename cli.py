@@ -422,9 +422,10 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
     is_flag=True,
     help="Calibrate from a run measured while other work loaded the machine (refused otherwise).",
 )
-@click.option("--trace", type=click.Path(dir_okay=False, path_type=str), help="The run's (run --trace).")
+@click.option("--trace", type=click.Path(dir_okay=False, path_type=str),
+              help="The first package's run's Chrome trace (run --trace).")  # fmt: skip
 @click.option("--cluster", type=click.Path(dir_okay=False, path_type=str),
-              help="A cluster file whose latency the trace's messages correct, in place.")  # fmt: skip
+              help="A cluster file the trace's messages and all-reduces correct, in place.")  # fmt: skip
 @user_errors
 def calibrate(packages: tuple[str, ...], metrics_path: str | None, run_dir: str | None, **opts: Any) -> None:
     """Scale a profile's layer times to what runs measured per stage -> a calibrated profile.
@@ -437,7 +438,7 @@ def calibrate(packages: tuple[str, ...], metrics_path: str | None, run_dir: str 
       pipeplan partition --profile profiles/MODEL/calibrated.json --gpus N
     Several packages of one profile (PACKAGE...: each one's newest run) calibrate together, each
     layer scaled by the median of its runs, so that one noisy run does not set the scale.
-    A traced run's messages correct a probed cluster file's latency too:
+    A traced run's messages and gradient all-reduces correct a probed cluster file's latencies too:
       pipeplan calibrate --trace trace.json --cluster cluster.json
     """
     from pathlib import Path

@@ -42,13 +42,27 @@ def print_calibration(done: Calibration, links: LinkCalibration | None = None) -
 
 
 def print_links(done: LinkCalibration) -> None:
-    """The latency the run's messages gave, from how many, and the file it went to."""
+    """The latencies the run's messages and all-reduces gave, from how many, and the file they went to."""
     timed, skipped = len(done.messages.seconds), done.messages.skipped
+    if done.latency_s is None:
+        said = f"latency {done.latency_before_s * 1e6:.0f} us kept (too few to say)"
+    else:
+        said = (
+            f"median {done.wire_median_s * 1e6:.0f} us on the wire; level-0 latency "
+            f"{done.latency_before_s * 1e6:.0f} -> {done.latency_s * 1e6:.0f} us (bandwidth "
+            f"{done.bandwidth / 1e9:.3g} GB/s kept)"
+        )
+    ars = len(done.allreduces.seconds)
+    before = f"{done.allreduce_latency_before_s * 1e6:.0f} us"
+    after = (
+        "kept (too few to say)"
+        if done.allreduce_latency_s is None
+        else f"-> {done.allreduce_latency_s * 1e6:.0f} us"
+    )
     console().print(
         f"links: {timed} messages timed (their receiver was waiting; {skipped} arrived while it computed "
-        f"and are not counted): median {done.wire_median_s * 1e6:.0f} us on the wire; level-0 latency "
-        f"{done.latency_before_s * 1e6:.0f} -> {done.latency_s * 1e6:.0f} us (bandwidth "
-        f"{done.bandwidth / 1e9:.3g} GB/s kept); wrote {done.cluster}",
+        f"and are not counted): {said}; {ars} gradient all-reduces timed: all-reduce latency per step "
+        f"{before} {after}; wrote {done.cluster}",
         soft_wrap=True,
     )
 

@@ -21,7 +21,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,10 +152,15 @@ def levels_of(
     return tuple(Level(d, r, t) for d, r, t in zip(devices, rates, delays, strict=True))
 
 
+def _given(level: Mapping[str, Any], key: str, parse: Callable[[str], float]) -> float | None:
+    return parse(str(level[key])) if level.get(key) is not None else None
+
+
 def cluster_from_json(doc: Any, source: str = "cluster") -> Cluster:
     """A cluster file: ``{"schema": "pipeplan.cluster/1", "levels": [{"devices": 8, "bandwidth":
     "450GB/s", "latency": "3.4us"}, ...], "memory": "80GiB"}``, levels innermost first (a level
-    without a latency: 0, bandwidth only)."""
+    without a latency: 0, bandwidth only). A level may give a gradient all-reduce its own
+    ``allreduce_bandwidth`` and ``allreduce_latency`` (per ring step; what ``pipeplan probe`` fits)."""
     if not isinstance(doc, Mapping) or doc.get("schema") != CLUSTER_SCHEMA:
         raise PlanError(f"{source} is not a pipeplan cluster file (schema {CLUSTER_SCHEMA!r})")
     known = {"schema", "name", "description", "levels", "memory", "device_model", "sources", "probe"}
@@ -168,6 +173,8 @@ def cluster_from_json(doc: Any, source: str = "cluster") -> Cluster:
                 int(level["devices"]),
                 parse_bandwidth(str(level["bandwidth"])),
                 parse_latency(str(level.get("latency", 0))),
+                _given(level, "allreduce_bandwidth", parse_bandwidth),
+                _given(level, "allreduce_latency", parse_latency),
             )
             for level in doc["levels"]
         )

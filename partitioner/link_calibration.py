@@ -15,6 +15,13 @@ already has is kept: one run sends one or two sizes per cut, too few to tell a l
 bandwidth. A message's time also holds the Python between the span's end and the send's post (tens
 of microseconds) and the receiving thread's wake-up, both of which a run pays per message.
 
+A replicated stage's gradient all-reduce is timed the same way: each step's ``all-reduce`` spans of
+the stage's replicas, the shortest taken (the replica that arrived last waited for no other, so its
+span is the collective alone). The file's all-reduce latency per ring step becomes the median of
+``(t - 4(r-1)P/(rB)) / (2(r-1))`` (``allreduce_time`` solved for its latency, P the stage's
+parameter bytes from the profile, B the file's all-reduce bandwidth, kept): on CPU ranks gloo's
+all-reduce of a megabyte costs several times what a message of its bytes does.
+
 What this refuses, rather than guess: runs across hosts (their clocks differ, so one rank's
 timestamps cannot be compared with another's), ranks hosting several stages (``interleaved``,
 ``zbv``: the trace names a rank's spans under its first stage) and traces with fewer than
@@ -42,12 +49,14 @@ from partitioner.plan import Plan, load_plan
 
 __all__ = [
     "FEWEST",
+    "AllReduces",
     "LinkCalibration",
     "Messages",
     "calibrate_with_links",
     "measure_links",
     "message_bytes",
     "save_links",
+    "timed_allreduces",
     "waited_messages",
 ]
 
@@ -71,20 +80,39 @@ class Messages:
 
 
 @dataclass(frozen=True)
+class AllReduces:
+    """A run's gradient all-reduces, one per replicated stage and step: the shortest of the replicas'.
+
+    Attributes:
+        seconds: each one's time.
+        nbytes: the parameter bytes it reduced.
+        replicas: the ranks it ran over.
+    """
+
+    seconds: tuple[float, ...]
+    nbytes: tuple[float, ...]
+    replicas: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class LinkCalibration:
-    """A cluster file's level-0 latency before and after, from how many messages; ``doc``: the file."""
+    """A cluster file's level-0 latency and all-reduce latency before and after (None after: too
+    few timed to say, kept), from how many messages and all-reduces; ``doc``: the file."""
 
     cluster: Path
     latency_before_s: float
-    latency_s: float
+    latency_s: float | None
     bandwidth: float
     messages: Messages
     trace: str
     doc: Mapping[str, Any]
+    allreduces: AllReduces = AllReduces((), (), ())
+    allreduce_latency_before_s: float = 0.0
+    allreduce_latency_s: float | None = None
 
     @property
     def wire_median_s(self) -> float:
-        return statistics.median(self.messages.seconds)
+        return statistics.median(self.messages.seconds) if self.messages.seconds else math.nan
 
 
 def _span_end(event: Mapping[str, Any]) -> float:
@@ -115,6 +143,27 @@ def waited_messages(events: Iterable[Mapping[str, Any]], nbytes: Sequence[tuple[
         seconds.append(_span_end(e) - posted)
         sizes.append(nbytes[stage][0 if kind == "F" else 1])
     return Messages(tuple(seconds), tuple(sizes), skipped)
+
+
+def timed_allreduces(events: Iterable[Mapping[str, Any]], stages: Sequence[tuple[int, float]]) -> AllReduces:
+    """Per replicated stage and step, the shortest of its replicas' ``all-reduce`` spans.
+
+    ``events``: the trace's spans (``pid`` rank, ``tid`` stage); ``stages[s]``: (replicas, parameter
+    bytes) of stage ``s``. A rank's k-th all-reduce span is its k-th step's."""
+    spans: dict[int, dict[int, list[float]]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("name") == "all-reduce":
+            stage = int(e["tid"])
+            spans.setdefault(stage, {}).setdefault(int(e["pid"]), []).append(float(e["dur"]) / 1e6)
+    seconds, sizes, widths = [], [], []
+    for stage, ranks in sorted(spans.items()):
+        if not 0 <= stage < len(stages) or stages[stage][0] < 2 or len(ranks) < 2:
+            continue
+        for step in zip(*ranks.values(), strict=False):
+            seconds.append(min(step))
+            sizes.append(stages[stage][1])
+            widths.append(stages[stage][0])
+    return AllReduces(tuple(seconds), tuple(sizes), tuple(widths))
 
 
 def message_bytes(plan: Plan) -> list[tuple[float, float]]:
@@ -159,15 +208,35 @@ def measure_links(
     if not isinstance(events, Mapping) or not isinstance(events.get("traceEvents"), list):
         raise PipeplanError(f"{trace} is not a Chrome trace of a run (pipeplan run --trace FILE)")
     messages = waited_messages(events["traceEvents"], message_bytes(plan))
-    if len(messages.seconds) < FEWEST:
+    allreduces = timed_allreduces(events["traceEvents"], _replicated(plan))
+    if len(messages.seconds) < FEWEST and len(allreduces.seconds) < FEWEST:
         raise PipeplanError(
             f"{trace} has {len(messages.seconds)} messages whose receiver was waiting for them (of "
-            f"{len(messages.seconds) + messages.skipped}); at least {FEWEST} are needed: trace a longer run"
+            f"{len(messages.seconds) + messages.skipped}) and {len(allreduces.seconds)} gradient "
+            f"all-reduces; at least {FEWEST} of either are needed: trace a longer run"
         )
-    bandwidth = levels[0].bandwidth
-    excess = [t - b / bandwidth for t, b in zip(messages.seconds, messages.nbytes, strict=True)]
-    return LinkCalibration(path, levels[0].latency, max(0.0, statistics.median(excess)), bandwidth, messages,
-                           str(trace), doc)  # fmt: skip
+    link = levels[0].link
+    excess = [t - b / link.bandwidth for t, b in zip(messages.seconds, messages.nbytes, strict=True)]
+    latency = max(0.0, statistics.median(excess)) if len(excess) >= FEWEST else None
+    return LinkCalibration(
+        path, link.latency, latency, link.bandwidth, messages, str(trace), doc,
+        allreduces, link.sync_latency, _allreduce_latency(allreduces, link.sync_bandwidth),
+    )  # fmt: skip
+
+
+def _replicated(plan: Plan) -> list[tuple[int, float]]:
+    """Per stage, (replicas, parameter bytes from the plan's profile)."""
+    loads = stage_loads(load_profile(plan.profile), [s.nodes for s in plan.stages])
+    return [(s.replicas, float(ld.param_bytes)) for s, ld in zip(plan.stages, loads, strict=True)]
+
+
+def _allreduce_latency(allreduces: AllReduces, bandwidth: float) -> float | None:
+    """``allreduce_time`` solved for its latency per ring step, the median over the all-reduces."""
+    if len(allreduces.seconds) < FEWEST:
+        return None
+    rows = zip(allreduces.seconds, allreduces.nbytes, allreduces.replicas, strict=True)
+    excess = [(t - 4.0 * (r - 1) * p / (r * bandwidth)) / (2.0 * (r - 1)) for t, p, r in rows]
+    return max(0.0, statistics.median(excess))
 
 
 def calibrate_with_links(
@@ -178,13 +247,11 @@ def calibrate_with_links(
     trace: str | None,
     cluster: str | None,
 ) -> tuple[Calibration, LinkCalibration | None]:
-    """``pipeplan calibrate``: the profile from the run's stage times and, given a trace and a cluster
-    file (both or neither), the file's latency from its messages. Everything is read and checked
-    before anything is written."""
+    """``pipeplan calibrate``: the profile from the runs' stage times and, given a trace (of the first
+    package's run) and a cluster file (both or neither), the file's latencies from its messages and
+    all-reduces. Everything is read and checked before anything is written."""
     if (trace is None) != (cluster is None):
         raise PipeplanError("--trace and --cluster go together: the run's trace corrects the cluster file")
-    if trace is not None and len(folders) != 1:
-        raise PipeplanError("--trace is one run's: give the one package it traced")
     links = measure_links(folders[0], trace, cluster) if trace is not None and cluster is not None else None
     done = calibrate_package(folders, metrics, output, accept_load)
     if links is not None:
@@ -202,7 +269,10 @@ def _read_json(path: Path, what: str) -> Any:
 def save_links(done: LinkCalibration) -> None:
     """The cluster file with level 0's latency replaced and a record of where it came from."""
     levels = [dict(level) for level in done.doc["levels"]]
-    levels[0]["latency"] = done.latency_s
+    if done.latency_s is not None:
+        levels[0]["latency"] = done.latency_s
+    if done.allreduce_latency_s is not None:
+        levels[0]["allreduce_latency"] = done.allreduce_latency_s
     record = {
         "trace": done.trace,
         "level": 0,
@@ -211,6 +281,9 @@ def save_links(done: LinkCalibration) -> None:
         "messages_skipped": done.messages.skipped,
         "wire_s_median": done.wire_median_s,
         "wire_s_quartiles": _quartiles(done.messages.seconds),
+        "allreduce_latency_before": done.allreduce_latency_before_s,
+        "allreduces_timed": len(done.allreduces.seconds),
+        "allreduce_s_quartiles": _quartiles(done.allreduces.seconds),
     }
     new = {**done.doc, "levels": levels, "calibrated": record}
     write_text_atomic(done.cluster, json.dumps(new, indent=1) + "\n")

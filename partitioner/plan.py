@@ -48,13 +48,31 @@ class Link:
     The cost model prices every message with one of these (``pricing/stage.py``), so a schedule that
     sends more messages (more microbatches, virtual stages) pays for each of them.
 
+    A gradient all-reduce is priced as a ring of such steps (``allreduce_time``) with its own alpha
+    and beta where they were measured apart: gloo's collectives on CPU ranks cost more per byte and
+    per step than its point-to-point messages (``pipeplan probe`` fits them; None: a message's).
+
     Attributes:
         bandwidth: bytes per second, one direction.
         latency: seconds every message costs besides its bytes (0: bandwidth only).
+        allreduce_bandwidth: the all-reduce's bandwidth in the same formula (None: ``bandwidth``).
+        allreduce_latency: the all-reduce's latency per ring step (None: ``latency``).
     """
 
     bandwidth: float
     latency: float = 0.0
+    allreduce_bandwidth: float | None = None
+    allreduce_latency: float | None = None
+
+    @property
+    def sync_bandwidth(self) -> float:
+        """The bandwidth a gradient all-reduce is priced with."""
+        return self.bandwidth if self.allreduce_bandwidth is None else self.allreduce_bandwidth
+
+    @property
+    def sync_latency(self) -> float:
+        """The latency a gradient all-reduce pays per ring step."""
+        return self.latency if self.allreduce_latency is None else self.allreduce_latency
 
 
 @dataclass(frozen=True)
@@ -65,16 +83,19 @@ class Level:
         devices: units of the level below in one unit of this level (GPUs per server, servers per rack).
         bandwidth: bytes per second between those units.
         latency: seconds one message between those units costs besides its bytes.
+        allreduce_bandwidth, allreduce_latency: a gradient all-reduce's own figures (:class:`Link`).
     """
 
     devices: int
     bandwidth: float
     latency: float = 0.0
+    allreduce_bandwidth: float | None = None
+    allreduce_latency: float | None = None
 
     @property
     def link(self) -> Link:
         """The link between this level's units."""
-        return Link(self.bandwidth, self.latency)
+        return Link(self.bandwidth, self.latency, self.allreduce_bandwidth, self.allreduce_latency)
 
 
 @dataclass(frozen=True)
@@ -104,6 +125,10 @@ class Cluster:
                 raise PlanError(f"bandwidth must be > 0 bytes/s, got {level.bandwidth}")
             if not level.latency >= 0:
                 raise PlanError(f"latency must be >= 0 s, got {level.latency}")
+            if level.allreduce_bandwidth is not None and not level.allreduce_bandwidth > 0:
+                raise PlanError(f"all-reduce bandwidth must be > 0 bytes/s, got {level.allreduce_bandwidth}")
+            if level.allreduce_latency is not None and not level.allreduce_latency >= 0:
+                raise PlanError(f"all-reduce latency must be >= 0 s, got {level.allreduce_latency}")
         if self.memory_bytes is not None and self.memory_bytes <= 0:
             raise PlanError(f"memory must be > 0 bytes, got {self.memory_bytes}")
         if self.cores is not None and self.cores < 1:
@@ -119,14 +144,21 @@ class Cluster:
     @property
     def slowest(self) -> Link:
         """The slowest link of any level (least bandwidth, most latency): what a search that sees
-        one level prices every message with."""
-        return Link(min(lv.bandwidth for lv in self.levels), max(lv.latency for lv in self.levels))
+        one level prices every message with (and every all-reduce: the slowest level's figures)."""
+        links = [lv.link for lv in self.levels]
+        return Link(
+            min(k.bandwidth for k in links),
+            max(k.latency for k in links),
+            min(k.sync_bandwidth for k in links),
+            max(k.sync_latency for k in links),
+        )
 
     @staticmethod
     def flat(gpus: int, bandwidth: Link | float = 1e9, memory_bytes: int | None = None) -> Cluster:
         """One level of ``gpus`` devices joined by a link (a bare number: its bandwidth, no latency)."""
         link = bandwidth if isinstance(bandwidth, Link) else Link(bandwidth)
-        return Cluster((Level(gpus, link.bandwidth, link.latency),), memory_bytes)
+        level = Level(gpus, link.bandwidth, link.latency, link.allreduce_bandwidth, link.allreduce_latency)
+        return Cluster((level,), memory_bytes)
 
 
 @dataclass(frozen=True)
@@ -266,10 +298,17 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
     for level in doc["cluster"]["levels"]:  # only links with a latency say it (as above)
         if not level["latency"]:
             del level["latency"]
+        for key in ("allreduce_bandwidth", "allreduce_latency"):  # only measured ones (as above)
+            if level[key] is None:
+                del level[key]
     for stage in doc["stages"]:  # only simulated plans say it (as above)
         if stage["bubble_fraction"] is None:
             del stage["bubble_fraction"]
     return doc
+
+
+def _optional(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def plan_from_json(doc: Mapping[str, Any], source: str = "plan") -> Plan:
@@ -286,7 +325,13 @@ def plan_from_json(doc: Mapping[str, Any], source: str = "plan") -> Plan:
             gpus=int(doc["gpus"]),
             cluster=Cluster(
                 tuple(
-                    Level(int(lv["devices"]), float(lv["bandwidth"]), float(lv.get("latency", 0.0)))
+                    Level(
+                        int(lv["devices"]),
+                        float(lv["bandwidth"]),
+                        float(lv.get("latency", 0.0)),
+                        _optional(lv.get("allreduce_bandwidth")),
+                        _optional(lv.get("allreduce_latency")),
+                    )
                     for lv in cluster["levels"]
                 ),
                 cluster.get("memory_bytes"),

@@ -51,7 +51,10 @@ _STAGE = Obj(
         "bubble_fraction": Opt(Num(0.0)),
     },
 )
-_LEVEL = Obj({"devices": Int(1), "bandwidth": Num(0.0, strict=True)}, {"latency": Num(0.0)})
+_LEVEL = Obj(
+    {"devices": Int(1), "bandwidth": Num(0.0, strict=True)},
+    {"latency": Num(0.0), "allreduce_bandwidth": Num(0.0, strict=True), "allreduce_latency": Num(0.0)},
+)
 
 PLAN_FIELDS = Obj(
     {

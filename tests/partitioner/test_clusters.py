@@ -90,3 +90,13 @@ def test_a_plan_keeps_its_latencies(tmp_path: Path) -> None:
     assert plan_from_json(plan_to_json(free)).cluster.levels[0].latency == 0.0
     with pytest.raises(PlanError, match="latency must be >= 0"):
         Cluster((Level(2, 1e9, -1.0),))
+
+
+def test_a_cluster_file_may_price_the_allreduce_apart(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    level = {"devices": 2, "bandwidth": "1.5GB/s", "latency": "200us",
+             "allreduce_bandwidth": "2.4GB/s", "allreduce_latency": "0.8ms"}  # fmt: skip
+    path.write_text(json.dumps({"schema": "pipeplan.cluster/1", "levels": [level]}))
+    (got,) = load_cluster(str(path)).levels
+    assert got == Level(2, 1.5e9, 2e-4, 2.4e9, 8e-4)
+    assert got.link.sync_bandwidth == 2.4e9 and got.link.sync_latency == pytest.approx(8e-4)

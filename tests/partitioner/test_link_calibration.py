@@ -13,7 +13,13 @@ from cli import main
 from partitioner.clusters import load_cluster
 from partitioner.errors import PipeplanError
 from partitioner.graph import write_graph_txt
-from partitioner.link_calibration import calibrate_with_links, measure_links, save_links, waited_messages
+from partitioner.link_calibration import (
+    calibrate_with_links,
+    measure_links,
+    save_links,
+    timed_allreduces,
+    waited_messages,
+)
 from tests.partitioner.optimizer.conftest import make_profile
 
 MB = 1e6  # bytes a message carries in the plans below (a 4,000,000-byte cut over 4 microbatches)
@@ -103,3 +109,46 @@ def test_what_a_trace_cannot_time_is_refused(tmp_path: Path) -> None:
         calibrate_with_links([tmp_path], None, None, False, str(trace), None)
     result = CliRunner().invoke(main, ["calibrate", str(tmp_path), "--cluster", str(cluster)])
     assert result.exit_code == 2 and result.stderr.startswith("error:") and "go together" in result.stderr
+
+
+def _allreduces(durations_us: list[tuple[float, float]], stage: int = 0) -> list[dict[str, Any]]:
+    """Each step's all-reduce span on ranks 0 and 1, both replicas of ``stage``."""
+    events, t = [], 0.0
+    for a, b in durations_us:
+        for rank, dur in ((0, a), (1, b)):
+            events.append({**_span(rank, "all-reduce", t, t + dur, "comm"), "tid": stage})
+        t += 10_000
+    return events
+
+
+def test_each_steps_allreduce_is_its_shortest_replicas() -> None:
+    """The replica that arrived last waited for no one: its span is the collective's time."""
+    got = timed_allreduces(_allreduces([(900.0, 500.0), (400.0, 700.0)]), [(2, 4e6)])
+    assert got.seconds == pytest.approx([500e-6, 400e-6]) and got.nbytes == (4e6, 4e6)
+    assert timed_allreduces(_allreduces([(900.0, 500.0)]), [(1, 4e6)]).seconds == ()  # not replicated
+
+
+def test_a_data_parallel_run_corrects_the_allreduce_latency(tmp_path: Path) -> None:
+    """One stage of 3000 parameter bytes on 2 replicas: no messages, 6 all-reduces of 1000 + 200k us
+    (the other replica's, 5000 us, waited): the latency per ring step is the median, 1500 us, less
+    the volume 4(r-1)P/(rB), over the ring's 2(r-1) = 2 steps; the message latency is kept."""
+    costs = [(5, 10, 2000, 1000), (8, 16, 2000, 2000)]
+    graph = tmp_path / "dp" / "graph.txt"
+    graph.parent.mkdir()
+    write_graph_txt(make_profile(costs, [(0, 1)]), graph)
+    args = ["partition", "--profile", str(graph), "--gpus", "2", "--cuts", "", "--replicas", "2",
+            "--schedule", "1f1b", "--microbatches", "2", "-o", str(tmp_path / "m")]  # fmt: skip
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    folder = next((tmp_path / "m").rglob("plan.json")).parent
+    cluster, trace = _cluster(tmp_path), tmp_path / "trace.json"
+    steps = [(1000.0 + 200 * k, 5000.0) for k in range(6)]
+    trace.write_text(json.dumps({"traceEvents": _allreduces(steps)}))
+    done = measure_links(folder, trace, cluster)
+    assert done.latency_s is None and done.allreduce_latency_before_s == 1e-3
+    volume = 4.0 * 3000 / (2 * 1e10)  # 4(r-1)P/(rB): the profile's 3000 parameter bytes
+    assert done.allreduce_latency_s == pytest.approx((1500e-6 - volume) / 2)
+    save_links(done)
+    (level,) = load_cluster(str(cluster)).levels
+    assert level.latency == 1e-3 and level.allreduce_latency == pytest.approx(done.allreduce_latency_s)
+    assert json.loads(cluster.read_text())["calibrated"]["allreduces_timed"] == 6

@@ -29,6 +29,27 @@ def test_plan_json_round_trip(tmp_path: Path) -> None:
     assert plan_from_json(plan_to_json(plan)) == plan
 
 
+def test_a_links_allreduce_figures_round_trip_and_price_the_sync(tmp_path: Path) -> None:
+    """A level's own all-reduce figures reach the plan's link, are saved only when given, and the
+    all-reduce is priced with them: 2 replicas of 1 MB at 2 GB/s and 1 ms a step: 1 + 2 ms."""
+    from partitioner.optimizer.pricing.stage import allreduce_time
+
+    level = Level(2, 1e9, 1e-4, 2e9, 1e-3)
+    assert allreduce_time(1e6, 2, level.link) == pytest.approx(3e-3)
+    assert allreduce_time(1e6, 2, Level(2, 1e9, 1e-4).link) == pytest.approx(2e-3 + 2e-4)
+    two = Cluster((level, Level(2, 4e9, 5e-5, None, 3e-3)))
+    assert (two.slowest.sync_bandwidth, two.slowest.sync_latency) == (2e9, 3e-3)
+    plan = solve(PROFILE, Cluster((level,)), schedule="1f1b", microbatches=2)
+    path = save_plan(plan, tmp_path / "plan.json")
+    assert load_plan(path) == plan
+    (saved,) = json.loads(path.read_text())["cluster"]["levels"]
+    assert saved["allreduce_bandwidth"] == 2e9 and saved["allreduce_latency"] == 1e-3
+    plain = plan_to_json(solve(PROFILE, Cluster.flat(2)))["cluster"]["levels"][0]
+    assert "allreduce_bandwidth" not in plain and "allreduce_latency" not in plain
+    with pytest.raises(PlanError, match="all-reduce bandwidth"):
+        Cluster((Level(2, 1e9, 0.0, 0.0),))
+
+
 def test_mp_conf_is_pipedreams_format() -> None:
     plan = solve(PROFILE, Cluster.flat(4))
     conf = mp_conf(plan.stages)

@@ -181,7 +181,13 @@ def hosts_bound(cluster: Cluster, stages: Sequence[Stage]) -> float:
 def global_lower_bound(profile: Profile, cluster: Cluster) -> float:
     """No plan beats perfect scaling of the compute, nor the fastest possible stage of one layer."""
     gpus = cluster.gpus
-    fastest = Link(max(lv.bandwidth for lv in cluster.levels), min(lv.latency for lv in cluster.levels))
+    links = [lv.link for lv in cluster.levels]
+    fastest = Link(
+        max(k.bandwidth for k in links),
+        min(k.latency for k in links),
+        max(k.sync_bandwidth for k in links),
+        min(k.sync_latency for k in links),
+    )
     r = np.arange(1, gpus + 1, dtype=np.float64)
     single = 0.0
     for node in profile.nodes:

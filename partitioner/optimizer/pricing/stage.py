@@ -124,9 +124,12 @@ def activation_time(nbytes: Real, replicas: Real | int, link: Link) -> Real:
 
 def allreduce_time(param_bytes: Real, replicas: Real | int, link: Link, inner: int = 1) -> Real:
     """Gradient synchronisation of a replicated stage: PipeDream's 4(r-1)P/(rB) volume (over
-    ``inner``, the devices of one unit that share it) and a ring's 2(r-1) steps, each one message."""
+    ``inner``, the devices of one unit that share it) and a ring's 2(r-1) steps, each one message,
+    at the link's all-reduce figures (:attr:`Link.sync_bandwidth`, :attr:`Link.sync_latency`)."""
     steps = replicas - 1
-    return 4.0 * steps * param_bytes / (link.bandwidth * replicas) / inner + 2.0 * steps * link.latency
+    return (
+        4.0 * steps * param_bytes / (link.sync_bandwidth * replicas) / inner + 2.0 * steps * link.sync_latency
+    )
 
 
 def stage_time(

@@ -208,13 +208,13 @@ class _Pairs:
 def _step_latency(link: Link) -> float:
     """L = 2·latency: what each replica beyond the first adds to a stage's all-reduce besides its
     bytes (a ring's 2(r-1) messages, ``stage.allreduce_time``)."""
-    return 2.0 * link.latency
+    return 2.0 * link.sync_latency
 
 
 def _volume(dp: FloatArray, link: Link, inner: int) -> FloatArray:
     """4·ΔP/(B·inner): a stage's gradient-sync volume, the coefficient solving for replicas needs
     (its time on r replicas is (C + volume·(r-1)/r)/r, :func:`~.stage.stage_time`)."""
-    return np.asarray(dp * (4.0 / (link.bandwidth * inner)), dtype=np.float64)
+    return np.asarray(dp * (4.0 / (link.sync_bandwidth * inner)), dtype=np.float64)
 
 
 def _usable_blocks(prob: LevelProblem, upper: float, layers: IntArray) -> Iterator[tuple[_Pairs, IntArray]]:

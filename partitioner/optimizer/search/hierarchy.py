@@ -330,9 +330,9 @@ def _limits(
         return np.full(len(before), ceiling * (1 + 1e-9))
     room = np.minimum(top.cap, top.units - before - after)
     best = np.full(len(params), -1.0)
-    volume = 4.0 * params / (top.link.bandwidth * top.inner)
+    volume = 4.0 * params / (top.link.sync_bandwidth * top.inner)
     for r in range(1, max(int(room.max(initial=0)), 1) + 1):
-        value = r * ceiling * (1 + 1e-9) - (r - 1.0) * (volume / r + 2.0 * top.link.latency)
+        value = r * ceiling * (1 + 1e-9) - (r - 1.0) * (volume / r + 2.0 * top.link.sync_latency)
         np.maximum(best, value, out=best, where=room >= r)
     return best
 

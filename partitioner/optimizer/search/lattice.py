@@ -216,14 +216,14 @@ def _assemble(
 def _weights(lat: Lattice, reps: FloatArray, link: Link) -> FloatArray:
     """W[r, state] = compute + 4(r-1)/(rB) params: a stage fits r replicas at t iff
     dW <= r·t - 2(r-1)·latency (:func:`_budget`)."""
-    a = 4.0 * (reps - 1.0) / (reps * link.bandwidth)
+    a = 4.0 * (reps - 1.0) / (reps * link.sync_bandwidth)
     return np.asarray(lat.compute_s[None, :] + a[:, None] * lat.param_bytes[None, :], dtype=np.float64)
 
 
 def _budget(reps: FloatArray, tau: float, link: Link) -> FloatArray:
     """r·tau - 2(r-1)·latency: what a stage's dW may reach on r replicas at tau, the all-reduce's
     2(r-1) messages' latency taken off (``stage.allreduce_time``)."""
-    return np.asarray(reps * tau - 2.0 * (reps - 1.0) * link.latency, dtype=np.float64)
+    return np.asarray(reps * tau - 2.0 * (reps - 1.0) * link.sync_latency, dtype=np.float64)
 
 
 @dataclass(frozen=True)

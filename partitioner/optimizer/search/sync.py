@@ -70,7 +70,7 @@ class _Choices:
         """Per stage, the fewest replicas that may meet the caps (rounded down; inf: none can)."""
         with np.errstate(divide="ignore", invalid="ignore"):
             lo = np.maximum(np.ceil(self.x / (self.m * tau) * (1 - 1e-9)), self.r_mem)
-            room = 1.0 - alpha * self.link.bandwidth / (4.0 * self.p) * (
+            room = 1.0 - alpha * self.link.sync_bandwidth / (4.0 * self.p) * (
                 1 + 1e-9
             )  # r <= 1 / room when room > 0
             hi = np.where(room > 0, np.floor(1.0 / room * (1 + 1e-9)), np.inf)

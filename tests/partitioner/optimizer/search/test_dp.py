@@ -106,18 +106,23 @@ dags = st.integers(min_value=2, max_value=5).flatmap(
     )
 )  # fmt: skip
 LATENCIES = st.sampled_from([0.0, 1e-3, 2e-2])
+#: a link's all-reduce figures (bandwidth, latency per step): a message's, or slower, or faster
+SYNCS = st.sampled_from([(None, None), (3e4, 2e-3), (4e5, 0.0)])
 """Link latencies (s) the searches are held to: none, and about a layer's and a stage's compute."""
 
 
 @settings(max_examples=60, deadline=None)
-@given(dag=dags, gpus=st.integers(1, 4), straight=st.booleans(), comm=st.booleans(), latency=LATENCIES)
+@given(dag=dags, gpus=st.integers(1, 4), straight=st.booleans(), comm=st.booleans(), latency=LATENCIES,
+       sync=SYNCS)  # fmt: skip
 def test_dp_equals_brute_force(dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]], gpus: int,
-                               straight: bool, comm: bool, latency: float) -> None:  # fmt: skip
-    """The search's optimum is the plan cost model's (brute force), with or without a latency."""
+                               straight: bool, comm: bool, latency: float,
+                               sync: tuple[float | None, float | None]) -> None:  # fmt: skip
+    """The search's optimum is the plan cost model's (brute force), with or without a latency, and
+    with the all-reduce priced by the link's own figures or its own."""
     costs, raw = dag
     edges = [(a, b) for a, b in raw if a < b]
     profile = make_profile(costs, edges)
-    cluster = Cluster.flat(gpus, Link(1e5, latency))
+    cluster = Cluster.flat(gpus, Link(1e5, latency, *sync))
     plan = solve(profile, cluster, straight=straight, activation_comm=comm)
     expected = brute_force(profile, cluster, straight, comm)
     assert plan.predicted.time_per_minibatch_s == pytest.approx(expected, rel=1e-8)

@@ -12,7 +12,7 @@ from partitioner.graph import Profile
 from partitioner.optimizer import solve
 from partitioner.plan import Cluster, Level, Link
 from tests.partitioner.optimizer.conftest import make_profile
-from tests.partitioner.optimizer.search.test_dp import LATENCIES, _downsets, dags
+from tests.partitioner.optimizer.search.test_dp import LATENCIES, SYNCS, _downsets, dags
 
 Down = frozenset[str]
 
@@ -127,6 +127,7 @@ def test_table_ceiling_keeps_the_optimum(
     top_bw=st.sampled_from([1e3, 1e5, 1e7]),
     slack=st.sampled_from([0.0, 1e-12, 0.05]),
     latency=LATENCIES,
+    sync=SYNCS,
 )
 def test_sync_aware_ceilings_keep_the_optimum(
     dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]],
@@ -134,6 +135,7 @@ def test_sync_aware_ceilings_keep_the_optimum(
     top_bw: float,
     slack: float,
     latency: float,
+    sync: tuple[float | None, float | None],
 ) -> None:
     """Ceilings that charge a top stage its gradient sync (slow top links: sync dominates) lose nothing."""
     from partitioner.optimizer.search.hierarchy import _solve_levels
@@ -141,7 +143,7 @@ def test_sync_aware_ceilings_keep_the_optimum(
 
     costs, raw = dag
     states = build_states(make_profile(costs, [(a, b) for a, b in raw if a < b]))
-    levels = [(n, Link(4e5)) for n in units[:-1]] + [(units[-1], Link(top_bw, latency))]
+    levels = [(n, Link(4e5)) for n in units[:-1]] + [(units[-1], Link(top_bw, latency, *sync))]
     best, _, _ = _solve_levels(states, levels, None, math.inf)
     bounded, _, _ = _solve_levels(states, levels, None, best * (1 + slack))
     assert bounded == best

@@ -118,6 +118,7 @@ def test_lattice_gives_up_beyond_its_caps() -> None:
     bandwidth=st.sampled_from([1e3, 1e5, 1e7]),
     straight=st.booleans(),
     latency=st.sampled_from([0.0, 1e-3, 2e-2]),
+    sync=st.sampled_from([(None, None), (3e4, 2e-3), (4e5, 0.0)]),
 )
 def test_banded_probe_equals_full_probe(
     dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]],
@@ -126,6 +127,7 @@ def test_banded_probe_equals_full_probe(
     bandwidth: float,
     straight: bool,
     latency: float,
+    sync: tuple[float | None, float | None],
 ) -> None:
     """Dropping (replicas, devices) pairs below the compute floor never changes a probe's answer."""
     from partitioner.optimizer.search.lattice import _probe, _Sweep, _weights
@@ -134,7 +136,7 @@ def test_banded_probe_equals_full_probe(
     lat = enumerate_lattice(make_profile(costs, [(a, b) for a, b in raw if a < b]), 10_000)
     assert lat is not None
     cap = 1 if straight else gpus
-    link = Link(bandwidth, latency)
+    link = Link(bandwidth, latency, *sync)
     weights = _weights(lat, np.arange(1, cap + 1, dtype=np.float64), link)
     tau = scale * float(lat.compute_s[-1])
     sweep = _Sweep.of(lat)
