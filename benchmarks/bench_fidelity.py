@@ -18,7 +18,9 @@ for 1f1b and gpipe, since small batches cost more per sample), ``pipeplan partit
    parallelism, 1f1b cut at 25%), Spearman's rank correlation of measured against predicted.
 3. Both again after ``pipeplan probe`` (the links, once) and one ``pipeplan calibrate`` per profile
    (from every plan of the first pass run on it that calibrate can read, i.e. one stage per rank:
-   each layer takes the median of its runs): what a user gets first, and after those two commands.
+   each layer takes the median of its runs; the first of those runs traced, its messages and
+   gradient all-reduces correcting the probed cluster file's latencies for that profile's plans):
+   what a user gets first, and after those two commands.
 
 Besides the wall-clock ratio, every run reports its ranks' compute CPU time against the plan's stage
 compute (the profile is CPU time): on a CPU that other jobs share, a rank that gets half a core takes
@@ -214,7 +216,13 @@ def partition_args(cli: Cli, path: Path, cand: Candidate, cluster: str | None = 
 
 
 def plan_and_run(
-    cli: Cli, model: Model, args: list[str], cand: Candidate, index: int, length: tuple[int, float]
+    cli: Cli,
+    model: Model,
+    args: list[str],
+    cand: Candidate,
+    index: int,
+    length: tuple[int, float],
+    traced: bool = False,
 ) -> dict[str, Any]:
     """Partition (the optimizer's or a fixed plan), run it for at least ``length`` (steps, predicted
     seconds), and pair plan.json with metrics.json."""
@@ -224,7 +232,9 @@ def plan_and_run(
     where = str(package.relative_to(cli.folder))
     plan = json.loads((package / "plan.json").read_text())
     steps = max(length[0], 1 + math.ceil(length[1] / plan["predicted"]["time_per_minibatch_s"]))
-    load = cli("run", where, "--steps", str(steps), "--timeout", "300", "--measure-memory", "--no-checkpoint")
+    trace = ["--trace", f"{where}/trace.json"] if traced else []
+    load = cli("run", where, "--steps", str(steps), "--timeout", "300", "--measure-memory", "--no-checkpoint",
+               *trace)  # fmt: skip
     metrics = json.loads((package / "run" / "metrics.json").read_text())
     measured, predicted = metrics["time_per_minibatch_s"], plan["predicted"]["time_per_minibatch_s"]
     by_stage = {s["stage"]: s["compute_s_per_minibatch"] for s in metrics["stages"]}
@@ -311,9 +321,9 @@ def main() -> None:
                     paths[micro], summary = profile(cli, model, args.repeats, micro)
                     profiles.append(summary)
             length = (args.steps, args.seconds)
-            done = run_pass(cli, model, cands, paths, None, PASSES[0], runs, length)
-            calibrated = calibrate(cli, paths, done, profiles)
-            run_pass(cli, model, cands, calibrated, "cluster.json", PASSES[1], runs, length)
+            done = run_pass(cli, model, cands, paths, {}, PASSES[0], runs, length)
+            calibrated, clusters = calibrate(cli, paths, done, profiles)
+            run_pass(cli, model, cands, calibrated, clusters, PASSES[1], runs, length)
     args.probed = {k: probed.get(k) for k in ("latency", "bandwidth")}
     report(args, profiles, runs, (load_before, os.getloadavg()), time.perf_counter() - started)
 
@@ -330,26 +340,29 @@ def run_pass(
     model: Model,
     cands: tuple[Candidate, ...],
     paths: dict[int, Path],
-    cluster: str | None,
+    clusters: dict[int, str],
     label: str,
     runs: list[dict[str, Any]],
     length: tuple[int, float],
 ) -> dict[int, list[str]]:
     """Plan and run every candidate from ``paths`` (profile per microbatch size; a size missing is
-    skipped); per profile, the packages of its runs that calibrate reads (one stage per rank)."""
+    skipped) on its profile's cluster file (none: ``--gpus 2``); per profile, the packages of its
+    runs that calibrate reads (one stage per rank), the first of them traced (``trace.json`` in it)."""
     readable: dict[int, list[str]] = {}
     seen: set[tuple[str, ...]] = set()
     for cand in cands:
         micro = model.batch_size // cand.microbatches
         if micro not in paths:
             continue
-        plan_args = partition_args(cli, paths[micro], cand, cluster)
+        plan_args = partition_args(cli, paths[micro], cand, clusters.get(micro))
         if tuple(plan_args) in seen:  # two fractions that fall on one layer: one plan
             print(f"{model.spec:10s} {cand.label:28s} skipped: the same plan as an earlier one")
             continue
         seen.add(tuple(plan_args))
-        runs.append({**plan_and_run(cli, model, plan_args, cand, len(runs), length), "pass": label})
-        if get_schedule(cand.schedule).placement is None:
+        readable_run = get_schedule(cand.schedule).placement is None
+        traced = readable_run and micro not in readable
+        runs.append({**plan_and_run(cli, model, plan_args, cand, len(runs), length, traced), "pass": label})
+        if readable_run:
             readable.setdefault(micro, []).append(runs[-1]["package"])
         ratio = runs[-1]["measured_over_predicted"]
         print(f"{model.spec:10s} {label:16s} {cand.label:28s} measured/predicted {ratio:.2f}", flush=True)
@@ -358,21 +371,28 @@ def run_pass(
 
 def calibrate(
     cli: Cli, paths: dict[int, Path], packages: dict[int, list[str]], profiles: list[dict[str, Any]]
-) -> dict[int, Path]:
+) -> tuple[dict[int, Path], dict[int, str]]:
     """One ``pipeplan calibrate`` per profile, from every run of it that calibrate reads (each layer
-    takes the median of its runs); a refusal (a loaded machine) is recorded on the profile's summary
-    and its plans get no second pass."""
+    takes the median of its runs), the first run's trace correcting a copy of the probed cluster
+    file (its messages' and all-reduces' latencies) that the profile's second pass plans for; a
+    refusal (a loaded machine) is recorded on the profile's summary and its plans get no second pass.
+    Returns the calibrated profiles and cluster files per microbatch size."""
     out: dict[int, Path] = {}
+    clusters: dict[int, str] = {}
     for micro, path in paths.items():
         target = path.with_name("calibrated.json")
+        cluster = path.with_name("cluster.json")
+        shutil.copyfile(cli.folder / "cluster.json", cli.folder / cluster)
         summary = next(p for p in profiles if p["measured_at"] == micro and p.get("path") == str(path))
+        trace = str(Path(packages[micro][0]) / "trace.json")
         try:
-            cli("calibrate", *packages[micro], "-o", str(target))
-            out[micro] = target
+            cli("calibrate", *packages[micro], "-o", str(target), "--trace", trace, "--cluster", str(cluster))
+            out[micro], clusters[micro] = target, str(cluster)
             summary["calibrated_from"] = packages[micro]
+            summary["calibrated_cluster"] = json.loads((cli.folder / cluster).read_text())["levels"][0]
         except RuntimeError as exc:
             summary["calibrate_refused"] = str(exc)
-    return out
+    return out, clusters
 
 
 def _scored(run: dict[str, Any], cpus: int) -> bool:
@@ -507,15 +527,25 @@ def _header(doc: dict[str, Any]) -> list[str]:
         f"{setup.get('seconds', 0):g} s of predicted steps (median step of the slower rank, first step "
         f"excluded). {_probed(setup.get('probed'))}Whole benchmark {doc['wall_s']:.0f} s.",
         "",
-        "| model | batch | measured at | input | layers | profile s | profile fidelity | load |",
-        "|---|---:|---:|---|---:|---:|---:|---:|",
+        "| model | batch | measured at | input | layers | profile s | profile fidelity | load "
+        "| calibrated latency, all-reduce latency (ms) |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---|",
         *(
             f"| {p['model']} | {p['batch_size']} | {p['measured_at']} | {p['input_shape']} | {p['layers']} "
-            f"| {p['profile_wall_s']} | {p['fidelity'] or 0:.2f} | {p['load_1min']:.2f} |"
+            f"| {p['profile_wall_s']} | {p['fidelity'] or 0:.2f} | {p['load_1min']:.2f} "
+            f"| {_calibrated_links(p.get('calibrated_cluster'))} |"
             for p in doc["profiles"]
         ),
         "",
     ]
+
+
+def _calibrated_links(level: dict[str, float] | None) -> str:
+    """The profile's cluster file after calibrate --trace: its latency and all-reduce latency."""
+    if not level:
+        return "-"
+    sync = level.get("allreduce_latency")
+    return f"{level['latency'] * 1e3:.2f}, " + (f"{sync * 1e3:.2f}" if sync is not None else "as a message")
 
 
 def _probed(probed: dict[str, float] | None) -> str:
