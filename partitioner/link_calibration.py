@@ -16,11 +16,13 @@ bandwidth. A message's time also holds the Python between the span's end and the
 of microseconds) and the receiving thread's wake-up, both of which a run pays per message.
 
 A replicated stage's gradient all-reduce is timed the same way: each step's ``all-reduce`` spans of
-the stage's replicas, the shortest taken (the replica that arrived last waited for no other, so its
-span is the collective alone). The file's all-reduce latency per ring step becomes the median of
-``(t - 4(r-1)P/(rB)) / (2(r-1))`` (``allreduce_time`` solved for its latency, P the stage's
-parameter bytes from the profile, B the file's all-reduce bandwidth, kept): on CPU ranks gloo's
-all-reduce of a megabyte costs several times what a message of its bytes does.
+the stage's replicas, averaged. A replica waits in its all-reduce for the slowest one, so its span
+is the collective plus (slowest compute - its own); their mean is the collective plus (slowest -
+mean compute), which is what a step pays beyond the mean compute the plan charges its replicas.
+The file's all-reduce latency per ring step becomes the median of ``(t - 4(r-1)P/(rB)) / (2(r-1))``
+(``allreduce_time`` solved for its latency, P the stage's parameter bytes from the profile, B the
+file's all-reduce bandwidth, kept): on CPU ranks gloo's all-reduce of a megabyte costs several
+times what a message of its bytes does, and replicas sharing a host's cores drift apart.
 
 What this refuses, rather than guess: runs across hosts (their clocks differ, so one rank's
 timestamps cannot be compared with another's), ranks hosting several stages (``interleaved``,
@@ -81,7 +83,7 @@ class Messages:
 
 @dataclass(frozen=True)
 class AllReduces:
-    """A run's gradient all-reduces, one per replicated stage and step: the shortest of the replicas'.
+    """A run's gradient all-reduces, one per replicated stage and step: the mean of the replicas'.
 
     Attributes:
         seconds: each one's time.
@@ -146,7 +148,8 @@ def waited_messages(events: Iterable[Mapping[str, Any]], nbytes: Sequence[tuple[
 
 
 def timed_allreduces(events: Iterable[Mapping[str, Any]], stages: Sequence[tuple[int, float]]) -> AllReduces:
-    """Per replicated stage and step, the shortest of its replicas' ``all-reduce`` spans.
+    """Per replicated stage and step, the mean of its replicas' ``all-reduce`` spans (the waiting for
+    the slowest replica included: what the step pays beyond the replicas' mean compute).
 
     ``events``: the trace's spans (``pid`` rank, ``tid`` stage); ``stages[s]``: (replicas, parameter
     bytes) of stage ``s``. A rank's k-th all-reduce span is its k-th step's."""
@@ -160,7 +163,7 @@ def timed_allreduces(events: Iterable[Mapping[str, Any]], stages: Sequence[tuple
         if not 0 <= stage < len(stages) or stages[stage][0] < 2 or len(ranks) < 2:
             continue
         for step in zip(*ranks.values(), strict=False):
-            seconds.append(min(step))
+            seconds.append(statistics.fmean(step))
             sizes.append(stages[stage][1])
             widths.append(stages[stage][0])
     return AllReduces(tuple(seconds), tuple(sizes), tuple(widths))
