@@ -17,11 +17,14 @@ def print_calibration(done: Calibration, links: LinkCalibration | None = None) -
     path, device, out = done.path, done.device, console()
     for note in done.notes:
         console(stderr=True).print(f"[yellow]note:[/yellow] {note}", soft_wrap=True)
-    for run in done.runs:
+    for number, run in enumerate(done.runs, 1):
         plan = run.plan
         forwards = 1 if get_schedule(plan.schedule).stashes else plan.microbatches
-        title = f" ({run.source})" if len(done.runs) > 1 else ""
-        out.print(calibration_table(at_microbatches(done.profile, forwards), plan, run.seconds, title))
+        if len(done.runs) > 1:  # (a path in a table's title would wrap at the table's width)
+            out.print(
+                f"run {number}: {run.source} ({plan.schedule}, {len(plan.stages)} stages)", soft_wrap=True
+            )
+        out.print(calibration_table(at_microbatches(done.profile, forwards), plan, run.seconds))
     if len(done.runs) > 1:
         out.print(f"each layer scaled by the median of the {len(done.runs)} runs that measured it")
     plan = done.runs[0].plan
@@ -75,10 +78,10 @@ def _devices(plan: Any) -> str:
     return f"--gpus {plan.cluster.gpus}" if len(levels) == 1 else f"--topology {counts} ..."
 
 
-def calibration_table(profile: Any, plan: Any, measured_s: Any, title: str = "") -> Any:
+def calibration_table(profile: Any, plan: Any, measured_s: Any) -> Any:
     factors = stage_factors(profile, plan, measured_s)
     heads = ("stage", "profiled", "measured", "factor")
-    table = new_table(f"{profile.model}: compute per minibatch{title}", heads)
+    table = new_table(f"{profile.model}: compute per minibatch", heads)
     for stage in plan.stages:
         profiled = sum(profile.node(n).compute_ms for n in stage.nodes)
         measured = measured_s.get(stage.index)
