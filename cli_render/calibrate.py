@@ -21,9 +21,8 @@ def print_calibration(done: Calibration, links: LinkCalibration | None = None) -
         plan = run.plan
         forwards = 1 if get_schedule(plan.schedule).stashes else plan.microbatches
         if len(done.runs) > 1:  # (a path in a table's title would wrap at the table's width)
-            out.print(
-                f"run {number}: {run.source} ({plan.schedule}, {len(plan.stages)} stages)", soft_wrap=True
-            )
+            stages = f"{len(plan.stages)} stage{'s' if len(plan.stages) != 1 else ''}"
+            out.print(f"run {number}: {run.source} ({plan.schedule}, {stages})", soft_wrap=True)
         out.print(calibration_table(at_microbatches(done.profile, forwards), plan, run.seconds))
     if len(done.runs) > 1:
         out.print(f"each layer scaled by the median of the {len(done.runs)} runs that measured it")
