@@ -174,6 +174,7 @@ class StageRuntime:
     first_step: int = 0
     _step_units: list[int] = field(default_factory=list)
     step_loss: torch.Tensor | None = None
+    _step_losses: torch.Tensor | None = None
     in_meta: dict[int, tuple[TensorMeta, ...]] = field(default_factory=dict)
     out_meta: dict[str, TensorMeta] = field(default_factory=dict)
     _batch_cache: dict[str, tuple[int, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
@@ -520,7 +521,9 @@ class StageRuntime:
     def _sync_grads(self, params: dict[str, nn.Parameter]) -> list[float]:
         """All-reduce gradients over the replica and tie groups. Under pipedream each replica adds
         how many minibatches it ran this round, and the sum is divided by their total (the mean over
-        the round's minibatches). Returns the minibatches each replica ran (pipedream), else ``[1]``."""
+        the round's minibatches). Returns the minibatches each replica ran (pipedream), else ``[1]``.
+        The last stage's losses ride in the same all-reduce (:meth:`_loss_vector`), so a replicated
+        step pays one collective, not a second one for the losses in :meth:`_report`."""
         tied = {name for _, name in self.groups.ties}
         r = len(self.cfg.replica_ranks)
         ran = torch.zeros(r if self.stash else 1, dtype=torch.float32, device=self.comm.device)
@@ -530,7 +533,11 @@ class StageRuntime:
         with self.recorder.span("all-reduce", "comm"):
             if self.groups.replicas is not None:
                 own = [p.grad for n, p in params.items() if n not in tied and p.grad is not None]
-                self.comm.all_reduce_sum([*own, *([ran] if self.stash else [])], self.groups.replicas)
+                losses = [self._loss_vector()] if self.cfg.is_last else []
+                self.comm.all_reduce_sum(
+                    [*own, *([ran] if self.stash else []), *losses], self.groups.replicas
+                )
+                self._step_losses = losses[0] if losses else None
             for group, name in self.groups.ties:
                 grad = params[name].grad
                 assert grad is not None
@@ -548,17 +555,21 @@ class StageRuntime:
         ran a minibatch of the round (pipedream)."""
         losses = None
         if self.cfg.is_last:
-            r = len(self.cfg.replica_ranks)
-            vec = torch.zeros(r, dtype=torch.float64, device=self.comm.device)
-            if self.step_loss is not None:
-                vec[self.cfg.replica] = self.step_loss.double()
-            if self.groups.replicas is not None:
-                self.comm.all_reduce_sum([vec], self.groups.replicas)
+            vec = self._step_losses if self._step_losses is not None else self._loss_vector()
             values = vec.tolist()
             losses = tuple(v for v, n in zip(values, ran, strict=True) if n) if self.stash else (sum(values),)
-            self.step_loss = None
+            self.step_loss, self._step_losses = None, None
         if self.on_step is not None:
             self.on_step(covered, losses)
+
+    def _loss_vector(self) -> torch.Tensor:
+        """This replica's loss at its place in a vector of the replicas' (zeros elsewhere), float32
+        like the gradients it is all-reduced with: each entry is one replica's value plus zeros, so
+        the sum is exact (a float64 loss is reported at float32 precision)."""
+        vec = torch.zeros(len(self.cfg.replica_ranks), dtype=torch.float32, device=self.comm.device)
+        if self.step_loss is not None:
+            vec[self.cfg.replica] = self.step_loss.float()
+        return vec
 
     # ------------------------------------------------------------------ weight stashing
     def _version_params(self) -> dict[str, torch.Tensor]:
