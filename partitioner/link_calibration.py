@@ -45,7 +45,7 @@ from partitioner.atomic import write_text_atomic
 from partitioner.calibrate import Calibration, calibrate_package
 from partitioner.clusters import cluster_from_json
 from partitioner.errors import PipeplanError
-from partitioner.graph import load_profile
+from partitioner.graph import Profile, load_profile
 from partitioner.optimizer.pricing.price import stage_loads
 from partitioner.plan import Plan, load_plan
 
@@ -169,10 +169,9 @@ def timed_allreduces(events: Iterable[Mapping[str, Any]], stages: Sequence[tuple
     return AllReduces(tuple(seconds), tuple(sizes), tuple(widths))
 
 
-def message_bytes(plan: Plan) -> list[tuple[float, float]]:
+def message_bytes(plan: Plan, profile: Profile) -> list[tuple[float, float]]:
     """Per stage, the bytes of one microbatch's message into it: (forward, backward); the profile's
     cut bytes scaled from its batch to the plan's microbatch."""
-    profile = load_profile(plan.profile)
     loads = stage_loads(profile, [s.nodes for s in plan.stages])
     profiled = profile.batch_size or plan.batch_size or 1  # unknown on both sides: the same batch
     scale = (plan.batch_size or profiled) / profiled / plan.microbatches
@@ -210,8 +209,9 @@ def measure_links(
     events = _read_json(Path(trace), "trace")
     if not isinstance(events, Mapping) or not isinstance(events.get("traceEvents"), list):
         raise PipeplanError(f"{trace} is not a Chrome trace of a run (pipeplan run --trace FILE)")
-    messages = waited_messages(events["traceEvents"], message_bytes(plan))
-    allreduces = timed_allreduces(events["traceEvents"], _replicated(plan))
+    profile = load_profile(plan.profile)  # once: both readings need its stage loads
+    messages = waited_messages(events["traceEvents"], message_bytes(plan, profile))
+    allreduces = timed_allreduces(events["traceEvents"], _replicated(plan, profile))
     if len(messages.seconds) < FEWEST and len(allreduces.seconds) < FEWEST:
         raise PipeplanError(
             f"{trace} has {len(messages.seconds)} messages whose receiver was waiting for them (of "
@@ -227,9 +227,9 @@ def measure_links(
     )  # fmt: skip
 
 
-def _replicated(plan: Plan) -> list[tuple[int, float]]:
+def _replicated(plan: Plan, profile: Profile) -> list[tuple[int, float]]:
     """Per stage, (replicas, parameter bytes from the plan's profile)."""
-    loads = stage_loads(load_profile(plan.profile), [s.nodes for s in plan.stages])
+    loads = stage_loads(profile, [s.nodes for s in plan.stages])
     return [(s.replicas, float(ld.param_bytes)) for s, ld in zip(plan.stages, loads, strict=True)]
 
 
