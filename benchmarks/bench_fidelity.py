@@ -17,10 +17,10 @@ for 1f1b and gpipe, since small batches cost more per sample), ``pipeplan partit
    1f1b with 4 microbatches, and fixed plans: a cut at 10%, 25% or 50% of the profiled compute, data
    parallelism, 1f1b cut at 25%), Spearman's rank correlation of measured against predicted.
 3. Both again after ``pipeplan probe`` (the links, once) and one ``pipeplan calibrate`` per profile
-   (from every plan of the first pass run on it that calibrate can read, i.e. one stage per rank:
-   each layer takes the median of its runs; the first of those runs traced, its messages and
-   gradient all-reduces correcting the probed cluster file's latencies for that profile's plans):
-   what a user gets first, and after those two commands.
+   (from every plan of the first pass run on it, a rank hosting several stages giving each its
+   rank's factor: each layer takes the median of its runs; the first run with one stage per rank
+   traced, its messages and gradient all-reduces correcting the probed cluster file's latencies
+   for that profile's plans): what a user gets first, and after those two commands.
 
 Besides the wall-clock ratio, every run reports its ranks' compute CPU time against the plan's stage
 compute (the profile is CPU time): on a CPU that other jobs share, a rank that gets half a core takes
@@ -347,8 +347,10 @@ def run_pass(
 ) -> dict[int, list[str]]:
     """Plan and run every candidate from ``paths`` (profile per microbatch size; a size missing is
     skipped) on its profile's cluster file (none: ``--gpus 2``); per profile, the packages of its
-    runs that calibrate reads (one stage per rank), the first of them traced (``trace.json`` in it)."""
+    runs, the first with one stage per rank traced (``trace.json`` in it: calibrate --trace reads no
+    other)."""
     readable: dict[int, list[str]] = {}
+    traced_for: set[int] = set()
     seen: set[tuple[str, ...]] = set()
     for cand in cands:
         micro = model.batch_size // cand.microbatches
@@ -359,11 +361,12 @@ def run_pass(
             print(f"{model.spec:10s} {cand.label:28s} skipped: the same plan as an earlier one")
             continue
         seen.add(tuple(plan_args))
-        readable_run = get_schedule(cand.schedule).placement is None
-        traced = readable_run and micro not in readable
+        traced = get_schedule(cand.schedule).placement is None and micro not in traced_for
+        if traced:
+            traced_for.add(micro)
         runs.append({**plan_and_run(cli, model, plan_args, cand, len(runs), length, traced), "pass": label})
-        if readable_run:
-            readable.setdefault(micro, []).append(runs[-1]["package"])
+        mine = readable.setdefault(micro, [])
+        mine.insert(0 if traced else len(mine), runs[-1]["package"])  # calibrate --trace: the first's
         ratio = runs[-1]["measured_over_predicted"]
         print(f"{model.spec:10s} {label:16s} {cand.label:28s} measured/predicted {ratio:.2f}", flush=True)
     return readable
@@ -372,8 +375,8 @@ def run_pass(
 def calibrate(
     cli: Cli, paths: dict[int, Path], packages: dict[int, list[str]], profiles: list[dict[str, Any]]
 ) -> tuple[dict[int, Path], dict[int, str]]:
-    """One ``pipeplan calibrate`` per profile, from every run of it that calibrate reads (each layer
-    takes the median of its runs), the first run's trace correcting a copy of the probed cluster
+    """One ``pipeplan calibrate`` per profile, from every run of it (each layer takes the median of
+    its runs), the first run's trace correcting a copy of the probed cluster
     file (its messages' and all-reduces' latencies) that the profile's second pass plans for; a
     refusal (a loaded machine) is recorded on the profile's summary and its plans get no second pass.
     Returns the calibrated profiles and cluster files per microbatch size."""

@@ -23,7 +23,7 @@ def print_calibration(done: Calibration, links: LinkCalibration | None = None) -
         if len(done.runs) > 1:  # (a path in a table's title would wrap at the table's width)
             stages = f"{len(plan.stages)} stage{'s' if len(plan.stages) != 1 else ''}"
             out.print(f"run {number}: {run.source} ({plan.schedule}, {stages})", soft_wrap=True)
-        out.print(calibration_table(at_microbatches(done.profile, forwards), plan, run.seconds))
+        out.print(calibration_table(at_microbatches(done.profile, forwards), plan, run.seconds, run.hosted))
     if len(done.runs) > 1:
         out.print(f"each layer scaled by the median of the {len(done.runs)} runs that measured it")
     plan = done.runs[0].plan
@@ -77,13 +77,20 @@ def _devices(plan: Any) -> str:
     return f"--gpus {plan.cluster.gpus}" if len(levels) == 1 else f"--topology {counts} ..."
 
 
-def calibration_table(profile: Any, plan: Any, measured_s: Any) -> Any:
-    factors = stage_factors(profile, plan, measured_s)
+def calibration_table(profile: Any, plan: Any, measured_s: Any, hosted: Any = None) -> Any:
+    """A row per stage, or per rank where it ran several stages together (``0+2``: their sum)."""
+    factors = stage_factors(profile, plan, measured_s, hosted)
     heads = ("stage", "profiled", "measured", "factor")
     table = new_table(f"{profile.model}: compute per minibatch", heads)
+    grouped = {k for group in (hosted or {}).values() for k in group[1:]}
+    by_index = {s.index: s for s in plan.stages}
     for stage in plan.stages:
-        profiled = sum(profile.node(n).compute_ms for n in stage.nodes)
+        if stage.index in grouped:
+            continue
+        group = tuple((hosted or {}).get(stage.index, (stage.index,)))
+        profiled = sum(profile.node(n).compute_ms for k in group for n in by_index[k].nodes)
         measured = measured_s.get(stage.index)
-        table.add_row(str(stage.index), f"{profiled:.2f} ms", f"{measured * 1e3:.2f} ms" if measured else "-",
+        table.add_row("+".join(map(str, group)), f"{profiled:.2f} ms",
+                      f"{measured * 1e3:.2f} ms" if measured else "-",
                       f"{factors[stage.index]:.2f}x" if stage.index in factors else "-")  # fmt: skip
     return table

@@ -72,6 +72,8 @@ class RunTimes:
         precision: what the run computed in (fp32 in files written before it was recorded).
         load: the machine's 1-minute load average as the run ended (None: not recorded).
         cpus: the cores the run could use (None: not recorded).
+        hosted: for a rank that ran several stages (interleaved, zbv), the stage its time is filed
+            under -> every stage it ran; such a rank times its stages together.
     """
 
     stage_s: Mapping[int, float]
@@ -82,6 +84,7 @@ class RunTimes:
     precision: str = "fp32"
     load: float | None = None
     cpus: int | None = None
+    hosted: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 def load_run_times(path: str | os.PathLike[str]) -> RunTimes:
@@ -105,11 +108,12 @@ def load_run_times(path: str | os.PathLike[str]) -> RunTimes:
         raise PipeplanError(
             f"{exc}; calibrate from the metrics.json a finished `pipeplan run` wrote"
         ) from None
+    hosted = _hosted(doc)
     kind = REGISTRY.get(str(doc.get("schedule")))
-    if kind is not None and kind.placement is not None:  # several stages on each rank
+    if kind is not None and kind.placement is not None and not hosted:  # several stages on each rank
         raise PipeplanError(
-            f"{source} is an {doc['schedule']} run, whose ranks each time several stages together; calibrate "
-            "from a 1f1b run of the same model"
+            f"{source} is an {doc['schedule']} run that does not say which stages each rank ran (written "
+            "before metrics.json recorded it): run the package again, or calibrate from a 1f1b run"
         )
     stage_s = {int(s["stage"]): float(s["compute_s_per_minibatch"]) for s in doc["stages"]}
     rate, step = doc.get("samples_per_s"), doc.get("time_per_minibatch_s")
@@ -123,7 +127,20 @@ def load_run_times(path: str | os.PathLike[str]) -> RunTimes:
     return RunTimes(
         stage_s, batch_size, str(source), model, cpu_share=share, precision=precision,
         load=float(load) if load is not None else None, cpus=int(cpus) if cpus else None,
+        hosted=hosted,
     )  # fmt: skip
+
+
+def _hosted(doc: Mapping[str, object]) -> dict[int, tuple[int, ...]]:
+    """The ranks of a metrics document that ran several stages: the stage each one's time is filed
+    under (its first) -> all of them."""
+    ranks = doc.get("ranks")
+    out: dict[int, tuple[int, ...]] = {}
+    for rank in ranks if isinstance(ranks, list) else ():
+        stages = rank.get("hosted") if isinstance(rank, dict) else None
+        if isinstance(stages, list) and len(stages) > 1 and all(isinstance(k, int) for k in stages):
+            out[int(stages[0])] = tuple(stages)
+    return out
 
 
 def load_verdict(plan: Plan, run: RunTimes) -> tuple[str | None, list[str]]:
@@ -171,25 +188,38 @@ def device_seconds(plan: Plan, run: RunTimes) -> dict[int, float]:
     return {k: s * run.cpu_share.get(k, 1.0) for k, s in run.stage_s.items()}
 
 
-def stage_factors(profile: Profile, plan: Plan, measured_s: Mapping[int, float]) -> dict[int, float]:
+def stage_factors(
+    profile: Profile,
+    plan: Plan,
+    measured_s: Mapping[int, float],
+    hosted: Mapping[int, Sequence[int]] | None = None,
+) -> dict[int, float]:
     """measured / profiled compute per stage, for the stages that were measured and have profiled time.
+
+    A rank running several stages (``hosted``: the stage its time is filed under -> all of them)
+    measured their sum, not each: every one of them takes the factor of the sum. The run cannot
+    tell a slow chunk from a fast one; runs of other cuts, calibrated together, can.
 
     Raises:
         PipeplanError: the plan names nodes the profile lacks, or a measured stage is not in the plan.
     """
     ids = {n.id: n for n in profile.nodes}
-    factors: dict[int, float] = {}
+    by_index = {s.index: s for s in plan.stages}
     for stage in plan.stages:
         missing = [n for n in stage.nodes if n not in ids]
         if missing:
             raise PipeplanError(f"the plan's stage {stage.index} names {missing[0]!r}, not in the profile")
-        profiled = math.fsum(ids[n].compute_ms for n in stage.nodes) / 1e3
-        if stage.index in measured_s and profiled > 0 and measured_s[stage.index] > 0:
-            factors[stage.index] = measured_s[stage.index] / profiled
-    unknown = sorted(set(measured_s) - {s.index for s in plan.stages})
+    groups = {key: tuple((hosted or {}).get(key, (key,))) for key in measured_s}
+    unknown = sorted({k for group in groups.values() for k in group} - set(by_index))
     if unknown:
         raise PipeplanError(f"the run measured stage {unknown[0]}, which the plan does not have")
-    unmeasured = [s.index for s in plan.stages if s.index not in measured_s]
+    factors: dict[int, float] = {}
+    for key, group in groups.items():
+        profiled = math.fsum(ids[n].compute_ms for k in group for n in by_index[k].nodes) / 1e3
+        if profiled > 0 and measured_s[key] > 0:
+            factors.update({k: measured_s[key] / profiled for k in group})
+    covered = {k for group in groups.values() for k in group}
+    unmeasured = [s.index for s in plan.stages if s.index not in covered]
     if unmeasured:
         raise PipeplanError(
             f"the run measured no time for stage {unmeasured[0]} of the plan's {len(plan.stages)}, whose "
@@ -201,12 +231,14 @@ def stage_factors(profile: Profile, plan: Plan, measured_s: Mapping[int, float])
 @dataclass(frozen=True)
 class Measured:
     """One run as calibration reads it: its plan, each stage's device seconds per minibatch (in the
-    sense of ``Stage.compute_s``), its minibatch size (None: the profile's) and where it came from."""
+    sense of ``Stage.compute_s``), its minibatch size (None: the profile's), where it came from, and
+    the stages a rank timed together (:attr:`RunTimes.hosted`)."""
 
     plan: Plan
     seconds: Mapping[int, float]
     batch_size: int | None
     source: str = ""
+    hosted: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 def node_factors(profile: Profile, run: Measured) -> dict[str, float]:
@@ -217,7 +249,7 @@ def node_factors(profile: Profile, run: Measured) -> dict[str, float]:
     plan = run.plan
     priced = at_microbatches(profile, model(plan.schedule).microbatches(plan.microbatches))
     scale = (profile.batch_size / run.batch_size) if profile.batch_size and run.batch_size else 1.0
-    factors = stage_factors(priced, plan, run.seconds)
+    factors = stage_factors(priced, plan, run.seconds, run.hosted)
     return {n: factors[s.index] * scale for s in plan.stages if s.index in factors for n in s.nodes}
 
 
@@ -349,7 +381,7 @@ def calibrate_package(
         if refusal is not None and not accept_load:
             raise PipeplanError(refusal)
         notes += said
-        runs.append(Measured(plan, device_seconds(plan, run), run.batch_size, run.source))
+        runs.append(Measured(plan, device_seconds(plan, run), run.batch_size, run.source, run.hosted))
     spread = disagreement(profile, runs)
     result = calibrate_runs(profile, runs)
     path = Path(output) if output else Path(first.profile).with_name("calibrated.json")
@@ -367,13 +399,20 @@ def _plan_of(folder: Path) -> Plan:
 
 
 def check_run(folder: Path, plan: Plan, profile: Profile, run: RunTimes) -> None:
-    """Refuse a run of another model, or at another precision than the profile's: its stage times
-    would calibrate the profile to something it does not describe."""
+    """Refuse a run of another model or placement, or at another precision than the profile's: its
+    stage times would calibrate the profile to something it does not describe."""
     if run.model and plan.model and run.model != plan.model:
         raise PipeplanError(
             f"{run.source} measured {run.model}, but {folder} is a package of {plan.model}; "
             "give the metrics of a run of this package (PACKAGE/run/metrics.json)"
         )
+    ranks = {s.index: s.ranks for s in plan.stages}
+    for first, group in run.hosted.items():
+        if any(ranks.get(k) != ranks.get(first) for k in group) or first not in ranks:
+            raise PipeplanError(
+                f"{run.source} has a rank that ran stages {', '.join(map(str, group))}, which {folder} "
+                "does not place on one rank: give the metrics of a run of this package"
+            )
     if run.precision != profile.precision:
         raise PipeplanError(
             f"{run.source} trained at {run.precision}, but {plan.profile} was measured at "

@@ -37,13 +37,19 @@ def test_interleaved_plan_lays_stages_on_ranks_s_mod_gpus(tmp_path: Path) -> Non
 
 @pytest.mark.slow
 def test_a_planned_stage_without_weights_trains(tmp_path: Path) -> None:
-    """tiny-mlp (5 layers, unmeasured) in 4 stages: one of them is an activation alone."""
+    """tiny-mlp (5 layers, unmeasured) in 4 stages: one of them is an activation alone; calibrate
+    reads the run."""
     code, out, _ = _partition(tmp_path, "--schedule", "interleaved", "--microbatches", "4")
     assert code == 0, out
     pkg = tmp_path / "m" / "tiny-mlp" / "gpus=2"
     assert any(not any(n.startswith("fc") for n in s.nodes) for s in load_plan(pkg / "plan.json").stages)
     result = CliRunner().invoke(main, ["run", str(pkg), "--steps", "2", "--timeout", "30"])
     assert result.exit_code == 0, result.output
+    # calibrate reads the run by rank: stages 0 and 2 timed together on rank 0, 1 and 3 on rank 1
+    args = ["calibrate", str(pkg), "--accept-load", "-o", str(tmp_path / "c.json")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "0+2" in result.stdout and "1+3" in result.stdout and (tmp_path / "c.json").exists()
 
 
 @pytest.mark.slow

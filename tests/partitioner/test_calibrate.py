@@ -85,6 +85,27 @@ def test_several_runs_give_each_layer_the_median_of_the_runs_that_measured_it() 
     assert calibrate_runs(profile, runs[:1]) == calibrate(profile, plan, {0: 0.039, 1: 0.036}, None, "a")
 
 
+def test_a_rank_running_several_stages_calibrates_them_by_their_sum() -> None:
+    """An interleaved run times a rank's stages together (stages 0 and 2 on rank 0, 1 and 3 on rank
+    1): each of them takes the factor of the sum, and the same plan re-priced predicts what each rank
+    measured; a stage no rank's time covers is still refused."""
+    profile, _ = _plan()
+    cluster = Cluster.flat(2)
+    plan = evaluate(profile, cluster, ["l0", "l1", "l2"], [1] * 4, "interleaved", 2, virtual_stages=2)
+    assert [s.ranks for s in plan.stages] == [(0,), (1,), (0,), (1,)]
+    hosted = {0: (0, 2), 1: (1, 3)}
+    want = {0: 2.0 * (plan.stages[0].compute_s + plan.stages[2].compute_s), 1: plan.stages[1].compute_s}
+    want[1] += plan.stages[3].compute_s
+    fixed = calibrate_runs(profile, [Measured(plan, want, None, "il", hosted)])
+    scale = {n.id: fixed.node(n.id).compute_ms / n.compute_ms for n in profile.layers}
+    assert scale == pytest.approx({"l0": 2.0, "l1": 1.0, "l2": 2.0, "l3": 1.0})
+    again = evaluate(fixed, cluster, ["l0", "l1", "l2"], [1] * 4, "interleaved", 2, virtual_stages=2)
+    got = {r: sum(s.compute_s for s in again.stages if s.index in hosted[r]) for r in hosted}
+    assert got == pytest.approx(want)
+    with pytest.raises(PipeplanError, match="no time for stage 2"):
+        calibrate_runs(profile, [Measured(plan, want, None, "il", {1: (1, 3)})])
+
+
 def test_runs_that_disagree_are_named() -> None:
     profile, plan = _plan()
     runs = [Measured(plan, {0: 0.039 * f, 1: 0.036 * f}, None, f"run{f}") for f in (1.0, 1.05, 1.6)]
@@ -126,8 +147,11 @@ def test_load_run_times(tmp_path: Path) -> None:
     path.write_text(json.dumps({**doc, "machine": {"loadavg_1min": 3.5, "cpus": 2}}))
     assert (load_run_times(path).load, load_run_times(path).cpus) == (3.5, 2)
     path.write_text(json.dumps({**doc, "schedule": "interleaved"}))
-    with pytest.raises(PipeplanError, match="interleaved run"):
+    with pytest.raises(PipeplanError, match="interleaved run that does not say which stages"):
         load_run_times(path)
+    ranks = [{"rank": 0, "stage": 0, "hosted": [0, 2]}, {"rank": 1, "stage": 1, "hosted": [1, 3]}]
+    path.write_text(json.dumps({**doc, "schedule": "interleaved", "ranks": ranks}))
+    assert load_run_times(path).hosted == {0: (0, 2), 1: (1, 3)}
 
 
 def test_time_slicing_comes_out_where_the_plan_prices_the_hosts_cores() -> None:
@@ -181,3 +205,5 @@ def test_a_run_of_another_model_or_precision_is_refused() -> None:
         check_run(Path("pkg"), plan, profile, RunTimes({0: 0.1}, 8, "m.json", model="gpt2"))
     with pytest.raises(PipeplanError, match=r"trained at bf16, but .* was measured at fp32"):
         check_run(Path("pkg"), plan, profile, RunTimes({0: 0.1}, 8, "m.json", precision="bf16"))
+    with pytest.raises(PipeplanError, match="ran stages 0, 1, which pkg does not place on one rank"):
+        check_run(Path("pkg"), plan, profile, RunTimes({0: 0.1}, 8, "m.json", hosted={0: (0, 1)}))
