@@ -422,10 +422,11 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
     is_flag=True,
     help="Calibrate from a run measured while other work loaded the machine (refused otherwise).",
 )
-@click.option("--trace", type=click.Path(dir_okay=False, path_type=str),
-              help="The first package's run's Chrome trace (run --trace).")  # fmt: skip
+@click.option("--trace", "traces", multiple=True, type=click.Path(dir_okay=False, path_type=str),
+              help="A package's run's Chrome trace (run --trace); repeat for several packages, in their "
+                   "order.")  # fmt: skip
 @click.option("--cluster", type=click.Path(dir_okay=False, path_type=str),
-              help="A cluster file the trace's messages and all-reduces correct, in place.")  # fmt: skip
+              help="A cluster file the traces' messages and all-reduces correct, in place.")  # fmt: skip
 @user_errors
 def calibrate(packages: tuple[str, ...], metrics_path: str | None, run_dir: str | None, **opts: Any) -> None:
     """Scale a profile's layer times to what runs measured per stage -> a calibrated profile.
@@ -438,7 +439,8 @@ def calibrate(packages: tuple[str, ...], metrics_path: str | None, run_dir: str 
       pipeplan partition --profile profiles/MODEL/calibrated.json --gpus N
     Several packages of one profile (PACKAGE...: each one's newest run) calibrate together, each
     layer scaled by the median of its runs, so that one noisy run does not set the scale.
-    A traced run's messages and gradient all-reduces correct a probed cluster file's latencies too:
+    A traced run's messages and gradient all-reduces correct a probed cluster file's latencies too
+    (a --trace per package, in order: a pipeline's messages and a data-parallel plan's all-reduces):
       pipeplan calibrate --trace trace.json --cluster cluster.json
     """
     from pathlib import Path
@@ -450,7 +452,7 @@ def calibrate(packages: tuple[str, ...], metrics_path: str | None, run_dir: str 
     folders = [Path(p) for p in packages] or [newest_run(opts["models_dir"])]
     if metrics_path is None and run_dir is not None:
         metrics_path = str(Path(run_dir) / "metrics.json")
-    kept = (opts["output"], opts["accept_load"], opts["trace"], opts["cluster"])
+    kept = (opts["output"], opts["accept_load"], opts["traces"], opts["cluster"])
     print_calibration(*calibrate_with_links(folders, metrics_path, *kept))
 
 

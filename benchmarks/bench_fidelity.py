@@ -18,8 +18,8 @@ for 1f1b and gpipe, since small batches cost more per sample), ``pipeplan partit
    parallelism, 1f1b cut at 25%), Spearman's rank correlation of measured against predicted.
 3. Both again after ``pipeplan probe`` (the links, once) and one ``pipeplan calibrate`` per profile
    (from every plan of the first pass run on it, a rank hosting several stages giving each its
-   rank's factor: each layer takes the median of its runs; the first run with one stage per rank
-   traced, its messages and gradient all-reduces correcting the probed cluster file's latencies
+   rank's factor: each layer takes the median of its runs; every run with one stage per rank
+   traced, their messages and gradient all-reduces correcting the probed cluster file's latencies
    for that profile's plans): what a user gets first, and after those two commands.
 
 Besides the wall-clock ratio, every run reports its ranks' compute CPU time against the plan's stage
@@ -347,10 +347,9 @@ def run_pass(
 ) -> dict[int, list[str]]:
     """Plan and run every candidate from ``paths`` (profile per microbatch size; a size missing is
     skipped) on its profile's cluster file (none: ``--gpus 2``); per profile, the packages of its
-    runs, the first with one stage per rank traced (``trace.json`` in it: calibrate --trace reads no
-    other)."""
+    runs, those with one stage per rank first and traced (``trace.json`` in each: calibrate --trace
+    reads no other)."""
     readable: dict[int, list[str]] = {}
-    traced_for: set[int] = set()
     seen: set[tuple[str, ...]] = set()
     for cand in cands:
         micro = model.batch_size // cand.microbatches
@@ -361,12 +360,11 @@ def run_pass(
             print(f"{model.spec:10s} {cand.label:28s} skipped: the same plan as an earlier one")
             continue
         seen.add(tuple(plan_args))
-        traced = get_schedule(cand.schedule).placement is None and micro not in traced_for
-        if traced:
-            traced_for.add(micro)
+        traced = get_schedule(cand.schedule).placement is None
         runs.append({**plan_and_run(cli, model, plan_args, cand, len(runs), length, traced), "pass": label})
         mine = readable.setdefault(micro, [])
-        mine.insert(0 if traced else len(mine), runs[-1]["package"])  # calibrate --trace: the first's
+        first = sum((cli.folder / p / "trace.json").exists() for p in mine)  # (calibrate: traces in order)
+        mine.insert(first if traced else len(mine), runs[-1]["package"])
         ratio = runs[-1]["measured_over_predicted"]
         print(f"{model.spec:10s} {label:16s} {cand.label:28s} measured/predicted {ratio:.2f}", flush=True)
     return readable
@@ -376,8 +374,8 @@ def calibrate(
     cli: Cli, paths: dict[int, Path], packages: dict[int, list[str]], profiles: list[dict[str, Any]]
 ) -> tuple[dict[int, Path], dict[int, str]]:
     """One ``pipeplan calibrate`` per profile, from every run of it (each layer takes the median of
-    its runs), the first run's trace correcting a copy of the probed cluster
-    file (its messages' and all-reduces' latencies) that the profile's second pass plans for; a
+    its runs), the traced runs' messages and all-reduces correcting a copy of the probed cluster
+    file's latencies that the profile's second pass plans for; a
     refusal (a loaded machine) is recorded on the profile's summary and its plans get no second pass.
     Returns the calibrated profiles and cluster files per microbatch size."""
     out: dict[int, Path] = {}
@@ -387,9 +385,10 @@ def calibrate(
         cluster = path.with_name("cluster.json")
         shutil.copyfile(cli.folder / "cluster.json", cli.folder / cluster)
         summary = next(p for p in profiles if p["measured_at"] == micro and p.get("path") == str(path))
-        trace = str(Path(packages[micro][0]) / "trace.json")
+        traces = [f"{p}/trace.json" for p in packages[micro] if (cli.folder / p / "trace.json").exists()]
+        pairs = [arg for trace in traces for arg in ("--trace", trace)]
         try:
-            cli("calibrate", *packages[micro], "-o", str(target), "--trace", trace, "--cluster", str(cluster))
+            cli("calibrate", *packages[micro], "-o", str(target), *pairs, "--cluster", str(cluster))
             out[micro], clusters[micro] = target, str(cluster)
             summary["calibrated_from"] = packages[micro]
             summary["calibrated_cluster"] = json.loads((cli.folder / cluster).read_text())["levels"][0]

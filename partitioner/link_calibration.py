@@ -56,6 +56,7 @@ __all__ = [
     "Messages",
     "calibrate_with_links",
     "measure_links",
+    "measure_runs",
     "message_bytes",
     "save_links",
     "timed_allreduces",
@@ -182,26 +183,66 @@ def message_bytes(plan: Plan, profile: Profile) -> list[tuple[float, float]]:
 def measure_links(
     folder: Path, trace: str | os.PathLike[str], cluster: str | os.PathLike[str]
 ) -> LinkCalibration:
-    """``cluster``'s level-0 latency as the messages of a traced run of the package at ``folder`` found
-    it (nothing written: :func:`save_links` writes it).
+    """:func:`measure_runs` of one traced run."""
+    return measure_runs([(folder, trace)], cluster)
+
+
+def measure_runs(
+    runs: Sequence[tuple[Path, str | os.PathLike[str]]], cluster: str | os.PathLike[str]
+) -> LinkCalibration:
+    """``cluster``'s level-0 latency and all-reduce latency as the messages and all-reduces of traced
+    runs (package folder, its run's trace) found them, pooled (nothing written: :func:`save_links`
+    writes it). One run times what its plan does: a pipeline's messages, or a data-parallel plan's
+    all-reduces; runs of both kinds together correct both figures.
 
     Raises:
-        PipeplanError: a run this cannot read honestly (across hosts, several stages per rank, too few
-            timed messages) or files that are not a trace and a cluster file.
+        PipeplanError: a run this cannot read honestly (across hosts, several stages per rank), too
+            few timed messages and all-reduces in all of them, or files that are not traces and a
+            cluster file.
     """
-    plan = load_plan(folder / "plan.json")
     path = Path(cluster)
     doc = _read_json(path, "cluster file")
     levels = cluster_from_json(doc, str(path)).levels
+    readings = [_read_run(folder, trace, levels[0].devices) for folder, trace in runs]
+    messages = Messages(
+        tuple(t for m, _ in readings for t in m.seconds),
+        tuple(b for m, _ in readings for b in m.nbytes),
+        sum(m.skipped for m, _ in readings),
+    )
+    allreduces = AllReduces(
+        tuple(t for _, a in readings for t in a.seconds),
+        tuple(b for _, a in readings for b in a.nbytes),
+        tuple(r for _, a in readings for r in a.replicas),
+    )
+    traces = ", ".join(str(trace) for _, trace in runs)
+    if len(messages.seconds) < FEWEST and len(allreduces.seconds) < FEWEST:
+        raise PipeplanError(
+            f"{traces} {'has' if len(runs) == 1 else 'have'} {len(messages.seconds)} messages whose "
+            f"receiver was waiting for them (of {len(messages.seconds) + messages.skipped}) and "
+            f"{len(allreduces.seconds)} gradient all-reduces; at least {FEWEST} of either are needed: "
+            "trace a longer run"
+        )
+    link = levels[0].link
+    excess = [t - b / link.bandwidth for t, b in zip(messages.seconds, messages.nbytes, strict=True)]
+    latency = max(0.0, statistics.median(excess)) if len(excess) >= FEWEST else None
+    return LinkCalibration(
+        path, link.latency, latency, link.bandwidth, messages, traces, doc,
+        allreduces, link.sync_latency, _allreduce_latency(allreduces, link.sync_bandwidth),
+    )  # fmt: skip
+
+
+def _read_run(folder: Path, trace: str | os.PathLike[str], host_devices: int) -> tuple[Messages, AllReduces]:
+    """One traced run's timed messages and all-reduces, refusing a run it cannot read honestly."""
+    plan = load_plan(folder / "plan.json")
     if plan.virtual_stages > 1:
         raise PipeplanError(
             f"{folder} runs {plan.virtual_stages} stages per rank ({plan.schedule}): its trace names a "
             "rank's spans under one stage, so its messages cannot be told apart; calibrate links from a "
             "run of a plan with one stage per rank"
         )
-    if plan.gpus > levels[0].devices:
+    if plan.gpus > host_devices:
         raise PipeplanError(
-            f"{folder} spans {plan.gpus} devices, more than one host's {levels[0].devices}: hosts' clocks "
+            f"{folder} spans {plan.gpus} devices, more than one host's {host_devices}: hosts' clocks "
             "differ, so a trace cannot time a message between them; calibrate links from a one-host run"
         )
     if not plan.profile:
@@ -211,20 +252,7 @@ def measure_links(
         raise PipeplanError(f"{trace} is not a Chrome trace of a run (pipeplan run --trace FILE)")
     profile = load_profile(plan.profile)  # once: both readings need its stage loads
     messages = waited_messages(events["traceEvents"], message_bytes(plan, profile))
-    allreduces = timed_allreduces(events["traceEvents"], _replicated(plan, profile))
-    if len(messages.seconds) < FEWEST and len(allreduces.seconds) < FEWEST:
-        raise PipeplanError(
-            f"{trace} has {len(messages.seconds)} messages whose receiver was waiting for them (of "
-            f"{len(messages.seconds) + messages.skipped}) and {len(allreduces.seconds)} gradient "
-            f"all-reduces; at least {FEWEST} of either are needed: trace a longer run"
-        )
-    link = levels[0].link
-    excess = [t - b / link.bandwidth for t, b in zip(messages.seconds, messages.nbytes, strict=True)]
-    latency = max(0.0, statistics.median(excess)) if len(excess) >= FEWEST else None
-    return LinkCalibration(
-        path, link.latency, latency, link.bandwidth, messages, str(trace), doc,
-        allreduces, link.sync_latency, _allreduce_latency(allreduces, link.sync_bandwidth),
-    )  # fmt: skip
+    return messages, timed_allreduces(events["traceEvents"], _replicated(plan, profile))
 
 
 def _replicated(plan: Plan, profile: Profile) -> list[tuple[int, float]]:
@@ -247,15 +275,21 @@ def calibrate_with_links(
     metrics: str | None,
     output: str | None,
     accept_load: bool,
-    trace: str | None,
+    traces: Sequence[str],
     cluster: str | None,
 ) -> tuple[Calibration, LinkCalibration | None]:
-    """``pipeplan calibrate``: the profile from the runs' stage times and, given a trace (of the first
-    package's run) and a cluster file (both or neither), the file's latencies from its messages and
-    all-reduces. Everything is read and checked before anything is written."""
-    if (trace is None) != (cluster is None):
+    """``pipeplan calibrate``: the profile from the runs' stage times and, given traces (the i-th of
+    the i-th package's run) and a cluster file (both or neither), the file's latencies from their
+    messages and all-reduces. Everything is read and checked before anything is written."""
+    if bool(traces) != (cluster is not None):
         raise PipeplanError("--trace and --cluster go together: the run's trace corrects the cluster file")
-    links = measure_links(folders[0], trace, cluster) if trace is not None and cluster is not None else None
+    if len(traces) > len(folders):
+        raise PipeplanError(
+            f"{len(traces)} traces for {len(folders)} package{'s' if len(folders) != 1 else ''}: each "
+            "--trace is the run of the package in the same place (the first --trace the first package's)"
+        )
+    runs = list(zip(folders, traces, strict=False))
+    links = measure_runs(runs, cluster) if cluster is not None else None
     done = calibrate_package(folders, metrics, output, accept_load)
     if links is not None:
         save_links(links)

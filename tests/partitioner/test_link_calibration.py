@@ -16,6 +16,7 @@ from partitioner.graph import write_graph_txt
 from partitioner.link_calibration import (
     calibrate_with_links,
     measure_links,
+    measure_runs,
     save_links,
     timed_allreduces,
     waited_messages,
@@ -106,7 +107,7 @@ def test_what_a_trace_cannot_time_is_refused(tmp_path: Path) -> None:
     with pytest.raises(PipeplanError, match="stages per rank"):
         measure_links(_package(tmp_path, "interleaved"), trace, cluster)
     with pytest.raises(PipeplanError, match="--trace and --cluster go together"):
-        calibrate_with_links([tmp_path], None, None, False, str(trace), None)
+        calibrate_with_links([tmp_path], None, None, False, [str(trace)], None)
     result = CliRunner().invoke(main, ["calibrate", str(tmp_path), "--cluster", str(cluster)])
     assert result.exit_code == 2 and result.stderr.startswith("error:") and "go together" in result.stderr
 
@@ -129,10 +130,8 @@ def test_each_steps_allreduce_is_its_replicas_mean() -> None:
     assert timed_allreduces(_allreduces([(900.0, 500.0)]), [(1, 4e6)]).seconds == ()  # not replicated
 
 
-def test_a_data_parallel_run_corrects_the_allreduce_latency(tmp_path: Path) -> None:
-    """One stage of 3000 parameter bytes on 2 replicas: no messages, 6 steps whose replicas' spans
-    average 500 + 100k us (1000 + 200k and 0): the latency per ring step is their median, 750 us, less
-    the volume 4(r-1)P/(rB), over the ring's 2(r-1) = 2 steps; the message latency is kept."""
+def _data_parallel(tmp_path: Path) -> Path:
+    """A package of one stage (3000 parameter bytes) on 2 replicas."""
     costs = [(5, 10, 2000, 1000), (8, 16, 2000, 2000)]
     graph = tmp_path / "dp" / "graph.txt"
     graph.parent.mkdir()
@@ -141,7 +140,14 @@ def test_a_data_parallel_run_corrects_the_allreduce_latency(tmp_path: Path) -> N
             "--schedule", "1f1b", "--microbatches", "2", "-o", str(tmp_path / "m")]  # fmt: skip
     result = CliRunner().invoke(main, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    folder = next((tmp_path / "m").rglob("plan.json")).parent
+    return next((tmp_path / "m").rglob("plan.json")).parent
+
+
+def test_a_data_parallel_run_corrects_the_allreduce_latency(tmp_path: Path) -> None:
+    """One stage of 3000 parameter bytes on 2 replicas: no messages, 6 steps whose replicas' spans
+    average 500 + 100k us (1000 + 200k and 0): the latency per ring step is their median, 750 us, less
+    the volume 4(r-1)P/(rB), over the ring's 2(r-1) = 2 steps; the message latency is kept."""
+    folder = _data_parallel(tmp_path)
     cluster, trace = _cluster(tmp_path), tmp_path / "trace.json"
     steps = [(1000.0 + 200 * k, 0.0) for k in range(6)]
     trace.write_text(json.dumps({"traceEvents": _allreduces(steps)}))
@@ -153,3 +159,30 @@ def test_a_data_parallel_run_corrects_the_allreduce_latency(tmp_path: Path) -> N
     (level,) = load_cluster(str(cluster)).levels
     assert level.latency == 1e-3 and level.allreduce_latency == pytest.approx(done.allreduce_latency_s)
     assert json.loads(cluster.read_text())["calibrated"]["allreduces_timed"] == 6
+
+
+def test_a_pipeline_and_a_data_parallel_run_correct_both_latencies(tmp_path: Path) -> None:
+    """Neither run alone times both: the pipeline's 7 messages set the latency, the data-parallel
+    run's 6 all-reduces the all-reduce latency; each with as few as one of them is pooled, and
+    more traces than packages is refused before anything is written."""
+    pipeline, data_parallel, cluster = _package(tmp_path), _data_parallel(tmp_path), _cluster(tmp_path)
+    messages, allreduces = tmp_path / "pipeline.json", tmp_path / "dp.json"
+    messages.write_text(json.dumps({"traceEvents": _trace([200.0, 300.0, 250.0, 400.0, 220.0, 260.0])}))
+    allreduces.write_text(
+        json.dumps({"traceEvents": _allreduces([(1000.0 + 200 * k, 0.0) for k in range(6)])})
+    )
+    done = measure_runs([(pipeline, messages), (data_parallel, allreduces)], cluster)
+    assert done.latency_s == pytest.approx(150e-6) and len(done.messages.seconds) == 7
+    assert done.allreduce_latency_s == pytest.approx((750e-6 - 4.0 * 3000 / 2e10) / 2)
+    assert done.trace == f"{messages}, {allreduces}"
+    short, few = tmp_path / "short.json", tmp_path / "few.json"
+    short.write_text(json.dumps({"traceEvents": _trace([200.0, 300.0, 250.0])}))
+    few.write_text(json.dumps({"traceEvents": _allreduces([(900.0, 100.0)] * 3)}))
+    with pytest.raises(PipeplanError, match=r"few\.json have 4 messages .* and 3 gradient all-reduces"):
+        measure_runs([(pipeline, short), (data_parallel, few)], cluster)
+    before = cluster.read_text()
+    args = ["calibrate", str(pipeline), "--trace", str(messages), "--trace", str(allreduces),
+            "--cluster", str(cluster)]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and "2 traces for 1 package" in result.stderr
+    assert cluster.read_text() == before
