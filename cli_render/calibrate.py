@@ -29,10 +29,8 @@ def print_calibration(done: Calibration, links: LinkCalibration | None = None) -
     plan = done.runs[0].plan
     if links is not None:
         print_links(links)
-    cluster = f" --cluster {links.cluster}" if links is not None else ""
-    out.print(
-        f"wrote {path}; next: pipeplan partition --profile {path} {_devices(plan)}{cluster}", soft_wrap=True
-    )
+    where = f"--cluster {links.cluster}" if links is not None else _devices(plan)  # (the file: the devices)
+    out.print(f"wrote {path}; next: pipeplan partition --profile {path} {where}", soft_wrap=True)
     if device is not None:
         out.print(
             f"the profile was estimated for {device.name}: its efficiencies corrected to matmul "

@@ -52,6 +52,24 @@ def test_calibrate_then_partition(tmp_path: Path) -> None:
     assert code == 0, out
     assert [s["compute_s"] for s in json.loads(out)["stages"]] == pytest.approx([0.117, 0.054])
     assert load_plan(tmp_path / "again" / "toy" / "gpus=2" / "plan.json").profile == str(tmp_path / "c.json")
+    # with a traced run correcting a cluster file, the next command plans for that file (its devices)
+    pairs = [((f"F{u}", "compute", 0, 5e3 * u), (f"recv F{u}", "comm", 1, 5e3 * u + 500)) for u in range(6)]
+    spans = [
+        {"name": name, "cat": cat, "ph": "X", "pid": rank, "tid": rank, "ts": start, "dur": 1000.0}
+        for pair in pairs
+        for name, cat, rank, start in pair
+    ]
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": spans}))
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(
+        json.dumps({"schema": "pipeplan.cluster/1", "levels": [{"devices": 2, "bandwidth": 1e9}]})
+    )
+    trace = ("--trace", str(tmp_path / "trace.json"), "--cluster", str(cluster))
+    code, out = _invoke("calibrate", str(package), "-o", str(tmp_path / "c.json"), *trace)
+    assert code == 0, out
+    assert f"next: pipeplan partition --profile {tmp_path / 'c.json'} --cluster {cluster}\n" in out
+    code, out = _invoke("partition", "--profile", str(tmp_path / "c.json"), "--cluster", str(cluster), *again)
+    assert code == 0, out
 
 
 def test_calibrate_refuses_a_loaded_run_unless_accepted(tmp_path: Path) -> None:
