@@ -230,7 +230,7 @@ class LayerEstimator(LayerProfiler):
         sink = _Sink(self.model)  # the attention's backward finds it here
         with _Attention(sink), _Counter(sink):
             outs, keys, casts = self._forward(members, env, record_saved=True)
-        saved, cast = self._saved_bytes(keys, aliases, exported, outs, casts)
+        saved, cast = self._saved_bytes(group.id, members, (keys, aliases, casts), exported, outs)
         forward, sink.work = sink.work, Work()
         differentiable = [t for m in exported for t in _tensors(outs[m.name]) if t.grad_fn is not None]
         if differentiable and (leaves or params):

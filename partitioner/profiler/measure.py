@@ -136,6 +136,28 @@ def _tensors(value: Any) -> list[Tensor]:
     return [t for t in tree_flatten(value)[0] if isinstance(t, Tensor)]
 
 
+Origin = tuple[str, int, int]
+Role = Origin | None
+"""Where a storage a layer saved comes from: ``("in", i, j)``, the j-th tensor of the i-th node outside
+the layer that it reads; ``("out", k, j)``, of its k-th exported node; None, made inside the layer.
+A layer's twin reads and exports its own tensors in the same order (:func:`outside_inputs`)."""
+
+
+def outside_inputs(members: Sequence[fx.Node]) -> list[fx.Node]:
+    """The nodes outside ``members`` that they read, in the order of first reading (the order
+    :func:`~partitioner.profiler.fingerprint.fingerprint` numbers them in, so twins agree)."""
+    local, found = set(members), dict[fx.Node, None]()
+
+    def note(arg: Any) -> Any:
+        if isinstance(arg, fx.Node) and arg not in local:
+            found.setdefault(arg, None)
+        return arg
+
+    for m in members:
+        fx.node.map_aggregate((m.args, m.kwargs), note)
+    return list(found)
+
+
 class LayerProfiler(fx.Interpreter):
     """Runs a traced model once, measuring each ``Group`` of nodes in isolation as soon as it is complete.
 
@@ -183,6 +205,9 @@ class LayerProfiler(fx.Interpreter):
         """fingerprint -> the group measured with it (:mod:`partitioner.profiler.fingerprint`)."""
         self.twins: dict[str, str] = {}
         """group id -> the group whose measurement it shares (``reuse``: identical layers measured once)."""
+        self.saves: dict[str, list[tuple[Role, int, bool]]] = {}
+        """measured group id -> the distinct storages its forward saved: (where from, bytes, whether
+        a weight's cast), so a twin counts its own saves against what earlier layers saved."""
 
     def profile(self, *inputs: Tensor) -> dict[str, LayerCost]:
         """Measure every group; keys are group ids."""
@@ -220,7 +245,11 @@ class LayerProfiler(fx.Interpreter):
         members = [self.by_name[m] for m in group.members]
         exported = [m for m in members if any(self.member_of[u.name] != group.id for u in m.users)]
         out_bytes = sum(t.nbytes for m in exported for t in _tensors(self.env[m]))
-        return replace(self.costs[twin], output_bytes=out_bytes)
+        cost = replace(self.costs[twin], output_bytes=out_bytes)
+        if twin in self.saves:  # a tensor the twin saved first may have been saved here already
+            saved, cast = self._count(self.saves[twin], self._origins(members, exported))
+            cost = replace(cost, saved_bytes=saved, cast_bytes=cast)
+        return cost
 
     def _nodes_needing_grad(self, gm: fx.GraphModule) -> set[str]:
         """Nodes whose values depend on a trainable parameter: those get gradients in a real step."""
@@ -259,7 +288,9 @@ class LayerProfiler(fx.Interpreter):
                 done = [self._forward(members, env, run == 0) for _, env, _ in batch]
             if run == 0:
                 outs, saved_keys, casts = done[0]
-                saved, cast = self._saved_bytes(saved_keys, batch[0][2], exported, outs, casts)
+                saved, cast = self._saved_bytes(
+                    group.id, members, (saved_keys, batch[0][2], casts), exported, outs
+                )
             work = []
             for (leaves, _, _), (outs, _, _) in zip(batch, done, strict=True):
                 roots = [t for m in exported for t in _tensors(outs[m.name]) if t.grad_fn is not None]
@@ -358,31 +389,55 @@ class LayerProfiler(fx.Interpreter):
 
     def _saved_bytes(
         self,
-        keys: list[tuple[int, int]],
-        aliases: Mapping[int, int],
+        group_id: str,
+        members: list[fx.Node],
+        forward: tuple[list[tuple[int, int]], Mapping[int, int], set[int]],
         exported: list[fx.Node],
         outs: dict[str, Any],
-        casts: set[int],
     ) -> tuple[int, int]:
         """(activation bytes, parameter-cast bytes) of the distinct saved storages, parameters
-        excluded; a captured tensor counts at its first saver."""
+        excluded; a captured tensor counts at its first saver. ``forward``: the run's saved
+        storages, its copies' storages -> the captured ones, and which saved storages are casts."""
+        keys, aliases, casts = forward
         for m in exported:
             for copy, original in zip(_tensors(outs[m.name]), _tensors(self.env[m]), strict=False):
                 aliases = {**aliases, _storage_key(copy)[0]: _storage_key(original)[0]}
-        total = cast = 0
-        local: set[int] = set()
+        origins = self._origins(members, exported)
+        role_of = {ptr: role for role, ptr in origins.items()}
+        entries: dict[Role | int, tuple[Role, int, bool]] = {}
         for ptr, nbytes in keys:
             if ptr in self.param_storages or ptr == 0:
                 continue
-            shared = aliases.get(ptr)
-            if shared is not None:
-                if shared in self.seen_saved or shared in self.param_storages:
+            role = role_of.get(aliases[ptr]) if ptr in aliases else None
+            entries.setdefault(role or ptr, (role, nbytes, ptr in casts))
+        self.saves[group_id] = list(entries.values())
+        return self._count(self.saves[group_id], origins)
+
+    def _origins(self, members: list[fx.Node], exported: list[fx.Node]) -> dict[Origin, int]:
+        """The captured storage of each of the layer's inputs and exported outputs, by its role."""
+        where = {
+            ("in", i, j): _storage_key(t)[0]
+            for i, node in enumerate(outside_inputs(members))
+            for j, t in enumerate(_tensors(self.env.get(node)))
+        }
+        where.update(
+            (("out", k, j), _storage_key(t)[0])
+            for k, node in enumerate(exported)
+            for j, t in enumerate(_tensors(self.env.get(node)))
+        )
+        return where
+
+    def _count(self, entries: list[tuple[Role, int, bool]], origins: Mapping[Origin, int]) -> tuple[int, int]:
+        """(activation bytes, cast bytes) of ``entries``, skipping captured storages an earlier layer
+        saved (or that are parameters) and marking the rest saved."""
+        total = cast = 0
+        for role, nbytes, is_cast in entries:
+            if role is not None and role in origins:
+                ptr = origins[role]
+                if ptr in self.seen_saved or ptr in self.param_storages:
                     continue
-                self.seen_saved.add(shared)
-            elif ptr in local:
-                continue
-            local.add(ptr)
-            if ptr in casts:
+                self.seen_saved.add(ptr)
+            if is_cast:
                 cast += nbytes
             else:
                 total += nbytes
