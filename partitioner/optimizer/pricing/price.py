@@ -36,15 +36,18 @@ __all__ = [
     "assemble",
     "backward_item",
     "data_parallel_time",
+    "device_shares",
     "gib",
     "global_lower_bound",
     "held_memory",
+    "held_transient",
     "hosts_bound",
     "layer_compute_s",
     "price_stage",
     "stage_link",
     "stage_loads",
     "stage_memory",
+    "stage_transient",
 ]
 
 #: ``none``: every stage keeps its activations; ``all``: every stage recomputes; ``auto``: a stage
@@ -221,12 +224,52 @@ def held_memory(
     ``item``: the microbatches a minibatch runs as (:func:`backward_item`): one of them is what a
     backward works on at a time, its working bytes ``1/item`` of a minibatch's."""
     params = load.param_bytes + load.copy_bytes
-    transient = float(transient_bytes(params, load.largest_param_bytes, schedule)) if accumulates else 0.0
-    transient += load.working_bytes / item  # one item's backward at a time
+    transient = held_transient(load, schedule, accumulates, item)
     return peak_bytes(
         params, load.saved_bytes, held, share, schedule, optimizer, transient, load.input_bytes, recompute,
         load.master, load.kept_bytes,
     )  # fmt: skip
+
+
+def held_transient(load: StageLoad, schedule: str, accumulates: bool, item: int = 1) -> float:
+    """The bytes a stage's backward makes and holds only while it runs: the gradient it
+    accumulates (:func:`~partitioner.optimizer.pricing.memory.transient_bytes`) and one item's
+    working bytes. Part of :func:`held_memory`; :func:`device_shares` counts it once a device."""
+    params = load.param_bytes + load.copy_bytes
+    transient = float(transient_bytes(params, load.largest_param_bytes, schedule)) if accumulates else 0.0
+    return transient + load.working_bytes / item  # one item's backward at a time
+
+
+def device_shares(
+    memory: Sequence[int], transient: Sequence[float], ranks: Sequence[Sequence[int]]
+) -> list[int]:
+    """Per stage, its part of its device's peak: its own peak, except on a device that hosts several
+    stages (interleaved, zbv), where one backward runs at a time, so the device holds the largest of
+    its stages' transient bytes (:func:`held_transient`) and not their sum: the other stages drop
+    theirs. A device's peak is the sum of its stages' parts, as the planner checks and the runtime
+    reports it (measured on vgg16's zbv plan: the sum of its two stages' peaks over-predicted the
+    device by a quarter)."""
+    out = list(memory)
+    hosts: dict[int, list[int]] = {}
+    for i, held in enumerate(ranks):
+        for r in held:
+            hosts.setdefault(r, []).append(i)
+    for stages in hosts.values():
+        if len(stages) > 1:
+            keep = max(stages, key=lambda i: transient[i])
+            for i in stages:
+                if i != keep:
+                    out[i] = memory[i] - round(transient[i])
+    return out
+
+
+def stage_transient(
+    load: StageLoad, schedule: str, position: int, replicas: Sequence[int], microbatches: int
+) -> float:
+    """:func:`held_transient` of the stage at ``position``, as :func:`stage_memory` charges it."""
+    whole = model(schedule).asynchronous
+    item = backward_item(whole, microbatches, replicas[position])
+    return held_transient(load, schedule, not whole and microbatches > replicas[position], item)
 
 
 def stage_memory(
@@ -296,7 +339,7 @@ def assemble(
 ) -> Plan:
     """Cost the stages and build the Plan; ``time_override`` keeps a solver's own objective value.
     ``virtual`` > 1 (``interleaved``): ``specs`` are ``gpus * virtual`` one-device stages on ranks
-    ``s mod gpus``; a device's memory is its stages' sum.
+    ``s mod gpus``; a device's memory is its stages' sum (:func:`device_shares`).
 
     ``recompute`` (``none``, ``all`` or ``auto``) decides which stages recompute their forward in
     backward, priced by :func:`~partitioner.optimizer.pricing.schedules.price_stage`.
@@ -313,7 +356,9 @@ def assemble(
     priced = _priced(loads, specs, schedule, microbatches, optimizer, recompute, limit, virtual)
     loads = [replace(ld, compute_s=price.compute_s) for ld, (_, price) in zip(loads, priced, strict=True)]
     times = _times(cluster, specs, schedule, microbatches, activation_comm, loads, virtual)
-    memory = [price.memory_bytes for _, price in priced]
+    reps = [s.replicas for s in specs]
+    transient = [stage_transient(ld, schedule, i, reps, microbatches) for i, ld in enumerate(loads)]
+    memory = device_shares([price.memory_bytes for _, price in priced], transient, [s.ranks for s in specs])
     _check_device_memory(specs, memory, limit)
     time = times.time_per_minibatch_s if time_override is None else time_override
     stages = tuple(

@@ -16,7 +16,9 @@ from partitioner.optimizer.pricing.price import (
     StageSpec,
     assemble,
     backward_item,
+    device_shares,
     held_memory,
+    held_transient,
     hosts_bound,
     stage_loads,
 )
@@ -358,7 +360,7 @@ def _memory(
     """Each stage's peak with the items the simulation held, priced as the cost model does."""
     if profile is None:
         return tuple(s.memory_bytes for s in plan.stages)
-    out = []
+    out, transient = [], []
     for stage, load, h in zip(plan.stages, loads, held, strict=True):
         sync = not model(plan.schedule).asynchronous
         accumulates = sync and plan.microbatches > stage.replicas
@@ -366,7 +368,8 @@ def _memory(
         out.append(
             held_memory(load, plan.schedule, h, item, plan.optimizer, stage.recompute, accumulates, item)
         )
-    return tuple(out)
+        transient.append(held_transient(load, plan.schedule, accumulates, item))
+    return tuple(device_shares(out, transient, [s.ranks for s in plan.stages]))
 
 
 def played(profile: Profile, plan: Plan, activation_comm: bool = True, recompute: str = "none") -> Plan:
