@@ -6,8 +6,8 @@ from typing import Any
 
 from cli_render.common import console, new_table
 from partitioner.calibrate import Calibration, stage_factors
-from partitioner.graph import at_microbatches
 from partitioner.link_calibration import LinkCalibration
+from partitioner.optimizer.pricing.schedules import priced_profile
 from runtime.schedule import get_schedule
 
 __all__ = ["calibration_table", "print_calibration", "print_links"]
@@ -23,9 +23,17 @@ def print_calibration(done: Calibration, links: LinkCalibration | None = None) -
         if len(done.runs) > 1:  # (a path in a table's title would wrap at the table's width)
             stages = f"{len(plan.stages)} stage{'s' if len(plan.stages) != 1 else ''}"
             out.print(f"run {number}: {run.source} ({plan.schedule}, {stages})", soft_wrap=True)
-        out.print(calibration_table(at_microbatches(done.profile, forwards), plan, run.seconds, run.hosted))
+        priced = priced_profile(done.profile, plan.schedule, forwards)
+        out.print(calibration_table(priced, plan, run.seconds, run.hosted))
     if len(done.runs) > 1:
         out.print(f"each layer scaled by the median of the {len(done.runs)} runs that measured it")
+    if done.split_backward:
+        g, n = done.split_backward["factor"], int(done.split_backward["runs"])
+        out.print(
+            f"split backward (zb1p, zbv): B + W took {g:.2f}x the fused backward ({n} run{'s' * (n != 1)}); "
+            "their plans are priced with it",
+            soft_wrap=True,
+        )
     plan = done.runs[0].plan
     if links is not None:
         print_links(links)

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from partitioner.devices import DeviceModel, estimated_device, save_device_model
 from partitioner.errors import PipeplanError
-from partitioner.graph import Node, Profile, at_microbatches, load_profile, save_profile
-from partitioner.optimizer.pricing.schedules import model
+from partitioner.graph import SPLIT_BACKWARD, Node, Profile, at_microbatches, load_profile, save_profile
+from partitioner.optimizer.pricing.schedules import model, priced_profile
 from partitioner.plan import Plan, load_plan
 from partitioner.update import with_update_time
 from runtime.formats import METRICS_FIELDS
@@ -244,10 +244,10 @@ class Measured:
 def node_factors(profile: Profile, run: Measured) -> dict[str, float]:
     """measured / profiled compute of each layer of a measured stage (the stage's factor, taken for
     every layer in it), against the profile as the run's plan priced it
-    (:func:`~partitioner.graph.at_microbatches` at its microbatch count) and rescaled linearly to the
-    profile's batch size when the run's minibatch differs."""
+    (:func:`~partitioner.optimizer.pricing.schedules.priced_profile` at its microbatch count) and
+    rescaled linearly to the profile's batch size when the run's minibatch differs."""
     plan = run.plan
-    priced = at_microbatches(profile, model(plan.schedule).microbatches(plan.microbatches))
+    priced = priced_profile(profile, plan.schedule, model(plan.schedule).microbatches(plan.microbatches))
     scale = (profile.batch_size / run.batch_size) if profile.batch_size and run.batch_size else 1.0
     factors = stage_factors(priced, plan, run.seconds, run.hosted)
     return {n: factors[s.index] * scale for s in plan.stages if s.index in factors for n in s.nodes}
@@ -261,11 +261,16 @@ def calibrate_runs(profile: Profile, runs: Sequence[Measured]) -> Profile:
     of several runs (of different plans of the same profile, or the same plan run again) keeps a
     single slow or fast run from setting the scale. Each layer's fixed time per call is scaled with
     the rest, so the calibrated profile still prices other microbatch counts.
+
+    A schedule that splits its backward (zb1p, zbv) runs the same layers slower than a fused backward
+    on small layers (:func:`~partitioner.graph.split_backward`), so where runs of both kinds measured a
+    layer its factor comes from the fused ones, and the split runs set the profile's split factor
+    (:func:`split_factor`) instead of the layers'.
     """
-    per_run = [node_factors(profile, run) for run in runs]
-    factor_of = {
-        n: statistics.median(f[n] for f in per_run if n in f) for n in {n for f in per_run for n in f}
-    }
+    split = [REGISTRY[run.plan.schedule].split_backward for run in runs]
+    fused_f = [node_factors(profile, run) for run, s in zip(runs, split, strict=True) if not s]
+    split_f = [node_factors(profile, run) for run, s in zip(runs, split, strict=True) if s]
+    factor_of = _medians(split_f) | _medians(fused_f)
 
     def scaled(n: Node) -> Node:
         f = factor_of[n.id]
@@ -282,7 +287,43 @@ def calibrate_runs(profile: Profile, runs: Sequence[Measured]) -> Profile:
         {"metrics": run.source, "plan_stages": len(run.plan.stages), "factors": _stage_factors(profile, run)}
         for run in runs
     ]
-    return replace(profile, nodes=nodes, extra={**dict(profile.extra), "calibrated": {"runs": notes}})
+    done = replace(profile, nodes=nodes, extra={**dict(profile.extra), "calibrated": {"runs": notes}})
+    fused_layers = {n for f in fused_f for n in f}
+    measured = split_factor(done, [run for run, s in zip(runs, split, strict=True) if s], fused_layers)
+    if measured is None:
+        return done
+    factor, counted = measured
+    return replace(done, extra={**dict(done.extra), SPLIT_BACKWARD: {"factor": factor, "runs": counted}})
+
+
+def _medians(per_run: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Per layer, the median of its factors over the runs that measured it."""
+    return {n: statistics.median(f[n] for f in per_run if n in f) for n in {n for f in per_run for n in f}}
+
+
+def split_factor(calibrated: Profile, runs: Sequence[Measured], fused: set[str]) -> tuple[float, int] | None:
+    """(g, runs it came from): the median over the split-backward ``runs``' stages whose layers all
+    took their factors from fused runs (``fused``) of (measured - forward) / backward, the stage's
+    forward and backward priced by ``calibrated`` at the run's microbatches; None where no stage
+    qualifies. A rank that ran several stages counts once, with their sums."""
+    ratios: list[float] = []
+    counted = 0
+    for run in runs:
+        plan, before = run.plan, len(ratios)
+        forwards = model(plan.schedule).microbatches(plan.microbatches)
+        at = {n.id: n for n in at_microbatches(calibrated, forwards).nodes}
+        scale = (calibrated.batch_size / run.batch_size) if calibrated.batch_size and run.batch_size else 1.0
+        by_index = {s.index: s for s in plan.stages}
+        for key, seconds in run.seconds.items():
+            layers = [n for k in run.hosted.get(key, (key,)) for n in by_index[k].nodes]
+            if not layers or not fused.issuperset(layers):
+                continue
+            forward = math.fsum(at[n].forward_ms for n in layers) / 1e3
+            backward = math.fsum(at[n].backward_ms for n in layers) / 1e3
+            if backward > 0 and seconds > 0:
+                ratios.append((seconds * scale - forward) / backward)
+        counted += len(ratios) > before
+    return (statistics.median(ratios), counted) if ratios else None
 
 
 def _stage_factors(profile: Profile, run: Measured) -> dict[int, float]:
@@ -338,7 +379,8 @@ class Calibration:
     """What ``pipeplan calibrate`` wrote and shows: the profile as the plans priced it (with the update
     time), each run (plan and measured seconds), the calibrated profile's path and, for a profile
     estimated for a device model, the corrected device model's path; notes on the runs' load and
-    agreement."""
+    agreement; and the split-backward factor the result prices zb1p and zbv with (``{"factor": g,
+    "runs": n}``, :func:`split_factor`), if it has one."""
 
     profile: Profile
     runs: tuple[Measured, ...]
@@ -346,6 +388,7 @@ class Calibration:
     device: DeviceModel | None = None
     device_path: Path | None = None
     notes: tuple[str, ...] = ()
+    split_backward: Mapping[str, float] | None = None
 
 
 def calibrate_package(
@@ -388,7 +431,9 @@ def calibrate_package(
     save_profile(result, path)
     device = calibrated_device(profile, runs, ", ".join(run.source for run in runs))
     where = save_device_model(device, path.with_name(f"{device.name}-calibrated.json")) if device else None
-    return Calibration(profile, tuple(runs), path, device, where, (*notes, *([spread] if spread else [])))
+    split = result.extra.get(SPLIT_BACKWARD)
+    remarks = (*notes, *([spread] if spread else []))
+    return Calibration(profile, tuple(runs), path, device, where, remarks, split)
 
 
 def _plan_of(folder: Path) -> Plan:

@@ -39,10 +39,15 @@ __all__ = [
     "read_graph_txt",
     "save_profile",
     "scale_batch",
+    "split_backward",
     "write_graph_txt",
 ]
 
 PROFILE_SCHEMA = "pipeplan.profile/1"
+
+SPLIT_BACKWARD = "split_backward"
+"""``Profile.extra`` key of ``{"factor": g, "runs": n}``: a schedule that splits each backward into
+B and W (zb1p, zbv) measured g times the fused backward over n runs (``pipeplan calibrate``)."""
 
 
 @dataclass(frozen=True)
@@ -250,6 +255,23 @@ def at_microbatches(profile: Profile, forwards: int) -> Profile:
         )
 
     return replace(profile, nodes=tuple(charged(n) for n in profile.nodes))
+
+
+def split_backward(profile: Profile) -> Profile:
+    """The profile as a schedule that splits each backward into B and W (zb1p, zbv) runs it: every
+    layer's backward times the factor calibrate measured from such runs (:data:`SPLIT_BACKWARD`),
+    which is then dropped, so a second call changes nothing. Why a factor: the runtime's W makes one
+    autograd call per weight branch and B walks the stage's graph, fixed costs that the profile's
+    fused backward does not pay (1.39x on two decoder layers of hidden 64, 1.00x at hidden 512:
+    ``benchmarks/bench_split_backward.py``). A profile without one is returned as is."""
+    measured = profile.extra.get(SPLIT_BACKWARD)
+    if not isinstance(measured, Mapping) or "factor" not in measured:
+        return profile
+    g = float(measured["factor"])
+    extra = {k: v for k, v in profile.extra.items() if k != SPLIT_BACKWARD}
+    nodes = tuple(replace(n, backward_ms=n.backward_ms * g, backward_fixed_ms=n.backward_fixed_ms * g)
+                  for n in profile.nodes)  # fmt: skip
+    return replace(profile, nodes=nodes, extra=extra)
 
 
 def profile_to_json(profile: Profile) -> dict[str, Any]:

@@ -98,8 +98,11 @@ def test_calibrate_without_a_run_is_one_line_exit_2(tmp_path: Path) -> None:
     assert code == 2 and out.startswith("error:") and "pipeplan run" in out
 
 
-def _package_with_run(tmp_path: Path, graph: Path, name: str, cut: str, seconds: tuple[float, float]) -> Path:
+def _package_with_run(
+    tmp_path: Path, graph: Path, name: str, cut: str, seconds: tuple[float, float], *more: str
+) -> Path:
     args = (
+        *more,
         "--gpus",
         "2",
         "--cuts",
@@ -148,3 +151,24 @@ def test_several_packages_calibrate_together(tmp_path: Path) -> None:
     target.unlink()
     code, out = _invoke("calibrate", str(runs[0]), str(stranger), "-o", str(target))
     assert code == 2 and "one profile" in out and not target.exists()
+
+
+def test_a_split_backward_run_beside_a_fused_one_sets_the_split_factor(tmp_path: Path) -> None:
+    """A pipedream run at the profile's times and a zb1p run of the same stages whose backward took
+    1.5x: calibrate says so, and a zb1p plan from the result predicts the zb1p run."""
+    costs = [(5, 10, 4000, 1000), (8, 16, 2000, 2000), (3, 6, 1000, 50), (9, 18, 500, 3000)]
+    graph = tmp_path / "toy" / "graph.txt"
+    graph.parent.mkdir()
+    write_graph_txt(make_profile(costs, [(0, 1), (1, 2), (2, 3)]), graph)
+    fused = _package_with_run(tmp_path, graph, "f", "l1", (0.039, 0.036))
+    zb = ("--schedule", "zb1p", "--microbatches", "2")
+    split = _package_with_run(tmp_path, graph, "s", "l1", (0.013 + 0.039, 0.012 + 0.036), *zb)
+    target = tmp_path / "c.json"
+    result = CliRunner().invoke(main, ["calibrate", str(fused), str(split), "-o", str(target)])
+    assert result.exit_code == 0, result.output
+    assert "B + W took 1.50x the fused backward (1 run)" in result.output
+    fixed = ("--gpus", "2", "--cuts", "l1", "--replicas", "1,1", *zb)
+    code, _ = _invoke("partition", "--profile", str(target), *fixed, "-o", str(tmp_path / "again"))
+    assert code == 0
+    plan = json.loads(next((tmp_path / "again").glob("*/gpus=2/plan.json")).read_text())
+    assert [s["compute_s"] for s in plan["stages"]] == pytest.approx([0.052, 0.048])

@@ -4,9 +4,9 @@ not fit in memory is no fact, and tied schedules need a word on why the chosen o
 from __future__ import annotations
 
 from partitioner.errors import InfeasibleError
-from partitioner.graph import Profile, at_microbatches
+from partitioner.graph import Profile
 from partitioner.optimizer.auto import AutoChoice
-from partitioner.optimizer.pricing.schedules import model
+from partitioner.optimizer.pricing.schedules import model, priced_profile
 from partitioner.optimizer.search.candidates import data_parallel
 from partitioner.plan import Plan
 
@@ -18,7 +18,7 @@ def data_parallel_fits(profile: Profile, plan: Plan) -> bool:
     schedule, microbatches and optimizer (the comparator the plan's speedup is computed against)."""
     if plan.cluster.memory_bytes is None:
         return True
-    at = at_microbatches(profile, model(plan.schedule).microbatches(plan.microbatches))
+    at = priced_profile(profile, plan.schedule, model(plan.schedule).microbatches(plan.microbatches))
     try:
         data_parallel(at, plan.cluster, plan.schedule, plan.microbatches, plan.optimizer)
     except InfeasibleError:

@@ -11,11 +11,11 @@ from dataclasses import replace
 from functools import partial
 
 from partitioner.errors import InfeasibleError, PlanError
-from partitioner.graph import Profile, at_microbatches
+from partitioner.graph import Profile
 from partitioner.optimizer.options import SolveOptions
 from partitioner.optimizer.pricing.price import StageSpec, assemble, gib, global_lower_bound
 from partitioner.optimizer.pricing.recompute import recomputing, repriced
-from partitioner.optimizer.pricing.schedules import model
+from partitioner.optimizer.pricing.schedules import model, priced_profile
 from partitioner.optimizer.pricing.simulate import played
 from partitioner.optimizer.search.bottleneck import solve_slowest
 from partitioner.optimizer.search.candidates import (
@@ -111,8 +111,9 @@ def _laid_out(profile: Profile, cluster: Cluster, opts: SolveOptions) -> Plan:
     straight plan of its model's ``seed_schedule`` on one device per stage."""
     sched, start, m = model(opts.schedule), time.perf_counter(), opts.m
     seed = replace(opts, schedule=sched.seed_schedule, straight=True, recompute="none", virtual_stages=1)
+    priced = priced_profile(profile, opts.schedule, m)
     plan = solve_laid_out(
-        at_microbatches(profile, m), cluster, m, opts.optimizer, sched.virtual(opts.virtual_stages),
+        priced, cluster, m, opts.optimizer, sched.virtual(opts.virtual_stages),
         lambda wide: _solve_kept(profile, wide, seed), opts.activation_comm, opts.recompute, opts.schedule,
     )  # fmt: skip
     info = replace(plan.solver, solve_time_s=time.perf_counter() - start)
@@ -155,7 +156,7 @@ def _search(opts: SolveOptions) -> Search:
 def _solve_at(profile: Profile, cluster: Cluster, opts: SolveOptions, explain: bool = True) -> Plan:
     """The search's plan at ``opts.m`` microbatches, priced by the simulation where the schedule's
     closed form only ranks plans (``ScheduleModel.simulated``)."""
-    profile = at_microbatches(profile, opts.m)
+    profile = priced_profile(profile, opts.schedule, opts.m)
     plan = _searched_at(profile, cluster, opts, explain)
     return played(profile, plan, opts.activation_comm) if model(opts.schedule).simulated else plan
 
@@ -229,7 +230,7 @@ def evaluate(
         schedule, microbatches, optimizer, False, "dp", activation_comm, recompute, virtual_stages
     )
     m = opts.checked(profile).m
-    profile = at_microbatches(profile, m)
+    profile = priced_profile(profile, schedule, m)
     start = time.perf_counter()
     specs = _fixed_stages(profile, cuts, replicas)
     sched = model(schedule)
@@ -296,7 +297,7 @@ def alternatives(
     not fit in memory): data parallelism; DeepSpeed's parameter and uniform partitioning and
     torchgpipe's time balancing, each with the data-parallel width its users would pick (the fastest
     that fits, one GPU per stage included); and the best plan without replication."""
-    profile = at_microbatches(profile, model(schedule).microbatches(m))
+    profile = priced_profile(profile, schedule, model(schedule).microbatches(m))
     free = replace(cluster, memory_bytes=None)
     args = (profile, cluster if recompute == "none" else free, schedule, m, optimizer)
 

@@ -106,6 +106,40 @@ def test_a_rank_running_several_stages_calibrates_them_by_their_sum() -> None:
         calibrate_runs(profile, [Measured(plan, want, None, "il", {1: (1, 3)})])
 
 
+def test_split_backward_runs_set_the_split_factor_and_fused_runs_the_layers() -> None:
+    """A 1f1b run measured the plan's compute (every layer 1x); a zbv run of the same layers measured
+    forward + 1.5 x backward (the runtime's B + W on small layers): the layers keep 1x from the fused
+    run, the profile records g = 1.5, and every schedule re-priced predicts what its run measured.
+    Calibrating the calibrated profile again changes nothing; a zbv run alone scales the layers
+    against the g the profile has."""
+    profile = make_profile(COSTS, CHAIN)
+    cluster, cuts = Cluster.flat(2), ["l0", "l1", "l2"]
+    fused = evaluate(profile, cluster, ["l1"], [1, 1], "1f1b", 4)
+    split = evaluate(profile, cluster, cuts, [1] * 4, "zbv", 4)
+    hosted = {0: (0, 3), 1: (1, 2)}
+    f_b = {s.index: sum((profile.node(n).forward_ms, 1.5 * profile.node(n).backward_ms)[i]
+                        for n in s.nodes for i in (0, 1)) / 1e3 for s in split.stages}  # fmt: skip
+    want = {r: f_b[a] + f_b[b] for r, (a, b) in hosted.items()}
+    runs = [
+        Measured(fused, {s.index: s.compute_s for s in fused.stages}, None, "1f1b"),
+        Measured(split, want, None, "zbv", hosted),
+    ]
+    fixed = calibrate_runs(profile, runs)
+    assert {n.id: fixed.node(n.id).compute_ms / n.compute_ms for n in profile.layers} == pytest.approx(
+        {"l0": 1.0, "l1": 1.0, "l2": 1.0, "l3": 1.0}
+    )
+    assert fixed.extra["split_backward"] == {"factor": pytest.approx(1.5), "runs": 1}
+    again = evaluate(fixed, cluster, cuts, [1] * 4, "zbv", 4)
+    assert {r: sum(again.stages[k].compute_s for k in ks) for r, ks in hosted.items()} == pytest.approx(want)
+    same = evaluate(fixed, cluster, ["l1"], [1, 1], "1f1b", 4)
+    assert [s.compute_s for s in same.stages] == pytest.approx([s.compute_s for s in fused.stages])
+    twice = calibrate_runs(fixed, runs)
+    assert twice.extra["split_backward"]["factor"] == pytest.approx(1.5)
+    assert [n.compute_ms for n in twice.nodes] == pytest.approx([n.compute_ms for n in fixed.nodes])
+    alone = calibrate_runs(fixed, runs[1:])  # measured what g predicts: the layers stay
+    assert [n.compute_ms for n in alone.nodes] == pytest.approx([n.compute_ms for n in fixed.nodes])
+
+
 def test_runs_that_disagree_are_named() -> None:
     profile, plan = _plan()
     runs = [Measured(plan, {0: 0.039 * f, 1: 0.036 * f}, None, f"run{f}") for f in (1.0, 1.05, 1.6)]

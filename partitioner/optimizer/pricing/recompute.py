@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from partitioner.graph import Profile, at_microbatches
+from partitioner.graph import Profile
 from partitioner.optimizer.pricing.price import StageSpec, assemble
-from partitioner.optimizer.pricing.schedules import model
+from partitioner.optimizer.pricing.schedules import model, priced_profile
 from partitioner.optimizer.pricing.simulate import played
 from partitioner.plan import Cluster, Plan
 
@@ -40,7 +40,7 @@ def repriced(profile: Profile, cluster: Cluster, plan: Plan, recompute: str, act
         InfeasibleError: a stage does not fit the memory limit even when it recomputes.
     """
     specs = [StageSpec(s.nodes, s.replicas, s.ranks) for s in plan.stages]
-    profile = at_microbatches(profile, model(plan.schedule).microbatches(plan.microbatches))
+    profile = priced_profile(profile, plan.schedule, model(plan.schedule).microbatches(plan.microbatches))
     priced = assemble(
         profile, cluster, specs, plan.schedule, plan.microbatches, plan.optimizer, plan.solver,
         extra=_search_extra(plan), activation_comm=activation_comm, recompute=recompute,

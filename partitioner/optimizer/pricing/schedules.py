@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from partitioner.errors import PlanError
+from partitioner.graph import Profile, at_microbatches, split_backward
 from partitioner.optimizer.pricing.stage import (
     W_SHARE,
     StageLoad,
@@ -46,6 +47,7 @@ __all__ = [
     "interleaved_time",
     "model",
     "plan_times",
+    "priced_profile",
     "replica_held",
     "zbv_time",
     "zero_bubble_time",
@@ -360,3 +362,11 @@ def plan_times(
     """Time per minibatch of a plan; ``links[i]`` is what stage i's replicas and cuts use;
     ``virtual``: stages per rank (interleaved)."""
     return model(schedule).times(loads, replicas, links, microbatches, virtual)
+
+
+def priced_profile(profile: Profile, schedule: str, forwards: int) -> Profile:
+    """The profile every pricing of a ``schedule`` plan reads (the searches, the plan's price, the
+    simulation, calibrate's table): :func:`~partitioner.graph.at_microbatches` at ``forwards``, and
+    for a schedule that splits its backward, :func:`~partitioner.graph.split_backward`. Idempotent."""
+    at = at_microbatches(profile, forwards)
+    return split_backward(at) if model(schedule).runtime.split_backward else at

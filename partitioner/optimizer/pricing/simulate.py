@@ -11,7 +11,7 @@ from pathlib import Path
 
 from partitioner.atomic import write_text_atomic
 from partitioner.errors import PlanError
-from partitioner.graph import Profile, at_microbatches
+from partitioner.graph import Profile
 from partitioner.optimizer.pricing.price import (
     StageSpec,
     assemble,
@@ -22,7 +22,7 @@ from partitioner.optimizer.pricing.price import (
     hosts_bound,
     stage_loads,
 )
-from partitioner.optimizer.pricing.schedules import model, replica_held
+from partitioner.optimizer.pricing.schedules import model, priced_profile, replica_held
 from partitioner.optimizer.pricing.stage import (
     W_SHARE,
     StageLoad,
@@ -282,7 +282,7 @@ def simulate(plan: Plan, profile: Profile | None = None, minibatches: int | None
     """
     sched = model(plan.schedule)
     if profile is not None:
-        profile = at_microbatches(profile, sched.microbatches(plan.microbatches))
+        profile = priced_profile(profile, plan.schedule, sched.microbatches(plan.microbatches))
     sim = _unflushed(plan, profile, minibatches) if sched.asynchronous else _flushed(plan, profile)
     host = hosts_bound(plan.cluster, plan.stages)
     return replace(sim, time_per_minibatch_s=max(sim.time_per_minibatch_s, host))
