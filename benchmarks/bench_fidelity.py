@@ -392,6 +392,8 @@ def calibrate(
             out[micro], clusters[micro] = target, str(cluster)
             summary["calibrated_from"] = packages[micro]
             summary["calibrated_cluster"] = json.loads((cli.folder / cluster).read_text())["levels"][0]
+            split = json.loads((cli.folder / target).read_text())["extra"].get("split_backward")
+            summary["split_backward"] = split["factor"] if split else None
         except RuntimeError as exc:
             summary["calibrate_refused"] = str(exc)
     return out, clusters
@@ -530,12 +532,13 @@ def _header(doc: dict[str, Any]) -> list[str]:
         f"excluded). {_probed(setup.get('probed'))}Whole benchmark {doc['wall_s']:.0f} s.",
         "",
         "| model | batch | measured at | input | layers | profile s | profile fidelity | load "
-        "| calibrated latency, all-reduce latency (ms) |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---|",
+        "| calibrated latency, all-reduce latency (ms) | split backward |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---|---:|",
         *(
             f"| {p['model']} | {p['batch_size']} | {p['measured_at']} | {p['input_shape']} | {p['layers']} "
             f"| {p['profile_wall_s']} | {p['fidelity'] or 0:.2f} | {p['load_1min']:.2f} "
-            f"| {_calibrated_links(p.get('calibrated_cluster'))} |"
+            f"| {_calibrated_links(p.get('calibrated_cluster'))} "
+            f"| {f'{g:.2f}x' if (g := p.get('split_backward')) else '-'} |"
             for p in doc["profiles"]
         ),
         "",
