@@ -30,6 +30,9 @@ All candidates use 2 ranks: this machine has 2 cores, and 4 ranks would share th
 plan describes. Targets: measured / predicted within 10%, each stage's bubble within 0.05 and memory
 within 10%, rank correlation >= 0.9. The 1-minute load average is recorded before every command:
 other jobs share this CPU, and a run measured above a load of 1.5 per core is reported, not scored.
+The load does not see another tenant of the host slowing this machine's cores, so a fixed one-thread
+workload is also timed (CPU time) just before every profile and run (``core_ms``): each run's
+figure over its profile's says whether the core was slower or faster than when it was profiled.
 
 Every run also counts its peak memory (``--measure-memory``) against the plan's prediction per stage.
 
@@ -170,10 +173,34 @@ class Cli:
         return load
 
 
+def core_ms() -> float:
+    """How fast one core of this machine is now: the CPU milliseconds of a fixed one-thread workload
+    (convolutions and matrix products, as the models run), median of 5, timed in this process just
+    before a profile or a run (when no rank is running). The load average counts runnable processes
+    here, not another tenant's work on the same host's cores; this does (a core shared that way runs
+    the same instructions slower, in CPU time as well). A run's figure over its profile's says how
+    much slower the core was than when the profile was measured."""
+    import torch
+
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 32, 32, 32, generator=gen), torch.randn(32, 32, 3, 3, generator=gen)
+    a = torch.randn(256, 256, generator=gen)
+    times = []
+    for _ in range(5):
+        started = time.thread_time()
+        for _ in range(10):
+            torch.conv2d(x, w, padding=1)
+            a @ a
+        times.append(time.thread_time() - started)
+    return 1e3 * statistics.median(times)
+
+
 def profile(cli: Cli, model: Model, repeats: int, micro: int) -> tuple[Path, dict[str, Any]]:
     """``pipeplan profile`` with one thread and the CPU clock, measured at ``micro`` samples (what
     ``partition`` advises for a 1f1b or gpipe plan); the profile path and a summary."""
     path = Path("profiles") / f"{model.spec.replace(':', '-')}-micro{micro}" / "profile.json"
+    core = core_ms()
     started = time.perf_counter()
     load = cli(
         "profile", model.spec, "--batch-size", str(model.batch_size), "--input-shape", model.input_shape,
@@ -191,6 +218,7 @@ def profile(cli: Cli, model: Model, repeats: int, micro: int) -> tuple[Path, dic
         "profile_wall_s": round(time.perf_counter() - started, 1),
         "fidelity": doc.get("fidelity", doc.get("extra", {}).get("fidelity")),
         "load_1min": load,
+        "core_ms": core,
     }
 
 
@@ -233,6 +261,7 @@ def plan_and_run(
     plan = json.loads((package / "plan.json").read_text())
     steps = max(length[0], 1 + math.ceil(length[1] / plan["predicted"]["time_per_minibatch_s"]))
     trace = ["--trace", f"{where}/trace.json"] if traced else []
+    core = core_ms()
     load = cli("run", where, "--steps", str(steps), "--timeout", "300", "--measure-memory", "--no-checkpoint",
                *trace)  # fmt: skip
     metrics = json.loads((package / "run" / "metrics.json").read_text())
@@ -274,6 +303,7 @@ def plan_and_run(
         "bubble_fraction": plan["predicted"].get("bubble_fraction"),
         "cpu_share": sum(r["compute_cpu_s"] for r in ranks) / sum(r["compute_s"] for r in ranks),
         "load_1min": load,
+        "core_ms": core,
         "steps": steps,
         "step_times_s_slowest_rank": [
             max(ts) for ts in zip(*(r["step_times_s"] for r in ranks), strict=False)
@@ -491,6 +521,7 @@ def report(
     for r in runs:  # an estimate, not a measurement: the wall time had each rank had its core
         r["full_core_s"] = r["measured_s"] * r["cpu_share"]
         r["full_core_over_predicted"] = r["full_core_s"] / r["predicted_s"]
+        r["core_over_profile"] = _core_over_profile(r, profiles)
     cpus = os.cpu_count() or 1
     doc = {
         "benchmark": "bench_fidelity",
@@ -561,6 +592,16 @@ def _probed(probed: dict[str, float] | None) -> str:
     return f"Probed link: latency {latency:.2f} ms, bandwidth {bandwidth:.2f} GB/s. "
 
 
+def _core_over_profile(run: dict[str, Any], profiles: list[dict[str, Any]]) -> float | None:
+    """The core reference before the run over the one before its profile (:func:`core_ms`; > 1: the
+    core was slower during the run); None where either was not recorded."""
+    for p in profiles:
+        mine = p["model"] == run["model"] and p["measured_at"] == p["batch_size"] // run["microbatches"]
+        if mine and p.get("core_ms") and run.get("core_ms"):
+            return float(run["core_ms"] / p["core_ms"])
+    return None
+
+
 def _runs_table(runs: list[dict[str, Any]]) -> list[str]:
     def stages(r: dict[str, Any]) -> str:
         return " / ".join(
@@ -575,17 +616,20 @@ def _runs_table(runs: list[dict[str, Any]]) -> list[str]:
         "replicas summed). CPU share: the ranks' compute CPU time / compute wall time (1.0 = a core "
         "each, no other job running; the profile is CPU time, so a share of 0.5 alone makes "
         "measured/predicted ~2). x share / predicted: measured x CPU share / predicted, an estimate of the "
-        "ratio had each rank had its own core (it assumes other jobs slowed every part of a step alike).",
+        "ratio had each rank had its own core (it assumes other jobs slowed every part of a step alike). "
+        "core: a fixed one-thread workload's CPU time just before the run over just before its profile "
+        "(> 1: the machine's core was slower than when the profile was measured; `core_ms`).",
         "",
         "| model | pass | plan | stages pred:wall:cpu ms | bubble | predicted s | measured s "
-        "| measured/predicted | CPU/predicted compute | CPU share | x share / predicted | load |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| measured/predicted | CPU/predicted compute | CPU share | x share / predicted | load | core |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *(
             f"| {r['model']} | {r.get('pass', PASSES[0])} | {r['plan']} | {stages(r)} "
             f"| {r['bubble_fraction'] or 0:.2f} "
             f"| {r['predicted_s']:.4f} | {r['measured_s']:.4f} | {r['measured_over_predicted']:.2f} "
             f"| {r['compute_cpu_over_predicted']:.2f} | {r['cpu_share']:.2f} "
-            f"| {r['full_core_over_predicted']:.2f} | {r['load_1min']:.2f} |"
+            f"| {r['full_core_over_predicted']:.2f} | {r['load_1min']:.2f} "
+            f"| {'-' if r.get('core_over_profile') is None else format(r['core_over_profile'], '.2f')} |"
             for r in runs
         ),
         "",
@@ -701,8 +745,10 @@ def _summary(doc: dict[str, Any]) -> list[str]:
             f"| {num(p['rank_correlation_spearman'])} ({p['rank_candidates']}) "
             f"| {p['time_within_10_percent_full_core']}, {num(p['rank_correlation_spearman_full_core'])} |"
         )
+    cores = sorted(r["core_over_profile"] for r in doc["runs"] if r.get("core_over_profile") is not None)
+    core = f"; core reference over its profile's {cores[0]:.2f} to {cores[-1]:.2f}" if cores else ""
     return [*lines, "", f"{models} models x {len(FIDELITY)} schedules; median CPU share of all runs "
-            f"{num(doc['median_cpu_share'])}."]  # fmt: skip
+            f"{num(doc['median_cpu_share'])}{core}."]  # fmt: skip
 
 
 if __name__ == "__main__":
