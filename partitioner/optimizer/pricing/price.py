@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile
+from partitioner.optimizer.pricing.device_memory import StageBytes, walked_peak
 from partitioner.optimizer.pricing.memory import (
     copy_bytes,
     master_ratio,
@@ -29,6 +30,7 @@ from partitioner.optimizer.pricing.stage import (
     stage_time,
 )
 from partitioner.plan import Cluster, Link, Plan, Prediction, SolverInfo, Stage
+from runtime.schedule import build
 
 __all__ = [
     "RECOMPUTE_MODES",
@@ -42,6 +44,7 @@ __all__ = [
     "held_memory",
     "held_transient",
     "hosts_bound",
+    "laid_out_peaks",
     "layer_compute_s",
     "price_stage",
     "stage_link",
@@ -241,26 +244,69 @@ def held_transient(load: StageLoad, schedule: str, accumulates: bool, item: int 
 
 
 def device_shares(
-    memory: Sequence[int], transient: Sequence[float], ranks: Sequence[Sequence[int]]
+    memory: Sequence[int],
+    transient: Sequence[float],
+    ranks: Sequence[Sequence[int]],
+    peaks: Mapping[int, float] | None = None,
 ) -> list[int]:
     """Per stage, its part of its device's peak: its own peak, except on a device that hosts several
-    stages (interleaved, zbv), where one backward runs at a time, so the device holds the largest of
-    its stages' transient bytes (:func:`held_transient`) and not their sum: the other stages drop
+    stages (interleaved, zbv). There, with the device's ``peaks`` walked from its list
+    (:func:`laid_out_peaks`), each stage takes a share of that peak in proportion to its own; without
+    one (a recomputing stage), the device holds the largest of its stages' transient bytes
+    (:func:`held_transient`; one backward runs at a time) and not their sum: the other stages drop
     theirs. A device's peak is the sum of its stages' parts, as the planner checks and the runtime
-    reports it (measured on vgg16's zbv plan: the sum of its two stages' peaks over-predicted the
-    device by a quarter)."""
+    reports it."""
     out = list(memory)
     hosts: dict[int, list[int]] = {}
     for i, held in enumerate(ranks):
         for r in held:
             hosts.setdefault(r, []).append(i)
-    for stages in hosts.values():
-        if len(stages) > 1:
-            keep = max(stages, key=lambda i: transient[i])
+    for rank, stages in hosts.items():
+        if len(stages) < 2:
+            continue
+        if peaks and rank in peaks:
+            whole = sum(memory[i] for i in stages)
             for i in stages:
-                if i != keep:
-                    out[i] = memory[i] - round(transient[i])
+                out[i] = round(peaks[rank] * memory[i] / whole) if whole else 0
+            continue
+        keep = max(stages, key=lambda i: transient[i])
+        for i in stages:
+            if i != keep:
+                out[i] = memory[i] - round(transient[i])
     return out
+
+
+def laid_out_peaks(
+    loads: Sequence[StageLoad], ranks: Sequence[Sequence[int]], schedule: str, microbatches: int,
+    optimizer: str, recompute: Sequence[bool],
+) -> dict[int, float]:  # fmt: skip
+    """Per rank hosting several one-device stages, its peak walked from its own list of one step
+    (:func:`~partitioner.optimizer.pricing.device_memory.walked_peak`); empty where no rank hosts
+    several, or one of them recomputes (its items hold other bytes; :func:`device_shares` then
+    bounds the device)."""
+    hosts: dict[int, list[int]] = {}
+    for i, held in enumerate(ranks):
+        for r in held:
+            hosts.setdefault(r, []).append(i)
+    many = {r: ks for r, ks in hosts.items() if len(ks) > 1}
+    if not many or any(recompute[k] for ks in many.values() for k in ks):
+        return {}
+    item = backward_item(False, microbatches, 1)
+    lists = build(schedule, tuple(tuple(r) for r in ranks), microbatches)
+    split = model(schedule).runtime.split_backward
+    out = {}
+    for r, ks in many.items():
+        stages = {k: _stage_bytes(loads[k], schedule, optimizer, microbatches, item) for k in ks}
+        out[r] = walked_peak(lists[r], stages, split)
+    return out
+
+
+def _stage_bytes(load: StageLoad, schedule: str, optimizer: str, microbatches: int, item: int) -> StageBytes:
+    """A one-device stage's bytes as :func:`held_memory` prices them, taken apart."""
+    params = load.param_bytes + load.copy_bytes
+    kept = params * (persistent_factor(optimizer, load.master) - 1)
+    transient = held_transient(load, schedule, microbatches > 1, item)
+    return StageBytes(kept, params, load.saved_bytes / item, transient)
 
 
 def stage_transient(
@@ -358,7 +404,10 @@ def assemble(
     times = _times(cluster, specs, schedule, microbatches, activation_comm, loads, virtual)
     reps = [s.replicas for s in specs]
     transient = [stage_transient(ld, schedule, i, reps, microbatches) for i, ld in enumerate(loads)]
-    memory = device_shares([price.memory_bytes for _, price in priced], transient, [s.ranks for s in specs])
+    ranks = [s.ranks for s in specs]
+    again = [redo for redo, _ in priced]
+    peaks = laid_out_peaks(loads, ranks, schedule, microbatches, optimizer, again)
+    memory = device_shares([price.memory_bytes for _, price in priced], transient, ranks, peaks)
     _check_device_memory(specs, memory, limit)
     time = times.time_per_minibatch_s if time_override is None else time_override
     stages = tuple(

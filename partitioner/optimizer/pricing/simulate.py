@@ -20,6 +20,7 @@ from partitioner.optimizer.pricing.price import (
     held_memory,
     held_transient,
     hosts_bound,
+    laid_out_peaks,
     stage_loads,
 )
 from partitioner.optimizer.pricing.schedules import model, priced_profile, replica_held
@@ -369,7 +370,10 @@ def _memory(
             held_memory(load, plan.schedule, h, item, plan.optimizer, stage.recompute, accumulates, item)
         )
         transient.append(held_transient(load, plan.schedule, accumulates, item))
-    return tuple(device_shares(out, transient, [s.ranks for s in plan.stages]))
+    ranks = [s.ranks for s in plan.stages]
+    redo = [s.recompute for s in plan.stages]
+    peaks = laid_out_peaks(loads, ranks, plan.schedule, plan.microbatches, plan.optimizer, redo)
+    return tuple(device_shares(out, transient, ranks, peaks))
 
 
 def played(profile: Profile, plan: Plan, activation_comm: bool = True, recompute: str = "none") -> Plan:

@@ -12,7 +12,6 @@ import pytest
 from partitioner.errors import PlanError
 from partitioner.graph import Profile
 from partitioner.optimizer import evaluate, solve
-from partitioner.optimizer.pricing.price import stage_loads, stage_memory, stage_transient
 from partitioner.optimizer.pricing.schedules import in_flight, zbv_time
 from partitioner.optimizer.pricing.simulate import Event, play, simulate
 from partitioner.optimizer.pricing.stage import W_SHARE
@@ -151,20 +150,3 @@ def test_the_last_rank_starts_after_p_minus_1_passes_and_never_idles(p: int) -> 
         assert last[0][0] == p - 1
         assert all(a[1] == b[0] for a, b in pairwise(last))
         assert last[-1][1] == max(e.end_s for e in events) == 6 * m + p - 1
-
-
-def test_a_device_of_two_stages_holds_one_backward_transient() -> None:
-    """zbv places stages 0 and 3 on one device, 1 and 2 on the other: one backward runs at a time
-    there, so a device's peak is its two stages' peaks less the smaller of their transients (the
-    gradient a W makes before adding it), and the plan's stages add up to it."""
-    profile = make_profile([(10, 20, 1000, 4000 * (i + 1)) for i in range(4)], [(i, i + 1) for i in range(3)])
-    plan = evaluate(profile, Cluster.flat(2), ["l0", "l1", "l2"], [1] * 4, "zbv", 4)
-    loads = stage_loads(profile, [s.nodes for s in plan.stages])
-    reps, v = [1] * 4, plan.virtual_stages
-    alone = [stage_memory(ld, "zbv", i, reps, 4, plan.optimizer, False, v) for i, ld in enumerate(loads)]
-    transient = [stage_transient(ld, "zbv", i, reps, 4) for i, ld in enumerate(loads)]
-    assert all(t > 0 for t in transient)
-    for a, b in ((0, 3), (1, 2)):
-        device = plan.stages[a].memory_bytes + plan.stages[b].memory_bytes
-        assert device == alone[a] + alone[b] - round(min(transient[a], transient[b]))
-    assert simulate(plan, profile).peak_memory_bytes == tuple(s.memory_bytes for s in plan.stages)
