@@ -248,7 +248,7 @@ def node_factors(profile: Profile, run: Measured) -> dict[str, float]:
     rescaled linearly to the profile's batch size when the run's minibatch differs."""
     plan = run.plan
     priced = priced_profile(profile, plan.schedule, model(plan.schedule).microbatches(plan.microbatches))
-    scale = (profile.batch_size / run.batch_size) if profile.batch_size and run.batch_size else 1.0
+    scale = _batch_scale(profile, run)
     factors = stage_factors(priced, plan, run.seconds, run.hosted)
     return {n: factors[s.index] * scale for s in plan.stages if s.index in factors for n in s.nodes}
 
@@ -296,6 +296,11 @@ def calibrate_runs(profile: Profile, runs: Sequence[Measured]) -> Profile:
     return replace(done, extra={**dict(done.extra), SPLIT_BACKWARD: {"factor": factor, "runs": counted}})
 
 
+def _batch_scale(profile: Profile, run: Measured) -> float:
+    """The profile's minibatch over the run's: a run of another batch size is rescaled linearly."""
+    return (profile.batch_size / run.batch_size) if profile.batch_size and run.batch_size else 1.0
+
+
 def _medians(per_run: Sequence[Mapping[str, float]]) -> dict[str, float]:
     """Per layer, the median of its factors over the runs that measured it."""
     return {n: statistics.median(f[n] for f in per_run if n in f) for n in {n for f in per_run for n in f}}
@@ -312,7 +317,7 @@ def split_factor(calibrated: Profile, runs: Sequence[Measured], fused: set[str])
         plan, before = run.plan, len(ratios)
         forwards = model(plan.schedule).microbatches(plan.microbatches)
         at = {n.id: n for n in at_microbatches(calibrated, forwards).nodes}
-        scale = (calibrated.batch_size / run.batch_size) if calibrated.batch_size and run.batch_size else 1.0
+        scale = _batch_scale(calibrated, run)
         by_index = {s.index: s for s in plan.stages}
         for key, seconds in run.seconds.items():
             layers = [n for k in run.hosted.get(key, (key,)) for n in by_index[k].nodes]

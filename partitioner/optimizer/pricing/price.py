@@ -257,10 +257,7 @@ def device_shares(
     theirs. A device's peak is the sum of its stages' parts, as the planner checks and the runtime
     reports it."""
     out = list(memory)
-    hosts: dict[int, list[int]] = {}
-    for i, held in enumerate(ranks):
-        for r in held:
-            hosts.setdefault(r, []).append(i)
+    hosts = _hosts(ranks)
     for rank, stages in hosts.items():
         if len(stages) < 2:
             continue
@@ -276,6 +273,15 @@ def device_shares(
     return out
 
 
+def _hosts(ranks: Sequence[Sequence[int]]) -> dict[int, list[int]]:
+    """Per rank, the stages on it (``ranks``: each stage's ranks)."""
+    hosts: dict[int, list[int]] = {}
+    for i, held in enumerate(ranks):
+        for r in held:
+            hosts.setdefault(r, []).append(i)
+    return hosts
+
+
 def laid_out_peaks(
     loads: Sequence[StageLoad], ranks: Sequence[Sequence[int]], schedule: str, microbatches: int,
     optimizer: str, recompute: Sequence[bool],
@@ -284,10 +290,7 @@ def laid_out_peaks(
     (:func:`~partitioner.optimizer.pricing.device_memory.walked_peak`); empty where no rank hosts
     several, or one of them recomputes (its items hold other bytes; :func:`device_shares` then
     bounds the device)."""
-    hosts: dict[int, list[int]] = {}
-    for i, held in enumerate(ranks):
-        for r in held:
-            hosts.setdefault(r, []).append(i)
+    hosts = _hosts(ranks)
     many = {r: ks for r, ks in hosts.items() if len(ks) > 1}
     if not many or any(recompute[k] for ks in many.values() for k in ks):
         return {}
@@ -449,10 +452,7 @@ def _check_device_memory(specs: Sequence[StageSpec], memory: Sequence[int], limi
     """Every device holds its stages (several, where a schedule lays them so) within ``limit``."""
     if limit is None:
         return
-    per_rank: dict[int, list[int]] = {}
-    for spec, nbytes in zip(specs, memory, strict=True):
-        for r in spec.ranks:
-            per_rank.setdefault(r, []).append(nbytes)
+    per_rank = {r: [memory[i] for i in ks] for r, ks in _hosts([s.ranks for s in specs]).items()}
     if all(len(held) == 1 for held in per_rank.values()):
         if max(memory) > limit:
             worst = max(range(len(memory)), key=memory.__getitem__)
