@@ -44,23 +44,23 @@ class StageBytes:
 def walked_peak(actions: Iterable[Action], stages: Mapping[int, StageBytes], split: bool) -> float:
     """The highest bytes a device holds over ``actions`` (one step of its rank's list), hosting
     ``stages`` (stage -> its bytes); ``split``: a backward is a B and a W, and W frees the item."""
-    held = dict.fromkeys(stages, 0)
+    level = sum(b.kept for b in stages.values())  # kept up to date action by action
     grads: set[int] = set()
-
-    def level() -> float:
-        return sum(b.kept + b.item * held[s] + b.grads * (s in grads) for s, b in stages.items())
-
-    peak = level()
+    peak = level
     for a in actions:
+        b = stages[a.stage]
         if a.kind == "F":
-            held[a.stage] += 1
-            peak = max(peak, level())
+            level += b.item
+            peak = max(peak, level)
         elif a.kind in ("B", "W"):
-            if a.kind == "W" or not split:
+            frees = a.kind == "W" or not split
+            if frees and a.stage not in grads:
                 grads.add(a.stage)
-            peak = max(peak, level() + stages[a.stage].transient)
-            if a.kind == "W" or not split:
-                held[a.stage] -= 1
-        elif a.kind == "S":
+                level += b.grads
+            peak = max(peak, level + b.transient)
+            if frees:
+                level -= b.item
+        elif a.kind == "S" and a.stage in grads:
             grads.discard(a.stage)
+            level -= b.grads
     return peak

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -30,7 +31,7 @@ from partitioner.optimizer.pricing.stage import (
     stage_time,
 )
 from partitioner.plan import Cluster, Link, Plan, Prediction, SolverInfo, Stage
-from runtime.schedule import build
+from runtime.schedule import Action, Layout, build
 
 __all__ = [
     "RECOMPUTE_MODES",
@@ -295,13 +296,20 @@ def laid_out_peaks(
     if not many or any(recompute[k] for ks in many.values() for k in ks):
         return {}
     item = backward_item(False, microbatches, 1)
-    lists = build(schedule, tuple(tuple(r) for r in ranks), microbatches)
+    lists = _lists(schedule, tuple(tuple(r) for r in ranks), microbatches)
     split = model(schedule).runtime.split_backward
     out = {}
     for r, ks in many.items():
         stages = {k: _stage_bytes(loads[k], schedule, optimizer, microbatches, item) for k in ks}
         out[r] = walked_peak(lists[r], stages, split)
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _lists(schedule: str, layout: Layout, microbatches: int) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's list of one step (``runtime.schedule.build``), kept: a laid-out search assembles
+    many candidates of one layout."""
+    return build(schedule, layout, microbatches)
 
 
 def _stage_bytes(load: StageLoad, schedule: str, optimizer: str, microbatches: int, item: int) -> StageBytes:
