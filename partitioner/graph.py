@@ -87,10 +87,12 @@ class Node:
             launches, Python dispatch), fitted from a second measurement at a smaller batch (0: not
             measured). A minibatch run as M microbatches pays it M times: :func:`at_microbatches`.
         backward_fixed_ms: the same for ``backward_ms``.
-        working_bytes: bytes its backward makes and holds at once beyond ``saved_bytes``, at their
-            highest, per minibatch: the loss's gradient of the model's output and its own
-            intermediate gradient (a cross-entropy's two logits-sized tensors). One item's backward
-            runs at a time, so a device holds it once, not per item in flight (0: not measured).
+        working_bytes: bytes its backward holds at once beyond ``saved_bytes``, at their highest,
+            per minibatch: a layer's the gradients of its outputs and inputs and its backward's
+            temporaries (:mod:`partitioner.profiler.working`); the loss's its gradient of the
+            model's output and its own intermediate gradient (a cross-entropy's two logits-sized
+            tensors). One item's backward runs at a time, so a device holds it once, not per item
+            in flight (0: not measured, as in profiles written before layers measured it).
     """
 
     id: str

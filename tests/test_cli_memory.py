@@ -96,3 +96,46 @@ def test_a_bf16_profile_prices_what_a_bf16_run_keeps(tmp_path: Path) -> None:
     _cli("run", str(package), "--steps", "2", "--measure-memory", "--timeout", "60")
     (stage,) = json.loads((package / "run" / "metrics.json").read_text())["memory"]["stages"]
     assert 0.75 <= stage["ratio_measured_over_predicted"] <= 1.25, stage
+
+
+# A wide hidden layer over 64 tokens: its ReLU's output (16 MiB at batch 16) is the only large tensor
+# saved, and the backward holds two gradients of its size at once (the ReLU's and the first
+# linear's), twice what it saved.
+_WIDE = """
+    import torch
+    from torch import nn
+
+
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Linear(16, 4096), nn.ReLU(), nn.Linear(4096, 16))
+
+
+    def example_inputs(batch_size: int) -> tuple[torch.Tensor]:
+        return (torch.randn(batch_size, 64, 16),)
+
+
+    def example_targets(batch_size: int) -> torch.Tensor:
+        return torch.randn(batch_size, 64, 16)
+
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(output, target)
+"""
+
+
+def test_a_stage_holds_its_backwards_gradients_beside_what_it_saved(tmp_path: Path) -> None:
+    """Priced without the layers' working bytes, this stage measured 2.8x its prediction (the
+    activation gradients of a backward, twice the saved bytes here); with them, within 10%."""
+    (tmp_path / "wide.py").write_text(textwrap.dedent(_WIDE).lstrip())
+    profile, models = tmp_path / "profile.json", tmp_path / "models"
+    _cli("profile", f"{tmp_path / 'wide.py'}:model", "--no-fixed-cost", "--batch-size", "16",
+         "--repeats", "1", "-o", str(profile))  # fmt: skip
+    nodes = {n["id"]: n for n in json.loads(profile.read_text())["nodes"]}
+    relu = next(n for n in nodes.values() if n["target"] == "ReLU")
+    assert relu["working_bytes"] == 2 * relu["saved_bytes"] == 2 * 16 * 64 * 4096 * 4
+    _cli("partition", "--profile", str(profile), "--gpus", "1", "--schedule", "gpipe", "--microbatches", "1",
+         "-o", str(models))  # fmt: skip
+    (package,) = models.glob("*/gpus=1")
+    _cli("run", str(package), "--steps", "2", "--measure-memory", "--timeout", "60")
+    (stage,) = json.loads((package / "run" / "metrics.json").read_text())["memory"]["stages"]
+    assert 0.9 <= stage["ratio_measured_over_predicted"] <= 1.1, stage

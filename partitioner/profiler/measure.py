@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from partitioner.profiler.fingerprint import fingerprint
 from partitioner.profiler.meta_autocast import autocast_on
 from partitioner.profiler.trace import Group
+from partitioner.profiler.working import backward_rise, backward_working
 from runtime.precision import autocast
 
 __all__ = [
@@ -60,7 +61,9 @@ class LayerCost:
         cast_bytes: bytes of the low-precision copies of parameters that autocast makes in the
             forward and autograd keeps for backward (0 in fp32): once per forward, whatever the batch.
         working_bytes: bytes the backward makes and holds at once beyond ``saved_bytes``, at their
-            highest (measured for the loss only: :func:`measure_loss_memory`).
+            highest: the gradients of its outputs and inputs and its backward's temporaries
+            (:func:`~partitioner.profiler.working.backward_working`; the loss's:
+            :func:`measure_loss_memory`).
     """
 
     forward_ms: float
@@ -274,7 +277,7 @@ class LayerProfiler(fx.Interpreter):
         external = {a for m in members for a in m.all_input_nodes if a.name not in group.members}
         exported = [m for m in members if any(self.member_of[u.name] != group.id for u in m.users)]
         params = self._params_of(members)
-        saved = cast = 0
+        saved = cast = working = 0
         forward: list[float] = []
         backward: list[float] = []
         warm: list[float] = []
@@ -296,12 +299,14 @@ class LayerProfiler(fx.Interpreter):
                 roots = [t for m in exported for t in _tensors(outs[m.name]) if t.grad_fn is not None]
                 if roots and (leaves or params):
                     work.append((roots, [*leaves, *params], [torch.ones_like(t) for t in roots]))
+            if run == 0 and work:
+                working = backward_working(work[0][0], batch[0][0], work[0][2])
             if work:
                 with torch.enable_grad(), self.stopwatch.time(backward if timed else warm, len(work)):
                     for roots, wrt, seeds in work:
                         torch.autograd.grad(roots, wrt, seeds, allow_unused=True)
         out_bytes = sum(t.nbytes for m in exported for t in _tensors(self.env[m]))
-        return LayerCost(_median(forward), _median(backward), out_bytes, saved, cast)
+        return LayerCost(_median(forward), _median(backward), out_bytes, saved, cast, working)
 
     def _calls(self, warm: list[float]) -> int:
         """Back-to-back calls per timing: the stopwatch's, or one for a layer whose warm-up took
@@ -576,33 +581,12 @@ def measure_loss_memory(
         saved = sum(t.untyped_storage().nbytes() for t in kept.values())
         if loss.grad_fn is None:
             return 0, 0
-        working = _backward_rise(loss, logits, kept)
+        working = backward_rise(
+            lambda: torch.autograd.grad(loss, logits, allow_unused=True), loss.device, kept
+        )
     return saved, working
 
 
 def _grad_leaf(v: Any) -> Any:
     """A floating tensor as a fresh leaf that takes a gradient; anything else as it is."""
     return v.detach().requires_grad_() if isinstance(v, Tensor) and v.is_floating_point() else v
-
-
-def _backward_rise(loss: Tensor, logits: list[Tensor], saved: dict[int, Tensor]) -> int:
-    """How far the loss's backward raises the bytes held, at the highest: the tensors it makes (its
-    gradients of ``logits`` too, taken as ``autograd.grad`` returns them, as the stage's backward
-    passes them on) less the ``saved`` tensors it frees as it goes."""
-    from runtime.memory import _LiveStorages  # the counter behind ``run --measure-memory``
-
-    device = logits[0].device
-    if device.type == "cuda":
-        saved.clear()
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        torch.autograd.grad(loss, logits, allow_unused=True)
-        return max(0, int(torch.cuda.max_memory_allocated(device)) - base)
-    counter = _LiveStorages(devices=("cpu", "meta"))  # meta: the estimate's shapes
-    counter.add(saved.values())
-    start = counter.level
-    saved.clear()  # autograd's references alone keep them now, so the counter sees them freed
-    with counter:
-        torch.autograd.grad(loss, logits, allow_unused=True)
-    return max(0, int(counter.peak) - start)

@@ -157,8 +157,9 @@ class MemoryLimit:
         layers: (layer id, parameter bytes) of the layers with any, largest first.
         master: :func:`master_ratio` of the profile's weight dtype.
         working: the largest ``Node.working_bytes`` of the profile, per minibatch: a bound on one
-            item's backward working bytes, charged to every stage (only the loss's stage has
-            them; a plan's price charges each stage its own).
+            item's backward working bytes, charged to every stage where a search does not pass a
+            stage's own (:meth:`extras`; a plan's price charges each stage its own).
+        workings: (layer id, working bytes) of the layers with any, largest first.
     """
 
     limit: float
@@ -171,6 +172,7 @@ class MemoryLimit:
     layers: tuple[tuple[str, float], ...] = ()
     master: float = 0.0
     working: float = 0.0
+    workings: tuple[tuple[str, float], ...] = ()
 
     @property
     def per_byte(self) -> float:
@@ -193,18 +195,23 @@ class MemoryLimit:
                         key=lambda x: -x[1])  # fmt: skip
         largest = max([b for _, b in layers] + [s.nbytes for s in shared], default=0.0)
         master = master_ratio(profile.dtype)
-        working = float(max((n.working_bytes for n in profile.nodes), default=0))
+        workings = sorted(((n.id, float(n.working_bytes)) for n in profile.nodes if n.working_bytes > 0),
+                          key=lambda x: -x[1])  # fmt: skip
+        working = workings[0][1] if workings else 0.0
         return MemoryLimit(
-            limit, optimizer, schedule, devices, m, largest, shared, tuple(layers), master, working
-        )
+            limit, optimizer, schedule, devices, m, largest, shared, tuple(layers), master, working,
+            tuple(workings),
+        )  # fmt: skip
 
     def extras(
         self, masks: Sequence[int], layer_ids: Sequence[str], ks: IntArray, js: IntArray
-    ) -> tuple[FloatArray, FloatArray]:
-        """(tied copies' bytes, largest layer's parameter bytes, a copy counted) of the stages
-        (ks, js]: what makes :meth:`fits` and :meth:`replicas` exact rather than bounded."""
+    ) -> tuple[FloatArray, FloatArray, FloatArray]:
+        """(tied copies' bytes, largest layer's parameter bytes, a copy counted, largest working
+        bytes) of the stages (ks, js]: what makes :meth:`fits` and :meth:`replicas` exact rather
+        than bounded."""
         copies, largest = self.copies(masks, layer_ids, ks, js)
-        return copies, np.maximum(largest, self._largest_layer(masks, layer_ids, ks, js))
+        own = _largest_of(self.layers, masks, layer_ids, ks, js)
+        return copies, np.maximum(largest, own), _largest_of(self.workings, masks, layer_ids, ks, js)
 
     def copies(
         self, masks: Sequence[int], layer_ids: Sequence[str], ks: IntArray, js: IntArray
@@ -223,22 +230,6 @@ class MemoryLimit:
             largest = np.maximum(largest, copy)
         return total, largest
 
-    def _largest_layer(
-        self, masks: Sequence[int], layer_ids: Sequence[str], ks: IntArray, js: IntArray
-    ) -> FloatArray:
-        """Per stage, its largest layer's parameter bytes: layers largest first, each settling the
-        stages that hold it and no larger one (few rounds touch many stages)."""
-        out = np.zeros(len(ks))
-        todo = np.arange(len(ks))
-        for lid, nbytes in self.layers:
-            if todo.size == 0:
-                break
-            bits = _bits(masks, layer_ids, (lid,))
-            hit = bits[js[todo]] & ~bits[ks[todo]]
-            out[todo[hit]] = nbytes
-            todo = todo[~hit]
-        return out
-
     def items(self, params: FloatArray, saved: FloatArray) -> FloatArray:
         """pipedream: the most minibatches one device can hold in flight (< 1: none)."""
         free = self.limit - params * self.per_byte - self.working
@@ -246,11 +237,17 @@ class MemoryLimit:
         return np.asarray(np.where(many >= 2, many, np.where(free >= saved, 1.0, 0.0)), dtype=np.float64)
 
     def replicas(
-        self, params: FloatArray, saved: FloatArray, largest: FloatArray | None = None
+        self,
+        params: FloatArray,
+        saved: FloatArray,
+        largest: FloatArray | None = None,
+        working: FloatArray | None = None,
     ) -> FloatArray:
         """Synchronous: the fewest replicas whose replicas each hold all of their microbatches'
-        activations (:meth:`fits`; inf: none; ``largest``: the stages' largest layers, else the profile's)."""
-        base = self.limit - params * self.per_byte - self.working / self.microbatches
+        activations (:meth:`fits`; inf: none; ``largest`` and ``working``: the stages' own
+        (:meth:`extras`), else the profile's bounds)."""
+        work = self.working if working is None else working
+        base = self.limit - params * self.per_byte - work / self.microbatches
         alone = _ceil_div(saved, base)
         bound = self.largest if largest is None else largest
         room = base - transient_bytes(params, bound, self.schedule)
@@ -261,13 +258,19 @@ class MemoryLimit:
         return np.asarray(np.where(with_grad < m, with_grad, np.maximum(alone, m)), dtype=np.float64)
 
     def fits(
-        self, params: FloatArray, saved: FloatArray, replicas: FloatArray, largest: FloatArray | None = None
+        self,
+        params: FloatArray,
+        saved: FloatArray,
+        replicas: FloatArray,
+        largest: FloatArray | None = None,
+        working: FloatArray | None = None,
     ) -> npt.NDArray[np.bool_]:
-        """Synchronous: whether stages fit on ``replicas`` each (shapes broadcast; ``largest`` as in
-        :meth:`replicas`)."""
+        """Synchronous: whether stages fit on ``replicas`` each (shapes broadcast; ``largest`` and
+        ``working`` as in :meth:`replicas`)."""
         transient = transient_bytes(params, self.largest if largest is None else largest, self.schedule)
         grad = np.where(replicas < self.microbatches, transient, 0.0)
-        working = self.working / np.maximum(replicas, float(self.microbatches))  # price.backward_item
+        work = self.working if working is None else working
+        working = work / np.maximum(replicas, float(self.microbatches))  # price.backward_item
         need = params * self.per_byte + grad + working + saved * replica_share(self.microbatches, replicas)
         return np.asarray(need <= self.limit)
 
@@ -287,3 +290,25 @@ def _ceil_div(saved: FloatArray, room: FloatArray) -> FloatArray:
     with np.errstate(divide="ignore", invalid="ignore"):
         out = np.where(room > 0, np.ceil(saved / np.maximum(room, 1e-9) - 1e-9), np.inf)
     return np.asarray(out, dtype=np.float64)
+
+
+def _largest_of(
+    entries: Sequence[tuple[str, float]],
+    masks: Sequence[int],
+    layer_ids: Sequence[str],
+    ks: IntArray,
+    js: IntArray,
+) -> FloatArray:
+    """Per stage (ks, js], the largest value of ``entries`` ((layer id, value), largest first) among
+    its layers: each entry settles the stages that hold its layer and no larger one (few rounds
+    touch many stages)."""
+    out = np.zeros(len(ks))
+    todo = np.arange(len(ks))
+    for lid, value in entries:
+        if todo.size == 0:
+            break
+        bits = _bits(masks, layer_ids, (lid,))
+        hit = bits[js[todo]] & ~bits[ks[todo]]
+        out[todo[hit]] = value
+        todo = todo[~hit]
+    return out

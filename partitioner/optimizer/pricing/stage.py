@@ -63,8 +63,8 @@ class StageLoad:
             their gradients' sync is not priced.
         largest_param_bytes: the largest of its layers' parameter bytes (a tied copy counted): the
             gradient a replica that accumulates holds beside the sum.
-        working_bytes: the largest of its layers' ``working_bytes`` (the loss's, on the last
-            stage): what one item's backward makes beyond the saved bytes, held once per device.
+        working_bytes: the largest of its layers' ``working_bytes`` (the loss's on the last stage
+            too): what one item's backward holds beyond the saved bytes, held once per device.
         kept_bytes: the part of ``saved_bytes`` a recomputing stage keeps per item all the same: the
             loss's (the output node's; ``runtime.stage`` runs the loss outside the recomputed
             forward, so a cross-entropy's log-softmax is saved for every microbatch in flight).

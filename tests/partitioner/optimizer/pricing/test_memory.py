@@ -123,14 +123,11 @@ def _every_plan(profile: Profile, schedule: str, m: int) -> list[tuple[float, in
     return out
 
 
-@pytest.mark.parametrize(("schedule", "m"), [("pipedream", 1), ("1f1b", 3), ("gpipe", 3)])
-def test_under_a_limit_the_search_finds_the_best_plan_that_fits(schedule: str, m: int) -> None:
-    """On a chain whose embedding and head share a weight, every limit between the smallest plan's
-    and the largest: the search returns a plan that fits, as fast as the fastest plan that fits
-    (brute force over every plan, each priced with its tied copy, snapshots and accumulation)."""
+def _finds_the_best_that_fits_every_limit(profile: Profile, schedule: str, m: int) -> None:
+    """At every limit between the smallest plan's peak and the largest, the search returns a plan
+    that fits, as fast as the fastest plan that fits (:func:`_every_plan`, brute force)."""
     from partitioner.errors import InfeasibleError
 
-    profile = _tied()
     every = _every_plan(profile, schedule, m)
     for limit in sorted({peak for _, peak in every}):
         best = min(t for t, peak in every if peak <= limit)
@@ -140,6 +137,29 @@ def test_under_a_limit_the_search_finds_the_best_plan_that_fits(schedule: str, m
             pytest.fail(f"{schedule} at {limit} B: no plan found, but one of {best} s fits")
         assert max(s.memory_bytes for s in plan.stages) <= limit
         assert plan.predicted.time_per_minibatch_s <= best * (1 + 1e-9), limit
+
+
+@pytest.mark.parametrize(("schedule", "m"), [("pipedream", 1), ("1f1b", 3), ("gpipe", 3)])
+def test_under_a_limit_the_search_finds_the_best_plan_that_fits(schedule: str, m: int) -> None:
+    """On a chain whose embedding and head share a weight, every limit between the smallest plan's
+    and the largest: the search returns a plan that fits, as fast as the fastest plan that fits
+    (brute force over every plan, each priced with its tied copy, snapshots and accumulation)."""
+    profile = _tied()
+    _finds_the_best_that_fits_every_limit(profile, schedule, m)
+
+
+@pytest.mark.parametrize(("schedule", "m"), [("1f1b", 3), ("gpipe", 3), ("zb1p", 3)])
+def test_the_synchronous_searches_charge_each_stage_its_own_layers_working_bytes(
+    schedule: str, m: int
+) -> None:
+    """Every layer's backward holds gradients beside what it saved (``Node.working_bytes``), the
+    embedding's far more than the rest: a stage holds its own largest. Charged the profile's largest
+    (the bound the pipedream search keeps), a stage without the embedding would seem not to fit
+    where it does; under every limit the search still finds the fastest plan that fits (brute force)."""
+    base = _tied()
+    working = {"l0": 6_000_000, "l1": 300_000, "l2": 250_000, "l3": 200_000, "l4": 100_000}
+    profile = replace(base, nodes=tuple(replace(n, working_bytes=working.get(n.id, 0)) for n in base.nodes))
+    _finds_the_best_that_fits_every_limit(profile, schedule, m)
 
 
 @pytest.mark.parametrize(("schedule", "m"), [("pipedream", 1), ("1f1b", 4), ("gpipe", 4), ("zb1p", 4)])
