@@ -93,6 +93,10 @@ class Node:
             model's output and its own intermediate gradient (a cross-entropy's two logits-sized
             tensors). One item's backward runs at a time, so a device holds it once, not per item
             in flight (0: not measured, as in profiles written before layers measured it).
+        deferred_bytes: bytes a split backward (zb1p, zbv) keeps from this layer's B to its W, per
+            minibatch: the gradient B saw flowing into each autograd node whose branch leads only
+            to weights, which W needs (``runtime.split_backward``; a linear's, the gradient of its
+            output). Held per item between its B and its W (0: not measured).
     """
 
     id: str
@@ -112,6 +116,7 @@ class Node:
     forward_fixed_ms: float = 0.0
     backward_fixed_ms: float = 0.0
     working_bytes: int = 0
+    deferred_bytes: int = 0
 
     @property
     def compute_ms(self) -> float:
@@ -215,7 +220,7 @@ def scale_batch(profile: Profile, batch_size: int) -> Profile:
     nodes = tuple(
         replace(n, forward_ms=n.forward_ms * k, backward_ms=n.backward_ms * k,
                 output_bytes=round(n.output_bytes * k), saved_bytes=round(n.saved_bytes * k),
-                working_bytes=round(n.working_bytes * k))
+                working_bytes=round(n.working_bytes * k), deferred_bytes=round(n.deferred_bytes * k))
         for n in profile.nodes
     )  # fmt: skip
     inputs = tuple(
@@ -339,6 +344,7 @@ def _node_from_json(doc: Mapping[str, Any]) -> Node:
         saved_bytes=int(doc.get("saved_bytes", 0)),
         cast_bytes=int(doc.get("cast_bytes", 0)),
         working_bytes=int(doc.get("working_bytes", 0)),
+        deferred_bytes=int(doc.get("deferred_bytes", 0)),
         forward_fixed_ms=float(doc.get("forward_fixed_ms", 0.0)),
         backward_fixed_ms=float(doc.get("backward_fixed_ms", 0.0)),
         param_bytes=int(doc.get("param_bytes", 0)),
@@ -369,7 +375,7 @@ def checked(profile: Profile, source: str = "profile") -> Profile:
         if node.id in seen:
             raise ProfileFormatError(f"{source}: node id {node.id!r} appears twice; ids must be unique")
         fields = ("forward_ms", "backward_ms", "output_bytes", "saved_bytes", "cast_bytes", "param_bytes",
-                  "forward_fixed_ms", "backward_fixed_ms", "working_bytes")  # fmt: skip
+                  "forward_fixed_ms", "backward_fixed_ms", "working_bytes", "deferred_bytes")  # fmt: skip
         for field_name in fields:
             value = getattr(node, field_name)
             if not _non_negative(value):

@@ -13,6 +13,7 @@ from functools import partial
 from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile
 from partitioner.optimizer.options import SolveOptions
+from partitioner.optimizer.pricing.memory import deferred_as_saved
 from partitioner.optimizer.pricing.price import StageSpec, assemble, gib, global_lower_bound
 from partitioner.optimizer.pricing.recompute import recomputing, repriced
 from partitioner.optimizer.pricing.schedules import model, priced_profile
@@ -166,7 +167,7 @@ def _searched_at(profile: Profile, cluster: Cluster, opts: SolveOptions, explain
         return solve_ilp(profile, cluster, opts.schedule, opts.m, opts.optimizer, opts.straight,
                          opts.activation_comm)  # fmt: skip
     start = time.perf_counter()
-    states = states_for(profile, cluster, opts.activation_comm)
+    states = states_for(deferred_as_saved(profile, opts.schedule), cluster, opts.activation_comm)
     try:
         plan, lower, exact = _search(opts)(profile, cluster, states, opts)
     except InfeasibleError:

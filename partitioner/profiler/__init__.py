@@ -581,6 +581,7 @@ def _nodes(
                 saved_bytes=cost.saved_bytes,
                 cast_bytes=cost.cast_bytes,
                 working_bytes=cost.working_bytes,
+                deferred_bytes=cost.deferred_bytes,
                 param_bytes=sum(p.numel() * p.element_size() for p in fresh),
                 param_names=tuple(names),
                 description=description,

@@ -42,7 +42,7 @@ from partitioner.profiler.measure import LayerCost, LayerProfiler, _tensors
 from partitioner.profiler.meta_autocast import autocast_on
 from partitioner.profiler.trace import Group
 from partitioner.profiler.update import _OPTIMIZERS, _sample
-from partitioner.profiler.working import backward_working
+from partitioner.profiler.working import backward_working, split_deferred
 
 __all__ = ["LayerEstimator", "Work", "estimate_loss", "estimate_update", "moe_assumption", "on_meta"]
 
@@ -234,11 +234,12 @@ class LayerEstimator(LayerProfiler):
         saved, cast = self._saved_bytes(group.id, members, (keys, aliases, casts), exported, outs)
         forward, sink.work = sink.work, Work()
         differentiable = [t for m in exported for t in _tensors(outs[m.name]) if t.grad_fn is not None]
-        working = 0
+        working = deferred = 0
         if differentiable and (leaves or params):
             seeds = [torch.ones_like(t) for t in differentiable]
             with torch.enable_grad():
                 working = backward_working(differentiable, leaves, seeds)
+                deferred = split_deferred(differentiable, leaves, params, seeds)
                 sink.work = Work()  # (the fused attention's backward reports its work to the sink)
                 with _Counter(sink):
                     torch.autograd.grad(differentiable, [*leaves, *params], seeds, allow_unused=True)
@@ -246,7 +247,9 @@ class LayerEstimator(LayerProfiler):
         self.kernels[group.id] = (forward.kernels, backward.kernels)
         self.work[group.id] = (forward, backward)
         out_bytes = sum(t.nbytes for m in exported for t in _tensors(self.env[m]))
-        return LayerCost(forward.seconds * 1e3, backward.seconds * 1e3, out_bytes, saved, cast, working)
+        return LayerCost(
+            forward.seconds * 1e3, backward.seconds * 1e3, out_bytes, saved, cast, working, deferred
+        )
 
 
 def estimate_loss(

@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from partitioner.profiler.fingerprint import fingerprint
 from partitioner.profiler.meta_autocast import autocast_on
 from partitioner.profiler.trace import Group
-from partitioner.profiler.working import backward_rise, backward_working
+from partitioner.profiler.working import backward_rise, backward_working, split_deferred
 from runtime.precision import autocast
 
 __all__ = [
@@ -64,6 +64,8 @@ class LayerCost:
             highest: the gradients of its outputs and inputs and its backward's temporaries
             (:func:`~partitioner.profiler.working.backward_working`; the loss's:
             :func:`measure_loss_memory`).
+        deferred_bytes: bytes a split backward keeps from its B to its W
+            (:func:`~partitioner.profiler.working.split_deferred`).
     """
 
     forward_ms: float
@@ -72,6 +74,7 @@ class LayerCost:
     saved_bytes: int
     cast_bytes: int = 0
     working_bytes: int = 0
+    deferred_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -277,7 +280,7 @@ class LayerProfiler(fx.Interpreter):
         external = {a for m in members for a in m.all_input_nodes if a.name not in group.members}
         exported = [m for m in members if any(self.member_of[u.name] != group.id for u in m.users)]
         params = self._params_of(members)
-        saved = cast = working = 0
+        saved = cast = working = deferred = 0
         forward: list[float] = []
         backward: list[float] = []
         warm: list[float] = []
@@ -301,12 +304,13 @@ class LayerProfiler(fx.Interpreter):
                     work.append((roots, [*leaves, *params], [torch.ones_like(t) for t in roots]))
             if run == 0 and work:
                 working = backward_working(work[0][0], batch[0][0], work[0][2])
+                deferred = split_deferred(work[0][0], batch[0][0], params, work[0][2])
             if work:
                 with torch.enable_grad(), self.stopwatch.time(backward if timed else warm, len(work)):
                     for roots, wrt, seeds in work:
                         torch.autograd.grad(roots, wrt, seeds, allow_unused=True)
         out_bytes = sum(t.nbytes for m in exported for t in _tensors(self.env[m]))
-        return LayerCost(_median(forward), _median(backward), out_bytes, saved, cast, working)
+        return LayerCost(_median(forward), _median(backward), out_bytes, saved, cast, working, deferred)
 
     def _calls(self, warm: list[float]) -> int:
         """Back-to-back calls per timing: the stopwatch's, or one for a layer whose warm-up took

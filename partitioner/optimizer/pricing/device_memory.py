@@ -8,10 +8,10 @@ peak at different points of the list. So the device's peak is the highest level 
 actions in order (no timing needed: a rank's own order decides what it holds): every stage's
 weights, optimizer state and master copy; the gradients of each stage that has run a backward this
 step; each stage's items between their forward and the backward that frees them (a split
-backward's W); and the transient bytes of the one backward running (its gradient before it is
-added, the loss's working bytes). Measured on vgg16's interleaved plan (`pipeplan run
---measure-memory`): the rank of stages 1 and 3 held its later stage's gradients and transient
-while its earlier stage's gradients did not exist yet.
+backward's W), and between a split backward's B and W what W needs; and the transient bytes of
+the one backward running (its gradient before it is added, the working bytes). Measured on
+vgg16's interleaved plan (`pipeplan run --measure-memory`): the rank of stages 1 and 3 held its
+later stage's gradients and transient while its earlier stage's gradients did not exist yet.
 """
 
 from __future__ import annotations
@@ -33,12 +33,14 @@ class StageBytes:
         grads: its gradients, from its first backward of a step until the step.
         item: one item's saved activations, from its forward until the backward that frees them.
         transient: held while one of its backwards runs.
+        deferred: one item's bytes a split backward keeps from its B to its W.
     """
 
     kept: float
     grads: float
     item: float
     transient: float
+    deferred: float = 0.0
 
 
 def walked_peak(actions: Iterable[Action], stages: Mapping[int, StageBytes], split: bool) -> float:
@@ -58,6 +60,8 @@ def walked_peak(actions: Iterable[Action], stages: Mapping[int, StageBytes], spl
                 grads.add(a.stage)
                 level += b.grads
             peak = max(peak, level + b.transient)
+            if split:  # B keeps what its W needs, W drops it
+                level += b.deferred if a.kind == "B" else -b.deferred
             if frees:
                 level -= b.item
         elif a.kind == "S" and a.stage in grads:

@@ -6,7 +6,7 @@ searches' vectorised :class:`MemoryLimit`, a plan's price and the simulation thr
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -21,6 +21,7 @@ __all__ = [
     "MemoryLimit",
     "Shared",
     "copy_bytes",
+    "deferred_as_saved",
     "master_ratio",
     "peak_bytes",
     "persistent_factor",
@@ -312,3 +313,14 @@ def _largest_of(
         out[todo[hit]] = value
         todo = todo[~hit]
     return out
+
+
+def deferred_as_saved(profile: Profile, schedule: str) -> Profile:
+    """The profile a search checks memory on: under a split backward (zb1p, zbv) each item is
+    charged what its B keeps for its W (``Node.deferred_bytes``) as if saved from its forward on, a
+    bound; the plan is then priced with the items the runtime's list holds between B and W only
+    (``ScheduleModel.between``). Other schedules: the profile itself."""
+    if not REGISTRY[schedule].split_backward or not any(n.deferred_bytes for n in profile.nodes):
+        return profile
+    nodes = tuple(replace(n, saved_bytes=n.saved_bytes + n.deferred_bytes) for n in profile.nodes)
+    return replace(profile, nodes=nodes)

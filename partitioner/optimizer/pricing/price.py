@@ -136,6 +136,7 @@ def stage_loads(profile: Profile, groups: Sequence[Sequence[str]]) -> list[Stage
                 largest_param_bytes=largest,
                 master=master,
                 working_bytes=float(max((n.working_bytes for n in members), default=0)),
+                deferred_bytes=float(sum(n.deferred_bytes for n in members)) if i else crossing[i + 1],
                 kept_bytes=float(sum(n.saved_bytes for n in members if n.op == "output")),
             )
         )
@@ -220,16 +221,18 @@ def _times(
 
 def held_memory(
     load: StageLoad, schedule: str, held: int, share: int, optimizer: str, recompute: bool, accumulates: bool,
-    item: int = 1,
+    item: int = 1, between: int = 0,
 ) -> int:  # fmt: skip
     """Peak bytes of one device of a stage holding ``held`` items, each ``1/share`` of a minibatch,
     accumulating gradients or not: :func:`~partitioner.optimizer.pricing.memory.peak_bytes` of the
     stage's bytes. Shared by the cost model and the simulation (which counts ``held`` itself).
     ``item``: the microbatches a minibatch runs as (:func:`backward_item`): one of them is what a
-    backward works on at a time, its working bytes ``1/item`` of a minibatch's."""
+    backward works on at a time, its working bytes ``1/item`` of a minibatch's. ``between``: the
+    items it holds between a split backward's B and W (:meth:`~.schedules.ScheduleModel.between`),
+    each keeping its ``deferred_bytes`` share (a bound: their peak and the items' need not meet)."""
     params = load.param_bytes + load.copy_bytes
     transient = held_transient(load, schedule, accumulates, item)
-    return peak_bytes(
+    return round(between * load.deferred_bytes / share) + peak_bytes(
         params, load.saved_bytes, held, share, schedule, optimizer, transient, load.input_bytes, recompute,
         load.master, load.kept_bytes,
     )  # fmt: skip
@@ -317,7 +320,7 @@ def _stage_bytes(load: StageLoad, schedule: str, optimizer: str, microbatches: i
     params = load.param_bytes + load.copy_bytes
     kept = params * (persistent_factor(optimizer, load.master) - 1)
     transient = held_transient(load, schedule, microbatches > 1, item)
-    return StageBytes(kept, params, load.saved_bytes / item, transient)
+    return StageBytes(kept, params, load.saved_bytes / item, transient, load.deferred_bytes / item)
 
 
 def stage_transient(
@@ -336,10 +339,11 @@ def stage_memory(
     """Peak bytes on one device of a stage: what its schedule holds in flight (``ScheduleModel``)."""
     sched = model(schedule)
     held = sched.held(position, replicas, microbatches, virtual)
+    between = sched.between(position, replicas, microbatches, virtual)
     whole = sched.asynchronous
     item = backward_item(whole, microbatches, replicas[position])
     accumulates = not whole and microbatches > replicas[position]
-    return held_memory(load, schedule, held, item, optimizer, recompute, accumulates, item)
+    return held_memory(load, schedule, held, item, optimizer, recompute, accumulates, item, between)
 
 
 def backward_item(whole: bool, microbatches: int, replicas: int) -> int:

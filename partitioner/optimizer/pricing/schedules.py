@@ -130,6 +130,18 @@ class ScheduleModel:
         stage = played_in_flight(self.name, position, len(replicas), microbatches, self.virtual(virtual))
         return replica_held(stage, replicas[position])
 
+    def between(self, position: int, replicas: Sequence[int], microbatches: int, virtual: int) -> int:
+        """Items a device of stage ``position`` holds between their B and their W at once, keeping
+        what W needs (``Node.deferred_bytes``): played from the runtime's own list; 0 where the
+        backward is not split."""
+        if not self.runtime.split_backward:
+            return 0
+        layout = layout_of(self.name, len(replicas) // self.virtual(virtual), self.virtual(virtual))
+        stage = _rank_peaks(
+            self.name, len(replicas), self.virtual(virtual), microbatches, layout[position][0], "B"
+        )
+        return replica_held(stage.get(position, 0), replicas[position])
+
 
 def replica_held(stage_items: int, replicas: int) -> int:
     """Items the busiest replica of a flushing stage holds when the stage as one holds ``stage_items``:
@@ -144,16 +156,19 @@ def _pipedream_in_flight(position: int, replicas: Sequence[int], microbatches: i
 
 
 @functools.lru_cache(maxsize=1024)
-def _rank_peaks(name: str, stages: int, virtual: int, microbatches: int, rank: int) -> dict[int, int]:
+def _rank_peaks(
+    name: str, stages: int, virtual: int, microbatches: int, rank: int, start: str = "F"
+) -> dict[int, int]:
     """Per stage of ``rank``, the most units whose graph it holds at once over one minibatch of the
-    runtime's list: from a unit's F to its W (split backward) or B."""
+    runtime's list: from a unit's ``start`` action (its F, or a split backward's B) to its W (split
+    backward) or B."""
     layout = layout_of(name, stages // virtual, virtual)
     release = "W" if REGISTRY[name].split_backward else "B"
     live: dict[int, int] = {}
     peak: dict[int, int] = {}
     for a in actions(name, layout, rank, microbatches, range(1)):
-        if a.kind in ("F", release):
-            live[a.stage] = live.get(a.stage, 0) + (1 if a.kind == "F" else -1)
+        if a.kind in (start, release):
+            live[a.stage] = live.get(a.stage, 0) + (1 if a.kind == start else -1)
             peak[a.stage] = max(peak.get(a.stage, 0), live[a.stage])
     return peak
 

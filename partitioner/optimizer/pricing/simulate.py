@@ -362,13 +362,14 @@ def _memory(
     if profile is None:
         return tuple(s.memory_bytes for s in plan.stages)
     out, transient = [], []
-    for stage, load, h in zip(plan.stages, loads, held, strict=True):
-        sync = not model(plan.schedule).asynchronous
+    sched, replicas = model(plan.schedule), [s.replicas for s in plan.stages]
+    for i, (stage, load, h) in enumerate(zip(plan.stages, loads, held, strict=True)):
+        sync = not sched.asynchronous
         accumulates = sync and plan.microbatches > stage.replicas
         item = backward_item(not sync, plan.microbatches, stage.replicas)
-        out.append(
-            held_memory(load, plan.schedule, h, item, plan.optimizer, stage.recompute, accumulates, item)
-        )
+        between = sched.between(i, replicas, plan.microbatches, plan.virtual_stages)
+        out.append(held_memory(load, plan.schedule, h, item, plan.optimizer, stage.recompute, accumulates,
+                               item, between))  # fmt: skip
         transient.append(held_transient(load, plan.schedule, accumulates, item))
     ranks = [s.ranks for s in plan.stages]
     redo = [s.recompute for s in plan.stages]

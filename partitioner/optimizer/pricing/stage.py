@@ -65,6 +65,9 @@ class StageLoad:
             gradient a replica that accumulates holds beside the sum.
         working_bytes: the largest of its layers' ``working_bytes`` (the loss's on the last stage
             too): what one item's backward holds beyond the saved bytes, held once per device.
+        deferred_bytes: what a split backward keeps from an item's B to its W, per minibatch: its
+            layers' ``deferred_bytes``; on the first stage, whose B has no input gradient to make
+            (W runs its whole backward), the gradient it received, kept for W.
         kept_bytes: the part of ``saved_bytes`` a recomputing stage keeps per item all the same: the
             loss's (the output node's; ``runtime.stage`` runs the loss outside the recomputed
             forward, so a cross-entropy's log-softmax is saved for every microbatch in flight).
@@ -82,6 +85,7 @@ class StageLoad:
     master: float = 0.0
     working_bytes: float = 0.0
     kept_bytes: float = 0.0
+    deferred_bytes: float = 0.0
 
     @property
     def forward_time(self) -> float:

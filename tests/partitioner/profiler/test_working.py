@@ -11,7 +11,7 @@ from torch import nn
 
 from partitioner.devices import DeviceModel, save_device_model
 from partitioner.profiler import profile_model
-from partitioner.profiler.working import backward_working
+from partitioner.profiler.working import backward_working, split_deferred
 
 torch.set_num_threads(1)
 
@@ -57,3 +57,27 @@ def test_measured_and_estimated_profiles_record_each_layers_working_bytes(tmp_pa
     for profile in (measured, estimated):
         got = {name: profile.node(name).working_bytes for name in want}
         assert got == want
+
+
+def test_a_split_backward_keeps_each_linears_output_gradient_for_w() -> None:
+    """B records the gradient flowing into each weight's node (a linear's: the gradient of its
+    output); W reads it. A layer whose input takes no gradient keeps its seeds (W does it all)."""
+    layer = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 32))
+    x = torch.randn(8, 64).requires_grad_()
+    with torch.enable_grad():
+        out = layer(x.clone())
+    seed, params = torch.ones_like(out), list(layer.parameters())
+    assert split_deferred([out], [x], params, [seed]) == 8 * 256 * 4 + 8 * 32 * 4
+    assert split_deferred([out], [], params, [seed]) == 8 * 32 * 4
+    assert split_deferred([out], [x], [], [seed]) == 0  # no weights: nothing for W
+
+
+def test_profiles_record_what_a_split_backward_keeps(tmp_path: Path) -> None:
+    """tiny-mlp at batch 4: each linear keeps the gradient of its output for W, a ReLU nothing; the
+    estimate counts the same on the meta device."""
+    f = 4
+    want = {"fc1": 4 * 32 * f, "act1": 0, "fc2": 4 * 32 * f, "fc3": 4 * 10 * f}
+    measured = profile_model("tiny-mlp", batch_size=4, device="cpu", repeats=1)
+    estimated = profile_model("tiny-mlp", batch_size=4, device_model=_device(tmp_path))
+    for profile in (measured, estimated):
+        assert {name: profile.node(name).deferred_bytes for name in want} == want

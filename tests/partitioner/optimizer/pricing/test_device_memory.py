@@ -40,6 +40,16 @@ def test_a_split_backward_keeps_the_item_until_its_w() -> None:
     assert walked_peak(_list("F0.0 B0.0 F0.1 W0.0 B0.1 W0.1 S0"), {0: A}, split=True) == 10 + 10 + 5 + 5 + 3
 
 
+def test_between_its_b_and_its_w_an_item_keeps_what_w_needs() -> None:
+    """B keeps the gradients W needs (``deferred``, 2 an item here) until that item's W drops them."""
+    a = StageBytes(kept=10, grads=10, item=5, transient=3, deferred=2)
+    actions = _list("F0.0 F0.1 B0.0 B0.1 W0.0 W0.1 S0")
+    assert walked_peak(actions, {0: a}, split=True) == 10 + 10 + 2 * 5 + 2 * 2 + 3
+    assert (
+        walked_peak(_list("F0.0 B0.0 F0.1 W0.0 B0.1 W0.1 S0"), {0: a}, split=True) == 10 + 10 + 5 + 5 + 2 + 3
+    )
+
+
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
 def test_a_plan_prices_a_device_by_its_walk_and_the_simulation_agrees(schedule: str) -> None:
     """A device's stages add up to at most their summed closed forms less all but the largest

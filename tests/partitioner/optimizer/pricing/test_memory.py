@@ -286,3 +286,41 @@ def test_the_loss_working_bytes_are_held_once_on_its_stage_only(schedule: str, m
     limit = max(s.memory_bytes for s in plan.stages) + working
     found = solve(profile, Cluster.flat(3, memory_bytes=limit), schedule, m)
     assert max(s.memory_bytes for s in found.stages) <= limit
+
+
+@pytest.mark.parametrize("schedule", ["zb1p", "zbv"])
+def test_a_split_backward_holds_what_w_needs_between_b_and_w(schedule: str) -> None:
+    """Between an item's B and its W the runtime keeps the gradients W needs (``Node.deferred_bytes``;
+    on the first stage, whose B has no input gradient to make, the gradient it received): a stage
+    holds them for the items its list has between B and W at once, the simulation as the plan, and
+    the search (which charges them to every item in flight, a bound) returns plans that fit."""
+    from partitioner.optimizer.pricing.schedules import model
+
+    base = make_profile([(4, 8, 100_000, 500_000)] * 4, [(i, i + 1) for i in range(3)])
+    deferred = {f"l{i}": 300_000 + 100_000 * i for i in range(4)}
+    profile = replace(base, nodes=tuple(replace(n, deferred_bytes=deferred.get(n.id, 0)) for n in base.nodes))
+    cuts, m = ["l0", "l1", "l2"], 4
+    before = evaluate(base, Cluster.flat(2 if schedule == "zbv" else 4), cuts, [1] * 4, schedule, m)
+    plan = evaluate(profile, Cluster.flat(2 if schedule == "zbv" else 4), cuts, [1] * 4, schedule, m)
+    loads = stage_loads(profile, [s.nodes for s in plan.stages])
+    assert loads[0].deferred_bytes == loads[0].out_bytes == 100_000  # the first stage: the gradient in
+    assert [ld.deferred_bytes for ld in loads[1:]] == [400_000, 500_000, 600_000]
+    assert simulate(plan, profile).peak_memory_bytes == tuple(s.memory_bytes for s in plan.stages)
+    if schedule == "zb1p":  # one stage a device: its closed form, the items between B and W
+        for i, (a, b) in enumerate(zip(before.stages, plan.stages, strict=True)):
+            between = model(schedule).between(i, [1] * 4, m, 1)
+            layers = loads[i].deferred_bytes if i else 0  # (the first stage's is the profile's too)
+            assert between >= 1
+            assert b.memory_bytes - a.memory_bytes == round(between * layers / m)
+    else:  # two stages a device: walked, one item's share of its stages' layers more at least
+        pairs = list(zip(before.stages, plan.stages, strict=True))
+        for rank in (0, 1):
+            rise = sum(b.memory_bytes - a.memory_bytes for a, b in pairs if rank in b.ranks)
+            assert rise >= 400_000 / m - 2
+        limit = max(s.memory_bytes for s in plan.stages) * 2
+        found = solve(profile, Cluster.flat(2, memory_bytes=limit), schedule, m)
+        assert max(s.memory_bytes for s in found.stages) <= limit
+    if schedule == "zb1p":
+        limit = max(s.memory_bytes for s in plan.stages) + 200_000
+        found = solve(profile, Cluster.flat(4, memory_bytes=limit), schedule, m)
+        assert max(s.memory_bytes for s in found.stages) <= limit
