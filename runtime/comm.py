@@ -60,6 +60,22 @@ def buckets(tensors: Sequence[torch.Tensor], most: int) -> list[list[torch.Tenso
     return out
 
 
+def _sum_bucket(bucket: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """One all-reduce of a :func:`buckets` bucket, in place: a lone contiguous tensor itself, several
+    through a flat copy that is dropped on return. (Made in a loop over the buckets, the copy of one
+    bucket lived on while the next one's was made: resnet18's 25 and 20 MiB buckets held 45 MiB at
+    once beside its 45 MiB of gradients.)"""
+    if len(bucket) == 1 and bucket[0].is_contiguous():
+        dist.all_reduce(bucket[0], op=dist.ReduceOp.SUM, group=group)
+        return
+    flat = torch.cat([t.reshape(-1) for t in bucket])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    offset = 0
+    for t in bucket:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 @contextmanager
 def peer_errors(what: str) -> Iterator[None]:
     """Re-raise a failed distributed call as :class:`PeerLost`, so the launcher can tell the rank that
@@ -289,15 +305,6 @@ class Comm:
         needed a second 147 MiB)."""
         start = time.perf_counter()
         for bucket in buckets(tensors, BUCKET_BYTES):
-            if len(bucket) == 1 and bucket[0].is_contiguous():
-                with peer_errors("gradient all-reduce"):
-                    dist.all_reduce(bucket[0], op=dist.ReduceOp.SUM, group=group)
-                continue
-            flat = torch.cat([t.reshape(-1) for t in bucket])
             with peer_errors("gradient all-reduce"):
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-            offset = 0
-            for t in bucket:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+                _sum_bucket(bucket, group)
         self.seconds += time.perf_counter() - start
