@@ -31,6 +31,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
 from runtime.memory import _LiveStorages  # the counter behind ``run --measure-memory``
+from runtime.split_backward import backward_input
 
 __all__ = ["backward_rise", "backward_working", "split_deferred"]
 
@@ -41,7 +42,7 @@ def backward_working(roots: Sequence[Tensor], leaves: Sequence[Tensor], seeds: S
     gradients of its inputs (``leaves``: the inputs a real step differentiates; none on the model's
     first layer, whose backward then only reads its seeds). The graph is kept: the caller's own
     backward of the same forward still runs."""
-    seeded = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in seeds}.values())
+    seeded = _distinct_bytes(seeds)
     if not roots or not leaves:
         return seeded
     return seeded + backward_rise(
@@ -57,15 +58,13 @@ def split_deferred(
     into the nodes whose branches lead only to ``params`` (``runtime.split_backward.backward_input``,
     the runtime's own B), counted once per storage, and the ``seeds`` where W takes weights from the
     roots (all of them on a layer whose inputs take no gradient). The graph is kept."""
-    from runtime.split_backward import backward_input
-
     if not roots or not params:
         return 0
     _, work = backward_input(list(roots), list(seeds), list(leaves), list(params))
     kept = [g for _, grads, _ in work.boundary for g in grads if g is not None]
     if work.rest:
         kept += seeds
-    return sum({_key(t): t.untyped_storage().nbytes() for t in kept}.values())
+    return _distinct_bytes(kept)
 
 
 def backward_rise(
@@ -108,3 +107,8 @@ class _Made(_LiveStorages):  # type: ignore[no-untyped-call]  # torch's mode is 
 def _key(t: Tensor) -> int:
     """The identity of ``t``'s storage (as the counter keys it)."""
     return int(t.untyped_storage()._cdata)
+
+
+def _distinct_bytes(tensors: Sequence[Tensor]) -> int:
+    """Bytes of the storages under ``tensors``, each counted once."""
+    return sum({_key(t): t.untyped_storage().nbytes() for t in tensors}.values())

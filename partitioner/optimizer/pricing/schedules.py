@@ -136,11 +136,9 @@ class ScheduleModel:
         backward is not split."""
         if not self.runtime.split_backward:
             return 0
-        layout = layout_of(self.name, len(replicas) // self.virtual(virtual), self.virtual(virtual))
-        stage = _rank_peaks(
-            self.name, len(replicas), self.virtual(virtual), microbatches, layout[position][0], "B"
-        )
-        return replica_held(stage.get(position, 0), replicas[position])
+        v = self.virtual(virtual)
+        stage = played_in_flight(self.name, position, len(replicas), microbatches, v, start="B")
+        return replica_held(stage, replicas[position])
 
 
 def replica_held(stage_items: int, replicas: int) -> int:
@@ -173,13 +171,16 @@ def _rank_peaks(
     return peak
 
 
-def played_in_flight(name: str, position: int, stages: int, microbatches: int, virtual: int = 1) -> int:
+def played_in_flight(
+    name: str, position: int, stages: int, microbatches: int, virtual: int = 1, start: str = "F"
+) -> int:
     """Units stage ``position`` holds at once at most, played from its rank's own list (a replicated
-    stage as one: its replicas share each minibatch's microbatches). Under ``interleaved`` or
+    stage as one: its replicas share each minibatch's microbatches), from each unit's ``start``
+    action (its F, or a split backward's B) to the action that frees it. Under ``interleaved`` or
     ``zbv`` a device's memory sums its chunks' peaks, which need not coincide: an upper bound by
     about one unit of one chunk (rank 0 of p = 4, v = 2, M = 8: 8 + 4 = 12 units against 11)."""
     layout = layout_of(name, stages // virtual, virtual)
-    return _rank_peaks(name, stages, virtual, microbatches, layout[position][0])[position]
+    return _rank_peaks(name, stages, virtual, microbatches, layout[position][0], start)[position]
 
 
 def _pipedream_times(

@@ -58,10 +58,10 @@ class _Choices:
         if memory is not None:  # all M microbatches' activations, split over the replicas
             copies, largest, working = memory.extras(states.masks, states.layer_ids, k, j)
             saved = states.saved_bytes[j] - states.saved_bytes[k]
-            held = (params + copies)[:, None]
-            fits = memory.fits(held, saved[:, None], r, largest[:, None], working[:, None])
+            held = params + copies
+            fits = memory.fits(held[:, None], saved[:, None], r, largest[:, None], working[:, None])
             u = np.where(fits, u, np.inf)
-            r_mem = np.maximum(memory.replicas(params + copies, saved, largest, working), 1.0)
+            r_mem = np.maximum(memory.replicas(held, saved, largest, working), 1.0)
         offsets = csr_offsets(j, n)
         u, a = np.asarray(u, dtype=np.float64), np.asarray(a, dtype=np.float64)
         layers = states.size_layers()
