@@ -7,6 +7,11 @@ their handles are kept and retired later, so a valid schedule cannot deadlock on
 tie gradients are summed with one all-reduce per bucket of at most ``BUCKET_BYTES`` (DDP's default
 size), so the flat copy a rank makes beside its gradients stays small.
 
+A send is retired (waited for, which frees its tensor) as soon as the schedule proves it was
+received, as gloo never reports a send complete before ``wait()``: an activation once its unit's
+gradient has come back from that peer (:meth:`Comm.answered`), and every send after the step that
+follows it, or right at its step under a flushing schedule (:meth:`Comm.retire`).
+
 Two ways to receive. On gloo (``prefetch``) the executor posts an action's receives one receiving
 action ahead, so the transfer runs on gloo's own threads while this rank computes: gloo moves a
 payload only once the receiver has posted its buffer, so a receive posted at the moment of need
@@ -115,6 +120,27 @@ def _tags(tags: Sequence[int], messages: Sequence[object]) -> Sequence[int]:
     return tags or [0] * len(messages)
 
 
+Answer = tuple[int, int, int]
+"""(peer, tag, unit) of an activation send: the gradient of ``unit`` from ``peer`` proves it arrived."""
+
+
+@dataclass
+class Sent:
+    """A posted send (or, on a backend that coalesces a batch into one handle, several).
+
+    Attributes:
+        era: the step it was posted in (:meth:`Comm.retire`).
+        work: its handle; waiting for it releases the tensors it sends.
+        answers: activation sends it carries whose gradients have not come back yet; retired once
+            the last comes back. Empty: retired by era alone (gradient sends, or a coalesced batch
+            that holds one).
+    """
+
+    era: int
+    work: dist.Work
+    answers: set[Answer] = field(default_factory=set)
+
+
 @dataclass(frozen=True)
 class Posted:
     """Receives of one action, posted and not yet waited for; ``local``: (message index, tag) of the
@@ -134,8 +160,8 @@ class Comm:
         group: the group point-to-point messages use (ranks are global ranks within it).
         device: where received tensors are allocated (CPU for gloo, the rank's GPU for nccl).
         prefetch: receives are posted ahead of need (gloo) and sends are never held.
-        pending: (era, handle) of sends not yet retired; gloo never reports a send complete before
-            ``wait()``, so completion is inferred from the schedule (see :meth:`retire`).
+        pending: sends not yet retired, oldest first; gloo never reports a send complete before
+            ``wait()``, so completion is inferred from the schedule (:meth:`answered`, :meth:`retire`).
         era: the optimizer steps this rank has taken, stamped on each send.
         peak_pending: the most sends ever held in ``pending`` (bounded when :meth:`retire` is called).
         seconds: time spent blocked in receives, waits and all-reduces.
@@ -149,12 +175,12 @@ class Comm:
     group: dist.ProcessGroup
     device: torch.device
     prefetch: bool = False
-    pending: deque[tuple[int, dist.Work]] = field(default_factory=deque)
+    pending: deque[Sent] = field(default_factory=deque)
     era: int = 0
     peak_pending: int = 0
     seconds: float = 0.0
     hold: bool = False
-    outbox: list[dist.P2POp] = field(default_factory=list)
+    outbox: list[tuple[dist.P2POp, Answer | None]] = field(default_factory=list)
     loopback: dict[int, deque[list[torch.Tensor]]] = field(default_factory=dict)
     loopback_meta: dict[int, tuple[TensorMeta, ...]] = field(default_factory=dict)
 
@@ -197,23 +223,29 @@ class Comm:
         size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
         with peer_errors(f"start-up send to rank {peer}"):
             if tag:
-                self._keep([dist.isend(t, peer, self.group, tag) for t in (size, data)])  # type: ignore[misc]
+                self._keep([dist.isend(t, peer, self.group, tag) for t in (size, data)], [None, None])  # type: ignore[misc]
                 return
             dist.send(size, peer, self.group)
             dist.send(data, peer, self.group)
 
-    def send(self, messages: Sequence[tuple[int, Sequence[torch.Tensor]]], tags: Sequence[int] = ()) -> None:
+    def send(
+        self, messages: Sequence[tuple[int, Sequence[torch.Tensor]]], tags: Sequence[int] = (),
+        unit: int | None = None,
+    ) -> None:  # fmt: skip
         """Post sends of each (peer, tensors) message, or hold them for the next :meth:`recv` when
         ``hold`` is set; returns at once either way. ``tags``: one per message (default 0), for ranks
         that exchange several streams at once (``interleaved``: a rank hosts several stages). A message
-        to this rank itself goes to its loopback as detached copies (no process group sends to itself)."""
+        to this rank itself goes to its loopback as detached copies (no process group sends to itself).
+        ``unit``: the activations of this unit, retired when :meth:`answered` says its gradient came back."""
         me = self.me
         for (peer, tensors), tag in zip(messages, _tags(tags, messages), strict=True):
             if peer == me:
                 self.loopback.setdefault(tag, deque()).append([t.detach().clone() for t in tensors])
                 continue
+            answer = None if unit is None else (peer, tag, unit)
             self.outbox.extend(
-                dist.P2POp(dist.isend, t.detach().contiguous(), peer, self.group, tag) for t in tensors
+                (dist.P2POp(dist.isend, t.detach().contiguous(), peer, self.group, tag), answer)
+                for t in tensors
             )
         if not self.hold or self.prefetch:
             self.flush()
@@ -221,9 +253,9 @@ class Comm:
     def flush(self) -> None:
         """Post the held sends."""
         if self.outbox:
-            ops, self.outbox = self.outbox, []
+            held, self.outbox = self.outbox, []
             with peer_errors("send"):
-                self._keep(dist.batch_isend_irecv(ops))
+                self._keep(dist.batch_isend_irecv([op for op, _ in held]), [a for _, a in held])
 
     def post(self, messages: Sequence[tuple[int, Sequence[TensorMeta]]], tags: Sequence[int] = ()) -> Posted:
         """Post receives of each (peer, metas) message (with the held sends, if any) and return at
@@ -245,15 +277,40 @@ class Comm:
         if not ops:
             self.flush()
             return Posted(bufs, [], peers, local)
-        sends, self.outbox = self.outbox, []
+        held, self.outbox = self.outbox, []
         with peer_errors(f"receive from rank(s) {list(peers)}"):
-            works = dist.batch_isend_irecv(sends + ops)
-        self._keep(works[: len(sends)])
-        return Posted(bufs, works[len(sends) :], peers, local)
+            works = dist.batch_isend_irecv([op for op, _ in held] + ops)
+        if len(works) != len(held) + len(ops):  # one handle for the batch (NCCL coalesces it)
+            self._keep(works, [None] * len(works))
+            return Posted(bufs, works, peers, local)
+        self._keep(works[: len(held)], [a for _, a in held])
+        return Posted(bufs, works[len(held) :], peers, local)
 
-    def _keep(self, sends: Sequence[dist.Work]) -> None:
-        self.pending.extend((self.era, w) for w in sends)
+    def _keep(self, works: Sequence[dist.Work], answers: Sequence[Answer | None]) -> None:
+        """Hold send handles until retired: one per send, each with its answer if any, or (a batch
+        coalesced into fewer handles) retired by era alone."""
+        if len(works) != len(answers):
+            answers = [None] * len(works)
+        self.pending.extend(
+            Sent(self.era, w, set() if a is None else {a}) for w, a in zip(works, answers, strict=True)
+        )
         self.peak_pending = max(self.peak_pending, len(self.pending))
+
+    def answered(self, peer: int, tag: int, unit: int) -> None:
+        """``unit``'s gradient came back from ``peer`` on the stream that carried its activations
+        (``tag``): the peer received them, so their sends end now, freeing the tensors. A stage
+        output stays alive until its backward anyway; without this its send kept it for another
+        step (pipedream: ``2 (world + 1)`` steps)."""
+        answer, kept = (peer, tag, unit), deque[Sent]()
+        with peer_errors("waiting for sends"):
+            for sent in self.pending:
+                if answer in sent.answers:
+                    sent.answers.discard(answer)
+                    if not sent.answers:
+                        sent.work.wait()
+                        continue
+                kept.append(sent)
+        self.pending = kept
 
     def wait(self, posted: Posted) -> list[list[torch.Tensor]]:
         """Block until the posted receives have arrived; returns their tensors per message."""
@@ -284,8 +341,8 @@ class Comm:
         era whose sends every receiver has provably taken, so the waits return at once; without this
         every sent tensor of a segment would stay alive until :meth:`drain`."""
         with peer_errors("waiting for sends"):
-            while self.pending and self.pending[0][0] < before_era:
-                self.pending.popleft()[1].wait()
+            while self.pending and self.pending[0].era < before_era:
+                self.pending.popleft().work.wait()
 
     def drain(self) -> None:
         """Post held sends and wait for all of them (end of a segment, when every receiver will post)."""
@@ -293,8 +350,8 @@ class Comm:
         self.flush()
         start = time.perf_counter()
         with peer_errors("waiting for sends"):
-            for _, work in self.pending:
-                work.wait()
+            for sent in self.pending:
+                sent.work.wait()
         self.pending.clear()
         self.seconds += time.perf_counter() - start
 

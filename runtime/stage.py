@@ -204,9 +204,13 @@ class StageRuntime:
     @functools.cached_property
     def _send_lag(self) -> int:
         """Optimizer steps after which every send of this rank has surely been received. A flushing
-        schedule's minibatch n-1 is taken by all its receivers before this rank can finish minibatch
-        n; pipedream keeps at most world-size minibatches in flight on any stage, doubled for margin."""
-        return 2 * (self.cfg.job.world_size + 1) if self.stash else 1
+        schedule's steps end every rank's list of the minibatch (every builder puts them last), so
+        at its step a rank has posted all its sends of the minibatch and none of its receivers needs
+        anything more from it to take them: waiting for them there cannot deadlock, and costs no
+        time, as this rank's next receive comes from a peer that must have finished the minibatch
+        (taken this rank's gradients) first. Pipedream keeps at most world-size minibatches in
+        flight on any stage, doubled for margin. (Activations go earlier: :meth:`Comm.answered`.)"""
+        return 2 * (self.cfg.job.world_size + 1) if self.stash else 0
 
     def _tag(self, producer: int, consumer: int, grads: bool) -> int:
         """The stream of messages between two stages, one way. 0 (untagged) when every rank runs one
@@ -343,6 +347,7 @@ class StageRuntime:
         self.comm.send(
             [(self._peer(k, unit), [outs[n] for n in names]) for k, names in self.consumers.items()],
             [self._tag(me, k, False) for k in self.consumers],
+            unit,
         )
         inputs = {n: t for n, t in named.items() if t.requires_grad}
         # Only what a later stage reads: the backward starts from those and the loss. The loss's own
@@ -371,6 +376,9 @@ class StageRuntime:
             roots, grads = [state.loss], [None]
         consumers = self.consumers
         got = self._recv(Action(self.cfg.stage, "B", unit))
+        for k, names in consumers.items():
+            if self._grad_meta(names):  # (a gradient came back: the activations arrived)
+                self.comm.answered(self._peer(k, unit), self._tag(self.cfg.stage, k, False), unit)
         summed: dict[str, torch.Tensor] = {}
         for names, tensors in zip(consumers.values(), got, strict=True):
             for name, g in zip([n for n in names if self.out_meta[n].needs_grad], tensors, strict=True):

@@ -1,12 +1,15 @@
-"""The gradient all-reduce's buckets: what one collective copies into a flat buffer, and how long."""
+"""Sends retired as soon as the schedule proves them received, and the gradient all-reduce's buckets:
+what one collective copies into a flat buffer, and how long."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from runtime import comm
-from runtime.comm import buckets
+from runtime.comm import TensorMeta, buckets
 from runtime.memory import _LiveStorages
 
 
@@ -40,3 +43,63 @@ def test_one_buckets_flat_copy_is_gone_before_the_next_is_made(monkeypatch: pyte
         comm.Comm(None, torch.device("cpu")).all_reduce_sum(grads, None)  # type: ignore[arg-type]
     assert counter.peak - start == 400_000
     assert all(torch.equal(g, torch.ones(10_000)) for g in grads)
+
+
+class _Work:
+    """A send or receive handle that keeps its tensors, as gloo's do, until waited for."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors, self.waited = tensors, False
+
+    def wait(self) -> bool:
+        self.waited, self.tensors = True, []
+        return True
+
+
+def _batched(monkeypatch: pytest.MonkeyPatch, coalesce: bool, made: list[_Work]) -> None:
+    """Point-to-point batches without a process group: one handle per operation, or one for all."""
+    monkeypatch.setattr(
+        comm.dist, "P2POp", lambda op, tensor, peer, group, tag: SimpleNamespace(tensor=tensor)
+    )
+
+    def batch(ops):  # type: ignore[no-untyped-def]
+        works = [_Work([op.tensor for op in ops])] if coalesce else [_Work([op.tensor]) for op in ops]
+        made.extend(works)
+        return works
+
+    monkeypatch.setattr(comm.dist, "batch_isend_irecv", batch)
+
+
+def test_an_activation_send_ends_when_its_gradient_comes_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Units 3 and 4 sent to rank 1 (stream 5): unit 3's gradient back from rank 1 on that stream ends
+    unit 3's send and no other; a gradient send waits for its era."""
+    made: list[_Work] = []
+    _batched(monkeypatch, False, made)
+    c = comm.Comm(None, torch.device("cpu"), prefetch=True)  # type: ignore[arg-type]
+    c.send([(1, [torch.ones(4)])], [5], unit=3)
+    c.send([(1, [torch.ones(4)])], [5], unit=4)
+    c.send([(0, [torch.ones(4)])], [6])  # a gradient: no unit
+    c.answered(1, 6, 3)  # another stream
+    c.answered(2, 5, 3)  # another peer
+    assert [w.waited for w in made] == [False, False, False] and len(c.pending) == 3
+    c.answered(1, 5, 3)
+    assert [w.waited for w in made] == [True, False, False] and not made[0].tensors
+    assert [s.work for s in c.pending] == made[1:]
+    c.era = 1
+    c.retire(1)  # the gradient (era 0) goes with unit 4's activation, whatever their answers
+    assert all(w.waited for w in made) and not c.pending
+
+
+def test_a_batch_coalesced_into_one_handle_is_waited_for_its_receives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NCCL returns one handle for a batch of sends and receives: waiting for the receives is
+    waiting for it (taken as a send handle alone, the received buffers would be read unfilled)."""
+    made: list[_Work] = []
+    _batched(monkeypatch, True, made)
+    c = comm.Comm(None, torch.device("cpu"), hold=True)  # type: ignore[arg-type]
+    c.send([(1, [torch.ones(4)])], unit=0)
+    assert c.outbox and not made  # held for the next receive
+    (buf,) = c.recv([(1, (TensorMeta((2,), torch.float32),))])[0]
+    assert len(made) == 1 and made[0].waited and buf.shape == (2,)
+    assert [s.work for s in c.pending] == made and not c.pending[0].answers  # retired by era alone
