@@ -20,6 +20,7 @@ __all__ = [
     "OPTIMIZER_STATE",
     "MemoryLimit",
     "Shared",
+    "backward_excess",
     "copy_bytes",
     "deferred_as_saved",
     "master_ratio",
@@ -161,6 +162,8 @@ class MemoryLimit:
             item's backward working bytes, charged to every stage where a search does not pass a
             stage's own (:meth:`extras`; a plan's price charges each stage its own).
         workings: (layer id, working bytes) of the layers with any, largest first.
+        backwards: (layer id, working bytes, saved bytes) of every layer in forward order: what
+            :func:`backward_excess` reads, exact for a chain's stages (:meth:`extras`).
     """
 
     limit: float
@@ -174,6 +177,7 @@ class MemoryLimit:
     master: float = 0.0
     working: float = 0.0
     workings: tuple[tuple[str, float], ...] = ()
+    backwards: tuple[tuple[str, float, float], ...] = ()
 
     @property
     def per_byte(self) -> float:
@@ -199,20 +203,43 @@ class MemoryLimit:
         workings = sorted(((n.id, float(n.working_bytes)) for n in profile.nodes if n.working_bytes > 0),
                           key=lambda x: -x[1])  # fmt: skip
         working = workings[0][1] if workings else 0.0
+        backwards = tuple((n.id, float(n.working_bytes), float(n.saved_bytes)) for n in profile.nodes
+                          if n.op != "input")  # fmt: skip
         return MemoryLimit(
             limit, optimizer, schedule, devices, m, largest, shared, tuple(layers), master, working,
-            tuple(workings),
+            tuple(workings), backwards,
         )  # fmt: skip
 
     def extras(
-        self, masks: Sequence[int], layer_ids: Sequence[str], ks: IntArray, js: IntArray
+        self, masks: Sequence[int], layer_ids: Sequence[str], ks: IntArray, js: IntArray, received: FloatArray
     ) -> tuple[FloatArray, FloatArray, FloatArray]:
-        """(tied copies' bytes, largest layer's parameter bytes, a copy counted, largest working
-        bytes) of the stages (ks, js]: what makes :meth:`fits` and :meth:`replicas` exact rather
-        than bounded."""
+        """(tied copies' bytes, largest layer's parameter bytes, a copy counted, working bytes
+        (:meth:`excess`; ``received``: the output gradients each stage is sent)) of the stages
+        (ks, js]: what makes :meth:`fits` and :meth:`replicas` exact rather than bounded."""
         copies, largest = self.copies(masks, layer_ids, ks, js)
         own = _largest_of(self.layers, masks, layer_ids, ks, js)
-        return copies, np.maximum(largest, own), _largest_of(self.workings, masks, layer_ids, ks, js)
+        return copies, np.maximum(largest, own), self.excess(masks, layer_ids, ks, js, received)
+
+    def excess(
+        self, masks: Sequence[int], layer_ids: Sequence[str], ks: IntArray, js: IntArray, received: FloatArray
+    ) -> FloatArray:
+        """Per stage (ks, js], :func:`backward_excess` of its layers (``received``: the output
+        gradients it is sent) where the states are a chain's prefixes in forward order (every stage
+        a run of layers); elsewhere the largest working bytes among its layers plus ``received``, a
+        bound (a downset's stage need not be a run)."""
+        if [lid for lid, _, _ in self.backwards] != list(layer_ids) or any(
+            m != (1 << m.bit_count()) - 1 for m in masks
+        ):
+            return _largest_of(self.workings, masks, layer_ids, ks, js) + received
+        working = np.array([w for _, w, _ in self.backwards])
+        after = np.concatenate([[0.0], np.cumsum([b for _, _, b in self.backwards])])  # saved before i
+        starts = np.array([m.bit_count() for m in masks])
+        lo, hi = starts[ks], starts[js]  # the stage's layers are lo .. hi - 1, the last alone
+        # working[i] - (saved of layers i+1 .. hi-1) = (working[i] + after[i + 1]) - after[hi]
+        inner = np.where(
+            hi - 1 > lo, _range_max(working + after[1:], lo, np.maximum(hi - 1, lo + 1)), -np.inf
+        )
+        return np.asarray(np.maximum(working[hi - 1], inner - after[hi] + received), dtype=np.float64)
 
     def copies(
         self, masks: Sequence[int], layer_ids: Sequence[str], ks: IntArray, js: IntArray
@@ -231,9 +258,10 @@ class MemoryLimit:
             largest = np.maximum(largest, copy)
         return total, largest
 
-    def items(self, params: FloatArray, saved: FloatArray) -> FloatArray:
-        """pipedream: the most minibatches one device can hold in flight (< 1: none)."""
-        free = self.limit - params * self.per_byte - self.working
+    def items(self, params: FloatArray, saved: FloatArray, working: FloatArray | None = None) -> FloatArray:
+        """pipedream: the most minibatches one device can hold in flight (< 1: none); ``working``:
+        the stages' own (:meth:`excess`), else the profile's bound."""
+        free = self.limit - params * self.per_byte - (self.working if working is None else working)
         many = np.floor(free / np.maximum(params + saved, 1e-9))  # h > 1: P (f + h) + h S <= limit
         return np.asarray(np.where(many >= 2, many, np.where(free >= saved, 1.0, 0.0)), dtype=np.float64)
 
@@ -293,6 +321,21 @@ def _ceil_div(saved: FloatArray, room: FloatArray) -> FloatArray:
     return np.asarray(out, dtype=np.float64)
 
 
+def _range_max(values: FloatArray, lo: IntArray, hi: IntArray) -> FloatArray:
+    """max(values[lo:hi]) per pair (lo < hi), by a sparse table: O(1) a pair after O(n log n)."""
+    table = [np.asarray(values, dtype=np.float64)]
+    while 2 ** len(table) <= len(values):
+        prev, half = table[-1], 2 ** (len(table) - 1)
+        table.append(np.maximum(prev[:-half], prev[half:]))
+    level = np.floor(np.log2(np.maximum(hi - lo, 1))).astype(np.int64)
+    out = np.empty(len(lo))
+    for lv in np.unique(level):
+        at = level == lv
+        row = table[int(lv)]
+        out[at] = np.maximum(row[lo[at]], row[hi[at] - 2 ** int(lv)])
+    return out
+
+
 def _largest_of(
     entries: Sequence[tuple[str, float]],
     masks: Sequence[int],
@@ -313,6 +356,22 @@ def _largest_of(
         out[todo[hit]] = value
         todo = todo[~hit]
     return out
+
+
+def backward_excess(layers: Sequence[tuple[float, float]], received: float = 0.0) -> float:
+    """The most one item's backward holds beyond the saved bytes of a stage whose ``layers`` are
+    (working bytes, saved bytes) in their forward order: the backward runs them last first, and by
+    the time a layer's runs, the layers after it have freed what they saved. So the highest of
+    a layer's working bytes less what the layers after it saved (vgg16's first layers' gradients,
+    8 MiB each at 64x64, meet a stage whose later layers' activations are gone). ``received``: the
+    output gradients the stage was sent, alive through its whole backward (the runtime hands them
+    to autograd and holds them until it returns): part of the last layer's working bytes already,
+    added to every other layer's."""
+    excess, after = 0.0, 0.0
+    for i, (working, saved) in enumerate(reversed(layers)):
+        excess = max(excess, working - after + (received if i else 0.0))
+        after += saved
+    return excess
 
 
 def deferred_as_saved(profile: Profile, schedule: str) -> Profile:

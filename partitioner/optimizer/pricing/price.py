@@ -14,6 +14,7 @@ from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile
 from partitioner.optimizer.pricing.device_memory import StageBytes, walked_peak
 from partitioner.optimizer.pricing.memory import (
+    backward_excess,
     copy_bytes,
     master_ratio,
     peak_bytes,
@@ -102,6 +103,7 @@ def stage_loads(profile: Profile, groups: Sequence[Sequence[str]]) -> list[Stage
     """
     where = {nid: i for i, group in enumerate(groups) for nid in group}
     nodes = {n.id: n for n in profile.nodes}
+    order = {n.id: i for i, n in enumerate(profile.nodes)}
     last_reader: dict[str, int] = {}
     for node in profile.nodes:
         for src in node.inputs:
@@ -121,7 +123,7 @@ def stage_loads(profile: Profile, groups: Sequence[Sequence[str]]) -> list[Stage
     copies = copy_bytes(shared_weights(profile), groups)
     master = master_ratio(profile.dtype)
     for i, group in enumerate(groups):
-        members = [nodes[n] for n in group if nodes[n].op != "input"]
+        members = sorted((nodes[n] for n in group if nodes[n].op != "input"), key=lambda n: order[n.id])
         largest = max([float(n.param_bytes) for n in members] + [copies[i][1]])
         loads.append(
             StageLoad(
@@ -135,7 +137,9 @@ def stage_loads(profile: Profile, groups: Sequence[Sequence[str]]) -> list[Stage
                 copy_bytes=copies[i][0],
                 largest_param_bytes=largest,
                 master=master,
-                working_bytes=float(max((n.working_bytes for n in members), default=0)),
+                working_bytes=backward_excess(
+                    [(float(n.working_bytes), float(n.saved_bytes)) for n in members], crossing[i + 1]
+                ),
                 deferred_bytes=float(sum(n.deferred_bytes for n in members)) if i else crossing[i + 1],
                 kept_bytes=float(sum(n.saved_bytes for n in members if n.op == "output")),
             )

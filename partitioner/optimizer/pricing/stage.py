@@ -63,8 +63,9 @@ class StageLoad:
             their gradients' sync is not priced.
         largest_param_bytes: the largest of its layers' parameter bytes (a tied copy counted): the
             gradient a replica that accumulates holds beside the sum.
-        working_bytes: the largest of its layers' ``working_bytes`` (the loss's on the last stage
-            too): what one item's backward holds beyond the saved bytes, held once per device.
+        working_bytes: what one item's backward holds beyond the saved bytes, held once per
+            device: :func:`~partitioner.optimizer.pricing.memory.backward_excess` of its layers
+            (the loss's on the last stage too), at most the largest of their ``working_bytes``.
         deferred_bytes: what a split backward keeps from an item's B to its W, per minibatch: its
             layers' ``deferred_bytes``; on the first stage, whose B has no input gradient to make
             (W runs its whole backward), the gradient it received, kept for W.

@@ -111,11 +111,12 @@ class _Pairs:
     act: FloatArray  # the larger of the cut traffic into and out of the stage
     params: FloatArray
     saved: FloatArray
+    work: FloatArray  # what one item's backward holds beyond the saved bytes (MemoryLimit.excess)
     layers: IntArray  # states of one size are layers[i]:layers[i + 1] (no pair inside a layer)
     link: Link
     inner: int
 
-    COLUMNS = ("ks", "base", "dp", "act", "params", "saved")  # the per-pair fields, in order
+    COLUMNS = ("ks", "base", "dp", "act", "params", "saved", "work")  # the per-pair fields, in order
 
     @functools.cached_property
     def q(self) -> FloatArray:
@@ -172,8 +173,9 @@ class _Pairs:
         s, n = prob.states, len(prob.states)
         offsets = csr_offsets(js, n)
         params, saved = prob.held_params(ks, js), s.saved_bytes[js] - s.saved_bytes[ks]
+        work = _work(prob, ks, js)
         pairs = _Pairs(
-            offsets, ks.astype(np.int64), base, dp, act, params, saved, layers, prob.link, prob.inner
+            offsets, ks.astype(np.int64), base, dp, act, params, saved, work, layers, prob.link, prob.inner
         )
         return pairs, js
 
@@ -184,17 +186,17 @@ class _Pairs:
             return parts[0][0]
         offsets = csr_offsets(np.concatenate([js for _, js in parts]), n)
         ps = [p for p, _ in parts]
-        ks, base, dp, act, params, saved = (
+        ks, base, dp, act, params, saved, work = (
             np.concatenate([getattr(p, f) for p in ps]) for f in _Pairs.COLUMNS
         )
-        return _Pairs(offsets, ks, base, dp, act, params, saved, ps[0].layers, ps[0].link, ps[0].inner)
+        return _Pairs(offsets, ks, base, dp, act, params, saved, work, ps[0].layers, ps[0].link, ps[0].inner)
 
     def subset(self, keep: npt.NDArray[np.bool_], js: IntArray | None = None) -> _Pairs:
         """The pairs where ``keep`` holds (same states, same CSR layout; ``js`` if known)."""
         js = self.js() if js is None else js
         offsets = csr_offsets(js[keep], len(self.offsets) - 1)
-        ks, base, dp, act, params, saved = (getattr(self, f)[keep] for f in _Pairs.COLUMNS)
-        return _Pairs(offsets, ks, base, dp, act, params, saved, self.layers, self.link, self.inner)
+        ks, base, dp, act, params, saved, work = (getattr(self, f)[keep] for f in _Pairs.COLUMNS)
+        return _Pairs(offsets, ks, base, dp, act, params, saved, work, self.layers, self.link, self.inner)
 
     def js(self) -> IntArray:
         """The later state of every pair."""
@@ -236,7 +238,7 @@ def _usable_blocks(prob: LevelProblem, upper: float, layers: IntArray) -> Iterat
         need = _replicas_needed(prob, part, tau)
         if prob.memory is not None:  # the compute floor after each stage: devices from it on
             after = (prob.units - room)[js].astype(np.float64)
-            need = np.maximum(need, _memory_floor(prob, part.params, part.saved, after))
+            need = np.maximum(need, _memory_floor(prob, part.params, part.saved, part.work, after))
         if len(js):
             last = int(js[-1]) + 1
             sweep_layers(g, part.ks, np.searchsorted(js, np.arange(first, last + 1)), layers, need, first)
@@ -290,14 +292,24 @@ def _replicas_needed(prob: LevelProblem, pairs: _Pairs, tau: float) -> FloatArra
     return r
 
 
-def _memory_capacity(prob: LevelProblem, p: FloatArray, saved: FloatArray) -> FloatArray:
+def _work(prob: LevelProblem, ks: IntArray, js: IntArray) -> FloatArray:
+    """Per pair, what one item's backward holds beyond the stage's saved bytes
+    (:meth:`~partitioner.optimizer.pricing.memory.MemoryLimit.excess`; 0 without a limit)."""
+    s = prob.states
+    if prob.memory is None:
+        return np.zeros(len(ks))
+    out = np.where(js < len(s) - 1, s.act_bytes[js], 0.0)
+    return prob.memory.excess(s.masks, s.layer_ids, ks, js, out)
+
+
+def _memory_capacity(prob: LevelProblem, p: FloatArray, saved: FloatArray, work: FloatArray) -> FloatArray:
     """What fits of a stage, once per pair: pipedream, the minibatches a device can hold in flight
     (< 1: none); synchronous, the fewest replicas that hold all M microbatches' activations (inf:
-    none). Both from ``memory.MemoryLimit``, the one memory model."""
+    none). Both from ``memory.MemoryLimit``, the one memory model; ``work``: :func:`_work`."""
     assert prob.memory is not None
     if prob.memory.asynchronous:
-        return prob.memory.items(p, saved)
-    return prob.memory.replicas(p, saved)
+        return prob.memory.items(p, saved, work)
+    return prob.memory.replicas(p, saved, working=work)
 
 
 def _need_from(prob: LevelProblem, capacity: FloatArray, before: FloatArray) -> FloatArray:
@@ -322,7 +334,7 @@ def _min_units(
     reps = _replicas_needed(prob, pairs, tau)
     cap = prob.cap
     if prob.memory is not None and capacity is None:
-        capacity = _memory_capacity(prob, pairs.params, pairs.saved)
+        capacity = _memory_capacity(prob, pairs.params, pairs.saved, pairs.work)
     g = np.full(n, np.inf)
     g[0] = 0.0
     arg_k = np.zeros(n, dtype=np.int64)
@@ -586,7 +598,9 @@ def _fits_memory(prob: LevelProblem, stages: list[Segment]) -> bool:
     j = np.array([x.end for x in stages], dtype=np.int64)
     r = np.array([x.replicas for x in stages], dtype=np.float64)
     before = np.concatenate([[0.0], np.cumsum(r)[:-1]])
-    capacity = _memory_capacity(prob, prob.held_params(k, j), s.saved_bytes[j] - s.saved_bytes[k])
+    capacity = _memory_capacity(
+        prob, prob.held_params(k, j), s.saved_bytes[j] - s.saved_bytes[k], _work(prob, k, j)
+    )
     need = _need_from(prob, capacity, before)
     return bool((r >= need).all())
 
@@ -597,7 +611,7 @@ def solve_bisection(
     """Bisection on the slowest stage's time; each probe is the fewest-units DP (memory-aware)."""
     pairs = pairs or _Pairs.of(prob)
     last = len(prob.states) - 1
-    capacity = None if prob.memory is None else _memory_capacity(prob, pairs.params, pairs.saved)
+    capacity = None if prob.memory is None else _memory_capacity(prob, pairs.params, pairs.saved, pairs.work)
     g, arg_k, arg_r = _min_units(prob, math.inf, pairs, capacity)
     if not g[last] <= prob.units:
         raise InfeasibleError("no plan fits in memory")
@@ -608,7 +622,9 @@ def solve_bisection(
     while hi - lo > REL_TOL * hi:
         if hi < 0.99 * pruned_at and prob.units <= DIRECT_MAX_UNITS and prob.base is None:
             pairs, pruned_at = _usable(prob, pairs, hi), hi  # what a plan as fast as hi can use
-            capacity = None if prob.memory is None else _memory_capacity(prob, pairs.params, pairs.saved)
+            capacity = (
+                None if prob.memory is None else _memory_capacity(prob, pairs.params, pairs.saved, pairs.work)
+            )
         mid = 0.5 * (lo + hi)
         g, arg_k, arg_r = _min_units(prob, mid, pairs, capacity)
         if g[last] <= prob.units:
@@ -628,15 +644,17 @@ def _usable(prob: LevelProblem, pairs: _Pairs, upper: float) -> _Pairs:
     need = _replicas_needed(free, pairs, upper * (1 + 1e-9))
     if prob.memory is not None:
         after = fewest_units_after(pairs.ks, pairs.js(), pairs.layers, need, prob.units)[pairs.js()]
-        need = np.maximum(need, _memory_floor(prob, pairs.params, pairs.saved, after))
+        need = np.maximum(need, _memory_floor(prob, pairs.params, pairs.saved, pairs.work, after))
     return _between(free, pairs, upper, lo, width, need)[0]
 
 
-def _memory_floor(prob: LevelProblem, params: FloatArray, saved: FloatArray, after: FloatArray) -> FloatArray:
+def _memory_floor(
+    prob: LevelProblem, params: FloatArray, saved: FloatArray, work: FloatArray, after: FloatArray
+) -> FloatArray:
     """Fewest replicas stages need for memory whatever comes before them, given at least ``after``
     devices after each: pipedream's in-flight count is at least r + after, so r >= after / (h - 1)
     (h: the minibatches that fit, ``_memory_capacity``); synchronous schedules' need is fixed."""
-    capacity = _memory_capacity(prob, params, saved)
+    capacity = _memory_capacity(prob, params, saved, work)
     if prob.memory is None or not prob.memory.asynchronous:
         return capacity
     with np.errstate(divide="ignore", invalid="ignore"):

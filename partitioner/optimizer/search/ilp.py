@@ -164,5 +164,7 @@ def _fits(
     ks, js = np.array([k], dtype=np.int64), np.array([j], dtype=np.int64)
     copies, _ = limit.copies(states.masks, states.layer_ids, ks, js)
     p = states.param_bytes[js] - states.param_bytes[ks] + copies
-    items = limit.items(p, states.saved_bytes[js] - states.saved_bytes[ks])
+    out = np.where(js < len(states) - 1, states.act_bytes[js], 0.0)
+    work = limit.excess(states.masks, states.layer_ids, ks, js, out)
+    items = limit.items(p, states.saved_bytes[js] - states.saved_bytes[ks], work)
     return bool(items[0] >= -(-m // r))

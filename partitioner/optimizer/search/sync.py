@@ -56,7 +56,7 @@ class _Choices:
         a = allreduce_time(params[:, None], r, link)
         r_mem = np.ones(len(k))
         if memory is not None:  # all M microbatches' activations, split over the replicas
-            copies, largest, working = memory.extras(states.masks, states.layer_ids, k, j)
+            copies, largest, working = memory.extras(states.masks, states.layer_ids, k, j, out)
             saved = states.saved_bytes[j] - states.saved_bytes[k]
             held = params + copies
             fits = memory.fits(held[:, None], saved[:, None], r, largest[:, None], working[:, None])

@@ -13,6 +13,7 @@ from partitioner.graph import Profile
 from partitioner.optimizer import evaluate, solve
 from partitioner.optimizer.pricing.memory import (
     MemoryLimit,
+    backward_excess,
     copy_bytes,
     peak_bytes,
     shared_weights,
@@ -137,6 +138,43 @@ def _finds_the_best_that_fits_every_limit(profile: Profile, schedule: str, m: in
             pytest.fail(f"{schedule} at {limit} B: no plan found, but one of {best} s fits")
         assert max(s.memory_bytes for s in plan.stages) <= limit
         assert plan.predicted.time_per_minibatch_s <= best * (1 + 1e-9), limit
+
+
+def test_a_layers_backward_meets_only_what_the_layers_before_it_saved() -> None:
+    """(working, saved) in forward order: the first layer's 8 MB of gradients meet neither the
+    second's 5 MB nor the third's 1 MB saved, which are gone when it runs; the third's 3 MB meet all."""
+    assert backward_excess([(8.0, 2.0), (4.0, 5.0), (3.0, 1.0)]) == max(8.0 - 6.0, 4.0 - 1.0, 3.0)
+    assert backward_excess([(1.0, 9.0), (7.0, 0.0)]) == 7.0
+    assert backward_excess([]) == 0.0
+    # 2 MB of output gradients received: in the last layer's 3 MB already, beside every other's
+    assert backward_excess([(8.0, 2.0), (4.0, 5.0), (3.0, 1.0)], 2.0) == max(
+        8.0 - 6.0 + 2.0, 4.0 - 1.0 + 2.0, 3.0
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(costs=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 10**6)), min_size=1, max_size=9))
+def test_the_searches_charge_a_chains_stage_the_backward_excess_of_its_price(
+    costs: list[tuple[int, int]],
+) -> None:
+    """Every stage of a chain: the searches' working bytes (:meth:`MemoryLimit.extras`, a range
+    maximum over the layers) equal the plan's (``StageLoad.working_bytes``, layer by layer)."""
+    chain = make_profile([(1, 2, 1000, 10)] * len(costs), [(i, i + 1) for i in range(len(costs) - 1)])
+    nodes = [chain.nodes[0]] + [
+        replace(n, working_bytes=w, saved_bytes=b) for n, (w, b) in zip(chain.nodes[1:], costs, strict=True)
+    ]
+    profile = replace(chain, nodes=tuple(nodes))
+    states = build_states(profile)
+    ks, js = states.all_pairs()
+    limit = MemoryLimit.of(1e12, profile, "sgd", "1f1b", 2, 2)
+    out = np.where(js < len(states) - 1, states.act_bytes[js], 0.0)  # (what the stage sends on)
+    _, _, searched = limit.extras(states.masks, states.layer_ids, ks, js, out)
+    last = len(states) - 1
+    for k, j, got in zip(ks, js, searched, strict=True):
+        cuts = [(0, int(k)), (int(k), int(j)), (int(j), last)]
+        groups = [list(states.members(a, b)) for a, b in cuts if a < b]
+        load = stage_loads(profile, groups)[1 if k else 0]  # (its neighbours: what it is sent back)
+        assert got == pytest.approx(load.working_bytes, abs=1e-6), states.members(int(k), int(j))
 
 
 @pytest.mark.parametrize(("schedule", "m"), [("pipedream", 1), ("1f1b", 3), ("gpipe", 3)])
