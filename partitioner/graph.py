@@ -97,6 +97,12 @@ class Node:
             minibatch: the gradient B saw flowing into each autograd node whose branch leads only
             to weights, which W needs (``runtime.split_backward``; a linear's, the gradient of its
             output). Held per item between its B and its W (0: not measured).
+        kept_output_bytes: the part of ``output_bytes`` its own backward keeps (a ReLU's, a softmax's
+            output; counted in its ``saved_bytes``). A stage sending a tensor holds it per item until
+            its backward, as autograd's root, unless its producer keeps it; a stage receiving one
+            holds its own copy, which the producer's count does not cover where the producer keeps
+            it (``StageLoad.boundary_bytes``). None: not measured (profiles written before, and
+            PipeDream's), and nothing is charged for it.
     """
 
     id: str
@@ -117,6 +123,7 @@ class Node:
     backward_fixed_ms: float = 0.0
     working_bytes: int = 0
     deferred_bytes: int = 0
+    kept_output_bytes: int | None = None
 
     @property
     def compute_ms(self) -> float:
@@ -220,7 +227,8 @@ def scale_batch(profile: Profile, batch_size: int) -> Profile:
     nodes = tuple(
         replace(n, forward_ms=n.forward_ms * k, backward_ms=n.backward_ms * k,
                 output_bytes=round(n.output_bytes * k), saved_bytes=round(n.saved_bytes * k),
-                working_bytes=round(n.working_bytes * k), deferred_bytes=round(n.deferred_bytes * k))
+                working_bytes=round(n.working_bytes * k), deferred_bytes=round(n.deferred_bytes * k),
+                kept_output_bytes=None if n.kept_output_bytes is None else round(n.kept_output_bytes * k))
         for n in profile.nodes
     )  # fmt: skip
     inputs = tuple(
@@ -345,6 +353,7 @@ def _node_from_json(doc: Mapping[str, Any]) -> Node:
         cast_bytes=int(doc.get("cast_bytes", 0)),
         working_bytes=int(doc.get("working_bytes", 0)),
         deferred_bytes=int(doc.get("deferred_bytes", 0)),
+        kept_output_bytes=None if doc.get("kept_output_bytes") is None else int(doc["kept_output_bytes"]),
         forward_fixed_ms=float(doc.get("forward_fixed_ms", 0.0)),
         backward_fixed_ms=float(doc.get("backward_fixed_ms", 0.0)),
         param_bytes=int(doc.get("param_bytes", 0)),
@@ -382,6 +391,12 @@ def checked(profile: Profile, source: str = "profile") -> Profile:
                 raise ProfileFormatError(
                     f"{source}: node {node.id!r} has {field_name}={value!r}; it must be a finite number >= 0"
                 )
+        kept = node.kept_output_bytes
+        if kept is not None and not (_non_negative(kept) and kept <= node.output_bytes):
+            raise ProfileFormatError(
+                f"{source}: node {node.id!r} has kept_output_bytes={kept!r}; it must be between 0 and its "
+                f"output_bytes ({node.output_bytes})"
+            )
         _check_inputs(profile, node, seen, source)
         seen.add(node.id)
     return profile

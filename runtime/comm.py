@@ -35,8 +35,10 @@ from runtime.errors import PeerLost
 
 __all__ = [
     "BUCKET_BYTES",
+    "Answer",
     "Comm",
     "Posted",
+    "Sent",
     "TensorMeta",
     "buckets",
     "decode_meta",
@@ -121,7 +123,8 @@ def _tags(tags: Sequence[int], messages: Sequence[object]) -> Sequence[int]:
 
 
 Answer = tuple[int, int, int]
-"""(peer, tag, unit) of an activation send: the gradient of ``unit`` from ``peer`` proves it arrived."""
+"""(peer, tag, unit): the message from ``peer`` on stream ``tag`` for ``unit`` whose arrival proves a send
+arrived (an activation's: its gradient; under pipedream, a gradient's: the peer's next forward)."""
 
 
 @dataclass
@@ -230,19 +233,20 @@ class Comm:
 
     def send(
         self, messages: Sequence[tuple[int, Sequence[torch.Tensor]]], tags: Sequence[int] = (),
-        unit: int | None = None,
+        answers: Sequence[Answer | None] = (),
     ) -> None:  # fmt: skip
         """Post sends of each (peer, tensors) message, or hold them for the next :meth:`recv` when
         ``hold`` is set; returns at once either way. ``tags``: one per message (default 0), for ranks
         that exchange several streams at once (``interleaved``: a rank hosts several stages). A message
         to this rank itself goes to its loopback as detached copies (no process group sends to itself).
-        ``unit``: the activations of this unit, retired when :meth:`answered` says its gradient came back."""
+        ``answers``: one per message, what retires its send when :meth:`answered` (default: its era)."""
         me = self.me
-        for (peer, tensors), tag in zip(messages, _tags(tags, messages), strict=True):
+        for (peer, tensors), tag, answer in zip(
+            messages, _tags(tags, messages), answers or [None] * len(messages), strict=True
+        ):
             if peer == me:
                 self.loopback.setdefault(tag, deque()).append([t.detach().clone() for t in tensors])
                 continue
-            answer = None if unit is None else (peer, tag, unit)
             self.outbox.extend(
                 (dist.P2POp(dist.isend, t.detach().contiguous(), peer, self.group, tag), answer)
                 for t in tensors
@@ -297,10 +301,10 @@ class Comm:
         self.peak_pending = max(self.peak_pending, len(self.pending))
 
     def answered(self, peer: int, tag: int, unit: int) -> None:
-        """``unit``'s gradient came back from ``peer`` on the stream that carried its activations
-        (``tag``): the peer received them, so their sends end now, freeing the tensors. A stage
-        output stays alive until its backward anyway; without this its send kept it for another
-        step (pipedream: ``2 (world + 1)`` steps)."""
+        """The message of ``unit`` from ``peer`` on stream ``tag`` arrived: the sends it answers
+        (:data:`Answer`) were received, so they end now, freeing their tensors. A stage output stays
+        alive until its backward anyway; without this its send kept it for another step (pipedream:
+        ``2 (world + 1)`` steps), and a pipedream gradient for as long."""
         answer, kept = (peer, tag, unit), deque[Sent]()
         with peer_errors("waiting for sends"):
             for sent in self.pending:

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.comm import Comm, Posted, TensorMeta
+from runtime.comm import Answer, Comm, Posted, TensorMeta
 from runtime.config import RankConfig
 from runtime.data import Batches
 from runtime.lookahead import Lookahead, steps_before_backward
@@ -56,7 +56,7 @@ from runtime.optim import Clip, clip_grads
 from runtime.package import Wiring
 from runtime.precision import autocast
 from runtime.recompute import run_forward
-from runtime.schedule import Action, Schedule, get_schedule
+from runtime.schedule import Action, Schedule, get_schedule, warmup
 from runtime.split_backward import WeightWork, backward_input, backward_weight
 
 __all__ = ["LOOKAHEAD", "STASH_LOG_MAX", "Groups", "StageRuntime", "Unit"]
@@ -208,9 +208,16 @@ class StageRuntime:
         at its step a rank has posted all its sends of the minibatch and none of its receivers needs
         anything more from it to take them: waiting for them there cannot deadlock, and costs no
         time, as this rank's next receive comes from a peer that must have finished the minibatch
-        (taken this rank's gradients) first. Pipedream keeps at most world-size minibatches in
-        flight on any stage, doubled for margin. (Activations go earlier: :meth:`Comm.answered`.)"""
-        return 2 * (self.cfg.job.world_size + 1) if self.stash else 0
+        (taken this rank's gradients) first. Under pipedream a chain of single-replica stages needs
+        2: stage s's gradient of minibatch n goes in its step n, stage s-1 takes it in its backward
+        of n and only then runs its forward of n + w_s + 1 (w: the minibatches a stage runs ahead,
+        one more upstream), which this rank receives in its step n + 2. With replicas the rounds
+        interleave; there it keeps the bound of world-size minibatches in flight, doubled for
+        margin. (Activations go earlier: :meth:`Comm.answered`.)"""
+        if not self.stash:
+            return 0
+        chain = all(len(ranks) == 1 for ranks in self.cfg.job.stage_ranks)
+        return 2 if chain else 2 * (self.cfg.job.world_size + 1)
 
     def _tag(self, producer: int, consumer: int, grads: bool) -> int:
         """The stream of messages between two stages, one way. 0 (untagged) when every rank runs one
@@ -338,6 +345,8 @@ class StageRuntime:
             named.update(zip(self.wiring.stage_inputs[me], self._micro("inputs", unit), strict=True))
         producers = self.producers
         got = self._recv(Action(me, "F", unit))
+        for k in producers:  # (a forward of a pipedream producer proves its earlier gradients came)
+            self.comm.answered(self._peer(k, unit), self._tag(k, me, False), unit)
         for names, tensors in zip(producers.values(), got, strict=True):
             for name, t in zip(names, tensors, strict=True):
                 named[name] = t.requires_grad_(t.is_floating_point())
@@ -347,7 +356,7 @@ class StageRuntime:
         self.comm.send(
             [(self._peer(k, unit), [outs[n] for n in names]) for k, names in self.consumers.items()],
             [self._tag(me, k, False) for k in self.consumers],
-            unit,
+            [(self._peer(k, unit), self._tag(me, k, False), unit) for k in self.consumers],
         )
         inputs = {n: t for n, t in named.items() if t.requires_grad}
         # Only what a later stage reads: the backward starts from those and the loss. The loss's own
@@ -453,7 +462,23 @@ class StageRuntime:
                     t = state.inputs[name]
                     tensors.append(t.grad if t.grad is not None else torch.zeros_like(t))
             messages.append((self._peer(k, unit), tensors))
-        self.comm.send(messages, [self._tag(k, self.cfg.stage, True) for k in self.producers])
+        me = self.cfg.stage
+        self.comm.send(
+            messages,
+            [self._tag(k, me, True) for k in self.producers],
+            [self._answer_of_gradient(k, unit) for k in self.producers],
+        )
+
+    def _answer_of_gradient(self, producer: int, unit: int) -> Answer | None:
+        """Under pipedream on a chain of single-replica stages, the producer takes ``unit``'s gradient
+        in its backward of ``unit`` and runs the forward of ``unit + its warm-up`` next (its 1F1B
+        list), whose activations then prove the gradient arrived; elsewhere None (retired by
+        era, :attr:`_send_lag`)."""
+        job = self.cfg.job
+        if not self.stash or any(len(ranks) > 1 for ranks in job.stage_ranks):
+            return None
+        ahead = warmup([1] * job.stages, producer) * job.microbatches
+        return self._peer(producer, unit), self._tag(producer, self.cfg.stage, False), unit + ahead
 
     def step(self, step: int) -> None:
         """Sum gradients over replicas and ties, unscale them (fp16: every rank skips the step if one

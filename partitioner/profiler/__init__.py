@@ -582,6 +582,7 @@ def _nodes(
                 cast_bytes=cost.cast_bytes,
                 working_bytes=cost.working_bytes,
                 deferred_bytes=cost.deferred_bytes,
+                kept_output_bytes=cost.kept_output_bytes,
                 param_bytes=sum(p.numel() * p.element_size() for p in fresh),
                 param_names=tuple(names),
                 description=description,

@@ -248,8 +248,9 @@ class LayerEstimator(LayerProfiler):
         self.work[group.id] = (forward, backward)
         out_bytes = sum(t.nbytes for m in exported for t in _tensors(self.env[m]))
         return LayerCost(
-            forward.seconds * 1e3, backward.seconds * 1e3, out_bytes, saved, cast, working, deferred
-        )
+            forward.seconds * 1e3, backward.seconds * 1e3, out_bytes, saved, cast, working, deferred,
+            self.kept_output(group.id, exported),
+        )  # fmt: skip
 
 
 def estimate_loss(

@@ -66,6 +66,8 @@ class LayerCost:
             :func:`measure_loss_memory`).
         deferred_bytes: bytes a split backward keeps from its B to its W
             (:func:`~partitioner.profiler.working.split_deferred`).
+        kept_output_bytes: the part of ``output_bytes`` its own backward keeps
+            (:meth:`LayerProfiler.kept_output`; ``Node.kept_output_bytes``).
     """
 
     forward_ms: float
@@ -75,6 +77,7 @@ class LayerCost:
     cast_bytes: int = 0
     working_bytes: int = 0
     deferred_bytes: int = 0
+    kept_output_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -310,7 +313,10 @@ class LayerProfiler(fx.Interpreter):
                     for roots, wrt, seeds in work:
                         torch.autograd.grad(roots, wrt, seeds, allow_unused=True)
         out_bytes = sum(t.nbytes for m in exported for t in _tensors(self.env[m]))
-        return LayerCost(_median(forward), _median(backward), out_bytes, saved, cast, working, deferred)
+        return LayerCost(
+            _median(forward), _median(backward), out_bytes, saved, cast, working, deferred,
+            self.kept_output(group.id, exported),
+        )  # fmt: skip
 
     def _calls(self, warm: list[float]) -> int:
         """Back-to-back calls per timing: the stopwatch's, or one for a layer whose warm-up took
@@ -421,6 +427,15 @@ class LayerProfiler(fx.Interpreter):
             entries.setdefault(role or ptr, (role, nbytes, ptr in casts))
         self.saves[group_id] = list(entries.values())
         return self._count(self.saves[group_id], origins)
+
+    def kept_output(self, group_id: str, exported: list[fx.Node]) -> int:
+        """Bytes of the layer's exported outputs its own forward saved for backward (their roles in
+        ``saves``, so a twin's are its own; at most each output's bytes, a view counted as such)."""
+        kept = {role for role, _, _ in self.saves.get(group_id, []) if role is not None and role[0] == "out"}
+        return sum(
+            t.nbytes for k, node in enumerate(exported) for j, t in enumerate(_tensors(self.env.get(node)))
+            if ("out", k, j) in kept
+        )  # fmt: skip
 
     def _origins(self, members: list[fx.Node], exported: list[fx.Node]) -> dict[Origin, int]:
         """The captured storage of each of the layer's inputs and exported outputs, by its role."""

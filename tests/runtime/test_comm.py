@@ -76,8 +76,8 @@ def test_an_activation_send_ends_when_its_gradient_comes_back(monkeypatch: pytes
     made: list[_Work] = []
     _batched(monkeypatch, False, made)
     c = comm.Comm(None, torch.device("cpu"), prefetch=True)  # type: ignore[arg-type]
-    c.send([(1, [torch.ones(4)])], [5], unit=3)
-    c.send([(1, [torch.ones(4)])], [5], unit=4)
+    c.send([(1, [torch.ones(4)])], [5], [(1, 5, 3)])
+    c.send([(1, [torch.ones(4)])], [5], [(1, 5, 4)])
     c.send([(0, [torch.ones(4)])], [6])  # a gradient: no unit
     c.answered(1, 6, 3)  # another stream
     c.answered(2, 5, 3)  # another peer
@@ -98,7 +98,7 @@ def test_a_batch_coalesced_into_one_handle_is_waited_for_its_receives(
     made: list[_Work] = []
     _batched(monkeypatch, True, made)
     c = comm.Comm(None, torch.device("cpu"), hold=True)  # type: ignore[arg-type]
-    c.send([(1, [torch.ones(4)])], unit=0)
+    c.send([(1, [torch.ones(4)])], answers=[(1, 0, 0)])
     assert c.outbox and not made  # held for the next receive
     (buf,) = c.recv([(1, (TensorMeta((2,), torch.float32),))])[0]
     assert len(made) == 1 and made[0].waited and buf.shape == (2,)

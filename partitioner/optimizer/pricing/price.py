@@ -110,6 +110,8 @@ def stage_loads(profile: Profile, groups: Sequence[Sequence[str]]) -> list[Stage
             if node.id in where:
                 last_reader[src] = max(last_reader.get(src, -1), where[node.id])
     crossing = [0.0] * (len(groups) + 1)  # crossing[c]: bytes over the cut before stage c
+    sent = [0.0] * (len(groups) + 1)  # of those, what the producer's backward does not keep
+    kept = [0.0] * (len(groups) + 1)  # and what it keeps (both 0 where not measured)
     taken = [0.0] * len(groups)  # taken[c]: bytes stage c's forward takes, the model's inputs too
     for src, reader in last_reader.items():
         node = nodes[src]
@@ -119,6 +121,9 @@ def stage_loads(profile: Profile, groups: Sequence[Sequence[str]]) -> list[Stage
         for cut in range(first, reader + 1):
             taken[cut] += node.output_bytes
             crossing[cut] += node.output_bytes if node.op != "input" else 0.0
+            if node.op != "input" and node.kept_output_bytes is not None:
+                sent[cut] += node.output_bytes - node.kept_output_bytes
+                kept[cut] += node.kept_output_bytes
     loads = []
     copies = copy_bytes(shared_weights(profile), groups)
     master = master_ratio(profile.dtype)
@@ -142,6 +147,8 @@ def stage_loads(profile: Profile, groups: Sequence[Sequence[str]]) -> list[Stage
                 ),
                 deferred_bytes=float(sum(n.deferred_bytes for n in members)) if i else crossing[i + 1],
                 kept_bytes=float(sum(n.saved_bytes for n in members if n.op == "output")),
+                sent_bytes=sent[i + 1],
+                received_bytes=kept[i],
             )
         )
     return loads
@@ -237,8 +244,8 @@ def held_memory(
     params = load.param_bytes + load.copy_bytes
     transient = held_transient(load, schedule, accumulates, item)
     return round(between * load.deferred_bytes / share) + peak_bytes(
-        params, load.saved_bytes, held, share, schedule, optimizer, transient, load.input_bytes, recompute,
-        load.master, load.kept_bytes,
+        params, load.item_bytes, held, share, schedule, optimizer, transient, load.input_bytes, recompute,
+        load.master, load.kept_bytes + load.sent_bytes,
     )  # fmt: skip
 
 
@@ -324,7 +331,7 @@ def _stage_bytes(load: StageLoad, schedule: str, optimizer: str, microbatches: i
     params = load.param_bytes + load.copy_bytes
     kept = params * (persistent_factor(optimizer, load.master) - 1)
     transient = held_transient(load, schedule, microbatches > 1, item)
-    return StageBytes(kept, params, load.saved_bytes / item, transient, load.deferred_bytes / item)
+    return StageBytes(kept, params, load.item_bytes / item, transient, load.deferred_bytes / item)
 
 
 def stage_transient(

@@ -72,6 +72,10 @@ class StageLoad:
         kept_bytes: the part of ``saved_bytes`` a recomputing stage keeps per item all the same: the
             loss's (the output node's; ``runtime.stage`` runs the loss outside the recomputed
             forward, so a cross-entropy's log-softmax is saved for every microbatch in flight).
+        sent_bytes: what it sends on per minibatch that the producing layer's backward does not keep
+            (``Node.kept_output_bytes``): held per item until its backward as autograd's roots.
+        received_bytes: what it receives per minibatch that the producing layer keeps: counted in
+            that layer's saved bytes on the stage before, and held here as a copy per item.
     """
 
     compute_s: float
@@ -87,6 +91,14 @@ class StageLoad:
     working_bytes: float = 0.0
     kept_bytes: float = 0.0
     deferred_bytes: float = 0.0
+    sent_bytes: float = 0.0
+    received_bytes: float = 0.0
+
+    @property
+    def item_bytes(self) -> float:
+        """What it holds per minibatch of items in flight: its layers' saved bytes and the tensors at
+        its edges no layer's count covers (``StateSet.item_bytes`` in the searches)."""
+        return self.saved_bytes + self.sent_bytes + self.received_bytes
 
     @property
     def forward_time(self) -> float:

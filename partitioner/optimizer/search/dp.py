@@ -172,7 +172,7 @@ class _Pairs:
         """Priced pairs of a run of states as a ``_Pairs`` (CSR over all states; js ascending)."""
         s, n = prob.states, len(prob.states)
         offsets = csr_offsets(js, n)
-        params, saved = prob.held_params(ks, js), s.saved_bytes[js] - s.saved_bytes[ks]
+        params, saved = prob.held_params(ks, js), s.item_bytes(ks, js)
         work = _work(prob, ks, js)
         pairs = _Pairs(
             offsets, ks.astype(np.int64), base, dp, act, params, saved, work, layers, prob.link, prob.inner
@@ -598,9 +598,7 @@ def _fits_memory(prob: LevelProblem, stages: list[Segment]) -> bool:
     j = np.array([x.end for x in stages], dtype=np.int64)
     r = np.array([x.replicas for x in stages], dtype=np.float64)
     before = np.concatenate([[0.0], np.cumsum(r)[:-1]])
-    capacity = _memory_capacity(
-        prob, prob.held_params(k, j), s.saved_bytes[j] - s.saved_bytes[k], _work(prob, k, j)
-    )
+    capacity = _memory_capacity(prob, prob.held_params(k, j), s.item_bytes(k, j), _work(prob, k, j))
     need = _need_from(prob, capacity, before)
     return bool((r >= need).all())
 

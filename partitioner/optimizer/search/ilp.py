@@ -166,5 +166,5 @@ def _fits(
     p = states.param_bytes[js] - states.param_bytes[ks] + copies
     out = np.where(js < len(states) - 1, states.act_bytes[js], 0.0)
     work = limit.excess(states.masks, states.layer_ids, ks, js, out)
-    items = limit.items(p, states.saved_bytes[js] - states.saved_bytes[ks], work)
+    items = limit.items(p, states.item_bytes(ks, js), work)
     return bool(items[0] >= -(-m // r))

@@ -87,7 +87,7 @@ class _Dag:
         ids, preds, succs = _layers(profile)
         width = len(ids)
         pred, succ = _pack(preds, width), _pack(succs, width)
-        comp, par, _, out = _columns(profile, ids).T.copy()
+        comp, par, _, out = _columns(profile, ids)[:, :4].T.copy()
         return _Dag(
             _pack([1 << x for x in range(width)], width), pred, succ, _csr(pred), _csr(succ), comp, par, out,
             np.where(np.array([s != 0 for s in succs], dtype=bool), out, 0.0),

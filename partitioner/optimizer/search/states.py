@@ -49,6 +49,11 @@ class StateSet:
         param_bytes: parameter bytes of each downset.
         saved_bytes: activation bytes kept for backward by each downset.
         act_bytes: bytes leaving the downset (outputs of its members read by non-members).
+        sent_bytes: of those, what their producers' backwards do not keep: a stage ending at this
+            state holds them per item as autograd's roots (``Node.kept_output_bytes``; 0 where
+            not measured).
+        received_bytes: of those, what their producers keep: a stage starting at this state holds
+            its own copy per item, which no count of its layers covers.
         preds: for state j, the states k with mask_k a strict subset of mask_j (None: all k < j;
             prefix states keep them as runs, ``PrefixPreds``).
         exact: True when every downset of the DAG is present.
@@ -60,6 +65,8 @@ class StateSet:
     param_bytes: FloatArray
     saved_bytes: FloatArray
     act_bytes: FloatArray
+    sent_bytes: FloatArray
+    received_bytes: FloatArray
     preds: tuple[IntArray, ...] | PrefixPreds | None
     exact: bool
 
@@ -126,8 +133,18 @@ class StateSet:
     def take(self, idx: IntArray, preds: PrefixPreds | None) -> StateSet:
         """The states ``idx`` (ascending), renumbered 0.. in that order, with ``preds``; not exact."""
         masks = tuple(self.masks[i] for i in idx)
-        sums = (self.compute_s[idx], self.param_bytes[idx], self.saved_bytes[idx], self.act_bytes[idx])
+        sums = (self.compute_s[idx], self.param_bytes[idx], self.saved_bytes[idx], self.act_bytes[idx],
+                self.sent_bytes[idx], self.received_bytes[idx])  # fmt: skip
         return StateSet(self.layer_ids, masks, *sums, preds, False)
+
+    def item_bytes(self, ks: IntArray, js: IntArray) -> FloatArray:
+        """What stages (ks, js] hold per item in flight: their layers' saved bytes, the outputs they
+        send that no layer keeps, and the copies of kept tensors they receive (as the price's
+        ``StageLoad.item_bytes``)."""
+        return np.asarray(
+            self.saved_bytes[js] - self.saved_bytes[ks] + self.sent_bytes[js] + self.received_bytes[ks],
+            dtype=np.float64,
+        )
 
     def members(self, k: int, j: int) -> tuple[str, ...]:
         """Layer ids in state j but not in state k, in topological order."""
@@ -260,32 +277,38 @@ def _unpack(rows: WordArray, width: int) -> npt.NDArray[np.uint8]:
 
 
 def _columns(profile: Profile, ids: list[str]) -> FloatArray:
-    """[layer, 4]: each layer's compute seconds, parameter, saved and output bytes."""
+    """[layer, 6]: each layer's compute seconds, parameter, saved and output bytes, and of its output
+    bytes those its backward does not keep and those it keeps (both 0 where not measured)."""
     nodes = {n.id: n for n in profile.nodes}
     layers = [nodes[i] for i in ids]
-    cols = [[n.compute_ms / 1000.0, n.param_bytes, n.saved_bytes, n.output_bytes] for n in layers]
-    return np.array(cols, dtype=np.float64).reshape(len(ids), 4)
+    cols = [
+        [n.compute_ms / 1000.0, n.param_bytes, n.saved_bytes, n.output_bytes,
+         0 if n.kept_output_bytes is None else n.output_bytes - n.kept_output_bytes, n.kept_output_bytes or 0]
+        for n in layers
+    ]  # fmt: skip
+    return np.array(cols, dtype=np.float64).reshape(len(ids), 6)
 
 
 def _sums(profile: Profile, ids: list[str], masks: list[int]) -> tuple[FloatArray, ...]:
     mat = _unpack(_pack(masks, len(ids)), len(ids)).astype(np.float64)
-    comp, par, sav, _ = _columns(profile, ids).T.copy()  # (contiguous rows, as the products had)
+    comp, par, sav = _columns(profile, ids)[:, :3].T.copy()  # (contiguous rows, as the products had)
     return mat @ comp, mat @ par, mat @ sav, mat
 
 
 def _boundary(profile: Profile, ids: list[str], succs: list[int], mat: FloatArray) -> FloatArray:
-    """Bytes each downset sends onward: outputs of members that a non-member reads."""
+    """[state, 3]: bytes each downset sends onward (outputs of members that a non-member reads), and
+    of those what their producers do not keep and what they keep (:func:`_columns`)."""
     src = [i for i, s in enumerate(succs) for _ in _bit_indices(s)]
     dst = [t for s in succs for t in _bit_indices(s)]
     if not src:
-        return np.zeros(len(mat))
+        return np.zeros((len(mat), 3))
     senders = np.array(sorted(set(src)), dtype=np.int64)
     starts = np.searchsorted(np.asarray(src), senders)  # src is sorted: edges grouped by sender
     bits = mat.astype(np.uint8)
     inside = np.add.reduceat(bits[:, dst], starts, axis=1, dtype=np.int32)  # [state, sender]: readers inside
     degree = np.diff(np.append(starts, len(src)))
     leaving = (mat[:, senders] > 0) & (inside < degree[None, :])
-    return np.asarray(leaving @ _columns(profile, ids)[senders, 3], dtype=np.float64)
+    return np.asarray(leaving @ _columns(profile, ids)[senders, 3:], dtype=np.float64)
 
 
 def _bit_indices(mask: int) -> list[int]:
@@ -355,10 +378,10 @@ def downset_states(profile: Profile, max_states: int = DEFAULT_MAX_STATES) -> St
     if masks is None:
         return None
     comp, par, sav, mat = _sums(profile, ids, masks)
-    act = _boundary(profile, ids, succs, mat)
+    act, sent, received = _boundary(profile, ids, succs, mat).T
     is_chain = all(masks[i] & masks[i + 1] == masks[i] for i in range(len(masks) - 1))
     preds_ = None if is_chain else _subset_preds(masks, len(ids))
-    return StateSet(tuple(ids), tuple(masks), comp, par, sav, act, preds_, True)
+    return StateSet(tuple(ids), tuple(masks), comp, par, sav, act, sent, received, preds_, True)
 
 
 def chain_states(profile: Profile, max_states: int | None = None) -> StateSet:
@@ -367,14 +390,15 @@ def chain_states(profile: Profile, max_states: int | None = None) -> StateSet:
     n = len(ids)
     order = [list(range(n))]
     prefixes = _prefix_masks(order)
-    comp, par, sav, act = _prefix_sums(profile, ids, succs, order, prefixes, prefixes[0])
+    comp, par, sav, act, sent, received = _prefix_sums(profile, ids, succs, order, prefixes, prefixes[0])
     cuts = np.arange(n + 1)
     if max_states is not None and n + 1 > max_states:
         pick = np.searchsorted(comp, np.linspace(0.0, comp[-1], max_states)).tolist()
         cuts = np.array(sorted({0, n, *pick}))  # (np.unique imports numpy.ma)
     masks = tuple(prefixes[0][c] for c in cuts)
     exact = len(cuts) == n + 1 and _is_chain(succs)
-    return StateSet(tuple(ids), masks, comp[cuts], par[cuts], sav[cuts], act[cuts], None, exact)
+    sums = (comp[cuts], par[cuts], sav[cuts], act[cuts], sent[cuts], received[cuts])
+    return StateSet(tuple(ids), masks, *sums, None, exact)
 
 
 def _orders(preds: list[int], succs: list[int]) -> list[list[int]]:
@@ -413,20 +437,20 @@ def multi_order_states(profile: Profile, max_layers: int = MULTI_ORDER_MAX_LAYER
     orders = _orders(preds, succs)
     prefixes = _prefix_masks(orders)
     ordered = sorted({m for masks in prefixes for m in masks}, key=lambda m: (m.bit_count(), m))
-    comp, par, sav, act = _prefix_sums(profile, ids, succs, orders, prefixes, ordered)
+    comp, par, sav, act, sent, received = _prefix_sums(profile, ids, succs, orders, prefixes, ordered)
     is_chain = all(ordered[i] & ordered[i + 1] == ordered[i] for i in range(len(ordered) - 1))
     preds_ = None if is_chain else PrefixPreds.of(orders, prefixes, ordered)
-    return StateSet(tuple(ids), tuple(ordered), comp, par, sav, act, preds_, False)
+    return StateSet(tuple(ids), tuple(ordered), comp, par, sav, act, sent, received, preds_, False)
 
 
 def _prefix_sums(
     profile: Profile, ids: list[str], succs: list[int], orders: list[list[int]], prefixes: list[list[int]],
     ordered: list[int],
-) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray]:  # fmt: skip
+) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray, FloatArray, FloatArray]:  # fmt: skip
     """``_sums`` and ``_boundary`` of prefix states, from running sums along each order (the bytes
     leaving every prefix are one cumulative sum of +out / -out marks)."""
     cols = _columns(profile, ids)
-    out = np.zeros((len(ordered), 4))
+    out = np.zeros((len(ordered), 6))
     index = {m: i for i, m in enumerate(ordered)}
     src = np.array([x for x, readers in enumerate(succs) for _ in _bit_indices(readers)], dtype=np.int64)
     dst = np.array([y for readers in succs for y in _bit_indices(readers)], dtype=np.int64)
@@ -437,13 +461,13 @@ def _prefix_sums(
         sums = np.vstack([np.zeros((1, 3)), np.cumsum(cols[order, :3], axis=0)])
         last = np.full(len(order), -1, dtype=np.int64)
         np.maximum.at(last, src, pos[dst])  # each sender's last reader, in this order
-        marks = np.zeros(len(order) + 2)
-        np.add.at(marks, pos[senders] + 1, cols[senders, 3])
-        np.add.at(marks, last[senders] + 1, -cols[senders, 3])
+        marks = np.zeros((len(order) + 2, 3))
+        np.add.at(marks, pos[senders] + 1, cols[senders, 3:])
+        np.add.at(marks, last[senders] + 1, -cols[senders, 3:])
         where = np.array([index[m] for m in masks], dtype=np.int64)
         out[where, :3] = sums
-        out[where, 3] = np.cumsum(marks)[: len(order) + 1]
-    return out[:, 0], out[:, 1], out[:, 2], out[:, 3]
+        out[where, 3:] = np.cumsum(marks, axis=0)[: len(order) + 1]
+    return out[:, 0], out[:, 1], out[:, 2], out[:, 3], out[:, 4], out[:, 5]
 
 
 @dataclass(frozen=True)

@@ -177,6 +177,34 @@ def test_the_searches_charge_a_chains_stage_the_backward_excess_of_its_price(
         assert got == pytest.approx(load.working_bytes, abs=1e-6), states.members(int(k), int(j))
 
 
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), n=st.integers(2, 8), skip=st.booleans())
+def test_the_searches_charge_a_stage_the_edge_tensors_of_its_price(
+    data: st.DataObject, n: int, skip: bool
+) -> None:
+    """Per item, a stage holds what it sends that its producer does not keep (autograd's roots) and
+    its copy of what it receives that its producer keeps (``Node.kept_output_bytes``); a tensor
+    relayed through it, either way. Every stage of a chain (with a skip connection or not): the
+    searches' count (``StateSet.item_bytes``) equals the price's (``StageLoad.item_bytes``)."""
+    outs = data.draw(st.lists(st.integers(1, 10**6), min_size=n, max_size=n))
+    edges = [(i, i + 1) for i in range(n - 1)] + ([(0, n - 1)] if skip and n > 2 else [])
+    chain = make_profile([(1, 2, o, 10) for o in outs], edges)
+    kept = [data.draw(st.one_of(st.none(), st.integers(0, o))) for o in outs]
+    nodes = [chain.nodes[0]] + [
+        replace(node, kept_output_bytes=k, saved_bytes=data.draw(st.integers(0, 10**6)))
+        for node, k in zip(chain.nodes[1:], kept, strict=True)
+    ]
+    profile = replace(chain, nodes=tuple(nodes))
+    states = build_states(profile)
+    ks, js = states.all_pairs()
+    searched = states.item_bytes(ks, js)
+    last = len(states) - 1
+    for k, j, got in zip(ks, js, searched, strict=True):
+        cuts = [(0, int(k)), (int(k), int(j)), (int(j), last)]
+        load = stage_loads(profile, [list(states.members(a, b)) for a, b in cuts if a < b])[1 if k else 0]
+        assert got == pytest.approx(load.item_bytes, abs=1e-6), states.members(int(k), int(j))
+
+
 @pytest.mark.parametrize(("schedule", "m"), [("pipedream", 1), ("1f1b", 3), ("gpipe", 3)])
 def test_under_a_limit_the_search_finds_the_best_plan_that_fits(schedule: str, m: int) -> None:
     """On a chain whose embedding and head share a weight, every limit between the smallest plan's

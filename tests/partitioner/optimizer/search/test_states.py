@@ -39,8 +39,10 @@ def test_prefix_preds_equal_pairwise_subset_tests(
     states = multi_order_states(profile, max_layers=100)
     ids, _, succs = _layers(profile)
     comp, par, sav, mat = _sums(profile, ids, list(states.masks))  # running sums = matrix sums
+    leaving = _boundary(profile, ids, succs, mat).T
     for want, got in ((comp, states.compute_s), (par, states.param_bytes), (sav, states.saved_bytes),
-                      (_boundary(profile, ids, succs, mat), states.act_bytes)):  # fmt: skip
+                      (leaving[0], states.act_bytes), (leaving[1], states.sent_bytes),
+                      (leaving[2], states.received_bytes)):  # fmt: skip
         assert np.allclose(want, got, rtol=1e-12, atol=0.0)
     if states.preds is None:  # a chain: every earlier state is a subset
         assert all(a & b == a for a, b in zip(states.masks, states.masks[1:], strict=False))
