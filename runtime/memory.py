@@ -21,7 +21,8 @@ two of a 2-rank package, so it is not used.)
 The window is the first ``ranks + 1`` minibatches (or all of a shorter run): a synchronous schedule
 flushes after every minibatch (the second already holds the optimizer state the first step made) and
 pipedream's pipeline is full once every rank has had a minibatch, so a longer run peaks in it too,
-except for the gradient sends a pipedream stage keeps for ``2 (ranks + 1)`` steps (``runtime.comm``).
+except for the gradient sends a pipedream stage with replicas keeps for ``2 (ranks + 1)`` steps
+(``runtime.comm``).
 Every operator in the window pays a Python call; later steps run without it.
 """
 
