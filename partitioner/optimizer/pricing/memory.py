@@ -164,6 +164,8 @@ class MemoryLimit:
         workings: (layer id, working bytes) of the layers with any, largest first.
         backwards: (layer id, working bytes, saved bytes) of every layer in forward order: what
             :func:`backward_excess` reads, exact for a chain's stages (:meth:`extras`).
+        posted: the ranks post each receive one receiving action ahead (CPU ranks): a device holds
+            one more message (:meth:`posted_of`; ``StageLoad.posted_bytes``).
     """
 
     limit: float
@@ -178,6 +180,7 @@ class MemoryLimit:
     working: float = 0.0
     workings: tuple[tuple[str, float], ...] = ()
     backwards: tuple[tuple[str, float, float], ...] = ()
+    posted: bool = False
 
     @property
     def per_byte(self) -> float:
@@ -192,8 +195,9 @@ class MemoryLimit:
 
     @staticmethod
     def of(
-        limit: float, profile: Profile, optimizer: str, schedule: str, devices: int, m: int
-    ) -> MemoryLimit:
+        limit: float, profile: Profile, optimizer: str, schedule: str, devices: int, m: int,
+        posted: bool = False,
+    ) -> MemoryLimit:  # fmt: skip
         """The limit for ``profile``: its shared weights and largest layer."""
         shared = shared_weights(profile)
         layers = sorted(((n.id, float(n.param_bytes)) for n in profile.nodes if n.param_bytes > 0),
@@ -207,7 +211,7 @@ class MemoryLimit:
                           if n.op != "input")  # fmt: skip
         return MemoryLimit(
             limit, optimizer, schedule, devices, m, largest, shared, tuple(layers), master, working,
-            tuple(workings), backwards,
+            tuple(workings), backwards, posted,
         )  # fmt: skip
 
     def extras(
@@ -219,6 +223,11 @@ class MemoryLimit:
         copies, largest = self.copies(masks, layer_ids, ks, js)
         own = _largest_of(self.layers, masks, layer_ids, ks, js)
         return copies, np.maximum(largest, own), self.excess(masks, layer_ids, ks, js, received)
+
+    def posted_of(self, into: FloatArray, out: FloatArray) -> FloatArray:
+        """Per stage, the receive its rank posts ahead, beside the working bytes: the larger of what it
+        receives (``into``) and is sent back (``out``), or 0 (``posted`` unset)."""
+        return np.maximum(into, out) if self.posted else np.zeros(len(out))
 
     def excess(
         self, masks: Sequence[int], layer_ids: Sequence[str], ks: IntArray, js: IntArray, received: FloatArray

@@ -95,11 +95,12 @@ def check_layers_fit(profile: Profile, limit: float, optimizer: str) -> None:
     )  # fmt: skip
 
 
-def stage_loads(profile: Profile, groups: Sequence[Sequence[str]]) -> list[StageLoad]:
+def stage_loads(profile: Profile, groups: Sequence[Sequence[str]], posted: bool = False) -> list[StageLoad]:
     """Per-stage compute, parameters, saved activations, tied copies and cut traffic; inputs are free.
 
     A stage receives everything crossing the cut before it and sends everything crossing the cut
     after it (tensors skipping a stage are relayed through it, as in PipeDream's runtime).
+    ``posted``: the ranks post each receive one receiving action ahead (CPU ranks, ``Cluster.cores``).
     """
     where = {nid: i for i, group in enumerate(groups) for nid in group}
     nodes = {n.id: n for n in profile.nodes}
@@ -149,6 +150,7 @@ def stage_loads(profile: Profile, groups: Sequence[Sequence[str]]) -> list[Stage
                 kept_bytes=float(sum(n.saved_bytes for n in members if n.op == "output")),
                 sent_bytes=sent[i + 1],
                 received_bytes=kept[i],
+                posted_bytes=max(crossing[i], crossing[i + 1]) if posted else 0.0,
             )
         )
     return loads
@@ -255,7 +257,7 @@ def held_transient(load: StageLoad, schedule: str, accumulates: bool, item: int 
     working bytes. Part of :func:`held_memory`; :func:`device_shares` counts it once a device."""
     params = load.param_bytes + load.copy_bytes
     transient = float(transient_bytes(params, load.largest_param_bytes, schedule)) if accumulates else 0.0
-    return transient + load.working_bytes / item  # one item's backward at a time
+    return transient + (load.working_bytes + load.posted_bytes) / item  # one item's backward at a time
 
 
 def device_shares(
@@ -424,7 +426,7 @@ def assemble(
     if used > cluster.gpus:
         raise PlanError(f"the plan uses {used} GPUs but the cluster has {cluster.gpus}")
     limit = cluster.memory_bytes
-    loads = stage_loads(profile, [s.nodes for s in specs])
+    loads = stage_loads(profile, [s.nodes for s in specs], cluster.cores is not None)
     priced = _priced(loads, specs, schedule, microbatches, optimizer, recompute, limit, virtual)
     loads = [replace(ld, compute_s=price.compute_s) for ld, (_, price) in zip(loads, priced, strict=True)]
     times = _times(cluster, specs, schedule, microbatches, activation_comm, loads, virtual)

@@ -327,7 +327,9 @@ def _loads(plan: Plan, profile: Profile | None) -> list[StageLoad]:
     if profile is None:
         return [StageLoad(s.compute_s, 0.0, 0.0, 0.0, 0.0) for s in plan.stages]
     known = {n.id for n in profile.nodes}
-    return stage_loads(profile, [[n for n in s.nodes if n in known] for s in plan.stages])
+    return stage_loads(
+        profile, [[n for n in s.nodes if n in known] for s in plan.stages], plan.cluster.cores is not None
+    )
 
 
 def _durations(

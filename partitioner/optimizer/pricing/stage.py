@@ -76,6 +76,9 @@ class StageLoad:
             (``Node.kept_output_bytes``): held per item until its backward as autograd's roots.
         received_bytes: what it receives per minibatch that the producing layer keeps: counted in
             that layer's saved bytes on the stage before, and held here as a copy per item.
+        posted_bytes: on CPU ranks (gloo), the receive posted one receiving action ahead
+            (``runtime.comm``): the larger of what it receives and what it is sent back per
+            minibatch, one item's held once per device beside the working bytes; 0 on GPUs.
     """
 
     compute_s: float
@@ -93,6 +96,7 @@ class StageLoad:
     deferred_bytes: float = 0.0
     sent_bytes: float = 0.0
     received_bytes: float = 0.0
+    posted_bytes: float = 0.0
 
     @property
     def item_bytes(self) -> float:

@@ -42,7 +42,9 @@ def slowest_stage(
     memory = None
     if cluster.memory_bytes is not None:
         limit = float(cluster.memory_bytes)
-        memory = MemoryLimit.of(limit, profile, opts.optimizer, opts.schedule, cluster.gpus, opts.m)
+        memory = MemoryLimit.of(
+            limit, profile, opts.optimizer, opts.schedule, cluster.gpus, opts.m, cluster.cores is not None
+        )
     prob = LevelProblem(
         states, cluster.gpus, levels[0][1], min_replicas=min_replicas, max_replicas=cap, memory=memory
     )

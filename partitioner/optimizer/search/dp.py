@@ -299,7 +299,7 @@ def _work(prob: LevelProblem, ks: IntArray, js: IntArray) -> FloatArray:
     if prob.memory is None:
         return np.zeros(len(ks))
     out = np.where(js < len(s) - 1, s.act_bytes[js], 0.0)
-    return prob.memory.excess(s.masks, s.layer_ids, ks, js, out)
+    return prob.memory.excess(s.masks, s.layer_ids, ks, js, out) + prob.memory.posted_of(s.act_bytes[ks], out)
 
 
 def _memory_capacity(prob: LevelProblem, p: FloatArray, saved: FloatArray, work: FloatArray) -> FloatArray:

@@ -83,8 +83,9 @@ def _exact(
     memory = None
     if cluster.memory_bytes is not None:
         memory = MemoryLimit.of(
-            cluster.memory_bytes + 0.5, profile, opts.optimizer, opts.schedule, cluster.gpus, m
-        )
+            cluster.memory_bytes + 0.5, profile, opts.optimizer, opts.schedule, cluster.gpus, m,
+            cluster.cores is not None,
+        )  # fmt: skip
     info = SolverInfo("dp", 0.0, False)
     for held in (None, memory) if memory is not None else (None,):  # unlimited first: often fits
         found = solve_synchronous(states, cluster.gpus, link, m, cap, steps, held)

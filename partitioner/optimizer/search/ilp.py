@@ -160,11 +160,15 @@ def _fits(
     """Memory filter with PipeDream's worst case in-flight count (all ``m`` devices downstream)."""
     if cluster.memory_bytes is None:
         return True
-    limit = MemoryLimit.of(float(cluster.memory_bytes), profile, opt, schedule, m, 1)
+    limit = MemoryLimit.of(
+        float(cluster.memory_bytes), profile, opt, schedule, m, 1, cluster.cores is not None
+    )
     ks, js = np.array([k], dtype=np.int64), np.array([j], dtype=np.int64)
     copies, _ = limit.copies(states.masks, states.layer_ids, ks, js)
     p = states.param_bytes[js] - states.param_bytes[ks] + copies
     out = np.where(js < len(states) - 1, states.act_bytes[js], 0.0)
-    work = limit.excess(states.masks, states.layer_ids, ks, js, out)
+    work = limit.excess(states.masks, states.layer_ids, ks, js, out) + limit.posted_of(
+        states.act_bytes[ks], out
+    )
     items = limit.items(p, states.item_bytes(ks, js), work)
     return bool(items[0] >= -(-m // r))

@@ -153,28 +153,38 @@ def test_a_layers_backward_meets_only_what_the_layers_before_it_saved() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(costs=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 10**6)), min_size=1, max_size=9))
+@given(
+    costs=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 10**6), st.integers(1, 10**6)),
+                   min_size=1, max_size=9),
+    posted=st.booleans(),
+)  # fmt: skip
 def test_the_searches_charge_a_chains_stage_the_backward_excess_of_its_price(
-    costs: list[tuple[int, int]],
+    costs: list[tuple[int, int, int]], posted: bool
 ) -> None:
     """Every stage of a chain: the searches' working bytes (:meth:`MemoryLimit.extras`, a range
-    maximum over the layers) equal the plan's (``StageLoad.working_bytes``, layer by layer)."""
-    chain = make_profile([(1, 2, 1000, 10)] * len(costs), [(i, i + 1) for i in range(len(costs) - 1)])
+    maximum over the layers, and on CPU ranks the receive posted ahead) equal the plan's
+    (``StageLoad.working_bytes`` layer by layer, and ``posted_bytes``)."""
+    chain = make_profile(
+        [(1, 2, out, 10) for _, _, out in costs], [(i, i + 1) for i in range(len(costs) - 1)]
+    )
     nodes = [chain.nodes[0]] + [
-        replace(n, working_bytes=w, saved_bytes=b) for n, (w, b) in zip(chain.nodes[1:], costs, strict=True)
+        replace(n, working_bytes=w, saved_bytes=b)
+        for n, (w, b, _) in zip(chain.nodes[1:], costs, strict=True)
     ]
     profile = replace(chain, nodes=tuple(nodes))
     states = build_states(profile)
     ks, js = states.all_pairs()
-    limit = MemoryLimit.of(1e12, profile, "sgd", "1f1b", 2, 2)
+    limit = MemoryLimit.of(1e12, profile, "sgd", "1f1b", 2, 2, posted)
     out = np.where(js < len(states) - 1, states.act_bytes[js], 0.0)  # (what the stage sends on)
     _, _, searched = limit.extras(states.masks, states.layer_ids, ks, js, out)
+    searched = searched + limit.posted_of(states.act_bytes[ks], out)
     last = len(states) - 1
     for k, j, got in zip(ks, js, searched, strict=True):
         cuts = [(0, int(k)), (int(k), int(j)), (int(j), last)]
         groups = [list(states.members(a, b)) for a, b in cuts if a < b]
-        load = stage_loads(profile, groups)[1 if k else 0]  # (its neighbours: what it is sent back)
-        assert got == pytest.approx(load.working_bytes, abs=1e-6), states.members(int(k), int(j))
+        load = stage_loads(profile, groups, posted)[1 if k else 0]  # (its neighbours: what it is sent back)
+        want = load.working_bytes + load.posted_bytes
+        assert got == pytest.approx(want, abs=1e-6), states.members(int(k), int(j))
 
 
 @settings(max_examples=40, deadline=None)
