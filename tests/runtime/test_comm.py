@@ -13,6 +13,13 @@ from runtime.comm import TensorMeta, buckets
 from runtime.memory import _LiveStorages
 
 
+def test_the_memory_model_prices_the_runtimes_bucket() -> None:
+    """The memory model (no torch there) keeps its own copy of the bucket size it prices."""
+    from partitioner.optimizer.pricing import memory
+
+    assert memory.BUCKET_BYTES == comm.BUCKET_BYTES
+
+
 def test_buckets_keep_order_split_by_dtype_and_size() -> None:
     a, b, c = torch.zeros(10), torch.zeros(10), torch.zeros(30)  # 40, 40 and 120 bytes
     half = torch.zeros(4, dtype=torch.float16)

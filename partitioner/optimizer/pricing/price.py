@@ -14,6 +14,7 @@ from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile
 from partitioner.optimizer.pricing.device_memory import StageBytes, walked_peak
 from partitioner.optimizer.pricing.memory import (
+    allreduce_bytes,
     backward_excess,
     copy_bytes,
     master_ratio,
@@ -234,7 +235,7 @@ def _times(
 
 def held_memory(
     load: StageLoad, schedule: str, held: int, share: int, optimizer: str, recompute: bool, accumulates: bool,
-    item: int = 1, between: int = 0,
+    item: int = 1, between: int = 0, replicated: bool = False,
 ) -> int:  # fmt: skip
     """Peak bytes of one device of a stage holding ``held`` items, each ``1/share`` of a minibatch,
     accumulating gradients or not: :func:`~partitioner.optimizer.pricing.memory.peak_bytes` of the
@@ -242,13 +243,18 @@ def held_memory(
     ``item``: the microbatches a minibatch runs as (:func:`backward_item`): one of them is what a
     backward works on at a time, its working bytes ``1/item`` of a minibatch's. ``between``: the
     items it holds between a split backward's B and W (:meth:`~.schedules.ScheduleModel.between`),
-    each keeping its ``deferred_bytes`` share (a bound: their peak and the items' need not meet)."""
+    each keeping its ``deferred_bytes`` share (a bound: their peak and the items' need not meet).
+    ``replicated``: a replica of a synchronous stage, which sums its gradients after the minibatch
+    (:func:`~partitioner.optimizer.pricing.memory.allreduce_bytes`, when that is higher)."""
     params = load.param_bytes + load.copy_bytes
     transient = held_transient(load, schedule, accumulates, item)
-    return round(between * load.deferred_bytes / share) + peak_bytes(
+    peak = round(between * load.deferred_bytes / share) + peak_bytes(
         params, load.item_bytes, held, share, schedule, optimizer, transient, load.input_bytes, recompute,
         load.master, load.kept_bytes + load.sent_bytes,
     )  # fmt: skip
+    if not replicated or model(schedule).asynchronous:
+        return peak
+    return max(peak, round(float(allreduce_bytes(params, optimizer, load.master))))
 
 
 def held_transient(load: StageLoad, schedule: str, accumulates: bool, item: int = 1) -> float:
@@ -356,7 +362,9 @@ def stage_memory(
     whole = sched.asynchronous
     item = backward_item(whole, microbatches, replicas[position])
     accumulates = not whole and microbatches > replicas[position]
-    return held_memory(load, schedule, held, item, optimizer, recompute, accumulates, item, between)
+    return held_memory(
+        load, schedule, held, item, optimizer, recompute, accumulates, item, between, replicas[position] > 1
+    )
 
 
 def backward_item(whole: bool, microbatches: int, replicas: int) -> int:

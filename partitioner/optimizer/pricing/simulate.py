@@ -371,7 +371,7 @@ def _memory(
         item = backward_item(not sync, plan.microbatches, stage.replicas)
         between = sched.between(i, replicas, plan.microbatches, plan.virtual_stages)
         out.append(held_memory(load, plan.schedule, h, item, plan.optimizer, stage.recompute, accumulates,
-                               item, between))  # fmt: skip
+                               item, between, stage.replicas > 1))  # fmt: skip
         transient.append(held_transient(load, plan.schedule, accumulates, item))
     ranks = [s.ranks for s in plan.stages]
     redo = [s.recompute for s in plan.stages]
