@@ -98,35 +98,41 @@ def test_a_bf16_profile_prices_what_a_bf16_run_keeps(tmp_path: Path) -> None:
     assert 0.75 <= stage["ratio_measured_over_predicted"] <= 1.25, stage
 
 
+def _user_file(model: str, sample: str) -> str:
+    """A user's model file: ``model`` builds the module, inputs and targets are random tensors of
+    shape (batch, ``sample``), the loss is the mean squared error."""
+    return textwrap.dedent(f"""
+        import torch
+        from torch import nn
+
+
+        def model() -> nn.Module:
+            return {model}
+
+
+        def example_inputs(batch_size: int) -> tuple[torch.Tensor]:
+            return (torch.randn(batch_size, {sample}),)
+
+
+        def example_targets(batch_size: int) -> torch.Tensor:
+            return torch.randn(batch_size, {sample})
+
+
+        def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return nn.functional.mse_loss(output, target)
+    """).lstrip()
+
+
 # A wide hidden layer over 64 tokens: its ReLU's output (16 MiB at batch 16) is the only large tensor
 # saved, and the backward holds two gradients of its size at once (the ReLU's and the first
 # linear's), twice what it saved.
-_WIDE = """
-    import torch
-    from torch import nn
-
-
-    def model() -> nn.Module:
-        return nn.Sequential(nn.Linear(16, 4096), nn.ReLU(), nn.Linear(4096, 16))
-
-
-    def example_inputs(batch_size: int) -> tuple[torch.Tensor]:
-        return (torch.randn(batch_size, 64, 16),)
-
-
-    def example_targets(batch_size: int) -> torch.Tensor:
-        return torch.randn(batch_size, 64, 16)
-
-
-    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return nn.functional.mse_loss(output, target)
-"""
+_WIDE = _user_file("nn.Sequential(nn.Linear(16, 4096), nn.ReLU(), nn.Linear(4096, 16))", "64, 16")
 
 
 def test_a_stage_holds_its_backwards_gradients_beside_what_it_saved(tmp_path: Path) -> None:
     """Priced without the layers' working bytes, this stage measured 2.8x its prediction (the
     activation gradients of a backward, twice the saved bytes here); with them, within 10%."""
-    (tmp_path / "wide.py").write_text(textwrap.dedent(_WIDE).lstrip())
+    (tmp_path / "wide.py").write_text(_WIDE)
     profile, models = tmp_path / "profile.json", tmp_path / "models"
     _cli("profile", f"{tmp_path / 'wide.py'}:model", "--no-fixed-cost", "--batch-size", "16",
          "--repeats", "1", "-o", str(profile))  # fmt: skip
@@ -143,26 +149,7 @@ def test_a_stage_holds_its_backwards_gradients_beside_what_it_saved(tmp_path: Pa
 
 # Two linears over 64 tokens: the first's output (16 MiB at batch 16) is what the cut sends, and no
 # layer's backward keeps it (the second linear, across the cut, keeps its own received copy).
-_SENT = """
-    import torch
-    from torch import nn
-
-
-    def model() -> nn.Module:
-        return nn.Sequential(nn.Linear(16, 4096), nn.Linear(4096, 16))
-
-
-    def example_inputs(batch_size: int) -> tuple[torch.Tensor]:
-        return (torch.randn(batch_size, 64, 16),)
-
-
-    def example_targets(batch_size: int) -> torch.Tensor:
-        return torch.randn(batch_size, 64, 16)
-
-
-    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return nn.functional.mse_loss(output, target)
-"""
+_SENT = _user_file("nn.Sequential(nn.Linear(16, 4096), nn.Linear(4096, 16))", "64, 16")
 
 
 def test_a_stage_holds_what_it_sent_until_its_backward(tmp_path: Path) -> None:
@@ -170,7 +157,7 @@ def test_a_stage_holds_what_it_sent_until_its_backward(tmp_path: Path) -> None:
     backwards: a linear keeps its input, not its output, so no saved bytes count them, and beside
     them the gradient receive gloo's ranks post one action ahead (16 MiB). Priced without either,
     17.2 MiB against 65.3 measured; with both, within 10% (65.2)."""
-    (tmp_path / "sent.py").write_text(textwrap.dedent(_SENT).lstrip())
+    (tmp_path / "sent.py").write_text(_SENT)
     profile, models = tmp_path / "profile.json", tmp_path / "models"
     _cli("profile", f"{tmp_path / 'sent.py'}:model", "--no-fixed-cost", "--batch-size", "16",
          "--repeats", "1", "-o", str(profile))  # fmt: skip
@@ -186,33 +173,14 @@ def test_a_stage_holds_what_it_sent_until_its_backward(tmp_path: Path) -> None:
 
 # Three 1024-wide linears (12 MiB of weights) on 8 rows: the activations are small, so a replica's
 # peak comes after its backward, when its gradients are summed through a flat copy of them.
-_DEEP = """
-    import torch
-    from torch import nn
-
-
-    def model() -> nn.Module:
-        return nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024), nn.Linear(1024, 1024))
-
-
-    def example_inputs(batch_size: int) -> tuple[torch.Tensor]:
-        return (torch.randn(batch_size, 1024),)
-
-
-    def example_targets(batch_size: int) -> torch.Tensor:
-        return torch.randn(batch_size, 1024)
-
-
-    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return nn.functional.mse_loss(output, target)
-"""
+_DEEP = _user_file("nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(3)))", "1024")
 
 
 def test_a_replica_holds_a_flat_copy_of_its_gradients_while_they_are_summed(tmp_path: Path) -> None:
     """One stage on 2 replicas: weights and gradients (24 MiB) and the all-reduce's flat copy of the
     gradients (12 MiB, under the 25 MiB bucket) at once, after the backward: priced without the
     copy, 0.67 of what it measured."""
-    (tmp_path / "deep.py").write_text(textwrap.dedent(_DEEP).lstrip())
+    (tmp_path / "deep.py").write_text(_DEEP)
     profile, models = tmp_path / "profile.json", tmp_path / "models"
     _cli("profile", f"{tmp_path / 'deep.py'}:model", "--no-fixed-cost", "--batch-size", "8",
          "--repeats", "1", "-o", str(profile))  # fmt: skip
