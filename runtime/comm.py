@@ -9,8 +9,9 @@ size), so the flat copy a rank makes beside its gradients stays small.
 
 A send is retired (waited for, which frees its tensor) as soon as the schedule proves it was
 received, as gloo never reports a send complete before ``wait()``: an activation once its unit's
-gradient has come back from that peer (:meth:`Comm.answered`), and every send after the step that
-follows it, or right at its step under a flushing schedule (:meth:`Comm.retire`).
+gradient has come back from that peer, a pipedream gradient once the peer's next forward arrives
+(:meth:`Comm.answered`), and any other send at the step that ends its minibatch (flushing
+schedules) or some steps later (pipedream with replicas; :meth:`Comm.retire`).
 
 Two ways to receive. On gloo (``prefetch``) the executor posts an action's receives one receiving
 action ahead, so the transfer runs on gloo's own threads while this rank computes: gloo moves a
@@ -134,9 +135,9 @@ class Sent:
     Attributes:
         era: the step it was posted in (:meth:`Comm.retire`).
         work: its handle; waiting for it releases the tensors it sends.
-        answers: activation sends it carries whose gradients have not come back yet; retired once
-            the last comes back. Empty: retired by era alone (gradient sends, or a coalesced batch
-            that holds one).
+        answers: the messages (:data:`Answer`) still to arrive that prove its sends were received;
+            retired once the last arrives. Empty: retired by era alone (a send nothing answers, or
+            a batch coalesced into one handle).
     """
 
     era: int
