@@ -248,8 +248,10 @@ def held_memory(
     (:func:`~partitioner.optimizer.pricing.memory.allreduce_bytes`, when that is higher)."""
     params = load.param_bytes + load.copy_bytes
     transient = held_transient(load, schedule, accumulates, item)
+    # (a recomputing stage's received copies are among the inputs it keeps per item already)
+    per_item = load.item_bytes - (load.received_bytes if recompute else 0.0)
     peak = round(between * load.deferred_bytes / share) + peak_bytes(
-        params, load.item_bytes, held, share, schedule, optimizer, transient, load.input_bytes, recompute,
+        params, per_item, held, share, schedule, optimizer, transient, load.input_bytes, recompute,
         load.master, load.kept_bytes + load.sent_bytes,
     )  # fmt: skip
     if not replicated or model(schedule).asynchronous:

@@ -48,6 +48,19 @@ def test_price_stage_by_hand() -> None:
     assert pd.memory_bytes == 2_000_000 + 2 * 1_000_000 + 2 * 1000 + 4_000_000
 
 
+def test_a_stage_holds_its_copy_of_a_kept_input_once_an_item() -> None:
+    """l0 keeps its 4 MB output (``kept_output_bytes``, counted in its saved bytes on stage 0): stage
+    1 holds its own copy per item, beside its 1 MB saved; recomputing, the copy is the input it
+    keeps anyway (4 MB + the rebuilt 1 MB, as in :func:`test_price_stage_by_hand`), not charged twice."""
+    nodes = tuple(replace(n, kept_output_bytes=4_000_000) if n.id == "l0" else n for n in THREE.nodes)
+    _, s1 = stage_loads(replace(THREE, nodes=nodes), [("x", "l0"), ("l1", "l2")])
+    assert (s1.received_bytes, s1.item_bytes) == (4_000_000, 5_000_000)
+    kept = price_stage(s1, "1f1b", 1, (2, 1), 4, "sgd", recompute=False)
+    redo = price_stage(s1, "1f1b", 1, (2, 1), 4, "sgd", recompute=True)
+    assert kept.memory_bytes == 4_000_000 + 2_000_000 + 5_000_000 // 4
+    assert redo.memory_bytes == 4_000_000 + 2_000_000 + 5_000_000 // 4
+
+
 def test_plan_of_recomputing_stages_by_hand() -> None:
     plan = evaluate(THREE, Cluster.flat(3), ["l0"], [2, 1], "1f1b", 4, recompute="all")
     assert [s.recompute for s in plan.stages] == [True, True]
