@@ -101,8 +101,8 @@ class Node:
             output; counted in its ``saved_bytes``). A stage sending a tensor holds it per item until
             its backward, as autograd's root, unless its producer keeps it; a stage receiving one
             holds its own copy, which the producer's count does not cover where the producer keeps
-            it (``StageLoad.boundary_bytes``). None: not measured (profiles written before, and
-            PipeDream's), and nothing is charged for it.
+            it (``StageLoad.sent_bytes``, ``received_bytes``). None: not measured (profiles written
+            before, and PipeDream's), and nothing is charged for it.
     """
 
     id: str

@@ -216,8 +216,12 @@ class StageRuntime:
         margin. (Activations go earlier: :meth:`Comm.answered`.)"""
         if not self.stash:
             return 0
-        chain = all(len(ranks) == 1 for ranks in self.cfg.job.stage_ranks)
-        return 2 if chain else 2 * (self.cfg.job.world_size + 1)
+        return 2 if self._single_replicas else 2 * (self.cfg.job.world_size + 1)
+
+    @functools.cached_property
+    def _single_replicas(self) -> bool:
+        """No stage of the job has replicas: pipedream's rounds are one minibatch each."""
+        return all(len(ranks) == 1 for ranks in self.cfg.job.stage_ranks)
 
     def _tag(self, producer: int, consumer: int, grads: bool) -> int:
         """The stream of messages between two stages, one way. 0 (untagged) when every rank runs one
@@ -474,9 +478,9 @@ class StageRuntime:
         in its backward of ``unit`` and runs the forward of ``unit + its warm-up`` next (its 1F1B
         list), whose activations then prove the gradient arrived; elsewhere None (retired by
         era, :attr:`_send_lag`)."""
-        job = self.cfg.job
-        if not self.stash or any(len(ranks) > 1 for ranks in job.stage_ranks):
+        if not (self.stash and self._single_replicas):
             return None
+        job = self.cfg.job
         ahead = warmup([1] * job.stages, producer) * job.microbatches
         return self._peer(producer, unit), self._tag(producer, self.cfg.stage, False), unit + ahead
 

@@ -230,14 +230,24 @@ class MemoryLimit:
         )  # fmt: skip
 
     def extras(
-        self, masks: Sequence[int], layer_ids: Sequence[str], ks: IntArray, js: IntArray, received: FloatArray
-    ) -> tuple[FloatArray, FloatArray, FloatArray]:
+        self, masks: Sequence[int], layer_ids: Sequence[str], ks: IntArray, js: IntArray, into: FloatArray,
+        out: FloatArray,
+    ) -> tuple[FloatArray, FloatArray, FloatArray]:  # fmt: skip
         """(tied copies' bytes, largest layer's parameter bytes, a copy counted, working bytes
-        (:meth:`excess`; ``received``: the output gradients each stage is sent)) of the stages
-        (ks, js]: what makes :meth:`fits` and :meth:`replicas` exact rather than bounded."""
+        (:meth:`working_of`)) of the stages (ks, js]: what makes :meth:`fits` and :meth:`replicas`
+        exact rather than bounded."""
         copies, largest = self.copies(masks, layer_ids, ks, js)
         own = _largest_of(self.layers, masks, layer_ids, ks, js)
-        return copies, np.maximum(largest, own), self.excess(masks, layer_ids, ks, js, received)
+        return copies, np.maximum(largest, own), self.working_of(masks, layer_ids, ks, js, into, out)
+
+    def working_of(
+        self, masks: Sequence[int], layer_ids: Sequence[str], ks: IntArray, js: IntArray, into: FloatArray,
+        out: FloatArray,
+    ) -> FloatArray:  # fmt: skip
+        """Per stage (ks, js], what one item's backward holds beyond its saved bytes, as
+        ``StageLoad.working_bytes + posted_bytes``: :meth:`excess` (``out``: the bytes it sends on,
+        whose gradients it is sent back) and :meth:`posted_of` (``into``: the bytes it receives)."""
+        return self.excess(masks, layer_ids, ks, js, out) + self.posted_of(into, out)
 
     def posted_of(self, into: FloatArray, out: FloatArray) -> FloatArray:
         """Per stage, the receive its rank posts ahead, beside the working bytes: the larger of what it

@@ -298,8 +298,7 @@ def _work(prob: LevelProblem, ks: IntArray, js: IntArray) -> FloatArray:
     s = prob.states
     if prob.memory is None:
         return np.zeros(len(ks))
-    out = np.where(js < len(s) - 1, s.act_bytes[js], 0.0)
-    return prob.memory.excess(s.masks, s.layer_ids, ks, js, out) + prob.memory.posted_of(s.act_bytes[ks], out)
+    return prob.memory.working_of(s.masks, s.layer_ids, ks, js, s.act_bytes[ks], s.act_bytes[js])
 
 
 def _memory_capacity(prob: LevelProblem, p: FloatArray, saved: FloatArray, work: FloatArray) -> FloatArray:

@@ -166,9 +166,8 @@ def _fits(
     ks, js = np.array([k], dtype=np.int64), np.array([j], dtype=np.int64)
     copies, _ = limit.copies(states.masks, states.layer_ids, ks, js)
     p = states.param_bytes[js] - states.param_bytes[ks] + copies
-    out = np.where(js < len(states) - 1, states.act_bytes[js], 0.0)
-    work = limit.excess(states.masks, states.layer_ids, ks, js, out) + limit.posted_of(
-        states.act_bytes[ks], out
+    work = limit.working_of(
+        states.masks, states.layer_ids, ks, js, states.act_bytes[ks], states.act_bytes[js]
     )
     items = limit.items(p, states.item_bytes(ks, js), work)
     return bool(items[0] >= -(-m // r))

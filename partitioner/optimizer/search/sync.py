@@ -56,8 +56,9 @@ class _Choices:
         a = allreduce_time(params[:, None], r, link)
         r_mem = np.ones(len(k))
         if memory is not None:  # all M microbatches' activations, split over the replicas
-            copies, largest, working = memory.extras(states.masks, states.layer_ids, k, j, out)
-            working = working + memory.posted_of(states.act_bytes[k], out)
+            copies, largest, working = memory.extras(
+                states.masks, states.layer_ids, k, j, states.act_bytes[k], out
+            )
             saved = states.item_bytes(k, j)
             held = params + copies
             fits = memory.fits(held[:, None], saved[:, None], r, largest[:, None], working[:, None])

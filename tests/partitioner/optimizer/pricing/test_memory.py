@@ -180,8 +180,7 @@ def test_the_searches_charge_a_chains_stage_the_backward_excess_of_its_price(
     ks, js = states.all_pairs()
     limit = MemoryLimit.of(1e12, profile, "sgd", "1f1b", 2, 2, posted)
     out = np.where(js < len(states) - 1, states.act_bytes[js], 0.0)  # (what the stage sends on)
-    _, _, searched = limit.extras(states.masks, states.layer_ids, ks, js, out)
-    searched = searched + limit.posted_of(states.act_bytes[ks], out)
+    _, _, searched = limit.extras(states.masks, states.layer_ids, ks, js, states.act_bytes[ks], out)
     last = len(states) - 1
     for k, j, got in zip(ks, js, searched, strict=True):
         cuts = [(0, int(k)), (int(k), int(j)), (int(j), last)]
