@@ -19,8 +19,9 @@ for 1f1b and gpipe, since small batches cost more per sample), ``pipeplan partit
 3. Both again after ``pipeplan probe`` (the links, once) and one ``pipeplan calibrate`` per profile
    (from every plan of the first pass run on it, a rank hosting several stages giving each its
    rank's factor: each layer takes the median of its runs; every run with one stage per rank
-   traced, their messages and gradient all-reduces correcting the probed cluster file's latencies
-   for that profile's plans): what a user gets first, and after those two commands.
+   traced, their messages and gradient all-reduces correcting the probed cluster file's latencies,
+   and the idle time after their actions setting its time per action, for that profile's plans):
+   what a user gets first, and after those two commands.
 
 Besides the wall-clock ratio, every run reports its ranks' compute CPU time against the plan's stage
 compute (the profile is CPU time): on a CPU that other jobs share, a rank that gets half a core takes
@@ -421,7 +422,9 @@ def calibrate(
             cli("calibrate", *packages[micro], "-o", str(target), *pairs, "--cluster", str(cluster))
             out[micro], clusters[micro] = target, str(cluster)
             summary["calibrated_from"] = packages[micro]
-            summary["calibrated_cluster"] = json.loads((cli.folder / cluster).read_text())["levels"][0]
+            written = json.loads((cli.folder / cluster).read_text())
+            summary["calibrated_cluster"] = written["levels"][0]
+            summary["calibrated_action_s"] = written.get("action_overhead")
             split = json.loads((cli.folder / target).read_text())["extra"].get("split_backward")
             summary["split_backward"] = split["factor"] if split else None
         except RuntimeError as exc:
@@ -563,12 +566,13 @@ def _header(doc: dict[str, Any]) -> list[str]:
         f"excluded). {_probed(setup.get('probed'))}Whole benchmark {doc['wall_s']:.0f} s.",
         "",
         "| model | batch | measured at | input | layers | profile s | profile fidelity | load "
-        "| calibrated latency, all-reduce latency (ms) | split backward |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---|---:|",
+        "| calibrated latency, all-reduce latency (ms) | per action (ms) | split backward |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---|---:|---:|",
         *(
             f"| {p['model']} | {p['batch_size']} | {p['measured_at']} | {p['input_shape']} | {p['layers']} "
             f"| {p['profile_wall_s']} | {p['fidelity'] or 0:.2f} | {p['load_1min']:.2f} "
             f"| {_calibrated_links(p.get('calibrated_cluster'))} "
+            f"| {f'{a * 1e3:.2f}' if (a := p.get('calibrated_action_s')) else '-'} "
             f"| {f'{g:.2f}x' if (g := p.get('split_backward')) else '-'} |"
             for p in doc["profiles"]
         ),

@@ -67,10 +67,16 @@ def print_links(done: LinkCalibration) -> None:
         if done.allreduce_latency_s is None
         else f"-> {done.allreduce_latency_s * 1e6:.0f} us"
     )
+    action = (
+        "kept (too few to say)"
+        if done.action_s is None
+        else f"-> {done.action_s * 1e6:.0f} us (mean idle time after {len(done.gaps)} actions)"
+    )
     console().print(
         f"links: {timed} messages timed (their receiver was waiting; {skipped} arrived while it computed "
         f"and are not counted): {said}; {ars} gradient all-reduces timed: all-reduce latency per step "
-        f"{before} {after}; wrote {done.cluster}",
+        f"{before} {after}; the runtime's time per action {done.action_before_s * 1e6:.0f} us {action}; "
+        f"wrote {done.cluster}",
         soft_wrap=True,
     )
 

@@ -160,10 +160,13 @@ def cluster_from_json(doc: Any, source: str = "cluster") -> Cluster:
     """A cluster file: ``{"schema": "pipeplan.cluster/1", "levels": [{"devices": 8, "bandwidth":
     "450GB/s", "latency": "3.4us"}, ...], "memory": "80GiB"}``, levels innermost first (a level
     without a latency: 0, bandwidth only). A level may give a gradient all-reduce its own
-    ``allreduce_bandwidth`` and ``allreduce_latency`` (per ring step; what ``pipeplan probe`` fits)."""
+    ``allreduce_bandwidth`` and ``allreduce_latency`` (per ring step; what ``pipeplan probe`` fits).
+    ``action_overhead``: the runtime's own time per compute action (:attr:`Cluster.action_s`; what
+    ``pipeplan calibrate --trace`` measures)."""
     if not isinstance(doc, Mapping) or doc.get("schema") != CLUSTER_SCHEMA:
         raise PlanError(f"{source} is not a pipeplan cluster file (schema {CLUSTER_SCHEMA!r})")
-    known = {"schema", "name", "description", "levels", "memory", "device_model", "sources", "probe"}
+    known = {"schema", "name", "description", "levels", "memory", "device_model", "sources", "probe",
+             "action_overhead"}  # fmt: skip
     unknown = sorted(set(doc) - known - {"calibrated"})  # calibrated: what `calibrate --cluster` changed
     if unknown:
         raise PlanError(f"{source}: unknown field {unknown[0]!r}")
@@ -179,8 +182,9 @@ def cluster_from_json(doc: Any, source: str = "cluster") -> Cluster:
             for level in doc["levels"]
         )
         memory = parse_bytes(str(doc["memory"])) if doc.get("memory") is not None else None
+        action = parse_latency(str(doc.get("action_overhead", 0)))
     except (KeyError, TypeError, ValueError) as exc:
         raise PlanError(
             f"{source}: bad or missing field {exc}; each level needs devices and bandwidth"
         ) from exc
-    return Cluster(levels, memory)
+    return Cluster(levels, memory, action_s=action)

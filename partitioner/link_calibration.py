@@ -24,6 +24,13 @@ The file's all-reduce latency per ring step becomes the median of ``(t - 4(r-1)P
 file's all-reduce bandwidth, kept): on CPU ranks gloo's all-reduce of a megabyte costs several
 times what a message of its bytes does, and replicas sharing a host's cores drift apart.
 
+The runtime's own time per action (``Cluster.action_s``) is the mean, over every forward, backward
+and W span of the traced ranks, of the idle time from the span's end until the rank's next span
+begins (a receive it blocks in, or its next action): Python between two actions, setting up autograd
+and posting the action's messages, which no span covers and no layer's time holds. The mean, not the
+median: it is what a step loses per action (the gap after a span that sends is about twice the
+others' on CPU ranks). Each rank's first fifth of traced time (start-up, the first steps) is skipped.
+
 What this refuses, rather than guess: runs across hosts (their clocks differ, so one rank's
 timestamps cannot be compared with another's), ranks hosting several stages (``interleaved``,
 ``zbv``: the trace names a rank's spans under its first stage) and traces with fewer than
@@ -32,6 +39,7 @@ timestamps cannot be compared with another's), ranks hosting several stages (``i
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -54,6 +62,7 @@ __all__ = [
     "AllReduces",
     "LinkCalibration",
     "Messages",
+    "action_gaps",
     "calibrate_with_links",
     "measure_links",
     "measure_runs",
@@ -112,6 +121,9 @@ class LinkCalibration:
     allreduces: AllReduces = AllReduces((), (), ())
     allreduce_latency_before_s: float = 0.0
     allreduce_latency_s: float | None = None
+    gaps: tuple[float, ...] = ()
+    action_before_s: float = 0.0
+    action_s: float | None = None
 
     @property
     def wire_median_s(self) -> float:
@@ -170,6 +182,25 @@ def timed_allreduces(events: Iterable[Mapping[str, Any]], stages: Sequence[tuple
     return AllReduces(tuple(seconds), tuple(sizes), tuple(widths))
 
 
+def action_gaps(events: Iterable[Mapping[str, Any]]) -> tuple[float, ...]:
+    """Seconds from the end of each forward, backward or W span to the start of its rank's next span
+    (0 where they overlap), each rank's first fifth of traced time skipped: the runtime's own time
+    between actions. ``events``: the trace's spans (``pid`` rank)."""
+    ranks: dict[int, list[Mapping[str, Any]]] = {}
+    for e in events:
+        if e.get("ph") == "X":
+            ranks.setdefault(int(e["pid"]), []).append(e)
+    gaps = []
+    for spans in ranks.values():
+        spans.sort(key=lambda e: float(e["ts"]))
+        first, last = float(spans[0]["ts"]), max(_span_end(e) * 1e6 for e in spans)
+        kept = [e for e in spans if float(e["ts"]) >= first + 0.2 * (last - first)]
+        for span, after in itertools.pairwise(kept):
+            if span.get("cat") == "compute" and str(span["name"])[:1] in ("F", "B", "W"):
+                gaps.append(max(0.0, float(after["ts"]) / 1e6 - _span_end(span)))
+    return tuple(gaps)
+
+
 def message_bytes(plan: Plan, profile: Profile) -> list[tuple[float, float]]:
     """Per stage, the bytes of one microbatch's message into it: (forward, backward); the profile's
     cut bytes scaled from its batch to the plan's microbatch."""
@@ -205,15 +236,16 @@ def measure_runs(
     levels = cluster_from_json(doc, str(path)).levels
     readings = [_read_run(folder, trace, levels[0].devices) for folder, trace in runs]
     messages = Messages(
-        tuple(t for m, _ in readings for t in m.seconds),
-        tuple(b for m, _ in readings for b in m.nbytes),
-        sum(m.skipped for m, _ in readings),
+        tuple(t for m, _, _ in readings for t in m.seconds),
+        tuple(b for m, _, _ in readings for b in m.nbytes),
+        sum(m.skipped for m, _, _ in readings),
     )
     allreduces = AllReduces(
-        tuple(t for _, a in readings for t in a.seconds),
-        tuple(b for _, a in readings for b in a.nbytes),
-        tuple(r for _, a in readings for r in a.replicas),
+        tuple(t for _, a, _ in readings for t in a.seconds),
+        tuple(b for _, a, _ in readings for b in a.nbytes),
+        tuple(r for _, a, _ in readings for r in a.replicas),
     )
+    gaps = tuple(g for _, _, gs in readings for g in gs)
     traces = ", ".join(str(trace) for _, trace in runs)
     if len(messages.seconds) < FEWEST and len(allreduces.seconds) < FEWEST:
         raise PipeplanError(
@@ -225,14 +257,19 @@ def measure_runs(
     link = levels[0].link
     excess = [t - b / link.bandwidth for t, b in zip(messages.seconds, messages.nbytes, strict=True)]
     latency = max(0.0, statistics.median(excess)) if len(excess) >= FEWEST else None
+    action = statistics.fmean(gaps) if len(gaps) >= FEWEST else None
     return LinkCalibration(
         path, link.latency, latency, link.bandwidth, messages, traces, doc,
         allreduces, link.sync_latency, _allreduce_latency(allreduces, link.sync_bandwidth),
+        gaps, cluster_from_json(doc, str(path)).action_s, action,
     )  # fmt: skip
 
 
-def _read_run(folder: Path, trace: str | os.PathLike[str], host_devices: int) -> tuple[Messages, AllReduces]:
-    """One traced run's timed messages and all-reduces, refusing a run it cannot read honestly."""
+def _read_run(
+    folder: Path, trace: str | os.PathLike[str], host_devices: int
+) -> tuple[Messages, AllReduces, tuple[float, ...]]:
+    """One traced run's timed messages, all-reduces and gaps after actions, refusing a run it cannot
+    read honestly."""
     plan = load_plan(folder / "plan.json")
     if plan.virtual_stages > 1:
         raise PipeplanError(
@@ -252,7 +289,8 @@ def _read_run(folder: Path, trace: str | os.PathLike[str], host_devices: int) ->
         raise PipeplanError(f"{trace} is not a Chrome trace of a run (pipeplan run --trace FILE)")
     profile = load_profile(plan.profile)  # once: both readings need its stage loads
     messages = waited_messages(events["traceEvents"], message_bytes(plan, profile))
-    return messages, timed_allreduces(events["traceEvents"], _replicated(plan, profile))
+    allreduces = timed_allreduces(events["traceEvents"], _replicated(plan, profile))
+    return messages, allreduces, action_gaps(events["traceEvents"])
 
 
 def _replicated(plan: Plan, profile: Profile) -> list[tuple[int, float]]:
@@ -322,7 +360,15 @@ def save_links(done: LinkCalibration) -> None:
         "allreduces_timed": len(done.allreduces.seconds),
         "allreduce_s_quartiles": _quartiles(done.allreduces.seconds),
     }
+    if done.action_s is not None:
+        record |= {
+            "action_before": done.action_before_s,
+            "actions_timed": len(done.gaps),
+            "action_gap_quartiles": _quartiles(done.gaps),
+        }
     new = {**done.doc, "levels": levels, "calibrated": record}
+    if done.action_s is not None:
+        new["action_overhead"] = done.action_s
     write_text_atomic(done.cluster, json.dumps(new, indent=1) + "\n")
 
 

@@ -108,12 +108,17 @@ class Cluster:
         cores: where the devices are CPU processes, the cores of one host (one unit of the innermost
             level), which its processes time-slice; None: every device computes on its own (GPUs).
         threads: compute threads of one CPU process (the profile's), with ``cores``.
+        action_s: seconds the runtime spends on each compute action of a device (a forward, a
+            backward, a split backward's B or W) besides its layers' time: the Python between two
+            actions, setting up autograd, posting the action's messages. Measured from a traced run
+            by ``pipeplan calibrate --trace`` (the median idle gap after a compute span); 0: not priced.
     """
 
     levels: tuple[Level, ...]
     memory_bytes: int | None = None
     cores: int | None = None
     threads: int = 1
+    action_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.levels:
@@ -135,6 +140,8 @@ class Cluster:
             raise PlanError(f"a host needs at least 1 core, got {self.cores}")
         if self.threads < 1:
             raise PlanError(f"a CPU process needs at least 1 thread, got {self.threads}")
+        if not self.action_s >= 0:
+            raise PlanError(f"the time per action must be >= 0 s, got {self.action_s}")
 
     @property
     def gpus(self) -> int:
@@ -301,6 +308,8 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
         for key in ("allreduce_bandwidth", "allreduce_latency"):  # only measured ones (as above)
             if level[key] is None:
                 del level[key]
+    if not plan.cluster.action_s:  # only calibrated clusters say it (as above)
+        del doc["cluster"]["action_s"]
     for stage in doc["stages"]:  # only simulated plans say it (as above)
         if stage["bubble_fraction"] is None:
             del stage["bubble_fraction"]
@@ -337,6 +346,7 @@ def plan_from_json(doc: Mapping[str, Any], source: str = "plan") -> Plan:
                 cluster.get("memory_bytes"),
                 cluster.get("cores"),
                 int(cluster.get("threads", 1)),
+                float(cluster.get("action_s", 0.0)),
             ),
             schedule=str(doc["schedule"]),
             microbatches=int(doc["microbatches"]),

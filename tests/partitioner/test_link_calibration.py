@@ -10,10 +10,12 @@ import pytest
 from click.testing import CliRunner
 
 from cli import main
+from cli_render.calibrate import print_links
 from partitioner.clusters import load_cluster
 from partitioner.errors import PipeplanError
 from partitioner.graph import write_graph_txt
 from partitioner.link_calibration import (
+    action_gaps,
     calibrate_with_links,
     measure_links,
     measure_runs,
@@ -186,3 +188,27 @@ def test_a_pipeline_and_a_data_parallel_run_correct_both_latencies(tmp_path: Pat
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and "2 traces for 1 package" in result.stderr
     assert cluster.read_text() == before
+
+
+def test_the_time_per_action_is_the_mean_idle_time_after_an_action(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rank 0 forwards 10 microbatches, 1000 us each with 400 us between them, rank 1 waits for each
+    (200 us on the wire): the runtime's time per action is the 400 us after each forward (the first
+    fifth of the trace skipped), written to the cluster file beside the latency and read back."""
+    events = []
+    for u in range(10):
+        t = 1400.0 * u
+        events += [_span(0, f"F{u}", t, t + 1000), _span(1, f"recv F{u}", t + 500, t + 1200, "comm")]
+    assert action_gaps(events) == pytest.approx([400e-6] * 7)  # F2..F8: F0 and F1 start the trace
+    folder, cluster, trace = _package(tmp_path), _cluster(tmp_path), tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    done = measure_links(folder, trace, cluster)
+    assert done.action_s == pytest.approx(400e-6) and done.action_before_s == 0.0
+    save_links(done)
+    assert load_cluster(str(cluster)).action_s == pytest.approx(400e-6)
+    doc = json.loads(cluster.read_text())
+    assert doc["calibrated"]["actions_timed"] == 7 and doc["calibrated"]["action_before"] == 0.0
+    print_links(done)
+    said = " ".join(capsys.readouterr().out.split())
+    assert "the runtime's time per action 0 us -> 400 us (mean idle time after 7 actions)" in said, said

@@ -23,7 +23,7 @@ from partitioner.optimizer.pricing.memory import (
     shared_weights,
     transient_bytes,
 )
-from partitioner.optimizer.pricing.schedules import model, plan_times
+from partitioner.optimizer.pricing.schedules import model, plan_times, with_actions
 from partitioner.optimizer.pricing.stage import (
     StageLoad,
     StagePrice,
@@ -226,6 +226,7 @@ def _times(
 ) -> StageTimes:  # fmt: skip
     if not comm:  # PipeDream's optimizer by default (no --activation_compression_ratio) charges none
         loads = [replace(ld, in_bytes=0.0, out_bytes=0.0) for ld in loads]
+    loads = with_actions(loads, cluster.action_s, schedule, m)  # the runtime's time per action
     links = []
     for i, spec in enumerate(specs):
         near = [r for j in (i - 1, i + 1) if 0 <= j < len(specs) for r in specs[j].ranks]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from partitioner.errors import PlanError
 from partitioner.graph import Profile, at_microbatches, split_backward
@@ -49,6 +49,7 @@ __all__ = [
     "plan_times",
     "priced_profile",
     "replica_held",
+    "with_actions",
     "zbv_time",
     "zero_bubble_time",
 ]
@@ -109,6 +110,12 @@ class ScheduleModel:
     def microbatches(self, m: int) -> int:
         """The microbatches its cost model prices: 1 for a schedule of whole minibatches."""
         return 1 if self.asynchronous else m
+
+    def actions(self, m: int) -> int:
+        """Compute actions a stage runs per minibatch, its replicas together: a forward and a backward
+        per item, and a W per item where the backward is split (what ``Cluster.action_s`` is paid
+        on: :func:`with_actions`)."""
+        return self.microbatches(m) * (3 if self.runtime.split_backward else 2)
 
     def virtual(self, asked: int) -> int:
         """Stages per GPU, given the count asked for."""
@@ -378,6 +385,21 @@ def plan_times(
     """Time per minibatch of a plan; ``links[i]`` is what stage i's replicas and cuts use;
     ``virtual``: stages per rank (interleaved)."""
     return model(schedule).times(loads, replicas, links, microbatches, virtual)
+
+
+def with_actions(loads: Sequence[StageLoad], action_s: float, schedule: str, m: int) -> list[StageLoad]:
+    """The loads a closed form prices: each stage's compute with the runtime's ``action_s`` per
+    action (:meth:`ScheduleModel.actions`), a forward's on its forward time, so a microbatch's
+    forward and backward each pay one (a split backward's B and W one each while ``W_SHARE`` is a
+    half, as the simulation charges them). What a search adds per stage is this too
+    (``StateSet.stage_s``)."""
+    if not action_s:
+        return list(loads)
+    sched = model(schedule)
+    forwards, actions = sched.microbatches(m) * action_s, sched.actions(m) * action_s
+    return [
+        replace(ld, compute_s=ld.compute_s + actions, forward_s=ld.forward_time + forwards) for ld in loads
+    ]
 
 
 def priced_profile(profile: Profile, schedule: str, forwards: int) -> Profile:

@@ -223,6 +223,8 @@ def _flushed(plan: Plan, profile: Profile | None) -> Simulation:
     wgt = None
     if sched.runtime.split_backward:
         bwd, wgt = [t * (1.0 - W_SHARE) for t in bwd], [t * W_SHARE for t in bwd]
+        wgt = _with_action(wgt, plan)
+    fwd, bwd = _with_action(fwd, plan), _with_action(bwd, plan)
     lists = build(plan.schedule, layout, plan.microbatches)
     events, held = play(lists, layout, fwd, bwd, link, wgt, latency=latency)
     end = max(e.end_s for e in events)
@@ -260,6 +262,7 @@ def _unflushed(plan: Plan, profile: Profile | None, minibatches: int | None) -> 
     loads = _loads(plan, profile)
     alone = replace(plan, stages=tuple(replace(s, replicas=1) for s in plan.stages))
     fwd, bwd, _ = _durations(alone, profile, loads)
+    fwd, bwd = _with_action(fwd, alone), _with_action(bwd, alone)
     step = [allreduce_time(ld.param_bytes, r, wire) for ld, r in zip(loads, replicas, strict=True)]
     link = [activation_time(ld.out_bytes, 1, wire) / 2 for ld in loads]
     steady_items = 4 * (p + sum(replicas))  # the pipeline fills within about one minibatch per rank
@@ -355,6 +358,13 @@ def _durations(
         bwd.append(total * (1 - f_share))
         link.append(microbatch_link(load.out_bytes, stage.replicas, m, wire) / 2)
     return fwd, bwd, link
+
+
+def _with_action(durations: Sequence[float], plan: Plan) -> list[float]:
+    """Each stage's action durations with the runtime's own time per action (``Cluster.action_s``);
+    a replicated stage of a flushing schedule plays as one server r times as fast, so 1/r of it."""
+    action = plan.cluster.action_s
+    return [t + action / s.replicas for t, s in zip(durations, plan.stages, strict=True)]
 
 
 def _memory(

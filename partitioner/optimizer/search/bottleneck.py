@@ -130,6 +130,7 @@ def _lattice_applies(profile: Profile, cluster: Cluster, states: StateSet) -> bo
 def _lattice_for(profile: Profile, states: StateSet, comm: bool) -> Lattice | None:
     """All downsets as a lattice, where the lattice search applies (None beyond its caps)."""
     lattice = enumerate_lattice(without_free_sinks(profile), LATTICE_MAX_STATES)
-    if lattice is None or comm:
-        return lattice
-    return replace(lattice, act_bytes=lattice.act_bytes * 0.0)
+    if lattice is None:
+        return None
+    lattice = replace(lattice, stage_s=states.stage_s)
+    return lattice if comm else replace(lattice, act_bytes=lattice.act_bytes * 0.0)

@@ -81,8 +81,7 @@ class LevelProblem:
     def base_time(self, j: int | IntArray, ks: IntArray) -> FloatArray:
         if self.base is not None:
             return self.base(j, ks)
-        c = self.states.compute_s
-        return np.asarray(c[j] - c[ks], dtype=np.float64)
+        return self.states.compute(ks, j)
 
     def held_params(self, ks: IntArray, js: IntArray) -> FloatArray:
         """Parameter bytes stages (ks, js] hold: their own and copies of tied weights owned elsewhere."""

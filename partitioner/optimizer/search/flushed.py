@@ -39,7 +39,8 @@ def solve_flushed(
         return exact
     if len(states) > SYNC_CANDIDATE_STATES:  # candidates and the exact search on fewer cuts
         most = int(math.sqrt(2 * MAX_CHOICES / (1 if straight else gpus)))
-        states = thin_states(profile, min(most, SYNC_CANDIDATE_STATES), comm)
+        thin = thin_states(profile, min(most, SYNC_CANDIDATE_STATES), comm)
+        states = replace(thin, stage_s=states.stage_s)
         if exact is None:
             exact = _exact(profile, cluster, states, opts)
 

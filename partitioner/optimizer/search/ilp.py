@@ -94,6 +94,7 @@ def solve_ilp(
     states = build_states(profile)
     if not activation_comm:
         states = replace(states, act_bytes=states.act_bytes * 0.0)
+    states = states.with_actions(cluster.action_s, schedule_model(schedule).actions(microbatches))
     m = cluster.gpus
     cap = 1 if straight else m
     prob = LevelProblem(states, m, cluster.levels[0].link)
@@ -148,7 +149,7 @@ def _micro(states: StateSet, key: tuple[int, int, int], m: int, link: Link) -> t
     """(microbatch time, all-reduce time) of stage (k, j] on r replicas, as the synchronous model's."""
     k, j, r = key
     out = float(states.act_bytes[j]) if j < len(states) - 1 else 0.0
-    compute = float(states.compute_s[j] - states.compute_s[k])
+    compute = float(states.compute(k, j))
     params = float(states.param_bytes[j] - states.param_bytes[k])
     return microbatch_time(compute, out, r, m, link), allreduce_time(params, r, link)
 

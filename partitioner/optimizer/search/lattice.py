@@ -41,6 +41,7 @@ class Lattice:
         cover_ptr, cover_idx: the lower covers of state j (global indices, in discovery order) are
             ``cover_idx[cover_ptr[j]:cover_ptr[j + 1]]``.
         compute_s, param_bytes, act_bytes: additive sums and the bytes leaving each downset.
+        stage_s: seconds every stage adds whatever its layers (``StateSet.stage_s``).
     """
 
     layer_ids: tuple[str, ...]
@@ -51,6 +52,7 @@ class Lattice:
     compute_s: FloatArray
     param_bytes: FloatArray
     act_bytes: FloatArray
+    stage_s: float = 0.0
 
     def members(self, k: int, j: int) -> tuple[str, ...]:
         """Layer ids in downset j but not in downset k, in topological order."""
@@ -209,8 +211,8 @@ def _assemble(
     ptr[1:] = np.cumsum(counts)
     masks = np.concatenate([np.zeros((1, words), dtype=np.uint64), *[p[0] for p in parts]])
     cover_idx = np.concatenate([np.zeros(0, dtype=np.int64), *[p[5] for p in parts]])
-    return Lattice(ids, masks, starts, ptr, cover_idx.astype(np.int64),
-                   *(np.concatenate([zero, *[p[i] for p in parts]]) for i in (1, 2, 3)))  # fmt: skip
+    compute, params, act = (np.concatenate([zero, *[p[i] for p in parts]]) for i in (1, 2, 3))
+    return Lattice(ids, masks, starts, ptr, cover_idx.astype(np.int64), compute, params, act)
 
 
 def _weights(lat: Lattice, reps: FloatArray, link: Link) -> FloatArray:
@@ -220,10 +222,11 @@ def _weights(lat: Lattice, reps: FloatArray, link: Link) -> FloatArray:
     return np.asarray(lat.compute_s[None, :] + a[:, None] * lat.param_bytes[None, :], dtype=np.float64)
 
 
-def _budget(reps: FloatArray, tau: float, link: Link) -> FloatArray:
-    """r·tau - 2(r-1)·latency: what a stage's dW may reach on r replicas at tau, the all-reduce's
-    2(r-1) messages' latency taken off (``stage.allreduce_time``)."""
-    return np.asarray(reps * tau - 2.0 * (reps - 1.0) * link.sync_latency, dtype=np.float64)
+def _budget(reps: FloatArray, tau: float, link: Link, stage_s: float = 0.0) -> FloatArray:
+    """r·tau - 2(r-1)·latency - stage_s: what a stage's dW may reach on r replicas at tau, the
+    all-reduce's 2(r-1) messages' latency (``stage.allreduce_time``) and the stage's own
+    ``stage_s`` taken off."""
+    return np.asarray(reps * tau - 2.0 * (reps - 1.0) * link.sync_latency - stage_s, dtype=np.float64)
 
 
 @dataclass(frozen=True)
@@ -288,7 +291,7 @@ def _probe(
     grid = _Grid.of(units, len(reps))
     floors = _floors(lat, units, tau, weights) if band else np.ones(len(lat.starts), dtype=np.int64)
     room = link.bandwidth * (tau * reps / 2.0 - link.latency)  # cut bytes r replicas move within tau
-    budget = _budget(reps, tau * (1 + 1e-12), link)[:, None]
+    budget = _budget(reps, tau * (1 + 1e-12), link, lat.stage_s)[:, None]
     n, last = len(lat.masks), len(lat.masks) - 1
     g = np.full(n, np.inf)
     g[0] = 0.0
@@ -329,7 +332,8 @@ def _stage_times(lat: Lattice, ks: IntArray, j: int, r: int, link: Link) -> Floa
     act = np.where(ks > 0, lat.act_bytes[ks], 0.0)
     if j < len(lat.masks) - 1:
         act = np.maximum(act, lat.act_bytes[j])
-    dc, dp = lat.compute_s[j] - lat.compute_s[ks], lat.param_bytes[j] - lat.param_bytes[ks]
+    dc = lat.compute_s[j] - lat.compute_s[ks] + lat.stage_s
+    dp = lat.param_bytes[j] - lat.param_bytes[ks]
     return stage_time(dc, dp, r, link, act=act)
 
 

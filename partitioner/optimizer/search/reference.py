@@ -31,7 +31,7 @@ def stage_times(
     out = np.full(len(ks), act[j])
     if not first_output:
         out[ks == 0] = 0.0
-    return stage_time(c[j] - c[ks], p[j] - p[ks], r, link, act=np.maximum(act[ks], out))
+    return stage_time(c[j] - c[ks] + states.stage_s, p[j] - p[ks], r, link, act=np.maximum(act[ks], out))
 
 
 def solve_reference(

@@ -57,6 +57,9 @@ class StateSet:
         preds: for state j, the states k with mask_k a strict subset of mask_j (None: all k < j;
             prefix states keep them as runs, ``PrefixPreds``).
         exact: True when every downset of the DAG is present.
+        stage_s: seconds every stage adds per minibatch whatever its layers: the runtime's time per
+            action times the actions a stage runs (``pricing.schedules.with_actions``); 0 until a
+            search sets it for its schedule (:meth:`with_actions`).
     """
 
     layer_ids: tuple[str, ...]
@@ -69,6 +72,7 @@ class StateSet:
     received_bytes: FloatArray
     preds: tuple[IntArray, ...] | PrefixPreds | None
     exact: bool
+    stage_s: float = 0.0
 
     def __len__(self) -> int:
         return len(self.masks)
@@ -135,7 +139,17 @@ class StateSet:
         masks = tuple(self.masks[i] for i in idx)
         sums = (self.compute_s[idx], self.param_bytes[idx], self.saved_bytes[idx], self.act_bytes[idx],
                 self.sent_bytes[idx], self.received_bytes[idx])  # fmt: skip
-        return StateSet(self.layer_ids, masks, *sums, preds, False)
+        return StateSet(self.layer_ids, masks, *sums, preds, False, self.stage_s)
+
+    def compute(self, ks: IntArray | int, js: IntArray | int) -> FloatArray:
+        """Seconds per minibatch of stages (ks, js] on one device: their layers' compute and the
+        runtime's time on their actions (``stage_s``), as the price's closed forms charge them."""
+        return np.asarray(self.compute_s[js] - self.compute_s[ks] + self.stage_s, dtype=np.float64)
+
+    def with_actions(self, action_s: float, actions: int) -> StateSet:
+        """These states priced for a schedule whose stages run ``actions`` actions a minibatch at
+        ``action_s`` each (``ScheduleModel.actions``, ``Cluster.action_s``)."""
+        return replace(self, stage_s=action_s * actions)
 
     def item_bytes(self, ks: IntArray, js: IntArray) -> FloatArray:
         """What stages (ks, js] hold per item in flight: their layers' saved bytes, the outputs they

@@ -49,7 +49,7 @@ class _Choices:
         k, j = states.all_pairs()
         r = np.arange(1, cap + 1, dtype=np.float64)[None, :]
         out = np.where(j < n - 1, states.act_bytes[j], 0.0)
-        compute = states.compute_s[j] - states.compute_s[k]
+        compute = states.compute(k, j)
         x = compute + 2.0 * out / link.bandwidth  # (only to solve for replicas: u is about x / (r·M))
         params = states.param_bytes[j] - states.param_bytes[k]
         u = microbatch_time(compute[:, None], out[:, None], r, m, link)

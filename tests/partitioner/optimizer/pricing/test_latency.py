@@ -4,6 +4,7 @@ the simulation alike, and a schedule that sends more messages pays for more of t
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -141,15 +142,17 @@ dags = st.integers(min_value=2, max_value=6).flatmap(
     schedule=st.sampled_from(sorted(MODELS)),
     gpus=st.integers(1, 3),
     latency=st.sampled_from([1e-4, 1e-3, 5e-3]),
+    action=st.sampled_from([0.0, 1e-3]),
 )
 def test_searched_plans_are_priced_as_their_closed_form_and_simulation(
-    costs: list[tuple[int, int, int, int]], schedule: str, gpus: int, latency: float
+    costs: list[tuple[int, int, int, int]], schedule: str, gpus: int, latency: float, action: float
 ) -> None:
-    """Random chains, every schedule, a nonzero latency: the searched plan's price is what the plan
-    cost model gives its stages again (the vectorised search charged the same messages as the
-    closed form), and for every flushing schedule what the simulation gives."""
+    """Random chains, every schedule, a nonzero latency, with or without the runtime's time per
+    action: the searched plan's price is what the plan cost model gives its stages again (the
+    vectorised search charged the same messages and actions as the closed form), and for every
+    flushing schedule what the simulation gives."""
     profile = make_profile(costs, [(i, i + 1) for i in range(len(costs) - 1)])
-    cluster = Cluster.flat(gpus, Link(1e6, latency))
+    cluster = replace(Cluster.flat(gpus, Link(1e6, latency)), action_s=action)
     sched = model(schedule)
     m = 1 if sched.asynchronous else 2 * gpus
     v = 2 if sched.laid_out else 1
@@ -167,6 +170,11 @@ def test_searched_plans_are_priced_as_their_closed_form_and_simulation(
     if sched.simulated:  # every flushing schedule: the plan predicts what the simulation plays
         sim = simulate(plan, profile)
         assert sim.time_per_minibatch_s == pytest.approx(plan.predicted.time_per_minibatch_s, rel=1e-9)
+    if action:  # and it pays for its actions
+        reps = [s.replicas for s in plan.stages]
+        unpriced = replace(cluster, action_s=0.0)
+        free = evaluate(profile, unpriced, cuts, reps, schedule, plan.microbatches, **extra)
+        assert plan.predicted.time_per_minibatch_s > free.predicted.time_per_minibatch_s
 
 
 def test_a_cut_moves_one_message_at_a_time() -> None:

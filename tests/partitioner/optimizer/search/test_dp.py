@@ -109,20 +109,22 @@ LATENCIES = st.sampled_from([0.0, 1e-3, 2e-2])
 #: a link's all-reduce figures (bandwidth, latency per step): a message's, or slower, or faster
 SYNCS = st.sampled_from([(None, None), (3e4, 2e-3), (4e5, 0.0)])
 """Link latencies (s) the searches are held to: none, and about a layer's and a stage's compute."""
+ACTIONS = st.sampled_from([0.0, 2e-3])
+"""The runtime's time per action (``Cluster.action_s``): none, and a tenth of a layer's compute."""
 
 
 @settings(max_examples=60, deadline=None)
 @given(dag=dags, gpus=st.integers(1, 4), straight=st.booleans(), comm=st.booleans(), latency=LATENCIES,
-       sync=SYNCS)  # fmt: skip
+       sync=SYNCS, action=ACTIONS)  # fmt: skip
 def test_dp_equals_brute_force(dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]], gpus: int,
                                straight: bool, comm: bool, latency: float,
-                               sync: tuple[float | None, float | None]) -> None:  # fmt: skip
-    """The search's optimum is the plan cost model's (brute force), with or without a latency, and
-    with the all-reduce priced by the link's own figures or its own."""
+                               sync: tuple[float | None, float | None], action: float) -> None:  # fmt: skip
+    """The search's optimum is the plan cost model's (brute force), with or without a latency, with
+    the all-reduce priced by the link's own figures or its own, and with or without a time per action."""
     costs, raw = dag
     edges = [(a, b) for a, b in raw if a < b]
     profile = make_profile(costs, edges)
-    cluster = Cluster.flat(gpus, Link(1e5, latency, *sync))
+    cluster = replace(Cluster.flat(gpus, Link(1e5, latency, *sync)), action_s=action)
     plan = solve(profile, cluster, straight=straight, activation_comm=comm)
     expected = brute_force(profile, cluster, straight, comm)
     assert plan.predicted.time_per_minibatch_s == pytest.approx(expected, rel=1e-8)
@@ -208,17 +210,19 @@ def test_1f1b_never_slower_than_its_straight_optimum_or_a_hybrid(name: str) -> N
 
 
 @settings(max_examples=25, deadline=None)
-@given(dag=dags, gpus=st.integers(1, 4))
+@given(dag=dags, gpus=st.integers(1, 4), action=ACTIONS)
 def test_trivial_hierarchies_equal_flat(dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]],
-                                        gpus: int) -> None:  # fmt: skip
-    """A level of one device adds nothing: (1 x m) and (m x 1) hierarchies solve like flat m."""
+                                        gpus: int, action: float) -> None:  # fmt: skip
+    """A level of one device adds nothing: (1 x m) and (m x 1) hierarchies solve like flat m, with
+    or without a time per action."""
     from partitioner.plan import Level
 
     costs, raw = dag
     profile = make_profile(costs, [(a, b) for a, b in raw if a < b])
-    flat = solve(profile, Cluster.flat(gpus, 1e5)).predicted.time_per_minibatch_s
-    outer = solve(profile, Cluster((Level(1, 7e5), Level(gpus, 1e5)))).predicted.time_per_minibatch_s
-    inner = solve(profile, Cluster((Level(gpus, 1e5), Level(1, 3e5)))).predicted.time_per_minibatch_s
+    flat = solve(profile, replace(Cluster.flat(gpus, 1e5), action_s=action)).predicted.time_per_minibatch_s
+    outer = Cluster((Level(1, 7e5), Level(gpus, 1e5)), action_s=action)
+    inner = Cluster((Level(gpus, 1e5), Level(1, 3e5)), action_s=action)
+    outer, inner = (solve(profile, c).predicted.time_per_minibatch_s for c in (outer, inner))
     assert outer == pytest.approx(flat, rel=1e-8)
     assert inner == pytest.approx(flat, rel=1e-8)
 
@@ -374,15 +378,18 @@ def test_hierarchy_with_memory_limit_fits_or_says_why() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(dag=dags, gpus=st.integers(1, 5), comm=st.booleans(), straight=st.booleans(), latency=LATENCIES)
+@given(dag=dags, gpus=st.integers(1, 5), comm=st.booleans(), straight=st.booleans(), latency=LATENCIES,
+       action=ACTIONS)  # fmt: skip
 def test_lattice_search_equals_pair_dp(
     dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]],
     gpus: int,
     comm: bool,
     straight: bool,
     latency: float,
+    action: float,
 ) -> None:
-    """The pair-free lattice search (used beyond 2,500 downsets) finds the pair DP's optimum."""
+    """The pair-free lattice search (used beyond 2,500 downsets) finds the pair DP's optimum, with
+    or without a time per action (a pipedream stage's two)."""
     from dataclasses import replace
 
     from partitioner.optimizer.search.dp import LevelProblem, solve_direct
@@ -396,10 +403,11 @@ def test_lattice_search_equals_pair_dp(
     if not comm:
         states = replace(states, act_bytes=states.act_bytes * 0.0)
         lattice = replace(lattice, act_bytes=lattice.act_bytes * 0.0)
+    states, lattice = states.with_actions(action, 2), replace(lattice, stage_s=2 * action)
     cap = 1 if straight else None
     link = Link(1e5, latency)
     direct, _ = solve_direct(LevelProblem(states, gpus, link, max_replicas=cap))
-    upper = float(states.compute_s[-1])
+    upper = float(states.compute(0, len(states) - 1))  # one stage on one device
     found, stages, lower = solve_lattice(lattice, gpus, link, 0.0, upper, cap)
     assert found == pytest.approx(direct, rel=1e-5)
     assert lower <= direct * (1 + 1e-9)

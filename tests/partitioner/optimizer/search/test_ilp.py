@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -13,15 +14,17 @@ from partitioner.optimizer import solve
 from partitioner.optimizer.search.ilp import _backend
 from partitioner.plan import Cluster
 from tests.partitioner.optimizer.conftest import make_profile, searched_s
-from tests.partitioner.optimizer.search.test_dp import dags
+from tests.partitioner.optimizer.search.test_dp import ACTIONS, dags
 
 
 @settings(max_examples=12, deadline=None)
-@given(dag=dags, gpus=st.integers(1, 4))
-def test_dp_equals_ilp(dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]], gpus: int) -> None:
+@given(dag=dags, gpus=st.integers(1, 4), action=ACTIONS)
+def test_dp_equals_ilp(
+    dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]], gpus: int, action: float
+) -> None:
     costs, raw = dag
     profile = make_profile(costs, [(a, b) for a, b in raw if a < b])
-    cluster = Cluster.flat(gpus, bandwidth=1e5)
+    cluster = replace(Cluster.flat(gpus, bandwidth=1e5), action_s=action)
     dp = solve(profile, cluster).predicted.time_per_minibatch_s
     ilp = solve(profile, cluster, solver="ilp")
     assert ilp.solver.name == "ilp"
@@ -42,17 +45,19 @@ def test_ilp_on_a_real_profile() -> None:
 
 @settings(max_examples=12, deadline=None)
 @given(dag=dags, gpus=st.integers(1, 4), schedule=st.sampled_from(["1f1b", "gpipe"]),
-       microbatches=st.sampled_from([1, 3, 8]))  # fmt: skip
+       microbatches=st.sampled_from([1, 3, 8]), action=ACTIONS)  # fmt: skip
 def test_dp_equals_ilp_for_synchronous_schedules(
     dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]],
     gpus: int,
     schedule: str,
     microbatches: int,
+    action: float,
 ) -> None:
-    """The branch and bound and the MILP (sum + (M-1)·t + a, t and a as epigraph variables) agree."""
+    """The branch and bound and the MILP (sum + (M-1)·t + a, t and a as epigraph variables) agree,
+    with or without the runtime's time per action."""
     costs, raw = dag
     profile = make_profile(costs, [(a, b) for a, b in raw if a < b])
-    cluster = Cluster.flat(gpus, bandwidth=1e5)
+    cluster = replace(Cluster.flat(gpus, bandwidth=1e5), action_s=action)
     dp = searched_s(solve(profile, cluster, schedule, microbatches))
     ilp = solve(profile, cluster, schedule, microbatches, solver="ilp")
     assert ilp.solver.name == "ilp"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import Phase, given, settings
@@ -11,13 +12,13 @@ from hypothesis import strategies as st
 from partitioner.optimizer import solve
 from partitioner.plan import Cluster, Link
 from tests.partitioner.optimizer.conftest import make_profile, searched_s
-from tests.partitioner.optimizer.search.test_dp import LATENCIES, SYNCS, brute_force, dags
+from tests.partitioner.optimizer.search.test_dp import ACTIONS, LATENCIES, SYNCS, brute_force, dags
 
 
 @settings(max_examples=60, deadline=None)
 @given(dag=dags, gpus=st.integers(1, 4), schedule=st.sampled_from(["1f1b", "gpipe"]),
        microbatches=st.sampled_from([1, 2, 4, 8]), straight=st.booleans(), comm=st.booleans(),
-       latency=LATENCIES, sync=SYNCS)  # fmt: skip
+       latency=LATENCIES, sync=SYNCS, action=ACTIONS)  # fmt: skip
 def test_synchronous_plans_are_optimal(
     dag: tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]],
     gpus: int,
@@ -27,12 +28,14 @@ def test_synchronous_plans_are_optimal(
     comm: bool,
     latency: float,
     sync: tuple[float | None, float | None],
+    action: float,
 ) -> None:
     """1f1b and gpipe: sum + (M-1) slowest + all-reduce, minimised exactly, and proven so (the
-    plan is then priced by the simulation: ``searched_s`` is the closed form the search saw)."""
+    plan is then priced by the simulation: ``searched_s`` is the closed form the search saw), with
+    or without the runtime's time per action (2M a stage)."""
     costs, raw = dag
     profile = make_profile(costs, [(a, b) for a, b in raw if a < b])
-    cluster = Cluster.flat(gpus, Link(1e5, latency, *sync))
+    cluster = replace(Cluster.flat(gpus, Link(1e5, latency, *sync)), action_s=action)
     plan = solve(profile, cluster, schedule, microbatches, straight=straight, activation_comm=comm)
     # optimal at the microbatch count it uses (raised towards one every replica count divides, if needed)
     expected = brute_force(profile, cluster, straight, comm, schedule, plan.microbatches)
