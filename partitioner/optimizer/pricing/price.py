@@ -175,11 +175,13 @@ def layer_compute_s(profile: Profile) -> float:
     return math.fsum(n.compute_ms for n in profile.nodes if n.op != "input") / 1000.0
 
 
-def data_parallel_time(profile: Profile, cluster: Cluster, schedule: str = "pipedream") -> float:
+def data_parallel_time(
+    profile: Profile, cluster: Cluster, schedule: str = "pipedream", microbatches: int = 1
+) -> float:
     """Data parallelism on every device: PipeDream's comparator (each level replicates the whole
     model), or for synchronous schedules the compute split M ways plus one all-reduce over the
-    slowest level."""
-    time = layer_compute_s(profile)
+    slowest level; the one stage's actions at the cluster's ``action_s`` each, as any stage's."""
+    time = layer_compute_s(profile) + cluster.action_s * model(schedule).actions(microbatches)
     params = float(sum(n.param_bytes for n in profile.nodes if n.op != "input"))
     if not model(schedule).asynchronous:
         return time / cluster.gpus + allreduce_time(params, cluster.gpus, cluster.slowest)
@@ -190,13 +192,14 @@ def data_parallel_time(profile: Profile, cluster: Cluster, schedule: str = "pipe
     return time
 
 
-def hosts_bound(cluster: Cluster, stages: Sequence[Stage]) -> float:
+def hosts_bound(cluster: Cluster, stages: Sequence[Stage], actions: int = 0) -> float:
     """:func:`~partitioner.optimizer.pricing.schedules.host_bound` of a plan's stages: a replica computes its
-    share of the minibatches, ``compute_s / replicas`` per minibatch."""
+    share of the minibatches, ``compute_s / replicas`` per minibatch, and runs its share of a stage's
+    ``actions`` (``ScheduleModel.actions``) at the cluster's ``action_s`` each: Python on its cores too."""
     rank_s = [0.0] * cluster.gpus
     for stage in stages:
         for rank in stage.ranks:
-            rank_s[rank] += stage.compute_s / stage.replicas
+            rank_s[rank] += (stage.compute_s + actions * cluster.action_s) / stage.replicas
     return host_bound(rank_s, cluster.levels[0].devices, cluster.cores, cluster.threads)
 
 
@@ -455,8 +458,12 @@ def assemble(
     )
     single = layer_compute_s(profile)
     everyone = Stage(0, (), cluster.gpus, tuple(range(cluster.gpus)), single)
-    dp = max(data_parallel_time(profile, cluster, schedule), hosts_bound(cluster, [everyone]))
-    host = hosts_bound(cluster, stages)
+    actions = model(schedule).actions(microbatches)
+    dp = max(
+        data_parallel_time(profile, cluster, schedule, microbatches),
+        hosts_bound(cluster, [everyone], actions),
+    )
+    host = hosts_bound(cluster, stages, actions)
     pipeline, time = time, max(time, host)
     batch = profile.batch_size
     prediction = Prediction(

@@ -288,7 +288,7 @@ def simulate(plan: Plan, profile: Profile | None = None, minibatches: int | None
     if profile is not None:
         profile = priced_profile(profile, plan.schedule, sched.microbatches(plan.microbatches))
     sim = _unflushed(plan, profile, minibatches) if sched.asynchronous else _flushed(plan, profile)
-    host = hosts_bound(plan.cluster, plan.stages)
+    host = hosts_bound(plan.cluster, plan.stages, sched.actions(plan.microbatches))
     return replace(sim, time_per_minibatch_s=max(sim.time_per_minibatch_s, host))
 
 

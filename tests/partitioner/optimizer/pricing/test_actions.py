@@ -56,6 +56,16 @@ def test_hand_checked_pipedream() -> None:
     assert simulate(wide, profile, minibatches=40).time_per_minibatch_s == pytest.approx(0.031)
 
 
+def test_the_data_parallel_comparator_and_the_host_bound_pay_the_actions_too() -> None:
+    """The data-parallel plan is its own comparator (speedup 1), actions and all; on one core two
+    CPU ranks take turns, their actions included: 2 x (30 + 2) ms."""
+    profile = _chain(2)
+    wide = evaluate(profile, _cluster(2, A), [], [2])
+    assert wide.predicted.speedup_vs_data_parallel == pytest.approx(1.0)
+    shared = replace(_cluster(2, A), cores=1)
+    assert evaluate(profile, shared, ["l0"], [1, 1]).predicted.host_bound_s == pytest.approx(0.064)
+
+
 def test_a_split_backward_pays_three_actions_a_microbatch() -> None:
     """zb1p and zbv run F, B and W per microbatch: 3M actions a stage, 2M for 1f1b."""
     assert model("zb1p").actions(4) == 12 and model("zbv").actions(4) == 12
