@@ -373,7 +373,8 @@ def save_links(done: LinkCalibration) -> None:
 
 
 def _quartiles(values: Sequence[float]) -> list[float]:
+    """The lower and upper quartiles; empty for no values (the file stays strict JSON: no NaN)."""
     if len(values) < 2:
-        return [values[0], values[0]] if values else [math.nan, math.nan]
+        return [values[0], values[0]] if values else []
     q = statistics.quantiles(values, n=4)
     return [q[0], q[2]]
