@@ -5,7 +5,9 @@ Reads the Chrome trace ``pipeplan run PKG --trace tr.json`` writes and skips eac
 of the traced time (start-up and the first, allocating steps). With ``--stages N`` (a plan of N
 stages, one per rank), the gaps after spans that send a message (a forward before the last stage, a
 backward after the first) are set against the gaps after the other compute spans: their difference
-is what posting a send costs the sender. Pure Python, nothing written.
+is what posting a send costs the sender. Every trace also gets the mean idle time after an action
+(what ``pipeplan calibrate --trace`` takes as the cluster's time per action), and that time split by
+what follows it. Pure Python, nothing written.
 
 Run:  .venv/bin/python benchmarks/trace_gaps.py tr.json [--stages 2]
 """
@@ -19,6 +21,8 @@ import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
+
+from partitioner.link_calibration import action_gaps
 
 
 def _spans(path: Path) -> dict[int, list[dict[str, Any]]]:
@@ -40,10 +44,18 @@ def _kind(span: dict[str, Any]) -> str:
     return f"compute {name[0]}" if span.get("cat") == "compute" else f"comm {name.split(' ')[0]}"
 
 
+def _before(after: dict[str, Any]) -> str:
+    """What an action's idle gap leads into: a blocked receive, the rank's next action, or other."""
+    if str(after["name"]).startswith("recv "):
+        return "a blocked receive"
+    return "the next action" if after.get("cat") == "compute" else "other spans"
+
+
 def report(path: Path, stages: int | None) -> list[str]:
     lines = []
     sending: list[float] = []
     other: list[float] = []
+    leads: dict[str, list[float]] = defaultdict(list)
     for rank, spans in _spans(path).items():
         totals: Counter[str] = Counter()
         gap_ms = 0.0
@@ -52,6 +64,8 @@ def report(path: Path, stages: int | None) -> list[str]:
             gap = max(0.0, float(after["ts"]) - float(span["ts"]) - float(span["dur"])) / 1e3
             gap_ms += gap
             name, stage = str(span["name"]), int(span["tid"])
+            if span.get("cat") == "compute" and name[:1] in ("F", "B", "W"):
+                leads[_before(after)].append(gap)
             if stages and span.get("cat") == "compute":
                 sends = (name[0] == "F" and stage < stages - 1) or (name[0] == "B" and stage > 0)
                 (sending if sends else other).append(gap)
@@ -60,6 +74,14 @@ def report(path: Path, stages: int | None) -> list[str]:
         kinds = ", ".join(f"{k} {v:.1f}" for k, v in sorted(totals.items()))
         lines.append(
             f"rank {rank}: {kinds} ms; gaps {gap_ms:.1f} ms ({gap_ms / steps:.2f} ms a step, {steps} steps)"
+        )
+    gaps = action_gaps(json.loads(path.read_text())["traceEvents"])  # what calibrate --trace takes
+    if gaps:
+        parts = ", ".join(
+            f"before {k} {statistics.fmean(v):.3f} ms ({len(v)})" for k, v in sorted(leads.items())
+        )
+        lines.append(
+            f"idle after an action: mean {statistics.fmean(gaps) * 1e3:.3f} ms over {len(gaps)}; {parts}"
         )
     if stages:
         lines.append(

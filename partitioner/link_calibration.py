@@ -28,8 +28,9 @@ The runtime's own time per action (``Cluster.action_s``) is the mean, over every
 and W span of the traced ranks, of the idle time from the span's end until the rank's next span
 begins (a receive it blocks in, or its next action): Python between two actions, setting up autograd
 and posting the action's messages, which no span covers and no layer's time holds. The mean, not the
-median: it is what a step loses per action (the gap after a span that sends is about twice the
-others' on CPU ranks). Each rank's first fifth of traced time (start-up, the first steps) is skipped.
+median: it is what a step loses per action (on CPU ranks the gap before a receive the rank blocks
+in is two to four times the gap before its next action: ``benchmarks/trace_gaps.py``). Each
+rank's first fifth of traced time (start-up, the first steps) is skipped.
 
 What this refuses, rather than guess: runs across hosts (their clocks differ, so one rank's
 timestamps cannot be compared with another's), ranks hosting several stages (``interleaved``,
@@ -108,8 +109,9 @@ class AllReduces:
 
 @dataclass(frozen=True)
 class LinkCalibration:
-    """A cluster file's level-0 latency and all-reduce latency before and after (None after: too
-    few timed to say, kept), from how many messages and all-reduces; ``doc``: the file."""
+    """A cluster file's level-0 latency, all-reduce latency and time per action before and after
+    (None after: too few timed to say, kept), from how many messages, all-reduces and idle gaps
+    after actions (``gaps``); ``doc``: the file."""
 
     cluster: Path
     latency_before_s: float
@@ -193,7 +195,7 @@ def action_gaps(events: Iterable[Mapping[str, Any]]) -> tuple[float, ...]:
     gaps = []
     for spans in ranks.values():
         spans.sort(key=lambda e: float(e["ts"]))
-        first, last = float(spans[0]["ts"]), max(_span_end(e) * 1e6 for e in spans)
+        first, last = float(spans[0]["ts"]), max(float(e["ts"]) + float(e["dur"]) for e in spans)
         kept = [e for e in spans if float(e["ts"]) >= first + 0.2 * (last - first)]
         for span, after in itertools.pairwise(kept):
             if span.get("cat") == "compute" and str(span["name"])[:1] in ("F", "B", "W"):
@@ -233,7 +235,8 @@ def measure_runs(
     """
     path = Path(cluster)
     doc = _read_json(path, "cluster file")
-    levels = cluster_from_json(doc, str(path)).levels
+    known = cluster_from_json(doc, str(path))
+    levels = known.levels
     readings = [_read_run(folder, trace, levels[0].devices) for folder, trace in runs]
     messages = Messages(
         tuple(t for m, _, _ in readings for t in m.seconds),
@@ -261,7 +264,7 @@ def measure_runs(
     return LinkCalibration(
         path, link.latency, latency, link.bandwidth, messages, traces, doc,
         allreduces, link.sync_latency, _allreduce_latency(allreduces, link.sync_bandwidth),
-        gaps, cluster_from_json(doc, str(path)).action_s, action,
+        gaps, known.action_s, action,
     )  # fmt: skip
 
 

@@ -111,7 +111,7 @@ class Cluster:
         action_s: seconds the runtime spends on each compute action of a device (a forward, a
             backward, a split backward's B or W) besides its layers' time: the Python between two
             actions, setting up autograd, posting the action's messages. Measured from a traced run
-            by ``pipeplan calibrate --trace`` (the median idle gap after a compute span); 0: not priced.
+            by ``pipeplan calibrate --trace`` (the mean idle gap after a compute span); 0: not priced.
     """
 
     levels: tuple[Level, ...]
