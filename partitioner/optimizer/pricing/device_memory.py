@@ -9,7 +9,8 @@ actions in order (no timing needed: a rank's own order decides what it holds): e
 weights, optimizer state and master copy; the gradients of each stage that has run a backward this
 step; each stage's items between their forward and the backward that frees them (a split
 backward's W), and between a split backward's B and W what W needs; and the transient bytes of
-the one backward running (its gradient before it is added, the working bytes). Measured on
+the one backward running (its working bytes, and the gradient it adds to one its stage made
+earlier in the step). Measured on
 vgg16's interleaved plan (`pipeplan run --measure-memory`): the rank of stages 1 and 3 held its
 later stage's gradients and transient while its earlier stage's gradients did not exist yet.
 """
@@ -32,8 +33,10 @@ class StageBytes:
         kept: held all the time: weights, optimizer state, master copy, tied copies.
         grads: its gradients, from its first backward of a step until the step.
         item: one item's saved activations, from its forward until the backward that frees them.
-        transient: held while one of its backwards runs.
+        transient: held while one of its backwards runs (its working bytes).
         deferred: one item's bytes a split backward keeps from its B to its W.
+        added: held while a backward (a split backward's W) adds to gradients its stage made
+            earlier in the step: the gradient being added (the step's first backward makes them).
     """
 
     kept: float
@@ -41,6 +44,7 @@ class StageBytes:
     item: float
     transient: float
     deferred: float = 0.0
+    added: float = 0.0
 
 
 def walked_peak(actions: Iterable[Action], stages: Mapping[int, StageBytes], split: bool) -> float:
@@ -56,10 +60,11 @@ def walked_peak(actions: Iterable[Action], stages: Mapping[int, StageBytes], spl
             peak = max(peak, level)
         elif a.kind in ("B", "W"):
             frees = a.kind == "W" or not split
-            if frees and a.stage not in grads:
+            adds = frees and a.stage in grads
+            if frees and not adds:
                 grads.add(a.stage)
                 level += b.grads
-            peak = max(peak, level + b.transient)
+            peak = max(peak, level + b.transient + (b.added if adds else 0.0))
             if split:  # B keeps what its W needs, W drops it
                 level += b.deferred if a.kind == "B" else -b.deferred
             if frees:

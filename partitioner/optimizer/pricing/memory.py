@@ -317,8 +317,15 @@ class MemoryLimit:
         room = base - transient_bytes(params, bound, self.schedule)
         m = float(self.microbatches)
         with np.errstate(divide="ignore", invalid="ignore"):
-            most = np.where(saved > 0, np.floor(room * m / np.maximum(saved, 1e-9) + 1e-9), np.inf)
-            with_grad = np.where((room > 0) & (most >= 1), np.ceil(m / most - 1e-9), np.inf)
+            # k items fit while the first backward runs, k - 1 beside the gradient a later one adds
+            per = m / np.maximum(saved, 1e-9)
+            later = 0 if REGISTRY[self.schedule].split_backward else 1  # as in :meth:`fits`
+            most = np.where(
+                saved > 0,
+                np.minimum(np.floor(base * per + 1e-9), np.floor(room * per + 1e-9) + later),
+                np.where(room >= 0, np.inf, 0.0),
+            )
+            with_grad = np.where(most >= 1, np.ceil(m / most - 1e-9), np.inf)
         return np.asarray(np.where(with_grad < m, with_grad, np.maximum(alone, m)), dtype=np.float64)
 
     def fits(
@@ -332,10 +339,14 @@ class MemoryLimit:
         """Synchronous: whether stages fit on ``replicas`` each (shapes broadcast; ``largest`` and
         ``working`` as in :meth:`replicas`)."""
         transient = transient_bytes(params, self.largest if largest is None else largest, self.schedule)
-        grad = np.where(replicas < self.microbatches, transient, 0.0)
+        items = np.maximum(replicas, float(self.microbatches))  # price.backward_item
+        # a later backward adds the gradient beside one item fewer (price.held_memory's ``later``);
+        # a split backward's items keep W's bytes after their B, which this bound leaves to it
+        freed = 0.0 if REGISTRY[self.schedule].split_backward else saved / items
+        grad = np.where(replicas < self.microbatches, np.maximum(transient - freed, 0.0), 0.0)
         work = self.working if working is None else working
-        working = work / np.maximum(replicas, float(self.microbatches))  # price.backward_item
-        need = params * self.per_byte + grad + working + saved * replica_share(self.microbatches, replicas)
+        share = replica_share(self.microbatches, replicas)
+        need = params * self.per_byte + grad + work / items + saved * share
         summed = np.where(replicas > 1, allreduce_bytes(params, self.optimizer, self.master), 0.0)
         return np.asarray((need <= self.limit) & (summed <= self.limit))
 

@@ -44,8 +44,10 @@ __all__ = [
     "device_shares",
     "gib",
     "global_lower_bound",
+    "held_backward",
     "held_memory",
     "held_transient",
+    "held_working",
     "hosts_bound",
     "laid_out_peaks",
     "layer_compute_s",
@@ -239,7 +241,7 @@ def _times(
 
 def held_memory(
     load: StageLoad, schedule: str, held: int, share: int, optimizer: str, recompute: bool, accumulates: bool,
-    item: int = 1, between: int = 0, replicated: bool = False,
+    item: int = 1, between: int = 0, replicated: bool = False, later: int | None = None,
 ) -> int:  # fmt: skip
     """Peak bytes of one device of a stage holding ``held`` items, each ``1/share`` of a minibatch,
     accumulating gradients or not: :func:`~partitioner.optimizer.pricing.memory.peak_bytes` of the
@@ -248,28 +250,45 @@ def held_memory(
     backward works on at a time, its working bytes ``1/item`` of a minibatch's. ``between``: the
     items it holds between a split backward's B and W (:meth:`~.schedules.ScheduleModel.between`),
     each keeping its ``deferred_bytes`` share (a bound: their peak and the items' need not meet).
+    ``later``: the items it holds while a backward adds to gradients already made
+    (:meth:`~.schedules.ScheduleModel.later`; ``held`` if None): the step's first backward makes
+    them, so the gradient being added is paid beside those items only, not beside ``held``.
     ``replicated``: a replica of a synchronous stage, which sums its gradients after the minibatch
     (:func:`~partitioner.optimizer.pricing.memory.allreduce_bytes`, when that is higher)."""
     params = load.param_bytes + load.copy_bytes
-    transient = held_transient(load, schedule, accumulates, item)
+    working = held_working(load, item)
+    added = held_transient(load, schedule, accumulates, item) - working
     # (a recomputing stage's received copies are among the inputs it keeps per item already)
     per_item = load.item_bytes - (load.received_bytes if recompute else 0.0)
-    peak = round(between * load.deferred_bytes / share) + peak_bytes(
-        params, per_item, held, share, schedule, optimizer, transient, load.input_bytes, recompute,
-        load.master, load.kept_bytes + load.sent_bytes,
-    )  # fmt: skip
+
+    def holding(items: int, transient: float) -> int:
+        return round(between * load.deferred_bytes / share) + peak_bytes(
+            params, per_item, items, share, schedule, optimizer, transient, load.input_bytes, recompute,
+            load.master, load.kept_bytes + load.sent_bytes,
+        )  # fmt: skip
+
+    peak = holding(held, working)
+    if added > 0:
+        peak = max(peak, holding(held if later is None else later, working + added))
     if not replicated or model(schedule).asynchronous:
         return peak
     return max(peak, round(float(allreduce_bytes(params, optimizer, load.master))))
 
 
+def held_working(load: StageLoad, item: int = 1) -> float:
+    """One item's backward's working bytes and the receive posted beside it: what every backward
+    of a stage holds while it runs (one item's backward at a time)."""
+    return (load.working_bytes + load.posted_bytes) / item
+
+
 def held_transient(load: StageLoad, schedule: str, accumulates: bool, item: int = 1) -> float:
     """The bytes a stage's backward makes and holds only while it runs: the gradient it
-    accumulates (:func:`~partitioner.optimizer.pricing.memory.transient_bytes`) and one item's
-    working bytes. Part of :func:`held_memory`; :func:`device_shares` counts it once a device."""
+    accumulates (:func:`~partitioner.optimizer.pricing.memory.transient_bytes`) and
+    :func:`held_working`. Part of :func:`held_memory`; :func:`device_shares` counts it once a
+    device."""
     params = load.param_bytes + load.copy_bytes
     transient = float(transient_bytes(params, load.largest_param_bytes, schedule)) if accumulates else 0.0
-    return transient + (load.working_bytes + load.posted_bytes) / item  # one item's backward at a time
+    return transient + held_working(load, item)
 
 
 def device_shares(
@@ -344,17 +363,46 @@ def _stage_bytes(load: StageLoad, schedule: str, optimizer: str, microbatches: i
     """A one-device stage's bytes as :func:`held_memory` prices them, taken apart."""
     params = load.param_bytes + load.copy_bytes
     kept = params * (persistent_factor(optimizer, load.master) - 1)
-    transient = held_transient(load, schedule, microbatches > 1, item)
-    return StageBytes(kept, params, load.item_bytes / item, transient, load.deferred_bytes / item)
+    working = held_working(load, item)
+    added = held_transient(load, schedule, microbatches > 1, item) - working
+    return StageBytes(kept, params, load.item_bytes / item, working, load.deferred_bytes / item, added)
+
+
+def held_backward(
+    load: StageLoad, schedule: str, held: int, share: int, optimizer: str, recompute: bool, accumulates: bool,
+    item: int = 1, between: int = 0, later: int | None = None,
+) -> float:  # fmt: skip
+    """What a device of a stage holds only while one of its backwards runs, as :func:`held_memory`
+    prices it: its peak over what it holds between backwards (the gradient being added, net of the
+    items freed before it is, and the working bytes). :func:`device_shares` counts it once a
+    device."""
+    full = held_memory(
+        load, schedule, held, share, optimizer, recompute, accumulates, item, between, False, later
+    )  # fmt: skip
+    rest = held_memory(load, schedule, held, share, optimizer, recompute, False, item, between)
+    return full - rest + held_working(load, item)
+
+
+def _terms(
+    schedule: str, position: int, replicas: Sequence[int], microbatches: int, virtual: int
+) -> tuple[int, int, int, int, bool]:
+    """(held, later, between, item, accumulates) of the stage at ``position``: what
+    :func:`held_memory` reads from its schedule."""
+    sched = model(schedule)
+    held = sched.held(position, replicas, microbatches, virtual)
+    later = sched.later(position, replicas, microbatches, virtual)
+    between = sched.between(position, replicas, microbatches, virtual)
+    item = backward_item(sched.asynchronous, microbatches, replicas[position])
+    return held, later, between, item, not sched.asynchronous and microbatches > replicas[position]
 
 
 def stage_transient(
-    load: StageLoad, schedule: str, position: int, replicas: Sequence[int], microbatches: int
-) -> float:
-    """:func:`held_transient` of the stage at ``position``, as :func:`stage_memory` charges it."""
-    whole = model(schedule).asynchronous
-    item = backward_item(whole, microbatches, replicas[position])
-    return held_transient(load, schedule, not whole and microbatches > replicas[position], item)
+    load: StageLoad, schedule: str, position: int, replicas: Sequence[int], microbatches: int, optimizer: str,
+    recompute: bool = False, virtual: int = 1,
+) -> float:  # fmt: skip
+    """:func:`held_backward` of the stage at ``position``, as :func:`stage_memory` charges it."""
+    held, later, between, item, accumulates = _terms(schedule, position, replicas, microbatches, virtual)
+    return held_backward(load, schedule, held, item, optimizer, recompute, accumulates, item, between, later)
 
 
 def stage_memory(
@@ -362,15 +410,11 @@ def stage_memory(
     recompute: bool = False, virtual: int = 1,
 ) -> int:  # fmt: skip
     """Peak bytes on one device of a stage: what its schedule holds in flight (``ScheduleModel``)."""
-    sched = model(schedule)
-    held = sched.held(position, replicas, microbatches, virtual)
-    between = sched.between(position, replicas, microbatches, virtual)
-    whole = sched.asynchronous
-    item = backward_item(whole, microbatches, replicas[position])
-    accumulates = not whole and microbatches > replicas[position]
+    held, later, between, item, accumulates = _terms(schedule, position, replicas, microbatches, virtual)
     return held_memory(
-        load, schedule, held, item, optimizer, recompute, accumulates, item, between, replicas[position] > 1
-    )
+        load, schedule, held, item, optimizer, recompute, accumulates, item, between, replicas[position] > 1,
+        later,
+    )  # fmt: skip
 
 
 def backward_item(whole: bool, microbatches: int, replicas: int) -> int:
@@ -445,9 +489,12 @@ def assemble(
     loads = [replace(ld, compute_s=price.compute_s) for ld, (_, price) in zip(loads, priced, strict=True)]
     times = _times(cluster, specs, schedule, microbatches, activation_comm, loads, virtual)
     reps = [s.replicas for s in specs]
-    transient = [stage_transient(ld, schedule, i, reps, microbatches) for i, ld in enumerate(loads)]
-    ranks = [s.ranks for s in specs]
     again = [redo for redo, _ in priced]
+    transient = [
+        stage_transient(ld, schedule, i, reps, microbatches, optimizer, redo, virtual)
+        for i, (ld, redo) in enumerate(zip(loads, again, strict=True))
+    ]
+    ranks = [s.ranks for s in specs]
     peaks = laid_out_peaks(loads, ranks, schedule, microbatches, optimizer, again)
     memory = device_shares([price.memory_bytes for _, price in priced], transient, ranks, peaks)
     _check_device_memory(specs, memory, limit)

@@ -137,6 +137,21 @@ class ScheduleModel:
         stage = played_in_flight(self.name, position, len(replicas), microbatches, self.virtual(virtual))
         return replica_held(stage, replicas[position])
 
+    def later(self, position: int, replicas: Sequence[int], microbatches: int, virtual: int) -> int:
+        """Items a device of stage ``position`` holds at most while a backward after its first of the
+        step frees one (a split backward's W): the backwards that add to gradients already made
+        (the first makes them), played from the runtime's own list. gpipe: one item fewer than
+        ``held``; 1f1b: ``held`` where a forward comes between its first two backwards. ``held``
+        for pipedream, whose replicas never add one minibatch's gradient to another's, and for a
+        split backward, whose W holds more than the item it frees (resnet18's zb1p stage 0 at
+        M = 2, ``run --measure-memory``: 41.5 MiB, 1.07 of the figure with one item fewer, 0.91
+        of this one)."""
+        if self.in_flight is not None or self.runtime.split_backward:
+            return self.held(position, replicas, microbatches, virtual)
+        v, r = self.virtual(virtual), replicas[position]
+        stage = played_in_flight(self.name, position, len(replicas), microbatches, v, after=r)
+        return replica_held(stage, r)
+
     def between(self, position: int, replicas: Sequence[int], microbatches: int, virtual: int) -> int:
         """Items a device of stage ``position`` holds between their B and their W at once, keeping
         what W needs (``Node.deferred_bytes``): played from the runtime's own list; 0 where the
@@ -162,32 +177,41 @@ def _pipedream_in_flight(position: int, replicas: Sequence[int], microbatches: i
 
 @functools.lru_cache(maxsize=1024)
 def _rank_peaks(
-    name: str, stages: int, virtual: int, microbatches: int, rank: int, start: str = "F"
+    name: str, stages: int, virtual: int, microbatches: int, rank: int, start: str = "F", after: int = -1
 ) -> dict[int, int]:
     """Per stage of ``rank``, the most units whose graph it holds at once over one minibatch of the
     runtime's list: from a unit's ``start`` action (its F, or a split backward's B) to its W (split
-    backward) or B."""
+    backward) or B. ``after`` >= 0: counted only at a freeing action after the stage's first
+    ``after`` of them (the unit it frees among those held); 0 where there is none."""
     layout = layout_of(name, stages // virtual, virtual)
     release = "W" if REGISTRY[name].split_backward else "B"
     live: dict[int, int] = {}
+    freed: dict[int, int] = {}
     peak: dict[int, int] = {}
     for a in actions(name, layout, rank, microbatches, range(1)):
         if a.kind in (start, release):
-            live[a.stage] = live.get(a.stage, 0) + (1 if a.kind == start else -1)
-            peak[a.stage] = max(peak.get(a.stage, 0), live[a.stage])
+            live[a.stage] = live.get(a.stage, 0) + (1 if a.kind == start else 0)
+            counted = after < 0 or (a.kind == release and freed.get(a.stage, 0) >= after)
+            peak[a.stage] = max(peak.get(a.stage, 0), live[a.stage] if counted else 0)
+            if a.kind == release:
+                live[a.stage] -= 1
+                freed[a.stage] = freed.get(a.stage, 0) + 1
     return peak
 
 
 def played_in_flight(
-    name: str, position: int, stages: int, microbatches: int, virtual: int = 1, start: str = "F"
-) -> int:
+    name: str, position: int, stages: int, microbatches: int, virtual: int = 1, start: str = "F",
+    after: int = -1,
+) -> int:  # fmt: skip
     """Units stage ``position`` holds at once at most, played from its rank's own list (a replicated
     stage as one: its replicas share each minibatch's microbatches), from each unit's ``start``
-    action (its F, or a split backward's B) to the action that frees it. Under ``interleaved`` or
-    ``zbv`` a device's memory sums its chunks' peaks, which need not coincide: an upper bound by
-    about one unit of one chunk (rank 0 of p = 4, v = 2, M = 8: 8 + 4 = 12 units against 11)."""
+    action (its F, or a split backward's B) to the action that frees it; ``after`` >= 0: only while
+    a freeing action after the stage's first ``after`` runs (:meth:`ScheduleModel.later`). Under
+    ``interleaved`` or ``zbv`` a device's memory sums its chunks' peaks, which need not coincide: an
+    upper bound by about one unit of one chunk (rank 0 of p = 4, v = 2, M = 8: 8 + 4 = 12 units
+    against 11)."""
     layout = layout_of(name, stages // virtual, virtual)
-    return _rank_peaks(name, stages, virtual, microbatches, layout[position][0], start)[position]
+    return _rank_peaks(name, stages, virtual, microbatches, layout[position][0], start, after)[position]
 
 
 def _pipedream_times(

@@ -17,8 +17,8 @@ from partitioner.optimizer.pricing.price import (
     assemble,
     backward_item,
     device_shares,
+    held_backward,
     held_memory,
-    held_transient,
     hosts_bound,
     laid_out_peaks,
     stage_loads,
@@ -380,9 +380,11 @@ def _memory(
         accumulates = sync and plan.microbatches > stage.replicas
         item = backward_item(not sync, plan.microbatches, stage.replicas)
         between = sched.between(i, replicas, plan.microbatches, plan.virtual_stages)
+        later = min(h, sched.later(i, replicas, plan.microbatches, plan.virtual_stages))
         out.append(held_memory(load, plan.schedule, h, item, plan.optimizer, stage.recompute, accumulates,
-                               item, between, stage.replicas > 1))  # fmt: skip
-        transient.append(held_transient(load, plan.schedule, accumulates, item))
+                               item, between, stage.replicas > 1, later))  # fmt: skip
+        transient.append(held_backward(load, plan.schedule, h, item, plan.optimizer, stage.recompute,
+                                       accumulates, item, between, later))  # fmt: skip
     ranks = [s.ranks for s in plan.stages]
     redo = [s.recompute for s in plan.stages]
     peaks = laid_out_peaks(loads, ranks, plan.schedule, plan.microbatches, plan.optimizer, redo)

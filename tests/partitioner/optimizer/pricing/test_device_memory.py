@@ -63,7 +63,9 @@ def test_a_plan_prices_a_device_by_its_walk_and_the_simulation_agrees(schedule: 
     loads = stage_loads(profile, [s.nodes for s in plan.stages])
     reps, v = [1] * 4, plan.virtual_stages
     alone = [stage_memory(ld, schedule, i, reps, 4, plan.optimizer, False, v) for i, ld in enumerate(loads)]
-    transient = [stage_transient(ld, schedule, i, reps, 4) for i, ld in enumerate(loads)]
+    transient = [
+        stage_transient(ld, schedule, i, reps, 4, plan.optimizer, False, v) for i, ld in enumerate(loads)
+    ]
     below = []
     for rank in (0, 1):
         hosted = [s.index for s in plan.stages if rank in s.ranks]
