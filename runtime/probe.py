@@ -9,8 +9,13 @@ launcher like ``pipeplan run`` (local ranks, or every node running the same comm
   rank of host 1 across hosts): ping-pong round trips of a small message (the latency: half a round
   trip) and of a large one (the bandwidth: the extra bytes over the extra time, so the latency is
   not counted twice);
-- an all-reduce over every rank at a few sizes (recorded beside the links: the cost model prices one
-  from the links as a ring, ``4(r-1)P/(rB) + 2(r-1)·latency``).
+- an all-reduce over every rank at a few sizes, with the ranks' cores idle: the runtime sums a
+  replicated stage's gradients after the step's last backward, when the rank computes nothing. The
+  cost model prices one as a ring, ``4(r-1)P/(rB) + 2(r-1)·latency`` (``allreduce_time``): B from
+  the extra time of the largest over the middle size (as a link's bandwidth, so the latency is not
+  counted twice), the latency per ring step from the smallest (:func:`fit_allreduce`), written as
+  the outermost level's ``allreduce_bandwidth`` and ``allreduce_latency`` (the all-reduce spans
+  every rank, so it crosses that level).
 
 Each figure is measured in ``rounds`` rounds of ``messages`` round trips after a warm-up; the file
 keeps the median and the rounds' spread ((max - min) / median), which says how steady the link was.
@@ -51,6 +56,7 @@ __all__ = [
     "ProbeOptions",
     "ProbeOutcome",
     "ProbeResult",
+    "fit_allreduce",
     "probe",
     "probe_device",
     "run_probe",
@@ -221,20 +227,52 @@ def _measure(options: ProbeOptions) -> dict[str, Any]:
     try:
         with _cores_busy(threads, options.busy) as core_share:
             doc = _measure_links(options)
-        return {**doc, "threads": threads, "core_share": core_share()}
+            share = core_share()
+        return {**doc, "allreduce": _measure_allreduces(options), "threads": threads, "core_share": share}
     finally:
         dist.destroy_process_group()
 
 
+def _devices(options: ProbeOptions) -> tuple[Any, Callable[[], None]]:
+    """This rank's device and what waits for its work to finish."""
+    import torch
+
+    if options.device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device()), torch.cuda.synchronize
+    return torch.device("cpu"), lambda: None
+
+
+def _measure_allreduces(options: ProbeOptions) -> list[tuple[int, float, float]]:
+    """The all-reduces over every rank, each size's (bytes, median seconds, spread)."""
+    device, sync = _devices(options)
+    return [_allreduce(size, options, device, sync) for size in ALLREDUCE_BYTES]
+
+
+def fit_allreduce(allreduce: Sequence[tuple[int, float, float]], ranks: int) -> tuple[float, float] | None:
+    """(bandwidth, latency per ring step) of ``4(r-1)P/(rB) + 2(r-1)·latency`` through the measured
+    all-reduces (bytes, seconds, spread): B from the extra time of the largest over the one below
+    it, the latency from the smallest less its bytes' time (at least 0). None: fewer than 2 ranks
+    or 2 sizes, or no extra time for the extra bytes."""
+    rows = sorted((b, t) for b, t, _ in allreduce)
+    if ranks < 2 or len(rows) < 2:
+        return None
+    (b1, t1), (b2, t2) = rows[-2], rows[-1]
+    if t2 <= t1 or b2 <= b1:
+        return None
+    steps = ranks - 1
+    bandwidth = 4.0 * steps * (b2 - b1) / (ranks * (t2 - t1))
+    small, took = rows[0]
+    latency = max(0.0, took - 4.0 * steps * small / (ranks * bandwidth)) / (2.0 * steps)
+    return bandwidth, latency
+
+
 def _measure_links(options: ProbeOptions) -> dict[str, Any]:
-    """Every level's pair (latency, bandwidth) and the all-reduces, as this rank sees them."""
+    """Every level's pair (latency, bandwidth), as this rank sees them."""
     import torch
     import torch.distributed as dist
 
-    cuda = options.device == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    device, sync = _devices(options)
     levels = [(options.gpus, (0, 1))] if options.gpus > 1 else []  # within a host
     levels += [(options.nnodes, (0, options.gpus))] if options.nnodes > 1 else []  # across hosts
     links = []
@@ -248,10 +286,8 @@ def _measure_links(options: ProbeOptions) -> dict[str, Any]:
             "latency_s": statistics.median(small), "bandwidth": statistics.median(rates),
             "latency_rounds_s": tuple(small), "bandwidth_rounds": tuple(rates),
         })  # fmt: skip
-    allreduce = [_allreduce(size, options, device, sync) for size in ALLREDUCE_BYTES]
-    memory = torch.cuda.get_device_properties(device).total_memory if cuda else None
-    return {"links": links, "allreduce": allreduce, "ranks": world, "backend": dist.get_backend(),
-            "memory_bytes": memory}  # fmt: skip
+    memory = torch.cuda.get_device_properties(device).total_memory if options.device == "cuda" else None
+    return {"links": links, "ranks": world, "backend": dist.get_backend(), "memory_bytes": memory}
 
 
 @contextmanager
@@ -348,14 +384,20 @@ def _allreduce(
 
 def write_cluster_file(result: ProbeResult, path: Path, command: str) -> dict[str, Any]:
     """The cluster file ``partition --cluster FILE`` reads: the measured levels, and what was measured."""
-    levels = [{"devices": f.devices, "bandwidth": f.bandwidth, "latency": f.latency_s} for f in result.links]
+    levels: list[dict[str, Any]] = [
+        {"devices": f.devices, "bandwidth": f.bandwidth, "latency": f.latency_s} for f in result.links
+    ]
+    fitted = fit_allreduce(result.allreduce, result.ranks)
+    if fitted is not None and levels:
+        levels[-1].update(allreduce_bandwidth=fitted[0], allreduce_latency=fitted[1])
     doc: dict[str, Any] = {
         "schema": CLUSTER_SCHEMA,
         "name": "probed",
         "description": f"{result.ranks} ranks on {result.backend}, measured by `{command}`",
         "levels": levels,
         "sources": f"`{command}`: ping-pong of {SMALL_BYTES} B (latency) and large messages (bandwidth) "
-        f"per level, medians of the rounds, {_conditions(result)}; "
+        f"per level, medians of the rounds, {_conditions(result)}; all-reduces over every rank with "
+        "the ranks idle (as after a backward), fitted as a ring; "
         f"load {result.load[0]:.2f} before, {result.load[1]:.2f} after",
         "probe": {
             "cores": result.cores,
@@ -366,6 +408,7 @@ def write_cluster_file(result: ProbeResult, path: Path, command: str) -> dict[st
                 for f in result.links
             ],
             "allreduce": [{"bytes": b, "seconds": t, "spread": s} for b, t, s in result.allreduce],
+            "allreduce_cores": "idle",
             "load_before_after": list(result.load),
         },
     }
@@ -419,6 +462,12 @@ def run_probe(options: ProbeOptions, path: Path, command: str) -> ProbeOutcome |
         f"spread = (max - min) / median; "
         f"load {result.load[0]:.2f} before, {result.load[1]:.2f} after ({os.cpu_count()} cores)"
     ]
+    fitted = fit_allreduce(result.allreduce, result.ranks)
+    if fitted is not None:
+        notes.append(
+            f"all-reduces measured with the ranks idle (as after a backward) and priced as a ring: "
+            f"{fitted[0] / 1e9:.3f} GB/s, {fitted[1] * 1e6:.1f} us a step"
+        )
     if result.core_share is not None and result.core_share < 0.5:
         notes.append(
             f"warning: a rank's computing thread got {result.core_share:.0%} of a core: other processes "

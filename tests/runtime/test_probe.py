@@ -15,8 +15,10 @@ import runtime.probe
 from cli import main
 from partitioner.clusters import load_cluster
 from partitioner.graph import write_graph_txt
+from partitioner.optimizer.pricing.stage import allreduce_time
+from partitioner.plan import Link
 from runtime.errors import RunError
-from runtime.probe import LinkFigure, ProbeOptions, ProbeResult, _cores_busy
+from runtime.probe import LinkFigure, ProbeOptions, ProbeResult, _cores_busy, fit_allreduce
 from tests.partitioner.optimizer.conftest import make_profile
 
 
@@ -38,11 +40,34 @@ def test_probe_two_local_ranks_writes_a_cluster_file(tmp_path: Path) -> None:
     link = doc["probe"]["links"][0]
     assert len(link["latency_rounds_s"]) == 2 and link["latency_spread"] >= 0  # how steady it was
     assert [row["bytes"] for row in doc["probe"]["allreduce"]] == [4096, 1 << 20, 16 << 20]
+    # the all-reduces, timed with the ranks idle, price the cluster's all-reduce as a ring
+    assert doc["probe"]["allreduce_cores"] == "idle" and "all-reduces over every rank" in doc["sources"]
+    rows = [(r["bytes"], r["seconds"], r["spread"]) for r in doc["probe"]["allreduce"]]
+    if fit_allreduce(rows, 2) is not None:
+        assert (level.allreduce_bandwidth, level.allreduce_latency) == fit_allreduce(rows, 2)
+        assert "priced as a ring" in " ".join(out.split())
     assert "latency" in out and "all-reduce 16 MiB" in out and "spread" in out
     # CPU ranks are measured computing, as a run's are, and the file says so
     assert doc["probe"]["cores"] == "busy" and doc["probe"]["threads"] >= 1
     assert 0 < doc["probe"]["core_share"] <= 1
     assert "computing on" in doc["sources"] and "computing on" in " ".join(out.split())
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_the_fitted_all_reduce_has_the_largest_sizes_slope_through_the_smallest(ranks: int) -> None:
+    """The cost model's ring (``allreduce_time``) at the fitted figures takes the measured extra time
+    from the middle size to the largest, and gives back the smallest's time (its latency)."""
+    rows = [(4096, 6e-4, 0.1), (1 << 20, 3.0e-3, 0.2), (16 << 20, 17.5e-3, 0.1)]
+    bandwidth, latency = fit_allreduce(rows, ranks) or (0.0, 0.0)
+    link = Link(1e9, 0.0, bandwidth, latency)
+    priced = [allreduce_time(float(nbytes), ranks, link) for nbytes, _, _ in rows]
+    assert priced[2] - priced[1] == pytest.approx(17.5e-3 - 3.0e-3, rel=1e-9)
+    assert priced[0] == pytest.approx(6e-4, rel=1e-9) and latency > 0
+    # no extra time for the extra bytes, one size, one rank: nothing to fit
+    assert fit_allreduce([(1 << 20, 3e-3, 0.0), (16 << 20, 3e-3, 0.0)], ranks) is None
+    assert fit_allreduce(rows[:1], ranks) is None and fit_allreduce(rows, 1) is None
+    # a smallest all-reduce quicker than its bytes: latency 0, not negative
+    assert fit_allreduce([(4096, 1e-9, 0.0), *rows[1:]], ranks)[1] == 0.0  # type: ignore[index]
 
 
 def test_busy_cores_compute_beside_the_block_and_stop_after_it() -> None:
