@@ -247,11 +247,18 @@ def _simulation(
 ) -> Simulation:  # fmt: skip
     """What ``ranks`` ranks' ``events`` add up to: the bubble is their idle share (steps not counted)."""
     span = max(e.end_s for e in events)
-    busy = sum(e.end_s - e.start_s for e in events if e.kind != "S")
+    busy = sum(_computing(events, plan))
     bubble = 1.0 - busy / (ranks * span) if span > 0 else 0.0
     ordered = tuple(sorted(events, key=lambda e: e.start_s))
     memory = _memory(plan, profile, loads, held)
     return Simulation(ordered, per_minibatch, bubble, memory, tuple(held), minibatches, steady)
+
+
+def _computing(events: Sequence[Event], plan: Plan) -> list[float]:
+    """Seconds each F, B and W event computes: its span less the runtime's time per action it
+    carries (:func:`_actions_s`), as ``run`` counts a rank's compute."""
+    actions = _actions_s(plan)
+    return [max(0.0, e.end_s - e.start_s - actions[e.stage]) for e in events if e.kind != "S"]
 
 
 def _unflushed(plan: Plan, profile: Profile | None, minibatches: int | None) -> Simulation:
@@ -294,16 +301,17 @@ def simulate(plan: Plan, profile: Profile | None = None, minibatches: int | None
 
 def stage_bubbles(plan: Plan, sim: Simulation) -> tuple[float, ...]:
     """Per stage, the share of the simulated span its device spends not computing: waiting for an
-    input (the peer's compute and the link's delay) or in the flush's all-reduce, ``1 - busy / span``
-    with busy its F, B and W actions. Where a rank hosts several stages (``interleaved``, ``zbv``)
+    input (the peer's compute and the link's delay), in the flush's all-reduce or between actions,
+    ``1 - busy / span`` with busy its F, B and W actions less the runtime's time per action (idle
+    to ``run``, :func:`_computing`). Where a rank hosts several stages (``interleaved``, ``zbv``)
     the figure is the rank's, all its stages' actions together, the same for each; a pipedream
     stage's is the mean of its replicas'. The mean over the devices is :attr:`Simulation.
     bubble_fraction`. ``run`` measures the same share on each rank (docs/fidelity.md)."""
     span = max((e.end_s for e in sim.events), default=0.0)
     busy = [0.0] * len(plan.stages)
-    for e in sim.events:
-        if e.kind != "S":
-            busy[e.stage] += e.end_s - e.start_s
+    computed = (e for e in sim.events if e.kind != "S")
+    for e, seconds in zip(computed, _computing(sim.events, plan), strict=True):
+        busy[e.stage] += seconds
     sched = model(plan.schedule)
     out = []
     for s in plan.stages:
@@ -361,10 +369,17 @@ def _durations(
 
 
 def _with_action(durations: Sequence[float], plan: Plan) -> list[float]:
-    """Each stage's action durations with the runtime's own time per action (``Cluster.action_s``);
-    a replicated stage of a flushing schedule plays as one server r times as fast, so 1/r of it."""
-    action = plan.cluster.action_s
-    return [t + action / s.replicas for t, s in zip(durations, plan.stages, strict=True)]
+    """Each stage's action durations with the runtime's own time per action (:func:`_actions_s`)."""
+    return [t + o for t, o in zip(durations, _actions_s(plan), strict=True)]
+
+
+def _actions_s(plan: Plan) -> list[float]:
+    """Per stage, the runtime's time per action (``Cluster.action_s``) each of its simulated actions
+    carries: a replicated stage of a flushing schedule plays as one server r times as fast, so 1/r
+    of it; a pipedream replica runs its own. Idle time to ``run``, which times the layers' spans
+    only, so not counted as computing in a bubble."""
+    action, whole = plan.cluster.action_s, model(plan.schedule).asynchronous
+    return [action if whole else action / s.replicas for s in plan.stages]
 
 
 def _memory(

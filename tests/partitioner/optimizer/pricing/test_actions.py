@@ -12,7 +12,7 @@ import pytest
 from partitioner.errors import PlanError
 from partitioner.optimizer import evaluate, solve
 from partitioner.optimizer.pricing.schedules import model
-from partitioner.optimizer.pricing.simulate import simulate
+from partitioner.optimizer.pricing.simulate import simulate, stage_bubbles
 from partitioner.plan import Cluster, Link
 from tests.partitioner.optimizer.conftest import make_profile, searched_s
 
@@ -43,6 +43,19 @@ def test_hand_checked_flushing_schedules(schedule: str) -> None:
     assert simulate(plans[A], profile).time_per_minibatch_s == pytest.approx(0.045 + 6 * A)
     # a stage's compute stays its layers' (what `run` measures as compute)
     assert [s.compute_s for s in plans[A].stages] == [s.compute_s for s in plans[0.0].stages]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_the_time_per_action_is_idle_in_the_bubble(schedule: str) -> None:
+    """``run`` times the layers' spans as compute, so the simulated bubble counts the time per
+    action as idle: the case above's stage 1 computes 30 ms of its 45 + 6 ms span (its four actions
+    carry 4 ms), stage 0 the same."""
+    profile = _chain(2)
+    plan = evaluate(profile, _cluster(2, A), ["l0"], [1, 1], schedule, 2)
+    span = 0.045 + 6 * A
+    sim = simulate(plan, profile)
+    assert stage_bubbles(plan, sim) == pytest.approx([1 - 0.030 / span] * 2)
+    assert sim.bubble_fraction == pytest.approx(1 - 0.030 / span)
 
 
 def test_hand_checked_pipedream() -> None:
