@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -123,6 +124,21 @@ def _user_file(model: str, sample: str) -> str:
     """).lstrip()
 
 
+def _peaks(tmp_path: Path, source: str, batch: int, plan: list[str], steps: int) -> list[dict[str, Any]]:
+    """The user's file ``source`` through profile (``batch``), partition (``plan``'s options) and
+    ``run --steps steps --measure-memory``: metrics.json's memory per stage (the profile is left at
+    ``tmp_path/profile.json``)."""
+    (tmp_path / "user.py").write_text(source)
+    profile, models = tmp_path / "profile.json", tmp_path / "models"
+    _cli("profile", f"{tmp_path / 'user.py'}:model", "--no-fixed-cost", "--batch-size", str(batch),
+         "--repeats", "1", "-o", str(profile))  # fmt: skip
+    _cli("partition", "--profile", str(profile), *plan, "-o", str(models))
+    (package,) = models.glob("*/gpus=*")
+    _cli("run", str(package), "--steps", str(steps), "--measure-memory", "--timeout", "90")
+    metrics = json.loads((package / "run" / "metrics.json").read_text())
+    return list(metrics["memory"]["stages"])
+
+
 # A wide hidden layer over 64 tokens: its ReLU's output (16 MiB at batch 16) is the only large tensor
 # saved, and the backward holds two gradients of its size at once (the ReLU's and the first
 # linear's), twice what it saved.
@@ -132,18 +148,10 @@ _WIDE = _user_file("nn.Sequential(nn.Linear(16, 4096), nn.ReLU(), nn.Linear(4096
 def test_a_stage_holds_its_backwards_gradients_beside_what_it_saved(tmp_path: Path) -> None:
     """Priced without the layers' working bytes, this stage measured 2.8x its prediction (the
     activation gradients of a backward, twice the saved bytes here); with them, within 10%."""
-    (tmp_path / "wide.py").write_text(_WIDE)
-    profile, models = tmp_path / "profile.json", tmp_path / "models"
-    _cli("profile", f"{tmp_path / 'wide.py'}:model", "--no-fixed-cost", "--batch-size", "16",
-         "--repeats", "1", "-o", str(profile))  # fmt: skip
-    nodes = {n["id"]: n for n in json.loads(profile.read_text())["nodes"]}
+    (stage,) = _peaks(tmp_path, _WIDE, 16, ["--gpus", "1", "--schedule", "gpipe", "--microbatches", "1"], 2)
+    nodes = {n["id"]: n for n in json.loads((tmp_path / "profile.json").read_text())["nodes"]}
     relu = next(n for n in nodes.values() if n["target"] == "ReLU")
     assert relu["working_bytes"] == 2 * relu["saved_bytes"] == 2 * 16 * 64 * 4096 * 4
-    _cli("partition", "--profile", str(profile), "--gpus", "1", "--schedule", "gpipe", "--microbatches", "1",
-         "-o", str(models))  # fmt: skip
-    (package,) = models.glob("*/gpus=1")
-    _cli("run", str(package), "--steps", "2", "--measure-memory", "--timeout", "60")
-    (stage,) = json.loads((package / "run" / "metrics.json").read_text())["memory"]["stages"]
     assert 0.9 <= stage["ratio_measured_over_predicted"] <= 1.1, stage
 
 
@@ -180,15 +188,8 @@ def test_a_replica_holds_a_flat_copy_of_its_gradients_while_they_are_summed(tmp_
     """One stage on 2 replicas: weights and gradients (24 MiB) and the all-reduce's flat copy of the
     gradients (12 MiB, under the 25 MiB bucket) at once, after the backward: priced without the
     copy, 0.67 of what it measured."""
-    (tmp_path / "deep.py").write_text(_DEEP)
-    profile, models = tmp_path / "profile.json", tmp_path / "models"
-    _cli("profile", f"{tmp_path / 'deep.py'}:model", "--no-fixed-cost", "--batch-size", "8",
-         "--repeats", "1", "-o", str(profile))  # fmt: skip
-    _cli("partition", "--profile", str(profile), "--gpus", "2", "--schedule", "gpipe", "--microbatches", "2",
-         "--cuts", "", "--replicas", "2", "-o", str(models))  # fmt: skip
-    (package,) = models.glob("*/gpus=2")
-    _cli("run", str(package), "--steps", "3", "--measure-memory", "--timeout", "90")
-    (stage,) = json.loads((package / "run" / "metrics.json").read_text())["memory"]["stages"]
+    plan = ["--gpus", "2", "--schedule", "gpipe", "--microbatches", "2", "--cuts", "", "--replicas", "2"]
+    (stage,) = _peaks(tmp_path, _DEEP, 8, plan, 3)
     assert 0.95 <= stage["ratio_measured_over_predicted"] <= 1.05, stage
 
 
@@ -204,13 +205,5 @@ def test_the_first_backward_of_a_step_adds_no_gradient(tmp_path: Path) -> None:
     gradients, one beside the gradient the second adds (``ScheduleModel.later``). Priced with the
     gradient beside both (the bound before), 0.85 of what it measured; as the runtime runs it, 0.93
     (``run --measure-memory``, byte for byte the same each run)."""
-    (tmp_path / "heavy.py").write_text(_HEAVY)
-    profile, models = tmp_path / "profile.json", tmp_path / "models"
-    _cli("profile", f"{tmp_path / 'heavy.py'}:model", "--no-fixed-cost", "--batch-size", "16",
-         "--repeats", "1", "-o", str(profile))  # fmt: skip
-    _cli("partition", "--profile", str(profile), "--gpus", "1", "--schedule", "gpipe", "--microbatches", "2",
-         "-o", str(models))  # fmt: skip
-    (package,) = models.glob("*/gpus=1")
-    _cli("run", str(package), "--steps", "3", "--measure-memory", "--timeout", "60")
-    (stage,) = json.loads((package / "run" / "metrics.json").read_text())["memory"]["stages"]
+    (stage,) = _peaks(tmp_path, _HEAVY, 16, ["--gpus", "1", "--schedule", "gpipe", "--microbatches", "2"], 3)
     assert 0.9 <= stage["ratio_measured_over_predicted"] <= 1.1, stage
