@@ -44,9 +44,9 @@ __all__ = [
     "device_shares",
     "gib",
     "global_lower_bound",
+    "held_added",
     "held_backward",
     "held_memory",
-    "held_transient",
     "held_working",
     "hosts_bound",
     "laid_out_peaks",
@@ -256,8 +256,7 @@ def held_memory(
     ``replicated``: a replica of a synchronous stage, which sums its gradients after the minibatch
     (:func:`~partitioner.optimizer.pricing.memory.allreduce_bytes`, when that is higher)."""
     params = load.param_bytes + load.copy_bytes
-    working = held_working(load, item)
-    added = held_transient(load, schedule, accumulates, item) - working
+    working, added = held_working(load, item), held_added(load, schedule, accumulates)
     # (a recomputing stage's received copies are among the inputs it keeps per item already)
     per_item = load.item_bytes - (load.received_bytes if recompute else 0.0)
 
@@ -281,14 +280,11 @@ def held_working(load: StageLoad, item: int = 1) -> float:
     return (load.working_bytes + load.posted_bytes) / item
 
 
-def held_transient(load: StageLoad, schedule: str, accumulates: bool, item: int = 1) -> float:
-    """The bytes a stage's backward makes and holds only while it runs: the gradient it
-    accumulates (:func:`~partitioner.optimizer.pricing.memory.transient_bytes`) and
-    :func:`held_working`. Part of :func:`held_memory`; :func:`device_shares` counts it once a
-    device."""
+def held_added(load: StageLoad, schedule: str, accumulates: bool) -> float:
+    """The gradient a backward of a replica that accumulates makes beside the sum it adds it to
+    (:func:`~partitioner.optimizer.pricing.memory.transient_bytes`; 0 where it does not)."""
     params = load.param_bytes + load.copy_bytes
-    transient = float(transient_bytes(params, load.largest_param_bytes, schedule)) if accumulates else 0.0
-    return transient + held_working(load, item)
+    return float(transient_bytes(params, load.largest_param_bytes, schedule)) if accumulates else 0.0
 
 
 def device_shares(
@@ -301,7 +297,7 @@ def device_shares(
     stages (interleaved, zbv). There, with the device's ``peaks`` walked from its list
     (:func:`laid_out_peaks`), each stage takes a share of that peak in proportion to its own; without
     one (a recomputing stage), the device holds the largest of its stages' transient bytes
-    (:func:`held_transient`; one backward runs at a time) and not their sum: the other stages drop
+    (:func:`held_backward`; one backward runs at a time) and not their sum: the other stages drop
     theirs. A device's peak is the sum of its stages' parts, as the planner checks and the runtime
     reports it."""
     out = list(memory)
@@ -363,9 +359,10 @@ def _stage_bytes(load: StageLoad, schedule: str, optimizer: str, microbatches: i
     """A one-device stage's bytes as :func:`held_memory` prices them, taken apart."""
     params = load.param_bytes + load.copy_bytes
     kept = params * (persistent_factor(optimizer, load.master) - 1)
-    working = held_working(load, item)
-    added = held_transient(load, schedule, microbatches > 1, item) - working
-    return StageBytes(kept, params, load.item_bytes / item, working, load.deferred_bytes / item, added)
+    added = held_added(load, schedule, microbatches > 1)
+    return StageBytes(
+        kept, params, load.item_bytes / item, held_working(load, item), load.deferred_bytes / item, added
+    )
 
 
 def held_backward(
