@@ -68,13 +68,15 @@ class Simulation:
     Attributes:
         events: every action, in start order.
         time_per_minibatch_s: steady-state time per minibatch.
-        bubble_fraction: idle share of the stages' time over the simulated span.
+        bubble_fraction: idle share of the stages' time over :attr:`window_s`.
         peak_memory_bytes: per stage, the most bytes one device held.
         in_flight: per stage, the most items whose activations one device held at once.
         minibatches: how many minibatches were simulated.
         steady: whether they reach the steady state (a very large pipedream plan is simulated over
             a shorter horizon, bounded by :data:`MAX_ACTIONS`; its time and bubble are then those of
             the pipeline filling up).
+        window_s: the time the stages' busy share is taken over: a flushing schedule's steady
+            period (its events are one minibatch's), pipedream's whole span (0: the events' span).
     """
 
     events: tuple[Event, ...]
@@ -84,7 +86,18 @@ class Simulation:
     in_flight: tuple[int, ...]
     minibatches: int = 1
     steady: bool = True
+    window_s: float = 0.0
 
+
+STEADY_MINIBATCHES = 4
+"""Minibatches a flushing plan is played over: each rank starts its next minibatch when it has
+stepped, not when the last rank has, so where the rank that ends a minibatch is not the one that
+starts the next (zb1p with a heavier last stage, each stage's own all-reduce), the period is shorter
+than one minibatch's span. The last two periods are averaged; on 300 random plans of every
+flushing schedule they equal those of 16 minibatches (tests/.../pricing/test_steady.py). Under
+fp16 every rank's loss-scale check meets at the step, so one minibatch is played and its span is
+the period. (So do the ranks of a ``--clip-grad-norm`` run, and the stages sharing a tied weight:
+not known when a plan is priced, so not played; docs/optimizer-pricing.md.)"""
 
 MAX_ACTIONS = 100_000
 """Forwards and backwards a default pipedream simulation plays at most (about a second of Python)."""
@@ -210,7 +223,7 @@ class _Player:
 def _flushed(plan: Plan, profile: Profile | None) -> Simulation:
     """One minibatch of a flushing schedule from the runtime's own lists: on the plan's ranks where
     the schedule lays several stages on each, else one rank per stage (a replicated stage as one
-    server r times as fast), the largest all-reduce after the flush."""
+    server r times as fast, all-reducing at its own step), played over :data:`STEADY_MINIBATCHES`."""
     sched = model(plan.schedule)
     p = len(plan.stages)
     layout = tuple(s.ranks for s in plan.stages) if sched.laid_out else pipeline([1] * p)
@@ -225,33 +238,44 @@ def _flushed(plan: Plan, profile: Profile | None) -> Simulation:
         bwd, wgt = [t * (1.0 - W_SHARE) for t in bwd], [t * W_SHARE for t in bwd]
         wgt = _with_action(wgt, plan)
     fwd, bwd = _with_action(fwd, plan), _with_action(bwd, plan)
-    lists = build(plan.schedule, layout, plan.microbatches)
-    events, held = play(lists, layout, fwd, bwd, link, wgt, latency=latency)
-    end = max(e.end_s for e in events)
-    per_minibatch = end
-    if not sched.laid_out:  # replicated stages all-reduce once the pipeline has drained
+    step = None
+    if not sched.laid_out:  # a replicated stage all-reduces once its own part of the minibatch is done
         wire = plan.cluster.slowest
-        step = max(
+        step = [
             allreduce_time(ld.param_bytes, s.replicas, wire) for s, ld in zip(plan.stages, loads, strict=True)
-        )
-        events += [Event(i, "S", 0, end, end + step) for i in range(p)]
-        per_minibatch = end + step
+        ]
+    steps = 1 if plan.precision == "fp16" else STEADY_MINIBATCHES
+    lists = build(plan.schedule, layout, plan.microbatches, steps=steps)
+    events, held = play(lists, layout, fwd, bwd, link, wgt, step, latency)
+    first, period = _steady(events, plan.microbatches, steps)
     ranks = len({r for ranks in layout for r in ranks})
     held = [replica_held(h, s.replicas) for h, s in zip(held, plan.stages, strict=True)]  # one device's
-    return _simulation(plan, profile, loads, events, held, ranks, per_minibatch)
+    return _simulation(plan, profile, loads, first, held, ranks, period, window=period)
+
+
+def _steady(events: Sequence[Event], microbatches: int, steps: int) -> tuple[list[Event], float]:
+    """The first minibatch's events (the timeline a plan shows) and the time per minibatch: one
+    minibatch's span, or the mean of the last two periods (a minibatch ends with its last event)."""
+    done, first = [0.0] * steps, []
+    for e in events:
+        n = e.item if e.kind == "S" else e.item // microbatches
+        done[n] = max(done[n], e.end_s)
+        first += [e] if n == 0 else []
+    return first, done[0] if steps == 1 else (done[-1] - done[-3]) / 2
 
 
 def _simulation(
     plan: Plan, profile: Profile | None, loads: Sequence[StageLoad], events: list[Event], held: Sequence[int],
-    ranks: int, per_minibatch: float, minibatches: int = 1, steady: bool = True,
+    ranks: int, per_minibatch: float, minibatches: int = 1, steady: bool = True, window: float = 0.0,
 ) -> Simulation:  # fmt: skip
-    """What ``ranks`` ranks' ``events`` add up to: the bubble is their idle share (steps not counted)."""
-    span = max(e.end_s for e in events)
+    """What ``ranks`` ranks' ``events`` add up to: the bubble is their idle share (steps not counted)
+    over ``window`` (0: the events' span)."""
+    span = window or max(e.end_s for e in events)
     busy = sum(_computing(events, plan))
-    bubble = 1.0 - busy / (ranks * span) if span > 0 else 0.0
+    bubble = max(0.0, 1.0 - busy / (ranks * span)) if span > 0 else 0.0
     ordered = tuple(sorted(events, key=lambda e: e.start_s))
     memory = _memory(plan, profile, loads, held)
-    return Simulation(ordered, per_minibatch, bubble, memory, tuple(held), minibatches, steady)
+    return Simulation(ordered, per_minibatch, bubble, memory, tuple(held), minibatches, steady, window)
 
 
 def _computing(events: Sequence[Event], plan: Plan) -> list[float]:
@@ -285,8 +309,8 @@ def _unflushed(plan: Plan, profile: Profile | None, minibatches: int | None) -> 
 
 
 def simulate(plan: Plan, profile: Profile | None = None, minibatches: int | None = None) -> Simulation:
-    """Simulate ``minibatches`` minibatches (pipedream) or one minibatch of M microbatches (the
-    flushing schedules).
+    """Simulate ``minibatches`` minibatches (pipedream) or :data:`STEADY_MINIBATCHES` of M
+    microbatches (the flushing schedules: their events are the first's, their time the steady period).
 
     Each device runs its actions on its own; where the devices are CPU processes sharing a host's
     cores, the time per minibatch is at least the cost model's host bound (``Prediction.host_bound_s``).
@@ -300,14 +324,15 @@ def simulate(plan: Plan, profile: Profile | None = None, minibatches: int | None
 
 
 def stage_bubbles(plan: Plan, sim: Simulation) -> tuple[float, ...]:
-    """Per stage, the share of the simulated span its device spends not computing: waiting for an
+    """Per stage, the share of the simulated window (a flushing schedule's steady period, pipedream's
+    span) its device spends not computing: waiting for an
     input (the peer's compute and the link's delay), in the flush's all-reduce or between actions,
     ``1 - busy / span`` with busy its F, B and W actions less the runtime's time per action (idle
     to ``run``, :func:`_computing`). Where a rank hosts several stages (``interleaved``, ``zbv``)
     the figure is the rank's, all its stages' actions together, the same for each; a pipedream
     stage's is the mean of its replicas'. The mean over the devices is :attr:`Simulation.
     bubble_fraction`. ``run`` measures the same share on each rank (docs/fidelity.md)."""
-    span = max((e.end_s for e in sim.events), default=0.0)
+    span = sim.window_s or max((e.end_s for e in sim.events), default=0.0)
     busy = [0.0] * len(plan.stages)
     computed = (e for e in sim.events if e.kind != "S")
     for e, seconds in zip(computed, _computing(sim.events, plan), strict=True):
@@ -412,7 +437,7 @@ def played(profile: Profile, plan: Plan, activation_comm: bool = True, recompute
     every round; a message's latency overlaps what the lists let it): what the plan predicts is
     then what the simulation plays; ``extra["closed_form_s"]`` keeps what the search priced."""
     sim = simulate(plan, profile)
-    span = max((e.end_s for e in sim.events), default=0.0)  # (one minibatch from 0; no host bound)
+    span = sim.window_s  # (the steady period, before the host bound)
     specs = [StageSpec(s.nodes, s.replicas, s.ranks) for s in plan.stages]
     again = assemble(
         profile, plan.cluster, specs, plan.schedule, plan.microbatches, plan.optimizer, plan.solver,

@@ -127,7 +127,9 @@ def test_stage_bubbles_average_to_the_simulation_s_bubble(schedule: str, virtual
     sim = simulate(plan, UNEVEN, minibatches=12 if schedule == "pipedream" else None)
     bubbles = stage_bubbles(plan, sim)
     assert sum(bubbles) / len(bubbles) == pytest.approx(sim.bubble_fraction)
-    assert min(bubbles) > 0 and max(bubbles) < 1 and len(set(bubbles)) > 1
+    # (zb1p's slowest stage, 80 ms an item, computes without a break in the steady state: the others'
+    # deferred Ws let the next minibatch's forwards reach it before it runs out of work)
+    assert min(bubbles) >= 0 and max(bubbles) < 1 and len(set(bubbles)) > 1
     for a in plan.stages:  # the stages of one rank share its figure
         for b in plan.stages:
             if a.ranks == b.ranks:
