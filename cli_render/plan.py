@@ -29,6 +29,14 @@ def print_partition(done: Partitioned, optimizer: str, asked: int | None) -> Non
     first = [e.end_s for e in sim.events if e.stage == 0 and e.kind == "B"]
     until = first[min(2, len(first) - 1)] if get_schedule(plan.schedule).stashes and first else None
     out.print("\n".join(gantt(sim, width=60, until_s=until)), highlight=False, markup=False)
+    span = max((e.end_s for e in sim.events), default=0.0)
+    bound = plan.predicted.host_bound_s or 0.0  # (a host-bound plan's time is the host's, not the period)
+    if until is None and sim.window_s > bound and span > sim.window_s * 1.01:
+        out.print(
+            f"the timeline is one minibatch ({span * 1e3:.3f} ms); a rank starts the next once it has "
+            f"stepped, so in the steady state a minibatch takes {sim.window_s * 1e3:.3f} ms",
+            highlight=False,
+        )
     if done.choice is not None:
         out.print(auto_table(done.choice, done.cluster.gpus, asked))
     if done.alternatives is not None:

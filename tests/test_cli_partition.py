@@ -78,6 +78,23 @@ def test_synchronous_schedules(graph: Path, tmp_path: Path, schedule: str) -> No
     assert plan["schedule"] == schedule
 
 
+def test_a_plan_whose_next_minibatch_overlaps_says_its_timeline_is_one_minibatch(tmp_path: Path) -> None:
+    """zb1p, the heavier stage last: stage 0 starts the next minibatch while stage 1 finishes its Ws,
+    so the predicted time (the steady period, 12 ms) is shorter than the timeline shown (13 ms);
+    partition says so. The same stages in the other order overlap nothing and say nothing."""
+    for costs, said in (([(2, 4, 0, 10), (4, 8, 0, 10)], True), ([(4, 8, 0, 10), (2, 4, 0, 10)], False)):
+        path = tmp_path / f"p{said}" / "graph.txt"
+        path.parent.mkdir()
+        write_graph_txt(make_profile(costs, [(0, 1)]), path)
+        code, out, _ = _run("partition", "--profile", str(path), "--gpus", "2", "--schedule", "zb1p",
+                            "--microbatches", "2", "--cuts", "l0", "--replicas", "1,1",
+                            "-o", str(path.parent))  # fmt: skip
+        assert code == 0
+        text = " ".join(out.split())
+        assert ("the timeline is one minibatch (13.000 ms)" in text) is said, text
+        assert ("the steady state a minibatch takes 12.000 ms" in text) is said
+
+
 @pytest.mark.parametrize(
     "args",
     [
