@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 
 from cli import main
-from partitioner.graph import save_profile
+from partitioner.graph import load_profile, save_profile
 from partitioner.optimizer.pricing.simulate import simulate, stage_bubbles
 from partitioner.plan import load_plan
 from tests.partitioner.optimizer.conftest import make_profile
@@ -68,3 +68,59 @@ def test_run_reports_every_stage_against_plan_json_and_an_old_plan_still_runs(tm
     assert table[5].split()[:2] == ["0", "4.00"]  # stage 0's predicted compute, in ms
     assert table[6].split()[-3:-1] == ["-", f"{second['bubble_fraction']:.2f}"]
     assert max(map(len, table)) <= 80
+
+
+_MLP = """
+import torch
+from torch import nn
+
+
+def model() -> nn.Module:
+    blocks = [nn.Sequential(nn.Linear(768, 768), nn.ReLU()) for _ in range(5)]
+    return nn.Sequential(*blocks, nn.Linear(768, 10))
+
+
+def example_inputs(batch_size: int) -> tuple[torch.Tensor]:
+    return (torch.randn(batch_size, 768),)
+
+
+def example_targets(batch_size: int) -> torch.Tensor:
+    return torch.randint(0, 10, (batch_size,))
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(output, target)
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_starts_the_next_minibatch_while_a_later_one_ends_the_last(tmp_path: Path) -> None:
+    """What the simulation's steady period rests on (``simulate.STEADY_MINIBATCHES``): the runtime has
+    no barrier at the step. zb1p with one block on stage 0 and four on stage 1: in the trace, rank 0's
+    first forward of each minibatch starts before rank 1's last W of the one before has ended, and
+    the plan's time is below the span of the one minibatch it shows."""
+    (tmp_path / "mlp.py").write_text(_MLP.lstrip())
+    profile, models, trace = tmp_path / "profile.json", tmp_path / "models", tmp_path / "trace.json"
+    for args in (
+        ["profile", f"{tmp_path / 'mlp.py'}:model", "--batch-size", "256", "--no-fixed-cost",
+         "-o", str(profile)],
+        ["partition", "--profile", str(profile), "--gpus", "2", "--schedule", "zb1p", "--microbatches", "2",
+         "--cuts", "0.1", "--replicas", "1,1", "-o", str(models)],
+    ):  # fmt: skip
+        result = CliRunner().invoke(main, args, catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+    (pkg,) = models.glob("*/gpus=2")
+    plan = load_plan(pkg / "plan.json")
+    sim = simulate(plan, load_profile(profile))
+    assert plan.predicted.time_per_minibatch_s < max(e.end_s for e in sim.events) * 0.99
+    result = CliRunner().invoke(
+        main, ["run", str(pkg), "--steps", "4", "--timeout", "60", "--trace", str(trace)]
+    )
+    assert result.exit_code == 0, result.output
+    spans = {
+        (e["pid"], e["name"]): (e["ts"], e["ts"] + e["dur"])
+        for e in json.loads(trace.read_text())["traceEvents"]
+        if e.get("ph") == "X" and e.get("cat") == "compute"
+    }
+    for n in (1, 2, 3):
+        assert spans[(0, f"F{2 * n}")][0] < spans[(1, f"W{2 * n - 1}")][1]
