@@ -96,27 +96,32 @@ def peer_errors(what: str) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class TensorMeta:
-    """Shape and dtype of one tensor that crosses ranks."""
+    """Shape and dtype of one tensor that crosses ranks, and whether its producer's autograd graph
+    reaches it (``grad``: the producer's output required a gradient)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+    grad: bool = True
 
     @property
     def needs_grad(self) -> bool:
-        """Only floating-point tensors carry gradients back."""
-        return self.dtype.is_floating_point
+        """Whether a gradient goes back for it: a floating-point tensor its producer computed from
+        something that needs one. A tensor made from buffers alone (a rotary embedding's cos and
+        sin) needs none: its consumer would keep what multiplies it and send back a gradient
+        nobody uses."""
+        return self.dtype.is_floating_point and self.grad
 
     @staticmethod
     def of(tensor: torch.Tensor) -> TensorMeta:
-        return TensorMeta(tuple(tensor.shape), tensor.dtype)
+        return TensorMeta(tuple(tensor.shape), tensor.dtype, tensor.requires_grad)
 
 
 def encode_meta(metas: Sequence[TensorMeta]) -> str:
-    return json.dumps([[list(m.shape), str(m.dtype).removeprefix("torch.")] for m in metas])
+    return json.dumps([[list(m.shape), str(m.dtype).removeprefix("torch."), m.grad] for m in metas])
 
 
 def decode_meta(text: str) -> tuple[TensorMeta, ...]:
-    return tuple(TensorMeta(tuple(s), getattr(torch, d)) for s, d in json.loads(text))
+    return tuple(TensorMeta(tuple(s), getattr(torch, d), *grad) for s, d, *grad in json.loads(text))
 
 
 def _tags(tags: Sequence[int], messages: Sequence[object]) -> Sequence[int]:

@@ -262,7 +262,8 @@ class StageRuntime:
         for k, names in producers.items():
             for name, meta in zip(names, self.in_meta[k], strict=True):
                 named[name] = torch.zeros(meta.shape, dtype=meta.dtype, device=self.comm.device)
-        with torch.no_grad():
+                named[name].requires_grad_(meta.needs_grad)
+        with torch.enable_grad():  # (which outputs need a gradient, as in training: TensorMeta.grad)
             outs = self._run(named, None)
         self.out_meta = {n: TensorMeta.of(t) for n, t in outs.items() if isinstance(t, torch.Tensor)}
         if self.cfg.replica == 0:
@@ -351,9 +352,9 @@ class StageRuntime:
         got = self._recv(Action(me, "F", unit))
         for k in producers:  # (a forward of a pipedream producer proves its earlier gradients came)
             self.comm.answered(self._peer(k, unit), self._tag(k, me, False), unit)
-        for names, tensors in zip(producers.values(), got, strict=True):
-            for name, t in zip(names, tensors, strict=True):
-                named[name] = t.requires_grad_(t.is_floating_point())
+        for k, tensors in zip(producers, got, strict=True):
+            for name, t, meta in zip(producers[k], tensors, self.in_meta[k], strict=True):
+                named[name] = t.requires_grad_(meta.needs_grad)
         with self.recorder.span(f"F{unit}", "compute"):
             outs = self._run(named, self._version_params() if stashed else None)
             loss = self._loss(unit, outs) if self.cfg.is_last else None

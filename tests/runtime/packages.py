@@ -203,6 +203,36 @@ class Stage1(nn.Module):
 """,
 }
 
+_BUFFER = {
+    0: """
+import torch
+from torch import nn
+
+
+class Stage0(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear({i}, {h})
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, {h}))
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)), self.scale.expand(x.shape[0], -1) * 1.0
+""",
+    1: """
+import torch
+from torch import nn
+
+
+class Stage1(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear({h}, {o})
+
+    def forward(self, x, scale):
+        return self.fc(x * scale.clamp_(min=0.0))  # (in place: allowed on a tensor autograd does not track)
+""",
+}
+
 _TIED_LAST = """
 import torch
 from torch import nn
@@ -257,6 +287,9 @@ def _stage_sources(kind: str, stages: int) -> tuple[list[str], list[list[str]], 
         sources = [_SKIP4[0].format(i=IN_DIM, h=HIDDEN), mid, _SKIP_HOME.format(h=HIDDEN), last]
         ins = [["input0"], ["out0"], ["out1", "skip0"], ["out2"]]
         return sources, ins, [["out0", "skip0"], ["out1"], ["out2"], ["out3"]]
+    if kind == "buffer":  # stage 0 also sends a float made from a buffer alone: it needs no gradient
+        sources = [_BUFFER[k].format(i=IN_DIM, h=HIDDEN, o=OUT_DIM) for k in range(2)]
+        return sources, [["input0"], ["out0", "scale0"]], [["out0", "scale0"], ["out1"]]
     if kind == "int":
         sources = [_INT[k].format(i=IN_DIM, h=HIDDEN, o=OUT_DIM) for k in range(2)]
         return sources, [["input0"], ["out0", "idx0"]], [["out0", "idx0"], ["out1"]]

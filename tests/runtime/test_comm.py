@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from runtime import comm
-from runtime.comm import TensorMeta, buckets
+from runtime.comm import TensorMeta, buckets, decode_meta, encode_meta
 from runtime.memory import _LiveStorages
 
 
@@ -110,3 +110,13 @@ def test_a_batch_coalesced_into_one_handle_is_waited_for_its_receives(
     (buf,) = c.recv([(1, (TensorMeta((2,), torch.float32),))])[0]
     assert len(made) == 1 and made[0].waited and buf.shape == (2,)
     assert [s.work for s in c.pending] == made and not c.pending[0].answers  # retired by era alone
+
+
+def test_a_meta_says_whether_its_tensor_needs_a_gradient_and_keeps_it_across_ranks() -> None:
+    """A float its producer computed from weights needs a gradient back; one from buffers alone, or
+    an integer, does not; the flag survives the start-up exchange (metas of an older peer: needed)."""
+    w = torch.ones(3, requires_grad=True)
+    metas = (TensorMeta.of(w * 2), TensorMeta.of(torch.ones(3) * 2), TensorMeta.of(torch.ones(3).long()))
+    assert [m.needs_grad for m in metas] == [True, False, False]
+    assert decode_meta(encode_meta(metas)) == metas
+    assert decode_meta('[[[3], "float32"]]') == (TensorMeta((3,), torch.float32, True),)

@@ -132,6 +132,18 @@ def test_integer_tensors_cross_stages_without_gradients(tmp_path: Path) -> None:
     assert_stages_equal(ckpt, 2, plain_training(pkg, 2, 2, 4, lr=0.1), 2)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb1p"])
+def test_a_float_made_from_buffers_crosses_without_a_gradient(tmp_path: Path, schedule: str) -> None:
+    """Stage 0 sends a float computed from a buffer alone (as a rotary embedding's cos and sin): its
+    consumer takes it as a constant, as autograd does in one process, so an in-place operation on it
+    runs (on a tensor marked as needing a gradient it raises), the activations that multiply it are
+    not kept for a gradient that goes nowhere, and training is exact."""
+    pkg = write_package(tmp_path / "pkg", "buffer", replicas=(1, 1), microbatches=2, batch_size=4)
+    ckpt = tmp_path / "ckpt"
+    run(pkg, steps=2, schedule=schedule, lr=0.1, checkpoint_dir=str(ckpt))
+    assert_stages_equal(ckpt, 2, plain_training(pkg, 2, 2, 4, lr=0.1), 2)
+
+
 @pytest.mark.parametrize(("schedule", "steps"), [("1f1b", 4), ("pipedream", 12)])
 def test_sent_tensors_are_freed_during_a_long_segment(tmp_path: Path, schedule: str, steps: int) -> None:
     """gloo reports no send complete until it is waited for; the runtime must still let go of each
