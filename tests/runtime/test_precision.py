@@ -52,8 +52,8 @@ class Stage0(nn.Module):
         self.calls = 0
 
     def forward(self, x):
-        self.calls += torch.is_grad_enabled()
-        poison = self.calls == 3 and os.environ.get("RANK") == "0"
+        self.calls += torch.is_grad_enabled()  # (start-up's forward counts: it runs with gradients on)
+        poison = self.calls == 4 and os.environ.get("RANK") == "0"
         w = _Poison.apply(self.fc.weight, poison)
         return torch.tanh(nn.functional.linear(x, w, self.fc.bias))
 """
