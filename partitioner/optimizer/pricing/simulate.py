@@ -221,7 +221,7 @@ class _Player:
 
 
 def _flushed(plan: Plan, profile: Profile | None) -> Simulation:
-    """One minibatch of a flushing schedule from the runtime's own lists: on the plan's ranks where
+    """A flushing schedule from the runtime's own lists: on the plan's ranks where
     the schedule lays several stages on each, else one rank per stage (a replicated stage as one
     server r times as fast, all-reducing at its own step), played over :data:`STEADY_MINIBATCHES`."""
     sched = model(plan.schedule)
