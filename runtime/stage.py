@@ -261,8 +261,9 @@ class StageRuntime:
             named.update(zip(self.wiring.stage_inputs[me], self._micro("inputs", 0), strict=True))
         for k, names in producers.items():
             for name, meta in zip(names, self.in_meta[k], strict=True):
-                named[name] = torch.zeros(meta.shape, dtype=meta.dtype, device=self.comm.device)
-                named[name].requires_grad_(meta.needs_grad)
+                named[name] = torch.zeros(
+                    meta.shape, dtype=meta.dtype, device=self.comm.device, requires_grad=meta.needs_grad
+                )
         with torch.enable_grad():  # (which outputs need a gradient, as in training: TensorMeta.grad)
             outs = self._run(named, None)
         self.out_meta = {n: TensorMeta.of(t) for n, t in outs.items() if isinstance(t, torch.Tensor)}

@@ -325,13 +325,13 @@ def simulate(plan: Plan, profile: Profile | None = None, minibatches: int | None
 
 def stage_bubbles(plan: Plan, sim: Simulation) -> tuple[float, ...]:
     """Per stage, the share of the simulated window (a flushing schedule's steady period, pipedream's
-    span) its device spends not computing: waiting for an
-    input (the peer's compute and the link's delay), in the flush's all-reduce or between actions,
-    ``1 - busy / span`` with busy its F, B and W actions less the runtime's time per action (idle
-    to ``run``, :func:`_computing`). Where a rank hosts several stages (``interleaved``, ``zbv``)
-    the figure is the rank's, all its stages' actions together, the same for each; a pipedream
-    stage's is the mean of its replicas'. The mean over the devices is :attr:`Simulation.
-    bubble_fraction`. ``run`` measures the same share on each rank (docs/fidelity.md)."""
+    span) its device spends not computing: waiting for an input (the peer's compute and the link's
+    delay), in the flush's all-reduce or between actions, ``1 - busy / span`` with busy its F, B
+    and W actions less the runtime's time per action (idle to ``run``, :func:`_computing`). Where a
+    rank hosts several stages (``interleaved``, ``zbv``) the figure is the rank's, all its stages'
+    actions together, the same for each; a pipedream stage's is the mean of its replicas'. The mean
+    over the devices is :attr:`Simulation.bubble_fraction`. ``run`` measures the same share on each
+    rank (docs/fidelity.md)."""
     span = sim.window_s or max((e.end_s for e in sim.events), default=0.0)
     busy = [0.0] * len(plan.stages)
     computed = (e for e in sim.events if e.kind != "S")
@@ -437,11 +437,11 @@ def played(profile: Profile, plan: Plan, activation_comm: bool = True, recompute
     every round; a message's latency overlaps what the lists let it): what the plan predicts is
     then what the simulation plays; ``extra["closed_form_s"]`` keeps what the search priced."""
     sim = simulate(plan, profile)
-    span = sim.window_s  # (the steady period, before the host bound)
+    period = sim.window_s  # (before the host bound)
     specs = [StageSpec(s.nodes, s.replicas, s.ranks) for s in plan.stages]
     again = assemble(
         profile, plan.cluster, specs, plan.schedule, plan.microbatches, plan.optimizer, plan.solver,
-        time_override=span, extra=dict(plan.extra), activation_comm=activation_comm,
+        time_override=period, extra=dict(plan.extra), activation_comm=activation_comm,
         recompute=recompute, virtual=plan.virtual_stages,
     )  # fmt: skip
     predicted = replace(again.predicted, bubble_fraction=sim.bubble_fraction)
