@@ -22,6 +22,7 @@ from runtime.schema import SchemaError, check
 __all__ = [
     "OPTIMIZERS",
     "PLAN_SCHEMA",
+    "SHARD_LEVELS",
     "Cluster",
     "Level",
     "Link",
@@ -39,6 +40,9 @@ __all__ = [
 
 PLAN_SCHEMA = "pipeplan.plan/1"
 OPTIMIZERS: tuple[str, ...] = ("sgd", "momentum", "adam", "adamw")
+SHARD_LEVELS: tuple[str, ...] = ("none", "optimizer", "gradients", "full")
+"""What a stage's data-parallel copies share (docs/layout-3d.md): nothing, the optimizer state
+(ZeRO-1), gradients too (ZeRO-2), or everything (FSDP, ZeRO-3)."""
 
 
 @dataclass(frozen=True)
@@ -170,13 +174,15 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Stage:
-    """One pipeline stage: a set of layers and the devices that run it as data-parallel replicas.
+    """One pipeline stage: a set of layers and the devices that run it, ``tensor_parallel`` devices
+    to a copy and ``replicas`` data-parallel copies (docs/layout-3d.md).
 
     Attributes:
         index: position in the pipeline, from 0.
         nodes: ids of the profile nodes it runs, in topological order.
-        replicas: data-parallel width.
-        ranks: global ranks of its replicas.
+        replicas: data-parallel width ``d``: copies of the stage, each running its own microbatches.
+        ranks: global ranks of its ``d * t`` devices, data-major (``ranks[i * t + j]``: tensor rank
+            ``j`` of copy ``i``; a copy's ranks are consecutive, inside one node).
         compute_s: forward+backward seconds per minibatch on one device (before dividing by replicas).
         comm_s: predicted communication seconds per minibatch (activations and gradient all-reduce).
         memory_bytes: predicted peak memory per device.
@@ -185,6 +191,9 @@ class Stage:
         bubble_fraction: the share of its device's time the plan's simulation has it not computing
             (``pricing.simulate.stage_bubbles``), which ``run`` measures against; None: not
             predicted (plans written before it, or not yet simulated).
+        tensor_parallel: ``t``, the devices one copy is split over (1: not split; absent in plans
+            written before 3D layouts).
+        shard: what the copies share, one of :data:`SHARD_LEVELS` (``none``: each holds everything).
     """
 
     index: int
@@ -196,6 +205,28 @@ class Stage:
     memory_bytes: int = 0
     recompute: bool = False
     bubble_fraction: float | None = None
+    tensor_parallel: int = 1
+    shard: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel < 1:
+            raise PlanError(f"stage {self.index}: tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        if self.shard not in SHARD_LEVELS:
+            raise PlanError(
+                f"stage {self.index}: shard must be one of {', '.join(SHARD_LEVELS)}, got {self.shard!r}"
+            )
+        if self.shard != "none" and self.replicas < 2:
+            raise PlanError(f"stage {self.index}: shard {self.shard!r} needs at least 2 data-parallel copies")
+        if self.tensor_parallel > 1 and len(self.ranks) != self.devices:  # (2D plans: as before)
+            raise PlanError(
+                f"stage {self.index}: {len(self.ranks)} ranks for {self.replicas} copies of "
+                f"{self.tensor_parallel} devices"
+            )
+
+    @property
+    def devices(self) -> int:
+        """Devices the stage runs on: ``replicas * tensor_parallel``."""
+        return self.replicas * self.tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -244,7 +275,7 @@ class Plan:
     """A complete partitioning decision plus its prediction.
 
     Attributes:
-        gpus: devices used, the sum of the stages' replicas.
+        gpus: devices used, the sum of the stages' devices (``Stage.devices``).
         cluster: the cluster it was planned for.
         schedule: the pipeline schedule the cost model assumed.
         microbatches: microbatches per minibatch (1 for ``pipedream``).
@@ -310,9 +341,13 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
                 del level[key]
     if not plan.cluster.action_s:  # only calibrated clusters say it (as above)
         del doc["cluster"]["action_s"]
-    for stage in doc["stages"]:  # only simulated plans say it (as above)
+    for stage in doc["stages"]:  # only simulated plans say it; only 3D stages their layout (as above)
         if stage["bubble_fraction"] is None:
             del stage["bubble_fraction"]
+        if stage["tensor_parallel"] == 1:
+            del stage["tensor_parallel"]
+        if stage["shard"] == "none":
+            del stage["shard"]
     return doc
 
 
@@ -380,6 +415,8 @@ def _stage_from_json(doc: Mapping[str, Any]) -> Stage:
         memory_bytes=int(doc.get("memory_bytes", 0)),
         recompute=_flag(doc.get("recompute", False), "recompute"),
         bubble_fraction=None if doc.get("bubble_fraction") is None else float(doc["bubble_fraction"]),
+        tensor_parallel=int(doc.get("tensor_parallel", 1)),
+        shard=str(doc.get("shard", "none")),
     )
 
 

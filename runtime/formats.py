@@ -49,6 +49,8 @@ _STAGE = Obj(
         "memory_bytes": Num(),
         "recompute": Bool(),
         "bubble_fraction": Opt(Num(0.0)),
+        "tensor_parallel": Int(1),
+        "shard": Str(("none", "optimizer", "gradients", "full")),
     },
 )
 _LEVEL = Obj(

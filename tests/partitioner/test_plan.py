@@ -77,3 +77,33 @@ def test_recompute_round_trips_and_old_plans_read_as_none(tmp_path: Path) -> Non
     doc["stages"][0]["recompute"] = "false"
     with pytest.raises(PlanError, match="recompute"):
         plan_from_json(doc)
+
+
+def test_a_3d_stage_round_trips_and_a_2d_one_is_written_as_before() -> None:
+    """docs/layout-3d.md: tensor_parallel and shard are written only where they are not the default."""
+    from partitioner.plan import Stage, _stage_from_json
+
+    flat = Stage(0, ("a",), 2, (0, 1))
+    assert "tensor_parallel" not in _plan_doc_stage(flat) and "shard" not in _plan_doc_stage(flat)
+    cube = Stage(0, ("a",), 2, (0, 1, 2, 3), tensor_parallel=2, shard="optimizer")
+    doc = _plan_doc_stage(cube)
+    assert (doc["tensor_parallel"], doc["shard"]) == (2, "optimizer")
+    assert _stage_from_json(doc) == cube and cube.devices == 4
+
+
+def test_a_3d_stage_that_does_not_add_up_is_refused() -> None:
+    from partitioner.plan import Stage
+
+    with pytest.raises(PlanError, match="3 ranks for 2 copies of 2 devices"):
+        Stage(0, ("a",), 2, (0, 1, 2), tensor_parallel=2)
+    with pytest.raises(PlanError, match="at least 2 data-parallel copies"):
+        Stage(0, ("a",), 1, (0, 1), tensor_parallel=2, shard="full")
+    with pytest.raises(PlanError, match="shard must be one of"):
+        Stage(0, ("a",), 2, (0, 1), shard="zero9")
+
+
+def _plan_doc_stage(stage: object) -> dict[str, object]:
+    from partitioner.plan import Cluster, Plan, Prediction, SolverInfo, plan_to_json
+
+    plan = Plan(4, Cluster.flat(4), "1f1b", 2, (stage,), Prediction(1.0), SolverInfo("test", 0.0, True))  # type: ignore[arg-type]
+    return plan_to_json(plan)["stages"][0]  # type: ignore[no-any-return]
