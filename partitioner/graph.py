@@ -103,6 +103,14 @@ class Node:
             holds its own copy, which the producer's count does not cover where the producer keeps
             it (``StageLoad.sent_bytes``, ``received_bytes``). None: not measured (profiles written
             before, and PipeDream's), and nothing is charged for it.
+        tp_param_bytes: the part of ``param_bytes`` that tensor parallelism divides by its degree ``t``
+            (a column- or row-wise linear's weight; docs/layout-3d.md); the rest stays whole on every
+            tensor rank. 0: the node is not split.
+        tp_comm_bytes: bytes a split node all-reduces over its tensor group in the forward per
+            minibatch (a row-wise linear's output; the same again in the backward), scaled with the
+            batch like ``output_bytes``.
+        tp_max: the largest tensor-parallel degree the node divides into (its heads, its hidden
+            size); a degree must divide it. 0: the node is not split.
     """
 
     id: str
@@ -124,6 +132,9 @@ class Node:
     working_bytes: int = 0
     deferred_bytes: int = 0
     kept_output_bytes: int | None = None
+    tp_param_bytes: int = 0
+    tp_comm_bytes: int = 0
+    tp_max: int = 0
 
     @property
     def compute_ms(self) -> float:
@@ -228,7 +239,8 @@ def scale_batch(profile: Profile, batch_size: int) -> Profile:
         replace(n, forward_ms=n.forward_ms * k, backward_ms=n.backward_ms * k,
                 output_bytes=round(n.output_bytes * k), saved_bytes=round(n.saved_bytes * k),
                 working_bytes=round(n.working_bytes * k), deferred_bytes=round(n.deferred_bytes * k),
-                kept_output_bytes=None if n.kept_output_bytes is None else round(n.kept_output_bytes * k))
+                kept_output_bytes=None if n.kept_output_bytes is None else round(n.kept_output_bytes * k),
+                tp_comm_bytes=round(n.tp_comm_bytes * k))
         for n in profile.nodes
     )  # fmt: skip
     inputs = tuple(
@@ -296,6 +308,10 @@ def profile_to_json(profile: Profile) -> dict[str, Any]:
     doc["tracer_options"] = dict(profile.tracer_options)
     doc["extra"] = dict(profile.extra)
     doc["fidelity"] = profile.fidelity
+    for node in doc["nodes"]:  # only nodes tensor parallelism splits say so (older readers never see it)
+        for key in ("tp_param_bytes", "tp_comm_bytes", "tp_max"):
+            if not node[key]:
+                del node[key]
     return doc
 
 
@@ -360,6 +376,9 @@ def _node_from_json(doc: Mapping[str, Any]) -> Node:
         param_names=tuple(str(p) for p in doc.get("param_names", ())),
         description=str(doc.get("description", "")),
         members=tuple(str(m) for m in doc.get("members", ())),
+        tp_param_bytes=int(doc.get("tp_param_bytes", 0)),
+        tp_comm_bytes=int(doc.get("tp_comm_bytes", 0)),
+        tp_max=int(doc.get("tp_max", 0)),
     )
 
 

@@ -147,3 +147,17 @@ def test_at_microbatches_charges_each_call_its_fixed_time_once() -> None:
         nodes=(replace(node, cast_bytes=0, forward_fixed_ms=0.0, backward_fixed_ms=0.0),), batch_size=8
     )
     assert at_microbatches(plain, 4) is plain
+
+
+def test_tensor_parallel_fields_round_trip_and_stay_out_of_unsplit_nodes() -> None:
+    """docs/layout-3d.md: only nodes tensor parallelism splits carry tp_* fields in profile.json."""
+    from partitioner.graph import Node, Profile, profile_from_json, profile_to_json, scale_batch
+
+    split = Node(
+        "fc", "fc", "call_module", "Linear", param_bytes=64, tp_param_bytes=48, tp_comm_bytes=8, tp_max=4
+    )
+    profile = Profile(nodes=(Node("x", "x", "input", ""), replace(split, inputs=("x",))), batch_size=2)
+    doc = profile_to_json(profile)
+    assert "tp_max" not in doc["nodes"][0] and doc["nodes"][1]["tp_max"] == 4
+    assert profile_from_json(doc).nodes == profile.nodes
+    assert scale_batch(profile, 4).nodes[1].tp_comm_bytes == 16
