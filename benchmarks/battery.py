@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.battery_rows import OWNED_ELSEWHERE, Row, rows  # noqa: E402
+from benchmarks.reporting import write_results  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 FAILURES = ("traceback", "silently accepted", "hang", "orphan", "wrong")
@@ -238,10 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     meta["load_after"] = [round(x, 2) for x in os.getloadavg()]
     count = totals(results)
     if not args.only:
-        RESULTS.mkdir(exist_ok=True)
         doc = {"totals": count, "rows": [r.__dict__ for r in results], **meta}
-        (RESULTS / "battery.json").write_text(json.dumps(doc, indent=1) + "\n")
-        (RESULTS / "battery.md").write_text(_markdown(results, count, meta))
+        write_results(RESULTS, "battery", doc, _markdown(results, count, meta))
     print(json.dumps(count))
     return 1 if any(count[name] for name in FAILURES) else 0
 

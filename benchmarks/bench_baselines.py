@@ -18,18 +18,21 @@ Writes benchmarks/results/bench_baselines.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from bench_optimizer import CLUSTERS, RESULTS, profile_args, selected_profiles
 
-from partitioner.atomic import write_text_atomic
 from partitioner.graph import Profile
 from partitioner.optimizer import solve
 from partitioner.optimizer.planner import alternatives
 from partitioner.optimizer.search.candidates import parameter_balanced, time_balanced, uniform
 from partitioner.plan import Cluster
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, run as a script
+from benchmarks.reporting import write_results
 
 METHODS = {
     "parameter balanced": parameter_balanced,
@@ -140,9 +143,7 @@ def main() -> None:
         settings[setting] = {"schedule": schedule, "microbatches": m, "cases": rows, "summary": summary(rows)}
     command = "python benchmarks/bench_baselines.py" + (f" --only {args.only}" if args.only else "")
     doc = {"command": command, "settings": settings}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(RESULTS / "bench_baselines.json", json.dumps(doc, indent=1) + "\n")
-    write_text_atomic(RESULTS / "bench_baselines.md", markdown(doc))
+    write_results(RESULTS, "bench_baselines", doc, markdown(doc))
     print(markdown(doc))
 
 

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from partitioner.atomic import write_text_atomic
+from benchmarks.reporting import write_results
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -357,9 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = json.loads(previous_file.read_text()) if previous_file.is_file() else {}
     kept = [s for s in SECTIONS if s in previous and s not in wanted]  # sections not run: as they were
     doc.update({s: previous[s] for s in kept}, kept=kept)
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(args.out / "bench_big.json", json.dumps(doc, indent=1) + "\n")
-    write_text_atomic(args.out / "bench_big.md", markdown(doc))
+    write_results(args.out, "bench_big", doc, markdown(doc))
     print(markdown(doc))
     return 0
 

@@ -35,7 +35,6 @@ import math
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,6 +49,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.reporting import free_port, write_results
 from runtime import checkpoint, resume, train_state
 from runtime.config import load_job
 from runtime.fqns import model_names
@@ -60,12 +60,6 @@ from runtime.package import import_package
 RESULTS = Path(__file__).resolve().parent / "results"
 WAYS = ("per-stage", "dcp", "dcp, no fsync", "dcp async")
 SETTINGS = OptimSettings(optimizer="adam", lr=1e-4)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _save_v1(root: Path, step: int, rank: int, state: dict[str, Any]) -> None:
@@ -201,8 +195,6 @@ def _report(rows: list[dict[str, Any]], whole: dict[str, Any], rounds: int, byte
         "rounds_detail": rows,
         "whole_run": whole,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "bench_checkpoint.json").write_text(json.dumps(doc, indent=1) + "\n")
     base = summary[0]["median_s"]
     lines = [
         "# Checkpoint save time: vgg16, 2 stages, Adam (bench_checkpoint.py)",
@@ -225,7 +217,7 @@ def _report(rows: list[dict[str, Any]], whole: dict[str, Any], rounds: int, byte
         f"(load {whole['load']:.1f}).",
         "",
     ]
-    (RESULTS / "bench_checkpoint.md").write_text("\n".join(lines))
+    write_results(RESULTS, "bench_checkpoint", doc, "\n".join(lines))
     print("\n".join(lines))
 
 
@@ -242,7 +234,7 @@ def main() -> None:
     out = work / "rows.json"
     mp.start_processes(
         _rank,
-        args=(_free_port(), str(package), str(work), args.rounds, str(out)),
+        args=(free_port(), str(package), str(work), args.rounds, str(out)),
         nprocs=2,
         start_method="spawn",
     )

@@ -23,7 +23,6 @@ Run:  .venv/bin/python benchmarks/bench_device_model.py [--rounds 2] [--skip-cpu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -34,7 +33,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from partitioner.atomic import write_text_atomic
+from benchmarks.reporting import write_results
 from partitioner.compare import compare
 from partitioner.graph import load_profile
 from partitioner.profiler import profile_model
@@ -185,9 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in CPU_CASES:
                 doc["cpu"][name].append(cpu_round(name))
     doc["wall_s"] = round(time.perf_counter() - started, 1)
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(args.out / "bench_device_model.json", json.dumps(doc, indent=1, default=str) + "\n")
-    write_text_atomic(args.out / "bench_device_model.md", markdown(doc))
+    write_results(args.out, "bench_device_model", doc, markdown(doc), default=str)
     print(markdown(doc))
     return 0
 

@@ -60,6 +60,9 @@ from typing import Any
 
 from runtime.schedule import get_schedule
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, run as a script
+from benchmarks.reporting import write_results
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -543,11 +546,9 @@ def report(
                                   args.rank_model, cpus) for label in PASSES},
         "runs": runs,
     }  # fmt: skip
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.results}.json").write_text(json.dumps(doc, indent=1) + "\n")
     tables = (_runs_table(doc["runs"]), _worst_stage_table(doc["runs"]), _memory_table(doc["runs"]))
     md = [*_header(doc), *(line for table in tables for line in table), *_summary(doc)]
-    (RESULTS / f"{args.results}.md").write_text("\n".join(md) + "\n")
+    write_results(RESULTS, args.results, doc, md)
     print("\n".join(md))
 
 

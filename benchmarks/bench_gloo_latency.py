@@ -20,8 +20,8 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -29,14 +29,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, run as a script
+from benchmarks.reporting import free_port, write_results
+
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = (16, 4096, 65536, 1 << 20, 16 << 20)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank(rank: int, port: int, messages: int, rounds: int, out: str) -> None:
@@ -72,7 +69,7 @@ def main() -> None:
     load = os.getloadavg()
     out = RESULTS / "bench_gloo_latency.raw"
     RESULTS.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_rank, args=(_free_port(), args.messages, args.rounds, str(out)), nprocs=2)
+    mp.spawn(_rank, args=(free_port(), args.messages, args.rounds, str(out)), nprocs=2)
     rows = json.loads(out.read_text())
     out.unlink()
     doc = {
@@ -82,7 +79,6 @@ def main() -> None:
                     "load_average_before_after": [load, os.getloadavg()]},
         "rows": rows,
     }  # fmt: skip
-    (RESULTS / "bench_gloo_latency.json").write_text(json.dumps(doc, indent=1) + "\n")
     md = ["# One gloo message between two local ranks (ping-pong, one thread each)", "",
           f"`python benchmarks/bench_gloo_latency.py --messages {args.messages} --rounds {args.rounds}`; "
           f"load {load[0]:.1f} before, {os.getloadavg()[0]:.1f} after.", "",
@@ -91,7 +87,7 @@ def main() -> None:
         lo, hi = min(row["samples_s"]) * 1e3, max(row["samples_s"]) * 1e3
         md.append(f"| {row['bytes']} | {row['one_way_s'] * 1e3:.3f} | {lo:.3f} to {hi:.3f} | "
                   f"{row['bytes'] / row['one_way_s'] / 1e9:.3f} |")  # fmt: skip
-    (RESULTS / "bench_gloo_latency.md").write_text("\n".join(md) + "\n")
+    write_results(RESULTS, "bench_gloo_latency", doc, md)
     print("\n".join(md))
 
 

@@ -37,6 +37,7 @@ import torch
 
 from benchmarks.bench_runtime import write_package as write_two_stages
 from benchmarks.peers import median_ratio, paired, pairs_markdown, round_order, run_pipeplan, run_torch
+from benchmarks.reporting import write_results
 from partitioner.optimizer.pricing.schedules import interleaved_time
 from runtime.package import import_package
 
@@ -290,9 +291,7 @@ def report(
         "torch_over_pipeplan_median": {name: median_ratio(ratios) for name, ratios in pairs.items()},
         "rounds": rounds,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{bench.name}.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (RESULTS / f"{bench.name}.md").write_text(_markdown(bench, doc))
+    write_results(RESULTS, bench.name, doc, _markdown(bench, doc))
     print(_markdown(bench, doc))
 
 

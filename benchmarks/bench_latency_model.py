@@ -16,6 +16,7 @@ Run:  .venv/bin/python benchmarks/bench_latency_model.py
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,9 @@ from partitioner.graph import Node, Profile
 from partitioner.optimizer import evaluate
 from partitioner.optimizer.pricing.simulate import simulate
 from partitioner.plan import Cluster, Link
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, run as a script
+from benchmarks.reporting import write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BANDWIDTH = 1e9  # partition's default, as bench_interleaved priced it
@@ -64,7 +68,6 @@ def main() -> None:
             })  # fmt: skip
     doc = {"benchmark": "bench_latency_model", "latency_source": "bench_gloo_latency, 16 B one-way median",
            "measured_load_1min": run["load_1min_before_after"], "rows": rows}  # fmt: skip
-    (RESULTS / "bench_latency_model.json").write_text(json.dumps(doc, indent=1) + "\n")
     md = [
         "# The per-message latency in bench_interleaved's predictions",
         "",
@@ -86,7 +89,7 @@ def main() -> None:
         "form charges each microbatch's messages on its stage, the simulation as delays the fill and drain "
         "wait on; the runtime sends asynchronously (isend), closer to the simulation.",
     ]
-    (RESULTS / "bench_latency_model.md").write_text("\n".join(md) + "\n")
+    write_results(RESULTS, "bench_latency_model", doc, md)
     print("\n".join(md))
 
 

@@ -28,6 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, run as a script
+from benchmarks.reporting import write_results
+
 RESULTS = Path(__file__).resolve().parent / "results"
 SOURCE = Path(__file__).resolve().parents[1]
 STEPS = (10, 1_000_000)
@@ -180,9 +183,7 @@ def main() -> None:
     machine = f"{platform.machine()} {platform.python_version()} (CPU, shared)"
     command = f"python benchmarks/bench_long_run.py{flags}"
     doc = {"name": args.name, "command": command, "upto": args.upto, "machine": machine, "rows": rows}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (RESULTS / f"{args.name}.md").write_text(markdown(doc))
+    write_results(RESULTS, args.name, doc, markdown(doc))
 
 
 if __name__ == "__main__":

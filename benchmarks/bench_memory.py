@@ -45,6 +45,7 @@ if __package__ in (None, ""):  # run as a script: the repository root holds the 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_fidelity import Cli, cut_layers
+from benchmarks.reporting import write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SCHEDULES = (("1f1b", 4), ("gpipe", 4), ("pipedream", 1))
@@ -205,10 +206,8 @@ def report(
         "runs": runs,
         "recompute_cost": recompute_cost(runs),
     }  # fmt: skip
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "memory.json").write_text(json.dumps(doc, indent=1) + "\n")
     md = _markdown(doc)
-    (RESULTS / "memory.md").write_text("\n".join(md) + "\n")
+    write_results(RESULTS, "memory", doc, md)
     print("\n".join(md))
 
 

@@ -36,6 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_fidelity import Cli, Model, cut_layers, spearman
+from benchmarks.reporting import write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = (Model("vgg16", 16, "3,32,32"), Model("hf:llama", 16, "32"), Model("tiny-gpt", 16, "32"))
@@ -157,8 +158,6 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]], load: Any, w
         "wall_s": round(wall_s, 1),
         "models": results,
     }  # fmt: skip
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "bench_microbatches.json").write_text(json.dumps(doc, indent=1) + "\n")
     md = [
         "# Microbatch counts: predicted against measured (1f1b, 2 ranks, gloo, this CPU)",
         "",
@@ -181,7 +180,7 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]], load: Any, w
                   f"{r['regret_without_fixed']:.2f} |")  # fmt: skip
     md += ["", "Regret: measured time at the model's predicted-best count over the measured-best time (1.00: "
            "it picks the fastest count)."]  # fmt: skip
-    (RESULTS / "bench_microbatches.md").write_text("\n".join(md) + "\n")
+    write_results(RESULTS, "bench_microbatches", doc, md)
     print("\n".join(md))
 
 

@@ -14,10 +14,10 @@ Writes benchmarks/results/bench_optimizer.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import re
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,12 +25,14 @@ from typing import Any
 
 import numpy as np
 
-from partitioner.atomic import write_text_atomic
 from partitioner.errors import InfeasibleError
 from partitioner.graph import Node, Profile, read_graph_txt
 from partitioner.optimizer import solve
 from partitioner.optimizer.search.candidates import parameter_balanced, time_balanced, uniform
 from partitioner.plan import Cluster, Level
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, run as a script
+from benchmarks.reporting import write_results
 
 RESULTS = Path(__file__).parent / "results"
 CLUSTERS = {
@@ -274,9 +276,7 @@ def main() -> None:
             "min_time_ratio": min(ratios_t, default=0.0),
         },
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(RESULTS / "bench_optimizer.json", json.dumps(doc, indent=1) + "\n")
-    write_text_atomic(RESULTS / "bench_optimizer.md", markdown(doc))
+    write_results(RESULTS, "bench_optimizer", doc, markdown(doc))
 
 
 if __name__ == "__main__":

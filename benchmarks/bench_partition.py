@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from partitioner.atomic import write_text_atomic
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, run as a script
+from benchmarks.reporting import write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"
@@ -142,8 +143,7 @@ def main() -> None:
         "target_s": TARGET_S,
         "sides": results,
     }
-    write_text_atomic(RESULTS / f"{args.out}.json", json.dumps(doc, indent=1) + "\n")
-    write_text_atomic(RESULTS / f"{args.out}.md", markdown(doc))
+    write_results(RESULTS, args.out, doc, markdown(doc))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ if __package__ in (None, ""):  # run as a script: the repository root holds the 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_fidelity import Cli
+from benchmarks.reporting import write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -222,10 +223,8 @@ def report(
         "wall_s": round(wall_s, 1),
         "rows": rows,
     }  # fmt: skip
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "precision.json").write_text(json.dumps(doc, indent=1) + "\n")
     md = _markdown(doc)
-    (RESULTS / "precision.md").write_text("\n".join(md) + "\n")
+    write_results(RESULTS, "precision", doc, md)
     print("\n".join(md))
 
 

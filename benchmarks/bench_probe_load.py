@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,9 @@ from typing import Any
 from benchmarks.bench_fidelity import Cli, Model, cut_layers, profile
 from partitioner.link_calibration import measure_links
 from runtime.metrics import cpu_share
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, run as a script
+from benchmarks.reporting import write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = (Model("vgg16", 8, "3,64,64"), Model("hf:llama", 8, "128"))
@@ -117,9 +121,7 @@ def main() -> None:
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
         "rounds": rounds,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.results}.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (RESULTS / f"{args.results}.md").write_text(markdown(doc, args))
+    write_results(RESULTS, args.results, doc, markdown(doc, args))
     print(markdown(doc, args))
 
 

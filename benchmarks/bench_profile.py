@@ -18,15 +18,18 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from partitioner.atomic import write_text_atomic
 from partitioner.models import load_model
 from partitioner.profiler import profile_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, run as a script
+from benchmarks.reporting import write_results
 
 CASES: dict[str, tuple[int, tuple[int, ...]]] = {
     "vgg16": (8, (3, 224, 224)),
@@ -116,8 +119,7 @@ def main() -> None:
         "clock": args.clock,
         "results": results,
     }
-    write_text_atomic(RESULTS / f"{args.out}.json", json.dumps(doc, indent=1) + "\n")
-    write_text_atomic(RESULTS / f"{args.out}.md", markdown(doc))
+    write_results(RESULTS, args.out, doc, markdown(doc))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -37,16 +36,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.reporting import free_port, write_results
 from runtime.comm import Comm
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WIDTH, LAYERS, MICRO, SAMPLES = 1024, 8, 4, 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _stage() -> nn.Module:
@@ -142,8 +136,6 @@ def _report(doc: dict[str, Any], rounds: int, steps: int) -> None:
         "ddp_over_runtime_per_round": paired,
         **doc,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "bench_replica_sync.json").write_text(json.dumps(result, indent=1) + "\n")
     loads = [r["load"] for r in rows]
     params = sum(p.numel() for p in _stage().parameters())
     lines = [
@@ -164,7 +156,7 @@ def _report(doc: dict[str, Any], rounds: int, steps: int) -> None:
         f"the two ways' summed gradients differ by at most {doc['max_grad_diff']:.2g}.",
         "",
     ]
-    (RESULTS / "bench_replica_sync.md").write_text("\n".join(lines))
+    write_results(RESULTS, "bench_replica_sync", result, "\n".join(lines))
     print("\n".join(lines))
 
 
@@ -175,7 +167,7 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(f"/tmp/bench_replica_sync_{os.getpid()}.json")
     mp.start_processes(
-        _rank, args=(_free_port(), args.rounds, args.steps, str(out)), nprocs=2, start_method="spawn"
+        _rank, args=(free_port(), args.rounds, args.steps, str(out)), nprocs=2, start_method="spawn"
     )
     _report(json.loads(out.read_text()), args.rounds, args.steps)
     out.unlink()

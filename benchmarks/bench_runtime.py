@@ -50,6 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.peers import ALIKE, elastic, median_ratio, round_order, run_pipeplan, run_torch
+from benchmarks.reporting import write_results
 from runtime.data import SyntheticBatches
 from runtime.package import import_package
 from runtime.worker import keep_freed_memory, share_cores
@@ -366,10 +367,8 @@ def report(
         "pipeplan_ranks_per_step_s_median": ranks,
         "rounds": rounds,
     }  # fmt: skip
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "bench_runtime.json").write_text(json.dumps(doc, indent=1) + "\n")
     md = _markdown(args, doc, ours, theirs)
-    (RESULTS / "bench_runtime.md").write_text("\n".join(md))
+    write_results(RESULTS, "bench_runtime", doc, "\n".join(md))
     print("\n".join(md))
 
 

@@ -24,10 +24,10 @@ Run:  .venv/bin/python -m benchmarks.bench_schedules   (writes benchmarks/result
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,9 @@ from benchmarks.peers import (
     run_torch,
 )
 from partitioner.optimizer.pricing.schedules import zero_bubble_time
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, run as a script
+from benchmarks.reporting import write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OURS = ("1f1b", "gpipe", "zb1p")
@@ -130,9 +133,7 @@ def report(args: argparse.Namespace, rounds: list[dict[str, Any]], load: tuple[A
         "torch_over_pipeplan_median": {name: median_ratio(ratios) for name, ratios in pairs.items()},
         "rounds": rounds,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "bench_schedules.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (RESULTS / "bench_schedules.md").write_text(_markdown(doc))
+    write_results(RESULTS, "bench_schedules", doc, _markdown(doc))
     print(_markdown(doc))
 
 

@@ -15,9 +15,9 @@ Run:  .venv/bin/python benchmarks/bench_split_backward.py   (about 6 minutes on 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +26,9 @@ from typing import Any
 import torch
 
 from runtime.split_backward import backward_input, backward_weight
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, run as a script
+from benchmarks.reporting import write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = ((64, 128, 2), (256, 1024, 2), (512, 2048, 2))  # hidden, sequence, layers
@@ -124,9 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "machine": platform.machine(), "rounds": args.rounds, "batch": args.batch,
         "rows": rows,
     }  # fmt: skip
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "bench_split_backward.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (RESULTS / "bench_split_backward.md").write_text(markdown(doc))
+    write_results(RESULTS, "bench_split_backward", doc, markdown(doc))
     return 0
 
 

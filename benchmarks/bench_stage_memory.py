@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from partitioner.atomic import write_text_atomic
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, run as a script
+from benchmarks.reporting import write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"
@@ -131,8 +132,7 @@ def main() -> None:
     ]
     doc = {"config": {**CONFIG, "num_hidden_layers": args.layers}, "model_bytes": model, "gpus": args.gpus,
            "commands": rows, "ranks": ranks}  # fmt: skip
-    write_text_atomic(RESULTS / f"{args.out}.json", json.dumps(doc, indent=1) + "\n")
-    write_text_atomic(RESULTS / f"{args.out}.md", markdown(doc))
+    write_results(RESULTS, args.out, doc, markdown(doc))
 
 
 def markdown(doc: dict[str, Any]) -> str:

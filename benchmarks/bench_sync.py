@@ -14,9 +14,10 @@ Writes benchmarks/results/bench_sync.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,11 +27,13 @@ from bench_optimizer import (  # run as a script: benchmarks/ is on the path
     selected_profiles,
 )
 
-from partitioner.atomic import write_text_atomic
 from partitioner.graph import Profile
 from partitioner.optimizer import solve
 from partitioner.optimizer.search.candidates import data_parallel, parameter_balanced, time_balanced, uniform
 from partitioner.plan import Cluster
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, run as a script
+from benchmarks.reporting import write_results
 
 BASELINES = {"data_parallel": data_parallel, "parameters": parameter_balanced, "uniform": uniform,
              "time": time_balanced}  # fmt: skip
@@ -121,9 +124,7 @@ def main() -> None:
             "worst": {n: min(c[f"{n}_ratio"] for c in cases) for n in names} if cases else {},
         },
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(RESULTS / "bench_sync.json", json.dumps(doc, indent=1) + "\n")
-    write_text_atomic(RESULTS / "bench_sync.md", markdown(doc))
+    write_results(RESULTS, "bench_sync", doc, markdown(doc))
 
 
 if __name__ == "__main__":

@@ -46,6 +46,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, run as a script
+from benchmarks.reporting import write_results
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -660,8 +663,7 @@ def main(argv: list[str] | None = None) -> int:
         report["step_wall_s"][name] = round(time.perf_counter() - t0, 2)
         report["wall_s"] = round(time.perf_counter() - started, 1)
         stem = "cpu_check" if args.cpu else _stem(report)
-        (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
-        (args.out / f"{stem}.md").write_text(markdown(report))
+        write_results(args.out, stem, report, markdown(report))
         print(f"[gpu_check] {name} done in {report['step_wall_s'][name]} s", flush=True)
     print(markdown(report))
     return 0

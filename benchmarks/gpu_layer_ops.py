@@ -32,6 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.gpu_check import timed_ms  # noqa: E402 (the repository root first, as a script)
+from benchmarks.reporting import write_results  # noqa: E402
 
 CONFIGS = ROOT / "benchmarks" / "configs"
 
@@ -173,9 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[layer_ops] {name} done", flush=True)
     page = markdown(report)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "layer_ops.json").write_text(json.dumps(report, indent=1) + "\n")
-        (args.out / "layer_ops.md").write_text(page)
+        write_results(args.out, "layer_ops", report, page)
     print(page)
     return 0
 
