@@ -47,7 +47,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -61,7 +60,7 @@ from typing import Any
 from runtime.schedule import get_schedule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, run as a script
-from benchmarks.reporting import write_results
+from benchmarks.reporting import machine, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -522,7 +521,6 @@ def report(
     wall_s: float,
 ) -> None:
     """bench_fidelity.json (every run's plan and metrics summary) and bench_fidelity.md."""
-    import torch
 
     for r in runs:  # an estimate, not a measurement: the wall time had each rank had its core
         r["full_core_s"] = r["measured_s"] * r["cpu_share"]
@@ -535,9 +533,7 @@ def report(
                   "profile": "--threads 1 --clock cpu --microbatch-size batch/microbatches",
                   "targets": {"time_within": TIME_WITHIN, "bubble_within": BUBBLE_WITHIN,
                               "memory_within": MEMORY_WITHIN, "scored_up_to_load_per_core": LOAD_PER_CORE}},
-        "machine": {"cpu_count": cpus, "platform": platform.platform(), "torch": torch.__version__,
-                    "load_average_before_after": load,
-                    "note": "CPU shared with other jobs; load_1min recorded before every command"},
+        "machine": machine(load, note="CPU shared with other jobs; load_1min recorded before every command"),
         "wall_s": round(wall_s, 1),
         "profiles": profiles,
         "median_cpu_share": _median(runs, "cpu_share"),

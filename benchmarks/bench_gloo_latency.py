@@ -19,18 +19,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, run as a script
-from benchmarks.reporting import free_port, write_results
+from benchmarks.reporting import free_port, machine, table, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = (16, 4096, 65536, 1 << 20, 16 << 20)
@@ -61,6 +61,12 @@ def _rank(rank: int, port: int, messages: int, rounds: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def _cells(row: dict[str, Any]) -> list[str]:
+    lo, hi = min(row["samples_s"]) * 1e3, max(row["samples_s"]) * 1e3
+    return [str(row["bytes"]), f"{row['one_way_s'] * 1e3:.3f}", f"{lo:.3f} to {hi:.3f}",
+            f"{row['bytes'] / row['one_way_s'] / 1e9:.3f}"]  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=100, help="Round trips per round.")
@@ -75,18 +81,17 @@ def main() -> None:
     doc = {
         "benchmark": "bench_gloo_latency",
         "setup": vars(args),
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                    "load_average_before_after": [load, os.getloadavg()]},
+        "machine": machine([load, os.getloadavg()]),
         "rows": rows,
     }  # fmt: skip
-    md = ["# One gloo message between two local ranks (ping-pong, one thread each)", "",
-          f"`python benchmarks/bench_gloo_latency.py --messages {args.messages} --rounds {args.rounds}`; "
-          f"load {load[0]:.1f} before, {os.getloadavg()[0]:.1f} after.", "",
-          "| bytes | one-way ms (median) | rounds' range ms | GB/s |", "|---:|---:|---:|---:|"]  # fmt: skip
-    for row in rows:
-        lo, hi = min(row["samples_s"]) * 1e3, max(row["samples_s"]) * 1e3
-        md.append(f"| {row['bytes']} | {row['one_way_s'] * 1e3:.3f} | {lo:.3f} to {hi:.3f} | "
-                  f"{row['bytes'] / row['one_way_s'] / 1e9:.3f} |")  # fmt: skip
+    md = [
+        "# One gloo message between two local ranks (ping-pong, one thread each)",
+        "",
+        f"`python benchmarks/bench_gloo_latency.py --messages {args.messages} --rounds {args.rounds}`; "
+        f"load {load[0]:.1f} before, {os.getloadavg()[0]:.1f} after.",
+        "",
+        *table(["bytes", "one-way ms (median)", "rounds' range ms", "GB/s"], map(_cells, rows), "rrrr"),
+    ]
     write_results(RESULTS, "bench_gloo_latency", doc, md)
     print("\n".join(md))
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -45,7 +44,7 @@ if __package__ in (None, ""):  # run as a script: the repository root holds the 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_fidelity import Cli, cut_layers
-from benchmarks.reporting import write_results
+from benchmarks.reporting import machine, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SCHEDULES = (("1f1b", 4), ("gpipe", 4), ("pipedream", 1))
@@ -191,15 +190,13 @@ def report(
     args: argparse.Namespace, runs: list[dict[str, Any]], load: tuple[tuple[float, ...], ...], wall_s: float
 ) -> None:
     """memory.json (every run's stages, predicted and measured) and memory.md."""
-    import torch
 
     ratios = [s["measured_over_predicted"] for r in runs for s in r["stages"]]
     within = sum(1 for x in ratios if 0.75 <= x <= 1.25)
     doc = {
         "benchmark": "bench_memory",
         "setup": {**vars(args), "ranks": 2, "backend": "gloo", "plan": "2 stages cut at 50% of the compute"},
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                    "load_average_before_after": load},
+        "machine": machine(load),
         "wall_s": round(wall_s, 1),
         "stages_within_25_percent": f"{within} of {len(ratios)}",
         "median_measured_over_predicted": statistics.median(ratios) if ratios else None,

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -36,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_fidelity import Cli, Model, cut_layers, spearman
-from benchmarks.reporting import write_results
+from benchmarks.reporting import machine, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = (Model("vgg16", 16, "3,32,32"), Model("hf:llama", 16, "32"), Model("tiny-gpt", 16, "32"))
@@ -147,14 +146,12 @@ def main() -> None:
 
 def report(args: argparse.Namespace, results: list[dict[str, Any]], load: Any, wall_s: float) -> None:
     """bench_microbatches.json and .md."""
-    import torch
 
     doc = {
         "benchmark": "bench_microbatches",
         "setup": {**vars(args), "ranks": 2, "schedule": "1f1b", "counts": list(COUNTS),
                   "profile": "--threads 1 --clock cpu (fixed times from a second pass at batch/8)"},
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                    "load_average_before_after": load},
+        "machine": machine(load),
         "wall_s": round(wall_s, 1),
         "models": results,
     }  # fmt: skip

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -41,7 +40,7 @@ if __package__ in (None, ""):  # run as a script: the repository root holds the 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_fidelity import Cli
-from benchmarks.reporting import write_results
+from benchmarks.reporting import machine, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -211,15 +210,13 @@ def report(
     wall_s: float,
 ) -> None:
     """precision.json (every profile, plan and run) and precision.md."""
-    import torch
 
     doc = {
         "benchmark": "bench_precision",
         "setup": {**vars(args), "ranks": 2, "backend": "gloo", "schedule": "1f1b", "microbatches": 2,
                   "profile": "--threads 1 --clock cpu --microbatch-size batch/2"},
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                    "cpu_flags": _cpu_flags(), "load_average_before_after": load,
-                    "note": "CPU shared with other jobs; load_1min recorded before every command"},
+        "machine": machine(load, cpu_flags=_cpu_flags(),
+                           note="CPU shared with other jobs; load_1min recorded before every command"),
         "wall_s": round(wall_s, 1),
         "rows": rows,
     }  # fmt: skip

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -50,7 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.peers import ALIKE, elastic, median_ratio, round_order, run_pipeplan, run_torch
-from benchmarks.reporting import write_results
+from benchmarks.reporting import machine, write_results
 from runtime.data import SyntheticBatches
 from runtime.package import import_package
 from runtime.worker import keep_freed_memory, share_cores
@@ -348,10 +347,8 @@ def report(
         "benchmark": "bench_runtime",
         "setup": {**vars(args), "ranks": 2, "backend": "gloo",
                   "threads_per_rank": rounds[0]["probe"][0]["threads"]},
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                    "load_average_before_after": load,
-                    "load_1min_per_round": [r["load_1min"] for r in rounds],
-                    "note": "CPU shared with other jobs while measuring; rounds alternate the runtimes"},
+        "machine": machine(load, load_1min_per_round=[r["load_1min"] for r in rounds],
+                           note="CPU shared with other jobs while measuring; rounds alternate the runtimes"),
         "pipeplan_1f1b_s_per_minibatch": t_ours,
         "torch_pipelining_1f1b_s_per_minibatch": t_theirs,
         "throughput_ratio_pipeplan_over_torch": ratio,

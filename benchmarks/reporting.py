@@ -27,21 +27,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def machine() -> dict[str, Any]:
-    """The host a figure was measured on: cores, platform, torch, and the 1-minute load now."""
+def machine(load: Any, **more: Any) -> dict[str, Any]:
+    """The host a figure was measured on: cores, platform, torch, and ``load`` (the load averages
+    before and after, as the benchmark recorded them), with ``more`` beside them."""
     import torch
 
     return {
-        "cpus": os.cpu_count(),
+        "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
         "torch": torch.__version__,
-        "load_1min": os.getloadavg()[0],
+        "load_average_before_after": load,
+        **more,
     }
 
 
-def table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
-    """A markdown table's lines: the header, its rule, one line a row (cells as ``str`` gives them)."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+def table(header: Sequence[str], rows: Iterable[Sequence[object]], align: str = "") -> list[str]:
+    """A markdown table's lines: the header, its rule, one line a row (cells as ``str`` gives them).
+
+    ``align`` has a letter a column, ``l`` or ``r`` (right, for figures); missing letters are ``l``.
+    """
+    rule = ["---:" if align[i : i + 1] == "r" else "---" for i in range(len(header))]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
     return lines
 
