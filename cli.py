@@ -572,14 +572,11 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
     from pathlib import Path
 
     from cli_render.common import note
-    from cli_render.run import train
+    from cli_render.run import RunDisplay, print_run
     from runtime.config import newest_package
-    from runtime.launch import holding_run_folder
     from runtime.optim import parse_betas
     from runtime.options import RunOptions
-    from runtime.run_checks import check_run
-    from runtime.runs import begin as begin_run
-    from runtime.runs import discard_if_empty
+    from runtime.run_job import RunEvents, RunRequest, run_job
 
     package = _with_config(click.get_current_context(), package, opts)
     if opts["steps"] and opts["epochs"]:
@@ -594,25 +591,10 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
     for key in ("checkpoint_dir", "trace", "run_dir"):
         opts[key] = str(opts[key]) if opts[key] is not None else None
     opts["betas"] = parse_betas(opts["betas"])
-    options = RunOptions.of(str(folder), **opts)
-    for line in check_run(options):
-        note(line)
-    if dry_run:
-        from runtime.launch import schedule_preview, torchrun_commands
-        from runtime.runs import begin
-
-        options = begin(options, checkpoints, create=False)
-        for line in torchrun_commands(options):
-            click.echo(line)
-        for line in schedule_preview(options):
-            click.echo(f"# {line}")
-        return
-    with holding_run_folder(options):  # one job per package folder, from the first check to the end
-        options = begin_run(options, checkpoints)
-        try:
-            train(options)
-        finally:
-            discard_if_empty(options)
+    request = RunRequest(RunOptions.of(str(folder), **opts), checkpoints, dry_run)
+    with RunDisplay() as shown:
+        done = run_job(request, RunEvents(note, shown.resume, shown.start, shown.progress))
+    print_run(done)
 
 
 @main.command()
