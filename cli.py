@@ -72,8 +72,7 @@ def profile(
     """
     import json
 
-    from cli_render.profile import print_profile
-    from cli_render.progress import progress as progress_bar
+    from cli_render.profile import print_profile, profile_progress
     from partitioner.graph import profile_to_json, save_profile
     from partitioner.profiler import profile_model
     from partitioner.profiler.request import prepare
@@ -81,18 +80,12 @@ def profile(
     ctx = click.get_current_context()
     given = [name for name in ctx.params if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE]
     shape, path = prepare(model, output, batch_size, input_shape, dtype, precision, device_model, given)
-    with progress_bar(transient=True) as bar:
-        task = bar.add_task(f"tracing {model}", total=None)
-
-        def progress(done: int, total: int, name: str) -> None:
-            bar.update(task, completed=done, total=total, description=f"measuring {name}")
-
+    with profile_progress(model) as progress:
         result = profile_model(
             model, batch_size, shape, device, dtype, leaf_modules, repeats, progress, clock, threads,
             microbatch_size, precision, fixed_cost, materialize=materialize, reuse=reuse,
             device_model=device_model,
         )  # fmt: skip
-        bar.update(task, description="whole-step timing")
     save_profile(result, path)
     if as_json:
         click.echo(json.dumps(profile_to_json(result), indent=1))
@@ -414,19 +407,13 @@ def export_plan(package: str | None, output: str | None, schedule: str | None) -
     """
     from pathlib import Path
 
-    from cli_render.common import console
+    from cli_render.export import print_torch_plan
     from runtime.config import newest_package
     from runtime.torch_plan import export_torch_plan
 
     folder = Path(package) if package is not None else newest_package("models")
     out = Path(output) if output is not None else folder / "torch"
-    plan = export_torch_plan(folder, out, schedule)
-    console().print(
-        f"wrote {out}/schedule.csv, stages.json, torchtitan.toml: {len(plan.stages)} stages, "
-        f"{plan.schedule}, {plan.microbatches} microbatches per minibatch of {plan.batch_size}",
-        soft_wrap=True,
-        markup=False,
-    )
+    print_torch_plan(export_torch_plan(folder, out, schedule), out)
 
 
 @main.command("convert-checkpoint")
@@ -450,15 +437,10 @@ def convert_checkpoint(checkpoint_dir: str, package: str, step: int | None) -> N
     """
     from pathlib import Path
 
-    from cli_render.common import console
+    from cli_render.export import print_converted
     from runtime.checkpoint_v1 import convert
 
-    done = convert(Path(checkpoint_dir), Path(package), step)
-    console().print(
-        f"converted {', '.join(f'step-{s}' for s in done)} of {checkpoint_dir} (old files in step-N.v1/)",
-        soft_wrap=True,
-        markup=False,
-    )
+    print_converted(convert(Path(checkpoint_dir), Path(package), step), checkpoint_dir)
 
 
 if __name__ == "__main__":
