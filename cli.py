@@ -1,9 +1,10 @@
 """The ``pipeplan`` command: profile -> partition -> verify -> run.
 
-Each command is parse -> call -> render: click declares and parses the options, one call into the
-library (partitioner/, runtime/) does the work and returns a value, and cli_render/ prints it with
-rich. The library and the renderers are imported lazily, inside the commands (only the error
-handling, light, at the top), so ``pipeplan --help`` stays fast.
+Each command is parse -> call -> render: click declares and parses the options (the long stacks of
+profile, partition and run in cli_options.py), one call into the library (partitioner/, runtime/)
+does the work and returns a value, and cli_render/ prints it with rich. The library and the
+renderers are imported lazily, inside the commands (only the options and the error handling,
+light, at the top), so ``pipeplan --help`` stays fast.
 """
 
 from __future__ import annotations
