@@ -1,9 +1,10 @@
 """The ``pipeplan`` command: profile -> partition -> verify -> run.
 
-Each command is parse -> call -> render: click declares and parses the options, one call into the
-library (partitioner/, runtime/) does the work and returns a value, and cli_render/ prints it with
-rich. The library and the renderers are imported lazily, inside the commands (only the error
-handling, light, at the top), so ``pipeplan --help`` stays fast.
+Each command is parse -> call -> render: click declares and parses the options (the long stacks of
+profile, partition and run in cli_options.py), one call into the library (partitioner/, runtime/)
+does the work and returns a value, and cli_render/ prints it with rich. The library and the
+renderers are imported lazily, inside the commands (only the options and the error handling,
+light, at the top), so ``pipeplan --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from cli_render.errors import F, OneLineErrors, user_errors
-from runtime.schedule import SCHEDULES
+from cli_options import node_options, partition_options, profile_options, run_options
+from cli_render.errors import OneLineErrors, user_errors
 
 __all__ = ["main"]
 
@@ -48,105 +49,7 @@ def main(debug: bool, verbose: int) -> None:
 
 
 @main.command()
-@click.argument("model")
-@click.option(
-    "-o",
-    "--output",
-    type=click.Path(path_type=str),
-    default=None,
-    help="Where to write the profile  [default: profiles/<model>/profile.json]",
-)
-@click.option(
-    "--batch-size",
-    type=int,
-    default=8,
-    show_default=True,
-    help="Samples per minibatch: the plan, the package and `pipeplan run` use it. Profile at the size "
-    "you train at; at batch 1 fixed per-layer costs dominate and the plan is unrealistic.",
-)
-@click.option(
-    "--input-shape", default=None, help="One sample's shape, e.g. 3,224,224 (images) or 128 (tokens)."
-)
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option(
-    "--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True
-)
-@click.option(
-    "--leaf-module",
-    "leaf_modules",
-    multiple=True,
-    metavar="CLASS",
-    help="Keep every module of this class as one layer (repeatable), e.g. GPT2Block.",
-)
-@click.option(
-    "--repeats",
-    type=int,
-    default=3,
-    show_default=True,
-    help="Timed runs per layer, after a warm-up (fewer for layers over 0.5 s); the median is kept.",
-)
-@click.option(
-    "--clock",
-    type=click.Choice(["wall", "cpu"]),
-    default="wall",
-    show_default=True,
-    help="cpu: process CPU time, steadier on a CPU shared with other jobs (CPU only).",
-)
-@click.option(
-    "--threads",
-    type=int,
-    default=None,
-    help="CPU threads while measuring [default: 1 on a CPU]. `pipeplan run` gives each rank "
-    "cores / ranks per machine (at least 1): profile at that count for predictions that match.",
-)
-@click.option(
-    "--microbatch-size",
-    type=int,
-    default=None,
-    help="Measure at this many samples and scale to --batch-size: the per-microbatch cost a 1f1b or "
-    "gpipe pipeline sees (partition with --microbatches = batch size / this).",
-)
-@click.option(
-    "--fixed-cost/--no-fixed-cost",
-    default=True,
-    show_default=True,
-    help="Also measure every layer at an eighth of the batch, for its fixed time per call: what "
-    "`partition --schedule auto` weighs microbatch counts with (a second, smaller pass over the layers).",
-)
-@click.option(
-    "--precision",
-    type=click.Choice(["fp32", "bf16", "fp16"]),
-    default="fp32",
-    show_default=True,
-    help="Measure under autocast to bf16 or fp16 (float32 weights), as `pipeplan run --precision` "
-    "trains; partition carries it into plan.json.",
-)
-@click.option(
-    "--materialize",
-    type=click.Choice(["auto", "whole", "layer"]),
-    default="auto",
-    show_default=True,
-    help="whole: build the model on the device and time the whole step too; layer: build it without "
-    "weights and make one layer real at a time (memory of one layer, no whole-step time); auto: whole "
-    "while the weights take at most an eighth of the free memory, and layer for a model that repeats a "
-    "block 8 times or more unless fixed per-call times are measured (--batch-size 2 or more).",
-)
-@click.option(
-    "--device-model",
-    default=None,
-    metavar="NAME|FILE.json",
-    help="Estimate every layer for a device that is not here instead of measuring: h100, a100-80gb, "
-    "h200, cpu (this machine's measured rates) or a device model file (docs/devices.md). Nothing is "
-    "allocated: plans a 70B model on a laptop.",
-)
-@click.option(
-    "--reuse/--no-reuse",
-    default=True,
-    show_default=True,
-    help="Measure identical layers (same code, shapes and dtypes) once and share the result.",
-)
-@click.option("--top", type=int, default=10, show_default=True, help="Layers shown in the summary table.")
-@click.option("--json", "as_json", is_flag=True, help="Print only the profile JSON on stdout.")
+@profile_options
 @user_errors
 def profile(
     model: str, output: str | None, batch_size: int, input_shape: str | None, device: str, dtype: str,
@@ -170,8 +73,7 @@ def profile(
     """
     import json
 
-    from cli_render.profile import print_profile
-    from cli_render.progress import progress as progress_bar
+    from cli_render.profile import print_profile, profile_progress
     from partitioner.graph import profile_to_json, save_profile
     from partitioner.profiler import profile_model
     from partitioner.profiler.request import prepare
@@ -179,18 +81,12 @@ def profile(
     ctx = click.get_current_context()
     given = [name for name in ctx.params if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE]
     shape, path = prepare(model, output, batch_size, input_shape, dtype, precision, device_model, given)
-    with progress_bar(transient=True) as bar:
-        task = bar.add_task(f"tracing {model}", total=None)
-
-        def progress(done: int, total: int, name: str) -> None:
-            bar.update(task, completed=done, total=total, description=f"measuring {name}")
-
+    with profile_progress(model) as progress:
         result = profile_model(
             model, batch_size, shape, device, dtype, leaf_modules, repeats, progress, clock, threads,
             microbatch_size, precision, fixed_cost, materialize=materialize, reuse=reuse,
             device_model=device_model,
         )  # fmt: skip
-        bar.update(task, description="whole-step timing")
     save_profile(result, path)
     if as_json:
         click.echo(json.dumps(profile_to_json(result), indent=1))
@@ -202,131 +98,7 @@ def profile(
 
 
 @main.command()
-@click.option(
-    "--profile",
-    "profile_path",
-    type=click.Path(path_type=str),
-    default=None,
-    help="profile.json or PipeDream graph.txt  [default: newest profiles/*/profile.json]",
-)
-@click.option("--gpus", type=int, default=None, help="Devices on one level.")
-@click.option(
-    "--cluster",
-    "cluster_spec",
-    default=None,
-    metavar="NAME[:NODES]|FILE.json",
-    help="A cluster by name: dgx-a100, dgx-h100 or hgx-h200 (8 GPUs a node) times NODES, or a cluster "
-    "file; sets the topology, bandwidths and memory (--memory overrides). See docs/devices.md.",
-)
-@click.option(
-    "--topology", default=None, help="Devices per level, innermost first (4,4 = 4 servers of 4 GPUs)."
-)
-@click.option("--bandwidth", default=None, help="Bytes/s per level: 1e9, 10GB/s, 100Gbit/s  [default: 1e9]")
-@click.option(
-    "--latency",
-    default=None,
-    help="Seconds every message costs besides its bytes, per level: 5us, 1.7ms, 0  [default: 1.7ms "
-    "for a CPU profile (local gloo ranks, measured), 5.7us for GPUs (NCCL's PCIe estimate)]. "
-    "See docs/devices.md.",
-)
-@click.option("--memory", default=None, help="Memory per device, e.g. 16GiB  [default: unlimited]")
-@click.option(
-    "--host-cores",
-    type=int,
-    default=None,
-    help="For a profile measured on a CPU: cores of one host (a unit of the innermost level), which its "
-    "CPU ranks share; the prediction is at least the time the host needs to run their compute on "
-    "them. 0: every rank has cores of its own.  [default: this machine's cores]",
-)
-@click.option(
-    "--schedule",
-    type=click.Choice([*SCHEDULES, "auto"]),
-    default="pipedream",
-    show_default=True,
-    help="pipedream: asynchronous 1F1B with weight stashing (slowest stage sets the pace); 1f1b, gpipe: "
-    "synchronous, a flush per minibatch; zb1p: zero bubble (ZB-H1), 1f1b with each backward split into "
-    "input and weight gradients, the weight half deferred into the bubbles (about a third of 1f1b's "
-    "bubble; every stage holds up to min(stages, microbatches) microbatches' activations); zbv: zero bubble "
-    "V (ZB-V), 2 x GPUs stages laid out as a V (GPU r holds stages r and 2 x GPUs-1-r), backward split as "
-    "zb1p's, a bubble of about (GPUs-1)/(6 x microbatches) of equal stages, each GPU holding 1f1b's "
-    "first-stage activations, --microbatches 2 x GPUs by default, gloo only; "
-    "interleaved: "
-    "Megatron's virtual stages, GPUs x --virtual-stages stages of one GPU, stage s on GPU s mod GPUs, "
-    "bubble (GPUs-1)/(V x microbatches); auto: the fastest predicted of them all, each at its best "
-    "microbatch count (powers of two that split the batch, up to 4 per GPU; the count that --microbatches "
-    "gives, if given; searched only where the profile measured each layer's fixed time per call) and "
-    "interleaved at its best of 2, 3 or 4 virtual stages, with a table of each one's best plan "
-    "(pipedream among them trains asynchronously, on gradients of weights a few minibatches old).",
-)
-@click.option(
-    "--microbatches",
-    type=int,
-    default=None,
-    help="Microbatches per minibatch (1f1b, gpipe, zb1p, interleaved) [default: 4; interleaved: GPUs x 2; "
-    "auto: searched].",
-)
-@click.option(
-    "--virtual-stages",
-    "virtual",
-    type=int,
-    default=None,
-    help="With --schedule interleaved: stages per GPU (Megatron's virtual stages)  [default: 2].",
-)
-@click.option("--optimizer", type=click.Choice(["sgd", "momentum", "adam", "adamw"]), default="sgd",
-              show_default=True, help="Training optimizer, for the memory model: state kept per weight byte "
-              "(sgd none, momentum 1, adam and adamw 2).")  # fmt: skip
-@click.option("--straight", is_flag=True, help="No replication: one device per stage.")
-@click.option("--recompute", type=click.Choice(["none", "all", "auto"]), default=None,
-              help="Activation recomputation: a recomputing stage keeps only its inputs per microbatch in "
-              "flight and runs its forward again in backward (more compute, less memory). none; all "
-              "stages; auto: the plan without it if one fits --memory, else recompute exactly the stages "
-              "that do not fit without it. Recorded per stage in plan.json; `pipeplan run` obeys "
-              "it.  [default: none; with --schedule auto: auto]")  # fmt: skip
-@click.option("--solver", type=click.Choice(["dp", "ilp"]), default="dp", show_default=True,
-              help="dp: exact search (optimal where it can list every downset); ilp: the same problem "
-              "in pulp, for cross-checks on small profiles (one level).")  # fmt: skip
-@click.option(
-    "--cuts", default=None, help="Fix the plan: last layer of every stage but the last, e.g. fc6,fc7."
-)
-@click.option("--replicas", default=None, help="With --cuts: replicas per stage, e.g. 3,1.")
-@click.option("--explain", is_flag=True, help="Also show the baselines other tools pick.")
-@click.option(
-    "--trace",
-    "trace_path",
-    type=click.Path(path_type=str),
-    default=None,
-    help="Write the simulated timeline as a Chrome trace (Perfetto).",
-)
-@click.option(
-    "--batch-size",
-    type=int,
-    default=None,
-    help="Samples per minibatch, for profiles that do not record it (PipeDream graph.txt).",
-)
-@click.option(
-    "--no-activation-comm",
-    "no_comm",
-    is_flag=True,
-    help="Charge no activation traffic at cuts (what PipeDream's optimizer computes by default).",
-)
-@click.option(
-    "--weights",
-    type=click.Path(path_type=str, dir_okay=False),
-    default=None,
-    help="Weights the stages start from: a torch.save(state_dict) file, a .safetensors file or a "
-    "save_pretrained folder (each rank reads only its stage's tensors).",
-)
-@click.option(
-    "--init",
-    type=click.Choice(["auto", "exact", "seeded"]),
-    default="auto",
-    show_default=True,
-    help="Stage initialisation without --weights: exact (as the whole model under the seed; each rank "
-    "draws the model's random numbers once, holding only its stage), seeded (per-module seeds; a rank "
-    "draws only its stage), auto (exact up to 2 GiB of parameters).",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print only plan.json on stdout.")
-@click.option("-o", "--output", default="models", show_default=True, help="Output root: OUT/<model>/gpus=N/.")
+@partition_options
 @user_errors
 def partition(
     profile_path: str | None, gpus: int | None, cluster_spec: str | None, topology: str | None,
@@ -392,15 +164,16 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
 
     import torch
 
-    from cli_render.verify import print_verify, verify_with_progress
-    from partitioner.verify import newest_package, run_batch_sizes
+    from cli_render.verify import print_verify, verify_progress
+    from partitioner.verify import newest_package, run_batch_sizes, verify_package
     from runtime.heap import map_large_blocks
 
     folder = Path(package) if package is not None else newest_package(Path(models_dir))
     torch.set_num_threads(min(torch.get_num_threads(), 4))
     map_large_blocks()  # weights are made and dropped one by one: give their memory back each time
     sizes = (batch_size,) if batch_size else run_batch_sizes(folder)
-    reports = verify_with_progress(folder, sizes, seed)
+    with verify_progress(folder) as step:  # (one check per microbatch size, the plan's last)
+        reports = [verify_package(folder, seed=seed, batch_size=size, progress=step) for size in sizes]
     sys.exit(0 if print_verify(reports).ok else 1)
 
 
@@ -459,103 +232,8 @@ def calibrate(packages: tuple[str, ...], metrics_path: str | None, run_dir: str 
 # ----------------------------------------------------------------------------- run
 
 
-def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
-    """A click callback: refuse nan, inf and negative numbers (nan trains to a nan loss, exit 0)."""
-    import math
-
-    if not math.isfinite(value) or value < 0:
-        raise click.BadParameter(f"{value} is not a finite number >= 0", ctx, param)
-    return value
-
-
-def _node_options(func: F) -> F:
-    """The options that place a job's ranks on machines, shared by `run` and `probe`."""
-    options = [
-        click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
-                     callback=_finite, help="Seconds a rank waits on its peers before the job is stopped."),
-        click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True, help="Machines."),
-        click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True,
-                     help="This machine's index (run the same command on every node)."),
-        click.option("--master-addr", default="127.0.0.1", show_default=True,
-                     help="Node 0's address (rendezvous)."),
-        click.option("--master-port", type=click.IntRange(min=0, max=65535), default=0,
-                     help="0: a free port."),
-    ]  # fmt: skip
-    for option in reversed(options):
-        func = option(func)
-    return func
-
-
 @main.command()
-@click.argument("package", required=False, type=click.Path(file_okay=False))
-@click.option(
-    "--steps",
-    type=click.IntRange(min=1),
-    help="Minibatches in all, resumed ones included  [default: one epoch; synthetic: 8]",
-)
-@click.option(
-    "--epochs", type=click.IntRange(min=1), help="Passes over the data without --steps  [default: 1]"
-)
-@click.option(
-    "--batch-size", type=click.IntRange(min=1), help="Samples per minibatch  [default: plan.json's]"
-)
-@click.option("--microbatches", type=click.IntRange(min=1), help="Per minibatch  [default: plan.json's]")
-@click.option("--schedule", type=click.Choice(SCHEDULES), help="[default: plan.json's]")
-@click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default="auto", show_default=True,
-              help="auto: nccl on GPUs, gloo on CPUs.")  # fmt: skip
-@click.option("--data", default="synthetic", show_default=True,
-              help="Or module:fn, file.py:fn, imagefolder:DIR, text:FILE.")  # fmt: skip
-@click.option("--seq-len", type=click.IntRange(min=1), default=None, help="Tokens per window of text: data.")
-@click.option("--tokenizer", type=click.Path(path_type=str), default=None,
-              help="A local tokenizer folder for text: data  [default: bytes]")  # fmt: skip
-@click.option("--data-workers", type=click.IntRange(min=0), default=1, show_default=True,
-              help="DataLoader workers per reading rank.")  # fmt: skip
-@click.option("--eval-data", default=None, metavar="SPEC", help="Held-out data (any --data form).")
-@click.option("--eval-every", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Steps between evaluations (0: at the end).")  # fmt: skip
-@click.option("--optimizer", metavar="[sgd|adam|adamw]", default="sgd", show_default=True)
-@click.option(
-    "--lr", type=float, default=0.01, show_default=True, callback=_finite, help="Peak learning rate."
-)
-@click.option(
-    "--momentum", type=float, default=0.0, show_default=True, callback=_finite, help="SGD momentum."
-)
-@click.option("--nesterov", is_flag=True, help="SGD with Nesterov momentum.")
-@click.option("--weight-decay", type=float, default=0.0, show_default=True,
-              help="L2 (sgd, adam), decoupled (adamw).")  # fmt: skip
-@click.option("--betas", metavar="B1,B2", default="0.9,0.999", show_default=True, help="Adam(W)'s betas.")
-@click.option("--lr-schedule", metavar="[constant|linear|cosine]", default="constant", show_default=True,
-              help="After the warm-up.")  # fmt: skip
-@click.option("--warmup-steps", type=int, default=0, show_default=True, help="Linear warm-up from 0.")
-@click.option("--clip-grad-norm", type=float, default=None, help="Clip the whole model's gradient norm.")
-@click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]),
-              help="Autocast  [default: plan.json's]")  # fmt: skip
-@click.option("--seed", type=int, default=0, show_default=True, help="Weights and data seed.")
-@click.option("--weights", type=click.Path(exists=True, path_type=str), default=None,
-              help="Initial weights  [default: the package's]")  # fmt: skip
-@click.option("--shuffle", is_flag=True, help="Shuffle a user dataset every epoch.")
-@click.option("--run-dir", type=click.Path(file_okay=False),
-              help="[default: a new PACKAGE/runs/<time>/]")  # fmt: skip
-@click.option("--checkpoint-dir", type=click.Path(file_okay=False), help="[default: RUN-DIR/checkpoints]")
-@click.option("--checkpoint-every", type=click.IntRange(min=0), default=0,
-              help="Steps between checkpoints  [default: the last]")  # fmt: skip
-@click.option("--no-checkpoint", is_flag=True, help="Save none (export reads one).")
-@click.option("--checkpoint-async", is_flag=True, help="Write checkpoints in the background.")
-@click.option("--keep-checkpoints", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Keep the newest N (0: all) and pinned.")  # fmt: skip
-@click.option("--pin-every", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Keep steps that are multiples of N.")  # fmt: skip
-@click.option("--resume", is_flag=True, help="Continue the newest run's checkpoint.")
-@click.option("--accept-changes", is_flag=True, help="With --resume: allow changed settings.")
-@click.option("--trace", type=click.Path(dir_okay=False), help="A Chrome trace of all ranks.")
-@click.option("--tensorboard", type=click.Path(file_okay=False), help="Also write TensorBoard events here.")
-@click.option("--peak-tflops", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="A device's peak, for MFU  [default: known GPUs']")  # fmt: skip
-@click.option("--config", type=click.Path(dir_okay=False, exists=True), default=None,
-              help="A run.toml of options; flags win.")  # fmt: skip
-@click.option("--measure-memory", is_flag=True, help="On a CPU, count peak tensor memory.")
-@_node_options
-@click.option("--dry-run", is_flag=True, help="Print the torchrun commands instead.")
+@run_options
 @user_errors
 def run(package: str | None, dry_run: bool, **opts: Any) -> None:
     """Train a generated PACKAGE on its ranks (default: the newest under ./models).
@@ -572,14 +250,11 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
     from pathlib import Path
 
     from cli_render.common import note
-    from cli_render.run import train
+    from cli_render.run import RunDisplay, print_run
     from runtime.config import newest_package
-    from runtime.launch import holding_run_folder
     from runtime.optim import parse_betas
     from runtime.options import RunOptions
-    from runtime.run_checks import check_run
-    from runtime.runs import begin as begin_run
-    from runtime.runs import discard_if_empty
+    from runtime.run_job import RunEvents, RunRequest, run_job
 
     package = _with_config(click.get_current_context(), package, opts)
     if opts["steps"] and opts["epochs"]:
@@ -594,25 +269,10 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
     for key in ("checkpoint_dir", "trace", "run_dir"):
         opts[key] = str(opts[key]) if opts[key] is not None else None
     opts["betas"] = parse_betas(opts["betas"])
-    options = RunOptions.of(str(folder), **opts)
-    for line in check_run(options):
-        note(line)
-    if dry_run:
-        from runtime.launch import schedule_preview, torchrun_commands
-        from runtime.runs import begin
-
-        options = begin(options, checkpoints, create=False)
-        for line in torchrun_commands(options):
-            click.echo(line)
-        for line in schedule_preview(options):
-            click.echo(f"# {line}")
-        return
-    with holding_run_folder(options):  # one job per package folder, from the first check to the end
-        options = begin_run(options, checkpoints)
-        try:
-            train(options)
-        finally:
-            discard_if_empty(options)
+    request = RunRequest(RunOptions.of(str(folder), **opts), checkpoints, dry_run)
+    with RunDisplay() as shown:
+        done = run_job(request, RunEvents(note, shown.resume, shown.start, shown.progress))
+    print_run(done)
 
 
 @main.command()
@@ -628,7 +288,7 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
               help="Round trips (or all-reduces) per round.")  # fmt: skip
 @click.option("--idle", is_flag=True, help="Measure CPU ranks idle, not computing on a run's threads "
               "as by default (GPU ranks: never loaded).")  # fmt: skip
-@_node_options
+@node_options
 @user_errors
 def probe(gpus: int, output: str, device: str, **opts: Any) -> None:
     """Measure the links between the ranks a run would use (latency, bandwidth, all-reduce) and write
@@ -641,13 +301,12 @@ def probe(gpus: int, output: str, device: str, **opts: Any) -> None:
     """
     from pathlib import Path
 
-    from cli_render.probe import print_probe
+    from cli_render.probe import print_probe, print_probing
     from runtime.probe import ProbeOptions, probe_device, run_probe
 
     options = ProbeOptions(gpus=gpus, device=probe_device(device), **opts)
-    print_probe(
-        options, lambda: run_probe(options, Path(output), " ".join(["pipeplan", *sys.argv[1:]])), output
-    )
+    print_probing(options)
+    print_probe(run_probe(options, Path(output), " ".join(["pipeplan", *sys.argv[1:]])), output)
 
 
 def _with_config(ctx: click.Context, package: str | None, opts: dict[str, Any]) -> str | None:
@@ -749,19 +408,13 @@ def export_plan(package: str | None, output: str | None, schedule: str | None) -
     """
     from pathlib import Path
 
-    from cli_render.common import console
+    from cli_render.export import print_torch_plan
     from runtime.config import newest_package
     from runtime.torch_plan import export_torch_plan
 
     folder = Path(package) if package is not None else newest_package("models")
     out = Path(output) if output is not None else folder / "torch"
-    plan = export_torch_plan(folder, out, schedule)
-    console().print(
-        f"wrote {out}/schedule.csv, stages.json, torchtitan.toml: {len(plan.stages)} stages, "
-        f"{plan.schedule}, {plan.microbatches} microbatches per minibatch of {plan.batch_size}",
-        soft_wrap=True,
-        markup=False,
-    )
+    print_torch_plan(export_torch_plan(folder, out, schedule), out)
 
 
 @main.command("convert-checkpoint")
@@ -785,15 +438,10 @@ def convert_checkpoint(checkpoint_dir: str, package: str, step: int | None) -> N
     """
     from pathlib import Path
 
-    from cli_render.common import console
+    from cli_render.export import print_converted
     from runtime.checkpoint_v1 import convert
 
-    done = convert(Path(checkpoint_dir), Path(package), step)
-    console().print(
-        f"converted {', '.join(f'step-{s}' for s in done)} of {checkpoint_dir} (old files in step-N.v1/)",
-        soft_wrap=True,
-        markup=False,
-    )
+    print_converted(convert(Path(checkpoint_dir), Path(package), step), checkpoint_dir)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
-"""``pipeplan export``'s output: the file written, what it holds, and what it could not."""
+"""``pipeplan export``'s output: the file written, what it holds, and what it could not; and the
+one line of ``export-plan`` and ``convert-checkpoint``."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from cli_render.common import console
 
-__all__ = ["print_export"]
+__all__ = ["print_converted", "print_export", "print_torch_plan"]
 
 
 def print_export(done: Any, folder: Path) -> None:
@@ -41,3 +43,22 @@ def print_export(done: Any, folder: Path) -> None:
         )
     if done.hf_dir is not None:
         out.print(f"wrote {done.hf_dir} (config and safetensors; from_pretrained reads it)", soft_wrap=True)
+
+
+def print_torch_plan(plan: Any, out: Path) -> None:
+    """``plan``: runtime.torch_plan's result, written to ``out``."""
+    console().print(
+        f"wrote {out}/schedule.csv, stages.json, torchtitan.toml: {len(plan.stages)} stages, "
+        f"{plan.schedule}, {plan.microbatches} microbatches per minibatch of {plan.batch_size}",
+        soft_wrap=True,
+        markup=False,
+    )
+
+
+def print_converted(steps: Sequence[int], checkpoint_dir: str) -> None:
+    """The old per-stage checkpoints of ``checkpoint_dir`` rewritten, by step."""
+    console().print(
+        f"converted {', '.join(f'step-{s}' for s in steps)} of {checkpoint_dir} (old files in step-N.v1/)",
+        soft_wrap=True,
+        markup=False,
+    )

@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from cli_render.common import console, new_table
-from runtime.probe import ProbeOptions, ProbeOutcome
 
-__all__ = ["print_probe"]
+if TYPE_CHECKING:  # (types only: this module prints, runtime.probe measures)
+    from runtime.probe import ProbeOptions, ProbeOutcome
+
+__all__ = ["print_probe", "print_probing"]
 
 
-def print_probe(options: ProbeOptions, measure: Callable[[], ProbeOutcome | None], output: str) -> None:
-    """Say what is measured, measure, and show the table (node 0; the other nodes print nothing more)."""
+def print_probing(options: ProbeOptions) -> None:
+    """Say what is measured, before the ranks start."""
     cores = "cores busy" if options.busy else "idle"
     console(stderr=True).print(
         f"probing {options.gpus * options.nnodes} ranks ({options.device}, {cores}) ..."
     )
-    outcome = measure()
+
+
+def print_probe(outcome: ProbeOutcome | None, output: str) -> None:
+    """The links' table (node 0; the other nodes, ``outcome`` None, print nothing more)."""
     if outcome is None:
         return  # another node: node 0 writes the file
     table = new_table(

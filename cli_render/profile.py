@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from cli_render.common import console, new_table, num, tail
 
-__all__ = ["print_profile", "profile_table", "profile_totals"]
+__all__ = ["print_profile", "profile_progress", "profile_table", "profile_totals"]
+
+
+@contextmanager
+def profile_progress(model: str) -> Iterator[Callable[[int, int, str], None]]:
+    """The profiler's progress callback, shown on stderr while the block runs: tracing, each layer
+    measured, then the whole-step timing (a bar on a terminal, a timed line per phase in a log)."""
+    from cli_render.progress import progress
+
+    with progress(transient=True) as bar:
+        task = bar.add_task(f"tracing {model}", total=None)
+
+        def measuring(done: int, total: int, name: str) -> None:
+            bar.update(task, completed=done, total=total, description=f"measuring {name}")
+
+        yield measuring
+        bar.update(task, description="whole-step timing")
 
 
 def print_profile(profile: Any, path: Path, top: int, clock: str) -> None:

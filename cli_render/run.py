@@ -6,13 +6,22 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from contextlib import ExitStack
+from typing import TYPE_CHECKING, Any
+
+import click
 
 from cli_render.common import console, new_table, plural
 from cli_render.progress import progress
-from runtime.metrics import cpu_share
+from runtime.errors import Interrupted, JobFailed
 
-__all__ = ["COMM_NOTE", "eval_text", "header", "memory_table", "print_run_table", "stage_table", "train"]
+if TYPE_CHECKING:  # (types only: this module prints, runtime.run_job runs the job)
+    from runtime.run_job import RunOutcome, RunStart
+
+__all__ = [
+    "COMM_NOTE", "RunDisplay", "eval_text", "header", "memory_table", "print_run", "print_run_table",
+    "stage_table",
+]  # fmt: skip
 
 COMM_NOTE = (
     "* measured comm is the time a rank was blocked in receives and all-reduces, waiting for its peer "
@@ -20,49 +29,63 @@ COMM_NOTE = (
 )
 
 
-def train(options: Any) -> None:
-    """Launch with a progress bar fed by the loss-reporting rank, then print measured vs predicted."""
-    from pathlib import Path
+class RunDisplay:
+    """What ``pipeplan run`` shows while its job runs, as :class:`runtime.run_job.RunEvents`'
+    callbacks: the resume's lines, the header, then a progress bar fed by the loss-reporting rank.
+    Used as a context around the job: the bar ends with it, and a failed or interrupted job becomes
+    one ``error:`` line and its exit code (1, or 128 + the signal)."""
 
-    from runtime.data import SYNTHETIC_STEPS
-    from runtime.errors import Interrupted, JobFailed
-    from runtime.header import run_header
-    from runtime.launch import check_launch, launch, resolve_resume
-    from runtime.worker import job_of
+    def __init__(self) -> None:
+        self._bar: Any = None
+        self._stack = ExitStack()
+        self._task = 0
+        self._held_out = ""
 
-    per_node = check_launch(options)
-    options, notes = resolve_resume(options)
-    for note in notes:
-        console(stderr=True).print(note, soft_wrap=True, markup=False)
-    total = options.steps or (
-        (options.epochs or 1) * SYNTHETIC_STEPS if options.data == "synthetic" else None
-    )
-    console().print(header(run_header(options, job_of(options), per_node, total)))
-    with progress(transient=False) as bar:
-        task = bar.add_task(f"training {Path(options.package).name}", total=total)
+    def __enter__(self) -> RunDisplay:
+        return self
 
-        held_out = ""
-
-        def on_progress(step: int, loss: float, evaluation: dict[str, Any] | None = None) -> None:
-            nonlocal held_out
-            if evaluation is not None:
-                held_out = eval_text(evaluation)
-            bar.update(task, completed=step, description=f"step {step} loss {loss:.4f}{held_out}")
-
-        try:
-            metrics = launch(options, on_progress, per_node)
-        except (JobFailed, Interrupted) as exc:
-            bar.stop()
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        code = None
+        if isinstance(exc, JobFailed | Interrupted):
+            if self._bar is not None:
+                self._bar.stop()
             from rich.markup import escape
 
             failed = isinstance(exc, JobFailed)
             console(stderr=True).print(
                 f"[red]error:[/red] {'training failed: ' if failed else ''}{escape(str(exc))}", soft_wrap=True
             )
-            sys.exit(1 if isinstance(exc, JobFailed) else 128 + exc.signum)
-    if metrics is not None:
-        path = Path(options.run_dir or Path(options.package) / "run") / "metrics.json"
-        print_run_table(metrics, path, options.checkpoint_dir)
+            code = 1 if isinstance(exc, JobFailed) else 128 + exc.signum
+        self._stack.__exit__(kind, exc, tb)
+        if code is not None:
+            sys.exit(code)
+
+    def resume(self, line: str) -> None:
+        console(stderr=True).print(line, soft_wrap=True, markup=False)
+
+    def start(self, start: RunStart) -> None:
+        """The header on stdout, then the bar on stderr (counting to ``start.total`` steps)."""
+        console().print(header(start.header))
+        self._bar = self._stack.enter_context(progress(transient=False))
+        self._task = self._bar.add_task(f"training {start.package}", total=start.total)
+
+    def progress(self, step: int, loss: float, evaluation: dict[str, Any] | None = None) -> None:
+        if evaluation is not None:
+            self._held_out = eval_text(evaluation)
+        self._bar.update(
+            self._task, completed=step, description=f"step {step} loss {loss:.4f}{self._held_out}"
+        )
+
+
+def print_run(done: RunOutcome) -> None:
+    """After the job: a dry run's torchrun commands and schedule (as plain lines, never wrapped, to
+    copy), else the measured against predicted tables (node 0; other nodes print nothing more)."""
+    for line in done.commands:
+        click.echo(line)
+    for line in done.preview:
+        click.echo(f"# {line}")
+    if done.metrics is not None:
+        print_run_table(done.metrics, done.metrics_path, done.options.checkpoint_dir, done.cpu_share)
 
 
 def header(rows: Sequence[tuple[str, str]]) -> Any:
@@ -84,7 +107,13 @@ def eval_text(evaluation: dict[str, Any]) -> str:
     return f" eval {evaluation['loss']:.4f}" + (f" acc {accuracy:.1%}" if accuracy is not None else "")
 
 
-def print_run_table(metrics: dict[str, Any], path: object, checkpoints: object = None) -> None:
+def print_run_table(
+    metrics: dict[str, Any], path: object, checkpoints: object = None, share: float | None = None
+) -> None:
+    """Measured against predicted: the minibatch time, per stage, per rank, memory; the losses and
+    where the files are; a note when the time is far from the plan's (``share``: the share of a core
+    the CPU ranks had while computing, :func:`runtime.metrics.cpu_share`, named as a cause)."""
+
     def ms(value: float | None) -> str:
         return f"{value * 1e3:.2f} ms" if value is not None else "-"
 
@@ -125,7 +154,6 @@ def print_run_table(metrics: dict[str, Any], path: object, checkpoints: object =
         out.print(f"checkpoints: {checkpoints} (`pipeplan export -o model.safetensors` reads the newest)")
     if ratio is None or 0.8 <= ratio <= 1.25:
         return
-    share = cpu_share(metrics)
     shared = (
         f"; the ranks had {share:.0%} of a core while computing ({os.cpu_count() or 1} cores for "
         f"{len(metrics['ranks'])} ranks here, other jobs included)"

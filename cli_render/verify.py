@@ -2,30 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from cli_render.common import console, new_table, plural, tail
 
-__all__ = ["print_verify", "verify_table", "verify_with_progress"]
+__all__ = ["print_verify", "verify_progress", "verify_table"]
 
 
-def verify_with_progress(folder: Any, sizes: Sequence[int], seed: int) -> list[Any]:
-    """:func:`partitioner.verify.verify_package` at each batch size, with progress on stderr (a bar
-    on a terminal, a timed line per phase in a log: vgg16's check takes 20 s of CPU)."""
+@contextmanager
+def verify_progress(folder: Any) -> Iterator[Callable[[str, int, int], None]]:
+    """A progress callback for :func:`partitioner.verify.verify_package`, shown on stderr while the
+    block runs (a bar on a terminal, a timed line per phase in a log: vgg16's check takes 20 s of CPU)."""
     from cli_render.progress import progress
-    from partitioner.verify import verify_package
 
-    reports = []
     with progress(transient=True) as bar:
         task = bar.add_task(f"verifying {folder}", total=None)
 
         def step(what: str, done: int, total: int) -> None:
             bar.update(task, description=what, completed=done, total=total)
 
-        for size in sizes:
-            reports.append(verify_package(folder, seed=seed, batch_size=size, progress=step))
-    return reports
+        yield step
 
 
 def print_verify(reports: Sequence[Any]) -> Any:

@@ -77,3 +77,82 @@ def test_the_optimizer_imports_nothing_lazily() -> None:
         if is_lazy and a.startswith("partitioner.optimizer")
     ]  # fmt: skip
     assert not lazy, lazy
+
+
+# cli_render/ only prints: what it takes from the library is data and its formatting, never a function
+# that launches, writes or resolves (that is the command's one call into the library, in cli.py).
+# Modules that are data, its arithmetic and its formatting throughout: a renderer may import anything.
+PURE_MODULES = {
+    "runtime.errors",
+    "runtime.schedule",
+    "partitioner.errors",
+    "partitioner.update",
+    "partitioner.optimizer.comparison",
+    "partitioner.optimizer.pricing.price",
+    "partitioner.optimizer.pricing.schedules",
+}
+# Modules that also launch, write or resolve: the data types and pure functions a renderer may take.
+PURE_NAMES = {
+    "partitioner.partition": {"Partitioned", "microbatch_note"},
+    "partitioner.calibrate": {"Calibration", "stage_factors"},
+    "partitioner.link_calibration": {"LinkCalibration"},
+    "partitioner.optimizer.pricing.simulate": {"gantt"},
+}
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """The import statements under ``if TYPE_CHECKING:`` (annotations only: nothing imported at run time)."""
+    return {
+        id(sub)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+        for sub in ast.walk(node)
+    }
+
+
+def library_names(path: Path) -> list[tuple[str, str]]:
+    """(module, name) for every partitioner/runtime name the file imports at run time (``import m``:
+    (m, m))."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skipped = _type_checking_only(tree)
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found += [(alias.name, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found += [(node.module, alias.name) for alias in node.names]
+    return [(m, n) for m, n in found if m.split(".")[0] in ("partitioner", "runtime")]
+
+
+def renderer_violations(path: Path) -> list[str]:
+    return [
+        f"{path.name}: {module}.{name}"
+        for module, name in library_names(path)
+        if module not in PURE_MODULES and name not in PURE_NAMES.get(module, ())
+    ]
+
+
+def test_renderers_import_no_library_code_that_launches_writes_or_resolves() -> None:
+    found = [hit for path in sorted((ROOT / "cli_render").rglob("*.py")) for hit in renderer_violations(path)]
+    assert not found, f"cli_render/ imports what is no data or format: {found}"
+    listed = {*PURE_MODULES, *PURE_NAMES}
+    assert listed <= set(import_graph()), f"no such module: {listed - set(import_graph())}"
+
+
+def test_the_renderer_check_finds_a_launch(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "import runtime.runs\n"
+        "from runtime.schedule import get_schedule\n"
+        "from partitioner.partition import Partitioned, partition\n"
+        "if TYPE_CHECKING:\n    from runtime.run_job import RunOutcome\n"
+        "def f() -> None:\n    from runtime.launch import launch\n"
+    )
+    assert sorted(renderer_violations(sample)) == [
+        "sample.py: partitioner.partition.partition",
+        "sample.py: runtime.launch.launch",
+        "sample.py: runtime.runs.runtime.runs",
+    ]
