@@ -111,7 +111,7 @@ def test_a_flipped_byte_in_a_shard_skips_the_step(root: Path) -> None:
     flip_byte(root / "step-4" / "__0_0.distcp")
     point = checkpoint.resume_point(root)
     assert point.step == 2 and "step-4: __0_0.distcp is not the file that was written" in point.skipped[0]
-    with pytest.raises(RunError, match="step-4 cannot be exported: __0_0.distcp is not the file that was"):
+    with pytest.raises(RunError, match=r"step-4 cannot be exported: __0_0\.distcp is not the file that was"):
         choose_step(root, 4)
 
 
@@ -182,7 +182,8 @@ def test_metrics_on_a_full_disk_leave_no_half_file(tmp_path: Path, monkeypatch: 
     write_json_atomic(path, {"steps": 1})
 
     def full(self: Path, text: str, encoding: str | None = None) -> int:
-        open(self, "w").write(text[:10])
+        with open(self, "w") as half:
+            half.write(text[:10])
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(Path, "write_text", full)
