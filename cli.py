@@ -327,6 +327,8 @@ def profile(
 )
 @click.option("--json", "as_json", is_flag=True, help="Print only plan.json on stdout.")
 @click.option("-o", "--output", default="models", show_default=True, help="Output root: OUT/<model>/gpus=N/.")
+@click.option("--force", is_flag=True, help="Replace a trained package (runs/ in it) with another plan; "
+              "its runs move to runs.<time>/. Without it, that is refused.")  # fmt: skip
 @user_errors
 def partition(
     profile_path: str | None, gpus: int | None, cluster_spec: str | None, topology: str | None,
@@ -335,7 +337,7 @@ def partition(
     optimizer: str, straight: bool, recompute: str | None, solver: str, cuts: str | None,
     replicas: str | None, explain: bool,
     trace_path: str | None, batch_size: int | None, no_comm: bool, weights: str | None, init: str,
-    as_json: bool, output: str,
+    as_json: bool, output: str, force: bool,
 ) -> None:  # fmt: skip
     """Choose pipeline stages and replicas for a profile -> plan.json + mp_conf.json (+ stage code).
 
