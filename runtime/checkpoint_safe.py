@@ -25,7 +25,6 @@ import pickle
 import re
 import warnings
 from collections.abc import Iterable
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -158,15 +157,15 @@ class SafeReader(FileSystemReader):
         self.folder = Path(path)
         self._metadata: Metadata | None = None
 
-    def read_metadata(self) -> Metadata:  # type: ignore[override]  # (no rank-local fallback)
+    def read_metadata(self) -> Metadata:  # (no ``rank=``: DCP then tries no rank-local fallback)
         if self._metadata is None:
-            self._metadata = read_metadata(self.folder)
-            if getattr(self._metadata, "storage_meta", None) is None:  # (as DCP's read_metadata does)
-                self._metadata.storage_meta = StorageMeta()
-            self._metadata.storage_meta.load_id = self.load_id
+            metadata = read_metadata(self.folder)
+            storage = metadata.storage_meta or StorageMeta()  # (as DCP's read_metadata does)
+            storage.load_id = self.load_id
+            metadata.storage_meta, self._metadata = storage, metadata
         return self._metadata
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
         if not isinstance(planner, WeightsOnlyPlanner):
             raise TypeError("SafeReader reads with a WeightsOnlyPlanner only")
         planner.files = {
