@@ -166,7 +166,16 @@ def step_problem(root: Path, step: int) -> str | None:
         metadata = checkpoint_safe.read_metadata(folder)
     except checkpoint_safe.Refused:
         raise
-    except (RunError, OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError, KeyError) as exc:
+    except (
+        RunError,
+        OSError,
+        pickle.UnpicklingError,
+        EOFError,
+        AttributeError,
+        ValueError,
+        KeyError,
+        TypeError,
+    ) as exc:
         return f"unreadable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
     ends: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():

@@ -70,6 +70,7 @@ _ADMITTED: dict[str, frozenset[str]] = {
     "torch.serialization": frozenset({"_get_layout"}),  # a layout by its name (torch.strided)
     "torch": frozenset({"Size"}),  # and the dtypes, below
     "pathlib": frozenset({"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}),  # the id
+    "pathlib._local": frozenset({"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}),  # 3.13
 }
 """What DCP's ``.metadata`` pickles (torch 2.13): its metadata dataclasses, torch.Size, dtypes, a
 layout by name, and the checkpoint id as a path. None of them runs code when rebuilt."""
