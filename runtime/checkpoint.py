@@ -143,6 +143,11 @@ def _recorded_problem(folder: Path, files: dict[str, Any]) -> str | None:
     return None
 
 
+_UNREADABLE: tuple[type[Exception], ...] = (RunError, OSError, pickle.UnpicklingError, EOFError)
+_UNREADABLE += (AttributeError, ValueError, LookupError, TypeError)
+"""What a damaged ``meta.json`` or ``.metadata`` raises when read."""
+
+
 def step_problem(root: Path, step: int) -> str | None:
     """Why ``step`` cannot be resumed from or exported (a missing, short, changed or unreadable file), or
     None. Each file's size and sha256 (recorded in ``meta.json`` by the run that wrote it) is checked
@@ -166,16 +171,7 @@ def step_problem(root: Path, step: int) -> str | None:
         metadata = checkpoint_safe.read_metadata(folder)
     except checkpoint_safe.Refused:
         raise
-    except (
-        RunError,
-        OSError,
-        pickle.UnpicklingError,
-        EOFError,
-        AttributeError,
-        ValueError,
-        KeyError,
-        TypeError,
-    ) as exc:
+    except _UNREADABLE as exc:
         return f"unreadable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
     ends: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
