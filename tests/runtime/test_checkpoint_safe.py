@@ -199,7 +199,7 @@ def test_the_runtime_reads_checkpoints_only_through_the_safe_reader() -> None:
     """No module but runtime/checkpoint_safe.py calls DCP's loader or reader; every torch.load is
     weights_only."""
     loads = 0
-    for path in sorted(Path("runtime").glob("*.py")):
+    for path in sorted((Path(__file__).resolve().parents[2] / "runtime").rglob("*.py")):
         text = path.read_text()
         if path.name != "checkpoint_safe.py":
             assert "state_dict_loader" not in text and "FileSystemReader" not in text, path
