@@ -107,7 +107,7 @@ def partition(
     optimizer: str, straight: bool, recompute: str | None, solver: str, cuts: str | None,
     replicas: str | None, explain: bool,
     trace_path: str | None, batch_size: int | None, no_comm: bool, weights: str | None, init: str,
-    as_json: bool, output: str,
+    as_json: bool, output: str, force: bool,
 ) -> None:  # fmt: skip
     """Choose pipeline stages and replicas for a profile -> plan.json + mp_conf.json (+ stage code).
 

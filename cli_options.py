@@ -317,6 +317,12 @@ PARTITION: list[Any] = [
         show_default=True,
         help="Output root: OUT/<model>/gpus=N/.",
     ),
+    click.option(
+        "--force",
+        is_flag=True,
+        help="Replace a trained package (runs/ in it) with another plan; its runs move to runs.<time>/. "
+        "Without it, that is refused.",
+    ),
 ]
 
 

@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import difflib
+import hashlib
 import importlib
 import logging
 import re
@@ -133,7 +134,9 @@ def default_loss(output: Any, target: Tensor) -> Tensor:
 
 
 def model_name(spec: str) -> str:
-    """A file-system-safe short name for a spec: ``vgg16``, ``resnet50`` (torchvision:), ``mymodel-make``."""
+    """A file-system-safe short name for a spec: ``vgg16``, ``resnet50`` (torchvision:),
+    ``mymodel-make-1a2b3c`` (a file: its stem, the factory and 6 hex digits of the file's absolute
+    path, so files of one name in two folders never share a profile or a package folder)."""
     if spec.startswith("hf:"):
         body = spec[3:]
         source, _, task = body.rpartition(":") if body.count(":") else (body, "", "")
@@ -152,6 +155,8 @@ def model_name(spec: str) -> str:
         where, _, factory = spec.rpartition(":")
         stem = Path(where).stem if where.endswith(".py") else where.rsplit(".", 1)[-1]
         name = factory if where == "torchvision" else f"{stem}-{factory}"
+        if where.endswith(".py"):  # the file itself, not only its name: two model.py files, two packages
+            name += "-" + hashlib.sha256(str(Path(where).expanduser().resolve()).encode()).hexdigest()[:6]
     else:
         name = spec
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name) or "model"

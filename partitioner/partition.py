@@ -43,6 +43,7 @@ from partitioner.optimizer.pricing.simulate import (
     write_chrome_trace,
 )
 from partitioner.optimizer.units import parse_bytes, parse_int_list
+from partitioner.overwrite import check_replace
 from partitioner.plan import Cluster, Plan, mp_conf, save_plan
 from partitioner.update import with_update_time
 from runtime.newest import newest
@@ -79,6 +80,7 @@ class PartitionRequest:
     weights: str | None = None
     init: str = "auto"
     output: str = "models"
+    force: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,7 @@ def partition(request: PartitionRequest, note: Callable[[str], None] = lambda _:
     plan = replace(plan, profile=str(path), precision=profile.precision)
     name = profile.model if profile.tracer == "pipedream" else _model_name(profile.model)
     out_dir = Path(r.output) / re.sub(r"[^A-Za-z0-9_.-]+", "_", name or "model") / f"gpus={cluster.gpus}"
+    check_replace(out_dir, plan, r.force)  # (the package a run came from is not replaced by surprise)
     before = _kept_runs(out_dir)
     sim = simulate(plan, profile)
     plan = _write_plan(profile, with_stage_bubbles(plan, sim), out_dir, r.weights, r.init, note)

@@ -35,11 +35,12 @@ from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from runtime import checkpoint_safe
 from runtime.errors import PeerLost, RunError
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "ResumePoint",
     "Saver",
     "is_v1",
+    "last_complete",
     "package_fingerprint",
     "prune",
     "publish",
@@ -124,8 +126,37 @@ def read_meta(root: Path, step: int) -> dict[str, Any]:
     return doc
 
 
+def _recorded_problem(folder: Path, files: dict[str, Any]) -> str | None:
+    """Why a file ``meta.json`` recorded (size and sha256) is not the one that was written, or None."""
+    for name, want in sorted(files.items()):
+        path = folder / name
+        if not path.is_file():
+            return f"incomplete, no {name}"
+        size = path.stat().st_size
+        if size < int(want["bytes"]):
+            return f"{name} is truncated ({size} of {want['bytes']} bytes)"
+        if size != int(want["bytes"]) or checkpoint_safe.file_digest(path) != want["sha256"]:
+            return (
+                f"{name} is not the file that was written (its sha256 differs from the one meta.json "
+                "recorded): changed or damaged since"
+            )
+    return None
+
+
+_UNREADABLE: tuple[type[Exception], ...] = (RunError, OSError, pickle.UnpicklingError, EOFError)
+_UNREADABLE += (AttributeError, ValueError, LookupError, TypeError)
+"""What a damaged ``meta.json`` or ``.metadata`` raises when read."""
+
+
 def step_problem(root: Path, step: int) -> str | None:
-    """Why ``step`` cannot be resumed from or exported (a missing, unreadable or short file), or None."""
+    """Why ``step`` cannot be resumed from or exported (a missing, short, changed or unreadable file), or
+    None. Each file's size and sha256 (recorded in ``meta.json`` by the run that wrote it) is checked
+    before anything is unpickled, so a changed file is never read.
+
+    Raises:
+        checkpoint_safe.Refused: the step holds a Python object that is not data, in files whose digests
+            match (or that a run before digests wrote): refused, not skipped.
+    """
     folder = step_dir(root, step)
     if is_v1(root, step):
         return "a per-stage checkpoint of an earlier pipeplan (convert it with `pipeplan convert-checkpoint`)"
@@ -133,9 +164,14 @@ def step_problem(root: Path, step: int) -> str | None:
         if not (folder / name).is_file():
             return f"incomplete, no {name}"
     try:
-        read_meta(root, step)
-        metadata = FileSystemReader(str(folder)).read_metadata()
-    except (RunError, OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
+        files = read_meta(root, step).get("files")
+        problem = _recorded_problem(folder, files) if isinstance(files, dict) else None
+        if problem:
+            return problem
+        metadata = checkpoint_safe.read_metadata(folder)
+    except checkpoint_safe.Refused:
+        raise
+    except _UNREADABLE as exc:
         return f"unreadable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
     ends: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
@@ -146,17 +182,31 @@ def step_problem(root: Path, step: int) -> str | None:
             return f"incomplete, no {name}"
         if path.stat().st_size < end:
             return f"{name} is truncated ({path.stat().st_size} of {end} bytes)"
+        if isinstance(files, dict) and name not in files:
+            return f"{name} is not among the files meta.json recorded"
+    checkpoint_safe.check_values(folder)
     return None
 
 
 def saved_tensors(root: Path, step: int, prefix: str = "model.") -> dict[str, tuple[tuple[int, ...], str]]:
     """The tensors a step holds under ``prefix`` (without it), with shape and dtype, from DCP's metadata."""
-    metadata = FileSystemReader(str(step_dir(root, step))).read_metadata()
+    metadata = checkpoint_safe.read_metadata(step_dir(root, step))
     return {
         key.removeprefix(prefix): (tuple(md.size), str(md.properties.dtype).removeprefix("torch."))
         for key, md in metadata.state_dict_metadata.items()
         if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
     }
+
+
+def last_complete(root: Path) -> tuple[int, int] | None:
+    """The newest published step (its ``meta.json`` written: the rename made it whole) and the bytes
+    its files take, which is what the next step needs; None without one. Nothing is read or hashed."""
+    for step in steps_in(root):
+        folder = step_dir(root, step)
+        if (folder / META).is_file() and not is_v1(root, step):
+            with contextlib.suppress(OSError):
+                return step, sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+    return None
 
 
 @dataclass(frozen=True)
@@ -221,12 +271,26 @@ def prune(root: Path, keep: int, pin_every: int = 0) -> list[int]:
     return gone
 
 
-def publish(root: Path, step: int, meta: dict[str, Any]) -> None:
-    """After DCP finished writing ``step-N.partial`` (rank 0): ``meta.json`` into it, then the folder
-    in place of any older ``step-N`` (a rename: readers see the old folder, none, or the new one)."""
+def _written(folder: Path) -> list[str]:
+    """The files DCP wrote into ``folder``: its ``.metadata`` and the ranks' ``.distcp`` files."""
+    return sorted(p.name for p in folder.iterdir() if p.name == ".metadata" or p.suffix == ".distcp")
+
+
+def publish(root: Path, step: int, meta: dict[str, Any], files: dict[str, Any] | None = None) -> None:
+    """After DCP finished writing ``step-N.partial`` (rank 0): ``meta.json`` into it, with each file's
+    size and sha256 (``files``: the ranks' own, computed where they were written; the rest, or all
+    when None, here), then the folder in place of any older ``step-N`` (a rename: readers see the old
+    folder, none, or the new one)."""
     partial, final = root / f"step-{step}.partial", step_dir(root, step)
+    files = dict(files or {})
+    files.update(checkpoint_safe.digests(partial, [n for n in _written(partial) if n not in files]))
     tmp = partial / f".{META}.tmp"
-    tmp.write_text(json.dumps({**meta, "schema": SCHEMA, "step": step}, indent=1) + "\n", encoding="utf-8")
+    text = json.dumps({**meta, "schema": SCHEMA, "step": step, "files": files}, indent=1) + "\n"
+    try:
+        tmp.write_text(text, encoding="utf-8")
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, partial / META)
     if final.exists():
         old = root / f"step-{step}.old"
@@ -253,14 +317,40 @@ def _causes(exc: BaseException) -> list[BaseException]:
     return found
 
 
-def write_error(exc: BaseException, root: Path) -> Exception:
-    """What a failed checkpoint write means: the disk (a RunError naming it), or another rank gone
-    in DCP's collectives (:class:`runtime.errors.PeerLost`, so the rank that died is the one blamed)."""
+def state_bytes(state: Any) -> int:
+    """The tensor bytes of a (nested) state dict: about what writing it needs on disk."""
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return sum(state_bytes(v) for v in state)
+    return state.numel() * state.element_size() if hasattr(state, "element_size") else 0
+
+
+def _free_bytes(folder: Path) -> int | None:
+    for path in (folder, *folder.parents):
+        with contextlib.suppress(OSError):
+            return shutil.disk_usage(path).free
+    return None
+
+
+def write_error(exc: BaseException, root: Path, need: int | None = None) -> Exception:
+    """What a failed checkpoint write means: the disk (a RunError naming the file, the bytes this
+    rank's share of the step needs and the bytes free), or another rank gone in DCP's collectives
+    (:class:`runtime.errors.PeerLost`, so the rank that died is the one blamed)."""
     disk = next(
         (c for c in _causes(exc) if isinstance(c, OSError) and not isinstance(c, ConnectionError)), None
     )
     if disk is not None:
-        return RunError(f"writing a checkpoint into {root} failed: {disk.strerror or disk}")
+        where = disk.filename or root
+        free = _free_bytes(Path(where))
+        sizes = [f"this rank's share of the step needs {need:,} bytes" if need else "", ""]
+        sizes[1] = f"{free:,} bytes free" if free is not None else ""
+        said = "; ".join(x for x in sizes if x)
+        return RunError(
+            f"writing a checkpoint into {root} failed at {where}: {disk.strerror or disk}"
+            + (f" ({said})" if said else "")
+            + "; the last complete step stays as it was"
+        )
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return PeerLost(f"a checkpoint write failed, another rank is gone or stuck: {first}")
 
@@ -294,12 +384,14 @@ class Saver:
     pending: Future[Any] | None = None
     blocked_s: float = 0.0
     _worker: ThreadPoolExecutor | None = None
+    _need: int = 0
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Write ``state`` (this rank's entries) as ``step``; returns when training may go on. The
         time reported to ``on_saved`` runs from the moment every rank is ready (a barrier: a rank that
         is still stepping its optimizer would otherwise count in another rank's checkpoint time)."""
         self.wait()
+        need = self._need = state_bytes(state)
         try:
             partial = self.root / f"step-{step}.partial"
             if self.rank == 0:  # before the barrier: DCP's mkdir on another rank must not race a delete
@@ -321,19 +413,45 @@ class Saver:
                     dcp_save(state, storage_writer=FileSystemWriter(str(partial)), process_group=self.group)
                 self._complete(step, began)
         except (RuntimeError, OSError, CheckpointException) as exc:
-            raise write_error(exc, self.root) from exc
+            raise write_error(exc, self.root, need) from exc
         self.blocked_s += time.perf_counter() - began
 
     def _complete(self, step: int, began: float, upload: Future[Any] | None = None) -> None:
-        """After DCP's write (waited for here when it runs in the background): rank 0 publishes the
-        step and prunes older ones."""
-        if upload is not None:
-            upload.result()
+        """After DCP's write (waited for here when it runs in the background): every rank hashes the
+        files it wrote, rank 0 gathers the digests, publishes the step and prunes older ones. A rank
+        whose write or hashing failed still takes part in the gather (else the others would wait
+        out the timeout), and every rank then raises."""
+        failure: BaseException | None = None
+        mine: dict[str, Any] | str = {}
+        try:
+            if upload is not None:
+                upload.result()
+            mine = checkpoint_safe.digests(self.root / f"step-{step}.partial", self._own_files(step))
+        except (RuntimeError, OSError, CheckpointException) as exc:
+            failure, mine = exc, f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        found: list[Any] = [mine]
+        if self.group is not None:
+            found = [None] * dist.get_world_size(self.group) if self.rank == 0 else []
+            dist.gather_object(mine, found if self.rank == 0 else None, dst=0, group=self.group)
+        if failure is not None:
+            raise failure
         if self.rank == 0:
-            publish(self.root, step, self.meta)
+            broken = next((f for f in found if isinstance(f, str)), None)
+            if broken is not None:
+                raise RunError(f"writing step-{step} into {self.root} failed on {broken}")
+            files = {name: d for each in found if isinstance(each, dict) for name, d in each.items()}
+            publish(self.root, step, self.meta, files)
             prune(self.root, self.keep, self.pin_every)
             if self.on_saved is not None:
                 self.on_saved(step, time.perf_counter() - began)
+
+    def _own_files(self, step: int) -> list[str]:
+        """The ``.distcp`` files this rank wrote (DCP names them ``__<rank in the group>_<i>``); all
+        of them in one process without a group."""
+        partial = self.root / f"step-{step}.partial"
+        if self.group is None:
+            return [n for n in _written(partial) if n.endswith(".distcp")]
+        return sorted(p.name for p in partial.glob(f"__{dist.get_rank(self.group)}_*.distcp"))
 
     def wait(self) -> None:
         """Wait for a background write (and its publishing); raise its error, if it had one."""
@@ -344,7 +462,7 @@ class Saver:
         error = pending.exception()
         self.blocked_s += time.perf_counter() - began
         if error is not None:
-            raise write_error(error, self.root) from error
+            raise write_error(error, self.root, self._need) from error
 
     def close(self) -> None:
         """Wait for the last background write and stop its thread."""

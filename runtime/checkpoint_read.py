@@ -8,7 +8,6 @@ turns into checkpoint names), by name, so a caller holds only what it asked for.
 from __future__ import annotations
 
 import json
-import warnings
 import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -16,9 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from runtime import checkpoint
+from runtime import checkpoint, checkpoint_safe
 from runtime.config import load_job
 from runtime.errors import RunError
 from runtime.fqns import ModelNames, TensorSpec, model_names
@@ -31,7 +29,7 @@ def load_v1_stage(folder: Path, stage: int, mmap: bool = True) -> dict[str, Any]
     """``stage<K>.pt`` of a checkpoint of pipeplan before DCP (tensors read when touched)."""
     path = folder / f"stage{stage}.pt"
     try:
-        state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        state: dict[str, Any] = checkpoint_safe.load_weights_only(path, path, "the stage's state", mmap=mmap)
     except (OSError, RuntimeError, EOFError, zipfile.BadZipFile) as exc:
         raise RunError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from exc
     return state
@@ -79,9 +77,7 @@ class Tensors:
             for key in keys
         }
         if out:
-            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-                warnings.simplefilter("ignore", UserWarning)
-                dcp_load(out, checkpoint_id=str(self.folder), no_dist=True)
+            checkpoint_safe.load(out, self.folder, no_dist=True)
         return {key.removeprefix(prefix): t for key, t in out.items()}
 
 
@@ -89,9 +85,7 @@ def read_values(folder: Path, keys: Iterable[str]) -> dict[str, Any]:
     """Entries of a DCP step that are not tensors (``lr_scheduler.last_epoch``, ``loss_scale.scale``,
     ``optimizer.param_groups.<fqn>.lr``), by their checkpoint names."""
     out: dict[str, Any] = dict.fromkeys(keys)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        dcp_load(out, checkpoint_id=str(folder), no_dist=True)
+    checkpoint_safe.load(out, folder, no_dist=True)
     return out
 
 

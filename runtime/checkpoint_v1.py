@@ -17,10 +17,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from runtime import checkpoint
+from runtime import checkpoint, checkpoint_safe
 from runtime.checkpoint_read import load_v1_stage
 from runtime.config import JobConfig, load_job
 from runtime.errors import RunError
@@ -66,7 +65,11 @@ def _entries(
         first = first or state
         out.update(_stage_entries(names, k, state, trained[k]))
     for rank in range(world_size):
-        rng = torch.load(folder / f"rank{rank}.pt", map_location="cpu", weights_only=True)["rng"]
+        path = folder / f"rank{rank}.pt"
+        try:
+            rng = checkpoint_safe.load_weights_only(path, path, "the rank's state")["rng"]
+        except (OSError, RuntimeError, EOFError, KeyError, TypeError) as exc:
+            raise RunError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from exc
         states = {"cpu": rng["cpu"], **{f"cuda{i}": s for i, s in enumerate(rng.get("cuda") or ())}}
         out[f"rng.rank{rank}"] = states
     out["train_state"] = {"step": int(first["step"])}

@@ -156,9 +156,14 @@ def _raise_if_full(out: Path, options: RunOptions) -> None:
     for folder in folders:
         full = disk_full(folder)
         if full:
+            last = checkpoint.last_complete(Path(options.checkpoint_dir)) if options.checkpoint_dir else None
+            need, where = "", "the last complete checkpoint"
+            if last is not None:
+                need = f"; a checkpoint step needs about {last[1]:,} bytes (step-{last[0]} took that)"
+                where = f"step-{last[0]}, the last complete checkpoint"
             raise RunError(
-                f"training stopped: {full}; free space (or give --checkpoint-dir elsewhere), then "
-                "`pipeplan run --resume` continues from the last complete checkpoint"
+                f"training stopped: {full}{need}; free space (or give --checkpoint-dir elsewhere), then "
+                f"`pipeplan run --resume` continues from {where}"
             )
 
 

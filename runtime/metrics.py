@@ -7,9 +7,11 @@ process per rank) that opens in Perfetto or chrome://tracing.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
+import shutil
 import statistics
 import time
 from collections.abc import Iterator, Sequence
@@ -17,6 +19,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from runtime.errors import RunError
 
 __all__ = ["RankMetrics", "Recorder", "cpu_share", "summarize", "write_json_atomic", "write_trace"]
 
@@ -197,11 +201,26 @@ def _stage_times(ranks: Sequence[RankMetrics], warmup: int) -> list[dict[str, An
 
 
 def write_json_atomic(path: Path, doc: Any) -> Path:
-    """Write JSON through a temporary file and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write JSON through a temporary file and a rename: a full disk leaves the previous file (and no
+    half-written one) and says so in one line.
+
+    Raises:
+        RunError: the file cannot be written (naming it, the bytes it needs and the bytes free).
+    """
+    text = json.dumps(doc, indent=1) + "\n"
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        free = ""
+        with contextlib.suppress(OSError):
+            free = f", {shutil.disk_usage(path.parent).free:,} bytes free"
+        raise RunError(
+            f"cannot write {path}: {exc.strerror or exc} (it needs {len(text.encode()):,} bytes{free})"
+        ) from exc
     return path
 
 

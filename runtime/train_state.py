@@ -27,10 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+from runtime import checkpoint_safe
 from runtime.errors import RunError
 from runtime.fqns import ModelNames
 from runtime.loss_scale import LossScaler
@@ -205,8 +204,7 @@ def load(
     """Load this rank's stages, optimizers, schedule and loss scale from the DCP checkpoint at
     ``path`` (every rank calls this together); returns the checkpoint's step and, with ``rng``, this
     rank's generator states (for :func:`set_rng` once the rank is set up)."""
-    reader = FileSystemReader(str(path))
-    present = frozenset(reader.read_metadata().state_dict_metadata)
+    present = frozenset(checkpoint_safe.read_metadata(path).state_dict_metadata)
     request = _Request(present, {}, [])
     asked = [_ask_stage(request, names, each) for each in held]
     wanted: dict[str, Any] = {**request.entries, "train_state": {"step": 0}}
@@ -216,7 +214,7 @@ def load(
         wanted["loss_scale"] = scaler.state_dict()
     if rng:
         wanted[f"rng.rank{rank}"] = _rng_now()
-    dcp_load(wanted, storage_reader=reader, process_group=group)
+    checkpoint_safe.load(wanted, path, group)
     with torch.no_grad():
         for target, source in request.copies:
             target.copy_(wanted[source])

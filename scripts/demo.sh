@@ -38,8 +38,8 @@ if ! pipeplan calibrate models/vgg16/gpus=2; then
 fi
 
 step "6. plan again from the calibrated profile and train again: measured/predicted shows how close it came" \
-     "pipeplan partition --profile profiles/vgg16/calibrated.json --gpus 2 && pipeplan run ... --steps 8"
-pipeplan partition --profile profiles/vgg16/calibrated.json --gpus 2
+     "pipeplan partition --profile profiles/vgg16/calibrated.json --gpus 2 --force && pipeplan run ... --steps 8"
+pipeplan partition --profile profiles/vgg16/calibrated.json --gpus 2 --force
 pipeplan run models/vgg16/gpus=2 --steps 8 --lr 0.001
 
 printf '\nWritten: profiles/vgg16/{profile,calibrated}.json, models/vgg16/gpus={2,4}/ (stage code, plan.json,\n'

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -109,7 +110,11 @@ def test_file_factory_with_example_inputs_targets_and_loss(tmp_path: Path) -> No
     bundle = load_model(f"{path}:make", batch_size=5)
     assert bundle.inputs[0].shape == (5, 4) and bundle.targets.shape == (5, 3)
     assert bundle.loss_fn.__name__ == "loss_fn"
-    assert model_name(f"{path}:make") == "mymodel-make"
+    assert re.fullmatch(r"mymodel-make-[0-9a-f]{6}", model_name(f"{path}:make"))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "mymodel.py").write_text(path.read_text())
+    named = {model_name(f"{p}:{f}") for p in (path, tmp_path / "other" / "mymodel.py") for f in ("make", "b")}
+    assert len(named) == 4  # a file's name comes from the file, not only its stem and the factory
     assert model_name("hf:configs/llama3-70b.json") == "hf-llama3-70b"
     assert model_name("hf:checkpoints/tiny/config.json") == "hf-tiny"
     assert model_name("hf:llama") == "hf-llama"

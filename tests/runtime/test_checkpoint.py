@@ -3,6 +3,7 @@ killed writes removed, checkpoints before DCP refused with the conversion comman
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -46,6 +47,22 @@ def save_step(
             dcp_save(state, checkpoint_id=str(root / f"step-{step}.partial"), no_dist=True)
 
 
+def _overwrite(path: Path, data: bytes) -> None:
+    """Bytes in the middle of a file flipped by ``data`` (XOR, none zero), its size kept."""
+    body = bytearray(path.read_bytes())
+    middle = len(body) // 2
+    for i, flip in enumerate(data):
+        body[middle + i] ^= flip
+    path.write_bytes(bytes(body))
+
+
+def _unrecord(folder: Path) -> None:
+    """``meta.json`` as a run before digests wrote it (no ``files``)."""
+    meta = json.loads((folder / "meta.json").read_text())
+    del meta["files"]
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
 @pytest.fixture
 def pkg(tmp_path: Path) -> Path:
     return write_package(tmp_path / "pkg", "chain", replicas=(1, 1))
@@ -67,11 +84,21 @@ def test_newest_complete_step_is_chosen_and_leftovers_are_removed(tmp_path: Path
     [
         (lambda f: (f / "__0_0.distcp").write_bytes((f / "__0_0.distcp").read_bytes()[:50]), "truncated"),
         (lambda f: (f / "__0_0.distcp").unlink(), "incomplete, no __0_0.distcp"),
-        (lambda f: (f / ".metadata").write_bytes(b"garbage"), "unreadable"),
+        (lambda f: _overwrite(f / ".metadata", b"garbage"), ".metadata is not the file that was written"),
+        (lambda f: _overwrite(f / "__0_0.distcp", b"\xff"), "__0_0.distcp is not the file that was written"),
+        (lambda f: (_unrecord(f), _overwrite(f / ".metadata", b"garbage")), "unreadable"),
         (lambda f: (f / "meta.json").write_text("[]"), "unreadable"),
         (lambda f: (f / "meta.json").unlink(), "incomplete, no meta.json"),
     ],
-    ids=["truncated", "missing data", "garbage metadata", "meta not a record", "no meta"],
+    ids=[
+        "truncated",
+        "missing data",
+        "garbage metadata",
+        "flipped byte",
+        "no digests",
+        "meta not a record",
+        "no meta",
+    ],
 )
 def test_a_damaged_newest_step_falls_back_to_the_one_before(
     tmp_path: Path, pkg: Path, damage: Callable[[Path], object], why: str
