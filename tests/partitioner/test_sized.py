@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from partitioner.graph import Node, Profile, at_microbatches, profile_from_json, profile_to_json, split_backward
+from partitioner.errors import ProfileFormatError
+from partitioner.graph import (
+    Node,
+    Profile,
+    at_microbatches,
+    profile_from_json,
+    profile_to_json,
+    split_backward,
+)
 from partitioner.sized import SizedCost, at_size
 
 # a curve no line through two of its points follows: 64 -> 0.40, 16 -> 0.24, 8 -> 0.14 ms a call
@@ -59,5 +67,5 @@ def test_sizes_survive_profile_json_and_bad_ones_are_refused() -> None:
     assert "sized" not in doc["nodes"][2] and "split_ms" not in doc["nodes"][1]
     assert profile_from_json(doc).nodes[1].sized == CURVE
     doc["nodes"][1]["sized"][0][1] = -1.0
-    with pytest.raises(Exception, match="sized|forward"):
+    with pytest.raises(ProfileFormatError, match=r"sized|forward"):
         profile_from_json(doc)

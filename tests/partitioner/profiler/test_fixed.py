@@ -40,7 +40,8 @@ def test_profile_records_each_layers_fixed_time_and_how() -> None:
     assert all(n.forward_fixed_ms >= 0 and n.backward_fixed_ms >= 0 for n in layers)
     # every layer at every size, the batch's own times first; a linear's backward timed as B and W
     assert all([e.samples for e in n.sized] == [16, 8, 4, 2] for n in layers)
-    assert all((n.sized[0].forward_ms, n.sized[0].backward_ms) == (n.forward_ms, n.backward_ms) for n in layers)
+    assert all((n.sized[0].forward_ms, n.sized[0].backward_ms) == (n.forward_ms, n.backward_ms)
+               for n in layers)  # fmt: skip
     linear = [n for n in layers if n.target == "Linear"]
     assert linear and all(e.weight_ms > 0 for n in linear for e in n.sized)
     off = profile_model("tiny-mlp", batch_size=16, repeats=1, fixed_cost=False)
