@@ -36,7 +36,7 @@ from partitioner.profiler.estimate import (
     on_meta,
 )
 from partitioner.profiler.fake import trace_weightless
-from partitioner.profiler.fixed import measure_fixed, small_batch
+from partitioner.profiler.fixed import estimate_sizes, measure_fixed, sizes_of, small_batch
 from partitioner.profiler.layerwise import LayerwiseProfiler, Weights
 from partitioner.profiler.measure import (
     LayerCost,
@@ -268,13 +268,18 @@ def _estimated(
     param_dtype, cpu = resolve_dtype(dtype), torch.device("cpu")
     bundle = _lazy_bundle(load_model(spec, batch_size, input_shape, lazy=True), cpu, param_dtype)
     traced = trace_weightless(bundle, cpu, leaf_modules, input_shape)
-    estimator = LayerEstimator(on_meta(traced.graph_module), traced.groups, model, precision, reuse, progress)
+    meta = on_meta(traced.graph_module)
+    estimator = LayerEstimator(meta, traced.groups, model, precision, reuse, progress)
     with _failures(
         f"estimating {spec} on the meta device", "keep the module that fails whole with --leaf-module"
     ):
         costs = estimator.profile(*(t.to("meta") for t in bundle.inputs))
         loss_ms = estimate_loss(estimator.result, bundle.targets, bundle.loss_fn, model, precision)
         _record_loss_memory(costs, estimator.groups, estimator.result, bundle, precision)
+        sized = estimate_sizes(
+            lambda: LayerEstimator(meta, traced.groups, model, precision, reuse),
+            [t.to("meta") for t in bundle.inputs], batch_size, costs,
+        )  # fmt: skip
     assumptions = [*model.assumptions]
     moe = moe_assumption(bundle.module)
     if moe:
@@ -291,18 +296,19 @@ def _estimated(
         "from": device_model,
         "assumptions": assumptions,
     }
+    sizes = [batch_size, *sizes_of(batch_size)]
     extra = {
         ESTIMATE_KEY: estimate,
         "loss_ms": list(loss_ms),
         **_profiler_notes(estimator),
         UPDATE_KEY: estimate_update(traced.graph_module, model),
-        "fixed_cost": {"estimated": "one kernel launch per kernel"},
+        "fixed_cost": {"estimated": "one kernel launch per kernel", "sizes": sizes},
         "materialized": "none",
         "profile_wall_s": round(time.perf_counter() - started, 3),
         "loadavg_1min": [load_before, _load()],
         "cpus": os.cpu_count(),
     }
-    run = _Run(costs, loss_ms, None, estimator.fixed(), extra)
+    run = _Run(costs, loss_ms, None, estimator.fixed(), extra, sized)
     where = "cpu" if device_model == "cpu" else model.name
     profile = _assemble(spec, bundle, traced, where, param_dtype, precision, run, extra)
     check_weights_fit(profile, model.memory_bytes, model.name)

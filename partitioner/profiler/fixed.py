@@ -23,7 +23,7 @@ prices any size from them). The line stays: ``--schedule auto`` and older reader
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch.fx as fx
 from torch import Tensor
@@ -32,7 +32,7 @@ from partitioner.profiler.measure import LayerCost, LayerProfiler
 from partitioner.profiler.trace import Group
 from partitioner.sized import SizedCost
 
-__all__ = ["fit_fixed", "measure_fixed", "sized_entry", "sizes_of", "small_batch"]
+__all__ = ["estimate_sizes", "fit_fixed", "measure_fixed", "sized_entry", "sizes_of", "small_batch"]
 
 log = logging.getLogger(__name__)
 
@@ -111,3 +111,23 @@ def measure_fixed(
         for gid, cost in costs.items()
     }
     return fixed, sized, {"small_batch": few, "sizes": [batch, *sizes]}
+
+
+def estimate_sizes(
+    estimator: Callable[[], LayerProfiler],
+    inputs: Sequence[Tensor],
+    batch: int,
+    costs: Mapping[str, LayerCost],
+) -> dict[str, tuple[SizedCost, ...]]:
+    """A device model's times at every size of :func:`sizes_of` (``costs``: its estimate at ``batch``):
+    a fresh ``estimator()`` per size on the first samples of every (meta) input. A device model
+    prices each kernel as the longest of its compute, its memory traffic and a launch
+    (:mod:`partitioner.profiler.estimate`), so a small microbatch's matrix products, bound by their
+    weights' bytes, cost more per sample: the device's efficiency curve, priced like a measured one."""
+    found: dict[int, Mapping[str, LayerCost]] = {}
+    for few in sizes_of(batch):
+        found[few] = estimator().profile(*[t[:few] if t.dim() and t.shape[0] == batch else t for t in inputs])
+    return {
+        gid: (sized_entry(batch, cost), *(sized_entry(s, at[gid]) for s, at in found.items() if gid in at))
+        for gid, cost in costs.items()
+    }
