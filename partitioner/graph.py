@@ -266,16 +266,19 @@ def at_microbatches(profile: Profile, forwards: int) -> Profile:
     synchronous schedule's microbatches; pipedream: 1): what every search, the simulation and
     calibration price, so they all agree on one count.
 
-    Time: a layer measured at several microbatch sizes (``Node.sized``) is priced ``forwards`` calls
-    of ``batch_size / forwards`` samples each (:func:`partitioner.sized.at_size`), its split backward's
-    B and W with it (``Node.split_ms``). Otherwise two costs are per call, not per sample: each call
-    pays the node's fixed time, and the profile's times already hold ``batch_size / measured batch
-    size`` of them (one, unless measured at a microbatch and scaled up), so the difference is added
-    (or taken away). Memory: every forward under autocast keeps its own low-precision copy of the
-    weights it casts until its backward, so a minibatch of M microbatches holds M copies where its
-    activations add up to one minibatch's: the memory model, which divides ``saved_bytes`` by M per
-    microbatch in flight, then charges each microbatch one copy. Idempotent: the result has no
-    ``cast_bytes`` or fixed times left, and its times are recomputed from ``sized`` alike.
+    Time: a layer measured at several microbatch sizes (``Node.sized``) is priced ``forwards``
+    calls of ``batch_size / forwards`` samples each (:func:`partitioner.sized.at_size`), its split
+    backward's B and W with it (``Node.split_ms``), plus what its times hold beyond the calls they
+    were measured as (the optimizer's update, once a minibatch: on W where split). Otherwise two
+    costs are per call, not per sample: each call pays the node's fixed time, and the profile's
+    times already hold ``batch_size / measured batch size`` of them (one, unless measured at a
+    microbatch and scaled up), so the difference is added (or taken away).
+
+    Memory: every forward under autocast keeps its own low-precision copy of the weights it casts
+    until its backward, so a minibatch of M microbatches holds M copies where its activations add
+    up to one minibatch's: the memory model, which divides ``saved_bytes`` by M per microbatch in
+    flight, then charges each microbatch one copy. Idempotent: the result has no ``cast_bytes``,
+    fixed times or sizes left.
     """
     if not any(n.cast_bytes or n.forward_fixed_ms or n.backward_fixed_ms or n.sized for n in profile.nodes):
         return profile
@@ -288,11 +291,19 @@ def at_microbatches(profile: Profile, forwards: int) -> Profile:
             "forward_ms": max(0.0, n.forward_ms + extra_calls * n.forward_fixed_ms),
             "backward_ms": max(0.0, n.backward_ms + extra_calls * n.backward_fixed_ms),
         }
-        if n.sized and samples:
+        if n.sized and samples and profile.batch_size and measured:
+            # what the node's times hold beyond its measured calls (the optimizer's update, paid once
+            # a minibatch: ``partitioner.update.with_update_time``) is kept as it is
+            whole, k = at_size(n.sized, measured), profile.batch_size / measured
+            rest_f, rest_b = n.forward_ms - k * whole.forward_ms, n.backward_ms - k * whole.backward_ms
             call = at_size(n.sized, samples)
-            times = {"forward_ms": forwards * call.forward_ms, "backward_ms": forwards * call.backward_ms}
+            times = {
+                "forward_ms": max(0.0, forwards * call.forward_ms + rest_f),
+                "backward_ms": max(0.0, forwards * call.backward_ms + rest_b),
+            }
             if call.split:
-                times["split_ms"] = (forwards * call.input_ms, forwards * call.weight_ms)
+                times["split_ms"] = (forwards * call.input_ms, max(0.0, forwards * call.weight_ms + rest_b))
+            times["sized"] = ()
         return replace(
             n,
             **times,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from partitioner.errors import ProfileFormatError
@@ -13,6 +15,7 @@ from partitioner.graph import (
     profile_to_json,
     split_backward,
 )
+from partitioner.optimizer.pricing.recompute import recomputing
 from partitioner.sized import SizedCost, at_size
 
 # a curve no line through two of its points follows: 64 -> 0.40, 16 -> 0.24, 8 -> 0.14 ms a call
@@ -69,3 +72,16 @@ def test_sizes_survive_profile_json_and_bad_ones_are_refused() -> None:
     doc["nodes"][1]["sized"][0][1] = -1.0
     with pytest.raises(ProfileFormatError, match=r"sized|forward"):
         profile_from_json(doc)
+
+
+def test_what_the_times_hold_beyond_their_calls_stays_once_a_minibatch() -> None:
+    """The optimizer's update (``with_update_time``: on the backward, once a minibatch) is kept, on
+    W where the backward is split; a recomputing search's profile keeps its forward run again."""
+    profile = _profile()
+    nodes = (profile.nodes[0], replace(profile.nodes[1], backward_ms=0.80 + 0.5), profile.nodes[2])
+    at = at_microbatches(replace(profile, nodes=nodes), 4).nodes[1]
+    assert at.backward_ms == pytest.approx(4 * 0.44 + 0.5)
+    assert at.split_ms == pytest.approx((4 * 0.3, 4 * 0.2 + 0.5))
+    again = at_microbatches(recomputing(_profile()), 4).nodes[1]
+    assert again.backward_ms == pytest.approx(4 * (0.44 + 0.24))
+    assert again.split_ms == pytest.approx((4 * (0.3 + 0.24), 4 * 0.2))
