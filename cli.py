@@ -288,9 +288,12 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
               help="Round trips (or all-reduces) per round.")  # fmt: skip
 @click.option("--idle", is_flag=True, help="Measure CPU ranks idle, not computing on a run's threads "
               "as by default (GPU ranks: never loaded).")  # fmt: skip
+@click.option("--actions/--no-actions", default=True, show_default=True,
+              help="Also time the runtime's own cost per action: a short traced run of tiny-mlp on two "
+              "ranks, one stage each (one machine only), written as the file's action_overhead.")  # fmt: skip
 @node_options
 @user_errors
-def probe(gpus: int, output: str, device: str, **opts: Any) -> None:
+def probe(gpus: int, output: str, device: str, actions: bool, **opts: Any) -> None:
     """Measure the links between the ranks a run would use (latency, bandwidth, all-reduce) and write
     a cluster file that `partition --cluster FILE` reads.
 
@@ -307,6 +310,14 @@ def probe(gpus: int, output: str, device: str, **opts: Any) -> None:
     options = ProbeOptions(gpus=gpus, device=probe_device(device), **opts)
     print_probing(options)
     print_probe(run_probe(options, Path(output), " ".join(["pipeplan", *sys.argv[1:]])), output)
+    if actions and options.nnodes == 1 and gpus >= 2:
+        from cli_render.probe import print_actions, print_timing_actions
+        from partitioner.action_probe import probe_actions, record_actions
+
+        print_timing_actions()
+        found = probe_actions(2, "cuda" if options.device == "cuda" else "cpu")
+        record_actions(Path(output), found)
+        print_actions(found, Path(output))
 
 
 def _with_config(ctx: click.Context, package: str | None, opts: dict[str, Any]) -> str | None:

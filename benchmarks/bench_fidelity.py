@@ -16,12 +16,14 @@ for 1f1b and gpipe, since small batches cost more per sample), ``pipeplan partit
 2. Rank correlation: 12 candidate plans of vgg16 (the optimizer's plans for the six schedules and
    1f1b with 4 microbatches, and fixed plans: a cut at 10%, 25% or 50% of the profiled compute, data
    parallelism, 1f1b cut at 25%), Spearman's rank correlation of measured against predicted.
-3. Both again after ``pipeplan probe`` (the links, once) and one ``pipeplan calibrate`` per profile
-   (from every plan of the first pass run on it, a rank hosting several stages giving each its
-   rank's factor: each layer takes the median of its runs; every run with one stage per rank
-   traced, their messages and gradient all-reduces correcting the probed cluster file's latencies,
-   and the idle time after their actions setting its time per action, for that profile's plans):
-   what a user gets first, and after those two commands.
+   Both planned on the cluster file ``pipeplan probe`` wrote (the links and the runtime's time per
+   action, once; no run before it).
+3. Both again after one ``pipeplan calibrate`` per profile (from every plan of the first pass run
+   on it, a rank hosting several stages giving each its rank's factor: each layer takes the median
+   of its runs; every run with one stage per rank traced, their messages and gradient all-reduces
+   correcting a copy of the probed cluster file's latencies, and the idle time after their actions
+   setting its time per action, for that profile's plans): what a user gets first, and after
+   calibrate.
 
 Besides the wall-clock ratio, every run reports its ranks' compute CPU time against the plan's stage
 compute (the profile is CPU time): on a CPU that other jobs share, a rank that gets half a core takes
@@ -104,9 +106,10 @@ CANDIDATES = (
     Candidate("1f1b m=4 (optimizer)", "1f1b", 4),
 )
 PASSES = ("as planned", "probe + calibrate")
-"""Each plan is made and run twice: from the profile as measured on the default 2-rank cluster (what a
-user gets first), then from the profile calibrated by one run of that profile (the first plan made
-from it) on the cluster ``pipeplan probe`` measured (what a user gets after the two commands)."""
+"""Each plan is made and run twice: from the profile as measured on the cluster ``pipeplan probe``
+measured (its links and the runtime's time per action: what a user gets first, before any run),
+then from the profile calibrated by the runs of that profile on a copy of the probed cluster file
+that calibrate corrected from their traces (what a user gets after ``calibrate``)."""
 TIME_WITHIN, BUBBLE_WITHIN, MEMORY_WITHIN = 0.10, 0.05, 0.10
 LOAD_PER_CORE = 1.5  # runs measured above this 1-minute load per core are reported, not scored
 
@@ -354,7 +357,8 @@ def main() -> None:
                     paths[micro], summary = profile(cli, model, args.repeats, micro)
                     profiles.append(summary)
             length = (args.steps, args.seconds)
-            done = run_pass(cli, model, cands, paths, {}, PASSES[0], runs, length)
+            probed_file = {micro: "cluster.json" for micro in paths}  # as planned: probed, not calibrated
+            done = run_pass(cli, model, cands, paths, probed_file, PASSES[0], runs, length)
             calibrated, clusters = calibrate(cli, paths, done, profiles)
             run_pass(cli, model, cands, calibrated, clusters, PASSES[1], runs, length)
     args.probed = {k: probed.get(k) for k in ("latency", "bandwidth")}

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cli_render.common import console, new_table
 
-if TYPE_CHECKING:  # (types only: this module prints, runtime.probe measures)
+if TYPE_CHECKING:  # (types only: this module prints, runtime.probe and action_probe measure)
+    from partitioner.action_probe import ActionProbe
     from runtime.probe import ProbeOptions, ProbeOutcome
 
-__all__ = ["print_probe", "print_probing"]
+__all__ = ["print_actions", "print_probe", "print_probing", "print_timing_actions"]
 
 
 def print_probing(options: ProbeOptions) -> None:
@@ -33,3 +35,16 @@ def print_probe(outcome: ProbeOutcome | None, output: str) -> None:
     out.print(table)
     for line in outcome.notes:
         out.print(line)
+
+
+def print_timing_actions() -> None:
+    """Say that the time per action is being measured (a short traced run, seconds)."""
+    console(stderr=True).print("timing the runtime's own cost per action (a short traced run) ...")
+
+
+def print_actions(found: ActionProbe, path: Path) -> None:
+    """The time per action measured and written into the cluster file at ``path``."""
+    console().print(
+        f"time per action {found.action_s * 1e3:.3f} ms (mean of {found.actions} actions' gaps, median "
+        f"{found.median_s * 1e3:.3f} ms) -> {path}'s action_overhead"
+    )

@@ -259,8 +259,9 @@ def calibrate_runs(profile: Profile, runs: Sequence[Measured]) -> Profile:
 
     One run's stage times carry that run's noise into every plan made from the result; the median
     of several runs (of different plans of the same profile, or the same plan run again) keeps a
-    single slow or fast run from setting the scale. Each layer's fixed time per call is scaled with
-    the rest, so the calibrated profile still prices other microbatch counts.
+    single slow or fast run from setting the scale. Each layer's fixed time per call and its times at
+    each measured size are scaled with the rest, so the calibrated profile still prices other
+    microbatch counts.
 
     A schedule that splits its backward (zb1p, zbv) runs the same layers slower than a fused backward
     on small layers (:func:`~partitioner.graph.split_backward`), so where runs of both kinds measured a
@@ -280,7 +281,9 @@ def calibrate_runs(profile: Profile, runs: Sequence[Measured]) -> Profile:
             backward_ms=n.backward_ms * f,
             forward_fixed_ms=n.forward_fixed_ms * f,
             backward_fixed_ms=n.backward_fixed_ms * f,
-        )
+            sized=tuple(replace(e, forward_ms=e.forward_ms * f, backward_ms=e.backward_ms * f,
+                                input_ms=e.input_ms * f, weight_ms=e.weight_ms * f) for e in n.sized),
+        )  # fmt: skip
 
     nodes = tuple(scaled(n) if n.id in factor_of else n for n in profile.nodes)
     notes = [

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from partitioner.atomic import write_text_atomic
 from partitioner.errors import ProfileFormatError
+from partitioner.sized import SizedCost, at_size, sized_from_json, sized_to_json
 from runtime.formats import PROFILE_FIELDS
 from runtime.precision import PRECISIONS
 from runtime.schema import SchemaError, check
@@ -111,6 +112,12 @@ class Node:
             batch like ``output_bytes``.
         tp_max: the largest tensor-parallel degree the node divides into (its heads, its hidden
             size); a degree must divide it. 0: the node is not split.
+        sized: its times per call at the microbatch sizes it was measured at, with the split
+            backward's B and W timed apart (:mod:`partitioner.sized`): what :func:`at_microbatches`
+            prices a microbatch from. Empty: not measured (the fixed times, else proportion).
+        split_ms: (B, W) ms per minibatch of a split backward at the priced microbatch, written by
+            :func:`at_microbatches` from ``sized`` (never read from a file); empty: not measured,
+            and a split schedule prices W as a fixed share of ``backward_ms``.
     """
 
     id: str
@@ -135,6 +142,8 @@ class Node:
     tp_param_bytes: int = 0
     tp_comm_bytes: int = 0
     tp_max: int = 0
+    sized: tuple[SizedCost, ...] = ()
+    split_ms: tuple[float, ...] = ()
 
     @property
     def compute_ms(self) -> float:
@@ -257,24 +266,47 @@ def at_microbatches(profile: Profile, forwards: int) -> Profile:
     synchronous schedule's microbatches; pipedream: 1): what every search, the simulation and
     calibration price, so they all agree on one count.
 
-    Two costs are per call, not per sample. Time: each call pays the node's fixed time, and the
-    profile's times already hold ``batch_size / measured batch size`` of them (one, unless measured at
-    a microbatch and scaled up), so the difference is added (or taken away). Memory: every forward
-    under autocast keeps its own low-precision copy of the weights it casts until its backward, so a
-    minibatch of M microbatches holds M copies where its activations add up to one minibatch's: the
-    memory model, which divides ``saved_bytes`` by M per microbatch in flight, then charges each
-    microbatch one copy. Idempotent: the result has no ``cast_bytes`` or fixed times left.
+    Time: a layer measured at several microbatch sizes (``Node.sized``) is priced ``forwards``
+    calls of ``batch_size / forwards`` samples each (:func:`partitioner.sized.at_size`), its split
+    backward's B and W with it (``Node.split_ms``), plus what its times hold beyond the calls they
+    were measured as (the optimizer's update, once a minibatch: on W where split). Otherwise two
+    costs are per call, not per sample: each call pays the node's fixed time, and the profile's
+    times already hold ``batch_size / measured batch size`` of them (one, unless measured at a
+    microbatch and scaled up), so the difference is added (or taken away).
+
+    Memory: every forward under autocast keeps its own low-precision copy of the weights it casts
+    until its backward, so a minibatch of M microbatches holds M copies where its activations add
+    up to one minibatch's: the memory model, which divides ``saved_bytes`` by M per microbatch in
+    flight, then charges each microbatch one copy. Idempotent: the result has no ``cast_bytes``,
+    fixed times or sizes left.
     """
-    if not any(n.cast_bytes or n.forward_fixed_ms or n.backward_fixed_ms for n in profile.nodes):
+    if not any(n.cast_bytes or n.forward_fixed_ms or n.backward_fixed_ms or n.sized for n in profile.nodes):
         return profile
     measured = profile.extra.get("measured_batch_size") or profile.batch_size
     extra_calls = forwards - (profile.batch_size / measured if profile.batch_size and measured else 1.0)
+    samples = profile.batch_size / forwards if profile.batch_size else None
 
     def charged(n: Node) -> Node:
+        times: dict[str, Any] = {
+            "forward_ms": max(0.0, n.forward_ms + extra_calls * n.forward_fixed_ms),
+            "backward_ms": max(0.0, n.backward_ms + extra_calls * n.backward_fixed_ms),
+        }
+        if n.sized and samples and profile.batch_size and measured:
+            # what the node's times hold beyond its measured calls (the optimizer's update, paid once
+            # a minibatch: ``partitioner.update.with_update_time``) is kept as it is
+            whole, k = at_size(n.sized, measured), profile.batch_size / measured
+            rest_f, rest_b = n.forward_ms - k * whole.forward_ms, n.backward_ms - k * whole.backward_ms
+            call = at_size(n.sized, samples)
+            times = {
+                "forward_ms": max(0.0, forwards * call.forward_ms + rest_f),
+                "backward_ms": max(0.0, forwards * call.backward_ms + rest_b),
+            }
+            if call.split:
+                times["split_ms"] = (forwards * call.input_ms, max(0.0, forwards * call.weight_ms + rest_b))
+            times["sized"] = ()
         return replace(
             n,
-            forward_ms=max(0.0, n.forward_ms + extra_calls * n.forward_fixed_ms),
-            backward_ms=max(0.0, n.backward_ms + extra_calls * n.backward_fixed_ms),
+            **times,
             saved_bytes=n.saved_bytes + forwards * n.cast_bytes,
             cast_bytes=0,
             forward_fixed_ms=0.0,
@@ -285,20 +317,31 @@ def at_microbatches(profile: Profile, forwards: int) -> Profile:
 
 
 def split_backward(profile: Profile) -> Profile:
-    """The profile as a schedule that splits each backward into B and W (zb1p, zbv) runs it: every
-    layer's backward times the factor calibrate measured from such runs (:data:`SPLIT_BACKWARD`),
-    which is then dropped, so a second call changes nothing. Why a factor: the runtime's W makes one
-    autograd call per weight branch and B walks the stage's graph, fixed costs that the profile's
-    fused backward does not pay (1.39x on two decoder layers of hidden 64, 1.00x at hidden 512:
-    ``benchmarks/bench_split_backward.py``). A profile without one is returned as is."""
+    """The profile as a schedule that splits each backward into B and W (zb1p, zbv) runs it.
+
+    A layer whose B and W were timed apart (``Node.split_ms``, from :func:`at_microbatches`) costs
+    their sum: the runtime's W makes one autograd call per weight branch and B walks the stage's
+    graph, fixed costs that the fused backward does not pay (1.39x on two decoder layers of hidden
+    64, 1.00x at hidden 512: ``benchmarks/bench_split_backward.py``). Where calibrate measured a
+    factor from such runs (:data:`SPLIT_BACKWARD`), every backward is the fused one times it (B and
+    W in their measured proportion), and the factor is dropped, so a second call changes nothing.
+    A profile with neither is returned as is."""
     measured = profile.extra.get(SPLIT_BACKWARD)
-    if not isinstance(measured, Mapping) or "factor" not in measured:
+    factor = isinstance(measured, Mapping) and "factor" in measured
+    if not factor and not any(n.split_ms for n in profile.nodes):
         return profile
-    g = float(measured["factor"])
+    g = float(measured["factor"]) if factor and isinstance(measured, Mapping) else None
     extra = {k: v for k, v in profile.extra.items() if k != SPLIT_BACKWARD}
-    nodes = tuple(replace(n, backward_ms=n.backward_ms * g, backward_fixed_ms=n.backward_fixed_ms * g)
-                  for n in profile.nodes)  # fmt: skip
-    return replace(profile, nodes=nodes, extra=extra)
+
+    def split(n: Node) -> Node:
+        if g is None:
+            return replace(n, backward_ms=math.fsum(n.split_ms)) if n.split_ms else n
+        backward = n.backward_ms * g
+        total = math.fsum(n.split_ms)
+        parts = tuple(p * backward / total for p in n.split_ms) if n.split_ms and total > 0 else n.split_ms
+        return replace(n, backward_ms=backward, backward_fixed_ms=n.backward_fixed_ms * g, split_ms=parts)
+
+    return replace(profile, nodes=tuple(split(n) for n in profile.nodes), extra=extra)
 
 
 def profile_to_json(profile: Profile) -> dict[str, Any]:
@@ -309,9 +352,12 @@ def profile_to_json(profile: Profile) -> dict[str, Any]:
     doc["extra"] = dict(profile.extra)
     doc["fidelity"] = profile.fidelity
     for node in doc["nodes"]:  # only nodes tensor parallelism splits say so (older readers never see it)
-        for key in ("tp_param_bytes", "tp_comm_bytes", "tp_max"):
+        for key in ("tp_param_bytes", "tp_comm_bytes", "tp_max", "sized"):
             if not node[key]:
                 del node[key]
+        if "sized" in node:
+            node["sized"] = sized_to_json([SizedCost(**e) for e in node["sized"]])
+        del node["split_ms"]  # derived at pricing, never stored
     return doc
 
 
@@ -379,6 +425,7 @@ def _node_from_json(doc: Mapping[str, Any]) -> Node:
         tp_param_bytes=int(doc.get("tp_param_bytes", 0)),
         tp_comm_bytes=int(doc.get("tp_comm_bytes", 0)),
         tp_max=int(doc.get("tp_max", 0)),
+        sized=sized_from_json(doc.get("sized", ())),
     )
 
 

@@ -24,6 +24,7 @@ _NODE = Obj(
         **{key: Int(0) for key in ("tp_param_bytes", "tp_comm_bytes", "tp_max")},
         "param_names": List(Str()),
         "members": List(Str()),
+        "sized": List(List(Num(0.0))),
     },
 )
 

@@ -15,7 +15,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -36,7 +36,7 @@ from partitioner.profiler.estimate import (
     on_meta,
 )
 from partitioner.profiler.fake import trace_weightless
-from partitioner.profiler.fixed import measure_fixed, small_batch
+from partitioner.profiler.fixed import estimate_sizes, measure_fixed, sizes_of, small_batch
 from partitioner.profiler.layerwise import LayerwiseProfiler, Weights
 from partitioner.profiler.measure import (
     LayerCost,
@@ -49,6 +49,7 @@ from partitioner.profiler.measure import (
 )
 from partitioner.profiler.trace import Group, Traced, trace_model
 from partitioner.profiler.update import measure_update
+from partitioner.sized import SizedCost
 from partitioner.update import UPDATE_KEY
 from runtime.precision import PRECISIONS
 
@@ -267,13 +268,18 @@ def _estimated(
     param_dtype, cpu = resolve_dtype(dtype), torch.device("cpu")
     bundle = _lazy_bundle(load_model(spec, batch_size, input_shape, lazy=True), cpu, param_dtype)
     traced = trace_weightless(bundle, cpu, leaf_modules, input_shape)
-    estimator = LayerEstimator(on_meta(traced.graph_module), traced.groups, model, precision, reuse, progress)
+    meta = on_meta(traced.graph_module)
+    estimator = LayerEstimator(meta, traced.groups, model, precision, reuse, progress)
     with _failures(
         f"estimating {spec} on the meta device", "keep the module that fails whole with --leaf-module"
     ):
         costs = estimator.profile(*(t.to("meta") for t in bundle.inputs))
         loss_ms = estimate_loss(estimator.result, bundle.targets, bundle.loss_fn, model, precision)
         _record_loss_memory(costs, estimator.groups, estimator.result, bundle, precision)
+        sized = estimate_sizes(
+            lambda: LayerEstimator(meta, traced.groups, model, precision, reuse),
+            [t.to("meta") for t in bundle.inputs], batch_size, costs,
+        )  # fmt: skip
     assumptions = [*model.assumptions]
     moe = moe_assumption(bundle.module)
     if moe:
@@ -290,18 +296,19 @@ def _estimated(
         "from": device_model,
         "assumptions": assumptions,
     }
+    sizes = [batch_size, *sizes_of(batch_size)]
     extra = {
         ESTIMATE_KEY: estimate,
         "loss_ms": list(loss_ms),
         **_profiler_notes(estimator),
         UPDATE_KEY: estimate_update(traced.graph_module, model),
-        "fixed_cost": {"estimated": "one kernel launch per kernel"},
+        "fixed_cost": {"estimated": "one kernel launch per kernel", "sizes": sizes},
         "materialized": "none",
         "profile_wall_s": round(time.perf_counter() - started, 3),
         "loadavg_1min": [load_before, _load()],
         "cpus": os.cpu_count(),
     }
-    run = _Run(costs, loss_ms, None, estimator.fixed(), extra)
+    run = _Run(costs, loss_ms, None, estimator.fixed(), extra, sized)
     where = "cpu" if device_model == "cpu" else model.name
     profile = _assemble(spec, bundle, traced, where, param_dtype, precision, run, extra)
     check_weights_fit(profile, model.memory_bytes, model.name)
@@ -355,6 +362,8 @@ class _Run:
     step_ms: float | None
     fixed: Mapping[str, tuple[float, float]]
     extra: Mapping[str, Any]
+    sized: Mapping[str, tuple[SizedCost, ...]] = field(default_factory=dict)
+    """per group, its times at each measured microbatch size (``Node.sized``)."""
 
 
 def _whole(bundle: ModelBundle, traced: Traced, batch_size: int, o: _Options) -> _Run:
@@ -369,7 +378,7 @@ def _whole(bundle: ModelBundle, traced: Traced, batch_size: int, o: _Options) ->
     before = measure_step(*step_args, repeats=1, warmup=1, clock=o.clock, precision=o.precision)
     profiler = LayerProfiler(
         gm, traced.groups, repeats=o.repeats, progress=o.progress, clock=o.clock, precision=o.precision,
-        reuse=o.reuse,
+        reuse=o.reuse, split=o.fixed_cost,
     )  # fmt: skip
     costs, loss_ms, notes = _layers_and_loss(profiler, bundle, o)
     del profiler
@@ -380,10 +389,10 @@ def _whole(bundle: ModelBundle, traced: Traced, batch_size: int, o: _Options) ->
     samples = before.samples_ms + after.samples_ms
     step = StepCost(statistics.median(samples), samples)
     update = measure_update(gm, o.repeats, o.clock)
-    fixed, fixed_note = (
+    fixed, sized, fixed_note = (
         measure_fixed(gm, traced.groups, bundle.inputs, batch_size, costs, o.repeats, o.clock, o.precision)
         if o.fixed_cost
-        else ({}, {"skipped": "profiled with --no-fixed-cost"})
+        else ({}, {}, {"skipped": "profiled with --no-fixed-cost"})
     )
     extra = {
         "step_of": "graph_module",
@@ -393,7 +402,7 @@ def _whole(bundle: ModelBundle, traced: Traced, batch_size: int, o: _Options) ->
         UPDATE_KEY: update,
         "fixed_cost": fixed_note,
     }
-    return _Run(costs, loss_ms, step.step_ms, fixed, extra)
+    return _Run(costs, loss_ms, step.step_ms, fixed, extra, sized)
 
 
 def _by_layer(bundle: ModelBundle, traced: Traced, where: torch.device, o: _Options) -> _Run:
@@ -465,7 +474,7 @@ def _assemble(
     extra: Mapping[str, Any],
 ) -> Profile:
     """The profile of a traced model from what a run measured (or estimated)."""
-    nodes = _nodes(traced, run.costs, run.loss_ms, bundle.loss_fn, run.fixed)
+    nodes = _nodes(traced, run.costs, run.loss_ms, bundle.loss_fn, run.fixed, run.sized)
     return Profile(
         nodes=nodes,
         model=spec,
@@ -550,6 +559,7 @@ def _nodes(
     loss_ms: tuple[float, float],
     loss_fn: Callable[..., Any],
     fixed: Mapping[str, tuple[float, float]],
+    sized: Mapping[str, tuple[SizedCost, ...]],
 ) -> tuple[Node, ...]:
     gm = traced.graph_module
     owner = {m: g.id for g in traced.groups for m in g.members}
@@ -589,6 +599,7 @@ def _nodes(
                 members=group.members if len(group.members) > 1 else (),
                 forward_fixed_ms=fixed.get(group.id, (0.0, 0.0))[0] if group.op != "output" else 0.0,
                 backward_fixed_ms=fixed.get(group.id, (0.0, 0.0))[1] if group.op != "output" else 0.0,
+                sized=sized.get(group.id, ()) if group.op not in ("input", "output") else (),
             )
         )
     return tuple(nodes)

@@ -34,6 +34,7 @@ from partitioner.profiler.meta_autocast import autocast_on
 from partitioner.profiler.trace import Group
 from partitioner.profiler.working import backward_rise, backward_working, split_deferred
 from runtime.precision import autocast
+from runtime.split_backward import backward_input, backward_weight
 
 __all__ = [
     "LayerCost",
@@ -68,6 +69,9 @@ class LayerCost:
             (:func:`~partitioner.profiler.working.split_deferred`).
         kept_output_bytes: the part of ``output_bytes`` its own backward keeps
             (:meth:`LayerProfiler.kept_output`; ``Node.kept_output_bytes``).
+        input_ms: median time of its backward split as zb1p's and zbv's runtime splits it
+            (``runtime.split_backward``): B, the input gradients (0 with ``weight_ms`` 0: not timed).
+        weight_ms: the same split's W, the weight gradients from what B kept.
     """
 
     forward_ms: float
@@ -78,6 +82,8 @@ class LayerCost:
     working_bytes: int = 0
     deferred_bytes: int = 0
     kept_output_bytes: int = 0
+    input_ms: float = 0.0
+    weight_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -187,9 +193,12 @@ class LayerProfiler(fx.Interpreter):
         reuse: bool = True,
         device: torch.device | None = None,
         calls: int | None = None,
+        split: bool = False,
     ) -> None:
         super().__init__(gm, garbage_collect_values=False)
         self.precision = precision
+        self.split = split
+        """also time each layer's backward split into B and W (:meth:`_time_split`)."""
         self.groups = list(groups)
         self.repeats = max(1, repeats)
         self.warmup = max(1, warmup)
@@ -286,6 +295,7 @@ class LayerProfiler(fx.Interpreter):
         saved = cast = working = deferred = 0
         forward: list[float] = []
         backward: list[float] = []
+        split: tuple[list[float], list[float]] = ([], [])
         warm: list[float] = []
         for run in range(self.warmup + self.repeats):
             if run > self.warmup and sum(forward) + sum(backward) >= self.budget_ms:
@@ -312,11 +322,38 @@ class LayerProfiler(fx.Interpreter):
                 with torch.enable_grad(), self.stopwatch.time(backward if timed else warm, len(work)):
                     for roots, wrt, seeds in work:
                         torch.autograd.grad(roots, wrt, seeds, allow_unused=True)
+                if self.split and timed:
+                    self._time_split(members, exported, external, params, split)
         out_bytes = sum(t.nbytes for m in exported for t in _tensors(self.env[m]))
         return LayerCost(
             _median(forward), _median(backward), out_bytes, saved, cast, working, deferred,
-            self.kept_output(group.id, exported),
+            self.kept_output(group.id, exported), _median(split[0]), _median(split[1]),
         )  # fmt: skip
+
+    def _time_split(
+        self,
+        members: list[fx.Node],
+        exported: list[fx.Node],
+        external: set[fx.Node],
+        params: list[Tensor],
+        into: tuple[list[float], list[float]],
+    ) -> None:
+        """Time one backward of the layer as a split schedule's runtime runs it, on a forward of its
+        own (untimed): B (``backward_input``: the input gradients, recording what W needs) into
+        ``into[0]``, then W (``backward_weight``) into ``into[1]``. Their sum is what zb1p and zbv
+        pay for the layer's backward: more than the fused one where a layer is small (B walks the
+        graph, W makes one autograd call per weight branch)."""
+        leaves, env, _ = self._fresh_inputs(external)
+        outs, _, _ = self._forward(members, env, False)
+        roots = [t for m in exported for t in _tensors(outs[m.name]) if t.grad_fn is not None]
+        if not roots or not (leaves or params):
+            return
+        seeds: list[Tensor | None] = [torch.ones_like(t) for t in roots]
+        with torch.enable_grad():
+            with self.stopwatch.time(into[0]):
+                _, work = backward_input(roots, seeds, leaves, params)
+            with self.stopwatch.time(into[1]):
+                backward_weight(work)
 
     def _calls(self, warm: list[float]) -> int:
         """Back-to-back calls per timing: the stopwatch's, or one for a layer whose warm-up took

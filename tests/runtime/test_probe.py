@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import partitioner.action_probe
 import runtime.probe
 from cli import main
+from partitioner.action_probe import ActionProbe
 from partitioner.clusters import load_cluster
 from partitioner.graph import write_graph_txt
 from partitioner.optimizer.pricing.stage import allreduce_time
@@ -51,6 +53,25 @@ def test_probe_two_local_ranks_writes_a_cluster_file(tmp_path: Path) -> None:
     assert doc["probe"]["cores"] == "busy" and doc["probe"]["threads"] >= 1
     assert 0 < doc["probe"]["core_share"] <= 1
     assert "computing on" in doc["sources"] and "computing on" in " ".join(out.split())
+    # the runtime's time per action, from a short traced run of the runtime's own loop
+    assert cluster.action_s == doc["action_overhead"] == doc["probe"]["actions"]["action_s"] > 0
+    assert doc["probe"]["actions"]["actions_timed"] >= 5 and "time per action" in " ".join(out.split())
+
+
+def test_the_time_per_action_lands_in_the_cluster_file_partition_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(runtime.probe, "probe", lambda o: _fake_result(o))
+    found = ActionProbe(4e-4, 120, 3e-4, ("pipeplan run PKG --trace T",))
+    monkeypatch.setattr(partitioner.action_probe, "probe_actions", lambda ranks, device: found)
+    path = tmp_path / "cluster.json"
+    code, out, err = _run("probe", "--device", "cpu", "-o", str(path))
+    assert code == 0, err
+    assert load_cluster(str(path)).action_s == pytest.approx(4e-4)
+    doc = json.loads(path.read_text())
+    assert doc["probe"]["actions"] == {"action_s": 4e-4, "median_s": 3e-4, "actions_timed": 120,
+                                       "commands": ["pipeplan run PKG --trace T"]}  # fmt: skip
+    assert "time per action 0.400 ms" in " ".join(out.split())
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
@@ -104,9 +125,12 @@ def test_the_cluster_file_records_how_the_cores_were_held(
     monkeypatch.setattr(runtime.probe, "probe", lambda o: seen.append(o) or _fake_result(o))
     for flag, cores in (("--idle", "idle"), ("", "busy")):
         path = tmp_path / f"{cores}.json"
-        code, out, err = _run("probe", "--device", "cpu", *([flag] if flag else []), "-o", str(path))
+        code, out, err = _run(
+            "probe", "--device", "cpu", "--no-actions", *([flag] if flag else []), "-o", str(path)
+        )
         assert code == 0, err
         doc = json.loads(path.read_text())
+        assert "action_overhead" not in doc
         assert doc["probe"]["cores"] == cores and load_cluster(str(path)).levels[0].latency == 1e-4
         said = "ranks idle" if cores == "idle" else "computing on 1 thread(s)"
         assert said in doc["sources"] and said in " ".join(out.split())

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from partitioner.errors import InfeasibleError, PlanError
-from partitioner.graph import Profile
+from partitioner.graph import Node, Profile
 from partitioner.optimizer.pricing.device_memory import StageBytes, walked_peak
 from partitioner.optimizer.pricing.memory import (
     allreduce_bytes,
@@ -25,6 +25,7 @@ from partitioner.optimizer.pricing.memory import (
 )
 from partitioner.optimizer.pricing.schedules import model, plan_times, with_actions
 from partitioner.optimizer.pricing.stage import (
+    W_SHARE,
     StageLoad,
     StagePrice,
     StageTimes,
@@ -154,9 +155,21 @@ def stage_loads(profile: Profile, groups: Sequence[Sequence[str]], posted: bool 
                 sent_bytes=sent[i + 1],
                 received_bytes=kept[i],
                 posted_bytes=max(crossing[i], crossing[i + 1]) if posted else 0.0,
+                weight_s=_weight_s(members, first=i == 0),
             )
         )
     return loads
+
+
+def _weight_s(members: Sequence[Node], first: bool) -> float | None:
+    """A stage's W seconds under a split backward, from its layers' measured (B, W): their Ws, or on
+    the first stage its whole backward (``runtime.split_backward``: with no input gradient to make, B
+    does nothing and W runs the backward); None where no layer was timed so."""
+    if not any(n.split_ms for n in members):
+        return None
+    if first:
+        return math.fsum(n.backward_ms for n in members) / 1000.0
+    return math.fsum(n.split_ms[1] if n.split_ms else n.backward_ms * W_SHARE for n in members) / 1000.0
 
 
 def stage_link(cluster: Cluster, ranks: Sequence[int], neighbours: Sequence[int]) -> Link:

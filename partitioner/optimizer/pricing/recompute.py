@@ -11,21 +11,29 @@ from partitioner.optimizer.pricing.price import StageSpec, assemble
 from partitioner.optimizer.pricing.schedules import model, priced_profile
 from partitioner.optimizer.pricing.simulate import played
 from partitioner.plan import Cluster, Plan
+from partitioner.sized import SizedCost
 
 __all__ = ["recomputing", "repriced"]
 
 
 def recomputing(profile: Profile) -> Profile:
-    """The profile a search for recomputing stages runs on: backward + forward (fixed times too, as
-    the forward runs again per microbatch), nothing saved but the loss's (the output node's: the
-    runtime runs the loss outside the recomputed forward, ``StageLoad.kept_bytes``)."""
+    """The profile a search for recomputing stages runs on: backward + forward (fixed times and the
+    times at each measured size too, as the forward runs again per microbatch, before a split
+    backward's B), nothing saved but the loss's (the output node's: the runtime runs the loss
+    outside the recomputed forward, ``StageLoad.kept_bytes``)."""
     nodes = tuple(
         replace(n, backward_ms=n.backward_ms + n.forward_ms,
                 saved_bytes=n.saved_bytes if n.op == "output" else 0,
-                backward_fixed_ms=n.backward_fixed_ms + n.forward_fixed_ms)
+                backward_fixed_ms=n.backward_fixed_ms + n.forward_fixed_ms,
+                sized=tuple(_again(e) for e in n.sized))
         for n in profile.nodes
     )  # fmt: skip
     return replace(profile, nodes=nodes)
+
+
+def _again(e: SizedCost) -> SizedCost:
+    """One measured size with its forward run again in the backward (in B, where timed apart)."""
+    return replace(e, backward_ms=e.backward_ms + e.forward_ms, input_ms=e.input_ms + e.forward_ms * e.split)
 
 
 def _search_extra(plan: Plan) -> dict[str, object]:

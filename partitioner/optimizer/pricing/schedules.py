@@ -262,13 +262,17 @@ def _sync_times(
 
 
 def zero_bubble_time(
-    forward: Sequence[float], backward: Sequence[float], link: Sequence[float], microbatches: int
+    forward: Sequence[float],
+    backward: Sequence[float],
+    link: Sequence[float],
+    microbatches: int,
+    w_share: Sequence[float] | None = None,
 ) -> float:
     """ZB-H1's time for one minibatch (no all-reduce) from one microbatch's per-stage times: the larger
     of the critical path and the busiest stage, exact on equal stages (the bounds and their measured
-    error: docs/optimizer-pricing.md)."""
-    b = [t * (1.0 - W_SHARE) for t in backward]
-    w = [t * W_SHARE for t in backward]
+    error: docs/optimizer-pricing.md). ``w_share``: W's part of each stage's backward
+    (``StageLoad.weight_share``; default :data:`~.stage.W_SHARE`)."""
+    b, w = _split(backward, w_share)
     e = [f + bi + a for f, bi, a in zip(forward, b, link, strict=True)]
     busy = [f + t for f, t in zip(forward, backward, strict=True)]
     s = max(range(len(busy)), key=busy.__getitem__)
@@ -277,11 +281,21 @@ def zero_bubble_time(
     return max(path, stage)
 
 
+def _split(backward: Sequence[float], w_share: Sequence[float] | None) -> tuple[list[float], list[float]]:
+    """Each backward's B and W parts, W being ``w_share`` of it (:data:`~.stage.W_SHARE` where None)."""
+    shares = [W_SHARE] * len(backward) if w_share is None else list(w_share)
+    w = [t * x for t, x in zip(backward, shares, strict=True)]
+    return [t - wi for t, wi in zip(backward, w, strict=True)], w
+
+
 def _zero_bubble_times(
     loads: Sequence[StageLoad], replicas: Sequence[int], links: Sequence[Link], m: int, virtual: int
 ) -> StageTimes:
     """:func:`zero_bubble_time` + the largest all-reduce; per-stage times as ``_sync_times``'."""
-    return _bounded(loads, replicas, links, m, len(loads), lambda f, b, a: zero_bubble_time(f, b, a, m), True)
+    shares = [ld.weight_share() for ld in loads]
+    return _bounded(
+        loads, replicas, links, m, len(loads), lambda f, b, a: zero_bubble_time(f, b, a, m, shares), True
+    )
 
 
 def _bounded(
@@ -328,10 +342,15 @@ def _interleaved_times(
 
 
 def zbv_time(
-    forward: Sequence[float], backward: Sequence[float], link: Sequence[float], microbatches: int
+    forward: Sequence[float],
+    backward: Sequence[float],
+    link: Sequence[float],
+    microbatches: int,
+    w_share: Sequence[float] | None = None,
 ) -> float:
     """A lower bound on zbv's time for one minibatch (no all-reduce) from one microbatch's per-stage
-    times on ``2p`` stages, rank ``r`` hosting ``r`` and ``2p - 1 - r`` (docs/optimizer-pricing.md)."""
+    times on ``2p`` stages, rank ``r`` hosting ``r`` and ``2p - 1 - r`` (docs/optimizer-pricing.md);
+    ``w_share`` as :func:`zero_bubble_time`'s."""
     stages = len(forward)
     if stages % 2:
         raise PlanError(f"zbv needs an even number of stages (2 per GPU), got {stages}")
@@ -343,13 +362,8 @@ def zbv_time(
     by_rank = max(
         microbatches * sum(forward[k] + backward[k] for k in (r, stages - 1 - r)) + fill[r] for r in range(p)
     )
-    b = [t * (1.0 - W_SHARE) for t in backward]
-    trip = (
-        fill[stages - 1]
-        + forward[-1]
-        + sum(bi + a for bi, a in zip(b, hop, strict=True))
-        + backward[0] * W_SHARE
-    )
+    b, w = _split(backward, w_share)
+    trip = fill[stages - 1] + forward[-1] + sum(bi + a for bi, a in zip(b, hop, strict=True)) + w[0]
     return max(by_rank, trip)
 
 
@@ -360,7 +374,8 @@ def _zbv_times(
     bubble is the GPUs' idle share."""
     if any(r != 1 for r in replicas) or len(loads) % 2:
         raise PlanError("zbv needs one device per stage and 2 stages per GPU")
-    return _bounded(loads, replicas, links, m, len(loads) // 2, lambda f, b, a: zbv_time(f, b, a, m))
+    shares = [ld.weight_share() for ld in loads]
+    return _bounded(loads, replicas, links, m, len(loads) // 2, lambda f, b, a: zbv_time(f, b, a, m, shares))
 
 
 MODELS: dict[str, ScheduleModel] = {
@@ -414,15 +429,23 @@ def plan_times(
 def with_actions(loads: Sequence[StageLoad], action_s: float, schedule: str, m: int) -> list[StageLoad]:
     """The loads a closed form prices: each stage's compute with the runtime's ``action_s`` per
     action (:meth:`ScheduleModel.actions`), a forward's on its forward time, so a microbatch's
-    forward and backward each pay one (a split backward's B and W one each while ``W_SHARE`` is a
-    half, as the simulation charges them). What a search adds per stage is this too
+    forward and backward each pay one (a split backward's B and W one each: W's measured seconds
+    gain one per item, and while it is not measured ``W_SHARE`` is a half, as the simulation charges
+    them). What a search adds per stage is this too
     (``StateSet.stage_s``)."""
     if not action_s:
         return list(loads)
     sched = model(schedule)
     forwards, actions = sched.microbatches(m) * action_s, sched.actions(m) * action_s
+    weights = forwards if sched.runtime.split_backward else 0.0  # one W action per item
     return [
-        replace(ld, compute_s=ld.compute_s + actions, forward_s=ld.forward_time + forwards) for ld in loads
+        replace(
+            ld,
+            compute_s=ld.compute_s + actions,
+            forward_s=ld.forward_time + forwards,
+            weight_s=None if ld.weight_s is None else ld.weight_s + weights,
+        )
+        for ld in loads
     ]
 
 

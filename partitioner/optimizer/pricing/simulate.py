@@ -25,7 +25,6 @@ from partitioner.optimizer.pricing.price import (
 )
 from partitioner.optimizer.pricing.schedules import model, priced_profile, replica_held
 from partitioner.optimizer.pricing.stage import (
-    W_SHARE,
     StageLoad,
     activation_time,
     allreduce_time,
@@ -235,7 +234,9 @@ def _flushed(plan: Plan, profile: Profile | None) -> Simulation:
             link[k] = latency[k] = 0.0
     wgt = None
     if sched.runtime.split_backward:
-        bwd, wgt = [t * (1.0 - W_SHARE) for t in bwd], [t * W_SHARE for t in bwd]
+        shares = [ld.weight_share(s.recompute) for ld, s in zip(loads, plan.stages, strict=True)]
+        wgt = [t * x for t, x in zip(bwd, shares, strict=True)]
+        bwd = [t - w for t, w in zip(bwd, wgt, strict=True)]
         wgt = _with_action(wgt, plan)
     fwd, bwd = _with_action(fwd, plan), _with_action(bwd, plan)
     step = None

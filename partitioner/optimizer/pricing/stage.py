@@ -35,10 +35,10 @@ IntArray = npt.NDArray[np.int64]
 Real = TypeVar("Real", float, FloatArray)  # a number, or numbers elementwise
 
 #: the share of a layer's backward time that is its weight gradient (W), the rest being its input
-#: gradient (B). The profile measures one fused backward, so this is an assumption: the zero-bubble
-#: paper's T_B = T_W for transformer layers, where both are one matrix product of the same size per
-#: linear layer (dX = dY W^T, dW = X^T dY). Convolutions are about the same; element-wise layers have
-#: no W and are overcharged by it, which a measured split would fix.
+#: gradient (B), where the profile did not time the two apart (``Node.split_ms``; profiles written
+#: before it, or with ``--no-fixed-cost``): the zero-bubble paper's T_B = T_W for transformer layers,
+#: where both are one matrix product of the same size per linear layer (dX = dY W^T, dW = X^T dY).
+#: A measured split replaces it (``StageLoad.weight_s``): element-wise layers have no W.
 W_SHARE = 0.5
 
 
@@ -79,6 +79,9 @@ class StageLoad:
         posted_bytes: on CPU ranks (gloo), the receive posted one receiving action ahead
             (``runtime.comm``): the larger of what it receives and what it is sent back per
             minibatch, one item's held once per device beside the working bytes; 0 on GPUs.
+        weight_s: under a split backward, the W part of its backward seconds (its layers' measured
+            ``Node.split_ms``; on the first stage, whose B has no input gradient to make, all of it);
+            None: not measured, W is :data:`W_SHARE` of the backward.
     """
 
     compute_s: float
@@ -97,6 +100,15 @@ class StageLoad:
     sent_bytes: float = 0.0
     received_bytes: float = 0.0
     posted_bytes: float = 0.0
+    weight_s: float | None = None
+
+    def weight_share(self, recompute: bool = False) -> float:
+        """W's part of one backward as the stage runs it (a recomputing stage's B reruns the
+        forward first): measured where ``weight_s`` is, else :data:`W_SHARE`."""
+        backward = self.compute_s - self.forward_time * (not recompute)
+        if self.weight_s is None or backward <= 0:
+            return W_SHARE
+        return min(1.0, self.weight_s / backward)
 
     @property
     def item_bytes(self) -> float:

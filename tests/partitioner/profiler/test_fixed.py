@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from partitioner.profiler import profile_model
-from partitioner.profiler.fixed import fit_fixed, small_batch
+from partitioner.profiler.fixed import fit_fixed, sizes_of, small_batch
 from partitioner.profiler.measure import LayerCost
 
 
@@ -28,12 +28,22 @@ def test_the_small_batch_is_an_eighth() -> None:
     assert [small_batch(b) for b in (1, 2, 8, 32, 100)] == [None, 1, 1, 4, 12]
 
 
+def test_the_sizes_are_the_halvings_down_to_the_eighth() -> None:
+    assert [sizes_of(b) for b in (1, 2, 8, 64, 100)] == [[], [1], [4, 2, 1], [32, 16, 8], [50, 25, 12]]
+
+
 def test_profile_records_each_layers_fixed_time_and_how() -> None:
     profile = profile_model("tiny-mlp", batch_size=16, repeats=1)
-    assert profile.extra["fixed_cost"] == {"small_batch": 2}
+    assert profile.extra["fixed_cost"] == {"small_batch": 2, "sizes": [16, 8, 4, 2]}
     layers = profile.layers
     assert any(n.forward_fixed_ms > 0 for n in layers)
     assert all(n.forward_fixed_ms >= 0 and n.backward_fixed_ms >= 0 for n in layers)
+    # every layer at every size, the batch's own times first; a linear's backward timed as B and W
+    assert all([e.samples for e in n.sized] == [16, 8, 4, 2] for n in layers)
+    assert all((n.sized[0].forward_ms, n.sized[0].backward_ms) == (n.forward_ms, n.backward_ms)
+               for n in layers)  # fmt: skip
+    linear = [n for n in layers if n.target == "Linear"]
+    assert linear and all(e.weight_ms > 0 for n in linear for e in n.sized)
     off = profile_model("tiny-mlp", batch_size=16, repeats=1, fixed_cost=False)
     assert "no-fixed-cost" in off.extra["fixed_cost"]["skipped"]
-    assert not any(n.forward_fixed_ms or n.backward_fixed_ms for n in off.nodes)
+    assert not any(n.forward_fixed_ms or n.backward_fixed_ms or n.sized for n in off.nodes)
