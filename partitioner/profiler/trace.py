@@ -468,9 +468,9 @@ def _fold_free(units: list[list[fx.Node]]) -> list[list[fx.Node]]:
             (p,) = prods
             if units[p][0].op != "placeholder" and (consumers(p) == {i} or not consumers(i)):
                 _move(units, owner, i, p, index)
-    for i in reversed(range(len(units))):
-        cons = consumers(i) if foldable(i) else set()
-        if cons and (units[i][0].op == "get_attr" or len(cons) == 1):
+    for i in reversed(range(len(units))):  # (shape arithmetic read by several layers goes to the first:
+        cons = consumers(i) if foldable(i) else set()  # the others read a size, which a cut recomputes)
+        if cons and (units[i][0].op == "get_attr" or len(cons) == 1 or _sizes_only(units[i])):
             c = min(cons)
             if units[c][0].op not in ("output", "placeholder"):
                 _move(units, owner, i, c, index)
@@ -480,6 +480,13 @@ def _fold_free(units: list[list[fx.Node]]) -> list[list[fx.Node]]:
             if after and units[after[0]][0].op != "output":
                 _move(units, owner, i, after[0], index)
     return [unit for unit in units if unit]
+
+
+def _sizes_only(unit: list[fx.Node]) -> bool:
+    """A unit that makes no tensor: torch.export's ``sym_size`` of an input and arithmetic on it."""
+    return all(not isinstance(n.meta.get("val"), torch.Tensor) for n in unit) and any(
+        isinstance(n.meta.get("val"), torch.SymInt) for n in unit
+    )
 
 
 def _move(
