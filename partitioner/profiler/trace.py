@@ -516,12 +516,22 @@ def _describe(gm: fx.GraphModule, unit: list[fx.Node], tracer: str, leaves: Sequ
             {str(n.target).removeprefix("aten.").split(".")[0] for n in unit if n.op == "call_function"}
         )
         return Group(
-            unit[0].name, key or head.name, "call_module", cls, members, "ops: " + ", ".join(ops)[:120]
+            unit[0].name, key or _root_name(head), "call_module", cls, members, "ops: " + ", ".join(ops)[:120]
         )
     stack = _stack(head)
     prefix = f"{stack[-1][0]}." if stack and stack[-1][0] else ""
     target = getattr(head.target, "__name__", str(head.target))
     return Group(unit[0].name, prefix + head.name, head.op, target, members)
+
+
+def _root_name(node: fx.Node) -> str:
+    """A layer of the model's own ``forward`` (no submodule): the model's class and the op
+    (``T5ForConditionalGeneration.mul``), not torch.export's node name (``mul_57``)."""
+    stack = _stack(node)
+    if not stack:
+        return node.name
+    op = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    return f"{stack[0][1]}.{op}"
 
 
 def _module_class(node: fx.Node, key: str) -> str:
