@@ -33,7 +33,9 @@ FAMILIES = ("llama", "mistral", "mixtral", "gpt2", "bert", "t5")
 MORE = ("gemma2", "deberta-v2", "whisper", "swin")  # symbolic sizes, lifted constants, speech, vision
 BRANCHING = ("jetmoe", "dbrx", "led")  # forwards that read tensor values (.tolist(), nonzero, .item())
 # a torch.export node name (sym_size_int_3, mul_57, getitem_2, item): what a table must never show
-NODE_NAME = re.compile(r"(?<![\w.])(?:sym_\w+|_assert\w*|_local_scalar_dense|item|(?:[a-z][a-z0-9]*_)+\d+)(?![\w.])")
+NODE_NAME = re.compile(
+    r"(?<![\w.])(?:sym_\w+|_assert\w*|_local_scalar_dense|item|(?:[a-z][a-z0-9]*_)+\d+)(?![\w.])"
+)
 
 
 def _ok(args: list[str]) -> str:
@@ -125,8 +127,8 @@ def test_more_families_cut_in_four_verify_and_train(
 def test_families_that_branch_on_values_profile_partition_verify_and_train(
     family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Routing by .tolist() (jetmoe: traced with unbacked sizes), a loop over the experts hit (dbrx) and
-    a branch on .item() (led): the module doing it kept whole, the rest traced, the chain as a user runs it."""
+    """Routing by .tolist() (jetmoe: traced with unbacked sizes), a loop over the experts hit (dbrx)
+    and a branch on .item() (led): the module doing it kept whole, the rest traced, the whole chain."""
     monkeypatch.chdir(tmp_path)
     _ok(["profile", f"hf:{family}", "--batch-size", "4", "--input-shape", "16", "--repeats", "1",
          "--no-fixed-cost"])  # fmt: skip
