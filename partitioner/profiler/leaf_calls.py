@@ -107,7 +107,8 @@ def _sizes(out: Tensor, inputs: Sequence[Tensor]) -> tuple[tuple[int, int] | int
     for d, v in enumerate(out.shape):
         same = [(j, d) for j, t in enumerate(inputs) if t.dim() == out.dim() and t.shape[d] == v]
         anywhere = [(j, e) for j, t in enumerate(inputs) for e, w in enumerate(t.shape) if w == v]
-        sizes.append((same or anywhere or [int(v)])[0])
+        found = same or anywhere
+        sizes.append(found[0] if found else int(v))
     return tuple(sizes)
 
 
@@ -162,7 +163,8 @@ def recorded(instances: Sequence[tuple[str, nn.Module]], run: Callable[[], Any])
 @contextlib.contextmanager
 def leaf_calls(model: nn.Module, classes: Sequence[str], run: Callable[[], Any]) -> Iterator[None]:
     """Within the block, each module of ``classes`` calls ``pipeplan::leaf_module`` instead of tracing
-    its ``forward``; ``run`` is one real forward of the model, for the shapes of their outputs."""
+    its ``forward``; ``run`` is one real forward of the model, for the shapes of their outputs.
+    :func:`rewrite_leaf_calls` of the exported graph belongs inside the block too."""
     instances = _instances(model, classes)
     if not instances:
         yield
@@ -170,12 +172,13 @@ def leaf_calls(model: nn.Module, classes: Sequence[str], run: Callable[[], Any])
     records = recorded(instances, run)
     for path, module in instances:
         if id(module) in records:
-            module.forward = _traced_forward(module, path, records[id(module)])  # type: ignore[method-assign]
+            module.forward = _traced_forward(module, path, records[id(module)])
     try:
         yield
     finally:
         for _, module in instances:
             module.__dict__.pop("forward", None)
+        _CALLS.clear()  # (rewrite_leaf_calls reads them inside the block; nothing does after)
 
 
 def _traced_forward(module: nn.Module, path: str, record: _Record) -> Callable[..., Any]:
@@ -186,7 +189,7 @@ def _traced_forward(module: nn.Module, path: str, record: _Record) -> Callable[.
         kinds = tuple(_kind(v) for v in leaves)
         tensors = [v for v, k in zip(leaves, kinds, strict=True) if k == "tensor"]
         ints = [
-            (torch.sym_ite(v, 1, 0) if isinstance(v, torch.SymBool) else int(v)) if k == "bool" else v
+            _as_int(v) if k == "bool" else v
             for v, k in zip(leaves, kinds, strict=True)
             if k in ("int", "bool")
         ]
@@ -198,6 +201,11 @@ def _traced_forward(module: nn.Module, path: str, record: _Record) -> Callable[.
 
     forward.__wrapped__ = original  # type: ignore[attr-defined]
     return forward
+
+
+def _as_int(flag: Any) -> Any:
+    """A traced bool as the op can take it: an int (``sym_ite``: the op's schema has no SymBool)."""
+    return torch.sym_ite(flag, 1, 0) if isinstance(flag, torch.SymBool) else int(flag)  # type: ignore[no-untyped-call]
 
 
 def _kind(value: Any) -> str:
