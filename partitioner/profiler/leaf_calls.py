@@ -229,6 +229,7 @@ def rewrite_leaf_calls(gm: fx.GraphModule) -> int:
         call = _CALLS[int(node.args[0])]
         ints = [_unwrap_bool(a) for a in node.args[2]]
         args, kwargs = _arguments(call, node.args[1], ints)
+        _install(gm, call.path, call.module)  # (before the node that names it)
         with graph.inserting_before(node):
             module_node = graph.call_module(call.path, tuple(args), dict(kwargs))
         module_node.meta = {k: v for k, v in node.meta.items() if k != "val"}
@@ -245,7 +246,6 @@ def rewrite_leaf_calls(gm: fx.GraphModule) -> int:
         for a in node.args[2]:  # the bools' conversions to ints, read by the op only
             if isinstance(a, fx.Node) and a.target is torch.sym_ite and not a.users:
                 graph.erase_node(a)
-        _install(gm, call.path, call.module)
         done += 1
     if done:
         graph.lint()
