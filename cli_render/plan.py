@@ -149,7 +149,9 @@ def plan_summary(plan: Any, sim: Any, profile: Any) -> str:
         f"{p.speedup_vs_single or 0:.2f}x over {'one CPU rank' if profile.device == 'cpu' else 'one GPU'}"
     )
     speedup = (
-        f"speedup {p.speedup_vs_data_parallel or 0:.2f}x over data parallel, {single}"
+        f"speedup {single}"  # (it is data parallelism: no ratio to itself)
+        if len(plan.stages) == 1 and plan.stages[0].replicas == plan.gpus
+        else f"speedup {p.speedup_vs_data_parallel or 0:.2f}x over data parallel, {single}"
         if data_parallel_fits(profile, plan)
         else f"speedup {single}; data parallel does not fit in {gib(c.memory_bytes or 0)} per device (the "
         "memory limit rules it out)"

@@ -215,6 +215,7 @@ def test_a_one_stage_plan_is_called_data_parallel_and_a_slower_plan_says_so(prof
     assert "data parallel, one stage on 4 " in title, title
     summary = plan_render.plan_summary(dp, None, profile)
     assert "no pipeline bubble (one stage)" in summary and "bubble 0.0%" not in summary
+    assert "over data parallel" not in summary  # (no ratio of data parallelism to itself)
     straight = solve(profile, cluster, "1f1b", 2, "sgd", straight=True)  # every GPU its own stage
     slower = replace(straight, predicted=replace(straight.predicted, speedup_vs_data_parallel=0.8))
     text = plan_render.plan_summary(slower, SimpleNamespace(steady=True, minibatches=1, bubble_fraction=0.1),
