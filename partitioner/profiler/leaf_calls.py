@@ -45,7 +45,7 @@ class _Record:
     """One real call of a leaf module: what its outputs are, and how their sizes follow its inputs."""
 
     out_spec: pytree.TreeSpec
-    out_consts: tuple[Any, ...]  # per output leaf: the value, or None for a tensor
+    out_consts: tuple[Any, ...]  # per output leaf: the value, or _TENSOR for a tensor
     out_paths: tuple[tuple[Any, ...], ...]  # per tensor output: its key path in the output
     out_dtypes: tuple[torch.dtype, ...]
     out_sizes: tuple[tuple[tuple[int, int] | int, ...], ...]  # per dim: (input, dim) or a constant
@@ -63,6 +63,7 @@ class _Call:
     record: _Record
 
 
+_TENSOR = object()  # (an output leaf that is a tensor: None is a value a module may return)
 _CALLS: list[_Call] = []  # the calls of the export under way (one at a time: tracing holds the GIL)
 
 
@@ -118,7 +119,7 @@ def _record(args: Any, kwargs: Any, output: Any) -> _Record:
     tensors = [(p, t) for p, t in with_paths if isinstance(t, Tensor)]
     return _Record(
         spec,
-        tuple(None if isinstance(t, Tensor) else t for _, t in with_paths),
+        tuple(_TENSOR if isinstance(t, Tensor) else t for _, t in with_paths),
         tuple(tuple(p) for p, _ in tensors),
         tuple(t.dtype for _, t in tensors),
         tuple(_sizes(t, inputs) for _, t in tensors),
@@ -196,7 +197,7 @@ def _traced_forward(module: nn.Module, path: str, record: _Record) -> Callable[.
         consts = tuple(None if k != "const" else v for v, k in zip(leaves, kinds, strict=True))
         _CALLS.append(_Call(module, path, spec, kinds, consts, record))
         outs = iter(_leaf_module(len(_CALLS) - 1, tensors, ints))
-        flat = [next(outs) if c is None else c for c in record.out_consts]
+        flat = [next(outs) if c is _TENSOR else c for c in record.out_consts]
         return pytree.tree_unflatten(flat, record.out_spec)
 
     forward.__wrapped__ = original  # type: ignore[attr-defined]

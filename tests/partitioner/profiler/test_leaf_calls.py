@@ -19,12 +19,12 @@ class Experts(nn.Module):
         super().__init__()
         self.experts = nn.ModuleList(nn.Linear(6, 6) for _ in range(3))
 
-    def forward(self, x: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, choice: torch.Tensor) -> tuple[torch.Tensor, None]:
         out = torch.zeros_like(x)
         for e in torch.unique(choice):
             rows = torch.nonzero(choice == e).flatten()
             out[rows] = self.experts[int(e)](x[rows])
-        return out
+        return out, None  # (a None beside the tensor, as Hugging Face layers return)
 
 
 class Routed(nn.Module):
@@ -35,7 +35,9 @@ class Routed(nn.Module):
         self.head = nn.Linear(6, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.moe(x, self.router(x).argmax(-1)))
+        out, nothing = self.moe(x, self.router(x).argmax(-1))
+        assert nothing is None
+        return self.head(out)
 
 
 class BranchesAtTheRoot(nn.Module):
