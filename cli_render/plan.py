@@ -78,6 +78,8 @@ def plan_table(plan: Any, profile: Any) -> Any:
         "util",
     )
     title = f"{plan.model}: {len(plan.stages)} stages on {devices(plan.gpus, profile)} ({plan.schedule})"
+    if len(plan.stages) == 1 and plan.gpus > 1:  # one stage on every device is no pipeline
+        title = f"{plan.model}: data parallel, one stage on {devices(plan.gpus, profile)} ({plan.schedule})"
     rows = 24  # as the Gantt: a pipeline of more stages shows its first and last, and how many it left out
     stages = plan.stages if len(plan.stages) <= rows else [*plan.stages[:16], *plan.stages[-8:]]
     spans = {}
@@ -147,15 +149,49 @@ def plan_summary(plan: Any, sim: Any, profile: Any) -> str:
         f"{p.speedup_vs_single or 0:.2f}x over {'one CPU rank' if profile.device == 'cpu' else 'one GPU'}"
     )
     speedup = (
-        f"speedup {p.speedup_vs_data_parallel or 0:.2f}x over data parallel, {single}"
+        f"speedup {single}"  # (it is data parallelism: no ratio to itself)
+        if len(plan.stages) == 1 and plan.stages[0].replicas == plan.gpus
+        else f"speedup {p.speedup_vs_data_parallel or 0:.2f}x over data parallel, {single}"
         if data_parallel_fits(profile, plan)
         else f"speedup {single}; data parallel does not fit in {gib(c.memory_bytes or 0)} per device (the "
         "memory limit rules it out)"
     )
     return (
         f"predicted {p.time_per_minibatch_s * 1e3:.3f} ms/minibatch{hosts}, {rate}; {speedup}; "
-        f"bubble {100 * p.bubble_fraction:.1f}%" + (_simulated_bubble(sim) if not simulated else "") + "\n"
+        + _bubble(plan, sim, simulated)
+        + _slower_than_data_parallel(plan, profile)
+        + "\n"
         f"solver {info.name}: {info.solve_time_s:.3f} s, {exact}; {gap}"
+    )
+
+
+def _bubble(plan: Any, sim: Any, simulated: bool) -> str:
+    """The bubble; for one stage (data parallelism) what its devices' idle share really is."""
+    p = plan.predicted
+    if len(plan.stages) == 1:
+        idle = p.bubble_fraction if simulated or sim is None else sim.bubble_fraction
+        if idle < 0.0005:
+            return "no pipeline bubble (one stage)"
+        return (
+            f"no pipeline bubble (one stage); {100 * idle:.1f}% of each rank's time"
+            f"{' (simulated)' if not simulated and sim is not None else ''} goes to the gradient all-reduce "
+            "between its replicas"
+        )
+    return f"bubble {100 * p.bubble_fraction:.1f}%" + (_simulated_bubble(sim) if not simulated else "")
+
+
+def _slower_than_data_parallel(plan: Any, profile: Any) -> str:
+    """A sentence when the plan is predicted slower than data parallelism, saying what would be faster."""
+    from partitioner.optimizer.comparison import data_parallel_fits
+
+    p = plan.predicted
+    speedup = p.speedup_vs_data_parallel
+    if not speedup or speedup >= 0.995 or len(plan.stages) == 1 or not data_parallel_fits(profile, plan):
+        return ""
+    dp_ms = speedup * p.time_per_minibatch_s * 1e3
+    return (
+        f"\nslower than data parallelism ({dp_ms:.3f} ms/minibatch, one stage on every device): "
+        f"`--schedule pipedream` or `--schedule auto` can choose it"
     )
 
 

@@ -12,7 +12,10 @@ batch in training mode).
 A graph that needs its batch size in a shape (``x.view(x.size(0), -1)``) or reads values cannot run
 on an empty batch; it then runs on meta tensors (no data either, but torch's meta kernels import
 torch._dynamo, seconds the first time), then on fake tensors of the device it was traced on (a
-graph that moves a meta tensor to the CPU), and :class:`NeedsValues` says when none works.
+graph that moves a meta tensor to the CPU). Fake tensors carry a shape environment, so a value the
+graph reads (``.item()``, ``.tolist()`` of a mixture-of-experts router, a ``nonzero``) is a symbol
+there, as it was when torch.export traced it, and the sizes it sets are symbols too.
+:class:`NeedsValues` says when none works.
 
 Example:
     >>> output, values = dry_run(traced.graph_module, bundle.inputs)  # doctest: +SKIP
@@ -30,7 +33,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-__all__ = ["NeedsValues", "dry_run"]
+__all__ = ["NeedsValues", "dry_run", "meta_as_zeros"]
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +99,22 @@ def _swapped(
             module.training = training
 
 
+def _zeros_for_meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(t.shape, dtype=t.dtype) if t.is_meta else t
+
+
+@contextlib.contextmanager
+def meta_as_zeros(gm: fx.GraphModule) -> Iterator[None]:
+    """Within the block every meta tensor of ``gm`` is a CPU tensor of zeros (put back afterwards).
+
+    For running a graph for real when no dry run works: a graph re-traced without its weights holds
+    them on meta, and a meta tensor has nothing to copy (``Cannot copy out of meta tensor``). Zeros
+    give every tensor its shape and kind, which is all a caller of a dry run reads.
+    """
+    with _swapped(gm, _zeros_for_meta, eval_mode=False):
+        yield
+
+
 def _run(gm: fx.GraphModule, inputs: Sequence[Any]) -> tuple[Any, dict[str, Any]]:
     values: dict[str, Any] = {}
 
@@ -140,11 +159,13 @@ def _fake_run(gm: fx.GraphModule, inputs: Sequence[Any]) -> tuple[Any, dict[str,
 
     For a graph whose weights are on meta but that moves tensors to the device it was traced on
     (torch.export writes ``.to(cpu)`` into a Hugging Face model's graph, which a meta tensor cannot
-    do): a meta tensor is faked on the CPU, any other on its own device.
+    do): a meta tensor is faked on the CPU, any other on its own device. The shape environment turns
+    what the graph reads from a tensor into an unbacked symbol instead of refusing.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
 
     def fake(t: torch.Tensor) -> torch.Tensor:
         device = torch.device("cpu") if t.device.type == "meta" else t.device

@@ -102,6 +102,7 @@ def _kinds_and_output_for_real(
     gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]
 ) -> tuple[dict[str, bool], str, Any]:
     """:func:`kinds_and_output` by running the graph on ``inputs``, for graphs that need values."""
+    from partitioner.dry_run import meta_as_zeros
     from runtime.stagekit import loss_input
 
     kinds: dict[str, bool] = {}
@@ -117,8 +118,8 @@ def _kinds_and_output_for_real(
                 ids[id(result)] = n.name  # the latest node wins: the loss tensor is still alive at the end
             return result
 
-    with torch.no_grad():
-        output = Recorder(gm).run(*inputs)
+    with torch.no_grad(), meta_as_zeros(gm):  # (a graph re-traced without its weights holds them on meta)
+        output = Recorder(gm).run(*[t.to("cpu") if t.is_meta else t for t in inputs])
     target = loss_input(output)
     if id(target) not in ids:
         raise PlanError("the model's output tensor is not produced by any traced node")

@@ -89,6 +89,16 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                                    "num_heads": [2, 4], "window_size": 4, "num_labels": 10}),
     "deit": ("deit", "image-cls", {**_DECODER, "image_size": 32, "patch_size": 8, "num_labels": 10,
                                    "architectures": ["DeiTForImageClassification"]}),  # (two heads)
+    # forward passes that branch on tensor values: kept whole where they do (profiler/leaf_calls.py)
+    "jetmoe": ("jetmoe", "causal-lm", {**_SMALL, "num_hidden_layers": 2, "num_key_value_heads": 2,
+                                       "kv_channels": 16, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "dbrx": ("dbrx", "causal-lm", {"vocab_size": 512, "d_model": 64, "n_layers": 2, "n_heads": 4,
+                                   "max_seq_len": 128,
+                                   "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                                   "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4,
+                                                  "moe_top_k": 2}}),
+    "led": ("led", "seq2seq", {**_ENC_DEC, "max_encoder_position_embeddings": 128,
+                               "max_decoder_position_embeddings": 128, "attention_window": [8, 8]}),
 }  # fmt: skip
 
 

@@ -102,7 +102,9 @@ def test_bad_input_is_one_line_and_exit_2(
     assert (tmp_path / "foreign.json").read_text() == '{"schema": "someone.else/3"}'
 
 
-def test_untraceable_model_suggests_leaf_module(runner: CliRunner, tmp_path: Path) -> None:
+def test_a_module_branching_on_values_is_kept_whole_and_a_root_branch_is_one_error_line(
+    runner: CliRunner, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     (tmp_path / "gated.py").write_text(
         textwrap.dedent(
             """
@@ -112,13 +114,19 @@ def test_untraceable_model_suggests_leaf_module(runner: CliRunner, tmp_path: Pat
                     return x if x.sum() > 0 else -x
             def make():
                 return torch.nn.Sequential(torch.nn.Linear(4, 4), Gate()), torch.randn(2, 4)
+            def root():
+                return Gate(), torch.randn(2, 4)
             """
         )
     )
     result = runner.invoke(main, ["profile", f"{tmp_path / 'gated.py'}:make", "--repeats", "1"])
-    assert result.exit_code == 2 and "--leaf-module Gate" in result.output
-    lines = [line for line in result.output.splitlines() if line.strip() and not re.match(PROGRESS, line)]
-    assert len(lines) == 1 and "module 1 (Gate)" in lines[0], result.output  # no torch.export graph dumps
+    assert result.exit_code == 0, result.output  # fx fails in Gate; torch.export keeps it whole
+    assert "1 (Gate) branches on a tensor's value at gated.py:5: kept whole" in caplog.text
+    refused = runner.invoke(main, ["profile", f"{tmp_path / 'gated.py'}:root", "--repeats", "1"])
+    lines = [line for line in refused.output.splitlines() if line.strip() and not re.match(PROGRESS, line)]
+    assert refused.exit_code == 2 and len(lines) == 1, refused.output  # no torch.export graph dumps
+    assert "<root> (Gate) branches on a tensor's value at" in lines[0] and "gated.py:5" in lines[0]
+    assert "--leaf-module CLASS naming a module that holds Gate" in lines[0]
     ok = runner.invoke(
         main, ["profile", f"{tmp_path / 'gated.py'}:make", "--leaf-module", "Gate", "--repeats", "1"]
     )

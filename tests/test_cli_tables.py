@@ -203,3 +203,21 @@ def test_partitions_prose_lines_wrap_at_80_columns_when_piped(tmp_path: Path) ->
     assert lines[-1].startswith("wrote ") and "\x1b" not in result.output
     assert max(map(len, lines[:-1])) <= 80, result.output
     assert "data parallel does not fit in 8.00 GiB per device" in " ".join(lines)
+
+
+def test_a_one_stage_plan_is_called_data_parallel_and_a_slower_plan_says_so(profile: Profile) -> None:
+    from partitioner.optimizer.pricing.schedules import priced_profile
+    from partitioner.optimizer.search.candidates import data_parallel
+
+    cluster = Cluster.flat(4)
+    dp = data_parallel(priced_profile(profile, "pipedream", 1), cluster, "pipedream", 1, "sgd")
+    title = _render(plan_render.plan_table(dp, profile), 400)[0]
+    assert "data parallel, one stage on 4 " in title, title
+    summary = plan_render.plan_summary(dp, None, profile)
+    assert "no pipeline bubble (one stage)" in summary and "bubble 0.0%" not in summary
+    assert "over data parallel" not in summary  # (no ratio of data parallelism to itself)
+    straight = solve(profile, cluster, "1f1b", 2, "sgd", straight=True)  # every GPU its own stage
+    slower = replace(straight, predicted=replace(straight.predicted, speedup_vs_data_parallel=0.8))
+    text = plan_render.plan_summary(slower, SimpleNamespace(steady=True, minibatches=1, bubble_fraction=0.1),
+                                    profile)  # fmt: skip
+    assert "slower than data parallelism" in text and "--schedule pipedream" in text

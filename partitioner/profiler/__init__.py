@@ -452,8 +452,12 @@ def _record_loss_memory(
 def _profiler_notes(profiler: LayerProfiler) -> dict[str, Any]:
     """What a profiler run records beside the costs: non-tensor edges and which layers were measured."""
     non_tensor_edges = [list(edge) for edge in profiler.non_tensor_edges]
-    if non_tensor_edges:
-        log.warning("layers read non-tensor values from other layers: %s", non_tensor_edges[:5])
+    if non_tensor_edges:  # (nothing for a user to do: an info line, not a warning)
+        log.info(
+            "%d layers read a size or other non-tensor value another layer computes; a stage cut between "
+            "them recomputes it from the tensors it receives (first: %s)",
+            len(non_tensor_edges), non_tensor_edges[:3],
+        )  # fmt: skip
     layers = [g for g in profiler.groups if g.op not in ("input", "output")]
     measured = {
         "layers": len(layers),

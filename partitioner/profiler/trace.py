@@ -32,6 +32,7 @@ from partitioner.errors import TraceError
 from partitioner.models import ModelBundle, load_model
 from partitioner.profiler.hf_masks import masks_as_eager
 from partitioner.profiler.inline import inline_wrapped_regions
+from partitioner.profiler.leaf_calls import Branch, branching_module, leaf_calls, rewrite_leaf_calls
 
 __all__ = ["Group", "Traced", "group_nodes", "has_symbolic_shapes", "retrace", "trace_model"]
 
@@ -112,7 +113,8 @@ def trace_model(
         kind = "fx"
     except Exception as fx_exc:
         log.info("torch.fx failed (%s); falling back to torch.export", fx_exc)
-        gm = _export(bundle, fx_exc, tracer.failed_in, dynamic)
+        gm, leaves = _export(bundle, fx_exc, tracer.failed_in, dynamic, leaves)
+        options["leaf_modules"] = list(leaves)
         kind = "export"
     options["tracer"] = kind
     options["static_shapes"] = kind == "export" and not has_symbolic_shapes(gm)
@@ -180,9 +182,41 @@ def _check_leaf_names(module: nn.Module, leaves: Sequence[str]) -> None:
         )
 
 
+_MAX_KEPT = 8
+"""How many module classes an export keeps whole, one more after each data-dependent failure."""
+
+
 def _export(
-    bundle: ModelBundle, fx_exc: Exception, failed_in: tuple[str, str] | None, dynamic: bool = True
-) -> fx.GraphModule:
+    bundle: ModelBundle,
+    fx_exc: Exception,
+    failed_in: tuple[str, str] | None,
+    dynamic: bool = True,
+    leaves: Sequence[str] = (),
+) -> tuple[fx.GraphModule, tuple[str, ...]]:
+    """torch.export, keeping whole the leaf modules and every module found to branch on a value.
+
+    Each ``leaves`` class is one ``call_module`` in the graph, run eagerly by its stage
+    (:mod:`partitioner.profiler.leaf_calls`), as torch.fx keeps its leaf modules. When the export
+    fails on a guard on a tensor's value (``.item()``, ``nonzero`` in a Python branch or loop), the
+    module whose code branched is kept whole too and the export runs again; the classes kept are
+    returned, so a re-trace (``retrace``, ``partition``) keeps the same ones.
+    """
+    kept = list(leaves)
+    while True:
+        try:
+            return _export_once(bundle, dynamic, kept), tuple(kept)
+        except Exception as exc:
+            branch = branching_module(exc, bundle.module) if _data_dependent(exc) else None
+            if branch is None or not branch.path or branch.cls in kept or len(kept) >= _MAX_KEPT:
+                raise _cannot_trace(bundle, fx_exc, failed_in, exc, branch, kept) from exc
+            log.warning(
+                "%s (%s) branches on a tensor's value at %s: kept whole, one layer run eagerly in its "
+                "stage (as --leaf-module %s)", branch.path, branch.cls, branch.where(), branch.cls,
+            )  # fmt: skip
+            kept.append(branch.cls)
+
+
+def _export_once(bundle: ModelBundle, dynamic: bool, leaves: Sequence[str]) -> fx.GraphModule:
     """torch.export non-strict, the batch dimension dynamic where the model allows it.
 
     With a dynamic batch the graph runs any microbatch or replica share of a minibatch; the batch size
@@ -190,29 +224,63 @@ def _export(
     tensor that stage receives. A model that fixes its batch size is exported with static shapes, and
     ``retrace(options, batch_size=...)`` re-exports it at the size a stage runs (same node names).
     """
-    try:
+    args, kwargs = _export_args(bundle.inputs, bundle)
+    with leaf_calls(bundle.module, leaves, lambda: bundle.module(*args, **(kwargs or {}))):
         with _quiet_torch_logs(), _no_stack_traces(), masks_as_eager(bundle.spec):
             try:
                 if not dynamic:
                     raise TraceError("static shapes asked for")
                 program = _export_dynamic(bundle)
             except Exception as exc:
+                if _data_dependent(exc):
+                    raise
                 log.info("export with a dynamic batch failed (%s); exporting with static shapes", exc)
-                program = torch.export.export(
-                    bundle.module, *_export_args(bundle.inputs, bundle), strict=False
-                )
+                program = torch.export.export(bundle.module, args, kwargs, strict=False)
         gm = program.module()
-        inline_wrapped_regions(gm)
-    except TraceError:
-        raise
-    except Exception as exc:
-        where = f" in module {failed_in[0] or '<root>'} ({failed_in[1]})" if failed_in else ""
-        hint = f"--leaf-module {failed_in[1]}" if failed_in else "--leaf-module CLASS on the module doing it"
-        raise TraceError(
-            f"cannot trace {bundle.spec}: torch.fx failed{where}: {_first_line(fx_exc)}; "
-            f"torch.export failed: {_first_line(exc)}; keep that module whole with {hint}"
-        ) from exc
+        rewrite_leaf_calls(gm)
+    inline_wrapped_regions(gm)
     return gm
+
+
+def _data_dependent(exc: BaseException) -> bool:
+    """Whether an export failed on a guard on a tensor's value (not on a shape or an unsupported op)."""
+    current: BaseException | None = exc
+    for _ in range(8):
+        if current is None:
+            return False
+        if "DataDependent" in type(current).__name__ or "data-dependent" in str(current)[:2000]:
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _cannot_trace(
+    bundle: ModelBundle,
+    fx_exc: Exception,
+    failed_in: tuple[str, str] | None,
+    exc: Exception,
+    branch: Branch | None,
+    kept: Sequence[str],
+) -> TraceError:
+    """One line: what failed, where the model's code branched, and the option that would help."""
+    if isinstance(exc, TraceError):
+        return exc
+    if branch is not None:
+        advice = (
+            f"--leaf-module CLASS naming a module that holds {branch.cls}"
+            if branch.cls in kept or not branch.path
+            else f"--leaf-module {branch.cls}"
+        )
+        return TraceError(
+            f"cannot trace {bundle.spec}: {branch.path or '<root>'} ({branch.cls}) branches on a tensor's "
+            f"value at {branch.file}:{branch.line} ({_first_line(exc)}); keep it whole with {advice}"
+        )
+    where = f" in module {failed_in[0] or '<root>'} ({failed_in[1]})" if failed_in else ""
+    hint = f"--leaf-module {failed_in[1]}" if failed_in else "--leaf-module CLASS on the module doing it"
+    return TraceError(
+        f"cannot trace {bundle.spec}: torch.fx failed{where}: {_first_line(fx_exc)}; "
+        f"torch.export failed: {_first_line(exc)}; keep that module whole with {hint}"
+    )
 
 
 def _export_dynamic(bundle: ModelBundle) -> torch.export.ExportedProgram:
@@ -400,9 +468,9 @@ def _fold_free(units: list[list[fx.Node]]) -> list[list[fx.Node]]:
             (p,) = prods
             if units[p][0].op != "placeholder" and (consumers(p) == {i} or not consumers(i)):
                 _move(units, owner, i, p, index)
-    for i in reversed(range(len(units))):
-        cons = consumers(i) if foldable(i) else set()
-        if cons and (units[i][0].op == "get_attr" or len(cons) == 1):
+    for i in reversed(range(len(units))):  # (shape arithmetic read by several layers goes to the first:
+        cons = consumers(i) if foldable(i) else set()  # the others read a size, which a cut recomputes)
+        if cons and (units[i][0].op == "get_attr" or len(cons) == 1 or _sizes_only(units[i])):
             c = min(cons)
             if units[c][0].op not in ("output", "placeholder"):
                 _move(units, owner, i, c, index)
@@ -412,6 +480,13 @@ def _fold_free(units: list[list[fx.Node]]) -> list[list[fx.Node]]:
             if after and units[after[0]][0].op != "output":
                 _move(units, owner, i, after[0], index)
     return [unit for unit in units if unit]
+
+
+def _sizes_only(unit: list[fx.Node]) -> bool:
+    """A unit that makes no tensor: torch.export's ``sym_size`` of an input and arithmetic on it."""
+    return all(not isinstance(n.meta.get("val"), torch.Tensor) for n in unit) and any(
+        isinstance(n.meta.get("val"), torch.SymInt) for n in unit
+    )
 
 
 def _move(
@@ -441,12 +516,22 @@ def _describe(gm: fx.GraphModule, unit: list[fx.Node], tracer: str, leaves: Sequ
             {str(n.target).removeprefix("aten.").split(".")[0] for n in unit if n.op == "call_function"}
         )
         return Group(
-            unit[0].name, key or head.name, "call_module", cls, members, "ops: " + ", ".join(ops)[:120]
+            unit[0].name, key or _root_name(head), "call_module", cls, members, "ops: " + ", ".join(ops)[:120]
         )
     stack = _stack(head)
     prefix = f"{stack[-1][0]}." if stack and stack[-1][0] else ""
     target = getattr(head.target, "__name__", str(head.target))
     return Group(unit[0].name, prefix + head.name, head.op, target, members)
+
+
+def _root_name(node: fx.Node) -> str:
+    """A layer of the model's own ``forward`` (no submodule): the model's class and the op
+    (``T5ForConditionalGeneration.mul``), not torch.export's node name (``mul_57``)."""
+    stack = _stack(node)
+    if not stack:
+        return node.name
+    op = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    return f"{stack[0][1]}.{op}"
 
 
 def _module_class(node: fx.Node, key: str) -> str:

@@ -27,10 +27,23 @@ class ViewByBatch(nn.Module):
 
 
 class ReadsValues(nn.Module):
-    """A value read into Python: the maximum of an empty batch does not exist, nor of meta tensors."""
+    """A value read into Python: the maximum of an empty batch does not exist, nor of meta tensors;
+    on fake tensors it is a symbol."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x / x.max().item()
+
+
+@fx.wrap
+def _halve_if_positive(x: torch.Tensor) -> torch.Tensor:
+    return x / 2 if x.max() > 0 else x
+
+
+class BranchesOnValues(nn.Module):
+    """Python that branches on a value: no symbol says which way, so only real values run it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _halve_if_positive(x) + 1
 
 
 @pytest.mark.parametrize("spec", ["tiny-gpt", "tiny-cnn", "tiny-skip", "resnet18"])
@@ -80,9 +93,24 @@ def test_a_graph_that_moves_meta_weights_to_the_cpu_runs_on_fake_tensors() -> No
     assert gm.head.weight.device.type == "meta"  # put back
 
 
-def test_a_graph_that_reads_values_says_so() -> None:
+def test_a_value_read_into_python_is_a_symbol() -> None:
     gm = fx.symbolic_trace(ReadsValues())
+    output, values = dry_run(gm, (torch.randn(2, 3),))
+    assert output.shape == (2, 3) and isinstance(values["item"], torch.SymFloat)
+    kinds, loss_node = tensor_kinds(gm, (torch.randn(2, 3),))
+    assert loss_node == "truediv" and kinds["truediv"] and not kinds["item"]
+
+
+def test_a_graph_that_branches_on_values_says_so_and_runs_for_real() -> None:
+    gm = fx.symbolic_trace(BranchesOnValues())
     with pytest.raises(NeedsValues, match="without values"):
         dry_run(gm, (torch.randn(2, 3),))
     kinds, loss_node = tensor_kinds(gm, (torch.randn(2, 3),))  # runs it for real instead
-    assert loss_node == "truediv" and kinds["truediv"] and not kinds["item"]
+    assert loss_node == "add" and kinds["add"]
+
+
+def test_running_for_real_reads_zeros_for_tensors_left_on_meta() -> None:
+    """A graph re-traced without its weights holds them on meta: the real run never copies one."""
+    gm = fx.symbolic_trace(nn.Sequential(nn.Linear(3, 3), BranchesOnValues()).to("meta"))
+    kinds, loss_node = tensor_kinds(gm, (torch.randn(2, 3),))
+    assert kinds[loss_node] and all(p.is_meta for p in gm.parameters())  # put back
