@@ -84,8 +84,8 @@ PROFILE: list[Any] = [
         "leaf_modules",
         multiple=True,
         metavar="CLASS",
-        help="Keep every module of this class as one layer run eagerly (repeatable; torch.fx and torch.export "
-        "alike), e.g. GPT2Block.",
+        help="Keep every module of this class as one layer run eagerly (repeatable; torch.fx and "
+        "torch.export alike), e.g. GPT2Block.",
     ),
     click.option(
         "--repeats",
