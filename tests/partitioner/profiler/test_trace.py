@@ -95,14 +95,22 @@ def make():
 """
 
 
-def test_untraceable_model_names_the_module_and_suggests_leaf(tmp_path: Path) -> None:
+def test_a_module_that_branches_on_a_value_is_kept_whole_or_named(tmp_path: Path) -> None:
+    """A submodule that branches on a tensor's value is found from the failed export and kept whole
+    (one layer run eagerly); named with --leaf-module, fx keeps it whole; a branch in the model's own
+    forward cannot be kept whole and is refused naming the class and the option."""
     path = tmp_path / "net.py"
     path.write_text(textwrap.dedent(UNTRACEABLE))
     bundle = load_model(f"{path}:make", 2)
-    with pytest.raises(TraceError, match=r"module gate \(Gate\).*--leaf-module Gate"):
-        trace_model(bundle)
+    found = trace_model(bundle)
+    assert found.tracer == "export" and [g.name for g in found.groups if g.target == "Gate"] == ["gate"]
     traced = trace_model(bundle, leaf_modules=["Gate"])
     assert traced.tracer == "fx" and any(g.target == "Gate" for g in traced.groups)
+    top = tmp_path / "top.py"
+    branching = UNTRACEABLE.replace("self.head(self.gate(self.fc(x)))", "self.head(x) if x.sum() > 0 else x")
+    top.write_text(textwrap.dedent(branching))
+    with pytest.raises(TraceError, match=r"Net.*--leaf-module"):
+        trace_model(load_model(f"{top}:make", 2))
 
 
 def test_hf_gpt2_falls_back_to_export_grouped_by_block() -> None:
