@@ -173,7 +173,7 @@ def profile(
     from cli_render.profile import print_profile
     from cli_render.progress import progress as progress_bar
     from partitioner.graph import profile_to_json, save_profile
-    from partitioner.profiler import profile_model
+    from partitioner.profiler.profile import profile_model
     from partitioner.profiler.request import prepare
 
     ctx = click.get_current_context()
@@ -393,8 +393,8 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
     import torch
 
     from cli_render.verify import print_verify, verify_with_progress
-    from partitioner.verify import newest_package, run_batch_sizes
-    from runtime.heap import map_large_blocks
+    from partitioner.verification.verify import newest_package, run_batch_sizes
+    from runtime.observing.resident_memory import map_large_blocks
 
     folder = Path(package) if package is not None else newest_package(Path(models_dir))
     torch.set_num_threads(min(torch.get_num_threads(), 4))
@@ -446,8 +446,8 @@ def calibrate(packages: tuple[str, ...], metrics_path: str | None, run_dir: str 
     from pathlib import Path
 
     from cli_render.calibrate import print_calibration
-    from partitioner.calibrate import newest_run
-    from partitioner.link_calibration import calibrate_with_links
+    from partitioner.calibration.link_latency import calibrate_with_links
+    from partitioner.calibration.stage_times import newest_run
 
     folders = [Path(p) for p in packages] or [newest_run(opts["models_dir"])]
     if metrics_path is None and run_dir is not None:
@@ -573,13 +573,13 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
 
     from cli_render.common import note
     from cli_render.run import train
-    from runtime.config import newest_package
-    from runtime.launch import holding_run_folder
-    from runtime.optim import parse_betas
-    from runtime.options import RunOptions
-    from runtime.run_checks import check_run
-    from runtime.runs import begin as begin_run
-    from runtime.runs import discard_if_empty
+    from runtime.executing.optimizer import parse_betas
+    from runtime.job.launch import holding_run_folder
+    from runtime.job.run_checks import check_run
+    from runtime.job.run_folders import begin as begin_run
+    from runtime.job.run_folders import discard_if_empty
+    from runtime.packages.job_config import newest_package
+    from runtime.settings.run_options import RunOptions
 
     package = _with_config(click.get_current_context(), package, opts)
     if opts["steps"] and opts["epochs"]:
@@ -598,8 +598,8 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
     for line in check_run(options):
         note(line)
     if dry_run:
-        from runtime.launch import schedule_preview, torchrun_commands
-        from runtime.runs import begin
+        from runtime.job.launch import schedule_preview, torchrun_commands
+        from runtime.job.run_folders import begin
 
         options = begin(options, checkpoints, create=False)
         for line in torchrun_commands(options):
@@ -642,7 +642,7 @@ def probe(gpus: int, output: str, device: str, **opts: Any) -> None:
     from pathlib import Path
 
     from cli_render.probe import print_probe
-    from runtime.probe import ProbeOptions, probe_device, run_probe
+    from runtime.job.link_probe import ProbeOptions, probe_device, run_probe
 
     options = ProbeOptions(gpus=gpus, device=probe_device(device), **opts)
     print_probe(
@@ -654,7 +654,7 @@ def _with_config(ctx: click.Context, package: str | None, opts: dict[str, Any]) 
     """Fill the options not given on the command line from ``--config``'s run.toml, through click's own
     conversions and checks; returns the package (the command line's, else the file's)."""
 
-    from runtime.run_config import read_config
+    from runtime.settings.run_toml import read_config
 
     path = opts.pop("config")
     if path is None:
@@ -713,8 +713,8 @@ def export(
 
     from cli_render.export import print_export
     from partitioner.optimizer.units import parse_bytes
-    from runtime.config import newest_package
-    from runtime.export import export_checkpoint
+    from runtime.exporting.model_weights import export_checkpoint
+    from runtime.packages.job_config import newest_package
 
     folder = Path(package) if package is not None else newest_package("models")
     most = int(parse_bytes(max_shard_size))
@@ -750,8 +750,8 @@ def export_plan(package: str | None, output: str | None, schedule: str | None) -
     from pathlib import Path
 
     from cli_render.common import console
-    from runtime.config import newest_package
-    from runtime.torch_plan import export_torch_plan
+    from runtime.exporting.torch_plan import export_torch_plan
+    from runtime.packages.job_config import newest_package
 
     folder = Path(package) if package is not None else newest_package("models")
     out = Path(output) if output is not None else folder / "torch"
@@ -786,7 +786,7 @@ def convert_checkpoint(checkpoint_dir: str, package: str, step: int | None) -> N
     from pathlib import Path
 
     from cli_render.common import console
-    from runtime.checkpoint_v1 import convert
+    from runtime.checkpoints.convert_v1 import convert
 
     done = convert(Path(checkpoint_dir), Path(package), step)
     console().print(

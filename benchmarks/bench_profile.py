@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from partitioner.atomic import write_text_atomic
-from partitioner.models import load_model
-from partitioner.profiler import profile_model
+from partitioner.models.specs import load_model
+from partitioner.profiler.profile import profile_model
 
 CASES: dict[str, tuple[int, tuple[int, ...]]] = {
     "vgg16": (8, (3, 224, 224)),

@@ -41,7 +41,7 @@ PHASES = (
 
 def child(spec: str, mode: str, variant: str) -> dict[str, Any]:
     """Profile ``spec`` in this process with its phases timed: the row."""
-    import partitioner.profiler as profiler
+    import partitioner.profiler.profile as profiler
     from partitioner.profiler import layerwise, measure, trace
 
     if variant == "stack-traces":

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from cli_render.common import console, new_table
-from runtime.probe import ProbeOptions, ProbeOutcome
+from runtime.job.link_probe import ProbeOptions, ProbeOutcome
 
 __all__ = ["print_probe"]
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from cli_render.common import console, new_table, plural
 from cli_render.progress import progress
-from runtime.metrics import cpu_share
+from runtime.observing.metrics import cpu_share
 
 __all__ = ["COMM_NOTE", "eval_text", "header", "memory_table", "print_run_table", "stage_table", "train"]
 
@@ -24,11 +24,11 @@ def train(options: Any) -> None:
     """Launch with a progress bar fed by the loss-reporting rank, then print measured vs predicted."""
     from pathlib import Path
 
-    from runtime.data import SYNTHETIC_STEPS
+    from runtime.datasets.minibatches import SYNTHETIC_STEPS
     from runtime.errors import Interrupted, JobFailed
-    from runtime.header import run_header
-    from runtime.launch import check_launch, launch, resolve_resume
-    from runtime.worker import job_of
+    from runtime.job.launch import check_launch, launch, resolve_resume
+    from runtime.job.run_header import run_header
+    from runtime.job.worker import job_of
 
     per_node = check_launch(options)
     options, notes = resolve_resume(options)

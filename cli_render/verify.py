@@ -14,7 +14,7 @@ def verify_with_progress(folder: Any, sizes: Sequence[int], seed: int) -> list[A
     """:func:`partitioner.verify.verify_package` at each batch size, with progress on stderr (a bar
     on a terminal, a timed line per phase in a log: vgg16's check takes 20 s of CPU)."""
     from cli_render.progress import progress
-    from partitioner.verify import verify_package
+    from partitioner.verification.verify import verify_package
 
     reports = []
     with progress(transient=True) as bar:

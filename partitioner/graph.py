@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from partitioner.atomic import write_text_atomic
 from partitioner.errors import ProfileFormatError
-from runtime.formats import PROFILE_FIELDS
+from runtime.files.formats import PROFILE_FIELDS
+from runtime.files.schema import SchemaError, check
 from runtime.precision import PRECISIONS
-from runtime.schema import SchemaError, check
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -95,7 +95,7 @@ class Node:
             in flight (0: not measured, as in profiles written before layers measured it).
         deferred_bytes: bytes a split backward (zb1p, zbv) keeps from this layer's B to its W, per
             minibatch: the gradient B saw flowing into each autograd node whose branch leads only
-            to weights, which W needs (``runtime.split_backward``; a linear's, the gradient of its
+            to weights, which W needs (``runtime.executing.split_backward``; a linear's, the gradient of its
             output). Held per item between its B and its W (0: not measured).
         kept_output_bytes: the part of ``output_bytes`` its own backward keeps (a ReLU's, a softmax's
             output; counted in its ``saved_bytes``). A stage sending a tensor holds it per item until

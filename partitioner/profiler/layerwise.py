@@ -1,6 +1,6 @@
 """Measure a model one layer at a time, its weights real only while their layer is measured.
 
-A model built without its weights (:func:`runtime.lazy.weightless`) and traced on the meta device
+A model built without its weights (:func:`runtime.building.meta_params.weightless`) and traced on the meta device
 is measured layer by layer: each layer's parameters are made real on the profiling device (random,
 with the dtype and shape the model gives them; buffers from their real values), the layer runs on
 the real values its producers gave it, is measured as :class:`LayerProfiler` measures it, and its

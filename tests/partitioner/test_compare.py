@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from partitioner.compare import compare, spread
 from partitioner.errors import PipeplanError
+from partitioner.profiler.compare import compare, spread
 from tests.partitioner.optimizer.conftest import make_profile
 
 COSTS = [(5, 10, 4000, 1000), (8, 16, 2000, 2000), (3, 6, 1000, 50), (9, 18, 500, 3000)]

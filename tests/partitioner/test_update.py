@@ -8,7 +8,7 @@ import pytest
 
 from partitioner.optimizer import evaluate
 from partitioner.plan import Cluster
-from partitioner.update import UPDATE_KEY, update_ms, with_update_time
+from partitioner.profiler.update_cost import UPDATE_KEY, update_ms, with_update_time
 from tests.partitioner.optimizer.conftest import make_profile
 
 # l0: 1 MB of weights, l1: none, l2: 2 MB

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from partitioner.codegen import write_package
 from partitioner.errors import PackageError
-from partitioner.verify import newest_package, verify_package
+from partitioner.generation.codegen import write_package
+from partitioner.verification.verify import newest_package, verify_package
 from tests.partitioner.codegen_support import HF_GPT2, plan_for, profile_for
 
 
@@ -193,8 +193,8 @@ def test_verify_holds_a_stage_not_the_model(tmp_path: Path) -> None:
         f"""
         import torch
         from pathlib import Path
-        from partitioner.verify import load_package, verify_package
-        from runtime.heap import map_large_blocks, peak_resident_bytes, reset_peak, resident_bytes
+        from partitioner.verification.verify import load_package, verify_package
+        from runtime.observing.resident_memory import map_large_blocks, peak_resident_bytes, reset_peak, resident_bytes
 
         torch.set_num_threads(1)
         map_large_blocks()

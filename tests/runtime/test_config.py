@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from runtime.config import load_job, newest_package, replica_microbatches
 from runtime.errors import RunError
-from runtime.launch import torchrun_commands
-from runtime.options import RunOptions, from_argv, to_argv
+from runtime.job.launch import torchrun_commands
+from runtime.packages.job_config import load_job, newest_package, replica_microbatches
+from runtime.settings.run_options import RunOptions, from_argv, to_argv
 from tests.runtime.packages import write_package
 
 
@@ -81,7 +81,7 @@ def test_options_survive_the_torchrun_command_line(tmp_path: Path) -> None:
     )
     assert len(lines) == 2
     assert "--node-rank 1 --nproc-per-node 2 --master-addr 10.0.0.1 --master-port 29400" in lines[1]
-    assert lines[0].endswith(f"-m runtime.worker {pkg} --steps 7")
+    assert lines[0].endswith(f"-m runtime.job.worker {pkg} --steps 7")
 
 
 def test_planned_microbatches_grow_to_feed_every_replica(tmp_path: Path) -> None:

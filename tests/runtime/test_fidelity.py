@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.fidelity import StagePrediction, stage_report
-from runtime.metrics import RankMetrics, Recorder, summarize
+from runtime.observing.fidelity import StagePrediction, stage_report
+from runtime.observing.metrics import RankMetrics, Recorder, summarize
 
 
 def _rank(

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.newest import newest
+from runtime.files.find_newest import newest
 
 
 def test_newest_is_by_modification_time_and_keeps_only_what_matches(tmp_path: Path) -> None:

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import runtime.probe
+import runtime.job.link_probe
 from cli import main
-from partitioner.clusters import load_cluster
 from partitioner.graph import write_graph_txt
+from partitioner.hardware.clusters import load_cluster
 from partitioner.optimizer.pricing.stage import allreduce_time
 from partitioner.plan import Link
 from runtime.errors import RunError
-from runtime.probe import LinkFigure, ProbeOptions, ProbeResult, _cores_busy, fit_allreduce
+from runtime.job.link_probe import LinkFigure, ProbeOptions, ProbeResult, _cores_busy, fit_allreduce
 from tests.partitioner.optimizer.conftest import make_profile
 
 
@@ -101,7 +101,7 @@ def test_the_cluster_file_records_how_the_cores_were_held(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: list[ProbeOptions] = []
-    monkeypatch.setattr(runtime.probe, "probe", lambda o: seen.append(o) or _fake_result(o))
+    monkeypatch.setattr(runtime.job.link_probe, "probe", lambda o: seen.append(o) or _fake_result(o))
     for flag, cores in (("--idle", "idle"), ("", "busy")):
         path = tmp_path / f"{cores}.json"
         code, out, err = _run("probe", "--device", "cpu", *([flag] if flag else []), "-o", str(path))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from partitioner.profiler.update import measure_update
+from partitioner.profiler.update_timing import measure_update
 
 
 def test_rates_for_every_optimizer_and_the_module_is_left_alone() -> None:
