@@ -11,8 +11,8 @@ folder:
   ``stage<K>.pt`` (weights, optimizer state) through a temporary file and a rename, each rank its
   ``rank<R>.pt``, then after a barrier rank 0 ``meta.json`` (reproduced here from
   ``runtime/checkpoints/step_folders.py`` at commit f1e4850);
-- ``dcp``: :class:`runtime.checkpoints.step_folders.Saver` as ``pipeplan run`` saves, every rank writing its own
-  file (``dcp.save``, which fsyncs every file it writes), then rank 0 publishes the step;
+- ``dcp``: :class:`runtime.checkpoints.step_folders.Saver` as ``pipeplan run`` saves, every rank writing
+  its own file (``dcp.save``, which fsyncs every file it writes), then rank 0 publishes the step;
 - ``dcp, no fsync``: the same through ``dcp.save`` with ``FileSystemWriter(sync_files=False)``, to
   tell the format's cost from the durability's (the per-stage save never fsynced);
 - ``dcp async``: ``Saver(background=True)``: ``blocked`` is what training waits for (the copy of

@@ -10,8 +10,8 @@ beforehand (its ``--cpu`` mode runs in the test suite on tiny models) so that no
    layer times over the whole step) and the profiler's own wall time;
 4. ``estimate``: ``pipeplan profile --device-model`` (the preset of this GPU; ``cpu`` in CPU mode) of
    each profiled model, compared layer by layer with the measured profile
-   (``partitioner.profiler.compare.compare``: median estimated/measured, spread, worst layers, sums against the
-   measured step), the evidence to correct a preset's efficiency factors with;
+   (``partitioner.profiler.compare.compare``: median estimated/measured, spread, worst layers, sums against
+   the measured step), the evidence to correct a preset's efficiency factors with;
 5. ``run``: ``pipeplan partition --gpus 1`` and ``pipeplan run`` on one rank (nccl on a GPU), measured
    against predicted time and memory, fp32 and bf16; the same model trained plainly in one process, for
    the executor's efficiency (plain / pipelined time; 1.0 is the physical limit);

@@ -8,8 +8,8 @@ the very same two functions. Without the first, each of torch's steps pays thous
 faults that pipeplan's do not, which is the allocator's difference, not the runtimes'.
 
 Same work: the stages the package lays on each rank (its mp_conf.json, as pipeplan reads it), the
-same synthetic minibatches (:class:`runtime.datasets.minibatches.SyntheticBatches`, same seed), the same optimizer
-(SGD, lr 0.01, ``zero_grad(set_to_none=True)``) and the same gradient arithmetic: pipeplan scales
+same synthetic minibatches (:class:`runtime.datasets.minibatches.SyntheticBatches`, same seed), the same
+optimizer (SGD, lr 0.01, ``zero_grad(set_to_none=True)``) and the same gradient arithmetic: pipeplan scales
 each microbatch's loss by its share of the minibatch (1/M) before the backward; torch's schedules
 by default divide the accumulated gradients by M after the last backward (``scale_grads=True``),
 the same gradients by one more pass over them. The torch rank here scales the loss as pipeplan does

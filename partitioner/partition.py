@@ -304,7 +304,8 @@ def _write_plan(
 
 
 def _model_name(spec: str) -> str:
-    """:func:`partitioner.models.specs.model_name` (models brings torch: imported for traced profiles only)."""
+    """:func:`partitioner.models.specs.model_name` (models brings torch: imported for traced profiles
+    only)."""
     from partitioner.models.specs import model_name
 
     return model_name(spec)

@@ -73,7 +73,7 @@ def _verify_growth(package: Path) -> tuple[int, str]:
     its output)."""
     code = textwrap.dedent(
         f"""
-        import torch, torch._dynamo, transformers, partitioner.verification.verify, cli  # imports are not weights
+        import torch, torch._dynamo, transformers, partitioner.verification.verify, cli  # not weights
         from transformers import LlamaForCausalLM  # nor is the model's code
         from runtime.observing.resident_memory import resident_bytes, peak_resident_bytes, reset_peak
         assert reset_peak()

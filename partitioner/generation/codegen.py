@@ -1,8 +1,8 @@
 """(traced graph, plan) -> the ``gpus=N`` package: ``__init__.py``, ``stageK.py``, mp_conf.json, plan.json.
 
 Each stage's ``forward`` is torch.fx's own code generation for that stage's cut of the traced graph
-(:mod:`partitioner.generation.split`); only the scaffolding around it (imports, the class line, the name tables)
-is written here. Stage modules hold the original submodules under their original paths, so
+(:mod:`partitioner.generation.split`); only the scaffolding around it (imports, the class line, the name
+tables) is written here. Stage modules hold the original submodules under their original paths, so
 ``features.3.weight`` is called the same in a stage, in the full model and in a checkpoint.
 
 Parameters are built by ``_stagekit.py`` (a verbatim copy of :mod:`runtime.building.stage_init`): seeded per
@@ -295,9 +295,9 @@ def _foreign_calls(gm: fx.GraphModule, model: nn.Module) -> frozenset[str]:
 def lifted_constants(gm: fx.GraphModule, model: nn.Module) -> dict[str, torch.Tensor]:
     """Tensors the graph reads that the model does not have at all: torch.export lifts a
     ``torch.tensor(...)`` or a Python list used as an index inside ``forward`` into such attributes.
-    Each stage that reads one writes it into its own code (:func:`partitioner.generation.split.constant_node`).
-    A plain tensor attribute of the model (set in ``__init__``, perhaps from the RNG) is no constant:
-    ``_check_tensors`` asks for a buffer.
+    Each stage that reads one writes it into its own code
+    (:func:`partitioner.generation.split.constant_node`). A plain tensor attribute of the model (set in
+    ``__init__``, perhaps from the RNG) is no constant: ``_check_tensors`` asks for a buffer.
 
     Raises:
         PackageError: a constant too large to write into code (make it a buffer in ``__init__``).
@@ -363,7 +363,10 @@ def _loss_kind(bundle: Any, gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]
     """``cross_entropy`` (pipeplan's default) or ``where:loss_fn`` for a model file's own loss."""
     spec = str(bundle.spec)
     loss_fn = bundle.loss_fn
-    if getattr(loss_fn, "__name__", "") == "default_loss" and loss_fn.__module__ == "partitioner.models.specs":
+    if (
+        getattr(loss_fn, "__name__", "") == "default_loss"
+        and loss_fn.__module__ == "partitioner.models.specs"
+    ):
         return "cross_entropy"
     where = spec.rpartition(":")[0]
     if where and getattr(loss_fn, "__name__", "") == "loss_fn":

@@ -1,1 +1,1 @@
-"""The profiler: model spec -> traced layers -> measured ``Profile`` (the entry is :mod:`partitioner.profiler.profile`)."""
+"""The profiler: model spec -> traced layers -> measured ``Profile`` (entry: ``profile.profile_model``)."""

@@ -186,8 +186,8 @@ def _export(
     """torch.export non-strict, the batch dimension dynamic where the model allows it.
 
     With a dynamic batch the graph runs any microbatch or replica share of a minibatch; the batch size
-    becomes a ``sym_size`` of an input that :mod:`partitioner.generation.split` reads again, in each stage, from a
-    tensor that stage receives. A model that fixes its batch size is exported with static shapes, and
+    becomes a ``sym_size`` of an input that :mod:`partitioner.generation.split` reads again, in each stage,
+    from a tensor that stage receives. A model that fixes its batch size is exported with static shapes, and
     ``retrace(options, batch_size=...)`` re-exports it at the size a stage runs (same node names).
     """
     try:

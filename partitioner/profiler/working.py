@@ -55,9 +55,10 @@ def split_deferred(
     roots: Sequence[Tensor], leaves: Sequence[Tensor], params: Sequence[Tensor], seeds: Sequence[Tensor]
 ) -> int:
     """Bytes a split backward keeps from the layer's B to its W: the gradients B records flowing
-    into the nodes whose branches lead only to ``params`` (``runtime.executing.split_backward.backward_input``,
-    the runtime's own B), counted once per storage, and the ``seeds`` where W takes weights from the
-    roots (all of them on a layer whose inputs take no gradient). The graph is kept."""
+    into the nodes whose branches lead only to ``params``
+    (``runtime.executing.split_backward.backward_input``, the runtime's own B), counted once per storage, and
+    the ``seeds`` where W takes weights from the roots (all of them on a layer whose inputs take no gradient).
+    The graph is kept."""
     if not roots or not params:
         return 0
     _, work = backward_input(list(roots), list(seeds), list(leaves), list(params))
@@ -92,8 +93,8 @@ def backward_rise(
 
 
 class _Made(_LiveStorages):  # type: ignore[no-untyped-call]  # torch's mode is untyped
-    """:class:`~runtime.observing.peak_memory._LiveStorages` counting only what the ops it sees allocate: an output
-    that shares an input's storage (a view, a ``detach``, an in-place result) is no new memory. A
+    """:class:`~runtime.observing.peak_memory._LiveStorages` counting only what the ops it sees allocate: an
+    output that shares an input's storage (a view, a ``detach``, an in-place result) is no new memory. A
     backward takes views of tensors that were there before it (``t()`` of a linear's weight, a
     ``detach`` of a saved activation); counted as new, a 392 MiB weight would pass for working bytes."""
 

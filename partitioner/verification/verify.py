@@ -9,8 +9,9 @@ One minibatch, one stage at a time, so the check needs the memory of a stage and
    original model (``_stagekit.Original``, made one at a time), its forward run again from the kept
    inputs (the same random state: dropout agrees) and its backward from the gradients the later
    stages sent; then the original model's own ``forward`` runs once more with this stage's parameters
-   as its leaves and every other weight made when read and dropped after (:mod:`partitioner.verification.streamed`),
-   and each parameter's gradient is compared with the stage's as it arrives.
+   as its leaves and every other weight made when read and dropped after
+   (:mod:`partitioner.verification.streamed`), and each parameter's gradient is compared with the stage's as
+   it arrives.
 
 Tied parameters split across stages are compared as the sum of their copies' gradients, which is what
 the runtime's all-reduce of tied gradients produces. The original's output and loss are compared with

@@ -412,7 +412,7 @@ def criterion(kind: str) -> nn.Module:
 
 
 _INPUT_SEED = 1234  # the same generator seed as partitioner.models.specs: seed 0 gives the profiled data
-MASK_RATE = 0.15  # masked-lm: the share of positions hidden and scored (runtime.datasets.text_windows.MASK_RATE)
+MASK_RATE = 0.15  # masked-lm: the share of positions hidden and scored (as text_windows.MASK_RATE)
 
 
 def _draw(spec: Mapping[str, Any], batch_size: int, generator: torch.Generator) -> torch.Tensor:

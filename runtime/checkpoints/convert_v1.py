@@ -4,8 +4,8 @@ Such a ``step-N/`` holds ``stage<K>.pt`` per stage (``model``: the stage's state
 torch's optimizer state_dict, parameters numbered in the stage's order; ``scheduler``, ``scaler``,
 ``optim``: the settings; ``step``), ``rank<R>.pt`` per rank (``rng``) and ``meta.json``. It loads only
 on the package that wrote it. :func:`convert` rewrites it as one DCP checkpoint with the entries of
-:mod:`runtime.checkpoints.train_state` (parameters by name), so it resumes on any plan of the model and exports
-like any other; the old files move to ``step-N.v1/``. The stage files are memory-mapped: tensors are
+:mod:`runtime.checkpoints.train_state` (parameters by name), so it resumes on any plan of the model and
+exports like any other; the old files move to ``step-N.v1/``. The stage files are memory-mapped: tensors are
 read as DCP writes them.
 """
 

@@ -1,8 +1,9 @@
 """A rank's side of checkpoints: resume at start-up, save at segment ends, wait at the end.
 
 Every rank computes the checkpoint names of the package's stages on the meta device
-(:mod:`runtime.packages.tensor_names`), writes its share of each step with :class:`runtime.checkpoints.step_folders.Saver` and, on
-``--resume``, loads what its own stages hold (:mod:`runtime.checkpoints.train_state`), whatever plan wrote it.
+(:mod:`runtime.packages.tensor_names`), writes its share of each step with
+:class:`runtime.checkpoints.step_folders.Saver` and, on ``--resume``, loads what its own stages hold
+(:mod:`runtime.checkpoints.train_state`), whatever plan wrote it.
 """
 
 from __future__ import annotations

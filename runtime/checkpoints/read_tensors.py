@@ -1,8 +1,9 @@
 """Reading a checkpoint's tensors in one process, a few at a time: for export, conversion and tests.
 
 :class:`Tensors` reads the weights of a DCP checkpoint (``model.<fqn>`` entries) or of a checkpoint
-of pipeplan before DCP (``stage<K>.pt`` files, whose names a package's :class:`runtime.packages.tensor_names.ModelNames`
-turns into checkpoint names), by name, so a caller holds only what it asked for.
+of pipeplan before DCP (``stage<K>.pt`` files, whose names a package's
+:class:`runtime.packages.tensor_names.ModelNames` turns into checkpoint names), by name, so a caller holds
+only what it asked for.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 A step folder is one torch.distributed.checkpoint (DCP): ``__<rank>_0.distcp`` files that the ranks
 write in parallel, each its own, and DCP's ``.metadata``, written by rank 0 once every rank's data is
 on disk; what they hold and under which names is :mod:`runtime.checkpoints.train_state`. Beside them
-``meta.json`` records the run (settings, plan, model; :mod:`runtime.checkpoints.resume_settings` compares it with a
-resumed run). The ranks write into ``step-N.partial/``; rank 0 adds ``meta.json`` and renames the
+``meta.json`` records the run (settings, plan, model; :mod:`runtime.checkpoints.resume_settings` compares it
+with a resumed run). The ranks write into ``step-N.partial/``; rank 0 adds ``meta.json`` and renames the
 folder to ``step-N`` once DCP has finished, so a ``step-N`` folder is always complete: a rank killed
 mid-write leaves only a ``.partial`` folder, which the next ``--resume`` removes. With
 :attr:`Saver.background` the ranks copy their tensors and go on training while DCP writes

@@ -1,8 +1,8 @@
 """Data a user has on disk: ``imagefolder:DIR`` and ``text:FILE`` specs, read through a DataLoader.
 
 Both become a :class:`torch.utils.data.DataLoader` (``drop_last``, worker processes, shuffling from
-the run's seed) that :class:`runtime.datasets.minibatches.DatasetBatches` replays by step, so every rank that reads
-inputs or targets sees the same minibatches in the same order. What the package expects (the input
+the run's seed) that :class:`runtime.datasets.minibatches.DatasetBatches` replays by step, so every rank that
+reads inputs or targets sees the same minibatches in the same order. What the package expects (the input
 sample's shape and dtype, its number of output classes) comes from plan.json, and data that cannot
 fit it (more class folders than outputs, token ids beyond the vocabulary) is refused in one line.
 """
@@ -47,7 +47,8 @@ class DataSettings:
         classes: the package's output classes (its vocabulary for a language model); None: unknown.
         mask_token: for a masked-lm package (plan.json's targets of kind ``masked``), the token that
             hides the positions it is scored on; ``text:`` windows are then masked as its synthetic
-            data are (:func:`runtime.datasets.text_windows.mask_tokens`), not given the next tokens it could copy.
+            data are (:func:`runtime.datasets.text_windows.mask_tokens`), not given the next tokens it could
+            copy.
     """
 
     seq_len: int | None = None

@@ -1,9 +1,9 @@
 """A run's checkpoint as the original, unsplit model's weights: safetensors, a state_dict, or a Hugging
 Face folder.
 
-A checkpoint holds the model's tensors under their original names (:mod:`runtime.packages.tensor_names`), whatever plan
-wrote it, so export needs the package only for the model's structure, built on the meta device: its
-state_dict names, which of them are one tied tensor, which buffers it leaves out. Each name takes:
+A checkpoint holds the model's tensors under their original names (:mod:`runtime.packages.tensor_names`),
+whatever plan wrote it, so export needs the package only for the model's structure, built on the meta device:
+its state_dict names, which of them are one tied tensor, which buffers it leaves out. Each name takes:
 
 - the checkpoint's tensor of that name;
 - for a tied tensor (GPT-2's token embedding and LM head) that the checkpoint holds under another of

@@ -4,13 +4,14 @@ Each rank beats once a second into the job's rendezvous store (a daemon thread: 
 rank computes, loads data, writes checkpoints or waits on a peer). A stopped process (SIGSTOP, a
 debugger, a machine that froze it) stops beating with all its threads. The launcher of each node
 watches its own ranks' beats; a rank silent for ``--timeout`` seconds is killed (SIGKILL works on a
-stopped process), so the elastic agent stops the job at once, and :func:`runtime.faults.failed_rank.blame` is told
-that this rank stopped responding. Without the watch, the job would end only once a peer's wait on it
+stopped process), so the elastic agent stops the job at once, and :func:`runtime.faults.failed_rank.blame` is
+told that this rank stopped responding. Without the watch, the job would end only once a peer's wait on it
 timed out, which starts whenever that peer gets there (under load, many seconds after the stop) and
 blames the waiting peer when the wait is collective.
 
 A rank that hangs while its threads still run (an endless loop in a data function) keeps beating;
-its peers' waits time out and name it (:class:`runtime.errors.PeerLost`, :mod:`runtime.faults.startup_checkin`).
+its peers' waits time out and name it (:class:`runtime.errors.PeerLost`,
+:mod:`runtime.faults.startup_checkin`).
 """
 
 from __future__ import annotations

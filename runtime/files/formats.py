@@ -2,9 +2,9 @@
 
 profile.json (``partitioner.graph``), plan.json (``partitioner.plan`` and the runtime's
 ``runtime.packages.job_config``), mp_conf.json (PipeDream's, ``runtime.packages.job_config``) and metrics.json
-(``partitioner.calibration.stage_times``). Each lists the fields its readers rely on and their types; files may carry
-more fields (formats grow), and rules across fields (a DAG in topological order, ranks used once, ...)
-stay with the readers. Pure Python, no torch.
+(``partitioner.calibration.stage_times``). Each lists the fields its readers rely on and their types; files
+may carry more fields (formats grow), and rules across fields (a DAG in topological order, ranks used once,
+...) stay with the readers. Pure Python, no torch.
 """
 
 from __future__ import annotations

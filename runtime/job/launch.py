@@ -132,7 +132,8 @@ def torchrun_commands(options: RunOptions) -> list[str]:
     args = shlex.join(to_argv(options))
     return [
         f"torchrun --nnodes {options.nnodes} --node-rank {node} --nproc-per-node {per_node} "
-        f"--master-addr {options.master_addr} --master-port {port} --max-restarts 0 -m runtime.job.worker {args}"
+        f"--master-addr {options.master_addr} --master-port {port} --max-restarts 0 -m runtime.job.worker "
+        f"{args}"
         for node in range(options.nnodes)
     ]
 
@@ -252,8 +253,8 @@ def _agent_log(path: Path) -> Iterator[None]:
 
 def holding_run_folder(options: RunOptions) -> AbstractContextManager[None]:
     """The package's run lock (:func:`runtime.job.run_folders.package_lock`), to hold across
-    :func:`runtime.job.run_folders.begin`, :func:`check_launch` and :func:`launch` (which takes it too: one job
-    per package folder at a time)."""
+    :func:`runtime.job.run_folders.begin`, :func:`check_launch` and :func:`launch` (which takes it too: one
+    job per package folder at a time)."""
     return package_lock(options)
 
 

@@ -103,7 +103,8 @@ class RankMetrics:
         loss_scale: fp16's loss scale at the end (None under fp32 and bf16).
         overflow_steps: steps (1-based) whose gradients on this rank held an inf or nan (fp16).
         skipped_steps: steps (1-based) that every rank skipped for an overflow on some rank (fp16).
-        peak_memory_bytes: the rank's measured peak memory (``runtime.observing.peak_memory``; None: not measured).
+        peak_memory_bytes: the rank's measured peak memory (``runtime.observing.peak_memory``; None:
+            not measured).
         hosted: every stage the rank ran when it ran several (``interleaved``: ``stage`` is the first
             and the times are the rank's, all its stages together); empty otherwise.
         stage_bytes: bytes of the parameters and buffers the rank holds (all its stages).

@@ -65,7 +65,8 @@ class ModelNames:
 
 
 def stage_modules(package: ModuleType, wiring: Wiring, module_stages: Sequence[int]) -> list[nn.Module]:
-    """Every stage's module on the meta device, named as :func:`runtime.packages.load.build_stage` names it."""
+    """Every stage's module on the meta device, named as :func:`runtime.packages.load.build_stage` names
+    it."""
     stages = len(wiring.stage_inputs)
     with torch.device("meta"):
         entries = package.model(package.criterion())

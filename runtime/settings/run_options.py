@@ -36,14 +36,16 @@ class RunOptions:
         data_workers: DataLoader worker processes per reading rank for ``imagefolder:``/``text:`` data.
         eval_data: held-out data (any ``data`` form) evaluated forward-only; None: no evaluation.
         eval_every: evaluate every this many steps (0: only at the end), with ``eval_data``.
-        optim: the optimizer, its learning-rate schedule and clipping (:class:`runtime.executing.optimizer.OptimSettings`,
-            checked when made; :meth:`RunOptions.of` takes its fields flat, as the command line does).
+        optim: the optimizer, its learning-rate schedule and clipping
+            (:class:`runtime.executing.optimizer.OptimSettings`, checked when made; :meth:`RunOptions.of`
+            takes its fields flat, as the command line does).
         precision: fp32, bf16 or fp16 (autocast; fp16 with dynamic loss scaling); None: plan.json's.
         seed: seeds weights, synthetic data and shuffling.
         weights: initial weights instead of the package's: a state_dict file, a ``.safetensors``
             file or a ``save_pretrained`` folder; each rank reads only its stage's tensors.
         shuffle: shuffle a user dataset each epoch.
-        checkpoint_dir: where the ``step-N/`` checkpoints go (:mod:`runtime.checkpoints.step_folders`); None: none.
+        checkpoint_dir: where the ``step-N/`` checkpoints go (:mod:`runtime.checkpoints.step_folders`);
+            None: none.
         checkpoint_every: checkpoint every this many steps (0: only at the end).
         checkpoint_async: write checkpoints in the background (``dcp.async_save``): training goes on
             once each rank has copied its tensors.
@@ -135,7 +137,8 @@ def flat_fields(options: RunOptions) -> Iterator[tuple[Any, Any]]:
 
 
 def to_argv(options: RunOptions) -> list[str]:
-    """Arguments of ``python -m runtime.job.worker`` that rebuild ``options`` (launch-only fields left out)."""
+    """Arguments of ``python -m runtime.job.worker`` that rebuild ``options`` (launch-only fields left
+    out)."""
     argv = [options.package]
     for f, value in flat_fields(options):
         if f.name == "package" or f.name in _LAUNCH_ONLY or value is None or value == f.default:

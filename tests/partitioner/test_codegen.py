@@ -228,7 +228,9 @@ def test_writing_a_package_runs_the_graph_once(tmp_path: Path, monkeypatch: pyte
 
     runs: list[int] = []
     real = partitioner.generation.dry_run.dry_run
-    monkeypatch.setattr(partitioner.generation.dry_run, "dry_run", lambda gm, inputs: runs.append(1) or real(gm, inputs))
+    monkeypatch.setattr(
+        partitioner.generation.dry_run, "dry_run", lambda gm, inputs: runs.append(1) or real(gm, inputs)
+    )
     profile = profile_for("tiny-cnn")
     plan = write_package(profile, plan_for(profile, [2]), tmp_path / "pkg")
     assert runs == [1] and plan.extra["targets"]

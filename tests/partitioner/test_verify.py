@@ -194,7 +194,9 @@ def test_verify_holds_a_stage_not_the_model(tmp_path: Path) -> None:
         import torch
         from pathlib import Path
         from partitioner.verification.verify import load_package, verify_package
-        from runtime.observing.resident_memory import map_large_blocks, peak_resident_bytes, reset_peak, resident_bytes
+        from runtime.observing.resident_memory import (
+            map_large_blocks, peak_resident_bytes, reset_peak, resident_bytes,
+        )
 
         torch.set_num_threads(1)
         map_large_blocks()

@@ -1,5 +1,5 @@
-"""runtime.faults.liveness and runtime.faults.startup_checkin: a stopped rank is found by its silence, a start-up wait names
-the ranks behind it, and the rendezvous store listens on the master address only."""
+"""runtime.faults.liveness and runtime.faults.startup_checkin: a stopped rank is found by its silence, a
+start-up wait names the ranks behind it, and the rendezvous store listens on the master address only."""
 
 from __future__ import annotations
 
