@@ -13,42 +13,12 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from runtime.observing.metrics import RankMetrics
+from runtime.packages.job_config import StagePrediction
 
-__all__ = ["StagePrediction", "stage_report"]
-
-
-@dataclass(frozen=True)
-class StagePrediction:
-    """One plan.json stage's predictions; None: not predicted.
-
-    Attributes:
-        compute_s: forward, backward and update seconds per minibatch on one device, replicas
-            summed (plan.json's ``compute_s``).
-        comm_s: seconds per minibatch one replica's messages take on the wire: its output's cut
-            out and back and its gradient all-reduce (plan.json's ``comm_s``).
-        bubble: the share of its device's time the plan's simulation has it not computing
-            (plan.json's ``bubble_fraction``; plans written before it have none).
-    """
-
-    compute_s: float | None = None
-    comm_s: float | None = None
-    bubble: float | None = None
-
-    @staticmethod
-    def of(stage: Mapping[str, Any]) -> StagePrediction:
-        """From a plan.json stage. A plan with no compute time (written by hand: 0) predicts no time
-        for the stage at all, its communication's 0 included."""
-        compute = float(stage.get("compute_s") or 0.0)
-        bubble = stage.get("bubble_fraction")
-        return StagePrediction(
-            compute or None,
-            float(stage.get("comm_s") or 0.0) if compute else None,
-            float(bubble) if bubble is not None else None,
-        )
+__all__ = ["stage_report"]
 
 
 def stage_report(
