@@ -15,19 +15,19 @@ import importlib.util
 import inspect
 from collections.abc import Iterator, Mapping, Sequence
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 from runtime.datasets.user_data import DataSettings, check_file_spec, file_loader, file_spec, is_file_spec
 from runtime.errors import RunError
+from runtime.executing.stage import Batches
 from runtime.files.user_code import check_file, file_attr
 from runtime.settings.run_options import RunOptions
 
 __all__ = [
     "SYNTHETIC_STEPS",
-    "Batches",
     "DatasetBatches",
     "SyntheticBatches",
     "check_data_options",
@@ -54,16 +54,6 @@ def _seed(seed: int) -> None:
     torch.default_generator.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
-
-
-class Batches(Protocol):
-    """A source of minibatches addressed by global step."""
-
-    steps_per_epoch: int
-
-    def inputs(self, step: int) -> tuple[torch.Tensor, ...]: ...
-
-    def targets(self, step: int) -> torch.Tensor: ...
 
 
 class SyntheticBatches:

@@ -24,8 +24,7 @@ from typing import Any
 
 import torch
 
-from runtime.datasets.minibatches import Batches
-from runtime.executing.stage import StageRuntime
+from runtime.executing.stage import Batches, StageRuntime
 
 __all__ = ["EvalResult", "Evaluator", "class_hits", "eval_steps", "segments"]
 

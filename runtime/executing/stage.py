@@ -40,13 +40,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.datasets.minibatches import Batches
 from runtime.executing.comm import Answer, Comm, Posted, TensorMeta
 from runtime.executing.lookahead import Lookahead, steps_before_backward
 from runtime.executing.loss_scale import LossScaler
@@ -59,7 +58,18 @@ from runtime.packages.load import Wiring
 from runtime.precision import autocast
 from runtime.schedule import Action, Schedule, get_schedule, warmup
 
-__all__ = ["LOOKAHEAD", "STASH_LOG_MAX", "Groups", "StageRuntime", "Unit"]
+__all__ = ["LOOKAHEAD", "STASH_LOG_MAX", "Batches", "Groups", "StageRuntime", "Unit"]
+
+
+class Batches(Protocol):
+    """A source of minibatches addressed by global step."""
+
+    steps_per_epoch: int
+
+    def inputs(self, step: int) -> tuple[torch.Tensor, ...]: ...
+
+    def targets(self, step: int) -> torch.Tensor: ...
+
 
 STASH_LOG_MAX = 1000
 """Backwards per rank whose (unit, forward version, version at backward) go into metrics.json."""

@@ -24,14 +24,14 @@ import torch.distributed as dist
 
 from runtime import schedule
 from runtime.checkpoints.rank_side import RankCheckpoints
-from runtime.datasets.minibatches import Batches, make_batches
+from runtime.datasets.minibatches import make_batches
 from runtime.datasets.user_data import DataSettings
 from runtime.errors import PeerLost, RunError
 from runtime.executing.comm import Comm
 from runtime.executing.evaluate import EvalResult, Evaluator, eval_steps, segments
 from runtime.executing.loss_scale import LossScaler
 from runtime.executing.optimizer import Clip, OptimSettings, counted_params, make_optimizer, make_scheduler
-from runtime.executing.stage import Groups, StageRuntime
+from runtime.executing.stage import Batches, Groups, StageRuntime
 from runtime.faults.die_with_launcher import die_with, wake_siblings
 from runtime.faults.liveness import start_heartbeat
 from runtime.faults.startup_checkin import CheckIn
