@@ -393,7 +393,8 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
     import torch
 
     from cli_render.verify import print_verify, verify_with_progress
-    from partitioner.verification.verify import newest_package, run_batch_sizes
+    from partitioner.verification.verify import run_batch_sizes
+    from runtime.files.find_newest import newest_package
     from runtime.observing.resident_memory import map_large_blocks
 
     folder = Path(package) if package is not None else newest_package(Path(models_dir))
@@ -574,11 +575,11 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
     from cli_render.common import note
     from cli_render.run import train
     from runtime.executing.optimizer import parse_betas
+    from runtime.files.find_newest import newest_package
     from runtime.job.launch import holding_run_folder
     from runtime.job.run_checks import check_run
     from runtime.job.run_folders import begin as begin_run
     from runtime.job.run_folders import discard_if_empty
-    from runtime.packages.job_config import newest_package
     from runtime.settings.run_options import RunOptions
 
     package = _with_config(click.get_current_context(), package, opts)
@@ -714,7 +715,7 @@ def export(
     from cli_render.export import print_export
     from partitioner.optimizer.units import parse_bytes
     from runtime.exporting.model_weights import export_checkpoint
-    from runtime.packages.job_config import newest_package
+    from runtime.files.find_newest import newest_package
 
     folder = Path(package) if package is not None else newest_package("models")
     most = int(parse_bytes(max_shard_size))
@@ -751,7 +752,7 @@ def export_plan(package: str | None, output: str | None, schedule: str | None) -
 
     from cli_render.common import console
     from runtime.exporting.torch_plan import export_torch_plan
-    from runtime.packages.job_config import newest_package
+    from runtime.files.find_newest import newest_package
 
     folder = Path(package) if package is not None else newest_package("models")
     out = Path(output) if output is not None else folder / "torch"

@@ -24,12 +24,12 @@ from typing import Any
 import numpy as np
 from bench_optimizer import CLUSTERS, RESULTS, profile_args, selected_profiles
 
-from partitioner.atomic import write_text_atomic
 from partitioner.graph import Profile
 from partitioner.optimizer import solve
 from partitioner.optimizer.planner import alternatives
 from partitioner.optimizer.search.candidates import parameter_balanced, time_balanced, uniform
 from partitioner.plan import Cluster
+from runtime.files.atomic import write_text_atomic
 
 METHODS = {
     "parameter balanced": parameter_balanced,

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from partitioner.atomic import write_text_atomic
+from runtime.files.atomic import write_text_atomic
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"

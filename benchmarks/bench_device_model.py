@@ -34,10 +34,10 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from partitioner.atomic import write_text_atomic
 from partitioner.graph import load_profile
 from partitioner.profiler.compare import compare
 from partitioner.profiler.profile import profile_model
+from runtime.files.atomic import write_text_atomic
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"

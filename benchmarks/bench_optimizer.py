@@ -25,12 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from partitioner.atomic import write_text_atomic
 from partitioner.errors import InfeasibleError
 from partitioner.graph import Node, Profile, read_graph_txt
 from partitioner.optimizer import solve
 from partitioner.optimizer.search.candidates import parameter_balanced, time_balanced, uniform
 from partitioner.plan import Cluster, Level
+from runtime.files.atomic import write_text_atomic
 
 RESULTS = Path(__file__).parent / "results"
 CLUSTERS = {

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from partitioner.atomic import write_text_atomic
 from partitioner.models.specs import load_model
 from partitioner.profiler.profile import profile_model
+from runtime.files.atomic import write_text_atomic
 
 CASES: dict[str, tuple[int, tuple[int, ...]]] = {
     "vgg16": (8, (3, 224, 224)),

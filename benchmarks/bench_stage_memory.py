@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from partitioner.atomic import write_text_atomic
+from runtime.files.atomic import write_text_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"

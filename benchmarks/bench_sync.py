@@ -26,11 +26,11 @@ from bench_optimizer import (  # run as a script: benchmarks/ is on the path
     selected_profiles,
 )
 
-from partitioner.atomic import write_text_atomic
 from partitioner.graph import Profile
 from partitioner.optimizer import solve
 from partitioner.optimizer.search.candidates import data_parallel, parameter_balanced, time_balanced, uniform
 from partitioner.plan import Cluster
+from runtime.files.atomic import write_text_atomic
 
 BASELINES = {"data_parallel": data_parallel, "parameters": parameter_balanced, "uniform": uniform,
              "time": time_balanced}  # fmt: skip

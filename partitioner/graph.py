@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from partitioner.atomic import write_text_atomic
 from partitioner.errors import ProfileFormatError
+from runtime.files.atomic import write_text_atomic
 from runtime.files.formats import PROFILE_FIELDS
 from runtime.files.schema import SchemaError, check
 from runtime.precision import PRECISIONS

@@ -20,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from partitioner.atomic import write_text_atomic
 from partitioner.errors import PlanError, ProfileFormatError
 from partitioner.graph import Profile, load_profile
 from partitioner.hardware.clusters import default_latency, levels_of, load_cluster
@@ -45,6 +44,7 @@ from partitioner.optimizer.pricing.simulate import (
 from partitioner.optimizer.units import parse_bytes, parse_int_list
 from partitioner.plan import Cluster, Plan, mp_conf, save_plan
 from partitioner.profiler.update_cost import with_update_time
+from runtime.files.atomic import write_text_atomic
 from runtime.files.find_newest import newest
 from runtime.schedule import get_schedule
 

@@ -99,7 +99,7 @@ LAYERS = {
         ("runtime.exporting",),
     ),
     "partitioner": (
-        ("partitioner", "partitioner.errors", "partitioner.atomic", "partitioner.graph", "partitioner.plan"),
+        ("partitioner", "partitioner.errors", "partitioner.graph", "partitioner.plan"),
         ("partitioner.optimizer",),
         ("partitioner.hardware",),
         ("partitioner.models",),

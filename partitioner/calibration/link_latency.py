@@ -41,7 +41,6 @@ timestamps cannot be compared with another's), ranks hosting several stages (``i
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import os
 import statistics
@@ -50,13 +49,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from partitioner.atomic import write_text_atomic
 from partitioner.calibration.stage_times import Calibration, calibrate_package
 from partitioner.errors import PipeplanError
 from partitioner.graph import Profile, load_profile
 from partitioner.hardware.clusters import cluster_from_json
 from partitioner.optimizer.pricing.price import stage_loads
 from partitioner.plan import Plan, load_plan
+from runtime.files.atomic import write_json_atomic
+from runtime.files.read_json import read_json
 
 __all__ = [
     "FEWEST",
@@ -234,7 +234,7 @@ def measure_runs(
             cluster file.
     """
     path = Path(cluster)
-    doc = _read_json(path, "cluster file")
+    doc = read_json(path, "the cluster file")
     known = cluster_from_json(doc, str(path))
     levels = known.levels
     readings = [_read_run(folder, trace, levels[0].devices) for folder, trace in runs]
@@ -287,7 +287,7 @@ def _read_run(
         )
     if not plan.profile:
         raise PipeplanError(f"{folder}/plan.json does not name the profile it was planned from")
-    events = _read_json(Path(trace), "trace")
+    events = read_json(trace, "the trace")
     if not isinstance(events, Mapping) or not isinstance(events.get("traceEvents"), list):
         raise PipeplanError(f"{trace} is not a Chrome trace of a run (pipeplan run --trace FILE)")
     profile = load_profile(plan.profile)  # once: both readings need its stage loads
@@ -337,13 +337,6 @@ def calibrate_with_links(
     return done, links
 
 
-def _read_json(path: Path, what: str) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise PipeplanError(f"cannot read the {what} {path}: {exc}") from None
-
-
 def save_links(done: LinkCalibration) -> None:
     """The cluster file with level 0's latency replaced and a record of where it came from."""
     levels = [dict(level) for level in done.doc["levels"]]
@@ -372,7 +365,7 @@ def save_links(done: LinkCalibration) -> None:
     new = {**done.doc, "levels": levels, "calibrated": record}
     if done.action_s is not None:
         new["action_overhead"] = done.action_s
-    write_text_atomic(done.cluster, json.dumps(new, indent=1) + "\n")
+    write_json_atomic(done.cluster, new)
 
 
 def _quartiles(values: Sequence[float]) -> list[float]:

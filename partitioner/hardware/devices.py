@@ -32,9 +32,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from partitioner.atomic import write_text_atomic
 from partitioner.errors import PipeplanError
 from partitioner.graph import Profile
+from runtime.files.atomic import write_text_atomic
 
 __all__ = [
     "COMPUTE_DTYPES",

@@ -45,10 +45,9 @@ from partitioner.plan import Plan, load_plan, mp_conf
 from partitioner.verification.streamed import Streamed
 from runtime.building.stage_init import loss_input
 from runtime.errors import RunError
-from runtime.files.find_newest import newest
 from runtime.packages.load import import_package
 
-__all__ = ["ATOL", "RTOL", "StageCheck", "VerifyReport", "load_package", "newest_package", "verify_package"]
+__all__ = ["ATOL", "RTOL", "StageCheck", "VerifyReport", "load_package", "verify_package"]
 
 RTOL = 1e-4
 ATOL = 1e-5
@@ -96,14 +95,6 @@ class VerifyReport:
     atol: float
     ok: bool
     ties: tuple[str, ...] = ()
-
-
-def newest_package(root: Path = Path("models")) -> Path:
-    """The most recently written package under ``root``: what ``pipeplan verify`` checks by default."""
-    missing = PackageError(
-        f"no package under {root}/; write one with `pipeplan partition` or name its folder"
-    )
-    return newest(root, "**/mp_conf.json", missing, lambda p: (p.parent / "__init__.py").exists()).parent
 
 
 def load_package(folder: Path) -> tuple[ModuleType, Plan, dict[str, Any]]:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +44,7 @@ from torch import nn
 from runtime.checkpoints import step_folders as checkpoint
 from runtime.checkpoints.read_tensors import Tensors
 from runtime.errors import RunError
+from runtime.files.atomic import WriteError, write_atomic
 from runtime.job.preflight import check_writable, disk_full
 from runtime.job.run_folders import run_folder
 from runtime.packages.job_config import load_job
@@ -216,25 +216,16 @@ def _shards(names: Sequence[str], sizes: Mapping[str, int], most: int) -> list[l
 
 
 def _replace(path: Path, write: Any) -> Path:
-    """``write(tmp)`` then rename onto ``path``: the file appears whole or not at all."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """``write(tmp)`` then rename onto ``path`` (:func:`runtime.files.atomic.write_atomic`): the file
+    appears whole or not at all; a failure says why in one line, a full disk as such."""
     try:
-        write(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())  # (safetensors creates its files private)
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as exc:  # (torch.save on a full disk: RuntimeError "unexpected pos")
-        tmp.unlink(missing_ok=True)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        reason = disk_full(path.parent) or (exc.strerror if isinstance(exc, OSError) else None) or first
+        return write_atomic(path, write)
+    except (WriteError, RuntimeError) as exc:  # (torch.save on a full disk: RuntimeError "unexpected pos")
+        cause = exc.__cause__ if isinstance(exc, WriteError) else exc
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        strerror = cause.strerror if isinstance(cause, OSError) else None
+        reason = disk_full(path.parent) or strerror or first
         raise RunError(f"cannot write {path}: {reason}; choose another -o") from exc
-    return path
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _bytes(spec: TensorSpec) -> int:

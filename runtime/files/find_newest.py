@@ -10,7 +10,7 @@ from pathlib import Path
 
 from runtime.errors import RunError
 
-__all__ = ["newest", "package_folder"]
+__all__ = ["newest", "newest_package", "package_folder"]
 
 
 def newest(
@@ -26,6 +26,18 @@ def newest(
     if not found:
         raise missing
     return max(reversed(found), key=lambda path: path.stat().st_mtime)
+
+
+def newest_package(root: str | os.PathLike[str] = "models") -> Path:
+    """The most recently written package under ``root``: a folder with ``mp_conf.json`` and stage
+    code (``__init__.py``; a plan made from a PipeDream graph.txt has none), what ``verify``,
+    ``run``, ``export`` and ``fidelity`` work on when no folder is named.
+
+    Raises:
+        RunError: no package under ``root``.
+    """
+    missing = RunError(f"no package under {root}/; write one with `pipeplan partition` or name its folder")
+    return newest(root, "**/mp_conf.json", missing, lambda p: (p.parent / "__init__.py").exists()).parent
 
 
 def package_folder(package: str | Path) -> Path:

@@ -19,7 +19,6 @@ With ``--tensorboard DIR`` the same numbers go to ``DIR/rank<R>/`` through
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,19 +33,11 @@ from runtime.executing.comm import peer_errors
 from runtime.executing.optimizer import lr_factor
 from runtime.executing.stage import StageRuntime
 from runtime.observing.flops import minibatch_flops, peak_flops, token_count
+from runtime.observing.resident_memory import resident_bytes
 from runtime.packages.load import import_package
 from runtime.settings.run_options import RunOptions
 
-__all__ = ["StepLog", "check_tensorboard", "open_step_log", "open_writer", "resident_bytes"]
-
-
-def resident_bytes() -> int | None:
-    """This process's resident set size (Linux), read without a dependency."""
-    try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return pages * os.sysconf("SC_PAGE_SIZE")
+__all__ = ["StepLog", "check_tensorboard", "open_step_log", "open_writer"]
 
 
 def check_tensorboard() -> None:

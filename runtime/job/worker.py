@@ -35,9 +35,10 @@ from runtime.executing.stage import Batches, Groups, StageRuntime
 from runtime.faults.die_with_launcher import die_with, wake_siblings
 from runtime.faults.liveness import start_heartbeat
 from runtime.faults.startup_checkin import CheckIn
+from runtime.files.atomic import write_json_atomic
 from runtime.job.step_log import StepLog, open_step_log
 from runtime.observing.fidelity import stage_report
-from runtime.observing.metrics import RankMetrics, Recorder, summarize, write_json_atomic, write_trace
+from runtime.observing.metrics import RankMetrics, Recorder, summarize, write_trace
 from runtime.observing.peak_memory import PeakMemory, memory_report, stage_bytes
 from runtime.observing.resident_memory import peak_resident_bytes, reset_peak, resident_bytes
 from runtime.packages.job_config import JobConfig, RankConfig, load_job

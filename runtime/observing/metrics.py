@@ -8,7 +8,6 @@ process per rank) that opens in Perfetto or chrome://tracing.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import statistics
 import time
@@ -18,7 +17,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RankMetrics", "Recorder", "cpu_share", "summarize", "write_json_atomic", "write_trace"]
+from runtime.files.atomic import write_json_atomic
+
+__all__ = ["RankMetrics", "Recorder", "cpu_share", "summarize", "write_trace"]
 
 
 @dataclass
@@ -195,15 +196,6 @@ def _stage_times(ranks: Sequence[RankMetrics], warmup: int) -> list[dict[str, An
         share = min(1.0, cpu / wall) if wall > 0 and cpu > 0 else None
         out.append({"stage": stage, "compute_s_per_minibatch": sum(per_rank), "compute_cpu_share": share})
     return out
-
-
-def write_json_atomic(path: Path, doc: Any) -> Path:
-    """Write JSON through a temporary file and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-    tmp.replace(path)
-    return path
 
 
 def write_trace(path: Path, events_per_rank: Sequence[Sequence[dict[str, Any]]]) -> Path:

@@ -7,7 +7,6 @@ same :class:`JobConfig` and picks its own :class:`RankConfig` from it.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,13 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from runtime.errors import RunError
-from runtime.files.find_newest import newest, package_folder
+from runtime.files.find_newest import package_folder
 from runtime.files.formats import MP_CONF_FIELDS, PLAN_FIELDS
+from runtime.files.read_json import read_json
 from runtime.files.schema import Obj, SchemaError, check
 from runtime.precision import check_precision
 from runtime.schedule import REGISTRY, Layout, ScheduleError, get_schedule
 
-__all__ = ["JobConfig", "RankConfig", "StagePrediction", "load_job", "newest_package", "replica_microbatches"]
+__all__ = ["JobConfig", "RankConfig", "StagePrediction", "load_job", "replica_microbatches"]
 
 
 @dataclass(frozen=True)
@@ -174,20 +174,10 @@ class RankConfig:
         return self.stage == self.job.stages - 1
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise RunError(
-            f"{path} is missing; is {path.parent} a package written by `pipeplan partition`?"
-        ) from exc
-    except (OSError, json.JSONDecodeError) as exc:
-        raise RunError(f"cannot read {path}: {exc}") from exc
-
-
 def _checked_json(path: Path, fields: Obj) -> Any:
     """A package file, read and checked against its schema (:mod:`runtime.files.formats`)."""
-    doc = _read_json(path)
+    missing = f"{path} is missing; is {path.parent} a package written by `pipeplan partition`?"
+    doc = read_json(path, missing=missing)
     try:
         check(doc, fields, str(path))
     except SchemaError as exc:
@@ -395,9 +385,3 @@ def _check_layout(job: JobConfig) -> None:
         kind.check(job.world_size, job.virtual_stages, job.microbatches)
     except ScheduleError as exc:
         raise RunError(str(exc)) from exc
-
-
-def newest_package(root: str | Path = "models") -> Path:
-    """The most recently written package (a folder with mp_conf.json) under ``root``."""
-    missing = RunError(f"no package under ./{root}; run `pipeplan partition` first or pass a package folder")
-    return newest(root, "**/mp_conf.json", missing).parent

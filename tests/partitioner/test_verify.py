@@ -16,7 +16,7 @@ import torch
 
 from partitioner.errors import PackageError
 from partitioner.generation.codegen import write_package
-from partitioner.verification.verify import newest_package, verify_package
+from partitioner.verification.verify import verify_package
 from tests.partitioner.codegen_support import HF_GPT2, plan_for, profile_for
 
 
@@ -136,13 +136,6 @@ def test_progress_names_each_phase_as_it_starts(good: Path) -> None:
         ("checking", 1, 2),
     ]
     assert seen[1][0].startswith("checking stage 1's gradients")
-
-
-def test_newest_package(good: Path, tmp_path: Path) -> None:
-    with pytest.raises(PackageError, match="no package"):
-        newest_package(tmp_path)
-    shutil.copytree(good, tmp_path / "a" / "gpus=2")
-    assert newest_package(tmp_path) == tmp_path / "a" / "gpus=2"
 
 
 def test_exported_graph_is_traced_at_the_microbatch_size(tmp_path: Path) -> None:

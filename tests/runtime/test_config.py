@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,7 +10,7 @@ import pytest
 
 from runtime.errors import RunError
 from runtime.job.launch import torchrun_commands
-from runtime.packages.job_config import load_job, newest_package, replica_microbatches
+from runtime.packages.job_config import load_job, replica_microbatches
 from runtime.settings.run_options import RunOptions, from_argv, to_argv
 from tests.runtime.packages import write_package
 
@@ -56,15 +54,6 @@ def test_bad_settings(tmp_path: Path) -> None:
         load_job(pkg, schedule="zigzag")
     with pytest.raises(RunError, match="does not exist"):
         load_job(tmp_path / "missing")
-
-
-def test_newest_package(tmp_path: Path) -> None:
-    old = write_package(tmp_path / "models" / "a" / "gpus=2")
-    new = write_package(tmp_path / "models" / "b" / "gpus=2")
-    os.utime(old / "mp_conf.json", (time.time() - 100, time.time() - 100))
-    assert newest_package(tmp_path / "models") == new
-    with pytest.raises(RunError, match="no package"):
-        newest_package(tmp_path / "empty")
 
 
 def test_options_survive_the_torchrun_command_line(tmp_path: Path) -> None:
