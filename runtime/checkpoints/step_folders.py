@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from runtime.errors import PeerLost, RunError
+from runtime.files.atomic import write_json_atomic
 
 __all__ = [
     "META",
@@ -225,9 +226,7 @@ def publish(root: Path, step: int, meta: dict[str, Any]) -> None:
     """After DCP finished writing ``step-N.partial`` (rank 0): ``meta.json`` into it, then the folder
     in place of any older ``step-N`` (a rename: readers see the old folder, none, or the new one)."""
     partial, final = root / f"step-{step}.partial", step_dir(root, step)
-    tmp = partial / f".{META}.tmp"
-    tmp.write_text(json.dumps({**meta, "schema": SCHEMA, "step": step}, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, partial / META)
+    write_json_atomic(partial / META, {**meta, "schema": SCHEMA, "step": step})
     if final.exists():
         old = root / f"step-{step}.old"
         shutil.rmtree(old, ignore_errors=True)

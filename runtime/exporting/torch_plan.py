@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.errors import RunError
+from runtime.files.atomic import write_text_atomic
 from runtime.packages.job_config import JobConfig, load_job
 from runtime.packages.load import Wiring, import_package, read_wiring
 from runtime.schedule import Action, build, get_schedule
@@ -167,16 +168,10 @@ def export_torch_plan(package: str | Path, out_dir: str | Path, schedule: str | 
         "torch_schedule": "torch.distributed.pipelining.schedules._PipelineScheduleRuntime",
         "stages": list(plan.stages),
     }
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        for name, text in (
-            ("schedule.csv", plan.csv()),
-            ("stages.json", json.dumps(doc, indent=1) + "\n"),
-            ("torchtitan.toml", plan.torchtitan()),
-        ):
-            tmp = folder / f".{name}.tmp"
-            tmp.write_text(text, encoding="utf-8")
-            tmp.replace(folder / name)
-    except OSError as exc:
-        raise RunError(f"cannot write into {folder}: {exc.strerror or exc}") from exc
+    for name, text in (
+        ("schedule.csv", plan.csv()),
+        ("stages.json", json.dumps(doc, indent=1) + "\n"),
+        ("torchtitan.toml", plan.torchtitan()),
+    ):
+        write_text_atomic(folder / name, text)
     return plan

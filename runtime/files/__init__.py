@@ -1,1 +1,1 @@
-"""pipeplan's files: schemas, the newest of each kind when none is named, a user's file.py imported."""
+"""pipeplan's files: atomic writes, JSON read with one error, schemas, the newest of each kind, a user's file.py."""

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.errors import RunError
+from runtime.files.atomic import write_json_atomic
 
 __all__ = [
     "CLUSTER_SCHEMA",
@@ -414,10 +415,7 @@ def write_cluster_file(result: ProbeResult, path: Path, command: str) -> dict[st
     }
     if result.memory_bytes is not None:
         doc["memory"] = str(result.memory_bytes)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    tmp.replace(path)
+    write_json_atomic(path, doc)
     return doc
 
 
