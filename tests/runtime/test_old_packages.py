@@ -1,16 +1,18 @@
 """A package generated before the runtime had sub-packages still imports, verifies and trains.
 
-``tests/golden/cf5b433-tiny-skip-gpus2`` is such a package, written by pipeplan at commit cf5b433
-(``pipeplan profile tiny-skip --batch-size 2`` then ``pipeplan partition --gpus 2 --cuts act
---replicas 1,1 --schedule 1f1b``). Its copy of the stage kit imports the runtime by the old flat
-names, which :data:`runtime.MOVED` keeps importable."""
+``tests/golden/cf5b433-tiny-skip-gpus2.zip`` holds such a package's folder ``gpus=2/``, written by
+pipeplan at commit cf5b433 (``pipeplan profile tiny-skip --batch-size 2`` then ``pipeplan partition
+--gpus 2 --cuts act --replicas 1,1 --schedule 1f1b``). Its copy of the stage kit imports the runtime
+by the old flat names, which :data:`runtime.MOVED` keeps importable. (Zipped: as plain files, its
+``_stagekit.py``, identical to the old ``runtime/stagekit.py``, would be taken by git for that
+file's new place when branches merge across the move.)"""
 
 from __future__ import annotations
 
 import ast
 import importlib
-import shutil
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -21,8 +23,16 @@ import runtime
 from cli import main
 from runtime.packages.load import import_package
 
-OLD = Path(__file__).parents[1] / "golden" / "cf5b433-tiny-skip-gpus2"
+ZIPPED = Path(__file__).parents[1] / "golden" / "cf5b433-tiny-skip-gpus2.zip"
 ROOT = Path(__file__).parents[2]
+
+
+@pytest.fixture
+def old(tmp_path: Path) -> Path:
+    """The old package, unpacked into a folder of its own."""
+    with zipfile.ZipFile(ZIPPED) as archive:
+        archive.extractall(tmp_path)
+    return tmp_path / "gpus=2"
 
 
 def _runtime_imports(path: Path) -> set[str]:
@@ -41,17 +51,16 @@ def test_every_old_name_is_the_module_that_holds_its_code_now() -> None:
         assert importlib.import_module(f"runtime.{old}") is importlib.import_module(f"runtime.{new}")
 
 
-def test_the_old_stage_kit_imports_old_names_and_each_resolves() -> None:
-    imported = _runtime_imports(OLD / "_stagekit.py")
-    old = {name for name in imported if name.removeprefix("runtime.") in runtime.MOVED}
-    assert {"runtime.weights", "runtime.userfile", "runtime.deferred_init"} <= old  # (as it was written)
+def test_the_old_stage_kit_imports_old_names_and_each_resolves(old: Path) -> None:
+    imported = _runtime_imports(old / "_stagekit.py")
+    flat = {name for name in imported if name.removeprefix("runtime.") in runtime.MOVED}
+    assert {"runtime.weights", "runtime.userfile", "runtime.deferred_init"} <= flat  # (as it was written)
     for name in imported:
         assert sys.modules.get(name) or importlib.import_module(name)
 
 
-def test_an_old_package_builds_each_stage_as_its_full_model_does(tmp_path: Path) -> None:
-    folder = shutil.copytree(OLD, tmp_path / "gpus=2")
-    package = import_package(folder)
+def test_an_old_package_builds_each_stage_as_its_full_model_does(old: Path) -> None:
+    package = import_package(old)
     full = dict(package.full_model(seed=3).named_parameters())
     for k in range(2):
         for name, param in package.stage(k, seed=3).named_parameters():
@@ -59,8 +68,8 @@ def test_an_old_package_builds_each_stage_as_its_full_model_does(tmp_path: Path)
 
 
 @pytest.mark.slow
-def test_an_old_package_verifies_and_trains(tmp_path: Path) -> None:
-    folder = shutil.copytree(OLD, tmp_path / "gpus=2")
+def test_an_old_package_verifies_and_trains(old: Path) -> None:
+    folder = old
     result = CliRunner().invoke(main, ["verify", str(folder)])
     assert result.exit_code == 0 and "match" in result.output, result.output
     result = CliRunner().invoke(main, ["run", str(folder), "--steps", "2", "--timeout", "60"])
