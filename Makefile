@@ -27,7 +27,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 typecheck: $(STAMP)
-	$(BIN)/mypy partitioner runtime cli.py cli_render
+	$(BIN)/mypy partitioner runtime cli.py cli_options.py cli_render
 
 # --durations=15 lists the slowest tests after the run, so a slow new test shows in review.
 # WORKERS pytest processes share the tests (pytest-xdist): the multi-process tests leave a core idle

@@ -75,7 +75,7 @@ def profile(
 
     from cli_render.profile import print_profile, profile_progress
     from partitioner.graph import profile_to_json, save_profile
-    from partitioner.profiler import profile_model
+    from partitioner.profiler.profile import profile_model
     from partitioner.profiler.request import prepare
 
     ctx = click.get_current_context()
@@ -165,8 +165,9 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
     import torch
 
     from cli_render.verify import print_verify, verify_progress
-    from partitioner.verify import newest_package, run_batch_sizes, verify_package
-    from runtime.heap import map_large_blocks
+    from partitioner.verification.verify import run_batch_sizes, verify_package
+    from runtime.files.find_newest import newest_package
+    from runtime.observing.resident_memory import map_large_blocks
 
     folder = Path(package) if package is not None else newest_package(Path(models_dir))
     torch.set_num_threads(min(torch.get_num_threads(), 4))
@@ -219,8 +220,8 @@ def calibrate(packages: tuple[str, ...], metrics_path: str | None, run_dir: str 
     from pathlib import Path
 
     from cli_render.calibrate import print_calibration
-    from partitioner.calibrate import newest_run
-    from partitioner.link_calibration import calibrate_with_links
+    from partitioner.calibration.link_latency import calibrate_with_links
+    from partitioner.calibration.stage_times import newest_run
 
     folders = [Path(p) for p in packages] or [newest_run(opts["models_dir"])]
     if metrics_path is None and run_dir is not None:
@@ -251,10 +252,10 @@ def run(package: str | None, dry_run: bool, **opts: Any) -> None:
 
     from cli_render.common import note
     from cli_render.run import RunDisplay, print_run
-    from runtime.config import newest_package
-    from runtime.optim import parse_betas
-    from runtime.options import RunOptions
-    from runtime.run_job import RunEvents, RunRequest, run_job
+    from runtime.executing.optimizer import parse_betas
+    from runtime.files.find_newest import newest_package
+    from runtime.job.run_job import RunEvents, RunRequest, run_job
+    from runtime.settings.run_options import RunOptions
 
     package = _with_config(click.get_current_context(), package, opts)
     if opts["steps"] and opts["epochs"]:
@@ -305,14 +306,14 @@ def probe(gpus: int, output: str, device: str, actions: bool, **opts: Any) -> No
     from pathlib import Path
 
     from cli_render.probe import print_probe, print_probing
-    from runtime.probe import ProbeOptions, probe_device, run_probe
+    from runtime.job.link_probe import ProbeOptions, probe_device, run_probe
 
     options = ProbeOptions(gpus=gpus, device=probe_device(device), **opts)
     print_probing(options)
     print_probe(run_probe(options, Path(output), " ".join(["pipeplan", *sys.argv[1:]])), output)
     if actions and options.nnodes == 1 and gpus >= 2:
         from cli_render.probe import print_actions, print_timing_actions
-        from partitioner.action_probe import probe_actions, record_actions
+        from partitioner.calibration.action_probe import probe_actions, record_actions
 
         print_timing_actions()
         found = probe_actions(2, "cuda" if options.device == "cuda" else "cpu")
@@ -324,7 +325,7 @@ def _with_config(ctx: click.Context, package: str | None, opts: dict[str, Any]) 
     """Fill the options not given on the command line from ``--config``'s run.toml, through click's own
     conversions and checks; returns the package (the command line's, else the file's)."""
 
-    from runtime.run_config import read_config
+    from runtime.settings.run_toml import read_config
 
     path = opts.pop("config")
     if path is None:
@@ -383,8 +384,8 @@ def export(
 
     from cli_render.export import print_export
     from partitioner.optimizer.units import parse_bytes
-    from runtime.config import newest_package
-    from runtime.export import export_checkpoint
+    from runtime.exporting.model_weights import export_checkpoint
+    from runtime.files.find_newest import newest_package
 
     folder = Path(package) if package is not None else newest_package("models")
     most = int(parse_bytes(max_shard_size))
@@ -420,8 +421,8 @@ def export_plan(package: str | None, output: str | None, schedule: str | None) -
     from pathlib import Path
 
     from cli_render.export import print_torch_plan
-    from runtime.config import newest_package
-    from runtime.torch_plan import export_torch_plan
+    from runtime.exporting.torch_plan import export_torch_plan
+    from runtime.files.find_newest import newest_package
 
     folder = Path(package) if package is not None else newest_package("models")
     out = Path(output) if output is not None else folder / "torch"
@@ -450,7 +451,7 @@ def convert_checkpoint(checkpoint_dir: str, package: str, step: int | None) -> N
     from pathlib import Path
 
     from cli_render.export import print_converted
-    from runtime.checkpoint_v1 import convert
+    from runtime.checkpoints.convert_v1 import convert
 
     print_converted(convert(Path(checkpoint_dir), Path(package), step), checkpoint_dir)
 

@@ -150,7 +150,7 @@ def _last_line(text: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
-# run's header before launch (runtime/header.py): a label, or a wrapped line of its text
+# run's header before launch (runtime/job/run_header.py): a label, or a wrapped line of its text
 _HEADER = re.compile(r"^((package|ranks|schedule|steps|writes|checkpoints|trace) {2,}| {12,}\S)")
 
 

@@ -10,9 +10,9 @@ folder:
 - ``per-stage``: what pipeplan wrote before DCP: each stage's first rank ``torch.save`` s
   ``stage<K>.pt`` (weights, optimizer state) through a temporary file and a rename, each rank its
   ``rank<R>.pt``, then after a barrier rank 0 ``meta.json`` (reproduced here from
-  ``runtime/checkpoint.py`` at commit f1e4850);
-- ``dcp``: :class:`runtime.checkpoint.Saver` as ``pipeplan run`` saves, every rank writing its own
-  file (``dcp.save``, which fsyncs every file it writes), then rank 0 publishes the step;
+  ``runtime/checkpoints/step_folders.py`` at commit f1e4850);
+- ``dcp``: :class:`runtime.checkpoints.step_folders.Saver` as ``pipeplan run`` saves, every rank writing
+  its own file (``dcp.save``, which fsyncs every file it writes), then rank 0 publishes the step;
 - ``dcp, no fsync``: the same through ``dcp.save`` with ``FileSystemWriter(sync_files=False)``, to
   tell the format's cost from the durability's (the per-stage save never fsynced);
 - ``dcp async``: ``Saver(background=True)``: ``blocked`` is what training waits for (the copy of
@@ -50,12 +50,14 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.reporting import free_port, write_results
-from runtime import checkpoint, resume, train_state
-from runtime.config import load_job
-from runtime.fqns import model_names
-from runtime.optim import OptimSettings, make_optimizer, make_scheduler
-from runtime.options import RunOptions
-from runtime.package import import_package
+from runtime.checkpoints import resume_settings as resume
+from runtime.checkpoints import step_folders as checkpoint
+from runtime.checkpoints import train_state
+from runtime.executing.optimizer import OptimSettings, make_optimizer, make_scheduler
+from runtime.packages.job_config import load_job
+from runtime.packages.load import import_package
+from runtime.packages.tensor_names import model_names
+from runtime.settings.run_options import RunOptions
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WAYS = ("per-stage", "dcp", "dcp, no fsync", "dcp async")

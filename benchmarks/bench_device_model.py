@@ -1,7 +1,7 @@
 """How close is `pipeplan profile --device-model` to a measurement of the same layers?
 
 Two comparisons, each per layer (estimated / measured forward + backward time: median and the 10th
-to 90th percentile spread, the layers furthest off) and in total (`partitioner.compare.compare`):
+to 90th percentile spread, the layers furthest off) and in total (`partitioner.profiler.compare.compare`):
 
 1. ``cpu``: the device model built from this machine's measured matmul rate, copy bandwidth and
    dispatch time, against profiles measured on this CPU, for three models of different kinds:
@@ -14,7 +14,7 @@ to 90th percentile spread, the layers furthest off) and in total (`partitioner.c
    Those profiles' layer sums exceed their measured whole step (per-layer timing on a GPU pays a
    synchronisation a step hides: fidelity 1.23 to 2.35), so the estimate is compared with both: the
    layer times, and its total against the measured step. The efficiency terms of the preset
-   are cited figures (partitioner/devices.py), not fitted to these profiles.
+   are cited figures (partitioner/hardware/devices.py), not fitted to these profiles.
 
 Run:  .venv/bin/python benchmarks/bench_device_model.py [--rounds 2] [--skip-cpu] [--skip-h100]
 (writes benchmarks/results/bench_device_model.{json,md})
@@ -34,9 +34,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.reporting import write_results
-from partitioner.compare import compare
 from partitioner.graph import load_profile
-from partitioner.profiler import profile_model
+from partitioner.profiler.compare import compare
+from partitioner.profiler.profile import profile_model
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"

@@ -273,7 +273,7 @@ def plan_and_run(
     metrics = json.loads((package / "run" / "metrics.json").read_text())
     measured, predicted = metrics["time_per_minibatch_s"], plan["predicted"]["time_per_minibatch_s"]
     by_stage = {s["stage"]: s["compute_s_per_minibatch"] for s in metrics["stages"]}
-    per_stage = {s["stage"]: s for s in metrics["stages"]}  # (runtime.fidelity's figures)
+    per_stage = {s["stage"]: s for s in metrics["stages"]}  # (runtime.observing.fidelity's figures)
     cpu, ranks = cpu_per_stage(metrics), metrics["ranks"]
     peaks = {m["stage"]: m["measured_peak_bytes"] for m in metrics.get("memory", {}).get("stages", [])}
     return {

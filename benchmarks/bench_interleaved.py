@@ -39,7 +39,7 @@ from benchmarks.bench_runtime import write_package as write_two_stages
 from benchmarks.peers import median_ratio, paired, pairs_markdown, round_order, run_pipeplan, run_torch
 from benchmarks.reporting import write_results
 from partitioner.optimizer.pricing.schedules import interleaved_time
-from runtime.package import import_package
+from runtime.packages.load import import_package
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RANKS, VIRTUAL = 2, 2

@@ -6,7 +6,7 @@ Everything goes through the real CLI in a temporary folder: ``pipeplan profile M
 profiled compute is done, ``--cuts/--replicas 1,1``: the same stages with and without recomputation)
 ``pipeplan partition --recompute none|all``, and ``pipeplan run PKG --steps N``.
 
-Measured memory is metrics.json's ``memory`` (``runtime/memory.py``): on this CPU, the stage's
+Measured memory is metrics.json's ``memory`` (``runtime/observing/peak_memory.py``): on this CPU, the stage's
 parameters, buffers, gradients and optimizer state at the start plus the highest running sum of the
 bytes of the tensor storages its operators made and torch had not yet freed, over the first
 ``ranks + 1`` minibatches;

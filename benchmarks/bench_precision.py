@@ -12,8 +12,8 @@ For every model and precision P, in a temporary folder, as a user would run it:
    the slower rank, first excluded), the ranks' compute CPU time per minibatch (forward, backward
    and optimizer, both stages: the work, steadier than wall time when other jobs take the cores),
    each rank's peak memory (``metrics.json``'s ``peak_memory_bytes``: on a CPU the tensors that
-   ``runtime/memory.py`` counts; results written before it were the whole process's resident size)
-   and the losses.
+   ``runtime/observing/peak_memory.py`` counts; results written before it were the whole process's resident
+   size) and the losses.
 
 The runs of one model are repeated ``--rounds`` times, the precisions in alternating order, and the
 median round is reported, since other jobs share this CPU (its 1-minute load average is recorded

@@ -4,7 +4,7 @@
 cores busy computing on the run's threads (a thread multiplying matrices), or with ``--idle`` ranks.
 A run's own messages are the reference: ``pipeplan run --trace`` records when each sender's span
 ended (the send is posted right after) and when each blocked receive ended, and a message whose
-receiver was already waiting when it was posted is timed exactly (``partitioner.link_calibration``,
+receiver was already waiting when it was posted is timed exactly (``partitioner.calibration.link_latency``,
 what ``pipeplan calibrate --trace --cluster`` reads).
 
 Each round, in alternating order, runs ``probe --idle`` and ``probe`` (2 ranks), then each model's
@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_fidelity import Cli, Model, cut_layers, profile
-from partitioner.link_calibration import measure_links
-from runtime.metrics import cpu_share
+from partitioner.calibration.link_latency import measure_links
+from runtime.observing.metrics import cpu_share
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, run as a script
 from benchmarks.reporting import write_results

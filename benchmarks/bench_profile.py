@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from partitioner.models import load_model
-from partitioner.profiler import profile_model
+from partitioner.models.specs import load_model
+from partitioner.profiler.profile import profile_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, run as a script
 from benchmarks.reporting import write_results

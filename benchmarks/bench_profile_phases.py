@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from partitioner.atomic import write_text_atomic
+from runtime.files.atomic import write_text_atomic
 
 HERE = Path(__file__).resolve().parent
 PHASES = (
@@ -41,7 +41,7 @@ PHASES = (
 
 def child(spec: str, mode: str, variant: str) -> dict[str, Any]:
     """Profile ``spec`` in this process with its phases timed: the row."""
-    import partitioner.profiler as profiler
+    import partitioner.profiler.profile as profiler
     from partitioner.profiler import layerwise, measure, trace
 
     if variant == "stack-traces":

@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.reporting import free_port, write_results
-from runtime.comm import Comm
+from runtime.executing.comm import Comm
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WIDTH, LAYERS, MICRO, SAMPLES = 1024, 8, 4, 8

@@ -50,9 +50,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.peers import ALIKE, elastic, median_ratio, round_order, run_pipeplan, run_torch
 from benchmarks.reporting import machine, write_results
-from runtime.data import SyntheticBatches
-from runtime.package import import_package
-from runtime.worker import keep_freed_memory, share_cores
+from runtime.datasets.minibatches import SyntheticBatches
+from runtime.job.worker import keep_freed_memory, share_cores
+from runtime.packages.load import import_package
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

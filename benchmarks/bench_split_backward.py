@@ -1,7 +1,7 @@
 """What the runtime's split backward (zb1p, zbv: B then W) costs against one fused backward.
 
 The cost model splits a stage's profiled backward into B and W that add up to it (``W_SHARE``).
-The runtime's split (``runtime.split_backward``) computes the input gradients in B, then each weight
+The runtime's split (``runtime.executing.split_backward``) computes the input gradients in B, then each weight
 gradient in W with one ``torch.autograd.grad`` call per boundary node (a ``Linear``'s
 ``AddmmBackward``, a norm's weight multiply): correct, never re-running the input chain, but each
 call has a fixed cost that a small layer's matrices do not amortise. This times a stack of Llama
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from runtime.split_backward import backward_input, backward_weight
+from runtime.executing.split_backward import backward_input, backward_weight
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, run as a script
 from benchmarks.reporting import write_results

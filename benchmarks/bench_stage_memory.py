@@ -70,7 +70,7 @@ def _peak(*args: str) -> tuple[float, int]:
 def _model_bytes(config: Path) -> int:
     import torch
 
-    from runtime.hf import factory
+    from runtime.building.hugging_face import factory
 
     with torch.device("meta"):
         model = factory(f"hf:{config}")()

@@ -10,8 +10,8 @@ beforehand (its ``--cpu`` mode runs in the test suite on tiny models) so that no
    layer times over the whole step) and the profiler's own wall time;
 4. ``estimate``: ``pipeplan profile --device-model`` (the preset of this GPU; ``cpu`` in CPU mode) of
    each profiled model, compared layer by layer with the measured profile
-   (``partitioner.compare.compare``: median estimated/measured, spread, worst layers, sums against the
-   measured step), the evidence to correct a preset's efficiency factors with;
+   (``partitioner.profiler.compare.compare``: median estimated/measured, spread, worst layers, sums against
+   the measured step), the evidence to correct a preset's efficiency factors with;
 5. ``run``: ``pipeplan partition --gpus 1`` and ``pipeplan run`` on one rank (nccl on a GPU), measured
    against predicted time and memory, fp32 and bf16; the same model trained plainly in one process, for
    the executor's efficiency (plain / pipelined time; 1.0 is the physical limit);
@@ -299,8 +299,8 @@ def _preset(ctx: Context) -> str | None:
 
 def step_estimate(ctx: Context) -> dict[str, Any]:
     """Each measured profile against the device model's estimate of the same model and batch."""
-    from partitioner.compare import compare
     from partitioner.graph import load_profile
+    from partitioner.profiler.compare import compare
 
     preset = _preset(ctx)
     if preset is None:
@@ -327,7 +327,7 @@ def _plain_step_ms(ctx: Context, case: ModelCase, precision: str, microbatches: 
     """The model trained plainly in this process (SGD, gradient accumulation over ``microbatches``)."""
     import torch
 
-    from partitioner.models import load_model
+    from partitioner.models.specs import load_model
     from runtime.precision import autocast
 
     shape = tuple(int(d) for d in case.input_shape.split(",")) if case.input_shape else None
@@ -452,9 +452,9 @@ def _plan_row(
 def step_big(ctx: Context) -> dict[str, Any]:
     """Big language models measured layer by layer on the device against the device model's estimate,
     each partitioned as a user would: what a plan from a laptop promises against one from the GPU."""
-    from partitioner.compare import compare
-    from partitioner.devices import load_device_model
     from partitioner.graph import load_profile
+    from partitioner.hardware.devices import load_device_model
+    from partitioner.profiler.compare import compare
 
     preset = _preset(ctx)
     if preset is None:

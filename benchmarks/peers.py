@@ -8,8 +8,8 @@ the very same two functions. Without the first, each of torch's steps pays thous
 faults that pipeplan's do not, which is the allocator's difference, not the runtimes'.
 
 Same work: the stages the package lays on each rank (its mp_conf.json, as pipeplan reads it), the
-same synthetic minibatches (:class:`runtime.data.SyntheticBatches`, same seed), the same optimizer
-(SGD, lr 0.01, ``zero_grad(set_to_none=True)``) and the same gradient arithmetic: pipeplan scales
+same synthetic minibatches (:class:`runtime.datasets.minibatches.SyntheticBatches`, same seed), the same
+optimizer (SGD, lr 0.01, ``zero_grad(set_to_none=True)``) and the same gradient arithmetic: pipeplan scales
 each microbatch's loss by its share of the minibatch (1/M) before the backward; torch's schedules
 by default divide the accumulated gradients by M after the last backward (``scale_grads=True``),
 the same gradients by one more pass over them. The torch rank here scales the loss as pipeplan does
@@ -39,12 +39,12 @@ from typing import Any
 
 import torch
 
-from runtime.config import load_job
-from runtime.data import SyntheticBatches
-from runtime.launch import free_port, launch
-from runtime.options import RunOptions
-from runtime.package import import_package
-from runtime.worker import keep_freed_memory, share_cores
+from runtime.datasets.minibatches import SyntheticBatches
+from runtime.job.launch import free_port, launch
+from runtime.job.worker import keep_freed_memory, share_cores
+from runtime.packages.job_config import load_job
+from runtime.packages.load import import_package
+from runtime.settings.run_options import RunOptions
 
 TORCH_SCHEDULES = {
     "1f1b": "Schedule1F1B",
@@ -68,7 +68,7 @@ ALIKE = (
 
 
 def set_up_like_pipeplan() -> None:
-    """What pipeplan's worker does to a CPU rank's process before training (``runtime.worker``)."""
+    """What pipeplan's worker does to a CPU rank's process before training (``runtime.job.worker``)."""
     keep_freed_memory()
     share_cores()
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from partitioner.atomic import write_text_atomic
+from runtime.files.atomic import write_text_atomic
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

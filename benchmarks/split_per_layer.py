@@ -6,7 +6,7 @@ needing a gradient (a stage after the first). Four ways, interleaved round by ro
 machine's load hits them alike, CPU time (``time.process_time``), medians of ``--rounds``:
 
 - the stage's fused backward (``torch.autograd.grad`` of its output to its input and weights);
-- the stage's split backward (``runtime.split_backward``: ``backward_input`` then
+- the stage's split backward (``runtime.executing.split_backward``: ``backward_input`` then
   ``backward_weight``), what zb1p and zbv run;
 - each layer's fused backward, summed (how ``pipeplan profile`` prices a fused stage);
 - each layer's split backward, summed (how it prices a split stage: ``Node.sized``'s B and W).
@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from runtime.split_backward import backward_input, backward_weight
+from runtime.executing.split_backward import backward_input, backward_weight
 
 Timing = Callable[[Tensor], tuple[float, ...]]
 

@@ -22,7 +22,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from partitioner.link_calibration import action_gaps
+from partitioner.calibration.link_latency import action_gaps
 
 
 def _spans(path: Path) -> dict[int, list[dict[str, Any]]]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from cli_render.common import console, new_table
-from partitioner.calibrate import Calibration, stage_factors
-from partitioner.link_calibration import LinkCalibration
+from partitioner.calibration.link_latency import LinkCalibration
+from partitioner.calibration.stage_times import Calibration, stage_factors
 from partitioner.optimizer.pricing.schedules import priced_profile
 from runtime.schedule import get_schedule
 

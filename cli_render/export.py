@@ -13,7 +13,7 @@ __all__ = ["print_converted", "print_export", "print_torch_plan"]
 
 
 def print_export(done: Any, folder: Path) -> None:
-    """``done``: runtime.export's result for the package ``folder``."""
+    """``done``: runtime.exporting.model_weights's result for the package ``folder``."""
     out, merged = console(), done.merged
     for line in done.skipped:
         console(stderr=True).print(f"skipped {line}", soft_wrap=True, markup=False)
@@ -46,7 +46,7 @@ def print_export(done: Any, folder: Path) -> None:
 
 
 def print_torch_plan(plan: Any, out: Path) -> None:
-    """``plan``: runtime.torch_plan's result, written to ``out``."""
+    """``plan``: runtime.exporting.torch_plan's result, written to ``out``."""
     console().print(
         f"wrote {out}/schedule.csv, stages.json, torchtitan.toml: {len(plan.stages)} stages, "
         f"{plan.schedule}, {plan.microbatches} microbatches per minibatch of {plan.batch_size}",

@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING
 
 from cli_render.common import console, new_table
 
-if TYPE_CHECKING:  # (types only: this module prints, runtime.probe and action_probe measure)
-    from partitioner.action_probe import ActionProbe
-    from runtime.probe import ProbeOptions, ProbeOutcome
+if TYPE_CHECKING:  # (types only: this module prints, runtime.job.link_probe and action_probe measure)
+    from partitioner.calibration.action_probe import ActionProbe
+    from runtime.job.link_probe import ProbeOptions, ProbeOutcome
 
 __all__ = ["print_actions", "print_probe", "print_probing", "print_timing_actions"]
 

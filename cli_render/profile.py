@@ -63,7 +63,7 @@ def profile_table(profile: Any, top: int) -> Any:
 
 
 def profile_totals(profile: Any, path: Any) -> str:
-    from partitioner.update import UPDATE_KEY, update_ms
+    from partitioner.profiler.update_cost import UPDATE_KEY, update_ms
 
     mb = 1 / 2**20
     fwd = sum(n.forward_ms for n in profile.nodes)

@@ -15,8 +15,8 @@ from cli_render.common import console, new_table, plural
 from cli_render.progress import progress
 from runtime.errors import Interrupted, JobFailed
 
-if TYPE_CHECKING:  # (types only: this module prints, runtime.run_job runs the job)
-    from runtime.run_job import RunOutcome, RunStart
+if TYPE_CHECKING:  # (types only: this module prints, runtime.job.run_job runs the job)
+    from runtime.job.run_job import RunOutcome, RunStart
 
 __all__ = [
     "COMM_NOTE", "RunDisplay", "eval_text", "header", "memory_table", "print_run", "print_run_table",
@@ -30,7 +30,7 @@ COMM_NOTE = (
 
 
 class RunDisplay:
-    """What ``pipeplan run`` shows while its job runs, as :class:`runtime.run_job.RunEvents`'
+    """What ``pipeplan run`` shows while its job runs, as :class:`runtime.job.run_job.RunEvents`'
     callbacks: the resume's lines, the header, then a progress bar fed by the loss-reporting rank.
     Used as a context around the job: the bar ends with it, and a failed or interrupted job becomes
     one ``error:`` line and its exit code (1, or 128 + the signal)."""
@@ -89,7 +89,8 @@ def print_run(done: RunOutcome) -> None:
 
 
 def header(rows: Sequence[tuple[str, str]]) -> Any:
-    """The run's header (:mod:`runtime.header`): label and text, the text wrapped beside the labels."""
+    """The run's header (:mod:`runtime.job.run_header`): label and text, the text wrapped beside the
+    labels."""
     from rich.table import Table
     from rich.text import Text
 
@@ -112,7 +113,7 @@ def print_run_table(
 ) -> None:
     """Measured against predicted: the minibatch time, per stage, per rank, memory; the losses and
     where the files are; a note when the time is far from the plan's (``share``: the share of a core
-    the CPU ranks had while computing, :func:`runtime.metrics.cpu_share`, named as a cause)."""
+    the CPU ranks had while computing, :func:`runtime.observing.metrics.cpu_share`, named as a cause)."""
 
     def ms(value: float | None) -> str:
         return f"{value * 1e3:.2f} ms" if value is not None else "-"
@@ -169,7 +170,7 @@ def print_run_table(
 def stage_table(metrics: dict[str, Any]) -> Any:
     """Per stage, predicted (plan.json) against measured: compute and communication milliseconds per
     minibatch, the bubble (the share of a device's time not computing) and the memory ratio
-    (:mod:`runtime.fidelity`; ``-``: not predicted or not measured)."""
+    (:mod:`runtime.observing.fidelity`; ``-``: not predicted or not measured)."""
     from cli_render.common import num
 
     def ms(value: float | None) -> str:

@@ -13,8 +13,8 @@ __all__ = ["print_verify", "verify_progress", "verify_table"]
 
 @contextmanager
 def verify_progress(folder: Any) -> Iterator[Callable[[str, int, int], None]]:
-    """A progress callback for :func:`partitioner.verify.verify_package`, shown on stderr while the
-    block runs (a bar on a terminal, a timed line per phase in a log: vgg16's check takes 20 s of CPU)."""
+    """A progress callback for :func:`partitioner.verification.verify.verify_package`, shown on stderr while
+    the block runs (a bar on a terminal, a timed line per phase in a log: vgg16's check takes 20 s of CPU)."""
     from cli_render.progress import progress
 
     with progress(transient=True) as bar:

@@ -17,12 +17,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from partitioner.atomic import write_text_atomic
 from partitioner.errors import ProfileFormatError
 from partitioner.sized import SizedCost, at_size, sized_from_json, sized_to_json
-from runtime.formats import PROFILE_FIELDS
+from runtime.files.atomic import write_text_atomic
+from runtime.files.formats import PROFILE_FIELDS
+from runtime.files.schema import SchemaError, check
 from runtime.precision import PRECISIONS
-from runtime.schema import SchemaError, check
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -96,7 +96,7 @@ class Node:
             in flight (0: not measured, as in profiles written before layers measured it).
         deferred_bytes: bytes a split backward (zb1p, zbv) keeps from this layer's B to its W, per
             minibatch: the gradient B saw flowing into each autograd node whose branch leads only
-            to weights, which W needs (``runtime.split_backward``; a linear's, the gradient of its
+            to weights, which W needs (``runtime.executing.split_backward``; a linear's, the gradient of its
             output). Held per item between its B and its W (0: not measured).
         kept_output_bytes: the part of ``output_bytes`` its own backward keeps (a ReLU's, a softmax's
             output; counted in its ``saved_bytes``). A stage sending a tensor holds it per item until
@@ -293,7 +293,7 @@ def at_microbatches(profile: Profile, forwards: int) -> Profile:
         }
         if n.sized and samples and profile.batch_size and measured:
             # what the node's times hold beyond its measured calls (the optimizer's update, paid once
-            # a minibatch: ``partitioner.update.with_update_time``) is kept as it is
+            # a minibatch: ``partitioner.profiler.update_cost.with_update_time``) is kept as it is
             whole, k = at_size(n.sized, measured), profile.batch_size / measured
             rest_f, rest_b = n.forward_ms - k * whole.forward_ms, n.backward_ms - k * whole.backward_ms
             call = at_size(n.sized, samples)

@@ -20,11 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from partitioner.atomic import write_text_atomic
-from partitioner.clusters import default_latency, levels_of, load_cluster
-from partitioner.devices import estimated_device
 from partitioner.errors import PlanError, ProfileFormatError
+from partitioner.generation.overwrite import check_replace
 from partitioner.graph import Profile, load_profile
+from partitioner.hardware.clusters import default_latency, levels_of, load_cluster
+from partitioner.hardware.devices import estimated_device
 from partitioner.optimizer import evaluate, solve
 from partitioner.optimizer.auto import AUTO_SCHEDULES, AutoChoice, solve_auto
 from partitioner.optimizer.options import (
@@ -43,10 +43,10 @@ from partitioner.optimizer.pricing.simulate import (
     write_chrome_trace,
 )
 from partitioner.optimizer.units import parse_bytes, parse_int_list
-from partitioner.overwrite import check_replace
 from partitioner.plan import Cluster, Plan, mp_conf, save_plan
-from partitioner.update import with_update_time
-from runtime.newest import newest
+from partitioner.profiler.update_cost import with_update_time
+from runtime.files.atomic import write_text_atomic
+from runtime.files.find_newest import newest
 from runtime.schedule import get_schedule
 
 __all__ = ["PartitionRequest", "Partitioned", "cluster_of", "microbatch_note", "newest_profile", "partition"]
@@ -293,7 +293,7 @@ def _write_plan(
 
         too_big = unbuildable(profile)
     if profile.tracer != "pipedream" and too_big is None:
-        from partitioner.codegen import write_package  # (torch: only where code is written)
+        from partitioner.generation.codegen import write_package  # (torch: only where code is written)
 
         return write_package(profile, plan, out_dir, Path(weights) if weights else None, init)
     if too_big and (weights or init != "auto"):
@@ -307,18 +307,19 @@ def _write_plan(
 
 
 def _model_name(spec: str) -> str:
-    """:func:`partitioner.models.model_name` (models brings torch: imported for traced profiles only)."""
-    from partitioner.models import model_name
+    """:func:`partitioner.models.specs.model_name` (models brings torch: imported for traced profiles
+    only)."""
+    from partitioner.models.specs import model_name
 
     return model_name(spec)
 
 
 def _kept_runs(out_dir: Path) -> set[str]:
-    """The runs of replaced plans ``out_dir`` keeps (:func:`partitioner.codegen.kept_runs`; codegen
+    """The runs of replaced plans ``out_dir`` keeps (:func:`partitioner.generation.codegen.kept_runs`; codegen
     is imported only where the folder has runs: a graph.txt profile's plan never needs it)."""
     if not any(out_dir.glob("run*")):
         return set()
-    from partitioner.codegen import kept_runs
+    from partitioner.generation.codegen import kept_runs
 
     return kept_runs(out_dir)
 

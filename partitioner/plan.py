@@ -14,10 +14,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from partitioner.atomic import write_text_atomic
 from partitioner.errors import PlanError
-from runtime.formats import PLAN_FIELDS
-from runtime.schema import SchemaError, check
+from runtime.files.atomic import write_text_atomic
+from runtime.files.formats import PLAN_FIELDS
+from runtime.files.schema import SchemaError, check
 
 __all__ = [
     "OPTIMIZERS",

@@ -9,7 +9,7 @@ So the profile measures every layer at the sizes a search considers (the batch a
 of them: exact at a measured size, linear between two, the line through the two nearest beyond.
 
 Each entry also holds the split backward's two parts timed apart (zb1p, zbv: B, the input
-gradients; W, the weight gradients; ``runtime.split_backward``), so a split schedule is priced as it
+gradients; W, the weight gradients; ``runtime.executing.split_backward``), so a split schedule is priced as it
 runs rather than by a fixed share of the fused backward. Pure Python: the optimizer reads these.
 """
 

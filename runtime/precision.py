@@ -9,7 +9,7 @@ outside autocast, in the dtypes its forward chose, as torch recommends. Tensors 
 have the dtype the producing stage's forward gave them (usually the low-precision one, half the
 bytes of float32).
 
-``fp16`` also needs dynamic loss scaling (:mod:`runtime.loss_scale`); it skips an optimizer step on
+``fp16`` also needs dynamic loss scaling (:mod:`runtime.executing.loss_scale`); it skips an optimizer step on
 every rank at once, which pipedream's stages, stepping at different times on different minibatches,
 cannot do, so ``fp16`` needs a synchronous schedule.
 

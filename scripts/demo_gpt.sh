@@ -53,7 +53,7 @@ import json
 import sys
 
 import torch
-from partitioner.models import load_model
+from partitioner.models.specs import load_model
 
 model = load_model("byte-gpt").build()
 model.load_state_dict(torch.load("byte-gpt.pt"), strict=True)

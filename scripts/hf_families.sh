@@ -2,11 +2,11 @@
 # Every hf: family with a small default config through the whole chain, as a user runs it, in a
 # temporary folder: profile -> partition (2 GPUs, 4 straight stages, interleaved: 4 stages on 2 ranks,
 # zbv) -> verify each -> run 2 steps of each (zbv verified only). Prints one line per family and a total.
-# Usage: bash scripts/hf_families.sh [.venv/bin] [FAMILY...]   (default: every family of runtime/hf.py)
+# Usage: bash scripts/hf_families.sh [.venv/bin] [FAMILY...]   (default: every family of runtime/building/hugging_face.py)
 set -u
 bin=$(cd "${1:-.venv/bin}" && pwd)
 shift || true
-families=${*:-$("$bin/python" -c "from runtime.hf import FAMILIES; print(' '.join(FAMILIES))")}
+families=${*:-$("$bin/python" -c "from runtime.building.hugging_face import FAMILIES; print(' '.join(FAMILIES))")}
 work=$(mktemp -d)
 cd "$work" || exit 2
 ok=0; total=0

@@ -18,8 +18,8 @@ import torch
 from click.testing import CliRunner
 
 from cli import main
-from runtime.data import SyntheticBatches
-from runtime.package import import_package, read_wiring
+from runtime.datasets.minibatches import SyntheticBatches
+from runtime.packages.load import import_package, read_wiring
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -60,7 +60,7 @@ def _cli(*args: str) -> str:
 
 def _model_bytes(config: Path) -> tuple[int, int]:
     """(all parameter bytes, the largest tensor's) of the config's model, built on the meta device."""
-    from runtime.hf import factory
+    from runtime.building.hugging_face import factory
 
     with torch.device("meta"):
         model = factory(f"hf:{config}")()
@@ -73,9 +73,9 @@ def _verify_growth(package: Path) -> tuple[int, str]:
     its output)."""
     code = textwrap.dedent(
         f"""
-        import torch, torch._dynamo, transformers, partitioner.verify, cli  # imports are not weights
+        import torch, torch._dynamo, transformers, partitioner.verification.verify, cli  # not weights
         from transformers import LlamaForCausalLM  # nor is the model's code
-        from runtime.heap import resident_bytes, peak_resident_bytes, reset_peak
+        from runtime.observing.resident_memory import resident_bytes, peak_resident_bytes, reset_peak
         assert reset_peak()
         before = resident_bytes()
         try:

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from cli import main
-from runtime import checkpoint_safe
+from runtime.checkpoints import safe_read
 from tests.runtime.packages import write_package
 from tests.runtime.plant import Payload, flip_byte, plant_in_entry, plant_in_metadata
 from tests.runtime.test_checkpoint_v1 import _write_v1
@@ -44,12 +44,12 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def _everything(folder: Path) -> dict[str, Any]:
     """Every entry of a step: weights, optimizer state, generators, schedule, step."""
-    metadata = checkpoint_safe.read_metadata(folder)
+    metadata = safe_read.read_metadata(folder)
     state: dict[str, Any] = {
         k: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
         for k, md in metadata.state_dict_metadata.items()
     }
-    checkpoint_safe.load(state, folder, no_dist=True)
+    safe_read.load(state, folder, no_dist=True)
     return state
 
 

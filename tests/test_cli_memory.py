@@ -2,8 +2,8 @@
 (profile -> partition -> run on one rank), where the memory model has a term a pure test cannot
 check: what the runtime keeps.
 
-The counter (``runtime/memory.py``) sums live tensor storages on the CPU, byte for byte the same from
-run to run, so the machine's load does not move it. The tolerance is bench_memory's: 25%.
+The counter (``runtime/observing/peak_memory.py``) sums live tensor storages on the CPU, byte for byte the
+same from run to run, so the machine's load does not move it. The tolerance is bench_memory's: 25%.
 """
 
 from __future__ import annotations

@@ -180,7 +180,7 @@ def test_weights_and_init_reach_the_package(tmp_path: Path) -> None:
     import torch
 
     from partitioner.graph import save_profile
-    from partitioner.models import load_model
+    from partitioner.models.specs import load_model
     from tests.partitioner.codegen_support import profile_for
 
     save_profile(profile_for("tiny-mlp"), tmp_path / "p.json")

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from cli import main
 from partitioner.graph import load_profile, profile_to_json
-from partitioner.profiler import profile_model
+from partitioner.profiler.profile import profile_model
 from tests.runtime.packages import write_package
 
 torch.set_num_threads(1)

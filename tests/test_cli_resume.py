@@ -14,8 +14,8 @@ import torch
 from click.testing import CliRunner
 
 from cli import main
-from runtime.checkpoint import steps_in
-from runtime.checkpoint_read import read_stage
+from runtime.checkpoints.read_tensors import read_stage
+from runtime.checkpoints.step_folders import steps_in
 from tests.runtime.packages import write_package
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 
 from cli import main
-from partitioner.link_calibration import waited_messages
+from partitioner.calibration.link_latency import waited_messages
 from tests.runtime.packages import write_package
 
 torch.set_num_threads(1)
@@ -111,7 +111,7 @@ def test_two_nodes_on_one_machine_train_like_torchrun(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from runtime.launch import free_port
+    from runtime.job.launch import free_port
 
     pkg = write_package(tmp_path / "pkg", "chain", replicas=(1, 1, 1, 1), microbatches=2, batch_size=4)
     port = str(free_port())

@@ -157,10 +157,10 @@ def test_partition_output_has_no_escape_codes(profile: Profile, tmp_path: Path) 
 
 def test_run_header_names_the_package_ranks_schedule_and_files_at_80_columns(tmp_path: Path) -> None:
     from cli_render.run import header
-    from runtime.header import run_header
-    from runtime.options import RunOptions
-    from runtime.runs import begin
-    from runtime.worker import job_of
+    from runtime.job.run_folders import begin
+    from runtime.job.run_header import run_header
+    from runtime.job.worker import job_of
+    from runtime.settings.run_options import RunOptions
     from tests.runtime.packages import write_package
 
     folder = tmp_path / "a-rather-long-folder-name" / "models" / "chain" / "gpus=3"

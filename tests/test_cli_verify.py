@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 
 from cli import main
-from partitioner.codegen import write_package
+from partitioner.generation.codegen import write_package
 from tests.partitioner.codegen_support import plan_for, profile_for
 
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from partitioner.profiler import profile_model
 from partitioner.profiler.measure import Stopwatch
-from runtime.memory import PeakMemory
+from partitioner.profiler.profile import profile_model
+from runtime.observing.peak_memory import PeakMemory
 
 pytestmark = [
     pytest.mark.cuda,

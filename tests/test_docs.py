@@ -1,4 +1,5 @@
-"""The README stays a first screen and every relative link in it and in docs/ leads to a file."""
+"""The README stays a first screen, every relative link in it and in docs/ leads to a file, and
+design.md's layout names every package folder."""
 
 from __future__ import annotations
 
@@ -46,3 +47,29 @@ def test_run_help_reads_at_80_columns_and_docs_run_covers_every_option() -> None
     doc = (Path(__file__).resolve().parents[1] / "docs" / "run.md").read_text()
     options = [o for p in main.commands["run"].params for o in p.opts if o.startswith("--")]
     assert [o for o in options if o not in doc] == []
+
+
+def _layout_folders(text: str) -> set[str]:
+    """The folders design.md's layout block names, as paths (two spaces of indent per level)."""
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    found: set[str] = set()
+    stack: list[str] = []
+    for line in block.splitlines():
+        name = line.strip().split(" ")[0] if line.strip() else ""
+        if not name.endswith("/") or (len(line) - len(line.lstrip())) % 2:
+            continue
+        depth = (len(line) - len(line.lstrip())) // 2
+        stack = [*stack[:depth], name.rstrip("/")]
+        found.add("/".join(stack))
+    return found
+
+
+def test_design_layout_names_every_package_folder() -> None:
+    named = _layout_folders((ROOT / "docs" / "design.md").read_text())
+    packages = {
+        str(init.parent.relative_to(ROOT))
+        for top in ("partitioner", "runtime", "cli_render")
+        for init in (ROOT / top).rglob("__init__.py")
+    }
+    assert packages - named == set(), "package folders missing from docs/design.md's layout"
+    assert {"runtime/job", "partitioner/models/zoo", "partitioner/optimizer/search"} <= named

@@ -1,5 +1,6 @@
 """The library's modules import each other without cycles, counting the imports inside functions:
-a function-level import may defer a heavy dependency (torch, transformers, pulp), never hide a circle.
+a function-level import may defer a heavy dependency (torch, transformers, pulp), never hide a circle;
+and each library's sub-packages import only those below them (:data:`LAYERS`).
 
 The graph is read from the source (``ast``), so a test of it needs nothing imported."""
 
@@ -86,7 +87,7 @@ PURE_MODULES = {
     "runtime.errors",
     "runtime.schedule",
     "partitioner.errors",
-    "partitioner.update",
+    "partitioner.profiler.update_cost",
     "partitioner.optimizer.comparison",
     "partitioner.optimizer.pricing.price",
     "partitioner.optimizer.pricing.schedules",
@@ -94,8 +95,8 @@ PURE_MODULES = {
 # Modules that also launch, write or resolve: the data types and pure functions a renderer may take.
 PURE_NAMES = {
     "partitioner.partition": {"Partitioned", "microbatch_note"},
-    "partitioner.calibrate": {"Calibration", "stage_factors"},
-    "partitioner.link_calibration": {"LinkCalibration"},
+    "partitioner.calibration.stage_times": {"Calibration", "stage_factors"},
+    "partitioner.calibration.link_latency": {"LinkCalibration"},
     "partitioner.optimizer.pricing.simulate": {"gantt"},
 }
 
@@ -148,11 +149,74 @@ def test_the_renderer_check_finds_a_launch(tmp_path: Path) -> None:
         "import runtime.runs\n"
         "from runtime.schedule import get_schedule\n"
         "from partitioner.partition import Partitioned, partition\n"
-        "if TYPE_CHECKING:\n    from runtime.run_job import RunOutcome\n"
-        "def f() -> None:\n    from runtime.launch import launch\n"
+        "if TYPE_CHECKING:\n    from runtime.job.run_job import RunOutcome\n"
+        "def f() -> None:\n    from runtime.job.launch import launch\n"
     )
     assert sorted(renderer_violations(sample)) == [
         "sample.py: partitioner.partition.partition",
-        "sample.py: runtime.launch.launch",
+        "sample.py: runtime.job.launch.launch",
         "sample.py: runtime.runs.runtime.runs",
     ]
+
+
+# Each library's sub-packages in layers, lowest first: a module imports only its own layer and
+# those before it, so a sub-package never reaches up into one that builds on it. A new module or
+# sub-package must be placed here (the test names any that is not).
+LAYERS = {
+    "runtime": (
+        ("runtime", "runtime.errors", "runtime.schedule", "runtime.precision"),
+        ("runtime.files",),
+        ("runtime.faults",),
+        ("runtime.packages",),
+        ("runtime.observing",),
+        ("runtime.executing",),
+        ("runtime.settings",),
+        ("runtime.datasets",),
+        ("runtime.building",),
+        ("runtime.checkpoints",),
+        ("runtime.job",),
+        ("runtime.exporting",),
+    ),
+    "partitioner": (
+        ("partitioner", "partitioner.errors", "partitioner.sized", "partitioner.graph", "partitioner.plan"),
+        ("partitioner.optimizer",),
+        ("partitioner.hardware",),
+        ("partitioner.models",),
+        ("partitioner.profiler",),
+        ("partitioner.generation",),
+        ("partitioner.verification",),
+        ("partitioner.calibration",),
+        ("partitioner.partition",),
+    ),
+}
+
+
+def layer_of(module: str) -> int | None:
+    """The layer of ``module`` in its library's :data:`LAYERS`: that of the longest name holding it
+    (a library's own name holds only its ``__init__``); None where no name does."""
+    found: tuple[int, int] | None = None
+    for i, names in enumerate(LAYERS.get(module.split(".")[0], ())):
+        for name in names:
+            holds = module == name or ("." in name and module.startswith(name + "."))
+            if holds and (found is None or len(name) > found[1]):
+                found = (i, len(name))
+    return None if found is None else found[0]
+
+
+def test_every_library_module_has_a_layer() -> None:
+    unplaced = [m for m in import_graph() if m.split(".")[0] in LAYERS and layer_of(m) is None]
+    assert not unplaced, f"modules in no sub-package of LAYERS and not named there: {unplaced}"
+
+
+def test_sub_packages_import_only_their_own_layer_and_those_below() -> None:
+    upward = [
+        f"{a} -> {b}" for a, b in import_graph().edges
+        if a.split(".")[0] == b.split(".")[0] in LAYERS and (layer_of(b) or 0) > (layer_of(a) or 0)
+    ]  # fmt: skip
+    assert not upward, "imports up the layers: " + "; ".join(upward)
+
+
+def test_the_layers_are_read_by_the_longest_name() -> None:
+    assert layer_of("partitioner.models.zoo.tiny") == layer_of("partitioner.models") == 3
+    assert layer_of("runtime.job.worker") == 10 and layer_of("runtime.schedule") == 0
+    assert layer_of("runtime.somewhere") is None  # a flat module must be placed

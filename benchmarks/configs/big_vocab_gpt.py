@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from partitioner.zoo.gpt2 import GPT, GPTConfig
+from partitioner.models.zoo.gpt2 import GPT, GPTConfig
 
 VOCAB, TOKENS = 50257, 64
 

@@ -88,8 +88,8 @@ def unbuildable(profile: Profile) -> str | None:
 
     Writing a package re-traces the model (the generated stages are cut from that graph). Built-in,
     torchvision and ``hf:`` models traced by fx are built on the meta device, and every model traced
-    by torch.export is traced on fake tensors without its weights (:mod:`partitioner.codegen`): none
-    of them is built whole. A model file's factory traced by fx runs on this machine's CPU, in
+    by torch.export is traced on fake tensors without its weights (:mod:`partitioner.generation.codegen`):
+    none of them is built whole. A model file's factory traced by fx runs on this machine's CPU, in
     float32: if those weights exceed half of the memory free here it would not build; its plan is
     still made and written.
     """

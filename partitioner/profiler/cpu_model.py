@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from partitioner.devices import DeviceModel
+from partitioner.hardware.devices import DeviceModel
 
 __all__ = ["cpu_model"]
 

@@ -3,7 +3,7 @@
 Every layer runs forward and backward on the meta device, as :class:`LayerProfiler` would run it on
 a real one, while a dispatch mode watches each aten operation: its floating-point operations (from
 torch's own ``torch.utils.flop_counter`` formulas) and the bytes it reads and writes. Each kernel is
-priced on a roofline of the :class:`~partitioner.devices.DeviceModel`,
+priced on a roofline of the :class:`~partitioner.hardware.devices.DeviceModel`,
 
     seconds = max(flops / matmul_rate(dtype, flops),
                   bytes / (bandwidth * memory_efficiency),
@@ -37,11 +37,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from partitioner.devices import DeviceModel
+from partitioner.hardware.devices import DeviceModel
 from partitioner.profiler.measure import LayerCost, LayerProfiler, _tensors
 from partitioner.profiler.meta_autocast import autocast_on
 from partitioner.profiler.trace import Group
-from partitioner.profiler.update import _OPTIMIZERS, _sample
+from partitioner.profiler.update_timing import _OPTIMIZERS, _sample
 from partitioner.profiler.working import backward_working, split_deferred
 
 __all__ = ["LayerEstimator", "Work", "estimate_loss", "estimate_update", "moe_assumption", "on_meta"]

@@ -1,7 +1,7 @@
 """Trace a model built without its weights exactly as its real self would trace on a device.
 
-A model built by :func:`runtime.lazy.weightless` has its weights on the meta device. Tracing it
-there works, but the graph is not the one a real model gives: torch.export writes the device it
+A model built by :func:`runtime.building.meta_params.weightless` has its weights on the meta device. Tracing
+it there works, but the graph is not the one a real model gives: torch.export writes the device it
 traced on into the graph (``arange(..., device=meta)``), and some kernels lay out their outputs
 differently on meta (an attention output that is contiguous on a CPU is not on meta, so the graph
 gains ``contiguous`` nodes). The graph must be the real one: ``partition`` re-traces the model to
@@ -23,7 +23,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor, nn
 
-from partitioner.models import ModelBundle
+from partitioner.models.specs import ModelBundle
 from partitioner.profiler.trace import Traced, trace_model
 
 __all__ = ["trace_weightless"]

@@ -9,8 +9,8 @@ layer, bfloat16, 4096 tokens): 13.5 ms forward and 29.9 ms backward with the mas
 without; the attention kernels alone 6.9 against 2.1 ms.
 
 pipeplan's inputs for ``hf:`` models never pad (an all-ones ``attention_mask``: hf_inputs.py, and
-runtime.data completes token files with ones), so while such a model is exported, the sdpa mask
-function returns no mask exactly where transformers itself would skip it eagerly with no padding: no
+runtime.datasets.minibatches completes token files with ones), so while such a model is exported, the sdpa
+mask function returns no mask exactly where transformers itself would skip it eagerly with no padding: no
 sliding window or chunk (``local_size``), no mask that transformers marks as not skippable (packed
 sequences, or/and masks, token-type overlays), queries and keys of one length from position 0.
 Everything else is built as transformers builds it.

@@ -1,7 +1,7 @@
 """Measure a model one layer at a time, its weights real only while their layer is measured.
 
-A model built without its weights (:func:`runtime.lazy.weightless`) and traced on the meta device
-is measured layer by layer: each layer's parameters are made real on the profiling device (random,
+A model built without its weights (:func:`runtime.building.meta_params.weightless`) and traced on the meta
+device is measured layer by layer: each layer's parameters are made real on the profiling device (random,
 with the dtype and shape the model gives them; buffers from their real values), the layer runs on
 the real values its producers gave it, is measured as :class:`LayerProfiler` measures it, and its
 weights go back to meta. Values are forgotten as soon as no later layer reads them. Peak memory is

@@ -33,8 +33,8 @@ from partitioner.profiler.fingerprint import fingerprint
 from partitioner.profiler.meta_autocast import autocast_on
 from partitioner.profiler.trace import Group
 from partitioner.profiler.working import backward_rise, backward_working, split_deferred
+from runtime.executing.split_backward import backward_input, backward_weight
 from runtime.precision import autocast
-from runtime.split_backward import backward_input, backward_weight
 
 __all__ = [
     "LayerCost",
@@ -70,7 +70,8 @@ class LayerCost:
         kept_output_bytes: the part of ``output_bytes`` its own backward keeps
             (:meth:`LayerProfiler.kept_output`; ``Node.kept_output_bytes``).
         input_ms: median time of its backward split as zb1p's and zbv's runtime splits it
-            (``runtime.split_backward``): B, the input gradients (0 with ``weight_ms`` 0: not timed).
+            (``runtime.executing.split_backward``): B, the input gradients (0 with ``weight_ms`` 0: not
+            timed).
         weight_ms: the same split's W, the weight gradients from what B kept.
     """
 

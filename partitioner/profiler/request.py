@@ -7,11 +7,11 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from partitioner.devices import load_device_model
 from partitioner.errors import PipeplanError, ProfileFormatError
 from partitioner.graph import load_profile
-from partitioner.models import model_name
-from partitioner.profiler import check_precision_options
+from partitioner.hardware.devices import load_device_model
+from partitioner.models.specs import model_name
+from partitioner.profiler.profile import check_precision_options
 
 __all__ = ["check_estimate_options", "check_output", "parse_shape", "prepare"]
 

@@ -8,7 +8,7 @@ that become one profile node. Free ops (views, getattr, size) are folded into a 
 hides no tensor the optimizer could cut at.
 
 Example:
-    >>> from partitioner.models import load_model
+    >>> from partitioner.models.specs import load_model
     >>> traced = trace_model(load_model("tiny-cnn", batch_size=2))
     >>> traced.tracer, traced.groups[1].name
     ('fx', 'stem')
@@ -29,7 +29,7 @@ import torch
 from torch import fx, nn
 
 from partitioner.errors import TraceError
-from partitioner.models import ModelBundle, load_model
+from partitioner.models.specs import ModelBundle, load_model
 from partitioner.profiler.hf_masks import masks_as_eager
 from partitioner.profiler.inline import inline_wrapped_regions
 from partitioner.profiler.leaf_calls import Branch, branching_module, leaf_calls, rewrite_leaf_calls
@@ -220,8 +220,8 @@ def _export_once(bundle: ModelBundle, dynamic: bool, leaves: Sequence[str]) -> f
     """torch.export non-strict, the batch dimension dynamic where the model allows it.
 
     With a dynamic batch the graph runs any microbatch or replica share of a minibatch; the batch size
-    becomes a ``sym_size`` of an input that :mod:`partitioner.split` reads again, in each stage, from a
-    tensor that stage receives. A model that fixes its batch size is exported with static shapes, and
+    becomes a ``sym_size`` of an input that :mod:`partitioner.generation.split` reads again, in each stage,
+    from a tensor that stage receives. A model that fixes its batch size is exported with static shapes, and
     ``retrace(options, batch_size=...)`` re-exports it at the size a stage runs (same node names).
     """
     args, kwargs = _export_args(bundle.inputs, bundle)

@@ -16,7 +16,7 @@ stage's gradients itself.
 
 A split backward (zb1p, zbv) runs B, the input gradients, and later W, the weight gradients; W
 needs the gradient that flowed into each weight's node (a linear's: the gradient of its output),
-so B keeps it until W (``runtime/split_backward.py``). On a decoder layer that is more than half
+so B keeps it until W (``runtime/executing/split_backward.py``). On a decoder layer that is more than half
 of what its forward saves (hf:llama: 2.5 against 4.3 MiB a minibatch), held for every item between
 its B and its W (:func:`split_deferred`, ``Node.deferred_bytes``).
 """
@@ -30,8 +30,8 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
-from runtime.memory import _LiveStorages  # the counter behind ``run --measure-memory``
-from runtime.split_backward import backward_input
+from runtime.executing.split_backward import backward_input
+from runtime.observing.peak_memory import _LiveStorages  # the counter behind ``run --measure-memory``
 
 __all__ = ["backward_rise", "backward_working", "split_deferred"]
 
@@ -55,9 +55,10 @@ def split_deferred(
     roots: Sequence[Tensor], leaves: Sequence[Tensor], params: Sequence[Tensor], seeds: Sequence[Tensor]
 ) -> int:
     """Bytes a split backward keeps from the layer's B to its W: the gradients B records flowing
-    into the nodes whose branches lead only to ``params`` (``runtime.split_backward.backward_input``,
-    the runtime's own B), counted once per storage, and the ``seeds`` where W takes weights from the
-    roots (all of them on a layer whose inputs take no gradient). The graph is kept."""
+    into the nodes whose branches lead only to ``params``
+    (``runtime.executing.split_backward.backward_input``, the runtime's own B), counted once per storage, and
+    the ``seeds`` where W takes weights from the roots (all of them on a layer whose inputs take no gradient).
+    The graph is kept."""
     if not roots or not params:
         return 0
     _, work = backward_input(list(roots), list(seeds), list(leaves), list(params))
@@ -92,8 +93,8 @@ def backward_rise(
 
 
 class _Made(_LiveStorages):  # type: ignore[no-untyped-call]  # torch's mode is untyped
-    """:class:`~runtime.memory._LiveStorages` counting only what the ops it sees allocate: an output
-    that shares an input's storage (a view, a ``detach``, an in-place result) is no new memory. A
+    """:class:`~runtime.observing.peak_memory._LiveStorages` counting only what the ops it sees allocate: an
+    output that shares an input's storage (a view, a ``detach``, an in-place result) is no new memory. A
     backward takes views of tensors that were there before it (``t()`` of a linear's weight, a
     ``detach`` of a saved activation); counted as new, a 392 MiB weight would pass for working bytes."""
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.bench_interleaved import RUNS, paired, predicted, write_interleaved
-from runtime.config import load_job
-from runtime.package import import_package
+from runtime.packages.job_config import load_job
+from runtime.packages.load import import_package
 
 
 def test_the_package_lays_4_stages_on_2_ranks(tmp_path: Path) -> None:

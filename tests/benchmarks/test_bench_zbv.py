@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.bench_zbv import OURS, THEIRS, _paired, predicted, write_zbv
-from runtime.config import load_job
-from runtime.package import import_package
+from runtime.packages.job_config import load_job
+from runtime.packages.load import import_package
 
 
 def test_the_package_lays_4_stages_on_2_ranks_as_a_v(tmp_path: Path) -> None:

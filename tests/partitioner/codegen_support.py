@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from partitioner.graph import Node, Profile
-from partitioner.models import ModelBundle, load_model
+from partitioner.models.specs import ModelBundle, load_model
 from partitioner.plan import Cluster, Plan, Prediction, SolverInfo, Stage
 from partitioner.profiler.trace import Traced, trace_model
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from partitioner.calibrate import (
+from partitioner.calibration.stage_times import (
     Measured,
     RunTimes,
     calibrate,
@@ -200,8 +200,8 @@ def test_time_slicing_comes_out_where_the_plan_prices_the_hosts_cores() -> None:
 
 def test_an_estimated_profile_gets_its_device_model_corrected() -> None:
     """A run twice as slow as an h100 estimate: the device model's work becomes twice as slow."""
-    from partitioner.calibrate import Measured, calibrated_device
-    from partitioner.devices import PRESETS, device_model_to_json
+    from partitioner.calibration.stage_times import Measured, calibrated_device
+    from partitioner.hardware.devices import PRESETS, device_model_to_json
 
     profile, plan = _plan()
     measured = {s.index: 2.0 * s.compute_s for s in plan.stages}

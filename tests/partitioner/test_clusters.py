@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from partitioner.clusters import NODES, default_latency, levels_of, load_cluster
 from partitioner.errors import PipeplanError, PlanError
+from partitioner.hardware.clusters import NODES, default_latency, levels_of, load_cluster
 from partitioner.optimizer.units import parse_latency
 from partitioner.plan import Cluster, Level, Link, load_plan, plan_from_json, plan_to_json
 

@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from partitioner.codegen import with_ranks, write_package, write_package_from_trace
 from partitioner.errors import PackageError, PlanError
+from partitioner.generation.codegen import with_ranks, write_package, write_package_from_trace
 from partitioner.graph import Profile
-from partitioner.models import load_model
+from partitioner.models.specs import load_model
+from partitioner.models.zoo import tiny
 from partitioner.plan import Stage
-from partitioner.verify import load_package, verify_package
-from partitioner.zoo import tiny
-from runtime import stagekit
-from runtime.stagekit import loss_input
+from partitioner.verification.verify import load_package, verify_package
+from runtime.building import stage_init as stagekit
+from runtime.building.stage_init import loss_input
 from tests.partitioner.codegen_support import plan_for, profile_for, profile_of
 
 GOLDEN = Path(__file__).parents[1] / "golden" / "tiny-skip-gpus3"
@@ -224,11 +224,13 @@ def test_replicated_plan_writes_rank_map(tmp_path: Path) -> None:
 
 def test_writing_a_package_runs_the_graph_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Tensor kinds and the output's shape come from one dry run (each is a pass over every node)."""
-    import partitioner.dry_run
+    import partitioner.generation.dry_run
 
     runs: list[int] = []
-    real = partitioner.dry_run.dry_run
-    monkeypatch.setattr(partitioner.dry_run, "dry_run", lambda gm, inputs: runs.append(1) or real(gm, inputs))
+    real = partitioner.generation.dry_run.dry_run
+    monkeypatch.setattr(
+        partitioner.generation.dry_run, "dry_run", lambda gm, inputs: runs.append(1) or real(gm, inputs)
+    )
     profile = profile_for("tiny-cnn")
     plan = write_package(profile, plan_for(profile, [2]), tmp_path / "pkg")
     assert runs == [1] and plan.extra["targets"]
@@ -250,7 +252,7 @@ def test_replacing_a_package_keeps_its_run(tmp_path: Path) -> None:
 def test_replacing_a_package_keeps_its_runs_folder_and_drops_the_link(tmp_path: Path) -> None:
     """A package of the folder-per-run layout: runs/ moves to runs.<time>, the run link goes (it would
     point into the old plan's runs), and the kept name is what partition reports."""
-    from partitioner.codegen import kept_runs
+    from partitioner.generation.codegen import kept_runs
 
     profile = profile_for("tiny-mlp")
     write_package(profile, plan_for(profile, [2]), tmp_path / "pkg")
@@ -405,7 +407,7 @@ def test_an_exported_model_is_written_without_building_its_weights(
 ) -> None:
     """torch.export's graph is traced on fake tensors of a model built weightless: the package is the
     one a real build and trace gives, byte for byte, and no weight was allocated on the way."""
-    from partitioner import models
+    from partitioner.models import specs as models
     from partitioner.profiler.trace import trace_model
 
     bundle = load_model("hf:llama", 2, (8,))

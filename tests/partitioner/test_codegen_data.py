@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from partitioner.codegen import write_package
-from partitioner.verify import load_package
-from runtime.data import SYNTHETIC_STEPS, SyntheticBatches
+from partitioner.generation.codegen import write_package
+from partitioner.verification.verify import load_package
+from runtime.datasets.minibatches import SYNTHETIC_STEPS, SyntheticBatches
 from tests.partitioner.codegen_support import plan_for, profile_for
 
 _MODEL = '''
@@ -129,7 +129,7 @@ def test_the_model_files_own_examples_are_called(tmp_path: Path) -> None:
 @pytest.mark.parametrize("spec", ["tiny-cnn", "tiny-gpt"])
 def test_zoo_minibatches_differ_per_step_and_seed_zero_is_profiled(tmp_path: Path, spec: str) -> None:
     """The same minibatch at every step would be learnt by heart (vgg16's loss read 0.0000 from step 5)."""
-    from partitioner.models import load_model
+    from partitioner.models.specs import load_model
 
     profile = profile_for(spec)
     write_package(profile, plan_for(profile, [3]), tmp_path / "pkg")

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from partitioner.devices import (
+from partitioner.errors import PipeplanError
+from partitioner.hardware.devices import (
     PRESETS,
     DeviceModel,
     device_model_from_json,
@@ -16,7 +17,6 @@ from partitioner.devices import (
     load_device_model,
     save_device_model,
 )
-from partitioner.errors import PipeplanError
 
 
 def test_presets_cite_a_source_for_every_number() -> None:

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import fx, nn
 
-from partitioner.dry_run import NeedsValues, dry_run
-from partitioner.models import load_model
+from partitioner.generation.dry_run import NeedsValues, dry_run
+from partitioner.generation.split import _tensor_kinds_for_real, tensor_kinds
+from partitioner.models.specs import load_model
 from partitioner.profiler.trace import trace_model
-from partitioner.split import _tensor_kinds_for_real, tensor_kinds
 
 
 class ViewByBatch(nn.Module):

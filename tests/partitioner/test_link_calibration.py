@@ -11,10 +11,7 @@ from click.testing import CliRunner
 
 from cli import main
 from cli_render.calibrate import print_links
-from partitioner.clusters import load_cluster
-from partitioner.errors import PipeplanError
-from partitioner.graph import write_graph_txt
-from partitioner.link_calibration import (
+from partitioner.calibration.link_latency import (
     action_gaps,
     calibrate_with_links,
     measure_links,
@@ -23,6 +20,9 @@ from partitioner.link_calibration import (
     timed_allreduces,
     waited_messages,
 )
+from partitioner.errors import PipeplanError
+from partitioner.graph import write_graph_txt
+from partitioner.hardware.clusters import load_cluster
 from tests.partitioner.optimizer.conftest import make_profile
 
 MB = 1e6  # bytes a message carries in the plans below (a 4,000,000-byte cut over 4 microbatches)

@@ -9,7 +9,7 @@ import sys
 import torch
 from torch import nn
 
-from partitioner.meta_init import SkipMetaInit
+from partitioner.models.meta_init import SkipMetaInit
 
 
 def test_meta_fills_are_skipped_and_real_ones_run() -> None:
@@ -27,7 +27,7 @@ def test_meta_fills_are_skipped_and_real_ones_run() -> None:
 def test_building_vgg16_on_meta_does_not_import_dynamo() -> None:
     code = (
         "import sys, torch\n"
-        "from partitioner.models import load_model\n"
+        "from partitioner.models.specs import load_model\n"
         "load_model('vgg16').build(seed=0, device='meta')\n"
         "print('torch._dynamo' in sys.modules)\n"
     )

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from partitioner.errors import ModelSpecError
-from partitioner.models import load_model, model_name, next_token_targets
-from partitioner.zoo import ZOO
+from partitioner.models.specs import load_model, model_name, next_token_targets
+from partitioner.models.zoo import ZOO
 
 torch.set_num_threads(1)
 

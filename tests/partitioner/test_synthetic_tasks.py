@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from partitioner.models import load_model
-from runtime.stagekit import MASK_RATE, synthetic_example
+from partitioner.models.specs import load_model
+from runtime.building.stage_init import MASK_RATE, synthetic_example
 
 pytest.importorskip("transformers")
 torch.set_num_threads(1)
@@ -85,8 +85,8 @@ def test_each_head_learns_a_task_it_cannot_copy(head: str) -> None:
     ],
 )
 def test_a_package_draws_the_data_the_profile_measured(spec: str, tmp_path: Path) -> None:
-    from partitioner.codegen import write_package
-    from partitioner.verify import load_package
+    from partitioner.generation.codegen import write_package
+    from partitioner.verification.verify import load_package
     from tests.partitioner.codegen_support import plan_for, profile_for
 
     profile = profile_for(spec)

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from partitioner.codegen import write_package
 from partitioner.errors import PackageError
-from partitioner.verify import newest_package, verify_package
+from partitioner.generation.codegen import write_package
+from partitioner.verification.verify import verify_package
 from tests.partitioner.codegen_support import HF_GPT2, plan_for, profile_for
 
 
@@ -138,13 +138,6 @@ def test_progress_names_each_phase_as_it_starts(good: Path) -> None:
     assert seen[1][0].startswith("checking stage 1's gradients")
 
 
-def test_newest_package(good: Path, tmp_path: Path) -> None:
-    with pytest.raises(PackageError, match="no package"):
-        newest_package(tmp_path)
-    shutil.copytree(good, tmp_path / "a" / "gpus=2")
-    assert newest_package(tmp_path) == tmp_path / "a" / "gpus=2"
-
-
 def test_exported_graph_is_traced_at_the_microbatch_size(tmp_path: Path) -> None:
     """An export with static shapes runs at one batch size only: the one each stage sees per microbatch."""
     profile = profile_for(HF_GPT2)
@@ -193,8 +186,10 @@ def test_verify_holds_a_stage_not_the_model(tmp_path: Path) -> None:
         f"""
         import torch
         from pathlib import Path
-        from partitioner.verify import load_package, verify_package
-        from runtime.heap import map_large_blocks, peak_resident_bytes, reset_peak, resident_bytes
+        from partitioner.verification.verify import load_package, verify_package
+        from runtime.observing.resident_memory import (
+            map_large_blocks, peak_resident_bytes, reset_peak, resident_bytes,
+        )
 
         torch.set_num_threads(1)
         map_large_blocks()

@@ -20,7 +20,9 @@ def generate(
 ) -> Path:
     """Profile ``spec`` once and write a package of ``len(replicas)`` stages with equal layer counts,
     stage ``k`` on ``replicas[k]`` consecutive ranks."""
-    from partitioner import codegen, plan, profiler
+    from partitioner import plan
+    from partitioner.generation import codegen
+    from partitioner.profiler import profile as profiler
 
     profile = profiler.profile_model(spec, batch_size=batch_size, input_shape=input_shape, repeats=1)
     ids = [n.id for n in profile.nodes]

@@ -9,12 +9,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime.checkpoint_read import read_stage
-from runtime.data import SyntheticBatches
-from runtime.launch import launch
-from runtime.options import RunOptions
-from runtime.package import import_package
+from runtime.checkpoints.read_tensors import read_stage
+from runtime.datasets.minibatches import SyntheticBatches
+from runtime.job.launch import launch
+from runtime.packages.load import import_package
 from runtime.schedule import build, pipeline
+from runtime.settings.run_options import RunOptions
 
 __all__ = ["pipedream_reference", "plain_training", "run", "stage_state"]
 

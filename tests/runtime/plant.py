@@ -14,7 +14,7 @@ import torch
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from runtime import checkpoint_safe
+from runtime.checkpoints import safe_read
 
 __all__ = ["Payload", "flip_byte", "plant_in_entry", "plant_in_metadata", "redigest", "touch"]
 
@@ -39,13 +39,13 @@ def redigest(folder: Path) -> None:
     """Record every file's size and sha256 in ``meta.json`` again, as for the files now there."""
     meta = json.loads((folder / "meta.json").read_text())
     names = sorted(p.name for p in folder.iterdir() if p.name == ".metadata" or p.suffix == ".distcp")
-    meta["files"] = checkpoint_safe.digests(folder, names)
+    meta["files"] = safe_read.digests(folder, names)
     (folder / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
 def plant_in_metadata(folder: Path, marker: Path, digest: bool = True) -> None:
     """The step's own metadata with the payload in it (DCP's reader would run it, then read on)."""
-    metadata = checkpoint_safe.read_metadata(folder)
+    metadata = safe_read.read_metadata(folder)
     metadata.storage_meta = metadata.storage_meta or StorageMeta()
     metadata.storage_meta.modules = [Payload(marker)]  # type: ignore[list-item]
     (folder / ".metadata").write_bytes(pickle.dumps(metadata))
@@ -55,12 +55,12 @@ def plant_in_metadata(folder: Path, marker: Path, digest: bool = True) -> None:
 
 def plant_in_entry(folder: Path, marker: Path, key: str = "train_state.step", digest: bool = True) -> None:
     """The step rewritten with ``key`` (a non-tensor entry) replaced by the payload, everything else kept."""
-    metadata = checkpoint_safe.read_metadata(folder)
+    metadata = safe_read.read_metadata(folder)
     state: dict[str, Any] = {
         k: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
         for k, md in metadata.state_dict_metadata.items()
     }
-    checkpoint_safe.load(state, folder, no_dist=True)
+    safe_read.load(state, folder, no_dist=True)
     state[key] = Payload(marker)
     for path in [*folder.glob("*.distcp"), folder / ".metadata"]:
         path.unlink()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.blame import blame
+from runtime.faults.failed_rank import blame
 
 
 @dataclass

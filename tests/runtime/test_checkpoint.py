@@ -12,13 +12,15 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from runtime import checkpoint, resume, train_state
-from runtime.config import load_job
+from runtime.checkpoints import resume_settings as resume
+from runtime.checkpoints import step_folders as checkpoint
+from runtime.checkpoints import train_state
 from runtime.errors import RunError
-from runtime.fqns import model_names
-from runtime.launch import resolve_resume
-from runtime.options import RunOptions
-from runtime.package import import_package
+from runtime.job.launch import resolve_resume
+from runtime.packages.job_config import load_job
+from runtime.packages.load import import_package
+from runtime.packages.tensor_names import model_names
+from runtime.settings.run_options import RunOptions
 from tests.runtime.packages import write_package
 
 

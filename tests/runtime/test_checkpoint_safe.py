@@ -17,15 +17,16 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from runtime import checkpoint, checkpoint_safe, train_state
-from runtime.checkpoint_read import Tensors
-from runtime.checkpoint_v1 import convert
-from runtime.config import load_job
+from runtime.checkpoints import safe_read, train_state
+from runtime.checkpoints import step_folders as checkpoint
+from runtime.checkpoints.convert_v1 import convert
+from runtime.checkpoints.read_tensors import Tensors
 from runtime.errors import RunError
-from runtime.export import choose_step
-from runtime.fqns import model_names
-from runtime.metrics import write_json_atomic
-from runtime.package import import_package
+from runtime.exporting.model_weights import choose_step
+from runtime.files.atomic import write_json_atomic
+from runtime.packages.job_config import load_job
+from runtime.packages.load import import_package
+from runtime.packages.tensor_names import model_names
 from tests.runtime.packages import write_package
 from tests.runtime.plant import Payload, flip_byte, plant_in_entry, plant_in_metadata
 from tests.runtime.test_checkpoint import save_step
@@ -53,7 +54,7 @@ def _refusals(root: Path) -> list[str]:
     """What resuming and exporting say about the newest step (each must refuse)."""
     lines = []
     for read in (checkpoint.resume_point, choose_step):
-        with pytest.raises(checkpoint_safe.Refused) as refused:
+        with pytest.raises(safe_read.Refused) as refused:
             read(root)
         lines.append(str(refused.value))
     return lines
@@ -65,7 +66,7 @@ def test_a_payload_in_dcp_metadata_never_runs_and_is_refused_in_one_line(root: P
     lines = _refusals(root)
     assert lines[0] == lines[1] and "\n" not in lines[0], lines
     assert re.search(rf"step-4/\.metadata: DCP's metadata {REFUSED}", lines[0]), lines[0]
-    with pytest.raises(checkpoint_safe.Refused):
+    with pytest.raises(safe_read.Refused):
         Tensors.open(root / "step-4")
     assert not marker.exists()
     FileSystemReader(str(root / "step-4")).read_metadata()  # DCP's own reader: the payload runs
@@ -84,7 +85,7 @@ def test_a_payload_in_a_rank_entry_never_runs_not_even_in_a_rank(
     package = import_package(pkg)
     module = package.stage(0)
     held = [train_state.Held(0, module, torch.optim.SGD(module.parameters(), lr=0.01))]
-    with pytest.raises(checkpoint_safe.Refused, match=REFUSED):  # a rank that loads it anyway
+    with pytest.raises(safe_read.Refused, match=REFUSED):  # a rank that loads it anyway
         train_state.load(root / "step-4", model_names(package, job), held, 0, None, None, None, rng=False)
     assert not marker.exists()
     with warnings.catch_warnings():
@@ -124,9 +125,7 @@ def test_a_payload_in_a_checkpoint_before_dcp_is_refused_by_convert(pkg: Path, t
         state = torch.load(path, weights_only=True)
         state["step"] = Payload(marker)
         torch.save(state, path)
-        with pytest.raises(
-            checkpoint_safe.Refused, match=rf"step-2/{name}: the (stage|rank)'s state {REFUSED}"
-        ):
+        with pytest.raises(safe_read.Refused, match=rf"step-2/{name}: the (stage|rank)'s state {REFUSED}"):
             convert(root, pkg)
         assert checkpoint.is_v1(root, 2) and not (root / "step-2.partial").exists()  # nothing written
     assert not marker.exists()
@@ -196,12 +195,12 @@ def test_metrics_on_a_full_disk_leave_no_half_file(tmp_path: Path, monkeypatch: 
 
 
 def test_the_runtime_reads_checkpoints_only_through_the_safe_reader() -> None:
-    """No module but runtime/checkpoint_safe.py calls DCP's loader or reader; every torch.load is
+    """No module but runtime/checkpoints/safe_read.py calls DCP's loader or reader; every torch.load is
     weights_only."""
     loads = 0
     for path in sorted((Path(__file__).resolve().parents[2] / "runtime").rglob("*.py")):
         text = path.read_text()
-        if path.name != "checkpoint_safe.py":
+        if path.name != "safe_read.py":
             assert "state_dict_loader" not in text and "FileSystemReader" not in text, path
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.load":

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime import checkpoint
-from runtime.checkpoint_read import Tensors, read_stage, read_values
-from runtime.checkpoint_v1 import convert
+from runtime.checkpoints import step_folders as checkpoint
+from runtime.checkpoints.convert_v1 import convert
+from runtime.checkpoints.read_tensors import Tensors, read_stage, read_values
 from runtime.errors import RunError
-from runtime.optim import OptimSettings, make_optimizer, make_scheduler
-from runtime.package import import_package
+from runtime.executing.optimizer import OptimSettings, make_optimizer, make_scheduler
+from runtime.packages.load import import_package
 from tests.runtime.helpers import run
 from tests.runtime.packages import write_package
 

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from runtime import comm
-from runtime.comm import TensorMeta, buckets, decode_meta, encode_meta
-from runtime.memory import _LiveStorages
+from runtime.executing import comm
+from runtime.executing.comm import TensorMeta, buckets, decode_meta, encode_meta
+from runtime.observing.peak_memory import _LiveStorages
 
 
 def test_the_memory_model_prices_the_runtimes_bucket() -> None:

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from runtime.config import load_job, newest_package, replica_microbatches
 from runtime.errors import RunError
-from runtime.launch import torchrun_commands
-from runtime.options import RunOptions, from_argv, to_argv
+from runtime.job.launch import torchrun_commands
+from runtime.packages.job_config import load_job, replica_microbatches
+from runtime.settings.run_options import RunOptions, from_argv, to_argv
 from tests.runtime.packages import write_package
 
 
@@ -58,15 +56,6 @@ def test_bad_settings(tmp_path: Path) -> None:
         load_job(tmp_path / "missing")
 
 
-def test_newest_package(tmp_path: Path) -> None:
-    old = write_package(tmp_path / "models" / "a" / "gpus=2")
-    new = write_package(tmp_path / "models" / "b" / "gpus=2")
-    os.utime(old / "mp_conf.json", (time.time() - 100, time.time() - 100))
-    assert newest_package(tmp_path / "models") == new
-    with pytest.raises(RunError, match="no package"):
-        newest_package(tmp_path / "empty")
-
-
 def test_options_survive_the_torchrun_command_line(tmp_path: Path) -> None:
     pkg = write_package(tmp_path / "pkg", replicas=(1, 1, 1, 1))
     opts = RunOptions.of(str(pkg), steps=7, schedule="gpipe", lr=0.5, shuffle=True, trace="t.json", nnodes=2)
@@ -81,7 +70,7 @@ def test_options_survive_the_torchrun_command_line(tmp_path: Path) -> None:
     )
     assert len(lines) == 2
     assert "--node-rank 1 --nproc-per-node 2 --master-addr 10.0.0.1 --master-port 29400" in lines[1]
-    assert lines[0].endswith(f"-m runtime.worker {pkg} --steps 7")
+    assert lines[0].endswith(f"-m runtime.job.worker {pkg} --steps 7")
 
 
 def test_planned_microbatches_grow_to_feed_every_replica(tmp_path: Path) -> None:

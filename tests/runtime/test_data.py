@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from runtime.data import SYNTHETIC_STEPS, SyntheticBatches
+from runtime.datasets.minibatches import SYNTHETIC_STEPS, SyntheticBatches
 
 
 def _package(calls: list[int]) -> SimpleNamespace:

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from runtime import deferred_init
-from runtime.deferred_init import build_deferred, is_deferred
+from runtime.building import deferred_init
+from runtime.building.deferred_init import build_deferred, is_deferred
 
 
 class Odd(nn.Module):
@@ -97,7 +97,7 @@ def test_the_callers_generator_is_untouched() -> None:
 
 def test_a_hugging_face_model_replays_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("transformers")
-    from runtime.hf import factory
+    from runtime.building.hugging_face import factory
 
     monkeypatch.setattr(deferred_init, "LARGE", 1)
     assert _assert_exact(factory("hf:llama")) > 30
@@ -118,8 +118,8 @@ def test_one_layer_costs_one_layer_of_memory() -> None:
         f"""
         import torch
         from torch import nn
-        from runtime.deferred_init import build_deferred
-        from runtime.heap import peak_resident_bytes, reset_peak, resident_bytes
+        from runtime.building.deferred_init import build_deferred
+        from runtime.observing.resident_memory import peak_resident_bytes, reset_peak, resident_bytes
 
         torch.set_num_threads(1)
         reset_peak()

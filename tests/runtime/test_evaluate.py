@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.data import SyntheticBatches
-from runtime.evaluate import class_hits, eval_steps, segments
-from runtime.package import import_package, read_wiring
+from runtime.datasets.minibatches import SyntheticBatches
+from runtime.executing.evaluate import class_hits, eval_steps, segments
+from runtime.packages.load import import_package, read_wiring
 from tests.runtime.generated import generate
 from tests.runtime.helpers import run, stage_state
 

@@ -15,13 +15,13 @@ import torch
 from click.testing import CliRunner
 
 from cli import main
-from runtime.package import import_package, read_wiring
-from runtime.stagekit import factory_from_spec
+from runtime.building.stage_init import factory_from_spec
+from runtime.packages.load import import_package, read_wiring
 from tests.runtime.helpers import run, stage_state
 from tests.runtime.tied_lm import write_model
 
-codegen = pytest.importorskip("partitioner.codegen")
-profiler = pytest.importorskip("partitioner.profiler")
+codegen = pytest.importorskip("partitioner.generation.codegen")
+profiler = pytest.importorskip("partitioner.profiler.profile")
 plan_mod = pytest.importorskip("partitioner.plan")
 
 torch.set_num_threads(1)
@@ -141,7 +141,7 @@ def test_export_takes_an_older_step_and_refuses_missing_incomplete_and_absent_on
 @pytest.mark.slow
 def test_hf_export_round_trips_through_save_pretrained(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    from runtime.hf import factory
+    from runtime.building.hugging_face import factory
 
     package = _package(tmp_path / "pkg", "hf:gpt2", batch=4, shape=(16,))
     ckpt = tmp_path / "ckpt"

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from runtime.errors import JobFailed, RunError
-from runtime.launch import free_port, launch
-from runtime.options import RunOptions
-from runtime.worker import run_rank
+from runtime.job.launch import free_port, launch
+from runtime.job.worker import run_rank
+from runtime.settings.run_options import RunOptions
 from tests.runtime.helpers import run
 from tests.runtime.packages import write_package
 

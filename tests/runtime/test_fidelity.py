@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.fidelity import StagePrediction, stage_report
-from runtime.metrics import RankMetrics, Recorder, summarize
+from runtime.observing.fidelity import stage_report
+from runtime.observing.metrics import RankMetrics, Recorder, summarize
+from runtime.packages.job_config import StagePrediction
 
 
 def _rank(

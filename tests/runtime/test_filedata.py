@@ -9,10 +9,10 @@ from types import ModuleType
 import pytest
 import torch
 
-from runtime.config import JobConfig
-from runtime.data import make_batches
+from runtime.datasets.minibatches import make_batches
+from runtime.datasets.user_data import DataSettings, check_file_spec, file_spec, output_classes
 from runtime.errors import RunError
-from runtime.filedata import DataSettings, check_file_spec, file_spec, output_classes
+from runtime.packages.job_config import JobConfig
 
 _TEXT = DataSettings(seq_len=4, sample_shape=(4,), input_dtype="int64", classes=256)
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.data import SyntheticBatches
-from runtime.package import import_package, read_wiring
+from runtime.datasets.minibatches import SyntheticBatches
+from runtime.packages.load import import_package, read_wiring
 from tests.runtime.helpers import run, stage_state
 
-codegen = pytest.importorskip("partitioner.codegen")
-profiler = pytest.importorskip("partitioner.profiler")
+codegen = pytest.importorskip("partitioner.generation.codegen")
+profiler = pytest.importorskip("partitioner.profiler.profile")
 plan_mod = pytest.importorskip("partitioner.plan")
 
 pytestmark = pytest.mark.slow

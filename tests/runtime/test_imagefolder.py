@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from runtime.datasets.imagefolder import ImageFolder, find_images
 from runtime.errors import RunError
-from runtime.imagefolder import ImageFolder, find_images
 
 Image = pytest.importorskip("PIL.Image")
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.config import load_job
 from runtime.errors import RunError
-from runtime.package import import_package
+from runtime.packages.job_config import load_job
+from runtime.packages.load import import_package
 from tests.runtime.helpers import (
     assert_one_step_is_the_plain_gradient,
     assert_stages_equal,
@@ -77,7 +77,7 @@ def test_interleaved_sums_a_tied_weight_across_ranks_and_clips_it_once(tmp_path:
     """Stage 0's weight is stage 3's too (rank 0 and rank 1): each rank's first chunk sums the tie's
     gradient over the ranks before clipping, which counts it once; momentum SGD with clipping that
     binds ends equal to plain training, the two copies bit for bit equal."""
-    from runtime.optim import OptimSettings
+    from runtime.executing.optimizer import OptimSettings
     from tests.runtime.test_optim import _reference
 
     pkg = write_package(tmp_path / "pkg", "tied", (1,) * 4, microbatches=4, batch_size=8, virtual=2)
@@ -102,7 +102,7 @@ def test_interleaved_sums_a_tied_weight_across_ranks_and_clips_it_once(tmp_path:
 def _held_out_loss(pkg_dir: Path, ckpt: Path, step: int, stages: int, batch: int) -> float:
     """The unsplit model with the run's weights after ``step``: mean loss over one pass of the
     held-out data (synthetic, seed 1)."""
-    from runtime.data import SyntheticBatches
+    from runtime.datasets.minibatches import SyntheticBatches
 
     pkg = import_package(pkg_dir)
     model, loss_fn = pkg.full_model(0), pkg.criterion()
@@ -181,16 +181,16 @@ def test_interleaved_refuses_replicas_and_odd_microbatches(tmp_path: Path) -> No
     one = write_package(tmp_path / "one", "chain", (1,) * 2, microbatches=2, batch_size=4, virtual=2)
     with pytest.raises(RunError, match="at least 2 ranks"):
         load_job(one, schedule="interleaved")
-    from runtime.launch import check_launch
-    from runtime.options import RunOptions
+    from runtime.job.launch import check_launch
+    from runtime.settings.run_options import RunOptions
 
     with pytest.raises(RunError, match="gloo only"):
         check_launch(RunOptions(str(pkg), schedule="interleaved", microbatches=4, backend="nccl"))
 
 
 def test_dry_run_shows_each_ranks_interleaved_list(tmp_path: Path) -> None:
-    from runtime.launch import schedule_preview
-    from runtime.options import RunOptions
+    from runtime.job.launch import schedule_preview
+    from runtime.settings.run_options import RunOptions
 
     pkg = write_package(tmp_path / "pkg", "chain", (1,) * 4, microbatches=2, batch_size=4, virtual=2)
     lines = schedule_preview(RunOptions(str(pkg), schedule="interleaved"))

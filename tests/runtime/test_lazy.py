@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runtime.lazy import LARGE, split_buffers, weightless
+from runtime.building.meta_params import LARGE, split_buffers, weightless
 
 
 class _Net(nn.Module):

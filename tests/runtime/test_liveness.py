@@ -1,5 +1,5 @@
-"""runtime.liveness and runtime.checkin: a stopped rank is found by its silence, a start-up wait names
-the ranks behind it, and the rendezvous store listens on the master address only."""
+"""runtime.faults.liveness and runtime.faults.startup_checkin: a stopped rank is found by its silence, a
+start-up wait names the ranks behind it, and the rendezvous store listens on the master address only."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from runtime.checkin import CheckIn
 from runtime.errors import PeerLost
-from runtime.launch import _rendezvous_store
-from runtime.liveness import Watchdog
-from runtime.options import RunOptions
+from runtime.faults.liveness import Watchdog
+from runtime.faults.startup_checkin import CheckIn
+from runtime.job.launch import _rendezvous_store
+from runtime.settings.run_options import RunOptions
 
 _BEAT = """
 import time
-from runtime.liveness import start_heartbeat
+from runtime.faults.liveness import start_heartbeat
 assert start_heartbeat(1, 5.0)
 print("beating", flush=True)
 time.sleep(60)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.memory import PeakMemory, live_tensor_bytes, memory_report
+from runtime.observing.peak_memory import PeakMemory, live_tensor_bytes, memory_report
 
 torch.set_num_threads(1)
 

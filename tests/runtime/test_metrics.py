@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from runtime.metrics import RankMetrics, Recorder, cpu_share, summarize
+from runtime.observing.metrics import RankMetrics, Recorder, cpu_share, summarize
 
 
 def test_recorder_splits_compute_by_step() -> None:

@@ -12,12 +12,18 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.checkpoint_read import read_values
-from runtime.data import SyntheticBatches
+from runtime.checkpoints.read_tensors import read_values
+from runtime.datasets.minibatches import SyntheticBatches
 from runtime.errors import RunError
-from runtime.optim import OptimSettings, apply_settings, lr_factor, make_optimizer, make_scheduler
-from runtime.options import RunOptions, from_argv, to_argv
-from runtime.package import import_package
+from runtime.executing.optimizer import (
+    OptimSettings,
+    apply_settings,
+    lr_factor,
+    make_optimizer,
+    make_scheduler,
+)
+from runtime.packages.load import import_package
+from runtime.settings.run_options import RunOptions, from_argv, to_argv
 from tests.runtime.helpers import assert_stages_equal, run, stage_state
 from tests.runtime.packages import write_package
 

@@ -1,4 +1,4 @@
-"""runtime.package on PipeDream's own layout: several modules per stage ([0, 0, 1, 1, 1])."""
+"""runtime.packages.load on PipeDream's own layout: several modules per stage ([0, 0, 1, 1, 1])."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.config import load_job
-from runtime.package import ModuleChain, build_stage, import_package, read_wiring
+from runtime.packages.job_config import load_job
+from runtime.packages.load import ModuleChain, build_stage, import_package, read_wiring
 from tests.runtime.helpers import plain_training, run, stage_state
 from tests.runtime.packages import write_package
 

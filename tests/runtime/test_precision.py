@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.checkpoint_read import read_values
-from runtime.config import load_job
-from runtime.data import SyntheticBatches
+from runtime.checkpoints.read_tensors import read_values
+from runtime.datasets.minibatches import SyntheticBatches
 from runtime.errors import RunError
-from runtime.loss_scale import LossScaler
-from runtime.options import RunOptions, from_argv, to_argv
-from runtime.package import import_package
+from runtime.executing.loss_scale import LossScaler
+from runtime.packages.job_config import load_job
+from runtime.packages.load import import_package
 from runtime.precision import autocast, check_precision
+from runtime.settings.run_options import RunOptions, from_argv, to_argv
 from tests.runtime.helpers import run, stage_state
 from tests.runtime.packages import IN_DIM, write_package
 

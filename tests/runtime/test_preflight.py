@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from runtime.errors import RunError
-from runtime.preflight import check_first_stage, check_inputs_match
+from runtime.job.preflight import check_first_stage, check_inputs_match
 
 
 class _DataDependent(nn.Module):

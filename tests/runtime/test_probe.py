@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import partitioner.action_probe
-import runtime.probe
+import partitioner.calibration.action_probe
+import runtime.job.link_probe
 from cli import main
-from partitioner.action_probe import ActionProbe
-from partitioner.clusters import load_cluster
+from partitioner.calibration.action_probe import ActionProbe
 from partitioner.graph import write_graph_txt
+from partitioner.hardware.clusters import load_cluster
 from partitioner.optimizer.pricing.stage import allreduce_time
 from partitioner.plan import Link
 from runtime.errors import RunError
-from runtime.probe import LinkFigure, ProbeOptions, ProbeResult, _cores_busy, fit_allreduce
+from runtime.job.link_probe import LinkFigure, ProbeOptions, ProbeResult, _cores_busy, fit_allreduce
 from tests.partitioner.optimizer.conftest import make_profile
 
 
@@ -61,9 +61,9 @@ def test_probe_two_local_ranks_writes_a_cluster_file(tmp_path: Path) -> None:
 def test_the_time_per_action_lands_in_the_cluster_file_partition_reads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(runtime.probe, "probe", lambda o: _fake_result(o))
+    monkeypatch.setattr(runtime.job.link_probe, "probe", lambda o: _fake_result(o))
     found = ActionProbe(4e-4, 120, 3e-4, ("pipeplan run PKG --trace T",))
-    monkeypatch.setattr(partitioner.action_probe, "probe_actions", lambda ranks, device: found)
+    monkeypatch.setattr(partitioner.calibration.action_probe, "probe_actions", lambda ranks, device: found)
     path = tmp_path / "cluster.json"
     code, out, err = _run("probe", "--device", "cpu", "-o", str(path))
     assert code == 0, err
@@ -122,7 +122,7 @@ def test_the_cluster_file_records_how_the_cores_were_held(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: list[ProbeOptions] = []
-    monkeypatch.setattr(runtime.probe, "probe", lambda o: seen.append(o) or _fake_result(o))
+    monkeypatch.setattr(runtime.job.link_probe, "probe", lambda o: seen.append(o) or _fake_result(o))
     for flag, cores in (("--idle", "idle"), ("", "busy")):
         path = tmp_path / f"{cores}.json"
         code, out, err = _run(

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.package import import_package
-from runtime.recompute import run_forward
+from runtime.executing.recompute import run_forward
+from runtime.packages.load import import_package
 from tests.runtime.helpers import run, stage_state
 from tests.runtime.packages import write_package
 

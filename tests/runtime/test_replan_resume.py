@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.checkpoint import saved_tensors
-from runtime.checkpoint_read import Tensors
-from runtime.data import SyntheticBatches
+from runtime.checkpoints.read_tensors import Tensors
+from runtime.checkpoints.step_folders import saved_tensors
+from runtime.datasets.minibatches import SyntheticBatches
 from runtime.errors import RunError
-from runtime.package import import_package, read_wiring
+from runtime.packages.load import import_package, read_wiring
 from tests.runtime.helpers import run
 from tests.runtime.tied_lm import write_model
 
-codegen = pytest.importorskip("partitioner.codegen")
-profiler = pytest.importorskip("partitioner.profiler")
+codegen = pytest.importorskip("partitioner.generation.codegen")
+profiler = pytest.importorskip("partitioner.profiler.profile")
 plan_mod = pytest.importorskip("partitioner.plan")
 
 pytestmark = pytest.mark.slow

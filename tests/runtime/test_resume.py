@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from runtime.checkpoints.resume_settings import compare
 from runtime.errors import RunError
-from runtime.resume import compare
 
 WHERE = Path("ck/step-4")
 

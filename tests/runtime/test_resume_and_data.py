@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from runtime import checkpoint
-from runtime.checkpoint import resume_point, saved_tensors
-from runtime.checkpoint_read import Tensors
-from runtime.data import DatasetBatches, make_batches
+from runtime.checkpoints import step_folders as checkpoint
+from runtime.checkpoints.read_tensors import Tensors
+from runtime.checkpoints.step_folders import resume_point, saved_tensors
+from runtime.datasets.minibatches import DatasetBatches, make_batches
 from runtime.errors import JobFailed
-from runtime.package import import_package
+from runtime.packages.load import import_package
 from tests.runtime.helpers import run, stage_state
 from tests.runtime.packages import IN_DIM, OUT_DIM, write_package
 

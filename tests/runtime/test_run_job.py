@@ -1,4 +1,4 @@
-"""``pipeplan run`` as one library call: what :func:`runtime.run_job.run_job` tells its callbacks, in
+"""``pipeplan run`` as one library call: what :func:`runtime.job.run_job.run_job` tells its callbacks, in
 order, and what it returns, for a run of two steps, a dry run and a refused run."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from runtime.errors import RunError
-from runtime.options import RunOptions
-from runtime.run_job import RunEvents, RunRequest, RunStart, run_job
+from runtime.job.run_job import RunEvents, RunRequest, RunStart, run_job
+from runtime.settings.run_options import RunOptions
 from tests.runtime.packages import write_package
 
 

@@ -1,4 +1,4 @@
-"""runtime.runlock: one job per package folder; the holder is named; a dead holder frees it."""
+"""runtime.job.run_lock: one job per package folder; the holder is named; a dead holder frees it."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from runtime.errors import RunError
-from runtime.runlock import holder, run_lock
+from runtime.job.run_lock import holder, run_lock
 
 _HOLD = """
 import sys, time
 from pathlib import Path
-from runtime.runlock import run_lock
+from runtime.job.run_lock import run_lock
 with run_lock(Path(sys.argv[1])):
     print("held", flush=True)
     time.sleep(60)

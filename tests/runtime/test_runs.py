@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from runtime.options import RunOptions
-from runtime.run_config import to_toml
-from runtime.runs import begin, discard_if_empty, latest, publish, run_folder
+from runtime.job.run_folders import begin, discard_if_empty, latest, publish, run_folder
+from runtime.settings.run_options import RunOptions
+from runtime.settings.run_toml import to_toml
 
 
 def _start(package: Path, **fields: object) -> RunOptions:

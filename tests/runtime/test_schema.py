@@ -1,4 +1,4 @@
-"""runtime.schema: a document that does not match is refused in one message naming the field."""
+"""runtime.files.schema: a document that does not match is refused in one message naming the field."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from runtime.formats import METRICS_FIELDS, MP_CONF_FIELDS, PLAN_FIELDS, PROFILE_FIELDS
-from runtime.schema import AnyValue, Bool, Int, List, Map, Num, Obj, Opt, SchemaError, Str, check
+from runtime.files.formats import METRICS_FIELDS, MP_CONF_FIELDS, PLAN_FIELDS, PROFILE_FIELDS
+from runtime.files.schema import AnyValue, Bool, Int, List, Map, Num, Obj, Opt, SchemaError, Str, check
 
 _DOC = Obj(
     {"count": Int(1), "rate": Num(0.0, strict=True), "names": List(Str(), min_len=1)},

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from runtime.split_backward import backward_input, backward_weight
+from runtime.executing.split_backward import backward_input, backward_weight
 
 
 class _Count(torch.autograd.Function):

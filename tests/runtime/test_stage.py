@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from runtime.lookahead import Lookahead, steps_before_backward
+from runtime.executing.lookahead import Lookahead, steps_before_backward
 from runtime.schedule import Action, build, parse_actions, pipeline
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from runtime.stagekit import Original, build_meta, derive_seed, exact_model, full_model, populate
+from runtime.building.stage_init import Original, build_meta, derive_seed, exact_model, full_model, populate
 
 
 class Tied(nn.Module):
@@ -128,7 +128,7 @@ def test_stage_does_not_materialise_the_rest_of_the_model(init: str) -> None:
         f"""
         import resource, torch
         from torch import nn
-        from runtime.stagekit import populate
+        from runtime.building.stage_init import populate
 
         def rss_kib():
             with open("/proc/self/statm") as f:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.flops import minibatch_flops, token_count
-from runtime.package import import_package, read_wiring
+from runtime.observing.flops import minibatch_flops, token_count
+from runtime.packages.load import import_package, read_wiring
 from tests.runtime.generated import generate
 from tests.runtime.helpers import run
 

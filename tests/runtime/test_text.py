@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from runtime.datasets.text_windows import MaskedWindows, TokenWindows, load_tokens
 from runtime.errors import RunError
-from runtime.text import MaskedWindows, TokenWindows, load_tokens
 
 
 def test_windows_read_consecutive_tokens_and_predict_the_next() -> None:

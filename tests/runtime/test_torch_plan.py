@@ -12,11 +12,11 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _Action, _PipelineScheduleRuntime
 
-from runtime.config import load_job
-from runtime.data import SyntheticBatches
+from runtime.datasets.minibatches import SyntheticBatches
 from runtime.errors import RunError
-from runtime.package import import_package, read_wiring
-from runtime.torch_plan import export_torch_plan, torch_plan
+from runtime.exporting.torch_plan import export_torch_plan, torch_plan
+from runtime.packages.job_config import load_job
+from runtime.packages.load import import_package, read_wiring
 from tests.runtime.generated import generate
 from tests.runtime.helpers import run
 from tests.runtime.packages import write_package

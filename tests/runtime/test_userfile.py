@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from runtime.errors import RunError
-from runtime.userfile import UserFileError, check_file, file_attr, import_file
+from runtime.files.user_code import UserFileError, check_file, file_attr, import_file
 
 
 @pytest.fixture(autouse=True)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.config import load_job
 from runtime.errors import RunError
+from runtime.packages.job_config import load_job
 from tests.runtime.helpers import (
     assert_one_step_is_the_plain_gradient,
     assert_stages_equal,
@@ -79,8 +79,8 @@ def test_zbv_and_its_layout_go_together(tmp_path: Path) -> None:
 
 
 def test_dry_run_shows_each_ranks_zbv_list(tmp_path: Path) -> None:
-    from runtime.launch import schedule_preview
-    from runtime.options import RunOptions
+    from runtime.job.launch import schedule_preview
+    from runtime.settings.run_options import RunOptions
 
     pkg = write_package(
         tmp_path / "pkg", "chain", (1,) * 4, microbatches=3, batch_size=6, virtual=2, v_shape=True
@@ -95,7 +95,7 @@ def test_zbv_ties_the_first_and_last_stage_on_rank_0(tmp_path: Path) -> None:
     """Stage 0's weight is stage 3's too: under the V both lie on rank 0, whose first chunk sums
     the tie's gradient over its own two stages; with clipping that binds, the run equals plain
     training and the two copies stay bit for bit equal."""
-    from runtime.optim import OptimSettings
+    from runtime.executing.optimizer import OptimSettings
     from tests.runtime.helpers import stage_state
     from tests.runtime.test_optim import _reference
 
@@ -145,8 +145,8 @@ def test_a_rank_of_several_stages_is_held_to_its_devices_prediction(tmp_path: Pa
     the prediction of both its stages (the planner's per-device check), not stage 0's alone."""
     from dataclasses import replace
 
-    from runtime.metrics import RankMetrics
-    from runtime.worker import _rank_predictions
+    from runtime.job.worker import _rank_predictions
+    from runtime.observing.metrics import RankMetrics
 
     pkg = write_package(
         tmp_path / "pkg", "chain", (1,) * 4, microbatches=4, batch_size=8, virtual=2, v_shape=True

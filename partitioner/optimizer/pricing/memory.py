@@ -36,7 +36,7 @@ __all__ = [
 
 Bytes = FloatArray | float
 
-#: the most bytes one gradient all-reduce copies into a flat buffer (``runtime.comm.BUCKET_BYTES``,
+#: the most bytes one gradient all-reduce copies into a flat buffer (``runtime.executing.comm.BUCKET_BYTES``,
 #: DDP's default bucket; a test holds the two equal, as this module imports no torch).
 BUCKET_BYTES = 25 * 2**20
 

@@ -163,8 +163,8 @@ def stage_loads(profile: Profile, groups: Sequence[Sequence[str]], posted: bool 
 
 def _weight_s(members: Sequence[Node], first: bool) -> float | None:
     """A stage's W seconds under a split backward, from its layers' measured (B, W): their Ws, or on
-    the first stage its whole backward (``runtime.split_backward``: with no input gradient to make, B
-    does nothing and W runs the backward); None where no layer was timed so."""
+    the first stage its whole backward (``runtime.executing.split_backward``: with no input gradient to make,
+    B does nothing and W runs the backward); None where no layer was timed so."""
     if not any(n.split_ms for n in members):
         return None
     if first:
@@ -429,7 +429,7 @@ def stage_memory(
 
 def backward_item(whole: bool, microbatches: int, replicas: int) -> int:
     """Microbatches per minibatch as the runtime runs them: a synchronous schedule hands its
-    microbatches to a stage's replicas round-robin, at least one each (``runtime.config.
+    microbatches to a stage's replicas round-robin, at least one each (``runtime.packages.job_config.
     replica_microbatches``); pipedream runs whole minibatches."""
     return 1 if whole else max(microbatches, replicas)
 

@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from partitioner.atomic import write_text_atomic
 from partitioner.errors import PlanError
 from partitioner.graph import Profile
 from partitioner.optimizer.pricing.price import (
@@ -33,6 +32,7 @@ from partitioner.optimizer.pricing.stage import (
     stage_time,
 )
 from partitioner.plan import Plan
+from runtime.files.atomic import write_text_atomic
 from runtime.schedule import Action, Layout, build, pipeline
 
 __all__ = [

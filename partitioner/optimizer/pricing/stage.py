@@ -70,14 +70,14 @@ class StageLoad:
             layers' ``deferred_bytes``; on the first stage, whose B has no input gradient to make
             (W runs its whole backward), the gradient it received, kept for W.
         kept_bytes: the part of ``saved_bytes`` a recomputing stage keeps per item all the same: the
-            loss's (the output node's; ``runtime.stage`` runs the loss outside the recomputed
+            loss's (the output node's; ``runtime.executing.stage`` runs the loss outside the recomputed
             forward, so a cross-entropy's log-softmax is saved for every microbatch in flight).
         sent_bytes: what it sends on per minibatch that the producing layer's backward does not keep
             (``Node.kept_output_bytes``): held per item until its backward as autograd's roots.
         received_bytes: what it receives per minibatch that the producing layer keeps: counted in
             that layer's saved bytes on the stage before, and held here as a copy per item.
         posted_bytes: on CPU ranks (gloo), the receive posted one receiving action ahead
-            (``runtime.comm``): the larger of what it receives and what it is sent back per
+            (``runtime.executing.comm``): the larger of what it receives and what it is sent back per
             minibatch, one item's held once per device beside the working bytes; 0 on GPUs.
         weight_s: under a split backward, the W part of its backward seconds (its layers' measured
             ``Node.split_ms``; on the first stage, whose B has no input gradient to make, all of it);

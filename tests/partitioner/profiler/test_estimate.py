@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from partitioner.devices import PRESETS, DeviceModel, save_device_model
 from partitioner.errors import PipeplanError
-from partitioner.profiler import profile_model
+from partitioner.hardware.devices import PRESETS, DeviceModel, save_device_model
 from partitioner.profiler.cpu_model import cpu_model
 from partitioner.profiler.estimate import Work
+from partitioner.profiler.profile import profile_model
 
 torch.set_num_threads(1)
 
@@ -117,7 +117,7 @@ def test_an_estimate_has_the_structure_of_a_measurement() -> None:
 def test_a_mixture_of_experts_estimate_says_what_it_assumed() -> None:
     # one trace (a whole profile of the model costs ten seconds more and adds only the three lines
     # that append this assumption to extra.estimate.assumptions)
-    from partitioner.models import load_model
+    from partitioner.models.specs import load_model
     from partitioner.profiler.estimate import LayerEstimator, moe_assumption, on_meta
     from partitioner.profiler.fake import trace_weightless
 

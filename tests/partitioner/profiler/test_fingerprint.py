@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import fx, nn
 
-from partitioner.profiler import profile_model
 from partitioner.profiler.fingerprint import fingerprint
+from partitioner.profiler.profile import profile_model
 
 torch.set_num_threads(1)
 

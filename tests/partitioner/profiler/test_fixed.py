@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from partitioner.profiler import profile_model
 from partitioner.profiler.fixed import fit_fixed, sizes_of, small_batch
 from partitioner.profiler.measure import LayerCost
+from partitioner.profiler.profile import profile_model
 
 
 def _cost(forward: float, backward: float) -> LayerCost:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from partitioner.models import load_model
+from partitioner.models.specs import load_model
 from partitioner.profiler.hf_masks import masks_as_eager
 from partitioner.profiler.trace import trace_model
 

@@ -11,10 +11,11 @@ import torch
 from torch import Tensor
 
 from partitioner.graph import Profile
-from partitioner.models import load_model
-from partitioner.profiler import budget, profile_model
+from partitioner.models.specs import load_model
+from partitioner.profiler import budget
 from partitioner.profiler.fake import trace_weightless
 from partitioner.profiler.layerwise import LayerwiseProfiler, Weights
+from partitioner.profiler.profile import profile_model
 
 torch.set_num_threads(1)
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from partitioner.errors import TraceError
-from partitioner.models import ModelBundle
+from partitioner.models.specs import ModelBundle
 from partitioner.profiler.trace import trace_model
 
 

@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from partitioner.graph import Profile
-from partitioner.models import load_model
-from partitioner.profiler import profile_model
+from partitioner.models.specs import load_model
+from partitioner.models.zoo import ZOO
 from partitioner.profiler.measure import LayerProfiler, Stopwatch, measure_step
+from partitioner.profiler.profile import profile_model
 from partitioner.profiler.trace import trace_model
-from partitioner.zoo import ZOO
 
 torch.set_num_threads(1)
 

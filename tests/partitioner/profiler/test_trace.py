@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from partitioner.errors import TraceError
-from partitioner.models import load_model
+from partitioner.models.specs import load_model
+from partitioner.models.zoo import ZOO
 from partitioner.profiler.trace import Traced, retrace, trace_model
-from partitioner.zoo import ZOO
 
 torch.set_num_threads(1)
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from partitioner.devices import DeviceModel, save_device_model
-from partitioner.profiler import profile_model
+from partitioner.hardware.devices import DeviceModel, save_device_model
+from partitioner.profiler.profile import profile_model
 from partitioner.profiler.working import backward_working, split_deferred
 
 torch.set_num_threads(1)

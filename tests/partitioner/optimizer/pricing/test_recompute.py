@@ -150,9 +150,9 @@ def _cuts(plan: Plan) -> list[str]:
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "pipedream"])
 def test_a_recomputing_last_stage_keeps_the_loss_of_every_item_in_flight(schedule: str) -> None:
-    """The runtime runs the loss outside the recomputed forward (``runtime.stage``), so a recomputing
-    last stage keeps the loss's saved bytes (the output node's) for every item in flight, beside its
-    inputs; the plan, the simulation and the search on the recomputing profile agree."""
+    """The runtime runs the loss outside the recomputed forward (``runtime.executing.stage``), so a
+    recomputing last stage keeps the loss's saved bytes (the output node's) for every item in flight, beside
+    its inputs; the plan, the simulation and the search on the recomputing profile agree."""
     loss = 8_000_000
     # (no weights on the last stage: no gradient added in a later backward, whose peak holds fewer items)
     light = replace(THREE, nodes=tuple(replace(n, param_bytes=0) if n.id == "l2" else n for n in THREE.nodes))

@@ -1,0 +1,1 @@
+"""A run's measurements fed back: stage times into the profile, message latency into the cluster."""

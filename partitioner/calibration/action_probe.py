@@ -1,0 +1,107 @@
+"""The runtime's own time per action, measured by ``pipeplan probe``: a run of almost empty actions.
+
+Every compute action a rank plays (a forward, a backward, a split backward's B or W) costs the
+runtime some time besides its layers: the Python between two actions, posting the action's messages,
+setting up autograd (``Cluster.action_s``, priced per action by the whole cost model). ``calibrate
+--trace`` measures it from a traced run of a real plan; a probed cluster should price it before any
+run. So ``probe`` runs the runtime's own loop on actions that compute almost nothing: ``tiny-mlp``
+(three linear layers of width 16) cut into one stage per rank, 1F1B with four microbatches a rank,
+traced, and takes the same figure calibrate takes from a trace
+(:func:`partitioner.calibration.link_latency.action_gaps`: the mean idle time from each action's end to its
+rank's next span), on two ranks of this machine, as the run's own ``pipeplan`` commands make and run
+it (``profile``, ``partition --straight``, ``run --trace``). On a machine whose ranks are busy with
+other jobs the figure measures them too, like every other figure of ``probe``.
+
+One figure per cluster file, from one stage per rank: a rank hosting two stages (interleaved, zbv)
+idles longer after an action (docs/fidelity.md), which this does not measure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from partitioner.calibration.link_latency import FEWEST, action_gaps
+from partitioner.errors import PipeplanError
+from runtime.files.atomic import write_text_atomic
+
+__all__ = ["ActionProbe", "probe_actions", "record_actions"]
+
+#: the minibatches the probing run plays (its first fifth of traced time is skipped)
+STEPS = 20
+
+
+@dataclass(frozen=True)
+class ActionProbe:
+    """What the probing run measured: the mean gap after an action (seconds), the gaps' count and
+    their median, and the command lines it ran."""
+
+    action_s: float
+    actions: int
+    median_s: float
+    commands: tuple[str, ...]
+
+
+def probe_actions(ranks: int = 2, device: str = "cpu", timeout: float = 300.0) -> ActionProbe:
+    """Run the probing pipeline on ``ranks`` ranks (at most the 3 stages tiny-mlp cuts into) of
+    ``device`` and return its time per action; PipeplanError where a step fails or the trace holds
+    fewer than :data:`~partitioner.calibration.link_latency.FEWEST` actions."""
+    ranks = max(2, min(ranks, 3))
+    with tempfile.TemporaryDirectory(prefix="pipeplan-probe-") as tmp:
+        where = Path(tmp)
+        steps = [
+            ["profile", "tiny-mlp", "--batch-size", str(8 * ranks), "--no-fixed-cost", "--repeats", "1",
+             "--device", device, "-o", str(where / "profile.json")],
+            ["partition", "--profile", str(where / "profile.json"), "--gpus", str(ranks), "--straight",
+             "--schedule", "1f1b", "--microbatches", str(4 * ranks), "-o", str(where / "pkg")],
+        ]  # fmt: skip
+        for args in steps:
+            _pipeplan(args, timeout)
+        package = next(where.glob("pkg/*/gpus=*"), None)
+        if package is None:
+            raise PipeplanError("probe: the probing plan wrote no package")
+        trace = where / "trace.json"
+        run = ["run", str(package), "--steps", str(STEPS), "--trace", str(trace)]
+        _pipeplan(run, timeout)
+        events = json.loads(trace.read_text())["traceEvents"]
+    gaps = action_gaps(events)
+    if len(gaps) < FEWEST:
+        raise PipeplanError(f"probe: the probing run's trace timed {len(gaps)} actions, fewer than {FEWEST}")
+    commands = tuple(" ".join(["pipeplan", *a]) for a in [*steps, run])
+    return ActionProbe(statistics.fmean(gaps), len(gaps), statistics.median(gaps), commands)
+
+
+def _pipeplan(args: list[str], timeout: float) -> None:
+    """Run one ``pipeplan`` command in a child process (the run's own launcher starts its ranks)."""
+    command = [sys.executable, "-c", "import cli; cli.main()", *args]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+    except subprocess.TimeoutExpired:
+        raise PipeplanError(
+            f"probe: `pipeplan {args[0]}` of the probing run took over {timeout:.0f} s"
+        ) from None
+    if done.returncode:
+        last = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or ["(no output)"]
+        raise PipeplanError(f"probe: `pipeplan {args[0]}` of the probing run failed: {last[0]}")
+
+
+def record_actions(path: Path, found: ActionProbe) -> dict[str, Any]:
+    """Write ``found`` into the cluster file at ``path``: its ``action_overhead`` (what every plan made
+    with it prices per action) and, under ``probe.actions``, how it was measured. Returns the file."""
+    doc = json.loads(path.read_text())
+    doc["action_overhead"] = found.action_s
+    doc.setdefault("probe", {})["actions"] = {
+        "action_s": found.action_s,
+        "median_s": found.median_s,
+        "actions_timed": found.actions,
+        "commands": list(found.commands),
+    }
+    write_text_atomic(path, json.dumps(doc, indent=1) + "\n")
+    return dict(doc)

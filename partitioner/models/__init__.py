@@ -1,0 +1,1 @@
+"""Model specs -> a ModelBundle: the zoo, torchvision:, hf: and file.py specs, their example inputs."""

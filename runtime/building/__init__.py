@@ -1,0 +1,1 @@
+"""Building a stage's tensors like the full model's: stage init (copied into every package), helpers."""

@@ -1,0 +1,1 @@
+"""Playing one rank's actions: the stage executor, messages, split backward, optimizer, evaluation."""

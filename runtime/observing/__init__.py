@@ -1,0 +1,1 @@
+"""What a run measures: per-rank timings and trace, memory, FLOPs, measured against predicted."""

@@ -1,0 +1,1 @@
+"""A run's options: RunOptions (the launcher's, every rank's) and run.toml."""
