@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from partitioner import tensor_plan
 from partitioner.errors import PackageError, PipeplanError, PlanError
 from partitioner.graph import Profile
 from partitioner.package_text import init_text, source_text, stage_text
@@ -199,6 +200,8 @@ def write_package_from_trace(
     files.update({f"stage{s.index}.py": stage_text(profile, final, s, len(stages)) for s in stages})
     files["plan.json"] = _json(plan_to_json(final))
     files["mp_conf.json"] = _json(mp_conf(final.stages))
+    if any(s.tensor_parallel > 1 for s in final.stages):  # what the runtime splits (docs/layout-3d.md)
+        files["tensor_plan.json"] = _json(tensor_plan.to_json(tensor_plan.derive(gm, bundle.module)))
     _write_folder(Path(out_dir), files)
     return final
 
@@ -215,12 +218,12 @@ def with_ranks(plan: Plan) -> Plan:
     if all(not s.ranks for s in plan.stages):
         stages, first = [], 0
         for s in plan.stages:
-            stages.append(replace(s, ranks=tuple(range(first, first + s.replicas))))
-            first += s.replicas
+            stages.append(replace(s, ranks=tuple(range(first, first + s.devices))))
+            first += s.devices
         return replace(plan, stages=tuple(stages))
     for s in plan.stages:
-        if len(s.ranks) != s.replicas:
-            raise PlanError(f"stage {s.index} has {s.replicas} replicas but ranks {list(s.ranks)}")
+        if len(s.ranks) != s.devices:
+            raise PlanError(f"stage {s.index} has {s.devices} devices but ranks {list(s.ranks)}")
     ranks = sorted(r for s in plan.stages for r in s.ranks)
     placement = get_schedule(plan.schedule).placement if plan.schedule in SCHEDULES else None
     if plan.virtual_stages > 1 and placement is not None:  # several stages per rank, laid out so
