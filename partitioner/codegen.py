@@ -226,11 +226,12 @@ def with_ranks(plan: Plan) -> Plan:
             raise PlanError(f"stage {s.index} has {s.devices} devices but ranks {list(s.ranks)}")
     ranks = sorted(r for s in plan.stages for r in s.ranks)
     placement = get_schedule(plan.schedule).placement if plan.schedule in SCHEDULES else None
-    if plan.virtual_stages > 1 and placement is not None:  # several stages per rank, laid out so
+    split = any(s.tensor_parallel > 1 for s in plan.stages)  # (a 3D layout: the runtime checks copies)
+    if plan.virtual_stages > 1 and placement is not None and not split:  # several stages per rank
         want = placement(plan.gpus, plan.virtual_stages)
         if tuple(s.ranks for s in plan.stages) != want:
             raise PlanError(f"{plan.schedule} stages must lie on ranks {[r for (r,) in want]}, got {ranks}")
-    elif ranks != list(range(len(ranks))):
+    elif sorted(set(ranks) if split else ranks) != list(range(len(set(ranks) if split else ranks))):
         raise PlanError(f"stage ranks must use 0..{len(ranks) - 1} once each, got {ranks}")
     return plan
 

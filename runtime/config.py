@@ -225,12 +225,21 @@ def _stage_ranks(conf: Any, source: Path) -> tuple[tuple[tuple[int, ...], ...], 
         )
     ranks = sorted(r for rs in mapping.values() for r in rs)
     layout = tuple(mapping[k] for k in range(len(mapping)))
-    if (ranks != list(range(len(ranks))) and not _laid_out_by(layout)) or any(not rs for rs in layout):
+    laid_out = _laid_out_by(layout) or _copies_shared(layout)
+    if (ranks != list(range(len(ranks))) and not laid_out) or any(not rs for rs in layout):
         raise RunError(
             f"{source}: ranks must be 0..N-1 each used once (or, for interleaved, stage s on rank s mod N "
             f"alone; for zbv, stages s and 2N-1-s on rank s), got {ranks}"
         )
     return tuple(mapping[k] for k in range(len(mapping))), modules
+
+
+def _copies_shared(layout: Layout) -> bool:
+    """Several-rank stages that share ranks only whole (a 3D plan's interleaved or zbv layout, whose
+    copy layout :func:`_check_layout` then checks), every rank 0..N-1 used."""
+    used = sorted({r for rs in layout for r in rs})
+    whole = all(a == b or not set(a) & set(b) for a in layout for b in layout)
+    return any(len(rs) > 1 for rs in layout) and whole and used == list(range(len(used)))
 
 
 def _laid_out_by(layout: Layout) -> list[str]:

@@ -33,6 +33,7 @@ def shard_stage(module: nn.Module, data_mesh: Any, level: str) -> nn.Module:
 
     sharded = fully_shard(module, mesh=data_mesh, reshard_after_forward=level == "full")
     sharded.set_gradient_divide_factor(1.0)
+    sharded.set_force_sum_reduction_for_comms(True)  # (gloo has no pre-multiplied sum)
     return sharded  # type: ignore[no-any-return]
 
 

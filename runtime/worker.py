@@ -36,6 +36,7 @@ from runtime.lifeline import die_with, wake_siblings
 from runtime.liveness import start_heartbeat
 from runtime.loss_scale import LossScaler
 from runtime.memory import PeakMemory, memory_report, stage_bytes
+from runtime.mesh import local
 from runtime.metrics import RankMetrics, Recorder, summarize, write_json_atomic, write_trace
 from runtime.optim import Clip, OptimSettings, counted_params, make_optimizer, make_scheduler
 from runtime.options import RunOptions, from_argv
@@ -455,7 +456,7 @@ def _finish(options: RunOptions, hosted: tuple[StageRuntime, ...], clock: _Clock
         threads=torch.get_num_threads(),
         losses=tuple(clock.losses) if rt.cfg.replica == 0 else (),
         param_sq_sum=float(
-            sum(p.detach().double().square().sum() for each in hosted for p in each.module.parameters())
+            sum(local(p.detach()).double().square().sum() for each in hosted for p in each.module.parameters())
         ),
         versions_in_flight_max=rt.versions_in_flight_max,
         loss_scale=rt.scaler.scale if rt.scaler is not None else None,
