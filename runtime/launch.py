@@ -143,7 +143,7 @@ def schedule_preview(options: RunOptions) -> list[str]:
 
     job = job_of(options)
     lines = []
-    for r, actions in enumerate(build(job.schedule, job.stage_ranks, job.microbatches)):
+    for r, actions in enumerate(build(job.schedule, job.copy_layout, job.microbatches)):
         stages = job.hosted_stages(r)
         what = f"stages {','.join(map(str, stages))}" if len(stages) > 1 else f"stage {stages[0]}"
         lines.append(f"rank {r} ({what}): {format_actions(actions)}")

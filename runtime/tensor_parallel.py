@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from runtime.errors import RunError
 
-__all__ = ["PLAN_FILE", "TensorPlan", "read_plan", "split_stage"]
+__all__ = ["PLAN_FILE", "TensorPlan", "check_degrees", "planned_splits", "read_plan", "split_stage"]
 
 PLAN_FILE = "tensor_plan.json"
 SCHEMA = "pipeplan.tensor_plan/1"
@@ -151,23 +151,20 @@ def _layers_of(plan: TensorPlan, names: set[str]) -> list[tuple[str, int, dict[s
     return out
 
 
-def split_stage(
-    module: nn.Module, plan: TensorPlan, mesh: Any, group: dist.ProcessGroup, tensor_rank: int, stage: int
-) -> list[str]:
-    """Split ``module``'s planned weights over the tensor mesh (``mesh``, 1D) in place and make its
-    forward run them split; returns the layers split.
+def planned_splits(
+    module: nn.Module, plan: TensorPlan, t: int, stage: int
+) -> tuple[list[str], list[tuple[str, int]]]:
+    """The layers of ``plan`` that ``module`` holds, and (parameter, dim) of every split it makes at
+    degree ``t``; works on the meta device (the launcher checks a package before any rank starts).
 
     Raises:
         RunError: a degree that does not divide a layer's heads or features, naming both.
     """
-    from torch.distributed.tensor import DTensor, Shard
-
-    t = mesh.size()
     params = dict(module.named_parameters(remove_duplicate=False))
     counts: dict[int, int] = {}
     for p in params.values():
         counts[id(p)] = counts.get(id(p), 0) + 1
-    done = []
+    layers, splits = [], []
     for layer, tp_max, styles in _layers_of(plan, set(params)):
         if tp_max % t:
             raise RunError(
@@ -180,17 +177,49 @@ def split_stage(
                 continue
             dim = 1 if style == "rowwise" else 0
             if counts[id(p)] > 1 or p.shape[dim] % t:
-                raise RunError(
-                    f"stage {stage}: {name} ({list(p.shape)}) cannot be split {t} ways on dim {dim} "
-                    f"({'it is tied' if counts[id(p)] > 1 else f'{p.shape[dim]} is not a multiple of {t}'})"
-                )
-            shard = p.detach().chunk(t, dim)[tensor_rank].clone()
-            dt = DTensor.from_local(
-                shard, mesh, [Shard(dim)], run_check=False, shape=p.shape, stride=p.stride()
-            )
-            owner, _, leaf = name.rpartition(".")
-            setattr(module.get_submodule(owner), leaf, nn.Parameter(dt, requires_grad=p.requires_grad))
-        done.append(layer)
-    if done:
+                why = "it is tied" if counts[id(p)] > 1 else f"{p.shape[dim]} is not a multiple of {t}"
+                raise RunError(f"stage {stage}: {name} {list(p.shape)} cannot be split {t} ways on dim {dim} ({why})")
+            splits.append((name, dim))
+        layers.append(layer)
+    return layers, splits
+
+
+def split_stage(
+    module: nn.Module, plan: TensorPlan, mesh: Any, group: dist.ProcessGroup, tensor_rank: int, stage: int
+) -> list[str]:
+    """Split ``module``'s planned weights over the tensor mesh (``mesh``, 1D) in place and make its
+    forward run them split; returns the layers split.
+
+    Raises:
+        RunError: as :func:`planned_splits`.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    t = mesh.size()
+    layers, splits = planned_splits(module, plan, t, stage)
+    params = dict(module.named_parameters(remove_duplicate=False))
+    for name, dim in splits:
+        p = params[name]
+        shard = p.detach().chunk(t, dim)[tensor_rank].clone()
+        dt = DTensor.from_local(shard, mesh, [Shard(dim)], run_check=False, shape=p.shape, stride=p.stride())
+        owner, _, leaf = name.rpartition(".")
+        setattr(module.get_submodule(owner), leaf, nn.Parameter(dt, requires_grad=p.requires_grad))
+    if layers:
         module.forward = functools.partial(_split_forward, module.forward, group)  # type: ignore[method-assign]
-    return done
+    return layers
+
+
+def check_degrees(package: Any, wiring: Any, job: Any) -> None:
+    """Every tensor-parallel stage's splits, checked on the meta device before any rank starts.
+
+    Raises:
+        RunError: as :func:`planned_splits`.
+    """
+    from runtime.package import build_stage
+
+    plan = read_plan(job.package)
+    for k in range(job.stages):
+        t = job.layout(k).tensor_parallel
+        if t > 1:
+            module = build_stage(package, wiring, k, job.module_stages, 0, torch.device("meta"))
+            planned_splits(module, plan, t, k)
