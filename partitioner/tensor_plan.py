@@ -26,7 +26,7 @@ from torch import fx, nn
 
 from partitioner.graph import Node
 
-__all__ = ["SCHEMA", "TensorLayer", "annotate", "derive", "to_json"]
+__all__ = ["SCHEMA", "TensorLayer", "annotate", "derive", "profiled", "to_json", "tokens_of"]
 
 SCHEMA = "pipeplan.tensor_plan/1"
 
@@ -158,7 +158,7 @@ def _from_graph(gm: fx.GraphModule, model: nn.Module) -> tuple[TensorLayer, ...]
     linears = {n: lin for n in gm.graph.nodes if (lin := _linear_of(n, gm)) and lin[0] in modules}
     taken: set[str] = set()
     layers = []
-    for node, (path, source) in linears.items():
+    for path, source in linears.values():
         feeders = _feeders(source, gm, linears) if isinstance(source, fx.Node) else None
         if not feeders or path in taken:
             continue
@@ -192,31 +192,48 @@ def to_json(layers: Sequence[TensorLayer]) -> dict[str, Any]:
 
 
 def annotate(
-    nodes: Sequence[Node], layers: Sequence[TensorLayer], tokens: int, elem_bytes: int = 4
+    nodes: Sequence[Node],
+    layers: Sequence[TensorLayer],
+    shapes: Mapping[str, tuple[int, int]],
+    tokens: int,
+    elem_bytes: int,
 ) -> tuple[Node, ...]:
     """Profile nodes with the planner's fields filled where they hold split parameters: the bytes
-    split (``tp_param_bytes``), the forward all-reduce per minibatch of ``tokens`` tokens (or
-    samples) of the profile's batch (``tp_comm_bytes``) and the degrees allowed (``tp_max``)."""
-    styles = {p: (lay, s) for lay in layers for p, s in lay.params.items()}
+    split (``tp_param_bytes``; ``shapes``: per parameter name, its bytes and output features), the
+    row-wise layers' forward all-reduce per minibatch of ``tokens`` rows of ``elem_bytes``
+    activations (``tp_comm_bytes``) and the degrees allowed (``tp_max``)."""
+    styles = {p: (lay, style) for lay in layers for p, style in lay.params.items()}
     out = []
     for node in nodes:
-        held = [styles[p] for p in node.param_names if p in styles]
+        held = [(p, *styles[p]) for p in node.param_names if p in styles]
         if not held:
             out.append(node)
             continue
-        sizes = _param_sizes(node)
-        split = sum(sizes.get(p, 0) for p in node.param_names if p in styles)
-        mine = {lay.name: lay for lay, _ in held}
-        comm = sum(tokens * f * elem_bytes for lay in mine.values() for f in lay.rowwise_out)
-        tp_max = math.gcd(*(lay.tp_max for lay in mine.values()))
+        split = sum(shapes[p][0] for p, _, _ in held if p in shapes)
+        rows = [shapes[p][1] for p, _, style in held if style == "rowwise" and p in shapes]
+        tp_max = math.gcd(*(lay.tp_max for _, lay, _ in held))
+        comm = sum(tokens * f * elem_bytes for f in rows)
         out.append(replace(node, tp_param_bytes=split, tp_comm_bytes=comm, tp_max=tp_max))
     return tuple(out)
 
 
-def _param_sizes(node: Node) -> dict[str, int]:
-    """Bytes per parameter of a node, where the node records them; else its bytes shared evenly."""
-    names = list(node.param_names)
-    return {n: node.param_bytes // max(1, len(names)) for n in names}
+def profiled(
+    nodes: Sequence[Node],
+    gm: fx.GraphModule | None,
+    model: nn.Module,
+    inputs: Sequence[torch.Tensor],
+    precision: str,
+) -> tuple[Node, ...]:
+    """:func:`annotate` for a traced, measured profile: the plan :func:`derive` finds, the model's
+    parameter sizes, the rows of its first input."""
+    layers = derive(gm, model)
+    if not layers:
+        return tuple(nodes)
+    shapes = {
+        n: (p.numel() * p.element_size(), int(p.shape[0]))
+        for n, p in model.named_parameters(remove_duplicate=False)
+    }
+    return annotate(nodes, layers, shapes, tokens_of(inputs), 4 if precision == "fp32" else 2)
 
 
 def tokens_of(inputs: Sequence[torch.Tensor]) -> int:

@@ -24,8 +24,8 @@ from runtime.data import make_batches
 from runtime.errors import RunError
 from runtime.filedata import DataSettings
 from runtime.options import RunOptions
-from runtime.tensor_parallel import check_degrees
 from runtime.package import import_package, read_wiring, reads_weights
+from runtime.tensor_parallel import check_degrees
 from runtime.weights import missing
 
 __all__ = [

@@ -241,7 +241,7 @@ class StageRuntime:
         return 1 + 2 * (producer * job.stages + consumer) + grads if job.virtual_stages > 1 else 0
 
     def _peer(self, stage: int, unit: int) -> int:
-        """The rank of ``stage`` this rank reads ``unit``'s tensors from (:func:`runtime.layout3d.partner`)."""
+        """The rank of ``stage`` that ``unit``'s tensors come from (:func:`runtime.layout3d.partner`)."""
         ranks, job = self.cfg.job.stage_ranks[stage], self.cfg.job
         layout = job.layout(stage)
         copy = self.schedule.replica_of(unit, job.microbatches, layout.copies, self.first_step)

@@ -178,7 +178,9 @@ def planned_splits(
             dim = 1 if style == "rowwise" else 0
             if counts[id(p)] > 1 or p.shape[dim] % t:
                 why = "it is tied" if counts[id(p)] > 1 else f"{p.shape[dim]} is not a multiple of {t}"
-                raise RunError(f"stage {stage}: {name} {list(p.shape)} cannot be split {t} ways on dim {dim} ({why})")
+                raise RunError(
+                    f"stage {stage}: {name} {list(p.shape)} cannot be split {t} ways on dim {dim} ({why})"
+                )
             splits.append((name, dim))
         layers.append(layer)
     return layers, splits

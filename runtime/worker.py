@@ -456,7 +456,9 @@ def _finish(options: RunOptions, hosted: tuple[StageRuntime, ...], clock: _Clock
         threads=torch.get_num_threads(),
         losses=tuple(clock.losses) if rt.cfg.replica == 0 else (),
         param_sq_sum=float(
-            sum(local(p.detach()).double().square().sum() for each in hosted for p in each.module.parameters())
+            sum(
+                local(p.detach()).double().square().sum() for each in hosted for p in each.module.parameters()
+            )
         ),
         versions_in_flight_max=rt.versions_in_flight_max,
         loss_scale=rt.scaler.scale if rt.scaler is not None else None,

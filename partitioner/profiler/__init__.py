@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, fx, nn
 
+from partitioner import tensor_plan
 from partitioner.devices import device_model_to_json, load_device_model
 from partitioner.errors import PipeplanError, TraceError
 from partitioner.graph import Node, Profile, TensorSpec, scale_batch
@@ -466,6 +467,7 @@ def _assemble(
 ) -> Profile:
     """The profile of a traced model from what a run measured (or estimated)."""
     nodes = _nodes(traced, run.costs, run.loss_ms, bundle.loss_fn, run.fixed)
+    nodes = tensor_plan.profiled(nodes, traced.graph_module, bundle.module, bundle.inputs, precision)
     return Profile(
         nodes=nodes,
         model=spec,

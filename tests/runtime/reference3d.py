@@ -48,7 +48,7 @@ def assert_trained_as_plain(
             ref = want[name]
             scale = float(ref.abs().max()) or 1.0
             torch.testing.assert_close(
-                got, ref, rtol=0, atol=rtol * scale, msg=lambda m, n=name: f"stage {k} {n}: {m}"
+                got, ref, rtol=0, atol=rtol * scale, msg=lambda m, n=name, s=k: f"stage {s} {n}: {m}"
             )
             seen += 1
     return seen

@@ -32,11 +32,21 @@ SGD: dict[str, Any] = {"lr": 0.05, "momentum": 0.9}
 
 
 def _profile(tmp: Path, which: str) -> Any:
-    spec = f"{MLP_FILE}:model" if which == "mlp" else config_file(tmp, {"llama": LLAMA, "qwen2": QWEN2}[which])
+    spec = (
+        f"{MLP_FILE}:model" if which == "mlp" else config_file(tmp, {"llama": LLAMA, "qwen2": QWEN2}[which])
+    )
     return profiler.profile_model(spec, batch_size=BATCH, repeats=1)
 
 
-def _trains_as_plain(tmp: Path, profile: Any, name: str, layouts: list[tuple[int, int, str]], schedule: str) -> Path:
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The hf:llama-shaped config's profile, shared by the tests that plan it."""
+    return _profile(tmp_path_factory.mktemp("llama"), "llama")
+
+
+def _trains_as_plain(
+    tmp: Path, profile: Any, name: str, layouts: list[tuple[int, int, str]], schedule: str
+) -> Path:
     """Generate, run 4 steps, compare with plain training; returns the checkpoint folder."""
     pkg = generate_3d(tmp / name, profile, layouts, schedule, MICRO, BATCH)
     ckpt = tmp / f"{name}-ckpt"
@@ -46,23 +56,49 @@ def _trains_as_plain(tmp: Path, profile: Any, name: str, layouts: list[tuple[int
     return ckpt
 
 
-def _chunks(ckpt: Path, name: str) -> int:
+def _chunks(ckpt: Path, name: str, step: int = STEPS) -> int:
     """How many pieces the checkpoint holds of tensor ``name`` (one per shard written)."""
-    return len(FileSystemReader(str(step_dir(ckpt, STEPS))).read_metadata().state_dict_metadata[f"model.{name}"].chunks)
+    metadata = FileSystemReader(str(step_dir(ckpt, step))).read_metadata()
+    return len(metadata.state_dict_metadata[f"model.{name}"].chunks)
 
 
-def test_llama_shaped_3d_layouts(tmp_path: Path) -> None:
-    """PP2 x DP2 x TP2 fully sharded (8 ranks), PP2 x DP2 sharding the optimizer (4 ranks), and
-    PP2 x TP2 under zbv (4 stages on 2 copies of 2 tensor ranks: the backward split into B and W on
-    DTensor weights)."""
-    profile = _profile(tmp_path, "llama")
-    ckpt = _trains_as_plain(tmp_path, profile, "tp-dp-full", [(2, 2, "full"), (2, 2, "full")], "1f1b")
-    assert _chunks(ckpt, "model.layers.3.self_attn.q_proj.weight") == 4  # split 2 ways, sharded 2 ways
-    ckpt = _trains_as_plain(tmp_path, profile, "dp-optimizer", [(1, 2, "optimizer"), (1, 2, "optimizer")], "1f1b")
-    assert _chunks(ckpt, "model.layers.0.mlp.up_proj.weight") == 2
-    ckpt = _trains_as_plain(tmp_path, profile, "tp-zbv", [(2, 1, "none")] * 4, "zbv")
+def test_llama_shaped_3d_resumes_on_2d_and_3d_and_exports(tmp_path: Path, llama: Any) -> None:
+    """PP2 x DP2 x TP2 fully sharded (8 ranks) for 2 steps, resumed on a 2D plan of 3 stages for a
+    third, then as PP2 x TP2 under zbv (4 stages on 2 copies of 2 tensor ranks: the backward split
+    into B and W on DTensor weights) for a fourth: the weights of 4 steps of plain training; the
+    export loads with from_pretrained and gives plain training's logits."""
+    import transformers
+
+    from runtime.export import export_checkpoint
+    from runtime.package import import_package
+
+    profile = llama
+    full = generate_3d(tmp_path / "a", profile, [(2, 2, "full")] * 2, "1f1b", MICRO, BATCH)
+    plain = generate_3d(tmp_path / "b", profile, [(1, 1, "none")] * 3, "1f1b", MICRO, BATCH)
+    zbv = generate_3d(tmp_path / "c", profile, [(2, 1, "none")] * 4, "zbv", MICRO, BATCH)
+    ckpt = tmp_path / "ckpt"
+    run(full, steps=2, checkpoint_dir=str(ckpt), **SGD)
+    assert _chunks(ckpt, "model.layers.3.self_attn.q_proj.weight", 2) == 4  # split 2 ways, sharded 2 ways
+    run(plain, steps=3, checkpoint_dir=str(ckpt), resume=True, **SGD)
+    run(zbv, steps=4, checkpoint_dir=str(ckpt), resume=True, accept_changes=True, **SGD)
     assert _chunks(ckpt, "model.layers.0.self_attn.o_proj.weight") == 2
     assert _chunks(ckpt, "model.norm.weight") == 1  # replicated inside the tensor group
+    want = plain_state(full, STEPS, MICRO, BATCH, **SGD)
+    assert assert_trained_as_plain(ckpt, STEPS, 4, want) > 10
+    done = export_checkpoint(zbv, tmp_path / "out" / "model.safetensors", checkpoint_dir=ckpt)
+    assert done.hf_dir is not None
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(done.hf_dir).eval()
+    ref = import_package(full).full_model(0).eval()
+    ref.load_state_dict({k: v for k, v in want.items() if k in ref.state_dict()})
+    ids = torch.randint(0, LLAMA["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=0, atol=1e-5)
+
+
+def test_llama_shaped_sharded_optimizer(tmp_path: Path, llama: Any) -> None:
+    """PP2 x DP2 sharding the optimizer state (ZeRO-1: one reduce-scatter, in each copy's last backward)."""
+    ckpt = _trains_as_plain(tmp_path, llama, "opt", [(1, 2, "optimizer")] * 2, "1f1b")
+    assert _chunks(ckpt, "model.layers.0.mlp.up_proj.weight") == 2
 
 
 def test_qwen2_shaped_and_mlp_file(tmp_path: Path) -> None:
@@ -74,12 +110,15 @@ def test_qwen2_shaped_and_mlp_file(tmp_path: Path) -> None:
     assert _chunks(ckpt, "blocks.0.fc1.weight") == 2 and _chunks(ckpt, "head.weight") == 1
 
 
-def test_bad_3d_layouts_are_refused_before_any_rank_starts(tmp_path: Path) -> None:
+def test_bad_3d_layouts_are_refused_before_any_rank_starts(tmp_path: Path, llama: Any) -> None:
     """A degree the key-value heads do not divide, pipedream with tensor parallelism, a shard level
     under a split backward: one line each, naming what is wrong."""
-    profile = _profile(tmp_path, "llama")
+    profile = llama
     eight = generate_3d(tmp_path / "t8", profile, [(1, 1, "none"), (8, 1, "none")], "1f1b", MICRO, BATCH)
-    with pytest.raises(RunError, match=r"stage 1: tensor_parallel 8 does not divide layer model\.layers\.\d\.self_attn .*dividing 4"):
+    with pytest.raises(
+        RunError,
+        match=r"stage 1: tensor_parallel 8 does not divide layer model\.layers\.\d\.self_attn .*dividing 4",
+    ):
         run(eight, steps=1)
     tp = generate_3d(tmp_path / "tp", profile, [(2, 1, "none"), (2, 1, "none")], "1f1b", MICRO, BATCH)
     with pytest.raises(RunError, match="pipedream keeps weight versions"):
