@@ -116,7 +116,7 @@ def _op_name(node: fx.Node, gm: fx.GraphModule) -> str:
         target = node.target
         name = getattr(target, "__name__", str(target))
         if hasattr(target, "_schema"):
-            name = target._schema.name.split("::")[-1]  # type: ignore[union-attr]
+            name = target._schema.name.split("::")[-1]
         return name.split(".")[0]
     return node.op
 

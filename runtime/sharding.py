@@ -31,7 +31,7 @@ def shard_stage(module: nn.Module, data_mesh: Any, level: str) -> nn.Module:
     """``module`` sharded over the copies of ``data_mesh`` (1D) at ``level``, in place."""
     from torch.distributed.fsdp import fully_shard
 
-    sharded = fully_shard(module, mesh=data_mesh, reshard_after_forward=level == "full")
+    sharded: Any = fully_shard(module, mesh=data_mesh, reshard_after_forward=level == "full")
     sharded.set_gradient_divide_factor(1.0)
     sharded.set_force_sum_reduction_for_comms(True)  # (gloo has no pre-multiplied sum)
     return sharded  # type: ignore[no-any-return]

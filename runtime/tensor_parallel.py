@@ -129,9 +129,11 @@ class _SplitLinears(TorchFunctionMode):
             (placement,) = w.placements
             if placement == Shard(0):
                 bias = b.to_local() if isinstance(b, DTensor) else b
-                return torch.nn.functional.linear(_CopyToTensor.apply(x, self.group), w.to_local(), bias)
+                whole = _CopyToTensor.apply(x, self.group)  # type: ignore[no-untyped-call]
+                return torch.nn.functional.linear(whole, w.to_local(), bias)
             if placement == Shard(1):
-                out = _ReduceFromTensor.apply(torch.nn.functional.linear(x, w.to_local()), self.group)
+                part = torch.nn.functional.linear(x, w.to_local())
+                out = _ReduceFromTensor.apply(part, self.group)  # type: ignore[no-untyped-call]
                 return out if b is None else out + b
         return func(*args, **kwargs)
 
@@ -207,7 +209,7 @@ def split_stage(
         owner, _, leaf = name.rpartition(".")
         setattr(module.get_submodule(owner), leaf, nn.Parameter(dt, requires_grad=p.requires_grad))
     if layers:
-        module.forward = functools.partial(_split_forward, module.forward, group)  # type: ignore[method-assign]
+        module.forward = functools.partial(_split_forward, module.forward, group)
     return layers
 
 
