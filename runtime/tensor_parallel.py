@@ -118,6 +118,14 @@ class _SplitLinears(TorchFunctionMode):
     def __init__(self, group: dist.ProcessGroup) -> None:
         super().__init__()
         self.group = group
+        self.copied: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # input -> (input, its f)
+
+    def _copy(self, x: torch.Tensor) -> torch.Tensor:
+        """``f`` of ``x``, once per tensor: attention's query, key and value projections (an MLP's
+        gate and up) read one input, whose gradient is then all-reduced once, as Megatron does."""
+        if id(x) not in self.copied:  # (the entry keeps x alive: its id is not reused meanwhile)
+            self.copied[id(x)] = (x, _CopyToTensor.apply(x, self.group))  # type: ignore[no-untyped-call]
+        return self.copied[id(x)][1]
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         from torch.distributed.tensor import DTensor, Shard
@@ -129,8 +137,7 @@ class _SplitLinears(TorchFunctionMode):
             (placement,) = w.placements
             if placement == Shard(0):
                 bias = b.to_local() if isinstance(b, DTensor) else b
-                whole = _CopyToTensor.apply(x, self.group)  # type: ignore[no-untyped-call]
-                return torch.nn.functional.linear(whole, w.to_local(), bias)
+                return torch.nn.functional.linear(self._copy(x), w.to_local(), bias)
             if placement == Shard(1):
                 part = torch.nn.functional.linear(x, w.to_local())
                 out = _ReduceFromTensor.apply(part, self.group)  # type: ignore[no-untyped-call]
