@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -44,7 +43,15 @@ def _error(ckpt: Path, stages: int, want: dict[str, Any]) -> float:
     return worst
 
 
-def _one(tmp: Path, profile: Any, name: str, layout: list[tuple[int, int, str]], schedule: str) -> dict[str, Any]:
+def _one(
+    tmp: Path,
+    profile: Any,
+    name: str,
+    layout: list[tuple[int, int, str]],
+    schedule: str,
+    backend: str,
+    most: int,
+) -> dict[str, Any]:
     from runtime.errors import RunError
     from tests.runtime.helpers import run
     from tests.runtime.packages3d import generate_3d
@@ -52,13 +59,17 @@ def _one(tmp: Path, profile: Any, name: str, layout: list[tuple[int, int, str]],
 
     if schedule == "zbv":
         if any(d > 1 for _, d, _ in layout):
-            return {"result": "refused: zbv runs without replicas (as for 2D plans); shard levels need 1f1b or gpipe"}
+            why = "zbv runs without replicas (as for 2D plans); shard levels need 1f1b or gpipe"
+            return {"result": f"refused: {why}"}
         layout = layout * 2  # 4 stages laid out as a V on 2 copies
+    ranks = sum(t * d for t, d, _ in layout) // (2 if schedule == "zbv" else 1)
+    if ranks > most:
+        return {"result": f"skipped: needs {ranks} ranks, --most-ranks {most}"}
     pkg = generate_3d(tmp / name, profile, layout, schedule, 4, 8)
     ckpt = tmp / f"{name}-ckpt"
     began = time.perf_counter()
     try:
-        metrics = run(pkg, steps=4, checkpoint_dir=str(ckpt), **SGD)
+        metrics = run(pkg, steps=4, checkpoint_dir=str(ckpt), backend=backend, **SGD)
     except RunError as exc:
         return {"result": f"error: {exc}"}
     wall = time.perf_counter() - began
@@ -76,6 +87,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default=None)
     parser.add_argument("--out", default="benchmarks/results/bench_3d")
+    parser.add_argument("--backend", default="gloo", help="gloo (CPU ranks) or nccl (a GPU per rank)")
+    parser.add_argument("--most-ranks", type=int, default=8, help="skip layouts needing more ranks")
     args = parser.parse_args()
     from partitioner import profiler
     from tests.runtime.packages3d import LLAMA, QWEN2, config_file
@@ -96,17 +109,21 @@ def main() -> None:
                 for schedule in SCHEDULES:
                     name = f"{model}-{layout_name}-{schedule}".replace(" ", "_").replace(":", "_")
                     row = {"model": model, "layout": layout_name, "schedule": schedule}
-                    row.update(_one(tmp, profile, name, layout, schedule))
+                    row.update(_one(tmp, profile, name, layout, schedule, args.backend, args.most_ranks))
                     print(json.dumps(row), flush=True)
                     rows.append(row)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
-    lines = ["| model | layout | schedule | ranks | result | max rel. error | s / minibatch |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | layout | schedule | ranks | result | max rel. error | s / minibatch |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         err = f"{r['max_rel_error']:.1e}" if "max_rel_error" in r else ""
         t = f"{r['time_per_minibatch_s']:.3f}" if r.get("time_per_minibatch_s") else ""
-        lines.append(f"| {r['model']} | {r['layout']} | {r['schedule']} | {r.get('ranks', '')} | {r['result']} | {err} | {t} |")
+        cells = [r["model"], r["layout"], r["schedule"], r.get("ranks", ""), r["result"], err, t]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
