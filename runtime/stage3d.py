@@ -47,6 +47,8 @@ def distribute(module: nn.Module, cfg: RankConfig, mesh: StageMesh, options: Run
     """
     if options.optim.clip_grad_norm is not None:
         raise RunError("--clip-grad-norm does not run on 3D layouts yet (its norm over DTensor shards)")
+    if options.eval_data is not None:
+        raise RunError("--eval-data does not run on 3D layouts yet (its routing between tensor ranks)")
     lay = cfg.layout
     if lay.tensor_parallel > 1:
         plan = read_plan(cfg.job.package)

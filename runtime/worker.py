@@ -422,7 +422,7 @@ def _run_joined(
     options: RunOptions, configs: tuple[RankConfig, ...], device: torch.device, checkin: CheckIn
 ) -> dict[str, Any] | None:
     cfg = configs[-1]
-    progress = run_dir(options) / "progress.jsonl" if cfg.is_last and cfg.replica == 0 else None
+    progress = run_dir(options) / "progress.jsonl" if cfg.is_last and cfg.leads else None
     clock = _Clock(progress)
     hosted = _build_hosted(options, configs, device, clock, checkin)
     checkin.done(3)
