@@ -43,7 +43,8 @@ def generate_3d(
 ) -> Path:
     """A package of ``profile`` with one stage per ``(t, d, shard)`` of ``layouts``, cut at equal
     layer counts (or at ``cuts``, fractions of the layers), each stage on ``t * d`` consecutive
-    ranks, data-major. ``schedule`` zbv lays stage ``s`` and ``2p - 1 - s`` on one copy's ranks."""
+    ranks, data-major. ``schedule`` zbv lays stage ``s`` and ``2p - 1 - s`` on one copy's ranks,
+    interleaved stage ``s`` on copy ``s mod p``."""
     from partitioner import codegen, plan
 
     ids = [n.id for n in profile.nodes]
@@ -68,7 +69,7 @@ def generate_3d(
         solver=plan.SolverInfo("test", 0.0, True),
         batch_size=batch_size,
         model=profile.model,
-        virtual_stages=2 if schedule == "zbv" else 1,
+        virtual_stages=2 if schedule in ("zbv", "interleaved") else 1,
     )
     codegen.write_package(profile, made, out)
     return out
@@ -76,10 +77,12 @@ def generate_3d(
 
 def _ranks(layouts: Sequence[tuple[int, int, str]], schedule: str) -> list[tuple[int, ...]]:
     sizes = [t * d for t, d, _ in layouts]
-    if schedule != "zbv":
+    if schedule not in ("zbv", "interleaved"):
         starts = [sum(sizes[:k]) for k in range(len(sizes))]
         return [tuple(range(s, s + n)) for s, n in zip(starts, sizes, strict=True)]
     p = len(layouts) // 2
+    if schedule == "interleaved":  # stage s on copy s mod p
+        return [tuple(range(sum(sizes[: k % p]), sum(sizes[: k % p]) + sizes[k])) for k in range(2 * p)]
     down = [sum(sizes[:k]) for k in range(p)]
     return [
         tuple(range(down[k], down[k] + sizes[k]))
