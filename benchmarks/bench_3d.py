@@ -13,6 +13,7 @@ there is no predicted time to set beside the measured one.
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import tempfile
 import time
@@ -124,6 +125,18 @@ def main() -> None:
         t = f"{r['time_per_minibatch_s']:.3f}" if r.get("time_per_minibatch_s") else ""
         cells = [r["model"], r["layout"], r["schedule"], r.get("ranks", ""), r["result"], err, t]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    load = os.getloadavg()[0]
+    head = [
+        "# 3D layouts against plain training (benchmarks/bench_3d.py)",
+        "",
+        f"`PYTHONPATH=. python benchmarks/bench_3d.py`, {args.backend}, 4 SGD steps (lr 0.05, momentum 0.9),",
+        "4 microbatches of a batch of 8; error: the largest weight difference over its tensor's largest value",
+        f"(the suite's bound is 1e-5). 1-minute load at the end {load:.1f} on {os.cpu_count()} cores: the",
+        "times are the contention's as much as the layouts'. zbv with copies (d > 1) is refused, as for 2D",
+        "plans, and shard levels under a split backward are refused (docs/layout-3d.md).",
+        "",
+    ]
+    lines = head + lines
     out.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
