@@ -13,8 +13,8 @@ there is no predicted time to set beside the measured one.
 from __future__ import annotations
 
 import argparse
-import os
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -130,7 +130,8 @@ def main() -> None:
         "# 3D layouts against plain training (benchmarks/bench_3d.py)",
         "",
         f"`PYTHONPATH=. python benchmarks/bench_3d.py`, {args.backend}, 4 SGD steps (lr 0.05, momentum 0.9),",
-        "4 microbatches of a batch of 8; error: the largest weight difference over its tensor's largest value",
+        "4 microbatches of a batch of 8; error: the largest weight difference over its tensor's largest",
+        "value",
         f"(the suite's bound is 1e-5). 1-minute load at the end {load:.1f} on {os.cpu_count()} cores: the",
         "times are the contention's as much as the layouts'. zbv with copies (d > 1) is refused, as for 2D",
         "plans, and shard levels under a split backward are refused (docs/layout-3d.md).",
