@@ -66,6 +66,8 @@ def distribute(module: nn.Module, cfg: RankConfig, mesh: StageMesh, options: Run
 
 
 def _before(rt: StageRuntime, unit: int) -> None:
+    """Before ``unit``'s backward: whether it is the copy's last of the minibatch (the schedules that
+    run shard levels, 1f1b and gpipe, play a copy's backwards in unit order)."""
     job, copy = rt.cfg.job, rt.cfg.replica
     m, d = job.microbatches, rt.cfg.layout.copies
     last = max(j for j in range(m) if j % d == copy)
