@@ -20,7 +20,11 @@ beforehand (its ``--cpu`` mode runs in the test suite on tiny models) so that no
    same layers, and each profile partitioned as the README and docs/big-models.md plan them: the
    predicted minibatch time and model FLOP utilisation from a measured profile beside the estimated
    one's, the check of what a plan made from a laptop promises;
-7. ``tests``: the tests marked ``cuda``.
+7. ``tests``: the tests marked ``cuda``;
+8. ``3d``: 3D layouts (docs/layout-3d.md) on nccl, ``benchmarks/bench_3d.py --only llama --backend
+   nccl`` (DTensor tensor parallelism, FSDP2 shard levels, against plain training). Every 3D layout
+   has ``t * d >= 2`` ranks per stage, one GPU each under nccl, so none runs on one GPU: with fewer
+   than 4 GPUs (PP2 x TP2, the smallest) the step records what it would need and skips.
 
 Every step runs on its own, with a time limit; a failed step is recorded with its error and the rest go
 on. The report (``gpu_<device>_<date>.{json,md}``, or ``cpu_check.{json,md}`` in CPU mode) is rewritten
@@ -503,6 +507,43 @@ def step_tests(ctx: Context) -> dict[str, Any]:
     return {"rc": rc, "wall_s": round(time.perf_counter() - started, 2), "tail": tail}
 
 
+NEEDS_SEVERAL_GPUS = (
+    "PP2 x TP2 (4 GPUs): DTensor weights, f/g all-reduces over nccl",
+    "PP2 x DP2 optimizer/gradients/full (4 GPUs): FSDP2 all-gather and reduce-scatter over nccl",
+    "PP2 x DP2 x TP2 (8 GPUs): FSDP2 over DTensor weights on a 2D mesh",
+)
+
+
+def step_3d(ctx: Context) -> dict[str, Any]:
+    """3D layouts on nccl where the machine has the GPUs (``benchmarks/bench_3d.py``)."""
+    if ctx.cpu:
+        return {"skipped": "CPU mode: tests/runtime/test_3d_training.py runs 3D layouts on gloo"}
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus < 4:
+        return {
+            "skipped": f"{gpus} GPU(s): every 3D layout needs 4 or more",
+            "needs": list(NEEDS_SEVERAL_GPUS),
+        }
+    out = ctx.work / "bench_3d"
+    log = ctx.work / "logs" / "bench-3d.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    with open(log, "w") as handle:
+        try:
+            rc = subprocess.run(
+                [sys.executable, "benchmarks/bench_3d.py", "--only", "llama", "--backend", "nccl",
+                 "--out", str(out), "--most-ranks", str(gpus)], cwd=ROOT,
+                env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=handle, stderr=subprocess.STDOUT,
+                timeout=max(5.0, ctx.timeout()),
+            ).returncode  # fmt: skip
+        except subprocess.TimeoutExpired:
+            rc = 124
+    rows = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else []
+    return {"rc": rc, "wall_s": round(time.perf_counter() - started, 2), "rows": rows}
+
+
 STEPS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "env": step_env,
     "ceilings": step_ceilings,
@@ -511,6 +552,7 @@ STEPS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "run": step_run,
     "big": step_big,
     "tests": step_tests,
+    "3d": step_3d,
 }
 
 
@@ -559,6 +601,14 @@ def markdown(report: dict[str, Any]) -> str:
                          f"{r.get('rc', '-')} | {r.get('measured_ms', '-')} | {r.get('predicted_ms', '-')} | "
                          f"{r.get('ratio', '-')} | {memory} | {r.get('plain', {}).get('step_ms', '-')} | "
                          f"{r.get('efficiency_plain_over_pipelined', '-')} |")  # fmt: skip
+    three = report["steps"].get("3d", {})
+    if three:
+        lines += ["", "## 3D layouts (nccl)", ""]
+        lines += [f"- {three['skipped']}"] if "skipped" in three else []
+        lines += [f"- needs: {need}" for need in three.get("needs", [])]
+        lines += [
+            f"- {r['model']} {r['layout']} {r['schedule']}: {r['result']}" for r in three.get("rows", [])
+        ]
     errors = {k: v["error"] for k, v in report["steps"].items() if isinstance(v, dict) and "error" in v}
     if errors:
         lines += ["", "## Failed steps", ""] + [f"- {k}: {v}" for k, v in errors.items()]

@@ -33,6 +33,7 @@ from partitioner.generation.package_text import init_text, source_text, stage_te
 from partitioner.generation.split import CONSTANT_MAX_ELEMENTS, StageGraph, kinds_and_output, split_graph
 from partitioner.graph import Profile
 from partitioner.plan import Plan, Tie, mp_conf, plan_to_json
+from partitioner.profiler import tensor_plan
 from runtime.building import stage_init as stagekit
 from runtime.files.user_code import UserFileError
 from runtime.job.run_lock import holder
@@ -199,6 +200,8 @@ def write_package_from_trace(
     files.update({f"stage{s.index}.py": stage_text(profile, final, s, len(stages)) for s in stages})
     files["plan.json"] = _json(plan_to_json(final))
     files["mp_conf.json"] = _json(mp_conf(final.stages))
+    if any(s.tensor_parallel > 1 for s in final.stages):  # what the runtime splits (docs/layout-3d.md)
+        files["tensor_plan.json"] = _json(tensor_plan.to_json(tensor_plan.derive(gm, bundle.module)))
     _write_folder(Path(out_dir), files)
     return final
 
@@ -215,19 +218,20 @@ def with_ranks(plan: Plan) -> Plan:
     if all(not s.ranks for s in plan.stages):
         stages, first = [], 0
         for s in plan.stages:
-            stages.append(replace(s, ranks=tuple(range(first, first + s.replicas))))
-            first += s.replicas
+            stages.append(replace(s, ranks=tuple(range(first, first + s.devices))))
+            first += s.devices
         return replace(plan, stages=tuple(stages))
     for s in plan.stages:
-        if len(s.ranks) != s.replicas:
-            raise PlanError(f"stage {s.index} has {s.replicas} replicas but ranks {list(s.ranks)}")
+        if len(s.ranks) != s.devices:
+            raise PlanError(f"stage {s.index} has {s.devices} devices but ranks {list(s.ranks)}")
     ranks = sorted(r for s in plan.stages for r in s.ranks)
     placement = get_schedule(plan.schedule).placement if plan.schedule in SCHEDULES else None
-    if plan.virtual_stages > 1 and placement is not None:  # several stages per rank, laid out so
+    split = any(s.tensor_parallel > 1 for s in plan.stages)  # (a 3D layout: the runtime checks copies)
+    if plan.virtual_stages > 1 and placement is not None and not split:  # several stages per rank
         want = placement(plan.gpus, plan.virtual_stages)
         if tuple(s.ranks for s in plan.stages) != want:
             raise PlanError(f"{plan.schedule} stages must lie on ranks {[r for (r,) in want]}, got {ranks}")
-    elif ranks != list(range(len(ranks))):
+    elif sorted(set(ranks) if split else ranks) != list(range(len(set(ranks) if split else ranks))):
         raise PlanError(f"stage ranks must use 0..{len(ranks) - 1} once each, got {ranks}")
     return plan
 

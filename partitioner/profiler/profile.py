@@ -26,6 +26,7 @@ from partitioner.graph import Node, Profile, TensorSpec, scale_batch
 from partitioner.hardware.devices import device_model_to_json, load_device_model
 from partitioner.models.specs import ModelBundle, load_model
 from partitioner.optimizer.pricing.price import gib
+from partitioner.profiler import tensor_plan
 from partitioner.profiler.budget import choose_materialize
 from partitioner.profiler.cpu_model import cpu_model
 from partitioner.profiler.estimate import (
@@ -479,6 +480,7 @@ def _assemble(
 ) -> Profile:
     """The profile of a traced model from what a run measured (or estimated)."""
     nodes = _nodes(traced, run.costs, run.loss_ms, bundle.loss_fn, run.fixed, run.sized)
+    nodes = tensor_plan.profiled(nodes, traced.graph_module, bundle.module, bundle.inputs, precision)
     return Profile(
         nodes=nodes,
         model=spec,

@@ -136,7 +136,7 @@ class RankCheckpoints:
         replica); rank 0's schedule, loss scale and step: one DCP checkpoint, written together."""
         rt = self.hosted[0]
         held = [
-            train_state.Held(each.cfg.stage, each.module, each.optimizer, writes=each.cfg.replica == 0)
+            train_state.Held(each.cfg.stage, each.module, each.optimizer, writes=_writes(each))
             for each in self.hosted
         ]
         self.saver.save(
@@ -146,3 +146,10 @@ class RankCheckpoints:
     def close(self) -> None:
         """Wait for a checkpoint still being written in the background."""
         self.saver.close()
+
+
+def _writes(rt: StageRuntime) -> bool:
+    """Whether this rank writes its stage's weights and optimizer state: the first copy (each tensor
+    rank its DTensor shards; DCP keeps one of the whole tensors they all hold), or every copy of a
+    stage whose copies shard them."""
+    return rt.cfg.replica == 0 or rt.cfg.layout.shard != "none"

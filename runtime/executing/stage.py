@@ -49,11 +49,14 @@ from torch import nn
 from runtime.executing.comm import Answer, Comm, Posted, TensorMeta
 from runtime.executing.lookahead import Lookahead, steps_before_backward
 from runtime.executing.loss_scale import LossScaler
+from runtime.executing.mesh import StageMesh
 from runtime.executing.optimizer import Clip, clip_grads
 from runtime.executing.recompute import run_forward
 from runtime.executing.split_backward import WeightWork, backward_input, backward_weight
 from runtime.observing.metrics import Recorder
+from runtime.observing.peak_memory import local
 from runtime.packages.job_config import RankConfig
+from runtime.packages.layout3d import fans, partner
 from runtime.packages.load import Wiring
 from runtime.precision import autocast
 from runtime.schedule import Action, Schedule, get_schedule, warmup
@@ -94,11 +97,17 @@ class Groups:
         rank_ties: under ``interleaved`` (a rank hosts several stages, and ``ties`` is empty): per
             tie this rank holds, the group of every rank holding it (None: this rank alone) and the
             (stage, parameter name) members this rank hosts; the rank's first chunk sums them.
+        meshes: per 3D stage this rank runs, its data and tensor groups and DeviceMesh
+            (:mod:`runtime.executing.mesh`).
+        sharded: the stage's copies shard their gradients (FSDP2 reduces them): the replica group
+            then sums only the losses.
     """
 
     replicas: dist.ProcessGroup | None
     ties: tuple[tuple[dist.ProcessGroup, str], ...] = ()
     rank_ties: tuple[tuple[dist.ProcessGroup | None, tuple[tuple[int, str], ...]], ...] = ()
+    meshes: dict[int, StageMesh] = field(default_factory=dict)
+    sharded: bool = False
 
 
 @dataclass
@@ -194,6 +203,7 @@ class StageRuntime:
     chunks: tuple[StageRuntime, ...] = ()
     lead: StageRuntime | None = None
     skipping: bool = False
+    before_backward: Callable[[int], None] | None = None
 
     # ------------------------------------------------------------------ routing
     @functools.cached_property
@@ -242,8 +252,20 @@ class StageRuntime:
         return 1 + 2 * (producer * job.stages + consumer) + grads if job.virtual_stages > 1 else 0
 
     def _peer(self, stage: int, unit: int) -> int:
+        """The rank of ``stage`` that ``unit``'s tensors come from
+        (:func:`runtime.packages.layout3d.partner`)."""
         ranks, job = self.cfg.job.stage_ranks[stage], self.cfg.job
-        return ranks[self.schedule.replica_of(unit, job.microbatches, len(ranks), self.first_step)]
+        layout = job.layout(stage)
+        copy = self.schedule.replica_of(unit, job.microbatches, layout.copies, self.first_step)
+        return partner(ranks, layout, copy, self.cfg.tensor_rank)
+
+    def _fans(self, stage: int, unit: int) -> list[int]:
+        """The ranks of ``stage`` that read ``unit``'s tensors from this rank (one without tensor
+        parallelism: :func:`runtime.packages.layout3d.fans`)."""
+        ranks, job = self.cfg.job.stage_ranks[stage], self.cfg.job
+        layout = job.layout(stage)
+        copy = self.schedule.replica_of(unit, job.microbatches, layout.copies, self.first_step)
+        return fans(ranks, layout, copy, self.cfg.tensor_rank, self.cfg.layout.tensor_parallel)
 
     def _micro(self, kind: str, unit: int) -> tuple[torch.Tensor, ...]:
         """Microbatch ``unit`` of the minibatch's inputs or targets (split along dim 0)."""
@@ -277,7 +299,7 @@ class StageRuntime:
         with torch.enable_grad():  # (which outputs need a gradient, as in training: TensorMeta.grad)
             outs = self._run(named, None)
         self.out_meta = {n: TensorMeta.of(t) for n, t in outs.items() if isinstance(t, torch.Tensor)}
-        if self.cfg.replica == 0:
+        if self.cfg.leads:
             for k, names in self.consumers.items():
                 for peer in self.cfg.job.stage_ranks[k]:
                     self.comm.send_meta(peer, [self.out_meta[n] for n in names], self._tag(me, k, False))
@@ -369,10 +391,11 @@ class StageRuntime:
         with self.recorder.span(f"F{unit}", "compute"):
             outs = self._run(named, self._version_params() if stashed else None)
             loss = self._loss(unit, outs) if self.cfg.is_last else None
+        sends = [(k, peer, names) for k, names in self.consumers.items() for peer in self._fans(k, unit)]
         self.comm.send(
-            [(self._peer(k, unit), [outs[n] for n in names]) for k, names in self.consumers.items()],
-            [self._tag(me, k, False) for k in self.consumers],
-            [(self._peer(k, unit), self._tag(me, k, False), unit) for k in self.consumers],
+            [(peer, [outs[n] for n in names]) for _, peer, names in sends],
+            [self._tag(me, k, False) for k, _, _ in sends],
+            [(peer, self._tag(me, k, False), unit) for k, peer, _ in sends],
         )
         inputs = {n: t for n, t in named.items() if t.requires_grad}
         # Only what a later stage reads: the backward starts from those and the loss. The loss's own
@@ -395,6 +418,8 @@ class StageRuntime:
     def backward(self, unit: int) -> None:
         """Output gradients summed over consumers, autograd, input gradients sent back."""
         state = self.units.pop(unit)
+        if self.before_backward is not None:  # (FSDP2: whether this backward syncs and reshards)
+            self.before_backward(unit)
         roots: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
         if state.loss is not None:
@@ -470,20 +495,18 @@ class StageRuntime:
         return tuple(self.out_meta[n] for n in names if self.out_meta[n].needs_grad)
 
     def _send_input_grads(self, unit: int, state: Unit) -> None:
-        messages = []
+        messages, tags, answers, me = [], [], [], self.cfg.stage
         for k, names in self.producers.items():
             tensors = []
             for name, meta in zip(names, self.in_meta[k], strict=True):
                 if meta.needs_grad:
                     t = state.inputs[name]
                     tensors.append(t.grad if t.grad is not None else torch.zeros_like(t))
-            messages.append((self._peer(k, unit), tensors))
-        me = self.cfg.stage
-        self.comm.send(
-            messages,
-            [self._tag(k, me, True) for k in self.producers],
-            [self._answer_of_gradient(k, unit) for k in self.producers],
-        )
+            for peer in self._fans(k, unit):
+                messages.append((peer, tensors))
+                tags.append(self._tag(k, me, True))
+                answers.append(self._answer_of_gradient(k, unit))
+        self.comm.send(messages, tags, answers)
 
     def _answer_of_gradient(self, producer: int, unit: int) -> Answer | None:
         """Under pipedream on a chain of single-replica stages, the producer takes ``unit``'s gradient
@@ -581,7 +604,8 @@ class StageRuntime:
             return ran.tolist()
         with self.recorder.span("all-reduce", "comm"):
             if self.groups.replicas is not None:
-                own = [p.grad for n, p in params.items() if n not in tied and p.grad is not None]
+                own = [local(p.grad) for n, p in params.items() if n not in tied and p.grad is not None]
+                own = [] if self.groups.sharded else own
                 losses = [self._loss_vector()] if self.cfg.is_last else []
                 self.comm.all_reduce_sum(
                     [*own, *([ran] if self.stash else []), *losses], self.groups.replicas

@@ -144,8 +144,9 @@ def schedule_preview(options: RunOptions) -> list[str]:
 
     job = job_of(options)
     lines = []
-    for r, actions in enumerate(build(job.schedule, job.stage_ranks, job.microbatches)):
-        stages = job.hosted_stages(r)
+    lists = build(job.schedule, job.copy_layout, job.microbatches)  # one per copy (3D: of t ranks)
+    for r in range(job.world_size):
+        actions, stages = lists[job.copy_rank(r)], job.hosted_stages(r)
         what = f"stages {','.join(map(str, stages))}" if len(stages) > 1 else f"stage {stages[0]}"
         lines.append(f"rank {r} ({what}): {format_actions(actions)}")
     return lines

@@ -23,6 +23,7 @@ from runtime.building.weight_files import missing
 from runtime.datasets.minibatches import make_batches
 from runtime.datasets.user_data import DataSettings
 from runtime.errors import RunError
+from runtime.executing.tensor_parallel import check_degrees
 from runtime.packages.job_config import JobConfig
 from runtime.packages.load import import_package, read_wiring, reads_weights
 from runtime.settings.run_options import RunOptions
@@ -97,6 +98,8 @@ def _check_package_and_data(options: RunOptions, job: JobConfig) -> None:
         names = wiring.stage_inputs[0]
         if options.weights:
             check_weights(package, options.weights, job)
+        if job.is_3d:
+            check_degrees(package, wiring, job)
         inputs = _first_minibatch(options.data, options, job, package, names)
         if list(job.module_stages).count(0) <= 1:  # one module on stage 0 (PipeDream's may chain several)
             check_first_stage(package, inputs, options.data)

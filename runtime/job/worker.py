@@ -36,10 +36,11 @@ from runtime.faults.die_with_launcher import die_with, wake_siblings
 from runtime.faults.liveness import start_heartbeat
 from runtime.faults.startup_checkin import CheckIn
 from runtime.files.atomic import write_json_atomic
+from runtime.job import stage3d
 from runtime.job.step_log import StepLog, open_step_log
 from runtime.observing.fidelity import stage_report
 from runtime.observing.metrics import RankMetrics, Recorder, summarize, write_trace
-from runtime.observing.peak_memory import PeakMemory, memory_report, stage_bytes
+from runtime.observing.peak_memory import PeakMemory, local, memory_report, stage_bytes
 from runtime.observing.resident_memory import peak_resident_bytes, reset_peak, resident_bytes
 from runtime.packages.job_config import JobConfig, RankConfig, load_job
 from runtime.packages.load import build_stage, import_package, read_wiring
@@ -85,8 +86,8 @@ def _groups(cfg: RankConfig, timeout: timedelta) -> Groups:
     """Create every replica and tie group in the same order on all ranks; keep this rank's. Under
     ``interleaved`` a tie's members on this rank's stages are kept together (``rank_ties``)."""
     job, mine = cfg.job, None
-    for ranks in job.stage_ranks:
-        if len(ranks) > 1:
+    for k, ranks in enumerate(job.stage_ranks):
+        if len(ranks) > 1 and not job.layout(k).is_3d:
             group = dist.new_group(list(ranks), timeout=timeout)
             mine = group if cfg.rank in ranks else mine
     ties, rank_ties = [], []
@@ -99,7 +100,9 @@ def _groups(cfg: RankConfig, timeout: timedelta) -> Groups:
             rank_ties += [(group if len(members) > 1 else None, here)] if here else []
         else:
             ties += [(group, name) for stage, name in tie if stage == cfg.stage]
-    return Groups(mine, tuple(ties), tuple(rank_ties))
+    if not job.is_3d:
+        return Groups(mine, tuple(ties), tuple(rank_ties))
+    return stage3d.groups(Groups(mine, tuple(ties), tuple(rank_ties)), cfg, timeout)
 
 
 def _total_steps(options: RunOptions, batches: Batches) -> int:
@@ -208,7 +211,7 @@ def _build_hosted(
         _build(options, cfg, device, clock if i == len(configs) - 2 else None, first, built=clock.built)
         for i, cfg in enumerate(configs[1:])
     )
-    hosted = (first, *rest)
+    hosted = tuple(stage3d.hooked(rt) for rt in (first, *rest))
     for rt in hosted[:-1]:
         rt.ends_minibatch = False
     if rest:  # the rank's first step unscales (fp16) and clips every chunk's gradients at once
@@ -240,6 +243,9 @@ def _build(
     wiring = read_wiring(pkg, cfg.job.stages, cfg.job.module_stages)
     before = resident_bytes() if reset_peak() else None
     module = build_stage(pkg, wiring, cfg.stage, cfg.job.module_stages, options.seed, device, options.weights)
+    held = groups if groups is not None else shared.groups if shared is not None else None
+    if cfg.layout.is_3d and held is not None:  # split over tensor ranks, sharded over copies
+        module = stage3d.distribute(module, cfg, held.meshes[cfg.stage], options)
     if built is not None:  # what building the stage cost the process, next to what the stage holds
         grown = peak_resident_bytes() - before if before is not None else None
         built.append((stage_bytes(module), grown))
@@ -330,7 +336,9 @@ def _train(
     evals = eval_steps(start, total, options.eval_every) if evaluator is not None else ()
     for first, count in segments(start, total, sorted(saves | set(evals))):
         steps = range(first, first + count)  # built as they are played: start-up and memory do not grow
-        acts = schedule.actions(job.schedule, job.stage_ranks, cfg.rank, job.microbatches, steps)
+        acts = schedule.actions(
+            job.schedule, job.copy_layout, job.copy_rank(cfg.rank), job.microbatches, steps
+        )
         rt.play(acts, first, hosted)
         if saves_to is not None and first + count in saves:
             began = time.perf_counter()
@@ -415,7 +423,7 @@ def _run_joined(
     options: RunOptions, configs: tuple[RankConfig, ...], device: torch.device, checkin: CheckIn
 ) -> dict[str, Any] | None:
     cfg = configs[-1]
-    progress = run_dir(options) / "progress.jsonl" if cfg.is_last and cfg.replica == 0 else None
+    progress = run_dir(options) / "progress.jsonl" if cfg.is_last and cfg.leads else None
     clock = _Clock(progress)
     hosted = _build_hosted(options, configs, device, clock, checkin)
     checkin.done(3)
@@ -449,7 +457,9 @@ def _finish(options: RunOptions, hosted: tuple[StageRuntime, ...], clock: _Clock
         threads=torch.get_num_threads(),
         losses=tuple(clock.losses) if rt.cfg.replica == 0 else (),
         param_sq_sum=float(
-            sum(p.detach().double().square().sum() for each in hosted for p in each.module.parameters())
+            sum(
+                local(p.detach()).double().square().sum() for each in hosted for p in each.module.parameters()
+            )
         ),
         versions_in_flight_max=rt.versions_in_flight_max,
         loss_scale=rt.scaler.scale if rt.scaler is not None else None,

@@ -38,7 +38,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["PeakMemory", "live_tensor_bytes", "memory_report", "stage_bytes"]
+__all__ = ["PeakMemory", "live_tensor_bytes", "local", "memory_report", "stage_bytes"]
 
 
 def _stage_tensors(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -48,7 +48,7 @@ def _stage_tensors(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[
     tensors += [
         t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)
     ]
-    return tensors
+    return [local(t) for t in tensors]  # (a DTensor's bytes on this rank are its shard's)
 
 
 def live_tensor_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -63,7 +63,7 @@ def live_tensor_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> in
 def stage_bytes(module: nn.Module) -> int:
     """Bytes of a stage's parameters and buffers, each storage once."""
     seen: dict[int, int] = {}
-    for t in [*module.parameters(), *module.buffers()]:
+    for t in [local(t) for t in [*module.parameters(), *module.buffers()]]:
         if t.device.type != "meta":
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(seen.values())
@@ -88,7 +88,7 @@ class _LiveStorages(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
         """Count the storages of ``tensors`` not counted yet; raise the peak if the sum is higher."""
         for t in tensors:
             if isinstance(t, torch.Tensor) and t.device.type in self.devices:
-                self._add(t.untyped_storage())
+                self._add(local(t).untyped_storage())
         self.peak = max(self.peak, self.level)
 
     def _add(self, storage: torch.UntypedStorage) -> None:
@@ -187,3 +187,10 @@ def memory_report(
             "ratio_measured_over_predicted": peak / want if peak is not None and want else None,
         })  # fmt: skip
     return {"method": method, "window_minibatches": window, "stages": stages}
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what this rank holds), any other tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t

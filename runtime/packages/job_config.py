@@ -18,6 +18,7 @@ from runtime.files.find_newest import package_folder
 from runtime.files.formats import MP_CONF_FIELDS, PLAN_FIELDS
 from runtime.files.read_json import read_json
 from runtime.files.schema import Obj, SchemaError, check
+from runtime.packages.layout3d import StageLayout, copy_layout, stage_layouts
 from runtime.precision import check_precision
 from runtime.schedule import REGISTRY, Layout, ScheduleError, get_schedule
 
@@ -83,6 +84,8 @@ class JobConfig:
         precision: fp32, bf16 or fp16: what the stages compute in (:mod:`runtime.precision`).
         plan_precision: the precision plan.json was planned for (its profile's; fp32 when it does
             not say).
+        layouts: per stage, its tensor-parallel degree, copies and shard level
+            (:mod:`runtime.packages.layout3d`); empty: every stage plain replicas.
     """
 
     package: Path
@@ -101,6 +104,30 @@ class JobConfig:
     predicted_stages: tuple[StagePrediction, ...] = ()
     precision: str = "fp32"
     plan_precision: str = "fp32"
+    layouts: tuple[StageLayout, ...] = ()
+
+    def layout(self, stage: int) -> StageLayout:
+        """Stage ``stage``'s layout (plain replicas where the plan gives none)."""
+        if self.layouts:
+            return self.layouts[stage]
+        return StageLayout(1, len(self.stage_ranks[stage]))
+
+    @property
+    def is_3d(self) -> bool:
+        """Whether some stage is split over tensor ranks or shards its copies."""
+        return any(lay.is_3d for lay in self.layouts)
+
+    @property
+    def copy_layout(self) -> tuple[tuple[int, ...], ...]:
+        """The layout the schedule plays: one virtual rank per copy (the plan's own layout when no
+        stage is split over tensor ranks)."""
+        return copy_layout(self.stage_ranks, [self.layout(k) for k in range(self.stages)])
+
+    def copy_rank(self, rank: int) -> int:
+        """The virtual rank of ``rank``'s copy in :attr:`copy_layout`."""
+        k = next(k for k, ranks in enumerate(self.stage_ranks) if rank in ranks)
+        t = self.layout(k).tensor_parallel
+        return self.copy_layout[k][self.stage_ranks[k].index(rank) // t]
 
     @property
     def world_size(self) -> int:
@@ -111,7 +138,7 @@ class JobConfig:
     def virtual_stages(self) -> int:
         """Stages per rank: 1, or ``v`` when the package lays ``p * v`` stages on ``p`` ranks for
         ``interleaved`` (stage ``s`` on rank ``s mod p``) or, ``v = 2``, for ``zbv`` (a V)."""
-        return max(1, self.stages // self.world_size)
+        return max(1, self.stages // len({r for ranks in self.copy_layout for r in ranks}))
 
     @property
     def stages(self) -> int:
@@ -126,17 +153,19 @@ class JobConfig:
         """The view of one rank: its stage and its place among the stage's replicas."""
         for stage, ranks in enumerate(self.stage_ranks):
             if rank in ranks:
-                return RankConfig(self, rank, stage, ranks.index(rank))
+                return self._config(rank, stage)
         raise RunError(f"rank {rank} runs no stage of {self.package}; its ranks are 0..{self.world_size - 1}")
 
     def hosted(self, rank: int) -> tuple[RankConfig, ...]:
         """Every stage ``rank`` runs, in pipeline order: one, or its chunks under ``interleaved``."""
         found = tuple(
-            RankConfig(self, rank, stage, ranks.index(rank))
-            for stage, ranks in enumerate(self.stage_ranks)
-            if rank in ranks
+            self._config(rank, stage) for stage, ranks in enumerate(self.stage_ranks) if rank in ranks
         )
         return found or (self.for_rank(rank),)
+
+    def _config(self, rank: int, stage: int) -> RankConfig:
+        copy, tensor_rank = divmod(self.stage_ranks[stage].index(rank), self.layout(stage).tensor_parallel)
+        return RankConfig(self, rank, stage, copy, tensor_rank)
 
 
 @dataclass(frozen=True)
@@ -147,18 +176,31 @@ class RankConfig:
         job: the job it belongs to.
         rank: global rank.
         stage: the stage it runs.
-        replica: its index among the stage's replicas (its work: ``Schedule.replica_of``).
+        replica: its index among the stage's replicas, or copies of a tensor-parallel stage (its
+            work: ``Schedule.replica_of``).
+        tensor_rank: its place inside its copy (0 when the stage is not split over tensor ranks).
     """
 
     job: JobConfig
     rank: int
     stage: int
     replica: int
+    tensor_rank: int = 0
+
+    @property
+    def layout(self) -> StageLayout:
+        return self.job.layout(self.stage)
 
     @property
     def replica_ranks(self) -> tuple[int, ...]:
-        """Ranks of this stage's replicas (its gradient all-reduce group)."""
-        return self.job.stage_ranks[self.stage]
+        """Ranks of this stage's replicas holding what this rank holds (its data-parallel group: the
+        copies' ranks of its tensor rank)."""
+        return self.job.stage_ranks[self.stage][self.tensor_rank :: self.layout.tensor_parallel]
+
+    @property
+    def leads(self) -> bool:
+        """The stage's first rank (copy 0, tensor rank 0), which speaks for it at start-up."""
+        return self.replica == 0 and self.tensor_rank == 0
 
     @property
     def recompute(self) -> bool:
@@ -203,12 +245,21 @@ def _stage_ranks(conf: Any, source: Path) -> tuple[tuple[tuple[int, ...], ...], 
         )
     ranks = sorted(r for rs in mapping.values() for r in rs)
     layout = tuple(mapping[k] for k in range(len(mapping)))
-    if (ranks != list(range(len(ranks))) and not _laid_out_by(layout)) or any(not rs for rs in layout):
+    laid_out = _laid_out_by(layout) or _copies_shared(layout)
+    if (ranks != list(range(len(ranks))) and not laid_out) or any(not rs for rs in layout):
         raise RunError(
             f"{source}: ranks must be 0..N-1 each used once (or, for interleaved, stage s on rank s mod N "
             f"alone; for zbv, stages s and 2N-1-s on rank s), got {ranks}"
         )
     return tuple(mapping[k] for k in range(len(mapping))), modules
+
+
+def _copies_shared(layout: Layout) -> bool:
+    """Several-rank stages that share ranks only whole (a 3D plan's interleaved or zbv layout, whose
+    copy layout :func:`_check_layout` then checks), every rank 0..N-1 used."""
+    used = sorted({r for rs in layout for r in rs})
+    whole = all(a == b or not set(a) & set(b) for a in layout for b in layout)
+    return any(len(rs) > 1 for rs in layout) and whole and used == list(range(len(used)))
 
 
 def _laid_out_by(layout: Layout) -> list[str]:
@@ -235,6 +286,7 @@ def load_job(
     ranks, modules = _stage_ranks(conf, folder / "mp_conf.json")
     plan = _checked_json(folder / "plan.json", PLAN_FIELDS) if (folder / "plan.json").exists() else {}
     _check_plan_matches(plan, ranks, folder)
+    layouts = stage_layouts(plan, ranks, f"{folder}/plan.json")
     inputs = tuple(plan.get("extra", {}).get("inputs", ()))
     default_batch = plan.get("batch_size") or (inputs[0]["shape"][0] if inputs else None)
     predicted = plan.get("predicted", {}).get("time_per_minibatch_s")
@@ -246,7 +298,7 @@ def load_job(
         stage_ranks=ranks,
         schedule=name,
         microbatches=microbatches
-        or replica_microbatches(int(plan.get("microbatches") or 1), ranks, batch, name),
+        or replica_microbatches(int(plan.get("microbatches") or 1), _copies(ranks, layouts), batch, name),
         batch_size=batch,
         ties=tuple(tuple((int(s), str(p)) for s, p in t["members"]) for t in plan.get("ties", ())),
         predicted_time_s=float(predicted) if predicted else None,
@@ -259,9 +311,17 @@ def load_job(
         predicted_stages=tuple(StagePrediction.of(s) for s in plan.get("stages") or ()),
         precision=precision or planned,
         plan_precision=planned,
+        layouts=layouts if any(lay.is_3d for lay in layouts) else (),
     )
     _check_schedule_fits(_checked(job), str(plan.get("schedule") or name))
     return job
+
+
+def _copies(
+    ranks: tuple[tuple[int, ...], ...], layouts: tuple[StageLayout, ...]
+) -> tuple[tuple[int, ...], ...]:
+    """Each stage's copies (one entry per copy): what splits a minibatch's microbatches."""
+    return tuple(rs[:: lay.tensor_parallel] for rs, lay in zip(ranks, layouts, strict=True))
 
 
 def _check_schedule_fits(job: JobConfig, planned: str) -> None:
@@ -342,6 +402,7 @@ def _checked(job: JobConfig) -> JobConfig:
         )
     check_precision(job.precision, job.schedule)
     _check_layout(job)
+    _check_3d(job)
     for tie in job.ties:
         if any(not 0 <= s < job.stages for s, _ in tie):
             raise RunError(f"{job.package}/plan.json: tie {tie} names a stage that does not exist")
@@ -359,7 +420,7 @@ def _check_layout(job: JobConfig) -> None:
     out as it lays them, one rank per stage (every rank already holds a slice of every part of the
     pipeline), on microbatches its order can play; a package laid out so runs only under such a
     schedule, whose order it was planned for."""
-    kind, layout = get_schedule(job.schedule), job.stage_ranks
+    kind, layout = get_schedule(job.schedule), job.copy_layout
     fits = _laid_out_by(layout)
     if kind.placement is None:
         if job.virtual_stages > 1:
@@ -385,3 +446,31 @@ def _check_layout(job: JobConfig) -> None:
         kind.check(job.world_size, job.virtual_stages, job.microbatches)
     except ScheduleError as exc:
         raise RunError(str(exc)) from exc
+
+
+def _check_3d(job: JobConfig) -> None:
+    """What the 3D runtime does not run, refused in one line each (docs/layout-3d.md)."""
+    if not job.is_3d:
+        return
+    kind = get_schedule(job.schedule)
+    split = [k for k in range(job.stages) if job.layout(k).tensor_parallel > 1]
+    shard = [k for k in range(job.stages) if job.layout(k).shard != "none"]
+    if kind.stashes:
+        raise RunError(
+            f"--schedule {job.schedule} keeps weight versions per replica and runs neither tensor "
+            f"parallelism nor sharding (stages {sorted(set(split + shard))}); pick 1f1b, gpipe, zb1p, "
+            "interleaved or zbv"
+        )
+    if shard and kind.split_backward:
+        raise RunError(
+            f"--schedule {job.schedule} splits each backward into B and W, and FSDP2 reduce-scatters a "
+            f"sharded stage's gradients when its input gradients are done, before W computes them: "
+            f"stages {shard} would train on partial gradients; pick 1f1b or gpipe for shard levels"
+        )
+    if job.precision == "fp16":
+        raise RunError("--precision fp16 does not run 3D layouts yet (its loss scale); use bf16 or fp32")
+    tied = sorted({s for tie in job.ties for s, _ in tie if job.layout(s).is_3d})
+    if tied:
+        raise RunError(
+            f"stages {tied} hold tied weights, which 3D layouts do not run yet; partition with t = 1"
+        )

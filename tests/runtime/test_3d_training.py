@@ -1,0 +1,128 @@
+"""3D stages (docs/layout-3d.md) train exactly as plain single-process training: an hf:llama-shaped
+config (4 layers, hidden 128, 8 heads, 4 KV heads), an hf:qwen2-shaped one and a user's own MLP
+file, split over tensor ranks (DTensor weights), sharded over copies (FSDP2) or both, under 1f1b and
+zbv: after 4 SGD steps with momentum every weight equals plain training's on the same microbatches
+within 1e-5 of its tensor's largest value. A few layouts per model keep this file near two minutes
+on two cores; the rest of the matrix was run by hand (benchmarks/results/run3d_matrix.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+from runtime.checkpoints.step_folders import step_dir
+from runtime.errors import RunError
+from runtime.packages.job_config import load_job
+from tests.runtime.helpers import run
+from tests.runtime.packages3d import LLAMA, QWEN2, config_file, generate_3d
+from tests.runtime.reference3d import assert_trained_as_plain, plain_state
+
+profiler = pytest.importorskip("partitioner.profiler")
+
+pytestmark = pytest.mark.slow
+torch.set_num_threads(1)
+
+MLP_FILE = Path(__file__).with_name("mlp3d_model.py")
+STEPS, MICRO, BATCH = 4, 4, 8
+SGD: dict[str, Any] = {"lr": 0.05, "momentum": 0.9}
+
+
+def _profile(tmp: Path, which: str) -> Any:
+    spec = (
+        f"{MLP_FILE}:model" if which == "mlp" else config_file(tmp, {"llama": LLAMA, "qwen2": QWEN2}[which])
+    )
+    return profiler.profile_model(spec, batch_size=BATCH, repeats=1)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The hf:llama-shaped config's profile, shared by the tests that plan it."""
+    return _profile(tmp_path_factory.mktemp("llama"), "llama")
+
+
+def _trains_as_plain(
+    tmp: Path, profile: Any, name: str, layouts: list[tuple[int, int, str]], schedule: str
+) -> Path:
+    """Generate, run 4 steps, compare with plain training; returns the checkpoint folder."""
+    pkg = generate_3d(tmp / name, profile, layouts, schedule, MICRO, BATCH)
+    ckpt = tmp / f"{name}-ckpt"
+    run(pkg, steps=STEPS, checkpoint_dir=str(ckpt), **SGD)
+    want = plain_state(pkg, STEPS, MICRO, BATCH, **SGD)
+    assert assert_trained_as_plain(ckpt, STEPS, len(layouts), want) > 10
+    return ckpt
+
+
+def _chunks(ckpt: Path, name: str, step: int = STEPS) -> int:
+    """How many pieces the checkpoint holds of tensor ``name`` (one per shard written)."""
+    metadata = FileSystemReader(str(step_dir(ckpt, step))).read_metadata()
+    return len(metadata.state_dict_metadata[f"model.{name}"].chunks)
+
+
+def test_llama_shaped_3d_resumes_on_2d_and_3d_and_exports(tmp_path: Path, llama: Any) -> None:
+    """PP2 x DP2 x TP2 fully sharded (8 ranks) for 2 steps, resumed on a 2D plan of 3 stages for a
+    third, then as PP2 x TP2 under zbv (4 stages on 2 copies of 2 tensor ranks: the backward split
+    into B and W on DTensor weights) for a fourth: the weights of 4 steps of plain training; the
+    export loads with from_pretrained and gives plain training's logits."""
+    import transformers
+
+    from runtime.exporting.model_weights import export_checkpoint
+    from runtime.packages.load import import_package
+
+    profile = llama
+    full = generate_3d(tmp_path / "a", profile, [(2, 2, "full")] * 2, "1f1b", MICRO, BATCH)
+    plain = generate_3d(tmp_path / "b", profile, [(1, 1, "none")] * 3, "1f1b", MICRO, BATCH)
+    zbv = generate_3d(tmp_path / "c", profile, [(2, 1, "none")] * 4, "zbv", MICRO, BATCH)
+    ckpt = tmp_path / "ckpt"
+    run(full, steps=2, checkpoint_dir=str(ckpt), **SGD)
+    assert _chunks(ckpt, "model.layers.3.self_attn.q_proj.weight", 2) == 4  # split 2 ways, sharded 2 ways
+    run(plain, steps=3, checkpoint_dir=str(ckpt), resume=True, **SGD)
+    run(zbv, steps=4, checkpoint_dir=str(ckpt), resume=True, accept_changes=True, **SGD)
+    assert _chunks(ckpt, "model.layers.0.self_attn.o_proj.weight") == 2
+    assert _chunks(ckpt, "model.norm.weight") == 1  # replicated inside the tensor group
+    want = plain_state(full, STEPS, MICRO, BATCH, **SGD)
+    assert assert_trained_as_plain(ckpt, STEPS, 4, want) > 10
+    done = export_checkpoint(zbv, tmp_path / "out" / "model.safetensors", checkpoint_dir=ckpt)
+    assert done.hf_dir is not None
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(done.hf_dir).eval()
+    ref = import_package(full).full_model(0).eval()
+    ref.load_state_dict({k: v for k, v in want.items() if k in ref.state_dict()})
+    ids = torch.randint(0, LLAMA["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=0, atol=1e-5)
+
+
+def test_llama_shaped_sharded_optimizer(tmp_path: Path, llama: Any) -> None:
+    """PP2 x DP2 sharding the optimizer state (ZeRO-1: one reduce-scatter, in each copy's last backward)."""
+    ckpt = _trains_as_plain(tmp_path, llama, "opt", [(1, 2, "optimizer")] * 2, "1f1b")
+    assert _chunks(ckpt, "model.layers.0.mlp.up_proj.weight") == 2
+
+
+def test_qwen2_shaped_and_mlp_file(tmp_path: Path) -> None:
+    """qwen2 (biased query, key and value projections, split with their biases) as PP2 x DP2 x TP2
+    sharding gradients; the user's MLP (a plan found in the traced graph) as PP2 x TP2 under zbv."""
+    ckpt = _trains_as_plain(tmp_path, _profile(tmp_path, "qwen2"), "q", [(2, 2, "gradients")] * 2, "1f1b")
+    assert _chunks(ckpt, "model.layers.1.self_attn.k_proj.bias") == 4
+    ckpt = _trains_as_plain(tmp_path, _profile(tmp_path, "mlp"), "m", [(2, 1, "none")] * 4, "zbv")
+    assert _chunks(ckpt, "blocks.0.fc1.weight") == 2 and _chunks(ckpt, "head.weight") == 1
+
+
+def test_bad_3d_layouts_are_refused_before_any_rank_starts(tmp_path: Path, llama: Any) -> None:
+    """A degree the key-value heads do not divide, pipedream with tensor parallelism, a shard level
+    under a split backward: one line each, naming what is wrong."""
+    profile = llama
+    eight = generate_3d(tmp_path / "t8", profile, [(1, 1, "none"), (8, 1, "none")], "1f1b", MICRO, BATCH)
+    with pytest.raises(
+        RunError,
+        match=r"stage 1: tensor_parallel 8 does not divide layer model\.layers\.\d\.self_attn .*dividing 4",
+    ):
+        run(eight, steps=1)
+    tp = generate_3d(tmp_path / "tp", profile, [(2, 1, "none"), (2, 1, "none")], "1f1b", MICRO, BATCH)
+    with pytest.raises(RunError, match="pipedream keeps weight versions"):
+        load_job(tp, schedule="pipedream")
+    dp = generate_3d(tmp_path / "dp", profile, [(1, 2, "full"), (1, 2, "full")], "1f1b", MICRO, BATCH)
+    with pytest.raises(RunError, match="zb1p splits each backward"):
+        load_job(dp, schedule="zb1p")
