@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--backend", default="gloo", help="gloo (CPU ranks) or nccl (a GPU per rank)")
     parser.add_argument("--most-ranks", type=int, default=8, help="skip layouts needing more ranks")
     args = parser.parse_args()
-    from partitioner import profiler
+    from partitioner.profiler import profile as profiler
     from tests.runtime.packages3d import LLAMA, QWEN2, config_file
 
     rows = []

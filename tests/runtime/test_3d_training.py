@@ -21,7 +21,7 @@ from tests.runtime.helpers import run
 from tests.runtime.packages3d import LLAMA, QWEN2, config_file, generate_3d
 from tests.runtime.reference3d import assert_trained_as_plain, plain_state
 
-profiler = pytest.importorskip("partitioner.profiler")
+profiler = pytest.importorskip("partitioner.profiler.profile")
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(1)
