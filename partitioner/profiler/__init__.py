@@ -47,6 +47,7 @@ from partitioner.profiler.measure import (
     measure_loss_memory,
     measure_step,
 )
+from partitioner.profiler.tensor_fields import with_tensor_fields
 from partitioner.profiler.trace import Group, Traced, trace_model
 from partitioner.profiler.update import measure_update
 from partitioner.update import UPDATE_KEY
@@ -304,6 +305,7 @@ def _estimated(
     run = _Run(costs, loss_ms, None, estimator.fixed(), extra)
     where = "cpu" if device_model == "cpu" else model.name
     profile = _assemble(spec, bundle, traced, where, param_dtype, precision, run, extra)
+    profile = with_tensor_fields(profile, bundle.module)  # (docs/layout-3d.md: the 3D planner's fields)
     check_weights_fit(profile, model.memory_bytes, model.name)
     return profile
 
