@@ -289,6 +289,13 @@ def profile(
     "--cuts", default=None, help="Fix the plan: last layer of every stage but the last, e.g. fc6,fc7."
 )
 @click.option("--replicas", default=None, help="With --cuts: replicas per stage, e.g. 3,1.")
+@click.option("--tensor-parallel", type=click.IntRange(min=1), default=None,
+              help="Split every stage over T devices of one node (docs/layout-3d.md); the cuts, copies, "
+              "schedule and microbatches are searched.  [default: searched by --schedule auto where the "
+              "profile has layers to split]")  # fmt: skip
+@click.option("--shard", type=click.Choice(["none", "optimizer", "gradients", "full"]), default=None,
+              help="What every stage's data-parallel copies share: nothing, the optimizer state (ZeRO-1), "
+              "gradients too (ZeRO-2) or everything (FSDP).  [default: searched]")  # fmt: skip
 @click.option("--explain", is_flag=True, help="Also show the baselines other tools pick.")
 @click.option(
     "--trace",
@@ -333,7 +340,7 @@ def partition(
     bandwidth: str | None, latency: str | None,
     memory: str | None, host_cores: int | None, schedule: str, microbatches: int | None, virtual: int | None,
     optimizer: str, straight: bool, recompute: str | None, solver: str, cuts: str | None,
-    replicas: str | None, explain: bool,
+    replicas: str | None, tensor_parallel: int | None, shard: str | None, explain: bool,
     trace_path: str | None, batch_size: int | None, no_comm: bool, weights: str | None, init: str,
     as_json: bool, output: str,
 ) -> None:  # fmt: skip
@@ -345,6 +352,7 @@ def partition(
       pipeplan partition --profile graph.txt --topology 4,4 --bandwidth 4294967296,1250000000
       pipeplan partition --gpus 4 --cuts features.30,classifier.3 --replicas 3,1
       pipeplan partition --gpus 4 --schedule interleaved --virtual-stages 2 --microbatches 8
+      pipeplan partition --cluster dgx-h100:8 --tensor-parallel 8 --shard optimizer
     """
     import json
 

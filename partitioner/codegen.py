@@ -219,12 +219,16 @@ def with_ranks(plan: Plan) -> Plan:
             first += s.replicas
         return replace(plan, stages=tuple(stages))
     for s in plan.stages:
-        if len(s.ranks) != s.replicas:
-            raise PlanError(f"stage {s.index} has {s.replicas} replicas but ranks {list(s.ranks)}")
+        if len(s.ranks) != s.devices:  # (replicas x tensor_parallel: docs/layout-3d.md)
+            raise PlanError(f"stage {s.index} has {s.devices} devices but ranks {list(s.ranks)}")
     ranks = sorted(r for s in plan.stages for r in s.ranks)
     placement = get_schedule(plan.schedule).placement if plan.schedule in SCHEDULES else None
     if plan.virtual_stages > 1 and placement is not None:  # several stages per rank, laid out so
-        want = placement(plan.gpus, plan.virtual_stages)
+        group = plan.stages[0].devices  # (a 3D plan lays out groups of t x d ranks, docs/layout-3d.md)
+        want = tuple(
+            tuple(r * group + i for r in ranks for i in range(group))
+            for ranks in placement(plan.gpus // group, plan.virtual_stages)
+        )
         if tuple(s.ranks for s in plan.stages) != want:
             raise PlanError(f"{plan.schedule} stages must lie on ranks {[r for (r,) in want]}, got {ranks}")
     elif ranks != list(range(len(ranks))):

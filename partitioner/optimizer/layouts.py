@@ -18,18 +18,34 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from partitioner.devices import estimated_device
 from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile
+from partitioner.optimizer.auto import AutoChoice
 from partitioner.optimizer.options import SolveOptions
 from partitioner.optimizer.planner import solve_with
 from partitioner.optimizer.pricing.layout import Layout, copy_cluster, copy_memory, copy_profile, layout_plan
 from partitioner.optimizer.pricing.memory import master_ratio, persistent_factor
 from partitioner.optimizer.pricing.schedules import MODELS, model
 from partitioner.optimizer.pricing.simulate import Simulation, simulate
-from partitioner.optimizer.pricing.tensor import degrees
+from partitioner.optimizer.pricing.tensor import PRODUCTS_KEY, TOKENS_KEY, degrees
 from partitioner.plan import SHARD_LEVELS, Cluster, Plan
 
-__all__ = ["LayoutChoice", "copy_of", "layouts", "simulate_layout", "solve_layout", "solve_layouts"]
+__all__ = [
+    "LAYOUT_SCHEDULES",
+    "LayoutChoice",
+    "copy_of",
+    "hand_layouts",
+    "layout_name",
+    "layouts",
+    "model_flops_per_sample",
+    "simulate_layout",
+    "solve_layout",
+    "solve_layouts",
+    "splits",
+    "tokens_per_device",
+    "utilisation",
+]
 
 #: schedules a 3D layout runs: every flushing one (pipedream's weight stashing takes t = 1 and no
 #: sharding: docs/layout-3d.md).
@@ -91,16 +107,70 @@ def _counts(batch: int, devices: int, asked: int | None) -> tuple[int, ...]:
     return tuple(1 << k for k in range(top.bit_length()) if (1 << k) <= top and batch % (1 << k) == 0)
 
 
-def _bound(profile: Profile, cluster: Cluster, layout: Layout, optimizer: str) -> tuple[float, bool]:
-    """(a lower bound on the layout's time: one copy's work at one microbatch over its stages'
-    devices; whether its weights can fit at all: their persistent bytes over the stages)."""
+@dataclass(frozen=True)
+class _Candidate:
+    """One search to run: a layout at ``m`` microbatches a copy under ``schedule``, and its bound."""
+
+    bound: float
+    layout: Layout
+    m: int
+    schedule: str
+
+
+def _bubble(schedule: str, m: int, stages: int) -> float:
+    """What a schedule's bubble multiplies the busiest device's work by at least: 1f1b and gpipe
+    run one microbatch through every stage and M - 1 more on the slowest, so T >= W/p (M + p - 1)/M
+    for a copy's work W on p stages; the others may hide their bubble (1)."""
+    return (m + stages - 1) / m if schedule in ("1f1b", "gpipe") else 1.0
+
+
+def _candidates(
+    profile: Profile, cluster: Cluster, layout: Layout, optimizer: str, schedules: Sequence[str],
+    asked: int | None,
+) -> list[_Candidate]:  # fmt: skip
+    """The searches of ``layout``, each with a lower bound on its time: a copy's work at its
+    microbatch count spread evenly over its stages, times the schedule's least bubble (the step
+    and recomputation only add). None where the weights alone cannot fit: their persistent bytes
+    over the stages above the memory."""
     stages = cluster.gpus // layout.group
-    view, _ = copy_profile(profile, cluster, layout, 1, optimizer)
-    work = sum(n.forward_ms + n.backward_ms for n in view.nodes) / 1e3
-    per_byte = persistent_factor(optimizer, master_ratio(view.dtype))
-    persistent = sum(n.param_bytes for n in view.nodes) * per_byte
-    fits = cluster.memory_bytes is None or persistent / max(stages, 1) <= cluster.memory_bytes
-    return work / max(stages, 1), fits
+    batch = (profile.batch_size or layout.copies) // layout.copies
+    per_byte = persistent_factor(optimizer, master_ratio(profile.dtype))
+    found = []
+    for m in _counts(batch, stages, asked):
+        try:
+            view, split = copy_profile(profile, cluster, layout, m, optimizer)
+            wide = copy_memory(cluster, split, layout)
+        except PlanError:
+            continue
+        persistent = sum(n.param_bytes for n in view.nodes) * per_byte
+        if wide.memory_bytes is not None and persistent / stages > wide.memory_bytes:
+            continue
+        work = sum(n.forward_ms + n.backward_ms for n in view.nodes) / 1e3 / stages
+        for schedule in schedules:
+            if not model(schedule).asynchronous:
+                found.append(_Candidate(work * _bubble(schedule, m, stages), layout, m, schedule))
+    return found
+
+
+def _searched(profile: Profile, cluster: Cluster, c: _Candidate, opts: SolveOptions) -> Plan | None:
+    """The best plan of one candidate (over its schedule's virtual stage counts), None: none fits."""
+    view, split = copy_profile(profile, cluster, c.layout, c.m, opts.optimizer)
+    wide = copy_memory(cluster, split, c.layout)
+    best: Plan | None = None
+    for virtual in model(c.schedule).auto_virtual:
+        at = replace(opts, schedule=c.schedule, microbatches=c.m, virtual_stages=virtual, straight=True)
+        try:
+            copy = solve_with(view, wide, at.checked(view))
+        except (InfeasibleError, PlanError):
+            continue
+        plan = layout_plan(copy, split, cluster, c.layout)
+        if best is None or _time(plan) < _time(best):
+            best = plan
+    return best
+
+
+def _time(plan: Plan) -> float:
+    return plan.predicted.time_per_minibatch_s
 
 
 def solve_layout(
@@ -117,36 +187,10 @@ def solve_layout(
     Raises:
         InfeasibleError: nothing fits.
     """
-    batch = (profile.batch_size or layout.copies) // layout.copies
-    stages = cluster.gpus // layout.group
-    asked = microbatches // layout.copies if microbatches and microbatches % layout.copies == 0 else None
-    best: Plan | None = None
-    for m in _counts(batch, stages, asked):
-        try:
-            view, split = copy_profile(profile, cluster, layout, m, opts.optimizer)
-            wide = copy_memory(cluster, split, layout)
-        except PlanError:
-            continue
-        for schedule in schedules:
-            sched = model(schedule)
-            if sched.asynchronous:
-                continue
-            for virtual in sched.auto_virtual:
-                at = replace(opts, schedule=schedule, microbatches=m, virtual_stages=virtual, straight=True)
-                try:
-                    copy = solve_with(view, wide, at.checked(view))
-                except (InfeasibleError, PlanError):
-                    continue
-                plan = layout_plan(copy, split, cluster, layout)
-                if best is None or _time(plan) < _time(best):
-                    best = plan
-    if best is None:
+    choice = _search(profile, cluster, [layout], opts, schedules, microbatches, float("inf"))
+    if choice is None:
         raise InfeasibleError(f"no plan of layout {layout.describe()} fits")
-    return best
-
-
-def _time(plan: Plan) -> float:
-    return plan.predicted.time_per_minibatch_s
+    return choice.plan
 
 
 def solve_layouts(
@@ -161,30 +205,49 @@ def solve_layouts(
 ) -> LayoutChoice | None:
     """The fastest 3D plan over :func:`layouts` (module docstring); None: no layout beats
     ``incumbent`` (the 2D plan's time) or fits."""
+    found = layouts(profile, cluster, tensor, shard)
+    return _search(profile, cluster, found, opts, schedules, microbatches, incumbent)
+
+
+def _search(
+    profile: Profile, cluster: Cluster, found: Sequence[Layout], opts: SolveOptions,
+    schedules: Sequence[str], microbatches: int | None, incumbent: float,
+) -> LayoutChoice | None:  # fmt: skip
+    """Every candidate of ``found`` in the order of its bound, until the bound reaches the best."""
     start = time.perf_counter()
     ranked = []
-    for layout in layouts(profile, cluster, tensor, shard):
-        bound, fits = _bound(profile, cluster, layout, opts.optimizer)
-        if fits:
-            ranked.append((bound, layout))
-    ranked.sort(key=lambda x: x[0])
+    for layout in found:
+        asked = microbatches // layout.copies if microbatches and microbatches % layout.copies == 0 else None
+        ranked += _candidates(profile, cluster, layout, opts.optimizer, schedules, asked)
+    ranked.sort(key=lambda c: c.bound)
     best: Plan | None = None
     times: dict[str, float | None] = {}
-    for bound, layout in ranked:
-        if bound >= min(incumbent, _time(best) if best else incumbent):
+    searched, spent = 0, {}
+    for c in ranked:
+        if c.bound >= min(incumbent, _time(best) if best else incumbent):
             break
-        try:
-            plan = solve_layout(profile, cluster, layout, opts, schedules, microbatches)
-        except InfeasibleError:
-            times[layout.describe()] = None
+        searched += 1
+        began = time.perf_counter()
+        plan = _searched(profile, cluster, c, opts)
+        spent[c.schedule] = spent.get(c.schedule, 0.0) + time.perf_counter() - began
+        name = c.layout.describe()
+        if plan is None:
+            times.setdefault(name, None)
             continue
-        times[layout.describe()] = _time(plan)
+        if times.get(name) is None or _time(plan) < (times[name] or float("inf")):
+            times[name] = _time(plan)
         if best is None or _time(plan) < _time(best):
             best = plan
     if best is None:
         return None
     info = replace(best.solver, solve_time_s=time.perf_counter() - start)
-    extra = {**best.extra, "layouts_searched": times, "layouts_ruled_out": len(ranked) - len(times)}
+    extra = {
+        **best.extra,
+        "layouts_searched": times,
+        "searches": searched,
+        "candidates": len(ranked),
+        "search_s": {k: round(v, 2) for k, v in spent.items()},
+    }
     return LayoutChoice(replace(best, solver=info, extra=extra), times)
 
 
@@ -208,3 +271,70 @@ def simulate_layout(plan: Plan, profile: Profile) -> Simulation:
         return simulate(plan, profile)
     copy, view = copy_of(plan, profile)
     return simulate(copy, view)
+
+
+def splits(profile: Profile, cluster: Cluster) -> bool:
+    """Whether tensor parallelism can split any node of ``profile`` on ``cluster``'s nodes: where it
+    cannot, ``--schedule auto`` plans as before (2D problems keep their plans)."""
+    return degrees(profile, cluster.levels[0].devices) != (1,)
+
+
+def hand_layouts(
+    profile: Profile, cluster: Cluster, opts: SolveOptions, choice: AutoChoice | None
+) -> dict[str, Plan | None]:
+    """The layouts a user would try by hand, each priced by the same model (None: it does not
+    fit): Megatron's (the largest tensor degree, the optimizer state sharded), torchtitan's (FSDP,
+    everything sharded, with the largest tensor degree), and today's pipeline x replicas (``auto``'s
+    2D choice). Each searches the rest (cuts, copies, schedule, microbatches) as the 3D search does."""
+    top = max(degrees(profile, cluster.levels[0].devices))
+    out: dict[str, Plan | None] = {}
+    for name, shard in ((f"TP{top} x PP x DP (optimizer)", "optimizer"), (f"FSDP x TP{top} x PP", "full")):
+        try:
+            found = solve_layouts(profile, cluster, opts, tensor=top if top > 1 else None, shard=shard)
+        except PlanError:
+            found = None
+        out[name] = found.plan if found else None
+    if choice is not None:
+        out["pipeline x replicas"] = choice.plan
+    return out
+
+
+def model_flops_per_sample(profile: Profile) -> float | None:
+    """Training FLOPs of one sample as model FLOP utilisation counts them: three times the forward's
+    split products (decoder layers: projections and attention) and 6 per token per parameter of the
+    other linear layers (the head); None without the products (measured profiles)."""
+    products = profile.extra.get(PRODUCTS_KEY)
+    tokens = profile.extra.get(TOKENS_KEY)
+    if not products or not tokens:
+        return None
+    linear = sum(n.param_bytes for n in profile.nodes if n.target == "Linear" and not n.tp_max)
+    elem = 2 if profile.dtype in ("bfloat16", "float16") else 4
+    return 3.0 * sum(sum(p) for p in products.values()) + 6.0 * float(tokens) * linear / elem
+
+
+def layout_name(plan: Plan) -> str:
+    """``TP4 x PP8 x DP4 (optimizer)`` for a 3D plan, ``PP21 x DP 3,4`` for a 2D one (its replicas)."""
+    info = plan.extra.get("layout")
+    if info:
+        shard = "" if info["shard"] == "none" else f" ({info['shard']})"
+        return f"TP{info['tensor_parallel']} x PP{len(plan.stages)} x DP{info['data_parallel']}{shard}"
+    widths = sorted({s.replicas for s in plan.stages})
+    return f"PP{len(plan.stages)} x DP " + ",".join(str(w) for w in widths)
+
+
+def utilisation(plan: Plan, profile: Profile) -> float | None:
+    """Model FLOP utilisation: :func:`model_flops_per_sample` at the plan's samples per second over
+    the devices' dense peak in the profile's dtype (None: no device model or no FLOP count)."""
+    flops = model_flops_per_sample(profile)
+    device = estimated_device(profile)
+    rate = plan.predicted.throughput_samples_per_s
+    if flops is None or device is None or not rate:
+        return None
+    return flops * rate / (plan.gpus * device.peak(profile.dtype))
+
+
+def tokens_per_device(plan: Plan, profile: Profile) -> float | None:
+    """Tokens a second a device trains (None: the profile does not say its tokens)."""
+    tokens = profile.extra.get(TOKENS_KEY)
+    rate = plan.predicted.throughput_samples_per_s
+    return float(tokens) * rate / plan.gpus if tokens and rate else None

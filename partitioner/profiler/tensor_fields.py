@@ -19,7 +19,7 @@ from dataclasses import replace
 from torch import nn
 
 from partitioner.graph import Node, Profile
-from partitioner.optimizer.pricing.tensor import PRODUCTS_KEY
+from partitioner.optimizer.pricing.tensor import PRODUCTS_KEY, TOKENS_KEY
 
 __all__ = ["with_tensor_fields"]
 
@@ -51,11 +51,18 @@ def _split(node: Node, params: dict[str, nn.Parameter], heads: tuple[int, int, i
     )
 
 
+def _tokens(node: Node, params: dict[str, nn.Parameter], batch: int) -> float:
+    """Tokens of one sample: the layer's output is one hidden vector per token."""
+    names = {name.rsplit(".", 2)[-2]: name for name in node.param_names if name.endswith(".weight")}
+    out = params[names["o_proj"]]
+    return node.output_bytes / max(batch * out.shape[0] * out.element_size(), 1)
+
+
 def _products(node: Node, params: dict[str, nn.Parameter], batch: int) -> list[float]:
     """FLOPs of each split product of one sample: the projections and the (causal) attention."""
     names = {name.rsplit(".", 2)[-2]: name for name in node.param_names if name.endswith(".weight")}
     hidden = params[names["o_proj"]].shape[0]
-    tokens = node.output_bytes / max(batch * hidden * params[names["o_proj"]].element_size(), 1)
+    tokens = _tokens(node, params, batch)
     flops = [2.0 * tokens * params[names[k]].numel() for k in (*_COLUMN, *_ROW)]
     return [*flops, 2.0 * tokens * tokens * hidden]  # (QK^T and AV, causal: half of 4 t^2 h)
 
@@ -67,12 +74,14 @@ def with_tensor_fields(profile: Profile, module: nn.Module) -> Profile:
     if heads is None:
         return profile
     params = dict(module.named_parameters(remove_duplicate=False))
-    nodes, products = [], {}
+    nodes, products, tokens = [], {}, 0.0
     for node in profile.nodes:
         done = _split(node, params, heads) if node.param_names else node
         if done.tp_max:
             products[node.id] = _products(node, params, batch)
+            tokens = _tokens(node, params, batch)
         nodes.append(done)
     if not products:
         return profile
-    return replace(profile, nodes=tuple(nodes), extra={**dict(profile.extra), PRODUCTS_KEY: products})
+    extra = {**dict(profile.extra), PRODUCTS_KEY: products, TOKENS_KEY: tokens}
+    return replace(profile, nodes=tuple(nodes), extra=extra)

@@ -149,16 +149,16 @@ def copy_units(split: Profile, nodes: Sequence[str], microbatches: int) -> list[
 
 def layout_plan(copy: Plan, split: Profile, cluster: Cluster, layout: Layout) -> Plan:
     """The 3D plan of one copy's pipeline ``copy`` (priced on the copy view of ``split``): each
-    stage on its ``t x d`` ranks, data-major, consecutive; its step's exposed collectives in its
+    stage on the ``t x d`` ranks of its group (group ``g``: ranks ``g t d .. (g + 1) t d - 1``,
+    data-major); its step's exposed collectives in its
     communication and, the slowest of them, in the time; the units in use in its memory. The
     search's lower bound stays a bound (the step only adds)."""
     link = data_link(cluster, layout.tensor, layout.copies)
     largest = _largest_unit(split)
-    stages, steps, rank = [], [], 0
-    for s in copy.stages:
+    stages, steps = [], []
+    for s in copy.stages:  # (a laid-out schedule's copy keeps several stages on one group)
         step = step_exposed(layout.shard, copy_units(split, s.nodes, copy.microbatches), layout.copies, link)
-        ranks = tuple(range(rank, rank + layout.group))
-        rank += layout.group
+        ranks = tuple(range(s.ranks[0] * layout.group, (s.ranks[0] + 1) * layout.group))
         steps.append(step)
         stages.append(replace(
             s, replicas=layout.copies, tensor_parallel=layout.tensor, shard=layout.shard, ranks=ranks,
@@ -181,7 +181,7 @@ def layout_plan(copy: Plan, split: Profile, cluster: Cluster, layout: Layout) ->
                                   "copy_time_s": copy.predicted.time_per_minibatch_s},
     }  # fmt: skip
     return replace(
-        copy, gpus=rank, cluster=cluster, stages=tuple(stages), predicted=predicted, batch_size=batch,
+        copy, gpus=len({r for s in stages for r in s.ranks}), cluster=cluster, stages=tuple(stages),
+        predicted=predicted, batch_size=batch,
         extra=extra, microbatches=copy.microbatches * layout.copies,
     )  # fmt: skip
-

@@ -24,6 +24,7 @@ from partitioner.plan import Link
 
 __all__ = [
     "PRODUCTS_KEY",
+    "TOKENS_KEY",
     "degrees",
     "ring_time",
     "split_penalty",
@@ -35,6 +36,10 @@ PRODUCTS_KEY = "tensor_parallel_products"
 """``profile.extra`` key: per node id, the FLOPs of each of its split matrix products for one
 sample, forward (written where the shapes are known: estimated profiles of decoder layers). Absent:
 a split layer's compute is divided by ``t`` exactly (no penalty known)."""
+
+
+TOKENS_KEY = "tensor_parallel_tokens"
+"""``profile.extra`` key beside :data:`PRODUCTS_KEY`: tokens in one sample (model FLOPs' count)."""
 
 
 def splittable(node: Node, t: int) -> bool:
