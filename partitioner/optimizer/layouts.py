@@ -118,10 +118,13 @@ class _Candidate:
 
 
 def _bubble(schedule: str, m: int, stages: int) -> float:
-    """What a schedule's bubble multiplies the busiest device's work by at least: 1f1b and gpipe
-    run one microbatch through every stage and M - 1 more on the slowest, so T >= W/p (M + p - 1)/M
-    for a copy's work W on p stages; the others may hide their bubble (1)."""
-    return (m + stages - 1) / m if schedule in ("1f1b", "gpipe") else 1.0
+    """The least a schedule's fill and drain multiply a copy's evenly spread work by: under 1f1b
+    and gpipe stage ``s`` cannot start before one microbatch's forwards through the stages before
+    it nor end before their backwards, so ``T >= M t_s + sum_{k<s} t_k``, whose least maximum
+    over stage times adding up to ``W / M`` is ``W / (M (1 - (1 - 1/M)^p))``; 1 for the others."""
+    if schedule not in ("1f1b", "gpipe") or stages < 2:
+        return 1.0
+    return stages / (m * (1.0 - (1.0 - 1.0 / m) ** stages))
 
 
 def _candidates(

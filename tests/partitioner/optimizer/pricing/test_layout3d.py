@@ -122,3 +122,23 @@ def test_the_search_finds_the_best_of_every_layout() -> None:
         each.append(plan.predicted.time_per_minibatch_s)
     assert len(each) > 3
     assert best.plan.predicted.time_per_minibatch_s == pytest.approx(min(each))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_the_fill_and_drain_bound_holds_on_unequal_stages(schedule: str) -> None:
+    """The search's ruling-out bound is below the simulated price of random plans of random chains."""
+    import random
+
+    from partitioner.optimizer import evaluate
+    from partitioner.optimizer.layouts import _bubble
+
+    rng = random.Random(7)
+    for _ in range(12):
+        layers = rng.randint(3, 8)
+        costs = [(rng.randint(1, 9), rng.randint(1, 18), rng.randint(1, 99), 10) for _ in range(layers)]
+        profile = make_profile(costs, [(i, i + 1) for i in range(layers - 1)])
+        p, m = rng.randint(2, layers), rng.choice([1, 2, 4, 8])
+        cuts = sorted(rng.sample(range(layers - 1), p - 1))
+        plan = evaluate(profile, Cluster.flat(p, 1e6), [f"l{c}" for c in cuts], [1] * p, schedule, m)
+        work = sum(f + b for f, b, _, _ in costs) / 1e3
+        assert plan.predicted.time_per_minibatch_s >= work / p * _bubble(schedule, m, p) * (1 - 1e-9)
