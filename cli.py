@@ -739,7 +739,7 @@ def export(
               help="[plan.json]")  # fmt: skip
 @user_errors
 def export_plan(package: str | None, output: str | None, schedule: str | None) -> None:
-    """Write a straight plan in the forms torch.distributed.pipelining and torchtitan read.
+    """Write a straight or 3D plan in the forms torch.distributed.pipelining and torchtitan read.
 
     \b
     schedule.csv     each rank's actions for one minibatch, as
@@ -747,9 +747,12 @@ def export_plan(package: str | None, output: str | None, schedule: str | None) -
     stages.json      each stage's rank, module FQNs, inputs and outputs
     torchtitan.toml  the [parallelism] settings that use them
 
-    Each stage's module is the package's stage(k). Torch cannot run replicated
-    stages, pipedream's asynchrony, or a tensor that skips a stage: such plans
-    are refused.
+    Each stage's module is the package's stage(k). A 3D plan (one t x d and
+    shard level for every stage) is written as one copy's pipeline, with
+    torchtitan's tensor and data-parallel degrees. Torch cannot run replicated
+    stages of different widths, pipeplan's ZeRO-1 (written as FSDP kept
+    unsharded), pipedream's asynchrony, or a tensor that skips a stage: such
+    plans are refused.
 
     \b
     Example:
