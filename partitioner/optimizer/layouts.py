@@ -225,7 +225,7 @@ def _search(
     ranked.sort(key=lambda c: c.bound)
     best: Plan | None = None
     times: dict[str, float | None] = {}
-    searched, spent = 0, {}
+    searched, spent = 0, dict[str, float]()
     for c in ranked:
         if c.bound >= min(incumbent, _time(best) if best else incumbent):
             break
