@@ -748,11 +748,11 @@ def export_plan(package: str | None, output: str | None, schedule: str | None) -
     torchtitan.toml  the [parallelism] settings that use them
 
     Each stage's module is the package's stage(k). A 3D plan (one t x d and
-    shard level for every stage) is written as one copy's pipeline, with
-    torchtitan's tensor and data-parallel degrees. Torch cannot run replicated
-    stages of different widths, pipeplan's ZeRO-1 (written as FSDP kept
-    unsharded), pipedream's asynchrony, or a tensor that skips a stage: such
-    plans are refused.
+    shard level for every stage) is written as one copy's pipeline with
+    torchtitan's tensor and data-parallel degrees (its optimizer and gradients
+    levels as FSDP kept unsharded: torchtitan has no ZeRO-1). Torch cannot run
+    replicated stages of different widths, pipedream's asynchrony, or a tensor
+    that skips a stage: such plans are refused.
 
     \b
     Example:
