@@ -260,10 +260,13 @@ def copy_of(plan: Plan, profile: Profile) -> tuple[Plan, Profile]:
     layout = Layout(int(info["tensor_parallel"]), int(info["data_parallel"]), str(info["shard"]))
     m = plan.microbatches // layout.copies
     view, _ = copy_profile(profile, plan.cluster, layout, m, plan.optimizer)
+    group = layout.group  # (a laid-out schedule keeps several stages on one group of ranks)
     stages = tuple(
-        replace(s, replicas=1, tensor_parallel=1, shard="none", ranks=(i,)) for i, s in enumerate(plan.stages)
+        replace(s, replicas=1, tensor_parallel=1, shard="none", ranks=(s.ranks[0] // group,))
+        for s in plan.stages
     )
-    copy = replace(plan, gpus=len(stages), cluster=copy_cluster(plan.cluster, layout), stages=stages,
+    gpus = len({s.ranks[0] for s in stages})
+    copy = replace(plan, gpus=gpus, cluster=copy_cluster(plan.cluster, layout), stages=stages,
                    microbatches=m, batch_size=view.batch_size)  # fmt: skip
     return copy, view
 

@@ -142,3 +142,17 @@ def test_the_fill_and_drain_bound_holds_on_unequal_stages(schedule: str) -> None
         plan = evaluate(profile, Cluster.flat(p, 1e6), [f"l{c}" for c in cuts], [1] * p, schedule, m)
         work = sum(f + b for f, b, _, _ in costs) / 1e3
         assert plan.predicted.time_per_minibatch_s >= work / p * _bubble(schedule, m, p) * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv", "interleaved"])
+def test_a_layouts_simulation_is_its_copys(schedule: str) -> None:
+    """partition shows a 3D plan's simulation: one copy's pipeline, laid out as its schedule lays it."""
+    from partitioner.optimizer.layouts import simulate_layout
+
+    profile = _split_chain(layers=8)
+    cluster = Cluster((Level(4, 1e8, 1e-4), Level(2, 1e7)))
+    plan = solve_layout(profile, cluster, Layout(2, 2, "optimizer"), SolveOptions("1f1b", 1, "adam", True),
+                        (schedule,), microbatches=8)  # fmt: skip
+    sim = simulate_layout(plan, profile)
+    assert sim.events and {e.stage for e in sim.events} == set(range(len(plan.stages)))
+    assert sorted({r for s in plan.stages for r in s.ranks}) == list(range(plan.gpus))
