@@ -131,7 +131,7 @@ def partition(request: PartitionRequest, note: Callable[[str], None] = lambda _:
         check_layers_fit(profile, cluster.memory_bytes, r.optimizer)
     v = virtual_stages(r.schedule, r.virtual, r.explain)
     plan, choice, micro = _solve(r, profile, cluster, recompute, v)
-    schedule = plan.schedule if choice is not None else r.schedule
+    schedule = plan.schedule if choice is not None or "layout" in plan.extra else r.schedule
     check_replicas(plan)
     check_microbatches(profile, plan.schedule, plan.microbatches)  # (after the schedule's own checks)
     plan = replace(plan, profile=str(path), precision=profile.precision)
