@@ -48,7 +48,8 @@ def print_partition(done: Partitioned, optimizer: str, asked: int | None) -> Non
         if hand:
             out.print(layout_table(plan, hand, profile))
         rest = {k: v for k, v in done.alternatives.items() if k not in hand}
-        out.print(explain_table(plan, rest, done.recompute))
+        if rest or not hand:
+            out.print(explain_table(plan, rest, done.recompute))
     rounded = plan.extra.get("microbatches_asked")
     if rounded:
         out.print(

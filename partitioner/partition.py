@@ -143,7 +143,11 @@ def partition(request: PartitionRequest, note: Callable[[str], None] = lambda _:
     kept = tuple(sorted(_kept_runs(out_dir) - before))
     if r.trace_path:
         write_chrome_trace(sim, r.trace_path)
-    others = alternatives(profile, cluster, schedule, micro, r.optimizer, recompute) if r.explain else None
+    laid = schedule_model(schedule).laid_out and "layout" in plan.extra  # (no laid-out baselines)
+    explained = r.explain and not laid
+    others = alternatives(profile, cluster, schedule, micro, r.optimizer, recompute) if explained else None
+    if r.explain and laid:  # --explain's layouts only
+        others = {}
     if others is not None and (choice is not None or "layout" in plan.extra):
         others = {**hand_layouts(profile, cluster, _options(r, recompute), choice), **others}
     return Partitioned(plan, profile, cluster, sim, out_dir, recompute, choice, others, kept)
