@@ -155,14 +155,15 @@ def plan_summary(plan: Any, sim: Any, profile: Any) -> str:
     single = (
         f"{p.speedup_vs_single or 0:.2f}x over {'one CPU rank' if profile.device == 'cpu' else 'one GPU'}"
     )
-    speedup = (
-        f"speedup {p.speedup_vs_data_parallel or 0:.2f}x over data parallel, {single}"
-        if data_parallel_fits(profile, plan)
-        else f"speedup {single}; data parallel does not fit in {gib(c.memory_bytes or 0)} per device (the "
-        "memory limit rules it out)"
-    )
-    if "layout" in plan.extra:
+    if "layout" in plan.extra:  # (a 3D plan is compared with the hand layouts: --explain)
         speedup = _layout_clause(plan, profile)
+    elif data_parallel_fits(profile, plan):
+        speedup = f"speedup {p.speedup_vs_data_parallel or 0:.2f}x over data parallel, {single}"
+    else:
+        speedup = (
+            f"speedup {single}; data parallel does not fit in {gib(c.memory_bytes or 0)} per device (the "
+            "memory limit rules it out)"
+        )
     return (
         f"predicted {p.time_per_minibatch_s * 1e3:.3f} ms/minibatch{hosts}, {rate}; {speedup}; "
         f"bubble {100 * p.bubble_fraction:.1f}%" + (_simulated_bubble(sim) if not simulated else "") + "\n"
