@@ -13,7 +13,7 @@ __all__ = ["auto_table", "explain_table", "layout_table", "plan_summary", "plan_
 
 HAND_LAYOUTS = ("pipeline x replicas",)
 """--explain's hand layouts besides the TP/FSDP ones (``layouts.hand_layouts``)."""
-HAND_PREFIX = ("TP", "FSDP")
+HAND_PREFIX = ("Megatron", "torchtitan")
 
 
 def print_partition(done: Partitioned, optimizer: str, asked: int | None) -> None:

@@ -294,7 +294,7 @@ def hand_layouts(
     2D choice). Each searches the rest (cuts, copies, schedule, microbatches) as the 3D search does."""
     top = max(degrees(profile, cluster.levels[0].devices))
     out: dict[str, Plan | None] = {}
-    for name, shard in ((f"TP{top} x PP x DP (optimizer)", "optimizer"), (f"FSDP x TP{top} x PP", "full")):
+    for name, shard in ((f"Megatron TP{top} zero1", "optimizer"), (f"torchtitan FSDP TP{top}", "full")):
         try:
             found = solve_layouts(profile, cluster, opts, tensor=top if top > 1 else None, shard=shard)
         except PlanError:
@@ -319,10 +319,11 @@ def model_flops_per_sample(profile: Profile) -> float | None:
 
 
 def layout_name(plan: Plan) -> str:
-    """``TP4 x PP8 x DP4 (optimizer)`` for a 3D plan, ``PP21 x DP 3,4`` for a 2D one (its replicas)."""
+    """``TP4 x PP8 x DP4 zero1`` for a 3D plan (zero1, zero2, fsdp: the shard levels optimizer,
+    gradients, full), ``PP21 x DP 3,4`` for a 2D one (its replicas)."""
     info = plan.extra.get("layout")
     if info:
-        shard = "" if info["shard"] == "none" else f" ({info['shard']})"
+        shard = {"none": "", "optimizer": " zero1", "gradients": " zero2", "full": " fsdp"}[info["shard"]]
         return f"TP{info['tensor_parallel']} x PP{len(plan.stages)} x DP{info['data_parallel']}{shard}"
     widths = sorted({s.replicas for s in plan.stages})
     return f"PP{len(plan.stages)} x DP " + ",".join(str(w) for w in widths)
