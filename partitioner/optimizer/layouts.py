@@ -26,7 +26,7 @@ from partitioner.optimizer.options import SolveOptions
 from partitioner.optimizer.planner import solve_with
 from partitioner.optimizer.pricing.layout import Layout, copy_cluster, copy_memory, copy_profile, layout_plan
 from partitioner.optimizer.pricing.memory import master_ratio, persistent_factor
-from partitioner.optimizer.pricing.schedules import MODELS, model
+from partitioner.optimizer.pricing.schedules import MODELS, model, priced_profile
 from partitioner.optimizer.pricing.simulate import Simulation, simulate
 from partitioner.optimizer.pricing.tensor import PRODUCTS_KEY, TOKENS_KEY, degrees
 from partitioner.plan import SHARD_LEVELS, Cluster, Plan
@@ -262,9 +262,10 @@ def copy_of(plan: Plan, profile: Profile) -> tuple[Plan, Profile]:
     view, _ = copy_profile(profile, plan.cluster, layout, m, plan.optimizer)
     group = layout.group  # (a laid-out schedule keeps several stages on one group of ranks)
     stages = tuple(
-        replace(s, replicas=1, tensor_parallel=1, shard="none", ranks=(s.ranks[0] // group,))
+        replace(s, replicas=1, tensor_parallel=1, shard="none", ranks=(s.ranks[0] // group,),
+                compute_s=s.compute_s / layout.copies)  # (a copy's own share: what its durations are)
         for s in plan.stages
-    )
+    )  # fmt: skip
     gpus = len({s.ranks[0] for s in stages})
     copy = replace(plan, gpus=gpus, cluster=copy_cluster(plan.cluster, layout), stages=stages,
                    microbatches=m, batch_size=view.batch_size)  # fmt: skip
@@ -276,7 +277,7 @@ def simulate_layout(plan: Plan, profile: Profile) -> Simulation:
     if "layout" not in plan.extra:
         return simulate(plan, profile)
     copy, view = copy_of(plan, profile)
-    return simulate(copy, view)
+    return simulate(copy, priced_profile(view, copy.schedule, copy.microbatches))
 
 
 def splits(profile: Profile, cluster: Cluster) -> bool:

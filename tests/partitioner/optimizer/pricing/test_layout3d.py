@@ -155,4 +155,5 @@ def test_a_layouts_simulation_is_its_copys(schedule: str) -> None:
                         (schedule,), microbatches=8)  # fmt: skip
     sim = simulate_layout(plan, profile)
     assert sim.events and {e.stage for e in sim.events} == set(range(len(plan.stages)))
+    assert sim.window_s == pytest.approx(plan.extra["layout"]["copy_time_s"], rel=1e-9)
     assert sorted({r for s in plan.stages for r in s.ranks}) == list(range(plan.gpus))
