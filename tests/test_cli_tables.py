@@ -203,3 +203,17 @@ def test_partitions_prose_lines_wrap_at_80_columns_when_piped(tmp_path: Path) ->
     assert lines[-1].startswith("wrote ") and "\x1b" not in result.output
     assert max(map(len, lines[:-1])) <= 80, result.output
     assert "data parallel does not fit in 8.00 GiB per device" in " ".join(lines)
+
+
+def test_layouts_table() -> None:
+    """--explain's layouts (docs/layout-3d.md) read at 80 columns, the longest names included."""
+    from partitioner.optimizer.layouts import hand_layouts, solve_layouts
+
+    base = make_profile([(10, 20, 1000, 4000)] * 6, [(i, i + 1) for i in range(5)])
+    split = {"tp_param_bytes": 3000, "tp_comm_bytes": 2000, "tp_max": 8}
+    profile = replace(base, nodes=tuple(replace(n, **split) if n.param_bytes else n for n in base.nodes))
+    cluster = Cluster.flat(8, 1e9)
+    opts = SolveOptions("1f1b", 4, "adam", True)
+    best = solve_layouts(profile, cluster, opts, ("1f1b",))
+    assert best is not None
+    _reads_at_80(plan_render.layout_table(best.plan, hand_layouts(profile, cluster, opts, None), profile))
