@@ -241,7 +241,7 @@ def _search(
             times[name] = _time(plan)
         if best is None or _time(plan) < _time(best):
             best = plan
-    if best is None:
+    if best is None or _time(best) >= incumbent:  # (the 2D plan is at least as fast)
         return None
     info = replace(best.solver, solve_time_s=time.perf_counter() - start)
     extra = {

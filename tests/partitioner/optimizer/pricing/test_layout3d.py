@@ -157,3 +157,14 @@ def test_a_layouts_simulation_is_its_copys(schedule: str) -> None:
     assert sim.events and {e.stage for e in sim.events} == set(range(len(plan.stages)))
     assert sim.window_s == pytest.approx(plan.extra["layout"]["copy_time_s"], rel=1e-9)
     assert sorted({r for s in plan.stages for r in s.ranks}) == list(range(plan.gpus))
+
+
+def test_no_layout_is_returned_that_is_slower_than_the_2d_plan() -> None:
+    profile = _split_chain(layers=6)
+    cluster = Cluster((Level(4, 1e8, 1e-4),), memory_bytes=60_000)
+    opts = SolveOptions("1f1b", 1, "adam", True, recompute="auto")
+    best = solve_layouts(profile, cluster, opts, ("1f1b",))
+    assert best is not None
+    time = best.plan.predicted.time_per_minibatch_s
+    assert solve_layouts(profile, cluster, opts, ("1f1b",), incumbent=time) is None
+    assert solve_layouts(profile, cluster, opts, ("1f1b",), incumbent=time * 1.01) is not None
