@@ -105,7 +105,7 @@ def partition(
     bandwidth: str | None, latency: str | None,
     memory: str | None, host_cores: int | None, schedule: str, microbatches: int | None, virtual: int | None,
     optimizer: str, straight: bool, recompute: str | None, solver: str, cuts: str | None,
-    replicas: str | None, explain: bool,
+    replicas: str | None, tensor_parallel: int | None, shard: str | None, explain: bool,
     trace_path: str | None, batch_size: int | None, no_comm: bool, weights: str | None, init: str,
     as_json: bool, output: str, force: bool,
 ) -> None:  # fmt: skip
@@ -117,6 +117,7 @@ def partition(
       pipeplan partition --profile graph.txt --topology 4,4 --bandwidth 4294967296,1250000000
       pipeplan partition --gpus 4 --cuts features.30,classifier.3 --replicas 3,1
       pipeplan partition --gpus 4 --schedule interleaved --virtual-stages 2 --microbatches 8
+      pipeplan partition --cluster dgx-h100:8 --tensor-parallel 8 --shard optimizer
     """
     import json
 
@@ -402,7 +403,7 @@ def export(
               help="[plan.json]")  # fmt: skip
 @user_errors
 def export_plan(package: str | None, output: str | None, schedule: str | None) -> None:
-    """Write a straight plan in the forms torch.distributed.pipelining and torchtitan read.
+    """Write a straight or 3D plan in the forms torch.distributed.pipelining and torchtitan read.
 
     \b
     schedule.csv     each rank's actions for one minibatch, as
@@ -410,9 +411,12 @@ def export_plan(package: str | None, output: str | None, schedule: str | None) -
     stages.json      each stage's rank, module FQNs, inputs and outputs
     torchtitan.toml  the [parallelism] settings that use them
 
-    Each stage's module is the package's stage(k). Torch cannot run replicated
-    stages, pipedream's asynchrony, or a tensor that skips a stage: such plans
-    are refused.
+    Each stage's module is the package's stage(k). A 3D plan (one t x d and
+    shard level for every stage) is written as one copy's pipeline with
+    torchtitan's tensor and data-parallel degrees (its optimizer and gradients
+    levels as FSDP kept unsharded: torchtitan has no ZeRO-1). Torch cannot run
+    replicated stages of different widths, pipedream's asynchrony, or a tensor
+    that skips a stage: such plans are refused.
 
     \b
     Example:

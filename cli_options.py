@@ -274,6 +274,21 @@ PARTITION: list[Any] = [
         help="Fix the plan: last layer of every stage but the last, e.g. fc6,fc7.",
     ),
     click.option("--replicas", default=None, help="With --cuts: replicas per stage, e.g. 3,1."),
+    click.option(
+        "--tensor-parallel",
+        type=click.IntRange(min=1),
+        default=None,
+        help="Split every stage over T devices of one node (docs/layout-3d.md); the cuts, copies, "
+        "schedule and microbatches are searched.  [default: searched by --schedule auto where the "
+        "profile has layers to split]",
+    ),
+    click.option(
+        "--shard",
+        type=click.Choice(["none", "optimizer", "gradients", "full"]),
+        default=None,
+        help="What every stage's data-parallel copies share: nothing, the optimizer state (ZeRO-1), "
+        "gradients too (ZeRO-2) or everything (FSDP).  [default: searched]",
+    ),
     click.option("--explain", is_flag=True, help="Also show the baselines other tools pick."),
     click.option(
         "--trace",

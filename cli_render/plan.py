@@ -9,7 +9,11 @@ from cli_render.common import console, layer_range, new_table, num, plural, shor
 from partitioner.partition import Partitioned, microbatch_note
 from runtime.schedule import get_schedule
 
-__all__ = ["auto_table", "explain_table", "plan_summary", "plan_table", "print_partition"]
+__all__ = ["auto_table", "explain_table", "layout_table", "plan_summary", "plan_table", "print_partition"]
+
+HAND_LAYOUTS = ("pipeline x replicas",)
+"""--explain's hand layouts besides the TP/FSDP ones (``layouts.hand_layouts``)."""
+HAND_PREFIX = ("Megatron", "torchtitan")
 
 
 def print_partition(done: Partitioned, optimizer: str, asked: int | None) -> None:
@@ -40,7 +44,12 @@ def print_partition(done: Partitioned, optimizer: str, asked: int | None) -> Non
     if done.choice is not None:
         out.print(auto_table(done.choice, done.cluster.gpus, asked))
     if done.alternatives is not None:
-        out.print(explain_table(plan, done.alternatives, done.recompute))
+        hand = {k: v for k, v in done.alternatives.items() if k in HAND_LAYOUTS or k.startswith(HAND_PREFIX)}
+        if hand:
+            out.print(layout_table(plan, hand, profile))
+        rest = {k: v for k, v in done.alternatives.items() if k not in hand}
+        if rest or not hand:
+            out.print(explain_table(plan, rest, done.recompute))
     rounded = plan.extra.get("microbatches_asked")
     if rounded:
         out.print(
@@ -148,14 +157,17 @@ def plan_summary(plan: Any, sim: Any, profile: Any) -> str:
     single = (
         f"{p.speedup_vs_single or 0:.2f}x over {'one CPU rank' if profile.device == 'cpu' else 'one GPU'}"
     )
-    speedup = (
-        f"speedup {single}"  # (it is data parallelism: no ratio to itself)
-        if len(plan.stages) == 1 and plan.stages[0].replicas == plan.gpus
-        else f"speedup {p.speedup_vs_data_parallel or 0:.2f}x over data parallel, {single}"
-        if data_parallel_fits(profile, plan)
-        else f"speedup {single}; data parallel does not fit in {gib(c.memory_bytes or 0)} per device (the "
-        "memory limit rules it out)"
-    )
+    if "layout" in plan.extra:  # (a 3D plan is compared with the hand layouts: --explain)
+        speedup = _layout_clause(plan, profile)
+    elif len(plan.stages) == 1 and plan.stages[0].replicas == plan.gpus:
+        speedup = f"speedup {single}"  # (it is data parallelism: no ratio to itself)
+    elif data_parallel_fits(profile, plan):
+        speedup = f"speedup {p.speedup_vs_data_parallel or 0:.2f}x over data parallel, {single}"
+    else:
+        speedup = (
+            f"speedup {single}; data parallel does not fit in {gib(c.memory_bytes or 0)} per device (the "
+            "memory limit rules it out)"
+        )
     return (
         f"predicted {p.time_per_minibatch_s * 1e3:.3f} ms/minibatch{hosts}, {rate}; {speedup}; "
         + _bubble(plan, sim, simulated)
@@ -193,6 +205,16 @@ def _slower_than_data_parallel(plan: Any, profile: Any) -> str:
         f"\nslower than data parallelism ({dp_ms:.3f} ms/minibatch, one stage on every device): "
         f"`--schedule pipedream` or `--schedule auto` can choose it"
     )
+
+
+def _layout_clause(plan: Any, profile: Any) -> str:
+    """A 3D plan's layout, tokens a GPU and utilisation, and what its data group's step adds."""
+    from partitioner.optimizer.layouts import layout_name, tokens_per_device, utilisation
+
+    tokens, mfu = tokens_per_device(plan, profile), utilisation(plan, profile)
+    rates = (f", {tokens:,.0f} tokens/s a GPU" if tokens else "") + (f", MFU {mfu:.1%}" if mfu else "")
+    step = plan.extra["layout"]["step_s"] * 1e3
+    return f"layout {layout_name(plan)}{rates}; the data group's step adds {step:.1f} ms (exposed)"
 
 
 def auto_table(choice: Any, gpus: int, asked: int | None) -> Any:
@@ -257,4 +279,25 @@ def explain_table(plan: Any, others: dict[str, Any], recompute: str) -> Any:
         again = short(",".join(str(s.index) for s in alt.stages if s.recompute) or "none", 12)
         table.add_row(name, str(len(alt.stages)), reps, again,
                       f"{t * 1e3:.3f}", f"{t / plan.predicted.time_per_minibatch_s:.2f}x")  # fmt: skip
+    return table
+
+
+def layout_table(plan: Any, others: dict[str, Any], profile: Any) -> Any:
+    """--explain: the chosen layout beside the hand layouts a user would try, each priced by the
+    same model: tokens a second a GPU, model FLOP utilisation, the most memory a GPU holds."""
+    from partitioner.optimizer.layouts import layout_name, tokens_per_device, utilisation
+
+    cols = ("plan", "layout", "tokens/s\na GPU", "MFU", "GiB\na GPU", "vs\nchosen")
+    table = new_table("layouts (each priced by the same model)", cols, ("plan", "layout"))
+    for name, alt in [("chosen", plan), *others.items()]:
+        if alt is None:
+            table.add_row(short(name, 22), "-", "does not fit", "-", "-", "-")
+            continue
+        tokens, mfu = tokens_per_device(alt, profile), utilisation(alt, profile)
+        peak = max(s.memory_bytes for s in alt.stages) / 2**30
+        speed = alt.predicted.time_per_minibatch_s / plan.predicted.time_per_minibatch_s
+        table.add_row(
+            short(name, 22), short(layout_name(alt), 26), "-" if tokens is None else f"{tokens:,.0f}",
+            "-" if mfu is None else f"{mfu:.1%}", f"{peak:.1f}", f"{speed:.2f}x",
+        )  # fmt: skip
     return table

@@ -20,13 +20,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from partitioner.errors import PlanError, ProfileFormatError
+from partitioner.errors import InfeasibleError, PlanError, ProfileFormatError
 from partitioner.generation.overwrite import check_replace
 from partitioner.graph import Profile, load_profile
 from partitioner.hardware.clusters import default_latency, levels_of, load_cluster
 from partitioner.hardware.devices import estimated_device
 from partitioner.optimizer import evaluate, solve
 from partitioner.optimizer.auto import AUTO_SCHEDULES, AutoChoice, solve_auto
+from partitioner.optimizer.layouts import (
+    LAYOUT_SCHEDULES,
+    hand_layouts,
+    simulate_layout,
+    solve_layouts,
+    splits,
+)
 from partitioner.optimizer.options import (
     SolveOptions,
     check_devices,
@@ -38,7 +45,6 @@ from partitioner.optimizer.pricing.price import check_layers_fit
 from partitioner.optimizer.pricing.schedules import model as schedule_model
 from partitioner.optimizer.pricing.simulate import (
     Simulation,
-    simulate,
     with_stage_bubbles,
     write_chrome_trace,
 )
@@ -73,6 +79,8 @@ class PartitionRequest:
     solver: str = "dp"
     cuts: str | None = None
     replicas: str | None = None
+    tensor_parallel: int | None = None
+    shard: str | None = None
     explain: bool = False
     trace_path: str | None = None
     batch_size: int | None = None
@@ -125,7 +133,7 @@ def partition(request: PartitionRequest, note: Callable[[str], None] = lambda _:
         check_layers_fit(profile, cluster.memory_bytes, r.optimizer)
     v = virtual_stages(r.schedule, r.virtual, r.explain)
     plan, choice, micro = _solve(r, profile, cluster, recompute, v)
-    schedule = plan.schedule if choice is not None else r.schedule
+    schedule = plan.schedule if choice is not None or "layout" in plan.extra else r.schedule
     check_replicas(plan)
     check_microbatches(profile, plan.schedule, plan.microbatches)  # (after the schedule's own checks)
     plan = replace(plan, profile=str(path), precision=profile.precision)
@@ -133,12 +141,18 @@ def partition(request: PartitionRequest, note: Callable[[str], None] = lambda _:
     out_dir = Path(r.output) / re.sub(r"[^A-Za-z0-9_.-]+", "_", name or "model") / f"gpus={cluster.gpus}"
     check_replace(out_dir, plan, r.force)  # (the package a run came from is not replaced by surprise)
     before = _kept_runs(out_dir)
-    sim = simulate(plan, profile)
+    sim = simulate_layout(plan, profile)
     plan = _write_plan(profile, with_stage_bubbles(plan, sim), out_dir, r.weights, r.init, note)
     kept = tuple(sorted(_kept_runs(out_dir) - before))
     if r.trace_path:
         write_chrome_trace(sim, r.trace_path)
-    others = alternatives(profile, cluster, schedule, micro, r.optimizer, recompute) if r.explain else None
+    laid = schedule_model(schedule).laid_out and "layout" in plan.extra  # (no laid-out baselines)
+    explained = r.explain and not laid
+    others = alternatives(profile, cluster, schedule, micro, r.optimizer, recompute) if explained else None
+    if r.explain and laid:  # --explain's layouts only
+        others = {}
+    if others is not None and (choice is not None or "layout" in plan.extra):
+        others = {**hand_layouts(profile, cluster, _options(r, recompute), choice), **others}
     return Partitioned(plan, profile, cluster, sim, out_dir, recompute, choice, others, kept)
 
 
@@ -168,14 +182,45 @@ def _solve(
         counts = parse_int_list(r.replicas, "--replicas")
         plan = evaluate(profile, cluster, layers, counts, r.schedule, micro, r.optimizer, comm, recompute, v)
         return plan, None, micro
+    if _fixed_layout(r):
+        return _solve_3d(r, profile, cluster, recompute), None, micro
     if r.schedule == "auto":
         names = [s for s in AUTO_SCHEDULES if not (get_schedule(s).stashes and profile.precision == "fp16")]
         opts = SolveOptions("auto", r.microbatches or 4, r.optimizer, r.straight, r.solver, comm, recompute)
         counts_ = (r.microbatches,) if r.microbatches else None
         choice = solve_auto(profile, cluster, opts, names, counts=counts_)
+        if not r.straight and splits(profile, cluster):  # (docs/layout-3d.md: the 3D search too)
+            best = solve_layouts(profile, cluster, opts, microbatches=r.microbatches,
+                                 incumbent=choice.plan.predicted.time_per_minibatch_s)  # fmt: skip
+            if best is not None:
+                return best.plan, choice, choice.plan.microbatches
         return choice.plan, choice, choice.plan.microbatches
     plan = solve(profile, cluster, r.schedule, micro, r.optimizer, r.straight, r.solver, comm, recompute, v)
     return plan, None, micro
+
+
+def _fixed_layout(r: PartitionRequest) -> bool:
+    """Whether --tensor-parallel or --shard asks for a 3D layout (1 and none: today's plans)."""
+    return (r.tensor_parallel or 1) > 1 or (r.shard or "none") != "none"
+
+
+def _options(r: PartitionRequest, recompute: str) -> SolveOptions:
+    return SolveOptions("1f1b", r.microbatches or 4, r.optimizer, True, r.solver, not r.no_comm, recompute)
+
+
+def _solve_3d(r: PartitionRequest, profile: Profile, cluster: Cluster, recompute: str) -> Plan:
+    """The plan of the layout --tensor-parallel and --shard fix for every stage (the rest searched)."""
+    if r.cuts is not None or r.straight:
+        raise PlanError("--tensor-parallel and --shard search the cuts: drop --cuts, --replicas, --straight")
+    if r.schedule != "auto" and schedule_model(r.schedule).asynchronous:
+        raise PlanError(f"--schedule {r.schedule} takes no tensor parallelism or sharding")
+    schedules = LAYOUT_SCHEDULES if r.schedule == "auto" else (r.schedule,)
+    best = solve_layouts(profile, cluster, _options(r, recompute), schedules, r.tensor_parallel,
+                         r.shard, r.microbatches)  # fmt: skip
+    if best is None:
+        raise InfeasibleError(f"no plan with --tensor-parallel {r.tensor_parallel or 'any'} and --shard "
+                              f"{r.shard or 'any'} fits in {cluster.gpus} GPUs' memory")  # fmt: skip
+    return best.plan
 
 
 def newest_profile() -> Path:

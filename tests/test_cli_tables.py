@@ -221,3 +221,17 @@ def test_a_one_stage_plan_is_called_data_parallel_and_a_slower_plan_says_so(prof
     text = plan_render.plan_summary(slower, SimpleNamespace(steady=True, minibatches=1, bubble_fraction=0.1),
                                     profile)  # fmt: skip
     assert "slower than data parallelism" in text and "--schedule pipedream" in text
+
+
+def test_layouts_table() -> None:
+    """--explain's layouts (docs/layout-3d.md) read at 80 columns, the longest names included."""
+    from partitioner.optimizer.layouts import hand_layouts, solve_layouts
+
+    base = make_profile([(10, 20, 1000, 4000)] * 6, [(i, i + 1) for i in range(5)])
+    split = {"tp_param_bytes": 3000, "tp_comm_bytes": 2000, "tp_max": 8}
+    profile = replace(base, nodes=tuple(replace(n, **split) if n.param_bytes else n for n in base.nodes))
+    cluster = Cluster.flat(8, 1e9)
+    opts = SolveOptions("1f1b", 4, "adam", True)
+    best = solve_layouts(profile, cluster, opts, ("1f1b",))
+    assert best is not None
+    _reads_at_80(plan_render.layout_table(best.plan, hand_layouts(profile, cluster, opts, None), profile))

@@ -98,6 +98,7 @@ PURE_NAMES = {
     "partitioner.calibration.stage_times": {"Calibration", "stage_factors"},
     "partitioner.calibration.link_latency": {"LinkCalibration"},
     "partitioner.optimizer.pricing.simulate": {"gantt"},
+    "partitioner.optimizer.layouts": {"layout_name", "tokens_per_device", "utilisation"},
 }
 
 
@@ -178,7 +179,16 @@ LAYERS = {
         ("runtime.exporting",),
     ),
     "partitioner": (
-        ("partitioner", "partitioner.errors", "partitioner.sized", "partitioner.graph", "partitioner.plan"),
+        # (the device model is data the 3D pricing reads, so it sits below the optimizer, apart from
+        # the clusters of hardware/, which parse with the optimizer's units)
+        (
+            "partitioner",
+            "partitioner.errors",
+            "partitioner.sized",
+            "partitioner.graph",
+            "partitioner.plan",
+            "partitioner.hardware.devices",
+        ),
         ("partitioner.optimizer",),
         ("partitioner.hardware",),
         ("partitioner.models",),

@@ -87,7 +87,7 @@ def solve_with(profile: Profile, cluster: Cluster, opts: SolveOptions) -> Plan:
             return kept
     where = f"{gib(cluster.memory_bytes or 0)} per GPU on {cluster.gpus} GPUs"
     try:  # (the search's own estimate of what would fit ignores the inputs recomputing stages keep)
-        searched = _solve_kept(recomputing(profile), cluster, opts)
+        searched = _solve_kept(recomputing(profile), cluster, opts, explain=False)  # (message replaced)
     except InfeasibleError:
         if kept is not None:
             return kept

@@ -48,6 +48,7 @@ from partitioner.profiler.measure import (
     measure_loss_memory,
     measure_step,
 )
+from partitioner.profiler.tensor_fields import with_tensor_fields
 from partitioner.profiler.trace import Group, Traced, trace_model
 from partitioner.profiler.update_cost import UPDATE_KEY
 from partitioner.profiler.update_timing import measure_update
@@ -312,6 +313,7 @@ def _estimated(
     run = _Run(costs, loss_ms, None, estimator.fixed(), extra, sized)
     where = "cpu" if device_model == "cpu" else model.name
     profile = _assemble(spec, bundle, traced, where, param_dtype, precision, run, extra)
+    profile = with_tensor_fields(profile, bundle.module)  # (docs/layout-3d.md: the 3D planner's fields)
     check_weights_fit(profile, model.memory_bytes, model.name)
     return profile
 

@@ -27,7 +27,7 @@ import io
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,8 @@ class TorchPlan:
         microbatches: microbatches per minibatch.
         batch_size: samples per minibatch.
         schedule: pipeplan's schedule name.
+        layout: a 3D plan's (t, d, shard) of every stage (docs/layout-3d.md); None: one rank a
+            stage. ``rows``, ``microbatches`` and ``batch_size`` are then one copy's pipeline.
     """
 
     rows: tuple[tuple[str, ...], ...]
@@ -57,6 +59,7 @@ class TorchPlan:
     microbatches: int
     batch_size: int
     schedule: str
+    layout: tuple[int, int, str] | None = None
 
     def csv(self) -> str:
         out = io.StringIO()
@@ -75,10 +78,26 @@ class TorchPlan:
             'pipeline_parallel_schedule = "_PipelineScheduleRuntime"\n'
             'pipeline_parallel_schedule_csv = "schedule.csv"\n'
             f"pipeline_parallel_microbatch_size = {self.batch_size // self.microbatches}\n"
-            f"module_fqns_per_model_part = {json.dumps(fqns)}\n"
-            "\n[training]\n"
+            f"module_fqns_per_model_part = {json.dumps(fqns)}\n" + self._degrees() + "\n[training]\n"
             f"local_batch_size = {self.batch_size}\n"
         )
+
+    def _degrees(self) -> str:
+        """A 3D plan's tensor and data-parallel degrees in torchtitan's names (its mesh orders the
+        ranks pipeline, data, tensor: the plan's data-major groups of consecutive ranks)."""
+        if self.layout is None:
+            return ""
+        t, d, shard = self.layout
+        lines = [f"tensor_parallel_degree = {t}"]
+        if shard == "none":
+            lines += [f"data_parallel_replicate_degree = {d}", "data_parallel_shard_degree = 1"]
+        else:
+            lines += ["data_parallel_replicate_degree = 1", f"data_parallel_shard_degree = {d}"]
+        if shard in ("optimizer", "gradients"):  # (torchtitan has FSDP only: unsharded between F and B)
+            lines.append(
+                f'fsdp_reshard_after_forward = "never"  # pipeplan shard = {shard}: FSDP, kept unsharded'
+            )
+        return "".join(f"{line}\n" for line in lines)
 
 
 def _torch_action(action: Action, schedule: str, microbatches: int) -> str | None:
@@ -145,6 +164,17 @@ def torch_plan(package: str | Path, schedule: str | None = None) -> TorchPlan:
         RunError: a plan torch's pipelining cannot run, or a package not written by pipeplan.
     """
     job = load_job(package, schedule)
+    layout = _layout(Path(job.package))
+    if layout is not None:  # one copy's pipeline, a rank a stage (torchtitan's own degrees do the rest)
+        group = layout[0] * layout[1]
+        ranks = tuple((r[0] // group,) for r in job.stage_ranks)
+        copies = layout[1]
+        job = replace(
+            job,
+            stage_ranks=ranks,
+            microbatches=job.microbatches // copies,
+            batch_size=job.batch_size // copies,
+        )
     pkg = import_package(job.package)
     wiring = read_wiring(pkg, job.stages, job.module_stages)
     _check(job, wiring)
@@ -153,7 +183,27 @@ def torch_plan(package: str | Path, schedule: str | None = None) -> TorchPlan:
         for actions in _rank_lists(job)
     )
     stages = tuple(_stage_record(pkg, job, wiring, k) for k in range(job.stages))
-    return TorchPlan(rows, stages, job.microbatches, job.batch_size, job.schedule)
+    return TorchPlan(rows, stages, job.microbatches, job.batch_size, job.schedule, layout)
+
+
+def _layout(folder: Path) -> tuple[int, int, str] | None:
+    """A 3D plan's one (t, d, shard) from its plan.json (docs/layout-3d.md), None for a 2D plan.
+
+    Raises:
+        RunError: stages of different layouts (torchtitan takes one for the whole job).
+    """
+    try:
+        stages = json.loads((folder / "plan.json").read_text(encoding="utf-8"))["stages"]
+    except (OSError, ValueError, KeyError):
+        return None
+    found = {
+        (int(s.get("tensor_parallel", 1)), int(s["replicas"]), str(s.get("shard", "none"))) for s in stages
+    }
+    if all(t == 1 and shard == "none" for t, _, shard in found):
+        return None
+    if len(found) > 1:
+        raise RunError(f"torchtitan takes one layout for every stage; the plan has {sorted(found)}")
+    return found.pop()
 
 
 def export_torch_plan(package: str | Path, out_dir: str | Path, schedule: str | None = None) -> TorchPlan:

@@ -104,3 +104,28 @@ def test_torch_pipelining_runs_the_exported_plan_to_pipeplan_s_losses(straight: 
     ours = run(straight, steps=STEPS, lr=LR, schedule="1f1b", run_dir=str(tmp_path / "run"))["losses"]
     assert len(theirs) == STEPS and theirs[0] != theirs[-1]
     assert theirs == pytest.approx(ours, rel=1e-5, abs=1e-6)
+
+
+def test_a_3d_plan_exports_one_copy_s_pipeline_and_torchtitan_s_degrees(
+    straight: Path, tmp_path: Path
+) -> None:
+    """docs/layout-3d.md: TP2 x DP2 (optimizer) every stage -> torchtitan's degrees, one copy's ranks."""
+    import shutil
+
+    pkg = tmp_path / "pkg3d"
+    shutil.copytree(straight, pkg)
+    plan = json.loads((pkg / "plan.json").read_text())
+    conf = json.loads((pkg / "mp_conf.json").read_text())
+    for k, stage in enumerate(plan["stages"]):
+        ranks = list(range(4 * k, 4 * k + 4))
+        stage.update(tensor_parallel=2, replicas=2, shard="optimizer", ranks=ranks)
+        conf["stage_to_rank_map"][str(k)] = ranks
+    plan["gpus"] = 8
+    (pkg / "plan.json").write_text(json.dumps(plan))
+    (pkg / "mp_conf.json").write_text(json.dumps(conf))
+    done = torch_plan(pkg)
+    assert done.layout == (2, 2, "optimizer") and len(done.rows) == 2
+    assert done.batch_size == 4 and done.microbatches == 2  # (one copy's half of 8 samples, 4 microbatches)
+    toml = done.torchtitan()
+    assert "tensor_parallel_degree = 2" in toml and "data_parallel_shard_degree = 2" in toml
+    assert "pipeline_parallel_degree = 2" in toml and "local_batch_size = 4" in toml

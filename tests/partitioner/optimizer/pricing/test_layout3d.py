@@ -1,0 +1,188 @@
+"""3D layouts' cost terms (docs/layout-3d.md) by hand, and the layout search against every layout."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from partitioner.errors import InfeasibleError, PlanError
+from partitioner.graph import Profile
+from partitioner.hardware.devices import load_device_model
+from partitioner.optimizer.layouts import layouts, solve_layout, solve_layouts, splits
+from partitioner.optimizer.options import SolveOptions
+from partitioner.optimizer.pricing.layout import Layout, copy_cluster, copy_profile, layout_plan
+from partitioner.optimizer.pricing.sharding import Unit, per_byte, per_call_exposed, step_exposed
+from partitioner.optimizer.pricing.tensor import degrees, ring_time, split_penalty, tensor_view
+from partitioner.plan import Cluster, Level, Link
+
+from ..conftest import make_profile
+
+
+def _split_chain(layers: int = 4, t_max: int = 4) -> Profile:
+    """A chain of equal layers, each tensor parallelism splits (3/4 of its parameters)."""
+    base = make_profile([(10, 20, 1000, 4000)] * layers, [(i, i + 1) for i in range(layers - 1)])
+    nodes = tuple(
+        replace(n, tp_param_bytes=3000, tp_comm_bytes=2000, tp_max=t_max) if n.op != "input" else n
+        for n in base.nodes
+    )
+    return replace(base, nodes=nodes)
+
+
+def test_tensor_view_divides_the_split_part_and_adds_the_all_reduces() -> None:
+    link = Link(1e6, 1e-3)
+    node = _split_chain().nodes[1]
+    split = tensor_view(_split_chain(), 2, link).nodes[1]
+    wire = 2 * 0.5 * 2000 / 1e6  # all-reduce: 2 (t-1)/t of the bytes ...
+    latency = 2 * 1 * 1e-3  # ... and 2 (t-1) latencies, once per call
+    assert split.param_bytes == 1000 + 3000 // 2
+    assert split.saved_bytes == node.saved_bytes // 2
+    assert split.forward_ms == pytest.approx(10 / 2 + (wire + latency) * 1e3)
+    assert split.backward_ms == pytest.approx(20 / 2 + (wire + latency) * 1e3)
+    assert split.forward_fixed_ms == pytest.approx(latency * 1e3)
+    assert tensor_view(_split_chain(), 1, link) == _split_chain()
+    assert tensor_view(_split_chain(t_max=3), 2, link).nodes[1] == _split_chain(t_max=3).nodes[1]
+
+
+def test_smaller_products_run_slower_on_the_h100_curve() -> None:
+    h100 = load_device_model("h100")
+    big = [2.0 * 4096 * 8192 * 8192]
+    assert split_penalty(None, "bfloat16", big, 8) == 1.0
+    expected = h100.matmul_rate("bfloat16", big[0]) / h100.matmul_rate("bfloat16", big[0] / 8)
+    assert split_penalty(h100, "bfloat16", big, 8) == pytest.approx(expected)
+    assert expected > 1.05
+
+
+def test_degrees_divide_a_node_and_every_split_layer() -> None:
+    assert degrees(_split_chain(t_max=4), 8) == (1, 2, 4)
+    assert degrees(make_profile([(1, 1, 1, 1)], []), 8) == (1,)
+    assert not splits(make_profile([(1, 1, 1, 1)], []), Cluster.flat(8))
+
+
+@pytest.mark.parametrize(
+    ("shard", "d", "bf16_adam", "fp32_adam"),
+    [("none", 4, 8.0, 4.0), ("optimizer", 4, 2 + 6 / 4, 2 + 3 / 4), ("gradients", 4, 1 + 7 / 4, 1 + 4 / 4),
+     ("full", 4, 8 / 4, 5 / 4)],
+)  # fmt: skip
+def test_bytes_per_weight_byte_follow_the_table(
+    shard: str, d: int, bf16_adam: float, fp32_adam: float
+) -> None:
+    assert per_byte(shard, d, "adam", 2.0) == pytest.approx(bf16_adam)
+    assert per_byte(shard, d, "adam", 0.0) == pytest.approx(fp32_adam)
+
+
+def test_collectives_overlap_their_units_compute_up_to_it() -> None:
+    link = Link(1e6)
+    units = [Unit(1e6, 0.1, 0.2), Unit(1e6, 0.1, 0.2), Unit(1e6, 0.1, 0.2)]
+    one = ring_time(1e6, 4, link)  # 0.75 s: a gather or scatter of one unit
+    assert step_exposed("none", units, 4, link) == pytest.approx(2 * 0.75 * 3)
+    assert step_exposed("full", units, 4, link) == pytest.approx(2 * one)
+    assert step_exposed("gradients", units, 4, link) == pytest.approx(2 * one + 2 * (one - 0.1))
+    assert step_exposed("optimizer", units, 4, link) == pytest.approx(
+        2 * one + 2 * (one - 0.1) + 2 * (one - 0.2)
+    )
+    assert per_call_exposed("full", units[0], 4, link) == pytest.approx((one - 0.1, 2 * one - 0.2))
+    assert per_call_exposed("optimizer", units[0], 4, link) == (0.0, 0.0)
+    assert step_exposed("none", units, 1, link) == 0.0
+
+
+def test_a_layout_is_one_copys_pipeline_on_groups_plus_its_step() -> None:
+    profile = _split_chain()
+    cluster = Cluster((Level(4, 1e9), Level(2, 1e8)))
+    layout = Layout(2, 2, "optimizer")
+    assert copy_cluster(cluster, layout).levels == (Level(2, 1e8),)
+    _, split = copy_profile(profile, cluster, layout, 2, "adam")
+    all_reduce_ms = 2 * (1 / 2) * 2000 / 1e9 * 1e3  # (the tensor group's, on the innermost link)
+    assert split.batch_size == 4
+    assert split.nodes[1].forward_ms == pytest.approx((10 / 2 + all_reduce_ms) / 2)  # a copy runs half
+    opts = SolveOptions("1f1b", 2, "adam", True)
+    plan = solve_layout(profile, cluster, layout, opts, ("1f1b",), microbatches=4)
+    assert [s.ranks for s in plan.stages] == [(0, 1, 2, 3), (4, 5, 6, 7)][: len(plan.stages)]
+    assert all(s.tensor_parallel == 2 and s.replicas == 2 and s.shard == "optimizer" for s in plan.stages)
+    step = plan.extra["layout"]["step_s"]
+    assert step > 0
+    assert plan.predicted.time_per_minibatch_s == pytest.approx(plan.extra["layout"]["copy_time_s"] + step)
+    again = layout_plan(replace(plan, stages=plan.stages), split, cluster, layout)  # (idempotent ranks)
+    assert again.gpus == plan.gpus
+
+
+def test_the_search_finds_the_best_of_every_layout() -> None:
+    """Ruling layouts out by their bound loses nothing: the search equals the best of all of them."""
+    profile = _split_chain(layers=6)
+    cluster = Cluster((Level(4, 1e8, 1e-4),), memory_bytes=60_000)
+    opts = SolveOptions("1f1b", 1, "adam", True, recompute="auto")
+    best = solve_layouts(profile, cluster, opts, ("1f1b", "gpipe"))
+    assert best is not None
+    each = []
+    for layout in layouts(profile, cluster):
+        try:
+            plan = solve_layout(profile, cluster, layout, opts, ("1f1b", "gpipe"))
+        except InfeasibleError:  # (a layout that fits nowhere)
+            continue
+        each.append(plan.predicted.time_per_minibatch_s)
+    assert len(each) > 3
+    assert best.plan.predicted.time_per_minibatch_s == pytest.approx(min(each))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_the_fill_and_drain_bound_holds_on_unequal_stages(schedule: str) -> None:
+    """The search's ruling-out bound is below the simulated price of random plans of random chains."""
+    import random
+
+    from partitioner.optimizer import evaluate
+    from partitioner.optimizer.layouts import _bubble
+
+    rng = random.Random(7)
+    for _ in range(12):
+        layers = rng.randint(3, 8)
+        costs = [(rng.randint(1, 9), rng.randint(1, 18), rng.randint(1, 99), 10) for _ in range(layers)]
+        profile = make_profile(costs, [(i, i + 1) for i in range(layers - 1)])
+        p, m = rng.randint(2, layers), rng.choice([1, 2, 4, 8])
+        cuts = sorted(rng.sample(range(layers - 1), p - 1))
+        plan = evaluate(profile, Cluster.flat(p, 1e6), [f"l{c}" for c in cuts], [1] * p, schedule, m)
+        work = sum(f + b for f, b, _, _ in costs) / 1e3
+        assert plan.predicted.time_per_minibatch_s >= work / p * _bubble(schedule, m, p) * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv", "interleaved"])
+def test_a_layouts_simulation_is_its_copys(schedule: str) -> None:
+    """partition shows a 3D plan's simulation: one copy's pipeline, laid out as its schedule lays it."""
+    from partitioner.optimizer.layouts import simulate_layout
+
+    profile = _split_chain(layers=8)
+    cluster = Cluster((Level(4, 1e8, 1e-4), Level(2, 1e7)))
+    layout = Layout(2, 2, "optimizer") if schedule == "1f1b" else Layout(2, 1)  # (what the runtime runs)
+    plan = solve_layout(profile, cluster, layout, SolveOptions("1f1b", 1, "adam", True), (schedule,),
+                        microbatches=8)  # fmt: skip
+    sim = simulate_layout(plan, profile)
+    assert sim.events and {e.stage for e in sim.events} == set(range(len(plan.stages)))
+    assert sim.window_s == pytest.approx(plan.extra["layout"]["copy_time_s"], rel=1e-9)
+    assert sorted({r for s in plan.stages for r in s.ranks}) == list(range(plan.gpus))
+
+
+def test_no_layout_is_returned_that_is_slower_than_the_2d_plan() -> None:
+    profile = _split_chain(layers=6)
+    cluster = Cluster((Level(4, 1e8, 1e-4),), memory_bytes=60_000)
+    opts = SolveOptions("1f1b", 1, "adam", True, recompute="auto")
+    best = solve_layouts(profile, cluster, opts, ("1f1b",))
+    assert best is not None
+    time = best.plan.predicted.time_per_minibatch_s
+    assert solve_layouts(profile, cluster, opts, ("1f1b",), incumbent=time) is None
+    assert solve_layouts(profile, cluster, opts, ("1f1b",), incumbent=time * 1.01) is not None
+
+
+def test_only_layouts_the_runtime_runs_are_searched() -> None:
+    """docs/layout-3d.md: no shard level under a split backward, one copy under a laid-out schedule."""
+    from partitioner.optimizer.layouts import runs
+
+    assert runs(Layout(2, 2, "optimizer"), "1f1b") and runs(Layout(2, 2, "full"), "gpipe")
+    assert not runs(Layout(2, 2, "optimizer"), "zb1p") and runs(Layout(2, 2), "zb1p")
+    assert (
+        not runs(Layout(2, 2), "zbv") and not runs(Layout(1, 2), "interleaved") and runs(Layout(4, 1), "zbv")
+    )
+    profile = _split_chain(layers=8)
+    cluster = Cluster((Level(4, 1e8, 1e-4), Level(2, 1e7)))
+    with pytest.raises(PlanError, match="does not run under zbv"):
+        solve_layout(
+            profile, cluster, Layout(2, 2, "optimizer"), SolveOptions("1f1b", 1, "adam", True), ("zbv",)
+        )
