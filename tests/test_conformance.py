@@ -85,7 +85,8 @@ def test_family_profiles_partitions_verifies_and_trains(
     models = tmp_path / "models" / f"hf-{family}"
     plans = {
         "default": ["--gpus", "2"],
-        "1f1b": ["--gpus", "2", "--schedule", "1f1b", "--microbatches", "2", "--straight"],
+        # (the default plan's package trained: another plan replaces it only with --force)
+        "1f1b": ["--gpus", "2", "--schedule", "1f1b", "--microbatches", "2", "--straight", "--force"],
         "straight4": ["--gpus", "4", "--straight", "--latency", "0"],  # 4 cuts (gloo's 1.7 ms would take 3)
     }
     for name, args in plans.items():
