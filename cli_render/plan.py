@@ -87,8 +87,11 @@ def plan_table(plan: Any, profile: Any) -> Any:
         "util",
     )
     title = f"{plan.model}: {len(plan.stages)} stages on {devices(plan.gpus, profile)} ({plan.schedule})"
+    tensor = max(s.tensor_parallel for s in plan.stages)
     if len(plan.stages) == 1 and plan.gpus > 1:  # one stage on every device is no pipeline
-        title = f"{plan.model}: data parallel, one stage on {devices(plan.gpus, profile)} ({plan.schedule})"
+        split = f"tensor parallel x {tensor}, " if tensor > 1 else ""
+        kind = "data parallel" if plan.stages[0].replicas > 1 else "one copy"
+        title = f"{plan.model}: {split}{kind}, one stage on {devices(plan.gpus, profile)} ({plan.schedule})"
     rows = 24  # as the Gantt: a pipeline of more stages shows its first and last, and how many it left out
     stages = plan.stages if len(plan.stages) <= rows else [*plan.stages[:16], *plan.stages[-8:]]
     spans = {}
