@@ -134,7 +134,7 @@ def _bubble(schedule: str, m: int, stages: int) -> float:
     and gpipe stage ``s`` cannot start before one microbatch's forwards through the stages before
     it nor end before their backwards, so ``T >= M t_s + sum_{k<s} t_k``, whose least maximum
     over stage times adding up to ``W / M`` is ``W / (M (1 - (1 - 1/M)^p))``; 1 for the others."""
-    if schedule not in ("1f1b", "gpipe") or stages < 2:
+    if not model(schedule).sync_sum or stages < 2:  # (1f1b's and gpipe's synchronous sum)
         return 1.0
     return stages / (m * (1.0 - (1.0 - 1.0 / m) ** stages))
 
