@@ -56,20 +56,21 @@ def test_probe_two_local_ranks_writes_a_cluster_file(tmp_path: Path) -> None:
     # the runtime's time per action, from a short traced run of the runtime's own loop
     assert cluster.action_s == doc["action_overhead"] == doc["probe"]["actions"]["action_s"] > 0
     assert doc["probe"]["actions"]["actions_timed"] >= 5 and "time per action" in " ".join(out.split())
+    assert doc["probe"]["actions"]["ranks"] == 2  # one stage a rank: its actions send and receive
 
 
 def test_the_time_per_action_lands_in_the_cluster_file_partition_reads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(runtime.job.link_probe, "probe", lambda o: _fake_result(o))
-    found = ActionProbe(4e-4, 120, 3e-4, ("pipeplan run PKG --trace T",))
+    found = ActionProbe(4e-4, 120, 3e-4, ("pipeplan run PKG --trace T",), 2)
     monkeypatch.setattr(partitioner.calibration.action_probe, "probe_actions", lambda ranks, device: found)
     path = tmp_path / "cluster.json"
     code, out, err = _run("probe", "--device", "cpu", "-o", str(path))
     assert code == 0, err
     assert load_cluster(str(path)).action_s == pytest.approx(4e-4)
     doc = json.loads(path.read_text())
-    assert doc["probe"]["actions"] == {"action_s": 4e-4, "median_s": 3e-4, "actions_timed": 120,
+    assert doc["probe"]["actions"] == {"action_s": 4e-4, "median_s": 3e-4, "actions_timed": 120, "ranks": 2,
                                        "commands": ["pipeplan run PKG --trace T"]}  # fmt: skip
     assert "time per action 0.400 ms" in " ".join(out.split())
 
