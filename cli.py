@@ -314,12 +314,14 @@ def probe(gpus: int, output: str, device: str, actions: bool, **opts: Any) -> No
     print_probe(run_probe(options, Path(output), " ".join(["pipeplan", *sys.argv[1:]])), output)
     if actions and options.nnodes == 1 and gpus >= 2:
         from cli_render.probe import print_actions, print_timing_actions
-        from partitioner.calibration.action_probe import probe_actions, record_actions
+        from partitioner.calibration.action_probe import HOSTING, probe_actions, record_actions
 
         print_timing_actions()
-        found = probe_actions(2, "cuda" if options.device == "cuda" else "cpu")
-        record_actions(Path(output), found)
-        print_actions(found, Path(output))
+        device = "cuda" if options.device == "cuda" else "cpu"
+        found = probe_actions(2, device)
+        hosting = {name: probe_actions(2, device, schedule=name) for name in HOSTING}
+        record_actions(Path(output), found, hosting)
+        print_actions(found, Path(output), hosting)
 
 
 def _with_config(ctx: click.Context, package: str | None, opts: dict[str, Any]) -> str | None:

@@ -40,7 +40,8 @@ figure over its profile's says whether the core was slower or faster than when i
 Every run also counts its peak memory (``--measure-memory``) against the plan's prediction per stage.
 
 Run:  .venv/bin/python benchmarks/bench_fidelity.py   (writes benchmarks/results/bench_fidelity.{json,md};
-``--models hf:llama --rank-model hf:llama --results NAME`` runs a subset into NAME.{json,md})
+``--models hf:llama --rank-model hf:llama --results NAME`` runs a subset into NAME.{json,md};
+``--as-planned --results bench_fidelity_as_planned`` the first pass alone)
 """
 
 from __future__ import annotations
@@ -331,6 +332,9 @@ def main() -> None:
     parser.add_argument("--keep", default=None, help="Work in this folder (kept) instead of a temporary one.")
     parser.add_argument("--from-json", default=None, help="Only write the report again from a result file.")
     parser.add_argument("--results", default="bench_fidelity", help="Result files' name (a subset's own).")
+    parser.add_argument(
+        "--as-planned", action="store_true", help="Only the first pass (probed cluster, no calibrate)."
+    )
     args = parser.parse_args()
     if args.from_json:
         old = json.loads(Path(args.from_json).read_text())
@@ -359,6 +363,8 @@ def main() -> None:
             length = (args.steps, args.seconds)
             probed_file = {micro: "cluster.json" for micro in paths}  # as planned: probed, not calibrated
             done = run_pass(cli, model, cands, paths, probed_file, PASSES[0], runs, length)
+            if args.as_planned:
+                continue
             calibrated, clusters = calibrate(cli, paths, done, profiles)
             run_pass(cli, model, cands, calibrated, clusters, PASSES[1], runs, length)
     args.probed = {k: probed.get(k) for k in ("latency", "bandwidth")}
@@ -543,7 +549,8 @@ def report(
         "median_cpu_share": _median(runs, "cpu_share"),
         "rank_model": args.rank_model,
         "passes": {label: _scores([r for r in runs if r.get("pass", PASSES[0]) == label],
-                                  args.rank_model, cpus) for label in PASSES},
+                                  args.rank_model, cpus)
+                   for label in PASSES if any(r.get("pass", PASSES[0]) == label for r in runs)},
         "runs": runs,
     }  # fmt: skip
     tables = (_runs_table(doc["runs"]), _worst_stage_table(doc["runs"]), _memory_table(doc["runs"]))

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 from cli_render.common import console, new_table
 
 if TYPE_CHECKING:  # (types only: this module prints, runtime.job.link_probe and action_probe measure)
+    from collections.abc import Mapping
+
     from partitioner.calibration.action_probe import ActionProbe
     from runtime.job.link_probe import ProbeOptions, ProbeOutcome
 
@@ -39,12 +41,20 @@ def print_probe(outcome: ProbeOutcome | None, output: str) -> None:
 
 def print_timing_actions() -> None:
     """Say that the time per action is being measured (a short traced run, seconds)."""
-    console(stderr=True).print("timing the runtime's own cost per action (a short traced run) ...")
+    console(stderr=True).print(
+        "timing the runtime's own cost per action (short traced runs: 1f1b, interleaved, zbv) ..."
+    )
 
 
-def print_actions(found: ActionProbe, path: Path) -> None:
-    """The time per action measured and written into the cluster file at ``path``."""
+def print_actions(found: ActionProbe, path: Path, hosting: Mapping[str, ActionProbe] | None = None) -> None:
+    """The time per action measured and written into the cluster file at ``path``: one stage a
+    rank, and ``hosting``'s schedules (two stages a rank) apart."""
     console().print(
         f"time per action {found.action_s * 1e3:.3f} ms (mean of {found.actions} actions' gaps, median "
         f"{found.median_s * 1e3:.3f} ms) -> {path}'s action_overhead"
     )
+    for name, probe in (hosting or {}).items():
+        console().print(
+            f"time per action under {name}, two stages a rank: {probe.action_s * 1e3:.3f} ms (mean of "
+            f"{probe.actions}) -> action_overhead_by_schedule"
+        )

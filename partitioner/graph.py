@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PROFILE_SCHEMA",
+    "SPLIT_CALL",
     "Node",
     "Profile",
     "TensorSpec",
@@ -49,6 +50,11 @@ PROFILE_SCHEMA = "pipeplan.profile/1"
 SPLIT_BACKWARD = "split_backward"
 """``Profile.extra`` key of ``{"factor": g, "runs": n}``: a schedule that splits each backward into
 B and W (zb1p, zbv) measured g times the fused backward over n runs (``pipeplan calibrate``)."""
+
+SPLIT_CALL = "split_call_ms"
+"""``Profile.extra`` key: the fixed milliseconds of one split-backward B call, which each layer's
+timed B holds and a stage pays once a microbatch (``partitioner.profiler.split_call``); taken off
+every layer's B where it is priced (:func:`at_microbatches`)."""
 
 
 @dataclass(frozen=True)
@@ -285,6 +291,8 @@ def at_microbatches(profile: Profile, forwards: int) -> Profile:
     measured = profile.extra.get("measured_batch_size") or profile.batch_size
     extra_calls = forwards - (profile.batch_size / measured if profile.batch_size and measured else 1.0)
     samples = profile.batch_size / forwards if profile.batch_size else None
+    fixed_b = profile.extra.get(SPLIT_CALL)
+    split_call = float(fixed_b) if isinstance(fixed_b, int | float) else 0.0
 
     def charged(n: Node) -> Node:
         times: dict[str, Any] = {
@@ -302,7 +310,8 @@ def at_microbatches(profile: Profile, forwards: int) -> Profile:
                 "backward_ms": max(0.0, forwards * call.backward_ms + rest_b),
             }
             if call.split:
-                times["split_ms"] = (forwards * call.input_ms, max(0.0, forwards * call.weight_ms + rest_b))
+                b = max(0.0, call.input_ms - split_call)  # the fixed part: paid by the stage's B call
+                times["split_ms"] = (forwards * b, max(0.0, forwards * call.weight_ms + rest_b))
             times["sized"] = ()
         return replace(
             n,

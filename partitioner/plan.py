@@ -116,6 +116,9 @@ class Cluster:
             backward, a split backward's B or W) besides its layers' time: the Python between two
             actions, setting up autograd, posting the action's messages. Measured from a traced run
             by ``pipeplan calibrate --trace`` (the mean idle gap after a compute span); 0: not priced.
+        schedule_action_s: (schedule, seconds) where a schedule's ranks spend another time per action
+            than ``action_s`` (a rank hosting two stages, interleaved and zbv: ``pipeplan probe``
+            times each); :meth:`action_for` reads it.
     """
 
     levels: tuple[Level, ...]
@@ -123,6 +126,7 @@ class Cluster:
     cores: int | None = None
     threads: int = 1
     action_s: float = 0.0
+    schedule_action_s: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.levels:
@@ -144,8 +148,12 @@ class Cluster:
             raise PlanError(f"a host needs at least 1 core, got {self.cores}")
         if self.threads < 1:
             raise PlanError(f"a CPU process needs at least 1 thread, got {self.threads}")
-        if not self.action_s >= 0:
+        if not self.action_s >= 0 or not all(s >= 0 for _, s in self.schedule_action_s):
             raise PlanError(f"the time per action must be >= 0 s, got {self.action_s}")
+
+    def action_for(self, schedule: str) -> float:
+        """The runtime's time per action under ``schedule``: its own measured figure, else ``action_s``."""
+        return dict(self.schedule_action_s).get(schedule, self.action_s)
 
     @property
     def gpus(self) -> int:
@@ -341,6 +349,10 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
                 del level[key]
     if not plan.cluster.action_s:  # only calibrated clusters say it (as above)
         del doc["cluster"]["action_s"]
+    if plan.cluster.schedule_action_s:  # only probed ones (as above)
+        doc["cluster"]["schedule_action_s"] = dict(plan.cluster.schedule_action_s)
+    else:
+        del doc["cluster"]["schedule_action_s"]
     for stage in doc["stages"]:  # only simulated plans say it; only 3D stages their layout (as above)
         if stage["bubble_fraction"] is None:
             del stage["bubble_fraction"]
@@ -382,6 +394,7 @@ def plan_from_json(doc: Mapping[str, Any], source: str = "plan") -> Plan:
                 cluster.get("cores"),
                 int(cluster.get("threads", 1)),
                 float(cluster.get("action_s", 0.0)),
+                tuple((str(k), float(v)) for k, v in dict(cluster.get("schedule_action_s", {})).items()),
             ),
             schedule=str(doc["schedule"]),
             microbatches=int(doc["microbatches"]),

@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from partitioner.calibration.link_latency import FEWEST, action_gaps
 from partitioner.errors import PipeplanError
 from runtime.files.atomic import write_text_atomic
 
-__all__ = ["ActionProbe", "probe_actions", "record_actions"]
+__all__ = ["HOSTING", "ActionProbe", "probe_actions", "record_actions"]
 
 #: the minibatches the probing run plays (its first fifth of traced time is skipped)
 STEPS = 20
@@ -40,6 +41,11 @@ STEPS = 20
 #: waits for its messages as a pipeline's do (left to the optimizer, tiny-mlp is one stage, and the
 #: figure missed the messages' share: 0.05 ms against 0.25 ms with the cuts, docs/fidelity.md)
 CUTS = ("act1", "act2")
+#: tiny-mlp cut into four stages, two a rank on two ranks, for the schedules that lay several stages
+#: on a rank (:data:`HOSTING`): such a rank idles longer after an action than a rank of one stage
+HOSTED_CUTS = ("fc1", "act1", "fc2")
+#: the schedules whose time per action ``probe`` times apart, on two ranks of two stages each
+HOSTING = ("interleaved", "zbv")
 
 
 @dataclass(frozen=True)
@@ -54,19 +60,23 @@ class ActionProbe:
     ranks: int = 0
 
 
-def probe_actions(ranks: int = 2, device: str = "cpu", timeout: float = 300.0) -> ActionProbe:
+def probe_actions(
+    ranks: int = 2, device: str = "cpu", timeout: float = 300.0, schedule: str = "1f1b"
+) -> ActionProbe:
     """Run the probing pipeline on ``ranks`` ranks (at most the 3 stages tiny-mlp cuts into) of
-    ``device`` and return its time per action; PipeplanError where a step fails or the trace holds
+    ``device`` under ``schedule`` (1f1b: one stage a rank; one of :data:`HOSTING`: two ranks of two
+    stages each) and return its time per action; PipeplanError where a step fails or the trace holds
     fewer than :data:`~partitioner.calibration.link_latency.FEWEST` actions."""
-    ranks = max(2, min(ranks, 3))
+    ranks = 2 if schedule in HOSTING else max(2, min(ranks, 3))
+    cuts = HOSTED_CUTS if schedule in HOSTING else CUTS[: ranks - 1]
     with tempfile.TemporaryDirectory(prefix="pipeplan-probe-") as tmp:
         where = Path(tmp)
         steps = [
             ["profile", "tiny-mlp", "--batch-size", str(8 * ranks), "--no-fixed-cost", "--repeats", "1",
              "--device", device, "-o", str(where / "profile.json")],
             ["partition", "--profile", str(where / "profile.json"), "--gpus", str(ranks),
-             "--cuts", ",".join(CUTS[: ranks - 1]), "--replicas", ",".join(["1"] * ranks),
-             "--schedule", "1f1b", "--microbatches", str(4 * ranks), "-o", str(where / "pkg")],
+             "--cuts", ",".join(cuts), "--replicas", ",".join(["1"] * (len(cuts) + 1)),
+             "--schedule", schedule, "--microbatches", str(4 * ranks), "-o", str(where / "pkg")],
         ]  # fmt: skip
         for args in steps:
             _pipeplan(args, timeout)
@@ -101,17 +111,29 @@ def _pipeplan(args: list[str], timeout: float) -> None:
         raise PipeplanError(f"probe: `pipeplan {args[0]}` of the probing run failed: {last[0]}")
 
 
-def record_actions(path: Path, found: ActionProbe) -> dict[str, Any]:
+def record_actions(
+    path: Path, found: ActionProbe, hosting: Mapping[str, ActionProbe] | None = None
+) -> dict[str, Any]:
     """Write ``found`` into the cluster file at ``path``: its ``action_overhead`` (what every plan made
-    with it prices per action) and, under ``probe.actions``, how it was measured. Returns the file."""
+    with it prices per action), ``hosting``'s figures as ``action_overhead_by_schedule`` (what plans
+    of those schedules price instead) and, under ``probe.actions`` (and ``probe.actions_by_schedule``),
+    how each was measured. Returns the file."""
     doc = json.loads(path.read_text())
     doc["action_overhead"] = found.action_s
-    doc.setdefault("probe", {})["actions"] = {
+    doc.setdefault("probe", {})["actions"] = _how(found)
+    if hosting:
+        doc["action_overhead_by_schedule"] = {name: probe.action_s for name, probe in hosting.items()}
+        doc["probe"]["actions_by_schedule"] = {name: _how(probe) for name, probe in hosting.items()}
+    write_text_atomic(path, json.dumps(doc, indent=1) + "\n")
+    return dict(doc)
+
+
+def _how(found: ActionProbe) -> dict[str, Any]:
+    """How a figure was measured, as the cluster file records it."""
+    return {
         "action_s": found.action_s,
         "median_s": found.median_s,
         "actions_timed": found.actions,
         "ranks": found.ranks,
         "commands": list(found.commands),
     }
-    write_text_atomic(path, json.dumps(doc, indent=1) + "\n")
-    return dict(doc)

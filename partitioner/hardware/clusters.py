@@ -162,11 +162,13 @@ def cluster_from_json(doc: Any, source: str = "cluster") -> Cluster:
     without a latency: 0, bandwidth only). A level may give a gradient all-reduce its own
     ``allreduce_bandwidth`` and ``allreduce_latency`` (per ring step; what ``pipeplan probe`` fits).
     ``action_overhead``: the runtime's own time per compute action (:attr:`Cluster.action_s`; what
-    ``pipeplan calibrate --trace`` measures)."""
+    ``pipeplan calibrate --trace`` measures); ``action_overhead_by_schedule``: ``{schedule: time}``
+    where a schedule's ranks spend another (:attr:`Cluster.schedule_action_s`; ``pipeplan probe``
+    times interleaved's and zbv's, whose ranks host two stages)."""
     if not isinstance(doc, Mapping) or doc.get("schema") != CLUSTER_SCHEMA:
         raise PlanError(f"{source} is not a pipeplan cluster file (schema {CLUSTER_SCHEMA!r})")
     known = {"schema", "name", "description", "levels", "memory", "device_model", "sources", "probe",
-             "action_overhead"}  # fmt: skip
+             "action_overhead", "action_overhead_by_schedule"}  # fmt: skip
     unknown = sorted(set(doc) - known - {"calibrated"})  # calibrated: what `calibrate --cluster` changed
     if unknown:
         raise PlanError(f"{source}: unknown field {unknown[0]!r}")
@@ -183,8 +185,12 @@ def cluster_from_json(doc: Any, source: str = "cluster") -> Cluster:
         )
         memory = parse_bytes(str(doc["memory"])) if doc.get("memory") is not None else None
         action = parse_latency(str(doc.get("action_overhead", 0)))
+        scheduled = tuple(
+            (str(name), parse_latency(str(value)))
+            for name, value in dict(doc.get("action_overhead_by_schedule") or {}).items()
+        )
     except (KeyError, TypeError, ValueError) as exc:
         raise PlanError(
             f"{source}: bad or missing field {exc}; each level needs devices and bandwidth"
         ) from exc
-    return Cluster(levels, memory, action_s=action)
+    return Cluster(levels, memory, action_s=action, schedule_action_s=scheduled)

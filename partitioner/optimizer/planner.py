@@ -168,7 +168,7 @@ def _searched_at(profile: Profile, cluster: Cluster, opts: SolveOptions, explain
                          opts.activation_comm)  # fmt: skip
     start = time.perf_counter()
     states = states_for(deferred_as_saved(profile, opts.schedule), cluster, opts.activation_comm)
-    states = states.with_actions(cluster.action_s, model(opts.schedule).actions(opts.m))
+    states = states.with_actions(cluster.action_for(opts.schedule), model(opts.schedule).actions(opts.m))
     try:
         plan, lower, exact = _search(opts)(profile, cluster, states, opts)
     except InfeasibleError:

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from partitioner.errors import PipeplanError, TraceError
-from partitioner.graph import Node, Profile, TensorSpec, scale_batch
+from partitioner.graph import SPLIT_CALL, Node, Profile, TensorSpec, scale_batch
 from partitioner.hardware.devices import device_model_to_json, load_device_model
 from partitioner.models.specs import ModelBundle, load_model
 from partitioner.optimizer.pricing.price import gib
@@ -48,6 +48,7 @@ from partitioner.profiler.measure import (
     measure_loss_memory,
     measure_step,
 )
+from partitioner.profiler.split_call import split_call_ms
 from partitioner.profiler.tensor_fields import with_tensor_fields
 from partitioner.profiler.trace import Group, Traced, trace_model
 from partitioner.profiler.update_cost import UPDATE_KEY
@@ -397,6 +398,7 @@ def _whole(bundle: ModelBundle, traced: Traced, batch_size: int, o: _Options) ->
         if o.fixed_cost
         else ({}, {}, {"skipped": "profiled with --no-fixed-cost"})
     )
+    split_call = {SPLIT_CALL: split_call_ms(_device_of(gm), o.clock)} if o.fixed_cost else {}
     extra = {
         "step_of": "graph_module",
         "step_samples_ms": list(step.samples_ms),
@@ -404,8 +406,15 @@ def _whole(bundle: ModelBundle, traced: Traced, batch_size: int, o: _Options) ->
         **notes,
         UPDATE_KEY: update,
         "fixed_cost": fixed_note,
+        **split_call,
     }
     return _Run(costs, loss_ms, step.step_ms, fixed, extra, sized)
+
+
+def _device_of(gm: torch.nn.Module) -> torch.device:
+    """Where the traced graph's weights are (the CPU for a model without any)."""
+    first = next(iter(gm.parameters()), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 def _by_layer(bundle: ModelBundle, traced: Traced, where: torch.device, o: _Options) -> _Run:

@@ -65,7 +65,13 @@ PLAN_FIELDS = Obj(
         "gpus": Int(1),
         "cluster": Obj(
             {"levels": List(_LEVEL, min_len=1)},
-            {"memory_bytes": Opt(Num()), "cores": Opt(Int(1)), "threads": Int(1), "action_s": Num(0.0)},
+            {
+                "memory_bytes": Opt(Num()),
+                "cores": Opt(Int(1)),
+                "threads": Int(1),
+                "action_s": Num(0.0),
+                "schedule_action_s": Map(Num(0.0)),
+            },
         ),
         "schedule": Str(SCHEDULES),
         "microbatches": Int(1),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -64,11 +65,20 @@ def test_the_time_per_action_lands_in_the_cluster_file_partition_reads(
 ) -> None:
     monkeypatch.setattr(runtime.job.link_probe, "probe", lambda o: _fake_result(o))
     found = ActionProbe(4e-4, 120, 3e-4, ("pipeplan run PKG --trace T",), 2)
-    monkeypatch.setattr(partitioner.calibration.action_probe, "probe_actions", lambda ranks, device: found)
+    hosted = {"interleaved": 9e-4, "zbv": 6e-4}  # a rank of two stages: its own figure per schedule
+
+    def probe_actions(ranks: int, device: str, schedule: str = "1f1b") -> ActionProbe:
+        return found if schedule == "1f1b" else replace(found, action_s=hosted[schedule])
+
+    monkeypatch.setattr(partitioner.calibration.action_probe, "probe_actions", probe_actions)
     path = tmp_path / "cluster.json"
     code, out, err = _run("probe", "--device", "cpu", "-o", str(path))
     assert code == 0, err
-    assert load_cluster(str(path)).action_s == pytest.approx(4e-4)
+    cluster = load_cluster(str(path))
+    assert cluster.action_s == pytest.approx(4e-4)
+    assert dict(cluster.schedule_action_s) == hosted and cluster.action_for("zbv") == 6e-4
+    assert cluster.action_for("1f1b") == cluster.action_for("zb1p") == 4e-4
+    assert "under interleaved, two stages a rank: 0.900 ms" in " ".join(out.split())
     doc = json.loads(path.read_text())
     assert doc["probe"]["actions"] == {"action_s": 4e-4, "median_s": 3e-4, "actions_timed": 120, "ranks": 2,
                                        "commands": ["pipeplan run PKG --trace T"]}  # fmt: skip

@@ -196,7 +196,7 @@ def data_parallel_time(
     """Data parallelism on every device: PipeDream's comparator (each level replicates the whole
     model), or for synchronous schedules the compute split M ways plus one all-reduce over the
     slowest level; the one stage's actions at the cluster's ``action_s`` each, as any stage's."""
-    time = layer_compute_s(profile) + cluster.action_s * model(schedule).actions(microbatches)
+    time = layer_compute_s(profile) + cluster.action_for(schedule) * model(schedule).actions(microbatches)
     params = float(sum(n.param_bytes for n in profile.nodes if n.op != "input"))
     if not model(schedule).asynchronous:
         return time / cluster.gpus + allreduce_time(params, cluster.gpus, cluster.slowest)
@@ -207,14 +207,15 @@ def data_parallel_time(
     return time
 
 
-def hosts_bound(cluster: Cluster, stages: Sequence[Stage], actions: int = 0) -> float:
+def hosts_bound(cluster: Cluster, stages: Sequence[Stage], actions: int = 0, schedule: str = "") -> float:
     """:func:`~partitioner.optimizer.pricing.schedules.host_bound` of a plan's stages: a replica computes its
     share of the minibatches, ``compute_s / replicas`` per minibatch, and runs its share of a stage's
-    ``actions`` (``ScheduleModel.actions``) at the cluster's ``action_s`` each: Python on its cores too."""
-    rank_s = [0.0] * cluster.gpus
+    ``actions`` (``ScheduleModel.actions``) at the cluster's time per action under ``schedule`` each
+    (:meth:`Cluster.action_for`): Python on its cores too."""
+    rank_s, action_s = [0.0] * cluster.gpus, cluster.action_for(schedule)
     for stage in stages:
         for rank in stage.ranks:
-            rank_s[rank] += (stage.compute_s + actions * cluster.action_s) / stage.replicas
+            rank_s[rank] += (stage.compute_s + actions * action_s) / stage.replicas
     return host_bound(rank_s, cluster.levels[0].devices, cluster.cores, cluster.threads)
 
 
@@ -244,7 +245,7 @@ def _times(
 ) -> StageTimes:  # fmt: skip
     if not comm:  # PipeDream's optimizer by default (no --activation_compression_ratio) charges none
         loads = [replace(ld, in_bytes=0.0, out_bytes=0.0) for ld in loads]
-    loads = with_actions(loads, cluster.action_s, schedule, m)  # the runtime's time per action
+    loads = with_actions(loads, cluster.action_for(schedule), schedule, m)  # the runtime's time per action
     links = []
     for i, spec in enumerate(specs):
         near = [r for j in (i - 1, i + 1) if 0 <= j < len(specs) for r in specs[j].ranks]
@@ -518,9 +519,9 @@ def assemble(
     actions = model(schedule).actions(microbatches)
     dp = max(
         data_parallel_time(profile, cluster, schedule, microbatches),
-        hosts_bound(cluster, [everyone], actions),
+        hosts_bound(cluster, [everyone], actions, schedule),
     )
-    host = hosts_bound(cluster, stages, actions)
+    host = hosts_bound(cluster, stages, actions, schedule)
     pipeline, time = time, max(time, host)
     batch = profile.batch_size
     prediction = Prediction(

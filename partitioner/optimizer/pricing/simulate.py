@@ -320,7 +320,7 @@ def simulate(plan: Plan, profile: Profile | None = None, minibatches: int | None
     if profile is not None:
         profile = priced_profile(profile, plan.schedule, sched.microbatches(plan.microbatches))
     sim = _unflushed(plan, profile, minibatches) if sched.asynchronous else _flushed(plan, profile)
-    host = hosts_bound(plan.cluster, plan.stages, sched.actions(plan.microbatches))
+    host = hosts_bound(plan.cluster, plan.stages, sched.actions(plan.microbatches), plan.schedule)
     return replace(sim, time_per_minibatch_s=max(sim.time_per_minibatch_s, host))
 
 
@@ -404,7 +404,7 @@ def _actions_s(plan: Plan) -> list[float]:
     carries: a replicated stage of a flushing schedule plays as one server r times as fast, so 1/r
     of it; a pipedream replica runs its own. Idle time to ``run``, which times the layers' spans
     only, so not counted as computing in a bubble."""
-    action, whole = plan.cluster.action_s, model(plan.schedule).asynchronous
+    action, whole = plan.cluster.action_for(plan.schedule), model(plan.schedule).asynchronous
     return [action if whole else action / s.replicas for s in plan.stages]
 
 

@@ -94,7 +94,7 @@ def solve_ilp(
     states = build_states(profile)
     if not activation_comm:
         states = replace(states, act_bytes=states.act_bytes * 0.0)
-    states = states.with_actions(cluster.action_s, schedule_model(schedule).actions(microbatches))
+    states = states.with_actions(cluster.action_for(schedule), schedule_model(schedule).actions(microbatches))
     m = cluster.gpus
     cap = 1 if straight else m
     prob = LevelProblem(states, m, cluster.levels[0].link)

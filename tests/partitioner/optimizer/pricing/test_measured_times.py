@@ -8,10 +8,10 @@ from dataclasses import replace
 
 import pytest
 
-from partitioner.graph import Node, Profile
+from partitioner.graph import SPLIT_CALL, Node, Profile
 from partitioner.optimizer import evaluate
 from partitioner.optimizer.pricing.simulate import simulate
-from partitioner.plan import Cluster, Link
+from partitioner.plan import Cluster, Link, plan_from_json, plan_to_json
 from partitioner.sized import SizedCost
 from tests.partitioner.optimizer.conftest import searched_s
 
@@ -80,3 +80,31 @@ def test_zbv_closed_form_is_a_bound_on_its_simulation_with_measured_times() -> N
     assert sim == pytest.approx(plan.predicted.time_per_minibatch_s)
     # each stage: 4 microbatches of F 3 + B + W 6 ms
     assert [s.compute_s for s in plan.stages] == pytest.approx([0.036] * 4)
+
+
+def test_a_split_stage_pays_one_b_call_not_one_a_layer() -> None:
+    """The profile's fixed time of a B call (``SPLIT_CALL``, 1 ms here) is taken off every layer's
+    timed B (4 -> 3 ms), which each paid it: zb1p's closed form and simulation price the same
+    lighter stages, 4 x (3 + 3 + 2) ms of compute each and 4 x 8 + 3 x 4 = 44 ms a minibatch."""
+    profile = replace(_chain(4), extra={SPLIT_CALL: 1.0})
+    plan = evaluate(profile, _cluster(4), ["l0", "l1", "l2"], [1] * 4, "zb1p", 4)
+    assert [s.compute_s for s in plan.stages] == pytest.approx([0.032] * 4)
+    assert searched_s(plan) == pytest.approx(0.044)
+    assert simulate(plan, profile).time_per_minibatch_s == pytest.approx(0.044)
+    two = replace(_chain(2), extra={SPLIT_CALL: 1.0})
+    fused = evaluate(two, _cluster(2), ["l0"], [1, 1], "1f1b", 4)  # the fused backward keeps its time
+    assert fused.predicted.time_per_minibatch_s == pytest.approx(0.040)
+
+
+def test_a_schedule_s_own_time_per_action_prices_its_plans_only() -> None:
+    """A cluster whose zb1p ranks were timed apart (``schedule_action_s``) prices a zb1p plan with
+    that figure, in the closed form and the simulation alike (66 ms, as with a 1 ms ``action_s``),
+    and a 1f1b plan without it."""
+    profile = _chain(4)
+    cluster = replace(_cluster(4), schedule_action_s=(("zb1p", 1e-3),))
+    plan = evaluate(profile, cluster, ["l0", "l1", "l2"], [1] * 4, "zb1p", 4)
+    assert searched_s(plan) == pytest.approx(0.066)
+    assert simulate(plan, profile).time_per_minibatch_s == pytest.approx(0.066)
+    assert plan_from_json(plan_to_json(plan)).cluster == plan.cluster  # plan.json keeps the figures
+    other = evaluate(_chain(2), cluster, ["l0"], [1, 1], "1f1b", 4)
+    assert other.predicted.time_per_minibatch_s == pytest.approx(0.040)
