@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from partitioner.graph import SPLIT_CALL
 from partitioner.profiler.fixed import fit_fixed, sizes_of, small_batch
 from partitioner.profiler.measure import LayerCost
 from partitioner.profiler.profile import profile_model
@@ -44,6 +45,9 @@ def test_profile_records_each_layers_fixed_time_and_how() -> None:
                for n in layers)  # fmt: skip
     linear = [n for n in layers if n.target == "Linear"]
     assert linear and all(e.weight_ms > 0 for n in linear for e in n.sized)
+    # one B call's fixed time, which each layer's timed B holds and a stage pays once: a part of B
+    assert 0 < profile.extra[SPLIT_CALL] < max(e.input_ms for n in linear for e in n.sized)
     off = profile_model("tiny-mlp", batch_size=16, repeats=1, fixed_cost=False)
+    assert SPLIT_CALL not in off.extra
     assert "no-fixed-cost" in off.extra["fixed_cost"]["skipped"]
     assert not any(n.forward_fixed_ms or n.backward_fixed_ms or n.sized for n in off.nodes)
