@@ -11,6 +11,11 @@ measured / predicted compute, and the bubble, measured against predicted. Target
 within 1.25x, stage compute within 1.15x. The 1-minute load average is recorded before each command:
 on a 2-core machine a load above 1.5 per core means the ranks shared their cores with other jobs.
 
+Then issue 40's check, a 3D plan the search chose: a wide MLP (4 blocks of ``Linear(1024, 4096)``,
+ReLU, ``Linear(4096, 1024)``, ReLU; batch 32), ``pipeplan probe --gpus 4``, ``pipeplan partition
+--cluster cluster4.json --schedule auto --optimizer adam`` (the layout is the search's) and ``run``:
+within 1.25x (``--no-3d`` leaves it out).
+
 Run:  .venv/bin/python benchmarks/bench_first_prediction.py   (writes
 benchmarks/results/bench_first_prediction.{json,md})
 """
@@ -39,16 +44,27 @@ def build(batch_size: int = 64):
     blocks = [m for _ in range(8) for m in (nn.Linear(512, 512), nn.ReLU())]
     return nn.Sequential(*blocks, nn.Linear(512, 10)), torch.randn(batch_size, 512)
 """
+WIDE = """
+import torch
+from torch import nn
+
+
+def build(batch_size: int = 32):
+    blocks = []
+    for _ in range(4):
+        blocks += [nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024), nn.ReLU()]
+    return nn.Sequential(*blocks, nn.Linear(1024, 10)), torch.randn(batch_size, 1024)
+"""
 SCHEDULES = ("1f1b", "interleaved", "zbv")
 TIME_TARGET, COMPUTE_TARGET = 1.25, 1.15
 
 
-def plan_and_run(cli: Cli, schedule: str, steps: int) -> dict[str, Any]:
-    """Partition for ``schedule`` on the probed cluster, run it, and pair plan.json with metrics.json."""
-    out = f"models-{schedule}"
-    load_plan = cli("partition", "--profile", "p.json", "--cluster", "cluster.json", "--schedule", schedule,
-                    "--microbatches", "4", "-o", out)  # fmt: skip
-    package = next((cli.folder / out).glob("*/gpus=2"))
+def plan_and_run(cli: Cli, label: str, partition: list[str], gpus: int, steps: int) -> dict[str, Any]:
+    """``pipeplan partition PARTITION`` (a plan for ``gpus`` ranks), run it, and pair plan.json with
+    metrics.json."""
+    out = f"models-{len(list(cli.folder.glob('models-*')))}"
+    load_plan = cli("partition", *partition, "-o", out)
+    package = next((cli.folder / out).glob(f"*/gpus={gpus}"))
     load_run = cli("run", str(package.relative_to(cli.folder)), "--steps", str(steps), "--no-checkpoint")
     plan = json.loads((package / "plan.json").read_text())
     metrics = json.loads((package / "run" / "metrics.json").read_text())
@@ -68,7 +84,8 @@ def plan_and_run(cli: Cli, schedule: str, steps: int) -> dict[str, Any]:
     predicted = plan["predicted"]["time_per_minibatch_s"]
     ranks = metrics["ranks"]
     return {
-        "schedule": schedule,
+        "schedule": label,
+        "layout": _layout(plan),
         "stages_in_plan": len(plan["stages"]),
         "predicted_s": predicted,
         "measured_s": metrics["time_per_minibatch_s"],
@@ -79,6 +96,16 @@ def plan_and_run(cli: Cli, schedule: str, steps: int) -> dict[str, Any]:
         "load_1min": [load_plan, load_run],
         "steps": steps,
     }
+
+
+def _layout(plan: dict[str, Any]) -> str:
+    """The plan's schedule and, per stage, its devices as copies x tensor-parallel degree and shard."""
+    stages = [
+        f"{s['replicas']}x{s.get('tensor_parallel', 1)}"
+        + ("" if s.get("shard", "none") == "none" else f" {s['shard']}")
+        for s in plan["stages"]
+    ]
+    return f"{plan['schedule']} m={plan['microbatches']}: " + " / ".join(stages)
 
 
 def report(doc: dict[str, Any]) -> str:
@@ -92,7 +119,8 @@ def report(doc: dict[str, Any]) -> str:
             else "-"
             for s in r["stages"]
         )
-        rows.append([r["schedule"], f"{r['predicted_s'] * 1e3:.1f}", f"{r['measured_s'] * 1e3:.1f}",
+        rows.append([f"{r['schedule']} ({r['layout']})", f"{r['predicted_s'] * 1e3:.1f}",
+                     f"{r['measured_s'] * 1e3:.1f}",
                      f"{r['ratio']:.2f}", compute, bubble, f"{r['cpu_share']:.2f}",
                      f"{max(r['load_1min']):.2f}"])  # fmt: skip
     ok = all(r["ratio"] <= TIME_TARGET and 1 / r["ratio"] <= TIME_TARGET for r in doc["plans"])
@@ -111,7 +139,8 @@ def report(doc: dict[str, Any]) -> str:
         f"compute within {COMPUTE_TARGET}x: **{'met' if ok_c else 'not met'}**.",
         "",
     ]
-    cols = ["schedule", "predicted ms", "measured ms", "meas/pred", "stage compute meas/pred",
+    cols = ["plan (schedule: copies x tensor ranks a stage)", "predicted ms", "measured ms", "meas/pred",
+            "stage compute meas/pred",
             "bubble meas vs pred", "CPU share", "load"]  # fmt: skip
     return "\n".join(head + table(cols, rows, "lrrrllrr")) + "\n"
 
@@ -120,6 +149,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--results", default="bench_first_prediction")
+    parser.add_argument("--no-3d", action="store_true", help="Leave out the 3D plan on 4 ranks.")
     args = parser.parse_args()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -132,8 +162,21 @@ def main() -> None:
         cluster = json.loads((cli.folder / "cluster.json").read_text())
         plans = []
         for schedule in SCHEDULES:
-            plans.append(plan_and_run(cli, schedule, args.steps))
+            given = [
+                "--profile",
+                "p.json",
+                "--cluster",
+                "cluster.json",
+                "--schedule",
+                schedule,
+                "--microbatches",
+                "4",
+            ]
+            plans.append(plan_and_run(cli, schedule, given, 2, args.steps))
             print(f"{schedule:12s} measured/predicted {plans[-1]['ratio']:.2f}", flush=True)
+        if not args.no_3d:
+            plans.append(searched_3d(cli, args.steps))
+            print(f"3D search    measured/predicted {plans[-1]['ratio']:.2f}", flush=True)
     doc = {
         "machine": machine([load_profile, os.getloadavg()[0]]),
         "profile_s": profile_s,
@@ -144,6 +187,27 @@ def main() -> None:
         "load_after": os.getloadavg()[0],
     }
     write_results(Path(__file__).resolve().parent / "results", args.results, doc, report(doc))
+
+
+def searched_3d(cli: Cli, steps: int) -> dict[str, Any]:
+    """Issue 40's check: the wide MLP (:data:`WIDE`) profiled, 4 ranks probed, ``partition --schedule
+    auto --optimizer adam`` (the search picks the layout: tensor parallelism and a sharded optimizer
+    under this CPU's links, TP2 x DP2 ZeRO-1 when last run), then run. 4 ranks on this machine's cores
+    share them: the cluster file says so and the price bounds the time by the host's cores."""
+    (cli.folder / "wide.py").write_text(WIDE.lstrip())
+    cli("profile", "wide.py:build", "--batch-size", "32", "-o", "wide.json")
+    cli("probe", "--gpus", "4", "-o", "cluster4.json")
+    given = [
+        "--profile",
+        "wide.json",
+        "--cluster",
+        "cluster4.json",
+        "--schedule",
+        "auto",
+        "--optimizer",
+        "adam",
+    ]
+    return plan_and_run(cli, "auto, 4 ranks", given, 4, steps)
 
 
 def _probed(cluster: dict[str, Any]) -> dict[str, float]:
