@@ -23,7 +23,7 @@ from partitioner.graph import Profile
 from partitioner.hardware.devices import estimated_device
 from partitioner.optimizer.auto import AutoChoice
 from partitioner.optimizer.options import SolveOptions
-from partitioner.optimizer.planner import solve_with
+from partitioner.optimizer.planner import evaluate, solve_with
 from partitioner.optimizer.pricing.layout import Layout, copy_cluster, copy_memory, copy_profile, layout_plan
 from partitioner.optimizer.pricing.memory import master_ratio, persistent_factor
 from partitioner.optimizer.pricing.schedules import MODELS, model, priced_profile
@@ -36,6 +36,7 @@ __all__ = [
     "LAYOUT_SCHEDULES",
     "LayoutChoice",
     "copy_of",
+    "evaluate_layout",
     "hand_layouts",
     "layout_name",
     "layouts",
@@ -179,9 +180,16 @@ def _searched(profile: Profile, cluster: Cluster, c: _Candidate, opts: SolveOpti
         except (InfeasibleError, PlanError):
             continue
         plan = layout_plan(copy, split, cluster, c.layout)
+        if not _fits(plan, cluster):  # (the step's reduce-scatter can hold more than the backward)
+            continue
         if best is None or _time(plan) < _time(best):
             best = plan
     return best
+
+
+def _fits(plan: Plan, cluster: Cluster) -> bool:
+    limit = cluster.memory_bytes
+    return limit is None or all(s.memory_bytes <= limit for s in plan.stages)
 
 
 def _time(plan: Plan) -> float:
@@ -270,6 +278,35 @@ def _search(
         "search_s": {k: round(v, 2) for k, v in spent.items()},
     }
     return LayoutChoice(replace(best, solver=info, extra=extra), times)
+
+
+def evaluate_layout(
+    profile: Profile,
+    cluster: Cluster,
+    layout: Layout,
+    cuts: Sequence[str],
+    schedule: str,
+    microbatches: int,
+    optimizer: str,
+    recompute: str = "none",
+) -> Plan:
+    """Price a fixed 3D plan: the stages ``cuts`` make (the last layer of every stage but the
+    last), every one at ``layout``, ``microbatches`` per copy, priced as the search prices a
+    layout (one copy's pipeline on its copy view, then :func:`~.pricing.layout.layout_plan`).
+
+    Raises:
+        PlanError: the runtime does not run ``layout`` under ``schedule``, the batch does not split,
+            or the cuts are not layers of the profile.
+    """
+    if not runs(layout, schedule) or model(schedule).asynchronous:
+        raise PlanError(f"layout {layout.describe()} does not run under --schedule {schedule}")
+    view, split = copy_profile(profile, cluster, layout, microbatches, optimizer)
+    wide = copy_memory(cluster, split, layout)
+    stages = len(cuts) + 1
+    if stages * layout.group > cluster.gpus:
+        raise PlanError(f"{stages} stages of {layout.describe()} need {stages * layout.group} GPUs")
+    copy = evaluate(view, wide, cuts, [1] * stages, schedule, microbatches, optimizer, True, recompute)
+    return layout_plan(copy, split, cluster, layout)
 
 
 def copy_of(plan: Plan, profile: Profile) -> tuple[Plan, Profile]:

@@ -9,7 +9,8 @@ copy runs: :func:`~.tensor.tensor_view`, ``1/d`` of the minibatch, the shard lev
 per microbatch beyond their units' compute, and its persistent bytes per weight byte) on
 :func:`copy_cluster` (one device per ``t x d`` group). :func:`layout_plan` turns that plan into the
 3D plan: each stage's ``t x d`` ranks, its data group's step (:func:`~.sharding.step_exposed`)
-added to the time, and the units in use added to its memory. Pure Python, no torch.
+added to the time, and its memory at least what its data group's step holds
+(:func:`~.sharding.step_bytes`). Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from partitioner.optimizer.pricing.sharding import (
     data_link,
     per_byte,
     per_call_exposed,
+    step_bytes,
     step_exposed,
-    units_in_use,
 )
 from partitioner.optimizer.pricing.tensor import tensor_view
 from partitioner.plan import SHARD_LEVELS, Cluster, Level, Plan
@@ -63,8 +64,7 @@ class Layout:
 
 def copy_cluster(cluster: Cluster, layout: Layout) -> Cluster:
     """The cluster of ``t x d`` groups, one device each (a group never splits a unit of a level
-    it does not fill); its memory less what the units in use may hold, a bound set by the
-    profile's largest unit (:func:`copy_memory`)."""
+    it does not fill)."""
     group, levels = layout.group, []
     for level in cluster.levels:
         if group >= level.devices:
@@ -80,10 +80,6 @@ def copy_cluster(cluster: Cluster, layout: Layout) -> Cluster:
         levels = [Level(1, cluster.levels[-1].bandwidth, cluster.levels[-1].latency)]
     cores = None if cluster.cores is None else max(1, cluster.cores // layout.group)
     return replace(cluster, levels=tuple(levels), cores=cores)
-
-
-def _largest_unit(profile: Profile) -> float:
-    return max((float(n.param_bytes) for n in profile.nodes), default=0.0)
 
 
 def copy_profile(
@@ -126,14 +122,11 @@ def copy_profile(
 
 
 def copy_memory(cluster: Cluster, split: Profile, layout: Layout) -> Cluster:
-    """:func:`copy_cluster` with its memory less the units in use (the profile's largest unit)."""
-    wide = copy_cluster(cluster, layout)
-    if cluster.memory_bytes is None:
-        return wide
-    room = cluster.memory_bytes - units_in_use(layout.shard, _largest_unit(split))
-    if room <= 0:
-        raise PlanError(f"{layout.describe()}: the units in use alone exceed the memory")
-    return replace(wide, memory_bytes=int(room))
+    """:func:`copy_cluster` with the cluster's memory: what the units in use hold is in each
+    node's weight bytes (the stage is the runtime's one unit: :func:`~.sharding.per_byte`), and a
+    plan's step is checked on the plan (:func:`layout_plan`, ``memory_bytes``)."""
+    del split  # (kept for the callers: the units no longer depend on the profile's largest node)
+    return copy_cluster(cluster, layout)
 
 
 def copy_units(split: Profile, nodes: Sequence[str], microbatches: int) -> list[Unit]:
@@ -147,6 +140,16 @@ def copy_units(split: Profile, nodes: Sequence[str], microbatches: int) -> list[
     ]
 
 
+def _step_bytes(
+    copy: Plan, nodes: Sequence[str], weights: dict[str, float], layout: Layout, master: float
+) -> float:
+    """What one device of a stage of ``nodes`` holds at its data group's step (CPU ranks, a plan
+    whose cluster counts host cores, run gloo: its reduce-scatter copies its input)."""
+    weight = sum(weights.get(i, 0.0) for i in nodes)
+    copied = copy.cluster.cores is not None
+    return step_bytes(layout.shard, layout.copies, copy.optimizer, master, weight, copied)
+
+
 def layout_plan(copy: Plan, split: Profile, cluster: Cluster, layout: Layout) -> Plan:
     """The 3D plan of one copy's pipeline ``copy`` (priced on the copy view of ``split``): each
     stage on the ``t x d`` ranks of its group (group ``g``: ranks ``g t d .. (g + 1) t d - 1``,
@@ -154,7 +157,8 @@ def layout_plan(copy: Plan, split: Profile, cluster: Cluster, layout: Layout) ->
     communication and, the slowest of them, in the time; the units in use in its memory. The
     search's lower bound stays a bound (the step only adds)."""
     link = data_link(cluster, layout.tensor, layout.copies)
-    largest = _largest_unit(split)
+    master = master_ratio(split.dtype)
+    weights = {n.id: float(n.param_bytes) for n in split.nodes}
     stages, steps = [], []
     for s in copy.stages:  # (a laid-out schedule's copy keeps several stages on one group)
         step = step_exposed(layout.shard, copy_units(split, s.nodes, copy.microbatches), layout.copies, link)
@@ -163,7 +167,7 @@ def layout_plan(copy: Plan, split: Profile, cluster: Cluster, layout: Layout) ->
         stages.append(replace(
             s, replicas=layout.copies, tensor_parallel=layout.tensor, shard=layout.shard, ranks=ranks,
             compute_s=s.compute_s * layout.copies, comm_s=s.comm_s + step,
-            memory_bytes=round(s.memory_bytes + units_in_use(layout.shard, largest)),
+            memory_bytes=round(max(s.memory_bytes, _step_bytes(copy, s.nodes, weights, layout, master))),
         ))  # fmt: skip
     p = copy.predicted
     pipeline = (p.pipeline_s or p.time_per_minibatch_s) + max(steps, default=0.0)

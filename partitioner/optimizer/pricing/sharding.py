@@ -4,7 +4,11 @@ units in use, and the collectives over the ``d`` copies, overlapped with a unit'
 compute and the rest exposed.
 
 Every weight byte here is one device's (after tensor parallelism divided the split layers'). A
-"unit" is one ``fully_shard`` call: a profile node with parameters. Pure Python, no torch.
+"unit" is one ``fully_shard`` call. The time terms take a profile node with parameters as a unit;
+the memory terms take the runtime's unit, the whole stage (``runtime/executing/sharding.py``: the
+generated stage reads its weights directly, so FSDP2's hooks sit on the stage), so what the units
+in use hold is a share of the stage's own weight bytes (:func:`per_byte`, :func:`step_bytes`).
+Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -13,11 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from partitioner.errors import PlanError
-from partitioner.optimizer.pricing.memory import OPTIMIZER_STATE, persistent_factor
+from partitioner.optimizer.pricing.memory import BUCKET_BYTES, OPTIMIZER_STATE, persistent_factor
 from partitioner.optimizer.pricing.tensor import ring_time
 from partitioner.plan import SHARD_LEVELS, Cluster, Link
 
-__all__ = ["Unit", "data_link", "per_byte", "per_call_exposed", "step_exposed", "units_in_use"]
+__all__ = ["Unit", "data_link", "per_byte", "per_call_exposed", "step_bytes", "step_exposed"]
 
 
 @dataclass(frozen=True)
@@ -41,31 +45,45 @@ def data_link(cluster: Cluster, tensor: int, copies: int) -> Link:
     return cluster.levels[-1].link
 
 
+def _sharded(copies: int, optimizer: str, master: float) -> float:
+    """The sharded parameter (the float32 master under mixed precision, else a shard of W) and
+    the optimizer's state, per weight byte, over the copies."""
+    return ((master if master else 1.0) + OPTIMIZER_STATE[optimizer] * max(master, 1.0)) / copies
+
+
 def per_byte(shard: str, copies: int, optimizer: str, master: float) -> float:
-    """Bytes a device keeps per weight byte at ``shard`` over ``copies`` (the table of
+    """Bytes a device keeps per weight byte of its stage while the stage computes (the table of
     docs/layout-3d.md): the weight W and gradient G (one weight byte each), the float32 master
-    (``master`` bytes, :func:`~.memory.master_ratio`) and the optimizer's state S (kept in float32).
-    ``none``: W + G + master + S (:func:`~.memory.persistent_factor`); ``optimizer``: W + G + the
-    sharded parameter (the master under mixed precision, else a shard of W) + S, the last two over
-    the copies; ``gradients``: G over the copies as well; ``full``: everything over the copies."""
+    (``master`` bytes, :func:`~.memory.master_ratio`) and the optimizer's state S (float32).
+    ``none``: W + G + master + S (:func:`~.memory.persistent_factor`); ``optimizer``: the unsharded
+    W and G the minibatch keeps + the sharded parameter and S over the copies; ``gradients`` and
+    ``full``: the same and the sharded gradient over the copies. The stage is one unit, so under
+    ``gradients`` its whole gradient is unsharded while its backward runs, and under ``full`` its
+    whole weights and gradient: both hold what ``gradients`` holds."""
     if shard not in SHARD_LEVELS:
         raise PlanError(f"unknown shard level {shard!r}; use {', '.join(SHARD_LEVELS)}")
     if shard == "none" or copies < 2:
         return persistent_factor(optimizer, master)
-    state = OPTIMIZER_STATE[optimizer] * max(master, 1.0)
-    sharded = (master if master else 1.0) + state  # the sharded parameter and the optimizer's state
     if shard == "optimizer":
-        return 2.0 + sharded / copies
-    if shard == "gradients":
-        return 1.0 + (1.0 + sharded) / copies
-    return (2.0 + sharded) / copies
+        return 2.0 + _sharded(copies, optimizer, master)
+    return 2.0 + 1.0 / copies + _sharded(copies, optimizer, master)
 
 
-def units_in_use(shard: str, largest: float) -> float:
-    """Bytes beyond :func:`per_byte` a device holds at its peak: under ``gradients`` one unit's
-    unsharded gradient, under ``full`` the unsharded weights of the unit computing and the one
-    prefetched and one unit's gradient (``largest``: the largest unit's weight bytes)."""
-    return {"gradients": largest, "full": 3.0 * largest}.get(shard, 0.0)
+def step_bytes(shard: str, copies: int, optimizer: str, master: float, weight: float, copied: bool) -> float:
+    """Bytes a device of a stage of ``weight`` bytes holds while its data group sums the gradients
+    after the minibatch's last backward (activations gone; the plan's peak where this is above the
+    backward's). ``none``: its persistent bytes and one bucket's flat copy
+    (:func:`~.memory.allreduce_bytes`). The shard levels, FSDP2's reduce-scatter of the stage's
+    one unit: the unsharded W (still gathered), the sharded parameter and S, the flat input G
+    FSDP2 copies the gradients into (they are freed once copied) and its output G/d, under
+    ``gradients`` and ``full`` the sharded gradient the earlier microbatches summed (G/d); and,
+    ``copied`` (CPU ranks: gloo's reduce-scatter works on a whole copy of its input), one more G."""
+    if copies < 2:
+        return 0.0
+    if shard == "none":
+        return weight * persistent_factor(optimizer, master) + min(BUCKET_BYTES, weight)
+    held = 2.0 + 1.0 / copies + _sharded(copies, optimizer, master) + (1.0 if copied else 0.0)
+    return weight * (held + (1.0 / copies if shard != "optimizer" else 0.0))
 
 
 def _overlapped(message: float, compute: float) -> float:

@@ -9,10 +9,10 @@ import pytest
 from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile
 from partitioner.hardware.devices import load_device_model
-from partitioner.optimizer.layouts import layouts, solve_layout, solve_layouts, splits
+from partitioner.optimizer.layouts import evaluate_layout, layouts, solve_layout, solve_layouts, splits
 from partitioner.optimizer.options import SolveOptions
 from partitioner.optimizer.pricing.layout import Layout, copy_cluster, copy_profile, layout_plan
-from partitioner.optimizer.pricing.sharding import Unit, per_byte, per_call_exposed, step_exposed
+from partitioner.optimizer.pricing.sharding import Unit, per_byte, per_call_exposed, step_bytes, step_exposed
 from partitioner.optimizer.pricing.tensor import degrees, ring_time, split_penalty, tensor_view
 from partitioner.plan import Cluster, Level, Link
 
@@ -61,14 +61,42 @@ def test_degrees_divide_a_node_and_every_split_layer() -> None:
 
 @pytest.mark.parametrize(
     ("shard", "d", "bf16_adam", "fp32_adam"),
-    [("none", 4, 8.0, 4.0), ("optimizer", 4, 2 + 6 / 4, 2 + 3 / 4), ("gradients", 4, 1 + 7 / 4, 1 + 4 / 4),
-     ("full", 4, 8 / 4, 5 / 4)],
+    [("none", 4, 8.0, 4.0), ("optimizer", 4, 2 + 6 / 4, 2 + 3 / 4), ("gradients", 4, 2 + 7 / 4, 2 + 4 / 4),
+     ("full", 4, 2 + 7 / 4, 2 + 4 / 4)],
 )  # fmt: skip
 def test_bytes_per_weight_byte_follow_the_table(
     shard: str, d: int, bf16_adam: float, fp32_adam: float
 ) -> None:
     assert per_byte(shard, d, "adam", 2.0) == pytest.approx(bf16_adam)
     assert per_byte(shard, d, "adam", 0.0) == pytest.approx(fp32_adam)
+
+
+def test_the_step_holds_fsdp2s_reduce_scatter_buffers() -> None:
+    """fp32 Adam over 2 copies, per weight byte of the stage: the gathered W, the sharded W and S
+    (1.5), the flat input G and its output G/2, gloo's copy of the input (CPU ranks), and under
+    gradients and full the sharded gradient of the earlier microbatches: what the runtime's
+    reduce-scatter was measured to hold (benchmarks/results/bench_3d_memory.md)."""
+    assert step_bytes("optimizer", 2, "adam", 0.0, 1.0, copied=True) == pytest.approx(5.0)
+    assert step_bytes("gradients", 2, "adam", 0.0, 1.0, copied=True) == pytest.approx(5.5)
+    assert step_bytes("full", 2, "adam", 0.0, 1.0, copied=False) == pytest.approx(4.5)
+    assert step_bytes("none", 2, "adam", 0.0, 1e6, copied=True) == pytest.approx(5e6)
+    assert step_bytes("full", 1, "adam", 0.0, 1e6, copied=True) == 0.0
+
+
+def test_fixed_cuts_are_priced_at_the_layout_with_the_step_as_a_floor() -> None:
+    """evaluate_layout (bench_3d_memory's plans): two stages of two copies at ``gradients``, each
+    stage's memory at least its step's reduce-scatter; zbv refuses a shard level."""
+    profile = _split_chain()
+    cluster = Cluster((Level(4, 1e9),))
+    cut = [profile.nodes[2].id]
+    plan = evaluate_layout(profile, cluster, Layout(1, 2, "gradients"), cut, "1f1b", 2, "adam")
+    assert [s.ranks for s in plan.stages] == [(0, 1), (2, 3)]
+    assert all(s.replicas == 2 and s.shard == "gradients" for s in plan.stages)
+    for s in plan.stages:
+        weight = sum(n.param_bytes for n in profile.nodes if n.id in s.nodes)
+        assert s.memory_bytes >= step_bytes("gradients", 2, "adam", 0.0, weight, copied=False) > 0
+    with pytest.raises(PlanError, match="does not run"):
+        evaluate_layout(profile, cluster, Layout(1, 2, "full"), cut, "zbv", 2, "adam")
 
 
 def test_collectives_overlap_their_units_compute_up_to_it() -> None:
