@@ -226,7 +226,7 @@ def with_ranks(plan: Plan) -> Plan:
             raise PlanError(f"stage {s.index} has {s.devices} devices but ranks {list(s.ranks)}")
     ranks = sorted(r for s in plan.stages for r in s.ranks)
     placement = get_schedule(plan.schedule).placement if plan.schedule in SCHEDULES else None
-    split = any(s.tensor_parallel > 1 for s in plan.stages)  # (a 3D layout: the runtime checks copies)
+    split = any(s.devices > 1 for s in plan.stages)  # (copies of stages: the runtime checks them)
     if plan.virtual_stages > 1 and placement is not None and not split:  # several stages per rank
         want = placement(plan.gpus, plan.virtual_stages)
         if tuple(s.ranks for s in plan.stages) != want:

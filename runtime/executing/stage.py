@@ -204,6 +204,7 @@ class StageRuntime:
     lead: StageRuntime | None = None
     skipping: bool = False
     before_backward: Callable[[int], None] | None = None
+    before_step: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ routing
     @functools.cached_property
@@ -522,6 +523,8 @@ class StageRuntime:
     def step(self, step: int) -> None:
         """Sum gradients over replicas and ties, unscale them (fp16: every rank skips the step if one
         found an overflow), clip, step the optimizer and schedule, report the loss."""
+        if self.before_step is not None:  # (FSDP2 under a split backward: reduce once, after the last W)
+            self.before_step()
         params = dict(self.module.named_parameters())
         for p in self._rank_params(params).values():
             if p.requires_grad and p.grad is None:
