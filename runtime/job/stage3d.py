@@ -76,8 +76,8 @@ def distribute(module: nn.Module, cfg: RankConfig, mesh: StageMesh, options: Run
                 lay.tensor_parallel,
             )
     if lay.shard != "none":
-        split = get_schedule(cfg.job.schedule).split_backward
-        module = shard_stage(module, mesh.mesh["data"], lay.shard, split)
+        halves = get_schedule(cfg.job.schedule).split_backward
+        module = shard_stage(module, mesh.mesh["data"], lay.shard, halves)
     return module
 
 
