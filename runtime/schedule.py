@@ -244,23 +244,26 @@ def _interleaved_pass(rank: int, ranks: int, virtual: int, k: int, backward: boo
     return chunk * ranks + rank, group * ranks + within % ranks
 
 
-def _interleaved_step(rank: int, ranks: int, virtual: int, m: int, step: int) -> Iterator[Action]:
-    """One minibatch of Megatron's interleaved 1F1B on ``rank``, then a step of each chunk.
+def _interleaved_step(
+    rank: int, ranks: int, virtual: int, m: int, step: int, own: Sequence[int]
+) -> Iterator[Action]:
+    """One minibatch of Megatron's interleaved 1F1B on the rank at place ``rank`` of its copy's
+    pipeline, over the copy's microbatches ``own`` (of ``m``), then a step of each chunk.
 
     Warm-up: ``(virtual - 1) * ranks`` forwards for the chunks before the last, and two per rank
     downstream (Megatron's count: one for the activation on its way down, one for the gradient on
     its way back), at most all of them; then one forward and one backward in turn; then the
     remaining backwards. One chunk per rank is 1F1B."""
     if virtual == 1:
-        yield from _one_f_one_b(rank, range(step * m, step * m + m), ranks - rank - 1)
+        yield from _one_f_one_b(rank, (step * m + j for j in own), ranks - rank - 1)
         yield Action(rank, "S", step)
         return
-    total = m * virtual
+    total = len(own) * virtual
     warm = min((virtual - 1) * ranks + 2 * (ranks - rank - 1), total)
 
     def act(kind: str, k: int) -> Action:
         stage, j = _interleaved_pass(rank, ranks, virtual, k, kind == "B")
-        return Action(stage, kind, step * m + j)
+        return Action(stage, kind, step * m + own[j])
 
     yield from (act("F", k) for k in range(warm))
     for k in range(total - warm):
@@ -270,14 +273,28 @@ def _interleaved_step(rank: int, ranks: int, virtual: int, m: int, step: int) ->
     yield from (Action(c * ranks + rank, "S", step) for c in range(virtual))
 
 
+def _copy_place(layout: Layout, rank: int, m: int) -> tuple[list[int], list[int]]:
+    """A laid-out schedule's rank: the stages it hosts (in order) and the microbatches of its copy.
+    Every stage has the same copies (``d``) and the rank is the same copy ``i`` of each, so copy ``i``
+    is a pipeline of its own, laid out as without copies, running microbatches ``j`` with
+    ``j mod d == i`` (``Schedule.replica_of``); one copy (``d = 1``) runs them all."""
+    hosted = _hosted(layout, rank)
+    copy, copies = hosted[0][1], len(layout[hosted[0][0]])
+    return [k for k, _ in hosted], [j for j in range(m) if j % copies == copy]
+
+
 def _interleaved(layout: Layout, rank: int, m: int, steps: range) -> Iterator[Action]:
-    """Megatron's virtual stages: rank ``r`` hosts stages ``r, r + ranks, ...`` and plays their
-    forwards and backwards in one list, flushed every minibatch. With equal stages of unit F and B it
-    takes ``2 * (virtual * microbatches + ranks - 1)`` slots per minibatch: a bubble of
-    ``(ranks - 1) / (virtual * microbatches)`` against 1F1B's ``(ranks - 1) / microbatches``."""
-    ranks = _world(layout)
+    """Megatron's virtual stages: the rank at place ``r`` of a pipeline of ``ranks`` hosts stages
+    ``r, r + ranks, ...`` and plays their forwards and backwards in one list, flushed every
+    minibatch (each copy of the stages its own such pipeline: :func:`_copy_place`). With equal
+    stages of unit F and B it takes ``2 * (virtual * microbatches + ranks - 1)`` slots per
+    minibatch: a bubble of ``(ranks - 1) / (virtual * microbatches)`` against 1F1B's
+    ``(ranks - 1) / microbatches``."""
+    stages, own = _copy_place(layout, rank, m)
+    virtual = len(stages)
+    ranks = len(layout) // virtual
     for s in steps:
-        yield from _interleaved_step(rank, ranks, len(layout) // ranks, m, s)
+        yield from _interleaved_step(stages[0], ranks, virtual, m, s, own)
 
 
 def _zbv_phases(rank: int, ranks: int, n: int) -> list[tuple[int, str]]:
@@ -306,16 +323,17 @@ def _zbv(layout: Layout, rank: int, m: int, steps: range) -> Iterator[Action]:
     1F1B's first stage's activations. The order (:func:`_zbv_phases`) is built for at least
     ``2p - 1`` microbatches; with fewer the missing units' actions are left out. A step of each chunk
     ends the minibatch (chunk 0's first). With unit-time F, B and W, a minibatch takes
-    ``max(6m + p - 1, 4m + 4p - 2)`` slots: ``p - 1`` of bubble per rank once ``m >= 2p - 1``."""
-    ranks = _world(layout)
-    stages = (rank, 2 * ranks - 1 - rank)
+    ``max(6m + p - 1, 4m + 4p - 2)`` slots: ``p - 1`` of bubble per rank once ``m >= 2p - 1``.
+    Copies of the stages are V pipelines of their own over their microbatches (:func:`_copy_place`)."""
+    stages, own = _copy_place(layout, rank, m)
+    ranks = len(layout) // 2
     for step in steps:
         seen: dict[tuple[int, str], int] = {}
-        for chunk, kind in _zbv_phases(rank, ranks, max(m, 2 * ranks - 1)):
+        for chunk, kind in _zbv_phases(stages[0], ranks, max(len(own), 2 * ranks - 1)):
             j = seen.get((chunk, kind), 0)
             seen[(chunk, kind)] = j + 1
-            if j < m:
-                yield Action(stages[chunk], kind, step * m + j)
+            if j < len(own):
+                yield Action(stages[chunk], kind, step * m + own[j])
         yield from (Action(s, "S", step) for s in stages)
 
 

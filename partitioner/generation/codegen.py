@@ -226,12 +226,13 @@ def with_ranks(plan: Plan) -> Plan:
             raise PlanError(f"stage {s.index} has {s.devices} devices but ranks {list(s.ranks)}")
     ranks = sorted(r for s in plan.stages for r in s.ranks)
     placement = get_schedule(plan.schedule).placement if plan.schedule in SCHEDULES else None
-    split = any(s.tensor_parallel > 1 for s in plan.stages)  # (a 3D layout: the runtime checks copies)
-    if plan.virtual_stages > 1 and placement is not None and not split:  # several stages per rank
+    laid_out = plan.virtual_stages > 1 and placement is not None  # several stages per rank
+    if placement is not None and laid_out and all(s.devices == 1 for s in plan.stages):
         want = placement(plan.gpus, plan.virtual_stages)
         if tuple(s.ranks for s in plan.stages) != want:
             raise PlanError(f"{plan.schedule} stages must lie on ranks {[r for (r,) in want]}, got {ranks}")
-    elif sorted(set(ranks) if split else ranks) != list(range(len(set(ranks) if split else ranks))):
+    # (laid out on copies or tensor ranks, ranks repeat: the runtime checks each copy's pipeline)
+    elif sorted(set(ranks) if laid_out else ranks) != list(range(len(set(ranks) if laid_out else ranks))):
         raise PlanError(f"stage ranks must use 0..{len(ranks) - 1} once each, got {ranks}")
     return plan
 

@@ -57,12 +57,10 @@ LAYOUT_SCHEDULES: tuple[str, ...] = tuple(name for name, m in MODELS.items() if 
 
 def runs(layout: Layout, schedule: str) -> bool:
     """Whether the runtime runs ``layout`` under ``schedule`` (docs/layout-3d.md, what it refuses):
-    a split backward (zb1p, zbv) reduces a sharded stage's gradients before its W makes them, and a
-    schedule that lays several stages on a rank (interleaved, zbv) takes one copy of each stage."""
-    kind = get_schedule(schedule)
-    if layout.shard != "none" and kind.split_backward:
-        return False
-    return not (layout.copies > 1 and kind.placement is not None)
+    every flushing schedule runs every layout (a shard level under a split backward reduces once,
+    after the last W; interleaved's and zbv's copies are laid-out pipelines of their own), pipedream
+    none (its weight stashing takes t = 1 and no sharding)."""
+    return not get_schedule(schedule).stashes
 
 
 @dataclass(frozen=True)
@@ -213,8 +211,8 @@ def solve_layout(
     """
     if not any(runs(layout, s) for s in schedules):
         raise PlanError(
-            f"layout {layout.describe()} does not run under {', '.join(schedules)}: a shard level needs "
-            "a fused backward (1f1b, gpipe, interleaved) and interleaved or zbv one copy of each stage"
+            f"layout {layout.describe()} does not run under {', '.join(schedules)}: a 3D layout needs a "
+            "flushing schedule (pipedream's weight stashing takes t = 1 and no sharding)"
         )
     choice = _search(profile, cluster, [layout], opts, schedules, microbatches, float("inf"))
     if choice is None:

@@ -204,6 +204,8 @@ class StageRuntime:
     lead: StageRuntime | None = None
     skipping: bool = False
     before_backward: Callable[[int], None] | None = None
+    before_step: Callable[[], None] | None = None
+    _synced: list[float] = field(default_factory=list)
 
     # ------------------------------------------------------------------ routing
     @functools.cached_property
@@ -522,12 +524,16 @@ class StageRuntime:
     def step(self, step: int) -> None:
         """Sum gradients over replicas and ties, unscale them (fp16: every rank skips the step if one
         found an overflow), clip, step the optimizer and schedule, report the loss."""
+        if self.before_step is not None:  # (FSDP2 under a split backward: reduce once, after the last W)
+            self.before_step()
         params = dict(self.module.named_parameters())
         for p in self._rank_params(params).values():
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
-        ran = self._sync_grads(params)
-        if self.chunks:
+        ran, self._synced = self._synced or self._sync_grads(params), []
+        if self.chunks:  # (the rank's other chunks summed over their copies first: clipping sees all)
+            for rt in self.chunks[1:]:
+                rt._synced = rt._sync_grads(dict(rt.module.named_parameters()))
             self._sync_rank_ties()
         if self.lead is not None:
             skip = self.lead.skipping
@@ -596,7 +602,8 @@ class StageRuntime:
         the round's minibatches). Returns the minibatches each replica ran (pipedream), else ``[1]``.
         The last stage's losses ride in the same all-reduce (:meth:`_loss_vector`), so a replicated
         step pays one collective, not a second one for the losses in :meth:`_report`."""
-        tied = {name for _, name in self.groups.ties}
+        tied = {name for _, name in self.groups.ties}  # (a rank's tie spans every copy: summed there)
+        tied |= {name for _, held in self.groups.rank_ties for stage, name in held if stage == self.cfg.stage}
         r = len(self.cfg.replica_ranks)
         ran = torch.zeros(r if self.stash else 1, dtype=torch.float32, device=self.comm.device)
         ran[self.cfg.replica if self.stash else 0] = len(self._step_units) if self.stash else 1

@@ -15,13 +15,14 @@ from torch import nn
 
 from runtime.errors import RunError
 from runtime.executing.mesh import StageMesh, stage_meshes
-from runtime.executing.sharding import before_backward, shard_stage
+from runtime.executing.sharding import before_backward, reduce_gradients, shard_stage
 from runtime.executing.stage import Groups, StageRuntime
 from runtime.executing.tensor_parallel import read_plan, split_stage
 from runtime.packages.job_config import RankConfig
+from runtime.schedule import get_schedule
 from runtime.settings.run_options import RunOptions
 
-__all__ = ["distribute", "groups", "hooked"]
+__all__ = ["chunk_groups", "distribute", "groups", "hooked"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,20 @@ def groups(base: Groups, cfg: RankConfig, timeout: timedelta) -> Groups:
     lay = cfg.layout
     data = meshes[cfg.stage].data if lay.copies > 1 else None
     return replace(base, replicas=data, meshes=meshes, sharded=lay.shard != "none")
+
+
+def chunk_groups(first: Groups, cfg: RankConfig) -> Groups:
+    """The groups of another stage this rank hosts (interleaved, zbv: its chunks share the first's
+    groups): that stage's own data group and whether it shards. Stages on one rank hold the same
+    ranks (each copy of the stages is a pipeline of its own), so a stage without a mesh keeps the
+    first's replica group, which has its ranks."""
+    if not cfg.job.is_3d:
+        return first
+    if cfg.stage not in first.meshes:
+        return replace(first, sharded=False)
+    lay = cfg.layout
+    data = first.meshes[cfg.stage].data if lay.copies > 1 else None
+    return replace(first, replicas=data, sharded=lay.shard != "none")
 
 
 def distribute(module: nn.Module, cfg: RankConfig, mesh: StageMesh, options: RunOptions) -> nn.Module:
@@ -61,21 +76,26 @@ def distribute(module: nn.Module, cfg: RankConfig, mesh: StageMesh, options: Run
                 lay.tensor_parallel,
             )
     if lay.shard != "none":
-        module = shard_stage(module, mesh.mesh["data"], lay.shard)
+        halves = get_schedule(cfg.job.schedule).split_backward
+        module = shard_stage(module, mesh.mesh["data"], lay.shard, halves)
     return module
 
 
 def _before(rt: StageRuntime, unit: int) -> None:
     """Before ``unit``'s backward: whether it is the copy's last of the minibatch (the schedules that
-    run shard levels, 1f1b and gpipe, play a copy's backwards in unit order)."""
+    fuse their backwards play a copy's backwards of a stage in unit order); under a split backward
+    no backward reduces (:func:`runtime.executing.sharding.reduce_gradients` at the step does)."""
     job, copy = rt.cfg.job, rt.cfg.replica
     m, d = job.microbatches, rt.cfg.layout.copies
     last = max(j for j in range(m) if j % d == copy)
-    before_backward(rt.module, rt.cfg.layout.shard, unit % m == last)
+    before_backward(rt.module, rt.cfg.layout.shard, unit % m == last, rt.schedule.split_backward)
 
 
 def hooked(rt: StageRuntime) -> StageRuntime:
-    """``rt`` with FSDP2's per-backward switches set where its stage is sharded."""
+    """``rt`` with FSDP2's per-backward switches set where its stage is sharded, and under a split
+    backward its gradients reduced before each step."""
     if rt.cfg.layout.shard != "none":
         rt.before_backward = functools.partial(_before, rt)
+        if rt.schedule.split_backward:
+            rt.before_step = functools.partial(reduce_gradients, rt.module)
     return rt

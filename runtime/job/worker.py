@@ -271,7 +271,7 @@ def _build(
         scheduler=make_scheduler(settings, optimizer, _total_steps(options, batches)),
         clip=_clip(settings, cfg, module),
         comm=shared.comm if shared else Comm(dist.group.WORLD, device, prefetch=device.type == "cpu"),  # type: ignore[arg-type]
-        groups=shared.groups if shared else groups or _groups(cfg, timeout),
+        groups=stage3d.chunk_groups(shared.groups, cfg) if shared else groups or _groups(cfg, timeout),
         batches=batches,
         stash=schedule.get_schedule(cfg.job.schedule).stashes,
         recorder=shared.recorder

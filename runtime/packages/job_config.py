@@ -8,6 +8,7 @@ same :class:`JobConfig` and picks its own :class:`RankConfig` from it.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,8 +138,10 @@ class JobConfig:
     @property
     def virtual_stages(self) -> int:
         """Stages per rank: 1, or ``v`` when the package lays ``p * v`` stages on ``p`` ranks for
-        ``interleaved`` (stage ``s`` on rank ``s mod p``) or, ``v = 2``, for ``zbv`` (a V)."""
-        return max(1, self.stages // len({r for ranks in self.copy_layout for r in ranks}))
+        ``interleaved`` (stage ``s`` on rank ``s mod p``) or, ``v = 2``, for ``zbv`` (a V), each
+        copy of the stages on ``p`` ranks of its own."""
+        hosted = Counter(r for ranks in self.copy_layout for r in ranks)
+        return max(1, max(hosted.values(), default=1))
 
     @property
     def stages(self) -> int:
@@ -418,22 +421,25 @@ def _checked(job: JobConfig) -> JobConfig:
 def _check_layout(job: JobConfig) -> None:
     """A schedule that lays several stages on each rank (``interleaved``, ``zbv``) runs a package laid
     out as it lays them, one rank per stage (every rank already holds a slice of every part of the
-    pipeline), on microbatches its order can play; a package laid out so runs only under such a
-    schedule, whose order it was planned for."""
+    pipeline), each copy of the stages on ranks of its own laid out so (:func:`_copy_pipelines`), on
+    microbatches its order can play; a package laid out so runs only under such a schedule, whose
+    order it was planned for."""
     kind, layout = get_schedule(job.schedule), job.copy_layout
-    fits = _laid_out_by(layout)
+    pipes = _copy_pipelines(layout)
+    fits = _laid_out_by(pipes[0]) if pipes else []
     if kind.placement is None:
         if job.virtual_stages > 1:
             raise RunError(
                 f"{job.package} puts {job.virtual_stages} stages on each rank, which only --schedule "
-                f"{' or '.join(fits)} runs, not {job.schedule}"
+                f"{' or '.join(fits) or 'interleaved or zbv'} runs, not {job.schedule}"
             )
         return
-    if any(len(r) > 1 for r in layout):
+    if pipes is None:
         raise RunError(
-            f"--schedule {job.schedule} runs without replicas (every rank already hosts a slice of every "
-            f"part of the pipeline); partition with --schedule {job.schedule}, or pick 1f1b for replicated "
-            "stages"
+            f"--schedule {job.schedule} runs a stage's replicas only as whole copies of the pipeline "
+            f"(every stage with as many, each rank one copy's): {job.package} has stages on ranks "
+            f"{[list(r) for r in job.stage_ranks]}; partition with --schedule {job.schedule}, or pick "
+            "1f1b for replicated stages"
         )
     if job.schedule not in fits:
         others = " or ".join(fits)
@@ -442,10 +448,31 @@ def _check_layout(job: JobConfig) -> None:
             f"--schedule {job.schedule} needs a package partitioned with --schedule {job.schedule}; "
             f"{job.package} has {job.stages} stages on ranks {[list(r) for r in layout]}{laid}"
         )
-    try:
-        kind.check(job.world_size, job.virtual_stages, job.microbatches)
-    except ScheduleError as exc:
-        raise RunError(str(exc)) from exc
+    copies = len(pipes)
+    for i in range(copies):
+        own = len(range(i, job.microbatches, copies))
+        try:
+            kind.check(len({r for rs in pipes[i] for r in rs}), job.virtual_stages, own)
+        except ScheduleError as exc:
+            each = f"each of the {copies} copies runs {own} of the {job.microbatches} microbatches: "
+            raise RunError((each if copies > 1 else "") + str(exc)) from exc
+
+
+def _copy_pipelines(layout: Layout) -> tuple[Layout, ...] | None:
+    """Each copy's pipeline, its ranks numbered from 0 in order, where every stage has the same
+    copies and no rank holds two copies' stages (copy ``i`` of every stage runs the microbatches
+    ``j mod d == i``: the copies are whole pipelines of their own); None otherwise."""
+    copies = len(layout[0]) if layout else 0
+    if any(len(rs) != copies for rs in layout):
+        return None
+    used = [{rs[i] for rs in layout} for i in range(copies)]
+    if sum(len(u) for u in used) != len(set().union(*used)):
+        return None
+    pipes = []
+    for i in range(copies):
+        dense = {r: n for n, r in enumerate(sorted(used[i]))}
+        pipes.append(tuple((dense[rs[i]],) for rs in layout))
+    return tuple(pipes)
 
 
 def _check_3d(job: JobConfig) -> None:
@@ -460,12 +487,6 @@ def _check_3d(job: JobConfig) -> None:
             f"--schedule {job.schedule} keeps weight versions per replica and runs neither tensor "
             f"parallelism nor sharding (stages {sorted(set(split + shard))}); pick 1f1b, gpipe, zb1p, "
             "interleaved or zbv"
-        )
-    if shard and kind.split_backward:
-        raise RunError(
-            f"--schedule {job.schedule} splits each backward into B and W, and FSDP2 reduce-scatters a "
-            f"sharded stage's gradients when its input gradients are done, before W computes them: "
-            f"stages {shard} would train on partial gradients; pick 1f1b or gpipe for shard levels"
         )
     if job.precision == "fp16":
         raise RunError("--precision fp16 does not run 3D layouts yet (its loss scale); use bf16 or fp32")

@@ -40,11 +40,12 @@ def generate_3d(
     microbatches: int = 4,
     batch_size: int = 8,
     cuts: Sequence[float] | None = None,
+    recompute: bool = False,
 ) -> Path:
     """A package of ``profile`` with one stage per ``(t, d, shard)`` of ``layouts``, cut at equal
     layer counts (or at ``cuts``, fractions of the layers), each stage on ``t * d`` consecutive
     ranks, data-major. ``schedule`` zbv lays stage ``s`` and ``2p - 1 - s`` on one copy's ranks,
-    interleaved stage ``s`` on copy ``s mod p``."""
+    interleaved stage ``s`` on copy ``s mod p``. ``recompute``: every stage recomputes its forward."""
     from partitioner import plan
     from partitioner.generation import codegen
 
@@ -55,7 +56,10 @@ def generate_3d(
     ranks = _ranks(layouts, schedule)
     stages = tuple(
         replace(
-            plan.Stage(k, tuple(ids[edges[k] : edges[k + 1]]), d, ranks[k]), tensor_parallel=t, shard=shard
+            plan.Stage(k, tuple(ids[edges[k] : edges[k + 1]]), d, ranks[k]),
+            tensor_parallel=t,
+            shard=shard,
+            recompute=recompute,
         )
         for k, (t, d, shard) in enumerate(layouts)
     )

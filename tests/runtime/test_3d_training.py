@@ -1,9 +1,10 @@
 """3D stages (docs/layout-3d.md) train exactly as plain single-process training: an hf:llama-shaped
 config (4 layers, hidden 128, 8 heads, 4 KV heads), an hf:qwen2-shaped one and a user's own MLP
 file, split over tensor ranks (DTensor weights), sharded over copies (FSDP2) or both, under 1f1b and
-zbv: after 4 SGD steps with momentum every weight equals plain training's on the same microbatches
-within 1e-5 of its tensor's largest value. A few layouts per model keep this file near two minutes
-on two cores; the rest of the matrix was run by hand (benchmarks/results/run3d_matrix.md)."""
+zbv (with copies and shard levels too): after 4 SGD steps with momentum every weight equals plain
+training's on the same microbatches within 1e-5 of its tensor's largest value. A few layouts per
+model keep this file near three minutes on two cores; the rest of the matrix was run by hand
+(benchmarks/bench_3d.py, benchmarks/results/bench_3d.md)."""
 
 from __future__ import annotations
 
@@ -45,10 +46,16 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def _trains_as_plain(
-    tmp: Path, profile: Any, name: str, layouts: list[tuple[int, int, str]], schedule: str
+    tmp: Path,
+    profile: Any,
+    name: str,
+    layouts: list[tuple[int, int, str]],
+    schedule: str,
+    recompute: bool = False,
 ) -> Path:
     """Generate, run 4 steps, compare with plain training; returns the checkpoint folder."""
-    pkg = generate_3d(tmp / name, profile, layouts, schedule, MICRO, BATCH)
+    pkg = generate_3d(tmp / name, profile, layouts, schedule, MICRO, BATCH, recompute=recompute)
+    assert load_job(pkg).recompute == (recompute,) * len(layouts)
     ckpt = tmp / f"{name}-ckpt"
     run(pkg, steps=STEPS, checkpoint_dir=str(ckpt), **SGD)
     want = plain_state(pkg, STEPS, MICRO, BATCH, **SGD)
@@ -110,9 +117,22 @@ def test_qwen2_shaped_and_mlp_file(tmp_path: Path) -> None:
     assert _chunks(ckpt, "blocks.0.fc1.weight") == 2 and _chunks(ckpt, "head.weight") == 1
 
 
+def test_zbv_with_shards_and_with_copies(tmp_path: Path, llama: Any) -> None:
+    """zbv (every backward split into B and W; 4 stages as a V on each copy's ranks) with copies:
+    llama-shaped PP2 x DP2 fully sharded (FSDP2's sync held through every B and W, one
+    reduce-scatter after the copy's last W), and the user's MLP as PP2 x DP2 x TP2 replicated (8
+    ranks: each copy a V of its own, each of a rank's two stages all-reducing its shards over its
+    own data group), every stage recomputing its forward (the plan's recompute flag on split
+    stages, B and W each running the recomputed graph)."""
+    ckpt = _trains_as_plain(tmp_path, llama, "zfull", [(1, 2, "full")] * 4, "zbv")
+    assert _chunks(ckpt, "model.layers.0.mlp.up_proj.weight") == 2
+    mlp = _profile(tmp_path, "mlp")
+    _trains_as_plain(tmp_path, mlp, "zcopies", [(2, 2, "none")] * 4, "zbv", recompute=True)
+
+
 def test_bad_3d_layouts_are_refused_before_any_rank_starts(tmp_path: Path, llama: Any) -> None:
-    """A degree the key-value heads do not divide, pipedream with tensor parallelism, a shard level
-    under a split backward: one line each, naming what is wrong."""
+    """A degree the key-value heads do not divide, pipedream with tensor parallelism or a shard
+    level, zbv on copies that are not V pipelines of their own: one line each, naming what is wrong."""
     profile = llama
     eight = generate_3d(tmp_path / "t8", profile, [(1, 1, "none"), (8, 1, "none")], "1f1b", MICRO, BATCH)
     with pytest.raises(
@@ -124,5 +144,9 @@ def test_bad_3d_layouts_are_refused_before_any_rank_starts(tmp_path: Path, llama
     with pytest.raises(RunError, match="pipedream keeps weight versions"):
         load_job(tp, schedule="pipedream")
     dp = generate_3d(tmp_path / "dp", profile, [(1, 2, "full"), (1, 2, "full")], "1f1b", MICRO, BATCH)
-    with pytest.raises(RunError, match="zb1p splits each backward"):
-        load_job(dp, schedule="zb1p")
+    with pytest.raises(RunError, match="pipedream keeps weight versions"):
+        load_job(dp, schedule="pipedream")
+    copies = [(1, 2, "full"), (1, 1, "none"), (1, 1, "none"), (1, 2, "full")]  # (stages 1, 2: 1 copy)
+    uneven = generate_3d(tmp_path / "v", profile, copies, "zbv", MICRO, BATCH)
+    with pytest.raises(RunError, match="only as whole copies of the pipeline"):
+        load_job(uneven)

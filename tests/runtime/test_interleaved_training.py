@@ -169,7 +169,7 @@ def test_an_inf_in_one_chunk_skips_the_step_for_every_chunk_of_every_rank(tmp_pa
 
 def test_interleaved_refuses_replicas_and_odd_microbatches(tmp_path: Path) -> None:
     replicated = write_package(tmp_path / "rep", "chain", replicas=(2, 1), microbatches=4, batch_size=8)
-    with pytest.raises(RunError, match="without replicas"):
+    with pytest.raises(RunError, match="replicas only as whole copies of the pipeline"):
         load_job(replicated, schedule="interleaved")
     pkg = write_package(
         tmp_path / "pkg", "chain", replicas=(1,) * 4, microbatches=4, batch_size=12, virtual=2

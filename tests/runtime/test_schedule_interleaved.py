@@ -104,3 +104,17 @@ def test_a_valid_hand_written_list_passes() -> None:
     rank0, rank1 = parse_actions("0F0 2F0 2B0 0B0 0S0 2S0"), parse_actions("1F0 3F0 3B0 1B0 1S0 3S0")
     validate([rank0, rank1], 1, [0], cycle(2, 2), "interleaved")
     assert Action(3, "S", 0) in rank1
+
+
+def test_copies_play_interleaved_pipelines_of_their_own() -> None:
+    """PP2 x DP2 with 2 chunks a rank: copy i (ranks 2r + i) plays 2 ranks' interleaved order over
+    its microbatches j mod 2 == i, and the four lists validate together."""
+    layout = tuple(tuple(r * 2 + i for i in range(2)) for (r,) in cycle(2, 2))
+    lists = build("interleaved", layout, 8, 2)
+    validate(lists, 8, range(2), layout, "interleaved")
+    alone = build("interleaved", cycle(2, 2), 4)
+    for i in range(2):
+        own = {a.index for a in lists[i] if a.kind != "S"}
+        assert own == {s * 8 + j for s in range(2) for j in range(i, 8, 2)}
+        first = [a for a in lists[2 + i] if (a.index if a.kind == "S" else a.index // 8) == 0]
+        assert [a.kind + str(a.stage) for a in first] == [a.kind + str(a.stage) for a in alone[1]]

@@ -102,3 +102,31 @@ def test_dropped_ws_or_a_broken_v_are_refused() -> None:
     swapped[1][0], swapped[1][1] = swapped[1][1], swapped[1][0]  # 2F0 before 1F0 on one rank
     with pytest.raises(ScheduleError, match="deadlock"):
         validate(swapped, 4, [0], v(2), "zbv")
+
+
+def with_copies(layout: Layout, copies: int) -> Layout:
+    """``layout`` on each of ``copies`` copies: copy ``i`` of rank ``r``'s stages on rank ``r d + i``."""
+    return tuple(tuple(r * copies + i for i in range(copies)) for (r,) in layout)
+
+
+@pytest.mark.parametrize(("ranks", "micro", "copies"), [(2, 4, 2), (2, 5, 2), (3, 6, 3), (1, 2, 2)])
+def test_copies_play_v_pipelines_of_their_own(ranks: int, micro: int, copies: int) -> None:
+    """Each copy is a V of its own over the microbatches j mod d == i (Schedule.replica_of): its
+    lists are one copy's without copies, its microbatches renumbered, and together they validate."""
+    layout = with_copies(v(ranks), copies)
+    lists = build("zbv", layout, micro, 2)
+    validate(lists, micro, range(2), layout, "zbv")
+    for i in range(copies):
+        own = list(range(i, micro, copies))
+        alone = build("zbv", v(ranks), len(own), 2)
+        for r in range(ranks):
+            renumbered = [
+                a
+                if a.kind == "S"
+                else Action(a.stage, a.kind, a.index // len(own) * micro + own[a.index % len(own)])
+                for a in alone[r]
+            ]
+            assert list(lists[r * copies + i]) == renumbered
+            assert {
+                get_schedule("zbv").replica_of(a.index, micro, copies) for a in renumbered if a.kind != "S"
+            } == {i}

@@ -113,6 +113,47 @@ def test_zbv_ties_the_first_and_last_stage_on_rank_0(tmp_path: Path) -> None:
     )
 
 
+def _on_two_copies(pkg: Path) -> Path:
+    """The package's V laid out on 2 copies: stage ranks ``r`` become ``2r`` (copy 0) and ``2r + 1``."""
+    conf = json.loads((pkg / "mp_conf.json").read_text())
+    conf["stage_to_rank_map"] = {
+        k: [2 * r for r in rs] + [2 * r + 1 for r in rs] for k, rs in conf["stage_to_rank_map"].items()
+    }
+    (pkg / "mp_conf.json").write_text(json.dumps(conf))
+    plan = json.loads((pkg / "plan.json").read_text())
+    for stage in plan["stages"]:
+        stage["ranks"] = [2 * r for r in stage["ranks"]] + [2 * r + 1 for r in stage["ranks"]]
+        stage["replicas"] = 2
+    (pkg / "plan.json").write_text(json.dumps(plan))
+    return pkg
+
+
+def test_zbv_on_copies_sums_a_tie_once_and_clips_every_chunk(tmp_path: Path) -> None:
+    """The tied V on 2 copies (4 ranks; stages 0 and 3 on ranks 0 and 1): each copy plays its own V
+    over half the microbatches; the tie's gradient is summed over both copies once (its group spans
+    them, so the replica all-reduce leaves it out), and a rank's first chunk clips after its other
+    chunk's gradients are summed over the copies too. Equal to plain training with clipping that binds."""
+    from runtime.executing.optimizer import OptimSettings
+    from tests.runtime.helpers import stage_state
+    from tests.runtime.test_optim import _reference
+
+    pkg = write_package(
+        tmp_path / "pkg", "tied", (1,) * 4, microbatches=4, batch_size=8, virtual=2, v_shape=True
+    )
+    _on_two_copies(pkg)
+    model, norms = _reference(pkg, 3, 4, 8, OptimSettings(lr=0.5, momentum=0.5, clip_grad_norm=0.2))
+    assert all(n > 0.2 for n in norms), norms
+    ckpt = tmp_path / "ckpt"
+    metrics = run(
+        pkg, steps=3, schedule="zbv", checkpoint_dir=str(ckpt), lr=0.5, momentum=0.5, clip_grad_norm=0.2
+    )
+    assert [list(r["hosted"]) for r in metrics["ranks"]] == [[0, 3], [0, 3], [1, 2], [1, 2]]
+    assert_stages_equal(ckpt, 3, model, 4, atol=1e-5)
+    torch.testing.assert_close(
+        stage_state(ckpt, 3, 0)["fc.weight"], stage_state(ckpt, 3, 3)["w"], rtol=0, atol=0
+    )
+
+
 def test_zbv_evaluates_the_unsplit_models_loss(tmp_path: Path) -> None:
     """``--eval-data`` under zbv: each rank walks every held-out unit through its two stages in
     stage order (rank 0 scores, holding the last stage); the loss equals the unsplit model's."""

@@ -200,17 +200,17 @@ def test_no_layout_is_returned_that_is_slower_than_the_2d_plan() -> None:
 
 
 def test_only_layouts_the_runtime_runs_are_searched() -> None:
-    """docs/layout-3d.md: no shard level under a split backward, one copy under a laid-out schedule."""
+    """docs/layout-3d.md: every layout under every flushing schedule (shard levels under a split
+    backward, copies under a laid-out one), none under pipedream."""
     from partitioner.optimizer.layouts import runs
 
     assert runs(Layout(2, 2, "optimizer"), "1f1b") and runs(Layout(2, 2, "full"), "gpipe")
-    assert not runs(Layout(2, 2, "optimizer"), "zb1p") and runs(Layout(2, 2), "zb1p")
-    assert (
-        not runs(Layout(2, 2), "zbv") and not runs(Layout(1, 2), "interleaved") and runs(Layout(4, 1), "zbv")
-    )
+    assert runs(Layout(2, 2, "optimizer"), "zb1p") and runs(Layout(1, 2, "full"), "zbv")
+    assert runs(Layout(2, 2), "zbv") and runs(Layout(1, 2), "interleaved") and runs(Layout(4, 1), "zbv")
+    assert not runs(Layout(2, 1), "pipedream") and not runs(Layout(1, 2, "optimizer"), "pipedream")
     profile = _split_chain(layers=8)
     cluster = Cluster((Level(4, 1e8, 1e-4), Level(2, 1e7)))
-    with pytest.raises(PlanError, match="does not run under zbv"):
+    with pytest.raises(PlanError, match="does not run under pipedream"):
         solve_layout(
-            profile, cluster, Layout(2, 2, "optimizer"), SolveOptions("1f1b", 1, "adam", True), ("zbv",)
+            profile, cluster, Layout(2, 2, "optimizer"), SolveOptions("1f1b", 1, "adam", True), ("pipedream",)
         )
