@@ -85,7 +85,7 @@ def test_the_step_holds_fsdp2s_reduce_scatter_buffers() -> None:
 
 def test_fixed_cuts_are_priced_at_the_layout_with_the_step_as_a_floor() -> None:
     """evaluate_layout (bench_3d_memory's plans): two stages of two copies at ``gradients``, each
-    stage's memory at least its step's reduce-scatter; zbv refuses a shard level."""
+    stage's memory at least its step's reduce-scatter; pipedream refuses a shard level."""
     profile = _split_chain()
     cluster = Cluster((Level(4, 1e9),))
     cut = [profile.nodes[2].id]
@@ -96,7 +96,7 @@ def test_fixed_cuts_are_priced_at_the_layout_with_the_step_as_a_floor() -> None:
         weight = sum(n.param_bytes for n in profile.nodes if n.id in s.nodes)
         assert s.memory_bytes >= step_bytes("gradients", 2, "adam", 0.0, weight, copied=False) > 0
     with pytest.raises(PlanError, match="does not run"):
-        evaluate_layout(profile, cluster, Layout(1, 2, "full"), cut, "zbv", 2, "adam")
+        evaluate_layout(profile, cluster, Layout(1, 2, "full"), cut, "pipedream", 1, "adam")
 
 
 def test_collectives_overlap_their_units_compute_up_to_it() -> None:
