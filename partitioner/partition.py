@@ -214,12 +214,20 @@ def _solve_3d(r: PartitionRequest, profile: Profile, cluster: Cluster, recompute
         raise PlanError("--tensor-parallel and --shard search the cuts: drop --cuts, --replicas, --straight")
     if r.schedule != "auto" and schedule_model(r.schedule).asynchronous:
         raise PlanError(f"--schedule {r.schedule} takes no tensor parallelism or sharding")
+    copies = cluster.gpus // (r.tensor_parallel or 1)
+    if r.shard not in (None, "none") and copies < 2:
+        raise PlanError(
+            f"--shard {r.shard} shards over a stage's data-parallel copies, and {cluster.gpus} GPU(s) at "
+            f"--tensor-parallel {r.tensor_parallel or 1} leave none: give more GPUs or drop --shard"
+        )
     schedules = LAYOUT_SCHEDULES if r.schedule == "auto" else (r.schedule,)
     best = solve_layouts(profile, cluster, _options(r, recompute), schedules, r.tensor_parallel,
                          r.shard, r.microbatches)  # fmt: skip
     if best is None:
+        gpus = cluster.gpus
+        where = f"fits in {gpus} GPUs' memory" if cluster.memory_bytes else f"runs on {gpus} GPUs"
         raise InfeasibleError(f"no plan with --tensor-parallel {r.tensor_parallel or 'any'} and --shard "
-                              f"{r.shard or 'any'} fits in {cluster.gpus} GPUs' memory")  # fmt: skip
+                              f"{r.shard or 'any'} {where}")  # fmt: skip
     return best.plan
 
 

@@ -349,6 +349,10 @@ ROWS: dict[str, tuple[Row, str]] = {
     "calibrate: stage time a string": (lambda t: _metrics(t, ["fast", 0.1]), "compute_s_per_minibatch"),
     "calibrate: batch size a list": (lambda t: _metrics(t, [0.1, 0.1], batch_size=[8]), "batch_size"),
     "profile hf:llama:nosuchtask": (lambda t: ["profile", "hf:llama:nosuchtask"], "no task 'nosuchtask'"),
+    "--shard with no copies to shard over": (
+        lambda t: [*_profile(t), "--schedule", "1f1b", "--tensor-parallel", "2", "--shard", "full"],
+        "data-parallel copies",
+    ),
 }
 if not __import__("torch").cuda.is_available():
     ROWS["run: --backend nccl without a GPU"] = (lambda t: _run(t, "--backend", "nccl"), "nccl")
