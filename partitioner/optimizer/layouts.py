@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile
@@ -121,12 +121,16 @@ def _counts(batch: int, devices: int, asked: int | None) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class _Candidate:
-    """One search to run: a layout at ``m`` microbatches a copy under ``schedule``, and its bound."""
+    """One search to run: a layout at ``m`` microbatches a copy under ``schedule``, and its bound;
+    the copy view it searches (made once per layout and count, shared by its schedules)."""
 
     bound: float
     layout: Layout
     m: int
     schedule: str
+    view: Profile = field(compare=False, repr=False)
+    split: Profile = field(compare=False, repr=False)
+    wide: Cluster = field(compare=False, repr=False)
 
 
 def _bubble(schedule: str, m: int, stages: int) -> float:
@@ -139,17 +143,39 @@ def _bubble(schedule: str, m: int, stages: int) -> float:
     return stages / (m * (1.0 - (1.0 - 1.0 / m) ** stages))
 
 
+def _least_time(view: Profile, stages: int, m: int, schedule: str) -> float:
+    """A lower bound on every plan of one copy (``stages`` devices, ``m`` microbatches): its work
+    spread evenly over the stages that can hold any (no more than its nodes: the fill and drain
+    of :func:`_bubble` only grow with fewer), and never below its largest node's work, which one
+    device runs for every microbatch (recomputation, messages and the step only add)."""
+    work = [n.forward_ms + n.backward_ms for n in view.nodes if n.op != "input"]
+    used = max(1, min(stages, len(work)))
+    return max(sum(work) / used * _bubble(schedule, m, used), max(work, default=0.0)) / 1e3
+
+
+def _fits_nowhere(view: Profile, wide: Cluster, stages: int, m: int, optimizer: str, laid_out: bool) -> bool:
+    """Whether no plan of the copy view can fit, by a bound: every stage holds its weights'
+    persistent bytes and, recomputing or not, at least one microbatch of its saved bytes while its
+    backward runs (``peak_bytes``), so their sum over the stages is at most ``stages`` memories (a
+    laid-out device's stages share their peak: its weights only)."""
+    if wide.memory_bytes is None:
+        return False
+    per_byte = persistent_factor(optimizer, master_ratio(view.dtype))
+    held = sum(n.param_bytes for n in view.nodes) * per_byte
+    if not laid_out:
+        held += sum(n.saved_bytes for n in view.nodes) / m
+    return held / stages > wide.memory_bytes + 1.0
+
+
 def _candidates(
     profile: Profile, cluster: Cluster, layout: Layout, optimizer: str, schedules: Sequence[str],
     asked: int | None,
 ) -> list[_Candidate]:  # fmt: skip
-    """The searches of ``layout``, each with a lower bound on its time: a copy's work at its
-    microbatch count spread evenly over its stages, times the schedule's least bubble (the step
-    and recomputation only add). None where the weights alone cannot fit: their persistent bytes
-    over the stages above the memory."""
+    """The searches of ``layout`` that a bound does not rule out, each with a lower bound on its
+    time (:func:`_least_time`). Ruled out: where no plan can fit (:func:`_fits_nowhere`), and a
+    laid-out schedule with more stages than the copy has layers (its search has no plan there)."""
     stages = cluster.gpus // layout.group
     batch = (profile.batch_size or layout.copies) // layout.copies
-    per_byte = persistent_factor(optimizer, master_ratio(profile.dtype))
     found = []
     for m in _counts(batch, stages, asked):
         try:
@@ -157,28 +183,28 @@ def _candidates(
             wide = copy_memory(cluster, split, layout)
         except PlanError:
             continue
-        persistent = sum(n.param_bytes for n in view.nodes) * per_byte
-        if wide.memory_bytes is not None and persistent / stages > wide.memory_bytes:
-            continue
-        work = sum(n.forward_ms + n.backward_ms for n in view.nodes) / 1e3 / stages
         for schedule in schedules:
-            if not model(schedule).asynchronous and runs(layout, schedule):
-                found.append(_Candidate(work * _bubble(schedule, m, stages), layout, m, schedule))
+            sched = model(schedule)
+            if sched.asynchronous or not runs(layout, schedule):
+                continue
+            few = min(sched.virtual(v) for v in sched.auto_virtual) * stages > len(view.layers)
+            if _fits_nowhere(view, wide, stages, m, optimizer, sched.laid_out) or (sched.laid_out and few):
+                continue
+            bound = _least_time(view, stages, m, schedule)
+            found.append(_Candidate(bound, layout, m, schedule, view, split, wide))
     return found
 
 
 def _searched(profile: Profile, cluster: Cluster, c: _Candidate, opts: SolveOptions) -> Plan | None:
     """The best plan of one candidate (over its schedule's virtual stage counts), None: none fits."""
-    view, split = copy_profile(profile, cluster, c.layout, c.m, opts.optimizer)
-    wide = copy_memory(cluster, split, c.layout)
     best: Plan | None = None
     for virtual in model(c.schedule).auto_virtual:
         at = replace(opts, schedule=c.schedule, microbatches=c.m, virtual_stages=virtual, straight=True)
         try:
-            copy = solve_with(view, wide, at.checked(view))
+            copy = solve_with(c.view, c.wide, at.checked(c.view))
         except (InfeasibleError, PlanError):
             continue
-        plan = layout_plan(copy, split, cluster, c.layout)
+        plan = layout_plan(copy, c.split, cluster, c.layout)
         if best is None or _time(plan) < _time(best):
             best = plan
     return best
