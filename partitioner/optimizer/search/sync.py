@@ -107,11 +107,17 @@ def _least_sum(
     rows = np.flatnonzero(before[ch.k] + need + after[ch.j] <= units)
     if not len(rows):
         return None
-    k, j = ch.k[rows], ch.j[rows]
     u = np.where((ch.u[rows] <= tau) & (ch.a[rows] <= alpha), ch.u[rows], np.inf)
+    finite = np.isfinite(u)
+    live = finite.any(axis=1)  # (a stage no replica count lets meet the caps adds nothing)
+    if not live.any():
+        return None
+    rows, u, finite = rows[live], u[live], finite[live]
+    k, j = ch.k[rows], ch.j[rows]
+    counts = np.flatnonzero(finite.any(axis=0))  # replica counts r - 1 that any stage may take
+    low, cap = int(counts[0]), int(counts[-1]) + 1
     starts = np.flatnonzero(np.diff(j, prepend=-1))  # pairs are grouped by j
     ends = j[starts]
-    cap = u.shape[1]
     f = np.full((n, units + 1), np.inf)
     f[0, :] = 0.0
     seen = np.full((len(k), units + 1), np.inf)  # seen[p, c] = f[k_p, c] once column c is done
@@ -119,8 +125,9 @@ def _least_sum(
     for g in range(1, units + 1):
         f[:, g] = f[:, g - 1]
         reach = min(g, cap)
-        val = (seen[:, g - 1 :: -1][:, :reach] + u[:, :reach]).min(axis=1)
-        f[ends, g] = np.minimum(f[ends, g], np.minimum.reduceat(val, starts))
+        if reach > low:  # r in (low, reach]: seen[:, g - r] + u[:, r - 1]
+            val = (seen[:, g - 1 - low :: -1][:, : reach - low] + u[:, low:reach]).min(axis=1)
+            f[ends, g] = np.minimum(f[ends, g], np.minimum.reduceat(val, starts))
         seen[:, g] = f[k, g]
     if not math.isfinite(f[n - 1, units]):
         return None
