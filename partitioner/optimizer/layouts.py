@@ -28,6 +28,7 @@ from partitioner.optimizer.pricing.layout import Layout, copy_cluster, copy_memo
 from partitioner.optimizer.pricing.memory import master_ratio, persistent_factor
 from partitioner.optimizer.pricing.schedules import MODELS, model, priced_profile
 from partitioner.optimizer.pricing.simulate import Simulation, simulate
+from partitioner.optimizer.pricing.stage import W_SHARE
 from partitioner.optimizer.pricing.tensor import PRODUCTS_KEY, TOKENS_KEY, degrees
 from partitioner.plan import SHARD_LEVELS, Cluster, Plan
 from runtime.schedule import get_schedule
@@ -144,13 +145,32 @@ def _bubble(schedule: str, m: int, stages: int) -> float:
 
 
 def _least_time(view: Profile, stages: int, m: int, schedule: str) -> float:
-    """A lower bound on every plan of one copy (``stages`` devices, ``m`` microbatches): its work
-    spread evenly over the stages that can hold any (no more than its nodes: the fill and drain
-    of :func:`_bubble` only grow with fewer), and never below its largest node's work, which one
-    device runs for every microbatch (recomputation, messages and the step only add)."""
-    work = [n.forward_ms + n.backward_ms for n in view.nodes if n.op != "input"]
+    """A lower bound on every plan of one copy (``stages`` devices, ``m`` microbatches) on its
+    priced view: its work spread evenly over the stages that can hold any (no more than its nodes:
+    the fill and drain of :func:`_bubble` only grow with fewer); its largest node's work, which one
+    device runs for every microbatch; and one microbatch's way through every stage, forwards then
+    backwards (:func:`_path`), which a flushing schedule's period holds (the first stage's next
+    forward waits for its step, the step for that microbatch's backward). Recomputation, messages,
+    actions and the step only add."""
+    priced = priced_profile(view, schedule, m)
+    work = [n.forward_ms + n.backward_ms for n in priced.nodes if n.op != "input"]
     used = max(1, min(stages, len(work)))
-    return max(sum(work) / used * _bubble(schedule, m, used), max(work, default=0.0)) / 1e3
+    spread = sum(work) / used * _bubble(schedule, m, used)
+    return max(spread, max(work, default=0.0), _path(priced, schedule) / m) / 1e3
+
+
+def _path(priced: Profile, schedule: str) -> float:
+    """Milliseconds of one minibatch's forwards and of its backwards that lie on one microbatch's
+    way back (under a split backward a stage's B: its backward less the W it defers, ``W_SHARE``
+    of it where B and W were not timed apart; the first stage's W ends the way, a bound)."""
+    split = get_schedule(schedule).split_backward
+    total = 0.0
+    for n in priced.nodes:
+        if n.op == "input":
+            continue
+        deferred = (n.split_ms[1] if n.split_ms else n.backward_ms * W_SHARE) if split else 0.0
+        total += n.forward_ms + max(0.0, n.backward_ms - deferred)
+    return total
 
 
 def _fits_nowhere(view: Profile, wide: Cluster, stages: int, m: int, optimizer: str, laid_out: bool) -> bool:
