@@ -3,10 +3,12 @@ the plan, chosen jointly with the cuts, the schedule, the microbatches and recom
 
 For each layout the exact 2D search of one device per stage runs on its copy view
 (:mod:`partitioner.optimizer.pricing.layout`), at every schedule and microbatch count; the
-layouts are searched in the order of a lower bound on their time (a copy's work spread evenly
-over its devices, no bubble, no step) and a layout whose bound is no better than the best plan
-found, or whose weights alone cannot fit (their persistent bytes over the stages exceed the
-memory), is ruled out before it is searched. Exact under the model within each layout but for
+layouts are searched in the order of a lower bound on their time (:func:`_least_time`: a copy's
+work spread over its stages with 1f1b's and gpipe's least fill and drain, its largest node, one
+microbatch's way through every stage) and a layout whose bound is no better than the best plan
+found, or that cannot fit by a bound (:func:`_fits_nowhere`: its weights and one microbatch of
+activations over the stages exceed the memory), is ruled out before it is searched; a layout's
+copy view is made once per microbatch count. Exact under the model within each layout but for
 the step, which the search does not minimise: the plan keeps the search's bound, so its gap says
 how far it can be. ``t = 1`` with ``shard = none`` is today's 2D search, which also lets each
 stage have its own replicas (docs/optimizer-search.md).
