@@ -47,10 +47,38 @@ CASES: dict[str, tuple[str, int, int, float]] = {
 
 #: what the same commands took before this benchmark first ran (CPU s, wall, where recorded)
 BEFORE = {
-    "70b": "67.1 s CPU, 2:02 wall (by hand, at the 3D merge; the previous bench_layouts.md)",
+    "70b": "77.9 s CPU, 137.9 s wall at load ~10 (commit 5add78c, 2 Dec); 67.1 s CPU, 2:02 wall "
+    "(by hand, at the 3D merge)",
     "405b": "451.8 s CPU, 9:03 wall (by hand; the previous bench_layouts.md)",
     "chain": "3.4 s (issue 40's measurement; 2.0 s before the steady-period simulation)",
 }
+
+
+NOTES = [
+    "3D candidates: the (layout, microbatches a copy, schedule) searches, of those a bound on memory",
+    "left, that a bound on time did not rule out. Where no layout beats the 2D plan (the 405B) the",
+    "plan records none: the count is then the candidates' (`layouts._candidates`, in this process)",
+    "whose bound is below the chosen plan's time, every one of which the search ran. The 70B on 16",
+    "GPUs has no plan: AdamW's 16 bytes a parameter are 1.13 TB against 16 x 80 GiB = 1.37 TB.",
+]
+
+
+def bound_counts(profile: Path, nodes: int, time_s: float) -> dict[str, int]:
+    """How many 3D candidates the search counts on ``dgx-h100:nodes`` and how many have a bound
+    below ``time_s`` (what it searches when no layout beats the 2D plan)."""
+    from partitioner.graph import load_profile
+    from partitioner.optimizer import layouts
+    from partitioner.partition import cluster_of
+    from partitioner.profiler.update_cost import with_update_time
+
+    prof = with_update_time(load_profile(profile), "adamw")
+    cluster = cluster_of(None, None, None, None, f"dgx-h100:{nodes}", None, prof.device)
+    found = [
+        c
+        for lay in layouts.layouts(prof, cluster)
+        for c in layouts._candidates(prof, cluster, lay, "adamw", layouts.LAYOUT_SCHEDULES, None)
+    ]
+    return {"candidates": len(found), "searches": sum(c.bound < time_s for c in found)}
 
 
 def _span(values: list[int]) -> str:
@@ -124,6 +152,9 @@ def run(names: list[str], tmp: Path, load: float) -> list[dict[str, Any]]:
             cluster = ["--cluster", f"dgx-h100:{nodes}"]
             row = {"case": name, "gpus": 8 * nodes, "target_s": target or None, "profile": made,
                    "partition": partition(profile, cluster, folder)}  # fmt: skip
+            plan = row["partition"]["plan"]
+            if plan and not plan.get("candidates"):
+                plan.update(bound_counts(profile, nodes, plan["time_per_minibatch_s"]))
         row["before"] = BEFORE.get(name)
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -152,14 +183,17 @@ def markdown(rows: list[dict[str, Any]], load: tuple[float, float]) -> list[str]
             f"{plan['layout']}, {plan['schedule']}, {plan['microbatches']} microbatches, "
             f"{plan['time_per_minibatch_s']:.3f} s"
             if plan
-            else f"rc {pa['rc']}"
+            else (pa.get("error") or f"rc {pa['rc']}").strip().splitlines()[-1]
         )
-        target = f"{r['target_s']:.0f} s wall" if r.get("target_s") else "-"
+        goal = r.get("target_s")
+        met = "yes" if goal and pa["wall_s"] <= goal else "no"
+        target = f"{goal:.0f} s wall: {met} (CPU: {'yes' if pa['cpu_s'] <= goal else 'no'})" if goal else "-"
         body.append((r["case"], r["gpus"], f"{pa['cpu_s']:.1f}", f"{pa['wall_s']:.1f}", pa["load_before"],
                      target, chosen, found, r.get("before") or "-"))  # fmt: skip
-    head = ("case", "GPUs", "partition CPU s", "wall s", "load", "target", "chosen plan",
+    head = ("case", "GPUs", "partition CPU s", "wall s", "load", "target met", "chosen plan",
             "3D candidates", "before")  # fmt: skip
     lines += table(head, body, "lrrrrllll")
+    lines += ["", *NOTES]
     made = {r["profile"]["command"]: r["profile"] for r in rows if r.get("profile")}
     lines += ["", "Profiles (made once per model):", ""]
     lines += [f"- `{cmd}`: {p['cpu_s']:.1f} s CPU, {p['wall_s']:.1f} s wall" for cmd, p in made.items()]
