@@ -45,12 +45,12 @@ CASES: dict[str, tuple[str, int, int, float]] = {
     "405b": ("llama3-405b.json", 512, 64, 300.0),
 }
 
-#: what the same commands took before this benchmark first ran (CPU s, wall, where recorded)
+#: what the same commands took before (``/usr/bin/time`` around them, this checkout's commit 5add78c,
+#: 2 Dec 2026, unless said otherwise)
 BEFORE = {
-    "70b": "77.9 s CPU, 137.9 s wall at load ~10 (commit 5add78c, 2 Dec); 67.1 s CPU, 2:02 wall "
-    "(by hand, at the 3D merge)",
-    "405b": "451.8 s CPU, 9:03 wall (by hand; the previous bench_layouts.md)",
-    "chain": "3.4 s (issue 40's measurement; 2.0 s before the steady-period simulation)",
+    "70b": "73.1 s CPU, 73.1 s wall at load 0.9 (67.1 s CPU by hand at the 3D merge)",
+    "405b": "451.8 s CPU, 9:03 wall at load 5 to 8 (by hand, the code before 5add78c's runtime rule)",
+    "chain": "1.9 s CPU, 1.7 s wall at load 0.5 (issue 40 measured 3.4 s)",
 }
 
 
