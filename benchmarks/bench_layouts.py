@@ -49,7 +49,7 @@ CASES: dict[str, tuple[str, int, int, float]] = {
 #: 2 Dec 2026, unless said otherwise)
 BEFORE = {
     "70b": "73.1 s CPU, 73.1 s wall at load 0.9 (67.1 s CPU by hand at the 3D merge)",
-    "405b": "451.8 s CPU, 9:03 wall at load 5 to 8 (by hand, the code before 5add78c's runtime rule)",
+    "405b": "258.3 s CPU, 258.4 s wall at load 1 (451.8 s CPU, 9:03 by hand before the runtime's rule)",
     "chain": "1.9 s CPU, 1.7 s wall at load 0.5 (issue 40 measured 3.4 s)",
 }
 
