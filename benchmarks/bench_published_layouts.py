@@ -23,8 +23,6 @@ unpriced: their shapes are in the image only.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE.parent))
 
+from benchmarks.child_runs import estimated_profile  # noqa: E402
 from partitioner.graph import load_profile  # noqa: E402
 from partitioner.optimizer.layouts import solve_layout, tokens_per_device  # noqa: E402
 from partitioner.optimizer.options import SolveOptions  # noqa: E402
@@ -82,15 +81,7 @@ def profile_of(folder: Path, name: str, cfg: dict[str, object]) -> Path:
     """``pipeplan profile`` of ``cfg`` for the h100 device model, in ``folder``."""
     spec = folder / f"{name}.json"
     spec.write_text(json.dumps(cfg), encoding="utf-8")
-    out = folder / name / "profile.json"
-    command = [
-        sys.executable, str(HERE.parent / "cli.py"), "profile", f"hf:{spec}", "-o", str(out),
-        "--device-model", "h100", "--batch-size", str(BATCH), "--microbatch-size", "1",
-        "--input-shape", str(SEQ), "--dtype", "bfloat16",
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
-    subprocess.run(command, check=True, cwd=folder, capture_output=True, env=env)
-    return out
+    return estimated_profile(spec, folder / name / "profile.json", BATCH, SEQ)[0]
 
 
 def price(row: tuple[object, ...], folder: Path) -> dict[str, object]:

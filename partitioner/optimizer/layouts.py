@@ -3,10 +3,12 @@ the plan, chosen jointly with the cuts, the schedule, the microbatches and recom
 
 For each layout the exact 2D search of one device per stage runs on its copy view
 (:mod:`partitioner.optimizer.pricing.layout`), at every schedule and microbatch count; the
-layouts are searched in the order of a lower bound on their time (a copy's work spread evenly
-over its devices, no bubble, no step) and a layout whose bound is no better than the best plan
-found, or whose weights alone cannot fit (their persistent bytes over the stages exceed the
-memory), is ruled out before it is searched. Exact under the model within each layout but for
+layouts are searched in the order of a lower bound on their time (:func:`_least_time`: a copy's
+work spread over its stages with 1f1b's and gpipe's least fill and drain, its largest node, one
+microbatch's way through every stage) and a layout whose bound is no better than the best plan
+found, or that cannot fit by a bound (:func:`_fits_nowhere`: its weights and one microbatch of
+activations over the stages exceed the memory), is ruled out before it is searched; a layout's
+copy view is made once per microbatch count. Exact under the model within each layout but for
 the step, which the search does not minimise: the plan keeps the search's bound, so its gap says
 how far it can be. ``t = 1`` with ``shard = none`` is today's 2D search, which also lets each
 stage have its own replicas (docs/optimizer-search.md).
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from partitioner.errors import InfeasibleError, PlanError
 from partitioner.graph import Profile
@@ -28,6 +30,7 @@ from partitioner.optimizer.pricing.layout import Layout, copy_cluster, copy_memo
 from partitioner.optimizer.pricing.memory import master_ratio, persistent_factor
 from partitioner.optimizer.pricing.schedules import MODELS, model, priced_profile
 from partitioner.optimizer.pricing.simulate import Simulation, simulate
+from partitioner.optimizer.pricing.stage import W_SHARE
 from partitioner.optimizer.pricing.tensor import PRODUCTS_KEY, TOKENS_KEY, degrees
 from partitioner.plan import SHARD_LEVELS, Cluster, Plan
 from runtime.schedule import get_schedule
@@ -120,12 +123,16 @@ def _counts(batch: int, devices: int, asked: int | None) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class _Candidate:
-    """One search to run: a layout at ``m`` microbatches a copy under ``schedule``, and its bound."""
+    """One search to run: a layout at ``m`` microbatches a copy under ``schedule``, and its bound;
+    the copy view it searches (made once per layout and count, shared by its schedules)."""
 
     bound: float
     layout: Layout
     m: int
     schedule: str
+    view: Profile = field(compare=False, repr=False)
+    split: Profile = field(compare=False, repr=False)
+    wide: Cluster = field(compare=False, repr=False)
 
 
 def _bubble(schedule: str, m: int, stages: int) -> float:
@@ -138,17 +145,58 @@ def _bubble(schedule: str, m: int, stages: int) -> float:
     return stages / (m * (1.0 - (1.0 - 1.0 / m) ** stages))
 
 
+def _least_time(view: Profile, stages: int, m: int, schedule: str) -> float:
+    """A lower bound on every plan of one copy (``stages`` devices, ``m`` microbatches) on its
+    priced view: its work spread evenly over the stages that can hold any (no more than its nodes:
+    the fill and drain of :func:`_bubble` only grow with fewer); its largest node's work, which one
+    device runs for every microbatch; and one microbatch's way through every stage, forwards then
+    backwards (:func:`_path`), which a flushing schedule's period holds (the first stage's next
+    forward waits for its step, the step for that microbatch's backward). Recomputation, messages,
+    actions and the step only add."""
+    priced = priced_profile(view, schedule, m)
+    work = [n.forward_ms + n.backward_ms for n in priced.nodes if n.op != "input"]
+    used = max(1, min(stages, len(work)))
+    spread = sum(work) / used * _bubble(schedule, m, used)
+    return max(spread, max(work, default=0.0), _path(priced, schedule) / m) / 1e3
+
+
+def _path(priced: Profile, schedule: str) -> float:
+    """Milliseconds of one minibatch's forwards and of its backwards that lie on one microbatch's
+    way back (under a split backward a stage's B: its backward less the W it defers, ``W_SHARE``
+    of it where B and W were not timed apart; the first stage's W ends the way, a bound)."""
+    split = get_schedule(schedule).split_backward
+    total = 0.0
+    for n in priced.nodes:
+        if n.op == "input":
+            continue
+        deferred = (n.split_ms[1] if n.split_ms else n.backward_ms * W_SHARE) if split else 0.0
+        total += n.forward_ms + max(0.0, n.backward_ms - deferred)
+    return total
+
+
+def _fits_nowhere(view: Profile, wide: Cluster, stages: int, m: int, optimizer: str, laid_out: bool) -> bool:
+    """Whether no plan of the copy view can fit, by a bound: every stage holds its weights'
+    persistent bytes and, recomputing or not, at least one microbatch of its saved bytes while its
+    backward runs (``peak_bytes``), so their sum over the stages is at most ``stages`` memories (a
+    laid-out device's stages share their peak: its weights only)."""
+    if wide.memory_bytes is None:
+        return False
+    per_byte = persistent_factor(optimizer, master_ratio(view.dtype))
+    held = sum(n.param_bytes for n in view.nodes) * per_byte
+    if not laid_out:
+        held += sum(n.saved_bytes for n in view.nodes) / m
+    return held / stages > wide.memory_bytes + 1.0
+
+
 def _candidates(
     profile: Profile, cluster: Cluster, layout: Layout, optimizer: str, schedules: Sequence[str],
     asked: int | None,
 ) -> list[_Candidate]:  # fmt: skip
-    """The searches of ``layout``, each with a lower bound on its time: a copy's work at its
-    microbatch count spread evenly over its stages, times the schedule's least bubble (the step
-    and recomputation only add). None where the weights alone cannot fit: their persistent bytes
-    over the stages above the memory."""
+    """The searches of ``layout`` that a bound does not rule out, each with a lower bound on its
+    time (:func:`_least_time`). Ruled out: where no plan can fit (:func:`_fits_nowhere`), and a
+    laid-out schedule with more stages than the copy has layers (its search has no plan there)."""
     stages = cluster.gpus // layout.group
     batch = (profile.batch_size or layout.copies) // layout.copies
-    per_byte = persistent_factor(optimizer, master_ratio(profile.dtype))
     found = []
     for m in _counts(batch, stages, asked):
         try:
@@ -156,28 +204,28 @@ def _candidates(
             wide = copy_memory(cluster, split, layout)
         except PlanError:
             continue
-        persistent = sum(n.param_bytes for n in view.nodes) * per_byte
-        if wide.memory_bytes is not None and persistent / stages > wide.memory_bytes:
-            continue
-        work = sum(n.forward_ms + n.backward_ms for n in view.nodes) / 1e3 / stages
         for schedule in schedules:
-            if not model(schedule).asynchronous and runs(layout, schedule):
-                found.append(_Candidate(work * _bubble(schedule, m, stages), layout, m, schedule))
+            sched = model(schedule)
+            if sched.asynchronous or not runs(layout, schedule):
+                continue
+            few = min(sched.virtual(v) for v in sched.auto_virtual) * stages > len(view.layers)
+            if _fits_nowhere(view, wide, stages, m, optimizer, sched.laid_out) or (sched.laid_out and few):
+                continue
+            bound = _least_time(view, stages, m, schedule)
+            found.append(_Candidate(bound, layout, m, schedule, view, split, wide))
     return found
 
 
 def _searched(profile: Profile, cluster: Cluster, c: _Candidate, opts: SolveOptions) -> Plan | None:
     """The best plan of one candidate (over its schedule's virtual stage counts), None: none fits."""
-    view, split = copy_profile(profile, cluster, c.layout, c.m, opts.optimizer)
-    wide = copy_memory(cluster, split, c.layout)
     best: Plan | None = None
     for virtual in model(c.schedule).auto_virtual:
         at = replace(opts, schedule=c.schedule, microbatches=c.m, virtual_stages=virtual, straight=True)
         try:
-            copy = solve_with(view, wide, at.checked(view))
+            copy = solve_with(c.view, c.wide, at.checked(c.view))
         except (InfeasibleError, PlanError):
             continue
-        plan = layout_plan(copy, split, cluster, c.layout)
+        plan = layout_plan(copy, c.split, cluster, c.layout)
         if not _fits(plan, cluster):  # (the step's reduce-scatter can hold more than the backward)
             continue
         if best is None or _time(plan) < _time(best):

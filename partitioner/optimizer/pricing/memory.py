@@ -119,11 +119,27 @@ class Shared:
     nbytes: float
 
 
+_SHARED: list[tuple[Profile, tuple[Shared, ...]]] = []
+"""The last profiles :func:`shared_weights` read and what it found (a search prices many plans of
+one profile: each plan's stage loads ask again)."""
+
+
 def shared_weights(profile: Profile) -> tuple[Shared, ...]:
     """Weights used by more than one layer, under any of their names (``profile.tied``: gpt2's head
     uses ``lm_head.weight``, the embedding's ``wte.weight``). A weight's bytes are its first user's
     ``param_bytes`` (the profile records bytes per layer, not per weight): exact for an embedding
-    tied to a head, an upper bound where the owner has other weights too."""
+    tied to a head, an upper bound where the owner has other weights too. Remembered for the last
+    few profiles, by identity (a profile is frozen)."""
+    for seen, found in _SHARED:
+        if seen is profile:
+            return found
+    found = _shared_weights(profile)
+    _SHARED.insert(0, (profile, found))
+    del _SHARED[8:]
+    return found
+
+
+def _shared_weights(profile: Profile) -> tuple[Shared, ...]:
     canonical = {name: group[0] for group in profile.tied for name in group}
     first: dict[str, str] = {}
     users: dict[str, list[str]] = {}

@@ -199,6 +199,7 @@ def _rank_peaks(
     return peak
 
 
+@functools.lru_cache(maxsize=4096)  # (pure: every stage of every plan a search prices asks)
 def played_in_flight(
     name: str, position: int, stages: int, microbatches: int, virtual: int = 1, start: str = "F",
     after: int = -1,

@@ -107,11 +107,17 @@ def _least_sum(
     rows = np.flatnonzero(before[ch.k] + need + after[ch.j] <= units)
     if not len(rows):
         return None
-    k, j = ch.k[rows], ch.j[rows]
     u = np.where((ch.u[rows] <= tau) & (ch.a[rows] <= alpha), ch.u[rows], np.inf)
+    finite = np.isfinite(u)
+    live = finite.any(axis=1)  # (a stage no replica count lets meet the caps adds nothing)
+    if not live.any():
+        return None
+    rows, u, finite = rows[live], u[live], finite[live]
+    k, j = ch.k[rows], ch.j[rows]
+    counts = np.flatnonzero(finite.any(axis=0))  # replica counts r - 1 that any stage may take
+    low, cap = int(counts[0]), int(counts[-1]) + 1
     starts = np.flatnonzero(np.diff(j, prepend=-1))  # pairs are grouped by j
     ends = j[starts]
-    cap = u.shape[1]
     f = np.full((n, units + 1), np.inf)
     f[0, :] = 0.0
     seen = np.full((len(k), units + 1), np.inf)  # seen[p, c] = f[k_p, c] once column c is done
@@ -119,8 +125,9 @@ def _least_sum(
     for g in range(1, units + 1):
         f[:, g] = f[:, g - 1]
         reach = min(g, cap)
-        val = (seen[:, g - 1 :: -1][:, :reach] + u[:, :reach]).min(axis=1)
-        f[ends, g] = np.minimum(f[ends, g], np.minimum.reduceat(val, starts))
+        if reach > low:  # r in (low, reach]: seen[:, g - r] + u[:, r - 1]
+            val = (seen[:, g - 1 - low :: -1][:, : reach - low] + u[:, low:reach]).min(axis=1)
+            f[ends, g] = np.minimum(f[ends, g], np.minimum.reduceat(val, starts))
         seen[:, g] = f[k, g]
     if not math.isfinite(f[n - 1, units]):
         return None
@@ -162,18 +169,53 @@ class _Box:
     floor: float
 
 
+Solved = tuple[float, list[Segment], float] | None
+
+_UNLIMITED: dict[tuple[object, ...], Solved] = {}
+"""The last searches without a memory limit, by what they read: ``--schedule auto`` asks the same
+one of 1f1b, gpipe and zb1p at each microbatch count (their states differ in saved bytes only,
+which no limit reads), and the unlimited search is most of a memory-bound problem's time."""
+
+
+def _unlimited_key(
+    states: StateSet, units: int, link: Link, m: int, cap: int, steps: int
+) -> tuple[object, ...]:
+    """Everything a search without a memory limit reads of its states (the downsets, whose strict
+    subsets are the pairs, and their compute, parameter and cut sums) and of its arguments."""
+    sums = (states.compute_s, states.param_bytes, states.act_bytes)
+    shape = (states.layer_ids, states.masks, type(states.preds).__name__, states.pair_count(), states.exact)
+    data = tuple(np.asarray(a, dtype=np.float64).tobytes() for a in sums)
+    return (*shape, states.stage_s, *data, units, link, m, cap, steps)
+
+
 def solve_synchronous(
     states: StateSet, units: int, link: Link, m: int, cap: int, steps: int = MAX_STEPS,
     memory: MemoryLimit | None = None,
-) -> tuple[float, list[Segment], float] | None:  # fmt: skip
+) -> Solved:  # fmt: skip
     """The plan minimising the synchronous time per minibatch over the states, by branch and bound.
 
     Returns (time, stages, certified lower bound: equal to the time when the search finished
     within ``steps`` box splits and evaluations), or None when the problem has more than
-    ``MAX_CHOICES`` choices or no plan fits the devices.
+    ``MAX_CHOICES`` choices or no plan fits the devices. Without ``memory``, remembered for the
+    last few problems (:data:`_UNLIMITED`: the same inputs, the same answer).
     """
     if states.pair_count() * cap > MAX_CHOICES:
         return None
+    if memory is not None:
+        return _branch_and_bound(states, units, link, m, cap, steps, memory)
+    key = _unlimited_key(states, units, link, m, cap, steps)
+    if key not in _UNLIMITED:
+        _UNLIMITED[key] = _branch_and_bound(states, units, link, m, cap, steps, None)
+        while len(_UNLIMITED) > 32:
+            del _UNLIMITED[next(iter(_UNLIMITED))]
+    found = _UNLIMITED[key]
+    return None if found is None else (found[0], list(found[1]), found[2])
+
+
+def _branch_and_bound(
+    states: StateSet, units: int, link: Link, m: int, cap: int, steps: int, memory: MemoryLimit | None
+) -> Solved:
+    """:func:`solve_synchronous`'s search."""
     ch = _Choices.of(states, cap, link, m, memory)
     n = len(states)
     if not np.isfinite(ch.u).any():

@@ -172,6 +172,35 @@ def test_the_fill_and_drain_bound_holds_on_unequal_stages(schedule: str) -> None
         assert plan.predicted.time_per_minibatch_s >= work / p * _bubble(schedule, m, p) * (1 - 1e-9)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb1p", "interleaved", "zbv"])
+def test_the_searchs_lower_bound_holds_under_every_flushing_schedule(schedule: str) -> None:
+    """``_least_time`` (spread work, the largest node, one microbatch's way) is below the price of
+    random plans of random chains with random microbatch counts, messages and recomputation."""
+    import random
+
+    from partitioner.optimizer import evaluate
+    from partitioner.optimizer.layouts import _least_time
+    from partitioner.optimizer.pricing.schedules import model
+
+    rng = random.Random(11)
+    sched = model(schedule)
+    v = 2 if sched.laid_out else 1
+    asked = 2 if sched.virtual_stages is None else 1  # (interleaved's stages per GPU; zbv's V is 2)
+    for _ in range(10):
+        p = rng.randint(2, 4)
+        m = p * rng.choice([2, 4]) if sched.laid_out else rng.choice([1, 2, 4, 8, 16])
+        layers = rng.randint(p * v, p * v + 4)
+        costs = [(rng.randint(1, 9), rng.randint(1, 18), rng.randint(1, 999), 10) for _ in range(layers)]
+        profile = make_profile(costs, [(i, i + 1) for i in range(layers - 1)], batch_size=16)
+        cuts = sorted(rng.sample(range(layers - 1), p * v - 1))
+        try:
+            plan = evaluate(profile, Cluster.flat(p, 1e6), [f"l{c}" for c in cuts], [1] * (p * v), schedule,
+                            m, recompute=rng.choice(["none", "all"]), virtual_stages=asked)  # fmt: skip
+        except PlanError:  # (microbatches the laid-out order cannot play)
+            continue
+        assert plan.predicted.time_per_minibatch_s >= _least_time(profile, p, m, schedule) * (1 - 1e-9)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv", "interleaved"])
 def test_a_layouts_simulation_is_its_copys(schedule: str) -> None:
     """partition shows a 3D plan's simulation: one copy's pipeline, laid out as its schedule lays it."""
