@@ -94,16 +94,12 @@ def main() -> None:
     parser.add_argument("--most-ranks", type=int, default=8, help="skip layouts needing more ranks")
     args = parser.parse_args()
     from partitioner.profiler import profile as profiler
-    from tests.runtime.packages3d import LLAMA, QWEN2, config_file
+    from tests.runtime.packages3d import bench_models
 
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         tmp = Path(folder)
-        specs = {
-            "hf:llama-shaped": config_file(tmp, LLAMA),
-            "hf:qwen2-shaped": config_file(tmp, QWEN2),
-            "mlp file": f"{Path('tests/runtime/mlp3d_model.py').resolve()}:model",
-        }
+        specs = bench_models(tmp)
         for model, spec in specs.items():
             if args.only and args.only not in model:
                 continue

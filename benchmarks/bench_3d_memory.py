@@ -102,15 +102,11 @@ def main() -> None:
     parser.add_argument("--no-times", action="store_true")
     args = parser.parse_args()
     from partitioner.profiler import profile as profiler
-    from tests.runtime.packages3d import LLAMA, QWEN2, config_file
+    from tests.runtime.packages3d import bench_models
 
     with tempfile.TemporaryDirectory() as folder:
         tmp = Path(folder)
-        specs = {
-            "hf:llama-shaped": config_file(tmp, LLAMA),
-            "hf:qwen2-shaped": config_file(tmp, QWEN2),
-            "mlp file": f"{Path('tests/runtime/mlp3d_model.py').resolve()}:model",
-        }
+        specs = bench_models(tmp)
         wanted = [m for m in specs if not args.no_memory and (not args.only or args.only in m)]
         if not args.no_times and "hf:llama-shaped" not in wanted:
             wanted.append("hf:llama-shaped")

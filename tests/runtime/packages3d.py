@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LLAMA", "MIXTRAL", "QWEN2", "config_file", "generate_3d"]
+__all__ = ["LLAMA", "MIXTRAL", "QWEN2", "bench_models", "config_file", "generate_3d"]
 
 _DECODER = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
             "num_key_value_heads": 4, "vocab_size": 512, "max_position_embeddings": 128}  # fmt: skip
@@ -30,6 +30,16 @@ def config_file(folder: Path, config: dict[str, Any]) -> str:
     path = folder / f"{config['model_type']}.json"
     path.write_text(json.dumps(config), encoding="utf-8")
     return f"hf:{path}"
+
+
+def bench_models(folder: Path) -> dict[str, str]:
+    """The three models the 3D benchmarks run, by name: the llama- and qwen2-shaped configs (written
+    under ``folder``) and the user MLP file, each as the spec ``pipeplan profile`` reads."""
+    return {
+        "hf:llama-shaped": config_file(folder, LLAMA),
+        "hf:qwen2-shaped": config_file(folder, QWEN2),
+        "mlp file": f"{Path('tests/runtime/mlp3d_model.py').resolve()}:model",
+    }
 
 
 def generate_3d(
