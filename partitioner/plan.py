@@ -149,7 +149,8 @@ class Cluster:
         if self.threads < 1:
             raise PlanError(f"a CPU process needs at least 1 thread, got {self.threads}")
         if not self.action_s >= 0 or not all(s >= 0 for _, s in self.schedule_action_s):
-            raise PlanError(f"the time per action must be >= 0 s, got {self.action_s}")
+            got = [self.action_s, *(s for _, s in self.schedule_action_s)]
+            raise PlanError(f"the time per action must be >= 0 s, got {min(got)}")
 
     def action_for(self, schedule: str) -> float:
         """The runtime's time per action under ``schedule``: its own measured figure, else ``action_s``."""
