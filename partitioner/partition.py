@@ -29,6 +29,7 @@ from partitioner.optimizer import evaluate, solve
 from partitioner.optimizer.auto import AUTO_SCHEDULES, AutoChoice, solve_auto
 from partitioner.optimizer.layouts import (
     LAYOUT_SCHEDULES,
+    check_tensor,
     hand_layouts,
     simulate_layout,
     solve_layouts,
@@ -214,6 +215,8 @@ def _solve_3d(r: PartitionRequest, profile: Profile, cluster: Cluster, recompute
         raise PlanError("--tensor-parallel and --shard search the cuts: drop --cuts, --replicas, --straight")
     if r.schedule != "auto" and schedule_model(r.schedule).asynchronous:
         raise PlanError(f"--schedule {r.schedule} takes no tensor parallelism or sharding")
+    if r.tensor_parallel:
+        check_tensor(profile, cluster, r.tensor_parallel)
     copies = cluster.gpus // (r.tensor_parallel or 1)
     if r.shard not in (None, "none") and copies < 2:
         raise PlanError(

@@ -75,6 +75,16 @@ class LayoutChoice:
     times: dict[str, float | None]
 
 
+def check_tensor(profile: Profile, cluster: Cluster, tensor: int) -> None:
+    """Refuse a tensor-parallel degree that does not divide a node's devices or a split layer."""
+    inner = cluster.levels[0].devices
+    if inner % tensor or tensor not in degrees(profile, inner):
+        raise PlanError(
+            f"--tensor-parallel {tensor} must divide a node's {inner} devices and every split layer's "
+            f"degree (the profile allows {', '.join(map(str, degrees(profile, inner)))})"
+        )
+
+
 def layouts(
     profile: Profile, cluster: Cluster, tensor: int | None = None, shard: str | None = None
 ) -> list[Layout]:
@@ -83,11 +93,8 @@ def layouts(
     ``shard``) where ``d >= 2``; not ``t = 1`` unsharded (the 2D search's)."""
     inner = cluster.levels[0].devices
     ts = (tensor,) if tensor else degrees(profile, inner)
-    if tensor and (inner % tensor or tensor not in degrees(profile, inner)):
-        raise PlanError(
-            f"--tensor-parallel {tensor} must divide a node's {inner} devices and every split layer's "
-            f"degree (the profile allows {', '.join(map(str, degrees(profile, inner)))})"
-        )
+    if tensor:
+        check_tensor(profile, cluster, tensor)
     shards = (shard,) if shard else SHARD_LEVELS
     batch = profile.batch_size or 0
     found = []
