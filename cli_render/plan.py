@@ -266,6 +266,11 @@ def stages_cell(plan: Any) -> str:
     return f"{len(plan.stages)}: " + "+".join(str(s.replicas) for s in plan.stages)
 
 
+def _none_cell(plan: Any) -> str:
+    """Why a row has no plan: memory, where the cluster has a limit; else none ran (no layout)."""
+    return "does not fit" if plan.cluster.memory_bytes else "no plan"
+
+
 def explain_table(plan: Any, others: dict[str, Any], recompute: str) -> Any:
     """--explain: the chosen plan next to the baselines other tools would pick."""
     cols = ("plan", "stages", "replicas", "recomputing\nstages", "ms per\nminibatch", "vs\nchosen")
@@ -275,7 +280,7 @@ def explain_table(plan: Any, others: dict[str, Any], recompute: str) -> Any:
     rows = [("chosen", plan), *others.items()]
     for name, alt in rows:
         if alt is None:
-            table.add_row(name, "-", "does not fit", "-", "-", "-")
+            table.add_row(name, "-", _none_cell(plan), "-", "-", "-")
             continue
         t = alt.predicted.time_per_minibatch_s
         reps = short(",".join(str(s.replicas) for s in alt.stages), 16)
@@ -294,7 +299,7 @@ def layout_table(plan: Any, others: dict[str, Any], profile: Any) -> Any:
     table = new_table("layouts (each priced by the same model)", cols, ("plan", "layout"))
     for name, alt in [("chosen", plan), *others.items()]:
         if alt is None:
-            table.add_row(short(name, 22), "-", "does not fit", "-", "-", "-")
+            table.add_row(short(name, 22), "-", _none_cell(plan), "-", "-", "-")
             continue
         tokens, mfu = tokens_per_device(alt, profile), utilisation(alt, profile)
         peak = max(s.memory_bytes for s in alt.stages) / 2**30

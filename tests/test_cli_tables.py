@@ -235,3 +235,25 @@ def test_layouts_table() -> None:
     best = solve_layouts(profile, cluster, opts, ("1f1b",))
     assert best is not None
     _reads_at_80(plan_render.layout_table(best.plan, hand_layouts(profile, cluster, opts, None), profile))
+
+
+def test_hand_layouts_without_two_copies_run_plain_tensor_parallelism() -> None:
+    """On 4 devices at TP4 nothing is left to shard over: the hand row is plain TP4 (what Megatron's
+    and torchtitan's users would run), priced, and a row without a plan says why."""
+    from partitioner.optimizer.layouts import hand_layouts, solve_layouts
+
+    base = make_profile([(10, 20, 1000, 4000)] * 6, [(i, i + 1) for i in range(5)])
+    split = {"tp_param_bytes": 3000, "tp_comm_bytes": 2000, "tp_max": 4}
+    profile = replace(base, nodes=tuple(replace(n, **split) if n.param_bytes else n for n in base.nodes))
+    cluster = Cluster.flat(4, 1e9)
+    opts = SolveOptions("1f1b", 4, "adam", True)
+    rows = hand_layouts(profile, cluster, opts, None)
+    assert list(rows) == ["Megatron, torchtitan TP4"]
+    plan = rows["Megatron, torchtitan TP4"]
+    assert plan is not None and plan.extra["layout"]["tensor_parallel"] == 4
+    best = solve_layouts(profile, cluster, opts, ("1f1b",))
+    assert best is not None
+    table = plan_render.layout_table(best.plan, {"unplanned": None}, profile)
+    _reads_at_80(table)
+    text = "\n".join(_render(table, 80))
+    assert "no plan" in text and "does not fit" not in text

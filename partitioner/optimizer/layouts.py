@@ -399,11 +399,18 @@ def hand_layouts(
 ) -> dict[str, Plan | None]:
     """The layouts a user would try by hand, each priced by the same model (None: it does not
     fit): Megatron's (the largest tensor degree, the optimizer state sharded), torchtitan's (FSDP,
-    everything sharded, with the largest tensor degree), and today's pipeline x replicas (``auto``'s
+    everything sharded, with the largest tensor degree; both unsharded where that degree leaves
+    fewer than two copies, as their users would run them), and today's pipeline x replicas (``auto``'s
     2D choice). Each searches the rest (cuts, copies, schedule, microbatches) as the 3D search does."""
     top = max(degrees(profile, cluster.levels[0].devices))
+    rows: tuple[tuple[str, str], ...] = (
+        (f"Megatron TP{top} zero1", "optimizer"),
+        (f"torchtitan FSDP TP{top}", "full"),
+    )
+    if cluster.gpus // top < 2:  # no two copies to shard over: both tools' users run plain TP
+        rows = ((f"Megatron, torchtitan TP{top}", "none"),) if top > 1 else ()
     out: dict[str, Plan | None] = {}
-    for name, shard in ((f"Megatron TP{top} zero1", "optimizer"), (f"torchtitan FSDP TP{top}", "full")):
+    for name, shard in rows:
         try:
             found = solve_layouts(profile, cluster, opts, tensor=top if top > 1 else None, shard=shard)
         except PlanError:
