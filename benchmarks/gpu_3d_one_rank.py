@@ -124,6 +124,7 @@ class Bench:
             :data:`MORE` steps (empty until :func:`with_plain`).
         moved: per precision, how far plain training moved the weights in :data:`STEPS` steps (the
             same measure as the error: a comparison with weights that did not move proves nothing).
+        noise: per precision, plain training against itself run again (the same measure).
     """
 
     package: Path
@@ -136,6 +137,7 @@ class Bench:
     work: Path
     plain: Mapping[str, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = field(default_factory=dict)
     moved: Mapping[str, float] = field(default_factory=dict)
+    noise: Mapping[str, float] = field(default_factory=dict)
 
 
 MODELS = {
@@ -287,15 +289,21 @@ def verdict(error: float, precision: str) -> str:
 
 
 def with_plain(bench: Bench, precisions: set[str]) -> Bench:
-    """``bench`` with plain training's weights after :data:`STEPS` and :data:`MORE` more, per precision."""
-    plain, moved, initial = {}, {}, whole(build(bench))
+    """``bench`` with plain training's weights after :data:`STEPS` and :data:`MORE` more, per
+    precision; how far they moved from the start; and plain training run again, the noise floor
+    (0 where the device's kernels are deterministic, as on one CPU thread; on a GPU atomics in some
+    backward kernels may leave a trace)."""
+    plain, moved, noise, initial = {}, {}, {}, whole(build(bench))
     for precision in sorted(precisions):
         module, way = build(bench), Way("plain", precision=precision)
         optimizer = train(bench, module, way, 0, STEPS)
         first = whole(module)
         train(bench, module, way, STEPS, MORE, optimizer)
         plain[precision], moved[precision] = (first, whole(module)), max_rel_error(first, initial)
-    return replace(bench, plain=plain, moved=moved)
+        again = build(bench)
+        train(bench, again, way, 0, STEPS)
+        noise[precision] = max_rel_error(whole(again), first)
+    return replace(bench, plain=plain, moved=moved, noise=noise)
 
 
 def laid_out(bench: Bench, way: Way) -> tuple[nn.Module, dict[str, Any]]:
@@ -462,7 +470,8 @@ def _paths(report: dict[str, Any], model: str, work: Path, out: Path, only: set[
         report["running"], started = "plain training", time.perf_counter()
         _write(out, report)
         bench = with_plain(bench, {w.precision for w in ways})
-        report["plain_moved"], report["plain_s"] = dict(bench.moved), round(time.perf_counter() - started, 2)
+        report["plain_moved"], report["plain_noise"] = dict(bench.moved), dict(bench.noise)
+        report["plain_s"] = round(time.perf_counter() - started, 2)
     except Exception as exc:
         report["error"] = f"{report.pop('running')}: {type(exc).__name__}: {exc}"
         return

@@ -560,7 +560,7 @@ def _one_rank_3d(ctx: Context, model: str) -> dict[str, Any]:
                         str(ctx.work / tag), "--out", str(out)], tag)  # fmt: skip
     report = json.loads(out.read_text()) if out.exists() else {}
     keep = ("backend", "device", "torch", "steps", "microbatches", "tolerance", "package_s", "plain_s",
-            "plain_moved", "error", "running", "paths")  # fmt: skip
+            "plain_moved", "plain_noise", "error", "running", "paths")  # fmt: skip
     return {**ran, **{k: report[k] for k in keep if k in report}}
 
 
@@ -661,6 +661,10 @@ def _three_d_lines(three: dict[str, Any]) -> list[str]:
                      "training")  # fmt: skip
         lines += [f"- error: {one['error']}"] if "error" in one else []
         lines += [f"- cut short while running: {one['running']}"] if "running" in one else []
+        for precision, moved in one.get("plain_moved", {}).items():
+            noise = one.get("plain_noise", {}).get(precision)
+            lines.append(f"- plain training, {precision}: moved the weights {moved:.2e}, run again "
+                         f"{'-' if noise is None else f'{noise:.1e}'} from itself")  # fmt: skip
         for name, row in one.get("paths", {}).items():
             err = row.get("max_rel_error")
             detail = row.get("error") or (f"max rel. error {err:.1e}" if err is not None else "")

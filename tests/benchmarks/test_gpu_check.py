@@ -59,6 +59,7 @@ def test_3d_step_runs_the_runtimes_3d_paths_on_one_gloo_rank(tmp_path: Path) -> 
     assert one["rc"] == 0 and one["backend"] == "gloo" and one["device"] == "cpu"
     assert "error" not in one and "running" not in one
     assert all(moved > 1e-3 for moved in one["plain_moved"].values())  # equal to weights that trained
+    assert one["plain_noise"] == {"fp32": 0.0, "bf16": 0.0}  # one CPU thread: plain twice is plain
     paths = one["paths"]
     assert tuple(paths) == gpu_3d_one_rank.PATHS
     assert [name for name, row in paths.items() if not row["ran"] or "error" in row] == []
