@@ -21,10 +21,14 @@ beforehand (its ``--cpu`` mode runs in the test suite on tiny models) so that no
    predicted minibatch time and model FLOP utilisation from a measured profile beside the estimated
    one's, the check of what a plan made from a laptop promises;
 7. ``tests``: the tests marked ``cuda``;
-8. ``3d``: 3D layouts (docs/layout-3d.md) on nccl, ``benchmarks/bench_3d.py --only llama --backend
-   nccl`` (DTensor tensor parallelism, FSDP2 shard levels, against plain training). Every 3D layout
-   has ``t * d >= 2`` ranks per stage, one GPU each under nccl, so none runs on one GPU: with fewer
-   than 4 GPUs (PP2 x TP2, the smallest) the step records what it would need and skips.
+8. ``3d``: on one GPU, the runtime's 3D code paths that a world of one can run, on one process with
+   nccl on ``cuda:0`` (``benchmarks/gpu_3d_one_rank.py``; gloo in CPU mode): its mesh, DTensor tensor
+   parallelism at degree 1, FSDP2 at every shard level, DCP save and load of the DTensor state dict,
+   each against plain training of the same stage in the same process. Every 3D layout has
+   ``t * d >= 2`` ranks per stage and NCCL refuses two ranks on one GPU, so no multi-rank path runs
+   on one GPU (:data:`NEEDS_SEVERAL_GPUS` says what needs several); with 4 GPUs or more the step
+   also runs ``benchmarks/bench_3d.py --only llama --backend nccl`` (3D layouts against plain
+   training). Untested on CUDA until a session with a GPU runs it.
 
 Every step runs on its own, with a time limit; a failed step is recorded with its error and the rest go
 on. The report (``gpu_<device>_<date>.{json,md}``, or ``cpu_check.{json,md}`` in CPU mode) is rewritten
@@ -508,40 +512,78 @@ def step_tests(ctx: Context) -> dict[str, Any]:
 
 
 NEEDS_SEVERAL_GPUS = (
-    "PP2 x TP2 (4 GPUs): DTensor weights, f/g all-reduces over nccl",
-    "PP2 x DP2 optimizer/gradients/full (4 GPUs): FSDP2 all-gather and reduce-scatter over nccl",
-    "PP2 x DP2 x TP2 (8 GPUs): FSDP2 over DTensor weights on a 2D mesh",
+    "PP2 x TP2 (4 GPUs): weights split 2 ways (heads and features divided), Megatron's f/g "
+    "all-reduces between 2 ranks over nccl",
+    "PP2 x DP2 optimizer/gradients/full (4 GPUs): FSDP2's all-gather and reduce-scatter of real "
+    "shards over nccl",
+    "PP2 x DP2 x TP2 replicated and full (8 GPUs): FSDP2 over DTensor weights on a 2 x 2 mesh",
+    "any 3D layout (4 GPUs): every rank creating every stage's groups (stage_meshes), activations "
+    "and gradients sent between stages over nccl, a DCP checkpoint written by several ranks' shards",
+    "zbv or interleaved on nccl (several stages to a rank): refused by the runtime on more than one "
+    "rank (its streams are told apart by tag, which NCCL ignores), so bench_3d's zbv rows record that",
 )
+"""What the ``3d`` step cannot run on one GPU, and why each needs the GPUs it says."""
+
+
+def _script(ctx: Context, args: list[str], log: str) -> dict[str, Any]:
+    """``python <args>`` from the repository root under the next command's time limit; its output
+    goes to ``work/logs/<log>.log``."""
+    path = ctx.work / "logs" / f"{log}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    started, limit = time.perf_counter(), ctx.timeout()
+    if limit < 5:
+        return {"rc": None, "wall_s": 0.0, "tail": [], "skipped": "the kit's --budget is spent"}
+    with open(path, "w") as out:
+        try:
+            rc = subprocess.run(
+                [sys.executable, *args], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=out,
+                stderr=subprocess.STDOUT, timeout=limit,
+            ).returncode  # fmt: skip
+        except subprocess.TimeoutExpired:
+            rc = 124
+    tail = path.read_text(errors="replace").strip().splitlines()[-3:]
+    return {"rc": rc, "wall_s": round(time.perf_counter() - started, 2), "tail": tail}
+
+
+ONE_RANK_MODELS = {"cpu": ("mlp",), "cuda": ("llama", "mlp")}
+"""The models of the one-rank 3D paths (``benchmarks/gpu_3d_one_rank.py --model``): on the GPU the
+llama-shaped config and the MLP file (biases, LayerNorm); in CPU mode the MLP alone (the llama's
+profile alone takes 15 s on the two loaded cores the suite runs on)."""
+
+
+def _one_rank_3d(ctx: Context, model: str) -> dict[str, Any]:
+    """``benchmarks/gpu_3d_one_rank.py`` in a process of its own (a hung collective ends at the time
+    limit; the paths done by then are in its report): each path ran or not, its result, its error."""
+    tag = f"3d-one-rank-{model}"
+    out, backend = ctx.work / f"{tag}.json", "gloo" if ctx.cpu else "nccl"
+    ran = _script(ctx, ["benchmarks/gpu_3d_one_rank.py", "--backend", backend, "--model", model, "--work",
+                        str(ctx.work / tag), "--out", str(out)], tag)  # fmt: skip
+    report = json.loads(out.read_text()) if out.exists() else {}
+    keep = ("backend", "device", "torch", "steps", "microbatches", "tolerance", "package_s", "plain_s",
+            "plain_moved", "plain_noise", "error", "running", "paths")  # fmt: skip
+    return {**ran, **{k: report[k] for k in keep if k in report}}
 
 
 def step_3d(ctx: Context) -> dict[str, Any]:
-    """3D layouts on nccl where the machine has the GPUs (``benchmarks/bench_3d.py``)."""
+    """The runtime's 3D paths at degree 1 on one rank (:func:`_one_rank_3d`), and 3D layouts on nccl
+    where the machine has the GPUs (``benchmarks/bench_3d.py``)."""
+    one_rank = {model: _one_rank_3d(ctx, model) for model in ONE_RANK_MODELS[ctx.device]}
+    result: dict[str, Any] = {"one_rank": one_rank, "needs": list(NEEDS_SEVERAL_GPUS)}
     if ctx.cpu:
-        return {"skipped": "CPU mode: tests/runtime/test_3d_training.py runs 3D layouts on gloo"}
+        return {
+            **result,
+            "skipped": "CPU mode: the multi-rank layouts run on gloo in tests/runtime/test_3d_training.py",
+        }
     import torch
 
     gpus = torch.cuda.device_count()
     if gpus < 4:
-        return {
-            "skipped": f"{gpus} GPU(s): every 3D layout needs 4 or more",
-            "needs": list(NEEDS_SEVERAL_GPUS),
-        }
+        return {**result, "skipped": f"{gpus} GPU(s): every 3D layout needs 4 or more"}
     out = ctx.work / "bench_3d"
-    log = ctx.work / "logs" / "bench-3d.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    with open(log, "w") as handle:
-        try:
-            rc = subprocess.run(
-                [sys.executable, "benchmarks/bench_3d.py", "--only", "llama", "--backend", "nccl",
-                 "--out", str(out), "--most-ranks", str(gpus)], cwd=ROOT,
-                env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=handle, stderr=subprocess.STDOUT,
-                timeout=max(5.0, ctx.timeout()),
-            ).returncode  # fmt: skip
-        except subprocess.TimeoutExpired:
-            rc = 124
+    ran = _script(ctx, ["benchmarks/bench_3d.py", "--only", "llama", "--backend", "nccl", "--out", str(out),
+                        "--most-ranks", str(gpus)], "bench-3d")  # fmt: skip
     rows = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else []
-    return {"rc": rc, "wall_s": round(time.perf_counter() - started, 2), "rows": rows}
+    return {**result, "rc": ran["rc"], "wall_s": ran["wall_s"], "rows": rows}
 
 
 STEPS: dict[str, Callable[[Context], dict[str, Any]]] = {
@@ -601,18 +643,37 @@ def markdown(report: dict[str, Any]) -> str:
                          f"{r.get('rc', '-')} | {r.get('measured_ms', '-')} | {r.get('predicted_ms', '-')} | "
                          f"{r.get('ratio', '-')} | {memory} | {r.get('plain', {}).get('step_ms', '-')} | "
                          f"{r.get('efficiency_plain_over_pipelined', '-')} |")  # fmt: skip
-    three = report["steps"].get("3d", {})
-    if three:
-        lines += ["", "## 3D layouts (nccl)", ""]
-        lines += [f"- {three['skipped']}"] if "skipped" in three else []
-        lines += [f"- needs: {need}" for need in three.get("needs", [])]
-        lines += [
-            f"- {r['model']} {r['layout']} {r['schedule']}: {r['result']}" for r in three.get("rows", [])
-        ]
+    lines += _three_d_lines(report["steps"].get("3d", {}))
     errors = {k: v["error"] for k, v in report["steps"].items() if isinstance(v, dict) and "error" in v}
     if errors:
         lines += ["", "## Failed steps", ""] + [f"- {k}: {v}" for k, v in errors.items()]
     return "\n".join(lines) + "\n"
+
+
+def _three_d_lines(three: dict[str, Any]) -> list[str]:
+    """The 3d step: each one-rank path's result, then the layouts that ran or what they need."""
+    if not three:
+        return []
+    lines = ["", "## 3D layouts", ""]
+    for model, one in three.get("one_rank", {}).items():
+        lines.append(f"One rank, {model}, {one.get('backend')} on {one.get('device')} (rc {one.get('rc')}, "
+                     f"{one.get('wall_s')} s): the runtime's 3D paths at degree 1, against plain "
+                     "training")  # fmt: skip
+        lines += [f"- error: {one['error']}"] if "error" in one else []
+        lines += [f"- cut short while running: {one['running']}"] if "running" in one else []
+        for precision, moved in one.get("plain_moved", {}).items():
+            noise = one.get("plain_noise", {}).get(precision)
+            lines.append(f"- plain training, {precision}: moved the weights {moved:.2e}, run again "
+                         f"{'-' if noise is None else f'{noise:.1e}'} from itself")  # fmt: skip
+        for name, row in one.get("paths", {}).items():
+            err = row.get("max_rel_error")
+            detail = row.get("error") or (f"max rel. error {err:.1e}" if err is not None else "")
+            lines.append(f"- {name}: {row.get('result')}" + (f" ({detail})" if detail else ""))
+        lines.append("")
+    lines += [f"- {three['skipped']}"] if "skipped" in three else []
+    lines += [f"- needs several GPUs: {need}" for need in three.get("needs", [])]
+    lines += [f"- {r['model']} {r['layout']} {r['schedule']}: {r['result']}" for r in three.get("rows", [])]
+    return lines
 
 
 def _estimate_lines(estimate: dict[str, Any]) -> list[str]:
