@@ -1,8 +1,8 @@
 """``pipeplan verify`` of a 3D package on real ranks (4 gloo ranks): the user's MLP file (residual
-blocks split column- then row-wise) as PP2 x TP2 and PP2 x DP2 fully sharded matches the plain
-stages; a tensor-parallel weight shard swapped on one stage, and FSDP2 averaging the copies'
-gradients instead of summing them, are mismatches naming their stages; a rank that fails is one
-line naming it and its log."""
+blocks split column- then row-wise) as PP2 x TP2, PP2 x DP2 fully sharded and the latter as zbv's
+V matches the plain stages; a tensor-parallel weight shard swapped on one stage, and FSDP2
+averaging the copies' gradients instead of summing them, are mismatches naming their stages; a
+rank that fails is one line naming it and its log."""
 
 from __future__ import annotations
 
@@ -105,6 +105,16 @@ def test_pp2_dp2_full_matches_on_4_ranks(tmp_path: Path, mlp: Any) -> None:
     ]
     for s in report.stages:
         assert s.init_error == 0.0 and s.grad_error <= ATOL and s.params > 0
+
+
+def test_zbv_fully_sharded_v_matches(tmp_path: Path, mlp: Any) -> None:
+    """zbv with copies: each rank hosts two stages of the V (both checked), FSDP2 held gathered
+    through the backward and its gradients reduced by hand, as the runtime does under a split
+    backward."""
+    pkg = generate_3d(tmp_path / "zbv", mlp, [(1, 2, "full")] * 4, "zbv", 4, 8)
+    report = verify_on_ranks(pkg)
+    assert report.ok and report.world_size == 4
+    assert [s.ranks for s in report.stages] == [(0, 1), (2, 3), (2, 3), (0, 1)]
 
 
 def test_a_swapped_weight_shard_is_a_mismatch_naming_its_stage(tmp_path: Path, mlp: Any) -> None:
