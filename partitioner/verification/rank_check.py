@@ -19,7 +19,9 @@ Compared, on every rank of the stage (each copy against its own part):
   plain stage's, summed over the parts.
 
 Every rank makes the same collectives in the same order (a comparison never skips one), so a
-mismatch is reported, never waited on.
+mismatch is reported, never waited on. Memory: what a training rank holds while it builds its stage
+(the whole stage, until it is split and sharded: its built tensors are kept, not copied, until
+compared), then one tensor gathered whole at a time against the plain gradients, read memory-mapped.
 """
 
 from __future__ import annotations
@@ -127,7 +129,8 @@ def _check_stage(package: Any, wiring: Wiring, cfg: RankConfig, mesh: StageMesh,
     """Stage ``cfg.stage`` as this rank holds it, run on its copy's part and compared."""
     k, job = cfg.stage, cfg.job
     module = build_stage(package, wiring, k, job.module_stages, task.seed, "cpu")
-    built = {n: p.detach().clone() for n, p in module.named_parameters()}
+    built = {n: p.detach() for n, p in module.named_parameters()}  # (kept, not copied: splitting and
+    # sharding copy what they keep, so the stage's built tensors live only until compared)
     size = sum(p.numel() for p in built.values())
     module = distribute(module, cfg, mesh, task.options).train()
     params = dict(module.named_parameters())
@@ -141,7 +144,7 @@ def _check_stage(package: Any, wiring: Wiring, cfg: RankConfig, mesh: StageMesh,
     got_in = _compare(
         ((getattr(leaves[n], "grad", None), ref) for n, ref in case["input_grads"].items()), *tol
     )
-    want: dict[str, torch.Tensor] = torch.load(grads_file(Path(task.cases), k), weights_only=True)
+    want: dict[str, torch.Tensor] = torch.load(grads_file(Path(task.cases), k), weights_only=True, mmap=True)
     grads = _compare(((p.grad, want.get(n)) for n, p in params.items()), *tol)
     return RankCheck(
         cfg.rank, k, cfg.replica, cfg.tensor_rank, size, init[0], got_out[0], got_in[0], grads[0],
