@@ -153,8 +153,10 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
     Stage by stage, as a rank builds it, against the same layers of the original model (its
     weights made one at a time), so the check holds one stage, never the model: outputs, loss,
     initial tensors and every gradient (float32, |a-b| <= 1e-5 + 1e-4*|b|); without --batch-size it
-    checks the microbatch size each rank will run too. Exit code 0: they match;
-    1: they differ; 2: the folder is not a valid package. PACKAGE defaults to the newest under ./models.
+    checks the microbatch size each rank will run too. A 3D package (tensor_parallel > 1 or a
+    shard level) is then run on its ranks over gloo, each such stage split and sharded as
+    `pipeplan run` builds it, against the plain stage. Exit code 0: they match; 1: they differ;
+    2: the folder is not a valid package, or a rank failed. PACKAGE defaults to the newest under ./models.
 
     \b
     Examples:
@@ -166,6 +168,8 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
     import torch
 
     from cli_render.verify import print_verify, verify_progress
+    from partitioner.plan import load_plan
+    from partitioner.verification.on_ranks import is_3d, verify_on_ranks
     from partitioner.verification.verify import run_batch_sizes, verify_package
     from runtime.files.find_newest import newest_package
     from runtime.observing.resident_memory import map_large_blocks
@@ -176,7 +180,10 @@ def verify(package: str | None, seed: int, batch_size: int | None, models_dir: s
     sizes = (batch_size,) if batch_size else run_batch_sizes(folder)
     with verify_progress(folder) as step:  # (one check per microbatch size, the plan's last)
         reports = [verify_package(folder, seed=seed, batch_size=size, progress=step) for size in sizes]
-    sys.exit(0 if print_verify(reports).ok else 1)
+        ranks = None
+        if is_3d(load_plan(folder / "plan.json")):  # (a 3D package also as it runs: on its ranks)
+            ranks = verify_on_ranks(folder, seed=seed, batch_size=reports[-1].batch_size, progress=step)
+    sys.exit(0 if print_verify(reports, ranks) else 1)
 
 
 # ----------------------------------------------------------------------------- calibrate

@@ -18,7 +18,7 @@ from cli_render import plan as plan_render
 from cli_render import run as run_render
 from cli_render.calibrate import calibration_table
 from cli_render.profile import profile_table
-from cli_render.verify import verify_table
+from cli_render.verify import ranks_table, verify_table
 from partitioner.graph import Profile, save_profile
 from partitioner.optimizer import solve
 from partitioner.optimizer.auto import solve_auto
@@ -107,6 +107,14 @@ def test_verify_table() -> None:
                             out_names=("model_layers_23_mlp_down",), init_error=0.0, grad_error=1.5e-7,
                             ok=True)  # fmt: skip
     _reads_at_80(verify_table(SimpleNamespace(package=Path("models/llama-shaped/gpus=16"), stages=[stage])))
+
+
+def test_ranks_table() -> None:
+    """A 3D package's check on its ranks, at its widest layout name and rank span."""
+    stage = SimpleNamespace(index=12, layout="TP8 x DP4 zero2", ranks=tuple(range(352, 384)),
+                            init_error=0.0, output_error=1.5e-7, input_grad_error=2.5e-6, grad_error=1.5e-7,
+                            ok=False)  # fmt: skip
+    _reads_at_80(ranks_table(SimpleNamespace(world_size=512, batch_size=1024, stages=[stage])))
 
 
 def test_run_tables(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -309,8 +309,10 @@ class _Chain:
         with torch.no_grad():
             return output, self.criterion(output, targets).detach()
 
-    def backward(self, k: int, module: nn.Module) -> None:
-        """Stage ``k``'s backward; its parameters' ``.grad`` are set, its inputs' gradients kept."""
+    def backward(self, k: int, module: nn.Module) -> tuple[dict[str, Any], tuple[Any, ...]]:
+        """Stage ``k``'s backward; its parameters' ``.grad`` are set, its inputs' gradients kept.
+        Returns its inputs as the leaves it read (each with its own ``.grad``) and its results (the
+        check on ranks holds a 3D stage to them: :mod:`partitioner.verification.rank_cases`)."""
         torch.set_rng_state(self.states[k])
         leaves, results = self._run(k, module)
         if k == len(self.wiring) - 1:
@@ -327,6 +329,7 @@ class _Chain:
             grad = getattr(leaf, "grad", None)
             if grad is not None:
                 self.grads[name] = self.grads[name] + grad if name in self.grads else grad
+        return leaves, results
 
 
 def _detached(value: Any) -> Any:

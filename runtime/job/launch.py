@@ -18,7 +18,7 @@ import shutil
 import socket
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
 from datetime import timedelta
@@ -38,6 +38,7 @@ from runtime.settings.run_options import RunOptions, to_argv
 from runtime.settings.run_toml import write_config
 
 __all__ = [
+    "call_ranks",
     "check_launch",
     "free_port",
     "holding_run_folder",
@@ -390,3 +391,29 @@ def _launch_locked(
         if watcher is not None:
             watcher.join()
     return results.get(0) if options.node_rank == 0 else None
+
+
+def call_ranks(options: RunOptions, entry: Callable[..., Any], *args: Any, logs: Path) -> dict[int, Any]:
+    """``entry(*args)`` on every rank of ``options.package``, on this machine, started as
+    :func:`launch` starts a job (the elastic agent, static rendezvous on a store of our own, no
+    restarts, each rank's output under ``logs``); returns each rank's return value by rank. For
+    checks that run a package's ranks without training it (``pipeplan verify`` of a 3D package).
+
+    Raises:
+        JobFailed: a rank raised or died, in one line naming it, its stage and its log.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    job = job_of(options)
+    shutil.rmtree(logs, ignore_errors=True)
+    logs.mkdir(parents=True, exist_ok=True)
+    stage_of = {r: k for k, ranks in enumerate(job.stage_ranks) for r in ranks}
+    with _rendezvous_store(replace(options, nnodes=1, node_rank=0)) as (port, _):
+        options = replace(options, master_port=port, launcher_pid=os.getpid())
+        config = _config(options, job.world_size, logs)
+        try:
+            with _agent_log(logs / "launcher.log"):
+                return dict(elastic_launch(config, entry)(*args))
+        except ChildFailedError as exc:
+            raise blame(exc.failures, stage_of, options.timeout, logs / "launcher.log") from exc
