@@ -43,10 +43,6 @@ LAYOUTS: dict[str, tuple[int, int, str]] = {
 TIMED = ("PP2 x DP2 replicated", "PP2 x TP2", "PP2 x DP2 optimizer", "PP2 x DP2 full")
 MICROBATCHES, BATCH, OPTIMIZER = 4, 8, "adam"
 WITHIN = 0.10
-WHY_OUTSIDE = (
-    "The replicated layout is priced by the 2D memory model: a plain PP2 plan (no copies) of the",
-    "llama-shaped model measured 0.89 of it on its first stage too.",
-)
 
 
 def _plan(profile: Any, layout: tuple[int, int, str]) -> Any:
@@ -181,7 +177,7 @@ def _page(doc: dict[str, Any]) -> list[str]:
     outside = sorted({(r["model"], r["layout"], r["stage"]) for r in held if abs(r["ratio"] - 1) > WITHIN})
     if outside:
         where = "; ".join(f"{m} {lay} stage {k}" for m, lay, k in outside)
-        lines += ["", f"Outside 10%: {where}.", *WHY_OUTSIDE]
+        lines += ["", f"Outside 10%: {where}."]
     return lines
 
 

@@ -124,6 +124,10 @@ class Node:
         split_ms: (B, W) ms per minibatch of a split backward at the priced microbatch, written by
             :func:`at_microbatches` from ``sized`` (never read from a file); empty: not measured,
             and a split schedule prices W as a fixed share of ``backward_ms``.
+        largest_tensor_bytes: bytes of its largest parameter tensor: the most gradient autograd
+            makes at once beside the sum it adds it to (a backward adds each weight's as it is made;
+            ``StageLoad.largest_param_bytes``). 0: not measured (profiles written before, and
+            PipeDream's), and ``param_bytes`` bounds it.
     """
 
     id: str
@@ -150,6 +154,7 @@ class Node:
     tp_max: int = 0
     sized: tuple[SizedCost, ...] = ()
     split_ms: tuple[float, ...] = ()
+    largest_tensor_bytes: int = 0
 
     @property
     def compute_ms(self) -> float:
@@ -361,7 +366,7 @@ def profile_to_json(profile: Profile) -> dict[str, Any]:
     doc["extra"] = dict(profile.extra)
     doc["fidelity"] = profile.fidelity
     for node in doc["nodes"]:  # only nodes tensor parallelism splits say so (older readers never see it)
-        for key in ("tp_param_bytes", "tp_comm_bytes", "tp_max", "sized"):
+        for key in ("tp_param_bytes", "tp_comm_bytes", "tp_max", "sized", "largest_tensor_bytes"):
             if not node[key]:
                 del node[key]
         if "sized" in node:
@@ -435,6 +440,7 @@ def _node_from_json(doc: Mapping[str, Any]) -> Node:
         tp_comm_bytes=int(doc.get("tp_comm_bytes", 0)),
         tp_max=int(doc.get("tp_max", 0)),
         sized=sized_from_json(doc.get("sized", ())),
+        largest_tensor_bytes=int(doc.get("largest_tensor_bytes", 0)),
     )
 
 
@@ -459,7 +465,8 @@ def checked(profile: Profile, source: str = "profile") -> Profile:
         if node.id in seen:
             raise ProfileFormatError(f"{source}: node id {node.id!r} appears twice; ids must be unique")
         fields = ("forward_ms", "backward_ms", "output_bytes", "saved_bytes", "cast_bytes", "param_bytes",
-                  "forward_fixed_ms", "backward_fixed_ms", "working_bytes", "deferred_bytes")  # fmt: skip
+                  "forward_fixed_ms", "backward_fixed_ms", "working_bytes", "deferred_bytes",
+                  "largest_tensor_bytes")  # fmt: skip
         for field_name in fields:
             value = getattr(node, field_name)
             if not _non_negative(value):

@@ -611,6 +611,7 @@ def _nodes(
                 deferred_bytes=cost.deferred_bytes,
                 kept_output_bytes=cost.kept_output_bytes,
                 param_bytes=sum(p.numel() * p.element_size() for p in fresh),
+                largest_tensor_bytes=max((p.numel() * p.element_size() for p in fresh), default=0),
                 param_names=tuple(names),
                 description=description,
                 members=group.members if len(group.members) > 1 else (),

@@ -21,7 +21,7 @@ _NODE = Obj(
         **{key: Str() for key in ("name", "target", "description")},
         **{key: Num() for key in ("output_bytes", "saved_bytes", "cast_bytes", "param_bytes")},
         **{key: Num() for key in ("forward_fixed_ms", "backward_fixed_ms")},
-        **{key: Int(0) for key in ("tp_param_bytes", "tp_comm_bytes", "tp_max")},
+        **{key: Int(0) for key in ("tp_param_bytes", "tp_comm_bytes", "tp_max", "largest_tensor_bytes")},
         "param_names": List(Str()),
         "members": List(Str()),
         "sized": List(List(Num(0.0))),

@@ -161,3 +161,15 @@ def test_tensor_parallel_fields_round_trip_and_stay_out_of_unsplit_nodes() -> No
     assert "tp_max" not in doc["nodes"][0] and doc["nodes"][1]["tp_max"] == 4
     assert profile_from_json(doc).nodes == profile.nodes
     assert scale_batch(profile, 4).nodes[1].tp_comm_bytes == 16
+
+
+def test_a_layers_largest_weight_round_trips_and_stays_out_where_not_measured() -> None:
+    """``largest_tensor_bytes`` (the most gradient a layer's backward makes at once) is written where
+    measured and read back; a node without it (0: older profiles, PipeDream's) writes nothing."""
+    from partitioner.graph import Node, Profile, profile_from_json, profile_to_json
+
+    layer = Node("fc", "fc", "call_module", "Linear", inputs=("x",), param_bytes=96, largest_tensor_bytes=64)
+    profile = Profile(nodes=(Node("x", "x", "input", ""), layer), batch_size=2)
+    doc = profile_to_json(profile)
+    assert "largest_tensor_bytes" not in doc["nodes"][0] and doc["nodes"][1]["largest_tensor_bytes"] == 64
+    assert profile_from_json(doc).nodes == profile.nodes

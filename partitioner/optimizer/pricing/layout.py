@@ -117,7 +117,8 @@ def copy_profile(
         fwd, bwd = per_call_exposed(layout.shard, unit, d, link) if n.param_bytes else (0.0, 0.0)
         view.append(replace(n, forward_ms=n.forward_ms + m * fwd * 1e3,
                             backward_ms=n.backward_ms + m * bwd * 1e3,
-                            param_bytes=round(n.param_bytes * scale)))  # fmt: skip
+                            param_bytes=round(n.param_bytes * scale),
+                            largest_tensor_bytes=round(n.largest_tensor_bytes * scale)))  # fmt: skip
     return replace(split, nodes=tuple(view)), split
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from partitioner.errors import PlanError
-from partitioner.graph import Profile
+from partitioner.graph import Node, Profile
 from partitioner.optimizer.pricing.stage import FloatArray, IntArray
 from runtime.schedule import REGISTRY
 
@@ -25,6 +25,7 @@ __all__ = [
     "backward_excess",
     "copy_bytes",
     "deferred_as_saved",
+    "made_at_once",
     "master_ratio",
     "peak_bytes",
     "persistent_factor",
@@ -82,8 +83,19 @@ def allreduce_bytes(params: Bytes, optimizer: str, master: float = 0.0) -> Bytes
 
 
 def transient_bytes(params: Bytes, largest: Bytes, schedule: str) -> Bytes:
-    """The gradient being accumulated, for a replica that runs more than one microbatch per step."""
+    """The gradient being accumulated, for a replica that runs more than one microbatch per step:
+    the largest one autograd makes at once (``largest``, :func:`made_at_once`), or under a split
+    backward, whose W makes the whole stage's before adding them, all of them."""
     return params if REGISTRY[schedule].split_backward else np.minimum(params, largest)
+
+
+def made_at_once(node: Node) -> float:
+    """The most gradient bytes a layer's backward makes at once beside the sums it adds them to:
+    its largest weight's (``Node.largest_tensor_bytes``), as autograd adds each weight's gradient
+    as it is made, or where not measured its whole parameter bytes, a bound. A decoder layer of
+    nine weights (hf:llama-shaped, 577 KiB) makes at most its 128 KiB MLP weight's at once: priced
+    as the whole layer, its first stage measured 0.89 of the price (``bench_3d_memory.py``)."""
+    return float(node.largest_tensor_bytes or node.param_bytes)
 
 
 def peak_bytes(
@@ -184,10 +196,11 @@ class MemoryLimit:
             splits its backward.
         devices: devices in the cluster (pipedream's in-flight count is the devices from a stage on).
         microbatches: M of the synchronous schedules.
-        largest: the largest layer's parameter bytes (tied copies counted): the bound of the
-            accumulated gradient where a search does not pass a stage's own (:meth:`extras`).
+        largest: the most gradient any layer makes at once (:func:`made_at_once`; tied copies
+            counted): the bound of the accumulated gradient where a search does not pass a stage's
+            own (:meth:`extras`).
         shared: the weights several layers use (:func:`shared_weights`).
-        layers: (layer id, parameter bytes) of the layers with any, largest first.
+        layers: (layer id, :func:`made_at_once`) of the layers with parameters, largest first.
         master: :func:`master_ratio` of the profile's weight dtype.
         working: the largest ``Node.working_bytes`` of the profile, per minibatch: a bound on one
             item's backward working bytes, charged to every stage where a search does not pass a
@@ -231,7 +244,7 @@ class MemoryLimit:
     ) -> MemoryLimit:  # fmt: skip
         """The limit for ``profile``: its shared weights and largest layer."""
         shared = shared_weights(profile)
-        layers = sorted(((n.id, float(n.param_bytes)) for n in profile.nodes if n.param_bytes > 0),
+        layers = sorted(((n.id, made_at_once(n)) for n in profile.nodes if n.param_bytes > 0),
                         key=lambda x: -x[1])  # fmt: skip
         largest = max([b for _, b in layers] + [s.nbytes for s in shared], default=0.0)
         master = master_ratio(profile.dtype)

@@ -17,6 +17,7 @@ from partitioner.optimizer.pricing.memory import (
     allreduce_bytes,
     backward_excess,
     copy_bytes,
+    made_at_once,
     master_ratio,
     peak_bytes,
     persistent_factor,
@@ -134,7 +135,7 @@ def stage_loads(profile: Profile, groups: Sequence[Sequence[str]], posted: bool 
     master = master_ratio(profile.dtype)
     for i, group in enumerate(groups):
         members = sorted((nodes[n] for n in group if nodes[n].op != "input"), key=lambda n: order[n.id])
-        largest = max([float(n.param_bytes) for n in members] + [copies[i][1]])
+        largest = max([made_at_once(n) for n in members] + [copies[i][1]])
         loads.append(
             StageLoad(
                 compute_s=math.fsum(n.compute_ms for n in members) / 1000.0,

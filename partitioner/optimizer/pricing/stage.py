@@ -61,8 +61,9 @@ class StageLoad:
             bfloat16 weights, 0 for float32).
         copy_bytes: bytes of the tied weights it holds a copy of (``memory.copy_bytes``): memory only,
             their gradients' sync is not priced.
-        largest_param_bytes: the largest of its layers' parameter bytes (a tied copy counted): the
-            gradient a replica that accumulates holds beside the sum.
+        largest_param_bytes: the most gradient bytes one of its layers' backwards makes at once
+            (``memory.made_at_once``: its largest weight's; a tied copy counted): the gradient a
+            replica that accumulates holds beside the sum.
         working_bytes: what one item's backward holds beyond the saved bytes, held once per
             device: :func:`~partitioner.optimizer.pricing.memory.backward_excess` of its layers
             (the loss's on the last stage too), at most the largest of their ``working_bytes``.

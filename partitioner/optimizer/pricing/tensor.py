@@ -86,6 +86,9 @@ def _split_node(node: Node, t: int, penalty: float, comm_ms: float, comm_fixed_m
         return (total - fixed) * penalty / t + fixed + comm_ms + comm_fixed_ms
 
     params = node.param_bytes - node.tp_param_bytes + node.tp_param_bytes / t
+    # its largest weight on one rank: split (1/t of it), or among those kept whole
+    largest = min(node.largest_tensor_bytes, max(node.param_bytes - node.tp_param_bytes,
+                                                 node.largest_tensor_bytes / t))  # fmt: skip
     split_cast = node.cast_bytes * (node.tp_param_bytes / node.param_bytes) if node.param_bytes else 0.0
     return replace(
         node,
@@ -94,6 +97,7 @@ def _split_node(node: Node, t: int, penalty: float, comm_ms: float, comm_fixed_m
         forward_fixed_ms=node.forward_fixed_ms + comm_fixed_ms,
         backward_fixed_ms=node.backward_fixed_ms + comm_fixed_ms,
         param_bytes=round(params),
+        largest_tensor_bytes=round(largest),
         cast_bytes=round(node.cast_bytes - split_cast + split_cast / t),
         saved_bytes=round(node.saved_bytes / t),
         working_bytes=round(node.working_bytes / t),

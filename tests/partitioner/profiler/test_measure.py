@@ -80,6 +80,13 @@ def test_tied_weights_are_counted_once_and_recorded() -> None:
     assert head.param_names == ("lm_head.weight",)
 
 
+def test_a_layers_largest_weight_is_recorded() -> None:
+    """The most gradient a layer's backward makes at once (``Node.largest_tensor_bytes``): a
+    linear's weight, not its weight and bias together (``param_bytes``)."""
+    fc2 = profile_model("tiny-mlp", batch_size=4, device="cpu", repeats=1).node("fc2")
+    assert fc2.param_bytes == (32 * 32 + 32) * 4 and fc2.largest_tensor_bytes == 32 * 32 * 4
+
+
 def test_saved_bytes_follow_autograd() -> None:
     profile = profile_model("tiny-mlp", batch_size=4, device="cpu", repeats=1)
     x_bytes = 4 * 16 * 4

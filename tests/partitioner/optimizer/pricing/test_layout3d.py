@@ -44,6 +44,21 @@ def test_tensor_view_divides_the_split_part_and_adds_the_all_reduces() -> None:
     assert tensor_view(_split_chain(t_max=3), 2, link).nodes[1] == _split_chain(t_max=3).nodes[1]
 
 
+def test_a_split_layers_largest_weight_is_its_rank_share_or_a_whole_one() -> None:
+    """On one tensor rank a layer's largest weight (the most gradient it makes at once) is 1/t of a
+    split one, unless the weights kept whole (``param_bytes - tp_param_bytes``) may be larger."""
+    link = Link(1e6, 1e-3)
+
+    def largest(biggest: int, t: int) -> int:
+        chain = _split_chain()
+        nodes = tuple(replace(n, largest_tensor_bytes=biggest) if n.param_bytes else n for n in chain.nodes)
+        return tensor_view(replace(chain, nodes=nodes), t, link).nodes[1].largest_tensor_bytes
+
+    assert largest(2000, 4) == 1000  # 1000 kept whole may hold a weight larger than 2000 / 4
+    assert largest(3000, 2) == 1500  # the split weight's half
+    assert largest(0, 2) == 0  # not measured: the layer's param_bytes bound it
+
+
 def test_smaller_products_run_slower_on_the_h100_curve() -> None:
     h100 = load_device_model("h100")
     big = [2.0 * 4096 * 8192 * 8192]

@@ -419,3 +419,24 @@ def test_a_split_backward_holds_what_w_needs_between_b_and_w(schedule: str) -> N
     limit = max(s.memory_bytes for s in plan.stages) * (2 if schedule == "zbv" else 1) + 200_000
     found = solve(profile, Cluster.flat(gpus, memory_bytes=limit), schedule, m)
     assert max(s.memory_bytes for s in found.stages) <= limit
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_an_accumulating_stage_makes_one_weights_gradient_at_a_time(schedule: str) -> None:
+    """A layer of several weights (a decoder layer) makes each weight's gradient and adds it to the
+    sum before the next: beside the sum a later backward holds its largest weight's gradient
+    (``Node.largest_tensor_bytes``), not the layer's (hf:llama-shaped's first stage measured 0.89 of
+    that price). The plan and the simulation agree on it, and the search's limit bounds it by the
+    same figure; a layer without the field is bounded by its whole parameter bytes, as before."""
+    whole = make_profile([(2, 4, 100_000, 3_000_000)] * 3, [(0, 1), (1, 2)])
+    split = replace(whole, nodes=tuple(replace(n, largest_tensor_bytes=500_000 if n.param_bytes else 0)
+                                       for n in whole.nodes))  # fmt: skip
+    price = {}
+    for name, profile in (("whole", whole), ("split", split)):
+        plan = evaluate(profile, Cluster.flat(2), ["l1"], [1, 1], schedule, 4, "sgd")
+        assert simulate(plan, profile).peak_memory_bytes == tuple(s.memory_bytes for s in plan.stages)
+        (load,) = stage_loads(profile, [plan.stages[0].nodes])
+        lim = MemoryLimit.of(1e12, profile, "sgd", schedule, 2, 4)
+        assert load.largest_param_bytes == lim.largest == lim.layers[0][1]
+        price[name] = plan.stages[0].memory_bytes
+    assert price["whole"] - price["split"] == 3_000_000 - 500_000
