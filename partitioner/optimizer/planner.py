@@ -26,7 +26,7 @@ from partitioner.optimizer.search.candidates import (
     time_balanced,
     uniform,
 )
-from partitioner.optimizer.search.flushed import solve_flushed
+from partitioner.optimizer.search.flushed import recomputing_applies, solve_flushed, solve_recomputing
 from partitioner.optimizer.search.ilp import solve_ilp
 from partitioner.optimizer.search.laid_out import check_layout, layout_specs, solve_laid_out
 from partitioner.optimizer.search.plans import fastest, flat_like, inputs, states_for
@@ -74,6 +74,9 @@ def solve_with(profile: Profile, cluster: Cluster, opts: SolveOptions) -> Plan:
     """:func:`solve` with its options as one value (checked by ``SolveOptions.checked``)."""
     if model(opts.schedule).laid_out:
         return _laid_out(profile, cluster, opts)
+    proven = _solve_recomputing(profile, cluster, opts)  # (None where it does not apply)
+    if proven is not None:  # the best plan, recomputing or not (on a hierarchy, as at its slowest link)
+        return proven
     kept: Plan | None = None
     if opts.recompute != "all":
         final = opts.recompute == "none" or cluster.memory_bytes is None  # else recomputation comes next
@@ -85,6 +88,12 @@ def solve_with(profile: Profile, cluster: Cluster, opts: SolveOptions) -> Plan:
                 raise
         if final and kept is not None:
             return kept
+    return _faster(_recomputed(profile, cluster, opts, kept), kept)
+
+
+def _recomputed(profile: Profile, cluster: Cluster, opts: SolveOptions, kept: Plan | None) -> Plan:
+    """The plan searched with every stage recomputing, then re-priced (``auto``: each stage that fits
+    without recomputing keeps its activations), or ``kept`` where that plan does not fit."""
     where = f"{gib(cluster.memory_bytes or 0)} per GPU on {cluster.gpus} GPUs"
     try:  # (the search's own estimate of what would fit ignores the inputs recomputing stages keep)
         searched = _solve_kept(recomputing(profile), cluster, opts, explain=False)  # (message replaced)
@@ -95,16 +104,32 @@ def solve_with(profile: Profile, cluster: Cluster, opts: SolveOptions) -> Plan:
             f"no plan fits in {where} even with every stage recomputing; raise --memory or add GPUs"
         ) from None
     try:
-        again = repriced(profile, cluster, searched, opts.recompute, opts.activation_comm)
+        return repriced(profile, cluster, searched, opts.recompute, opts.activation_comm)
     except InfeasibleError as exc:
         if kept is not None:
             return kept
         raise InfeasibleError(f"no plan fits in {where} even with every stage recomputing: {exc}") from None
-    # auto: a plan that fits without recomputing can be slower than one that recomputes (a stage
-    # with more replicas may fit only when it does): the faster of the two
-    if kept is not None and kept.predicted.time_per_minibatch_s <= again.predicted.time_per_minibatch_s:
-        return kept
-    return again
+
+
+def _faster(plan: Plan, other: Plan | None) -> Plan:
+    """``other`` where it is at least as fast as ``plan``, else ``plan``: the plan kept without
+    recomputing wins a tie (one that fits so can be slower than one that recomputes, as a stage with
+    more replicas may fit only when it does; never faster for free)."""
+    if other is None:
+        return plan
+    return other if other.predicted.time_per_minibatch_s <= plan.predicted.time_per_minibatch_s else plan
+
+
+def _solve_recomputing(profile: Profile, cluster: Cluster, opts: SolveOptions) -> Plan | None:
+    """The exact search over which stages recompute (``flushed.solve_recomputing``), where it
+    applies (``recomputing_applies``); None elsewhere or where nothing fits."""
+    if not recomputing_applies(cluster, opts) or opts.solver != "dp":
+        return None
+    try:
+        plan = _solve_kept(profile, cluster, opts, explain=False, search=solve_recomputing)
+    except InfeasibleError:
+        return None
+    return replace(plan, extra={**plan.extra, "recompute": opts.recompute})
 
 
 def _laid_out(profile: Profile, cluster: Cluster, opts: SolveOptions) -> Plan:
@@ -121,17 +146,23 @@ def _laid_out(profile: Profile, cluster: Cluster, opts: SolveOptions) -> Plan:
     return replace(plan, solver=info, extra={**plan.extra, "recompute": opts.recompute})
 
 
-def _solve_kept(profile: Profile, cluster: Cluster, opts: SolveOptions, explain: bool = True) -> Plan:
+def _solve_kept(
+    profile: Profile, cluster: Cluster, opts: SolveOptions, explain: bool = True, search: Search | None = None
+) -> Plan:
     """``solve`` without recomputation on ``profile``, the microbatch count made usable; ``explain``:
     an InfeasibleError names the memory that would fit (a bisection of searches: skipped where the
-    caller tries recomputation next)."""
-    plan = _solve_at(profile, cluster, opts, explain)
+    caller tries recomputation next). ``search``: instead of the schedule's own (its plans priced
+    with ``opts.recompute``)."""
+    plan = _solve_at(profile, cluster, opts, explain, search)
     for _ in range(3):
         usable = _usable_microbatches(plan, profile.batch_size)
         if usable == plan.microbatches:
             break
-        plan = _solve_at(profile, cluster, replace(opts, microbatches=usable))
-        plan = replace(plan, extra={**plan.extra, "microbatches_asked": opts.microbatches})
+        try:  # (more microbatches hold more items on some stages: nothing need fit there)
+            again = _solve_at(profile, cluster, replace(opts, microbatches=usable), False, search)
+        except InfeasibleError:
+            break  # the plan at its own count, which fits (its replicas then wait, as priced by no one)
+        plan = replace(again, extra={**again.extra, "microbatches_asked": opts.microbatches})
     return plan
 
 
@@ -154,15 +185,21 @@ def _search(opts: SolveOptions) -> Search:
     return solve_slowest if model(opts.schedule).asynchronous else solve_flushed
 
 
-def _solve_at(profile: Profile, cluster: Cluster, opts: SolveOptions, explain: bool = True) -> Plan:
+def _solve_at(
+    profile: Profile, cluster: Cluster, opts: SolveOptions, explain: bool = True, search: Search | None = None
+) -> Plan:
     """The search's plan at ``opts.m`` microbatches, priced by the simulation where the schedule's
     closed form only ranks plans (``ScheduleModel.simulated``)."""
     profile = priced_profile(profile, opts.schedule, opts.m)
-    plan = _searched_at(profile, cluster, opts, explain)
-    return played(profile, plan, opts.activation_comm) if model(opts.schedule).simulated else plan
+    plan = _searched_at(profile, cluster, opts, explain, search)
+    if not model(opts.schedule).simulated:
+        return plan
+    return played(profile, plan, opts.activation_comm, "none" if search is None else opts.recompute)
 
 
-def _searched_at(profile: Profile, cluster: Cluster, opts: SolveOptions, explain: bool) -> Plan:
+def _searched_at(
+    profile: Profile, cluster: Cluster, opts: SolveOptions, explain: bool, search: Search | None = None
+) -> Plan:
     if opts.solver == "ilp":
         return solve_ilp(profile, cluster, opts.schedule, opts.m, opts.optimizer, opts.straight,
                          opts.activation_comm)  # fmt: skip
@@ -170,7 +207,7 @@ def _searched_at(profile: Profile, cluster: Cluster, opts: SolveOptions, explain
     states = states_for(deferred_as_saved(profile, opts.schedule), cluster, opts.activation_comm)
     states = states.with_actions(cluster.action_for(opts.schedule), model(opts.schedule).actions(opts.m))
     try:
-        plan, lower, exact = _search(opts)(profile, cluster, states, opts)
+        plan, lower, exact = (search or _search(opts))(profile, cluster, states, opts)
     except InfeasibleError:
         raise (_infeasible(profile, cluster, opts) if explain else InfeasibleError("no plan fits")) from None
     if not exact:

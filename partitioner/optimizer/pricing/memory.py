@@ -379,6 +379,30 @@ class MemoryLimit:
         summed = np.where(replicas > 1, allreduce_bytes(params, self.optimizer, self.master), 0.0)
         return np.asarray((need <= self.limit) & (summed <= self.limit))
 
+    def fits_held(
+        self,
+        params: FloatArray,
+        saved: FloatArray,
+        replicas: FloatArray,
+        held: FloatArray,
+        later: FloatArray,
+        largest: FloatArray | None = None,
+        working: FloatArray | None = None,
+    ) -> npt.NDArray[np.bool_]:
+        """Synchronous, where a replica's items in flight are known (``ScheduleModel.held`` and
+        ``later``, which 1f1b's depend on the stages after it): whether stages fit holding ``held``
+        items, ``later`` of them beside the gradient a later backward adds, each ``1/max(M, r)`` of
+        a minibatch: ``price.held_memory``'s terms (shapes broadcast; ``largest`` and ``working`` as
+        in :meth:`replicas`). :meth:`fits` is this with all of a replica's microbatches held."""
+        transient = transient_bytes(params, self.largest if largest is None else largest, self.schedule)
+        items = np.maximum(replicas, float(self.microbatches))  # price.backward_item
+        work = self.working if working is None else working
+        base = params * self.per_byte + work / items
+        peak = base + held * saved / items
+        grad = np.where(replicas < self.microbatches, base + transient + later * saved / items, -np.inf)
+        summed = np.where(replicas > 1, allreduce_bytes(params, self.optimizer, self.master), 0.0)
+        return np.asarray((np.maximum(peak, grad) <= self.limit) & (summed <= self.limit))
+
 
 def replica_share(microbatches: int, replicas: FloatArray | float) -> FloatArray:
     """The share of a minibatch's activations one replica of a synchronous stage holds when it holds

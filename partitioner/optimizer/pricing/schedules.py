@@ -43,6 +43,7 @@ from runtime.schedule import REGISTRY, Schedule, actions, layout_of
 __all__ = [
     "MODELS",
     "ScheduleModel",
+    "held_by_depth",
     "in_flight",
     "interleaved_time",
     "model",
@@ -75,6 +76,9 @@ class ScheduleModel:
         sync_sum: ``times`` is the synchronous sum the exact search minimises (its optimum is then
             this schedule's).
         holds_all: every stage holds all M microbatches (the exact search's memory model is exact).
+        held_from_end: a stage's items in flight (:meth:`held`, :meth:`later`) depend only on its
+            replicas and the stages from it to the end (1f1b's warm-up is the stages after it): the
+            exact search then checks memory at each stage's depth (:func:`held_by_depth`).
         virtual_stages: stages per GPU of a schedule that lays several on each (``zbv``'s V: 2);
             None: as many as asked (``interleaved``); 1 elsewhere.
         auto_virtual: the virtual stage counts ``--schedule auto`` tries.
@@ -88,6 +92,7 @@ class ScheduleModel:
     simulated: bool = False
     sync_sum: bool = False
     holds_all: bool = False
+    held_from_end: bool = False
     virtual_stages: int | None = 1
     auto_virtual: tuple[int, ...] = (1,)
     seed_schedule: str = ""
@@ -163,6 +168,24 @@ class ScheduleModel:
         return replica_held(stage, replicas[position])
 
 
+@functools.lru_cache(maxsize=16)
+def held_by_depth(
+    name: str, depth: int, replicas: int, microbatches: int
+) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    """(held, later) of a stage of ``r`` replicas ``d`` stages from the end (itself counted), as
+    ``[d - 1][r - 1]`` for d <= ``depth``, r <= ``replicas``: :meth:`ScheduleModel.held` and
+    :meth:`ScheduleModel.later` of the first of ``d`` stages, which is every stage ``d`` from the end
+    where the model is ``held_from_end`` (the exact search reads them; a test holds them equal at
+    every position)."""
+    sched = model(name)
+    held, later = [], []
+    for d in range(1, depth + 1):
+        rows = [(r, *([1] * (d - 1))) for r in range(1, replicas + 1)]
+        held.append(tuple(sched.held(0, row, microbatches, 1) for row in rows))
+        later.append(tuple(sched.later(0, row, microbatches, 1) for row in rows))
+    return tuple(held), tuple(later)
+
+
 def replica_held(stage_items: int, replicas: int) -> int:
     """Items the busiest replica of a flushing stage holds when the stage as one holds ``stage_items``:
     ceil(items / r), as the runtime hands microbatches round-robin (docs/optimizer-pricing.md)."""
@@ -183,20 +206,33 @@ def _rank_peaks(
     runtime's list: from a unit's ``start`` action (its F, or a split backward's B) to its W (split
     backward) or B. ``after`` >= 0: counted only at a freeing action after the stage's first
     ``after`` of them (the unit it frees among those held); 0 where there is none."""
+    peaks = _played_peaks(name, stages, virtual, microbatches, rank, start)
+    if after < 0:
+        return {stage: most for stage, (most, _) in peaks.items()}
+    return {stage: max(freeing[after:], default=0) for stage, (_, freeing) in peaks.items()}
+
+
+@functools.lru_cache(maxsize=256)
+def _played_peaks(
+    name: str, stages: int, virtual: int, microbatches: int, rank: int, start: str
+) -> dict[int, tuple[int, tuple[int, ...]]]:
+    """Per stage of ``rank``, played once from its list: the most units it holds at once, and the
+    units it holds at each freeing action, in order (the i-th after i of them): what
+    :func:`_rank_peaks` reads for every ``after``."""
     layout = layout_of(name, stages // virtual, virtual)
     release = "W" if REGISTRY[name].split_backward else "B"
     live: dict[int, int] = {}
-    freed: dict[int, int] = {}
     peak: dict[int, int] = {}
+    freeing: dict[int, list[int]] = {}
     for a in actions(name, layout, rank, microbatches, range(1)):
         if a.kind in (start, release):
             live[a.stage] = live.get(a.stage, 0) + (1 if a.kind == start else 0)
-            counted = after < 0 or (a.kind == release and freed.get(a.stage, 0) >= after)
-            peak[a.stage] = max(peak.get(a.stage, 0), live[a.stage] if counted else 0)
+            peak[a.stage] = max(peak.get(a.stage, 0), live[a.stage])
+            freeing.setdefault(a.stage, [])
             if a.kind == release:
+                freeing[a.stage].append(live[a.stage])
                 live[a.stage] -= 1
-                freed[a.stage] = freed.get(a.stage, 0) + 1
-    return peak
+    return {stage: (most, tuple(freeing[stage])) for stage, most in peak.items()}
 
 
 @functools.lru_cache(maxsize=4096)  # (pure: every stage of every plan a search prices asks)
@@ -381,7 +417,7 @@ def _zbv_times(
 
 MODELS: dict[str, ScheduleModel] = {
     "pipedream": ScheduleModel("pipedream", _pipedream_times, _pipedream_in_flight),
-    "1f1b": ScheduleModel("1f1b", _sync_times, simulated=True, sync_sum=True),
+    "1f1b": ScheduleModel("1f1b", _sync_times, simulated=True, sync_sum=True, held_from_end=True),
     "gpipe": ScheduleModel("gpipe", _sync_times, simulated=True, sync_sum=True, holds_all=True),
     "zb1p": ScheduleModel("zb1p", _zero_bubble_times, simulated=True),
     "interleaved": ScheduleModel(

@@ -8,22 +8,32 @@ import math
 from dataclasses import replace
 from functools import partial
 
+import numpy as np
+
 from partitioner.errors import InfeasibleError
 from partitioner.graph import Profile
 from partitioner.optimizer.options import SolveOptions
 from partitioner.optimizer.pricing.memory import MemoryLimit
 from partitioner.optimizer.pricing.price import assemble, layer_compute_s
-from partitioner.optimizer.pricing.schedules import model
+from partitioner.optimizer.pricing.schedules import held_by_depth, model
 from partitioner.optimizer.search.bottleneck import replica_cap, slowest_stage
 from partitioner.optimizer.search.candidates import data_parallel, parameter_balanced, time_balanced, uniform
 from partitioner.optimizer.search.plans import fastest, stage_specs, thin_states
+from partitioner.optimizer.search.recomputing import recomputing_of
 from partitioner.optimizer.search.states import StateSet
-from partitioner.optimizer.search.sync import MAX_CHOICES, MAX_STEPS, solve_synchronous
+from partitioner.optimizer.search.sync import MAX_CHOICES, MAX_STEPS, Placed, placed_terms, solve_synchronous
 from partitioner.plan import Cluster, Plan, SolverInfo
 
-__all__ = ["SYNC_CANDIDATE_STATES", "solve_flushed"]
+__all__ = [
+    "PLACED_CELLS",
+    "SYNC_CANDIDATE_STATES",
+    "recomputing_applies",
+    "solve_flushed",
+    "solve_recomputing",
+]
 
 SYNC_CANDIDATE_STATES = 1000  # 1f1b/gpipe candidates each run a bottleneck search: thin beyond this
+PLACED_CELLS = 20_000_000  # pairs x depths x device counts the depth-aware memory search may table
 
 
 def solve_flushed(
@@ -76,20 +86,10 @@ def _exact(
     """The branch-and-bound optimum on one level (``sync``), when it is small enough to run: (plan,
     lower bound valid for every plan, proven optimal over all downsets)."""
     sched, m = model(opts.schedule), opts.m
-    # never more replicas than GPUs: a larger cap (a minibatch's samples) only multiplies the choices
-    # past what the branch and bound can finish (densenet121, 1F1B on 4 GPUs: not proven, 4.6% slower)
-    cap = min(replica_cap(profile, opts) or cluster.gpus, cluster.gpus)
-    steps = MAX_STEPS if states.exact else 60  # no proof to finish on a subset of the cuts
-    link = cluster.slowest  # hierarchies: a candidate only
-    memory = None
-    if cluster.memory_bytes is not None:
-        memory = MemoryLimit.of(
-            cluster.memory_bytes + 0.5, profile, opts.optimizer, opts.schedule, cluster.gpus, m,
-            cluster.cores is not None,
-        )  # fmt: skip
+    cap, steps, memory, placed = _limits(profile, cluster, states, opts)
     info = SolverInfo("dp", 0.0, False)
     for held in (None, memory) if memory is not None else (None,):  # unlimited first: often fits
-        found = solve_synchronous(states, cluster.gpus, link, m, cap, steps, held)
+        found = solve_synchronous(states, cluster.gpus, cluster.slowest, m, cap, steps, held, placed)
         if found is None:
             return None
         value, segments, lower = found
@@ -100,8 +100,84 @@ def _exact(
             continue
         if len(cluster.levels) > 1:  # searched at the slowest link: neither optimal nor a bound
             return plan, 0.0, False
-        # it minimises the synchronous sum, holding all M microbatches under a limit: its optimum
-        # and bound are the schedule's only where that is the schedule's time and memory model
-        sound = states.exact and (held is None or sched.holds_all) and sched.sync_sum
+        # it minimises the synchronous sum under a limit on what each stage holds (all M
+        # microbatches, or as many as its depth lets in flight): its optimum and bound are the
+        # schedule's only where that is the schedule's time and memory model
+        sound = states.exact and (held is None or sched.holds_all or placed is not None) and sched.sync_sum
         return plan, lower if sound else 0.0, sound and lower >= value * (1 - 1e-9)
     return None
+
+
+def solve_recomputing(
+    profile: Profile, cluster: Cluster, states: StateSet, opts: SolveOptions
+) -> tuple[Plan, float, bool]:
+    """The branch and bound under the memory limit with every stage priced keeping its activations
+    and recomputing them (``recomputing``), the plan's stages then recomputing as ``price`` decides
+    for ``opts.recompute`` (``auto``: where they do not fit otherwise; ``all``): (plan, lower bound,
+    proven optimal over every downset). On one level, for a schedule whose time is the synchronous
+    sum (on a hierarchy, at its slowest link: a candidate); the planner's other way for the rest
+    (``planner.solve_with``).
+
+    Raises:
+        InfeasibleError: no plan fits, or the search cannot run here (more choices than it prices).
+    """
+    sched, m = model(opts.schedule), opts.m
+    cap, steps, memory, placed = _limits(profile, cluster, states, opts)
+    redo = recomputing_of(profile, states, every=opts.recompute == "all")
+    found = solve_synchronous(states, cluster.gpus, cluster.slowest, m, cap, steps, memory, placed, redo)
+    if found is None:
+        raise InfeasibleError("no plan fits in memory, recomputing or not")
+    value, segments, lower = found
+    specs = stage_specs(profile, states, segments)
+    plan = assemble(profile, cluster, specs, opts.schedule, m, opts.optimizer, SolverInfo("dp", 0.0, False),
+                    activation_comm=opts.activation_comm, recompute=opts.recompute)  # fmt: skip
+    # (a hierarchy: searched at its slowest link, a candidate only)
+    sound = (
+        states.exact
+        and (sched.holds_all or placed is not None)
+        and sched.sync_sum
+        and len(cluster.levels) == 1
+    )
+    return plan, lower if sound else 0.0, sound and lower >= value * (1 - 1e-9)
+
+
+def recomputing_applies(cluster: Cluster, opts: SolveOptions) -> bool:
+    """Whether :func:`solve_recomputing` can search ``opts``' recomputation: under a memory limit,
+    for a schedule whose time is the synchronous sum (exactly on one level; on a hierarchy, at its
+    slowest link, a candidate)."""
+    sched = model(opts.schedule)
+    return (
+        cluster.memory_bytes is not None and sched.sync_sum and not sched.laid_out
+        and opts.recompute in ("all", "auto")
+    )  # fmt: skip
+
+
+def _limits(
+    profile: Profile, cluster: Cluster, states: StateSet, opts: SolveOptions
+) -> tuple[int, int, MemoryLimit | None, Placed | None]:
+    """The branch and bound's replica cap, steps, memory limit and items by depth."""
+    # never more replicas than GPUs: a larger cap (a minibatch's samples) only multiplies the choices
+    # past what the branch and bound can finish (densenet121, 1F1B on 4 GPUs: not proven, 4.6% slower)
+    cap = min(replica_cap(profile, opts) or cluster.gpus, cluster.gpus)
+    steps = MAX_STEPS if states.exact else 60  # no proof to finish on a subset of the cuts
+    if cluster.memory_bytes is None:
+        return cap, steps, None, None
+    memory = MemoryLimit.of(
+        cluster.memory_bytes + 0.5, profile, opts.optimizer, opts.schedule, cluster.gpus, opts.m,
+        cluster.cores is not None,
+    )  # fmt: skip
+    return cap, steps, memory, _placed(opts.schedule, cluster.gpus, states, cap, opts.m)
+
+
+def _placed(schedule: str, units: int, states: StateSet, cap: int, m: int) -> Placed | None:
+    """The items a replica holds by its stage's depth, where the schedule's model says they depend
+    on it alone (``ScheduleModel.held_from_end``): to the most stages a plan can have (one a device,
+    one a state). None elsewhere, or where the search's table of depths would exceed
+    ``PLACED_CELLS``: the search then holds all M microbatches on every stage (cautious)."""
+    if not model(schedule).held_from_end:
+        return None
+    held, later = held_by_depth(schedule, max(1, min(units, len(states) - 1)), cap, m)
+    placed = placed_terms(np.array(held, dtype=np.float64), np.array(later, dtype=np.float64))
+    if states.pair_count() * len(placed[0]) * max(units + 1, cap) > PLACED_CELLS:
+        return None
+    return placed

@@ -146,6 +146,12 @@ class StateSet:
         runtime's time on their actions (``stage_s``), as the price's closed forms charge them."""
         return np.asarray(self.compute_s[js] - self.compute_s[ks] + self.stage_s, dtype=np.float64)
 
+    def sums(self, values: FloatArray) -> FloatArray:
+        """Per state, the sum of ``values`` (one per layer, in ``layer_ids`` order) over its layers."""
+        width = len(self.layer_ids)
+        member = _unpack(_pack(list(self.masks), width), width).astype(np.float64)
+        return np.asarray(member @ np.asarray(values, dtype=np.float64), dtype=np.float64)
+
     def with_actions(self, action_s: float, actions: int) -> StateSet:
         """These states priced for a schedule whose stages run ``actions`` actions a minibatch at
         ``action_s`` each (``ScheduleModel.actions``, ``Cluster.action_s``)."""

@@ -157,3 +157,23 @@ def test_weight_copies_count_against_the_memory_limit(schedule: str, copies: int
     with pytest.raises(InfeasibleError):
         solve(cast, Cluster.flat(1, memory_bytes=need - 1), schedule, 4)
     solve(one, Cluster.flat(1, memory_bytes=need - 1), schedule, 4)
+
+
+def test_1f1b_holds_what_its_depth_says_at_every_position() -> None:
+    """``held_from_end``: a 1f1b stage's items in flight (and those beside a later backward's
+    gradient) depend on its replicas and the stages from it to the end alone, so the exact search's
+    table by depth (``held_by_depth``) is every position's, whatever the other stages' replicas."""
+    from partitioner.optimizer.pricing.schedules import MODELS, held_by_depth
+
+    sched = MODELS["1f1b"]
+    assert sched.held_from_end and not MODELS["gpipe"].held_from_end and not MODELS["zb1p"].held_from_end
+    for m in (1, 2, 3, 4, 8):
+        held, later = held_by_depth("1f1b", 6, 4, m)
+        for stages in range(1, 7):
+            for position in range(stages):
+                for r in range(1, 5):
+                    replicas = [3 if i % 2 else 2 for i in range(stages)]
+                    replicas[position] = r
+                    d = stages - position
+                    assert sched.held(position, replicas, m, 1) == held[d - 1][r - 1]
+                    assert sched.later(position, replicas, m, 1) == later[d - 1][r - 1]

@@ -47,9 +47,10 @@ def brute_force(
     schedule: str = "pipedream",
     microbatches: int = 1,
     optimizer: str = "sgd",
+    recompute: str = "none",
 ) -> float:
     """Every chain of downsets and every replica split, each priced by the plan cost model (inf
-    when none fits the cluster's memory)."""
+    when none fits the cluster's memory), its stages recomputing as ``recompute`` says."""
     from partitioner.errors import InfeasibleError
 
     downs = _downsets(profile)
@@ -67,7 +68,15 @@ def brute_force(
         info = SolverInfo("brute", 0, True)
         try:
             plan = assemble(
-                profile, cluster, specs, schedule, microbatches, optimizer, info, activation_comm=comm
+                profile,
+                cluster,
+                specs,
+                schedule,
+                microbatches,
+                optimizer,
+                info,
+                activation_comm=comm,
+                recompute=recompute,
             )
         except InfeasibleError:
             return math.inf
