@@ -56,6 +56,14 @@ def print_partition(done: Partitioned, optimizer: str, asked: int | None) -> Non
             f"[yellow]note:[/yellow] {plan.microbatches} microbatches instead of {rounded}: the synchronous "
             "schedules give a stage's replicas microbatches round-robin: each replica count divides it",
         )
+    whole = profile.extra.get("tensor_parallel_whole")  # (partitioner.profiler.tensor_check.WHOLE_KEY)
+    if whole and any(s.tensor_parallel > 1 for s in plan.stages):
+        why = next(iter(whole.values()))
+        out.print(
+            f"[yellow]note:[/yellow] tensor parallelism keeps {plural(len(whole), 'layer')} whole, "
+            f"replicated in each tensor group ({', '.join(whole)}): their traced code breaks split ({why})",
+            highlight=False,
+        )
     note = microbatch_note(profile, plan)
     if note:
         out.print(f"[yellow]note:[/yellow] {note}")

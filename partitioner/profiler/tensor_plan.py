@@ -223,10 +223,11 @@ def profiled(
     model: nn.Module,
     inputs: Sequence[torch.Tensor],
     precision: str,
+    layers: Sequence[TensorLayer] | None = None,
 ) -> tuple[Node, ...]:
-    """:func:`annotate` for a traced, measured profile: the plan :func:`derive` finds, the model's
-    parameter sizes, the rows of its first input."""
-    layers = derive(gm, model)
+    """:func:`annotate` for a traced, measured profile: ``layers`` (default: the plan :func:`derive`
+    finds), the model's parameter sizes, the rows of its first input."""
+    layers = derive(gm, model) if layers is None else layers
     if not layers:
         return tuple(nodes)
     shapes = {
