@@ -494,6 +494,8 @@ def _assemble(
     layers, whole = tensor_check.derive_checked(traced.graph_module, bundle.module, bundle.inputs)
     nodes = tensor_plan.profiled(nodes, traced.graph_module, bundle.module, bundle.inputs, precision, layers)
     extra = {**extra, tensor_check.WHOLE_KEY: whole} if whole else extra
+    unknown = tensor_plan.unknown_styles(bundle.module)
+    extra = {**extra, tensor_plan.UNKNOWN_KEY: unknown} if unknown else extra
     return Profile(
         nodes=nodes,
         model=spec,

@@ -26,9 +26,16 @@ from torch import fx, nn
 
 from partitioner.graph import Node
 
-__all__ = ["SCHEMA", "TensorLayer", "annotate", "derive", "profiled", "to_json", "tokens_of"]
+__all__ = [
+    "SCHEMA", "UNKNOWN_KEY", "TensorLayer", "annotate", "derive", "profiled", "to_json", "tokens_of",
+    "unknown_styles",
+]  # fmt: skip
 
 SCHEMA = "pipeplan.tensor_plan/1"
+
+UNKNOWN_KEY = "tensor_parallel_unknown_styles"
+"""``Profile.extra`` key: {pattern: style} of the model's ``base_model_tp_plan`` entries not split
+(styles other than ``colwise`` and ``rowwise``: the layers stay whole; ``partition`` names them)."""
 
 _ELEMENTWISE = {
     "relu", "gelu", "silu", "tanh", "sigmoid", "mul", "add", "sub", "dropout", "clone", "to", "neg",
@@ -62,6 +69,14 @@ def derive(gm: fx.GraphModule | None, model: nn.Module) -> tuple[TensorLayer, ..
     if hf_plan:
         return _from_hf(model, dict(hf_plan), config)
     return _from_graph(gm, model) if gm is not None else ()
+
+
+def unknown_styles(model: nn.Module) -> dict[str, str]:
+    """The entries of the model's ``base_model_tp_plan`` this plan does not split, by pattern
+    (Phi-3's fused ``colwise_gather_output`` and ``rowwise_split_input`` projections)."""
+    config = getattr(model, "config", None)
+    hf_plan = getattr(config, "base_model_tp_plan", None) or {}
+    return {str(k): str(v) for k, v in dict(hf_plan).items() if v not in ("colwise", "rowwise")}
 
 
 def _linear_modules(model: nn.Module) -> dict[str, nn.Linear]:

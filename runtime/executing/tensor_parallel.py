@@ -16,8 +16,10 @@ So the split is made where the stage's code meets it:
 
 Everything else (norms, embeddings, the loss, layers the plan leaves out) is computed whole by every
 tensor rank, on identical inputs, and so gets identical gradients there. Attention splits by heads
-without knowing it: the traced code reshapes projections with ``-1`` heads, so each rank's local
-query, key and value columns are whole heads when ``t`` divides the head counts (checked).
+without knowing it where the traced code reshapes projections with ``-1`` heads: each rank's local
+query, key and value columns are then whole heads when ``t`` divides the head counts (checked).
+Code that carries a head count as a constant (Gemma2's ``repeat_kv``) would break on the shards; the
+plan leaves such layers out (:mod:`partitioner.profiler.tensor_check`), so they run whole here.
 """
 
 from __future__ import annotations

@@ -47,3 +47,15 @@ def test_graph_plan_of_a_users_mlp_and_its_profile_fields() -> None:
     assert (fc1.tp_param_bytes, fc1.tp_comm_bytes, fc1.tp_max) == (64 * 32 * 4 + 64 * 4, 0, 64)
     assert (fc2.tp_param_bytes, fc2.tp_comm_bytes) == (32 * 64 * 4, 8 * 32 * 4)  # its bias stays whole
     assert head.tp_max == 0 and head.tp_param_bytes == 0  # a classifier fed by no linear: whole
+
+
+def test_phi3s_fused_styles_are_named_and_left_whole() -> None:
+    """Phi-3's plan splits its fused qkv_proj and gate_up_proj with styles this plan does not
+    understand: no layer is split, and the entries are named for partition's error."""
+    config = {**LLAMA, "model_type": "phi3", "pad_token_id": 0}
+    model = _hf(config)
+    assert tensor_plan.derive(None, model) == ()
+    unknown = tensor_plan.unknown_styles(model)
+    assert unknown["layers.*.self_attn.qkv_proj"] == "colwise_gather_output"
+    assert unknown["layers.*.mlp.down_proj"] == "rowwise_split_input"
+    assert tensor_plan.unknown_styles(_hf(LLAMA)) == {}

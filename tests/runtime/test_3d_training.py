@@ -150,3 +150,15 @@ def test_bad_3d_layouts_are_refused_before_any_rank_starts(tmp_path: Path, llama
     uneven = generate_3d(tmp_path / "v", profile, copies, "zbv", MICRO, BATCH)
     with pytest.raises(RunError, match="only as whole copies of the pipeline"):
         load_job(uneven)
+
+
+def test_gemma2_attention_kept_whole_trains_as_plain(tmp_path: Path) -> None:
+    """hf:gemma2 (eager attention whose traced code reshapes to the whole model's heads) as TP2 x
+    DP2 (one stage: its tied embeddings keep 3D layouts to one stage): its attention stays whole in
+    each tensor group (partitioner.profiler.tensor_check), its MLPs are split, and the weights end
+    as plain training's."""
+    profile = profiler.profile_model("hf:gemma2", batch_size=BATCH, repeats=1)
+    assert sorted(profile.extra["tensor_parallel_whole"]) == [f"model.layers.{i}.self_attn" for i in range(4)]
+    ckpt = _trains_as_plain(tmp_path, profile, "g", [(2, 2, "none")], "1f1b")
+    assert _chunks(ckpt, "model.layers.3.mlp.down_proj.weight") == 2
+    assert _chunks(ckpt, "model.layers.3.self_attn.q_proj.weight") == 1
