@@ -40,8 +40,9 @@ WHOLE_KEY = "tensor_parallel_whole"
 
 
 def _local_shape(p: torch.Tensor, style: str, d: int) -> tuple[int, ...] | None:
-    """The shape of a rank's shard of ``p`` at degree ``d`` (None: ``p`` stays whole)."""
-    if style == "rowwise" and p.dim() != 2:  # (a row-wise layer's bias is added whole)
+    """The shape of a rank's shard of ``p`` at degree ``d`` as the traced code sees it (None:
+    whole: a row-wise bias, and a gathered or input-slicing linear, whose output the code sees whole)."""
+    if style in ("colwise_gather", "rowwise_split") or (style == "rowwise" and p.dim() != 2):
         return None
     dim = 1 if style == "rowwise" else 0
     shape = list(p.shape)
