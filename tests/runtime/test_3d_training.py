@@ -4,7 +4,8 @@ hf:gemma2 (attention kept whole) and hf:phi3 (fused projections gathered and sli
 tensor ranks (DTensor weights), sharded over copies (FSDP2) or both, under 1f1b and zbv (with
 copies and shard levels too): after 4 SGD steps with momentum every weight equals plain training's
 on the same microbatches within 1e-5 of its tensor's largest value. A few layouts per model keep
-this file near five minutes on two cores; the rest of the matrix was run by hand
+this file near three minutes on two cores, with the gemma2 (64 s) and phi3 (94 s) tests beside;
+the rest of the matrix was run by hand
 (benchmarks/bench_3d.py, benchmarks/results/bench_3d.md)."""
 
 from __future__ import annotations
