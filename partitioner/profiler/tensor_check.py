@@ -6,11 +6,13 @@ the code reshapes the projections with ``-1`` heads; code that carries a head co
 (Gemma2's eager attention: ``repeat_kv`` expands and reshapes to the whole model's key-value and
 query heads) breaks on the local shards: a size mismatch on every rank at the first step.
 
-:func:`checked` finds those layers before planning: the graph is dry-run
-on fake tensors (torch's ``FakeTensorMode``, as
-:mod:`partitioner.generation.dry_run`'s last resort: shapes only, no values) with the planned weights
-replaced by stand-ins of their local shapes at each degree ``d`` dividing the layers' ``tp_max``;
-when a degree fails with all layers split, each layer is tried alone at it. A layer that fails at a
+:func:`checked` finds those layers before planning: the graph is dry-run on fake tensors (torch's
+``FakeTensorMode``, as :mod:`partitioner.generation.dry_run`'s last resort: shapes only, no
+values) with the planned weights
+replaced by stand-ins of their local shapes at each degree ``d`` dividing the greatest common
+divisor of the layers' ``tp_max`` (the only degrees a plan takes: one ``t`` divides every split
+layer; a layer left out widens it); when a degree fails with all layers split, each layer is tried
+alone at it. A layer that fails at a
 degree keeps the largest ``tp_max`` whose every degree ran; one that fails at its smallest is kept
 whole (replicated inside the tensor group, left out of the plan) and named with the error. The
 profile's ``tp_*`` fields and the package's ``tensor_plan.json`` both come from the checked layers,
@@ -24,6 +26,7 @@ features catch the Hugging Face ones tried (docs/layout-3d.md).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -137,9 +140,15 @@ def checked(
     if _error(gm, inputs, [], 1) is not None:  # (the whole graph does not dry-run: nothing to tell)
         return tuple(layers), {}
     failed: dict[str, tuple[int, str]] = {}  # layer -> (smallest degree its split breaks at, why)
-    for d in sorted({d for lay in layers for d in _divisors(lay.tp_max)}):
-        at = [lay for lay in layers if lay.tp_max % d == 0 and lay.name not in failed]
-        if not at or _error(gm, inputs, at, d) is None:
+    tried: set[int] = set()
+    while True:  # (the degrees a plan can take: one t divides every split layer's tp_max)
+        at = [lay for lay in layers if lay.name not in failed]
+        todo = [d for d in _divisors(math.gcd(*(lay.tp_max for lay in at))) if d not in tried] if at else []
+        if not todo:
+            break
+        d = todo[0]
+        tried.add(d)
+        if _error(gm, inputs, at, d) is None:
             continue
         alone = {lay.name: _error(gm, inputs, [lay], d) for lay in at}
         if all(why is None for why in alone.values()):  # (only together: keep none of them split)
