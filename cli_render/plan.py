@@ -56,6 +56,21 @@ def print_partition(done: Partitioned, optimizer: str, asked: int | None) -> Non
             f"[yellow]note:[/yellow] {plan.microbatches} microbatches instead of {rounded}: the synchronous "
             "schedules give a stage's replicas microbatches round-robin: each replica count divides it",
         )
+    whole = profile.extra.get("tensor_parallel_whole")  # (partitioner.profiler.tensor_check.WHOLE_KEY)
+    if whole and any(s.tensor_parallel > 1 for s in plan.stages):
+        why = next(iter(whole.values()))
+        out.print(
+            f"[yellow]note:[/yellow] tensor parallelism keeps {plural(len(whole), 'layer')} whole, "
+            f"replicated in each tensor group ({', '.join(whole)}): their traced code breaks split ({why})",
+            highlight=False,
+        )
+    unknown = profile.extra.get("tensor_parallel_unknown_styles")  # (tensor_plan.UNKNOWN_KEY)
+    if unknown and any(s.tensor_parallel > 1 for s in plan.stages):
+        out.print(
+            f"[yellow]note:[/yellow] tensor parallelism keeps {', '.join(unknown)} whole: their "
+            f"base_model_tp_plan styles ({', '.join(sorted(set(unknown.values())))}) are not understood",
+            highlight=False,
+        )
     note = microbatch_note(profile, plan)
     if note:
         out.print(f"[yellow]note:[/yellow] {note}")

@@ -265,3 +265,29 @@ def test_hand_layouts_without_two_copies_run_plain_tensor_parallelism() -> None:
     _reads_at_80(table)
     text = "\n".join(_render(table, 80))
     assert "no plan" in text and "does not fit" not in text
+
+
+def test_partition_names_the_layers_tensor_parallelism_keeps_whole(profile: Profile, tmp_path: Path) -> None:
+    """A profile whose dry run kept layers whole (partitioner/profiler/tensor_check.py) or whose
+    model's plan has styles not understood: a TP plan's output says which, one note each."""
+    nodes = tuple(
+        replace(n, tp_param_bytes=n.param_bytes, tp_max=4) if n.param_bytes else n for n in profile.nodes
+    )
+    extra = {
+        "tensor_parallel_whole": {"model.layers.0.self_attn": "at degree 2: RuntimeError: sizes"},
+        "tensor_parallel_unknown_styles": {"layers.*.experts": "packed_colwise"},
+    }
+    save_profile(replace(profile, nodes=nodes, extra=extra), tmp_path / "p.json")
+    args = ["partition", "--profile", str(tmp_path / "p.json"), "--gpus", "4", "--tensor-parallel", "2",
+            "--schedule", "1f1b", "-o", str(tmp_path / "m")]  # fmt: skip
+    result = CliRunner().invoke(cli.main, args, env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.stdout.split())
+    assert (
+        "tensor parallelism keeps 1 layer whole, replicated in each tensor group (model.layers.0.self_attn)"
+        in out
+    )
+    assert (
+        "keeps layers.*.experts whole: their base_model_tp_plan styles (packed_colwise) are not understood"
+        in out
+    )

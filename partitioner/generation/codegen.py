@@ -33,7 +33,7 @@ from partitioner.generation.package_text import init_text, source_text, stage_te
 from partitioner.generation.split import CONSTANT_MAX_ELEMENTS, StageGraph, kinds_and_output, split_graph
 from partitioner.graph import Profile
 from partitioner.plan import Plan, Tie, mp_conf, plan_to_json
-from partitioner.profiler import tensor_plan
+from partitioner.profiler import tensor_check, tensor_plan
 from runtime.building import stage_init as stagekit
 from runtime.files.user_code import UserFileError
 from runtime.job.run_lock import holder
@@ -201,7 +201,8 @@ def write_package_from_trace(
     files["plan.json"] = _json(plan_to_json(final))
     files["mp_conf.json"] = _json(mp_conf(final.stages))
     if any(s.tensor_parallel > 1 for s in final.stages):  # what the runtime splits (docs/layout-3d.md)
-        files["tensor_plan.json"] = _json(tensor_plan.to_json(tensor_plan.derive(gm, bundle.module)))
+        layers, _ = tensor_check.derive_checked(gm, bundle.module, inputs)  # (as the profile priced)
+        files["tensor_plan.json"] = _json(tensor_plan.to_json(layers))
     _write_folder(Path(out_dir), files)
     return final
 

@@ -81,8 +81,26 @@ def check_tensor(profile: Profile, cluster: Cluster, tensor: int) -> None:
     if inner % tensor or tensor not in degrees(profile, inner):
         raise PlanError(
             f"--tensor-parallel {tensor} must divide a node's {inner} devices and every split layer's "
-            f"degree (the profile allows {', '.join(map(str, degrees(profile, inner)))})"
+            f"degree (the profile allows {', '.join(map(str, degrees(profile, inner)))}){_not_split(profile)}"
         )
+
+
+def _not_split(profile: Profile) -> str:
+    """Why layers the model's own tensor plan names are not split, from the profile's notes
+    (``partitioner.profiler.tensor_plan.UNKNOWN_KEY``, ``tensor_check.WHOLE_KEY``), or ''."""
+    unknown = profile.extra.get("tensor_parallel_unknown_styles") or {}
+    whole = profile.extra.get("tensor_parallel_whole") or {}
+    parts = []
+    if unknown:
+        styles = sorted(set(unknown.values()))
+        parts.append(
+            f"its base_model_tp_plan's styles {', '.join(styles)} are not understood, so "
+            f"{', '.join(unknown)} stay whole"
+        )
+    if whole:
+        count = f"{len(whole)} layer{'s' if len(whole) != 1 else ''}"
+        parts.append(f"{count} stay whole because their traced code breaks split ({', '.join(whole)})")
+    return "; " + "; ".join(parts) if parts else ""
 
 
 def layouts(

@@ -26,7 +26,7 @@ from partitioner.graph import SPLIT_CALL, Node, Profile, TensorSpec, scale_batch
 from partitioner.hardware.devices import device_model_to_json, load_device_model
 from partitioner.models.specs import ModelBundle, load_model
 from partitioner.optimizer.pricing.price import gib
-from partitioner.profiler import tensor_plan
+from partitioner.profiler import tensor_check, tensor_plan
 from partitioner.profiler.budget import choose_materialize
 from partitioner.profiler.cpu_model import cpu_model
 from partitioner.profiler.estimate import (
@@ -491,7 +491,11 @@ def _assemble(
 ) -> Profile:
     """The profile of a traced model from what a run measured (or estimated)."""
     nodes = _nodes(traced, run.costs, run.loss_ms, bundle.loss_fn, run.fixed, run.sized)
-    nodes = tensor_plan.profiled(nodes, traced.graph_module, bundle.module, bundle.inputs, precision)
+    layers, whole = tensor_check.derive_checked(traced.graph_module, bundle.module, bundle.inputs)
+    nodes = tensor_plan.profiled(nodes, traced.graph_module, bundle.module, bundle.inputs, precision, layers)
+    extra = {**extra, tensor_check.WHOLE_KEY: whole} if whole else extra
+    unknown = tensor_plan.unknown_styles(bundle.module)
+    extra = {**extra, tensor_plan.UNKNOWN_KEY: unknown} if unknown else extra
     return Profile(
         nodes=nodes,
         model=spec,

@@ -4,8 +4,9 @@ and its traced graph, written into a 3D package as ``tensor_plan.json`` for the 
 (:func:`annotate`: ``tp_param_bytes``, ``tp_comm_bytes``, ``tp_max``).
 
 - A Hugging Face model whose config ships ``base_model_tp_plan`` is split as that plan says, for its
-  ``colwise`` and ``rowwise`` entries on linear layers (others, such as Mixtral's packed experts,
-  stay whole); an attention block's degree must divide its query and key-value heads.
+  ``colwise``, ``rowwise``, ``colwise_gather_output`` and ``rowwise_split_input`` entries on linear
+  layers (others, such as Mixtral's packed experts, stay whole); an attention block split by heads
+  (plain ``colwise`` projections) must have a degree dividing its query and key-value heads.
 - Any other model: Megatron's pattern found in the traced graph. A linear layer whose input is
   computed from one or more linear layers of one shared input through elementwise operations only
   (an MLP's ``fc1 -> act -> fc2``, a gated ``down(act(gate(x)) * up(x))``), every intermediate read
@@ -26,9 +27,16 @@ from torch import fx, nn
 
 from partitioner.graph import Node
 
-__all__ = ["SCHEMA", "TensorLayer", "annotate", "derive", "profiled", "to_json", "tokens_of"]
+__all__ = [
+    "HF_STYLES", "SCHEMA", "UNKNOWN_KEY", "TensorLayer", "annotate", "derive", "profiled", "to_json",
+    "tokens_of", "unknown_styles",
+]  # fmt: skip
 
 SCHEMA = "pipeplan.tensor_plan/1"
+
+UNKNOWN_KEY = "tensor_parallel_unknown_styles"
+"""``Profile.extra`` key: {pattern: style} of the model's ``base_model_tp_plan`` entries not split
+(styles other than ``colwise`` and ``rowwise``: the layers stay whole; ``partition`` names them)."""
 
 _ELEMENTWISE = {
     "relu", "gelu", "silu", "tanh", "sigmoid", "mul", "add", "sub", "dropout", "clone", "to", "neg",
@@ -44,9 +52,11 @@ class TensorLayer:
     Attributes:
         name: its module path (``model.layers.0.self_attn``).
         tp_max: the largest degree it divides into; a degree must divide it.
-        params: parameter name -> ``colwise`` (split on dim 0, weights and biases) or ``rowwise``
-            (a weight split on dim 1).
-        rowwise_out: output features of its row-wise linears (what the forward all-reduces, per token).
+        params: parameter name -> ``colwise`` (split on dim 0, weights and biases), ``rowwise`` (a
+            weight split on dim 1), ``colwise_gather`` (as ``colwise``, the output all-gathered) or
+            ``rowwise_split`` (as ``rowwise``, taking its slice of a whole input).
+        rowwise_out: features per token its forward all-reduces: its row-wise linears' outputs, and
+            half of each gathered column-wise output (an all-gather moves half the bytes).
     """
 
     name: str
@@ -64,6 +74,24 @@ def derive(gm: fx.GraphModule | None, model: nn.Module) -> tuple[TensorLayer, ..
     return _from_graph(gm, model) if gm is not None else ()
 
 
+HF_STYLES = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "colwise_gather_output": "colwise_gather",
+    "rowwise_split_input": "rowwise_split",
+}
+"""Hugging Face's plan styles split here -> the tensor plan's (``*_gather``: the output all-gathered
+whole; ``*_split``: a whole input sliced, the partial output all-reduced)."""
+
+
+def unknown_styles(model: nn.Module) -> dict[str, str]:
+    """The entries of the model's ``base_model_tp_plan`` this plan does not split, by pattern
+    (Mixtral's ``packed_colwise`` experts, ``moe_tp_experts``)."""
+    config = getattr(model, "config", None)
+    hf_plan = getattr(config, "base_model_tp_plan", None) or {}
+    return {str(k): str(v) for k, v in dict(hf_plan).items() if v not in HF_STYLES}
+
+
 def _linear_modules(model: nn.Module) -> dict[str, nn.Linear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
 
@@ -73,12 +101,15 @@ def _layer(name: str, modules: Mapping[str, tuple[nn.Linear, str]], heads: Seque
     sizes = list(heads)
     rowwise = []
     for path, (mod, style) in modules.items():
+        column = style.startswith("colwise")
         params[f"{path}.weight"] = style
-        if mod.bias is not None and style == "colwise":
-            params[f"{path}.bias"] = "colwise"
-        sizes.append(mod.out_features if style == "colwise" else mod.in_features)
-        if style == "rowwise":
+        if mod.bias is not None and column:
+            params[f"{path}.bias"] = style
+        sizes.append(mod.out_features if column else mod.in_features)
+        if not column:
             rowwise.append(mod.out_features)
+        elif style == "colwise_gather":  # (an all-gather moves half an all-reduce's bytes)
+            rowwise.append(mod.out_features // 2)
     return TensorLayer(name, math.gcd(*sizes), params, tuple(rowwise))
 
 
@@ -86,9 +117,10 @@ def _from_hf(model: nn.Module, plan: Mapping[str, str], config: Any) -> tuple[Te
     prefix = getattr(model, "base_model_prefix", "") or ""
     linears = _linear_modules(model)
     found: dict[str, dict[str, tuple[nn.Linear, str]]] = {}
-    for pattern, style in plan.items():
-        if style not in ("colwise", "rowwise"):
+    for pattern, hf_style in plan.items():
+        if hf_style not in HF_STYLES:
             continue
+        style = HF_STYLES[hf_style]
         rx = re.compile(
             "^" + re.escape(f"{prefix}.{pattern}" if prefix else pattern).replace(r"\*", r"\d+") + "$"
         )
@@ -101,10 +133,11 @@ def _from_hf(model: nn.Module, plan: Mapping[str, str], config: Any) -> tuple[Te
     layers = []
     for name, modules in found.items():
         styles = {s for _, s in modules.values()}
-        if styles != {"colwise", "rowwise"}:  # (half a pair would leave a partial sum unreduced)
+        if ("colwise" in styles) != ("rowwise" in styles):  # (half a pair: a partial sum unreduced)
             continue
         attention = "attn" in name.rsplit(".", 1)[-1] or "attention" in name
-        layers.append(_layer(name, modules, heads if attention else ()))
+        by_heads = attention and "colwise" in styles  # (gathered projections leave attention whole)
+        layers.append(_layer(name, modules, heads if by_heads else ()))
     return tuple(layers)
 
 
@@ -210,7 +243,12 @@ def annotate(
             out.append(node)
             continue
         split = sum(shapes[p][0] for p, _, _ in held if p in shapes)
-        rows = [shapes[p][1] for p, _, style in held if style == "rowwise" and p in shapes]
+        rows = [shapes[p][1] for p, _, style in held if style.startswith("rowwise") and p in shapes]
+        rows += [  # (an all-gather of a gathered output: half an all-reduce's bytes)
+            shapes[p][1] // 2
+            for p, _, s in held
+            if s == "colwise_gather" and p in shapes and p.endswith("weight")
+        ]
         tp_max = math.gcd(*(lay.tp_max for _, lay, _ in held))
         comm = sum(tokens * f * elem_bytes for f in rows)
         out.append(replace(node, tp_param_bytes=split, tp_comm_bytes=comm, tp_max=tp_max))
@@ -223,10 +261,11 @@ def profiled(
     model: nn.Module,
     inputs: Sequence[torch.Tensor],
     precision: str,
+    layers: Sequence[TensorLayer] | None = None,
 ) -> tuple[Node, ...]:
-    """:func:`annotate` for a traced, measured profile: the plan :func:`derive` finds, the model's
-    parameter sizes, the rows of its first input."""
-    layers = derive(gm, model)
+    """:func:`annotate` for a traced, measured profile: ``layers`` (default: the plan :func:`derive`
+    finds), the model's parameter sizes, the rows of its first input."""
+    layers = derive(gm, model) if layers is None else layers
     if not layers:
         return tuple(nodes)
     shapes = {

@@ -12,12 +12,18 @@ So the split is made where the stage's code meets it:
   DTensor and runs it on the local shard, with Megatron's two operators around it: a column-wise
   layer's input is whole and its gradient is all-reduced over the tensor group (``f``), a row-wise
   layer's partial output is all-reduced in the forward and its gradient passed through (``g``), its
-  bias added once after the sum.
+  bias added once after the sum;
+- Hugging Face's ``colwise_gather_output`` (a column-wise layer whose local output is all-gathered
+  whole, the gradient's own slice taken back) and ``rowwise_split_input`` (a row-wise layer taking
+  its slice of a whole input, the slices' gradients all-gathered) leave the code between them
+  whole: Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` split without splitting the heads.
 
 Everything else (norms, embeddings, the loss, layers the plan leaves out) is computed whole by every
 tensor rank, on identical inputs, and so gets identical gradients there. Attention splits by heads
-without knowing it: the traced code reshapes projections with ``-1`` heads, so each rank's local
-query, key and value columns are whole heads when ``t`` divides the head counts (checked).
+without knowing it where the traced code reshapes projections with ``-1`` heads: each rank's local
+query, key and value columns are then whole heads when ``t`` divides the head counts (checked).
+Code that carries a head count as a constant (Gemma2's ``repeat_kv``) would break on the shards; the
+plan leaves such layers out (:mod:`partitioner.profiler.tensor_check`), so they run whole here.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ __all__ = ["PLAN_FILE", "TensorPlan", "check_degrees", "planned_splits", "read_p
 
 PLAN_FILE = "tensor_plan.json"
 SCHEMA = "pipeplan.tensor_plan/1"
+STYLES = ("colwise", "rowwise", "colwise_gather", "rowwise_split")
 
 
 @dataclass(frozen=True)
@@ -48,8 +55,9 @@ class TensorPlan:
 
     Attributes:
         layers: (layer name, largest degree it divides into, {parameter name: style}) per split
-            layer; styles are ``colwise`` (a weight or bias split on dim 0) and ``rowwise`` (a weight
-            split on dim 1).
+            layer; styles are ``colwise`` (a weight or bias split on dim 0), ``rowwise`` (a weight
+            split on dim 1), and ``colwise_gather`` / ``rowwise_split`` (split so, the output
+            gathered / the input sliced).
     """
 
     layers: tuple[tuple[str, int, Mapping[str, str]], ...]
@@ -74,7 +82,7 @@ def read_plan(package: Path) -> TensorPlan:
     except (OSError, ValueError, KeyError, TypeError, AssertionError) as exc:
         raise RunError(f"{path} is not a pipeplan tensor plan ({exc}); regenerate the package") from None
     for _, _, params in layers:
-        bad = sorted(set(params.values()) - {"colwise", "rowwise"})
+        bad = sorted(set(params.values()) - set(STYLES))
         if bad:
             raise RunError(f"{path}: unknown split styles {bad}; regenerate the package")
     return TensorPlan(layers)
@@ -109,15 +117,49 @@ class _ReduceFromTensor(torch.autograd.Function):
         return grad, None
 
 
+class _GatherFromTensor(torch.autograd.Function):
+    """A column-wise output all-gathered whole on the last dim; the gradient's own slice back."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        t, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(t, dim=-1)[rank].contiguous(), None
+
+
+class _SliceForTensor(torch.autograd.Function):
+    """A whole input's own slice on the last dim; the slices' gradients all-gathered whole."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        t, rank = dist.get_world_size(group), dist.get_rank(group)
+        return x.chunk(t, dim=-1)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
+        dist.all_gather(parts, grad, group=ctx.group)
+        return torch.cat(parts, dim=-1), None
+
+
 _LINEARS = (torch.ops.aten.linear.default, torch.nn.functional.linear)
 
 
 class _SplitLinears(TorchFunctionMode):
     """Runs linears on DTensor weights as their local shards, with ``f`` and ``g`` around them."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup, gathered: set[int], sliced: set[int]) -> None:
         super().__init__()
         self.group = group
+        self.gathered, self.sliced = gathered, sliced  # ids of the weights of those styles
         self.copied: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # input -> (input, its f)
 
     def _copy(self, x: torch.Tensor) -> torch.Tensor:
@@ -137,16 +179,31 @@ class _SplitLinears(TorchFunctionMode):
             (placement,) = w.placements
             if placement == Shard(0):
                 bias = b.to_local() if isinstance(b, DTensor) else b
-                return torch.nn.functional.linear(self._copy(x), w.to_local(), bias)
+                out = torch.nn.functional.linear(self._copy(x), w.to_local(), bias)
+                gather = id(w) in self.gathered
+                return _GatherFromTensor.apply(out, self.group) if gather else out  # type: ignore[no-untyped-call]
             if placement == Shard(1):
+                if id(w) in self.sliced:
+                    x = _SliceForTensor.apply(x, self.group)  # type: ignore[no-untyped-call]
                 part = torch.nn.functional.linear(x, w.to_local())
                 out = _ReduceFromTensor.apply(part, self.group)  # type: ignore[no-untyped-call]
                 return out if b is None else out + b
         return func(*args, **kwargs)
 
 
-def _split_forward(forward: Any, group: dist.ProcessGroup, *args: Any, **kwargs: Any) -> Any:
-    with _SplitLinears(group):
+def _split_forward(
+    forward: Any,
+    group: dist.ProcessGroup,
+    module: nn.Module,
+    styled: Mapping[str, str],
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """``forward`` with the split linears; the gathered and sliced weights are looked up by name on
+    each call (FSDP2 registers its own unsharded parameters while the stage computes)."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    ids = {style: {id(params[n]) for n, s in styled.items() if s == style} for style in STYLES[2:]}
+    with _SplitLinears(group, ids["colwise_gather"], ids["rowwise_split"]):
         return forward(*args, **kwargs)
 
 
@@ -182,9 +239,10 @@ def planned_splits(
             )
         for name, style in styles.items():
             p = params[name]
-            if style == "rowwise" and p.dim() != 2:  # (a row-wise layer's bias is added whole)
+            row = style.startswith("rowwise")
+            if row and p.dim() != 2:  # (a row-wise layer's bias is added whole)
                 continue
-            dim = 1 if style == "rowwise" else 0
+            dim = 1 if row else 0
             if counts[id(p)] > 1 or p.shape[dim] % t:
                 why = "it is tied" if counts[id(p)] > 1 else f"{p.shape[dim]} is not a multiple of {t}"
                 raise RunError(
@@ -208,6 +266,7 @@ def split_stage(
 
     t = mesh.size()
     layers, splits = planned_splits(module, plan, t, stage)
+    styled = {n: s for _, _, styles in _layers_of(plan, {n for n, _ in splits}) for n, s in styles.items()}
     params = dict(module.named_parameters(remove_duplicate=False))
     for name, dim in splits:
         p = params[name]
@@ -216,7 +275,7 @@ def split_stage(
         owner, _, leaf = name.rpartition(".")
         setattr(module.get_submodule(owner), leaf, nn.Parameter(dt, requires_grad=p.requires_grad))
     if layers:
-        module.forward = functools.partial(_split_forward, module.forward, group)
+        module.forward = functools.partial(_split_forward, module.forward, group, module, styled)
     return layers
 
 

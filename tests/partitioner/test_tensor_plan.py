@@ -47,3 +47,25 @@ def test_graph_plan_of_a_users_mlp_and_its_profile_fields() -> None:
     assert (fc1.tp_param_bytes, fc1.tp_comm_bytes, fc1.tp_max) == (64 * 32 * 4 + 64 * 4, 0, 64)
     assert (fc2.tp_param_bytes, fc2.tp_comm_bytes) == (32 * 64 * 4, 8 * 32 * 4)  # its bias stays whole
     assert head.tp_max == 0 and head.tp_param_bytes == 0  # a classifier fed by no linear: whole
+
+
+def test_phi3s_fused_projections_are_gathered_and_sliced() -> None:
+    """Phi-3's plan splits its fused qkv_proj and gate_up_proj column-wise with the output gathered
+    and o_proj, down_proj row-wise on a sliced input: the heads are not split, so the degree divides
+    the features only; the gathered outputs count half in the forward's communication."""
+    model = _hf({**LLAMA, "model_type": "phi3", "pad_token_id": 0})
+    layers = {lay.name: lay for lay in tensor_plan.derive(None, model)}
+    attn, mlp = layers["model.layers.0.self_attn"], layers["model.layers.0.mlp"]
+    assert attn.params == {
+        "model.layers.0.self_attn.qkv_proj.weight": "colwise_gather",
+        "model.layers.0.self_attn.o_proj.weight": "rowwise_split",
+    }
+    assert attn.tp_max == 128 and mlp.tp_max == 256  # (qkv 256 features, o 128; not the 4 kv heads)
+    assert attn.rowwise_out == (128, 128)  # (half of qkv's 256 gathered, o_proj's 128 all-reduced)
+    assert tensor_plan.unknown_styles(model) == {}
+
+
+def test_unknown_styles_are_named() -> None:
+    unknown = tensor_plan.unknown_styles(_hf(MIXTRAL))
+    assert unknown and "colwise" not in unknown.values() and "rowwise" not in unknown.values()
+    assert tensor_plan.unknown_styles(_hf(LLAMA)) == {}
