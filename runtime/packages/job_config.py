@@ -32,7 +32,8 @@ class StagePrediction:
 
     Attributes:
         compute_s: forward, backward and update seconds per minibatch on one device, replicas
-            summed (plan.json's ``compute_s``).
+            summed (plan.json's ``compute_s``), and tensor ranks too: each of a 3D stage's ``t``
+            tensor ranks computes its share for the whole time, and the run sums every rank.
         comm_s: seconds per minibatch one replica's messages take on the wire: its output's cut
             out and back and its gradient all-reduce (plan.json's ``comm_s``).
         bubble: the share of its device's time the plan's simulation has it not computing
@@ -47,7 +48,7 @@ class StagePrediction:
     def of(stage: Mapping[str, Any]) -> StagePrediction:
         """From a plan.json stage. A plan with no compute time (written by hand: 0) predicts no time
         for the stage at all, its communication's 0 included."""
-        compute = float(stage.get("compute_s") or 0.0)
+        compute = float(stage.get("compute_s") or 0.0) * int(stage.get("tensor_parallel") or 1)
         bubble = stage.get("bubble_fraction")
         return StagePrediction(
             compute or None,

@@ -76,3 +76,13 @@ def test_a_hand_written_plan_predicts_no_stage_time() -> None:
     assert StagePrediction.of({"compute_s": 0.0, "comm_s": 0.0}) == StagePrediction()
     assert StagePrediction.of({}) == StagePrediction()
     assert StagePrediction.of({"compute_s": 0.1, "bubble_fraction": 0.0}) == StagePrediction(0.1, 0.0, 0.0)
+
+
+def test_a_tensor_parallel_stage_is_predicted_for_all_its_ranks() -> None:
+    """metrics.json sums a stage's compute over every rank; each of a TP4 stage's four ranks
+    computes its share the whole time, so the stage's prediction is four ranks' (was a quarter)."""
+    from runtime.packages.job_config import StagePrediction
+
+    plain = StagePrediction.of({"compute_s": 0.1, "comm_s": 0.01})
+    split = StagePrediction.of({"compute_s": 0.1, "comm_s": 0.01, "tensor_parallel": 4})
+    assert plain.compute_s == pytest.approx(0.1) and split.compute_s == pytest.approx(0.4)

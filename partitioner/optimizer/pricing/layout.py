@@ -131,7 +131,8 @@ def copy_memory(cluster: Cluster, split: Profile, layout: Layout) -> Cluster:
 
 
 def copy_units(split: Profile, nodes: Sequence[str], microbatches: int) -> list[Unit]:
-    """A stage's ``fully_shard`` units (its nodes with parameters, in order) on one device."""
+    """A stage's nodes with parameters, in order, on one device (the runtime shards them as one
+    ``fully_shard`` unit: :func:`~.sharding.step_exposed` sums them)."""
     by_id = {n.id: n for n in split.nodes}
     m = microbatches
     return [

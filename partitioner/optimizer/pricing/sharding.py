@@ -1,20 +1,20 @@
 """Sharded data parallelism's cost terms, written once (docs/layout-3d.md, "What the shard levels
 mean"): the bytes a device keeps per weight byte at each level, the weights and gradients of the
-units in use, and the collectives over the ``d`` copies, overlapped with a unit's compute up to that
-compute and the rest exposed.
+units in use, and the collectives over the ``d`` copies, all exposed.
 
 Every weight byte here is one device's (after tensor parallelism divided the split layers'). A
-"unit" is one ``fully_shard`` call. The time terms take a profile node with parameters as a unit;
-the memory terms take the runtime's unit, the whole stage (``runtime/executing/sharding.py``: the
-generated stage reads its weights directly, so FSDP2's hooks sit on the stage), so what the units
-in use hold is a share of the stage's own weight bytes (:func:`per_byte`, :func:`step_bytes`).
+"unit" is one ``fully_shard`` call, and the runtime's is the whole stage
+(``runtime/executing/sharding.py``: the generated stage reads its weights directly, so FSDP2's hooks
+sit on the stage): what the units in use hold is a share of the stage's own weight bytes
+(:func:`per_byte`, :func:`step_bytes`), and a stage's all-gather has no compute of its own stage to
+hide behind (:func:`per_call_exposed`, :func:`step_exposed`).
 Pure Python, no torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from partitioner.errors import PlanError
 from partitioner.optimizer.pricing.memory import BUCKET_BYTES, OPTIMIZER_STATE, persistent_factor
@@ -86,39 +86,29 @@ def step_bytes(shard: str, copies: int, optimizer: str, master: float, weight: f
     return weight * (held + (1.0 / copies if shard != "optimizer" else 0.0))
 
 
-def _overlapped(message: float, compute: float) -> float:
-    return max(0.0, message - compute)
-
-
 def per_call_exposed(shard: str, unit: Unit, copies: int, link: Link) -> tuple[float, float]:
-    """Seconds a unit's collectives add to each microbatch's forward and backward beyond the
-    unit's compute: ``gradients`` reduce-scatters the gradient in every backward, ``full`` also
-    all-gathers the weights in every forward and backward; other levels add nothing per call."""
+    """Seconds a node's share of its stage's collectives adds to each microbatch's forward and
+    backward: ``gradients`` reduce-scatters the gradient in every backward, ``full`` also
+    all-gathers the weights in every forward and backward; other levels add nothing per call.
+    Nothing overlaps: the runtime's unit is the whole stage (``runtime/executing/sharding.py``),
+    whose all-gather ends before its compute starts and whose reduce-scatter starts after its
+    backward. Bytes only: the stage's one latency a call is left out (docs/limits.md)."""
     if copies < 2 or shard in ("none", "optimizer"):
         return 0.0, 0.0
-    gather = ring_time(unit.weight_bytes, copies, link)
-    scatter = ring_time(unit.weight_bytes, copies, link)
-    if shard == "gradients":
-        return 0.0, _overlapped(scatter, unit.backward_s)
-    return _overlapped(gather, unit.forward_s), _overlapped(gather + scatter, unit.backward_s)
+    wire = ring_time(unit.weight_bytes, copies, replace(link, latency=0.0, allreduce_latency=0.0))
+    return (0.0, wire) if shard == "gradients" else (wire, 2.0 * wire)
 
 
 def step_exposed(shard: str, units: Sequence[Unit], copies: int, link: Link) -> float:
-    """Seconds a stage's data group adds once per minibatch (at its step): ``none`` all-reduces
-    the gradients after the last backward (today's bucketed all-reduce, all exposed); the sharded
-    levels always expose the first unit's all-gather and the last unit's reduce-scatter;
-    ``optimizer`` and ``gradients`` the rest of their one all-gather beyond each unit's first
-    forward, and ``optimizer`` the rest of its one reduce-scatter beyond each unit's last backward."""
+    """Seconds a stage's data group adds once per minibatch (at its step), none of it overlapped
+    (the stage is one unit: :func:`per_call_exposed`): ``none`` all-reduces the gradients after the
+    last backward (today's bucketed all-reduce); ``optimizer`` all-gathers the weights before the
+    first forward and reduce-scatters the gradients after the last backward; ``gradients`` its one
+    all-gather (its reduce-scatters run in every backward); ``full`` nothing beyond its calls'."""
     if copies < 2 or not units:
         return 0.0
+    weight = sum(u.weight_bytes for u in units)
     if shard == "none":
-        return ring_time(sum(u.weight_bytes for u in units), copies, link, 2.0)
-    first = ring_time(units[0].weight_bytes, copies, link)
-    last = ring_time(units[-1].weight_bytes, copies, link)
-    if shard == "full":
-        return first + last
-    gathers = sum(_overlapped(ring_time(u.weight_bytes, copies, link), u.forward_s) for u in units[1:])
-    if shard == "gradients":  # (its reduce-scatters run in every backward: per_call_exposed)
-        return first + last + gathers
-    scatters = sum(_overlapped(ring_time(u.weight_bytes, copies, link), u.backward_s) for u in units[:-1])
-    return first + last + gathers + scatters
+        return ring_time(weight, copies, link, 2.0)
+    once = ring_time(weight, copies, link)
+    return {"optimizer": 2.0 * once, "gradients": once}.get(shard, 0.0)

@@ -114,17 +114,19 @@ def test_fixed_cuts_are_priced_at_the_layout_with_the_step_as_a_floor() -> None:
         evaluate_layout(profile, cluster, Layout(1, 2, "full"), cut, "pipedream", 1, "adam")
 
 
-def test_collectives_overlap_their_units_compute_up_to_it() -> None:
-    link = Link(1e6)
+def test_collectives_of_the_stage_unit_are_exposed() -> None:
+    """The runtime shards a stage as one FSDP2 unit: its all-gather ends before its compute starts
+    and its reduce-scatter starts after its backward, so nothing hides behind compute."""
+    link = Link(1e6, latency=1e-3)
     units = [Unit(1e6, 0.1, 0.2), Unit(1e6, 0.1, 0.2), Unit(1e6, 0.1, 0.2)]
-    one = ring_time(1e6, 4, link)  # 0.75 s: a gather or scatter of one unit
-    assert step_exposed("none", units, 4, link) == pytest.approx(2 * 0.75 * 3)
-    assert step_exposed("full", units, 4, link) == pytest.approx(2 * one)
-    assert step_exposed("gradients", units, 4, link) == pytest.approx(2 * one + 2 * (one - 0.1))
-    assert step_exposed("optimizer", units, 4, link) == pytest.approx(
-        2 * one + 2 * (one - 0.1) + 2 * (one - 0.2)
-    )
-    assert per_call_exposed("full", units[0], 4, link) == pytest.approx((one - 0.1, 2 * one - 0.2))
+    stage = ring_time(3e6, 4, link)  # one gather or scatter of the stage's 3 MB over 4 copies
+    assert step_exposed("none", units, 4, link) == pytest.approx(2 * stage)
+    assert step_exposed("optimizer", units, 4, link) == pytest.approx(2 * stage)
+    assert step_exposed("gradients", units, 4, link) == pytest.approx(stage)
+    assert step_exposed("full", units, 4, link) == 0.0
+    wire = ring_time(1e6, 4, Link(1e6))  # a node's share of a call, bytes only
+    assert per_call_exposed("full", units[0], 4, link) == pytest.approx((wire, 2 * wire))
+    assert per_call_exposed("gradients", units[0], 4, link) == pytest.approx((0.0, wire))
     assert per_call_exposed("optimizer", units[0], 4, link) == (0.0, 0.0)
     assert step_exposed("none", units, 1, link) == 0.0
 
