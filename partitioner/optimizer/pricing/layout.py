@@ -22,7 +22,6 @@ from partitioner.errors import PlanError
 from partitioner.graph import Profile, at_microbatches
 from partitioner.optimizer.pricing.memory import master_ratio, persistent_factor
 from partitioner.optimizer.pricing.sharding import (
-    Unit,
     data_link,
     per_byte,
     per_call_exposed,
@@ -32,7 +31,7 @@ from partitioner.optimizer.pricing.sharding import (
 from partitioner.optimizer.pricing.tensor import tensor_view
 from partitioner.plan import SHARD_LEVELS, Cluster, Level, Plan
 
-__all__ = ["Layout", "copy_cluster", "copy_memory", "copy_profile", "copy_units", "layout_plan"]
+__all__ = ["Layout", "copy_cluster", "copy_memory", "copy_profile", "copy_weights", "layout_plan"]
 
 
 @dataclass(frozen=True)
@@ -113,8 +112,9 @@ def copy_profile(
     scale = per_byte(layout.shard, d, optimizer, master) / persistent_factor(optimizer, master)
     view = []
     for n in split.nodes:
-        unit = Unit(float(n.param_bytes), n.forward_ms / m / 1e3, n.backward_ms / m / 1e3)
-        fwd, bwd = per_call_exposed(layout.shard, unit, d, link) if n.param_bytes else (0.0, 0.0)
+        fwd, bwd = (
+            per_call_exposed(layout.shard, float(n.param_bytes), d, link) if n.param_bytes else (0.0, 0.0)
+        )
         view.append(replace(n, forward_ms=n.forward_ms + m * fwd * 1e3,
                             backward_ms=n.backward_ms + m * bwd * 1e3,
                             param_bytes=round(n.param_bytes * scale),
@@ -130,16 +130,11 @@ def copy_memory(cluster: Cluster, split: Profile, layout: Layout) -> Cluster:
     return copy_cluster(cluster, layout)
 
 
-def copy_units(split: Profile, nodes: Sequence[str], microbatches: int) -> list[Unit]:
-    """A stage's nodes with parameters, in order, on one device (the runtime shards them as one
-    ``fully_shard`` unit: :func:`~.sharding.step_exposed` sums them)."""
+def copy_weights(split: Profile, nodes: Sequence[str]) -> list[float]:
+    """The weight bytes on one device of a stage's nodes with parameters (the runtime shards them
+    as one ``fully_shard`` unit: :func:`~.sharding.step_exposed` sums them)."""
     by_id = {n.id: n for n in split.nodes}
-    m = microbatches
-    return [
-        Unit(float(n.param_bytes), n.forward_ms / m / 1e3, n.backward_ms / m / 1e3)
-        for n in (by_id[i] for i in nodes if i in by_id)
-        if n.param_bytes > 0
-    ]
+    return [float(by_id[i].param_bytes) for i in nodes if i in by_id and by_id[i].param_bytes > 0]
 
 
 def _step_bytes(
@@ -163,7 +158,7 @@ def layout_plan(copy: Plan, split: Profile, cluster: Cluster, layout: Layout) ->
     weights = {n.id: float(n.param_bytes) for n in split.nodes}
     stages, steps = [], []
     for s in copy.stages:  # (a laid-out schedule's copy keeps several stages on one group)
-        step = step_exposed(layout.shard, copy_units(split, s.nodes, copy.microbatches), layout.copies, link)
+        step = step_exposed(layout.shard, copy_weights(split, s.nodes), layout.copies, link)
         ranks = tuple(range(s.ranks[0] * layout.group, (s.ranks[0] + 1) * layout.group))
         steps.append(step)
         stages.append(replace(

@@ -14,24 +14,14 @@ Pure Python, no torch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from partitioner.errors import PlanError
 from partitioner.optimizer.pricing.memory import BUCKET_BYTES, OPTIMIZER_STATE, persistent_factor
 from partitioner.optimizer.pricing.tensor import ring_time
 from partitioner.plan import SHARD_LEVELS, Cluster, Link
 
-__all__ = ["Unit", "data_link", "per_byte", "per_call_exposed", "step_bytes", "step_exposed"]
-
-
-@dataclass(frozen=True)
-class Unit:
-    """One ``fully_shard`` unit of a stage as one device holds it: its weight bytes and one
-    microbatch's forward and backward seconds (its collectives overlap these)."""
-
-    weight_bytes: float
-    forward_s: float
-    backward_s: float
+__all__ = ["data_link", "per_byte", "per_call_exposed", "step_bytes", "step_exposed"]
 
 
 def data_link(cluster: Cluster, tensor: int, copies: int) -> Link:
@@ -86,28 +76,29 @@ def step_bytes(shard: str, copies: int, optimizer: str, master: float, weight: f
     return weight * (held + (1.0 / copies if shard != "optimizer" else 0.0))
 
 
-def per_call_exposed(shard: str, unit: Unit, copies: int, link: Link) -> tuple[float, float]:
-    """Seconds a node's share of its stage's collectives adds to each microbatch's forward and
-    backward: ``gradients`` reduce-scatters the gradient in every backward, ``full`` also
-    all-gathers the weights in every forward and backward; other levels add nothing per call.
-    Nothing overlaps: the runtime's unit is the whole stage (``runtime/executing/sharding.py``),
-    whose all-gather ends before its compute starts and whose reduce-scatter starts after its
-    backward. Bytes only: the stage's one latency a call is left out (docs/limits.md)."""
+def per_call_exposed(shard: str, weight_bytes: float, copies: int, link: Link) -> tuple[float, float]:
+    """Seconds a node's share (its ``weight_bytes`` on one device) of its stage's collectives adds to each
+    microbatch's forward and backward: ``gradients`` reduce-scatters the gradient in every backward,
+    ``full`` also all-gathers the weights in every forward and backward; other levels add nothing per
+    call. Nothing overlaps: the runtime's unit is the whole stage (``runtime/executing/sharding.py``),
+    whose all-gather ends before its compute starts and whose reduce-scatter starts after its backward.
+    Bytes only: the stage's one latency a call is left out (docs/limits.md)."""
     if copies < 2 or shard in ("none", "optimizer"):
         return 0.0, 0.0
-    wire = ring_time(unit.weight_bytes, copies, replace(link, latency=0.0, allreduce_latency=0.0))
+    wire = ring_time(weight_bytes, copies, replace(link, latency=0.0, allreduce_latency=0.0))
     return (0.0, wire) if shard == "gradients" else (wire, 2.0 * wire)
 
 
-def step_exposed(shard: str, units: Sequence[Unit], copies: int, link: Link) -> float:
-    """Seconds a stage's data group adds once per minibatch (at its step), none of it overlapped
-    (the stage is one unit: :func:`per_call_exposed`): ``none`` all-reduces the gradients after the
-    last backward (today's bucketed all-reduce); ``optimizer`` all-gathers the weights before the
-    first forward and reduce-scatters the gradients after the last backward; ``gradients`` its one
-    all-gather (its reduce-scatters run in every backward); ``full`` nothing beyond its calls'."""
-    if copies < 2 or not units:
+def step_exposed(shard: str, weights: Sequence[float], copies: int, link: Link) -> float:
+    """Seconds a stage's data group (its nodes' ``weights`` on one device) adds once per minibatch (at its
+    step), none of it overlapped (the stage is one unit: :func:`per_call_exposed`): ``none`` all-reduces
+    the gradients after the last backward (today's bucketed all-reduce); ``optimizer`` all-gathers the
+    weights before the first forward and reduce-scatters the gradients after the last backward;
+    ``gradients`` its one all-gather (its reduce-scatters run in every backward); ``full`` nothing
+    beyond its calls'."""
+    if copies < 2 or not weights:
         return 0.0
-    weight = sum(u.weight_bytes for u in units)
+    weight = sum(weights)
     if shard == "none":
         return ring_time(weight, copies, link, 2.0)
     once = ring_time(weight, copies, link)

@@ -12,7 +12,7 @@ from partitioner.hardware.devices import load_device_model
 from partitioner.optimizer.layouts import evaluate_layout, layouts, solve_layout, solve_layouts, splits
 from partitioner.optimizer.options import SolveOptions
 from partitioner.optimizer.pricing.layout import Layout, copy_cluster, copy_profile, layout_plan
-from partitioner.optimizer.pricing.sharding import Unit, per_byte, per_call_exposed, step_bytes, step_exposed
+from partitioner.optimizer.pricing.sharding import per_byte, per_call_exposed, step_bytes, step_exposed
 from partitioner.optimizer.pricing.tensor import degrees, ring_time, split_penalty, tensor_view
 from partitioner.plan import Cluster, Level, Link
 
@@ -118,16 +118,16 @@ def test_collectives_of_the_stage_unit_are_exposed() -> None:
     """The runtime shards a stage as one FSDP2 unit: its all-gather ends before its compute starts
     and its reduce-scatter starts after its backward, so nothing hides behind compute."""
     link = Link(1e6, latency=1e-3)
-    units = [Unit(1e6, 0.1, 0.2), Unit(1e6, 0.1, 0.2), Unit(1e6, 0.1, 0.2)]
+    units = [1e6, 1e6, 1e6]  # the stage's three weights
     stage = ring_time(3e6, 4, link)  # one gather or scatter of the stage's 3 MB over 4 copies
     assert step_exposed("none", units, 4, link) == pytest.approx(2 * stage)
     assert step_exposed("optimizer", units, 4, link) == pytest.approx(2 * stage)
     assert step_exposed("gradients", units, 4, link) == pytest.approx(stage)
     assert step_exposed("full", units, 4, link) == 0.0
     wire = ring_time(1e6, 4, Link(1e6))  # a node's share of a call, bytes only
-    assert per_call_exposed("full", units[0], 4, link) == pytest.approx((wire, 2 * wire))
-    assert per_call_exposed("gradients", units[0], 4, link) == pytest.approx((0.0, wire))
-    assert per_call_exposed("optimizer", units[0], 4, link) == (0.0, 0.0)
+    assert per_call_exposed("full", 1e6, 4, link) == pytest.approx((wire, 2 * wire))
+    assert per_call_exposed("gradients", 1e6, 4, link) == pytest.approx((0.0, wire))
+    assert per_call_exposed("optimizer", 1e6, 4, link) == (0.0, 0.0)
     assert step_exposed("none", units, 1, link) == 0.0
 
 
